@@ -1,0 +1,1 @@
+//! Criterion benches for epcomm transports; see `benches/`.
