@@ -1,0 +1,734 @@
+//! Size and layout of the symmetric buffer used by the intranode kernels.
+
+use crate::{Result, TopologyError};
+
+/// Alignment of every region's offset, in bytes.
+pub const REGION_ALIGN: u64 = 256;
+
+/// Size of the stats region (per-peer wait timestamps, see DESIGN §3), in bytes.
+pub const STATS_BYTES: u64 = 4096;
+
+/// Which of the two alternating copies of the per-op regions an op uses (`epoch % 2`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Parity {
+    /// Even epochs.
+    Even,
+    /// Odd epochs.
+    Odd,
+}
+
+impl Parity {
+    /// Both parities, in index order.
+    pub const ALL: [Parity; 2] = [Parity::Even, Parity::Odd];
+
+    /// The parity an op with sequence number `epoch` uses.
+    pub fn of_epoch(epoch: u64) -> Self {
+        if epoch.is_multiple_of(2) {
+            Parity::Even
+        } else {
+            Parity::Odd
+        }
+    }
+
+    /// 0 for [`Parity::Even`], 1 for [`Parity::Odd`].
+    pub fn index(self) -> usize {
+        match self {
+            Parity::Even => 0,
+            Parity::Odd => 1,
+        }
+    }
+
+    /// The other parity.
+    pub fn other(self) -> Self {
+        match self {
+            Parity::Even => Parity::Odd,
+            Parity::Odd => Parity::Even,
+        }
+    }
+}
+
+impl TryFrom<usize> for Parity {
+    type Error = TopologyError;
+
+    /// `0` → Even, `1` → Odd.
+    fn try_from(value: usize) -> Result<Self> {
+        match value {
+            0 => Ok(Parity::Even),
+            1 => Ok(Parity::Odd),
+            _ => Err(TopologyError::IndexOutOfRange {
+                arg: "parity",
+                value: value as u64,
+                bound_name: "2",
+                bound: 2,
+            }),
+        }
+    }
+}
+
+/// The regions of a [`BufferPlan`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RegionKind {
+    /// Dispatch receive rows of x, `[world * max_tokens][hidden * 2]` bytes (bf16 size, which
+    /// also holds fp8 rows).
+    DispatchX,
+    /// Dispatch receive fp8 scales, `[world * max_tokens][hidden / 128]` f32 (empty when the
+    /// plan is not fp8-capable).
+    DispatchScales,
+    /// Dispatch receive top-k ids, `[world * max_tokens][top_k]` i64.
+    DispatchTopkIdx,
+    /// Dispatch receive top-k weights, `[world * max_tokens][top_k]` f32.
+    DispatchTopkWeights,
+    /// Dispatch receive source token indices, `[world * max_tokens]` i32.
+    DispatchSrcIdx,
+    /// Combine receive rows, `[world * max_tokens][hidden]` bf16.
+    CombineX,
+    /// Combine receive weights, `[world * max_tokens][top_k]` f32.
+    CombineWeights,
+    /// Token-count matrix, `[world][world]` u64 (row-major).
+    CountMatrix,
+    /// Per-expert counts, `[world][experts_per_rank]` u64 (row-major).
+    ExpertCounts,
+    /// Completion counters, `[world]` u64 (shared by both parities; monotonic).
+    DoneCounters,
+    /// Barrier counters, `[world]` u64 (shared by both parities; monotonic).
+    BarrierCounters,
+    /// Diagnostics, [`STATS_BYTES`] bytes (shared).
+    Stats,
+}
+
+impl RegionKind {
+    /// Regions that exist once per [`Parity`], in layout order.
+    pub const PER_PARITY: [RegionKind; 9] = [
+        RegionKind::DispatchX,
+        RegionKind::DispatchScales,
+        RegionKind::DispatchTopkIdx,
+        RegionKind::DispatchTopkWeights,
+        RegionKind::DispatchSrcIdx,
+        RegionKind::CombineX,
+        RegionKind::CombineWeights,
+        RegionKind::CountMatrix,
+        RegionKind::ExpertCounts,
+    ];
+
+    /// Regions that exist once, in layout order.
+    pub const SHARED: [RegionKind; 3] = [
+        RegionKind::DoneCounters,
+        RegionKind::BarrierCounters,
+        RegionKind::Stats,
+    ];
+
+    /// Whether the region exists once per parity.
+    pub fn is_per_parity(self) -> bool {
+        Self::PER_PARITY.contains(&self)
+    }
+}
+
+/// A byte range of the buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Region {
+    /// Offset from the buffer's base, a multiple of [`REGION_ALIGN`].
+    pub offset: u64,
+    /// Length in bytes (exact, not padded; may be 0).
+    pub len: u64,
+}
+
+impl Region {
+    /// One past the last byte.
+    pub fn end(&self) -> u64 {
+        self.offset + self.len
+    }
+}
+
+/// The offsets of every region for one parity, all `u64`, ready to copy into kernel
+/// arguments (field by field, or as one `#[repr(C)]` struct of 13 `uint64_t` in this
+/// order; [`to_array`](Self::to_array) gives the same order).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct RegionOffsets {
+    /// See [`RegionKind::DispatchX`].
+    pub dispatch_x: u64,
+    /// See [`RegionKind::DispatchScales`].
+    pub dispatch_scales: u64,
+    /// See [`RegionKind::DispatchTopkIdx`].
+    pub dispatch_topk_idx: u64,
+    /// See [`RegionKind::DispatchTopkWeights`].
+    pub dispatch_topk_weights: u64,
+    /// See [`RegionKind::DispatchSrcIdx`].
+    pub dispatch_src_idx: u64,
+    /// See [`RegionKind::CombineX`].
+    pub combine_x: u64,
+    /// See [`RegionKind::CombineWeights`].
+    pub combine_weights: u64,
+    /// See [`RegionKind::CountMatrix`].
+    pub count_matrix: u64,
+    /// See [`RegionKind::ExpertCounts`].
+    pub expert_counts: u64,
+    /// See [`RegionKind::DoneCounters`].
+    pub done_counters: u64,
+    /// See [`RegionKind::BarrierCounters`].
+    pub barrier_counters: u64,
+    /// See [`RegionKind::Stats`].
+    pub stats: u64,
+    /// Size of the whole buffer.
+    pub total_bytes: u64,
+}
+
+impl RegionOffsets {
+    /// The fields in declaration order.
+    pub fn to_array(&self) -> [u64; 13] {
+        [
+            self.dispatch_x,
+            self.dispatch_scales,
+            self.dispatch_topk_idx,
+            self.dispatch_topk_weights,
+            self.dispatch_src_idx,
+            self.combine_x,
+            self.combine_weights,
+            self.count_matrix,
+            self.expert_counts,
+            self.done_counters,
+            self.barrier_counters,
+            self.stats,
+            self.total_bytes,
+        ]
+    }
+}
+
+/// Layout of the symmetric buffer of the intranode (fixed-slot) kernels.
+///
+/// Receive rows are addressed `[source rank][token slot]`: source `s` writes its rows at
+/// `s * max_tokens_per_rank ..`, so a receive region has `world_size * max_tokens_per_rank`
+/// rows. Every array is its own region (x, scales, top-k ids, top-k weights, source index),
+/// each aligned to [`REGION_ALIGN`]. The per-op regions exist twice, one per [`Parity`]
+/// (`epoch % 2`); the done/barrier counters and the stats are shared and monotonic.
+/// Layout order: all [`RegionKind::PER_PARITY`] regions of `Even`, then of `Odd`, then
+/// [`RegionKind::SHARED`].
+///
+/// The x region is sized for bf16 rows (`hidden * 2` bytes), which also fits fp8 rows
+/// (`hidden` bytes); the scales region exists (non-empty) only when `hidden % 128 == 0`
+/// ([`fp8_capable`](Self::fp8_capable)).
+///
+/// **Symmetric allocation:** every rank must build the plan from identical arguments so
+/// that each region sits at the same offset in every rank's buffer; the plan is a pure
+/// function of its arguments, so equal arguments give equal plans.
+///
+/// For DeepSeek-V3 on two ranks (`BufferPlan::new(2, 4096, 7168, 8, 256)`) the buffer is
+/// **475,603,968 bytes (~453.6 MiB)** per rank: per parity 117,440,512 B of dispatch x,
+/// 1,835,008 B of scales, 524,288 + 262,144 + 32,768 B of top-k ids/weights/source index,
+/// 117,440,512 + 262,144 B of combine rows/weights, plus small count regions (checked by a
+/// unit test).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct BufferPlan {
+    world_size: usize,
+    max_tokens_per_rank: usize,
+    hidden: usize,
+    top_k: usize,
+    num_experts: usize,
+    fp8_capable: bool,
+    per_parity: [[Region; 9]; 2],
+    shared: [Region; 3],
+    total_bytes: u64,
+}
+
+impl BufferPlan {
+    /// Plans the buffer.
+    ///
+    /// # Errors
+    /// All arguments must be > 0; `hidden % 8 == 0` (bf16 rows move in 16-byte vectors);
+    /// `num_experts % world_size == 0`; `top_k <= num_experts`;
+    /// `max_tokens_per_rank <= i32::MAX` (source indices are i32); [`TopologyError::Overflow`]
+    /// when the sizes do not fit in `u64`.
+    pub fn new(
+        world_size: usize,
+        max_tokens_per_rank: usize,
+        hidden: usize,
+        top_k: usize,
+        num_experts: usize,
+    ) -> Result<Self> {
+        TopologyError::zero_check("world_size", world_size)?;
+        TopologyError::zero_check("max_tokens_per_rank", max_tokens_per_rank)?;
+        TopologyError::zero_check("hidden", hidden)?;
+        TopologyError::zero_check("top_k", top_k)?;
+        TopologyError::zero_check("num_experts", num_experts)?;
+        TopologyError::multiple_check("hidden", hidden, "8 (bf16 16-byte vectors)", 8)?;
+        TopologyError::multiple_check("num_experts", num_experts, "world_size", world_size)?;
+        if top_k > num_experts {
+            return Err(TopologyError::OutOfRange {
+                arg: "top_k",
+                value: top_k as u64,
+                min: 1,
+                max: num_experts as u64,
+                rule: "a token picks at most num_experts experts",
+            });
+        }
+        if max_tokens_per_rank > i32::MAX as usize {
+            return Err(TopologyError::OutOfRange {
+                arg: "max_tokens_per_rank",
+                value: max_tokens_per_rank as u64,
+                min: 1,
+                max: i32::MAX as u64,
+                rule: "source token indices are carried as i32",
+            });
+        }
+        let fp8_capable = hidden.is_multiple_of(128);
+        let mut plan = Self {
+            world_size,
+            max_tokens_per_rank,
+            hidden,
+            top_k,
+            num_experts,
+            fp8_capable,
+            per_parity: [[Region { offset: 0, len: 0 }; 9]; 2],
+            shared: [Region { offset: 0, len: 0 }; 3],
+            total_bytes: 0,
+        };
+
+        let mut cursor = 0u64;
+        let mut place = |len: u64| -> Result<Region> {
+            let offset = align_up(cursor)?;
+            let end = offset.checked_add(len).ok_or(TopologyError::Overflow {
+                what: "buffer plan",
+            })?;
+            cursor = end;
+            Ok(Region { offset, len })
+        };
+        for p in Parity::ALL {
+            for (i, kind) in RegionKind::PER_PARITY.into_iter().enumerate() {
+                plan.per_parity[p.index()][i] = place(plan.region_len(kind)?)?;
+            }
+        }
+        for (i, kind) in RegionKind::SHARED.into_iter().enumerate() {
+            plan.shared[i] = place(plan.region_len(kind)?)?;
+        }
+        plan.total_bytes = align_up(cursor)?;
+        Ok(plan)
+    }
+
+    fn region_len(&self, kind: RegionKind) -> Result<u64> {
+        let rows = self.recv_rows();
+        let world = self.world_size as u64;
+        let (a, b) = match kind {
+            RegionKind::DispatchX => (rows, self.x_row_bytes()),
+            RegionKind::DispatchScales => (rows, self.scales_row_bytes()),
+            RegionKind::DispatchTopkIdx => (rows, self.topk_idx_row_bytes()),
+            RegionKind::DispatchTopkWeights => (rows, self.topk_weights_row_bytes()),
+            RegionKind::DispatchSrcIdx => (rows, self.src_idx_row_bytes()),
+            RegionKind::CombineX => (rows, self.combine_x_row_bytes()),
+            RegionKind::CombineWeights => (rows, self.combine_weights_row_bytes()),
+            RegionKind::CountMatrix => (world, world.checked_mul(8).ok_or(OVERFLOW)?),
+            RegionKind::ExpertCounts => (world, (self.experts_per_rank() as u64) * 8),
+            RegionKind::DoneCounters | RegionKind::BarrierCounters => (world, 8),
+            RegionKind::Stats => (1, STATS_BYTES),
+        };
+        a.checked_mul(b).ok_or(OVERFLOW)
+    }
+
+    /// The region of `kind` for `parity` (`parity` is ignored for shared regions).
+    pub fn region(&self, kind: RegionKind, parity: Parity) -> Region {
+        if let Some(i) = RegionKind::PER_PARITY.iter().position(|k| *k == kind) {
+            self.per_parity[parity.index()][i]
+        } else {
+            let i = RegionKind::SHARED
+                .iter()
+                .position(|k| *k == kind)
+                .unwrap_or(0);
+            self.shared[i]
+        }
+    }
+
+    /// Every region of the plan (per-parity ones twice), in layout order.
+    pub fn regions(&self) -> Vec<(RegionKind, Option<Parity>, Region)> {
+        let mut out = Vec::with_capacity(21);
+        for p in Parity::ALL {
+            for (i, kind) in RegionKind::PER_PARITY.into_iter().enumerate() {
+                out.push((kind, Some(p), self.per_parity[p.index()][i]));
+            }
+        }
+        for (i, kind) in RegionKind::SHARED.into_iter().enumerate() {
+            out.push((kind, None, self.shared[i]));
+        }
+        out
+    }
+
+    /// All offsets for `parity`, for kernel arguments.
+    pub fn offsets(&self, parity: Parity) -> RegionOffsets {
+        RegionOffsets {
+            dispatch_x: self.dispatch_x(parity),
+            dispatch_scales: self.dispatch_scales(parity),
+            dispatch_topk_idx: self.dispatch_topk_idx(parity),
+            dispatch_topk_weights: self.dispatch_topk_weights(parity),
+            dispatch_src_idx: self.dispatch_src_idx(parity),
+            combine_x: self.combine_x(parity),
+            combine_weights: self.combine_weights(parity),
+            count_matrix: self.count_matrix(parity),
+            expert_counts: self.expert_counts(parity),
+            done_counters: self.done_counters(),
+            barrier_counters: self.barrier_counters(),
+            stats: self.stats(),
+            total_bytes: self.total_bytes,
+        }
+    }
+
+    /// Offset of [`RegionKind::DispatchX`].
+    pub fn dispatch_x(&self, parity: Parity) -> u64 {
+        self.region(RegionKind::DispatchX, parity).offset
+    }
+    /// Offset of [`RegionKind::DispatchScales`].
+    pub fn dispatch_scales(&self, parity: Parity) -> u64 {
+        self.region(RegionKind::DispatchScales, parity).offset
+    }
+    /// Offset of [`RegionKind::DispatchTopkIdx`].
+    pub fn dispatch_topk_idx(&self, parity: Parity) -> u64 {
+        self.region(RegionKind::DispatchTopkIdx, parity).offset
+    }
+    /// Offset of [`RegionKind::DispatchTopkWeights`].
+    pub fn dispatch_topk_weights(&self, parity: Parity) -> u64 {
+        self.region(RegionKind::DispatchTopkWeights, parity).offset
+    }
+    /// Offset of [`RegionKind::DispatchSrcIdx`].
+    pub fn dispatch_src_idx(&self, parity: Parity) -> u64 {
+        self.region(RegionKind::DispatchSrcIdx, parity).offset
+    }
+    /// Offset of [`RegionKind::CombineX`].
+    pub fn combine_x(&self, parity: Parity) -> u64 {
+        self.region(RegionKind::CombineX, parity).offset
+    }
+    /// Offset of [`RegionKind::CombineWeights`].
+    pub fn combine_weights(&self, parity: Parity) -> u64 {
+        self.region(RegionKind::CombineWeights, parity).offset
+    }
+    /// Offset of [`RegionKind::CountMatrix`].
+    pub fn count_matrix(&self, parity: Parity) -> u64 {
+        self.region(RegionKind::CountMatrix, parity).offset
+    }
+    /// Offset of [`RegionKind::ExpertCounts`].
+    pub fn expert_counts(&self, parity: Parity) -> u64 {
+        self.region(RegionKind::ExpertCounts, parity).offset
+    }
+    /// Offset of [`RegionKind::DoneCounters`].
+    pub fn done_counters(&self) -> u64 {
+        self.shared[0].offset
+    }
+    /// Offset of [`RegionKind::BarrierCounters`].
+    pub fn barrier_counters(&self) -> u64 {
+        self.shared[1].offset
+    }
+    /// Offset of [`RegionKind::Stats`].
+    pub fn stats(&self) -> u64 {
+        self.shared[2].offset
+    }
+    /// Bytes to allocate (a multiple of [`REGION_ALIGN`], covering every region).
+    pub fn total_bytes(&self) -> u64 {
+        self.total_bytes
+    }
+
+    /// Whether fp8 dispatch fits this plan (`hidden % 128 == 0`).
+    pub fn fp8_capable(&self) -> bool {
+        self.fp8_capable
+    }
+    /// Number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.world_size
+    }
+    /// Token bound per source rank.
+    pub fn max_tokens_per_rank(&self) -> usize {
+        self.max_tokens_per_rank
+    }
+    /// Channels per token.
+    pub fn hidden(&self) -> usize {
+        self.hidden
+    }
+    /// Experts per token.
+    pub fn top_k(&self) -> usize {
+        self.top_k
+    }
+    /// Total experts.
+    pub fn num_experts(&self) -> usize {
+        self.num_experts
+    }
+    /// Experts per rank.
+    pub fn experts_per_rank(&self) -> usize {
+        self.num_experts / self.world_size
+    }
+    /// Rows of every receive region (`world_size * max_tokens_per_rank`); source `s` owns
+    /// rows `s * max_tokens_per_rank ..`.
+    pub fn recv_rows(&self) -> u64 {
+        self.world_size as u64 * self.max_tokens_per_rank as u64
+    }
+    /// Row stride of [`RegionKind::DispatchX`]: `hidden * 2`.
+    pub fn x_row_bytes(&self) -> u64 {
+        self.hidden as u64 * 2
+    }
+    /// Row stride of [`RegionKind::DispatchScales`]: `hidden / 128 * 4`, or 0 when not
+    /// fp8-capable.
+    pub fn scales_row_bytes(&self) -> u64 {
+        if self.fp8_capable {
+            (self.hidden as u64 / 128) * 4
+        } else {
+            0
+        }
+    }
+    /// Row stride of [`RegionKind::DispatchTopkIdx`]: `top_k * 8`.
+    pub fn topk_idx_row_bytes(&self) -> u64 {
+        self.top_k as u64 * 8
+    }
+    /// Row stride of [`RegionKind::DispatchTopkWeights`]: `top_k * 4`.
+    pub fn topk_weights_row_bytes(&self) -> u64 {
+        self.top_k as u64 * 4
+    }
+    /// Row stride of [`RegionKind::DispatchSrcIdx`]: 4.
+    pub fn src_idx_row_bytes(&self) -> u64 {
+        4
+    }
+    /// Row stride of [`RegionKind::CombineX`]: `hidden * 2`.
+    pub fn combine_x_row_bytes(&self) -> u64 {
+        self.hidden as u64 * 2
+    }
+    /// Row stride of [`RegionKind::CombineWeights`]: `top_k * 4`.
+    pub fn combine_weights_row_bytes(&self) -> u64 {
+        self.top_k as u64 * 4
+    }
+}
+
+const OVERFLOW: TopologyError = TopologyError::Overflow {
+    what: "buffer plan",
+};
+
+fn align_up(v: u64) -> Result<u64> {
+    v.checked_next_multiple_of(REGION_ALIGN).ok_or(OVERFLOW)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn check_invariants(p: &BufferPlan) {
+        let regions = p.regions();
+        assert_eq!(regions.len(), 21);
+        for (k, _, r) in &regions {
+            assert_eq!(r.offset % REGION_ALIGN, 0, "{k:?}");
+            assert!(r.end() <= p.total_bytes(), "{k:?}");
+        }
+        let mut sorted: Vec<_> = regions.iter().map(|(_, _, r)| *r).collect();
+        sorted.sort_by_key(|r| r.offset);
+        for w in sorted.windows(2) {
+            assert!(w[0].end() <= w[1].offset, "{:?} overlaps {:?}", w[0], w[1]);
+        }
+        let sum: u64 = regions.iter().map(|(_, _, r)| r.len).sum();
+        assert!(p.total_bytes() >= sum);
+        assert!(p.total_bytes() < sum + 22 * REGION_ALIGN);
+        assert_eq!(p.total_bytes() % REGION_ALIGN, 0);
+    }
+
+    #[test]
+    fn deepseek_v3_two_ranks() {
+        let p = BufferPlan::new(2, 4096, 7168, 8, 256).unwrap();
+        check_invariants(&p);
+        assert!(p.fp8_capable());
+        let e = Parity::Even;
+        assert_eq!(p.region(RegionKind::DispatchX, e).len, 117_440_512);
+        assert_eq!(p.region(RegionKind::DispatchScales, e).len, 1_835_008);
+        assert_eq!(p.region(RegionKind::DispatchTopkIdx, e).len, 524_288);
+        assert_eq!(p.region(RegionKind::DispatchTopkWeights, e).len, 262_144);
+        assert_eq!(p.region(RegionKind::DispatchSrcIdx, e).len, 32_768);
+        assert_eq!(p.region(RegionKind::CombineX, e).len, 117_440_512);
+        assert_eq!(p.region(RegionKind::CombineWeights, e).len, 262_144);
+        assert_eq!(p.region(RegionKind::CountMatrix, e).len, 32);
+        assert_eq!(p.region(RegionKind::ExpertCounts, e).len, 2 * 128 * 8);
+        assert_eq!(p.region(RegionKind::DoneCounters, e).len, 16);
+        assert_eq!(p.region(RegionKind::BarrierCounters, e).len, 16);
+        assert_eq!(p.region(RegionKind::Stats, e).len, STATS_BYTES);
+        println!("DeepSeek-V3, world 2: {} bytes", p.total_bytes());
+        assert_eq!(p.total_bytes(), 475_603_968);
+    }
+
+    #[test]
+    fn strides() {
+        let p = BufferPlan::new(4, 16, 256, 3, 8).unwrap();
+        assert_eq!(p.recv_rows(), 64);
+        assert_eq!(p.x_row_bytes(), 512);
+        assert_eq!(p.scales_row_bytes(), 8);
+        assert_eq!(p.topk_idx_row_bytes(), 24);
+        assert_eq!(p.topk_weights_row_bytes(), 12);
+        assert_eq!(p.src_idx_row_bytes(), 4);
+        assert_eq!(p.combine_x_row_bytes(), 512);
+        assert_eq!(p.combine_weights_row_bytes(), 12);
+        assert_eq!(p.experts_per_rank(), 2);
+        assert_eq!(
+            (
+                p.world_size(),
+                p.max_tokens_per_rank(),
+                p.hidden(),
+                p.top_k(),
+                p.num_experts()
+            ),
+            (4, 16, 256, 3, 8)
+        );
+        assert_eq!(p.region(RegionKind::DispatchX, Parity::Odd).len, 64 * 512);
+        assert_eq!(
+            p.region(RegionKind::CountMatrix, Parity::Odd).len,
+            4 * 4 * 8
+        );
+    }
+
+    #[test]
+    fn bf16_only_hidden_has_empty_scales() {
+        let p = BufferPlan::new(2, 8, 200, 2, 4).unwrap();
+        assert!(!p.fp8_capable());
+        assert_eq!(p.scales_row_bytes(), 0);
+        assert_eq!(p.region(RegionKind::DispatchScales, Parity::Even).len, 0);
+        check_invariants(&p);
+    }
+
+    #[test]
+    fn accessors_match_regions_and_offsets() {
+        let p = BufferPlan::new(3, 10, 128, 2, 6).unwrap();
+        for parity in Parity::ALL {
+            let o = p.offsets(parity);
+            let pairs = [
+                (RegionKind::DispatchX, o.dispatch_x, p.dispatch_x(parity)),
+                (
+                    RegionKind::DispatchScales,
+                    o.dispatch_scales,
+                    p.dispatch_scales(parity),
+                ),
+                (
+                    RegionKind::DispatchTopkIdx,
+                    o.dispatch_topk_idx,
+                    p.dispatch_topk_idx(parity),
+                ),
+                (
+                    RegionKind::DispatchTopkWeights,
+                    o.dispatch_topk_weights,
+                    p.dispatch_topk_weights(parity),
+                ),
+                (
+                    RegionKind::DispatchSrcIdx,
+                    o.dispatch_src_idx,
+                    p.dispatch_src_idx(parity),
+                ),
+                (RegionKind::CombineX, o.combine_x, p.combine_x(parity)),
+                (
+                    RegionKind::CombineWeights,
+                    o.combine_weights,
+                    p.combine_weights(parity),
+                ),
+                (
+                    RegionKind::CountMatrix,
+                    o.count_matrix,
+                    p.count_matrix(parity),
+                ),
+                (
+                    RegionKind::ExpertCounts,
+                    o.expert_counts,
+                    p.expert_counts(parity),
+                ),
+                (RegionKind::DoneCounters, o.done_counters, p.done_counters()),
+                (
+                    RegionKind::BarrierCounters,
+                    o.barrier_counters,
+                    p.barrier_counters(),
+                ),
+                (RegionKind::Stats, o.stats, p.stats()),
+            ];
+            for (kind, from_struct, from_accessor) in pairs {
+                assert_eq!(from_struct, from_accessor, "{kind:?}");
+                assert_eq!(p.region(kind, parity).offset, from_accessor, "{kind:?}");
+                assert_eq!(kind.is_per_parity(), RegionKind::PER_PARITY.contains(&kind));
+            }
+            assert_eq!(o.total_bytes, p.total_bytes());
+            assert_eq!(o.to_array()[0], o.dispatch_x);
+            assert_eq!(o.to_array()[12], o.total_bytes);
+        }
+        // Parities differ for per-op regions and agree for shared ones.
+        assert_ne!(p.dispatch_x(Parity::Even), p.dispatch_x(Parity::Odd));
+        assert_eq!(p.offsets(Parity::Even).stats, p.offsets(Parity::Odd).stats);
+        // Layout order: parity 0 first, then parity 1, then shared.
+        assert!(p.expert_counts(Parity::Even) < p.dispatch_x(Parity::Odd));
+        assert!(p.expert_counts(Parity::Odd) < p.done_counters());
+        // Same arguments, same plan (symmetric allocation).
+        assert_eq!(p, BufferPlan::new(3, 10, 128, 2, 6).unwrap());
+    }
+
+    #[test]
+    fn parity() {
+        assert_eq!(Parity::of_epoch(0), Parity::Even);
+        assert_eq!(Parity::of_epoch(7), Parity::Odd);
+        assert_eq!(Parity::Even.other(), Parity::Odd);
+        assert_eq!(Parity::Odd.other(), Parity::Even);
+        assert_eq!(Parity::try_from(1).unwrap(), Parity::Odd);
+        assert_eq!(Parity::try_from(0).unwrap().index(), 0);
+        assert!(matches!(
+            Parity::try_from(2),
+            Err(TopologyError::IndexOutOfRange { arg: "parity", .. })
+        ));
+    }
+
+    #[test]
+    fn errors() {
+        let arg = |r: Result<BufferPlan>| match r {
+            Err(TopologyError::Zero { arg })
+            | Err(TopologyError::NotMultiple { arg, .. })
+            | Err(TopologyError::OutOfRange { arg, .. }) => arg,
+            Err(TopologyError::Overflow { what }) => what,
+            other => panic!("unexpected {other:?}"),
+        };
+        assert_eq!(arg(BufferPlan::new(0, 1, 8, 1, 1)), "world_size");
+        assert_eq!(arg(BufferPlan::new(1, 0, 8, 1, 1)), "max_tokens_per_rank");
+        assert_eq!(arg(BufferPlan::new(1, 1, 0, 1, 1)), "hidden");
+        assert_eq!(arg(BufferPlan::new(1, 1, 8, 0, 1)), "top_k");
+        assert_eq!(arg(BufferPlan::new(1, 1, 8, 1, 0)), "num_experts");
+        assert_eq!(arg(BufferPlan::new(1, 1, 12, 1, 1)), "hidden");
+        assert_eq!(arg(BufferPlan::new(4, 1, 8, 1, 6)), "num_experts");
+        assert_eq!(arg(BufferPlan::new(2, 1, 8, 5, 4)), "top_k");
+        assert_eq!(
+            arg(BufferPlan::new(1, i32::MAX as usize + 1, 8, 1, 1)),
+            "max_tokens_per_rank"
+        );
+        assert_eq!(
+            arg(BufferPlan::new(1 << 20, 1 << 30, 1 << 40, 1, 1 << 20)),
+            "buffer plan"
+        );
+    }
+
+    proptest! {
+        #[test]
+        fn invariants(
+            world in 1usize..9,
+            max_tokens in 1usize..300,
+            hidden8 in 1usize..200,
+            top_k in 1usize..9,
+            epr in 1usize..9,
+        ) {
+            let num_experts = world * epr;
+            let top_k = top_k.min(num_experts);
+            let hidden = hidden8 * 8;
+            let p = BufferPlan::new(world, max_tokens, hidden, top_k, num_experts).unwrap();
+            check_invariants(&p);
+            prop_assert_eq!(p.fp8_capable(), hidden % 128 == 0);
+            for parity in Parity::ALL {
+                for kind in RegionKind::PER_PARITY {
+                    let r = p.region(kind, parity);
+                    let expected = match kind {
+                        RegionKind::DispatchX => p.recv_rows() * p.x_row_bytes(),
+                        RegionKind::DispatchScales => p.recv_rows() * p.scales_row_bytes(),
+                        RegionKind::DispatchTopkIdx => p.recv_rows() * p.topk_idx_row_bytes(),
+                        RegionKind::DispatchTopkWeights => {
+                            p.recv_rows() * p.topk_weights_row_bytes()
+                        }
+                        RegionKind::DispatchSrcIdx => p.recv_rows() * 4,
+                        RegionKind::CombineX => p.recv_rows() * p.combine_x_row_bytes(),
+                        RegionKind::CombineWeights => {
+                            p.recv_rows() * p.combine_weights_row_bytes()
+                        }
+                        RegionKind::CountMatrix => (world * world * 8) as u64,
+                        RegionKind::ExpertCounts => (world * epr * 8) as u64,
+                        _ => unreachable!(),
+                    };
+                    prop_assert_eq!(r.len, expected);
+                }
+            }
+        }
+    }
+}
