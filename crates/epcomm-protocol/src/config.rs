@@ -1,0 +1,340 @@
+//! What a model run executes: world size, shapes, strategy, the op sequence, and the
+//! deterministic routing oracle that defines the sequential expectation.
+
+use std::time::Duration;
+
+/// Largest world the model accepts (routing uses one hash bit per destination).
+pub const MAX_WORLD: usize = 8;
+/// Largest number of tokens per rank (token ids are encoded in 16 bits of a data word).
+pub const MAX_TOKENS: usize = 1 << 12;
+/// Largest number of sender blocks per rank.
+pub const MAX_BLOCKS: usize = 64;
+/// Largest op sequence (epochs are 32-bit tags).
+pub const MAX_OPS: usize = 1 << 20;
+
+/// How ranks agree that shared state may be reused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Strategy {
+    /// Epoch-tagged counts and parity-buffered regions, no barrier: `[E1]`..`[E7]`.
+    Epoch,
+    /// DeepEP-like baseline: single regions guarded by round-aware barriers: `[G1]`..`[G5]`.
+    Global,
+    /// **Deliberately unsound**: the Epoch schedule with a single (non-parity) count, receive
+    /// and combine region and no barrier. It exists so that the tests show the checker catches
+    /// the bug parity buffering prevents; never mirror it in CUDA.
+    EpochWithoutParity,
+}
+
+impl Strategy {
+    /// Number of alternating regions (2 for [`Strategy::Epoch`], 1 otherwise).
+    pub fn regions(self) -> usize {
+        match self {
+            Strategy::Epoch => 2,
+            Strategy::Global | Strategy::EpochWithoutParity => 1,
+        }
+    }
+}
+
+/// One collective op; every rank calls the same sequence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum OpKind {
+    /// Dispatch with a fresh layout: exchanges counts, then data.
+    Dispatch,
+    /// Dispatch reusing the layout (offsets) of the last [`OpKind::Dispatch`]; skips `[E1]`-`[E2]`
+    /// (Global: `[G2]`-`[G5]`) but consumes the next dispatch sequence number.
+    CachedDispatch,
+    /// Combine: every rank returns the rows of the last dispatch to their owners, which reduce.
+    Combine,
+}
+
+impl OpKind {
+    /// Whether the op is a dispatch (cached or not).
+    pub fn is_dispatch(self) -> bool {
+        matches!(self, OpKind::Dispatch | OpKind::CachedDispatch)
+    }
+}
+
+/// A configuration rejected by [`ModelConfig::new`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    /// `world` outside `1..=MAX_WORLD`.
+    #[error("world = {world}: the model needs 1..={MAX_WORLD} ranks")]
+    World {
+        /// The rejected value.
+        world: usize,
+    },
+    /// `tokens` outside `1..=MAX_TOKENS`.
+    #[error("tokens = {tokens}: each rank needs 1..={MAX_TOKENS} tokens")]
+    Tokens {
+        /// The rejected value.
+        tokens: usize,
+    },
+    /// `blocks` outside `1..=MAX_BLOCKS`.
+    #[error("blocks = {blocks}: each rank needs 1..={MAX_BLOCKS} sender blocks")]
+    Blocks {
+        /// The rejected value.
+        blocks: usize,
+    },
+    /// `ops` is empty or longer than `MAX_OPS`.
+    #[error("ops has {len} entries: the model needs 1..={MAX_OPS} ops")]
+    OpCount {
+        /// The rejected length.
+        len: usize,
+    },
+    /// A cached dispatch with no earlier [`OpKind::Dispatch`] to take its layout from.
+    #[error("ops[{index}] is CachedDispatch but no Dispatch precedes it (a cached dispatch reuses the layout of an earlier Dispatch)")]
+    CachedWithoutLayout {
+        /// Index of the offending op.
+        index: usize,
+    },
+    /// A combine with no earlier dispatch whose rows it could return.
+    #[error("ops[{index}] is Combine but no dispatch precedes it (combine returns the rows of the last dispatch)")]
+    CombineWithoutDispatch {
+        /// Index of the offending op.
+        index: usize,
+    },
+    /// A zero wait timeout.
+    #[error("wait_timeout is zero: bounded waits need a positive timeout")]
+    ZeroTimeout,
+}
+
+/// A validated model configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelConfig {
+    world: usize,
+    tokens: usize,
+    blocks: usize,
+    strategy: Strategy,
+    ops: Vec<OpKind>,
+    wait_timeout: Duration,
+}
+
+impl ModelConfig {
+    /// Default bound of every spin-wait in std runs (ignored under loom, which detects deadlock).
+    pub const DEFAULT_WAIT_TIMEOUT: Duration = Duration::from_secs(10);
+
+    /// Validates and builds a configuration.
+    ///
+    /// `world` ranks each own `tokens` tokens and send with `blocks` sender blocks; every rank
+    /// runs `ops` in order. The first dispatch must be a [`OpKind::Dispatch`] and every
+    /// [`OpKind::Combine`] must follow some dispatch.
+    pub fn new(
+        world: usize,
+        tokens: usize,
+        blocks: usize,
+        strategy: Strategy,
+        ops: Vec<OpKind>,
+    ) -> Result<Self, ConfigError> {
+        if !(1..=MAX_WORLD).contains(&world) {
+            return Err(ConfigError::World { world });
+        }
+        if !(1..=MAX_TOKENS).contains(&tokens) {
+            return Err(ConfigError::Tokens { tokens });
+        }
+        if !(1..=MAX_BLOCKS).contains(&blocks) {
+            return Err(ConfigError::Blocks { blocks });
+        }
+        if !(1..=MAX_OPS).contains(&ops.len()) {
+            return Err(ConfigError::OpCount { len: ops.len() });
+        }
+        let mut seen_dispatch = false;
+        for (index, op) in ops.iter().enumerate() {
+            match op {
+                OpKind::Dispatch => seen_dispatch = true,
+                OpKind::CachedDispatch if !seen_dispatch => {
+                    return Err(ConfigError::CachedWithoutLayout { index });
+                }
+                OpKind::Combine if !seen_dispatch => {
+                    return Err(ConfigError::CombineWithoutDispatch { index });
+                }
+                OpKind::CachedDispatch | OpKind::Combine => {}
+            }
+        }
+        Ok(Self {
+            world,
+            tokens,
+            blocks,
+            strategy,
+            ops,
+            wait_timeout: Self::DEFAULT_WAIT_TIMEOUT,
+        })
+    }
+
+    /// Replaces the bound of every spin-wait in std runs (must be positive).
+    pub fn with_wait_timeout(mut self, timeout: Duration) -> Result<Self, ConfigError> {
+        if timeout.is_zero() {
+            return Err(ConfigError::ZeroTimeout);
+        }
+        self.wait_timeout = timeout;
+        Ok(self)
+    }
+
+    /// Number of ranks.
+    pub fn world(&self) -> usize {
+        self.world
+    }
+    /// Tokens owned by each rank.
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+    /// Sender blocks per rank per op (each signals `done` once).
+    pub fn blocks(&self) -> usize {
+        self.blocks
+    }
+    /// The synchronization strategy.
+    pub fn strategy(&self) -> Strategy {
+        self.strategy
+    }
+    /// The op sequence every rank runs.
+    pub fn ops(&self) -> &[OpKind] {
+        &self.ops
+    }
+    /// Bound of every spin-wait in std runs.
+    pub fn wait_timeout(&self) -> std::time::Duration {
+        self.wait_timeout
+    }
+    /// Receive slots per region: the worst case, every token of every rank.
+    pub fn recv_slots(&self) -> usize {
+        self.world * self.tokens
+    }
+}
+
+fn mix64(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+/// The routing oracle: whether token `token` of rank `src` goes to rank `dst` under the layout
+/// produced by the dispatch with sequence number `layout_seq`.
+///
+/// Deterministic and different from one layout to the next, so a stale count or a stale row is
+/// visible. Ranks outside `0..MAX_WORLD` never receive anything.
+pub fn routes_to(layout_seq: u64, src: usize, token: usize, dst: usize) -> bool {
+    if dst >= MAX_WORLD {
+        return false;
+    }
+    let h = mix64(layout_seq ^ ((src as u64) << 20) ^ ((token as u64) << 36));
+    (h >> (3 + 7 * dst)) & 1 == 1
+}
+
+/// Number of tokens `src` sends to `dst` under layout `layout_seq` with `tokens` tokens per rank.
+pub fn route_count(layout_seq: u64, tokens: usize, src: usize, dst: usize) -> u64 {
+    (0..tokens)
+        .filter(|&t| routes_to(layout_seq, src, t, dst))
+        .count() as u64
+}
+
+/// Encodes a count word: `(epoch << 32) | count`. Epochs start at 1, so 0 means never written.
+pub fn count_word(epoch: u64, count: u64) -> u64 {
+    (epoch << 32) | (count & 0xFFFF_FFFF)
+}
+
+/// Splits a count word into `(epoch, count)`.
+pub fn split_count_word(word: u64) -> (u64, u64) {
+    (word >> 32, word & 0xFFFF_FFFF)
+}
+
+/// The data word rank `src` sends for its token `token` in the dispatch with sequence `seq`:
+/// `(seq << 32) | (src << 16) | token`; never 0 because `seq >= 1`.
+pub fn data_word(seq: u64, src: usize, token: usize) -> u64 {
+    (seq << 32) | ((src as u64 & 0xFFFF) << 16) | (token as u64 & 0xFFFF)
+}
+
+/// Splits a data word into `(seq, src, token)`.
+pub fn split_data_word(word: u64) -> (u64, usize, usize) {
+    (
+        word >> 32,
+        ((word >> 16) & 0xFFFF) as usize,
+        (word & 0xFFFF) as usize,
+    )
+}
+
+/// The contribution rank `contributor` returns in the combine with sequence `combine_seq` for
+/// the received row holding `row` (a [`data_word`]); never 0.
+pub fn combine_word(combine_seq: u64, contributor: usize, row: u64) -> u64 {
+    mix64(row ^ combine_seq.rotate_left(48) ^ ((contributor as u64) << 8)) | 1
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ops(k: &[OpKind]) -> Vec<OpKind> {
+        k.to_vec()
+    }
+
+    #[test]
+    fn rejects_bad_shapes() {
+        use OpKind::*;
+        let d = ops(&[Dispatch]);
+        assert_eq!(
+            ModelConfig::new(0, 1, 1, Strategy::Epoch, d.clone()),
+            Err(ConfigError::World { world: 0 })
+        );
+        assert_eq!(
+            ModelConfig::new(9, 1, 1, Strategy::Epoch, d.clone()),
+            Err(ConfigError::World { world: 9 })
+        );
+        assert_eq!(
+            ModelConfig::new(2, 0, 1, Strategy::Epoch, d.clone()),
+            Err(ConfigError::Tokens { tokens: 0 })
+        );
+        assert_eq!(
+            ModelConfig::new(2, 1, 0, Strategy::Epoch, d.clone()),
+            Err(ConfigError::Blocks { blocks: 0 })
+        );
+        assert_eq!(
+            ModelConfig::new(2, 1, 1, Strategy::Epoch, vec![]),
+            Err(ConfigError::OpCount { len: 0 })
+        );
+        assert_eq!(
+            ModelConfig::new(2, 1, 1, Strategy::Epoch, ops(&[CachedDispatch])),
+            Err(ConfigError::CachedWithoutLayout { index: 0 })
+        );
+        assert_eq!(
+            ModelConfig::new(2, 1, 1, Strategy::Global, ops(&[Combine, Dispatch])),
+            Err(ConfigError::CombineWithoutDispatch { index: 0 })
+        );
+        let ok = ModelConfig::new(2, 1, 1, Strategy::Epoch, d).unwrap();
+        assert_eq!(
+            ok.with_wait_timeout(Duration::ZERO),
+            Err(ConfigError::ZeroTimeout)
+        );
+    }
+
+    #[test]
+    fn error_messages_name_argument() {
+        let e = ConfigError::CachedWithoutLayout { index: 3 };
+        assert!(e.to_string().contains("ops[3]"));
+        assert!(ConfigError::Blocks { blocks: 0 }.to_string().contains("blocks = 0"));
+    }
+
+    #[test]
+    fn words_round_trip_and_are_nonzero() {
+        assert_eq!(split_count_word(count_word(7, 3)), (7, 3));
+        assert_ne!(count_word(1, 0), 0);
+        assert_eq!(split_data_word(data_word(5, 3, 9)), (5, 3, 9));
+        assert_ne!(data_word(1, 0, 0), 0);
+        assert_ne!(combine_word(1, 0, 0), 0);
+        assert_ne!(combine_word(1, 0, 5), combine_word(2, 0, 5));
+    }
+
+    #[test]
+    fn routing_varies_between_layouts() {
+        let layouts: Vec<Vec<bool>> = (1..=8u64)
+            .map(|seq| {
+                (0..2)
+                    .flat_map(|s| (0..2).flat_map(move |t| (0..2).map(move |d| (s, t, d))))
+                    .map(|(s, t, d)| routes_to(seq, s, t, d))
+                    .collect()
+            })
+            .collect();
+        assert!(layouts.windows(2).any(|w| w[0] != w[1]));
+        assert!(layouts.iter().flatten().any(|&b| b));
+        assert!(layouts.iter().flatten().any(|&b| !b));
+        assert!(!routes_to(1, 0, 0, MAX_WORLD));
+        assert_eq!(route_count(3, 4, 1, 0), (0..4).filter(|&t| routes_to(3, 1, t, 0)).count() as u64);
+    }
+}

@@ -1,0 +1,145 @@
+//! Stable names of the protocol steps.
+//!
+//! The CUDA kernels cite these labels (`// [E3] compute offsets`), `docs/protocol.md` explains
+//! them, and every [`crate::Violation`] names the step at which it was detected. The labels are a
+//! public contract: never renumber them, only add new ones.
+
+use std::fmt;
+
+/// One labelled step of the protocol.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Step {
+    /// `[R]` op start: re-validate the live output of the last dispatch before the op begins.
+    Recheck,
+    /// `[E1]` write my row of epoch-tagged counts into `count_matrix[e%2][me][*]` of every rank
+    /// (release).
+    E1,
+    /// `[E2]` wait until every `count_matrix[e%2][s][*]` word of my buffer carries tag `e`
+    /// (acquire, bounded).
+    E2,
+    /// `[E3]` compute offsets: my rows in rank `d` start at `sum_{s<me} count(s->d)`.
+    E3,
+    /// `[E4]` write data into `recv[e%2]` of each destination at offset + slot (relaxed).
+    E4,
+    /// `[E5]` increment `done[me]` on every rank, once per sender block, after its data (release).
+    E5,
+    /// `[E6]` wait until `done[s] >= expected` for every source `s` (acquire, bounded).
+    E6,
+    /// `[E7]` read the output: `count_matrix[e%2][s][me]` (tag must be `e`) and `recv[e%2]`.
+    E7,
+    /// `[C1]` write contributions into the owner's `comb[c%2][me][token]` (relaxed).
+    C1,
+    /// `[C2]` increment `done[me]` on every rank, once per sender block (release).
+    C2,
+    /// `[C3]` wait until `done[s] >= expected` for every source `s` (acquire, bounded).
+    C3,
+    /// `[C4]` reduce: `comb[c%2][s][token]` for `s != me`, local data for `s == me`.
+    C4,
+    /// `[G1]` Global strategy: round-aware barrier before the op touches shared state.
+    G1,
+    /// `[G2]` Global strategy: write my row of counts into the single count region (release).
+    G2,
+    /// `[G3]` Global strategy: barrier, every rank's counts have landed.
+    G3,
+    /// `[G4]` Global strategy: read the counts of the single region (acquire).
+    G4,
+    /// `[G5]` Global strategy: barrier before any data is written (DeepEP: cleaning finished).
+    G5,
+}
+
+impl Step {
+    /// Every step, in label order.
+    pub const ALL: [Step; 17] = [
+        Step::Recheck,
+        Step::E1,
+        Step::E2,
+        Step::E3,
+        Step::E4,
+        Step::E5,
+        Step::E6,
+        Step::E7,
+        Step::C1,
+        Step::C2,
+        Step::C3,
+        Step::C4,
+        Step::G1,
+        Step::G2,
+        Step::G3,
+        Step::G4,
+        Step::G5,
+    ];
+
+    /// The bracketed label the CUDA code cites, e.g. `"[E3]"`.
+    pub fn label(self) -> &'static str {
+        match self {
+            Step::Recheck => "[R]",
+            Step::E1 => "[E1]",
+            Step::E2 => "[E2]",
+            Step::E3 => "[E3]",
+            Step::E4 => "[E4]",
+            Step::E5 => "[E5]",
+            Step::E6 => "[E6]",
+            Step::E7 => "[E7]",
+            Step::C1 => "[C1]",
+            Step::C2 => "[C2]",
+            Step::C3 => "[C3]",
+            Step::C4 => "[C4]",
+            Step::G1 => "[G1]",
+            Step::G2 => "[G2]",
+            Step::G3 => "[G3]",
+            Step::G4 => "[G4]",
+            Step::G5 => "[G5]",
+        }
+    }
+
+    /// A short description of what the step does.
+    pub fn summary(self) -> &'static str {
+        match self {
+            Step::Recheck => "recheck live dispatch output",
+            Step::E1 => "write count row",
+            Step::E2 => "wait count rows",
+            Step::E3 => "compute offsets",
+            Step::E4 => "write data",
+            Step::E5 => "signal done",
+            Step::E6 => "wait done",
+            Step::E7 => "read output",
+            Step::C1 => "write contributions",
+            Step::C2 => "signal done",
+            Step::C3 => "wait done",
+            Step::C4 => "reduce",
+            Step::G1 => "barrier before op",
+            Step::G2 => "write count row",
+            Step::G3 => "barrier after counts",
+            Step::G4 => "read counts",
+            Step::G5 => "barrier before data",
+        }
+    }
+}
+
+impl fmt::Display for Step {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} {}", self.label(), self.summary())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+
+    #[test]
+    fn labels_are_unique_and_bracketed() {
+        let labels: HashSet<_> = Step::ALL.iter().map(|s| s.label()).collect();
+        assert_eq!(labels.len(), Step::ALL.len());
+        for s in Step::ALL {
+            let l = s.label();
+            assert!(l.starts_with('[') && l.ends_with(']'), "{l}");
+        }
+    }
+
+    #[test]
+    fn display_names_label_and_summary() {
+        assert_eq!(Step::E3.to_string(), "[E3] compute offsets");
+        assert_eq!(Step::G5.to_string(), "[G5] barrier before data");
+    }
+}

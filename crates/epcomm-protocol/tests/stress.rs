@@ -1,0 +1,72 @@
+//! The model on std threads with random delays at every step: every run must finish without a
+//! violation and match the sequential reference.
+#![cfg(not(loom))]
+
+mod common;
+
+use common::{Jitter, Rng};
+use epcomm_protocol::{
+    ModelConfig, NoHook, OpKind, Strategy, run_model, sequential_reference,
+};
+
+fn random_ops(rng: &mut Rng, len: usize) -> Vec<OpKind> {
+    let mut ops = vec![OpKind::Dispatch];
+    while ops.len() < len {
+        ops.push(match rng.below(3) {
+            0 => OpKind::Dispatch,
+            1 => OpKind::CachedDispatch,
+            _ => OpKind::Combine,
+        });
+    }
+    ops
+}
+
+fn stress(strategy: Strategy, runs: u64, seed: u64) {
+    let mut rng = Rng(seed);
+    for run in 0..runs {
+        let world = 2 + rng.below(3) as usize;
+        let tokens = 1 + rng.below(4) as usize;
+        let blocks = 1 + rng.below(2) as usize;
+        let len = 3 + rng.below(6) as usize;
+        let ops = random_ops(&mut rng, len);
+        let cfg = ModelConfig::new(world, tokens, blocks, strategy, ops).unwrap();
+        let got = run_model(&cfg, &Jitter::new(seed ^ run.wrapping_mul(0x2545_F491_4F6C_DD1D)))
+            .unwrap_or_else(|f| panic!("run {run}, {cfg:?}: {f}"));
+        assert_eq!(got, sequential_reference(&cfg), "run {run}, {cfg:?}");
+    }
+}
+
+#[test]
+fn epoch_survives_random_delays() {
+    stress(Strategy::Epoch, 120, 0x1234_5678);
+}
+
+#[test]
+fn global_survives_random_delays() {
+    stress(Strategy::Global, 60, 0x8765_4321);
+}
+
+#[test]
+fn long_mixed_sequence_without_delays() {
+    use OpKind::*;
+    let mut ops = vec![Dispatch];
+    for i in 0..200 {
+        ops.push([Combine, Dispatch, CachedDispatch, Combine, Combine][i % 5]);
+    }
+    for strategy in [Strategy::Epoch, Strategy::Global] {
+        let cfg = ModelConfig::new(4, 8, 2, strategy, ops.clone()).unwrap();
+        let got = run_model(&cfg, &NoHook).unwrap_or_else(|f| panic!("{strategy:?}: {f}"));
+        assert_eq!(got, sequential_reference(&cfg));
+    }
+}
+
+#[test]
+fn single_rank_world_works() {
+    use OpKind::*;
+    for strategy in [Strategy::Epoch, Strategy::Global] {
+        let cfg =
+            ModelConfig::new(1, 3, 1, strategy, vec![Dispatch, Combine, CachedDispatch, Combine])
+                .unwrap();
+        assert_eq!(run_model(&cfg, &NoHook).unwrap(), sequential_reference(&cfg));
+    }
+}
