@@ -1,1 +1,141 @@
-fn main() {}
+//! Developer tasks for the epcomm workspace; run as `cargo xtask <command>`.
+//!
+//! * `build-kernels` — compile `kernels/` with nvcc into `target/kernels` (see docs/build.md).
+//! * `pack-device` — pack release binaries, test executables and kernels for the GPU machine
+//!   (see docs/gpu-testing.md).
+//! * `test` — build the kernels and run every test (GPU tests too when a GPU is present).
+
+mod error;
+mod kernels;
+mod pack;
+mod test_cmd;
+mod toolchain;
+mod util;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+use crate::kernels::{BuildOptions, Layout};
+use crate::toolchain::ToolchainEnv;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "cargo xtask",
+    about = "Developer tasks for the epcomm workspace"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Compile kernels/*.cu (fatbins) and kernels/nvshmem/*.cu (NVSHMEM-linked cubins)
+    /// into target/kernels (or $EPCOMM_KERNEL_DIR), rebuilding only what changed.
+    BuildKernels {
+        /// Verify every artifact is present and up to date; build nothing, exit 1 if stale.
+        #[arg(long, conflicts_with = "force")]
+        check: bool,
+        /// Rebuild every artifact.
+        #[arg(long)]
+        force: bool,
+        /// Print the toolchain and every nvcc/nvlink command.
+        #[arg(long, short)]
+        verbose: bool,
+    },
+    /// Build release artifacts for the GPU machine and pack them into one folder.
+    PackDevice {
+        /// Output folder [default: <workspace>/target/device].
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// More packages whose test executables to pack (epcomm is always packed).
+        #[arg(long = "package", short = 'p', value_name = "PACKAGE")]
+        packages: Vec<String>,
+        /// Print more.
+        #[arg(long, short)]
+        verbose: bool,
+    },
+    /// Build the kernels and run `cargo test --workspace` (GPU tests too when a GPU is present).
+    Test {
+        /// Extra arguments for `cargo test` (put them after `--`).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        cargo_args: Vec<String>,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let layout = Layout::from_env();
+    let env = ToolchainEnv::from_process(layout.pip_root.clone());
+    let result = match cli.command {
+        Cmd::BuildKernels {
+            check,
+            force,
+            verbose,
+        } => kernels::build(
+            &layout,
+            &env,
+            BuildOptions {
+                check,
+                force,
+                verbose,
+            },
+        )
+        .map(|_| ()),
+        Cmd::PackDevice {
+            out,
+            packages,
+            verbose,
+        } => {
+            let mut all = vec!["epcomm".to_string()];
+            all.extend(packages.into_iter().filter(|p| p != "epcomm"));
+            let opts = pack::PackOptions {
+                out: out.unwrap_or_else(|| layout.workspace.join("target/device")),
+                packages: all,
+                verbose,
+            };
+            pack::pack(&layout, &env, &opts)
+        }
+        Cmd::Test { cargo_args } => test_cmd::run(&layout, &env, &cargo_args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory as _;
+
+    #[test]
+    fn cli_is_well_formed_and_parses_the_documented_forms() {
+        Cli::command().debug_assert();
+        let c = Cli::try_parse_from(["xtask", "build-kernels", "--check", "-v"]).expect("parse");
+        assert!(matches!(
+            c.command,
+            Cmd::BuildKernels {
+                check: true,
+                force: false,
+                verbose: true
+            }
+        ));
+        assert!(Cli::try_parse_from(["xtask", "build-kernels", "--check", "--force"]).is_err());
+        let c = Cli::try_parse_from(["xtask", "pack-device", "-p", "a", "-p", "b", "--out", "x"])
+            .expect("parse");
+        assert!(
+            matches!(c.command, Cmd::PackDevice { ref packages, .. } if packages == &["a", "b"])
+        );
+        let c =
+            Cli::try_parse_from(["xtask", "test", "--", "--release", "-p", "x"]).expect("parse");
+        assert!(
+            matches!(c.command, Cmd::Test { ref cargo_args } if cargo_args == &["--release", "-p", "x"])
+        );
+    }
+}
