@@ -1,1 +1,43 @@
-//! epcomm-reference
+//! The CPU oracle of epcomm's semantics. Every GPU test (and `bench --check`) compares the
+//! device results with these functions.
+//!
+//! Conventions (shared with the GPU ops):
+//! * `world` ranks; `num_experts % world == 0`; expert `e` lives on rank `e / (E / world)`
+//!   and is local expert `e % (E / world)` there.
+//! * `topk_idx` is row-major `[T][K]` i64; `-1` means "no expert"; anything else must be in
+//!   `[0, E)`.
+//! * [`layout`] counts tokens per rank / node / expert and gives every (token, rank) pair
+//!   its slot.
+//! * [`dispatch`] sends each token once to every rank holding one of its experts; a rank
+//!   receives rows ordered by source rank, then source token index.
+//! * [`combine`] sums, for every token, the rows of the ranks it went to, in increasing rank
+//!   order, in f32, rounded to bf16 once. [`combine_weighted_ll`] is the low-latency
+//!   variant (weighted sum of per-expert outputs).
+//! * [`quantize_fp8_e4m3_per128`] is DeepEP's per-token, per-128-channel fp8 cast.
+//! * [`gen_deepep_workload`] reproduces DeepEP's benchmark inputs, deterministically per seed.
+
+mod combine;
+mod dispatch;
+mod error;
+mod fp8;
+mod layout;
+mod workload;
+
+pub use combine::{CombineOutput, combine, combine_weighted_ll};
+pub use dispatch::{RankInput, RankOutput, XData, dispatch};
+pub use error::RefError;
+pub use fp8::{
+    FP8_AMAX_FLOOR, FP8_E4M3_MAX, FP8_GROUP, dequantize_fp8_e4m3_per128, quantize_fp8_e4m3_per128,
+};
+pub use layout::{Layout, layout};
+pub use workload::{
+    Workload, gen_deepep_workload, gen_deepep_world, mask_topk, randn_f32, skewed_topk,
+    small_int_bf16,
+};
+
+/// Re-exports of the element types used in the API.
+pub use float8::F8E4M3;
+pub use half::bf16;
+
+/// Result alias of this crate.
+pub type Result<T, E = RefError> = std::result::Result<T, E>;

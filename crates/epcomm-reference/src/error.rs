@@ -1,0 +1,158 @@
+//! The error type of the crate.
+
+/// Invalid input to a reference function. Every variant names the offending argument
+/// (and, where it applies, the rank, token and top-k slot) and the rule it broke.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum RefError {
+    /// An argument that must be positive was zero (or a slice that must be non-empty was
+    /// empty).
+    #[error("`{arg}` must be > 0")]
+    Zero {
+        /// The argument.
+        arg: &'static str,
+    },
+    /// `arg` must be a multiple of `divisor_arg`.
+    #[error("`{arg}` ({value}) must be a multiple of `{divisor_arg}` ({divisor})")]
+    NotMultiple {
+        /// The argument.
+        arg: &'static str,
+        /// Its value.
+        value: usize,
+        /// The divisor's name (an argument or a fixed rule).
+        divisor_arg: &'static str,
+        /// The divisor.
+        divisor: usize,
+    },
+    /// A slice had the wrong length.
+    #[error("`{arg}` has length {actual}, expected {expected} ({rule})")]
+    Length {
+        /// The argument.
+        arg: &'static str,
+        /// Expected length.
+        expected: usize,
+        /// Actual length.
+        actual: usize,
+        /// How the expected length is derived.
+        rule: &'static str,
+    },
+    /// A top-k entry was neither `-1` nor a valid expert.
+    #[error("topk_idx[{token}][{k}] = {expert} must be -1 or in [0, {num_experts})")]
+    ExpertOutOfRange {
+        /// Token index.
+        token: usize,
+        /// Top-k slot.
+        k: usize,
+        /// The bad value.
+        expert: i64,
+        /// Number of experts.
+        num_experts: usize,
+    },
+    /// A value that must be equal on every rank differs from rank 0's.
+    #[error("`{arg}` differs between ranks: rank 0 has {expected}, rank {rank} has {actual}")]
+    Inconsistent {
+        /// The argument.
+        arg: &'static str,
+        /// The rank that differs.
+        rank: usize,
+        /// Rank 0's value.
+        expected: String,
+        /// This rank's value.
+        actual: String,
+    },
+    /// A value exceeded an upper bound.
+    #[error("`{arg}` ({value}) must be <= {max}: {rule}")]
+    TooLarge {
+        /// The argument.
+        arg: &'static str,
+        /// Its value.
+        value: u64,
+        /// Inclusive maximum.
+        max: u64,
+        /// Why.
+        rule: &'static str,
+    },
+    /// A probability or other real argument outside its range.
+    #[error("`{arg}` ({value}) must be in [{min}, {max}]")]
+    OutOfRange {
+        /// The argument.
+        arg: &'static str,
+        /// Its value.
+        value: f64,
+        /// Inclusive minimum.
+        min: f64,
+        /// Inclusive maximum.
+        max: f64,
+    },
+    /// A row of a dispatch output handed to combine is malformed.
+    #[error("dispatch_outputs[{rank}] row {row}: {rule}")]
+    BadRow {
+        /// The receiving rank.
+        rank: usize,
+        /// The row.
+        row: usize,
+        /// What is wrong.
+        rule: &'static str,
+    },
+    /// An error in the input of one rank.
+    #[error("rank {rank}: {source}")]
+    InRank {
+        /// The rank whose input is bad.
+        rank: usize,
+        /// The error.
+        #[source]
+        source: Box<RefError>,
+    },
+}
+
+impl RefError {
+    pub(crate) fn in_rank(self, rank: usize) -> Self {
+        RefError::InRank {
+            rank,
+            source: Box::new(self),
+        }
+    }
+
+    pub(crate) fn zero_check(arg: &'static str, value: usize) -> Result<(), Self> {
+        if value == 0 {
+            Err(RefError::Zero { arg })
+        } else {
+            Ok(())
+        }
+    }
+
+    pub(crate) fn multiple_check(
+        arg: &'static str,
+        value: usize,
+        divisor_arg: &'static str,
+        divisor: usize,
+    ) -> Result<(), Self> {
+        if divisor == 0 || !value.is_multiple_of(divisor) {
+            Err(RefError::NotMultiple {
+                arg,
+                value,
+                divisor_arg,
+                divisor,
+            })
+        } else {
+            Ok(())
+        }
+    }
+
+    pub(crate) fn len_check(
+        arg: &'static str,
+        actual: usize,
+        expected: usize,
+        rule: &'static str,
+    ) -> Result<(), Self> {
+        if actual != expected {
+            Err(RefError::Length {
+                arg,
+                expected,
+                actual,
+                rule,
+            })
+        } else {
+            Ok(())
+        }
+    }
+}

@@ -1,0 +1,166 @@
+//! DeepEP's fp8 cast: e4m3, one f32 scale per token per 128 channels.
+
+use float8::F8E4M3;
+use half::bf16;
+
+use crate::{RefError, Result};
+
+/// Channels per scale group.
+pub const FP8_GROUP: usize = 128;
+/// Largest finite e4m3 value.
+pub const FP8_E4M3_MAX: f32 = 448.0;
+/// Lower clamp of a group's absolute maximum (as DeepEP's `per_token_cast_to_fp8`:
+/// `amax.clamp(1e-4)`), so an all-zero group gets scale `1e-4 / 448` instead of 0 and
+/// dequantizes to exact zeros.
+pub const FP8_AMAX_FLOOR: f32 = 1e-4;
+
+/// Quantizes `x` (`[T][hidden]` bf16) to e4m3 with one scale per 128-channel group:
+/// `amax = max(max |x| over the group, FP8_AMAX_FLOOR)`, `scale = amax / 448`,
+/// `q = e4m3(x * (448 / amax))` (round to nearest even, saturating at ±448).
+/// Returns `(data [T][hidden], scales [T][hidden / 128])`; `x ≈ q * scale`.
+///
+/// Non-finite inputs give non-finite scales (no error; the GPU cast behaves the same way).
+///
+/// # Errors
+/// `hidden > 0`, `hidden % 128 == 0`, `x.len() % hidden == 0`.
+pub fn quantize_fp8_e4m3_per128(x: &[bf16], hidden: usize) -> Result<(Vec<F8E4M3>, Vec<f32>)> {
+    check_hidden(hidden)?;
+    RefError::multiple_check("x.len()", x.len(), "hidden", hidden)?;
+    let groups = x.len() / FP8_GROUP;
+    let mut data = Vec::with_capacity(x.len());
+    let mut scales = Vec::with_capacity(groups);
+    for group in x.chunks_exact(FP8_GROUP) {
+        let amax = group
+            .iter()
+            .map(|v| v.to_f32().abs())
+            .fold(0.0f32, f32::max)
+            .max(FP8_AMAX_FLOOR);
+        let inv = FP8_E4M3_MAX / amax;
+        data.extend(group.iter().map(|v| F8E4M3::from_f32(v.to_f32() * inv)));
+        scales.push(amax / FP8_E4M3_MAX);
+    }
+    Ok((data, scales))
+}
+
+/// Inverse of [`quantize_fp8_e4m3_per128`]: `x[t][c] = f32(data[t][c]) * scales[t][c / 128]`.
+///
+/// # Errors
+/// `hidden > 0`, `hidden % 128 == 0`, `data.len() % hidden == 0`,
+/// `scales.len() == data.len() / 128`.
+pub fn dequantize_fp8_e4m3_per128(
+    data: &[F8E4M3],
+    scales: &[f32],
+    hidden: usize,
+) -> Result<Vec<f32>> {
+    check_hidden(hidden)?;
+    RefError::multiple_check("data.len()", data.len(), "hidden", hidden)?;
+    RefError::len_check(
+        "scales",
+        scales.len(),
+        data.len() / FP8_GROUP,
+        "data.len() / 128",
+    )?;
+    Ok(data
+        .chunks_exact(FP8_GROUP)
+        .zip(scales)
+        .flat_map(|(g, &s)| g.iter().map(move |q| q.to_f32() * s))
+        .collect())
+}
+
+fn check_hidden(hidden: usize) -> Result<()> {
+    RefError::zero_check("hidden", hidden)?;
+    RefError::multiple_check("hidden", hidden, "128 (fp8 scale group)", FP8_GROUP)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn exact_values_roundtrip() {
+        // amax 448 -> scale 1; small integers are exact in e4m3.
+        let mut x = vec![bf16::ZERO; 256];
+        x[0] = bf16::from_f32(448.0);
+        x[1] = bf16::from_f32(-3.0);
+        x[2] = bf16::from_f32(0.5);
+        x[128] = bf16::from_f32(8.0); // second group: scale 8/448
+        let (q, s) = quantize_fp8_e4m3_per128(&x, 128).unwrap();
+        assert_eq!(s.len(), 2);
+        assert_eq!(s[0], 1.0);
+        assert_eq!(s[1], 8.0 / 448.0);
+        let y = dequantize_fp8_e4m3_per128(&q, &s, 128).unwrap();
+        assert_eq!(y[0], 448.0);
+        assert_eq!(y[1], -3.0);
+        assert_eq!(y[2], 0.5);
+        assert!((y[128] - 8.0).abs() < 1e-5);
+        assert_eq!(y[3], 0.0);
+    }
+
+    #[test]
+    fn zero_group_uses_floor() {
+        let x = vec![bf16::ZERO; 128];
+        let (q, s) = quantize_fp8_e4m3_per128(&x, 128).unwrap();
+        assert_eq!(s, vec![FP8_AMAX_FLOOR / FP8_E4M3_MAX]);
+        assert!(q.iter().all(|v| v.to_f32() == 0.0));
+    }
+
+    #[test]
+    fn errors() {
+        let x = vec![bf16::ONE; 256];
+        assert!(matches!(
+            quantize_fp8_e4m3_per128(&x, 0),
+            Err(RefError::Zero { arg: "hidden" })
+        ));
+        assert!(matches!(
+            quantize_fp8_e4m3_per128(&x, 64),
+            Err(RefError::NotMultiple { arg: "hidden", .. })
+        ));
+        assert!(matches!(
+            quantize_fp8_e4m3_per128(&x[..200], 128),
+            Err(RefError::NotMultiple { arg: "x.len()", .. })
+        ));
+        let (q, s) = quantize_fp8_e4m3_per128(&x, 128).unwrap();
+        assert!(matches!(
+            dequantize_fp8_e4m3_per128(&q, &s[..1], 128),
+            Err(RefError::Length { arg: "scales", .. })
+        ));
+        assert!(matches!(
+            dequantize_fp8_e4m3_per128(&q[..100], &s, 128),
+            Err(RefError::NotMultiple {
+                arg: "data.len()",
+                ..
+            })
+        ));
+    }
+
+    proptest! {
+        /// e4m3 keeps 3 mantissa bits: relative error <= 2^-4 for normal values; below the
+        /// smallest normal (2^-6 in the scaled domain) the absolute error is <= half a
+        /// subnormal step, 2^-10, times the scale.
+        #[test]
+        fn roundtrip_error_bound(
+            vals in proptest::collection::vec(-1000.0f32..1000.0, 256),
+            exp in -20i32..20,
+        ) {
+            let factor = 2f32.powi(exp);
+            let x: Vec<bf16> = vals.iter().map(|v| bf16::from_f32(v * factor)).collect();
+            let (q, s) = quantize_fp8_e4m3_per128(&x, 256).unwrap();
+            let y = dequantize_fp8_e4m3_per128(&q, &s, 256).unwrap();
+            for (i, (a, b)) in x.iter().zip(&y).enumerate() {
+                let a = a.to_f32();
+                let scale = s[i / 128];
+                let bound = (a.abs() / 16.0).max(scale * 2f32.powi(-10)) * (1.0 + 1e-5);
+                prop_assert!((a - b).abs() <= bound, "x={a} y={b} scale={scale}");
+            }
+            for (g, sc) in s.iter().enumerate() {
+                let amax = x[g * 128..(g + 1) * 128]
+                    .iter()
+                    .map(|v| v.to_f32().abs())
+                    .fold(0.0, f32::max)
+                    .max(FP8_AMAX_FLOOR);
+                prop_assert_eq!(*sc, amax / 448.0);
+            }
+        }
+    }
+}
