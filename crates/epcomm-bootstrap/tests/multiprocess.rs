@@ -1,0 +1,242 @@
+//! Multi-process tests over 127.0.0.1.
+//!
+//! Each test re-executes this test binary as N worker processes (`<test name> --exact`) with
+//! [`WORKER_ENV`] set; the same test function then acts as a worker instead of a launcher. A
+//! worker signals failure by panicking (non-zero exit), which the launcher reports with the
+//! worker's captured output.
+
+use std::time::{Duration, Instant};
+
+use epcomm_bootstrap::launch::{LocalLaunch, Output};
+use epcomm_bootstrap::{
+    Bootstrap, BootstrapConfig, BootstrapError, CRATE_VERSION, Identity, OpKind,
+};
+
+/// Marks a process as a worker.
+const WORKER_ENV: &str = "EPCOMM_BOOTSTRAP_TEST_WORKER";
+/// Makes a worker advertise this crate version instead of the real one.
+const FAKE_VERSION_ENV: &str = "EPCOMM_BOOTSTRAP_TEST_FAKE_VERSION";
+/// Bootstrap timeout of the workers.
+const TIMEOUT: Duration = Duration::from_millis(2000);
+
+fn is_worker() -> bool {
+    std::env::var_os(WORKER_ENV).is_some()
+}
+
+/// Runs test `name` as `world` worker processes and fails with their output if any fails.
+fn launch(name: &str, world: usize, tweak: impl FnOnce(LocalLaunch) -> LocalLaunch) {
+    let exe = std::env::current_exe().expect("current_exe");
+    let launch = LocalLaunch::new(exe, [name, "--exact", "--nocapture", "--test-threads", "1"])
+        .world_size(world)
+        .env(WORKER_ENV, "1")
+        .env(
+            "EPCOMM_BOOTSTRAP_TIMEOUT_MS",
+            TIMEOUT.as_millis().to_string(),
+        )
+        .env("RUST_BACKTRACE", "1")
+        .output(Output::Capture);
+    let mut group = tweak(launch).spawn().expect("spawn workers");
+    let result = group.wait(Duration::from_secs(30));
+    if let Err(e) = result {
+        let mut report = format!("{name}: {e}\n");
+        for o in group.output() {
+            report.push_str(&format!(
+                "=== rank {} stdout ===\n{}\n=== rank {} stderr ===\n{}\n",
+                o.rank,
+                String::from_utf8_lossy(&o.stdout),
+                o.rank,
+                String::from_utf8_lossy(&o.stderr)
+            ));
+        }
+        panic!("{report}");
+    }
+}
+
+fn worker_config() -> BootstrapConfig {
+    let cfg = BootstrapConfig::from_env().expect("worker environment");
+    assert_eq!(cfg.timeout, TIMEOUT);
+    cfg
+}
+
+fn connect_worker() -> Bootstrap {
+    let cfg = worker_config();
+    let identity = match std::env::var(FAKE_VERSION_ENV) {
+        Ok(v) => Identity {
+            crate_version: v,
+            ..Identity::current()
+        },
+        Err(_) => Identity::current(),
+    };
+    Bootstrap::connect_with_identity(cfg, identity).expect("connect")
+}
+
+#[test]
+fn collectives_across_four_processes() {
+    if !is_worker() {
+        return launch("collectives_across_four_processes", 4, |l| l);
+    }
+    let bs = connect_worker();
+    let (rank, world) = (bs.rank(), bs.world_size());
+    assert_eq!(world, 4);
+    assert_eq!(bs.local_rank(), rank);
+    assert_eq!(bs.local_world_size(), 4);
+    for round in 0..6usize {
+        if round % 2 == 1 {
+            // Skew the ranks so fast ones run ahead into the next op with the same tags.
+            std::thread::sleep(Duration::from_millis(15 * rank as u64));
+        }
+        let mine = vec![(rank * 10 + round) as u8; rank + round];
+        let all = bs.all_gather("gather", &mine).expect("all_gather");
+        assert_eq!(all.len(), world);
+        for (r, d) in all.iter().enumerate() {
+            assert_eq!(
+                d,
+                &vec![(r * 10 + round) as u8; r + round],
+                "round {round} rank {r}"
+            );
+        }
+        let root = round % world;
+        let msg = format!("round {round} from root {root}");
+        let got = bs
+            .broadcast("bcast", root, (rank == root).then_some(msg.as_bytes()))
+            .expect("broadcast");
+        assert_eq!(got, msg.as_bytes());
+        bs.barrier("sync").expect("barrier");
+    }
+}
+
+#[test]
+fn rank_that_never_arrives_is_named_in_timeout() {
+    if !is_worker() {
+        return launch("rank_that_never_arrives_is_named_in_timeout", 3, |l| {
+            l.ranks([0, 1])
+        });
+    }
+    let start = Instant::now();
+    let err = Bootstrap::connect(worker_config()).expect_err("rank 2 never arrives");
+    let waited = start.elapsed();
+    match err {
+        BootstrapError::Timeout {
+            op: OpKind::Connect,
+            missing_ranks,
+            ..
+        } => {
+            assert_eq!(missing_ranks, vec![2]);
+        }
+        other => panic!("expected a connect timeout naming rank 2, got {other}"),
+    }
+    assert!(waited >= TIMEOUT / 2, "gave up too early: {waited:?}");
+    assert!(
+        waited < TIMEOUT + Duration::from_millis(700),
+        "exceeded the bound: {waited:?}"
+    );
+}
+
+#[test]
+fn rank_that_dies_is_reported_promptly() {
+    if !is_worker() {
+        return launch("rank_that_dies_is_reported_promptly", 3, |l| l);
+    }
+    let bs = connect_worker();
+    bs.barrier("first").expect("first barrier");
+    if bs.rank() == 2 {
+        // Dies without dropping the bootstrap (no goodbye); exit code 0 keeps the launcher from
+        // killing the survivors before they check their errors.
+        std::process::exit(0);
+    }
+    let start = Instant::now();
+    match bs.barrier("second").expect_err("rank 2 is dead") {
+        BootstrapError::PeerDied {
+            rank: 2,
+            op: OpKind::Barrier,
+            tag,
+        } => assert_eq!(tag, "second"),
+        other => panic!("expected PeerDied naming rank 2, got {other}"),
+    }
+    assert!(
+        start.elapsed() < TIMEOUT / 2,
+        "not prompt: {:?}",
+        start.elapsed()
+    );
+    match bs
+        .all_gather("third", b"x")
+        .expect_err("rank 2 is still dead")
+    {
+        BootstrapError::PeerDied {
+            rank: 2,
+            op: OpKind::AllGather,
+            ..
+        } => {}
+        other => panic!("expected PeerDied naming rank 2, got {other}"),
+    }
+}
+
+#[test]
+fn coordinator_death_is_reported_promptly() {
+    if !is_worker() {
+        return launch("coordinator_death_is_reported_promptly", 3, |l| l);
+    }
+    let bs = connect_worker();
+    bs.barrier("first").expect("first barrier");
+    if bs.rank() == 0 {
+        std::process::exit(0);
+    }
+    let start = Instant::now();
+    match bs
+        .all_gather("after", &[1, 2, 3])
+        .expect_err("rank 0 is dead")
+    {
+        BootstrapError::PeerDied { rank: 0, .. } => {}
+        other => panic!("expected PeerDied naming rank 0, got {other}"),
+    }
+    assert!(
+        start.elapsed() < TIMEOUT / 2,
+        "not prompt: {:?}",
+        start.elapsed()
+    );
+}
+
+#[test]
+fn world_size_mismatch_is_rejected_everywhere() {
+    if !is_worker() {
+        return launch("world_size_mismatch_is_rejected_everywhere", 2, |l| {
+            l.rank_env(1, "WORLD_SIZE", "3")
+        });
+    }
+    match Bootstrap::connect(worker_config()).expect_err("world sizes differ") {
+        BootstrapError::WorldSizeMismatch {
+            coordinator: 2,
+            peer: 3,
+            peer_rank: 1,
+        } => {}
+        other => panic!("expected WorldSizeMismatch 2 vs 3 from rank 1, got {other}"),
+    }
+}
+
+#[test]
+fn crate_version_mismatch_is_rejected_everywhere() {
+    if !is_worker() {
+        return launch("crate_version_mismatch_is_rejected_everywhere", 2, |l| {
+            l.rank_env(1, FAKE_VERSION_ENV, "99.0.0-test")
+        });
+    }
+    let cfg = worker_config();
+    let identity = match std::env::var(FAKE_VERSION_ENV) {
+        Ok(v) => Identity {
+            crate_version: v,
+            ..Identity::current()
+        },
+        Err(_) => Identity::current(),
+    };
+    match Bootstrap::connect_with_identity(cfg, identity).expect_err("versions differ") {
+        BootstrapError::CrateVersionMismatch {
+            coordinator,
+            peer,
+            peer_rank: 1,
+        } => {
+            assert_eq!(coordinator, CRATE_VERSION);
+            assert_eq!(peer, "99.0.0-test");
+        }
+        other => panic!("expected CrateVersionMismatch from rank 1, got {other}"),
+    }
+}
