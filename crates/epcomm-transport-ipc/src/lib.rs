@@ -1,1 +1,197 @@
-//! epcomm-transport-ipc
+//! NVLink-domain transport: every rank allocates its symmetric buffer with `cuMemAlloc`, exports
+//! it with `cuIpcGetMemHandle`, and opens every peer's handle with
+//! `cuIpcOpenMemHandle(LAZY_ENABLE_PEER_ACCESS)`; the bootstrap all-gathers the handles. Kernels
+//! then store to peers directly over NVLink.
+//!
+//! All ranks must be GPUs of one host (one NVLink domain). The raw-verbs backend reuses this for
+//! its intranode part.
+//!
+//! Teardown: dropping [`IpcMemory`] closes the peer mappings, then frees the local allocation.
+//! It never waits for peers; a caller that needs peers to stop touching the buffer first runs a
+//! [`Transport::host_barrier`] (the `epcomm` frontend's `destroy` does).
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use cudarc::driver::{CudaContext, sys};
+use epcomm_bootstrap::Bootstrap;
+use epcomm_transport::{
+    BarrierStrategy, DeviceBuffer, KernelFamily, SymmetricMemory, Transport, TransportError,
+};
+
+const IPC_HANDLE_BYTES: usize = 64;
+
+/// The CUDA-IPC transport of one process (one GPU).
+#[derive(Debug)]
+pub struct IpcTransport {
+    ctx: Arc<CudaContext>,
+    bootstrap: Arc<Bootstrap>,
+    allocations: std::sync::atomic::AtomicU64,
+}
+
+impl IpcTransport {
+    /// Builds the transport over an initialised bootstrap. Every rank must be on this host:
+    /// `local_world_size == world_size` (checked).
+    pub fn new(ctx: Arc<CudaContext>, bootstrap: Arc<Bootstrap>) -> Result<Self, TransportError> {
+        if bootstrap.local_world_size() != bootstrap.world_size() {
+            return Err(TransportError::InvalidArgument {
+                argument: "world",
+                rule: format!(
+                    "the CUDA-IPC transport needs every rank on one host (one NVLink domain), \
+                     but local_world_size = {} and world_size = {}",
+                    bootstrap.local_world_size(),
+                    bootstrap.world_size()
+                ),
+            });
+        }
+        Ok(Self { ctx, bootstrap, allocations: 0.into() })
+    }
+
+    /// The CUDA context this transport allocates in.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The bootstrap this transport exchanges handles through.
+    pub fn bootstrap(&self) -> &Arc<Bootstrap> {
+        &self.bootstrap
+    }
+}
+
+fn driver(context: impl Into<String>) -> impl FnOnce(cudarc::driver::DriverError) -> TransportError {
+    let context = context.into();
+    move |source| TransportError::Driver { context, source }
+}
+
+#[async_trait]
+impl Transport for IpcTransport {
+    type Memory = IpcMemory;
+
+    fn name(&self) -> &'static str {
+        "nvlink-ipc"
+    }
+
+    fn rank(&self) -> usize {
+        self.bootstrap.rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.bootstrap.world_size()
+    }
+
+    fn kernel_family(&self) -> KernelFamily {
+        KernelFamily::NvlinkStore
+    }
+
+    fn barrier_strategies(&self) -> &'static [BarrierStrategy] {
+        &[BarrierStrategy::Global, BarrierStrategy::Epoch]
+    }
+
+    async fn alloc_symmetric(&self, bytes: usize) -> Result<IpcMemory, TransportError> {
+        let seq = self.allocations.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let local = DeviceBuffer::zeroed(&self.ctx, bytes)?;
+        // Every rank must ask for the same size: exchange it with the handle and compare.
+        let mut handle = sys::CUipcMemHandle { reserved: [0; IPC_HANDLE_BYTES] };
+        self.ctx.bind_to_thread().map_err(driver("binding the CUDA context"))?;
+        // SAFETY: `handle` is a valid out-pointer and `local.ptr()` a live cuMemAlloc allocation.
+        unsafe { sys::cuIpcGetMemHandle(&mut handle, local.ptr()) }
+            .result()
+            .map_err(driver("exporting the symmetric buffer (cuIpcGetMemHandle)"))?;
+        let mut msg = Vec::with_capacity(IPC_HANDLE_BYTES + 8);
+        msg.extend_from_slice(&(bytes as u64).to_le_bytes());
+        msg.extend(handle.reserved.iter().map(|&c| c as u8));
+        let tag = format!("ipc-alloc-{seq}");
+        let all = self
+            .bootstrap
+            .all_gather(&tag, &msg)
+            .map_err(|source| TransportError::Bootstrap { context: format!("exchanging IPC handles ({tag})"), source })?;
+        let me = self.rank();
+        let mut mem = IpcMemory { ctx: self.ctx.clone(), bases: vec![0; all.len()], opened: Vec::new(), local };
+        for (peer, data) in all.iter().enumerate() {
+            if data.len() != IPC_HANDLE_BYTES + 8 {
+                return Err(TransportError::BadPeerData {
+                    peer,
+                    what: "IPC handle",
+                    detail: format!("{} bytes instead of {}", data.len(), IPC_HANDLE_BYTES + 8),
+                });
+            }
+            let size = u64::from_le_bytes(data[..8].try_into().unwrap_or_default());
+            if size != bytes as u64 {
+                return Err(TransportError::BadPeerData {
+                    peer,
+                    what: "symmetric allocation size",
+                    detail: format!("rank {peer} allocated {size} bytes, rank {me} {bytes}"),
+                });
+            }
+            if peer == me {
+                mem.bases[peer] = mem.local.ptr();
+                continue;
+            }
+            let mut h = sys::CUipcMemHandle { reserved: [0; IPC_HANDLE_BYTES] };
+            for (dst, src) in h.reserved.iter_mut().zip(&data[8..]) {
+                *dst = *src as std::ffi::c_char;
+            }
+            let mut ptr: sys::CUdeviceptr = 0;
+            // SAFETY: `h` is a handle exported by a live peer process; `ptr` a valid out-pointer.
+            unsafe {
+                sys::cuIpcOpenMemHandle_v2(
+                    &mut ptr,
+                    h,
+                    sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+                )
+            }
+            .result()
+            .map_err(driver(format!("opening rank {peer}'s symmetric buffer (cuIpcOpenMemHandle)")))?;
+            mem.opened.push(ptr);
+            mem.bases[peer] = ptr;
+        }
+        Ok(mem)
+    }
+
+    async fn host_barrier(&self, tag: &str) -> Result<(), TransportError> {
+        self.bootstrap
+            .barrier(tag)
+            .map_err(|source| TransportError::Bootstrap { context: format!("host barrier {tag}"), source })
+    }
+}
+
+/// A symmetric buffer shared through CUDA IPC.
+#[derive(Debug)]
+pub struct IpcMemory {
+    ctx: Arc<CudaContext>,
+    bases: Vec<u64>,
+    opened: Vec<sys::CUdeviceptr>,
+    local: DeviceBuffer,
+}
+
+impl IpcMemory {
+    /// The local allocation (for host-side reads in tests and diagnostics).
+    pub fn local(&self) -> &DeviceBuffer {
+        &self.local
+    }
+}
+
+impl SymmetricMemory for IpcMemory {
+    fn len(&self) -> usize {
+        self.local.len()
+    }
+
+    fn local_base(&self) -> u64 {
+        self.local.ptr()
+    }
+
+    fn peer_bases(&self) -> &[u64] {
+        &self.bases
+    }
+}
+
+impl Drop for IpcMemory {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        for ptr in self.opened.drain(..) {
+            // SAFETY: `ptr` was returned by cuIpcOpenMemHandle and is closed exactly once.
+            let _ = unsafe { sys::cuIpcCloseMemHandle(ptr) };
+        }
+        // `local` is freed by its own Drop after this.
+    }
+}

@@ -1,1 +1,235 @@
-//! epcomm-transport
+//! The transport layer of epcomm: what a backend must provide so that the kernels can move
+//! tokens between ranks.
+//!
+//! A backend ([`Transport`]) gives every rank a **symmetric buffer** (same size and layout on
+//! every rank), the addresses of its peers' buffers that this process can store to directly
+//! (the NVLink domain), a host barrier, and the set of [`BarrierStrategy`]s its kernel variant
+//! supports. The trait is statically dispatched (associated types, like `wgpu-hal`'s `Api`);
+//! [`DynTransport`] is its object-safe mirror for code that picks a backend at run time.
+//!
+//! # Ordering contract
+//! Kernels publish with *data stores, then a system-scope release operation* (a release add on a
+//! peer's counter, or a release store of a tagged word) and consume with an acquire load of that
+//! word before reading the data. A backend must guarantee that a peer address it hands out
+//! preserves this order (NVLink P2P mappings do). A backend whose remote writes are not ordered
+//! this way (a NIC proxy, NVSHMEM across nodes) advertises only [`BarrierStrategy::PeerSignal`]
+//! or [`BarrierStrategy::Global`] and implements the landed-check with its own signal operation.
+//! Memory is reused only once every producer that can target it is known to be done
+//! (docs/protocol.md).
+
+pub mod memory;
+
+use std::fmt::Debug;
+
+use async_trait::async_trait;
+
+pub use memory::{DeviceBuffer, MappedHostBuffer};
+
+/// How ranks agree that buffers may be reused; chosen per `Buffer`, at run time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BarrierStrategy {
+    /// DeepEP-V1-equivalent schedule: all-rank barriers before the count exchange, after it,
+    /// and after reading it. Baseline and fallback.
+    Global,
+    /// No barrier: epoch-tagged counts, monotonic completion counters, parity-alternating
+    /// receive regions; each rank waits only for the data it receives.
+    Epoch,
+    /// Epoch with the landed-check done by the transport's signal operations.
+    PeerSignal,
+}
+
+impl BarrierStrategy {
+    /// Lower-case name, as used on command lines.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Global => "global",
+            Self::Epoch => "epoch",
+            Self::PeerSignal => "peer-signal",
+        }
+    }
+}
+
+impl std::str::FromStr for BarrierStrategy {
+    type Err = TransportError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "global" => Ok(Self::Global),
+            "epoch" => Ok(Self::Epoch),
+            "peer-signal" => Ok(Self::PeerSignal),
+            other => Err(TransportError::InvalidArgument {
+                argument: "barrier strategy",
+                rule: format!("must be one of global, epoch, peer-signal (got {other:?})"),
+            }),
+        }
+    }
+}
+
+/// Which kernel variant a transport's device context works with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KernelFamily {
+    /// Plain stores and system-scope atomics through peer mappings (NVLink P2P / CUDA IPC).
+    NvlinkStore,
+}
+
+/// Errors of transports.
+#[derive(Debug, thiserror::Error)]
+pub enum TransportError {
+    /// A CUDA driver call failed.
+    #[error("CUDA driver error while {context}: {source}")]
+    Driver {
+        /// What was being done.
+        context: String,
+        /// The driver's error.
+        #[source]
+        source: cudarc::driver::DriverError,
+    },
+    /// The out-of-band rendezvous failed.
+    #[error("bootstrap failed while {context}: {source}")]
+    Bootstrap {
+        /// What was being done.
+        context: String,
+        /// The bootstrap's error.
+        #[source]
+        source: epcomm_bootstrap::BootstrapError,
+    },
+    /// An argument broke a rule.
+    #[error("invalid {argument}: {rule}")]
+    InvalidArgument {
+        /// The argument.
+        argument: &'static str,
+        /// The rule it broke.
+        rule: String,
+    },
+    /// A peer sent something this rank cannot use.
+    #[error("rank {peer} sent an unusable {what}: {detail}")]
+    BadPeerData {
+        /// The peer.
+        peer: usize,
+        /// What it sent.
+        what: &'static str,
+        /// Why it is unusable.
+        detail: String,
+    },
+    /// A memory access outside an allocation.
+    #[error("{what}: range {offset}..{end} is outside the {len}-byte allocation")]
+    OutOfBounds {
+        /// Which access.
+        what: &'static str,
+        /// Start byte.
+        offset: usize,
+        /// End byte.
+        end: usize,
+        /// Allocation size.
+        len: usize,
+    },
+}
+
+pub(crate) trait DriverContext<T> {
+    fn context(self, context: impl Into<String>) -> Result<T, TransportError>;
+}
+
+impl<T> DriverContext<T> for Result<T, cudarc::driver::DriverError> {
+    fn context(self, context: impl Into<String>) -> Result<T, TransportError> {
+        self.map_err(|source| TransportError::Driver { context: context.into(), source })
+    }
+}
+
+/// A buffer allocated collectively by every rank, with the same size everywhere.
+///
+/// Who may touch it: the owning rank's kernels read and write all of it; a peer's kernels may
+/// write (and atomically update) it through [`SymmetricMemory::peer_bases`] only as the protocol
+/// allows; the host never reads it on the hot path.
+pub trait SymmetricMemory: Send + Sync + Debug {
+    /// Size in bytes (identical on every rank).
+    fn len(&self) -> usize;
+    /// True when zero-sized.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Device address of this rank's own buffer.
+    fn local_base(&self) -> u64;
+    /// Device address, valid in this process, of every rank's buffer (own included), indexed by
+    /// rank; 0 for ranks this process cannot store to directly.
+    fn peer_bases(&self) -> &[u64];
+}
+
+/// A communication backend (static dispatch).
+#[async_trait]
+pub trait Transport: Send + Sync + Debug {
+    /// The backend's symmetric memory.
+    type Memory: SymmetricMemory + 'static;
+
+    /// Short backend name (`"nvlink-ipc"`, `"nvshmem"`).
+    fn name(&self) -> &'static str;
+    /// This process's rank.
+    fn rank(&self) -> usize;
+    /// Number of ranks.
+    fn world_size(&self) -> usize;
+    /// The kernel variant that can use this transport's memory.
+    fn kernel_family(&self) -> KernelFamily;
+    /// Barrier strategies this backend's kernel variant implements.
+    fn barrier_strategies(&self) -> &'static [BarrierStrategy];
+    /// Collectively allocates `bytes` of zeroed symmetric memory (every rank must call this with
+    /// the same size, in the same order).
+    async fn alloc_symmetric(&self, bytes: usize) -> Result<Self::Memory, TransportError>;
+    /// Host-side barrier over all ranks, bounded by the bootstrap timeout.
+    async fn host_barrier(&self, tag: &str) -> Result<(), TransportError>;
+}
+
+/// Object-safe mirror of [`Transport`], implemented for every transport.
+#[async_trait]
+pub trait DynTransport: Send + Sync + Debug {
+    /// See [`Transport::name`].
+    fn name(&self) -> &'static str;
+    /// See [`Transport::rank`].
+    fn rank(&self) -> usize;
+    /// See [`Transport::world_size`].
+    fn world_size(&self) -> usize;
+    /// See [`Transport::kernel_family`].
+    fn kernel_family(&self) -> KernelFamily;
+    /// See [`Transport::barrier_strategies`].
+    fn barrier_strategies(&self) -> &'static [BarrierStrategy];
+    /// See [`Transport::alloc_symmetric`].
+    async fn alloc_symmetric_dyn(&self, bytes: usize) -> Result<Box<dyn SymmetricMemory>, TransportError>;
+    /// See [`Transport::host_barrier`].
+    async fn host_barrier_dyn(&self, tag: &str) -> Result<(), TransportError>;
+}
+
+#[async_trait]
+impl<T: Transport> DynTransport for T {
+    fn name(&self) -> &'static str {
+        Transport::name(self)
+    }
+    fn rank(&self) -> usize {
+        Transport::rank(self)
+    }
+    fn world_size(&self) -> usize {
+        Transport::world_size(self)
+    }
+    fn kernel_family(&self) -> KernelFamily {
+        Transport::kernel_family(self)
+    }
+    fn barrier_strategies(&self) -> &'static [BarrierStrategy] {
+        Transport::barrier_strategies(self)
+    }
+    async fn alloc_symmetric_dyn(&self, bytes: usize) -> Result<Box<dyn SymmetricMemory>, TransportError> {
+        Ok(Box::new(self.alloc_symmetric(bytes).await?))
+    }
+    async fn host_barrier_dyn(&self, tag: &str) -> Result<(), TransportError> {
+        self.host_barrier(tag).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strategy_names_round_trip() {
+        for s in [BarrierStrategy::Global, BarrierStrategy::Epoch, BarrierStrategy::PeerSignal] {
+            assert_eq!(s.name().parse::<BarrierStrategy>().unwrap(), s);
+        }
+        let err = "fast".parse::<BarrierStrategy>().unwrap_err();
+        assert!(err.to_string().contains("barrier strategy"), "{err}");
+    }
+}

@@ -1,0 +1,731 @@
+//! [`Buffer`]: one per process (per GPU); owns the transport, the symmetric buffer, the stream,
+//! the loaded kernels and the op sequence numbers that every rank keeps in step.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DevicePtr, DevicePtrMut, sys};
+use epcomm_bootstrap::Bootstrap;
+use epcomm_kernels::abi::{self, ErrorRecord, LayoutArgs, OpArgs};
+use epcomm_kernels::IntranodeKernels;
+use epcomm_topology::{BufferPlan, Parity, RegionKind};
+use epcomm_transport::memory::copy_dtoh;
+use epcomm_transport::{BarrierStrategy, DeviceBuffer, MappedHostBuffer, SymmetricMemory, Transport};
+use epcomm_transport_ipc::IpcTransport;
+
+use crate::error::DriverContext;
+use crate::handle::{Dispatched, Handle, HandleInner, RecvDtype};
+use crate::layout::{Layout, LayoutInner};
+use crate::stats::OpStats;
+use crate::{BufferConfig, Error, RecvMode, Result};
+
+/// Byte offset, inside the stats region, of the two start-stamp arrays (one per op parity)
+/// that peers write (`[world]` u64 each).
+const STAMPS_OFFSET: u64 = 2048;
+const STAMPS_STRIDE: u64 = 512;
+
+static NEXT_BUFFER_ID: AtomicU64 = AtomicU64::new(1);
+
+/// Token rows a dispatch sends.
+#[derive(Clone, Copy)]
+pub enum XInput<'a> {
+    /// `[T][hidden]` bf16.
+    Bf16(&'a dyn DevicePtr<half::bf16>),
+    /// `[T][hidden]` e4m3 bytes and `[T][hidden / 128]` f32 scales.
+    Fp8 {
+        /// e4m3 values.
+        x: &'a dyn DevicePtr<u8>,
+        /// One scale per 128 channels.
+        scales: &'a dyn DevicePtr<f32>,
+    },
+}
+
+impl std::fmt::Debug for XInput<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Bf16(x) => write!(f, "Bf16({} elements)", x.len()),
+            Self::Fp8 { x, scales } => write!(f, "Fp8({} bytes, {} scales)", x.len(), scales.len()),
+        }
+    }
+}
+
+/// Inputs of a dispatch.
+#[derive(Clone, Copy)]
+pub struct DispatchInput<'a> {
+    /// Token rows.
+    pub x: XInput<'a>,
+    /// `[T][top_k]` expert ids (-1 = none); the same array the layout was computed from.
+    pub topk_idx: &'a dyn DevicePtr<i64>,
+    /// `[T][top_k]` weights, forwarded with the rows.
+    pub topk_weights: Option<&'a dyn DevicePtr<f32>>,
+}
+
+impl std::fmt::Debug for DispatchInput<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DispatchInput")
+            .field("x", &self.x)
+            .field("topk_idx", &self.topk_idx.len())
+            .field("topk_weights", &self.topk_weights.map(|w| w.len()))
+            .finish()
+    }
+}
+
+/// Op sequence numbers, identical on every rank because every rank issues the same ops.
+#[derive(Debug, Default)]
+struct Sequence {
+    op: u64,
+    notify: u64,
+    dispatch: u64,
+    combine: u64,
+    done_expected: u64,
+    barriers: u64,
+}
+
+/// One rank's epcomm state: see the crate docs.
+#[derive(Debug)]
+pub struct Buffer<T: Transport = IpcTransport> {
+    id: u64,
+    cfg: BufferConfig,
+    rank: usize,
+    world: usize,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    kernels: IntranodeKernels,
+    plan: BufferPlan,
+    peer_bases: DeviceBuffer,
+    err_claim: DeviceBuffer,
+    err_record: MappedHostBuffer,
+    host_counts: MappedHostBuffer,
+    seq: Sequence,
+    last_op: Option<&'static str>,
+    failed: Option<String>,
+    mem: T::Memory,
+    transport: T,
+}
+
+impl Buffer<IpcTransport> {
+    /// Creates the buffer of this rank over CUDA IPC (all ranks on one host). Collective: every
+    /// rank must call it with the same config.
+    pub fn new(ctx: Arc<CudaContext>, bootstrap: Arc<Bootstrap>, cfg: BufferConfig) -> Result<Self> {
+        let transport = IpcTransport::new(ctx.clone(), bootstrap)?;
+        Self::with_transport(transport, ctx, cfg)
+    }
+}
+
+impl<T: Transport> Buffer<T> {
+    /// Creates the buffer over any transport. Collective.
+    pub fn with_transport(transport: T, ctx: Arc<CudaContext>, cfg: BufferConfig) -> Result<Self> {
+        cfg.validate()?;
+        let world = transport.world_size();
+        let rank = transport.rank();
+        let invalid = |argument, rule: String| Err(Error::InvalidArgument { argument, rule });
+        if world > abi::MAX_WORLD {
+            return invalid("world", format!("at most {} ranks per NVLink domain (got {world})", abi::MAX_WORLD));
+        }
+        if !cfg.num_experts.is_multiple_of(world) {
+            return invalid(
+                "num_experts",
+                format!("must be a multiple of the world size {world} (got {})", cfg.num_experts),
+            );
+        }
+        if !transport.barrier_strategies().contains(&cfg.barrier) {
+            return invalid(
+                "barrier",
+                format!("transport {} supports {:?}, not {:?}", transport.name(), transport.barrier_strategies(), cfg.barrier),
+            );
+        }
+        let sms = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .context("reading the SM count")? as u32;
+        if cfg.num_sms > sms {
+            return invalid("num_sms", format!("the device has {sms} SMs (asked for {})", cfg.num_sms));
+        }
+        let plan = BufferPlan::new(world, cfg.max_tokens_per_rank, cfg.hidden, cfg.top_k, cfg.num_experts)?;
+        let stream = ctx.new_stream().context("creating the comm stream")?;
+        let kernels = IntranodeKernels::load(&ctx, &stream)?;
+        let mem = pollster::block_on(transport.alloc_symmetric(plan.total_bytes() as usize))?;
+        if let Some(peer) = mem.peer_bases().iter().position(|&b| b == 0) {
+            return invalid("world", format!("rank {peer} is not reachable over NVLink from rank {rank}"));
+        }
+        let peer_bases = DeviceBuffer::zeroed(&ctx, world * 8)?;
+        peer_bases.write(&stream, 0, mem.peer_bases())?;
+        let err_claim = DeviceBuffer::zeroed(&ctx, 8)?;
+        let err_record = MappedHostBuffer::zeroed(&ctx, size_of::<ErrorRecord>())?;
+        let host_counts = MappedHostBuffer::zeroed(&ctx, (2 + cfg.num_experts / world) * 8)?;
+        let buffer = Self {
+            id: NEXT_BUFFER_ID.fetch_add(1, Ordering::Relaxed),
+            cfg,
+            rank,
+            world,
+            ctx,
+            stream,
+            kernels,
+            plan,
+            peer_bases,
+            err_claim,
+            err_record,
+            host_counts,
+            seq: Sequence::default(),
+            last_op: None,
+            failed: None,
+            mem,
+            transport,
+        };
+        // Nobody may write into a peer's buffer before that peer has zeroed and mapped it.
+        pollster::block_on(buffer.transport.host_barrier("epcomm-buffer-ready"))?;
+        Ok(buffer)
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.world
+    }
+
+    /// The CUDA context of this rank's GPU.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &BufferConfig {
+        &self.cfg
+    }
+
+    /// The transport.
+    pub fn transport(&self) -> &T {
+        &self.transport
+    }
+
+    /// The stream every op runs on. Make it wait for your producers ([`Self::wait_event`]) and
+    /// make your consumers wait for it ([`Self::record_event`]).
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Bytes of symmetric memory per rank.
+    pub fn symmetric_bytes(&self) -> usize {
+        self.mem.len()
+    }
+
+    /// Orders the next op after `event` (e.g. the end of the kernel producing `x`).
+    pub fn wait_event(&self, event: &CudaEvent) -> Result<()> {
+        self.stream.wait(event).context("waiting on a caller's event")
+    }
+
+    /// Records an event after the ops issued so far (async mode: wait on it instead of the host).
+    pub fn record_event(&self) -> Result<CudaEvent> {
+        self.stream.record_event(None).context("recording an event")
+    }
+
+    /// Waits for every issued op and reports any device failure.
+    pub fn synchronize(&mut self) -> Result<()> {
+        self.stream.synchronize().context("synchronizing the comm stream")?;
+        self.check()
+    }
+
+    /// Reports a failure recorded by a kernel (cheap: one read of mapped host memory). After a
+    /// failure the buffer refuses new ops: destroy it and create a new one.
+    pub fn check(&mut self) -> Result<()> {
+        if let Some(why) = &self.failed {
+            return Err(Error::Failed(why.clone()));
+        }
+        if self.err_record.load_u64(0).unwrap_or(0) as u32 == abi::code::OK {
+            return Ok(());
+        }
+        // The record is complete once the failing kernel has exited.
+        let _ = self.stream.synchronize();
+        let record: ErrorRecord = self.err_record.read_struct().unwrap_or_default();
+        let err = Error::from_record(&record);
+        self.failed = Some(err.to_string());
+        Err(err)
+    }
+
+    /// True after a device failure.
+    pub fn is_failed(&self) -> bool {
+        self.failed.is_some()
+    }
+
+    /// Waits for the last op and returns its per-peer timing on this rank.
+    pub fn last_op_stats(&mut self) -> Result<Option<OpStats>> {
+        self.synchronize()?;
+        if self.last_op.is_none() {
+            return Ok(None);
+        }
+        let off = self.plan.region(RegionKind::Stats, Parity::Even).offset;
+        // SAFETY: the stats region lies inside this rank's live symmetric buffer (plan offsets).
+        let words = unsafe { copy_dtoh::<u64>(&self.stream, self.mem.local_base() + off, 8 + 3 * self.world) }?;
+        Ok(OpStats::from_words(&words, self.rank))
+    }
+
+    /// Host-side barrier with the peers, then frees everything. Use instead of drop when peers
+    /// may still be running ops that touch this rank's memory.
+    pub fn destroy(mut self) -> Result<()> {
+        let synced = self.synchronize();
+        pollster::block_on(self.transport.host_barrier("epcomm-buffer-destroy"))?;
+        match synced {
+            Err(Error::Failed(_)) | Ok(()) => Ok(()),
+            Err(e @ (Error::Timeout { .. } | Error::Overflow { .. } | Error::InvalidExpert { .. })) => {
+                let _ = e;
+                Ok(())
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    fn ensure_ready(&mut self) -> Result<()> {
+        self.check()
+    }
+
+    fn wait_ctx_base(&self) -> (u64, u64, u64) {
+        (self.err_claim.ptr(), self.err_record.device_ptr(), self.cfg.timeout.as_nanos().min(u64::MAX as u128) as u64)
+    }
+
+    /// Computes the routing of `topk_idx` (`[num_tokens][top_k]`, -1 = none) on the GPU.
+    /// Invalid ids are reported by the next op ([`Error::InvalidExpert`]).
+    pub fn layout(&mut self, topk_idx: &dyn DevicePtr<i64>, num_tokens: usize) -> Result<Layout> {
+        self.ensure_ready()?;
+        self.check_tokens(num_tokens)?;
+        let k = self.cfg.top_k;
+        if topk_idx.len() != num_tokens * k {
+            return Err(Error::InvalidArgument {
+                argument: "topk_idx",
+                rule: format!("must hold num_tokens * top_k = {} ids (holds {})", num_tokens * k, topk_idx.len()),
+            });
+        }
+        let (world, e) = (self.world, self.cfg.num_experts);
+        let gpus_per_node = world; // one NVLink domain
+        let nodes = world / gpus_per_node;
+        // SAFETY: every element is written by the layout kernel before it is read.
+        let mut counts = unsafe { self.stream.alloc::<u32>(world + e + nodes) }.context("allocating layout counts")?;
+        // SAFETY: as above.
+        let mut token_slot = unsafe { self.stream.alloc::<i32>((num_tokens * world).max(1)) }.context("allocating token slots")?;
+        // SAFETY: as above.
+        let mut status = unsafe { self.stream.alloc::<u32>(1) }.context("allocating layout status")?;
+        let (err_claim, err_record, _) = self.wait_ctx_base();
+        {
+            let (idx_ptr, _g0) = topk_idx.device_ptr(&self.stream);
+            let (counts_ptr, _g1) = counts.device_ptr_mut(&self.stream);
+            let (slot_ptr, _g2) = token_slot.device_ptr_mut(&self.stream);
+            let (status_ptr, _g3) = status.device_ptr_mut(&self.stream);
+            let args = LayoutArgs {
+                topk_idx: idx_ptr,
+                counts: counts_ptr,
+                token_slot: slot_ptr,
+                status: status_ptr,
+                err_record,
+                err_claim,
+                num_tokens: num_tokens as i32,
+                top_k: k as i32,
+                num_experts: e as i32,
+                world: world as i32,
+                gpus_per_node: gpus_per_node as i32,
+                rank: self.rank as i32,
+            };
+            // SAFETY: all addresses are live allocations of the sizes the kernel expects for this
+            // shape (counts: world + E + nodes, token_slot: T * world, status: 1, topk_idx: T * K).
+            unsafe { self.kernels.launch_layout(&self.stream, &args) }?;
+        }
+        Ok(Layout {
+            inner: Arc::new(LayoutInner { counts, token_slot, status, num_tokens, world, num_experts: e, nodes, buffer_id: self.id }),
+        })
+    }
+
+    fn check_tokens(&self, num_tokens: usize) -> Result<()> {
+        if num_tokens > self.cfg.max_tokens_per_rank {
+            return Err(Error::InvalidArgument {
+                argument: "num_tokens",
+                rule: format!("at most max_tokens_per_rank = {} (got {num_tokens})", self.cfg.max_tokens_per_rank),
+            });
+        }
+        Ok(())
+    }
+
+    fn check_x(&self, x: &XInput<'_>, num_tokens: usize) -> Result<(RecvDtype, i32)> {
+        let h = self.cfg.hidden;
+        let bad = |argument, rule: String| Err(Error::InvalidArgument { argument, rule });
+        match x {
+            XInput::Bf16(x) => {
+                if x.len() != num_tokens * h {
+                    return bad("x", format!("bf16 x must hold num_tokens * hidden = {} values (holds {})", num_tokens * h, x.len()));
+                }
+                Ok((RecvDtype::Bf16, 0))
+            }
+            XInput::Fp8 { x, scales } => {
+                if !h.is_multiple_of(128) {
+                    return bad("x", format!("FP8 dispatch needs hidden % 128 == 0 (hidden = {h})"));
+                }
+                if x.len() != num_tokens * h {
+                    return bad("x", format!("fp8 x must hold num_tokens * hidden = {} bytes (holds {})", num_tokens * h, x.len()));
+                }
+                if scales.len() != num_tokens * (h / 128) {
+                    return bad("scales", format!("must hold num_tokens * hidden / 128 = {} values (holds {})", num_tokens * (h / 128), scales.len()));
+                }
+                Ok((RecvDtype::Fp8, (h / 128) as i32))
+            }
+        }
+    }
+
+    fn own<'l>(&self, layout: &'l LayoutInner) -> Result<&'l LayoutInner> {
+        if layout.buffer_id != self.id {
+            return Err(Error::InvalidArgument { argument: "layout/handle", rule: "was produced by another Buffer".into() });
+        }
+        Ok(layout)
+    }
+
+    /// Fills the fields every dispatch/combine launch shares and advances the sequence.
+    fn base_args(&mut self, blocks: u32, barriers: u64) -> OpArgs {
+        let s = &mut self.seq;
+        s.op += 1;
+        s.done_expected += u64::from(blocks);
+        let barrier_base = s.barriers;
+        if self.cfg.barrier == BarrierStrategy::Global {
+            s.barriers += barriers * u64::from(blocks);
+        }
+        let plan = &self.plan;
+        let stats = plan.region(RegionKind::Stats, Parity::Even).offset;
+        let (err_claim, err_record, timeout_ns) = self.wait_ctx_base();
+        OpArgs {
+            peer_bases: self.peer_bases.ptr(),
+            off_done: plan.region(RegionKind::DoneCounters, Parity::Even).offset,
+            off_barrier: plan.region(RegionKind::BarrierCounters, Parity::Even).offset,
+            off_stats: stats,
+            off_stamps: stats + STAMPS_OFFSET + (self.seq.op % 2) * STAMPS_STRIDE,
+            err_claim,
+            err_record,
+            host_counts: self.host_counts.device_ptr(),
+            timeout_ns,
+            done_expected: self.seq.done_expected,
+            barrier_base,
+            op_seq: self.seq.op,
+            hidden: self.cfg.hidden as i32,
+            top_k: self.cfg.top_k as i32,
+            num_experts: self.cfg.num_experts as i32,
+            world: self.world as i32,
+            rank: self.rank as i32,
+            max_tokens: self.cfg.max_tokens_per_rank as i32,
+            global_barriers: u32::from(self.cfg.barrier == BarrierStrategy::Global),
+            ..OpArgs::default()
+        }
+    }
+
+    fn recv_capacity(&self, mode: RecvMode) -> Result<usize> {
+        let cap = self.plan.recv_rows() as usize;
+        match mode {
+            RecvMode::Bounded(n) if n > cap => Err(Error::InvalidArgument {
+                argument: "RecvMode::Bounded",
+                rule: format!("at most the buffer's capacity of {cap} rows (got {n})"),
+            }),
+            RecvMode::Bounded(n) => Ok(n),
+            _ => Ok(cap),
+        }
+    }
+
+    /// Sends every token to each rank holding one of its experts. Collective: every rank calls
+    /// dispatch (or cached dispatch / combine) in the same order.
+    pub fn dispatch(&mut self, input: &DispatchInput<'_>, layout: &Layout, mode: RecvMode) -> Result<Dispatched<'_>> {
+        self.ensure_ready()?;
+        let l = self.own(&layout.inner)?;
+        let t = l.num_tokens;
+        let (dtype, num_scales) = self.check_x(&input.x, t)?;
+        let k = self.cfg.top_k;
+        if input.topk_idx.len() != t * k {
+            return Err(Error::InvalidArgument { argument: "topk_idx", rule: format!("must hold {} ids like the layout's (holds {})", t * k, input.topk_idx.len()) });
+        }
+        if let Some(w) = input.topk_weights
+            && w.len() != t * k
+        {
+            return Err(Error::InvalidArgument { argument: "topk_weights", rule: format!("must hold num_tokens * top_k = {} values (holds {})", t * k, w.len()) });
+        }
+        let max_rows = self.recv_capacity(mode)?;
+        let (world, epr) = (self.world, self.cfg.num_experts / self.world);
+        // SAFETY: the dispatch kernel writes every element before anything reads it.
+        let mut send_offsets = unsafe { self.stream.alloc::<i32>(world) }.context("allocating the handle")?;
+        // SAFETY: as above.
+        let mut recv_prefix = unsafe { self.stream.alloc::<i32>(world + 1) }.context("allocating the handle")?;
+        // SAFETY: as above (rows beyond the received count are never read).
+        let mut recv_src_idx = unsafe { self.stream.alloc::<i32>(max_rows.max(1)) }.context("allocating the handle")?;
+        // SAFETY: as above.
+        let mut recv_expert_counts = unsafe { self.stream.alloc::<i32>(epr.max(1)) }.context("allocating the handle")?;
+        let barriers = 3;
+        let blocks = self.cfg.num_sms;
+        let mut a = self.base_args(blocks, barriers);
+        self.seq.notify += 1;
+        self.seq.dispatch += 1;
+        let notify = self.seq.notify;
+        let parity = Parity::of_epoch(self.seq.dispatch);
+        self.fill_dispatch_regions(&mut a, parity, Parity::of_epoch(notify));
+        a.epoch = notify;
+        a.num_tokens = t as i32;
+        a.num_scales = num_scales;
+        a.row_bytes = self.row_bytes(dtype);
+        a.max_recv_rows = max_rows as i32;
+        a.flags = abi::flags::HAS_TOPK
+            | if input.topk_weights.is_some() { abi::flags::HAS_WEIGHTS } else { 0 }
+            | if dtype == RecvDtype::Fp8 { abi::flags::HAS_SCALES } else { 0 };
+        {
+            let s = &self.stream;
+            let (x_ptr, _gx) = match input.x {
+                XInput::Bf16(x) => x.device_ptr(s),
+                XInput::Fp8 { x, .. } => x.device_ptr(s),
+            };
+            let sc = match input.x {
+                XInput::Fp8 { scales, .. } => Some(scales.device_ptr(s)),
+                XInput::Bf16(_) => None,
+            };
+            let (idx_ptr, _gi) = input.topk_idx.device_ptr(s);
+            let w = input.topk_weights.map(|w| w.device_ptr(s));
+            let (slot_ptr, _g1) = l.token_slot.device_ptr(s);
+            let (counts_ptr, _g2) = l.counts.device_ptr(s);
+            let (status_ptr, _g3) = l.status.device_ptr(s);
+            let (so, _g4) = send_offsets.device_ptr_mut(s);
+            let (rp, _g5) = recv_prefix.device_ptr_mut(s);
+            let (ri, _g6) = recv_src_idx.device_ptr_mut(s);
+            let (re, _g7) = recv_expert_counts.device_ptr_mut(s);
+            a.x = x_ptr;
+            a.x_scales = sc.as_ref().map_or(0, |p| p.0);
+            a.topk_idx = idx_ptr;
+            a.topk_weights = w.as_ref().map_or(0, |p| p.0);
+            a.token_slot = slot_ptr;
+            a.layout_counts = counts_ptr;
+            a.layout_status = status_ptr;
+            a.send_offsets = so;
+            a.recv_prefix = rp;
+            a.recv_src_idx = ri;
+            a.recv_expert_counts = re;
+            // SAFETY: inputs were length-checked above; handle arrays hold world, world + 1,
+            // max_rows and experts_per_rank elements; the symmetric buffer follows the plan on
+            // every rank (same config), and every rank launches this op with `blocks` blocks.
+            unsafe { self.kernels.launch_dispatch(s, &a, blocks) }?;
+        }
+        self.last_op = Some("dispatch");
+        let (num_recv, per_expert) = if mode == RecvMode::HostSync {
+            let (n, e) = self.wait_host_counts(notify, epr)?;
+            (Some(n), Some(e))
+        } else {
+            (None, None)
+        };
+        let handle = Handle {
+            inner: Arc::new(HandleInner {
+                layout: layout.inner.clone(),
+                send_offsets,
+                recv_prefix,
+                recv_src_idx,
+                recv_expert_counts,
+                num_recv,
+                max_rows,
+                buffer_id: self.id,
+            }),
+        };
+        Ok(self.dispatched(handle, dtype, parity, true, input.topk_weights.is_some(), per_expert))
+    }
+
+    /// Sends new rows along the routing of an earlier dispatch: no count exchange, no host wait.
+    pub fn cached_dispatch(&mut self, x: &XInput<'_>, handle: &Handle) -> Result<Dispatched<'_>> {
+        self.ensure_ready()?;
+        let h = &handle.inner;
+        if h.buffer_id != self.id {
+            return Err(Error::InvalidArgument { argument: "handle", rule: "was produced by another Buffer".into() });
+        }
+        let l = &h.layout;
+        let (dtype, num_scales) = self.check_x(x, l.num_tokens)?;
+        let blocks = self.cfg.num_sms;
+        let mut a = self.base_args(blocks, 1);
+        self.seq.dispatch += 1;
+        let parity = Parity::of_epoch(self.seq.dispatch);
+        self.fill_dispatch_regions(&mut a, parity, Parity::of_epoch(self.seq.notify));
+        a.epoch = self.seq.notify;
+        a.num_tokens = l.num_tokens as i32;
+        a.num_scales = num_scales;
+        a.row_bytes = self.row_bytes(dtype);
+        a.max_recv_rows = h.max_rows as i32;
+        a.flags = abi::flags::CACHED | if dtype == RecvDtype::Fp8 { abi::flags::HAS_SCALES } else { 0 };
+        {
+            let s = &self.stream;
+            let (x_ptr, _gx) = match x {
+                XInput::Bf16(x) => x.device_ptr(s),
+                XInput::Fp8 { x, .. } => x.device_ptr(s),
+            };
+            let sc = match x {
+                XInput::Fp8 { scales, .. } => Some(scales.device_ptr(s)),
+                XInput::Bf16(_) => None,
+            };
+            let (slot_ptr, _g1) = l.token_slot.device_ptr(s);
+            let (counts_ptr, _g2) = l.counts.device_ptr(s);
+            let (status_ptr, _g3) = l.status.device_ptr(s);
+            let (so, _g4) = h.send_offsets.device_ptr(s);
+            let (rp, _g5) = h.recv_prefix.device_ptr(s);
+            let (ri, _g6) = h.recv_src_idx.device_ptr(s);
+            let (re, _g7) = h.recv_expert_counts.device_ptr(s);
+            a.x = x_ptr;
+            a.x_scales = sc.as_ref().map_or(0, |p| p.0);
+            a.token_slot = slot_ptr;
+            a.layout_counts = counts_ptr;
+            a.layout_status = status_ptr;
+            a.send_offsets = so;
+            a.recv_prefix = rp;
+            a.recv_src_idx = ri;
+            a.recv_expert_counts = re;
+            // SAFETY: as in `dispatch`; the handle's arrays were written by its dispatch, which
+            // precedes this launch on the same stream. Cached dispatch reads them only.
+            unsafe { self.kernels.launch_dispatch(s, &a, blocks) }?;
+        }
+        self.last_op = Some("cached dispatch");
+        let per_expert = None;
+        Ok(self.dispatched(handle.clone(), dtype, parity, false, false, per_expert))
+    }
+
+    fn row_bytes(&self, dtype: RecvDtype) -> i32 {
+        (match dtype {
+            RecvDtype::Bf16 => self.cfg.hidden * 2,
+            RecvDtype::Fp8 => self.cfg.hidden,
+        }) as i32
+    }
+
+    fn fill_dispatch_regions(&self, a: &mut OpArgs, data: Parity, notify: Parity) {
+        let r = |k| self.plan.region(k, data).offset;
+        a.off_x = r(RegionKind::DispatchX);
+        a.off_scales = r(RegionKind::DispatchScales);
+        a.off_topk_idx = r(RegionKind::DispatchTopkIdx);
+        a.off_topk_w = r(RegionKind::DispatchTopkWeights);
+        a.off_src_idx = r(RegionKind::DispatchSrcIdx);
+        a.off_counts = self.plan.region(RegionKind::CountMatrix, notify).offset;
+        a.off_expert_counts = self.plan.region(RegionKind::ExpertCounts, notify).offset;
+    }
+
+    fn dispatched(
+        &self,
+        handle: Handle,
+        dtype: RecvDtype,
+        parity: Parity,
+        topk: bool,
+        weights: bool,
+        per_expert: Option<Vec<usize>>,
+    ) -> Dispatched<'_> {
+        let base = self.mem.local_base();
+        let r = |k| base + self.plan.region(k, parity).offset;
+        Dispatched {
+            stream: &self.stream,
+            handle,
+            dtype,
+            hidden: self.cfg.hidden,
+            top_k: self.cfg.top_k,
+            recv_x: r(RegionKind::DispatchX),
+            recv_scales: r(RegionKind::DispatchScales),
+            recv_topk_idx: topk.then(|| r(RegionKind::DispatchTopkIdx)),
+            recv_topk_weights: weights.then(|| r(RegionKind::DispatchTopkWeights)),
+            num_recv_per_local_expert: per_expert,
+        }
+    }
+
+    /// HostSync: waits (bounded) for the counts the dispatch kernel publishes to mapped memory.
+    fn wait_host_counts(&mut self, tag: u64, epr: usize) -> Result<(usize, Vec<usize>)> {
+        let start = Instant::now();
+        let limit = self.cfg.timeout + Duration::from_secs(1);
+        loop {
+            if self.host_counts.load_u64(0) == Some(tag) {
+                let n = self.host_counts.load_u64(1).unwrap_or(0) as usize;
+                let e = (0..epr).map(|i| self.host_counts.load_u64(2 + i).unwrap_or(0) as usize).collect();
+                return Ok((n, e));
+            }
+            self.check()?;
+            // SAFETY: querying a live stream has no preconditions.
+            let idle = unsafe { sys::cuStreamQuery(self.stream.cu_stream()) } == sys::CUresult::CUDA_SUCCESS;
+            if idle && self.host_counts.load_u64(0) != Some(tag) {
+                self.check()?;
+                return Err(Error::Failed("dispatch finished without publishing its receive count".into()));
+            }
+            if start.elapsed() > limit {
+                let e = Error::Timeout {
+                    op: "dispatch",
+                    rank: self.rank,
+                    wait: crate::WaitKind::HostRecvCount,
+                    peer: -1,
+                    op_seq: self.seq.op,
+                    expected: tag,
+                    seen: self.host_counts.load_u64(0).unwrap_or(0),
+                    waited: start.elapsed(),
+                };
+                self.failed = Some(e.to_string());
+                return Err(e);
+            }
+            std::hint::spin_loop();
+        }
+    }
+
+    /// Sends expert outputs back and sums each token's contributions (fp32, rank order) into
+    /// `out` (`[T][hidden]` bf16). `y` holds one row per received row, in the dispatch's order;
+    /// `y_weights` (`[rows][top_k]`) are summed into `out_weights` (`[T][top_k]`) the same way.
+    pub fn combine(
+        &mut self,
+        y: &dyn DevicePtr<half::bf16>,
+        y_weights: Option<&dyn DevicePtr<f32>>,
+        handle: &Handle,
+        out: &mut dyn DevicePtrMut<half::bf16>,
+        out_weights: Option<&mut dyn DevicePtrMut<f32>>,
+    ) -> Result<()> {
+        self.ensure_ready()?;
+        let h = &handle.inner;
+        if h.buffer_id != self.id {
+            return Err(Error::InvalidArgument { argument: "handle", rule: "was produced by another Buffer".into() });
+        }
+        let (hd, k, t) = (self.cfg.hidden, self.cfg.top_k, h.layout.num_tokens);
+        let rows = h.num_recv.unwrap_or(h.max_rows);
+        let bad = |argument, rule: String| Err(Error::InvalidArgument { argument, rule });
+        if y.len() < rows * hd || !y.len().is_multiple_of(hd) {
+            return bad("y", format!("must hold rows * hidden = {} values (holds {}); rows = {rows} ({})", rows * hd, y.len(), if h.num_recv.is_some() { "received" } else { "capacity: WorstCase dispatch" }));
+        }
+        if out.len() != t * hd {
+            return bad("out", format!("must hold num_tokens * hidden = {} values (holds {})", t * hd, out.len()));
+        }
+        match (&y_weights, &out_weights) {
+            (Some(w), Some(o)) => {
+                if w.len() < rows * k {
+                    return bad("y_weights", format!("must hold rows * top_k = {} values (holds {})", rows * k, w.len()));
+                }
+                if o.len() != t * k {
+                    return bad("out_weights", format!("must hold num_tokens * top_k = {} values (holds {})", t * k, o.len()));
+                }
+            }
+            (None, None) => {}
+            _ => return bad("y_weights/out_weights", "give both or neither".into()),
+        }
+        let blocks = self.cfg.num_sms;
+        let mut a = self.base_args(blocks, 1);
+        self.seq.combine += 1;
+        let parity = Parity::of_epoch(self.seq.combine);
+        a.off_comb_x = self.plan.region(RegionKind::CombineX, parity).offset;
+        a.off_comb_w = self.plan.region(RegionKind::CombineWeights, parity).offset;
+        a.num_tokens = t as i32;
+        a.max_recv_rows = h.max_rows as i32;
+        a.flags = if y_weights.is_some() { abi::flags::HAS_WEIGHTS } else { 0 };
+        {
+            let s = &self.stream;
+            let (y_ptr, _gy) = y.device_ptr(s);
+            let yw = y_weights.map(|w| w.device_ptr(s));
+            let (out_ptr, _go) = out.device_ptr_mut(s);
+            let ow = out_weights.map(|w| w.device_ptr_mut(s));
+            let (slot_ptr, _g1) = h.layout.token_slot.device_ptr(s);
+            let (rp, _g2) = h.recv_prefix.device_ptr(s);
+            let (ri, _g3) = h.recv_src_idx.device_ptr(s);
+            a.x = y_ptr;
+            a.topk_weights = yw.as_ref().map_or(0, |p| p.0);
+            a.out = out_ptr;
+            a.out_weights = ow.as_ref().map_or(0, |p| p.0);
+            a.token_slot = slot_ptr;
+            a.recv_prefix = rp;
+            a.recv_src_idx = ri;
+            // SAFETY: y holds at least the received rows (checked against the host count or the
+            // capacity the dispatch enforced on the device); out/out_weights hold T rows; the
+            // handle's arrays were written by its dispatch earlier on this stream.
+            unsafe { self.kernels.launch_combine(s, &a, blocks) }?;
+        }
+        self.last_op = Some("combine");
+        Ok(())
+    }
+}

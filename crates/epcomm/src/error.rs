@@ -1,0 +1,189 @@
+//! Errors of the frontend.
+
+use std::time::Duration;
+
+use epcomm_kernels::abi;
+
+/// Which device wait expired (docs/protocol.md step labels).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WaitKind {
+    /// [E2] a peer's count row.
+    CountRow,
+    /// [E2] a peer's per-expert counts.
+    ExpertCounts,
+    /// [E6] a peer's dispatch data.
+    DispatchData,
+    /// [C3] a peer's combine contributions.
+    CombineData,
+    /// [G*] a Global-strategy barrier.
+    Barrier,
+    /// The host's wait for the receive count (HostSync).
+    HostRecvCount,
+    /// Unknown code (newer kernels).
+    Other(u32),
+}
+
+impl WaitKind {
+    pub(crate) fn from_code(code: u32) -> Self {
+        match code {
+            abi::wait::COUNT_ROW => Self::CountRow,
+            abi::wait::EXPERT_COUNTS => Self::ExpertCounts,
+            abi::wait::DISPATCH_DONE => Self::DispatchData,
+            abi::wait::COMBINE_DONE => Self::CombineData,
+            abi::wait::BARRIER => Self::Barrier,
+            other => Self::Other(other),
+        }
+    }
+}
+
+/// Errors of epcomm operations.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// An argument broke a rule.
+    #[error("invalid {argument}: {rule}")]
+    InvalidArgument {
+        /// The argument.
+        argument: &'static str,
+        /// The rule it broke.
+        rule: String,
+    },
+    /// A bounded wait expired. The buffer is failed; destroy it and make a new one.
+    #[error(
+        "timeout in {op} on rank {rank}: waited {waited:?} for {wait:?} from rank {peer} \
+         (op #{op_seq}, expected {expected}, saw {seen}); rank {peer} is late or gone"
+    )]
+    Timeout {
+        /// The op.
+        op: &'static str,
+        /// This rank.
+        rank: usize,
+        /// What was waited for.
+        wait: WaitKind,
+        /// The peer waited for.
+        peer: i64,
+        /// Op sequence number.
+        op_seq: u64,
+        /// Value waited for.
+        expected: u64,
+        /// Value last seen.
+        seen: u64,
+        /// How long.
+        waited: Duration,
+    },
+    /// A dispatch would receive more rows than allowed; nothing was written.
+    #[error("{op}: rank {dest} would receive {requested} rows, more than the capacity {capacity}")]
+    Overflow {
+        /// The op.
+        op: &'static str,
+        /// The receiving rank.
+        dest: i64,
+        /// Rows it would receive.
+        requested: u64,
+        /// Allowed rows (buffer capacity or `RecvMode::Bounded`).
+        capacity: u64,
+    },
+    /// A top-k id outside `[-1, num_experts)`.
+    #[error("invalid topk_idx: token {token} has expert id {value}, must be -1 or in 0..{num_experts}")]
+    InvalidExpert {
+        /// Token index.
+        token: i64,
+        /// The id (as stored, two's complement).
+        value: i64,
+        /// Number of experts.
+        num_experts: u64,
+    },
+    /// An earlier error left this buffer unusable.
+    #[error("this Buffer failed earlier ({0}); destroy it and create a new one")]
+    Failed(String),
+    /// Transport error.
+    #[error(transparent)]
+    Transport(#[from] epcomm_transport::TransportError),
+    /// Kernel loading/launch error.
+    #[error(transparent)]
+    Kernel(#[from] epcomm_kernels::KernelError),
+    /// Topology/config error.
+    #[error(transparent)]
+    Topology(#[from] epcomm_topology::TopologyError),
+    /// CUDA driver error.
+    #[error("CUDA driver error while {context}: {source}")]
+    Driver {
+        /// What was being done.
+        context: &'static str,
+        /// The driver's error.
+        #[source]
+        source: cudarc::driver::DriverError,
+    },
+}
+
+impl Error {
+    /// Translates a device failure record.
+    pub(crate) fn from_record(r: &abi::ErrorRecord) -> Self {
+        let op = match r.op {
+            abi::op::LAYOUT => "layout",
+            abi::op::DISPATCH => "dispatch",
+            abi::op::CACHED_DISPATCH => "cached dispatch",
+            abi::op::COMBINE => "combine",
+            _ => "unknown op",
+        };
+        match r.code {
+            abi::code::OVERFLOW => Self::Overflow {
+                op,
+                dest: r.peer as i64,
+                requested: r.seen,
+                capacity: r.expected,
+            },
+            abi::code::INVALID_EXPERT => Self::InvalidExpert {
+                token: r.peer as i64,
+                value: r.seen as i64,
+                num_experts: r.expected,
+            },
+            _ => Self::Timeout {
+                op,
+                rank: r.rank as usize,
+                wait: WaitKind::from_code(r.wait_id),
+                peer: r.peer as i64,
+                op_seq: r.epoch,
+                expected: r.expected,
+                seen: r.seen,
+                waited: Duration::from_nanos(r.waited_ns),
+            },
+        }
+    }
+}
+
+pub(crate) trait DriverContext<T> {
+    fn context(self, context: &'static str) -> Result<T, Error>;
+}
+
+impl<T> DriverContext<T> for Result<T, cudarc::driver::DriverError> {
+    fn context(self, context: &'static str) -> Result<T, Error> {
+        self.map_err(|source| Error::Driver { context, source })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_become_typed_errors_naming_the_peer() {
+        let r = abi::ErrorRecord {
+            code: abi::code::TIMEOUT,
+            op: abi::op::COMBINE,
+            wait_id: abi::wait::COMBINE_DONE,
+            peer: 3,
+            rank: 1,
+            epoch: 9,
+            expected: 48,
+            seen: 24,
+            waited_ns: 2_000_000,
+            ..Default::default()
+        };
+        let e = Error::from_record(&r).to_string();
+        assert!(e.contains("combine") && e.contains("rank 3") && e.contains("CombineData"), "{e}");
+        let r = abi::ErrorRecord { code: abi::code::INVALID_EXPERT, op: abi::op::LAYOUT, peer: 7, expected: 64, seen: 99, ..Default::default() };
+        assert!(matches!(Error::from_record(&r), Error::InvalidExpert { token: 7, value: 99, num_experts: 64 }));
+        let r = abi::ErrorRecord { code: abi::code::OVERFLOW, op: abi::op::DISPATCH, peer: 0, expected: 10, seen: 12, ..Default::default() };
+        assert!(matches!(Error::from_record(&r), Error::Overflow { requested: 12, capacity: 10, .. }));
+    }
+}

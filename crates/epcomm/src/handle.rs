@@ -1,0 +1,205 @@
+//! The routing a dispatch leaves behind ([`Handle`]) and the view of its received rows
+//! ([`Dispatched`]).
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream};
+use epcomm_transport::memory::copy_dtoh;
+
+use crate::error::DriverContext;
+use crate::layout::LayoutInner;
+use crate::Result;
+
+/// Routing of one dispatch, reused by combine and cached dispatch (device memory; cheap to
+/// clone). Valid only with the [`crate::Buffer`] that produced it.
+#[derive(Clone, Debug)]
+pub struct Handle {
+    pub(crate) inner: Arc<HandleInner>,
+}
+
+#[derive(Debug)]
+pub(crate) struct HandleInner {
+    pub(crate) layout: Arc<LayoutInner>,
+    /// `[world]` first row of this rank's tokens in every destination.
+    pub(crate) send_offsets: CudaSlice<i32>,
+    /// `[world + 1]` first received row from every source; `[world]` = rows received.
+    pub(crate) recv_prefix: CudaSlice<i32>,
+    /// `[max_rows]` source token index of every received row.
+    pub(crate) recv_src_idx: CudaSlice<i32>,
+    /// `[experts_per_rank]` rows per local expert.
+    pub(crate) recv_expert_counts: CudaSlice<i32>,
+    /// Rows received, when the host knows it (HostSync).
+    pub(crate) num_recv: Option<usize>,
+    /// Upper bound of rows received (the capacity the dispatch ran with).
+    pub(crate) max_rows: usize,
+    pub(crate) buffer_id: u64,
+}
+
+impl Handle {
+    /// Tokens of the batch the handle routes.
+    pub fn num_tokens(&self) -> usize {
+        self.inner.layout.num_tokens
+    }
+
+    /// Rows received, if known on the host (HostSync dispatch).
+    pub fn num_recv(&self) -> Option<usize> {
+        self.inner.num_recv
+    }
+
+    /// Reads the number of received rows from the device (waits for the dispatch).
+    pub fn num_recv_from_device(&self) -> Result<usize> {
+        let s = self.inner.recv_prefix.stream().clone();
+        let p = s.clone_dtoh(&self.inner.recv_prefix).context("reading recv_prefix")?;
+        Ok(p.last().copied().unwrap_or(0).max(0) as usize)
+    }
+
+    /// `[world + 1]` first received row per source rank (waits for the dispatch).
+    pub fn recv_prefix_to_host(&self) -> Result<Vec<i32>> {
+        let s = self.inner.recv_prefix.stream().clone();
+        s.clone_dtoh(&self.inner.recv_prefix).context("reading recv_prefix")
+    }
+
+    /// Source token index of every received row (waits for the dispatch).
+    pub fn recv_src_idx_to_host(&self) -> Result<Vec<i32>> {
+        let n = self.num_recv_from_device()?;
+        let s = self.inner.recv_src_idx.stream().clone();
+        let mut v = s.clone_dtoh(&self.inner.recv_src_idx).context("reading recv_src_idx")?;
+        v.truncate(n);
+        Ok(v)
+    }
+
+    /// Rows per local expert (waits for the dispatch).
+    pub fn num_recv_per_local_expert(&self) -> Result<Vec<i32>> {
+        let s = self.inner.recv_expert_counts.stream().clone();
+        s.clone_dtoh(&self.inner.recv_expert_counts).context("reading expert counts")
+    }
+}
+
+/// Element type of received rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RecvDtype {
+    /// bf16 rows.
+    Bf16,
+    /// FP8 e4m3 rows with one f32 scale per 128 channels.
+    Fp8,
+}
+
+/// The result of a dispatch: views of the received rows in this rank's symmetric buffer plus
+/// the [`Handle`]. It borrows the `Buffer`, so no other op can be issued while it lives; copy
+/// what must outlive it, or keep only the handle ([`Dispatched::into_handle`]).
+///
+/// Row order: by source rank, then source token index (deterministic).
+#[derive(Debug)]
+pub struct Dispatched<'b> {
+    pub(crate) stream: &'b Arc<CudaStream>,
+    pub(crate) handle: Handle,
+    pub(crate) dtype: RecvDtype,
+    pub(crate) hidden: usize,
+    pub(crate) top_k: usize,
+    pub(crate) recv_x: u64,
+    pub(crate) recv_scales: u64,
+    pub(crate) recv_topk_idx: Option<u64>,
+    pub(crate) recv_topk_weights: Option<u64>,
+    pub(crate) num_recv_per_local_expert: Option<Vec<usize>>,
+}
+
+impl Dispatched<'_> {
+    /// The routing, for combine and cached dispatch.
+    pub fn handle(&self) -> &Handle {
+        &self.handle
+    }
+
+    /// Drops the views, keeps the routing.
+    pub fn into_handle(self) -> Handle {
+        self.handle
+    }
+
+    /// Rows received, if known on the host (HostSync).
+    pub fn num_recv(&self) -> Option<usize> {
+        self.handle.inner.num_recv
+    }
+
+    /// Rows per local expert, if known on the host (HostSync).
+    pub fn num_recv_per_local_expert(&self) -> Option<&[usize]> {
+        self.num_recv_per_local_expert.as_deref()
+    }
+
+    /// Element type of the rows.
+    pub fn dtype(&self) -> RecvDtype {
+        self.dtype
+    }
+
+    /// Device address of the received rows (`[rows][hidden]`, bf16 or e4m3 bytes).
+    pub fn recv_x_ptr(&self) -> u64 {
+        self.recv_x
+    }
+
+    /// Device address of the received FP8 scales (`[rows][hidden / 128]` f32), if FP8.
+    pub fn recv_scales_ptr(&self) -> Option<u64> {
+        (self.dtype == RecvDtype::Fp8).then_some(self.recv_scales)
+    }
+
+    /// Device address of the received local top-k ids (`[rows][top_k]` i64, -1 where the expert
+    /// is elsewhere), if they travelled (not for cached dispatch).
+    pub fn recv_topk_idx_ptr(&self) -> Option<u64> {
+        self.recv_topk_idx
+    }
+
+    /// Device address of the received top-k weights (`[rows][top_k]` f32, 0 where the expert is
+    /// elsewhere), if they travelled.
+    pub fn recv_topk_weights_ptr(&self) -> Option<u64> {
+        self.recv_topk_weights
+    }
+
+    fn rows(&self) -> Result<usize> {
+        match self.num_recv() {
+            Some(n) => Ok(n),
+            None => self.handle.num_recv_from_device(),
+        }
+    }
+
+    fn row_bytes(&self) -> usize {
+        match self.dtype {
+            RecvDtype::Bf16 => self.hidden * 2,
+            RecvDtype::Fp8 => self.hidden,
+        }
+    }
+
+    /// Copies the received rows' raw bytes to the host (waits for the dispatch).
+    pub fn recv_x_bytes_to_host(&self) -> Result<Vec<u8>> {
+        let n = self.rows()? * self.row_bytes();
+        // SAFETY: the rows lie in this rank's symmetric buffer (capacity checked by the kernel),
+        // which the borrowed Buffer keeps alive.
+        Ok(unsafe { copy_dtoh::<u8>(self.stream, self.recv_x, n) }?)
+    }
+
+    /// Copies the received rows as bf16 (Bf16 dispatch only).
+    pub fn recv_x_bf16_to_host(&self) -> Result<Vec<half::bf16>> {
+        let bytes = self.recv_x_bytes_to_host()?;
+        Ok(bytes.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]])).collect())
+    }
+
+    /// Copies the received scales (FP8 only; empty otherwise).
+    pub fn recv_scales_to_host(&self) -> Result<Vec<f32>> {
+        let Some(p) = self.recv_scales_ptr() else { return Ok(Vec::new()) };
+        let n = self.rows()? * (self.hidden / 128);
+        // SAFETY: as for recv_x.
+        Ok(unsafe { copy_dtoh::<f32>(self.stream, p, n) }?)
+    }
+
+    /// Copies the received local top-k ids (empty if they did not travel).
+    pub fn recv_topk_idx_to_host(&self) -> Result<Vec<i64>> {
+        let Some(p) = self.recv_topk_idx else { return Ok(Vec::new()) };
+        let n = self.rows()? * self.top_k;
+        // SAFETY: as for recv_x.
+        Ok(unsafe { copy_dtoh::<i64>(self.stream, p, n) }?)
+    }
+
+    /// Copies the received top-k weights (empty if they did not travel).
+    pub fn recv_topk_weights_to_host(&self) -> Result<Vec<f32>> {
+        let Some(p) = self.recv_topk_weights else { return Ok(Vec::new()) };
+        let n = self.rows()? * self.top_k;
+        // SAFETY: as for recv_x.
+        Ok(unsafe { copy_dtoh::<f32>(self.stream, p, n) }?)
+    }
+}

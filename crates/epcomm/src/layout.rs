@@ -1,0 +1,67 @@
+//! Routing statistics computed on the GPU by the layout kernel.
+
+use std::sync::Arc;
+
+use cudarc::driver::CudaSlice;
+
+use crate::error::DriverContext;
+use crate::Result;
+
+/// Device arrays written by the layout kernel (owned; shared with the handles built on them).
+#[derive(Debug)]
+pub(crate) struct LayoutInner {
+    /// `[world]` tokens per rank, `[E]` tokens per expert, `[nodes]` tokens per node (u32).
+    pub(crate) counts: CudaSlice<u32>,
+    /// `[T][world]` slot of each token among those sent to each rank, -1 if not sent.
+    pub(crate) token_slot: CudaSlice<i32>,
+    /// Nonzero when the kernel rejected a top-k id.
+    pub(crate) status: CudaSlice<u32>,
+    pub(crate) num_tokens: usize,
+    pub(crate) world: usize,
+    pub(crate) num_experts: usize,
+    pub(crate) nodes: usize,
+    pub(crate) buffer_id: u64,
+}
+
+/// The routing of one batch: tokens per rank / expert / node and each token's slot in every
+/// destination, on the device. Produced by [`crate::Buffer::layout`] and consumed by
+/// [`crate::Buffer::dispatch`]; stream-ordered, so the host never waits for it.
+#[derive(Clone, Debug)]
+pub struct Layout {
+    pub(crate) inner: Arc<LayoutInner>,
+}
+
+/// A host copy of a [`Layout`] (for tests and diagnostics).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HostLayout {
+    /// Tokens sent to each rank.
+    pub tokens_per_rank: Vec<u32>,
+    /// Top-k entries per expert.
+    pub tokens_per_expert: Vec<u32>,
+    /// Tokens sent to each node (a token counted once per node).
+    pub tokens_per_node: Vec<u32>,
+    /// `[T][world]` slot of each token in each rank, -1 where not sent.
+    pub token_slot: Vec<i32>,
+}
+
+impl Layout {
+    /// Tokens of the batch.
+    pub fn num_tokens(&self) -> usize {
+        self.inner.num_tokens
+    }
+
+    /// Copies the layout to the host (waits for the layout kernel).
+    pub fn to_host(&self) -> Result<HostLayout> {
+        let i = &self.inner;
+        let stream = i.counts.stream().clone();
+        let counts = stream.clone_dtoh(&i.counts).context("reading layout counts")?;
+        let mut token_slot = stream.clone_dtoh(&i.token_slot).context("reading token slots")?;
+        token_slot.truncate(i.num_tokens * i.world);
+        Ok(HostLayout {
+            tokens_per_rank: counts[..i.world].to_vec(),
+            tokens_per_expert: counts[i.world..i.world + i.num_experts].to_vec(),
+            tokens_per_node: counts[i.world + i.num_experts..i.world + i.num_experts + i.nodes].to_vec(),
+            token_slot,
+        })
+    }
+}

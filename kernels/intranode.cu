@@ -1,0 +1,537 @@
+// Intranode (NVLink domain) layout, dispatch and combine kernels.
+//
+// Protocol: docs/protocol.md (step labels [E1]..[E7], [C1]..[C4], [G1]..[G5] are cited below).
+// Memory: every rank owns one symmetric buffer; peers write into it through CUDA IPC mappings.
+//  * dispatch writes each token straight into its final row of every destination's receive
+//    region (rows ordered by source rank, then source token index), so the receiver's output
+//    is the region itself: no receiver-side copy;
+//  * combine pushes each received row back into the owner's combine region at
+//    [sender][token], and the owner reduces in rank order (fp32, deterministic).
+// Nothing is ever cleaned: counts are epoch-tagged, completion counters are monotonic, and the
+// receive regions alternate by parity (a rank is at most one op ahead of any peer).
+#include <cuda_bf16.h>
+
+#include "epcomm/abi.cuh"
+#include "epcomm/ptx.cuh"
+#include "epcomm/wait.cuh"
+
+using namespace epcomm;
+
+namespace {
+
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+constexpr int kUnroll = 8;  // 16-byte vectors per lane in flight per copy step
+constexpr int kHistChunk = 4096;
+
+// Stats block (local u64 words), read by `Buffer::last_op_stats`.
+constexpr int kStatOpSeq = 0;
+constexpr int kStatStart = 1;
+constexpr int kStatCountsReady = 2;
+constexpr int kStatSent = 3;
+constexpr int kStatEnd = 4;
+constexpr int kStatKind = 5;
+constexpr int kStatWorld = 6;
+constexpr int kStatPeers = 8;  // [world] peer start stamps, [world] count-row arrivals,
+                               // [world] data-landed arrivals
+
+struct Shared {
+  uint8_t* bases[kMaxWorld];
+  int offsets[kMaxWorld + 1];
+  int rows[kWarps][kMaxWorld];
+  uint32_t counts[kMaxWorld * kMaxWorld];
+  int abort;
+};
+
+__device__ __forceinline__ uint64_t* u64_at(uint8_t* base, uint64_t off) {
+  return reinterpret_cast<uint64_t*>(base + off);
+}
+
+__device__ __forceinline__ WaitCtx make_wait(const OpArgs& a, uint32_t op) {
+  WaitCtx w;
+  w.record = reinterpret_cast<ErrorRecord*>(a.err_record);
+  w.claim = reinterpret_cast<uint32_t*>(a.err_claim);
+  w.timeout_ns = a.timeout_ns;
+  w.epoch = a.op_seq;
+  w.op = op;
+  w.rank = a.rank;
+  return w;
+}
+
+// Loads peer bases, publishes this rank's start stamp to every peer, clears the abort flag.
+__device__ __forceinline__ void prologue(const OpArgs& a, Shared& s, uint64_t t_start) {
+  const int tid = threadIdx.x;
+  if (tid < a.world) s.bases[tid] = reinterpret_cast<uint8_t*>(
+                         reinterpret_cast<const uint64_t*>(a.peer_bases)[tid]);
+  if (tid == 0) s.abort = 0;
+  __syncthreads();
+  if (blockIdx.x == 0 && tid < a.world)
+    st_relaxed_sys(u64_at(s.bases[tid], a.off_stamps) + a.rank, t_start);
+}
+
+// Block-uniform: true when every thread's `ok` held.
+__device__ __forceinline__ bool all_ok(Shared& s, bool ok) {
+  if (!ok) s.abort = 1;
+  __syncthreads();
+  return s.abort == 0;
+}
+
+// [G*] Round-aware all-rank barrier over every block of every rank (Global strategy only).
+// Monotonic counters: barrier k of this op completes when every peer's counter reached
+// barrier_base + k * gridDim.x. Never reset, so no cleaning and no add-then-reset race.
+__device__ bool rank_barrier(const OpArgs& a, const WaitCtx& w, Shared& s, uint64_t k) {
+  __syncthreads();
+  const int tid = threadIdx.x;
+  bool ok = true;
+  if (tid < a.world) {
+    __threadfence_system();
+    red_add_release_sys(u64_at(s.bases[tid], a.off_barrier) + a.rank, 1);
+    ok = wait_geq(w, u64_at(s.bases[a.rank], a.off_barrier) + tid,
+                  a.barrier_base + k * gridDim.x, kWaitBarrier, tid, nullptr);
+  }
+  return all_ok(s, ok);
+}
+
+__device__ __forceinline__ void finish_stats(const OpArgs& a, Shared& s, uint64_t t_start,
+                                             uint32_t kind) {
+  uint64_t* stats = u64_at(s.bases[a.rank], a.off_stats);
+  const int tid = threadIdx.x;
+  if (tid < a.world)
+    stats[kStatPeers + tid] = ld_relaxed_sys(u64_at(s.bases[a.rank], a.off_stamps) + tid);
+  if (tid == 0) {
+    stats[kStatOpSeq] = a.op_seq;
+    stats[kStatStart] = t_start;
+    stats[kStatKind] = kind;
+    stats[kStatWorld] = static_cast<uint64_t>(a.world);
+    stats[kStatEnd] = globaltimer_ns();
+  }
+}
+
+// Copies one row of `n16` 16-byte vectors from `src` to row `rows[d]` of the region at
+// `bases[d] + off` for every destination d with rows[d] >= 0 (both tables in shared memory).
+// One warp; each lane keeps kUnroll vectors in flight.
+__device__ __forceinline__ void warp_copy_row_multi(const int4* src, uint8_t* const* bases,
+                                                    const int* rows, uint64_t off,
+                                                    int64_t row_bytes, int ndst, int n16,
+                                                    int lane) {
+  for (int base = 0; base < n16; base += 32 * kUnroll) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int i = base + u * 32 + lane;
+      if (i < n16) v[u] = ld_nc_v4(src + i);
+    }
+    for (int d = 0; d < ndst; ++d) {
+      const int row = rows[d];
+      if (row < 0) continue;
+      int4* out = reinterpret_cast<int4*>(bases[d] + off + row * row_bytes);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int i = base + u * 32 + lane;
+        if (i < n16) st_na_v4(out + i, v[u]);
+      }
+    }
+  }
+}
+
+// One row, one destination.
+__device__ __forceinline__ void warp_copy_row(const int4* src, int4* out, int n16, int lane) {
+  for (int base = 0; base < n16; base += 32 * kUnroll) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int i = base + u * 32 + lane;
+      if (i < n16) v[u] = ld_nc_v4(src + i);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int i = base + u * 32 + lane;
+      if (i < n16) st_na_v4(out + i, v[u]);
+    }
+  }
+}
+
+__device__ __forceinline__ void add_bf16x8(float* acc, const int4& v) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 f = __bfloat1622float2(h[j]);
+    acc[2 * j] += f.x;
+    acc[2 * j + 1] += f.y;
+  }
+}
+
+__device__ __forceinline__ int4 pack_bf16x8(const float* acc) {
+  int4 v;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) h[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
+  return v;
+}
+
+}  // namespace
+
+// Host checks these against its own mirror of abi.cuh before the first launch.
+extern "C" __global__ void epcomm_abi_probe(uint64_t* out) {
+  out[0] = sizeof(OpArgs);
+  out[1] = offsetof(OpArgs, num_tokens);
+  out[2] = offsetof(OpArgs, global_barriers);
+  out[3] = sizeof(LayoutArgs);
+  out[4] = offsetof(LayoutArgs, num_tokens);
+  out[5] = sizeof(ErrorRecord);
+  out[6] = offsetof(ErrorRecord, epoch);
+}
+
+// Layout: blocks [0, world) scan tokens for one rank each (slot = exclusive prefix of the
+// tokens sent there, deterministic), blocks [world, world + nodes) do the same per node, and
+// the remaining blocks build the per-expert histogram in chunks of kHistChunk experts. The
+// first histogram block also validates every top-k id and writes `status`.
+extern "C" __global__ void __launch_bounds__(kThreads) epcomm_layout(const LayoutArgs a) {
+  __shared__ int s_warp[kWarps];
+  __shared__ uint32_t s_hist[kHistChunk];
+  __shared__ int s_invalid;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int world = a.world, nodes = world / a.gpus_per_node, E = a.num_experts;
+  const int T = a.num_tokens, K = a.top_k, epr = E / world;
+  const int64_t* idx = reinterpret_cast<const int64_t*>(a.topk_idx);
+  uint32_t* counts = reinterpret_cast<uint32_t*>(a.counts);
+  const int b = blockIdx.x;
+
+  if (b < world + nodes) {
+    const bool is_rank = b < world;
+    const int g = is_rank ? b : b - world;
+    const int64_t width = is_rank ? epr : static_cast<int64_t>(epr) * a.gpus_per_node;
+    const int64_t lo = g * width, hi = lo + width;
+    int32_t* slots = reinterpret_cast<int32_t*>(a.token_slot);
+    int base = 0;
+    for (int t0 = 0; t0 < T; t0 += kThreads) {
+      const int t = t0 + tid;
+      int flag = 0;
+      if (t < T)
+        for (int k = 0; k < K; ++k) {
+          const int64_t v = idx[static_cast<int64_t>(t) * K + k];
+          flag |= (v >= lo && v < hi) ? 1 : 0;
+        }
+      int incl = flag;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int n = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += n;
+      }
+      if (lane == 31) s_warp[warp] = incl;
+      __syncthreads();
+      int warp_base = 0, total = 0;
+      for (int i = 0; i < kWarps; ++i) {
+        if (i < warp) warp_base += s_warp[i];
+        total += s_warp[i];
+      }
+      if (is_rank && t < T)
+        slots[static_cast<int64_t>(t) * world + g] = flag ? base + warp_base + incl - flag : -1;
+      base += total;
+      __syncthreads();
+    }
+    if (tid == 0) counts[is_rank ? g : world + E + g] = static_cast<uint32_t>(base);
+    return;
+  }
+
+  const int chunk = b - world - nodes;
+  const int lo = chunk * kHistChunk;
+  const int n = min(kHistChunk, E - lo);
+  for (int i = tid; i < kHistChunk; i += kThreads) s_hist[i] = 0;
+  if (tid == 0) s_invalid = 0;
+  __syncthreads();
+  const int64_t total = static_cast<int64_t>(T) * K;
+  for (int64_t i = tid; i < total; i += kThreads) {
+    const int64_t v = idx[i];
+    if (v >= lo && v < lo + n) atomicAdd(&s_hist[v - lo], 1u);
+    if (chunk == 0 && (v < -1 || v >= E)) {
+      s_invalid = 1;
+      WaitCtx w;
+      w.record = reinterpret_cast<ErrorRecord*>(a.err_record);
+      w.claim = reinterpret_cast<uint32_t*>(a.err_claim);
+      w.timeout_ns = 0;
+      w.epoch = 0;
+      w.op = kOpLayout;
+      w.rank = a.rank;
+      // peer = token index, expected = num_experts, seen = the offending id.
+      record_failure(w, kInvalidExpert, kWaitNone, static_cast<int32_t>(i / K),
+                     static_cast<uint64_t>(E), static_cast<uint64_t>(v), 0);
+    }
+  }
+  __syncthreads();
+  for (int i = tid; i < n; i += kThreads) counts[world + lo + i] = s_hist[i];
+  if (chunk == 0 && tid == 0) *reinterpret_cast<uint32_t*>(a.status) = s_invalid;
+}
+
+// Dispatch (and cached dispatch, kFlagCached).
+extern "C" __global__ void __launch_bounds__(kThreads, 1) epcomm_dispatch(const OpArgs a) {
+  __shared__ Shared s;
+  const uint64_t t_start = globaltimer_ns();
+  const bool cached = (a.flags & kFlagCached) != 0;
+  const uint32_t kind = cached ? kOpCachedDispatch : kOpDispatch;
+  const WaitCtx w = make_wait(a, kind);
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int world = a.world, me = a.rank, K = a.top_k;
+  const int epr = a.num_experts / world;
+  const bool block0 = blockIdx.x == 0;
+  prologue(a, s, t_start);
+  uint8_t* const local = s.bases[me];
+  uint64_t* const stats = u64_at(local, a.off_stats);
+  // The layout kernel (earlier on this stream) rejected its input: move nothing.
+  if (*reinterpret_cast<const volatile uint32_t*>(a.layout_status) != 0) return;
+  uint64_t barrier_k = 0;
+  if (a.global_barriers && !rank_barrier(a, w, s, ++barrier_k)) return;  // [G1]
+
+  if (!cached) {
+    const uint32_t* per_rank = reinterpret_cast<const uint32_t*>(a.layout_counts);
+    const uint32_t* per_expert = per_rank + world;
+    if (block0) {  // [E1] my count row (and per-expert counts) to every rank, epoch-tagged
+      for (int i = tid; i < world * world; i += kThreads) {
+        const int d = i / world, j = i % world;
+        st_relaxed_sys(u64_at(s.bases[d], a.off_counts) + me * world + j,
+                       make_tagged(a.epoch, per_rank[j]));
+      }
+      for (int i = tid; i < world * epr; i += kThreads) {
+        const int d = i / epr, l = i % epr;
+        st_relaxed_sys(u64_at(s.bases[d], a.off_expert_counts) + me * epr + l,
+                       make_tagged(a.epoch, per_expert[d * epr + l]));
+      }
+    }
+    if (a.global_barriers && !rank_barrier(a, w, s, ++barrier_k)) return;  // [G3]
+    // [E2] the whole count matrix, from my own buffer.
+    const uint64_t* counts = u64_at(local, a.off_counts);
+    bool ok = true;
+    for (int i = tid; ok && i < world * world; i += kThreads) {
+      const bool track = block0 && (i % world) == 0;
+      uint64_t arrived = 0;
+      ok = wait_tag(w, counts + i, a.epoch, kWaitCountRow, i / world, &s.counts[i],
+                    track ? &arrived : nullptr);
+      if (ok && track) stats[kStatPeers + world + i / world] = arrived;
+    }
+    if (!all_ok(s, ok)) return;
+    // [E3] offsets of my rows in every destination; capacity check (same on every rank).
+    if (tid < world) {
+      int off = 0;
+      int64_t total = 0;
+      for (int r = 0; r < world; ++r) {
+        if (r < me) off += s.counts[r * world + tid];
+        total += s.counts[r * world + tid];
+      }
+      s.offsets[tid] = off;
+      if (total > a.max_recv_rows) {
+        record_failure(w, kOverflow, kWaitNone, tid, static_cast<uint64_t>(a.max_recv_rows),
+                       static_cast<uint64_t>(total), 0);
+        ok = false;
+      }
+    }
+    if (!all_ok(s, ok)) return;
+    if (block0) {  // handle + host-visible counts
+      int* send_offsets = reinterpret_cast<int*>(a.send_offsets);
+      int* recv_prefix = reinterpret_cast<int*>(a.recv_prefix);
+      volatile uint64_t* host = reinterpret_cast<volatile uint64_t*>(a.host_counts);
+      if (tid < world) send_offsets[tid] = s.offsets[tid];
+      if (tid == 0) {
+        int acc = 0;
+        for (int r = 0; r < world; ++r) {
+          recv_prefix[r] = acc;
+          acc += s.counts[r * world + me];
+        }
+        recv_prefix[world] = acc;
+        host[1] = static_cast<uint64_t>(acc);
+        stats[kStatCountsReady] = globaltimer_ns();
+      }
+      const uint64_t* ecounts = u64_at(local, a.off_expert_counts);
+      int* recv_expert = reinterpret_cast<int*>(a.recv_expert_counts);
+      for (int l = tid; ok && l < epr; l += kThreads) {
+        uint32_t sum = 0;
+        for (int r = 0; ok && r < world; ++r) {
+          uint32_t v = 0;
+          ok = wait_tag(w, ecounts + r * epr + l, a.epoch, kWaitExpertCounts, r, &v, nullptr);
+          sum += v;
+        }
+        recv_expert[l] = static_cast<int>(sum);
+        host[2 + l] = sum;
+      }
+      if (!all_ok(s, ok)) return;
+      if (tid == 0) {
+        __threadfence_system();
+        host[0] = a.epoch;  // the host may now read the sizes (HostSync), data still moving
+      }
+    }
+    if (a.global_barriers && !rank_barrier(a, w, s, ++barrier_k)) return;  // [G5]
+  } else {
+    if (tid < world) s.offsets[tid] = reinterpret_cast<const int*>(a.send_offsets)[tid];
+    __syncthreads();
+  }
+
+  // [E4] every token once to every destination rank, straight into its final row.
+  const int gwarp = blockIdx.x * kWarps + warp, nwarps = gridDim.x * kWarps;
+  const int32_t* token_slot = reinterpret_cast<const int32_t*>(a.token_slot);
+  const int n16 = a.row_bytes / 16;
+  const bool has_scales = (a.flags & kFlagHasScales) != 0;
+  const bool has_topk = (a.flags & kFlagHasTopk) != 0;
+  const bool has_w = (a.flags & kFlagHasWeights) != 0;
+  const int64_t* topk_idx = reinterpret_cast<const int64_t*>(a.topk_idx);
+  const float* topk_w = reinterpret_cast<const float*>(a.topk_weights);
+  const float* scales = reinterpret_cast<const float*>(a.x_scales);
+  int* rows = s.rows[warp];
+  for (int t = gwarp; t < a.num_tokens; t += nwarps) {
+    for (int d = lane; d < world; d += 32) {
+      const int slot = token_slot[static_cast<int64_t>(t) * world + d];
+      rows[d] = slot >= 0 ? s.offsets[d] + slot : -1;
+    }
+    __syncwarp();
+    warp_copy_row_multi(reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(t) * a.row_bytes),
+                        s.bases, rows, a.off_x, a.row_bytes, world, n16, lane);
+    if (has_scales)
+      for (int i = lane; i < a.num_scales; i += 32) {
+        const float v = scales[static_cast<int64_t>(t) * a.num_scales + i];
+        for (int d = 0; d < world; ++d)
+          if (rows[d] >= 0)
+            reinterpret_cast<float*>(s.bases[d] + a.off_scales)[static_cast<int64_t>(rows[d]) *
+                                                                     a.num_scales + i] = v;
+      }
+    if (has_topk)
+      for (int k = lane; k < K; k += 32) {
+        const int64_t e = topk_idx[static_cast<int64_t>(t) * K + k];
+        const float wt = has_w ? topk_w[static_cast<int64_t>(t) * K + k] : 0.f;
+        for (int d = 0; d < world; ++d) {
+          if (rows[d] < 0) continue;
+          const int64_t lo = static_cast<int64_t>(d) * epr;
+          const bool here = e >= lo && e < lo + epr;
+          const int64_t r = static_cast<int64_t>(rows[d]) * K + k;
+          reinterpret_cast<int64_t*>(s.bases[d] + a.off_topk_idx)[r] = here ? e - lo : -1;
+          if (has_w) reinterpret_cast<float*>(s.bases[d] + a.off_topk_w)[r] = here ? wt : 0.f;
+        }
+      }
+    if (lane == 0)
+      for (int d = 0; d < world; ++d)
+        if (rows[d] >= 0) reinterpret_cast<int32_t*>(s.bases[d] + a.off_src_idx)[rows[d]] = t;
+    __syncwarp();
+  }
+  __syncthreads();
+  if (block0 && tid == 0) stats[kStatSent] = globaltimer_ns();
+  // [E5] this block's data for every destination is written: publish (release, system scope).
+  if (tid < world) {
+    __threadfence_system();
+    red_add_release_sys(u64_at(s.bases[tid], a.off_done) + me, 1);
+  }
+  if (!block0) return;
+  // [E6] wait until every source's data landed here (monotonic counters, never reset).
+  bool ok = true;
+  if (tid < world) {
+    uint64_t arrived = 0;
+    ok = wait_geq(w, u64_at(local, a.off_done) + tid, a.done_expected, kWaitDispatchDone, tid,
+                  &arrived);
+    if (ok) stats[kStatPeers + 2 * world + tid] = arrived;
+  }
+  if (!all_ok(s, ok)) return;
+  // [E7] the receive region is the output; keep the source indices with the handle.
+  if (!cached) {
+    const int num_recv = reinterpret_cast<const int*>(a.recv_prefix)[world];
+    const int32_t* src = reinterpret_cast<const int32_t*>(local + a.off_src_idx);
+    int32_t* out = reinterpret_cast<int32_t*>(a.recv_src_idx);
+    for (int i = tid; i < num_recv; i += kThreads) out[i] = src[i];
+  }
+  finish_stats(a, s, t_start, kind);
+}
+
+// Combine: y rows (in this rank's receive order) go back to their source ranks and are summed
+// there in rank order (fp32 accumulate, one bf16 rounding).
+extern "C" __global__ void __launch_bounds__(kThreads, 1) epcomm_combine(const OpArgs a) {
+  __shared__ Shared s;
+  const uint64_t t_start = globaltimer_ns();
+  const WaitCtx w = make_wait(a, kOpCombine);
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int world = a.world, me = a.rank, K = a.top_k;
+  const bool block0 = blockIdx.x == 0;
+  prologue(a, s, t_start);
+  uint8_t* const local = s.bases[me];
+  uint64_t* const stats = u64_at(local, a.off_stats);
+  if (tid <= world) s.offsets[tid] = reinterpret_cast<const int*>(a.recv_prefix)[tid];
+  __syncthreads();
+  uint64_t barrier_k = 0;
+  if (a.global_barriers && !rank_barrier(a, w, s, ++barrier_k)) return;  // [G1]
+
+  const int num_rows = s.offsets[world];
+  const int64_t row_bytes = static_cast<int64_t>(a.hidden) * 2;
+  const int n16 = static_cast<int>(row_bytes / 16);
+  const bool has_w = (a.flags & kFlagHasWeights) != 0;
+  const int gwarp = blockIdx.x * kWarps + warp, nwarps = gridDim.x * kWarps;
+  const int32_t* src_idx = reinterpret_cast<const int32_t*>(a.recv_src_idx);
+  const float* y_w = reinterpret_cast<const float*>(a.topk_weights);
+  // [C1] push every received row whose source is another rank into that rank's combine region.
+  for (int row = gwarp; row < num_rows; row += nwarps) {
+    int r = 0;
+    while (r + 1 < world && s.offsets[r + 1] <= row) ++r;
+    if (r == me) continue;
+    const int t = src_idx[row];
+    const int64_t slot = static_cast<int64_t>(me) * a.max_tokens + t;
+    int4* out = reinterpret_cast<int4*>(s.bases[r] + a.off_comb_x + slot * row_bytes);
+    warp_copy_row(reinterpret_cast<const int4*>(a.x + row * row_bytes), out, n16, lane);
+    if (has_w)
+      for (int k = lane; k < K; k += 32)
+        reinterpret_cast<float*>(s.bases[r] + a.off_comb_w)[slot * K + k] =
+            y_w[static_cast<int64_t>(row) * K + k];
+  }
+  __syncthreads();
+  if (block0 && tid == 0) stats[kStatSent] = globaltimer_ns();
+  // [C2] publish this block's contributions to every rank.
+  if (tid < world) {
+    __threadfence_system();
+    red_add_release_sys(u64_at(s.bases[tid], a.off_done) + me, 1);
+  }
+  // [C3] every block waits for every other rank's contributions.
+  bool ok = true;
+  if (tid < world && tid != me) {
+    uint64_t arrived = 0;
+    ok = wait_geq(w, u64_at(local, a.off_done) + tid, a.done_expected, kWaitCombineDone, tid,
+                  block0 ? &arrived : nullptr);
+    if (ok && block0) stats[kStatPeers + 2 * world + tid] = arrived;
+  }
+  if (!all_ok(s, ok)) return;
+
+  // [C4] reduce in rank order.
+  const int32_t* token_slot = reinterpret_cast<const int32_t*>(a.token_slot);
+  const uint8_t* comb = local + a.off_comb_x;
+  const float* comb_w = reinterpret_cast<const float*>(local + a.off_comb_w);
+  const uint8_t* y = reinterpret_cast<const uint8_t*>(a.x);
+  int* rows = s.rows[warp];
+  for (int t = gwarp; t < a.num_tokens; t += nwarps) {
+    for (int r = lane; r < world; r += 32) {
+      const int slot = token_slot[static_cast<int64_t>(t) * world + r];
+      rows[r] = slot < 0 ? -1 : (r == me ? s.offsets[me] + slot : t);
+    }
+    __syncwarp();
+    int4* out = reinterpret_cast<int4*>(a.out + static_cast<int64_t>(t) * row_bytes);
+    for (int i = lane; i < n16; i += 32) {
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      for (int r = 0; r < world; ++r) {
+        const int row = rows[r];
+        if (row < 0) continue;
+        const int4* p =
+            r == me ? reinterpret_cast<const int4*>(y + static_cast<int64_t>(row) * row_bytes)
+                    : reinterpret_cast<const int4*>(
+                          comb + (static_cast<int64_t>(r) * a.max_tokens + t) * row_bytes);
+        add_bf16x8(acc, r == me ? ld_nc_v4(p + i) : ld_v4(p + i));
+      }
+      st_na_v4(out + i, pack_bf16x8(acc));
+    }
+    if (has_w)
+      for (int k = lane; k < K; k += 32) {
+        float acc = 0.f;
+        for (int r = 0; r < world; ++r) {
+          const int row = rows[r];
+          if (row < 0) continue;
+          acc += r == me ? y_w[static_cast<int64_t>(row) * K + k]
+                         : comb_w[(static_cast<int64_t>(r) * a.max_tokens + t) * K + k];
+        }
+        reinterpret_cast<float*>(a.out_weights)[static_cast<int64_t>(t) * K + k] = acc;
+      }
+    __syncwarp();
+  }
+  if (block0) {
+    __syncthreads();
+    finish_stats(a, s, t_start, kOpCombine);
+  }
+}
