@@ -158,9 +158,11 @@ fn accept_loop(listener: TcpListener, tx: Sender<Event>, stop: Arc<AtomicBool>, 
             .name(format!("epcomm-bootstrap-conn-{id}"))
             .spawn(move || reader_loop(id, stream, peer.to_string(), tx));
         if let Ok(handle) = spawned {
-            reg.lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .push((registered, handle));
+            let mut reg = reg.lock().unwrap_or_else(PoisonError::into_inner);
+            // Release the descriptors of connections whose reader has finished (strangers,
+            // departed ranks); the coordinator keeps its own handle where it still needs one.
+            reg.retain(|(_, reader)| !reader.is_finished());
+            reg.push((registered, handle));
         }
     }
 }
@@ -509,10 +511,7 @@ impl Coordinator {
                         crate_version: self.crate_version.clone(),
                         world_size: self.world_size,
                     });
-                    let ids: Vec<ConnId> = self.conns.keys().copied().collect();
-                    for id in ids {
-                        self.send_body(id, &body);
-                    }
+                    self.send_to_ranks(&body, |_| true);
                 }
             }
         }
@@ -641,10 +640,23 @@ impl Coordinator {
             OpKind::Barrier | OpKind::Connect => Vec::new(),
         };
         let body = wire::encode_server(&ServerMsg::OpOk { seq, payloads });
-        for rank in 0..self.world_size {
-            if let Slot::Joined(id) = self.slots[rank] {
-                self.send_body(id, &body);
-            }
+        self.send_to_ranks(&body, |_| true);
+    }
+
+    /// Sends `body` to every connected rank selected by `include`, rank 0 last: rank 0 hosts
+    /// this coordinator, and once it has its answer it may exit, taking the coordinator with
+    /// it, so every other rank's answer must already be written by then.
+    fn send_to_ranks(&mut self, body: &[u8], include: impl Fn(usize) -> bool) {
+        let order = (1..self.world_size).chain(std::iter::once(0));
+        let ids: Vec<ConnId> = order
+            .filter(|&rank| include(rank))
+            .filter_map(|rank| match self.slots.get(rank) {
+                Some(Slot::Joined(id)) => Some(*id),
+                _ => None,
+            })
+            .collect();
+        for id in ids {
+            self.send_body(id, body);
         }
     }
 
@@ -659,17 +671,7 @@ impl Coordinator {
             seq,
             error: error.clone(),
         });
-        let waiting: Vec<ConnId> = notified
-            .iter()
-            .zip(&self.slots)
-            .filter_map(|(&told, slot)| match slot {
-                Slot::Joined(id) if told => Some(*id),
-                _ => None,
-            })
-            .collect();
-        for id in waiting {
-            self.send_body(id, &body);
-        }
+        self.send_to_ranks(&body, |rank| notified[rank]);
         self.failed.insert(seq, FailedRound { error, notified });
         self.collect_failed();
     }
