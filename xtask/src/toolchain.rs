@@ -366,6 +366,7 @@ impl Nvshmem {
 mod tests {
     use super::*;
     use crate::util::TempDir;
+    use sha2::Digest as _;
 
     fn env(t: &TempDir, cuda_home: Option<&str>, path_dirs: &[&str]) -> ToolchainEnv {
         ToolchainEnv {
@@ -505,6 +506,4 @@ mod tests {
         let n = Nvshmem::resolve(&e, false).expect("resolve");
         assert_eq!(n.device_lib_sha256, util::hex(&sha2::Sha256::digest(b"b")));
     }
-
-    use sha2::Digest as _;
 }
