@@ -1,1 +1,125 @@
-//! Criterion benches for epcomm transports; see `benches/`.
+//! Multi-process criterion driver shared by the per-transport benches in `benches/`.
+//!
+//! Criterion runs in rank 0 (the process `cargo bench` starts); rank 0 starts one follower
+//! process per other GPU. For every sample criterion asks for, rank 0 broadcasts the op and the
+//! iteration count over the bootstrap, and every rank runs exactly that many calls, so all
+//! ranks stay in step. Each call is timed with CUDA events (L2 flushed before it, outside the
+//! timed span), as DeepEP's benchmark does; throughput is DeepEP's metric.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use criterion::{Criterion, Throughput};
+use cudarc::driver::CudaContext;
+use epcomm::{Buffer, BufferConfig};
+use epcomm_bootstrap::launch::{LocalLaunch, free_port};
+use epcomm_bootstrap::{Bootstrap, BootstrapConfig};
+use epcomm_check::inputs::{Shape, device_inputs, host_inputs};
+use epcomm_check::procs::{WORKER_ENV, gpu_count, is_worker};
+use epcomm_check::timing::{BenchOp, Timer};
+use epcomm_check::verify::{RoundOptions, verified_round};
+
+/// Errors of the driver.
+pub type Res<T = ()> = Result<T, Box<dyn std::error::Error>>;
+
+/// The DeepEP normal-mode workload, overridable with `EPCOMM_BENCH_TOKENS` / `EPCOMM_BENCH_SMS`.
+fn workload() -> (usize, usize, usize, usize, u32) {
+    let env = |k: &str, d: usize| std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d);
+    (env("EPCOMM_BENCH_TOKENS", 4096), 7168, 8, 256, env("EPCOMM_BENCH_SMS", 24) as u32)
+}
+
+fn connect(world: usize, rank: usize, port: u16) -> Res<Arc<Bootstrap>> {
+    let cfg = if is_worker() {
+        BootstrapConfig::from_env()?
+    } else {
+        BootstrapConfig {
+            master_addr: "127.0.0.1".into(),
+            master_port: port,
+            rank,
+            world_size: world,
+            local_rank: rank,
+            local_world_size: world,
+            timeout: Duration::from_secs(300),
+        }
+    };
+    Ok(Arc::new(Bootstrap::connect(cfg)?))
+}
+
+/// Runs the benchmark for the transport named `transport` (used in benchmark ids).
+pub fn run(transport: &str) -> Res {
+    let gpus = match gpu_count() {
+        Ok(n) => n,
+        Err(why) => {
+            eprintln!("SKIP {transport} bench: {why}");
+            return Ok(());
+        }
+    };
+    let world = std::env::var("EPCOMM_BENCH_WORLD").ok().and_then(|v| v.parse().ok()).unwrap_or(gpus).min(gpus);
+    let mut followers = None;
+    let port = if is_worker() {
+        0
+    } else {
+        let port = free_port()?;
+        if world > 1 {
+            let exe = std::env::current_exe()?;
+            let g = LocalLaunch::new(exe, Vec::<String>::new())
+                .world_size(world)
+                .ranks(1..world)
+                .master_port(port)
+                .env(WORKER_ENV, "1")
+                .spawn()?;
+            followers = Some(g);
+        }
+        port
+    };
+    let boot = connect(world, 0, port)?;
+    let rank = boot.rank();
+    let ctx = CudaContext::new(boot.local_rank())?;
+    let (tokens, hidden, top_k, experts, sms) = workload();
+    let mut cfg = BufferConfig::new(tokens, hidden, top_k, experts);
+    cfg.num_sms = sms;
+    let mut buf = Buffer::new(ctx, boot.clone(), cfg)?;
+    let inputs = host_inputs(&Shape::uniform(world, tokens, hidden, top_k, experts, 2025))?;
+    let dev = device_inputs(buf.stream(), &inputs, rank)?;
+    verified_round(&mut buf, &inputs, &dev, RoundOptions::default())?;
+    let mut timer = Timer::new(&mut buf, &dev)?;
+    if rank != 0 {
+        loop {
+            let msg = boot.broadcast("bench-step", 0, None)?;
+            let (op, iters) = (msg[0], u64::from_le_bytes(msg[1..9].try_into()?));
+            if op == u8::MAX {
+                break;
+            }
+            timer.time(&mut buf, &dev, BenchOp::ALL[op as usize], iters as usize)?;
+        }
+        buf.destroy()?;
+        return Ok(());
+    }
+    let mut c = Criterion::default().configure_from_args().sample_size(20).warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(3));
+    let mut group = c.benchmark_group(format!("{transport}/ep{world}/{sms}sms"));
+    for (i, op) in BenchOp::ALL.into_iter().enumerate() {
+        group.throughput(Throughput::Bytes(op.metric_bytes(timer.num_recv, hidden) as u64));
+        group.bench_function(op.name(), |b| {
+            b.iter_custom(|iters| {
+                let mut msg = vec![i as u8];
+                msg.extend_from_slice(&iters.to_le_bytes());
+                let step = boot.broadcast("bench-step", 0, Some(&msg)).and_then(|_| Ok(()));
+                let times = step.map_err(|e| e.to_string()).and_then(|_| timer.time(&mut buf, &dev, op, iters as usize).map_err(|e| e.to_string()));
+                match times {
+                    Ok(t) => Duration::from_secs_f64(t.iter().sum::<f64>() * 1e-6),
+                    Err(e) => panic!("benchmark step failed: {e}"),
+                }
+            })
+        });
+    }
+    group.finish();
+    let mut stop = vec![u8::MAX];
+    stop.extend_from_slice(&0u64.to_le_bytes());
+    boot.broadcast("bench-step", 0, Some(&stop))?;
+    buf.destroy()?;
+    if let Some(mut g) = followers {
+        g.wait(Duration::from_secs(60))?;
+    }
+    c.final_summary();
+    Ok(())
+}

@@ -29,7 +29,8 @@ mod stats;
 
 pub use buffer::{Buffer, DispatchInput, XInput};
 pub use config::{BufferConfig, RecvMode};
-pub use epcomm_transport::BarrierStrategy;
+pub use epcomm_transport::{BarrierStrategy, Transport};
+pub use epcomm_transport_ipc::IpcTransport;
 pub use error::{Error, WaitKind};
 pub use handle::{Dispatched, Handle, RecvDtype};
 pub use layout::{HostLayout, Layout};

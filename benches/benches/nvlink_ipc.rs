@@ -1,0 +1,10 @@
+//! Criterion bench of the CUDA-IPC (NVLink) transport on all local GPUs: DeepEP's normal-mode
+//! workload (4096 tokens/rank, hidden 7168, top-8 of 256, 24 SMs) and metric.
+//! `cargo bench -p epcomm-benches --bench nvlink_ipc`
+
+fn main() {
+    if let Err(e) = epcomm_benches::run("nvlink-ipc") {
+        eprintln!("nvlink_ipc bench failed: {e}");
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,42 @@
+//! One process per GPU: the current binary re-executes itself as the workers.
+
+use std::time::Duration;
+
+use epcomm_bootstrap::launch::{LocalLaunch, Output};
+
+use crate::{CheckError, Result};
+
+/// Environment variable marking a worker process.
+pub const WORKER_ENV: &str = "EPCOMM_WORKER";
+
+/// True in a worker process.
+pub fn is_worker() -> bool {
+    std::env::var_os(WORKER_ENV).is_some()
+}
+
+/// Number of CUDA devices, or why there are none usable (no driver library, no device).
+pub fn gpu_count() -> std::result::Result<usize, String> {
+    // SAFETY: probing for the driver library has no preconditions.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err("no CUDA driver library (libcuda.so) on this machine".into());
+    }
+    match cudarc::driver::CudaContext::device_count() {
+        Ok(n) if n > 0 => Ok(n as usize),
+        Ok(_) => Err("the CUDA driver reports no device".into()),
+        Err(e) => Err(format!("the CUDA driver failed to initialise: {e}")),
+    }
+}
+
+/// Runs `args` of the current executable as `world` worker processes (one per GPU, local rank
+/// = GPU index) with `env` added, and waits for all of them (at most `timeout`). Fails naming
+/// the ranks that failed.
+pub fn run_workers(world: usize, args: &[&str], env: &[(&str, String)], timeout: Duration) -> Result<()> {
+    let exe = std::env::current_exe().map_err(|e| CheckError::Other(format!("current_exe: {e}")))?;
+    let mut launch = LocalLaunch::new(exe, args).world_size(world).env(WORKER_ENV, "1").output(Output::Inherit);
+    for (k, v) in env {
+        launch = launch.env(k, v);
+    }
+    let mut group = launch.spawn()?;
+    group.wait(timeout)?;
+    Ok(())
+}

@@ -1,0 +1,174 @@
+//! One verified round: layout, dispatch, combine, cached dispatch, combine again — every output
+//! compared with the CPU reference of the whole exchange.
+
+use std::fmt::Debug;
+
+use epcomm::{Buffer, DispatchInput, RecvMode, XInput};
+use epcomm_reference::{RankOutput, XData, bf16};
+
+use crate::inputs::{DeviceInputs, HostInputs, upload};
+use crate::{CheckError, Result};
+
+/// What a round exercises.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RoundOptions {
+    /// FP8 dispatch instead of bf16.
+    pub fp8: bool,
+    /// How the host learns the receive count.
+    pub mode: RecvMode,
+    /// Also run a cached dispatch and a second combine.
+    pub cached: bool,
+    /// Forward and reduce top-k weights.
+    pub weights: bool,
+    /// Also compare the layout with the reference.
+    pub check_layout: bool,
+}
+
+impl Default for RoundOptions {
+    fn default() -> Self {
+        Self { fp8: false, mode: RecvMode::HostSync, cached: true, weights: true, check_layout: true }
+    }
+}
+
+fn first_diff<T: PartialEq + Debug>(what: &str, rank: usize, got: &[T], want: &[T]) -> Result<()> {
+    if got.len() != want.len() {
+        return Err(CheckError::Mismatch {
+            what: what.into(),
+            rank,
+            detail: format!("length {} instead of {}", got.len(), want.len()),
+        });
+    }
+    if let Some(i) = (0..got.len()).find(|&i| got[i] != want[i]) {
+        let bad = (0..got.len()).filter(|&i| got[i] != want[i]).count();
+        return Err(CheckError::Mismatch {
+            what: what.into(),
+            rank,
+            detail: format!("{bad} of {} differ; first at {i}: got {:?}, want {:?}", got.len(), got[i], want[i]),
+        });
+    }
+    Ok(())
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|f| f.to_bits()).collect()
+}
+
+/// The expert output each rank feeds to combine: its received rows as bf16, scaled by a
+/// per-rank factor so that the sum tells contributions apart.
+fn expert_output(out: &RankOutput, rank: usize) -> Result<Vec<bf16>> {
+    let scale = 1.0 + rank as f32 * 0.5;
+    Ok(out.recv_x.to_bf16(out.hidden)?.iter().map(|v| bf16::from_f32(v.to_f32() * scale)).collect())
+}
+
+/// Runs one verified round on this rank. Every rank must call it with the same arguments
+/// (collective).
+pub fn verified_round<T: epcomm::Transport>(
+    buf: &mut Buffer<T>,
+    inputs: &HostInputs,
+    dev: &DeviceInputs,
+    opts: RoundOptions,
+) -> Result<()> {
+    let rank = buf.rank();
+    let world = buf.world_size();
+    let cfg = buf.config().clone();
+    let ins = if opts.fp8 { &inputs.fp8 } else { &inputs.bf16 };
+    let reference = epcomm_reference::dispatch(ins, cfg.num_experts)?;
+    let want = &reference[rank];
+    let t = dev.num_tokens;
+
+    let layout = buf.layout(&dev.topk_idx, t)?;
+    if opts.check_layout {
+        let got = layout.to_host()?;
+        let want_l = epcomm_reference::layout(&ins[rank].topk_idx, t, cfg.top_k, cfg.num_experts, world, world)?;
+        first_diff("layout.tokens_per_rank", rank, &got.tokens_per_rank, &want_l.tokens_per_rank)?;
+        first_diff("layout.tokens_per_expert", rank, &got.tokens_per_expert, &want_l.tokens_per_expert)?;
+        first_diff("layout.tokens_per_node", rank, &got.tokens_per_node, &want_l.tokens_per_node)?;
+        first_diff("layout.token_slot", rank, &got.token_slot, &want_l.token_slot)?;
+    }
+    let x = if opts.fp8 {
+        XInput::Fp8 { x: &dev.x_fp8, scales: &dev.scales }
+    } else {
+        XInput::Bf16(&dev.x)
+    };
+    let input = DispatchInput {
+        x,
+        topk_idx: &dev.topk_idx,
+        topk_weights: opts.weights.then_some(&dev.topk_weights as _),
+    };
+    let handle = {
+        let d = buf.dispatch(&input, &layout, opts.mode)?;
+        check_dispatched(&d, want, rank, opts, true)?;
+        d.into_handle()
+    };
+    let prefix: Vec<i32> = want.rank_prefix.iter().map(|&v| v as i32).collect();
+    first_diff("handle.recv_prefix", rank, &handle.recv_prefix_to_host()?, &prefix)?;
+    let per_expert: Vec<i32> = want.num_recv_per_local_expert.iter().map(|&v| v as i32).collect();
+    first_diff("handle.num_recv_per_local_expert", rank, &handle.num_recv_per_local_expert()?, &per_expert)?;
+    let src: Vec<i32> = want.recv_src_idx.iter().map(|&v| v as i32).collect();
+    first_diff("handle.recv_src_idx", rank, &handle.recv_src_idx_to_host()?, &src)?;
+
+    // Combine: every rank's expert output is known to every rank (deterministic).
+    let ys: Vec<Vec<bf16>> = reference.iter().enumerate().map(|(r, o)| expert_output(o, r)).collect::<Result<_>>()?;
+    let ws: Vec<Vec<f32>> = reference.iter().map(|o| o.recv_topk_weights.clone()).collect();
+    let tokens: Vec<usize> = ins.iter().map(|i| i.num_tokens).collect();
+    let want_c = epcomm_reference::combine(&ys, opts.weights.then_some(ws.as_slice()), &reference, &tokens)?;
+    let stream = buf.stream().clone();
+    let rows_alloc = handle.num_recv().unwrap_or(buf.world_size() * cfg.max_tokens_per_rank);
+    let mut y_host = ys[rank].clone();
+    y_host.resize(rows_alloc * cfg.hidden, bf16::ZERO);
+    let y = upload(&stream, &y_host)?;
+    let mut yw_host = ws[rank].clone();
+    yw_host.resize(rows_alloc * cfg.top_k, 0.0);
+    let yw = upload(&stream, &yw_host)?;
+    for round in 0..if opts.cached { 2 } else { 1 } {
+        if round == 1 {
+            let d = buf.cached_dispatch(&x, &handle)?;
+            check_dispatched(&d, want, rank, opts, false)?;
+        }
+        let mut out = upload(&stream, &vec![bf16::from_f32(-7.0); t * cfg.hidden])?;
+        let mut out_w = upload(&stream, &vec![-7.0f32; t * cfg.top_k])?;
+        if opts.weights {
+            buf.combine(&y, Some(&yw), &handle, &mut out, Some(&mut out_w))?;
+        } else {
+            buf.combine(&y, None, &handle, &mut out, None)?;
+        }
+        buf.synchronize()?;
+        let got = if t == 0 { Vec::new() } else { stream.clone_dtoh(&out)? };
+        let what = format!("combine #{round} x");
+        first_diff(&what, rank, &got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), &want_c[rank].x.iter().map(|v| v.to_bits()).collect::<Vec<_>>())?;
+        if let Some(w) = &want_c[rank].weights {
+            let got_w = if t == 0 { Vec::new() } else { stream.clone_dtoh(&out_w)? };
+            first_diff(&format!("combine #{round} weights"), rank, &bits(&got_w), &bits(w))?;
+        }
+    }
+    Ok(())
+}
+
+fn check_dispatched(d: &epcomm::Dispatched<'_>, want: &RankOutput, rank: usize, opts: RoundOptions, full: bool) -> Result<()> {
+    if opts.mode == RecvMode::HostSync && full {
+        if d.num_recv() != Some(want.num_recv_tokens) {
+            return Err(CheckError::Mismatch { what: "num_recv".into(), rank, detail: format!("{:?} instead of {}", d.num_recv(), want.num_recv_tokens) });
+        }
+        let e: Vec<usize> = want.num_recv_per_local_expert.iter().map(|&v| v as usize).collect();
+        first_diff("num_recv_per_local_expert (host)", rank, d.num_recv_per_local_expert().unwrap_or(&[]), &e)?;
+    }
+    let what = if full { "dispatch" } else { "cached dispatch" };
+    match &want.recv_x {
+        XData::Bf16(x) => {
+            let want_bytes: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
+            first_diff(&format!("{what} recv_x"), rank, &d.recv_x_bytes_to_host()?, &want_bytes)?;
+        }
+        XData::Fp8 { data, scales } => {
+            let want_bytes: Vec<u8> = data.iter().map(|v| v.to_bits()).collect();
+            first_diff(&format!("{what} recv_x (fp8)"), rank, &d.recv_x_bytes_to_host()?, &want_bytes)?;
+            first_diff(&format!("{what} recv_scales"), rank, &bits(&d.recv_scales_to_host()?), &bits(scales))?;
+        }
+    }
+    if full {
+        first_diff("dispatch recv_topk_idx", rank, &d.recv_topk_idx_to_host()?, &want.recv_topk_idx)?;
+        if opts.weights {
+            first_diff("dispatch recv_topk_weights", rank, &bits(&d.recv_topk_weights_to_host()?), &bits(&want.recv_topk_weights))?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,449 @@
+//! GPU tests: every op against the CPU reference on real GPUs, one process per GPU.
+//!
+//! Each test re-executes this binary as its workers (`--exact <test>` with `EPCOMM_WORKER=1`),
+//! one per local GPU (or `EPCOMM_TEST_WORLD` of them). Without a CUDA driver or GPU the tests
+//! print `SKIP` and pass: CI has no GPU; the GPU machine runs them (docs/gpu-testing.md).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{CudaContext, DevicePtr, DevicePtrMut};
+use epcomm::{BarrierStrategy, Buffer, BufferConfig, DispatchInput, Error, RecvMode, WaitKind, XInput};
+use epcomm_bootstrap::{Bootstrap, BootstrapConfig};
+use epcomm_check::inputs::{Shape, device_inputs, host_inputs, upload};
+use epcomm_check::procs::{gpu_count, is_worker, run_workers};
+use epcomm_check::verify::{RoundOptions, verified_round};
+use epcomm_kernels::IntranodeKernels;
+use epcomm_kernels::abi::LayoutArgs;
+use epcomm_reference::bf16;
+
+/// Number of ranks for multi-process tests, or None (with a SKIP line) when no GPU.
+fn world(test: &str, min: usize) -> Option<usize> {
+    match gpu_count() {
+        Err(why) => {
+            eprintln!("SKIP {test}: {why}");
+            None
+        }
+        Ok(n) => {
+            let w = std::env::var("EPCOMM_TEST_WORLD").ok().and_then(|v| v.parse().ok()).unwrap_or(n).min(n);
+            if w < min {
+                eprintln!("SKIP {test}: needs {min} GPUs, found {n}");
+                return None;
+            }
+            Some(w)
+        }
+    }
+}
+
+fn launch(test: &str, world: usize, env: &[(&str, String)]) {
+    let args = [test, "--exact", "--nocapture", "--test-threads=1"];
+    if let Err(e) = run_workers(world, &args, env, Duration::from_secs(900)) {
+        panic!("{test}: {e}");
+    }
+}
+
+struct Worker {
+    boot: Arc<Bootstrap>,
+    ctx: Arc<CudaContext>,
+}
+
+fn worker() -> Worker {
+    let cfg = BootstrapConfig::from_env().expect("worker env");
+    let boot = Arc::new(Bootstrap::connect(cfg).expect("bootstrap"));
+    let ctx = CudaContext::new(boot.local_rank()).expect("CUDA context");
+    Worker { boot, ctx }
+}
+
+fn strategy_from_env() -> BarrierStrategy {
+    std::env::var("EPCOMM_TEST_BARRIER").ok().and_then(|s| s.parse().ok()).unwrap_or(BarrierStrategy::Epoch)
+}
+
+fn log(rank: usize, msg: impl std::fmt::Display) {
+    if rank == 0 {
+        eprintln!("[rank 0] {msg}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Layout kernel: one process, many world sizes and shapes.
+
+#[test]
+fn layout_kernel_matches_reference() {
+    if let Err(why) = gpu_count() {
+        eprintln!("SKIP layout_kernel_matches_reference: {why}");
+        return;
+    }
+    let ctx = CudaContext::new(0).unwrap();
+    let stream = ctx.new_stream().unwrap();
+    let kernels = IntranodeKernels::load(&ctx, &stream).unwrap();
+    let claim = stream.alloc_zeros::<u32>(2).unwrap();
+    let record = stream.alloc_zeros::<u64>(8).unwrap();
+    let mut cases = 0;
+    for &tokens in &[0usize, 1, 7, 333, 4096, 16384] {
+        for top_k in 1..=9usize {
+            for &(experts, world, gpn) in &[(2usize, 1usize, 1usize), (2, 2, 2), (8, 4, 2), (64, 8, 8), (256, 2, 1), (288, 8, 4), (272, 2, 2), (160, 8, 8)] {
+                if top_k > experts || (tokens > 1000 && top_k % 4 != 0) {
+                    continue;
+                }
+                let seed = (tokens * 131 + top_k * 7 + experts) as u64;
+                let mut w = epcomm_reference::gen_deepep_workload(tokens, 8, top_k, experts, seed).unwrap();
+                epcomm_reference::mask_topk(&mut w.topk_idx, 0.15, seed).unwrap();
+                let want = epcomm_reference::layout(&w.topk_idx, tokens, top_k, experts, world, gpn).unwrap();
+                let idx = upload(&stream, &w.topk_idx).unwrap();
+                let nodes = world / gpn;
+                let mut counts = stream.alloc_zeros::<u32>(world + experts + nodes).unwrap();
+                let mut slots = stream.alloc_zeros::<i32>((tokens * world).max(1)).unwrap();
+                let mut status = stream.alloc_zeros::<u32>(1).unwrap();
+                {
+                    let (i, _g0) = idx.device_ptr(&stream);
+                    let (c, _g1) = counts.device_ptr_mut(&stream);
+                    let (s, _g2) = slots.device_ptr_mut(&stream);
+                    let (st, _g3) = status.device_ptr_mut(&stream);
+                    let (rec, _g4) = record.device_ptr(&stream);
+                    let (cl, _g5) = claim.device_ptr(&stream);
+                    let args = LayoutArgs {
+                        topk_idx: i, counts: c, token_slot: s, status: st, err_record: rec, err_claim: cl,
+                        num_tokens: tokens as i32, top_k: top_k as i32, num_experts: experts as i32,
+                        world: world as i32, gpus_per_node: gpn as i32, rank: 0,
+                    };
+                    // SAFETY: every array has the size the kernel expects for this shape.
+                    unsafe { kernels.launch_layout(&stream, &args) }.unwrap();
+                }
+                let c = stream.clone_dtoh(&counts).unwrap();
+                let mut s = stream.clone_dtoh(&slots).unwrap();
+                s.truncate(tokens * world);
+                let what = format!("T={tokens} K={top_k} E={experts} world={world} gpn={gpn}");
+                assert_eq!(&c[..world], &want.tokens_per_rank[..], "tokens_per_rank {what}");
+                assert_eq!(&c[world..world + experts], &want.tokens_per_expert[..], "tokens_per_expert {what}");
+                assert_eq!(&c[world + experts..], &want.tokens_per_node[..], "tokens_per_node {what}");
+                assert_eq!(s, want.token_slot, "token_slot {what}");
+                assert_eq!(stream.clone_dtoh(&status).unwrap(), vec![0], "status {what}");
+                cases += 1;
+            }
+        }
+    }
+    // An invalid id is reported, not silently counted.
+    let bad = upload(&stream, &[0i64, 5, -1, 2]).unwrap();
+    let mut counts = stream.alloc_zeros::<u32>(2 + 4 + 1).unwrap();
+    let mut slots = stream.alloc_zeros::<i32>(4).unwrap();
+    let mut status = stream.alloc_zeros::<u32>(1).unwrap();
+    {
+        let (i, _g0) = bad.device_ptr(&stream);
+        let (c, _g1) = counts.device_ptr_mut(&stream);
+        let (s, _g2) = slots.device_ptr_mut(&stream);
+        let (st, _g3) = status.device_ptr_mut(&stream);
+        let (rec, _g4) = record.device_ptr(&stream);
+        let (cl, _g5) = claim.device_ptr(&stream);
+        let args = LayoutArgs { topk_idx: i, counts: c, token_slot: s, status: st, err_record: rec, err_claim: cl, num_tokens: 2, top_k: 2, num_experts: 4, world: 2, gpus_per_node: 2, rank: 0 };
+        // SAFETY: sizes match the shape (T=2, K=2, E=4, world=2, one node).
+        unsafe { kernels.launch_layout(&stream, &args) }.unwrap();
+    }
+    assert_eq!(stream.clone_dtoh(&status).unwrap(), vec![1]);
+    let rec = stream.clone_dtoh(&record).unwrap();
+    assert_eq!(rec[0] & 0xffff_ffff, 3, "INVALID_EXPERT code");
+    assert_eq!(rec[5], 5, "offending id recorded");
+    eprintln!("layout kernel: {cases} shapes match the reference");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The dispatch/combine suite.
+
+struct Group {
+    hidden: usize,
+    top_k: usize,
+    experts_per_rank: usize,
+    max_tokens: usize,
+    cases: Vec<(Vec<usize>, f64, Option<usize>, RoundOptions)>,
+}
+
+fn groups(world: usize) -> Vec<Group> {
+    let per = |f: &dyn Fn(usize) -> usize| (0..world).map(f).collect::<Vec<_>>();
+    let hs = RoundOptions::default();
+    let fp8 = RoundOptions { fp8: true, ..hs };
+    let wc = RoundOptions { mode: RecvMode::WorstCase, check_layout: false, ..hs };
+    vec![
+        Group {
+            hidden: 7168, top_k: 8, experts_per_rank: 256 / world.min(256), max_tokens: 4096,
+            cases: vec![
+                (per(&|_| 4096), 0.0, None, hs),
+                (per(&|_| 4096), 0.0, None, fp8),
+                (per(&|r| if r == 0 { 1 } else { 0 }), 0.0, None, hs),
+                (per(&|r| 777 + 100 * r), 0.1, None, wc),
+                (per(&|_| 0), 0.0, None, hs),
+            ],
+        },
+        Group {
+            hidden: 128, top_k: 1, experts_per_rank: 1, max_tokens: 64,
+            cases: vec![
+                (per(&|_| 0), 0.0, None, hs),
+                (per(&|_| 1), 0.0, None, fp8),
+                (per(&|r| 3 + 14 * r), 0.3, None, hs),
+                (per(&|_| 64), 0.0, None, RoundOptions { weights: false, ..fp8 }),
+            ],
+        },
+        Group {
+            hidden: 2056, top_k: 9, experts_per_rank: 144, max_tokens: 512,
+            cases: vec![(per(&|r| 333 + r), 0.2, None, hs), (per(&|r| 511 - r), 0.0, None, wc)],
+        },
+        Group {
+            hidden: 512, top_k: 4, experts_per_rank: 8, max_tokens: 1024,
+            cases: vec![
+                (per(&|r| 1000 + 7 * r), 0.0, Some(0), hs),
+                (per(&|r| 1000 - 3 * r), 0.0, Some(world - 1), RoundOptions { mode: RecvMode::Bounded(1024 * world), ..fp8 }),
+            ],
+        },
+        Group {
+            hidden: 256, top_k: 3, experts_per_rank: 3, max_tokens: 16384,
+            cases: vec![(per(&|_| 16384), 0.05, None, hs), (per(&|_| 16384), 0.0, None, RoundOptions { fp8: true, ..wc })],
+        },
+    ]
+}
+
+fn run_suite(strategy: BarrierStrategy) {
+    let w = worker();
+    let (rank, world) = (w.boot.rank(), w.boot.world_size());
+    for (gi, g) in groups(world).into_iter().enumerate() {
+        let experts = g.experts_per_rank * world;
+        let mut cfg = BufferConfig::new(g.max_tokens, g.hidden, g.top_k, experts);
+        cfg.barrier = strategy;
+        cfg.timeout = Duration::from_secs(20);
+        let mut buf = Buffer::new(w.ctx.clone(), w.boot.clone(), cfg).expect("Buffer::new");
+        for (ci, (tokens, mask, skew, opts)) in g.cases.into_iter().enumerate() {
+            let shape = Shape { tokens: tokens.clone(), hidden: g.hidden, top_k: g.top_k, experts, mask_prob: mask, skew_to: skew, seed: (gi * 100 + ci) as u64 };
+            let opts = RoundOptions { fp8: opts.fp8 && shape.fp8_capable(), ..opts };
+            let inputs = host_inputs(&shape).expect("inputs");
+            let dev = device_inputs(buf.stream(), &inputs, rank).expect("upload");
+            let t0 = Instant::now();
+            verified_round(&mut buf, &inputs, &dev, opts)
+                .unwrap_or_else(|e| panic!("{strategy:?} group {gi} case {ci} ({shape:?}, {opts:?}): {e}"));
+            log(rank, format_args!("{strategy:?} H={} K={} E={experts} tokens={tokens:?} mask={mask} skew={skew:?} {opts:?}: ok ({:?})", g.hidden, g.top_k, t0.elapsed()));
+        }
+        buf.destroy().expect("destroy");
+    }
+}
+
+#[test]
+fn dispatch_combine_suite() {
+    if is_worker() {
+        return run_suite(strategy_from_env());
+    }
+    let Some(n) = world("dispatch_combine_suite", 2) else { return };
+    for s in ["epoch", "global"] {
+        launch("dispatch_combine_suite", n, &[("EPCOMM_TEST_BARRIER", s.to_string())]);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Many ops back to back: first verified one by one with changing shapes, then issued without
+// any host synchronisation (WorstCase) and verified at the end.
+
+fn run_soak() {
+    let w = worker();
+    let (rank, world) = (w.boot.rank(), w.boot.world_size());
+    let (hidden, top_k, experts, max_tokens) = (256, 4, 8 * world, 512);
+    let mut cfg = BufferConfig::new(max_tokens, hidden, top_k, experts);
+    cfg.barrier = strategy_from_env();
+    cfg.timeout = Duration::from_secs(20);
+    let mut buf = Buffer::new(w.ctx.clone(), w.boot.clone(), cfg.clone()).expect("Buffer::new");
+    let iters: usize = std::env::var("EPCOMM_SOAK_ITERS").ok().and_then(|v| v.parse().ok()).unwrap_or(1000);
+    let shapes: Vec<Shape> = (0..16)
+        .map(|i| Shape {
+            tokens: (0..world).map(|r| (i * 37 + r * 101 + i * i * 13) % (max_tokens + 1)).collect(),
+            hidden, top_k, experts, mask_prob: if i % 3 == 0 { 0.2 } else { 0.0 }, skew_to: (i % 5 == 4).then_some(i % world), seed: 1000 + i as u64,
+        })
+        .collect();
+    let prepared: Vec<_> = shapes.iter().map(|s| { let h = host_inputs(s).unwrap(); let d = device_inputs(buf.stream(), &h, rank).unwrap(); (h, d) }).collect();
+    let t0 = Instant::now();
+    for i in 0..iters / 2 {
+        let (h, d) = &prepared[i % prepared.len()];
+        let opts = RoundOptions { fp8: i % 2 == 1, cached: i % 4 == 0, check_layout: i % 7 == 0, mode: if i % 3 == 0 { RecvMode::WorstCase } else { RecvMode::HostSync }, weights: i % 5 != 0 };
+        verified_round(&mut buf, h, d, opts).unwrap_or_else(|e| panic!("soak iteration {i}: {e}"));
+    }
+    log(rank, format_args!("soak: {} verified rounds in {:?}", iters / 2, t0.elapsed()));
+    // Pipelined: no host sync between ops.
+    let mut expected = Vec::new();
+    let mut outs = Vec::new();
+    let ys: Vec<_> = shapes.iter().zip(&prepared).map(|(s, (h, _))| {
+        let r = epcomm_reference::dispatch(&h.bf16, experts).unwrap();
+        let y_all: Vec<Vec<bf16>> = r.iter().map(|o| o.recv_x.to_bf16(hidden).unwrap()).collect();
+        let tokens: Vec<usize> = s.tokens.clone();
+        let want = epcomm_reference::combine(&y_all, None, &r, &tokens).unwrap();
+        let mut y = y_all[rank].clone();
+        y.resize(world * max_tokens * hidden, bf16::ZERO);
+        (upload(buf.stream(), &y).unwrap(), want[rank].x.clone())
+    }).collect();
+    let t0 = Instant::now();
+    for i in 0..iters / 2 {
+        let k = (i * 7) % prepared.len();
+        let (_, d) = &prepared[k];
+        let layout = buf.layout(&d.topk_idx, d.num_tokens).unwrap();
+        let input = DispatchInput { x: XInput::Bf16(&d.x), topk_idx: &d.topk_idx, topk_weights: None };
+        let handle = buf.dispatch(&input, &layout, RecvMode::WorstCase).unwrap().into_handle();
+        let mut out = if d.num_tokens == 0 { buf.stream().null().unwrap() } else { buf.stream().alloc_zeros::<bf16>(d.num_tokens * hidden).unwrap() };
+        buf.combine(&ys[k].0, None, &handle, &mut out, None).unwrap();
+        outs.push(out);
+        expected.push(k);
+    }
+    buf.synchronize().expect("pipelined ops");
+    for (i, (out, k)) in outs.iter().zip(&expected).enumerate() {
+        let got = if out.len() == 0 { Vec::new() } else { buf.stream().clone_dtoh(out).unwrap() };
+        assert!(got == ys[*k].1, "pipelined iteration {i} (shape {k}) differs from the reference");
+    }
+    log(rank, format_args!("soak: {} pipelined dispatch+combine in {:?}, all verified", iters / 2, t0.elapsed()));
+    buf.destroy().unwrap();
+}
+
+#[test]
+fn back_to_back_soak() {
+    if is_worker() {
+        return run_soak();
+    }
+    let Some(n) = world("back_to_back_soak", 2) else { return };
+    for s in ["epoch", "global"] {
+        launch("back_to_back_soak", n, &[("EPCOMM_TEST_BARRIER", s.to_string())]);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Failures: typed errors, bounded waits, recovery.
+
+fn small_cfg(world: usize) -> BufferConfig {
+    let mut cfg = BufferConfig::new(64, 128, 2, 4 * world);
+    cfg.timeout = Duration::from_secs(2);
+    cfg.barrier = strategy_from_env();
+    cfg
+}
+
+fn assert_recovers(w: &Worker) {
+    let world = w.boot.world_size();
+    let mut buf = Buffer::new(w.ctx.clone(), w.boot.clone(), small_cfg(world)).expect("a new Buffer after a failure");
+    let shape = Shape::uniform(world, 50, 128, 2, 4 * world, 77);
+    let h = host_inputs(&shape).unwrap();
+    let d = device_inputs(buf.stream(), &h, w.boot.rank()).unwrap();
+    verified_round(&mut buf, &h, &d, RoundOptions::default()).expect("round after recovery");
+    buf.destroy().unwrap();
+}
+
+fn run_failures() {
+    let w = worker();
+    let (rank, world) = (w.boot.rank(), w.boot.world_size());
+    let cfg = small_cfg(world);
+    let mut buf = Buffer::new(w.ctx.clone(), w.boot.clone(), cfg.clone()).unwrap();
+    let shape = Shape::uniform(world, 40, 128, 2, 4 * world, 5);
+    let h = host_inputs(&shape).unwrap();
+    let d = device_inputs(buf.stream(), &h, rank).unwrap();
+
+    // Bad arguments: typed errors naming the argument, nothing launched.
+    let e = buf.layout(&d.topk_idx, 41).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument { argument: "topk_idx", .. }), "{e}");
+    let e = buf.layout(&d.topk_idx, 65).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument { argument: "num_tokens", .. }), "{e}");
+    let layout = buf.layout(&d.topk_idx, 40).unwrap();
+    let short = upload(buf.stream(), &vec![bf16::ZERO; 39 * 128]).unwrap();
+    let input = DispatchInput { x: XInput::Bf16(&short), topk_idx: &d.topk_idx, topk_weights: None };
+    let e = buf.dispatch(&input, &layout, RecvMode::HostSync).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument { argument: "x", .. }), "{e}");
+    let e = buf.dispatch(&DispatchInput { x: XInput::Bf16(&d.x), topk_idx: &d.topk_idx, topk_weights: None }, &layout, RecvMode::Bounded(1 << 30)).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument { argument: "RecvMode::Bounded", .. }), "{e}");
+    log(rank, "bad arguments: typed errors");
+
+    // A valid round still works on this buffer.
+    verified_round(&mut buf, &h, &d, RoundOptions::default()).unwrap();
+
+    // Overflow: Bounded(n) smaller than what arrives fails on the device on every rank.
+    let layout = buf.layout(&d.topk_idx, 40).unwrap();
+    let input = DispatchInput { x: XInput::Bf16(&d.x), topk_idx: &d.topk_idx, topk_weights: None };
+    let r = buf.dispatch(&input, &layout, RecvMode::Bounded(10)).map(|_| ());
+    let r = r.and_then(|_| buf.synchronize());
+    assert!(matches!(r, Err(Error::Overflow { capacity: 10, .. })), "{r:?}");
+    assert!(buf.is_failed());
+    buf.destroy().unwrap();
+    log(rank, "overflow: typed error on every rank");
+
+    // A stalled peer: the last rank skips the op; the others time out naming it, within bound.
+    let mut buf = Buffer::new(w.ctx.clone(), w.boot.clone(), cfg.clone()).unwrap();
+    let layout = buf.layout(&d.topk_idx, 40).unwrap();
+    let late = world - 1;
+    if rank != late {
+        let t0 = Instant::now();
+        let r = buf.dispatch(&input, &layout, RecvMode::HostSync).map(|_| ());
+        let r = r.and_then(|_| buf.synchronize());
+        let waited = t0.elapsed();
+        match r {
+            Err(Error::Timeout { peer, wait, .. }) => {
+                assert_eq!(peer as usize, late, "the timeout names the stalled rank");
+                assert_eq!(wait, WaitKind::CountRow);
+            }
+            other => panic!("expected a timeout naming rank {late}, got {other:?}"),
+        }
+        assert!(waited < cfg.timeout + Duration::from_secs(3), "bounded: waited {waited:?}");
+        log(rank, format_args!("stalled peer: Timeout naming rank {late} after {waited:?}"));
+    }
+    buf.destroy().unwrap();
+    assert_recovers(&w);
+
+    // An invalid expert id on rank 0: rank 0 gets InvalidExpert, the others a timeout naming 0.
+    let mut buf = Buffer::new(w.ctx.clone(), w.boot.clone(), cfg.clone()).unwrap();
+    let mut idx = h.bf16[rank].topk_idx.clone();
+    if rank == 0 {
+        idx[3 * 2 + 1] = (4 * world + 5) as i64;
+    }
+    let idx = upload(buf.stream(), &idx).unwrap();
+    let layout = buf.layout(&idx, 40).unwrap();
+    let input = DispatchInput { x: XInput::Bf16(&d.x), topk_idx: &idx, topk_weights: None };
+    let r = buf.dispatch(&input, &layout, RecvMode::WorstCase).map(|_| ());
+    let r = r.and_then(|_| buf.synchronize());
+    if rank == 0 {
+        assert!(matches!(r, Err(Error::InvalidExpert { token: 3, .. })), "{r:?}");
+    } else {
+        assert!(matches!(r, Err(Error::Timeout { peer: 0, .. })), "{r:?}");
+    }
+    buf.destroy().unwrap();
+    log(rank, "invalid expert id: InvalidExpert on the sender, Timeout naming it elsewhere");
+    assert_recovers(&w);
+    log(rank, "new Buffer after failures: verified round passes");
+}
+
+#[test]
+fn failures_are_typed_bounded_and_recoverable() {
+    if is_worker() {
+        return run_failures();
+    }
+    let Some(n) = world("failures_are_typed_bounded_and_recoverable", 2) else { return };
+    for s in ["epoch", "global"] {
+        launch("failures_are_typed_bounded_and_recoverable", n, &[("EPCOMM_TEST_BARRIER", s.to_string())]);
+    }
+}
+
+// A peer process that dies: the survivors' waits end with a Timeout naming it.
+fn run_killed() {
+    let w = worker();
+    let (rank, world) = (w.boot.rank(), w.boot.world_size());
+    let mut buf = Buffer::new(w.ctx.clone(), w.boot.clone(), small_cfg(world)).unwrap();
+    let shape = Shape::uniform(world, 40, 128, 2, 4 * world, 9);
+    let h = host_inputs(&shape).unwrap();
+    let d = device_inputs(buf.stream(), &h, rank).unwrap();
+    verified_round(&mut buf, &h, &d, RoundOptions::default()).unwrap();
+    if rank == world - 1 {
+        std::process::exit(0); // dies without a word
+    }
+    let layout = buf.layout(&d.topk_idx, 40).unwrap();
+    let input = DispatchInput { x: XInput::Bf16(&d.x), topk_idx: &d.topk_idx, topk_weights: None };
+    let r = buf.dispatch(&input, &layout, RecvMode::WorstCase).map(|_| ()).and_then(|_| buf.synchronize());
+    assert!(matches!(r, Err(Error::Timeout { peer, .. }) if peer as usize == world - 1), "{r:?}");
+    // The context stays usable: a fresh allocation and copy work.
+    let s = w.ctx.new_stream().unwrap();
+    let v = s.clone_htod(&[1u32, 2, 3]).unwrap();
+    assert_eq!(s.clone_dtoh(&v).unwrap(), vec![1, 2, 3]);
+    log(rank, "killed peer: Timeout naming it; the CUDA context still works");
+    drop(buf);
+}
+
+#[test]
+fn killed_peer_times_out() {
+    if is_worker() {
+        return run_killed();
+    }
+    let Some(n) = world("killed_peer_times_out", 2) else { return };
+    launch("killed_peer_times_out", n, &[]);
+}
