@@ -82,13 +82,17 @@ pub enum ConfigError {
         len: usize,
     },
     /// A cached dispatch with no earlier [`OpKind::Dispatch`] to take its layout from.
-    #[error("ops[{index}] is CachedDispatch but no Dispatch precedes it (a cached dispatch reuses the layout of an earlier Dispatch)")]
+    #[error(
+        "ops[{index}] is CachedDispatch but no Dispatch precedes it (a cached dispatch reuses the layout of an earlier Dispatch)"
+    )]
     CachedWithoutLayout {
         /// Index of the offending op.
         index: usize,
     },
     /// A combine with no earlier dispatch whose rows it could return.
-    #[error("ops[{index}] is Combine but no dispatch precedes it (combine returns the rows of the last dispatch)")]
+    #[error(
+        "ops[{index}] is Combine but no dispatch precedes it (combine returns the rows of the last dispatch)"
+    )]
     CombineWithoutDispatch {
         /// Index of the offending op.
         index: usize,
@@ -308,7 +312,11 @@ mod tests {
     fn error_messages_name_argument() {
         let e = ConfigError::CachedWithoutLayout { index: 3 };
         assert!(e.to_string().contains("ops[3]"));
-        assert!(ConfigError::Blocks { blocks: 0 }.to_string().contains("blocks = 0"));
+        assert!(
+            ConfigError::Blocks { blocks: 0 }
+                .to_string()
+                .contains("blocks = 0")
+        );
     }
 
     #[test]
@@ -335,6 +343,9 @@ mod tests {
         assert!(layouts.iter().flatten().any(|&b| b));
         assert!(layouts.iter().flatten().any(|&b| !b));
         assert!(!routes_to(1, 0, 0, MAX_WORLD));
-        assert_eq!(route_count(3, 4, 1, 0), (0..4).filter(|&t| routes_to(3, 1, t, 0)).count() as u64);
+        assert_eq!(
+            route_count(3, 4, 1, 0),
+            (0..4).filter(|&t| routes_to(3, 1, t, 0)).count() as u64
+        );
     }
 }

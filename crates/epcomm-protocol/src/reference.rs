@@ -31,12 +31,7 @@ pub struct RankReport {
 }
 
 /// The rows rank `me` receives in a dispatch with sequence `seq` under layout `layout_seq`.
-pub(crate) fn expected_rows(
-    cfg: &ModelConfig,
-    layout_seq: u64,
-    seq: u64,
-    me: usize,
-) -> Vec<u64> {
+pub(crate) fn expected_rows(cfg: &ModelConfig, layout_seq: u64, seq: u64, me: usize) -> Vec<u64> {
     let mut rows = Vec::new();
     for s in 0..cfg.world() {
         for t in 0..cfg.tokens() {
@@ -99,8 +94,14 @@ mod tests {
 
     #[test]
     fn dispatch_rows_match_counts() {
-        let cfg = ModelConfig::new(3, 4, 1, Strategy::Epoch, vec![Dispatch, CachedDispatch, Combine])
-            .unwrap();
+        let cfg = ModelConfig::new(
+            3,
+            4,
+            1,
+            Strategy::Epoch,
+            vec![Dispatch, CachedDispatch, Combine],
+        )
+        .unwrap();
         let reps = sequential_reference(&cfg);
         assert_eq!(reps.len(), 3);
         for (me, r) in reps.iter().enumerate() {

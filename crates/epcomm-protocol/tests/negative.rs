@@ -14,12 +14,7 @@ use epcomm_protocol::{
     ModelConfig, OpKind, Step, StepHook, Strategy, Violation, run_model, sequential_reference,
 };
 
-fn run(
-    strategy: Strategy,
-    tokens: usize,
-    ops: &[OpKind],
-    pause: &Pause,
-) -> Result<(), Violation> {
+fn run(strategy: Strategy, tokens: usize, ops: &[OpKind], pause: &Pause) -> Result<(), Violation> {
     let cfg = ModelConfig::new(2, tokens, 1, strategy, ops.to_vec()).unwrap();
     let result = run_model(&cfg, pause);
     assert!(
@@ -64,7 +59,10 @@ fn single_count_region_reads_next_epoch_count() {
 fn single_recv_region_overwrites_live_output() {
     use OpKind::*;
     let tokens = 4;
-    assert!(route_count(1, tokens, 0, 1) > 0, "rank 0 must send to rank 1 for this schedule");
+    assert!(
+        route_count(1, tokens, 0, 1) > 0,
+        "rank 0 must send to rank 1 for this schedule"
+    );
     let ops = [Dispatch, CachedDispatch, Combine];
     let pause = || Pause::new(1, (1, Step::Recheck), 0, (1, Step::E6));
     run(Strategy::Epoch, tokens, &ops, &pause()).expect("parity regions keep the rows apart");
@@ -136,5 +134,8 @@ fn bounded_wait_names_op_wait_and_peer() {
         other => panic!("expected rank 0 to time out in [E2] on peer 1, got {other}"),
     }
     let text = failure.violations[0].to_string();
-    assert!(text.contains("op 1") && text.contains("[E2]") && text.contains("peer 1"), "{text}");
+    assert!(
+        text.contains("op 1") && text.contains("[E2]") && text.contains("peer 1"),
+        "{text}"
+    );
 }

@@ -5,9 +5,7 @@
 mod common;
 
 use common::{Jitter, Rng};
-use epcomm_protocol::{
-    ModelConfig, NoHook, OpKind, Strategy, run_model, sequential_reference,
-};
+use epcomm_protocol::{ModelConfig, NoHook, OpKind, Strategy, run_model, sequential_reference};
 
 fn random_ops(rng: &mut Rng, len: usize) -> Vec<OpKind> {
     let mut ops = vec![OpKind::Dispatch];
@@ -30,8 +28,11 @@ fn stress(strategy: Strategy, runs: u64, seed: u64) {
         let len = 3 + rng.below(6) as usize;
         let ops = random_ops(&mut rng, len);
         let cfg = ModelConfig::new(world, tokens, blocks, strategy, ops).unwrap();
-        let got = run_model(&cfg, &Jitter::new(seed ^ run.wrapping_mul(0x2545_F491_4F6C_DD1D)))
-            .unwrap_or_else(|f| panic!("run {run}, {cfg:?}: {f}"));
+        let got = run_model(
+            &cfg,
+            &Jitter::new(seed ^ run.wrapping_mul(0x2545_F491_4F6C_DD1D)),
+        )
+        .unwrap_or_else(|f| panic!("run {run}, {cfg:?}: {f}"));
         assert_eq!(got, sequential_reference(&cfg), "run {run}, {cfg:?}");
     }
 }
@@ -64,9 +65,35 @@ fn long_mixed_sequence_without_delays() {
 fn single_rank_world_works() {
     use OpKind::*;
     for strategy in [Strategy::Epoch, Strategy::Global] {
-        let cfg =
-            ModelConfig::new(1, 3, 1, strategy, vec![Dispatch, Combine, CachedDispatch, Combine])
-                .unwrap();
-        assert_eq!(run_model(&cfg, &NoHook).unwrap(), sequential_reference(&cfg));
+        let cfg = ModelConfig::new(
+            1,
+            3,
+            1,
+            strategy,
+            vec![Dispatch, Combine, CachedDispatch, Combine],
+        )
+        .unwrap();
+        assert_eq!(
+            run_model(&cfg, &NoHook).unwrap(),
+            sequential_reference(&cfg)
+        );
     }
+}
+
+/// The stress harness is strong enough to matter: with the same delays, the deliberately
+/// unsound single-region variant fails (in practice in almost every run; one is required).
+#[test]
+fn jitter_catches_the_unsound_variant() {
+    let mut rng = Rng(0xBAD);
+    let mut failures = 0;
+    for run in 0..40u64 {
+        let ops = random_ops(&mut rng, 6);
+        let world = 2 + rng.below(3) as usize;
+        let tokens = 1 + rng.below(4) as usize;
+        let cfg = ModelConfig::new(world, tokens, 1, Strategy::EpochWithoutParity, ops).unwrap();
+        if run_model(&cfg, &Jitter::new(run)).is_err() {
+            failures += 1;
+        }
+    }
+    assert!(failures > 0, "no run of the unsound variant failed");
 }
