@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, sys};
 use epcomm::{Buffer, DispatchInput, Handle, Layout, RecvMode, XInput};
 use epcomm_reference::bf16;
 
@@ -91,8 +91,8 @@ impl Timer {
         let mut events = Vec::with_capacity(iters);
         for _ in 0..iters {
             self.stream.memset_zeros(&mut self.flush)?;
-            let start = self.ctx.new_event(None)?;
-            let end = self.ctx.new_event(None)?;
+            let start = self.ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+            let end = self.ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
             start.record(&self.stream)?;
             self.run(buf, dev, op)?;
             end.record(&self.stream)?;

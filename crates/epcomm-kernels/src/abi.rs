@@ -111,6 +111,7 @@ pub struct OpArgs {
     pub off_src_idx: u64,
     pub off_comb_x: u64,
     pub off_comb_w: u64,
+    pub off_comb_flags: u64,
     pub off_counts: u64,
     pub off_expert_counts: u64,
     pub off_done: u64,
@@ -176,7 +177,7 @@ pub(crate) const EXPECTED_PROBE: [(&str, u64); 7] = [
 ];
 
 const _: () = {
-    assert!(size_of::<OpArgs>() == 35 * 8 + 12 * 4);
+    assert!(size_of::<OpArgs>() == 36 * 8 + 12 * 4);
     assert!(size_of::<LayoutArgs>() == 6 * 8 + 6 * 4);
     assert!(size_of::<ErrorRecord>() == 56);
 };
@@ -187,8 +188,8 @@ mod tests {
 
     #[test]
     fn layouts_match_the_cuda_header() {
-        assert_eq!(offset_of!(OpArgs, num_tokens), 280);
-        assert_eq!(offset_of!(OpArgs, global_barriers), 324);
+        assert_eq!(offset_of!(OpArgs, num_tokens), 288);
+        assert_eq!(offset_of!(OpArgs, global_barriers), 332);
         assert_eq!(offset_of!(LayoutArgs, num_tokens), 48);
         assert_eq!(offset_of!(ErrorRecord, epoch), 24);
     }
@@ -202,7 +203,7 @@ mod tests {
         for name in [
             "x;", "x_scales", "topk_idx", "topk_weights", "out;", "out_weights", "token_slot",
             "layout_counts", "layout_status", "send_offsets", "recv_prefix", "recv_src_idx",
-            "recv_expert_counts", "peer_bases", "off_x", "off_comb_x", "off_counts",
+            "recv_expert_counts", "peer_bases", "off_x", "off_comb_x", "off_comb_flags", "off_counts",
             "off_expert_counts", "off_done", "off_barrier", "off_stamps", "off_stats",
             "err_claim", "err_record", "host_counts", "timeout_ns", "done_expected",
             "barrier_base", "epoch", "op_seq", "num_tokens", "hidden", "row_bytes", "num_scales",

@@ -5,6 +5,10 @@ use crate::{Result, TopologyError};
 /// Alignment of every region's offset, in bytes.
 pub const REGION_ALIGN: u64 = 256;
 
+/// Tokens per combine progress flag: a sender publishes each chunk of this many destination
+/// tokens as soon as it landed, so the owner reduces while the rest is still in flight.
+pub const COMBINE_CHUNK_TOKENS: u64 = 4;
+
 /// Size of the stats region (per-peer wait timestamps, see DESIGN §3), in bytes.
 pub const STATS_BYTES: u64 = 4096;
 
@@ -94,6 +98,9 @@ pub enum RegionKind {
     BarrierCounters,
     /// Diagnostics, [`STATS_BYTES`] bytes (shared).
     Stats,
+    /// Combine progress flags, `[world][combine_chunks]` u64 (shared by both parities;
+    /// monotonic: each holds the sequence number of the last combine whose chunk landed).
+    CombineFlags,
 }
 
 impl RegionKind {
@@ -111,10 +118,11 @@ impl RegionKind {
     ];
 
     /// Regions that exist once, in layout order.
-    pub const SHARED: [RegionKind; 3] = [
+    pub const SHARED: [RegionKind; 4] = [
         RegionKind::DoneCounters,
         RegionKind::BarrierCounters,
         RegionKind::Stats,
+        RegionKind::CombineFlags,
     ];
 
     /// Whether the region exists once per parity.
@@ -213,9 +221,9 @@ impl RegionOffsets {
 /// function of its arguments, so equal arguments give equal plans.
 ///
 /// For DeepSeek-V3 on two ranks (`BufferPlan::new(2, 4096, 7168, 8, 256)`) the buffer is
-/// **475,603,968 bytes (~453.6 MiB)** per rank: per parity 117,440,512 B of dispatch x,
+/// **475,620,352 bytes (~453.6 MiB)** per rank: per parity 117,440,512 B of dispatch x,
 /// 1,835,008 B of scales, 524,288 + 262,144 + 32,768 B of top-k ids/weights/source index,
-/// 117,440,512 + 262,144 B of combine rows/weights, plus small count regions (checked by a
+/// 117,440,512 + 262,144 B of combine rows/weights, plus small count and flag regions (checked by a
 /// unit test).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct BufferPlan {
@@ -226,7 +234,7 @@ pub struct BufferPlan {
     num_experts: usize,
     fp8_capable: bool,
     per_parity: [[Region; 9]; 2],
-    shared: [Region; 3],
+    shared: [Region; 4],
     total_bytes: u64,
 }
 
@@ -279,7 +287,7 @@ impl BufferPlan {
             num_experts,
             fp8_capable,
             per_parity: [[Region { offset: 0, len: 0 }; 9]; 2],
-            shared: [Region { offset: 0, len: 0 }; 3],
+            shared: [Region { offset: 0, len: 0 }; 4],
             total_bytes: 0,
         };
 
@@ -319,6 +327,7 @@ impl BufferPlan {
             RegionKind::ExpertCounts => (world, (self.experts_per_rank() as u64) * 8),
             RegionKind::DoneCounters | RegionKind::BarrierCounters => (world, 8),
             RegionKind::Stats => (1, STATS_BYTES),
+            RegionKind::CombineFlags => (world, self.combine_chunks() * 8),
         };
         a.checked_mul(b).ok_or(OVERFLOW)
     }
@@ -480,6 +489,10 @@ impl BufferPlan {
     pub fn src_idx_row_bytes(&self) -> u64 {
         4
     }
+    /// Combine chunks per rank: `ceil(max_tokens_per_rank / COMBINE_CHUNK_TOKENS)`.
+    pub fn combine_chunks(&self) -> u64 {
+        (self.max_tokens_per_rank as u64).div_ceil(COMBINE_CHUNK_TOKENS)
+    }
     /// Row stride of [`RegionKind::CombineX`]: `hidden * 2`.
     pub fn combine_x_row_bytes(&self) -> u64 {
         self.hidden as u64 * 2
@@ -505,7 +518,7 @@ mod tests {
 
     fn check_invariants(p: &BufferPlan) {
         let regions = p.regions();
-        assert_eq!(regions.len(), 21);
+        assert_eq!(regions.len(), 22);
         for (k, _, r) in &regions {
             assert_eq!(r.offset % REGION_ALIGN, 0, "{k:?}");
             assert!(r.end() <= p.total_bytes(), "{k:?}");
@@ -517,7 +530,7 @@ mod tests {
         }
         let sum: u64 = regions.iter().map(|(_, _, r)| r.len).sum();
         assert!(p.total_bytes() >= sum);
-        assert!(p.total_bytes() < sum + 22 * REGION_ALIGN);
+        assert!(p.total_bytes() < sum + 23 * REGION_ALIGN);
         assert_eq!(p.total_bytes() % REGION_ALIGN, 0);
     }
 
@@ -539,8 +552,9 @@ mod tests {
         assert_eq!(p.region(RegionKind::DoneCounters, e).len, 16);
         assert_eq!(p.region(RegionKind::BarrierCounters, e).len, 16);
         assert_eq!(p.region(RegionKind::Stats, e).len, STATS_BYTES);
+        assert_eq!(p.region(RegionKind::CombineFlags, e).len, 2 * 1024 * 8);
         println!("DeepSeek-V3, world 2: {} bytes", p.total_bytes());
-        assert_eq!(p.total_bytes(), 475_603_968);
+        assert_eq!(p.total_bytes(), 475_620_352);
     }
 
     #[test]

@@ -701,6 +701,8 @@ impl<T: Transport> Buffer<T> {
         let parity = Parity::of_epoch(self.seq.combine);
         a.off_comb_x = self.plan.region(RegionKind::CombineX, parity).offset;
         a.off_comb_w = self.plan.region(RegionKind::CombineWeights, parity).offset;
+        a.off_comb_flags = self.plan.region(RegionKind::CombineFlags, parity).offset;
+        a.epoch = self.seq.combine;
         a.num_tokens = t as i32;
         a.max_recv_rows = h.max_rows as i32;
         a.flags = if y_weights.is_some() { abi::flags::HAS_WEIGHTS } else { 0 };

@@ -77,6 +77,7 @@ struct OpArgs {
   uint64_t peer_bases;    // [world] u64: base of every rank's symmetric buffer (mine included)
   uint64_t off_x, off_scales, off_topk_idx, off_topk_w, off_src_idx;  // dispatch region (parity)
   uint64_t off_comb_x, off_comb_w;                                     // combine region (parity)
+  uint64_t off_comb_flags;     // [world][chunks] monotonic u64: last combine whose chunk landed
   uint64_t off_counts;         // [world][world] tagged u64 (notify parity)
   uint64_t off_expert_counts;  // [world][experts_per_rank] tagged u64 (notify parity)
   uint64_t off_done;           // [world] monotonic u64
@@ -91,7 +92,8 @@ struct OpArgs {
   uint64_t timeout_ns;
   uint64_t done_expected;      // value every done[src] reaches when this op's data has landed
   uint64_t barrier_base;       // barrier counters' value before this op's first barrier
-  uint64_t epoch;              // notify sequence number (>= 1) used as the count tag
+  uint64_t epoch;              // dispatch: notify sequence number (>= 1), the count tag;
+                               // combine: combine sequence number (>= 1), the chunk-flag value
   uint64_t op_seq;             // op sequence number (>= 1)
   int32_t num_tokens;
   int32_t hidden;              // elements per row
