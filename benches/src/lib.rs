@@ -24,8 +24,19 @@ pub type Res<T = ()> = Result<T, Box<dyn std::error::Error>>;
 
 /// The DeepEP normal-mode workload, overridable with `EPCOMM_BENCH_TOKENS` / `EPCOMM_BENCH_SMS`.
 fn workload() -> (usize, usize, usize, usize, u32) {
-    let env = |k: &str, d: usize| std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d);
-    (env("EPCOMM_BENCH_TOKENS", 4096), 7168, 8, 256, env("EPCOMM_BENCH_SMS", 24) as u32)
+    let env = |k: &str, d: usize| {
+        std::env::var(k)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(d)
+    };
+    (
+        env("EPCOMM_BENCH_TOKENS", 4096),
+        7168,
+        8,
+        256,
+        env("EPCOMM_BENCH_SMS", 24) as u32,
+    )
 }
 
 fn connect(world: usize, rank: usize, port: u16) -> Res<Arc<Bootstrap>> {
@@ -54,7 +65,11 @@ pub fn run(transport: &str) -> Res {
             return Ok(());
         }
     };
-    let world = std::env::var("EPCOMM_BENCH_WORLD").ok().and_then(|v| v.parse().ok()).unwrap_or(gpus).min(gpus);
+    let world = std::env::var("EPCOMM_BENCH_WORLD")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(gpus)
+        .min(gpus);
     let mut followers = None;
     let port = if is_worker() {
         0
@@ -95,16 +110,26 @@ pub fn run(transport: &str) -> Res {
         buf.destroy()?;
         return Ok(());
     }
-    let mut c = Criterion::default().configure_from_args().sample_size(20).warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(3));
+    let mut c = Criterion::default()
+        .configure_from_args()
+        .sample_size(20)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(3));
     let mut group = c.benchmark_group(format!("{transport}/ep{world}/{sms}sms"));
     for (i, op) in BenchOp::ALL.into_iter().enumerate() {
-        group.throughput(Throughput::Bytes(op.metric_bytes(timer.num_recv, hidden) as u64));
+        group.throughput(Throughput::Bytes(
+            op.metric_bytes(timer.num_recv, hidden) as u64
+        ));
         group.bench_function(op.name(), |b| {
             b.iter_custom(|iters| {
                 let mut msg = vec![i as u8];
                 msg.extend_from_slice(&iters.to_le_bytes());
-                let step = boot.broadcast("bench-step", 0, Some(&msg)).and_then(|_| Ok(()));
-                let times = step.map_err(|e| e.to_string()).and_then(|_| timer.time(&mut buf, &dev, op, iters as usize).map_err(|e| e.to_string()));
+                let step = boot.broadcast("bench-step", 0, Some(&msg)).map(|_| ());
+                let times = step.map_err(|e| e.to_string()).and_then(|_| {
+                    timer
+                        .time(&mut buf, &dev, op, iters as usize)
+                        .map_err(|e| e.to_string())
+                });
                 match times {
                     Ok(t) => Duration::from_secs_f64(t.iter().sum::<f64>() * 1e-6),
                     Err(e) => panic!("benchmark step failed: {e}"),

@@ -8,7 +8,8 @@ const ARTIFACTS: &[(&str, &str)] = &[("INTRANODE", "intranode.fatbin")];
 
 fn main() {
     println!("cargo:rerun-if-env-changed=EPCOMM_KERNEL_DIR");
-    let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
+    let manifest =
+        PathBuf::from(env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
     let dir = env::var_os("EPCOMM_KERNEL_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| manifest.join("../../target/kernels"));
@@ -25,8 +26,12 @@ fn main() {
             Err(_) => writeln!(code, "pub(crate) static {name}: Option<&[u8]> = None;"),
         }
         .expect("writing to a String cannot fail");
-        writeln!(code, "pub(crate) const {name}_PATH: &str = {:?};", path.display().to_string())
-            .expect("writing to a String cannot fail");
+        writeln!(
+            code,
+            "pub(crate) const {name}_PATH: &str = {:?};",
+            path.display().to_string()
+        )
+        .expect("writing to a String cannot fail");
     }
     let out = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR")).join("embedded.rs");
     fs::write(out, code).expect("OUT_DIR is writable");

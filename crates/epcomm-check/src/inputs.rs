@@ -28,8 +28,23 @@ pub struct Shape {
 
 impl Shape {
     /// DeepEP's workload with `tokens` on every one of `world` ranks.
-    pub fn uniform(world: usize, tokens: usize, hidden: usize, top_k: usize, experts: usize, seed: u64) -> Self {
-        Self { tokens: vec![tokens; world], hidden, top_k, experts, mask_prob: 0.0, skew_to: None, seed }
+    pub fn uniform(
+        world: usize,
+        tokens: usize,
+        hidden: usize,
+        top_k: usize,
+        experts: usize,
+        seed: u64,
+    ) -> Self {
+        Self {
+            tokens: vec![tokens; world],
+            hidden,
+            top_k,
+            experts,
+            mask_prob: 0.0,
+            skew_to: None,
+            seed,
+        }
     }
 
     /// Whether FP8 (hidden % 128 == 0) is possible.
@@ -87,7 +102,10 @@ pub struct DeviceInputs {
 }
 
 /// Copies `data` to a new device slice (a null slice when empty).
-pub fn upload<T: cudarc::driver::DeviceRepr + Copy>(stream: &Arc<CudaStream>, data: &[T]) -> Result<CudaSlice<T>> {
+pub fn upload<T: cudarc::driver::DeviceRepr + Copy>(
+    stream: &Arc<CudaStream>,
+    data: &[T],
+) -> Result<CudaSlice<T>> {
     if data.is_empty() {
         return Ok(stream.null()?);
     }
@@ -95,9 +113,15 @@ pub fn upload<T: cudarc::driver::DeviceRepr + Copy>(stream: &Arc<CudaStream>, da
 }
 
 /// Uploads rank `rank`'s inputs.
-pub fn device_inputs(stream: &Arc<CudaStream>, inputs: &HostInputs, rank: usize) -> Result<DeviceInputs> {
+pub fn device_inputs(
+    stream: &Arc<CudaStream>,
+    inputs: &HostInputs,
+    rank: usize,
+) -> Result<DeviceInputs> {
     let b = &inputs.bf16[rank];
-    let XData::Bf16(x) = &b.x else { return Err(crate::CheckError::Other("bf16 input expected".into())) };
+    let XData::Bf16(x) = &b.x else {
+        return Err(crate::CheckError::Other("bf16 input expected".into()));
+    };
     let (x_fp8, scales) = match inputs.fp8.get(rank).map(|i| &i.x) {
         Some(XData::Fp8 { data, scales }) => {
             let bytes: Vec<u8> = data.iter().map(|v| v.to_bits()).collect();

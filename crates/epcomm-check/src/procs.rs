@@ -30,9 +30,18 @@ pub fn gpu_count() -> std::result::Result<usize, String> {
 /// Runs `args` of the current executable as `world` worker processes (one per GPU, local rank
 /// = GPU index) with `env` added, and waits for all of them (at most `timeout`). Fails naming
 /// the ranks that failed.
-pub fn run_workers(world: usize, args: &[&str], env: &[(&str, String)], timeout: Duration) -> Result<()> {
-    let exe = std::env::current_exe().map_err(|e| CheckError::Other(format!("current_exe: {e}")))?;
-    let mut launch = LocalLaunch::new(exe, args).world_size(world).env(WORKER_ENV, "1").output(Output::Inherit);
+pub fn run_workers(
+    world: usize,
+    args: &[&str],
+    env: &[(&str, String)],
+    timeout: Duration,
+) -> Result<()> {
+    let exe =
+        std::env::current_exe().map_err(|e| CheckError::Other(format!("current_exe: {e}")))?;
+    let mut launch = LocalLaunch::new(exe, args)
+        .world_size(world)
+        .env(WORKER_ENV, "1")
+        .output(Output::Inherit);
     for (k, v) in env {
         launch = launch.env(k, v);
     }

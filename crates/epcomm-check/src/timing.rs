@@ -10,8 +10,8 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream, sys};
 use epcomm::{Buffer, DispatchInput, Handle, Layout, RecvMode, XInput};
 use epcomm_reference::bf16;
 
-use crate::inputs::{DeviceInputs, upload};
 use crate::Result;
+use crate::inputs::{DeviceInputs, upload};
 
 /// Bytes written to flush the 50 MB L2 of an H100/H200 (DeepEP flushes with 256 MB).
 pub const FLUSH_BYTES: usize = 256 << 20;
@@ -31,7 +31,12 @@ pub enum BenchOp {
 
 impl BenchOp {
     /// Every op, in report order.
-    pub const ALL: [BenchOp; 4] = [Self::DispatchFp8, Self::DispatchBf16, Self::CachedDispatchBf16, Self::Combine];
+    pub const ALL: [BenchOp; 4] = [
+        Self::DispatchFp8,
+        Self::DispatchBf16,
+        Self::CachedDispatchBf16,
+        Self::Combine,
+    ];
 
     /// Display name.
     pub fn name(self) -> &'static str {
@@ -74,39 +79,90 @@ impl Timer {
         let ctx = buf.context().clone();
         let flush = stream.alloc_zeros::<u8>(FLUSH_BYTES)?;
         let layout = buf.layout(&dev.topk_idx, dev.num_tokens)?;
-        let input = DispatchInput { x: XInput::Bf16(&dev.x), topk_idx: &dev.topk_idx, topk_weights: Some(&dev.topk_weights) };
-        let handle = buf.dispatch(&input, &layout, RecvMode::HostSync)?.into_handle();
+        let input = DispatchInput {
+            x: XInput::Bf16(&dev.x),
+            topk_idx: &dev.topk_idx,
+            topk_weights: Some(&dev.topk_weights),
+        };
+        let handle = buf
+            .dispatch(&input, &layout, RecvMode::HostSync)?
+            .into_handle();
         let num_recv = handle.num_recv().unwrap_or(0);
         let hidden = buf.config().hidden;
-        let y = upload(&stream, &vec![bf16::from_f32(0.5); num_recv.max(1) * hidden])?;
+        let y = upload(
+            &stream,
+            &vec![bf16::from_f32(0.5); num_recv.max(1) * hidden],
+        )?;
         let out = upload(&stream, &vec![bf16::ZERO; dev.num_tokens.max(1) * hidden])?;
-        let out = if dev.num_tokens == 0 { stream.null()? } else { out };
+        let out = if dev.num_tokens == 0 {
+            stream.null()?
+        } else {
+            out
+        };
         buf.synchronize()?;
-        Ok(Self { stream, ctx, flush, layout, handle, y, out, num_recv })
+        Ok(Self {
+            stream,
+            ctx,
+            flush,
+            layout,
+            handle,
+            y,
+            out,
+            num_recv,
+        })
     }
 
     /// Runs `op` `iters` times (each call after an L2 flush) and returns each call's time in
     /// microseconds (CUDA events around the op only). Collective.
-    pub fn time<T: epcomm::Transport>(&mut self, buf: &mut Buffer<T>, dev: &DeviceInputs, op: BenchOp, iters: usize) -> Result<Vec<f64>> {
+    pub fn time<T: epcomm::Transport>(
+        &mut self,
+        buf: &mut Buffer<T>,
+        dev: &DeviceInputs,
+        op: BenchOp,
+        iters: usize,
+    ) -> Result<Vec<f64>> {
         let mut events = Vec::with_capacity(iters);
         for _ in 0..iters {
             self.stream.memset_zeros(&mut self.flush)?;
-            let start = self.ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
-            let end = self.ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+            let start = self
+                .ctx
+                .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+            let end = self
+                .ctx
+                .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
             start.record(&self.stream)?;
             self.run(buf, dev, op)?;
             end.record(&self.stream)?;
             events.push((start, end));
         }
         buf.synchronize()?;
-        events.iter().map(|(s, e)| Ok(f64::from(s.elapsed_ms(e)?) * 1e3)).collect()
+        events
+            .iter()
+            .map(|(s, e)| Ok(f64::from(s.elapsed_ms(e)?) * 1e3))
+            .collect()
     }
 
-    fn run<T: epcomm::Transport>(&mut self, buf: &mut Buffer<T>, dev: &DeviceInputs, op: BenchOp) -> Result<()> {
+    fn run<T: epcomm::Transport>(
+        &mut self,
+        buf: &mut Buffer<T>,
+        dev: &DeviceInputs,
+        op: BenchOp,
+    ) -> Result<()> {
         match op {
             BenchOp::DispatchBf16 | BenchOp::DispatchFp8 => {
-                let x = if op == BenchOp::DispatchFp8 { XInput::Fp8 { x: &dev.x_fp8, scales: &dev.scales } } else { XInput::Bf16(&dev.x) };
-                let input = DispatchInput { x, topk_idx: &dev.topk_idx, topk_weights: Some(&dev.topk_weights) };
+                let x = if op == BenchOp::DispatchFp8 {
+                    XInput::Fp8 {
+                        x: &dev.x_fp8,
+                        scales: &dev.scales,
+                    }
+                } else {
+                    XInput::Bf16(&dev.x)
+                };
+                let input = DispatchInput {
+                    x,
+                    topk_idx: &dev.topk_idx,
+                    topk_weights: Some(&dev.topk_weights),
+                };
                 buf.dispatch(&input, &self.layout, RecvMode::WorstCase)?;
             }
             BenchOp::CachedDispatchBf16 => {
@@ -126,7 +182,11 @@ pub fn median(v: &[f64]) -> f64 {
     let mut s = v.to_vec();
     s.sort_by(f64::total_cmp);
     let n = s.len();
-    if n % 2 == 1 { s[n / 2] } else { (s[n / 2 - 1] + s[n / 2]) / 2.0 }
+    if n % 2 == 1 {
+        s[n / 2]
+    } else {
+        (s[n / 2 - 1] + s[n / 2]) / 2.0
+    }
 }
 
 #[cfg(test)]

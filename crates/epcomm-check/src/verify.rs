@@ -26,7 +26,13 @@ pub struct RoundOptions {
 
 impl Default for RoundOptions {
     fn default() -> Self {
-        Self { fp8: false, mode: RecvMode::HostSync, cached: true, weights: true, check_layout: true }
+        Self {
+            fp8: false,
+            mode: RecvMode::HostSync,
+            cached: true,
+            weights: true,
+            check_layout: true,
+        }
     }
 }
 
@@ -43,7 +49,12 @@ fn first_diff<T: PartialEq + Debug>(what: &str, rank: usize, got: &[T], want: &[
         return Err(CheckError::Mismatch {
             what: what.into(),
             rank,
-            detail: format!("{bad} of {} differ; first at {i}: got {:?}, want {:?}", got.len(), got[i], want[i]),
+            detail: format!(
+                "{bad} of {} differ; first at {i}: got {:?}, want {:?}",
+                got.len(),
+                got[i],
+                want[i]
+            ),
         });
     }
     Ok(())
@@ -57,7 +68,12 @@ fn bits(v: &[f32]) -> Vec<u32> {
 /// per-rank factor so that the sum tells contributions apart.
 fn expert_output(out: &RankOutput, rank: usize) -> Result<Vec<bf16>> {
     let scale = 1.0 + rank as f32 * 0.5;
-    Ok(out.recv_x.to_bf16(out.hidden)?.iter().map(|v| bf16::from_f32(v.to_f32() * scale)).collect())
+    Ok(out
+        .recv_x
+        .to_bf16(out.hidden)?
+        .iter()
+        .map(|v| bf16::from_f32(v.to_f32() * scale))
+        .collect())
 }
 
 /// Runs one verified round on this rank. Every rank must call it with the same arguments
@@ -79,14 +95,44 @@ pub fn verified_round<T: epcomm::Transport>(
     let layout = buf.layout(&dev.topk_idx, t)?;
     if opts.check_layout {
         let got = layout.to_host()?;
-        let want_l = epcomm_reference::layout(&ins[rank].topk_idx, t, cfg.top_k, cfg.num_experts, world, world)?;
-        first_diff("layout.tokens_per_rank", rank, &got.tokens_per_rank, &want_l.tokens_per_rank)?;
-        first_diff("layout.tokens_per_expert", rank, &got.tokens_per_expert, &want_l.tokens_per_expert)?;
-        first_diff("layout.tokens_per_node", rank, &got.tokens_per_node, &want_l.tokens_per_node)?;
-        first_diff("layout.token_slot", rank, &got.token_slot, &want_l.token_slot)?;
+        let want_l = epcomm_reference::layout(
+            &ins[rank].topk_idx,
+            t,
+            cfg.top_k,
+            cfg.num_experts,
+            world,
+            world,
+        )?;
+        first_diff(
+            "layout.tokens_per_rank",
+            rank,
+            &got.tokens_per_rank,
+            &want_l.tokens_per_rank,
+        )?;
+        first_diff(
+            "layout.tokens_per_expert",
+            rank,
+            &got.tokens_per_expert,
+            &want_l.tokens_per_expert,
+        )?;
+        first_diff(
+            "layout.tokens_per_node",
+            rank,
+            &got.tokens_per_node,
+            &want_l.tokens_per_node,
+        )?;
+        first_diff(
+            "layout.token_slot",
+            rank,
+            &got.token_slot,
+            &want_l.token_slot,
+        )?;
     }
     let x = if opts.fp8 {
-        XInput::Fp8 { x: &dev.x_fp8, scales: &dev.scales }
+        XInput::Fp8 {
+            x: &dev.x_fp8,
+            scales: &dev.scales,
+        }
     } else {
         XInput::Bf16(&dev.x)
     };
@@ -101,19 +147,52 @@ pub fn verified_round<T: epcomm::Transport>(
         d.into_handle()
     };
     let prefix: Vec<i32> = want.rank_prefix.iter().map(|&v| v as i32).collect();
-    first_diff("handle.recv_prefix", rank, &handle.recv_prefix_to_host()?, &prefix)?;
-    let per_expert: Vec<i32> = want.num_recv_per_local_expert.iter().map(|&v| v as i32).collect();
-    first_diff("handle.num_recv_per_local_expert", rank, &handle.num_recv_per_local_expert()?, &per_expert)?;
+    first_diff(
+        "handle.recv_prefix",
+        rank,
+        &handle.recv_prefix_to_host()?,
+        &prefix,
+    )?;
+    let per_expert: Vec<i32> = want
+        .num_recv_per_local_expert
+        .iter()
+        .map(|&v| v as i32)
+        .collect();
+    first_diff(
+        "handle.num_recv_per_local_expert",
+        rank,
+        &handle.num_recv_per_local_expert()?,
+        &per_expert,
+    )?;
     let src: Vec<i32> = want.recv_src_idx.iter().map(|&v| v as i32).collect();
-    first_diff("handle.recv_src_idx", rank, &handle.recv_src_idx_to_host()?, &src)?;
+    first_diff(
+        "handle.recv_src_idx",
+        rank,
+        &handle.recv_src_idx_to_host()?,
+        &src,
+    )?;
 
     // Combine: every rank's expert output is known to every rank (deterministic).
-    let ys: Vec<Vec<bf16>> = reference.iter().enumerate().map(|(r, o)| expert_output(o, r)).collect::<Result<_>>()?;
-    let ws: Vec<Vec<f32>> = reference.iter().map(|o| o.recv_topk_weights.clone()).collect();
+    let ys: Vec<Vec<bf16>> = reference
+        .iter()
+        .enumerate()
+        .map(|(r, o)| expert_output(o, r))
+        .collect::<Result<_>>()?;
+    let ws: Vec<Vec<f32>> = reference
+        .iter()
+        .map(|o| o.recv_topk_weights.clone())
+        .collect();
     let tokens: Vec<usize> = ins.iter().map(|i| i.num_tokens).collect();
-    let want_c = epcomm_reference::combine(&ys, opts.weights.then_some(ws.as_slice()), &reference, &tokens)?;
+    let want_c = epcomm_reference::combine(
+        &ys,
+        opts.weights.then_some(ws.as_slice()),
+        &reference,
+        &tokens,
+    )?;
     let stream = buf.stream().clone();
-    let rows_alloc = handle.num_recv().unwrap_or(buf.world_size() * cfg.max_tokens_per_rank);
+    let rows_alloc = handle
+        .num_recv()
+        .unwrap_or(buf.world_size() * cfg.max_tokens_per_rank);
     let mut y_host = ys[rank].clone();
     y_host.resize(rows_alloc * cfg.hidden, bf16::ZERO);
     let y = upload(&stream, &y_host)?;
@@ -133,41 +212,107 @@ pub fn verified_round<T: epcomm::Transport>(
             buf.combine(&y, None, &handle, &mut out, None)?;
         }
         buf.synchronize()?;
-        let got = if t == 0 { Vec::new() } else { stream.clone_dtoh(&out)? };
+        let got = if t == 0 {
+            Vec::new()
+        } else {
+            stream.clone_dtoh(&out)?
+        };
         let what = format!("combine #{round} x");
-        first_diff(&what, rank, &got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), &want_c[rank].x.iter().map(|v| v.to_bits()).collect::<Vec<_>>())?;
+        first_diff(
+            &what,
+            rank,
+            &got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            &want_c[rank]
+                .x
+                .iter()
+                .map(|v| v.to_bits())
+                .collect::<Vec<_>>(),
+        )?;
         if let Some(w) = &want_c[rank].weights {
-            let got_w = if t == 0 { Vec::new() } else { stream.clone_dtoh(&out_w)? };
-            first_diff(&format!("combine #{round} weights"), rank, &bits(&got_w), &bits(w))?;
+            let got_w = if t == 0 {
+                Vec::new()
+            } else {
+                stream.clone_dtoh(&out_w)?
+            };
+            first_diff(
+                &format!("combine #{round} weights"),
+                rank,
+                &bits(&got_w),
+                &bits(w),
+            )?;
         }
     }
     Ok(())
 }
 
-fn check_dispatched(d: &epcomm::Dispatched<'_>, want: &RankOutput, rank: usize, opts: RoundOptions, full: bool) -> Result<()> {
+fn check_dispatched(
+    d: &epcomm::Dispatched<'_>,
+    want: &RankOutput,
+    rank: usize,
+    opts: RoundOptions,
+    full: bool,
+) -> Result<()> {
     if opts.mode == RecvMode::HostSync && full {
         if d.num_recv() != Some(want.num_recv_tokens) {
-            return Err(CheckError::Mismatch { what: "num_recv".into(), rank, detail: format!("{:?} instead of {}", d.num_recv(), want.num_recv_tokens) });
+            return Err(CheckError::Mismatch {
+                what: "num_recv".into(),
+                rank,
+                detail: format!("{:?} instead of {}", d.num_recv(), want.num_recv_tokens),
+            });
         }
-        let e: Vec<usize> = want.num_recv_per_local_expert.iter().map(|&v| v as usize).collect();
-        first_diff("num_recv_per_local_expert (host)", rank, d.num_recv_per_local_expert().unwrap_or(&[]), &e)?;
+        let e: Vec<usize> = want
+            .num_recv_per_local_expert
+            .iter()
+            .map(|&v| v as usize)
+            .collect();
+        first_diff(
+            "num_recv_per_local_expert (host)",
+            rank,
+            d.num_recv_per_local_expert().unwrap_or(&[]),
+            &e,
+        )?;
     }
     let what = if full { "dispatch" } else { "cached dispatch" };
     match &want.recv_x {
         XData::Bf16(x) => {
             let want_bytes: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
-            first_diff(&format!("{what} recv_x"), rank, &d.recv_x_bytes_to_host()?, &want_bytes)?;
+            first_diff(
+                &format!("{what} recv_x"),
+                rank,
+                &d.recv_x_bytes_to_host()?,
+                &want_bytes,
+            )?;
         }
         XData::Fp8 { data, scales } => {
             let want_bytes: Vec<u8> = data.iter().map(|v| v.to_bits()).collect();
-            first_diff(&format!("{what} recv_x (fp8)"), rank, &d.recv_x_bytes_to_host()?, &want_bytes)?;
-            first_diff(&format!("{what} recv_scales"), rank, &bits(&d.recv_scales_to_host()?), &bits(scales))?;
+            first_diff(
+                &format!("{what} recv_x (fp8)"),
+                rank,
+                &d.recv_x_bytes_to_host()?,
+                &want_bytes,
+            )?;
+            first_diff(
+                &format!("{what} recv_scales"),
+                rank,
+                &bits(&d.recv_scales_to_host()?),
+                &bits(scales),
+            )?;
         }
     }
     if full {
-        first_diff("dispatch recv_topk_idx", rank, &d.recv_topk_idx_to_host()?, &want.recv_topk_idx)?;
+        first_diff(
+            "dispatch recv_topk_idx",
+            rank,
+            &d.recv_topk_idx_to_host()?,
+            &want.recv_topk_idx,
+        )?;
         if opts.weights {
-            first_diff("dispatch recv_topk_weights", rank, &bits(&d.recv_topk_weights_to_host()?), &bits(&want.recv_topk_weights))?;
+            first_diff(
+                "dispatch recv_topk_weights",
+                rank,
+                &bits(&d.recv_topk_weights_to_host()?),
+                &bits(&want.recv_topk_weights),
+            )?;
         }
     }
     Ok(())

@@ -8,7 +8,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, DevicePtr, DevicePtrMut};
-use epcomm::{BarrierStrategy, Buffer, BufferConfig, DispatchInput, Error, RecvMode, WaitKind, XInput};
+use epcomm::{
+    BarrierStrategy, Buffer, BufferConfig, DispatchInput, Error, RecvMode, WaitKind, XInput,
+};
 use epcomm_bootstrap::{Bootstrap, BootstrapConfig};
 use epcomm_check::inputs::{Shape, device_inputs, host_inputs, upload};
 use epcomm_check::procs::{gpu_count, is_worker, run_workers};
@@ -25,7 +27,11 @@ fn world(test: &str, min: usize) -> Option<usize> {
             None
         }
         Ok(n) => {
-            let w = std::env::var("EPCOMM_TEST_WORLD").ok().and_then(|v| v.parse().ok()).unwrap_or(n).min(n);
+            let w = std::env::var("EPCOMM_TEST_WORLD")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(n)
+                .min(n);
             if w < min {
                 eprintln!("SKIP {test}: needs {min} GPUs, found {n}");
                 return None;
@@ -55,7 +61,10 @@ fn worker() -> Worker {
 }
 
 fn strategy_from_env() -> BarrierStrategy {
-    std::env::var("EPCOMM_TEST_BARRIER").ok().and_then(|s| s.parse().ok()).unwrap_or(BarrierStrategy::Epoch)
+    std::env::var("EPCOMM_TEST_BARRIER")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(BarrierStrategy::Epoch)
 }
 
 fn log(rank: usize, msg: impl std::fmt::Display) {
@@ -81,14 +90,26 @@ fn layout_kernel_matches_reference() {
     let mut cases = 0;
     for &tokens in &[0usize, 1, 7, 333, 4096, 16384] {
         for top_k in 1..=9usize {
-            for &(experts, world, gpn) in &[(2usize, 1usize, 1usize), (2, 2, 2), (8, 4, 2), (64, 8, 8), (256, 2, 1), (288, 8, 4), (272, 2, 2), (160, 8, 8)] {
+            for &(experts, world, gpn) in &[
+                (2usize, 1usize, 1usize),
+                (2, 2, 2),
+                (8, 4, 2),
+                (64, 8, 8),
+                (256, 2, 1),
+                (288, 8, 4),
+                (272, 2, 2),
+                (160, 8, 8),
+            ] {
                 if top_k > experts || (tokens > 1000 && top_k % 4 != 0) {
                     continue;
                 }
                 let seed = (tokens * 131 + top_k * 7 + experts) as u64;
-                let mut w = epcomm_reference::gen_deepep_workload(tokens, 8, top_k, experts, seed).unwrap();
+                let mut w =
+                    epcomm_reference::gen_deepep_workload(tokens, 8, top_k, experts, seed).unwrap();
                 epcomm_reference::mask_topk(&mut w.topk_idx, 0.15, seed).unwrap();
-                let want = epcomm_reference::layout(&w.topk_idx, tokens, top_k, experts, world, gpn).unwrap();
+                let want =
+                    epcomm_reference::layout(&w.topk_idx, tokens, top_k, experts, world, gpn)
+                        .unwrap();
                 let idx = upload(&stream, &w.topk_idx).unwrap();
                 let nodes = world / gpn;
                 let mut counts = stream.alloc_zeros::<u32>(world + experts + nodes).unwrap();
@@ -102,9 +123,18 @@ fn layout_kernel_matches_reference() {
                     let (rec, _g4) = record.device_ptr(&stream);
                     let (cl, _g5) = claim.device_ptr(&stream);
                     let args = LayoutArgs {
-                        topk_idx: i, counts: c, token_slot: s, status: st, err_record: rec, err_claim: cl,
-                        num_tokens: tokens as i32, top_k: top_k as i32, num_experts: experts as i32,
-                        world: world as i32, gpus_per_node: gpn as i32, rank: 0,
+                        topk_idx: i,
+                        counts: c,
+                        token_slot: s,
+                        status: st,
+                        err_record: rec,
+                        err_claim: cl,
+                        num_tokens: tokens as i32,
+                        top_k: top_k as i32,
+                        num_experts: experts as i32,
+                        world: world as i32,
+                        gpus_per_node: gpn as i32,
+                        rank: 0,
                     };
                     // SAFETY: every array has the size the kernel expects for this shape.
                     unsafe { kernels.launch_layout(&stream, &args) }.unwrap();
@@ -113,11 +143,27 @@ fn layout_kernel_matches_reference() {
                 let mut s = stream.clone_dtoh(&slots).unwrap();
                 s.truncate(tokens * world);
                 let what = format!("T={tokens} K={top_k} E={experts} world={world} gpn={gpn}");
-                assert_eq!(&c[..world], &want.tokens_per_rank[..], "tokens_per_rank {what}");
-                assert_eq!(&c[world..world + experts], &want.tokens_per_expert[..], "tokens_per_expert {what}");
-                assert_eq!(&c[world + experts..], &want.tokens_per_node[..], "tokens_per_node {what}");
+                assert_eq!(
+                    &c[..world],
+                    &want.tokens_per_rank[..],
+                    "tokens_per_rank {what}"
+                );
+                assert_eq!(
+                    &c[world..world + experts],
+                    &want.tokens_per_expert[..],
+                    "tokens_per_expert {what}"
+                );
+                assert_eq!(
+                    &c[world + experts..],
+                    &want.tokens_per_node[..],
+                    "tokens_per_node {what}"
+                );
                 assert_eq!(s, want.token_slot, "token_slot {what}");
-                assert_eq!(stream.clone_dtoh(&status).unwrap(), vec![0], "status {what}");
+                assert_eq!(
+                    stream.clone_dtoh(&status).unwrap(),
+                    vec![0],
+                    "status {what}"
+                );
                 cases += 1;
             }
         }
@@ -134,7 +180,20 @@ fn layout_kernel_matches_reference() {
         let (st, _g3) = status.device_ptr_mut(&stream);
         let (rec, _g4) = record.device_ptr(&stream);
         let (cl, _g5) = claim.device_ptr(&stream);
-        let args = LayoutArgs { topk_idx: i, counts: c, token_slot: s, status: st, err_record: rec, err_claim: cl, num_tokens: 2, top_k: 2, num_experts: 4, world: 2, gpus_per_node: 2, rank: 0 };
+        let args = LayoutArgs {
+            topk_idx: i,
+            counts: c,
+            token_slot: s,
+            status: st,
+            err_record: rec,
+            err_claim: cl,
+            num_tokens: 2,
+            top_k: 2,
+            num_experts: 4,
+            world: 2,
+            gpus_per_node: 2,
+            rank: 0,
+        };
         // SAFETY: sizes match the shape (T=2, K=2, E=4, world=2, one node).
         unsafe { kernels.launch_layout(&stream, &args) }.unwrap();
     }
@@ -160,10 +219,17 @@ fn groups(world: usize) -> Vec<Group> {
     let per = |f: &dyn Fn(usize) -> usize| (0..world).map(f).collect::<Vec<_>>();
     let hs = RoundOptions::default();
     let fp8 = RoundOptions { fp8: true, ..hs };
-    let wc = RoundOptions { mode: RecvMode::WorstCase, check_layout: false, ..hs };
+    let wc = RoundOptions {
+        mode: RecvMode::WorstCase,
+        check_layout: false,
+        ..hs
+    };
     vec![
         Group {
-            hidden: 7168, top_k: 8, experts_per_rank: 256 / world.min(256), max_tokens: 4096,
+            hidden: 7168,
+            top_k: 8,
+            experts_per_rank: 256 / world.min(256),
+            max_tokens: 4096,
             cases: vec![
                 (per(&|_| 4096), 0.0, None, hs),
                 (per(&|_| 4096), 0.0, None, fp8),
@@ -173,28 +239,62 @@ fn groups(world: usize) -> Vec<Group> {
             ],
         },
         Group {
-            hidden: 128, top_k: 1, experts_per_rank: 1, max_tokens: 64,
+            hidden: 128,
+            top_k: 1,
+            experts_per_rank: 1,
+            max_tokens: 64,
             cases: vec![
                 (per(&|_| 0), 0.0, None, hs),
                 (per(&|_| 1), 0.0, None, fp8),
                 (per(&|r| 3 + 14 * r), 0.3, None, hs),
-                (per(&|_| 64), 0.0, None, RoundOptions { weights: false, ..fp8 }),
+                (
+                    per(&|_| 64),
+                    0.0,
+                    None,
+                    RoundOptions {
+                        weights: false,
+                        ..fp8
+                    },
+                ),
             ],
         },
         Group {
-            hidden: 2056, top_k: 9, experts_per_rank: 144, max_tokens: 512,
-            cases: vec![(per(&|r| 333 + r), 0.2, None, hs), (per(&|r| 511 - r), 0.0, None, wc)],
+            hidden: 2056,
+            top_k: 9,
+            experts_per_rank: 144,
+            max_tokens: 512,
+            cases: vec![
+                (per(&|r| 333 + r), 0.2, None, hs),
+                (per(&|r| 511 - r), 0.0, None, wc),
+            ],
         },
         Group {
-            hidden: 512, top_k: 4, experts_per_rank: 8, max_tokens: 1024,
+            hidden: 512,
+            top_k: 4,
+            experts_per_rank: 8,
+            max_tokens: 1024,
             cases: vec![
                 (per(&|r| 1000 + 7 * r), 0.0, Some(0), hs),
-                (per(&|r| 1000 - 3 * r), 0.0, Some(world - 1), RoundOptions { mode: RecvMode::Bounded(1024 * world), ..fp8 }),
+                (
+                    per(&|r| 1000 - 3 * r),
+                    0.0,
+                    Some(world - 1),
+                    RoundOptions {
+                        mode: RecvMode::Bounded(1024 * world),
+                        ..fp8
+                    },
+                ),
             ],
         },
         Group {
-            hidden: 256, top_k: 3, experts_per_rank: 3, max_tokens: 16384,
-            cases: vec![(per(&|_| 16384), 0.05, None, hs), (per(&|_| 16384), 0.0, None, RoundOptions { fp8: true, ..wc })],
+            hidden: 256,
+            top_k: 3,
+            experts_per_rank: 3,
+            max_tokens: 16384,
+            cases: vec![
+                (per(&|_| 16384), 0.05, None, hs),
+                (per(&|_| 16384), 0.0, None, RoundOptions { fp8: true, ..wc }),
+            ],
         },
     ]
 }
@@ -214,14 +314,34 @@ fn run_suite(strategy: BarrierStrategy) {
         cfg.timeout = Duration::from_secs(20);
         let mut buf = Buffer::new(w.ctx.clone(), w.boot.clone(), cfg).expect("Buffer::new");
         for (ci, (tokens, mask, skew, opts)) in g.cases.into_iter().enumerate() {
-            let shape = Shape { tokens: tokens.clone(), hidden: g.hidden, top_k: g.top_k, experts, mask_prob: mask, skew_to: skew, seed: (gi * 100 + ci) as u64 };
-            let opts = RoundOptions { fp8: opts.fp8 && shape.fp8_capable(), ..opts };
+            let shape = Shape {
+                tokens: tokens.clone(),
+                hidden: g.hidden,
+                top_k: g.top_k,
+                experts,
+                mask_prob: mask,
+                skew_to: skew,
+                seed: (gi * 100 + ci) as u64,
+            };
+            let opts = RoundOptions {
+                fp8: opts.fp8 && shape.fp8_capable(),
+                ..opts
+            };
             let inputs = host_inputs(&shape).expect("inputs");
             let dev = device_inputs(buf.stream(), &inputs, rank).expect("upload");
             let t0 = Instant::now();
-            verified_round(&mut buf, &inputs, &dev, opts)
-                .unwrap_or_else(|e| panic!("{strategy:?} group {gi} case {ci} ({shape:?}, {opts:?}): {e}"));
-            log(rank, format_args!("{strategy:?} H={} K={} E={experts} tokens={tokens:?} mask={mask} skew={skew:?} {opts:?}: ok ({:?})", g.hidden, g.top_k, t0.elapsed()));
+            verified_round(&mut buf, &inputs, &dev, opts).unwrap_or_else(|e| {
+                panic!("{strategy:?} group {gi} case {ci} ({shape:?}, {opts:?}): {e}")
+            });
+            log(
+                rank,
+                format_args!(
+                    "{strategy:?} H={} K={} E={experts} tokens={tokens:?} mask={mask} skew={skew:?} {opts:?}: ok ({:?})",
+                    g.hidden,
+                    g.top_k,
+                    t0.elapsed()
+                ),
+            );
         }
         buf.destroy().expect("destroy");
     }
@@ -232,9 +352,15 @@ fn dispatch_combine_suite() {
     if is_worker() {
         return run_suite(strategy_from_env());
     }
-    let Some(n) = world("dispatch_combine_suite", 2) else { return };
+    let Some(n) = world("dispatch_combine_suite", 2) else {
+        return;
+    };
     for s in ["epoch", "global"] {
-        launch("dispatch_combine_suite", n, &[("EPCOMM_TEST_BARRIER", s.to_string())]);
+        launch(
+            "dispatch_combine_suite",
+            n,
+            &[("EPCOMM_TEST_BARRIER", s.to_string())],
+        );
     }
 }
 
@@ -250,51 +376,116 @@ fn run_soak() {
     cfg.barrier = strategy_from_env();
     cfg.timeout = Duration::from_secs(20);
     let mut buf = Buffer::new(w.ctx.clone(), w.boot.clone(), cfg.clone()).expect("Buffer::new");
-    let iters: usize = std::env::var("EPCOMM_SOAK_ITERS").ok().and_then(|v| v.parse().ok()).unwrap_or(1000);
+    let iters: usize = std::env::var("EPCOMM_SOAK_ITERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1000);
     let shapes: Vec<Shape> = (0..16)
         .map(|i| Shape {
-            tokens: (0..world).map(|r| (i * 37 + r * 101 + i * i * 13) % (max_tokens + 1)).collect(),
-            hidden, top_k, experts, mask_prob: if i % 3 == 0 { 0.2 } else { 0.0 }, skew_to: (i % 5 == 4).then_some(i % world), seed: 1000 + i as u64,
+            tokens: (0..world)
+                .map(|r| (i * 37 + r * 101 + i * i * 13) % (max_tokens + 1))
+                .collect(),
+            hidden,
+            top_k,
+            experts,
+            mask_prob: if i % 3 == 0 { 0.2 } else { 0.0 },
+            skew_to: (i % 5 == 4).then_some(i % world),
+            seed: 1000 + i as u64,
         })
         .collect();
-    let prepared: Vec<_> = shapes.iter().map(|s| { let h = host_inputs(s).unwrap(); let d = device_inputs(buf.stream(), &h, rank).unwrap(); (h, d) }).collect();
+    let prepared: Vec<_> = shapes
+        .iter()
+        .map(|s| {
+            let h = host_inputs(s).unwrap();
+            let d = device_inputs(buf.stream(), &h, rank).unwrap();
+            (h, d)
+        })
+        .collect();
     let t0 = Instant::now();
     for i in 0..iters / 2 {
         let (h, d) = &prepared[i % prepared.len()];
-        let opts = RoundOptions { fp8: i % 2 == 1, cached: i % 4 == 0, check_layout: i % 7 == 0, mode: if i % 3 == 0 { RecvMode::WorstCase } else { RecvMode::HostSync }, weights: i % 5 != 0 };
+        let opts = RoundOptions {
+            fp8: i % 2 == 1,
+            cached: i % 4 == 0,
+            check_layout: i % 7 == 0,
+            mode: if i % 3 == 0 {
+                RecvMode::WorstCase
+            } else {
+                RecvMode::HostSync
+            },
+            weights: i % 5 != 0,
+        };
         verified_round(&mut buf, h, d, opts).unwrap_or_else(|e| panic!("soak iteration {i}: {e}"));
     }
-    log(rank, format_args!("soak: {} verified rounds in {:?}", iters / 2, t0.elapsed()));
+    log(
+        rank,
+        format_args!("soak: {} verified rounds in {:?}", iters / 2, t0.elapsed()),
+    );
     // Pipelined: no host sync between ops.
     let mut expected = Vec::new();
     let mut outs = Vec::new();
-    let ys: Vec<_> = shapes.iter().zip(&prepared).map(|(s, (h, _))| {
-        let r = epcomm_reference::dispatch(&h.bf16, experts).unwrap();
-        let y_all: Vec<Vec<bf16>> = r.iter().map(|o| o.recv_x.to_bf16(hidden).unwrap()).collect();
-        let tokens: Vec<usize> = s.tokens.clone();
-        let want = epcomm_reference::combine(&y_all, None, &r, &tokens).unwrap();
-        let mut y = y_all[rank].clone();
-        y.resize(world * max_tokens * hidden, bf16::ZERO);
-        (upload(buf.stream(), &y).unwrap(), want[rank].x.clone())
-    }).collect();
+    let ys: Vec<_> = shapes
+        .iter()
+        .zip(&prepared)
+        .map(|(s, (h, _))| {
+            let r = epcomm_reference::dispatch(&h.bf16, experts).unwrap();
+            let y_all: Vec<Vec<bf16>> = r
+                .iter()
+                .map(|o| o.recv_x.to_bf16(hidden).unwrap())
+                .collect();
+            let tokens: Vec<usize> = s.tokens.clone();
+            let want = epcomm_reference::combine(&y_all, None, &r, &tokens).unwrap();
+            let mut y = y_all[rank].clone();
+            y.resize(world * max_tokens * hidden, bf16::ZERO);
+            (upload(buf.stream(), &y).unwrap(), want[rank].x.clone())
+        })
+        .collect();
     let t0 = Instant::now();
     for i in 0..iters / 2 {
         let k = (i * 7) % prepared.len();
         let (_, d) = &prepared[k];
         let layout = buf.layout(&d.topk_idx, d.num_tokens).unwrap();
-        let input = DispatchInput { x: XInput::Bf16(&d.x), topk_idx: &d.topk_idx, topk_weights: None };
-        let handle = buf.dispatch(&input, &layout, RecvMode::WorstCase).unwrap().into_handle();
-        let mut out = if d.num_tokens == 0 { buf.stream().null().unwrap() } else { buf.stream().alloc_zeros::<bf16>(d.num_tokens * hidden).unwrap() };
-        buf.combine(&ys[k].0, None, &handle, &mut out, None).unwrap();
+        let input = DispatchInput {
+            x: XInput::Bf16(&d.x),
+            topk_idx: &d.topk_idx,
+            topk_weights: None,
+        };
+        let handle = buf
+            .dispatch(&input, &layout, RecvMode::WorstCase)
+            .unwrap()
+            .into_handle();
+        let mut out = if d.num_tokens == 0 {
+            buf.stream().null().unwrap()
+        } else {
+            buf.stream()
+                .alloc_zeros::<bf16>(d.num_tokens * hidden)
+                .unwrap()
+        };
+        buf.combine(&ys[k].0, None, &handle, &mut out, None)
+            .unwrap();
         outs.push(out);
         expected.push(k);
     }
     buf.synchronize().expect("pipelined ops");
     for (i, (out, k)) in outs.iter().zip(&expected).enumerate() {
-        let got = if out.len() == 0 { Vec::new() } else { buf.stream().clone_dtoh(out).unwrap() };
-        assert!(got == ys[*k].1, "pipelined iteration {i} (shape {k}) differs from the reference");
+        let got = if out.is_empty() {
+            Vec::new()
+        } else {
+            buf.stream().clone_dtoh(out).unwrap()
+        };
+        assert!(
+            got == ys[*k].1,
+            "pipelined iteration {i} (shape {k}) differs from the reference"
+        );
     }
-    log(rank, format_args!("soak: {} pipelined dispatch+combine in {:?}, all verified", iters / 2, t0.elapsed()));
+    log(
+        rank,
+        format_args!(
+            "soak: {} pipelined dispatch+combine in {:?}, all verified",
+            iters / 2,
+            t0.elapsed()
+        ),
+    );
     buf.destroy().unwrap();
 }
 
@@ -303,9 +494,15 @@ fn back_to_back_soak() {
     if is_worker() {
         return run_soak();
     }
-    let Some(n) = world("back_to_back_soak", 2) else { return };
+    let Some(n) = world("back_to_back_soak", 2) else {
+        return;
+    };
     for s in ["epoch", "global"] {
-        launch("back_to_back_soak", n, &[("EPCOMM_TEST_BARRIER", s.to_string())]);
+        launch(
+            "back_to_back_soak",
+            n,
+            &[("EPCOMM_TEST_BARRIER", s.to_string())],
+        );
     }
 }
 
@@ -321,7 +518,8 @@ fn small_cfg(world: usize) -> BufferConfig {
 
 fn assert_recovers(w: &Worker) {
     let world = w.boot.world_size();
-    let mut buf = Buffer::new(w.ctx.clone(), w.boot.clone(), small_cfg(world)).expect("a new Buffer after a failure");
+    let mut buf = Buffer::new(w.ctx.clone(), w.boot.clone(), small_cfg(world))
+        .expect("a new Buffer after a failure");
     let shape = Shape::uniform(world, 50, 128, 2, 4 * world, 77);
     let h = host_inputs(&shape).unwrap();
     let d = device_inputs(buf.stream(), &h, w.boot.rank()).unwrap();
@@ -340,16 +538,62 @@ fn run_failures() {
 
     // Bad arguments: typed errors naming the argument, nothing launched.
     let e = buf.layout(&d.topk_idx, 41).unwrap_err();
-    assert!(matches!(e, Error::InvalidArgument { argument: "topk_idx", .. }), "{e}");
+    assert!(
+        matches!(
+            e,
+            Error::InvalidArgument {
+                argument: "topk_idx",
+                ..
+            }
+        ),
+        "{e}"
+    );
     let e = buf.layout(&d.topk_idx, 65).unwrap_err();
-    assert!(matches!(e, Error::InvalidArgument { argument: "num_tokens", .. }), "{e}");
+    assert!(
+        matches!(
+            e,
+            Error::InvalidArgument {
+                argument: "num_tokens",
+                ..
+            }
+        ),
+        "{e}"
+    );
     let layout = buf.layout(&d.topk_idx, 40).unwrap();
     let short = upload(buf.stream(), &vec![bf16::ZERO; 39 * 128]).unwrap();
-    let input = DispatchInput { x: XInput::Bf16(&short), topk_idx: &d.topk_idx, topk_weights: None };
-    let e = buf.dispatch(&input, &layout, RecvMode::HostSync).unwrap_err();
-    assert!(matches!(e, Error::InvalidArgument { argument: "x", .. }), "{e}");
-    let e = buf.dispatch(&DispatchInput { x: XInput::Bf16(&d.x), topk_idx: &d.topk_idx, topk_weights: None }, &layout, RecvMode::Bounded(1 << 30)).unwrap_err();
-    assert!(matches!(e, Error::InvalidArgument { argument: "RecvMode::Bounded", .. }), "{e}");
+    let input = DispatchInput {
+        x: XInput::Bf16(&short),
+        topk_idx: &d.topk_idx,
+        topk_weights: None,
+    };
+    let e = buf
+        .dispatch(&input, &layout, RecvMode::HostSync)
+        .unwrap_err();
+    assert!(
+        matches!(e, Error::InvalidArgument { argument: "x", .. }),
+        "{e}"
+    );
+    let e = buf
+        .dispatch(
+            &DispatchInput {
+                x: XInput::Bf16(&d.x),
+                topk_idx: &d.topk_idx,
+                topk_weights: None,
+            },
+            &layout,
+            RecvMode::Bounded(1 << 30),
+        )
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::InvalidArgument {
+                argument: "RecvMode::Bounded",
+                ..
+            }
+        ),
+        "{e}"
+    );
     log(rank, "bad arguments: typed errors");
 
     // A valid round still works on this buffer.
@@ -357,10 +601,19 @@ fn run_failures() {
 
     // Overflow: Bounded(n) smaller than what arrives fails on the device on every rank.
     let layout = buf.layout(&d.topk_idx, 40).unwrap();
-    let input = DispatchInput { x: XInput::Bf16(&d.x), topk_idx: &d.topk_idx, topk_weights: None };
-    let r = buf.dispatch(&input, &layout, RecvMode::Bounded(10)).map(|_| ());
+    let input = DispatchInput {
+        x: XInput::Bf16(&d.x),
+        topk_idx: &d.topk_idx,
+        topk_weights: None,
+    };
+    let r = buf
+        .dispatch(&input, &layout, RecvMode::Bounded(10))
+        .map(|_| ());
     let r = r.and_then(|_| buf.synchronize());
-    assert!(matches!(r, Err(Error::Overflow { capacity: 10, .. })), "{r:?}");
+    assert!(
+        matches!(r, Err(Error::Overflow { capacity: 10, .. })),
+        "{r:?}"
+    );
     assert!(buf.is_failed());
     buf.destroy().unwrap();
     log(rank, "overflow: typed error on every rank");
@@ -371,7 +624,9 @@ fn run_failures() {
     let late = world - 1;
     if rank != late {
         let t0 = Instant::now();
-        let r = buf.dispatch(&input, &layout, RecvMode::HostSync).map(|_| ());
+        let r = buf
+            .dispatch(&input, &layout, RecvMode::HostSync)
+            .map(|_| ());
         let r = r.and_then(|_| buf.synchronize());
         let waited = t0.elapsed();
         match r {
@@ -386,8 +641,14 @@ fn run_failures() {
             }
             other => panic!("expected a timeout naming rank {late}, got {other:?}"),
         }
-        assert!(waited < cfg.timeout + Duration::from_secs(3), "bounded: waited {waited:?}");
-        log(rank, format_args!("stalled peer: Timeout naming rank {late} after {waited:?}"));
+        assert!(
+            waited < cfg.timeout + Duration::from_secs(3),
+            "bounded: waited {waited:?}"
+        );
+        log(
+            rank,
+            format_args!("stalled peer: Timeout naming rank {late} after {waited:?}"),
+        );
     }
     buf.destroy().unwrap();
     assert_recovers(&w);
@@ -400,16 +661,28 @@ fn run_failures() {
     }
     let idx = upload(buf.stream(), &idx).unwrap();
     let layout = buf.layout(&idx, 40).unwrap();
-    let input = DispatchInput { x: XInput::Bf16(&d.x), topk_idx: &idx, topk_weights: None };
-    let r = buf.dispatch(&input, &layout, RecvMode::WorstCase).map(|_| ());
+    let input = DispatchInput {
+        x: XInput::Bf16(&d.x),
+        topk_idx: &idx,
+        topk_weights: None,
+    };
+    let r = buf
+        .dispatch(&input, &layout, RecvMode::WorstCase)
+        .map(|_| ());
     let r = r.and_then(|_| buf.synchronize());
     if rank == 0 {
-        assert!(matches!(r, Err(Error::InvalidExpert { token: 3, .. })), "{r:?}");
+        assert!(
+            matches!(r, Err(Error::InvalidExpert { token: 3, .. })),
+            "{r:?}"
+        );
     } else {
         assert!(matches!(r, Err(Error::Timeout { peer: 0, .. })), "{r:?}");
     }
     buf.destroy().unwrap();
-    log(rank, "invalid expert id: InvalidExpert on the sender, Timeout naming it elsewhere");
+    log(
+        rank,
+        "invalid expert id: InvalidExpert on the sender, Timeout naming it elsewhere",
+    );
     assert_recovers(&w);
     log(rank, "new Buffer after failures: verified round passes");
 }
@@ -419,9 +692,15 @@ fn failures_are_typed_bounded_and_recoverable() {
     if is_worker() {
         return run_failures();
     }
-    let Some(n) = world("failures_are_typed_bounded_and_recoverable", 2) else { return };
+    let Some(n) = world("failures_are_typed_bounded_and_recoverable", 2) else {
+        return;
+    };
     for s in ["epoch", "global"] {
-        launch("failures_are_typed_bounded_and_recoverable", n, &[("EPCOMM_TEST_BARRIER", s.to_string())]);
+        launch(
+            "failures_are_typed_bounded_and_recoverable",
+            n,
+            &[("EPCOMM_TEST_BARRIER", s.to_string())],
+        );
     }
 }
 
@@ -438,14 +717,27 @@ fn run_killed() {
         std::process::exit(0); // dies without a word
     }
     let layout = buf.layout(&d.topk_idx, 40).unwrap();
-    let input = DispatchInput { x: XInput::Bf16(&d.x), topk_idx: &d.topk_idx, topk_weights: None };
-    let r = buf.dispatch(&input, &layout, RecvMode::WorstCase).map(|_| ()).and_then(|_| buf.synchronize());
-    assert!(matches!(r, Err(Error::Timeout { peer, .. }) if peer as usize == world - 1), "{r:?}");
+    let input = DispatchInput {
+        x: XInput::Bf16(&d.x),
+        topk_idx: &d.topk_idx,
+        topk_weights: None,
+    };
+    let r = buf
+        .dispatch(&input, &layout, RecvMode::WorstCase)
+        .map(|_| ())
+        .and_then(|_| buf.synchronize());
+    assert!(
+        matches!(r, Err(Error::Timeout { peer, .. }) if peer as usize == world - 1),
+        "{r:?}"
+    );
     // The context stays usable: a fresh allocation and copy work.
     let s = w.ctx.new_stream().unwrap();
     let v = s.clone_htod(&[1u32, 2, 3]).unwrap();
     assert_eq!(s.clone_dtoh(&v).unwrap(), vec![1, 2, 3]);
-    log(rank, "killed peer: Timeout naming it; the CUDA context still works");
+    log(
+        rank,
+        "killed peer: Timeout naming it; the CUDA context still works",
+    );
     drop(buf);
 }
 
@@ -454,6 +746,8 @@ fn killed_peer_times_out() {
     if is_worker() {
         return run_killed();
     }
-    let Some(n) = world("killed_peer_times_out", 2) else { return };
+    let Some(n) = world("killed_peer_times_out", 2) else {
+        return;
+    };
     launch("killed_peer_times_out", n, &[]);
 }

@@ -18,7 +18,11 @@ use epcomm_check::timing::{BenchOp, Timer, median};
 use epcomm_check::verify::{RoundOptions, verified_round};
 
 #[derive(Parser, Debug)]
-#[command(name = "epcomm", version, about = "Expert-parallel dispatch/combine over NVLink")]
+#[command(
+    name = "epcomm",
+    version,
+    about = "Expert-parallel dispatch/combine over NVLink"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -73,7 +77,11 @@ struct BenchArgs {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let Command::Bench(args) = cli.command;
-    let result = if is_worker() { bench_worker(&args) } else { bench_launcher(&args) };
+    let result = if is_worker() {
+        bench_worker(&args)
+    } else {
+        bench_launcher(&args)
+    };
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -108,14 +116,31 @@ fn bench_worker(args: &BenchArgs) -> Res {
     let boot = Arc::new(Bootstrap::connect(BootstrapConfig::from_env()?)?);
     let (rank, world) = (boot.rank(), boot.world_size());
     let ctx = CudaContext::new(boot.local_rank())?;
-    let sms_total = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+    let sms_total =
+        ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
     let barrier: BarrierStrategy = args.barrier.parse()?;
     let sweep: Vec<u32> = match &args.sweep_sms {
-        Some(s) => s.split(',').map(|v| v.trim().parse()).collect::<Result<_, _>>()?,
+        Some(s) => s
+            .split(',')
+            .map(|v| v.trim().parse())
+            .collect::<Result<_, _>>()?,
         None => vec![args.sms],
     };
-    let shape = Shape::uniform(world, args.tokens, args.hidden, args.top_k, args.experts, 2025);
-    say(rank, format_args!("[1/4] generating DeepEP workload: {} tokens/rank, hidden {}, top-{} of {} experts", args.tokens, args.hidden, args.top_k, args.experts));
+    let shape = Shape::uniform(
+        world,
+        args.tokens,
+        args.hidden,
+        args.top_k,
+        args.experts,
+        2025,
+    );
+    say(
+        rank,
+        format_args!(
+            "[1/4] generating DeepEP workload: {} tokens/rank, hidden {}, top-{} of {} experts",
+            args.tokens, args.hidden, args.top_k, args.experts
+        ),
+    );
     let inputs = host_inputs(&shape)?;
     let mut rows = Vec::new();
     for (i, &sms) in sweep.iter().enumerate() {
@@ -125,14 +150,37 @@ fn bench_worker(args: &BenchArgs) -> Res {
         let mut buf = Buffer::new(ctx.clone(), boot.clone(), cfg)?;
         let dev = device_inputs(buf.stream(), &inputs, rank)?;
         if i == 0 {
-            say(rank, "[2/4] verifying BF16 and FP8 dispatch + cached dispatch + combine against the CPU reference");
+            say(
+                rank,
+                "[2/4] verifying BF16 and FP8 dispatch + cached dispatch + combine against the CPU reference",
+            );
             verified_round(&mut buf, &inputs, &dev, RoundOptions::default())?;
             if shape.fp8_capable() {
-                verified_round(&mut buf, &inputs, &dev, RoundOptions { fp8: true, check_layout: false, ..RoundOptions::default() })?;
+                verified_round(
+                    &mut buf,
+                    &inputs,
+                    &dev,
+                    RoundOptions {
+                        fp8: true,
+                        check_layout: false,
+                        ..RoundOptions::default()
+                    },
+                )?;
             }
-            say(rank, "      verified: every output matches the reference bit for bit");
+            say(
+                rank,
+                "      verified: every output matches the reference bit for bit",
+            );
         }
-        say(rank, format_args!("[3/4] timing with {sms} SMs, {} barrier ({} warm-up + {} timed calls per op, L2 flushed between calls)", barrier.name(), args.warmup, args.iters));
+        say(
+            rank,
+            format_args!(
+                "[3/4] timing with {sms} SMs, {} barrier ({} warm-up + {} timed calls per op, L2 flushed between calls)",
+                barrier.name(),
+                args.warmup,
+                args.iters
+            ),
+        );
         let mut timer = Timer::new(&mut buf, &dev)?;
         for op in BenchOp::ALL {
             if op == BenchOp::DispatchFp8 && !shape.fp8_capable() {
@@ -144,7 +192,10 @@ fn bench_worker(args: &BenchArgs) -> Res {
             timer.time(&mut buf, &dev, op, args.warmup)?;
             let t = median(&timer.time(&mut buf, &dev, op, args.iters)?);
             let all = boot.all_gather(&format!("bench-{sms}-{}", op.name()), &t.to_le_bytes())?;
-            let times: Vec<f64> = all.iter().map(|b| f64::from_le_bytes(b[..8].try_into().unwrap_or([0; 8]))).collect();
+            let times: Vec<f64> = all
+                .iter()
+                .map(|b| f64::from_le_bytes(b[..8].try_into().unwrap_or([0; 8])))
+                .collect();
             let gbps = op.metric_bytes(timer.num_recv, args.hidden) / (t * 1e-6) / 1e9;
             rows.push((op, sms, t, gbps, times));
         }
@@ -153,17 +204,44 @@ fn bench_worker(args: &BenchArgs) -> Res {
         }
         buf.destroy()?;
     }
-    say(rank, format_args!("[4/4] results (rank 0; {world} x GPU, {sms_total} SMs each; DeepEP metric: received bytes incl. self / time)"));
-    say(rank, format_args!("{:<22} {:>5} {:>10} {:>10} {:>24}", "op", "SMs", "us", "GB/s", "us per rank"));
+    say(
+        rank,
+        format_args!(
+            "[4/4] results (rank 0; {world} x GPU, {sms_total} SMs each; DeepEP metric: received bytes incl. self / time)"
+        ),
+    );
+    say(
+        rank,
+        format_args!(
+            "{:<22} {:>5} {:>10} {:>10} {:>24}",
+            "op", "SMs", "us", "GB/s", "us per rank"
+        ),
+    );
     for (op, sms, t, gbps, times) in rows {
         let per: Vec<String> = times.iter().map(|v| format!("{v:.1}")).collect();
-        say(rank, format_args!("{:<22} {:>5} {:>10.1} {:>10.1} {:>24}", op.name(), sms, t, gbps, per.join(" / ")));
+        say(
+            rank,
+            format_args!(
+                "{:<22} {:>5} {:>10.1} {:>10.1} {:>24}",
+                op.name(),
+                sms,
+                t,
+                gbps,
+                per.join(" / ")
+            ),
+        );
     }
     Ok(())
 }
 
 /// Delays `late`'s host before each of a few dispatches and reports whom every rank names.
-fn skew_demo(buf: &mut Buffer, dev: &epcomm_check::inputs::DeviceInputs, boot: &Bootstrap, late: usize, delay_us: u64) -> Res {
+fn skew_demo(
+    buf: &mut Buffer,
+    dev: &epcomm_check::inputs::DeviceInputs,
+    boot: &Bootstrap,
+    late: usize,
+    delay_us: u64,
+) -> Res {
     let rank = boot.rank();
     let layout = buf.layout(&dev.topk_idx, dev.num_tokens)?;
     buf.synchronize()?;
@@ -173,19 +251,37 @@ fn skew_demo(buf: &mut Buffer, dev: &epcomm_check::inputs::DeviceInputs, boot: &
         if rank == late {
             std::thread::sleep(Duration::from_micros(delay_us));
         }
-        let input = DispatchInput { x: XInput::Bf16(&dev.x), topk_idx: &dev.topk_idx, topk_weights: None };
+        let input = DispatchInput {
+            x: XInput::Bf16(&dev.x),
+            topk_idx: &dev.topk_idx,
+            topk_weights: None,
+        };
         buf.dispatch(&input, &layout, RecvMode::WorstCase)?;
         let stats = buf.last_op_stats()?.ok_or("no stats after a dispatch")?;
         named.push(stats.late_rank());
         if i == 4 {
             let all = boot.all_gather("skew-report", stats.to_string().as_bytes())?;
-            say(rank, format_args!("skew demo: rank {late} delayed by {delay_us} us before each dispatch"));
+            say(
+                rank,
+                format_args!(
+                    "skew demo: rank {late} delayed by {delay_us} us before each dispatch"
+                ),
+            );
             for (r, s) in all.iter().enumerate() {
-                say(rank, format_args!("  rank {r} says: {}", String::from_utf8_lossy(s).trim_end()));
+                say(
+                    rank,
+                    format_args!("  rank {r} says: {}", String::from_utf8_lossy(s).trim_end()),
+                );
             }
         }
     }
-    let all = boot.all_gather("skew-named", &named.iter().map(|&r| r as u8).collect::<Vec<_>>())?;
-    say(rank, format_args!("  late rank named by each rank over 5 dispatches: {all:?}"));
+    let all = boot.all_gather(
+        "skew-named",
+        &named.iter().map(|&r| r as u8).collect::<Vec<_>>(),
+    )?;
+    say(
+        rank,
+        format_args!("  late rank named by each rank over 5 dispatches: {all:?}"),
+    );
     Ok(())
 }

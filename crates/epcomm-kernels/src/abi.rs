@@ -168,12 +168,24 @@ unsafe impl cudarc::driver::DeviceRepr for LayoutArgs {}
 /// The layout facts the device reports from `epcomm_abi_probe`, in its output order.
 pub(crate) const EXPECTED_PROBE: [(&str, u64); 7] = [
     ("sizeof(OpArgs)", size_of::<OpArgs>() as u64),
-    ("offsetof(OpArgs, num_tokens)", offset_of!(OpArgs, num_tokens) as u64),
-    ("offsetof(OpArgs, global_barriers)", offset_of!(OpArgs, global_barriers) as u64),
+    (
+        "offsetof(OpArgs, num_tokens)",
+        offset_of!(OpArgs, num_tokens) as u64,
+    ),
+    (
+        "offsetof(OpArgs, global_barriers)",
+        offset_of!(OpArgs, global_barriers) as u64,
+    ),
     ("sizeof(LayoutArgs)", size_of::<LayoutArgs>() as u64),
-    ("offsetof(LayoutArgs, num_tokens)", offset_of!(LayoutArgs, num_tokens) as u64),
+    (
+        "offsetof(LayoutArgs, num_tokens)",
+        offset_of!(LayoutArgs, num_tokens) as u64,
+    ),
     ("sizeof(ErrorRecord)", size_of::<ErrorRecord>() as u64),
-    ("offsetof(ErrorRecord, epoch)", offset_of!(ErrorRecord, epoch) as u64),
+    (
+        "offsetof(ErrorRecord, epoch)",
+        offset_of!(ErrorRecord, epoch) as u64,
+    ),
 ];
 
 const _: () = {
@@ -201,16 +213,53 @@ mod tests {
         let op_args = &header[header.find("struct OpArgs").expect("OpArgs in header")..];
         let mut pos = 0;
         for name in [
-            "x;", "x_scales", "topk_idx", "topk_weights", "out;", "out_weights", "token_slot",
-            "layout_counts", "layout_status", "send_offsets", "recv_prefix", "recv_src_idx",
-            "recv_expert_counts", "peer_bases", "off_x", "off_comb_x", "off_comb_flags", "off_counts",
-            "off_expert_counts", "off_done", "off_barrier", "off_stamps", "off_stats",
-            "err_claim", "err_record", "host_counts", "timeout_ns", "done_expected",
-            "barrier_base", "epoch", "op_seq", "num_tokens", "hidden", "row_bytes", "num_scales",
-            "top_k", "num_experts", "world", "rank", "max_tokens", "max_recv_rows", "flags",
+            "x;",
+            "x_scales",
+            "topk_idx",
+            "topk_weights",
+            "out;",
+            "out_weights",
+            "token_slot",
+            "layout_counts",
+            "layout_status",
+            "send_offsets",
+            "recv_prefix",
+            "recv_src_idx",
+            "recv_expert_counts",
+            "peer_bases",
+            "off_x",
+            "off_comb_x",
+            "off_comb_flags",
+            "off_counts",
+            "off_expert_counts",
+            "off_done",
+            "off_barrier",
+            "off_stamps",
+            "off_stats",
+            "err_claim",
+            "err_record",
+            "host_counts",
+            "timeout_ns",
+            "done_expected",
+            "barrier_base",
+            "epoch",
+            "op_seq",
+            "num_tokens",
+            "hidden",
+            "row_bytes",
+            "num_scales",
+            "top_k",
+            "num_experts",
+            "world",
+            "rank",
+            "max_tokens",
+            "max_recv_rows",
+            "flags",
             "global_barriers",
         ] {
-            let found = op_args[pos..].find(name).unwrap_or_else(|| panic!("{name} out of order"));
+            let found = op_args[pos..]
+                .find(name)
+                .unwrap_or_else(|| panic!("{name} out of order"));
             pos += found + name.len();
         }
     }

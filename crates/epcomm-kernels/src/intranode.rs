@@ -2,7 +2,9 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg,
+};
 use cudarc::nvrtc::Ptx;
 
 use crate::abi::{EXPECTED_PROBE, LayoutArgs, OpArgs};
@@ -40,19 +42,29 @@ impl IntranodeKernels {
             combine: f("epcomm_combine")?,
             _module: module,
         };
-        let mut out = stream.alloc_zeros::<u64>(EXPECTED_PROBE.len()).context("allocating the ABI probe")?;
+        let mut out = stream
+            .alloc_zeros::<u64>(EXPECTED_PROBE.len())
+            .context("allocating the ABI probe")?;
         // SAFETY: the probe writes EXPECTED_PROBE.len() u64 values into `out`, which holds that many.
         unsafe {
             stream
                 .launch_builder(&probe)
                 .arg(&mut out)
-                .launch(LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 })
+                .launch(LaunchConfig {
+                    grid_dim: (1, 1, 1),
+                    block_dim: (1, 1, 1),
+                    shared_mem_bytes: 0,
+                })
         }
         .context("launching the ABI probe")?;
         let device = stream.clone_dtoh(&out).context("reading the ABI probe")?;
         for ((field, host), device) in EXPECTED_PROBE.iter().zip(device) {
             if *host != device {
-                return Err(KernelError::AbiMismatch { field, host: *host, device });
+                return Err(KernelError::AbiMismatch {
+                    field,
+                    host: *host,
+                    device,
+                });
             }
         }
         Ok(kernels)
@@ -68,11 +80,24 @@ impl IntranodeKernels {
     /// # Safety
     /// Every address in `args` must be valid device memory of the sizes abi.cuh documents for
     /// the shape in `args`, alive until the kernel finishes; `world % gpus_per_node == 0`.
-    pub unsafe fn launch_layout(&self, stream: &CudaStream, args: &LayoutArgs) -> Result<(), KernelError> {
-        let blocks = Self::layout_blocks(args.world as u32, args.gpus_per_node as u32, args.num_experts as u32);
-        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+    pub unsafe fn launch_layout(
+        &self,
+        stream: &CudaStream,
+        args: &LayoutArgs,
+    ) -> Result<(), KernelError> {
+        let blocks = Self::layout_blocks(
+            args.world as u32,
+            args.gpus_per_node as u32,
+            args.num_experts as u32,
+        );
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
         // SAFETY: upheld by the caller (see above).
-        unsafe { stream.launch_builder(&self.layout).arg(args).launch(cfg) }.context("launching epcomm_layout")?;
+        unsafe { stream.launch_builder(&self.layout).arg(args).launch(cfg) }
+            .context("launching epcomm_layout")?;
         Ok(())
     }
 
@@ -82,10 +107,20 @@ impl IntranodeKernels {
     /// Every address in `args` must be valid for the documented sizes until the kernel
     /// finishes, the symmetric buffer must be mapped on every peer, and every rank must launch
     /// the same op with the same `blocks` (the completion counters count blocks).
-    pub unsafe fn launch_dispatch(&self, stream: &CudaStream, args: &OpArgs, blocks: u32) -> Result<(), KernelError> {
-        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+    pub unsafe fn launch_dispatch(
+        &self,
+        stream: &CudaStream,
+        args: &OpArgs,
+        blocks: u32,
+    ) -> Result<(), KernelError> {
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
         // SAFETY: upheld by the caller (see above).
-        unsafe { stream.launch_builder(&self.dispatch).arg(args).launch(cfg) }.context("launching epcomm_dispatch")?;
+        unsafe { stream.launch_builder(&self.dispatch).arg(args).launch(cfg) }
+            .context("launching epcomm_dispatch")?;
         Ok(())
     }
 
@@ -93,10 +128,20 @@ impl IntranodeKernels {
     ///
     /// # Safety
     /// As for [`Self::launch_dispatch`].
-    pub unsafe fn launch_combine(&self, stream: &CudaStream, args: &OpArgs, blocks: u32) -> Result<(), KernelError> {
-        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+    pub unsafe fn launch_combine(
+        &self,
+        stream: &CudaStream,
+        args: &OpArgs,
+        blocks: u32,
+    ) -> Result<(), KernelError> {
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
         // SAFETY: upheld by the caller (see above).
-        unsafe { stream.launch_builder(&self.combine).arg(args).launch(cfg) }.context("launching epcomm_combine")?;
+        unsafe { stream.launch_builder(&self.combine).arg(args).launch(cfg) }
+            .context("launching epcomm_combine")?;
         Ok(())
     }
 }

@@ -44,7 +44,11 @@ impl IpcTransport {
                 ),
             });
         }
-        Ok(Self { ctx, bootstrap, allocations: 0.into() })
+        Ok(Self {
+            ctx,
+            bootstrap,
+            allocations: 0.into(),
+        })
     }
 
     /// The CUDA context this transport allocates in.
@@ -58,7 +62,9 @@ impl IpcTransport {
     }
 }
 
-fn driver(context: impl Into<String>) -> impl FnOnce(cudarc::driver::DriverError) -> TransportError {
+fn driver(
+    context: impl Into<String>,
+) -> impl FnOnce(cudarc::driver::DriverError) -> TransportError {
     let context = context.into();
     move |source| TransportError::Driver { context, source }
 }
@@ -88,11 +94,17 @@ impl Transport for IpcTransport {
     }
 
     async fn alloc_symmetric(&self, bytes: usize) -> Result<IpcMemory, TransportError> {
-        let seq = self.allocations.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let seq = self
+            .allocations
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let local = DeviceBuffer::zeroed(&self.ctx, bytes)?;
         // Every rank must ask for the same size: exchange it with the handle and compare.
-        let mut handle = sys::CUipcMemHandle { reserved: [0; IPC_HANDLE_BYTES] };
-        self.ctx.bind_to_thread().map_err(driver("binding the CUDA context"))?;
+        let mut handle = sys::CUipcMemHandle {
+            reserved: [0; IPC_HANDLE_BYTES],
+        };
+        self.ctx
+            .bind_to_thread()
+            .map_err(driver("binding the CUDA context"))?;
         // SAFETY: `handle` is a valid out-pointer and `local.ptr()` a live cuMemAlloc allocation.
         unsafe { sys::cuIpcGetMemHandle(&mut handle, local.ptr()) }
             .result()
@@ -101,12 +113,20 @@ impl Transport for IpcTransport {
         msg.extend_from_slice(&(bytes as u64).to_le_bytes());
         msg.extend(handle.reserved.iter().map(|&c| c as u8));
         let tag = format!("ipc-alloc-{seq}");
-        let all = self
-            .bootstrap
-            .all_gather(&tag, &msg)
-            .map_err(|source| TransportError::Bootstrap { context: format!("exchanging IPC handles ({tag})"), source })?;
+        let all =
+            self.bootstrap
+                .all_gather(&tag, &msg)
+                .map_err(|source| TransportError::Bootstrap {
+                    context: format!("exchanging IPC handles ({tag})"),
+                    source,
+                })?;
         let me = self.rank();
-        let mut mem = IpcMemory { ctx: self.ctx.clone(), bases: vec![0; all.len()], opened: Vec::new(), local };
+        let mut mem = IpcMemory {
+            ctx: self.ctx.clone(),
+            bases: vec![0; all.len()],
+            opened: Vec::new(),
+            local,
+        };
         for (peer, data) in all.iter().enumerate() {
             if data.len() != IPC_HANDLE_BYTES + 8 {
                 return Err(TransportError::BadPeerData {
@@ -127,7 +147,9 @@ impl Transport for IpcTransport {
                 mem.bases[peer] = mem.local.ptr();
                 continue;
             }
-            let mut h = sys::CUipcMemHandle { reserved: [0; IPC_HANDLE_BYTES] };
+            let mut h = sys::CUipcMemHandle {
+                reserved: [0; IPC_HANDLE_BYTES],
+            };
             for (dst, src) in h.reserved.iter_mut().zip(&data[8..]) {
                 *dst = *src as std::ffi::c_char;
             }
@@ -141,7 +163,9 @@ impl Transport for IpcTransport {
                 )
             }
             .result()
-            .map_err(driver(format!("opening rank {peer}'s symmetric buffer (cuIpcOpenMemHandle)")))?;
+            .map_err(driver(format!(
+                "opening rank {peer}'s symmetric buffer (cuIpcOpenMemHandle)"
+            )))?;
             mem.opened.push(ptr);
             mem.bases[peer] = ptr;
         }
@@ -151,7 +175,10 @@ impl Transport for IpcTransport {
     async fn host_barrier(&self, tag: &str) -> Result<(), TransportError> {
         self.bootstrap
             .barrier(tag)
-            .map_err(|source| TransportError::Bootstrap { context: format!("host barrier {tag}"), source })
+            .map_err(|source| TransportError::Bootstrap {
+                context: format!("host barrier {tag}"),
+                source,
+            })
     }
 }
 

@@ -130,7 +130,10 @@ pub(crate) trait DriverContext<T> {
 
 impl<T> DriverContext<T> for Result<T, cudarc::driver::DriverError> {
     fn context(self, context: impl Into<String>) -> Result<T, TransportError> {
-        self.map_err(|source| TransportError::Driver { context: context.into(), source })
+        self.map_err(|source| TransportError::Driver {
+            context: context.into(),
+            source,
+        })
     }
 }
 
@@ -190,7 +193,10 @@ pub trait DynTransport: Send + Sync + Debug {
     /// See [`Transport::barrier_strategies`].
     fn barrier_strategies(&self) -> &'static [BarrierStrategy];
     /// See [`Transport::alloc_symmetric`].
-    async fn alloc_symmetric_dyn(&self, bytes: usize) -> Result<Box<dyn SymmetricMemory>, TransportError>;
+    async fn alloc_symmetric_dyn(
+        &self,
+        bytes: usize,
+    ) -> Result<Box<dyn SymmetricMemory>, TransportError>;
     /// See [`Transport::host_barrier`].
     async fn host_barrier_dyn(&self, tag: &str) -> Result<(), TransportError>;
 }
@@ -212,7 +218,10 @@ impl<T: Transport> DynTransport for T {
     fn barrier_strategies(&self) -> &'static [BarrierStrategy] {
         Transport::barrier_strategies(self)
     }
-    async fn alloc_symmetric_dyn(&self, bytes: usize) -> Result<Box<dyn SymmetricMemory>, TransportError> {
+    async fn alloc_symmetric_dyn(
+        &self,
+        bytes: usize,
+    ) -> Result<Box<dyn SymmetricMemory>, TransportError> {
         Ok(Box::new(self.alloc_symmetric(bytes).await?))
     }
     async fn host_barrier_dyn(&self, tag: &str) -> Result<(), TransportError> {
@@ -226,7 +235,11 @@ mod tests {
 
     #[test]
     fn strategy_names_round_trip() {
-        for s in [BarrierStrategy::Global, BarrierStrategy::Epoch, BarrierStrategy::PeerSignal] {
+        for s in [
+            BarrierStrategy::Global,
+            BarrierStrategy::Epoch,
+            BarrierStrategy::PeerSignal,
+        ] {
             assert_eq!(s.name().parse::<BarrierStrategy>().unwrap(), s);
         }
         let err = "fast".parse::<BarrierStrategy>().unwrap_err();

@@ -28,9 +28,14 @@ impl DeviceBuffer {
         // SAFETY: `ptr` is a valid out-pointer; the size is nonzero.
         check(unsafe { sys::cuMemAlloc_v2(&mut ptr, len.max(1)) })
             .context(format!("allocating {len} bytes of device memory"))?;
-        let buf = Self { ctx: ctx.clone(), ptr, len };
+        let buf = Self {
+            ctx: ctx.clone(),
+            ptr,
+            len,
+        };
         // SAFETY: `ptr` is a live allocation of at least `len` bytes.
-        check(unsafe { sys::cuMemsetD8_v2(ptr, 0, len.max(1)) }).context("zeroing device memory")?;
+        check(unsafe { sys::cuMemsetD8_v2(ptr, 0, len.max(1)) })
+            .context("zeroing device memory")?;
         Ok(buf)
     }
 
@@ -76,10 +81,20 @@ impl DeviceBuffer {
         unsafe { copy_htod(stream, self.ptr + offset as u64, data) }
     }
 
-    fn bounds(&self, what: &'static str, offset: usize, bytes: usize) -> Result<(), TransportError> {
-        let end = offset.checked_add(bytes).unwrap_or(usize::MAX);
+    fn bounds(
+        &self,
+        what: &'static str,
+        offset: usize,
+        bytes: usize,
+    ) -> Result<(), TransportError> {
+        let end = offset.saturating_add(bytes);
         if end > self.len {
-            return Err(TransportError::OutOfBounds { what, offset, end, len: self.len });
+            return Err(TransportError::OutOfBounds {
+                what,
+                offset,
+                end,
+                len: self.len,
+            });
         }
         Ok(())
     }
@@ -107,14 +122,19 @@ pub unsafe fn copy_dtoh<T: bytemuck::Pod>(
     if count == 0 {
         return Ok(out);
     }
-    stream.context().bind_to_thread().context("binding the CUDA context")?;
+    stream
+        .context()
+        .bind_to_thread()
+        .context("binding the CUDA context")?;
     let bytes = std::mem::size_of_val(out.as_slice());
     // SAFETY: `out` holds `bytes` writable bytes; the source range is valid per the contract.
     check(unsafe {
         sys::cuMemcpyDtoHAsync_v2(out.as_mut_ptr().cast(), src, bytes, stream.cu_stream())
     })
     .context("copying device memory to the host")?;
-    stream.synchronize().context("waiting for a device-to-host copy")?;
+    stream
+        .synchronize()
+        .context("waiting for a device-to-host copy")?;
     Ok(out)
 }
 
@@ -131,13 +151,23 @@ pub unsafe fn copy_htod<T: bytemuck::Pod>(
     if data.is_empty() {
         return Ok(());
     }
-    stream.context().bind_to_thread().context("binding the CUDA context")?;
+    stream
+        .context()
+        .bind_to_thread()
+        .context("binding the CUDA context")?;
     // SAFETY: `data` is readable for its length; the destination is valid per the contract.
     check(unsafe {
-        sys::cuMemcpyHtoDAsync_v2(dst, data.as_ptr().cast(), std::mem::size_of_val(data), stream.cu_stream())
+        sys::cuMemcpyHtoDAsync_v2(
+            dst,
+            data.as_ptr().cast(),
+            std::mem::size_of_val(data),
+            stream.cu_stream(),
+        )
     })
     .context("copying host memory to the device")?;
-    stream.synchronize().context("waiting for a host-to-device copy")?;
+    stream
+        .synchronize()
+        .context("waiting for a host-to-device copy")?;
     Ok(())
 }
 
@@ -165,7 +195,11 @@ impl MappedHostBuffer {
         let mut host: *mut std::ffi::c_void = std::ptr::null_mut();
         // SAFETY: valid out-pointer; DEVICEMAP|PORTABLE are valid flags.
         check(unsafe {
-            sys::cuMemHostAlloc(&mut host, len, sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE)
+            sys::cuMemHostAlloc(
+                &mut host,
+                len,
+                sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE,
+            )
         })
         .context(format!("allocating {len} bytes of mapped host memory"))?;
         // SAFETY: `host` points to `len` writable bytes just allocated.
@@ -173,7 +207,12 @@ impl MappedHostBuffer {
         let mut dev: sys::CUdeviceptr = 0;
         // SAFETY: `host` is a mapped pinned allocation; `dev` a valid out-pointer.
         let res = check(unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, host, 0) });
-        let buf = Self { ctx: ctx.clone(), host: host.cast(), dev, len };
+        let buf = Self {
+            ctx: ctx.clone(),
+            host: host.cast(),
+            dev,
+            len,
+        };
         res.context("mapping host memory into the device")?;
         Ok(buf)
     }

@@ -7,11 +7,13 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DevicePtr, DevicePtrMut, sys};
 use epcomm_bootstrap::Bootstrap;
-use epcomm_kernels::abi::{self, ErrorRecord, LayoutArgs, OpArgs};
 use epcomm_kernels::IntranodeKernels;
+use epcomm_kernels::abi::{self, ErrorRecord, LayoutArgs, OpArgs};
 use epcomm_topology::{BufferPlan, Parity, RegionKind};
 use epcomm_transport::memory::copy_dtoh;
-use epcomm_transport::{BarrierStrategy, DeviceBuffer, MappedHostBuffer, SymmetricMemory, Transport};
+use epcomm_transport::{
+    BarrierStrategy, DeviceBuffer, MappedHostBuffer, SymmetricMemory, Transport,
+};
 use epcomm_transport_ipc::IpcTransport;
 
 use crate::error::DriverContext;
@@ -107,7 +109,11 @@ pub struct Buffer<T: Transport = IpcTransport> {
 impl Buffer<IpcTransport> {
     /// Creates the buffer of this rank over CUDA IPC (all ranks on one host). Collective: every
     /// rank must call it with the same config.
-    pub fn new(ctx: Arc<CudaContext>, bootstrap: Arc<Bootstrap>, cfg: BufferConfig) -> Result<Self> {
+    pub fn new(
+        ctx: Arc<CudaContext>,
+        bootstrap: Arc<Bootstrap>,
+        cfg: BufferConfig,
+    ) -> Result<Self> {
         let transport = IpcTransport::new(ctx.clone(), bootstrap)?;
         Self::with_transport(transport, ctx, cfg)
     }
@@ -121,32 +127,58 @@ impl<T: Transport> Buffer<T> {
         let rank = transport.rank();
         let invalid = |argument, rule: String| Err(Error::InvalidArgument { argument, rule });
         if world > abi::MAX_WORLD {
-            return invalid("world", format!("at most {} ranks per NVLink domain (got {world})", abi::MAX_WORLD));
+            return invalid(
+                "world",
+                format!(
+                    "at most {} ranks per NVLink domain (got {world})",
+                    abi::MAX_WORLD
+                ),
+            );
         }
         if !cfg.num_experts.is_multiple_of(world) {
             return invalid(
                 "num_experts",
-                format!("must be a multiple of the world size {world} (got {})", cfg.num_experts),
+                format!(
+                    "must be a multiple of the world size {world} (got {})",
+                    cfg.num_experts
+                ),
             );
         }
         if !transport.barrier_strategies().contains(&cfg.barrier) {
             return invalid(
                 "barrier",
-                format!("transport {} supports {:?}, not {:?}", transport.name(), transport.barrier_strategies(), cfg.barrier),
+                format!(
+                    "transport {} supports {:?}, not {:?}",
+                    transport.name(),
+                    transport.barrier_strategies(),
+                    cfg.barrier
+                ),
             );
         }
         let sms = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .context("reading the SM count")? as u32;
         if cfg.num_sms > sms {
-            return invalid("num_sms", format!("the device has {sms} SMs (asked for {})", cfg.num_sms));
+            return invalid(
+                "num_sms",
+                format!("the device has {sms} SMs (asked for {})", cfg.num_sms),
+            );
         }
-        let plan = BufferPlan::new(world, cfg.max_tokens_per_rank, cfg.hidden, cfg.top_k, cfg.num_experts)?;
+        let plan = BufferPlan::new(
+            world,
+            cfg.max_tokens_per_rank,
+            cfg.hidden,
+            cfg.top_k,
+            cfg.num_experts,
+        )?;
         let stream = ctx.new_stream().context("creating the comm stream")?;
         let kernels = IntranodeKernels::load(&ctx, &stream)?;
         let mem = pollster::block_on(transport.alloc_symmetric(plan.total_bytes() as usize))?;
         if let Some(peer) = mem.peer_bases().iter().position(|&b| b == 0) {
-            return invalid("world", format!("rank {peer} is not reachable over NVLink from rank {rank}"));
+            return invalid(
+                "world",
+                format!("rank {peer} is not reachable over NVLink from rank {rank}"),
+            );
         }
         let peer_bases = DeviceBuffer::zeroed(&ctx, world * 8)?;
         peer_bases.write(&stream, 0, mem.peer_bases())?;
@@ -215,7 +247,9 @@ impl<T: Transport> Buffer<T> {
 
     /// Orders the next op after `event` (e.g. the end of the kernel producing `x`).
     pub fn wait_event(&self, event: &CudaEvent) -> Result<()> {
-        self.stream.wait(event).context("waiting on a caller's event")
+        self.stream
+            .wait(event)
+            .context("waiting on a caller's event")
     }
 
     /// Records an event after the ops issued so far (async mode: wait on it instead of the host).
@@ -225,7 +259,9 @@ impl<T: Transport> Buffer<T> {
 
     /// Waits for every issued op and reports any device failure.
     pub fn synchronize(&mut self) -> Result<()> {
-        self.stream.synchronize().context("synchronizing the comm stream")?;
+        self.stream
+            .synchronize()
+            .context("synchronizing the comm stream")?;
         self.check()
     }
 
@@ -259,7 +295,13 @@ impl<T: Transport> Buffer<T> {
         }
         let off = self.plan.region(RegionKind::Stats, Parity::Even).offset;
         // SAFETY: the stats region lies inside this rank's live symmetric buffer (plan offsets).
-        let words = unsafe { copy_dtoh::<u64>(&self.stream, self.mem.local_base() + off, 8 + 3 * self.world) }?;
+        let words = unsafe {
+            copy_dtoh::<u64>(
+                &self.stream,
+                self.mem.local_base() + off,
+                8 + 3 * self.world,
+            )
+        }?;
         Ok(OpStats::from_words(&words, self.rank))
     }
 
@@ -270,7 +312,9 @@ impl<T: Transport> Buffer<T> {
         pollster::block_on(self.transport.host_barrier("epcomm-buffer-destroy"))?;
         match synced {
             Err(Error::Failed(_)) | Ok(()) => Ok(()),
-            Err(e @ (Error::Timeout { .. } | Error::Overflow { .. } | Error::InvalidExpert { .. })) => {
+            Err(
+                e @ (Error::Timeout { .. } | Error::Overflow { .. } | Error::InvalidExpert { .. }),
+            ) => {
                 let _ = e;
                 Ok(())
             }
@@ -283,7 +327,11 @@ impl<T: Transport> Buffer<T> {
     }
 
     fn wait_ctx_base(&self) -> (u64, u64, u64) {
-        (self.err_claim.ptr(), self.err_record.device_ptr(), self.cfg.timeout.as_nanos().min(u64::MAX as u128) as u64)
+        (
+            self.err_claim.ptr(),
+            self.err_record.device_ptr(),
+            self.cfg.timeout.as_nanos().min(u64::MAX as u128) as u64,
+        )
     }
 
     /// Computes the routing of `topk_idx` (`[num_tokens][top_k]`, -1 = none) on the GPU.
@@ -295,18 +343,25 @@ impl<T: Transport> Buffer<T> {
         if topk_idx.len() != num_tokens * k {
             return Err(Error::InvalidArgument {
                 argument: "topk_idx",
-                rule: format!("must hold num_tokens * top_k = {} ids (holds {})", num_tokens * k, topk_idx.len()),
+                rule: format!(
+                    "must hold num_tokens * top_k = {} ids (holds {})",
+                    num_tokens * k,
+                    topk_idx.len()
+                ),
             });
         }
         let (world, e) = (self.world, self.cfg.num_experts);
         let gpus_per_node = world; // one NVLink domain
         let nodes = world / gpus_per_node;
         // SAFETY: every element is written by the layout kernel before it is read.
-        let mut counts = unsafe { self.stream.alloc::<u32>(world + e + nodes) }.context("allocating layout counts")?;
+        let mut counts = unsafe { self.stream.alloc::<u32>(world + e + nodes) }
+            .context("allocating layout counts")?;
         // SAFETY: as above.
-        let mut token_slot = unsafe { self.stream.alloc::<i32>((num_tokens * world).max(1)) }.context("allocating token slots")?;
+        let mut token_slot = unsafe { self.stream.alloc::<i32>((num_tokens * world).max(1)) }
+            .context("allocating token slots")?;
         // SAFETY: as above.
-        let mut status = unsafe { self.stream.alloc::<u32>(1) }.context("allocating layout status")?;
+        let mut status =
+            unsafe { self.stream.alloc::<u32>(1) }.context("allocating layout status")?;
         let (err_claim, err_record, _) = self.wait_ctx_base();
         {
             let (idx_ptr, _g0) = topk_idx.device_ptr(&self.stream);
@@ -332,7 +387,16 @@ impl<T: Transport> Buffer<T> {
             unsafe { self.kernels.launch_layout(&self.stream, &args) }?;
         }
         Ok(Layout {
-            inner: Arc::new(LayoutInner { counts, token_slot, status, num_tokens, world, num_experts: e, nodes, buffer_id: self.id }),
+            inner: Arc::new(LayoutInner {
+                counts,
+                token_slot,
+                status,
+                num_tokens,
+                world,
+                num_experts: e,
+                nodes,
+                buffer_id: self.id,
+            }),
         })
     }
 
@@ -340,7 +404,10 @@ impl<T: Transport> Buffer<T> {
         if num_tokens > self.cfg.max_tokens_per_rank {
             return Err(Error::InvalidArgument {
                 argument: "num_tokens",
-                rule: format!("at most max_tokens_per_rank = {} (got {num_tokens})", self.cfg.max_tokens_per_rank),
+                rule: format!(
+                    "at most max_tokens_per_rank = {} (got {num_tokens})",
+                    self.cfg.max_tokens_per_rank
+                ),
             });
         }
         Ok(())
@@ -352,19 +419,43 @@ impl<T: Transport> Buffer<T> {
         match x {
             XInput::Bf16(x) => {
                 if x.len() != num_tokens * h {
-                    return bad("x", format!("bf16 x must hold num_tokens * hidden = {} values (holds {})", num_tokens * h, x.len()));
+                    return bad(
+                        "x",
+                        format!(
+                            "bf16 x must hold num_tokens * hidden = {} values (holds {})",
+                            num_tokens * h,
+                            x.len()
+                        ),
+                    );
                 }
                 Ok((RecvDtype::Bf16, 0))
             }
             XInput::Fp8 { x, scales } => {
                 if !h.is_multiple_of(128) {
-                    return bad("x", format!("FP8 dispatch needs hidden % 128 == 0 (hidden = {h})"));
+                    return bad(
+                        "x",
+                        format!("FP8 dispatch needs hidden % 128 == 0 (hidden = {h})"),
+                    );
                 }
                 if x.len() != num_tokens * h {
-                    return bad("x", format!("fp8 x must hold num_tokens * hidden = {} bytes (holds {})", num_tokens * h, x.len()));
+                    return bad(
+                        "x",
+                        format!(
+                            "fp8 x must hold num_tokens * hidden = {} bytes (holds {})",
+                            num_tokens * h,
+                            x.len()
+                        ),
+                    );
                 }
                 if scales.len() != num_tokens * (h / 128) {
-                    return bad("scales", format!("must hold num_tokens * hidden / 128 = {} values (holds {})", num_tokens * (h / 128), scales.len()));
+                    return bad(
+                        "scales",
+                        format!(
+                            "must hold num_tokens * hidden / 128 = {} values (holds {})",
+                            num_tokens * (h / 128),
+                            scales.len()
+                        ),
+                    );
                 }
                 Ok((RecvDtype::Fp8, (h / 128) as i32))
             }
@@ -373,7 +464,10 @@ impl<T: Transport> Buffer<T> {
 
     fn own<'l>(&self, layout: &'l LayoutInner) -> Result<&'l LayoutInner> {
         if layout.buffer_id != self.id {
-            return Err(Error::InvalidArgument { argument: "layout/handle", rule: "was produced by another Buffer".into() });
+            return Err(Error::InvalidArgument {
+                argument: "layout/handle",
+                rule: "was produced by another Buffer".into(),
+            });
         }
         Ok(layout)
     }
@@ -393,7 +487,9 @@ impl<T: Transport> Buffer<T> {
         OpArgs {
             peer_bases: self.peer_bases.ptr(),
             off_done: plan.region(RegionKind::DoneCounters, Parity::Even).offset,
-            off_barrier: plan.region(RegionKind::BarrierCounters, Parity::Even).offset,
+            off_barrier: plan
+                .region(RegionKind::BarrierCounters, Parity::Even)
+                .offset,
             off_stats: stats,
             off_stamps: stats + STAMPS_OFFSET + (self.seq.op % 2) * STAMPS_STRIDE,
             err_claim,
@@ -428,30 +524,53 @@ impl<T: Transport> Buffer<T> {
 
     /// Sends every token to each rank holding one of its experts. Collective: every rank calls
     /// dispatch (or cached dispatch / combine) in the same order.
-    pub fn dispatch(&mut self, input: &DispatchInput<'_>, layout: &Layout, mode: RecvMode) -> Result<Dispatched<'_>> {
+    pub fn dispatch(
+        &mut self,
+        input: &DispatchInput<'_>,
+        layout: &Layout,
+        mode: RecvMode,
+    ) -> Result<Dispatched<'_>> {
         self.ensure_ready()?;
         let l = self.own(&layout.inner)?;
         let t = l.num_tokens;
         let (dtype, num_scales) = self.check_x(&input.x, t)?;
         let k = self.cfg.top_k;
         if input.topk_idx.len() != t * k {
-            return Err(Error::InvalidArgument { argument: "topk_idx", rule: format!("must hold {} ids like the layout's (holds {})", t * k, input.topk_idx.len()) });
+            return Err(Error::InvalidArgument {
+                argument: "topk_idx",
+                rule: format!(
+                    "must hold {} ids like the layout's (holds {})",
+                    t * k,
+                    input.topk_idx.len()
+                ),
+            });
         }
         if let Some(w) = input.topk_weights
             && w.len() != t * k
         {
-            return Err(Error::InvalidArgument { argument: "topk_weights", rule: format!("must hold num_tokens * top_k = {} values (holds {})", t * k, w.len()) });
+            return Err(Error::InvalidArgument {
+                argument: "topk_weights",
+                rule: format!(
+                    "must hold num_tokens * top_k = {} values (holds {})",
+                    t * k,
+                    w.len()
+                ),
+            });
         }
         let max_rows = self.recv_capacity(mode)?;
         let (world, epr) = (self.world, self.cfg.num_experts / self.world);
         // SAFETY: the dispatch kernel writes every element before anything reads it.
-        let mut send_offsets = unsafe { self.stream.alloc::<i32>(world) }.context("allocating the handle")?;
+        let mut send_offsets =
+            unsafe { self.stream.alloc::<i32>(world) }.context("allocating the handle")?;
         // SAFETY: as above.
-        let mut recv_prefix = unsafe { self.stream.alloc::<i32>(world + 1) }.context("allocating the handle")?;
+        let mut recv_prefix =
+            unsafe { self.stream.alloc::<i32>(world + 1) }.context("allocating the handle")?;
         // SAFETY: as above (rows beyond the received count are never read).
-        let mut recv_src_idx = unsafe { self.stream.alloc::<i32>(max_rows.max(1)) }.context("allocating the handle")?;
+        let mut recv_src_idx = unsafe { self.stream.alloc::<i32>(max_rows.max(1)) }
+            .context("allocating the handle")?;
         // SAFETY: as above.
-        let mut recv_expert_counts = unsafe { self.stream.alloc::<i32>(epr.max(1)) }.context("allocating the handle")?;
+        let mut recv_expert_counts =
+            unsafe { self.stream.alloc::<i32>(epr.max(1)) }.context("allocating the handle")?;
         let barriers = 3;
         let blocks = self.cfg.num_sms;
         let mut a = self.base_args(blocks, barriers);
@@ -466,8 +585,16 @@ impl<T: Transport> Buffer<T> {
         a.row_bytes = self.row_bytes(dtype);
         a.max_recv_rows = max_rows as i32;
         a.flags = abi::flags::HAS_TOPK
-            | if input.topk_weights.is_some() { abi::flags::HAS_WEIGHTS } else { 0 }
-            | if dtype == RecvDtype::Fp8 { abi::flags::HAS_SCALES } else { 0 };
+            | if input.topk_weights.is_some() {
+                abi::flags::HAS_WEIGHTS
+            } else {
+                0
+            }
+            | if dtype == RecvDtype::Fp8 {
+                abi::flags::HAS_SCALES
+            } else {
+                0
+            };
         {
             let s = &self.stream;
             let (x_ptr, _gx) = match input.x {
@@ -522,7 +649,14 @@ impl<T: Transport> Buffer<T> {
                 buffer_id: self.id,
             }),
         };
-        Ok(self.dispatched(handle, dtype, parity, true, input.topk_weights.is_some(), per_expert))
+        Ok(self.dispatched(
+            handle,
+            dtype,
+            parity,
+            true,
+            input.topk_weights.is_some(),
+            per_expert,
+        ))
     }
 
     /// Sends new rows along the routing of an earlier dispatch: no count exchange, no host wait.
@@ -530,7 +664,10 @@ impl<T: Transport> Buffer<T> {
         self.ensure_ready()?;
         let h = &handle.inner;
         if h.buffer_id != self.id {
-            return Err(Error::InvalidArgument { argument: "handle", rule: "was produced by another Buffer".into() });
+            return Err(Error::InvalidArgument {
+                argument: "handle",
+                rule: "was produced by another Buffer".into(),
+            });
         }
         let l = &h.layout;
         let (dtype, num_scales) = self.check_x(x, l.num_tokens)?;
@@ -544,7 +681,12 @@ impl<T: Transport> Buffer<T> {
         a.num_scales = num_scales;
         a.row_bytes = self.row_bytes(dtype);
         a.max_recv_rows = h.max_rows as i32;
-        a.flags = abi::flags::CACHED | if dtype == RecvDtype::Fp8 { abi::flags::HAS_SCALES } else { 0 };
+        a.flags = abi::flags::CACHED
+            | if dtype == RecvDtype::Fp8 {
+                abi::flags::HAS_SCALES
+            } else {
+                0
+            };
         {
             let s = &self.stream;
             let (x_ptr, _gx) = match x {
@@ -630,15 +772,20 @@ impl<T: Transport> Buffer<T> {
         loop {
             if self.host_counts.load_u64(0) == Some(tag) {
                 let n = self.host_counts.load_u64(1).unwrap_or(0) as usize;
-                let e = (0..epr).map(|i| self.host_counts.load_u64(2 + i).unwrap_or(0) as usize).collect();
+                let e = (0..epr)
+                    .map(|i| self.host_counts.load_u64(2 + i).unwrap_or(0) as usize)
+                    .collect();
                 return Ok((n, e));
             }
             self.check()?;
             // SAFETY: querying a live stream has no preconditions.
-            let idle = unsafe { sys::cuStreamQuery(self.stream.cu_stream()) } == sys::CUresult::CUDA_SUCCESS;
+            let idle = unsafe { sys::cuStreamQuery(self.stream.cu_stream()) }
+                == sys::CUresult::CUDA_SUCCESS;
             if idle && self.host_counts.load_u64(0) != Some(tag) {
                 self.check()?;
-                return Err(Error::Failed("dispatch finished without publishing its receive count".into()));
+                return Err(Error::Failed(
+                    "dispatch finished without publishing its receive count".into(),
+                ));
             }
             if start.elapsed() > limit {
                 let e = Error::Timeout {
@@ -672,24 +819,60 @@ impl<T: Transport> Buffer<T> {
         self.ensure_ready()?;
         let h = &handle.inner;
         if h.buffer_id != self.id {
-            return Err(Error::InvalidArgument { argument: "handle", rule: "was produced by another Buffer".into() });
+            return Err(Error::InvalidArgument {
+                argument: "handle",
+                rule: "was produced by another Buffer".into(),
+            });
         }
         let (hd, k, t) = (self.cfg.hidden, self.cfg.top_k, h.layout.num_tokens);
         let rows = h.num_recv.unwrap_or(h.max_rows);
         let bad = |argument, rule: String| Err(Error::InvalidArgument { argument, rule });
         if y.len() < rows * hd || !y.len().is_multiple_of(hd) {
-            return bad("y", format!("must hold rows * hidden = {} values (holds {}); rows = {rows} ({})", rows * hd, y.len(), if h.num_recv.is_some() { "received" } else { "capacity: WorstCase dispatch" }));
+            return bad(
+                "y",
+                format!(
+                    "must hold rows * hidden = {} values (holds {}); rows = {rows} ({})",
+                    rows * hd,
+                    y.len(),
+                    if h.num_recv.is_some() {
+                        "received"
+                    } else {
+                        "capacity: WorstCase dispatch"
+                    }
+                ),
+            );
         }
         if out.len() != t * hd {
-            return bad("out", format!("must hold num_tokens * hidden = {} values (holds {})", t * hd, out.len()));
+            return bad(
+                "out",
+                format!(
+                    "must hold num_tokens * hidden = {} values (holds {})",
+                    t * hd,
+                    out.len()
+                ),
+            );
         }
         match (&y_weights, &out_weights) {
             (Some(w), Some(o)) => {
                 if w.len() < rows * k {
-                    return bad("y_weights", format!("must hold rows * top_k = {} values (holds {})", rows * k, w.len()));
+                    return bad(
+                        "y_weights",
+                        format!(
+                            "must hold rows * top_k = {} values (holds {})",
+                            rows * k,
+                            w.len()
+                        ),
+                    );
                 }
                 if o.len() != t * k {
-                    return bad("out_weights", format!("must hold num_tokens * top_k = {} values (holds {})", t * k, o.len()));
+                    return bad(
+                        "out_weights",
+                        format!(
+                            "must hold num_tokens * top_k = {} values (holds {})",
+                            t * k,
+                            o.len()
+                        ),
+                    );
                 }
             }
             (None, None) => {}
@@ -705,7 +888,11 @@ impl<T: Transport> Buffer<T> {
         a.epoch = self.seq.combine;
         a.num_tokens = t as i32;
         a.max_recv_rows = h.max_rows as i32;
-        a.flags = if y_weights.is_some() { abi::flags::HAS_WEIGHTS } else { 0 };
+        a.flags = if y_weights.is_some() {
+            abi::flags::HAS_WEIGHTS
+        } else {
+            0
+        };
         {
             let s = &self.stream;
             let (y_ptr, _gy) = y.device_ptr(s);

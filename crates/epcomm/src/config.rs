@@ -42,7 +42,12 @@ pub struct BufferConfig {
 
 impl BufferConfig {
     /// A config with 24 SMs, the Epoch strategy and a 100 s timeout.
-    pub fn new(max_tokens_per_rank: usize, hidden: usize, top_k: usize, num_experts: usize) -> Self {
+    pub fn new(
+        max_tokens_per_rank: usize,
+        hidden: usize,
+        top_k: usize,
+        num_experts: usize,
+    ) -> Self {
         Self {
             max_tokens_per_rank,
             hidden,
@@ -61,10 +66,16 @@ impl BufferConfig {
             return bad("max_tokens_per_rank", "must be > 0".into());
         }
         if self.hidden == 0 || !self.hidden.is_multiple_of(8) {
-            return bad("hidden", format!("must be a positive multiple of 8 (got {})", self.hidden));
+            return bad(
+                "hidden",
+                format!("must be a positive multiple of 8 (got {})", self.hidden),
+            );
         }
         if self.top_k == 0 || self.top_k > self.num_experts {
-            return bad("top_k", format!("must be in 1..={} (got {})", self.num_experts, self.top_k));
+            return bad(
+                "top_k",
+                format!("must be in 1..={} (got {})", self.num_experts, self.top_k),
+            );
         }
         if self.num_sms == 0 {
             return bad("num_sms", "must be > 0".into());
@@ -85,11 +96,41 @@ mod tests {
         let ok = BufferConfig::new(128, 256, 4, 16);
         ok.validate().unwrap();
         for (cfg, name) in [
-            (BufferConfig { max_tokens_per_rank: 0, ..ok.clone() }, "max_tokens_per_rank"),
-            (BufferConfig { hidden: 100, ..ok.clone() }, "hidden"),
-            (BufferConfig { top_k: 17, ..ok.clone() }, "top_k"),
-            (BufferConfig { num_sms: 0, ..ok.clone() }, "num_sms"),
-            (BufferConfig { timeout: Duration::ZERO, ..ok.clone() }, "timeout"),
+            (
+                BufferConfig {
+                    max_tokens_per_rank: 0,
+                    ..ok.clone()
+                },
+                "max_tokens_per_rank",
+            ),
+            (
+                BufferConfig {
+                    hidden: 100,
+                    ..ok.clone()
+                },
+                "hidden",
+            ),
+            (
+                BufferConfig {
+                    top_k: 17,
+                    ..ok.clone()
+                },
+                "top_k",
+            ),
+            (
+                BufferConfig {
+                    num_sms: 0,
+                    ..ok.clone()
+                },
+                "num_sms",
+            ),
+            (
+                BufferConfig {
+                    timeout: Duration::ZERO,
+                    ..ok.clone()
+                },
+                "timeout",
+            ),
         ] {
             let err = cfg.validate().unwrap_err().to_string();
             assert!(err.contains(name), "{err}");

@@ -83,7 +83,9 @@ pub enum Error {
         capacity: u64,
     },
     /// A top-k id outside `[-1, num_experts)`.
-    #[error("invalid topk_idx: token {token} has expert id {value}, must be -1 or in 0..{num_experts}")]
+    #[error(
+        "invalid topk_idx: token {token} has expert id {value}, must be -1 or in 0..{num_experts}"
+    )]
     InvalidExpert {
         /// Token index.
         token: i64,
@@ -180,10 +182,41 @@ mod tests {
             ..Default::default()
         };
         let e = Error::from_record(&r).to_string();
-        assert!(e.contains("combine") && e.contains("rank 3") && e.contains("CombineData"), "{e}");
-        let r = abi::ErrorRecord { code: abi::code::INVALID_EXPERT, op: abi::op::LAYOUT, peer: 7, expected: 64, seen: 99, ..Default::default() };
-        assert!(matches!(Error::from_record(&r), Error::InvalidExpert { token: 7, value: 99, num_experts: 64 }));
-        let r = abi::ErrorRecord { code: abi::code::OVERFLOW, op: abi::op::DISPATCH, peer: 0, expected: 10, seen: 12, ..Default::default() };
-        assert!(matches!(Error::from_record(&r), Error::Overflow { requested: 12, capacity: 10, .. }));
+        assert!(
+            e.contains("combine") && e.contains("rank 3") && e.contains("CombineData"),
+            "{e}"
+        );
+        let r = abi::ErrorRecord {
+            code: abi::code::INVALID_EXPERT,
+            op: abi::op::LAYOUT,
+            peer: 7,
+            expected: 64,
+            seen: 99,
+            ..Default::default()
+        };
+        assert!(matches!(
+            Error::from_record(&r),
+            Error::InvalidExpert {
+                token: 7,
+                value: 99,
+                num_experts: 64
+            }
+        ));
+        let r = abi::ErrorRecord {
+            code: abi::code::OVERFLOW,
+            op: abi::op::DISPATCH,
+            peer: 0,
+            expected: 10,
+            seen: 12,
+            ..Default::default()
+        };
+        assert!(matches!(
+            Error::from_record(&r),
+            Error::Overflow {
+                requested: 12,
+                capacity: 10,
+                ..
+            }
+        ));
     }
 }

@@ -6,9 +6,9 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream};
 use epcomm_transport::memory::copy_dtoh;
 
+use crate::Result;
 use crate::error::DriverContext;
 use crate::layout::LayoutInner;
-use crate::Result;
 
 /// Routing of one dispatch, reused by combine and cached dispatch (device memory; cheap to
 /// clone). Valid only with the [`crate::Buffer`] that produced it.
@@ -49,21 +49,26 @@ impl Handle {
     /// Reads the number of received rows from the device (waits for the dispatch).
     pub fn num_recv_from_device(&self) -> Result<usize> {
         let s = self.inner.recv_prefix.stream().clone();
-        let p = s.clone_dtoh(&self.inner.recv_prefix).context("reading recv_prefix")?;
+        let p = s
+            .clone_dtoh(&self.inner.recv_prefix)
+            .context("reading recv_prefix")?;
         Ok(p.last().copied().unwrap_or(0).max(0) as usize)
     }
 
     /// `[world + 1]` first received row per source rank (waits for the dispatch).
     pub fn recv_prefix_to_host(&self) -> Result<Vec<i32>> {
         let s = self.inner.recv_prefix.stream().clone();
-        s.clone_dtoh(&self.inner.recv_prefix).context("reading recv_prefix")
+        s.clone_dtoh(&self.inner.recv_prefix)
+            .context("reading recv_prefix")
     }
 
     /// Source token index of every received row (waits for the dispatch).
     pub fn recv_src_idx_to_host(&self) -> Result<Vec<i32>> {
         let n = self.num_recv_from_device()?;
         let s = self.inner.recv_src_idx.stream().clone();
-        let mut v = s.clone_dtoh(&self.inner.recv_src_idx).context("reading recv_src_idx")?;
+        let mut v = s
+            .clone_dtoh(&self.inner.recv_src_idx)
+            .context("reading recv_src_idx")?;
         v.truncate(n);
         Ok(v)
     }
@@ -71,7 +76,8 @@ impl Handle {
     /// Rows per local expert (waits for the dispatch).
     pub fn num_recv_per_local_expert(&self) -> Result<Vec<i32>> {
         let s = self.inner.recv_expert_counts.stream().clone();
-        s.clone_dtoh(&self.inner.recv_expert_counts).context("reading expert counts")
+        s.clone_dtoh(&self.inner.recv_expert_counts)
+            .context("reading expert counts")
     }
 }
 
@@ -176,12 +182,17 @@ impl Dispatched<'_> {
     /// Copies the received rows as bf16 (Bf16 dispatch only).
     pub fn recv_x_bf16_to_host(&self) -> Result<Vec<half::bf16>> {
         let bytes = self.recv_x_bytes_to_host()?;
-        Ok(bytes.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]])).collect())
+        Ok(bytes
+            .chunks_exact(2)
+            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]))
+            .collect())
     }
 
     /// Copies the received scales (FP8 only; empty otherwise).
     pub fn recv_scales_to_host(&self) -> Result<Vec<f32>> {
-        let Some(p) = self.recv_scales_ptr() else { return Ok(Vec::new()) };
+        let Some(p) = self.recv_scales_ptr() else {
+            return Ok(Vec::new());
+        };
         let n = self.rows()? * (self.hidden / 128);
         // SAFETY: as for recv_x.
         Ok(unsafe { copy_dtoh::<f32>(self.stream, p, n) }?)
@@ -189,7 +200,9 @@ impl Dispatched<'_> {
 
     /// Copies the received local top-k ids (empty if they did not travel).
     pub fn recv_topk_idx_to_host(&self) -> Result<Vec<i64>> {
-        let Some(p) = self.recv_topk_idx else { return Ok(Vec::new()) };
+        let Some(p) = self.recv_topk_idx else {
+            return Ok(Vec::new());
+        };
         let n = self.rows()? * self.top_k;
         // SAFETY: as for recv_x.
         Ok(unsafe { copy_dtoh::<i64>(self.stream, p, n) }?)
@@ -197,7 +210,9 @@ impl Dispatched<'_> {
 
     /// Copies the received top-k weights (empty if they did not travel).
     pub fn recv_topk_weights_to_host(&self) -> Result<Vec<f32>> {
-        let Some(p) = self.recv_topk_weights else { return Ok(Vec::new()) };
+        let Some(p) = self.recv_topk_weights else {
+            return Ok(Vec::new());
+        };
         let n = self.rows()? * self.top_k;
         // SAFETY: as for recv_x.
         Ok(unsafe { copy_dtoh::<f32>(self.stream, p, n) }?)

@@ -4,8 +4,8 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaSlice;
 
-use crate::error::DriverContext;
 use crate::Result;
+use crate::error::DriverContext;
 
 /// Device arrays written by the layout kernel (owned; shared with the handles built on them).
 #[derive(Debug)]
@@ -54,13 +54,18 @@ impl Layout {
     pub fn to_host(&self) -> Result<HostLayout> {
         let i = &self.inner;
         let stream = i.counts.stream().clone();
-        let counts = stream.clone_dtoh(&i.counts).context("reading layout counts")?;
-        let mut token_slot = stream.clone_dtoh(&i.token_slot).context("reading token slots")?;
+        let counts = stream
+            .clone_dtoh(&i.counts)
+            .context("reading layout counts")?;
+        let mut token_slot = stream
+            .clone_dtoh(&i.token_slot)
+            .context("reading token slots")?;
         token_slot.truncate(i.num_tokens * i.world);
         Ok(HostLayout {
             tokens_per_rank: counts[..i.world].to_vec(),
             tokens_per_expert: counts[i.world..i.world + i.num_experts].to_vec(),
-            tokens_per_node: counts[i.world + i.num_experts..i.world + i.num_experts + i.nodes].to_vec(),
+            tokens_per_node: counts[i.world + i.num_experts..i.world + i.num_experts + i.nodes]
+                .to_vec(),
             token_slot,
         })
     }

@@ -63,7 +63,9 @@ impl OpStats {
 
     /// The rank that started this op last (the one everybody waited for).
     pub fn late_rank(&self) -> usize {
-        (0..self.peer_start_ns.len()).max_by_key(|&r| self.peer_start_ns[r]).unwrap_or(self.rank)
+        (0..self.peer_start_ns.len())
+            .max_by_key(|&r| self.peer_start_ns[r])
+            .unwrap_or(self.rank)
     }
 
     /// How much later the late rank started than the earliest one.
