@@ -437,7 +437,7 @@ impl Rank<'_> {
     ) -> Result<T, Violation> {
         // Under loom the waits are unbounded (loom reports a schedule where nobody can progress).
         #[cfg(loom)]
-        let _ = (peer, expected);
+        let _ = (step, peer, expected);
         #[cfg(not(loom))]
         let start = std::time::Instant::now();
         #[cfg(not(loom))]
