@@ -35,7 +35,19 @@ constexpr int kStatWorld = 6;
 constexpr int kStatPeers = 8;  // [world] peer start stamps, [world] count-row arrivals,
                                // [world] data-landed arrivals
 
+// This op's sequence numbers, derived from the device SeqState by block thread 0.
+struct OpSeq {
+  uint64_t op;             // op sequence number (>= 1)
+  uint64_t epoch;          // dispatch: notify seq (count tag); combine: combine seq (flag value)
+  uint64_t notify, dispatch, combine;
+  uint64_t done_expected;  // done[src] value once this op's sends all landed
+  uint64_t barrier_base;   // barrier[src] value before this op's first barrier
+};
+
+constexpr uint64_t kStampStride = 512;  // bytes between the two start-stamp arrays
+
 struct Shared {
+  OpSeq seq;
   uint8_t* bases[kMaxWorld];
   int offsets[kMaxWorld + 1];
   int rows[kWarps][kMaxWorld];
@@ -47,26 +59,63 @@ __device__ __forceinline__ uint64_t* u64_at(uint8_t* base, uint64_t off) {
   return reinterpret_cast<uint64_t*>(base + off);
 }
 
-__device__ __forceinline__ WaitCtx make_wait(const OpArgs& a, uint32_t op) {
+__device__ __forceinline__ WaitCtx make_wait(const OpArgs& a, const OpSeq& q, uint32_t op) {
   WaitCtx w;
   w.record = reinterpret_cast<ErrorRecord*>(a.err_record);
   w.claim = reinterpret_cast<uint32_t*>(a.err_claim);
   w.timeout_ns = a.timeout_ns;
-  w.epoch = a.op_seq;
+  w.epoch = q.op;
   w.op = op;
   w.rank = a.rank;
   return w;
 }
 
-// Loads peer bases, publishes this rank's start stamp to every peer, clears the abort flag.
-__device__ __forceinline__ void prologue(const OpArgs& a, Shared& s, uint64_t t_start) {
+__device__ __forceinline__ uint64_t stamps_offset(const OpArgs& a, const OpSeq& q) {
+  return a.off_stamps + (q.op & 1) * kStampStride;
+}
+
+// Reads the sequence numbers, loads peer bases, publishes this rank's start stamp to every
+// peer, clears the abort flag.
+__device__ __forceinline__ void prologue(const OpArgs& a, Shared& s, uint64_t t_start,
+                                         uint32_t kind) {
   const int tid = threadIdx.x;
   if (tid < a.world) s.bases[tid] = reinterpret_cast<uint8_t*>(
                          reinterpret_cast<const uint64_t*>(a.peer_bases)[tid]);
-  if (tid == 0) s.abort = 0;
+  if (tid == 0) {
+    s.abort = 0;
+    const volatile SeqState* st = reinterpret_cast<const volatile SeqState*>(a.seq_state);
+    OpSeq q;
+    q.op = st->op + 1;
+    q.notify = st->notify + (kind == kOpDispatch ? 1 : 0);
+    q.dispatch = st->dispatch + (kind == kOpDispatch || kind == kOpCachedDispatch ? 1 : 0);
+    q.combine = st->combine + (kind == kOpCombine ? 1 : 0);
+    q.epoch = kind == kOpCombine ? q.combine : q.notify;
+    q.done_expected = st->done + gridDim.x;
+    q.barrier_base = st->barriers;
+    s.seq = q;
+  }
   __syncthreads();
   if (blockIdx.x == 0 && tid < a.world)
-    st_relaxed_sys(u64_at(s.bases[tid], a.off_stamps) + a.rank, t_start);
+    st_relaxed_sys(u64_at(s.bases[tid], stamps_offset(a, s.seq)) + a.rank, t_start);
+}
+
+// Called once per block on the success path; the last block to finish advances SeqState.
+__device__ __forceinline__ void epilogue(const OpArgs& a, const Shared& s, uint64_t barriers) {
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  SeqState* st = reinterpret_cast<SeqState*>(a.seq_state);
+  __threadfence();
+  if (atomicAdd(&st->exits, 1u) != gridDim.x - 1) return;
+  const OpSeq& q = s.seq;
+  volatile SeqState* v = st;
+  v->op = q.op;
+  v->notify = q.notify;
+  v->dispatch = q.dispatch;
+  v->combine = q.combine;
+  v->done = q.done_expected;
+  v->barriers = q.barrier_base + (a.global_barriers ? barriers * gridDim.x : 0);
+  v->exits = 0;
+  __threadfence();
 }
 
 // Block-uniform: true when every thread's `ok` held.
@@ -87,7 +136,7 @@ __device__ bool rank_barrier(const OpArgs& a, const WaitCtx& w, Shared& s, uint6
     __threadfence_system();
     red_add_release_sys(u64_at(s.bases[tid], a.off_barrier) + a.rank, 1);
     ok = wait_geq(w, u64_at(s.bases[a.rank], a.off_barrier) + tid,
-                  a.barrier_base + k * gridDim.x, kWaitBarrier, tid, nullptr);
+                  s.seq.barrier_base + k * gridDim.x, kWaitBarrier, tid, nullptr);
   }
   return all_ok(s, ok);
 }
@@ -97,9 +146,10 @@ __device__ __forceinline__ void finish_stats(const OpArgs& a, Shared& s, uint64_
   uint64_t* stats = u64_at(s.bases[a.rank], a.off_stats);
   const int tid = threadIdx.x;
   if (tid < a.world)
-    stats[kStatPeers + tid] = ld_relaxed_sys(u64_at(s.bases[a.rank], a.off_stamps) + tid);
+    stats[kStatPeers + tid] =
+        ld_relaxed_sys(u64_at(s.bases[a.rank], stamps_offset(a, s.seq)) + tid);
   if (tid == 0) {
-    stats[kStatOpSeq] = a.op_seq;
+    stats[kStatOpSeq] = s.seq.op;
     stats[kStatStart] = t_start;
     stats[kStatKind] = kind;
     stats[kStatWorld] = static_cast<uint64_t>(a.world);
@@ -180,6 +230,7 @@ extern "C" __global__ void epcomm_abi_probe(uint64_t* out) {
   out[4] = offsetof(LayoutArgs, num_tokens);
   out[5] = sizeof(ErrorRecord);
   out[6] = offsetof(ErrorRecord, epoch);
+  out[7] = sizeof(SeqState);
 }
 
 // Layout: blocks [0, world) scan tokens for one rank each (slot = exclusive prefix of the
@@ -269,12 +320,21 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) epcomm_dispatch(const 
   const uint64_t t_start = globaltimer_ns();
   const bool cached = (a.flags & kFlagCached) != 0;
   const uint32_t kind = cached ? kOpCachedDispatch : kOpDispatch;
-  const WaitCtx w = make_wait(a, kind);
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int world = a.world, me = a.rank, K = a.top_k;
   const int epr = a.num_experts / world;
   const bool block0 = blockIdx.x == 0;
-  prologue(a, s, t_start);
+  prologue(a, s, t_start, kind);
+  const OpSeq q = s.seq;
+  const WaitCtx w = make_wait(a, q, kind);
+  // Regions of this op: receive rows by dispatch parity, counts by notify parity.
+  const uint64_t dpar = (q.dispatch & 1) * a.parity_stride;
+  const uint64_t npar = (q.notify & 1) * a.parity_stride;
+  const uint64_t off_x = a.off_x + dpar, off_scales = a.off_scales + dpar;
+  const uint64_t off_topk_idx = a.off_topk_idx + dpar, off_topk_w = a.off_topk_w + dpar;
+  const uint64_t off_src_idx = a.off_src_idx + dpar;
+  const uint64_t off_counts = a.off_counts + npar;
+  const uint64_t off_expert_counts = a.off_expert_counts + npar;
   uint8_t* const local = s.bases[me];
   uint64_t* const stats = u64_at(local, a.off_stats);
   // The layout kernel (earlier on this stream) rejected its input: move nothing.
@@ -288,23 +348,23 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) epcomm_dispatch(const 
     if (block0) {  // [E1] my count row (and per-expert counts) to every rank, epoch-tagged
       for (int i = tid; i < world * world; i += kThreads) {
         const int d = i / world, j = i % world;
-        st_relaxed_sys(u64_at(s.bases[d], a.off_counts) + me * world + j,
-                       make_tagged(a.epoch, per_rank[j]));
+        st_relaxed_sys(u64_at(s.bases[d], off_counts) + me * world + j,
+                       make_tagged(q.epoch, per_rank[j]));
       }
       for (int i = tid; i < world * epr; i += kThreads) {
         const int d = i / epr, l = i % epr;
-        st_relaxed_sys(u64_at(s.bases[d], a.off_expert_counts) + me * epr + l,
-                       make_tagged(a.epoch, per_expert[d * epr + l]));
+        st_relaxed_sys(u64_at(s.bases[d], off_expert_counts) + me * epr + l,
+                       make_tagged(q.epoch, per_expert[d * epr + l]));
       }
     }
     if (a.global_barriers && !rank_barrier(a, w, s, ++barrier_k)) return;  // [G3]
     // [E2] the whole count matrix, from my own buffer.
-    const uint64_t* counts = u64_at(local, a.off_counts);
+    const uint64_t* counts = u64_at(local, off_counts);
     bool ok = true;
     for (int i = tid; ok && i < world * world; i += kThreads) {
       const bool track = block0 && (i % world) == 0;
       uint64_t arrived = 0;
-      ok = wait_tag(w, counts + i, a.epoch, kWaitCountRow, i / world, &s.counts[i],
+      ok = wait_tag(w, counts + i, q.epoch, kWaitCountRow, i / world, &s.counts[i],
                     track ? &arrived : nullptr);
       if (ok && track) stats[kStatPeers + world + i / world] = arrived;
     }
@@ -340,13 +400,13 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) epcomm_dispatch(const 
         host[1] = static_cast<uint64_t>(acc);
         stats[kStatCountsReady] = globaltimer_ns();
       }
-      const uint64_t* ecounts = u64_at(local, a.off_expert_counts);
+      const uint64_t* ecounts = u64_at(local, off_expert_counts);
       int* recv_expert = reinterpret_cast<int*>(a.recv_expert_counts);
       for (int l = tid; ok && l < epr; l += kThreads) {
         uint32_t sum = 0;
         for (int r = 0; ok && r < world; ++r) {
           uint32_t v = 0;
-          ok = wait_tag(w, ecounts + r * epr + l, a.epoch, kWaitExpertCounts, r, &v, nullptr);
+          ok = wait_tag(w, ecounts + r * epr + l, q.epoch, kWaitExpertCounts, r, &v, nullptr);
           sum += v;
         }
         recv_expert[l] = static_cast<int>(sum);
@@ -355,7 +415,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) epcomm_dispatch(const 
       if (!all_ok(s, ok)) return;
       if (tid == 0) {
         __threadfence_system();
-        host[0] = a.epoch;  // the host may now read the sizes (HostSync), data still moving
+        host[0] = q.epoch;  // the host may now read the sizes (HostSync), data still moving
       }
     }
     if (a.global_barriers && !rank_barrier(a, w, s, ++barrier_k)) return;  // [G5]
@@ -382,13 +442,13 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) epcomm_dispatch(const 
     }
     __syncwarp();
     warp_copy_row_multi(reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(t) * a.row_bytes),
-                        s.bases, rows, a.off_x, a.row_bytes, world, n16, lane);
+                        s.bases, rows, off_x, a.row_bytes, world, n16, lane);
     if (has_scales)
       for (int i = lane; i < a.num_scales; i += 32) {
         const float v = scales[static_cast<int64_t>(t) * a.num_scales + i];
         for (int d = 0; d < world; ++d)
           if (rows[d] >= 0)
-            reinterpret_cast<float*>(s.bases[d] + a.off_scales)[static_cast<int64_t>(rows[d]) *
+            reinterpret_cast<float*>(s.bases[d] + off_scales)[static_cast<int64_t>(rows[d]) *
                                                                      a.num_scales + i] = v;
       }
     if (has_topk)
@@ -400,13 +460,13 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) epcomm_dispatch(const 
           const int64_t lo = static_cast<int64_t>(d) * epr;
           const bool here = e >= lo && e < lo + epr;
           const int64_t r = static_cast<int64_t>(rows[d]) * K + k;
-          reinterpret_cast<int64_t*>(s.bases[d] + a.off_topk_idx)[r] = here ? e - lo : -1;
-          if (has_w) reinterpret_cast<float*>(s.bases[d] + a.off_topk_w)[r] = here ? wt : 0.f;
+          reinterpret_cast<int64_t*>(s.bases[d] + off_topk_idx)[r] = here ? e - lo : -1;
+          if (has_w) reinterpret_cast<float*>(s.bases[d] + off_topk_w)[r] = here ? wt : 0.f;
         }
       }
     if (lane == 0)
       for (int d = 0; d < world; ++d)
-        if (rows[d] >= 0) reinterpret_cast<int32_t*>(s.bases[d] + a.off_src_idx)[rows[d]] = t;
+        if (rows[d] >= 0) reinterpret_cast<int32_t*>(s.bases[d] + off_src_idx)[rows[d]] = t;
     __syncwarp();
   }
   __syncthreads();
@@ -416,12 +476,13 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) epcomm_dispatch(const 
     __threadfence_system();
     red_add_release_sys(u64_at(s.bases[tid], a.off_done) + me, 1);
   }
-  if (!block0) return;
+  const uint64_t nbarriers = a.global_barriers ? (cached ? 1 : 3) : 0;
+  if (!block0) return epilogue(a, s, nbarriers);
   // [E6] wait until every source's data landed here (monotonic counters, never reset).
   bool ok = true;
   if (tid < world) {
     uint64_t arrived = 0;
-    ok = wait_geq(w, u64_at(local, a.off_done) + tid, a.done_expected, kWaitDispatchDone, tid,
+    ok = wait_geq(w, u64_at(local, a.off_done) + tid, q.done_expected, kWaitDispatchDone, tid,
                   &arrived);
     if (ok) stats[kStatPeers + 2 * world + tid] = arrived;
   }
@@ -429,11 +490,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) epcomm_dispatch(const 
   // [E7] the receive region is the output; keep the source indices with the handle.
   if (!cached) {
     const int num_recv = reinterpret_cast<const int*>(a.recv_prefix)[world];
-    const int32_t* src = reinterpret_cast<const int32_t*>(local + a.off_src_idx);
+    const int32_t* src = reinterpret_cast<const int32_t*>(local + off_src_idx);
     int32_t* out = reinterpret_cast<int32_t*>(a.recv_src_idx);
     for (int i = tid; i < num_recv; i += kThreads) out[i] = src[i];
   }
   finish_stats(a, s, t_start, kind);
+  epilogue(a, s, nbarriers);
 }
 
 // Combine: y rows (in this rank's receive order) go back to their source ranks and are summed
@@ -458,11 +520,14 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) epcomm_combine(const O
   __shared__ Shared s;
   __shared__ unsigned long long s_arrival[kMaxWorld];
   const uint64_t t_start = globaltimer_ns();
-  const WaitCtx w = make_wait(a, kOpCombine);
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int world = a.world, me = a.rank, K = a.top_k;
   const bool block0 = blockIdx.x == 0;
-  prologue(a, s, t_start);
+  prologue(a, s, t_start, kOpCombine);
+  const OpSeq q = s.seq;
+  const WaitCtx w = make_wait(a, q, kOpCombine);
+  const uint64_t cpar = (q.combine & 1) * a.parity_stride;
+  const uint64_t off_comb_x = a.off_comb_x + cpar, off_comb_w = a.off_comb_w + cpar;
   uint8_t* const local = s.bases[me];
   uint64_t* const stats = u64_at(local, a.off_stats);
   if (tid <= world) s.offsets[tid] = reinterpret_cast<const int*>(a.recv_prefix)[tid];
@@ -496,26 +561,26 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) epcomm_combine(const O
         const int t = src_idx[row];
         const int64_t slot = static_cast<int64_t>(me) * a.max_tokens + t;
         warp_copy_row(reinterpret_cast<const int4*>(a.x + row * row_bytes),
-                      reinterpret_cast<int4*>(s.bases[r] + a.off_comb_x + slot * row_bytes), n16,
+                      reinterpret_cast<int4*>(s.bases[r] + off_comb_x + slot * row_bytes), n16,
                       lane);
         if (has_w)
           for (int k = lane; k < K; k += 32)
-            reinterpret_cast<float*>(s.bases[r] + a.off_comb_w)[slot * K + k] =
+            reinterpret_cast<float*>(s.bases[r] + off_comb_w)[slot * K + k] =
                 y_w[static_cast<int64_t>(row) * K + k];
       }
       __syncwarp();
       if (lane == 0) {
         __threadfence_system();
         st_release_sys(u64_at(s.bases[r], a.off_comb_flags) + static_cast<int64_t>(me) * chunks + c,
-                       a.epoch);
+                       q.epoch);
       }
     }
   }
   {
     // [C3] wait for every peer's chunk, [C4] reduce it in rank order.
     const int32_t* token_slot = reinterpret_cast<const int32_t*>(a.token_slot);
-    const uint8_t* comb = local + a.off_comb_x;
-    const float* comb_w = reinterpret_cast<const float*>(local + a.off_comb_w);
+    const uint8_t* comb = local + off_comb_x;
+    const float* comb_w = reinterpret_cast<const float*>(local + off_comb_w);
     const uint64_t* flags = u64_at(local, a.off_comb_flags);
     const uint8_t* y = reinterpret_cast<const uint8_t*>(a.x);
     int* rows = s.rows[warp];
@@ -526,7 +591,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) epcomm_combine(const O
       for (int r = lane; r < world; r += 32) {
         if (r == me) continue;
         uint64_t arrived = 0;
-        lane_ok = lane_ok && wait_geq(w, flags + static_cast<int64_t>(r) * chunks + c, a.epoch,
+        lane_ok = lane_ok && wait_geq(w, flags + static_cast<int64_t>(r) * chunks + c, q.epoch,
                                       kWaitCombineDone, r, &arrived);
         if (lane_ok && block0) atomicMax(&s_arrival[r], static_cast<unsigned long long>(arrived));
       }
@@ -591,15 +656,17 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) epcomm_combine(const O
     __threadfence_system();
     red_add_release_sys(u64_at(s.bases[tid], a.off_done) + me, 1);
   }
-  if (!block0) return;
+  const uint64_t nbarriers = a.global_barriers ? 1 : 0;
+  if (!block0) return epilogue(a, s, nbarriers);
   // [C5] every peer finished this combine's sends: finishing an op implies every peer started
   // it, which is what lets the next ops reuse the parity regions (docs/protocol.md).
   ok = true;
   if (tid < world) {
-    ok = wait_geq(w, u64_at(local, a.off_done) + tid, a.done_expected, kWaitCombineDone, tid,
+    ok = wait_geq(w, u64_at(local, a.off_done) + tid, q.done_expected, kWaitCombineDone, tid,
                   nullptr);
     stats[kStatPeers + 2 * world + tid] = s_arrival[tid];
   }
   if (!all_ok(s, ok)) return;
   finish_stats(a, s, t_start, kOpCombine);
+  epilogue(a, s, nbarriers);
 }

@@ -88,7 +88,13 @@ fn layout_kernel_matches_reference() {
     let claim = stream.alloc_zeros::<u32>(2).unwrap();
     let record = stream.alloc_zeros::<u64>(8).unwrap();
     let mut cases = 0;
-    for &tokens in &[0usize, 1, 7, 333, 4096, 16384] {
+    let small = std::env::var_os("EPCOMM_TEST_SMALL").is_some();
+    let token_counts: &[usize] = if small {
+        &[0, 1, 7, 333]
+    } else {
+        &[0, 1, 7, 333, 4096, 16384]
+    };
+    for &tokens in token_counts {
         for top_k in 1..=9usize {
             for &(experts, world, gpn) in &[
                 (2usize, 1usize, 1usize),
@@ -343,6 +349,19 @@ fn run_suite(strategy: BarrierStrategy) {
                 ),
             );
         }
+        // Zero global barriers under Epoch: the barrier counters never moved.
+        let barriers = buf.barrier_counters().expect("barrier counters");
+        match strategy {
+            BarrierStrategy::Global => assert!(barriers.iter().all(|&b| b > 0), "{barriers:?}"),
+            _ => assert!(
+                barriers.iter().all(|&b| b == 0),
+                "Epoch issued barriers: {barriers:?}"
+            ),
+        }
+        log(
+            rank,
+            format_args!("{strategy:?}: barrier arrivals per peer after group {gi}: {barriers:?}"),
+        );
         buf.destroy().expect("destroy");
     }
 }
@@ -750,4 +769,115 @@ fn killed_peer_times_out() {
         return;
     };
     launch("killed_peer_times_out", n, &[]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// CUDA graphs: layout + dispatch (WorstCase) + combine captured once, replayed with new data.
+
+fn run_graph() {
+    let w = worker();
+    let (rank, world) = (w.boot.rank(), w.boot.world_size());
+    // SAFETY: this process uses one stream for everything; cudarc's cross-stream events would
+    // otherwise be recorded into the capture.
+    unsafe { w.ctx.disable_event_tracking() };
+    let (hidden, top_k, experts, tokens) = (512, 4, 8 * world, 200);
+    let mut cfg = BufferConfig::new(tokens, hidden, top_k, experts);
+    cfg.barrier = strategy_from_env();
+    cfg.timeout = Duration::from_secs(20);
+    let mut buf = Buffer::new(w.ctx.clone(), w.boot.clone(), cfg).unwrap();
+    let stream = buf.stream().clone();
+    let cap = world * tokens;
+    // Eight routings and their references; each replay copies one into the captured buffers.
+    let variants: Vec<_> = (0..8u64)
+        .map(|v| {
+            let shape = Shape {
+                tokens: vec![tokens; world],
+                hidden,
+                top_k,
+                experts,
+                mask_prob: if v % 2 == 0 { 0.1 } else { 0.0 },
+                skew_to: (v == 5).then_some(0),
+                seed: 500 + v,
+            };
+            let h = host_inputs(&shape).unwrap();
+            let r = epcomm_reference::dispatch(&h.bf16, experts).unwrap();
+            let ys: Vec<Vec<bf16>> = r
+                .iter()
+                .map(|o| o.recv_x.to_bf16(hidden).unwrap())
+                .collect();
+            let want = epcomm_reference::combine(&ys, None, &r, &shape.tokens).unwrap();
+            let mut y = ys[rank].clone();
+            y.resize(cap * hidden, bf16::ZERO);
+            let d = device_inputs(&stream, &h, rank).unwrap();
+            (d, upload(&stream, &y).unwrap(), want[rank].x.clone())
+        })
+        .collect();
+    let mut x = stream.alloc_zeros::<bf16>(tokens * hidden).unwrap();
+    let mut idx = stream.alloc_zeros::<i64>(tokens * top_k).unwrap();
+    let mut y = stream.alloc_zeros::<bf16>(cap * hidden).unwrap();
+    let mut out = stream.alloc_zeros::<bf16>(tokens * hidden).unwrap();
+    let layout = buf.alloc_layout(tokens).unwrap();
+    let handle = buf.alloc_handle(&layout).unwrap();
+    let graph = buf
+        .capture(|b| {
+            b.layout_into(&idx, &layout)?;
+            let input = DispatchInput {
+                x: XInput::Bf16(&x),
+                topk_idx: &idx,
+                topk_weights: None,
+            };
+            b.dispatch_into(&input, &handle)?;
+            b.combine(&y, None, &handle, &mut out, None)
+        })
+        .expect("capture");
+    let replays: usize = std::env::var("EPCOMM_GRAPH_REPLAYS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1000);
+    let t0 = Instant::now();
+    for i in 0..replays {
+        let (d, dy, want) = &variants[i % variants.len()];
+        stream.memcpy_dtod(&d.x, &mut x).unwrap();
+        stream.memcpy_dtod(&d.topk_idx, &mut idx).unwrap();
+        stream.memcpy_dtod(dy, &mut y).unwrap();
+        buf.replay(&graph).unwrap();
+        buf.synchronize()
+            .unwrap_or_else(|e| panic!("replay {i}: {e}"));
+        let got = stream.clone_dtoh(&out).unwrap();
+        assert!(
+            &got == want,
+            "replay {i}: combine output differs from the reference"
+        );
+    }
+    // Host-issued ops still line up with the device sequence after the replays.
+    let shape = Shape::uniform(world, 100, hidden, top_k, experts, 9);
+    let h = host_inputs(&shape).unwrap();
+    let d = device_inputs(&stream, &h, rank).unwrap();
+    verified_round(&mut buf, &h, &d, RoundOptions::default()).expect("round after replays");
+    log(
+        rank,
+        format_args!(
+            "graph: {replays} replays verified against the reference in {:?}",
+            t0.elapsed()
+        ),
+    );
+    drop(graph);
+    buf.destroy().unwrap();
+}
+
+#[test]
+fn graph_replay_matches_reference() {
+    if is_worker() {
+        return run_graph();
+    }
+    let Some(n) = world("graph_replay_matches_reference", 2) else {
+        return;
+    };
+    for s in ["epoch", "global"] {
+        launch(
+            "graph_replay_matches_reference",
+            n,
+            &[("EPCOMM_TEST_BARRIER", s.to_string())],
+        );
+    }
 }

@@ -122,10 +122,8 @@ pub struct OpArgs {
     pub err_record: u64,
     pub host_counts: u64,
     pub timeout_ns: u64,
-    pub done_expected: u64,
-    pub barrier_base: u64,
-    pub epoch: u64,
-    pub op_seq: u64,
+    pub seq_state: u64,
+    pub parity_stride: u64,
     pub num_tokens: i32,
     pub hidden: i32,
     pub row_bytes: i32,
@@ -138,6 +136,28 @@ pub struct OpArgs {
     pub max_recv_rows: i32,
     pub flags: u32,
     pub global_barriers: u32,
+}
+
+/// Op sequence numbers kept on the device (see abi.cuh); identical on every rank.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct SeqState {
+    /// Ops so far.
+    pub op: u64,
+    /// Count exchanges so far.
+    pub notify: u64,
+    /// Dispatches so far (cached included).
+    pub dispatch: u64,
+    /// Combines so far.
+    pub combine: u64,
+    /// Value of every done counter after the last op.
+    pub done: u64,
+    /// Value of every barrier counter after the last op.
+    pub barriers: u64,
+    /// Blocks of the running op that finished (0 between ops).
+    pub exits: u32,
+    /// Padding.
+    pub pad: u32,
 }
 
 /// Arguments of `epcomm_layout`.
@@ -166,7 +186,7 @@ unsafe impl cudarc::driver::DeviceRepr for OpArgs {}
 unsafe impl cudarc::driver::DeviceRepr for LayoutArgs {}
 
 /// The layout facts the device reports from `epcomm_abi_probe`, in its output order.
-pub(crate) const EXPECTED_PROBE: [(&str, u64); 7] = [
+pub(crate) const EXPECTED_PROBE: [(&str, u64); 8] = [
     ("sizeof(OpArgs)", size_of::<OpArgs>() as u64),
     (
         "offsetof(OpArgs, num_tokens)",
@@ -186,10 +206,12 @@ pub(crate) const EXPECTED_PROBE: [(&str, u64); 7] = [
         "offsetof(ErrorRecord, epoch)",
         offset_of!(ErrorRecord, epoch) as u64,
     ),
+    ("sizeof(SeqState)", size_of::<SeqState>() as u64),
 ];
 
 const _: () = {
-    assert!(size_of::<OpArgs>() == 36 * 8 + 12 * 4);
+    assert!(size_of::<OpArgs>() == 34 * 8 + 12 * 4);
+    assert!(size_of::<SeqState>() == 56);
     assert!(size_of::<LayoutArgs>() == 6 * 8 + 6 * 4);
     assert!(size_of::<ErrorRecord>() == 56);
 };
@@ -200,8 +222,8 @@ mod tests {
 
     #[test]
     fn layouts_match_the_cuda_header() {
-        assert_eq!(offset_of!(OpArgs, num_tokens), 288);
-        assert_eq!(offset_of!(OpArgs, global_barriers), 332);
+        assert_eq!(offset_of!(OpArgs, num_tokens), 272);
+        assert_eq!(offset_of!(OpArgs, global_barriers), 316);
         assert_eq!(offset_of!(LayoutArgs, num_tokens), 48);
         assert_eq!(offset_of!(ErrorRecord, epoch), 24);
     }

@@ -24,8 +24,8 @@ use crate::{BufferConfig, Error, RecvMode, Result};
 
 /// Byte offset, inside the stats region, of the two start-stamp arrays (one per op parity)
 /// that peers write (`[world]` u64 each).
+/// (`kStampStride` = 512 bytes apart, chosen by the kernel from the op parity.)
 const STAMPS_OFFSET: u64 = 2048;
-const STAMPS_STRIDE: u64 = 512;
 
 static NEXT_BUFFER_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -73,15 +73,59 @@ impl std::fmt::Debug for DispatchInput<'_> {
     }
 }
 
-/// Op sequence numbers, identical on every rank because every rank issues the same ops.
-#[derive(Debug, Default)]
+/// Host mirror of the device `SeqState` (identical on every rank because every rank issues the
+/// same ops): the host needs the notify tag for HostSync waits and the dispatch parity for the
+/// receive views. The kernels read the authoritative copy from device memory.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 struct Sequence {
     op: u64,
     notify: u64,
     dispatch: u64,
     combine: u64,
-    done_expected: u64,
-    barriers: u64,
+}
+
+impl Sequence {
+    fn advance(&mut self, kind: u32) {
+        self.op += 1;
+        match kind {
+            abi::op::DISPATCH => {
+                self.notify += 1;
+                self.dispatch += 1;
+            }
+            abi::op::CACHED_DISPATCH => self.dispatch += 1,
+            _ => self.combine += 1,
+        }
+    }
+
+    fn minus(&self, o: &Self) -> Self {
+        Self {
+            op: self.op - o.op,
+            notify: self.notify - o.notify,
+            dispatch: self.dispatch - o.dispatch,
+            combine: self.combine - o.combine,
+        }
+    }
+
+    fn add(&mut self, d: &Self) {
+        self.op += d.op;
+        self.notify += d.notify;
+        self.dispatch += d.dispatch;
+        self.combine += d.combine;
+    }
+}
+
+/// A captured sequence of ops ([`Buffer::capture`]), replayed with [`Buffer::replay`].
+pub struct EpGraph {
+    graph: cudarc::driver::CudaGraph,
+    delta: Sequence,
+}
+
+impl std::fmt::Debug for EpGraph {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EpGraph")
+            .field("ops", &self.delta.op)
+            .finish()
+    }
 }
 
 /// One rank's epcomm state: see the crate docs.
@@ -99,6 +143,8 @@ pub struct Buffer<T: Transport = IpcTransport> {
     err_claim: DeviceBuffer,
     err_record: MappedHostBuffer,
     host_counts: MappedHostBuffer,
+    seq_state: DeviceBuffer,
+    parity_stride: u64,
     seq: Sequence,
     last_op: Option<&'static str>,
     failed: Option<String>,
@@ -185,6 +231,19 @@ impl<T: Transport> Buffer<T> {
         let err_claim = DeviceBuffer::zeroed(&ctx, 8)?;
         let err_record = MappedHostBuffer::zeroed(&ctx, size_of::<ErrorRecord>())?;
         let host_counts = MappedHostBuffer::zeroed(&ctx, (2 + cfg.num_experts / world) * 8)?;
+        let seq_state = DeviceBuffer::zeroed(&ctx, size_of::<abi::SeqState>())?;
+        // Kernels find a region's other parity copy at a fixed distance; check the plan agrees.
+        let stride = |k| plan.region(k, Parity::Odd).offset - plan.region(k, Parity::Even).offset;
+        let parity_stride = stride(RegionKind::DispatchX);
+        if let Some(k) = RegionKind::PER_PARITY
+            .iter()
+            .find(|&&k| stride(k) != parity_stride)
+        {
+            return invalid(
+                "buffer plan",
+                format!("{k:?} parity copies are not {parity_stride} bytes apart"),
+            );
+        }
         let buffer = Self {
             id: NEXT_BUFFER_ID.fetch_add(1, Ordering::Relaxed),
             cfg,
@@ -198,6 +257,8 @@ impl<T: Transport> Buffer<T> {
             err_claim,
             err_record,
             host_counts,
+            seq_state,
+            parity_stride,
             seq: Sequence::default(),
             last_op: None,
             failed: None,
@@ -305,6 +366,19 @@ impl<T: Transport> Buffer<T> {
         Ok(OpStats::from_words(&words, self.rank))
     }
 
+    /// This rank's global-barrier counters (one per peer: barrier arrivals received). They stay
+    /// 0 under the Epoch strategy, which issues no barrier; under Global each op adds
+    /// `barriers * num_sms` per peer. Waits for issued ops.
+    pub fn barrier_counters(&mut self) -> Result<Vec<u64>> {
+        self.synchronize()?;
+        let off = self
+            .plan
+            .region(RegionKind::BarrierCounters, Parity::Even)
+            .offset;
+        // SAFETY: the region lies inside this rank's live symmetric buffer (plan offsets).
+        Ok(unsafe { copy_dtoh::<u64>(&self.stream, self.mem.local_base() + off, self.world) }?)
+    }
+
     /// Host-side barrier with the peers, then frees everything. Use instead of drop when peers
     /// may still be running ops that touch this rank's memory.
     pub fn destroy(mut self) -> Result<()> {
@@ -338,8 +412,45 @@ impl<T: Transport> Buffer<T> {
     /// Invalid ids are reported by the next op ([`Error::InvalidExpert`]).
     pub fn layout(&mut self, topk_idx: &dyn DevicePtr<i64>, num_tokens: usize) -> Result<Layout> {
         self.ensure_ready()?;
+        let layout = self.alloc_layout(num_tokens)?;
+        self.layout_into(topk_idx, &layout)?;
+        Ok(layout)
+    }
+
+    /// Allocates the device arrays of a layout for `num_tokens` tokens (for [`Self::layout_into`],
+    /// e.g. before a CUDA-graph capture, which must not allocate).
+    pub fn alloc_layout(&mut self, num_tokens: usize) -> Result<Layout> {
         self.check_tokens(num_tokens)?;
-        let k = self.cfg.top_k;
+        let (world, e) = (self.world, self.cfg.num_experts);
+        let nodes = 1; // one NVLink domain
+        // SAFETY: every element is written by the layout kernel before anything reads it.
+        let counts = unsafe { self.stream.alloc::<u32>(world + e + nodes) }
+            .context("allocating layout counts")?;
+        // SAFETY: as above.
+        let token_slot = unsafe { self.stream.alloc::<i32>((num_tokens * world).max(1)) }
+            .context("allocating token slots")?;
+        // SAFETY: as above.
+        let status = unsafe { self.stream.alloc::<u32>(1) }.context("allocating layout status")?;
+        Ok(Layout {
+            inner: Arc::new(LayoutInner {
+                counts,
+                token_slot,
+                status,
+                num_tokens,
+                world,
+                num_experts: e,
+                nodes,
+                buffer_id: self.id,
+            }),
+        })
+    }
+
+    /// Recomputes `layout` in place from `topk_idx` (same number of tokens). Handles built on
+    /// this layout follow the new routing from here on (stream order).
+    pub fn layout_into(&mut self, topk_idx: &dyn DevicePtr<i64>, layout: &Layout) -> Result<()> {
+        self.ensure_ready()?;
+        let l = self.own(&layout.inner)?;
+        let (num_tokens, k) = (l.num_tokens, self.cfg.top_k);
         if topk_idx.len() != num_tokens * k {
             return Err(Error::InvalidArgument {
                 argument: "topk_idx",
@@ -350,51 +461,69 @@ impl<T: Transport> Buffer<T> {
                 ),
             });
         }
-        let (world, e) = (self.world, self.cfg.num_experts);
-        let gpus_per_node = world; // one NVLink domain
-        let nodes = world / gpus_per_node;
-        // SAFETY: every element is written by the layout kernel before it is read.
-        let mut counts = unsafe { self.stream.alloc::<u32>(world + e + nodes) }
-            .context("allocating layout counts")?;
-        // SAFETY: as above.
-        let mut token_slot = unsafe { self.stream.alloc::<i32>((num_tokens * world).max(1)) }
-            .context("allocating token slots")?;
-        // SAFETY: as above.
-        let mut status =
-            unsafe { self.stream.alloc::<u32>(1) }.context("allocating layout status")?;
         let (err_claim, err_record, _) = self.wait_ctx_base();
-        {
-            let (idx_ptr, _g0) = topk_idx.device_ptr(&self.stream);
-            let (counts_ptr, _g1) = counts.device_ptr_mut(&self.stream);
-            let (slot_ptr, _g2) = token_slot.device_ptr_mut(&self.stream);
-            let (status_ptr, _g3) = status.device_ptr_mut(&self.stream);
-            let args = LayoutArgs {
-                topk_idx: idx_ptr,
-                counts: counts_ptr,
-                token_slot: slot_ptr,
-                status: status_ptr,
-                err_record,
-                err_claim,
-                num_tokens: num_tokens as i32,
-                top_k: k as i32,
-                num_experts: e as i32,
-                world: world as i32,
-                gpus_per_node: gpus_per_node as i32,
-                rank: self.rank as i32,
-            };
-            // SAFETY: all addresses are live allocations of the sizes the kernel expects for this
-            // shape (counts: world + E + nodes, token_slot: T * world, status: 1, topk_idx: T * K).
-            unsafe { self.kernels.launch_layout(&self.stream, &args) }?;
-        }
-        Ok(Layout {
-            inner: Arc::new(LayoutInner {
-                counts,
-                token_slot,
-                status,
-                num_tokens,
-                world,
-                num_experts: e,
-                nodes,
+        let s = &self.stream;
+        let (idx_ptr, _g0) = topk_idx.device_ptr(s);
+        let (counts_ptr, _g1) = l.counts.device_ptr(s);
+        let (slot_ptr, _g2) = l.token_slot.device_ptr(s);
+        let (status_ptr, _g3) = l.status.device_ptr(s);
+        let args = LayoutArgs {
+            topk_idx: idx_ptr,
+            counts: counts_ptr,
+            token_slot: slot_ptr,
+            status: status_ptr,
+            err_record,
+            err_claim,
+            num_tokens: num_tokens as i32,
+            top_k: k as i32,
+            num_experts: self.cfg.num_experts as i32,
+            world: self.world as i32,
+            gpus_per_node: self.world as i32,
+            rank: self.rank as i32,
+        };
+        // SAFETY: all addresses are live allocations of the sizes the kernel expects for this
+        // shape (counts: world + E + nodes, token_slot: T * world, status: 1, topk_idx: T * K);
+        // the layout's arrays are owned by `layout`, which outlives the launch (stream order).
+        unsafe { self.kernels.launch_layout(s, &args) }?;
+        Ok(())
+    }
+
+    /// Allocates a handle for [`Self::dispatch_into`] sized for the buffer's capacity.
+    pub fn alloc_handle(&mut self, layout: &Layout) -> Result<Handle> {
+        self.own(&layout.inner)?;
+        let max_rows = self.plan.recv_rows() as usize;
+        self.new_handle(layout, max_rows, None)
+    }
+
+    fn new_handle(
+        &self,
+        layout: &Layout,
+        max_rows: usize,
+        num_recv: Option<usize>,
+    ) -> Result<Handle> {
+        let (world, epr) = (self.world, self.cfg.num_experts / self.world);
+        // SAFETY (all four): the dispatch kernel writes every element before anything reads it;
+        // rows beyond the received count are never read.
+        let send_offsets =
+            unsafe { self.stream.alloc::<i32>(world) }.context("allocating the handle")?;
+        // SAFETY: as above.
+        let recv_prefix =
+            unsafe { self.stream.alloc::<i32>(world + 1) }.context("allocating the handle")?;
+        // SAFETY: as above.
+        let recv_src_idx = unsafe { self.stream.alloc::<i32>(max_rows.max(1)) }
+            .context("allocating the handle")?;
+        // SAFETY: as above.
+        let recv_expert_counts =
+            unsafe { self.stream.alloc::<i32>(epr.max(1)) }.context("allocating the handle")?;
+        Ok(Handle {
+            inner: Arc::new(HandleInner {
+                layout: layout.inner.clone(),
+                send_offsets,
+                recv_prefix,
+                recv_src_idx,
+                recv_expert_counts,
+                num_recv,
+                max_rows,
                 buffer_id: self.id,
             }),
         })
@@ -472,15 +601,11 @@ impl<T: Transport> Buffer<T> {
         Ok(layout)
     }
 
-    /// Fills the fields every dispatch/combine launch shares and advances the sequence.
-    fn base_args(&mut self, blocks: u32, barriers: u64) -> OpArgs {
-        let s = &mut self.seq;
-        s.op += 1;
-        s.done_expected += u64::from(blocks);
-        let barrier_base = s.barriers;
-        if self.cfg.barrier == BarrierStrategy::Global {
-            s.barriers += barriers * u64::from(blocks);
-        }
+    /// The fields every dispatch/combine launch shares. Per-op values (sequence numbers,
+    /// parities, expected counter values) are not here: the kernels read them from the device
+    /// `SeqState`, so a captured graph replays correctly. `kind` advances the host mirror.
+    fn base_args(&mut self, kind: u32) -> OpArgs {
+        self.seq.advance(kind);
         let plan = &self.plan;
         let stats = plan.region(RegionKind::Stats, Parity::Even).offset;
         let (err_claim, err_record, timeout_ns) = self.wait_ctx_base();
@@ -490,15 +615,15 @@ impl<T: Transport> Buffer<T> {
             off_barrier: plan
                 .region(RegionKind::BarrierCounters, Parity::Even)
                 .offset,
+            off_comb_flags: plan.region(RegionKind::CombineFlags, Parity::Even).offset,
             off_stats: stats,
-            off_stamps: stats + STAMPS_OFFSET + (self.seq.op % 2) * STAMPS_STRIDE,
+            off_stamps: stats + STAMPS_OFFSET,
             err_claim,
             err_record,
             host_counts: self.host_counts.device_ptr(),
             timeout_ns,
-            done_expected: self.seq.done_expected,
-            barrier_base,
-            op_seq: self.seq.op,
+            seq_state: self.seq_state.ptr(),
+            parity_stride: self.parity_stride,
             hidden: self.cfg.hidden as i32,
             top_k: self.cfg.top_k as i32,
             num_experts: self.cfg.num_experts as i32,
@@ -522,17 +647,11 @@ impl<T: Transport> Buffer<T> {
         }
     }
 
-    /// Sends every token to each rank holding one of its experts. Collective: every rank calls
-    /// dispatch (or cached dispatch / combine) in the same order.
-    pub fn dispatch(
-        &mut self,
+    fn check_dispatch_input(
+        &self,
         input: &DispatchInput<'_>,
-        layout: &Layout,
-        mode: RecvMode,
-    ) -> Result<Dispatched<'_>> {
-        self.ensure_ready()?;
-        let l = self.own(&layout.inner)?;
-        let t = l.num_tokens;
+        t: usize,
+    ) -> Result<(RecvDtype, i32)> {
         let (dtype, num_scales) = self.check_x(&input.x, t)?;
         let k = self.cfg.top_k;
         if input.topk_idx.len() != t * k {
@@ -557,169 +676,171 @@ impl<T: Transport> Buffer<T> {
                 ),
             });
         }
+        Ok((dtype, num_scales))
+    }
+
+    /// Sends every token to each rank holding one of its experts. Collective: every rank calls
+    /// dispatch (or cached dispatch / combine) in the same order.
+    pub fn dispatch(
+        &mut self,
+        input: &DispatchInput<'_>,
+        layout: &Layout,
+        mode: RecvMode,
+    ) -> Result<Dispatched<'_>> {
+        self.ensure_ready()?;
+        let l = self.own(&layout.inner)?;
+        let (dtype, _) = self.check_dispatch_input(input, l.num_tokens)?;
         let max_rows = self.recv_capacity(mode)?;
-        let (world, epr) = (self.world, self.cfg.num_experts / self.world);
-        // SAFETY: the dispatch kernel writes every element before anything reads it.
-        let mut send_offsets =
-            unsafe { self.stream.alloc::<i32>(world) }.context("allocating the handle")?;
-        // SAFETY: as above.
-        let mut recv_prefix =
-            unsafe { self.stream.alloc::<i32>(world + 1) }.context("allocating the handle")?;
-        // SAFETY: as above (rows beyond the received count are never read).
-        let mut recv_src_idx = unsafe { self.stream.alloc::<i32>(max_rows.max(1)) }
-            .context("allocating the handle")?;
-        // SAFETY: as above.
-        let mut recv_expert_counts =
-            unsafe { self.stream.alloc::<i32>(epr.max(1)) }.context("allocating the handle")?;
-        let barriers = 3;
-        let blocks = self.cfg.num_sms;
-        let mut a = self.base_args(blocks, barriers);
-        self.seq.notify += 1;
-        self.seq.dispatch += 1;
-        let notify = self.seq.notify;
-        let parity = Parity::of_epoch(self.seq.dispatch);
-        self.fill_dispatch_regions(&mut a, parity, Parity::of_epoch(notify));
-        a.epoch = notify;
-        a.num_tokens = t as i32;
-        a.num_scales = num_scales;
-        a.row_bytes = self.row_bytes(dtype);
-        a.max_recv_rows = max_rows as i32;
-        a.flags = abi::flags::HAS_TOPK
-            | if input.topk_weights.is_some() {
-                abi::flags::HAS_WEIGHTS
-            } else {
-                0
-            }
-            | if dtype == RecvDtype::Fp8 {
-                abi::flags::HAS_SCALES
-            } else {
-                0
-            };
-        {
-            let s = &self.stream;
-            let (x_ptr, _gx) = match input.x {
-                XInput::Bf16(x) => x.device_ptr(s),
-                XInput::Fp8 { x, .. } => x.device_ptr(s),
-            };
-            let sc = match input.x {
-                XInput::Fp8 { scales, .. } => Some(scales.device_ptr(s)),
-                XInput::Bf16(_) => None,
-            };
-            let (idx_ptr, _gi) = input.topk_idx.device_ptr(s);
-            let w = input.topk_weights.map(|w| w.device_ptr(s));
-            let (slot_ptr, _g1) = l.token_slot.device_ptr(s);
-            let (counts_ptr, _g2) = l.counts.device_ptr(s);
-            let (status_ptr, _g3) = l.status.device_ptr(s);
-            let (so, _g4) = send_offsets.device_ptr_mut(s);
-            let (rp, _g5) = recv_prefix.device_ptr_mut(s);
-            let (ri, _g6) = recv_src_idx.device_ptr_mut(s);
-            let (re, _g7) = recv_expert_counts.device_ptr_mut(s);
-            a.x = x_ptr;
-            a.x_scales = sc.as_ref().map_or(0, |p| p.0);
-            a.topk_idx = idx_ptr;
-            a.topk_weights = w.as_ref().map_or(0, |p| p.0);
-            a.token_slot = slot_ptr;
-            a.layout_counts = counts_ptr;
-            a.layout_status = status_ptr;
-            a.send_offsets = so;
-            a.recv_prefix = rp;
-            a.recv_src_idx = ri;
-            a.recv_expert_counts = re;
-            // SAFETY: inputs were length-checked above; handle arrays hold world, world + 1,
-            // max_rows and experts_per_rank elements; the symmetric buffer follows the plan on
-            // every rank (same config), and every rank launches this op with `blocks` blocks.
-            unsafe { self.kernels.launch_dispatch(s, &a, blocks) }?;
-        }
-        self.last_op = Some("dispatch");
-        let (num_recv, per_expert) = if mode == RecvMode::HostSync {
-            let (n, e) = self.wait_host_counts(notify, epr)?;
-            (Some(n), Some(e))
+        let handle = self.new_handle(layout, max_rows, None)?;
+        self.launch_dispatch(&input.x, Some(input.topk_idx), input.topk_weights, &handle)?;
+        let (handle, per_expert) = if mode == RecvMode::HostSync {
+            let epr = self.cfg.num_experts / self.world;
+            let (n, e) = self.wait_host_counts(self.seq.notify, epr)?;
+            let mut inner = Arc::try_unwrap(handle.inner)
+                .map_err(|_| Error::Failed("handle shared during dispatch".into()))?;
+            inner.num_recv = Some(n);
+            (
+                Handle {
+                    inner: Arc::new(inner),
+                },
+                Some(e),
+            )
         } else {
-            (None, None)
-        };
-        let handle = Handle {
-            inner: Arc::new(HandleInner {
-                layout: layout.inner.clone(),
-                send_offsets,
-                recv_prefix,
-                recv_src_idx,
-                recv_expert_counts,
-                num_recv,
-                max_rows,
-                buffer_id: self.id,
-            }),
+            (handle, None)
         };
         Ok(self.dispatched(
             handle,
             dtype,
-            parity,
             true,
             input.topk_weights.is_some(),
             per_expert,
         ))
     }
 
+    /// Dispatch into a handle from [`Self::alloc_handle`] (WorstCase sizes, no allocation, no
+    /// host wait): what a CUDA-graph capture records.
+    pub fn dispatch_into(
+        &mut self,
+        input: &DispatchInput<'_>,
+        handle: &Handle,
+    ) -> Result<Dispatched<'_>> {
+        self.ensure_ready()?;
+        let h = self.own_handle(handle)?;
+        let (dtype, _) = self.check_dispatch_input(input, h.layout.num_tokens)?;
+        self.launch_dispatch(&input.x, Some(input.topk_idx), input.topk_weights, handle)?;
+        Ok(self.dispatched(
+            handle.clone(),
+            dtype,
+            true,
+            input.topk_weights.is_some(),
+            None,
+        ))
+    }
+
     /// Sends new rows along the routing of an earlier dispatch: no count exchange, no host wait.
     pub fn cached_dispatch(&mut self, x: &XInput<'_>, handle: &Handle) -> Result<Dispatched<'_>> {
         self.ensure_ready()?;
-        let h = &handle.inner;
-        if h.buffer_id != self.id {
+        let h = self.own_handle(handle)?;
+        let (dtype, _) = self.check_x(x, h.layout.num_tokens)?;
+        self.launch_dispatch(x, None, None, handle)?;
+        Ok(self.dispatched(handle.clone(), dtype, false, false, None))
+    }
+
+    fn own_handle<'h>(&self, handle: &'h Handle) -> Result<&'h HandleInner> {
+        if handle.inner.buffer_id != self.id {
             return Err(Error::InvalidArgument {
                 argument: "handle",
                 rule: "was produced by another Buffer".into(),
             });
         }
+        Ok(&handle.inner)
+    }
+
+    /// Launches a dispatch; `topk_idx: None` makes it a cached dispatch along `handle`.
+    fn launch_dispatch(
+        &mut self,
+        x: &XInput<'_>,
+        topk_idx: Option<&dyn DevicePtr<i64>>,
+        topk_weights: Option<&dyn DevicePtr<f32>>,
+        handle: &Handle,
+    ) -> Result<()> {
+        let cached = topk_idx.is_none();
+        let h = &handle.inner;
         let l = &h.layout;
         let (dtype, num_scales) = self.check_x(x, l.num_tokens)?;
         let blocks = self.cfg.num_sms;
-        let mut a = self.base_args(blocks, 1);
-        self.seq.dispatch += 1;
-        let parity = Parity::of_epoch(self.seq.dispatch);
-        self.fill_dispatch_regions(&mut a, parity, Parity::of_epoch(self.seq.notify));
-        a.epoch = self.seq.notify;
+        let mut a = self.base_args(if cached {
+            abi::op::CACHED_DISPATCH
+        } else {
+            abi::op::DISPATCH
+        });
+        let r = |k| self.plan.region(k, Parity::Even).offset;
+        a.off_x = r(RegionKind::DispatchX);
+        a.off_scales = r(RegionKind::DispatchScales);
+        a.off_topk_idx = r(RegionKind::DispatchTopkIdx);
+        a.off_topk_w = r(RegionKind::DispatchTopkWeights);
+        a.off_src_idx = r(RegionKind::DispatchSrcIdx);
+        a.off_counts = r(RegionKind::CountMatrix);
+        a.off_expert_counts = r(RegionKind::ExpertCounts);
         a.num_tokens = l.num_tokens as i32;
         a.num_scales = num_scales;
         a.row_bytes = self.row_bytes(dtype);
         a.max_recv_rows = h.max_rows as i32;
-        a.flags = abi::flags::CACHED
-            | if dtype == RecvDtype::Fp8 {
-                abi::flags::HAS_SCALES
-            } else {
-                0
-            };
-        {
-            let s = &self.stream;
-            let (x_ptr, _gx) = match x {
-                XInput::Bf16(x) => x.device_ptr(s),
-                XInput::Fp8 { x, .. } => x.device_ptr(s),
-            };
-            let sc = match x {
-                XInput::Fp8 { scales, .. } => Some(scales.device_ptr(s)),
-                XInput::Bf16(_) => None,
-            };
-            let (slot_ptr, _g1) = l.token_slot.device_ptr(s);
-            let (counts_ptr, _g2) = l.counts.device_ptr(s);
-            let (status_ptr, _g3) = l.status.device_ptr(s);
-            let (so, _g4) = h.send_offsets.device_ptr(s);
-            let (rp, _g5) = h.recv_prefix.device_ptr(s);
-            let (ri, _g6) = h.recv_src_idx.device_ptr(s);
-            let (re, _g7) = h.recv_expert_counts.device_ptr(s);
-            a.x = x_ptr;
-            a.x_scales = sc.as_ref().map_or(0, |p| p.0);
-            a.token_slot = slot_ptr;
-            a.layout_counts = counts_ptr;
-            a.layout_status = status_ptr;
-            a.send_offsets = so;
-            a.recv_prefix = rp;
-            a.recv_src_idx = ri;
-            a.recv_expert_counts = re;
-            // SAFETY: as in `dispatch`; the handle's arrays were written by its dispatch, which
-            // precedes this launch on the same stream. Cached dispatch reads them only.
-            unsafe { self.kernels.launch_dispatch(s, &a, blocks) }?;
-        }
-        self.last_op = Some("cached dispatch");
-        let per_expert = None;
-        Ok(self.dispatched(handle.clone(), dtype, parity, false, false, per_expert))
+        a.flags = if cached {
+            abi::flags::CACHED
+        } else {
+            abi::flags::HAS_TOPK
+        } | if !cached && topk_weights.is_some() {
+            abi::flags::HAS_WEIGHTS
+        } else {
+            0
+        } | if dtype == RecvDtype::Fp8 {
+            abi::flags::HAS_SCALES
+        } else {
+            0
+        };
+        let s = &self.stream;
+        let (x_ptr, _gx) = match x {
+            XInput::Bf16(x) => x.device_ptr(s),
+            XInput::Fp8 { x, .. } => x.device_ptr(s),
+        };
+        let sc = match x {
+            XInput::Fp8 { scales, .. } => Some(scales.device_ptr(s)),
+            XInput::Bf16(_) => None,
+        };
+        let idx = topk_idx.map(|i| i.device_ptr(s));
+        let w = topk_weights.filter(|_| !cached).map(|w| w.device_ptr(s));
+        let (slot_ptr, _g1) = l.token_slot.device_ptr(s);
+        let (counts_ptr, _g2) = l.counts.device_ptr(s);
+        let (status_ptr, _g3) = l.status.device_ptr(s);
+        let (so, _g4) = h.send_offsets.device_ptr(s);
+        let (rp, _g5) = h.recv_prefix.device_ptr(s);
+        let (ri, _g6) = h.recv_src_idx.device_ptr(s);
+        let (re, _g7) = h.recv_expert_counts.device_ptr(s);
+        a.x = x_ptr;
+        a.x_scales = sc.as_ref().map_or(0, |p| p.0);
+        a.topk_idx = idx.as_ref().map_or(0, |p| p.0);
+        a.topk_weights = w.as_ref().map_or(0, |p| p.0);
+        a.token_slot = slot_ptr;
+        a.layout_counts = counts_ptr;
+        a.layout_status = status_ptr;
+        a.send_offsets = so;
+        a.recv_prefix = rp;
+        a.recv_src_idx = ri;
+        a.recv_expert_counts = re;
+        // SAFETY: inputs were length-checked against the layout's token count; the handle's
+        // arrays hold world, world + 1, max_rows and experts_per_rank elements (the kernel never
+        // writes more rows than max_rows: it fails with Overflow first); the symmetric buffer
+        // follows the same plan on every rank, and every rank launches this op with `blocks`
+        // blocks (the completion counters count blocks). A cached dispatch only reads the
+        // handle, written by its dispatch earlier on this stream.
+        unsafe { self.kernels.launch_dispatch(s, &a, blocks) }?;
+        self.last_op = Some(if cached {
+            "cached dispatch"
+        } else {
+            "dispatch"
+        });
+        Ok(())
     }
 
     fn row_bytes(&self, dtype: RecvDtype) -> i32 {
@@ -729,26 +850,16 @@ impl<T: Transport> Buffer<T> {
         }) as i32
     }
 
-    fn fill_dispatch_regions(&self, a: &mut OpArgs, data: Parity, notify: Parity) {
-        let r = |k| self.plan.region(k, data).offset;
-        a.off_x = r(RegionKind::DispatchX);
-        a.off_scales = r(RegionKind::DispatchScales);
-        a.off_topk_idx = r(RegionKind::DispatchTopkIdx);
-        a.off_topk_w = r(RegionKind::DispatchTopkWeights);
-        a.off_src_idx = r(RegionKind::DispatchSrcIdx);
-        a.off_counts = self.plan.region(RegionKind::CountMatrix, notify).offset;
-        a.off_expert_counts = self.plan.region(RegionKind::ExpertCounts, notify).offset;
-    }
-
+    /// The views of the last dispatch's receive region (parity from the host mirror).
     fn dispatched(
         &self,
         handle: Handle,
         dtype: RecvDtype,
-        parity: Parity,
         topk: bool,
         weights: bool,
         per_expert: Option<Vec<usize>>,
     ) -> Dispatched<'_> {
+        let parity = Parity::of_epoch(self.seq.dispatch);
         let base = self.mem.local_base();
         let r = |k| base + self.plan.region(k, parity).offset;
         Dispatched {
@@ -817,28 +928,22 @@ impl<T: Transport> Buffer<T> {
         out_weights: Option<&mut dyn DevicePtrMut<f32>>,
     ) -> Result<()> {
         self.ensure_ready()?;
-        let h = &handle.inner;
-        if h.buffer_id != self.id {
-            return Err(Error::InvalidArgument {
-                argument: "handle",
-                rule: "was produced by another Buffer".into(),
-            });
-        }
+        let h = self.own_handle(handle)?;
         let (hd, k, t) = (self.cfg.hidden, self.cfg.top_k, h.layout.num_tokens);
         let rows = h.num_recv.unwrap_or(h.max_rows);
         let bad = |argument, rule: String| Err(Error::InvalidArgument { argument, rule });
         if y.len() < rows * hd || !y.len().is_multiple_of(hd) {
+            let what = if h.num_recv.is_some() {
+                "received"
+            } else {
+                "capacity: WorstCase dispatch"
+            };
             return bad(
                 "y",
                 format!(
-                    "must hold rows * hidden = {} values (holds {}); rows = {rows} ({})",
+                    "must hold rows * hidden = {} values (holds {}); rows = {rows} ({what})",
                     rows * hd,
-                    y.len(),
-                    if h.num_recv.is_some() {
-                        "received"
-                    } else {
-                        "capacity: WorstCase dispatch"
-                    }
+                    y.len()
                 ),
             );
         }
@@ -879,13 +984,12 @@ impl<T: Transport> Buffer<T> {
             _ => return bad("y_weights/out_weights", "give both or neither".into()),
         }
         let blocks = self.cfg.num_sms;
-        let mut a = self.base_args(blocks, 1);
-        self.seq.combine += 1;
-        let parity = Parity::of_epoch(self.seq.combine);
-        a.off_comb_x = self.plan.region(RegionKind::CombineX, parity).offset;
-        a.off_comb_w = self.plan.region(RegionKind::CombineWeights, parity).offset;
-        a.off_comb_flags = self.plan.region(RegionKind::CombineFlags, parity).offset;
-        a.epoch = self.seq.combine;
+        let mut a = self.base_args(abi::op::COMBINE);
+        a.off_comb_x = self.plan.region(RegionKind::CombineX, Parity::Even).offset;
+        a.off_comb_w = self
+            .plan
+            .region(RegionKind::CombineWeights, Parity::Even)
+            .offset;
         a.num_tokens = t as i32;
         a.max_recv_rows = h.max_rows as i32;
         a.flags = if y_weights.is_some() {
@@ -893,28 +997,65 @@ impl<T: Transport> Buffer<T> {
         } else {
             0
         };
-        {
-            let s = &self.stream;
-            let (y_ptr, _gy) = y.device_ptr(s);
-            let yw = y_weights.map(|w| w.device_ptr(s));
-            let (out_ptr, _go) = out.device_ptr_mut(s);
-            let ow = out_weights.map(|w| w.device_ptr_mut(s));
-            let (slot_ptr, _g1) = h.layout.token_slot.device_ptr(s);
-            let (rp, _g2) = h.recv_prefix.device_ptr(s);
-            let (ri, _g3) = h.recv_src_idx.device_ptr(s);
-            a.x = y_ptr;
-            a.topk_weights = yw.as_ref().map_or(0, |p| p.0);
-            a.out = out_ptr;
-            a.out_weights = ow.as_ref().map_or(0, |p| p.0);
-            a.token_slot = slot_ptr;
-            a.recv_prefix = rp;
-            a.recv_src_idx = ri;
-            // SAFETY: y holds at least the received rows (checked against the host count or the
-            // capacity the dispatch enforced on the device); out/out_weights hold T rows; the
-            // handle's arrays were written by its dispatch earlier on this stream.
-            unsafe { self.kernels.launch_combine(s, &a, blocks) }?;
-        }
+        let s = &self.stream;
+        let (y_ptr, _gy) = y.device_ptr(s);
+        let yw = y_weights.map(|w| w.device_ptr(s));
+        let (out_ptr, _go) = out.device_ptr_mut(s);
+        let ow = out_weights.map(|w| w.device_ptr_mut(s));
+        let (slot_ptr, _g1) = h.layout.token_slot.device_ptr(s);
+        let (rp, _g2) = h.recv_prefix.device_ptr(s);
+        let (ri, _g3) = h.recv_src_idx.device_ptr(s);
+        a.x = y_ptr;
+        a.topk_weights = yw.as_ref().map_or(0, |p| p.0);
+        a.out = out_ptr;
+        a.out_weights = ow.as_ref().map_or(0, |p| p.0);
+        a.token_slot = slot_ptr;
+        a.recv_prefix = rp;
+        a.recv_src_idx = ri;
+        // SAFETY: y holds at least the received rows (checked against the host count or the
+        // capacity the dispatch enforced on the device); out/out_weights hold T rows; the
+        // handle's arrays were written by its dispatch earlier on this stream.
+        unsafe { self.kernels.launch_combine(s, &a, blocks) }?;
         self.last_op = Some("combine");
+        Ok(())
+    }
+
+    /// Records the ops `ops` issues on this buffer's stream into a CUDA graph instead of running
+    /// them. Inside, use only allocation-free, host-wait-free calls: [`Self::layout_into`],
+    /// [`Self::dispatch_into`], [`Self::cached_dispatch`], [`Self::combine`]. Every rank must
+    /// capture (and later replay) the same ops.
+    pub fn capture<F>(&mut self, ops: F) -> Result<EpGraph>
+    where
+        F: FnOnce(&mut Self) -> Result<()>,
+    {
+        self.ensure_ready()?;
+        let before = self.seq;
+        self.stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .context("beginning a graph capture")?;
+        let captured = ops(self);
+        let graph = self
+            .stream
+            .end_capture(
+                sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
+            )
+            .context("ending a graph capture");
+        // Capturing ran nothing: the device sequence did not move.
+        let delta = self.seq.minus(&before);
+        self.seq = before;
+        captured?;
+        let graph = graph?.ok_or(Error::InvalidArgument {
+            argument: "capture",
+            rule: "captured no work".into(),
+        })?;
+        Ok(EpGraph { graph, delta })
+    }
+
+    /// Replays a graph from [`Self::capture`] (stream-ordered, no host wait).
+    pub fn replay(&mut self, graph: &EpGraph) -> Result<()> {
+        self.ensure_ready()?;
+        graph.graph.launch().context("launching a graph")?;
+        self.seq.add(&graph.delta);
         Ok(())
     }
 }

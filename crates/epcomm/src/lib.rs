@@ -27,7 +27,7 @@ mod handle;
 mod layout;
 mod stats;
 
-pub use buffer::{Buffer, DispatchInput, XInput};
+pub use buffer::{Buffer, DispatchInput, EpGraph, XInput};
 pub use config::{BufferConfig, RecvMode};
 pub use epcomm_transport::{BarrierStrategy, Transport};
 pub use epcomm_transport_ipc::IpcTransport;

@@ -88,13 +88,10 @@ struct OpArgs {
   uint64_t err_claim;          // device u32, claimed by the first failing thread
   uint64_t err_record;         // host-mapped ErrorRecord
   uint64_t host_counts;        // host-mapped: [0] tag, [1] recv rows, [2..] per local expert
-  // Sequencing.
+  // Sequencing: read from device memory so that a captured CUDA graph replays correctly.
   uint64_t timeout_ns;
-  uint64_t done_expected;      // value every done[src] reaches when this op's data has landed
-  uint64_t barrier_base;       // barrier counters' value before this op's first barrier
-  uint64_t epoch;              // dispatch: notify sequence number (>= 1), the count tag;
-                               // combine: combine sequence number (>= 1), the chunk-flag value
-  uint64_t op_seq;             // op sequence number (>= 1)
+  uint64_t seq_state;          // SeqState (local device memory), advanced by each op's last block
+  uint64_t parity_stride;      // bytes between the two copies of every per-parity region
   int32_t num_tokens;
   int32_t hidden;              // elements per row
   int32_t row_bytes;           // bytes per x row (hidden * elem size)
@@ -107,6 +104,20 @@ struct OpArgs {
   int32_t max_recv_rows;       // receive capacity (buffer or Bounded(n))
   uint32_t flags;
   uint32_t global_barriers;    // 1: Global strategy (DeepEP-equivalent barriers)
+};
+
+// Op sequence numbers kept on the device. Every rank issues the same ops, so every rank's copy
+// holds the same values. The last block of each op advances it (stream order makes the next op
+// see the new values), so kernel arguments never carry per-op values: graph replays just work.
+struct SeqState {
+  uint64_t op;        // ops so far
+  uint64_t notify;    // count exchanges so far (the count tag)
+  uint64_t dispatch;  // dispatches so far, cached ones included (receive-region parity)
+  uint64_t combine;   // combines so far (combine-region parity, chunk-flag value)
+  uint64_t done;      // every done[src] counter's value after the last op
+  uint64_t barriers;  // every barrier[src] counter's value after the last op
+  uint32_t exits;     // blocks of the running op that finished
+  uint32_t pad;
 };
 
 struct LayoutArgs {
