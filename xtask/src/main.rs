@@ -4,7 +4,10 @@
 //! * `pack-device` — pack release binaries, test executables and kernels for the GPU machine
 //!   (see docs/gpu-testing.md).
 //! * `test` — build the kernels and run every test (GPU tests too when a GPU is present).
+//! * `bindgen-nvshmem` — regenerate (or `--check`) the vendored NVSHMEM host bindings of
+//!   `nvshmem-sys` (see docs/nvshmem.md).
 
+mod bindgen_nvshmem;
 mod error;
 mod kernels;
 mod pack;
@@ -63,6 +66,13 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         cargo_args: Vec<String>,
     },
+    /// Generate crates/nvshmem-sys/src/bindings.rs from the pinned NVSHMEM headers with bindgen.
+    BindgenNvshmem {
+        /// Regenerate into target/ and fail if the committed file differs; skip (exit 0) when
+        /// libclang or the headers are missing.
+        #[arg(long)]
+        check: bool,
+    },
 }
 
 fn main() -> ExitCode {
@@ -99,6 +109,19 @@ fn main() -> ExitCode {
             pack::pack(&layout, &env, &opts)
         }
         Cmd::Test { cargo_args } => test_cmd::run(&layout, &env, &cargo_args),
+        Cmd::BindgenNvshmem { check } => {
+            let paths = bindgen_nvshmem::BindgenPaths::new(&layout.workspace, &layout.pip_root);
+            return match bindgen_nvshmem::run(&paths, check) {
+                Ok(outcome) => {
+                    println!("{outcome}");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    ExitCode::FAILURE
+                }
+            };
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -137,5 +160,9 @@ mod tests {
         assert!(
             matches!(c.command, Cmd::Test { ref cargo_args } if cargo_args == &["--release", "-p", "x"])
         );
+        let c = Cli::try_parse_from(["xtask", "bindgen-nvshmem", "--check"]).expect("parse");
+        assert!(matches!(c.command, Cmd::BindgenNvshmem { check: true }));
+        let c = Cli::try_parse_from(["xtask", "bindgen-nvshmem"]).expect("parse");
+        assert!(matches!(c.command, Cmd::BindgenNvshmem { check: false }));
     }
 }

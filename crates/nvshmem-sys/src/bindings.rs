@@ -164,6 +164,16 @@ pub struct CUmod_st {
     _unused: [u8; 0],
 }
 pub type CUmodule = *mut CUmod_st;
+pub const NVSHMEMX_SUCCESS: nvshmemx_status = 0;
+pub const NVSHMEMX_ERROR_INVALID_VALUE: nvshmemx_status = 1;
+pub const NVSHMEMX_ERROR_OUT_OF_MEMORY: nvshmemx_status = 2;
+pub const NVSHMEMX_ERROR_NOT_SUPPORTED: nvshmemx_status = 3;
+pub const NVSHMEMX_ERROR_SYMMETRY: nvshmemx_status = 4;
+pub const NVSHMEMX_ERROR_GPU_NOT_SELECTED: nvshmemx_status = 5;
+pub const NVSHMEMX_ERROR_COLLECTIVE_LAUNCH_FAILED: nvshmemx_status = 6;
+pub const NVSHMEMX_ERROR_INTERNAL: nvshmemx_status = 7;
+pub const NVSHMEMX_ERROR_SENTINEL: nvshmemx_status = 2147483647;
+pub type nvshmemx_status = ::std::os::raw::c_uint;
 pub const NVSHMEMX_INIT_THREAD_PES: flags = 1;
 pub const NVSHMEMX_INIT_WITH_MPI_COMM: flags = 2;
 pub const NVSHMEMX_INIT_WITH_SHMEM: flags = 4;
@@ -217,7 +227,7 @@ pub struct NvshmemHost {
 impl NvshmemHost {
     pub unsafe fn new<P>(path: P) -> Result<Self, ::libloading::Error>
     where
-        P: AsRef<::std::ffi::OsStr>,
+        P: ::libloading::AsFilename,
     {
         let library = ::libloading::Library::new(path)?;
         Self::from_library(library)

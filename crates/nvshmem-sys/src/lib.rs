@@ -37,6 +37,7 @@ pub mod loader;
 pub mod result;
 pub mod safe;
 
+pub use attr::{UNIQUEID_BYTES, UniqueIdError};
 pub use loader::{Library, LibrarySearch, LoadError, Version};
 pub use result::NvshmemError;
-pub use safe::{InitError, ModuleRegistration, Nvshmem, SymmetricAlloc};
+pub use safe::{Error, ModuleRegistration, Nvshmem, SymmetricAlloc, Team};

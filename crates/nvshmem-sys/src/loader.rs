@@ -53,7 +53,11 @@ impl Version {
     /// # Errors
     /// [`LoadError::BadVersion`] when any part is negative (the library wrote garbage).
     pub fn from_c(major: c_int, minor: c_int, patch: c_int) -> Result<Version, LoadError> {
-        match (u32::try_from(major), u32::try_from(minor), u32::try_from(patch)) {
+        match (
+            u32::try_from(major),
+            u32::try_from(minor),
+            u32::try_from(patch),
+        ) {
             (Ok(major), Ok(minor), Ok(patch)) => Ok(Version {
                 major,
                 minor,
@@ -501,7 +505,10 @@ mod tests {
         let err = check_version(path, found).unwrap_err();
         let msg = err.to_string();
         assert!(msg.contains("NVSHMEM 3.3.9"), "{msg}");
-        assert!(msg.contains("NVSHMEM 3.4.5") && msg.contains("3.4.x"), "{msg}");
+        assert!(
+            msg.contains("NVSHMEM 3.4.5") && msg.contains("3.4.x"),
+            "{msg}"
+        );
         assert!(msg.contains("/lib/libnvshmem_host.so.3"), "{msg}");
         assert!(check_version(path, Version::from_c(3, 4, 0).unwrap()).is_ok());
         assert!(check_version(path, Version::from_c(3, 4, 99).unwrap()).is_ok());
@@ -525,7 +532,13 @@ mod tests {
     #[test]
     fn python_dirs_sort_newest_first_and_skip_non_python() {
         let dir = temp_dir("pydirs");
-        for d in ["python3.10", "python3.9", "python3", "python2.7", "python3.x"] {
+        for d in [
+            "python3.10",
+            "python3.9",
+            "python3",
+            "python2.7",
+            "python3.x",
+        ] {
             std::fs::create_dir_all(dir.join(d)).unwrap();
         }
         std::fs::write(dir.join("python3.13"), b"a file").unwrap();

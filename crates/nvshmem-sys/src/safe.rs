@@ -1,0 +1,494 @@
+//! Safe layer: an initialised runtime, RAII symmetric memory, scoped module registration.
+//!
+//! NVSHMEM is process-global: at most one [`Nvshmem`] exists per process at a time. Many calls
+//! are *collective* (every PE must make them, in the same order): [`Nvshmem::init_with_uniqueid`],
+//! [`SymmetricAlloc`] creation and drop, [`Nvshmem::barrier_all`], and dropping [`Nvshmem`]
+//! (finalize). Calling them on only some PEs hangs the others; that is a protocol contract
+//! Rust cannot check.
+//!
+//! The runtime is initialised with NVSHMEM's serialised thread level, so [`Nvshmem`] may move
+//! between threads (`Send`) but is not shared between them (`!Sync`).
+
+use std::cell::Cell;
+use std::marker::PhantomData;
+use std::os::raw::{c_int, c_void};
+use std::ptr::NonNull;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use crate::attr::{self, UniqueIdError};
+use crate::loader::Library;
+use crate::result::{self, NvshmemError};
+use crate::sys;
+
+/// Errors of the safe layer; each names the argument or call and the rule broken.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// An NVSHMEM call returned a non-zero status.
+    #[error(transparent)]
+    Nvshmem(#[from] NvshmemError),
+    /// The unique-id bytes received are malformed.
+    #[error("uid_bytes: {0}")]
+    UniqueId(#[from] UniqueIdError),
+    /// `world` is zero or does not fit a C `int`.
+    #[error("world must be between 1 and {max}, got {world}")]
+    InvalidWorld {
+        /// The value passed.
+        world: usize,
+        /// `c_int::MAX`.
+        max: c_int,
+    },
+    /// `rank >= world`.
+    #[error("rank must be below world ({world}), got {rank}")]
+    InvalidRank {
+        /// The value passed.
+        rank: usize,
+        /// The world size passed.
+        world: usize,
+    },
+    /// NVSHMEM is already initialised in this process (by another [`Nvshmem`] or other code).
+    #[error("NVSHMEM is already initialised in this process (nvshmemx_init_status = {status})")]
+    AlreadyInitialized {
+        /// What `nvshmemx_init_status` reported (0 when another `Nvshmem` is being created).
+        status: c_int,
+    },
+    /// After initialisation NVSHMEM reports another PE/size than requested.
+    #[error("NVSHMEM initialised as PE {pe} of {n_pes}, but rank {rank} of {world} was requested")]
+    RankMismatch {
+        /// The rank requested.
+        rank: usize,
+        /// The world size requested.
+        world: usize,
+        /// `nvshmem_my_pe()`.
+        pe: c_int,
+        /// `nvshmem_n_pes()`.
+        n_pes: c_int,
+    },
+    /// A symmetric allocation of zero bytes was requested.
+    #[error("bytes must be non-zero for a symmetric allocation")]
+    ZeroSizeAlloc,
+    /// `alignment` is not a power of two.
+    #[error("alignment must be a power of two, got {alignment}")]
+    InvalidAlignment {
+        /// The value passed.
+        alignment: usize,
+    },
+    /// NVSHMEM returned NULL: the symmetric heap (`NVSHMEM_SYMMETRIC_SIZE`) is exhausted.
+    #[error(
+        "{call}({bytes} bytes) returned NULL: symmetric heap exhausted (raise NVSHMEM_SYMMETRIC_SIZE)"
+    )]
+    OutOfSymmetricMemory {
+        /// The allocation function.
+        call: &'static str,
+        /// The size requested.
+        bytes: usize,
+    },
+    /// A null `CUmodule` was passed.
+    #[error("module must be a non-null CUmodule")]
+    NullModule,
+}
+
+/// Set while an [`Nvshmem`] exists in this process.
+static RUNTIME_LIVE: AtomicBool = AtomicBool::new(false);
+
+/// A team handle usable from the safe layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Team {
+    /// `NVSHMEM_TEAM_WORLD`: every PE.
+    World,
+    /// `NVSHMEM_TEAM_SHARED`: the PEs whose memory this PE can load/store directly.
+    Shared,
+    /// `NVSHMEMX_TEAM_NODE`: the PEs on this node.
+    Node,
+}
+
+impl Team {
+    /// The C team handle.
+    pub fn raw(self) -> sys::nvshmem_team_t {
+        match self {
+            Team::World => sys::NVSHMEM_TEAM_WORLD,
+            Team::Shared => sys::NVSHMEM_TEAM_SHARED,
+            Team::Node => sys::NVSHMEMX_TEAM_NODE,
+        }
+    }
+}
+
+/// The initialised NVSHMEM runtime of this process; `nvshmemx_hostlib_finalize` on drop
+/// (collective).
+pub struct Nvshmem {
+    lib: Arc<Library>,
+    pe: u32,
+    n_pes: u32,
+    _not_sync: PhantomData<Cell<()>>,
+}
+
+impl std::fmt::Debug for Nvshmem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Nvshmem")
+            .field("lib", &self.lib)
+            .field("pe", &self.pe)
+            .field("n_pes", &self.n_pes)
+            .finish()
+    }
+}
+
+impl Nvshmem {
+    /// A fresh unique id, as the bytes to ship to every other rank (rank 0 calls this before
+    /// anyone initialises). Needs no GPU.
+    ///
+    /// # Errors
+    /// [`Error::Nvshmem`] when `nvshmemx_get_uniqueid` fails.
+    pub fn get_uniqueid(lib: &Library) -> Result<Vec<u8>, Error> {
+        // SAFETY: `lib` is a loaded, version-checked NVSHMEM 3.4 host library.
+        let id = unsafe { result::get_uniqueid(lib.api()) }?;
+        Ok(attr::uniqueid_to_bytes(&id))
+    }
+
+    /// Initialises NVSHMEM as PE `rank` of `world`, bootstrapped by the unique id from rank 0
+    /// (`uid_bytes`, as [`Nvshmem::get_uniqueid`] returned it). Collective: blocks until all
+    /// `world` ranks have called it.
+    ///
+    /// The CUDA context of the GPU this PE uses must be current on the calling thread (NVSHMEM
+    /// binds to it); that is not checked here (the crate does not depend on a CUDA binding).
+    ///
+    /// # Errors
+    /// [`Error::InvalidWorld`], [`Error::InvalidRank`], [`Error::UniqueId`] for bad arguments
+    /// (checked before any call); [`Error::AlreadyInitialized`]; [`Error::Nvshmem`] when
+    /// initialisation fails; [`Error::RankMismatch`] when NVSHMEM disagrees about rank/world.
+    pub fn init_with_uniqueid(
+        lib: Arc<Library>,
+        rank: usize,
+        world: usize,
+        uid_bytes: &[u8],
+    ) -> Result<Nvshmem, Error> {
+        let world_c =
+            c_int::try_from(world)
+                .ok()
+                .filter(|&w| w >= 1)
+                .ok_or(Error::InvalidWorld {
+                    world,
+                    max: c_int::MAX,
+                })?;
+        if rank >= world {
+            return Err(Error::InvalidRank { rank, world });
+        }
+        let rank_c = rank as c_int; // < world_c, so it fits.
+        let id = attr::uniqueid_from_bytes(uid_bytes)?;
+        if RUNTIME_LIVE.swap(true, Ordering::AcqRel) {
+            return Err(Error::AlreadyInitialized { status: 0 });
+        }
+        let release = |e: Error| {
+            RUNTIME_LIVE.store(false, Ordering::Release);
+            e
+        };
+        let status = result::init_status(lib.api());
+        if status != sys::NVSHMEM_STATUS_NOT_INITIALIZED as c_int {
+            return Err(release(Error::AlreadyInitialized { status }));
+        }
+        // SAFETY: arguments validated above; no runtime is initialised (status checked and the
+        // process-wide flag taken); the context requirement is the documented caller contract
+        // (NVSHMEM reports a missing context as an error status, it does not crash).
+        unsafe { result::init_attr_with_uniqueid(lib.api(), rank_c, world_c, &id) }
+            .map_err(|e| release(e.into()))?;
+        // SAFETY: initialisation succeeded just above.
+        let (pe, n_pes) = unsafe { (result::my_pe(lib.api()), result::n_pes(lib.api())) };
+        let rt = Nvshmem {
+            lib,
+            pe: pe.max(0) as u32,
+            n_pes: n_pes.max(0) as u32,
+            _not_sync: PhantomData,
+        };
+        if pe != rank_c || n_pes != world_c {
+            // Dropping `rt` finalises, keeping the process in a clean state.
+            drop(rt);
+            return Err(Error::RankMismatch {
+                rank,
+                world,
+                pe,
+                n_pes,
+            });
+        }
+        Ok(rt)
+    }
+
+    /// The loaded library.
+    pub fn library(&self) -> &Arc<Library> {
+        &self.lib
+    }
+
+    /// `nvshmem_my_pe()`, cached at initialisation.
+    pub fn my_pe(&self) -> u32 {
+        self.pe
+    }
+
+    /// `nvshmem_n_pes()`, cached at initialisation.
+    pub fn n_pes(&self) -> u32 {
+        self.n_pes
+    }
+
+    /// This PE's index in `team`, `None` when it is not a member.
+    pub fn team_my_pe(&self, team: Team) -> Option<u32> {
+        // SAFETY: initialised; `team.raw()` is one of the predefined team handles.
+        let pe = unsafe { result::team_my_pe(self.lib.api(), team.raw()) };
+        u32::try_from(pe).ok()
+    }
+
+    /// The number of PEs in `team`, `None` when NVSHMEM reports it invalid.
+    pub fn team_n_pes(&self, team: Team) -> Option<u32> {
+        // SAFETY: initialised; `team.raw()` is one of the predefined team handles.
+        let n = unsafe { result::team_n_pes(self.lib.api(), team.raw()) };
+        u32::try_from(n).ok()
+    }
+
+    /// `nvshmem_barrier_all()`. Collective.
+    pub fn barrier_all(&self) {
+        // SAFETY: initialised; collectiveness is the documented protocol contract (a missing
+        // PE hangs, it is not memory-unsafe).
+        unsafe { result::barrier_all(self.lib.api()) }
+    }
+
+    /// `nvshmemx_barrier_all_on_stream(stream)`. Collective.
+    ///
+    /// # Safety
+    /// `stream` is a live `CUstream` of the current context (or null: the legacy default
+    /// stream).
+    pub unsafe fn barrier_all_on_stream(&self, stream: *mut c_void) {
+        // SAFETY: initialised; the stream contract is the caller's.
+        unsafe { result::barrier_all_on_stream(self.lib.api(), stream) }
+    }
+
+    /// `nvshmem_quiet()`: waits for this PE's outstanding puts and atomics.
+    pub fn quiet(&self) {
+        // SAFETY: initialised.
+        unsafe { result::quiet(self.lib.api()) }
+    }
+
+    /// `nvshmemx_quiet_on_stream(stream)`.
+    ///
+    /// # Safety
+    /// As [`Nvshmem::barrier_all_on_stream`].
+    pub unsafe fn quiet_on_stream(&self, stream: *mut c_void) {
+        // SAFETY: initialised; the stream contract is the caller's.
+        unsafe { result::quiet_on_stream(self.lib.api(), stream) }
+    }
+}
+
+impl Drop for Nvshmem {
+    fn drop(&mut self) {
+        // SAFETY: initialised by `init_with_uniqueid`; every `SymmetricAlloc` and
+        // `ModuleRegistration` borrows `self`, so none outlives this call.
+        unsafe { result::hostlib_finalize(self.lib.api()) };
+        RUNTIME_LIVE.store(false, Ordering::Release);
+    }
+}
+
+/// Symmetric-heap memory (`nvshmem_malloc`/`align`/`calloc`), freed with `nvshmem_free` on drop.
+/// Creation and drop are collective: every PE allocates and frees the same sizes in the same
+/// order.
+pub struct SymmetricAlloc<'rt> {
+    rt: &'rt Nvshmem,
+    ptr: NonNull<c_void>,
+    bytes: usize,
+}
+
+impl std::fmt::Debug for SymmetricAlloc<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SymmetricAlloc")
+            .field("ptr", &self.ptr)
+            .field("bytes", &self.bytes)
+            .finish()
+    }
+}
+
+impl<'rt> SymmetricAlloc<'rt> {
+    fn wrap(
+        rt: &'rt Nvshmem,
+        call: &'static str,
+        bytes: usize,
+        ptr: Option<NonNull<c_void>>,
+    ) -> Result<SymmetricAlloc<'rt>, Error> {
+        match ptr {
+            Some(ptr) => Ok(SymmetricAlloc { rt, ptr, bytes }),
+            None => Err(Error::OutOfSymmetricMemory { call, bytes }),
+        }
+    }
+
+    /// `nvshmem_malloc(bytes)` (uninitialised device memory). Collective.
+    ///
+    /// # Errors
+    /// [`Error::ZeroSizeAlloc`]; [`Error::OutOfSymmetricMemory`].
+    pub fn new(rt: &'rt Nvshmem, bytes: usize) -> Result<SymmetricAlloc<'rt>, Error> {
+        if bytes == 0 {
+            return Err(Error::ZeroSizeAlloc);
+        }
+        // SAFETY: initialised (`rt` exists).
+        let p = unsafe { result::malloc(rt.lib.api(), bytes) };
+        Self::wrap(rt, "nvshmem_malloc", bytes, p)
+    }
+
+    /// `nvshmem_calloc(1, bytes)`: zeroed. Collective.
+    ///
+    /// # Errors
+    /// [`Error::ZeroSizeAlloc`]; [`Error::OutOfSymmetricMemory`].
+    pub fn zeroed(rt: &'rt Nvshmem, bytes: usize) -> Result<SymmetricAlloc<'rt>, Error> {
+        if bytes == 0 {
+            return Err(Error::ZeroSizeAlloc);
+        }
+        // SAFETY: initialised.
+        let p = unsafe { result::calloc(rt.lib.api(), 1, bytes) };
+        Self::wrap(rt, "nvshmem_calloc", bytes, p)
+    }
+
+    /// `nvshmem_align(alignment, bytes)`. Collective.
+    ///
+    /// # Errors
+    /// [`Error::ZeroSizeAlloc`]; [`Error::InvalidAlignment`] unless a power of two;
+    /// [`Error::OutOfSymmetricMemory`].
+    pub fn aligned(
+        rt: &'rt Nvshmem,
+        alignment: usize,
+        bytes: usize,
+    ) -> Result<SymmetricAlloc<'rt>, Error> {
+        if bytes == 0 {
+            return Err(Error::ZeroSizeAlloc);
+        }
+        if !alignment.is_power_of_two() {
+            return Err(Error::InvalidAlignment { alignment });
+        }
+        // SAFETY: initialised; alignment is a power of two.
+        let p = unsafe { result::align(rt.lib.api(), alignment, bytes) };
+        Self::wrap(rt, "nvshmem_align", bytes, p)
+    }
+
+    /// The device address of this PE's copy (same offset in every PE's heap).
+    pub fn ptr(&self) -> u64 {
+        self.ptr.as_ptr() as u64
+    }
+
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+
+    /// Always false (zero-size allocations are refused); for API symmetry with `len`.
+    pub fn is_empty(&self) -> bool {
+        self.bytes == 0
+    }
+
+    /// The address at which this process can access PE `pe`'s copy directly (NVLink/P2P
+    /// mapping), via `nvshmem_ptr`; `None` when `pe` is not directly reachable or
+    /// `pe >= n_pes`.
+    pub fn peer_ptr(&self, pe: u32) -> Option<u64> {
+        if pe >= self.rt.n_pes {
+            return None;
+        }
+        // SAFETY: initialised; `self.ptr` is a live symmetric allocation; `pe < n_pes` and so
+        // fits a c_int.
+        let p = unsafe { result::ptr(self.rt.lib.api(), self.ptr.as_ptr(), pe as c_int) };
+        p.map(|p| p.as_ptr() as u64)
+    }
+}
+
+impl Drop for SymmetricAlloc<'_> {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` came from this runtime's allocator and is dropped exactly once; the
+        // runtime outlives `self` (borrow).
+        unsafe { result::free(self.rt.lib.api(), self.ptr) }
+    }
+}
+
+/// A `CUmodule` registered with NVSHMEM (`nvshmemx_cumodule_init`), unregistered
+/// (`nvshmemx_cumodule_finalize`) on drop. Needed for modules device-linked against
+/// `libnvshmem_device` before their kernels may call NVSHMEM.
+pub struct ModuleRegistration<'rt> {
+    rt: &'rt Nvshmem,
+    module: NonNull<c_void>,
+}
+
+impl std::fmt::Debug for ModuleRegistration<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModuleRegistration")
+            .field("module", &self.module)
+            .finish()
+    }
+}
+
+impl<'rt> ModuleRegistration<'rt> {
+    /// Registers `module` (a `CUmodule`, passed opaquely).
+    ///
+    /// # Safety
+    /// `module` is a live `CUmodule`, loaded in the current context from a cubin device-linked
+    /// against the same NVSHMEM release, and stays loaded until this guard is dropped.
+    ///
+    /// # Errors
+    /// [`Error::NullModule`]; [`Error::Nvshmem`] when `nvshmemx_cumodule_init` fails.
+    pub unsafe fn new(
+        rt: &'rt Nvshmem,
+        module: *mut c_void,
+    ) -> Result<ModuleRegistration<'rt>, Error> {
+        let module = NonNull::new(module).ok_or(Error::NullModule)?;
+        // SAFETY: initialised; the module contract is the caller's.
+        unsafe { result::cumodule_init(rt.lib.api(), module.as_ptr()) }?;
+        Ok(ModuleRegistration { rt, module })
+    }
+
+    /// The registered module.
+    pub fn module(&self) -> *mut c_void {
+        self.module.as_ptr()
+    }
+
+    /// Unregisters now, reporting the status that [`Drop`] would ignore.
+    ///
+    /// # Errors
+    /// [`Error::Nvshmem`] when `nvshmemx_cumodule_finalize` fails.
+    pub fn finalize(self) -> Result<(), Error> {
+        let this = std::mem::ManuallyDrop::new(self);
+        // SAFETY: registered in `new`, the module is still loaded (contract of `new`), and
+        // `ManuallyDrop` keeps `Drop` from finalising it a second time.
+        unsafe { result::cumodule_finalize(this.rt.lib.api(), this.module.as_ptr()) }?;
+        Ok(())
+    }
+}
+
+impl Drop for ModuleRegistration<'_> {
+    fn drop(&mut self) {
+        // SAFETY: registered in `new`; the module is still loaded (contract of `new`). A failure
+        // cannot be reported from drop; `finalize` reports it.
+        let _ = unsafe { result::cumodule_finalize(self.rt.lib.api(), self.module.as_ptr()) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn teams_map_to_the_header_handles() {
+        assert_eq!(Team::World.raw(), 0);
+        assert_eq!(Team::Shared.raw(), 1);
+        assert_eq!(Team::Node.raw(), 2);
+    }
+
+    #[test]
+    fn errors_name_the_argument_and_rule() {
+        let e = Error::InvalidRank { rank: 4, world: 4 };
+        assert_eq!(e.to_string(), "rank must be below world (4), got 4");
+        let e = Error::InvalidWorld {
+            world: 0,
+            max: c_int::MAX,
+        };
+        assert!(e.to_string().starts_with("world must be between 1 and"));
+        let e = Error::UniqueId(UniqueIdError::Length {
+            expected: 128,
+            found: 3,
+        });
+        assert!(e.to_string().starts_with("uid_bytes: "));
+    }
+
+    fn assert_send<T: Send>() {}
+
+    #[test]
+    fn runtime_is_send() {
+        assert_send::<Nvshmem>();
+    }
+}
