@@ -424,8 +424,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) epcomm_dispatch(const 
     __syncthreads();
   }
 
-  // [E4] every token once to every destination rank, straight into its final row.
-  const int gwarp = blockIdx.x * kWarps + warp, nwarps = gridDim.x * kWarps;
+  // [E4] every token once to every destination rank, straight into its final row. Work is
+  // dealt block-first (consecutive tokens on different SMs) so small batches use every SM.
+  const int gwarp = warp * gridDim.x + blockIdx.x, nwarps = gridDim.x * kWarps;
   const int32_t* token_slot = reinterpret_cast<const int32_t*>(a.token_slot);
   const int n16 = a.row_bytes / 16;
   const bool has_scales = (a.flags & kFlagHasScales) != 0;
@@ -548,7 +549,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) epcomm_combine(const O
     // [C1] push my rows of chunk c of destination r, then publish the chunk (release).
     const int nsend = gridDim.x * kWarps;
     // Items are (chunk, remote rank) pairs, chunk-major so chunks complete in token order.
-    for (int item = blockIdx.x * kWarps + warp; item < (world - 1) * chunks; item += nsend) {
+    for (int item = warp * gridDim.x + blockIdx.x; item < (world - 1) * chunks; item += nsend) {
       const int c = item / (world - 1), r = (me + 1 + item % (world - 1)) % world;
       int lo = 0, hi = 0;
       if (lane == 0) {
@@ -586,7 +587,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) epcomm_combine(const O
     int* rows = s.rows[warp];
     const int rwarp = warp, nred = kWarps;
     const int my_chunks = (a.num_tokens + kChunk - 1) / kChunk;
-    for (int c = blockIdx.x * nred + rwarp; ok && c < my_chunks; c += gridDim.x * nred) {
+    for (int c = rwarp * gridDim.x + blockIdx.x; ok && c < my_chunks; c += gridDim.x * nred) {
       bool lane_ok = true;
       for (int r = lane; r < world; r += 32) {
         if (r == me) continue;
