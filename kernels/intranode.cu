@@ -23,6 +23,7 @@ constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 constexpr int kUnroll = 8;  // 16-byte vectors per lane in flight per copy step
 constexpr int kHistChunk = 4096;
+constexpr int kReduceUnroll = 4;  // combine: 16-byte vectors per lane and source in flight
 
 // Stats block (local u64 words), read by `Buffer::last_op_stats`.
 constexpr int kStatOpSeq = 0;
@@ -502,21 +503,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) epcomm_dispatch(const 
 // Combine: y rows (in this rank's receive order) go back to their source ranks and are summed
 // there in rank order (fp32 accumulate, one bf16 rounding).
 //
-// Every warp first pushes its share of rows chunk by chunk (kChunk destination tokens),
-// publishing each chunk with a monotonic flag (the combine sequence number), then reduces chunks
-// of this rank's tokens, each as soon as every peer's flag for it arrived: warps that finish
-// sending early reduce while the last rows are still crossing NVLink.
-constexpr int kChunk = 4;        // COMBINE_CHUNK_TOKENS in epcomm-topology
-constexpr int kReduceUnroll = 4; // 16-byte vectors per lane and source in flight
-
-__device__ __forceinline__ int lower_bound_rows(const int32_t* keys, int lo, int hi, int key) {
-  while (lo < hi) {
-    const int mid = (lo + hi) >> 1;
-    if (keys[mid] < key) lo = mid + 1; else hi = mid;
-  }
-  return lo;
-}
-
+// Every warp first pushes its share of rows (dealt block-first) and publishes each row with a
+// monotonic per-token flag (the combine sequence number: flags[sender][token] on the owner),
+// then reduces tokens of this rank, each as soon as the flags of exactly the peers that hold a
+// contribution (known locally from the layout) arrived: warps that finish sending early reduce
+// while the last rows are still crossing NVLink, and a small batch has a short critical path.
 extern "C" __global__ void __launch_bounds__(kThreads, 1) epcomm_combine(const OpArgs a) {
   __shared__ Shared s;
   __shared__ unsigned long long s_arrival[kMaxWorld];
@@ -542,113 +533,90 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) epcomm_combine(const O
   const bool has_w = (a.flags & kFlagHasWeights) != 0;
   const int32_t* src_idx = reinterpret_cast<const int32_t*>(a.recv_src_idx);
   const float* y_w = reinterpret_cast<const float*>(a.topk_weights);
-  const int chunks = (a.max_tokens + kChunk - 1) / kChunk;
+  const int gwarp = warp * gridDim.x + blockIdx.x, nwarps = gridDim.x * kWarps;
   bool ok = true;
 
-  {
-    // [C1] push my rows of chunk c of destination r, then publish the chunk (release).
-    const int nsend = gridDim.x * kWarps;
-    // Items are (chunk, remote rank) pairs, chunk-major so chunks complete in token order.
-    for (int item = warp * gridDim.x + blockIdx.x; item < (world - 1) * chunks; item += nsend) {
-      const int c = item / (world - 1), r = (me + 1 + item % (world - 1)) % world;
-      int lo = 0, hi = 0;
-      if (lane == 0) {
-        lo = lower_bound_rows(src_idx, s.offsets[r], s.offsets[r + 1], c * kChunk);
-        hi = lower_bound_rows(src_idx, lo, s.offsets[r + 1], (c + 1) * kChunk);
-      }
-      lo = __shfl_sync(0xffffffffu, lo, 0);
-      hi = __shfl_sync(0xffffffffu, hi, 0);
-      for (int row = lo; row < hi; ++row) {
-        const int t = src_idx[row];
-        const int64_t slot = static_cast<int64_t>(me) * a.max_tokens + t;
-        warp_copy_row(reinterpret_cast<const int4*>(a.x + row * row_bytes),
-                      reinterpret_cast<int4*>(s.bases[r] + off_comb_x + slot * row_bytes), n16,
-                      lane);
-        if (has_w)
-          for (int k = lane; k < K; k += 32)
-            reinterpret_cast<float*>(s.bases[r] + off_comb_w)[slot * K + k] =
-                y_w[static_cast<int64_t>(row) * K + k];
-      }
-      __syncwarp();
-      if (lane == 0) {
-        __threadfence_system();
-        st_release_sys(u64_at(s.bases[r], a.off_comb_flags) + static_cast<int64_t>(me) * chunks + c,
-                       q.epoch);
-      }
-    }
+  // [C1] push every received row whose source is another rank, then publish it (release).
+  const int num_rows = s.offsets[world];
+  for (int row = gwarp; row < num_rows; row += nwarps) {
+    int r = 0;
+    while (r + 1 < world && s.offsets[r + 1] <= row) ++r;
+    if (r == me) continue;
+    const int t = src_idx[row];
+    const int64_t slot = static_cast<int64_t>(me) * a.max_tokens + t;
+    warp_copy_row(reinterpret_cast<const int4*>(a.x + row * row_bytes),
+                  reinterpret_cast<int4*>(s.bases[r] + off_comb_x + slot * row_bytes), n16, lane);
+    if (has_w)
+      for (int k = lane; k < K; k += 32)
+        reinterpret_cast<float*>(s.bases[r] + off_comb_w)[slot * K + k] =
+            y_w[static_cast<int64_t>(row) * K + k];
+    __syncwarp();
+    if (lane == 0) st_release_sys(u64_at(s.bases[r], a.off_comb_flags) + slot, q.epoch);
   }
-  {
-    // [C3] wait for every peer's chunk, [C4] reduce it in rank order.
-    const int32_t* token_slot = reinterpret_cast<const int32_t*>(a.token_slot);
-    const uint8_t* comb = local + off_comb_x;
-    const float* comb_w = reinterpret_cast<const float*>(local + off_comb_w);
-    const uint64_t* flags = u64_at(local, a.off_comb_flags);
-    const uint8_t* y = reinterpret_cast<const uint8_t*>(a.x);
-    int* rows = s.rows[warp];
-    const int rwarp = warp, nred = kWarps;
-    const int my_chunks = (a.num_tokens + kChunk - 1) / kChunk;
-    for (int c = rwarp * gridDim.x + blockIdx.x; ok && c < my_chunks; c += gridDim.x * nred) {
-      bool lane_ok = true;
-      for (int r = lane; r < world; r += 32) {
-        if (r == me) continue;
+
+  // [C3] wait for exactly the contributions token t has, [C4] reduce it in rank order.
+  const int32_t* token_slot = reinterpret_cast<const int32_t*>(a.token_slot);
+  const uint8_t* comb = local + off_comb_x;
+  const float* comb_w = reinterpret_cast<const float*>(local + off_comb_w);
+  const uint64_t* flags = u64_at(local, a.off_comb_flags);
+  const uint8_t* y = reinterpret_cast<const uint8_t*>(a.x);
+  int* rows = s.rows[warp];
+  for (int t = gwarp; ok && t < a.num_tokens; t += nwarps) {
+    bool lane_ok = true;
+    for (int r = lane; r < world; r += 32) {
+      const int slot = token_slot[static_cast<int64_t>(t) * world + r];
+      rows[r] = slot < 0 ? -1 : (r == me ? s.offsets[me] + slot : t);
+      if (slot >= 0 && r != me) {
         uint64_t arrived = 0;
-        lane_ok = lane_ok && wait_geq(w, flags + static_cast<int64_t>(r) * chunks + c, q.epoch,
-                                      kWaitCombineDone, r, &arrived);
+        lane_ok = lane_ok && wait_geq(w, flags + static_cast<int64_t>(r) * a.max_tokens + t,
+                                      q.epoch, kWaitCombineDone, r, &arrived);
         if (lane_ok && block0) atomicMax(&s_arrival[r], static_cast<unsigned long long>(arrived));
       }
-      ok = __all_sync(0xffffffffu, lane_ok);
-      if (!ok) break;
-      const int t_end = min(a.num_tokens, (c + 1) * kChunk);
-      for (int t = c * kChunk; t < t_end; ++t) {
-        for (int r = lane; r < world; r += 32) {
-          const int slot = token_slot[static_cast<int64_t>(t) * world + r];
-          rows[r] = slot < 0 ? -1 : (r == me ? s.offsets[me] + slot : t);
+    }
+    ok = __all_sync(0xffffffffu, lane_ok);
+    if (!ok) break;
+    int4* out = reinterpret_cast<int4*>(a.out + static_cast<int64_t>(t) * row_bytes);
+    for (int base = 0; base < n16; base += 32 * kReduceUnroll) {
+      float acc[kReduceUnroll][8];
+#pragma unroll
+      for (int u = 0; u < kReduceUnroll; ++u)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[u][j] = 0.f;
+      for (int r = 0; r < world; ++r) {
+        const int row = rows[r];
+        if (row < 0) continue;
+        const int4* p =
+            r == me ? reinterpret_cast<const int4*>(y + static_cast<int64_t>(row) * row_bytes)
+                    : reinterpret_cast<const int4*>(
+                          comb + (static_cast<int64_t>(r) * a.max_tokens + t) * row_bytes);
+        int4 v[kReduceUnroll];
+#pragma unroll
+        for (int u = 0; u < kReduceUnroll; ++u) {
+          const int i = base + u * 32 + lane;
+          if (i < n16) v[u] = r == me ? ld_nc_v4(p + i) : ld_v4(p + i);
         }
-        __syncwarp();
-        int4* out = reinterpret_cast<int4*>(a.out + static_cast<int64_t>(t) * row_bytes);
-        for (int base = 0; base < n16; base += 32 * kReduceUnroll) {
-          float acc[kReduceUnroll][8];
 #pragma unroll
-          for (int u = 0; u < kReduceUnroll; ++u)
+        for (int u = 0; u < kReduceUnroll; ++u)
+          if (base + u * 32 + lane < n16) add_bf16x8(acc[u], v[u]);
+      }
 #pragma unroll
-            for (int j = 0; j < 8; ++j) acc[u][j] = 0.f;
-          for (int r = 0; r < world; ++r) {
-            const int row = rows[r];
-            if (row < 0) continue;
-            const int4* p =
-                r == me ? reinterpret_cast<const int4*>(y + static_cast<int64_t>(row) * row_bytes)
-                        : reinterpret_cast<const int4*>(
-                              comb + (static_cast<int64_t>(r) * a.max_tokens + t) * row_bytes);
-            int4 v[kReduceUnroll];
-#pragma unroll
-            for (int u = 0; u < kReduceUnroll; ++u) {
-              const int i = base + u * 32 + lane;
-              if (i < n16) v[u] = r == me ? ld_nc_v4(p + i) : ld_v4(p + i);
-            }
-#pragma unroll
-            for (int u = 0; u < kReduceUnroll; ++u)
-              if (base + u * 32 + lane < n16) add_bf16x8(acc[u], v[u]);
-          }
-#pragma unroll
-          for (int u = 0; u < kReduceUnroll; ++u) {
-            const int i = base + u * 32 + lane;
-            if (i < n16) st_na_v4(out + i, pack_bf16x8(acc[u]));
-          }
-        }
-        if (has_w)
-          for (int k = lane; k < K; k += 32) {
-            float acc = 0.f;
-            for (int r = 0; r < world; ++r) {
-              const int row = rows[r];
-              if (row < 0) continue;
-              acc += r == me ? y_w[static_cast<int64_t>(row) * K + k]
-                             : comb_w[(static_cast<int64_t>(r) * a.max_tokens + t) * K + k];
-            }
-            reinterpret_cast<float*>(a.out_weights)[static_cast<int64_t>(t) * K + k] = acc;
-          }
-        __syncwarp();
+      for (int u = 0; u < kReduceUnroll; ++u) {
+        const int i = base + u * 32 + lane;
+        if (i < n16) st_na_v4(out + i, pack_bf16x8(acc[u]));
       }
     }
+    if (has_w)
+      for (int k = lane; k < K; k += 32) {
+        float acc = 0.f;
+        for (int r = 0; r < world; ++r) {
+          const int row = rows[r];
+          if (row < 0) continue;
+          acc += r == me ? y_w[static_cast<int64_t>(row) * K + k]
+                         : comb_w[(static_cast<int64_t>(r) * a.max_tokens + t) * K + k];
+        }
+        reinterpret_cast<float*>(a.out_weights)[static_cast<int64_t>(t) * K + k] = acc;
+      }
+    __syncwarp();
   }
   if (!all_ok(s, ok)) return;
   if (block0 && tid == 0) stats[kStatSent] = globaltimer_ns();

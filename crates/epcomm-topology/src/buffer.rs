@@ -5,9 +5,9 @@ use crate::{Result, TopologyError};
 /// Alignment of every region's offset, in bytes.
 pub const REGION_ALIGN: u64 = 256;
 
-/// Tokens per combine progress flag: a sender publishes each chunk of this many destination
-/// tokens as soon as it landed, so the owner reduces while the rest is still in flight.
-pub const COMBINE_CHUNK_TOKENS: u64 = 4;
+/// Tokens per combine progress flag: a sender publishes each token's row as soon as it landed,
+/// so the owner reduces while the rest is still in flight.
+pub const COMBINE_CHUNK_TOKENS: u64 = 1;
 
 /// Size of the stats region (per-peer wait timestamps, see DESIGN §3), in bytes.
 pub const STATS_BYTES: u64 = 4096;
@@ -221,7 +221,7 @@ impl RegionOffsets {
 /// function of its arguments, so equal arguments give equal plans.
 ///
 /// For DeepSeek-V3 on two ranks (`BufferPlan::new(2, 4096, 7168, 8, 256)`) the buffer is
-/// **475,620,352 bytes (~453.6 MiB)** per rank: per parity 117,440,512 B of dispatch x,
+/// **475,669,504 bytes (~453.6 MiB)** per rank: per parity 117,440,512 B of dispatch x,
 /// 1,835,008 B of scales, 524,288 + 262,144 + 32,768 B of top-k ids/weights/source index,
 /// 117,440,512 + 262,144 B of combine rows/weights, plus small count and flag regions (checked by a
 /// unit test).
@@ -552,9 +552,9 @@ mod tests {
         assert_eq!(p.region(RegionKind::DoneCounters, e).len, 16);
         assert_eq!(p.region(RegionKind::BarrierCounters, e).len, 16);
         assert_eq!(p.region(RegionKind::Stats, e).len, STATS_BYTES);
-        assert_eq!(p.region(RegionKind::CombineFlags, e).len, 2 * 1024 * 8);
+        assert_eq!(p.region(RegionKind::CombineFlags, e).len, 2 * 4096 * 8);
         println!("DeepSeek-V3, world 2: {} bytes", p.total_bytes());
-        assert_eq!(p.total_bytes(), 475_620_352);
+        assert_eq!(p.total_bytes(), 475_669_504);
     }
 
     #[test]
