@@ -4,6 +4,7 @@
 //! * `pack-device` — pack release binaries, test executables and kernels for the GPU machine
 //!   (see docs/gpu-testing.md).
 //! * `test` — build the kernels and run every test (GPU tests too when a GPU is present).
+//! * `bench` — build the kernels and run the main job, `epcomm bench`, on every local GPU.
 //! * `bindgen-nvshmem` — regenerate (or `--check`) the vendored NVSHMEM host bindings of
 //!   `nvshmem-sys` (see docs/nvshmem.md).
 
@@ -66,6 +67,13 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         cargo_args: Vec<String>,
     },
+    /// Build the kernels, then run the verified dispatch/combine benchmark on every local GPU
+    /// (`cargo run --release -p epcomm-cli -- bench [ARGS...]`).
+    Bench {
+        /// Arguments for `epcomm bench` (e.g. `--sms 32 --barrier global`).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        bench_args: Vec<String>,
+    },
     /// Generate crates/nvshmem-sys/src/bindings.rs from the pinned NVSHMEM headers with bindgen.
     BindgenNvshmem {
         /// Regenerate into target/ and fail if the committed file differs; skip (exit 0) when
@@ -109,6 +117,7 @@ fn main() -> ExitCode {
             pack::pack(&layout, &env, &opts)
         }
         Cmd::Test { cargo_args } => test_cmd::run(&layout, &env, &cargo_args),
+        Cmd::Bench { bench_args } => test_cmd::bench(&layout, &env, &bench_args),
         Cmd::BindgenNvshmem { check } => {
             let paths = bindgen_nvshmem::BindgenPaths::new(&layout.workspace, &layout.pip_root);
             return match bindgen_nvshmem::run(&paths, check) {

@@ -32,10 +32,28 @@ pub fn run(layout: &Layout, env: &ToolchainEnv, cargo_args: &[String]) -> Result
         cmd.env("EPCOMM_GPU_TESTS", "1")
             .env("NVSHMEM_DISABLE_NVLS", "1")
             .env("NCCL_NVLS_ENABLE", "0");
+        // Each GPU test starts one process per GPU: run them one at a time.
+        if !cargo_args.iter().any(|a| a == "--") {
+            cmd.args(["--", "--test-threads=1"]);
+        }
     } else {
         println!("test: no GPU (nvidia-smi -L missing or failing); GPU tests will skip themselves");
     }
     println!("test: $ {}", command_line(&cmd));
+    util::run_inherited(&mut cmd)
+}
+
+/// Runs `build-kernels`, then `cargo run --release -p epcomm-cli -- bench [args...]`.
+pub fn bench(layout: &Layout, env: &ToolchainEnv, args: &[String]) -> Result<()> {
+    kernels::build(layout, env, BuildOptions::default())?;
+    let mut cmd = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    cmd.current_dir(&layout.workspace)
+        .args(["run", "--release", "-p", "epcomm-cli", "--", "bench"])
+        .args(args)
+        .env("EPCOMM_KERNEL_DIR", &layout.out_dir)
+        .env("NVSHMEM_DISABLE_NVLS", "1")
+        .env("NCCL_NVLS_ENABLE", "0");
+    println!("bench: $ {}", command_line(&cmd));
     util::run_inherited(&mut cmd)
 }
 

@@ -502,9 +502,9 @@ impl<T: Transport> Buffer<T> {
         num_recv: Option<usize>,
     ) -> Result<Handle> {
         let (world, epr) = (self.world, self.cfg.num_experts / self.world);
-        // SAFETY (all four): the dispatch kernel writes every element before anything reads it;
-        // rows beyond the received count are never read.
         let send_offsets =
+            // SAFETY: the dispatch kernel writes every element before anything reads it (rows
+            // beyond the received count are never read; same for the three arrays below).
             unsafe { self.stream.alloc::<i32>(world) }.context("allocating the handle")?;
         // SAFETY: as above.
         let recv_prefix =

@@ -17,8 +17,11 @@
 //! Received rows are **not copied**: peers write them straight into this rank's symmetric
 //! buffer, in their final order (by source rank, then source token index), and [`Dispatched`]
 //! views that memory. The view borrows the `Buffer`, so no new op can start on the host while it
-//! is alive; on the device, the rows stay valid until this rank *starts* the next-but-one
-//! dispatch on its stream (receive regions alternate by parity).
+//! is alive; on the device, the rows stay valid until this rank's stream starts its next
+//! dispatch (make it wait for your expert kernels with [`Buffer::wait_event`]).
+//!
+//! Ops can also be captured into a CUDA graph and replayed ([`Buffer::capture`]): kernels read
+//! their sequence numbers from device memory, never from their arguments.
 
 mod buffer;
 mod config;
