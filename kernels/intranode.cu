@@ -46,6 +46,7 @@ struct OpSeq {
 };
 
 constexpr uint64_t kStampStride = 512;  // bytes between the two start-stamp arrays
+constexpr uint64_t kReadyOffset = 3072;  // stats-region bytes: [world] "my y is ready" words
 
 struct Shared {
   OpSeq seq;
@@ -511,6 +512,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) epcomm_dispatch(const 
 extern "C" __global__ void __launch_bounds__(kThreads, 1) epcomm_combine(const OpArgs a) {
   __shared__ Shared s;
   __shared__ unsigned long long s_arrival[kMaxWorld];
+  __shared__ int s_send_off[kMaxWorld];
   const uint64_t t_start = globaltimer_ns();
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int world = a.world, me = a.rank, K = a.top_k;
@@ -522,11 +524,18 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) epcomm_combine(const O
   const uint64_t off_comb_x = a.off_comb_x + cpar, off_comb_w = a.off_comb_w + cpar;
   uint8_t* const local = s.bases[me];
   uint64_t* const stats = u64_at(local, a.off_stats);
+  const bool in_place = (a.flags & kFlagInPlace) != 0;
   if (tid <= world) s.offsets[tid] = reinterpret_cast<const int*>(a.recv_prefix)[tid];
-  if (tid < world) s_arrival[tid] = 0;
+  if (tid < world) {
+    s_arrival[tid] = 0;
+    s_send_off[tid] = in_place ? reinterpret_cast<const int*>(a.send_offsets)[tid] : 0;
+  }
   __syncthreads();
   uint64_t barrier_k = 0;
   if (a.global_barriers && !rank_barrier(a, w, s, ++barrier_k)) return;  // [G1]
+  // In place: every rank's y is its latest dispatch's receive region (same parity everywhere).
+  const uint64_t dpar = (q.dispatch & 1) * a.parity_stride;
+  const uint64_t off_y = a.off_x + dpar, off_yw = a.off_topk_w + dpar;
 
   const int64_t row_bytes = static_cast<int64_t>(a.hidden) * 2;
   const int n16 = static_cast<int>(row_bytes / 16);
@@ -536,8 +545,24 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) epcomm_combine(const O
   const int gwarp = warp * gridDim.x + blockIdx.x, nwarps = gridDim.x * kWarps;
   bool ok = true;
 
+  if (in_place) {
+    // [P1] my y is complete (earlier kernels on this stream wrote it): tell every peer.
+    if (block0 && tid < world) {
+      __threadfence_system();
+      st_release_sys(u64_at(s.bases[tid], a.off_stats + kReadyOffset) + me, q.epoch);
+    }
+    // [P2] every block waits until every peer's y is complete, then pulls it directly.
+    bool ready = true;
+    if (tid < world && tid != me) {
+      uint64_t arrived = 0;
+      ready = wait_geq(w, u64_at(local, a.off_stats + kReadyOffset) + tid, q.epoch,
+                       kWaitCombineDone, tid, &arrived);
+      if (ready && block0) s_arrival[tid] = arrived;
+    }
+    if (!all_ok(s, ready)) return;
+  }
   // [C1] push every received row whose source is another rank, then publish it (release).
-  const int num_rows = s.offsets[world];
+  const int num_rows = in_place ? 0 : s.offsets[world];
   for (int row = gwarp; row < num_rows; row += nwarps) {
     int r = 0;
     while (r + 1 < world && s.offsets[r + 1] <= row) ++r;
@@ -565,6 +590,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) epcomm_combine(const O
     bool lane_ok = true;
     for (int r = lane; r < world; r += 32) {
       const int slot = token_slot[static_cast<int64_t>(t) * world + r];
+      if (in_place) {
+        rows[r] = slot < 0 ? -1 : s_send_off[r] + slot;  // my token's row in r's region
+        continue;
+      }
       rows[r] = slot < 0 ? -1 : (r == me ? s.offsets[me] + slot : t);
       if (slot >= 0 && r != me) {
         uint64_t arrived = 0;
@@ -586,14 +615,17 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) epcomm_combine(const O
         const int row = rows[r];
         if (row < 0) continue;
         const int4* p =
-            r == me ? reinterpret_cast<const int4*>(y + static_cast<int64_t>(row) * row_bytes)
-                    : reinterpret_cast<const int4*>(
-                          comb + (static_cast<int64_t>(r) * a.max_tokens + t) * row_bytes);
+            in_place ? reinterpret_cast<const int4*>(s.bases[r] + off_y + row * row_bytes)
+            : r == me ? reinterpret_cast<const int4*>(y + static_cast<int64_t>(row) * row_bytes)
+                      : reinterpret_cast<const int4*>(
+                            comb + (static_cast<int64_t>(r) * a.max_tokens + t) * row_bytes);
+        // Pulled rows (in place) and y never change during this kernel: non-coherent loads.
+        const bool nc = in_place || r == me;
         int4 v[kReduceUnroll];
 #pragma unroll
         for (int u = 0; u < kReduceUnroll; ++u) {
           const int i = base + u * 32 + lane;
-          if (i < n16) v[u] = r == me ? ld_nc_v4(p + i) : ld_v4(p + i);
+          if (i < n16) v[u] = nc ? ld_nc_v4(p + i) : ld_v4(p + i);
         }
 #pragma unroll
         for (int u = 0; u < kReduceUnroll; ++u)
@@ -611,8 +643,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) epcomm_combine(const O
         for (int r = 0; r < world; ++r) {
           const int row = rows[r];
           if (row < 0) continue;
-          acc += r == me ? y_w[static_cast<int64_t>(row) * K + k]
-                         : comb_w[(static_cast<int64_t>(r) * a.max_tokens + t) * K + k];
+          acc += in_place ? reinterpret_cast<const float*>(s.bases[r] + off_yw)[
+                                static_cast<int64_t>(row) * K + k]
+                 : r == me ? y_w[static_cast<int64_t>(row) * K + k]
+                           : comb_w[(static_cast<int64_t>(r) * a.max_tokens + t) * K + k];
         }
         reinterpret_cast<float*>(a.out_weights)[static_cast<int64_t>(t) * K + k] = acc;
       }

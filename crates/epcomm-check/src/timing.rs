@@ -27,15 +27,18 @@ pub enum BenchOp {
     CachedDispatchBf16,
     /// BF16 combine.
     Combine,
+    /// BF16 combine pulling y from the peers' receive regions (after a BF16 dispatch).
+    CombineInPlace,
 }
 
 impl BenchOp {
     /// Every op, in report order.
-    pub const ALL: [BenchOp; 4] = [
+    pub const ALL: [BenchOp; 5] = [
         Self::DispatchFp8,
         Self::DispatchBf16,
         Self::CachedDispatchBf16,
         Self::Combine,
+        Self::CombineInPlace,
     ];
 
     /// Display name.
@@ -45,6 +48,7 @@ impl BenchOp {
             Self::DispatchFp8 => "dispatch FP8",
             Self::CachedDispatchBf16 => "cached dispatch BF16",
             Self::Combine => "combine BF16",
+            Self::CombineInPlace => "combine BF16 in place",
         }
     }
 
@@ -121,6 +125,10 @@ impl Timer {
         op: BenchOp,
         iters: usize,
     ) -> Result<Vec<f64>> {
+        if op == BenchOp::CombineInPlace {
+            // In-place combine reads the latest dispatch's rows: make this handle's the latest.
+            buf.cached_dispatch(&XInput::Bf16(&dev.x), &self.handle)?;
+        }
         let mut events = Vec::with_capacity(iters);
         for _ in 0..iters {
             self.stream.memset_zeros(&mut self.flush)?;
@@ -169,6 +177,7 @@ impl Timer {
                 buf.cached_dispatch(&XInput::Bf16(&dev.x), &self.handle)?;
             }
             BenchOp::Combine => buf.combine(&self.y, None, &self.handle, &mut self.out, None)?,
+            BenchOp::CombineInPlace => buf.combine_in_place(&self.handle, &mut self.out, None)?,
         }
         Ok(())
     }

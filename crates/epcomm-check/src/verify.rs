@@ -22,6 +22,9 @@ pub struct RoundOptions {
     pub weights: bool,
     /// Also compare the layout with the reference.
     pub check_layout: bool,
+    /// Also run a BF16 dispatch followed by an in-place combine (y written over the receive
+    /// rows); ignored for FP8.
+    pub in_place: bool,
 }
 
 impl Default for RoundOptions {
@@ -32,6 +35,7 @@ impl Default for RoundOptions {
             cached: true,
             weights: true,
             check_layout: true,
+            in_place: true,
         }
     }
 }
@@ -199,17 +203,35 @@ pub fn verified_round<T: epcomm::Transport>(
     let mut yw_host = ws[rank].clone();
     yw_host.resize(rows_alloc * cfg.top_k, 0.0);
     let yw = upload(&stream, &yw_host)?;
-    for round in 0..if opts.cached { 2 } else { 1 } {
-        if round == 1 {
-            let d = buf.cached_dispatch(&x, &handle)?;
-            check_dispatched(&d, want, rank, opts, false)?;
-        }
+    let rounds = if opts.cached { 2 } else { 1 };
+    let in_place = opts.in_place && !opts.fp8;
+    for round in 0..rounds + usize::from(in_place) {
         let mut out = upload(&stream, &vec![bf16::from_f32(-7.0); t * cfg.hidden])?;
         let mut out_w = upload(&stream, &vec![-7.0f32; t * cfg.top_k])?;
-        if opts.weights {
-            buf.combine(&y, Some(&yw), &handle, &mut out, Some(&mut out_w))?;
+        if round == rounds {
+            // In place: a fresh BF16 dispatch, y written over its receive rows, then pulled.
+            let h2 = {
+                let d = buf.dispatch(&input, &layout, opts.mode)?;
+                if want.num_recv_tokens > 0 {
+                    d.copy_into_recv_x(&y.slice(..want.num_recv_tokens * cfg.hidden))?;
+                }
+                d.into_handle()
+            };
+            if opts.weights {
+                buf.combine_in_place(&h2, &mut out, Some(&mut out_w))?;
+            } else {
+                buf.combine_in_place(&h2, &mut out, None)?;
+            }
         } else {
-            buf.combine(&y, None, &handle, &mut out, None)?;
+            if round == 1 {
+                let d = buf.cached_dispatch(&x, &handle)?;
+                check_dispatched(&d, want, rank, opts, false)?;
+            }
+            if opts.weights {
+                buf.combine(&y, Some(&yw), &handle, &mut out, Some(&mut out_w))?;
+            } else {
+                buf.combine(&y, None, &handle, &mut out, None)?;
+            }
         }
         buf.synchronize()?;
         let got = if t == 0 {
@@ -217,7 +239,10 @@ pub fn verified_round<T: epcomm::Transport>(
         } else {
             stream.clone_dtoh(&out)?
         };
-        let what = format!("combine #{round} x");
+        let what = format!(
+            "combine #{round}{} x",
+            if round == rounds { " (in place)" } else { "" }
+        );
         first_diff(
             &what,
             rank,
@@ -234,12 +259,7 @@ pub fn verified_round<T: epcomm::Transport>(
             } else {
                 stream.clone_dtoh(&out_w)?
             };
-            first_diff(
-                &format!("combine #{round} weights"),
-                rank,
-                &bits(&got_w),
-                &bits(w),
-            )?;
+            first_diff(&format!("{what} weights"), rank, &bits(&got_w), &bits(w))?;
         }
     }
     Ok(())

@@ -433,6 +433,7 @@ fn run_soak() {
                 RecvMode::HostSync
             },
             weights: i % 5 != 0,
+            in_place: i % 4 == 2,
         };
         verified_round(&mut buf, h, d, opts).unwrap_or_else(|e| panic!("soak iteration {i}: {e}"));
     }

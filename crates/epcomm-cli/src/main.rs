@@ -186,7 +186,12 @@ fn bench_worker(args: &BenchArgs) -> Res {
             if op == BenchOp::DispatchFp8 && !shape.fp8_capable() {
                 continue;
             }
-            if args.sweep_sms.is_some() && !matches!(op, BenchOp::DispatchBf16 | BenchOp::Combine) {
+            if args.sweep_sms.is_some()
+                && !matches!(
+                    op,
+                    BenchOp::DispatchBf16 | BenchOp::Combine | BenchOp::CombineInPlace
+                )
+            {
                 continue;
             }
             timer.time(&mut buf, &dev, op, args.warmup)?;

@@ -57,6 +57,8 @@ pub mod flags {
     pub const HAS_WEIGHTS: u32 = 1 << 2;
     /// Top-k ids travel (dispatch).
     pub const HAS_TOPK: u32 = 1 << 3;
+    /// Combine pulls y from every rank's latest dispatch receive region.
+    pub const IN_PLACE: u32 = 1 << 4;
 }
 
 /// Failure record written by the first failing device thread into host-mapped memory.

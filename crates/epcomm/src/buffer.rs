@@ -146,6 +146,8 @@ pub struct Buffer<T: Transport = IpcTransport> {
     seq_state: DeviceBuffer,
     parity_stride: u64,
     seq: Sequence,
+    /// Routing and element type of the latest (cached) dispatch, for in-place combine.
+    latest_dispatch: Option<(std::sync::Weak<HandleInner>, RecvDtype)>,
     last_op: Option<&'static str>,
     failed: Option<String>,
     mem: T::Memory,
@@ -260,6 +262,7 @@ impl<T: Transport> Buffer<T> {
             seq_state,
             parity_stride,
             seq: Sequence::default(),
+            latest_dispatch: None,
             last_op: None,
             failed: None,
             mem,
@@ -699,12 +702,11 @@ impl<T: Transport> Buffer<T> {
             let mut inner = Arc::try_unwrap(handle.inner)
                 .map_err(|_| Error::Failed("handle shared during dispatch".into()))?;
             inner.num_recv = Some(n);
-            (
-                Handle {
-                    inner: Arc::new(inner),
-                },
-                Some(e),
-            )
+            let handle = Handle {
+                inner: Arc::new(inner),
+            };
+            self.latest_dispatch = Some((Arc::downgrade(&handle.inner), dtype));
+            (handle, Some(e))
         } else {
             (handle, None)
         };
@@ -840,6 +842,7 @@ impl<T: Transport> Buffer<T> {
         } else {
             "dispatch"
         });
+        self.latest_dispatch = Some((Arc::downgrade(&handle.inner), dtype));
         Ok(())
     }
 
@@ -1015,6 +1018,90 @@ impl<T: Transport> Buffer<T> {
         // SAFETY: y holds at least the received rows (checked against the host count or the
         // capacity the dispatch enforced on the device); out/out_weights hold T rows; the
         // handle's arrays were written by its dispatch earlier on this stream.
+        unsafe { self.kernels.launch_combine(s, &a, blocks) }?;
+        self.last_op = Some("combine");
+        Ok(())
+    }
+
+    /// Combine without moving y: every rank has written its expert output `y` (`[rows][hidden]`
+    /// bf16) over the receive rows of its **latest** BF16 dispatch (`Dispatched::recv_x_ptr`,
+    /// or [`crate::Dispatched::copy_into_recv_x`]), and, if `out_weights` is given, its weights
+    /// over the received top-k weights. Each rank then pulls its tokens' contributions straight
+    /// from the peers' receive regions over NVLink and sums them in rank order (fp32): one
+    /// pass, no intermediate copy. `handle` must be the latest dispatch's.
+    pub fn combine_in_place(
+        &mut self,
+        handle: &Handle,
+        out: &mut dyn DevicePtrMut<half::bf16>,
+        out_weights: Option<&mut dyn DevicePtrMut<f32>>,
+    ) -> Result<()> {
+        self.ensure_ready()?;
+        let h = self.own_handle(handle)?;
+        match &self.latest_dispatch {
+            Some((latest, RecvDtype::Bf16))
+                if std::ptr::eq(latest.as_ptr(), Arc::as_ptr(&handle.inner)) => {}
+            Some((_, RecvDtype::Fp8)) => {
+                return Err(Error::InvalidArgument { argument: "handle", rule: "in-place combine needs a BF16 latest dispatch (FP8 rows cannot hold bf16 y)".into() });
+            }
+            _ => {
+                return Err(Error::InvalidArgument {
+                    argument: "handle",
+                    rule: "in-place combine needs the handle of this rank's latest dispatch".into(),
+                });
+            }
+        }
+        let (hd, k, t) = (self.cfg.hidden, self.cfg.top_k, h.layout.num_tokens);
+        if out.len() != t * hd {
+            return Err(Error::InvalidArgument {
+                argument: "out",
+                rule: format!(
+                    "must hold num_tokens * hidden = {} values (holds {})",
+                    t * hd,
+                    out.len()
+                ),
+            });
+        }
+        if let Some(o) = &out_weights
+            && o.len() != t * k
+        {
+            return Err(Error::InvalidArgument {
+                argument: "out_weights",
+                rule: format!(
+                    "must hold num_tokens * top_k = {} values (holds {})",
+                    t * k,
+                    o.len()
+                ),
+            });
+        }
+        let blocks = self.cfg.num_sms;
+        let mut a = self.base_args(abi::op::COMBINE);
+        a.off_x = self.plan.region(RegionKind::DispatchX, Parity::Even).offset;
+        a.off_topk_w = self
+            .plan
+            .region(RegionKind::DispatchTopkWeights, Parity::Even)
+            .offset;
+        a.num_tokens = t as i32;
+        a.max_recv_rows = h.max_rows as i32;
+        a.flags = abi::flags::IN_PLACE
+            | if out_weights.is_some() {
+                abi::flags::HAS_WEIGHTS
+            } else {
+                0
+            };
+        let s = &self.stream;
+        let (out_ptr, _go) = out.device_ptr_mut(s);
+        let ow = out_weights.map(|w| w.device_ptr_mut(s));
+        let (slot_ptr, _g1) = h.layout.token_slot.device_ptr(s);
+        let (rp, _g2) = h.recv_prefix.device_ptr(s);
+        let (so, _g3) = h.send_offsets.device_ptr(s);
+        a.out = out_ptr;
+        a.out_weights = ow.as_ref().map_or(0, |p| p.0);
+        a.token_slot = slot_ptr;
+        a.recv_prefix = rp;
+        a.send_offsets = so;
+        // SAFETY: out/out_weights hold T rows; the handle (the latest dispatch's, checked above)
+        // was written by that dispatch earlier on this stream; the rows read lie in the
+        // receive regions of the symmetric buffers at offsets that dispatch wrote.
         unsafe { self.kernels.launch_combine(s, &a, blocks) }?;
         self.last_op = Some("combine");
         Ok(())

@@ -171,6 +171,41 @@ impl Dispatched<'_> {
         }
     }
 
+    /// Copies `y` (`[rows][hidden]` bf16, device) over the received rows, stream-ordered, for
+    /// [`crate::Buffer::combine_in_place`] (BF16 dispatch only). Writing the expert output
+    /// straight to [`Self::recv_x_ptr`] avoids even this copy.
+    pub fn copy_into_recv_x(&self, y: &dyn cudarc::driver::DevicePtr<half::bf16>) -> Result<()> {
+        let rows_cap = self.handle.inner.max_rows;
+        if self.dtype != RecvDtype::Bf16 || y.len() > rows_cap * self.hidden {
+            return Err(crate::Error::InvalidArgument {
+                argument: "y",
+                rule: format!(
+                    "needs a BF16 dispatch and at most {} values (got {})",
+                    rows_cap * self.hidden,
+                    y.len()
+                ),
+            });
+        }
+        if y.is_empty() {
+            return Ok(());
+        }
+        let (src, _g) = y.device_ptr(self.stream);
+        // SAFETY: the destination is this rank's receive region, which holds max_rows rows of
+        // hidden bf16 values (checked above) and is kept alive by the borrowed Buffer; the copy
+        // is ordered on the buffer's stream after the dispatch that filled it.
+        unsafe {
+            cudarc::driver::sys::cuMemcpyDtoDAsync_v2(
+                self.recv_x,
+                src,
+                y.len() * 2,
+                self.stream.cu_stream(),
+            )
+        }
+        .result()
+        .context("copying y into the receive rows")?;
+        Ok(())
+    }
+
     /// Copies the received rows' raw bytes to the host (waits for the dispatch).
     pub fn recv_x_bytes_to_host(&self) -> Result<Vec<u8>> {
         let n = self.rows()? * self.row_bytes();

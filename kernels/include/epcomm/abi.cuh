@@ -53,6 +53,7 @@ enum OpFlags : uint32_t {
   kFlagHasScales = 1u << 1,    // FP8 dispatch: per-128-channel f32 scales travel with x
   kFlagHasWeights = 1u << 2,   // top-k weights travel (dispatch) / are reduced (combine)
   kFlagHasTopk = 1u << 3,      // top-k ids travel (dispatch)
+  kFlagInPlace = 1u << 4,      // combine: y is the latest dispatch's receive region; pull it
 };
 
 // Arguments of the dispatch and combine kernels. All addresses are device addresses (u64).
