@@ -235,6 +235,14 @@ extern "C" __global__ void epcomm_abi_probe(uint64_t* out) {
   out[7] = sizeof(SeqState);
 }
 
+// Diagnostics: holds this stream for `ns` nanoseconds (one thread spinning on %globaltimer), so
+// tests and `epcomm bench --delay-rank` can make one rank late by an exact amount.
+extern "C" __global__ void epcomm_delay(uint64_t ns) {
+  const uint64_t t0 = globaltimer_ns();
+  while (globaltimer_ns() - t0 < ns) {
+  }
+}
+
 // Layout: blocks [0, world) scan tokens for one rank each (slot = exclusive prefix of the
 // tokens sent there, deterministic), blocks [world, world + nodes) do the same per node, and
 // the remaining blocks build the per-expert histogram in chunks of kHistChunk experts. The

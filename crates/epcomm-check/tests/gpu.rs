@@ -882,3 +882,95 @@ fn graph_replay_matches_reference() {
         );
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Skew attribution: one rank's stream is held 200 us before each op; every rank names it.
+
+fn run_skew() {
+    let w = worker();
+    let (rank, world) = (w.boot.rank(), w.boot.world_size());
+    let mut cfg = BufferConfig::new(512, 1024, 4, 8 * world);
+    cfg.barrier = strategy_from_env();
+    let mut buf = Buffer::new(w.ctx.clone(), w.boot.clone(), cfg).unwrap();
+    let shape = Shape::uniform(world, 512, 1024, 4, 8 * world, 3);
+    let h = host_inputs(&shape).unwrap();
+    let d = device_inputs(buf.stream(), &h, rank).unwrap();
+    let layout = buf.layout(&d.topk_idx, 512).unwrap();
+    let delay = Duration::from_micros(200);
+    let y = upload(buf.stream(), &vec![bf16::ONE; world * 512 * 1024]).unwrap();
+    let mut out = buf.stream().alloc_zeros::<bf16>(512 * 1024).unwrap();
+    for i in 0..6 {
+        let late = i % world;
+        w.boot.barrier("skew-step").unwrap();
+        if rank == late {
+            buf.inject_delay(delay).unwrap();
+        }
+        let input = DispatchInput {
+            x: XInput::Bf16(&d.x),
+            topk_idx: &d.topk_idx,
+            topk_weights: None,
+        };
+        let handle = buf
+            .dispatch(&input, &layout, RecvMode::WorstCase)
+            .unwrap()
+            .into_handle();
+        let st = buf.last_op_stats().unwrap().expect("stats after dispatch");
+        assert_eq!(
+            st.late_rank(),
+            late,
+            "dispatch {i}: rank {rank} names {} ({st})",
+            st.late_rank()
+        );
+        assert!(
+            st.skew() >= delay * 3 / 4,
+            "dispatch {i}: skew {:?} < 200 us ({st})",
+            st.skew()
+        );
+        // Under Epoch the wait happens at the late rank's count row, which the stats record
+        // (under Global it happens inside the first barrier).
+        if rank != late && buf.config().barrier == BarrierStrategy::Epoch {
+            let waited = st.waited_for(late);
+            assert!(
+                waited >= delay / 2,
+                "dispatch {i}: waited {waited:?} for rank {late}"
+            );
+        }
+        w.boot.barrier("skew-step-combine").unwrap();
+        if rank == late {
+            buf.inject_delay(delay).unwrap();
+        }
+        buf.combine(&y, None, &handle, &mut out, None).unwrap();
+        let st = buf.last_op_stats().unwrap().expect("stats after combine");
+        assert_eq!(
+            st.late_rank(),
+            late,
+            "combine {i}: rank {rank} names {} ({st})",
+            st.late_rank()
+        );
+        if i == 0 {
+            log(rank, format_args!("skew: {st}"));
+        }
+    }
+    log(
+        rank,
+        "skew: every rank named the delayed rank on every dispatch and combine",
+    );
+    buf.destroy().unwrap();
+}
+
+#[test]
+fn skew_is_attributed_to_the_late_rank() {
+    if is_worker() {
+        return run_skew();
+    }
+    let Some(n) = world("skew_is_attributed_to_the_late_rank", 2) else {
+        return;
+    };
+    for s in ["epoch", "global"] {
+        launch(
+            "skew_is_attributed_to_the_late_rank",
+            n,
+            &[("EPCOMM_TEST_BARRIER", s.to_string())],
+        );
+    }
+}

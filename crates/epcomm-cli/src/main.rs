@@ -63,7 +63,7 @@ struct BenchArgs {
     /// Untimed calls per op first.
     #[arg(long, default_value_t = 5)]
     warmup: usize,
-    /// Skew demo: delay this rank's host before each op of a short extra run...
+    /// Skew demo: delay this rank's GPU stream before each of five extra dispatches...
     #[arg(long)]
     delay_rank: Option<usize>,
     /// ...by this many microseconds, and report who each rank names as late.
@@ -239,7 +239,7 @@ fn bench_worker(args: &BenchArgs) -> Res {
     Ok(())
 }
 
-/// Delays `late`'s host before each of a few dispatches and reports whom every rank names.
+/// Delays `late`'s stream before each of a few dispatches and reports whom every rank names.
 fn skew_demo(
     buf: &mut Buffer,
     dev: &epcomm_check::inputs::DeviceInputs,
@@ -254,7 +254,7 @@ fn skew_demo(
     for i in 0..5 {
         boot.barrier(&format!("skew-{i}"))?;
         if rank == late {
-            std::thread::sleep(Duration::from_micros(delay_us));
+            buf.inject_delay(Duration::from_micros(delay_us))?;
         }
         let input = DispatchInput {
             x: XInput::Bf16(&dev.x),

@@ -22,6 +22,7 @@ pub struct IntranodeKernels {
     layout: CudaFunction,
     dispatch: CudaFunction,
     combine: CudaFunction,
+    delay: CudaFunction,
 }
 
 impl IntranodeKernels {
@@ -40,6 +41,7 @@ impl IntranodeKernels {
             layout: f("epcomm_layout")?,
             dispatch: f("epcomm_dispatch")?,
             combine: f("epcomm_combine")?,
+            delay: f("epcomm_delay")?,
             _module: module,
         };
         let mut out = stream
@@ -68,6 +70,20 @@ impl IntranodeKernels {
             }
         }
         Ok(kernels)
+    }
+
+    /// Holds `stream` for `ns` nanoseconds (a one-thread spin on the GPU clock): makes this
+    /// rank late by an exact amount, for skew diagnostics.
+    pub fn launch_delay(&self, stream: &CudaStream, ns: u64) -> Result<(), KernelError> {
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (1, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the kernel takes one integer and touches no memory.
+        unsafe { stream.launch_builder(&self.delay).arg(&ns).launch(cfg) }
+            .context("launching epcomm_delay")?;
+        Ok(())
     }
 
     /// Grid size of the layout kernel for this shape.

@@ -369,6 +369,21 @@ impl<T: Transport> Buffer<T> {
         Ok(OpStats::from_words(&words, self.rank))
     }
 
+    /// Diagnostics: delays the ops issued after this call by `delay` on this rank's stream (a
+    /// GPU spin, so the delay is exact), to see skew attribution at work ([`OpStats`]).
+    pub fn inject_delay(&mut self, delay: Duration) -> Result<()> {
+        if delay > Duration::from_secs(10) {
+            return Err(Error::InvalidArgument {
+                argument: "delay",
+                rule: format!("at most 10 s (got {delay:?})"),
+            });
+        }
+        self.ensure_ready()?;
+        self.kernels
+            .launch_delay(&self.stream, delay.as_nanos() as u64)?;
+        Ok(())
+    }
+
     /// This rank's global-barrier counters (one per peer: barrier arrivals received). They stay
     /// 0 under the Epoch strategy, which issues no barrier; under Global each op adds
     /// `barriers * num_sms` per peer. Waits for issued ops.

@@ -75,10 +75,12 @@ impl OpStats {
         Duration::from_nanos(max - min)
     }
 
-    /// Time this rank waited, from its own start, for `peer`'s data (zero if it was there).
+    /// Time from this rank's start until everything it needed from `peer` in this op (counts
+    /// and data) had arrived; zero if it waited for nothing from `peer`.
     pub fn waited_for(&self, peer: usize) -> Duration {
-        let arrived = self.data_arrival_ns.get(peer).copied().unwrap_or(0);
-        Duration::from_nanos(arrived.saturating_sub(self.sent_ns.max(self.start_ns)))
+        let counts = self.count_arrival_ns.get(peer).copied().unwrap_or(0);
+        let data = self.data_arrival_ns.get(peer).copied().unwrap_or(0);
+        Duration::from_nanos(counts.max(data).saturating_sub(self.start_ns))
     }
 
     /// Kernel time on this rank.
@@ -103,7 +105,7 @@ impl fmt::Display for OpStats {
         for p in 0..self.peer_start_ns.len() {
             writeln!(
                 f,
-                "  rank {p}: started +{:?}, waited {:?} for its data",
+                "  rank {p}: started +{:?}, its counts/data complete here after {:?}",
                 Duration::from_nanos(self.peer_start_ns[p] - min),
                 self.waited_for(p)
             )?;
@@ -130,7 +132,8 @@ mod tests {
         let s = OpStats::from_words(&w, 0).unwrap();
         assert_eq!(s.late_rank(), 1);
         assert_eq!(s.skew(), Duration::from_micros(200));
-        assert_eq!(s.waited_for(1), Duration::from_nanos(248_000));
+        assert_eq!(s.waited_for(1), Duration::from_nanos(249_000));
+        assert_eq!(s.waited_for(0), Duration::from_nanos(1_100));
         assert!(s.to_string().contains("late rank 1"));
         w[word::KIND] = 99;
         assert!(OpStats::from_words(&w, 0).is_none());
