@@ -33,8 +33,9 @@ constexpr int kStatSent = 3;
 constexpr int kStatEnd = 4;
 constexpr int kStatKind = 5;
 constexpr int kStatWorld = 6;
-constexpr int kStatPeers = 8;  // [world] peer start stamps, [world] count-row arrivals,
-                               // [world] data-landed arrivals
+constexpr int kStatPeers = 8;  // [world] peer start stamps (each GPU's own clock: not
+                               // comparable across GPUs), [world] count-row (or barrier)
+                               // arrivals, [world] data-landed arrivals
 
 // This op's sequence numbers, derived from the device SeqState by block thread 0.
 struct OpSeq {
@@ -137,8 +138,12 @@ __device__ bool rank_barrier(const OpArgs& a, const WaitCtx& w, Shared& s, uint6
   if (tid < a.world) {
     __threadfence_system();
     red_add_release_sys(u64_at(s.bases[tid], a.off_barrier) + a.rank, 1);
+    uint64_t arrived = 0;
     ok = wait_geq(w, u64_at(s.bases[a.rank], a.off_barrier) + tid,
-                  s.seq.barrier_base + k * gridDim.x, kWaitBarrier, tid, nullptr);
+                  s.seq.barrier_base + k * gridDim.x, kWaitBarrier, tid, &arrived);
+    // Block 0 records when each peer reached the barrier: where Global waits for late ranks.
+    if (ok && blockIdx.x == 0)
+      u64_at(s.bases[a.rank], a.off_stats)[kStatPeers + a.world + tid] = arrived;
   }
   return all_ok(s, ok);
 }

@@ -180,6 +180,19 @@ impl Transport for IpcTransport {
                 source,
             })
     }
+
+    async fn host_all_gather(
+        &self,
+        tag: &str,
+        data: &[u8],
+    ) -> Result<Vec<Vec<u8>>, TransportError> {
+        self.bootstrap
+            .all_gather(tag, data)
+            .map_err(|source| TransportError::Bootstrap {
+                context: format!("host all-gather {tag}"),
+                source,
+            })
+    }
 }
 
 /// A symmetric buffer shared through CUDA IPC.

@@ -177,6 +177,9 @@ pub trait Transport: Send + Sync + Debug {
     async fn alloc_symmetric(&self, bytes: usize) -> Result<Self::Memory, TransportError>;
     /// Host-side barrier over all ranks, bounded by the bootstrap timeout.
     async fn host_barrier(&self, tag: &str) -> Result<(), TransportError>;
+    /// Host-side all-gather of small byte strings (diagnostics, setup), indexed by rank.
+    async fn host_all_gather(&self, tag: &str, data: &[u8])
+    -> Result<Vec<Vec<u8>>, TransportError>;
 }
 
 /// Object-safe mirror of [`Transport`], implemented for every transport.
@@ -199,6 +202,12 @@ pub trait DynTransport: Send + Sync + Debug {
     ) -> Result<Box<dyn SymmetricMemory>, TransportError>;
     /// See [`Transport::host_barrier`].
     async fn host_barrier_dyn(&self, tag: &str) -> Result<(), TransportError>;
+    /// See [`Transport::host_all_gather`].
+    async fn host_all_gather_dyn(
+        &self,
+        tag: &str,
+        data: &[u8],
+    ) -> Result<Vec<Vec<u8>>, TransportError>;
 }
 
 #[async_trait]
@@ -226,6 +235,13 @@ impl<T: Transport> DynTransport for T {
     }
     async fn host_barrier_dyn(&self, tag: &str) -> Result<(), TransportError> {
         self.host_barrier(tag).await
+    }
+    async fn host_all_gather_dyn(
+        &self,
+        tag: &str,
+        data: &[u8],
+    ) -> Result<Vec<Vec<u8>>, TransportError> {
+        self.host_all_gather(tag, data).await
     }
 }
 

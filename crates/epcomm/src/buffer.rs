@@ -19,7 +19,7 @@ use epcomm_transport_ipc::IpcTransport;
 use crate::error::DriverContext;
 use crate::handle::{Dispatched, Handle, HandleInner, RecvDtype};
 use crate::layout::{Layout, LayoutInner};
-use crate::stats::OpStats;
+use crate::stats::{LocalStats, OpStats};
 use crate::{BufferConfig, Error, RecvMode, Result};
 
 /// Byte offset, inside the stats region, of the two start-stamp arrays (one per op parity)
@@ -351,7 +351,9 @@ impl<T: Transport> Buffer<T> {
         self.failed.is_some()
     }
 
-    /// Waits for the last op and returns its per-peer timing on this rank.
+    /// Waits for the last op and returns who waited for whom in it. **Collective** (every rank
+    /// must call it after the same op): the ranks all-gather their waits over the transport's
+    /// host channel, since GPU clocks are not comparable across GPUs.
     pub fn last_op_stats(&mut self) -> Result<Option<OpStats>> {
         self.synchronize()?;
         if self.last_op.is_none() {
@@ -366,7 +368,27 @@ impl<T: Transport> Buffer<T> {
                 8 + 3 * self.world,
             )
         }?;
-        Ok(OpStats::from_words(&words, self.rank))
+        let Some(local) = LocalStats::from_words(&words) else {
+            return Ok(None);
+        };
+        let tag = format!("epcomm-stats-{}", local.op_seq);
+        let all = pollster::block_on(self.transport.host_all_gather(&tag, &local.encode()))?;
+        let mut waits = Vec::with_capacity(all.len());
+        for (peer, bytes) in all.iter().enumerate() {
+            let row = LocalStats::decode_waits(bytes, local.op_seq, self.world).ok_or_else(|| Error::InvalidArgument {
+                argument: "last_op_stats",
+                rule: format!("rank {peer} reported stats of another op (call it on every rank after the same op)"),
+            })?;
+            waits.push(row);
+        }
+        Ok(Some(OpStats {
+            op: local.op,
+            op_seq: local.op_seq,
+            rank: self.rank,
+            total: local.total,
+            sending: local.sending,
+            waits,
+        }))
     }
 
     /// Diagnostics: delays the ops issued after this call by `delay` on this rank's stream (a

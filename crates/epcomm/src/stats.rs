@@ -1,4 +1,10 @@
-//! Per-op wait attribution (who was late), read from the stats block the kernels fill.
+//! Per-op wait attribution (who was late), from the stats block the kernels fill.
+//!
+//! Each GPU's `%globaltimer` has its own offset (we measured ~0.4–1.4 ms between the two GPUs
+//! of one host), so start times are **not** compared across GPUs. Instead every rank measures,
+//! on its own clock, how long after its start each peer's counts (or barrier arrival) and data
+//! were complete; [`crate::Buffer::last_op_stats`] all-gathers these waits, and the late rank is
+//! the one the others waited for longest.
 
 use std::fmt;
 use std::time::Duration;
@@ -14,8 +20,7 @@ pub(crate) mod word {
     pub const PEERS: usize = 8;
 }
 
-/// Timing of the last op on this rank, per peer. Timestamps are `%globaltimer` nanoseconds of
-/// each GPU; on one host they share a time base, so start stamps compare across ranks.
+/// Timing of the last op, as seen by every rank.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct OpStats {
     /// Op name.
@@ -24,22 +29,27 @@ pub struct OpStats {
     pub op_seq: u64,
     /// This rank.
     pub rank: usize,
-    /// When this rank's kernel started.
-    pub start_ns: u64,
-    /// When block 0 finished sending.
-    pub sent_ns: u64,
-    /// When block 0 finished.
-    pub end_ns: u64,
-    /// When each rank (this one included) started the same op.
-    pub peer_start_ns: Vec<u64>,
-    /// When each peer's count row was seen here (0: not waited for in this op).
-    pub count_arrival_ns: Vec<u64>,
-    /// When each peer's data was complete here (0: not waited for).
-    pub data_arrival_ns: Vec<u64>,
+    /// This rank's kernel time.
+    pub total: Duration,
+    /// This rank's time until its own sends were done.
+    pub sending: Duration,
+    /// `waits[q][p]`: how long after rank `q` started the op everything it needed from rank
+    /// `p` (counts or barrier arrival, and data) was there (zero: nothing waited for).
+    pub waits: Vec<Vec<Duration>>,
 }
 
-impl OpStats {
-    pub(crate) fn from_words(w: &[u64], rank: usize) -> Option<Self> {
+/// What one rank measured, on its own clock.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct LocalStats {
+    pub op: &'static str,
+    pub op_seq: u64,
+    pub total: Duration,
+    pub sending: Duration,
+    pub waits: Vec<Duration>,
+}
+
+impl LocalStats {
+    pub(crate) fn from_words(w: &[u64]) -> Option<Self> {
         let world = usize::try_from(*w.get(word::WORLD)?).ok()?;
         let peers = w.get(word::PEERS..word::PEERS + 3 * world)?;
         let op = match w[word::KIND] {
@@ -48,44 +58,71 @@ impl OpStats {
             4 => "combine",
             _ => return None,
         };
+        let start = w[word::START];
+        let since = |t: u64| Duration::from_nanos(t.saturating_sub(start));
+        let waits = (0..world)
+            .map(|p| since(peers[world + p].max(peers[2 * world + p])))
+            .collect();
         Some(Self {
             op,
             op_seq: w[word::OP_SEQ],
-            rank,
-            start_ns: w[word::START],
-            sent_ns: w[word::SENT],
-            end_ns: w[word::END],
-            peer_start_ns: peers[..world].to_vec(),
-            count_arrival_ns: peers[world..2 * world].to_vec(),
-            data_arrival_ns: peers[2 * world..].to_vec(),
+            total: since(w[word::END]),
+            sending: since(w[word::SENT]),
+            waits,
         })
     }
 
-    /// The rank that started this op last (the one everybody waited for).
+    /// Wire form for the all-gather: op_seq, then one u64 of nanoseconds per peer.
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        let mut v = self.op_seq.to_le_bytes().to_vec();
+        for w in &self.waits {
+            v.extend_from_slice(&(w.as_nanos() as u64).to_le_bytes());
+        }
+        v
+    }
+
+    /// Decodes a peer's wire form; None if malformed or from another op.
+    pub(crate) fn decode_waits(bytes: &[u8], op_seq: u64, world: usize) -> Option<Vec<Duration>> {
+        if bytes.len() != 8 * (world + 1) {
+            return None;
+        }
+        let word =
+            |i: usize| u64::from_le_bytes(bytes[8 * i..8 * i + 8].try_into().unwrap_or([0; 8]));
+        (word(0) == op_seq).then(|| (1..=world).map(|i| Duration::from_nanos(word(i))).collect())
+    }
+}
+
+impl OpStats {
+    /// The rank the others waited for longest (this rank if nobody waited).
     pub fn late_rank(&self) -> usize {
-        (0..self.peer_start_ns.len())
-            .max_by_key(|&r| self.peer_start_ns[r])
+        (0..self.waits.len())
+            .max_by_key(|&p| (self.waited_on(p), std::cmp::Reverse(p)))
             .unwrap_or(self.rank)
     }
 
-    /// How much later the late rank started than the earliest one.
+    /// How long the others waited for the late rank (the longest wait).
     pub fn skew(&self) -> Duration {
-        let max = self.peer_start_ns.iter().copied().max().unwrap_or(0);
-        let min = self.peer_start_ns.iter().copied().min().unwrap_or(0);
-        Duration::from_nanos(max - min)
+        self.waited_on(self.late_rank())
     }
 
-    /// Time from this rank's start until everything it needed from `peer` in this op (counts
-    /// and data) had arrived; zero if it waited for nothing from `peer`.
+    /// Longest time any other rank waited for `peer`.
+    pub fn waited_on(&self, peer: usize) -> Duration {
+        self.waits
+            .iter()
+            .enumerate()
+            .filter(|(q, _)| *q != peer)
+            .filter_map(|(_, row)| row.get(peer).copied())
+            .max()
+            .unwrap_or_default()
+    }
+
+    /// How long this rank waited for `peer`.
     pub fn waited_for(&self, peer: usize) -> Duration {
-        let counts = self.count_arrival_ns.get(peer).copied().unwrap_or(0);
-        let data = self.data_arrival_ns.get(peer).copied().unwrap_or(0);
-        Duration::from_nanos(counts.max(data).saturating_sub(self.start_ns))
-    }
-
-    /// Kernel time on this rank.
-    pub fn total(&self) -> Duration {
-        Duration::from_nanos(self.end_ns.saturating_sub(self.start_ns))
+        self.waits
+            .get(self.rank)
+            .and_then(|r| r.get(peer))
+            .copied()
+            .unwrap_or_default()
     }
 }
 
@@ -93,21 +130,20 @@ impl fmt::Display for OpStats {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
-            "{} #{} on rank {}: {:?} total, late rank {} (skew {:?})",
+            "{} #{} on rank {}: {:?} total ({:?} sending); late rank {} (others waited up to {:?} for it)",
             self.op,
             self.op_seq,
             self.rank,
-            self.total(),
+            self.total,
+            self.sending,
             self.late_rank(),
             self.skew()
         )?;
-        let min = self.peer_start_ns.iter().copied().min().unwrap_or(0);
-        for p in 0..self.peer_start_ns.len() {
+        for p in 0..self.waits.len() {
             writeln!(
                 f,
-                "  rank {p}: started +{:?}, its counts/data complete here after {:?}",
-                Duration::from_nanos(self.peer_start_ns[p] - min),
-                self.waited_for(p)
+                "  others waited up to {:?} for rank {p}",
+                self.waited_on(p)
             )?;
         }
         Ok(())
@@ -118,24 +154,64 @@ impl fmt::Display for OpStats {
 mod tests {
     use super::*;
 
-    #[test]
-    fn names_the_rank_that_started_last() {
-        let mut w = vec![0u64; 8 + 9];
+    fn words(world: usize, count: &[u64], data: &[u64]) -> Vec<u64> {
+        let mut w = vec![0u64; 8 + 3 * world];
         w[word::OP_SEQ] = 5;
         w[word::START] = 1_000;
         w[word::SENT] = 2_000;
         w[word::END] = 300_000;
         w[word::KIND] = 2;
-        w[word::WORLD] = 3;
-        w[8..11].copy_from_slice(&[1_000, 201_000, 1_500]);
-        w[14..17].copy_from_slice(&[2_100, 250_000, 2_200]);
-        let s = OpStats::from_words(&w, 0).unwrap();
-        assert_eq!(s.late_rank(), 1);
-        assert_eq!(s.skew(), Duration::from_micros(200));
-        assert_eq!(s.waited_for(1), Duration::from_nanos(249_000));
-        assert_eq!(s.waited_for(0), Duration::from_nanos(1_100));
-        assert!(s.to_string().contains("late rank 1"));
+        w[word::WORLD] = world as u64;
+        w[8 + world..8 + 2 * world].copy_from_slice(count);
+        w[8 + 2 * world..].copy_from_slice(data);
+        w
+    }
+
+    #[test]
+    fn local_waits_use_only_this_gpus_clock() {
+        let l = LocalStats::from_words(&words(3, &[1_100, 201_000, 0], &[2_100, 250_000, 2_200]))
+            .unwrap();
+        assert_eq!(
+            l.waits,
+            vec![
+                Duration::from_nanos(1_100),
+                Duration::from_nanos(249_000),
+                Duration::from_nanos(1_200)
+            ]
+        );
+        assert_eq!(l.total, Duration::from_nanos(299_000));
+        let wire = l.encode();
+        assert_eq!(LocalStats::decode_waits(&wire, 5, 3), Some(l.waits.clone()));
+        assert_eq!(
+            LocalStats::decode_waits(&wire, 6, 3),
+            None,
+            "another op's waits are refused"
+        );
+        assert_eq!(LocalStats::decode_waits(&wire[1..], 5, 3), None);
+        let mut w = words(3, &[0; 3], &[0; 3]);
         w[word::KIND] = 99;
-        assert!(OpStats::from_words(&w, 0).is_none());
+        assert!(LocalStats::from_words(&w).is_none());
+    }
+
+    #[test]
+    fn names_the_rank_the_others_waited_for() {
+        let us = Duration::from_micros;
+        // Rank 1 was late: ranks 0 and 2 waited ~200 us for it; it waited for nobody.
+        let s = OpStats {
+            op: "dispatch",
+            op_seq: 3,
+            rank: 1,
+            total: us(10),
+            sending: us(5),
+            waits: vec![
+                vec![us(0), us(210), us(3)],
+                vec![us(1), us(0), us(1)],
+                vec![us(2), us(205), us(0)],
+            ],
+        };
+        assert_eq!(s.late_rank(), 1);
+        assert_eq!(s.skew(), us(210));
+        assert_eq!(s.waited_for(0), us(1));
+        assert!(s.to_string().contains("late rank 1"));
     }
 }
