@@ -33,9 +33,8 @@ constexpr int kStatSent = 3;
 constexpr int kStatEnd = 4;
 constexpr int kStatKind = 5;
 constexpr int kStatWorld = 6;
-constexpr int kStatPeers = 8;  // [world] peer start stamps (each GPU's own clock: not
-                               // comparable across GPUs), [world] count-row (or barrier)
-                               // arrivals, [world] data-landed arrivals
+constexpr int kStatPeers = 8;  // [world] unused, [world] count-row (or barrier) arrivals,
+                               // [world] data-landed arrivals (this GPU's clock only)
 
 // This op's sequence numbers, derived from the device SeqState by block thread 0.
 struct OpSeq {
@@ -46,7 +45,6 @@ struct OpSeq {
   uint64_t barrier_base;   // barrier[src] value before this op's first barrier
 };
 
-constexpr uint64_t kStampStride = 512;  // bytes between the two start-stamp arrays
 constexpr uint64_t kReadyOffset = 3072;  // stats-region bytes: [world] "my y is ready" words
 
 struct Shared {
@@ -73,14 +71,8 @@ __device__ __forceinline__ WaitCtx make_wait(const OpArgs& a, const OpSeq& q, ui
   return w;
 }
 
-__device__ __forceinline__ uint64_t stamps_offset(const OpArgs& a, const OpSeq& q) {
-  return a.off_stamps + (q.op & 1) * kStampStride;
-}
-
-// Reads the sequence numbers, loads peer bases, publishes this rank's start stamp to every
-// peer, clears the abort flag.
-__device__ __forceinline__ void prologue(const OpArgs& a, Shared& s, uint64_t t_start,
-                                         uint32_t kind) {
+// Reads the sequence numbers, loads peer bases, clears the abort flag.
+__device__ __forceinline__ void prologue(const OpArgs& a, Shared& s, uint32_t kind) {
   const int tid = threadIdx.x;
   if (tid < a.world) s.bases[tid] = reinterpret_cast<uint8_t*>(
                          reinterpret_cast<const uint64_t*>(a.peer_bases)[tid]);
@@ -98,8 +90,6 @@ __device__ __forceinline__ void prologue(const OpArgs& a, Shared& s, uint64_t t_
     s.seq = q;
   }
   __syncthreads();
-  if (blockIdx.x == 0 && tid < a.world)
-    st_relaxed_sys(u64_at(s.bases[tid], stamps_offset(a, s.seq)) + a.rank, t_start);
 }
 
 // Called once per block on the success path; the last block to finish advances SeqState.
@@ -152,9 +142,6 @@ __device__ __forceinline__ void finish_stats(const OpArgs& a, Shared& s, uint64_
                                              uint32_t kind) {
   uint64_t* stats = u64_at(s.bases[a.rank], a.off_stats);
   const int tid = threadIdx.x;
-  if (tid < a.world)
-    stats[kStatPeers + tid] =
-        ld_relaxed_sys(u64_at(s.bases[a.rank], stamps_offset(a, s.seq)) + tid);
   if (tid == 0) {
     stats[kStatOpSeq] = s.seq.op;
     stats[kStatStart] = t_start;
@@ -339,7 +326,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) epcomm_dispatch(const 
   const int world = a.world, me = a.rank, K = a.top_k;
   const int epr = a.num_experts / world;
   const bool block0 = blockIdx.x == 0;
-  prologue(a, s, t_start, kind);
+  prologue(a, s, kind);
   const OpSeq q = s.seq;
   const WaitCtx w = make_wait(a, q, kind);
   // Regions of this op: receive rows by dispatch parity, counts by notify parity.
@@ -530,7 +517,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) epcomm_combine(const O
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int world = a.world, me = a.rank, K = a.top_k;
   const bool block0 = blockIdx.x == 0;
-  prologue(a, s, t_start, kOpCombine);
+  prologue(a, s, kOpCombine);
   const OpSeq q = s.seq;
   const WaitCtx w = make_wait(a, q, kOpCombine);
   const uint64_t cpar = (q.combine & 1) * a.parity_stride;

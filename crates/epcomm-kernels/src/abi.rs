@@ -118,7 +118,6 @@ pub struct OpArgs {
     pub off_expert_counts: u64,
     pub off_done: u64,
     pub off_barrier: u64,
-    pub off_stamps: u64,
     pub off_stats: u64,
     pub err_claim: u64,
     pub err_record: u64,
@@ -212,7 +211,7 @@ pub(crate) const EXPECTED_PROBE: [(&str, u64); 8] = [
 ];
 
 const _: () = {
-    assert!(size_of::<OpArgs>() == 34 * 8 + 12 * 4);
+    assert!(size_of::<OpArgs>() == 33 * 8 + 12 * 4);
     assert!(size_of::<SeqState>() == 56);
     assert!(size_of::<LayoutArgs>() == 6 * 8 + 6 * 4);
     assert!(size_of::<ErrorRecord>() == 56);
@@ -224,8 +223,8 @@ mod tests {
 
     #[test]
     fn layouts_match_the_cuda_header() {
-        assert_eq!(offset_of!(OpArgs, num_tokens), 272);
-        assert_eq!(offset_of!(OpArgs, global_barriers), 316);
+        assert_eq!(offset_of!(OpArgs, num_tokens), 264);
+        assert_eq!(offset_of!(OpArgs, global_barriers), 308);
         assert_eq!(offset_of!(LayoutArgs, num_tokens), 48);
         assert_eq!(offset_of!(ErrorRecord, epoch), 24);
     }
@@ -258,7 +257,6 @@ mod tests {
             "off_expert_counts",
             "off_done",
             "off_barrier",
-            "off_stamps",
             "off_stats",
             "err_claim",
             "err_record",

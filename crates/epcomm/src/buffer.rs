@@ -22,11 +22,6 @@ use crate::layout::{Layout, LayoutInner};
 use crate::stats::{LocalStats, OpStats};
 use crate::{BufferConfig, Error, RecvMode, Result};
 
-/// Byte offset, inside the stats region, of the two start-stamp arrays (one per op parity)
-/// that peers write (`[world]` u64 each).
-/// (`kStampStride` = 512 bytes apart, chosen by the kernel from the op parity.)
-const STAMPS_OFFSET: u64 = 2048;
-
 static NEXT_BUFFER_ID: AtomicU64 = AtomicU64::new(1);
 
 /// Token rows a dispatch sends.
@@ -657,7 +652,6 @@ impl<T: Transport> Buffer<T> {
                 .offset,
             off_comb_flags: plan.region(RegionKind::CombineFlags, Parity::Even).offset,
             off_stats: stats,
-            off_stamps: stats + STAMPS_OFFSET,
             err_claim,
             err_record,
             host_counts: self.host_counts.device_ptr(),

@@ -83,7 +83,6 @@ struct OpArgs {
   uint64_t off_expert_counts;  // [world][experts_per_rank] tagged u64 (notify parity)
   uint64_t off_done;           // [world] monotonic u64
   uint64_t off_barrier;        // [world] monotonic u64
-  uint64_t off_stamps;         // [world] u64 start stamps (op parity)
   uint64_t off_stats;          // stats block (local only)
   // Failure reporting.
   uint64_t err_claim;          // device u32, claimed by the first failing thread
