@@ -2,8 +2,10 @@
 //! workload (4096 tokens/rank, hidden 7168, top-8 of 256, 24 SMs) and metric.
 //! `cargo bench -p epcomm-benches --bench nvlink_ipc`
 
+use epcomm_transport_ipc::IpcTransport;
+
 fn main() {
-    if let Err(e) = epcomm_benches::run("nvlink-ipc") {
+    if let Err(e) = epcomm_benches::run("nvlink-ipc", IpcTransport::new) {
         eprintln!("nvlink_ipc bench failed: {e}");
         std::process::exit(1);
     }

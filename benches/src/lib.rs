@@ -56,8 +56,12 @@ fn connect(world: usize, rank: usize, port: u16) -> Res<Arc<Bootstrap>> {
     Ok(Arc::new(Bootstrap::connect(cfg)?))
 }
 
-/// Runs the benchmark for the transport named `transport` (used in benchmark ids).
-pub fn run(transport: &str) -> Res {
+/// Runs the benchmark on the transport `make` builds (named `transport` in benchmark ids).
+pub fn run<T, F>(transport: &str, make: F) -> Res
+where
+    T: epcomm::Transport,
+    F: Fn(Arc<CudaContext>, Arc<Bootstrap>) -> Result<T, epcomm_transport::TransportError>,
+{
     let gpus = match gpu_count() {
         Ok(n) => n,
         Err(why) => {
@@ -93,7 +97,8 @@ pub fn run(transport: &str) -> Res {
     let (tokens, hidden, top_k, experts, sms) = workload();
     let mut cfg = BufferConfig::new(tokens, hidden, top_k, experts);
     cfg.num_sms = sms;
-    let mut buf = Buffer::new(ctx, boot.clone(), cfg)?;
+    let transport_impl = make(ctx.clone(), boot.clone())?;
+    let mut buf = Buffer::with_transport(transport_impl, ctx, cfg)?;
     let inputs = host_inputs(&Shape::uniform(world, tokens, hidden, top_k, experts, 2025))?;
     let dev = device_inputs(buf.stream(), &inputs, rank)?;
     verified_round(&mut buf, &inputs, &dev, RoundOptions::default())?;

@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, DevicePtr, DevicePtrMut};
 use epcomm::{
-    BarrierStrategy, Buffer, BufferConfig, DispatchInput, Error, RecvMode, WaitKind, XInput,
+    BarrierStrategy, Buffer, BufferConfig, DispatchInput, Error, IpcTransport, RecvMode, Transport,
+    WaitKind, XInput,
 };
 use epcomm_bootstrap::{Bootstrap, BootstrapConfig};
 use epcomm_check::inputs::{Shape, device_inputs, host_inputs, upload};
@@ -18,6 +19,7 @@ use epcomm_check::verify::{RoundOptions, verified_round};
 use epcomm_kernels::IntranodeKernels;
 use epcomm_kernels::abi::LayoutArgs;
 use epcomm_reference::bf16;
+use epcomm_transport_nvshmem::NvshmemTransport;
 
 /// Number of ranks for multi-process tests, or None (with a SKIP line) when no GPU.
 fn world(test: &str, min: usize) -> Option<usize> {
@@ -65,6 +67,61 @@ fn strategy_from_env() -> BarrierStrategy {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(BarrierStrategy::Epoch)
+}
+
+/// Transports a multi-process test runs on: CUDA IPC always, NVSHMEM when its host library is
+/// installed (each worker then initialises NVSHMEM over the bootstrap).
+/// `EPCOMM_TEST_TRANSPORTS` (comma-separated) narrows the list.
+fn transports(test: &str) -> Vec<&'static str> {
+    let mut all = vec!["ipc"];
+    match nvshmem_sys::loader::load_default() {
+        Ok(_) => all.push("nvshmem"),
+        Err(e) => eprintln!("SKIP {test} on nvshmem: {e}"),
+    }
+    match std::env::var("EPCOMM_TEST_TRANSPORTS") {
+        Ok(only) => all
+            .into_iter()
+            .filter(|t| only.split(',').any(|o| o.trim() == *t))
+            .collect(),
+        Err(_) => all,
+    }
+}
+
+fn transport_env(transport: &str, strategy: &str) -> Vec<(&'static str, String)> {
+    let mut env = vec![
+        ("EPCOMM_TEST_BARRIER", strategy.to_string()),
+        ("EPCOMM_TEST_TRANSPORT", transport.to_string()),
+    ];
+    if transport == "nvshmem" {
+        // A host without an RDMA NIC; NVLink multicast stays off.
+        env.push(("NVSHMEM_REMOTE_TRANSPORT", "none".into()));
+        env.push(("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo".into()));
+        env.push(("NVSHMEM_DISABLE_NVLS", "1".into()));
+    }
+    env
+}
+
+/// Runs `$run(&worker, &make_transport, args...)` on the transport `EPCOMM_TEST_TRANSPORT` names.
+macro_rules! on_transport {
+    ($run:ident $(, $arg:expr)*) => {{
+        let w = worker();
+        if std::env::var("EPCOMM_TEST_TRANSPORT").as_deref() == Ok("nvshmem") {
+            let t = NvshmemTransport::new(w.ctx.clone(), w.boot.clone()).expect("NVSHMEM transport");
+            $run(&w, &|| t.clone() $(, $arg)*)
+        } else {
+            let mk = || IpcTransport::new(w.ctx.clone(), w.boot.clone()).expect("IPC transport");
+            $run(&w, &mk $(, $arg)*)
+        }
+    }};
+}
+
+/// Launches `test` once per (transport, strategy).
+fn launch_all(test: &str, n: usize) {
+    for t in transports(test) {
+        for s in ["epoch", "global"] {
+            launch(test, n, &transport_env(t, s));
+        }
+    }
 }
 
 fn log(rank: usize, msg: impl std::fmt::Display) {
@@ -305,8 +362,7 @@ fn groups(world: usize) -> Vec<Group> {
     ]
 }
 
-fn run_suite(strategy: BarrierStrategy) {
-    let w = worker();
+fn run_suite<T: Transport>(w: &Worker, mk: &dyn Fn() -> T, strategy: BarrierStrategy) {
     let (rank, world) = (w.boot.rank(), w.boot.world_size());
     // EPCOMM_TEST_SMALL=1 keeps the small groups (for compute-sanitizer runs).
     let small = std::env::var_os("EPCOMM_TEST_SMALL").is_some();
@@ -318,7 +374,7 @@ fn run_suite(strategy: BarrierStrategy) {
         let mut cfg = BufferConfig::new(g.max_tokens, g.hidden, g.top_k, experts);
         cfg.barrier = strategy;
         cfg.timeout = Duration::from_secs(20);
-        let mut buf = Buffer::new(w.ctx.clone(), w.boot.clone(), cfg).expect("Buffer::new");
+        let mut buf = Buffer::with_transport(mk(), w.ctx.clone(), cfg).expect("Buffer::new");
         for (ci, (tokens, mask, skew, opts)) in g.cases.into_iter().enumerate() {
             let shape = Shape {
                 tokens: tokens.clone(),
@@ -369,32 +425,25 @@ fn run_suite(strategy: BarrierStrategy) {
 #[test]
 fn dispatch_combine_suite() {
     if is_worker() {
-        return run_suite(strategy_from_env());
+        return on_transport!(run_suite, strategy_from_env());
     }
     let Some(n) = world("dispatch_combine_suite", 2) else {
         return;
     };
-    for s in ["epoch", "global"] {
-        launch(
-            "dispatch_combine_suite",
-            n,
-            &[("EPCOMM_TEST_BARRIER", s.to_string())],
-        );
-    }
+    launch_all("dispatch_combine_suite", n);
 }
 
 // ---------------------------------------------------------------------------------------------
 // Many ops back to back: first verified one by one with changing shapes, then issued without
 // any host synchronisation (WorstCase) and verified at the end.
 
-fn run_soak() {
-    let w = worker();
+fn run_soak<T: Transport>(w: &Worker, mk: &dyn Fn() -> T) {
     let (rank, world) = (w.boot.rank(), w.boot.world_size());
     let (hidden, top_k, experts, max_tokens) = (256, 4, 8 * world, 512);
     let mut cfg = BufferConfig::new(max_tokens, hidden, top_k, experts);
     cfg.barrier = strategy_from_env();
     cfg.timeout = Duration::from_secs(20);
-    let mut buf = Buffer::new(w.ctx.clone(), w.boot.clone(), cfg.clone()).expect("Buffer::new");
+    let mut buf = Buffer::with_transport(mk(), w.ctx.clone(), cfg.clone()).expect("Buffer::new");
     let iters: usize = std::env::var("EPCOMM_SOAK_ITERS")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -512,18 +561,12 @@ fn run_soak() {
 #[test]
 fn back_to_back_soak() {
     if is_worker() {
-        return run_soak();
+        return on_transport!(run_soak);
     }
     let Some(n) = world("back_to_back_soak", 2) else {
         return;
     };
-    for s in ["epoch", "global"] {
-        launch(
-            "back_to_back_soak",
-            n,
-            &[("EPCOMM_TEST_BARRIER", s.to_string())],
-        );
-    }
+    launch_all("back_to_back_soak", n);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -775,8 +818,7 @@ fn killed_peer_times_out() {
 // ---------------------------------------------------------------------------------------------
 // CUDA graphs: layout + dispatch (WorstCase) + combine captured once, replayed with new data.
 
-fn run_graph() {
-    let w = worker();
+fn run_graph<T: Transport>(w: &Worker, mk: &dyn Fn() -> T) {
     let (rank, world) = (w.boot.rank(), w.boot.world_size());
     // SAFETY: this process uses one stream for everything; cudarc's cross-stream events would
     // otherwise be recorded into the capture.
@@ -785,7 +827,7 @@ fn run_graph() {
     let mut cfg = BufferConfig::new(tokens, hidden, top_k, experts);
     cfg.barrier = strategy_from_env();
     cfg.timeout = Duration::from_secs(20);
-    let mut buf = Buffer::new(w.ctx.clone(), w.boot.clone(), cfg).unwrap();
+    let mut buf = Buffer::with_transport(mk(), w.ctx.clone(), cfg).unwrap();
     let stream = buf.stream().clone();
     let cap = world * tokens;
     // Eight routings and their references; each replay copies one into the captured buffers.
@@ -869,29 +911,22 @@ fn run_graph() {
 #[test]
 fn graph_replay_matches_reference() {
     if is_worker() {
-        return run_graph();
+        return on_transport!(run_graph);
     }
     let Some(n) = world("graph_replay_matches_reference", 2) else {
         return;
     };
-    for s in ["epoch", "global"] {
-        launch(
-            "graph_replay_matches_reference",
-            n,
-            &[("EPCOMM_TEST_BARRIER", s.to_string())],
-        );
-    }
+    launch_all("graph_replay_matches_reference", n);
 }
 
 // ---------------------------------------------------------------------------------------------
 // Skew attribution: one rank's stream is held 200 us before each op; every rank names it.
 
-fn run_skew() {
-    let w = worker();
+fn run_skew<T: Transport>(w: &Worker, mk: &dyn Fn() -> T) {
     let (rank, world) = (w.boot.rank(), w.boot.world_size());
     let mut cfg = BufferConfig::new(512, 1024, 4, 8 * world);
     cfg.barrier = strategy_from_env();
-    let mut buf = Buffer::new(w.ctx.clone(), w.boot.clone(), cfg).unwrap();
+    let mut buf = Buffer::with_transport(mk(), w.ctx.clone(), cfg).unwrap();
     let shape = Shape::uniform(world, 512, 1024, 4, 8 * world, 3);
     let h = host_inputs(&shape).unwrap();
     let d = device_inputs(buf.stream(), &h, rank).unwrap();
@@ -960,16 +995,10 @@ fn run_skew() {
 #[test]
 fn skew_is_attributed_to_the_late_rank() {
     if is_worker() {
-        return run_skew();
+        return on_transport!(run_skew);
     }
     let Some(n) = world("skew_is_attributed_to_the_late_rank", 2) else {
         return;
     };
-    for s in ["epoch", "global"] {
-        launch(
-            "skew_is_attributed_to_the_late_rank",
-            n,
-            &[("EPCOMM_TEST_BARRIER", s.to_string())],
-        );
-    }
+    launch_all("skew_is_attributed_to_the_late_rank", n);
 }

@@ -110,6 +110,17 @@ pub enum TransportError {
         /// Why it is unusable.
         detail: String,
     },
+    /// A backend library failed (loading, initialisation, allocation).
+    #[error("{backend}: {context}: {source}")]
+    Backend {
+        /// Which backend.
+        backend: &'static str,
+        /// What was being done.
+        context: String,
+        /// The backend's error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     /// A memory access outside an allocation.
     #[error("{what}: range {offset}..{end} is outside the {len}-byte allocation")]
     OutOfBounds {

@@ -40,4 +40,6 @@ pub mod safe;
 pub use attr::{UNIQUEID_BYTES, UniqueIdError};
 pub use loader::{Library, LibrarySearch, LoadError, Version};
 pub use result::NvshmemError;
-pub use safe::{Error, ModuleRegistration, Nvshmem, SymmetricAlloc, Team};
+pub use safe::{
+    Error, ModuleRegistration, Nvshmem, OwnedSymmetricAlloc, SharedNvshmem, SymmetricAlloc, Team,
+};

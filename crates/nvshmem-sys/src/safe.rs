@@ -492,3 +492,123 @@ mod tests {
         assert_send::<Nvshmem>();
     }
 }
+
+/// The runtime shared between threads and owners: [`Nvshmem`] behind a mutex (NVSHMEM's host
+/// calls are serialised through it), so allocations can own a handle to it.
+#[derive(Clone, Debug)]
+pub struct SharedNvshmem {
+    rt: Arc<std::sync::Mutex<Nvshmem>>,
+    pe: u32,
+    n_pes: u32,
+}
+
+impl SharedNvshmem {
+    /// Wraps an initialised runtime.
+    pub fn new(rt: Nvshmem) -> Self {
+        let (pe, n_pes) = (rt.my_pe(), rt.n_pes());
+        Self {
+            rt: Arc::new(std::sync::Mutex::new(rt)),
+            pe,
+            n_pes,
+        }
+    }
+
+    /// This PE.
+    pub fn my_pe(&self) -> u32 {
+        self.pe
+    }
+
+    /// Number of PEs.
+    pub fn n_pes(&self) -> u32 {
+        self.n_pes
+    }
+
+    /// Runs `f` with the runtime locked (a poisoned lock is still usable: the runtime holds no
+    /// Rust invariants a panic could break).
+    pub fn with<R>(&self, f: impl FnOnce(&Nvshmem) -> R) -> R {
+        let guard = self.rt.lock().unwrap_or_else(|p| p.into_inner());
+        f(&guard)
+    }
+
+    /// `nvshmem_barrier_all`. Collective.
+    pub fn barrier_all(&self) {
+        self.with(Nvshmem::barrier_all)
+    }
+}
+
+/// Zeroed symmetric-heap memory that owns a handle to the runtime (for long-lived owners such as
+/// transports); `nvshmem_free` on drop. Creation and drop are collective.
+#[derive(Debug)]
+pub struct OwnedSymmetricAlloc {
+    rt: SharedNvshmem,
+    ptr: NonNull<c_void>,
+    bytes: usize,
+}
+
+// SAFETY: the allocation is device memory addressed by value; every host call that touches it
+// goes through the runtime's mutex.
+unsafe impl Send for OwnedSymmetricAlloc {}
+// SAFETY: as above; `&self` methods only read the immutable address and size.
+unsafe impl Sync for OwnedSymmetricAlloc {}
+
+impl OwnedSymmetricAlloc {
+    /// `nvshmem_calloc(1, bytes)`. Collective.
+    ///
+    /// # Errors
+    /// [`Error::ZeroSizeAlloc`]; [`Error::OutOfSymmetricMemory`].
+    pub fn zeroed(rt: &SharedNvshmem, bytes: usize) -> Result<Self, Error> {
+        if bytes == 0 {
+            return Err(Error::ZeroSizeAlloc);
+        }
+        // SAFETY: the runtime is initialised (it exists).
+        let p = rt.with(|r| unsafe { result::calloc(r.lib.api(), 1, bytes) });
+        match p {
+            Some(ptr) => Ok(Self {
+                rt: rt.clone(),
+                ptr,
+                bytes,
+            }),
+            None => Err(Error::OutOfSymmetricMemory {
+                call: "nvshmem_calloc",
+                bytes,
+            }),
+        }
+    }
+
+    /// Device address of this PE's copy.
+    pub fn ptr(&self) -> u64 {
+        self.ptr.as_ptr() as u64
+    }
+
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+
+    /// Always false (zero-size allocations are refused).
+    pub fn is_empty(&self) -> bool {
+        self.bytes == 0
+    }
+
+    /// Address of PE `pe`'s copy that this process can access directly (`nvshmem_ptr`), or
+    /// `None` when it is not directly reachable.
+    pub fn peer_ptr(&self, pe: u32) -> Option<u64> {
+        if pe >= self.rt.n_pes {
+            return None;
+        }
+        // SAFETY: initialised; live allocation; `pe < n_pes` fits a c_int.
+        let p = self
+            .rt
+            .with(|r| unsafe { result::ptr(r.lib.api(), self.ptr.as_ptr(), pe as c_int) });
+        p.map(|p| p.as_ptr() as u64)
+    }
+}
+
+impl Drop for OwnedSymmetricAlloc {
+    fn drop(&mut self) {
+        let ptr = self.ptr;
+        // SAFETY: `ptr` came from this runtime's allocator and is freed exactly once; the
+        // runtime is kept alive by `self.rt`.
+        self.rt.with(|r| unsafe { result::free(r.lib.api(), ptr) });
+    }
+}
