@@ -10,12 +10,15 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use cudarc::driver::{CudaContext, sys};
-use epcomm::{BarrierStrategy, Buffer, BufferConfig, DispatchInput, RecvMode, XInput};
+use epcomm::{
+    BarrierStrategy, Buffer, BufferConfig, DispatchInput, IpcTransport, RecvMode, Transport, XInput,
+};
 use epcomm_bootstrap::{Bootstrap, BootstrapConfig};
 use epcomm_check::inputs::{Shape, device_inputs, host_inputs};
 use epcomm_check::procs::{gpu_count, is_worker, run_workers};
 use epcomm_check::timing::{BenchOp, Timer, median};
 use epcomm_check::verify::{RoundOptions, verified_round};
+use epcomm_transport_nvshmem::NvshmemTransport;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -54,6 +57,9 @@ struct BenchArgs {
     /// SMs (blocks) per op.
     #[arg(long, default_value_t = 24)]
     sms: u32,
+    /// Transport: ipc (CUDA IPC over NVLink) or nvshmem (NVSHMEM symmetric heap).
+    #[arg(long, default_value = "ipc")]
+    transport: String,
     /// Barrier strategy: epoch or global.
     #[arg(long, default_value = "epoch")]
     barrier: String,
@@ -101,8 +107,21 @@ fn bench_launcher(args: &BenchArgs) -> Res {
     }
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
-    eprintln!("epcomm bench: {world} rank(s), one process per GPU");
-    run_workers(world, &argv, &[], Duration::from_secs(1800))?;
+    eprintln!(
+        "epcomm bench: {world} rank(s), one process per GPU, {} transport",
+        args.transport
+    );
+    // Local launch = one host: NVSHMEM needs no remote transport; multicast stays off.
+    let mut env = vec![("NVSHMEM_DISABLE_NVLS", "1".to_string())];
+    for (key, value) in [
+        ("NVSHMEM_REMOTE_TRANSPORT", "none"),
+        ("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo"),
+    ] {
+        if std::env::var_os(key).is_none() {
+            env.push((key, value.to_string()));
+        }
+    }
+    run_workers(world, &argv, &env, Duration::from_secs(1800))?;
     Ok(())
 }
 
@@ -114,8 +133,26 @@ fn say(rank: usize, msg: impl std::fmt::Display) {
 
 fn bench_worker(args: &BenchArgs) -> Res {
     let boot = Arc::new(Bootstrap::connect(BootstrapConfig::from_env()?)?);
-    let (rank, world) = (boot.rank(), boot.world_size());
     let ctx = CudaContext::new(boot.local_rank())?;
+    match args.transport.as_str() {
+        "ipc" => run_bench(args, &boot, &ctx, &|| {
+            Ok(IpcTransport::new(ctx.clone(), boot.clone())?)
+        }),
+        "nvshmem" => {
+            let t = NvshmemTransport::new(ctx.clone(), boot.clone())?;
+            run_bench(args, &boot, &ctx, &|| Ok(t.clone()))
+        }
+        other => Err(format!("--transport {other}: expected ipc or nvshmem").into()),
+    }
+}
+
+fn run_bench<T: Transport>(
+    args: &BenchArgs,
+    boot: &Arc<Bootstrap>,
+    ctx: &Arc<CudaContext>,
+    make: &dyn Fn() -> Res<T>,
+) -> Res {
+    let (rank, world) = (boot.rank(), boot.world_size());
     let sms_total =
         ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
     let barrier: BarrierStrategy = args.barrier.parse()?;
@@ -147,7 +184,7 @@ fn bench_worker(args: &BenchArgs) -> Res {
         let mut cfg = BufferConfig::new(args.tokens, args.hidden, args.top_k, args.experts);
         cfg.num_sms = sms;
         cfg.barrier = barrier;
-        let mut buf = Buffer::new(ctx.clone(), boot.clone(), cfg)?;
+        let mut buf = Buffer::with_transport(make()?, ctx.clone(), cfg)?;
         let dev = device_inputs(buf.stream(), &inputs, rank)?;
         if i == 0 {
             say(
@@ -205,7 +242,7 @@ fn bench_worker(args: &BenchArgs) -> Res {
             rows.push((op, sms, t, gbps, times));
         }
         if let (Some(late), 0) = (args.delay_rank, i) {
-            skew_demo(&mut buf, &dev, &boot, late, args.delay_us)?;
+            skew_demo(&mut buf, &dev, boot, late, args.delay_us)?;
         }
         buf.destroy()?;
     }
@@ -240,8 +277,8 @@ fn bench_worker(args: &BenchArgs) -> Res {
 }
 
 /// Delays `late`'s stream before each of a few dispatches and reports whom every rank names.
-fn skew_demo(
-    buf: &mut Buffer,
+fn skew_demo<T: Transport>(
+    buf: &mut Buffer<T>,
     dev: &epcomm_check::inputs::DeviceInputs,
     boot: &Bootstrap,
     late: usize,

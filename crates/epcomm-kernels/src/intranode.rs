@@ -15,6 +15,14 @@ pub const THREADS: u32 = 512;
 /// Experts per histogram block of the layout kernel (`kHistChunk`).
 const HIST_CHUNK: u32 = 4096;
 
+fn grid(blocks: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 /// The loaded intranode module of one CUDA context.
 #[derive(Debug)]
 pub struct IntranodeKernels {
@@ -106,11 +114,7 @@ impl IntranodeKernels {
             args.gpus_per_node as u32,
             args.num_experts as u32,
         );
-        let cfg = LaunchConfig {
-            grid_dim: (blocks, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = grid(blocks);
         // SAFETY: upheld by the caller (see above).
         unsafe { stream.launch_builder(&self.layout).arg(args).launch(cfg) }
             .context("launching epcomm_layout")?;
@@ -129,11 +133,7 @@ impl IntranodeKernels {
         args: &OpArgs,
         blocks: u32,
     ) -> Result<(), KernelError> {
-        let cfg = LaunchConfig {
-            grid_dim: (blocks, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = grid(blocks);
         // SAFETY: upheld by the caller (see above).
         unsafe { stream.launch_builder(&self.dispatch).arg(args).launch(cfg) }
             .context("launching epcomm_dispatch")?;
@@ -150,11 +150,7 @@ impl IntranodeKernels {
         args: &OpArgs,
         blocks: u32,
     ) -> Result<(), KernelError> {
-        let cfg = LaunchConfig {
-            grid_dim: (blocks, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = grid(blocks);
         // SAFETY: upheld by the caller (see above).
         unsafe { stream.launch_builder(&self.combine).arg(args).launch(cfg) }
             .context("launching epcomm_combine")?;

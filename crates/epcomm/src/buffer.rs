@@ -109,6 +109,14 @@ impl Sequence {
     }
 }
 
+/// What a combine reduces: `y` (and its weights) in caller memory, or in place.
+#[derive(Clone, Copy, Debug)]
+struct CombineInputs {
+    y: u64,
+    y_weights: u64,
+    in_place: bool,
+}
+
 /// A captured sequence of ops ([`Buffer::capture`]), replayed with [`Buffer::replay`].
 pub struct EpGraph {
     graph: cudarc::driver::CudaGraph,
@@ -963,95 +971,53 @@ impl<T: Transport> Buffer<T> {
     ) -> Result<()> {
         self.ensure_ready()?;
         let h = self.own_handle(handle)?;
-        let (hd, k, t) = (self.cfg.hidden, self.cfg.top_k, h.layout.num_tokens);
+        let (hd, k) = (self.cfg.hidden, self.cfg.top_k);
         let rows = h.num_recv.unwrap_or(h.max_rows);
-        let bad = |argument, rule: String| Err(Error::InvalidArgument { argument, rule });
         if y.len() < rows * hd || !y.len().is_multiple_of(hd) {
             let what = if h.num_recv.is_some() {
                 "received"
             } else {
                 "capacity: WorstCase dispatch"
             };
-            return bad(
-                "y",
-                format!(
+            return Err(Error::InvalidArgument {
+                argument: "y",
+                rule: format!(
                     "must hold rows * hidden = {} values (holds {}); rows = {rows} ({what})",
                     rows * hd,
                     y.len()
                 ),
-            );
-        }
-        if out.len() != t * hd {
-            return bad(
-                "out",
-                format!(
-                    "must hold num_tokens * hidden = {} values (holds {})",
-                    t * hd,
-                    out.len()
-                ),
-            );
+            });
         }
         match (&y_weights, &out_weights) {
-            (Some(w), Some(o)) => {
-                if w.len() < rows * k {
-                    return bad(
-                        "y_weights",
-                        format!(
-                            "must hold rows * top_k = {} values (holds {})",
-                            rows * k,
-                            w.len()
-                        ),
-                    );
-                }
-                if o.len() != t * k {
-                    return bad(
-                        "out_weights",
-                        format!(
-                            "must hold num_tokens * top_k = {} values (holds {})",
-                            t * k,
-                            o.len()
-                        ),
-                    );
-                }
+            (Some(w), Some(_)) if w.len() < rows * k => {
+                return Err(Error::InvalidArgument {
+                    argument: "y_weights",
+                    rule: format!(
+                        "must hold rows * top_k = {} values (holds {})",
+                        rows * k,
+                        w.len()
+                    ),
+                });
             }
-            (None, None) => {}
-            _ => return bad("y_weights/out_weights", "give both or neither".into()),
+            (Some(_), Some(_)) | (None, None) => {}
+            _ => {
+                return Err(Error::InvalidArgument {
+                    argument: "y_weights/out_weights",
+                    rule: "give both or neither".into(),
+                });
+            }
         }
-        let blocks = self.cfg.num_sms;
-        let mut a = self.base_args(abi::op::COMBINE);
-        a.off_comb_x = self.plan.region(RegionKind::CombineX, Parity::Even).offset;
-        a.off_comb_w = self
-            .plan
-            .region(RegionKind::CombineWeights, Parity::Even)
-            .offset;
-        a.num_tokens = t as i32;
-        a.max_recv_rows = h.max_rows as i32;
-        a.flags = if y_weights.is_some() {
-            abi::flags::HAS_WEIGHTS
-        } else {
-            0
+        let s = self.stream.clone();
+        let (y_ptr, _gy) = y.device_ptr(&s);
+        let yw = y_weights.map(|w| w.device_ptr(&s));
+        let inputs = CombineInputs {
+            y: y_ptr,
+            y_weights: yw.as_ref().map_or(0, |p| p.0),
+            in_place: false,
         };
-        let s = &self.stream;
-        let (y_ptr, _gy) = y.device_ptr(s);
-        let yw = y_weights.map(|w| w.device_ptr(s));
-        let (out_ptr, _go) = out.device_ptr_mut(s);
-        let ow = out_weights.map(|w| w.device_ptr_mut(s));
-        let (slot_ptr, _g1) = h.layout.token_slot.device_ptr(s);
-        let (rp, _g2) = h.recv_prefix.device_ptr(s);
-        let (ri, _g3) = h.recv_src_idx.device_ptr(s);
-        a.x = y_ptr;
-        a.topk_weights = yw.as_ref().map_or(0, |p| p.0);
-        a.out = out_ptr;
-        a.out_weights = ow.as_ref().map_or(0, |p| p.0);
-        a.token_slot = slot_ptr;
-        a.recv_prefix = rp;
-        a.recv_src_idx = ri;
         // SAFETY: y holds at least the received rows (checked against the host count or the
-        // capacity the dispatch enforced on the device); out/out_weights hold T rows; the
-        // handle's arrays were written by its dispatch earlier on this stream.
-        unsafe { self.kernels.launch_combine(s, &a, blocks) }?;
-        self.last_op = Some("combine");
-        Ok(())
+        // capacity the dispatch enforced on the device), y_weights as many weight rows.
+        unsafe { self.launch_combine(handle, inputs, out, out_weights) }
     }
 
     /// Combine without moving y: every rank has written its expert output `y` (`[rows][hidden]`
@@ -1067,7 +1033,7 @@ impl<T: Transport> Buffer<T> {
         out_weights: Option<&mut dyn DevicePtrMut<f32>>,
     ) -> Result<()> {
         self.ensure_ready()?;
-        let h = self.own_handle(handle)?;
+        self.own_handle(handle)?;
         match &self.latest_dispatch {
             Some((latest, RecvDtype::Bf16))
                 if std::ptr::eq(latest.as_ptr(), Arc::as_ptr(&handle.inner)) => {}
@@ -1081,6 +1047,28 @@ impl<T: Transport> Buffer<T> {
                 });
             }
         }
+        let inputs = CombineInputs {
+            y: 0,
+            y_weights: 0,
+            in_place: true,
+        };
+        // SAFETY: in place, the rows read lie in the receive regions of the symmetric buffers
+        // at the offsets the handle's dispatch (this rank's latest, checked above) wrote.
+        unsafe { self.launch_combine(handle, inputs, out, out_weights) }
+    }
+
+    /// Checks the outputs and launches the combine kernel.
+    ///
+    /// # Safety
+    /// `inputs.y`/`inputs.y_weights` (unless in place) must hold the handle's received rows.
+    unsafe fn launch_combine(
+        &mut self,
+        handle: &Handle,
+        inputs: CombineInputs,
+        out: &mut dyn DevicePtrMut<half::bf16>,
+        out_weights: Option<&mut dyn DevicePtrMut<f32>>,
+    ) -> Result<()> {
+        let h = &handle.inner;
         let (hd, k, t) = (self.cfg.hidden, self.cfg.top_k, h.layout.num_tokens);
         if out.len() != t * hd {
             return Err(Error::InvalidArgument {
@@ -1106,33 +1094,36 @@ impl<T: Transport> Buffer<T> {
         }
         let blocks = self.cfg.num_sms;
         let mut a = self.base_args(abi::op::COMBINE);
-        a.off_x = self.plan.region(RegionKind::DispatchX, Parity::Even).offset;
-        a.off_topk_w = self
-            .plan
-            .region(RegionKind::DispatchTopkWeights, Parity::Even)
-            .offset;
+        let r = |k| self.plan.region(k, Parity::Even).offset;
+        a.off_comb_x = r(RegionKind::CombineX);
+        a.off_comb_w = r(RegionKind::CombineWeights);
+        a.off_x = r(RegionKind::DispatchX);
+        a.off_topk_w = r(RegionKind::DispatchTopkWeights);
         a.num_tokens = t as i32;
         a.max_recv_rows = h.max_rows as i32;
-        a.flags = abi::flags::IN_PLACE
-            | if out_weights.is_some() {
-                abi::flags::HAS_WEIGHTS
-            } else {
-                0
-            };
+        let weights = out_weights.is_some();
+        a.flags = if inputs.in_place {
+            abi::flags::IN_PLACE
+        } else {
+            0
+        } | if weights { abi::flags::HAS_WEIGHTS } else { 0 };
         let s = &self.stream;
         let (out_ptr, _go) = out.device_ptr_mut(s);
         let ow = out_weights.map(|w| w.device_ptr_mut(s));
         let (slot_ptr, _g1) = h.layout.token_slot.device_ptr(s);
         let (rp, _g2) = h.recv_prefix.device_ptr(s);
-        let (so, _g3) = h.send_offsets.device_ptr(s);
+        let (ri, _g3) = h.recv_src_idx.device_ptr(s);
+        let (so, _g4) = h.send_offsets.device_ptr(s);
+        a.x = inputs.y;
+        a.topk_weights = inputs.y_weights;
         a.out = out_ptr;
         a.out_weights = ow.as_ref().map_or(0, |p| p.0);
         a.token_slot = slot_ptr;
         a.recv_prefix = rp;
+        a.recv_src_idx = ri;
         a.send_offsets = so;
-        // SAFETY: out/out_weights hold T rows; the handle (the latest dispatch's, checked above)
-        // was written by that dispatch earlier on this stream; the rows read lie in the
-        // receive regions of the symmetric buffers at offsets that dispatch wrote.
+        // SAFETY: out/out_weights hold T rows (checked above); y per the caller's contract; the
+        // handle's arrays were written by its dispatch earlier on this stream.
         unsafe { self.kernels.launch_combine(s, &a, blocks) }?;
         self.last_op = Some("combine");
         Ok(())
