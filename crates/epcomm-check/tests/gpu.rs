@@ -133,6 +133,57 @@ fn log(rank: usize, msg: impl std::fmt::Display) {
 // ---------------------------------------------------------------------------------------------
 // Layout kernel: one process, many world sizes and shapes.
 
+/// Runs the layout kernel on `idx` for `[tokens, top_k, experts, world, gpus_per_node]` and
+/// returns (counts, token slots, status).
+fn run_layout(
+    kernels: &IntranodeKernels,
+    stream: &Arc<cudarc::driver::CudaStream>,
+    (record, claim): (
+        &cudarc::driver::CudaSlice<u64>,
+        &cudarc::driver::CudaSlice<u32>,
+    ),
+    idx: &[i64],
+    [tokens, top_k, experts, world, gpn]: [usize; 5],
+) -> (Vec<u32>, Vec<i32>, u32) {
+    let idx = upload(stream, idx).unwrap();
+    let mut counts = stream
+        .alloc_zeros::<u32>(world + experts + world / gpn)
+        .unwrap();
+    let mut slots = stream.alloc_zeros::<i32>((tokens * world).max(1)).unwrap();
+    let mut status = stream.alloc_zeros::<u32>(1).unwrap();
+    {
+        let (i, _g0) = idx.device_ptr(stream);
+        let (c, _g1) = counts.device_ptr_mut(stream);
+        let (s, _g2) = slots.device_ptr_mut(stream);
+        let (st, _g3) = status.device_ptr_mut(stream);
+        let (rec, _g4) = record.device_ptr(stream);
+        let (cl, _g5) = claim.device_ptr(stream);
+        let args = LayoutArgs {
+            topk_idx: i,
+            counts: c,
+            token_slot: s,
+            status: st,
+            err_record: rec,
+            err_claim: cl,
+            num_tokens: tokens as i32,
+            top_k: top_k as i32,
+            num_experts: experts as i32,
+            world: world as i32,
+            gpus_per_node: gpn as i32,
+            rank: 0,
+        };
+        // SAFETY: every array has the size the kernel expects for this shape.
+        unsafe { kernels.launch_layout(stream, &args) }.unwrap();
+    }
+    let mut s = stream.clone_dtoh(&slots).unwrap();
+    s.truncate(tokens * world);
+    (
+        stream.clone_dtoh(&counts).unwrap(),
+        s,
+        stream.clone_dtoh(&status).unwrap()[0],
+    )
+}
+
 #[test]
 fn layout_kernel_matches_reference() {
     if let Err(why) = gpu_count() {
@@ -173,38 +224,13 @@ fn layout_kernel_matches_reference() {
                 let want =
                     epcomm_reference::layout(&w.topk_idx, tokens, top_k, experts, world, gpn)
                         .unwrap();
-                let idx = upload(&stream, &w.topk_idx).unwrap();
-                let nodes = world / gpn;
-                let mut counts = stream.alloc_zeros::<u32>(world + experts + nodes).unwrap();
-                let mut slots = stream.alloc_zeros::<i32>((tokens * world).max(1)).unwrap();
-                let mut status = stream.alloc_zeros::<u32>(1).unwrap();
-                {
-                    let (i, _g0) = idx.device_ptr(&stream);
-                    let (c, _g1) = counts.device_ptr_mut(&stream);
-                    let (s, _g2) = slots.device_ptr_mut(&stream);
-                    let (st, _g3) = status.device_ptr_mut(&stream);
-                    let (rec, _g4) = record.device_ptr(&stream);
-                    let (cl, _g5) = claim.device_ptr(&stream);
-                    let args = LayoutArgs {
-                        topk_idx: i,
-                        counts: c,
-                        token_slot: s,
-                        status: st,
-                        err_record: rec,
-                        err_claim: cl,
-                        num_tokens: tokens as i32,
-                        top_k: top_k as i32,
-                        num_experts: experts as i32,
-                        world: world as i32,
-                        gpus_per_node: gpn as i32,
-                        rank: 0,
-                    };
-                    // SAFETY: every array has the size the kernel expects for this shape.
-                    unsafe { kernels.launch_layout(&stream, &args) }.unwrap();
-                }
-                let c = stream.clone_dtoh(&counts).unwrap();
-                let mut s = stream.clone_dtoh(&slots).unwrap();
-                s.truncate(tokens * world);
+                let (c, s, status) = run_layout(
+                    &kernels,
+                    &stream,
+                    (&record, &claim),
+                    &w.topk_idx,
+                    [tokens, top_k, experts, world, gpn],
+                );
                 let what = format!("T={tokens} K={top_k} E={experts} world={world} gpn={gpn}");
                 assert_eq!(
                     &c[..world],
@@ -222,45 +248,20 @@ fn layout_kernel_matches_reference() {
                     "tokens_per_node {what}"
                 );
                 assert_eq!(s, want.token_slot, "token_slot {what}");
-                assert_eq!(
-                    stream.clone_dtoh(&status).unwrap(),
-                    vec![0],
-                    "status {what}"
-                );
+                assert_eq!(status, 0, "status {what}");
                 cases += 1;
             }
         }
     }
     // An invalid id is reported, not silently counted.
-    let bad = upload(&stream, &[0i64, 5, -1, 2]).unwrap();
-    let mut counts = stream.alloc_zeros::<u32>(2 + 4 + 1).unwrap();
-    let mut slots = stream.alloc_zeros::<i32>(4).unwrap();
-    let mut status = stream.alloc_zeros::<u32>(1).unwrap();
-    {
-        let (i, _g0) = bad.device_ptr(&stream);
-        let (c, _g1) = counts.device_ptr_mut(&stream);
-        let (s, _g2) = slots.device_ptr_mut(&stream);
-        let (st, _g3) = status.device_ptr_mut(&stream);
-        let (rec, _g4) = record.device_ptr(&stream);
-        let (cl, _g5) = claim.device_ptr(&stream);
-        let args = LayoutArgs {
-            topk_idx: i,
-            counts: c,
-            token_slot: s,
-            status: st,
-            err_record: rec,
-            err_claim: cl,
-            num_tokens: 2,
-            top_k: 2,
-            num_experts: 4,
-            world: 2,
-            gpus_per_node: 2,
-            rank: 0,
-        };
-        // SAFETY: sizes match the shape (T=2, K=2, E=4, world=2, one node).
-        unsafe { kernels.launch_layout(&stream, &args) }.unwrap();
-    }
-    assert_eq!(stream.clone_dtoh(&status).unwrap(), vec![1]);
+    let (_, _, status) = run_layout(
+        &kernels,
+        &stream,
+        (&record, &claim),
+        &[0i64, 5, -1, 2],
+        [2, 2, 4, 2, 2],
+    );
+    assert_eq!(status, 1);
     let rec = stream.clone_dtoh(&record).unwrap();
     assert_eq!(rec[0] & 0xffff_ffff, 3, "INVALID_EXPERT code");
     assert_eq!(rec[5], 5, "offending id recorded");

@@ -133,11 +133,16 @@ impl IntranodeKernels {
         args: &OpArgs,
         blocks: u32,
     ) -> Result<(), KernelError> {
-        let cfg = grid(blocks);
         // SAFETY: upheld by the caller (see above).
-        unsafe { stream.launch_builder(&self.dispatch).arg(args).launch(cfg) }
-            .context("launching epcomm_dispatch")?;
-        Ok(())
+        unsafe {
+            Self::launch_op(
+                &self.dispatch,
+                "launching epcomm_dispatch",
+                stream,
+                args,
+                blocks,
+            )
+        }
     }
 
     /// Launches combine with `blocks` blocks.
@@ -150,10 +155,29 @@ impl IntranodeKernels {
         args: &OpArgs,
         blocks: u32,
     ) -> Result<(), KernelError> {
-        let cfg = grid(blocks);
         // SAFETY: upheld by the caller (see above).
-        unsafe { stream.launch_builder(&self.combine).arg(args).launch(cfg) }
-            .context("launching epcomm_combine")?;
+        unsafe {
+            Self::launch_op(
+                &self.combine,
+                "launching epcomm_combine",
+                stream,
+                args,
+                blocks,
+            )
+        }
+    }
+
+    /// # Safety
+    /// As for [`Self::launch_dispatch`].
+    unsafe fn launch_op(
+        f: &CudaFunction,
+        what: &'static str,
+        stream: &CudaStream,
+        args: &OpArgs,
+        blocks: u32,
+    ) -> Result<(), KernelError> {
+        // SAFETY: upheld by the caller (see above).
+        unsafe { stream.launch_builder(f).arg(args).launch(grid(blocks)) }.context(what)?;
         Ok(())
     }
 }
