@@ -36,6 +36,9 @@ impl DeviceBuffer {
         // SAFETY: `ptr` is a live allocation of at least `len` bytes.
         check(unsafe { sys::cuMemsetD8_v2(ptr, 0, len.max(1)) })
             .context("zeroing device memory")?;
+        // cuMemset may return before the device finished; peers may write into this memory
+        // as soon as setup completes, so the zeroing must be done by then.
+        ctx.synchronize().context("waiting for the zeroing")?;
         Ok(buf)
     }
 
