@@ -1164,3 +1164,52 @@ impl<T: Transport> Buffer<T> {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_sequence_mirrors_the_device_rules() {
+        let mut s = Sequence::default();
+        s.advance(abi::op::DISPATCH);
+        s.advance(abi::op::COMBINE);
+        s.advance(abi::op::CACHED_DISPATCH);
+        s.advance(abi::op::COMBINE);
+        // Same increments as `prologue` in intranode.cu.
+        assert_eq!(
+            s,
+            Sequence {
+                op: 4,
+                notify: 1,
+                dispatch: 2,
+                combine: 2
+            }
+        );
+        let before = s;
+        s.advance(abi::op::DISPATCH);
+        s.advance(abi::op::COMBINE);
+        let delta = s.minus(&before);
+        assert_eq!(
+            delta,
+            Sequence {
+                op: 2,
+                notify: 1,
+                dispatch: 1,
+                combine: 1
+            }
+        );
+        // A graph replay advances the mirror by what the capture contained.
+        let mut replayed = s;
+        replayed.add(&delta);
+        assert_eq!(
+            replayed,
+            Sequence {
+                op: 8,
+                notify: 3,
+                dispatch: 4,
+                combine: 4
+            }
+        );
+    }
+}
