@@ -22,6 +22,14 @@ use epcomm_check::verify::{RoundOptions, verified_round};
 /// Errors of the driver.
 pub type Res<T = ()> = Result<T, Box<dyn std::error::Error>>;
 
+/// The barrier strategy, `EPCOMM_BENCH_BARRIER` (epoch, global, peer-signal; default epoch).
+fn strategy() -> Res<epcomm::BarrierStrategy> {
+    match std::env::var("EPCOMM_BENCH_BARRIER") {
+        Ok(s) => Ok(s.parse()?),
+        Err(_) => Ok(epcomm::BarrierStrategy::Epoch),
+    }
+}
+
 /// The DeepEP normal-mode workload, overridable with `EPCOMM_BENCH_TOKENS` / `EPCOMM_BENCH_SMS`.
 fn workload() -> (usize, usize, usize, usize, u32) {
     let env = |k: &str, d: usize| {
@@ -97,6 +105,7 @@ where
     let (tokens, hidden, top_k, experts, sms) = workload();
     let mut cfg = BufferConfig::new(tokens, hidden, top_k, experts);
     cfg.num_sms = sms;
+    cfg.barrier = strategy()?;
     let transport_impl = make(ctx.clone(), boot.clone())?;
     let mut buf = Buffer::with_transport(transport_impl, ctx, cfg)?;
     let inputs = host_inputs(&Shape::uniform(world, tokens, hidden, top_k, experts, 2025))?;
@@ -120,7 +129,10 @@ where
         .sample_size(20)
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(3));
-    let mut group = c.benchmark_group(format!("{transport}/ep{world}/{sms}sms"));
+    let mut group = c.benchmark_group(format!(
+        "{transport}/ep{world}/{sms}sms/{}",
+        cfg_barrier_name(&buf)
+    ));
     for (i, op) in BenchOp::ALL.into_iter().enumerate() {
         group.throughput(Throughput::Bytes(
             op.metric_bytes(timer.num_recv, hidden) as u64
@@ -152,4 +164,8 @@ where
     }
     c.final_summary();
     Ok(())
+}
+
+fn cfg_barrier_name<T: epcomm::Transport>(buf: &Buffer<T>) -> &'static str {
+    buf.config().barrier.name()
 }

@@ -4,7 +4,10 @@
 //! build error: the crate then reports, at load time, that `cargo xtask build-kernels` must run.
 use std::{env, fmt::Write as _, fs, path::PathBuf};
 
-const ARTIFACTS: &[(&str, &str)] = &[("INTRANODE", "intranode.fatbin")];
+const ARTIFACTS: &[(&str, &str)] = &[
+    ("INTRANODE", "intranode.fatbin"),
+    ("INTRANODE_NVSHMEM", "intranode_nvshmem.cubin"),
+];
 
 fn main() {
     println!("cargo:rerun-if-env-changed=EPCOMM_KERNEL_DIR");

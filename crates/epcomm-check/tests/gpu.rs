@@ -16,10 +16,10 @@ use epcomm_bootstrap::{Bootstrap, BootstrapConfig};
 use epcomm_check::inputs::{Shape, device_inputs, host_inputs, upload};
 use epcomm_check::procs::{gpu_count, is_worker, run_workers};
 use epcomm_check::verify::{RoundOptions, verified_round};
-use epcomm_kernels::IntranodeKernels;
 use epcomm_kernels::abi::LayoutArgs;
+use epcomm_kernels::{IntranodeKernels, KernelVariant};
 use epcomm_reference::bf16;
-use epcomm_transport_nvshmem::NvshmemTransport;
+use epcomm_transport_nvshmem::{NvshmemOptions, NvshmemTransport};
 
 /// Number of ranks for multi-process tests, or None (with a SKIP line) when no GPU.
 fn world(test: &str, min: usize) -> Option<usize> {
@@ -69,13 +69,14 @@ fn strategy_from_env() -> BarrierStrategy {
         .unwrap_or(BarrierStrategy::Epoch)
 }
 
-/// Transports a multi-process test runs on: CUDA IPC always, NVSHMEM when its host library is
-/// installed (each worker then initialises NVSHMEM over the bootstrap).
-/// `EPCOMM_TEST_TRANSPORTS` (comma-separated) narrows the list.
+/// Transports a multi-process test runs on: CUDA IPC always; NVSHMEM when its host library is
+/// installed (each worker then initialises NVSHMEM over the bootstrap), both as one node
+/// (`nvshmem`) and with every GPU its own virtual node (`nvshmem-vnodes`: all traffic between
+/// ranks through NVSHMEM put/signal). `EPCOMM_TEST_TRANSPORTS` (comma-separated) narrows it.
 fn transports(test: &str) -> Vec<&'static str> {
     let mut all = vec!["ipc"];
     match nvshmem_sys::loader::load_default() {
-        Ok(_) => all.push("nvshmem"),
+        Ok(_) => all.extend(["nvshmem", "nvshmem-vnodes"]),
         Err(e) => eprintln!("SKIP {test} on nvshmem: {e}"),
     }
     match std::env::var("EPCOMM_TEST_TRANSPORTS") {
@@ -92,7 +93,7 @@ fn transport_env(transport: &str, strategy: &str) -> Vec<(&'static str, String)>
         ("EPCOMM_TEST_BARRIER", strategy.to_string()),
         ("EPCOMM_TEST_TRANSPORT", transport.to_string()),
     ];
-    if transport == "nvshmem" {
+    if transport.starts_with("nvshmem") {
         // A host without an RDMA NIC; NVLink multicast stays off.
         env.push(("NVSHMEM_REMOTE_TRANSPORT", "none".into()));
         env.push(("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo".into()));
@@ -105,8 +106,13 @@ fn transport_env(transport: &str, strategy: &str) -> Vec<(&'static str, String)>
 macro_rules! on_transport {
     ($run:ident $(, $arg:expr)*) => {{
         let w = worker();
-        if std::env::var("EPCOMM_TEST_TRANSPORT").as_deref() == Ok("nvshmem") {
-            let t = NvshmemTransport::new(w.ctx.clone(), w.boot.clone()).expect("NVSHMEM transport");
+        let which = std::env::var("EPCOMM_TEST_TRANSPORT").unwrap_or_default();
+        if which.starts_with("nvshmem") {
+            let options = NvshmemOptions {
+                virtual_nodes: if which == "nvshmem-vnodes" { w.boot.local_world_size() } else { 1 },
+            };
+            let t = NvshmemTransport::with_options(w.ctx.clone(), w.boot.clone(), options)
+                .expect("NVSHMEM transport");
             $run(&w, &|| t.clone() $(, $arg)*)
         } else {
             let mk = || IpcTransport::new(w.ctx.clone(), w.boot.clone()).expect("IPC transport");
@@ -115,10 +121,27 @@ macro_rules! on_transport {
     }};
 }
 
-/// Launches `test` once per (transport, strategy).
+/// Strategies a transport's kernels implement.
+fn strategies(transport: &str) -> &'static [&'static str] {
+    match transport {
+        "ipc" => &["epoch", "global"],
+        _ => &["epoch", "global", "peer-signal"],
+    }
+}
+
+/// Launches `test` once per (transport, strategy); `EPCOMM_TEST_BARRIER` narrows the
+/// strategies.
 fn launch_all(test: &str, n: usize) {
+    let only = std::env::var("EPCOMM_TEST_BARRIER").ok();
     for t in transports(test) {
-        for s in ["epoch", "global"] {
+        for s in strategies(t) {
+            if only
+                .as_deref()
+                .is_some_and(|o| !o.split(',').any(|o| o.trim() == *s))
+            {
+                continue;
+            }
+            eprintln!("== {test}: transport {t}, strategy {s}");
             launch(test, n, &transport_env(t, s));
         }
     }
@@ -192,7 +215,24 @@ fn layout_kernel_matches_reference() {
     }
     let ctx = CudaContext::new(0).unwrap();
     let stream = ctx.new_stream().unwrap();
-    let kernels = IntranodeKernels::load(&ctx, &stream).unwrap();
+    // Both builds hold the same layout kernel; the NVSHMEM one (when embedded) also proves the
+    // device-linked cubin loads and agrees on the ABI.
+    let mut variants = vec![KernelVariant::Store];
+    if epcomm_kernels::intranode_nvshmem_embedded() {
+        variants.push(KernelVariant::Nvshmem);
+    }
+    for variant in variants {
+        eprintln!("layout kernel, {variant:?} variant");
+        check_layout_variant(&ctx, &stream, variant);
+    }
+}
+
+fn check_layout_variant(
+    ctx: &Arc<CudaContext>,
+    stream: &Arc<cudarc::driver::CudaStream>,
+    variant: KernelVariant,
+) {
+    let kernels = IntranodeKernels::load(ctx, stream, variant).unwrap();
     let claim = stream.alloc_zeros::<u32>(2).unwrap();
     let record = stream.alloc_zeros::<u64>(8).unwrap();
     let mut cases = 0;
@@ -580,9 +620,9 @@ fn small_cfg(world: usize) -> BufferConfig {
     cfg
 }
 
-fn assert_recovers(w: &Worker) {
+fn assert_recovers<T: Transport>(w: &Worker, mk: &dyn Fn() -> T) {
     let world = w.boot.world_size();
-    let mut buf = Buffer::new(w.ctx.clone(), w.boot.clone(), small_cfg(world))
+    let mut buf = Buffer::with_transport(mk(), w.ctx.clone(), small_cfg(world))
         .expect("a new Buffer after a failure");
     let shape = Shape::uniform(world, 50, 128, 2, 4 * world, 77);
     let h = host_inputs(&shape).unwrap();
@@ -591,11 +631,10 @@ fn assert_recovers(w: &Worker) {
     buf.destroy().unwrap();
 }
 
-fn run_failures() {
-    let w = worker();
+fn run_failures<T: Transport>(w: &Worker, mk: &dyn Fn() -> T) {
     let (rank, world) = (w.boot.rank(), w.boot.world_size());
     let cfg = small_cfg(world);
-    let mut buf = Buffer::new(w.ctx.clone(), w.boot.clone(), cfg.clone()).unwrap();
+    let mut buf = Buffer::with_transport(mk(), w.ctx.clone(), cfg.clone()).unwrap();
     let shape = Shape::uniform(world, 40, 128, 2, 4 * world, 5);
     let h = host_inputs(&shape).unwrap();
     let d = device_inputs(buf.stream(), &h, rank).unwrap();
@@ -683,7 +722,7 @@ fn run_failures() {
     log(rank, "overflow: typed error on every rank");
 
     // A stalled peer: the last rank skips the op; the others time out naming it, within bound.
-    let mut buf = Buffer::new(w.ctx.clone(), w.boot.clone(), cfg.clone()).unwrap();
+    let mut buf = Buffer::with_transport(mk(), w.ctx.clone(), cfg.clone()).unwrap();
     let layout = buf.layout(&d.topk_idx, 40).unwrap();
     let late = world - 1;
     if rank != late {
@@ -715,10 +754,10 @@ fn run_failures() {
         );
     }
     buf.destroy().unwrap();
-    assert_recovers(&w);
+    assert_recovers(w, mk);
 
     // An invalid expert id on rank 0: rank 0 gets InvalidExpert, the others a timeout naming 0.
-    let mut buf = Buffer::new(w.ctx.clone(), w.boot.clone(), cfg.clone()).unwrap();
+    let mut buf = Buffer::with_transport(mk(), w.ctx.clone(), cfg.clone()).unwrap();
     let mut idx = h.bf16[rank].topk_idx.clone();
     if rank == 0 {
         idx[3 * 2 + 1] = (4 * world + 5) as i64;
@@ -747,25 +786,19 @@ fn run_failures() {
         rank,
         "invalid expert id: InvalidExpert on the sender, Timeout naming it elsewhere",
     );
-    assert_recovers(&w);
+    assert_recovers(w, mk);
     log(rank, "new Buffer after failures: verified round passes");
 }
 
 #[test]
 fn failures_are_typed_bounded_and_recoverable() {
     if is_worker() {
-        return run_failures();
+        return on_transport!(run_failures);
     }
     let Some(n) = world("failures_are_typed_bounded_and_recoverable", 2) else {
         return;
     };
-    for s in ["epoch", "global"] {
-        launch(
-            "failures_are_typed_bounded_and_recoverable",
-            n,
-            &[("EPCOMM_TEST_BARRIER", s.to_string())],
-        );
-    }
+    launch_all("failures_are_typed_bounded_and_recoverable", n);
 }
 
 // A peer process that dies: the survivors' waits end with a Timeout naming it.

@@ -18,7 +18,7 @@ use epcomm_check::inputs::{Shape, device_inputs, host_inputs};
 use epcomm_check::procs::{gpu_count, is_worker, run_workers};
 use epcomm_check::timing::{BenchOp, Timer, median};
 use epcomm_check::verify::{RoundOptions, verified_round};
-use epcomm_transport_nvshmem::NvshmemTransport;
+use epcomm_transport_nvshmem::{NvshmemOptions, NvshmemTransport};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -60,9 +60,13 @@ struct BenchArgs {
     /// Transport: ipc (CUDA IPC over NVLink) or nvshmem (NVSHMEM symmetric heap).
     #[arg(long, default_value = "ipc")]
     transport: String,
-    /// Barrier strategy: epoch or global.
+    /// Barrier strategy: epoch, global, or peer-signal (nvshmem only).
     #[arg(long, default_value = "epoch")]
     barrier: String,
+    /// nvshmem only: split this host's GPUs into this many virtual nodes; traffic between them
+    /// goes through NVSHMEM put/signal as between hosts.
+    #[arg(long, default_value_t = 1)]
+    virtual_nodes: usize,
     /// Timed calls per op.
     #[arg(long, default_value_t = 50)]
     iters: usize,
@@ -135,11 +139,17 @@ fn bench_worker(args: &BenchArgs) -> Res {
     let boot = Arc::new(Bootstrap::connect(BootstrapConfig::from_env()?)?);
     let ctx = CudaContext::new(boot.local_rank())?;
     match args.transport.as_str() {
+        "ipc" if args.virtual_nodes != 1 => {
+            Err("--virtual-nodes: only the nvshmem transport can reach other nodes".into())
+        }
         "ipc" => run_bench(args, &boot, &ctx, &|| {
             Ok(IpcTransport::new(ctx.clone(), boot.clone())?)
         }),
         "nvshmem" => {
-            let t = NvshmemTransport::new(ctx.clone(), boot.clone())?;
+            let options = NvshmemOptions {
+                virtual_nodes: args.virtual_nodes,
+            };
+            let t = NvshmemTransport::with_options(ctx.clone(), boot.clone(), options)?;
             run_bench(args, &boot, &ctx, &|| Ok(t.clone()))
         }
         other => Err(format!("--transport {other}: expected ipc or nvshmem").into()),

@@ -125,6 +125,7 @@ pub struct OpArgs {
     pub timeout_ns: u64,
     pub seq_state: u64,
     pub parity_stride: u64,
+    pub remote_mask: u64,
     pub num_tokens: i32,
     pub hidden: i32,
     pub row_bytes: i32,
@@ -211,7 +212,7 @@ pub(crate) const EXPECTED_PROBE: [(&str, u64); 8] = [
 ];
 
 const _: () = {
-    assert!(size_of::<OpArgs>() == 33 * 8 + 12 * 4);
+    assert!(size_of::<OpArgs>() == 34 * 8 + 12 * 4);
     assert!(size_of::<SeqState>() == 56);
     assert!(size_of::<LayoutArgs>() == 6 * 8 + 6 * 4);
     assert!(size_of::<ErrorRecord>() == 56);
@@ -223,8 +224,8 @@ mod tests {
 
     #[test]
     fn layouts_match_the_cuda_header() {
-        assert_eq!(offset_of!(OpArgs, num_tokens), 264);
-        assert_eq!(offset_of!(OpArgs, global_barriers), 308);
+        assert_eq!(offset_of!(OpArgs, num_tokens), 272);
+        assert_eq!(offset_of!(OpArgs, global_barriers), 316);
         assert_eq!(offset_of!(LayoutArgs, num_tokens), 48);
         assert_eq!(offset_of!(ErrorRecord, epoch), 24);
     }
@@ -264,6 +265,7 @@ mod tests {
             "timeout_ns",
             "seq_state",
             "parity_stride",
+            "remote_mask",
             "num_tokens",
             "hidden",
             "row_bytes",

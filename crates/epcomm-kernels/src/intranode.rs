@@ -1,9 +1,16 @@
 //! The intranode (NVLink domain) kernel module: layout, dispatch, combine.
+//!
+//! Two variants are built from the same source (`kernels/include/epcomm/intranode.cuh`):
+//! [`KernelVariant::Store`] reaches every peer through a mapping of its buffer;
+//! [`KernelVariant::Nvshmem`] is device-linked with `libnvshmem_device` and reaches the peers
+//! flagged in `OpArgs::remote_mask` with NVSHMEM put/signal. The NVSHMEM module must be bound to
+//! the NVSHMEM runtime (`nvshmemx_cumodule_init`, see [`IntranodeKernels::cu_module`]) before
+//! a dispatch or combine launch.
 
 use std::sync::Arc;
 
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg, sys,
 };
 use cudarc::nvrtc::Ptx;
 
@@ -23,6 +30,39 @@ fn grid(blocks: u32) -> LaunchConfig {
     }
 }
 
+/// Which build of the intranode kernels to load.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KernelVariant {
+    /// `intranode.fatbin`: plain stores and system-scope atomics through peer mappings.
+    Store,
+    /// `intranode_nvshmem.cubin`: device-linked with `libnvshmem_device`; peers outside the
+    /// mapping domain (or all of them, under PeerSignal) through NVSHMEM put/signal.
+    Nvshmem,
+}
+
+impl KernelVariant {
+    /// The embedded image and what loading it is called in errors.
+    fn image(self) -> Result<(&'static [u8], &'static str), KernelError> {
+        let (image, artifact, path, loading) = match self {
+            Self::Store => (
+                embedded::INTRANODE,
+                "intranode.fatbin",
+                embedded::INTRANODE_PATH,
+                "loading intranode.fatbin",
+            ),
+            Self::Nvshmem => (
+                embedded::INTRANODE_NVSHMEM,
+                "intranode_nvshmem.cubin",
+                embedded::INTRANODE_NVSHMEM_PATH,
+                "loading intranode_nvshmem.cubin",
+            ),
+        };
+        image
+            .map(|i| (i, loading))
+            .ok_or(KernelError::Missing { artifact, path })
+    }
+}
+
 /// The loaded intranode module of one CUDA context.
 #[derive(Debug)]
 pub struct IntranodeKernels {
@@ -34,15 +74,17 @@ pub struct IntranodeKernels {
 }
 
 impl IntranodeKernels {
-    /// Loads the embedded fatbin into `ctx` and checks the argument-block ABI on the device.
-    pub fn load(ctx: &Arc<CudaContext>, stream: &Arc<CudaStream>) -> Result<Self, KernelError> {
-        let image = embedded::INTRANODE.ok_or(KernelError::Missing {
-            artifact: "intranode.fatbin",
-            path: embedded::INTRANODE_PATH,
-        })?;
+    /// Loads the embedded image of `variant` into `ctx` and checks the argument-block ABI on
+    /// the device.
+    pub fn load(
+        ctx: &Arc<CudaContext>,
+        stream: &Arc<CudaStream>,
+        variant: KernelVariant,
+    ) -> Result<Self, KernelError> {
+        let (image, loading) = variant.image()?;
         let module = ctx
             .load_module(Ptx::from_binary(image.to_vec()))
-            .context("loading intranode.fatbin")?;
+            .context(loading)?;
         let f = |name| module.load_function(name).context("looking up a kernel");
         let probe = f("epcomm_abi_probe")?;
         let kernels = Self {
@@ -78,6 +120,18 @@ impl IntranodeKernels {
             }
         }
         Ok(kernels)
+    }
+
+    /// The driver handle of the loaded module (for registering it with a device runtime such
+    /// as NVSHMEM). Valid while `self` lives.
+    pub fn cu_module(&self) -> Result<sys::CUmodule, KernelError> {
+        let mut module: sys::CUmodule = std::ptr::null_mut();
+        // SAFETY: `self.layout` is a live function of the module `self` keeps loaded, and
+        // `module` is a valid out-pointer.
+        unsafe { sys::cuFuncGetModule(&mut module, self.layout.cu_function()) }
+            .result()
+            .context("cuFuncGetModule on epcomm_layout")?;
+        Ok(module)
     }
 
     /// Holds `stream` for `ns` nanoseconds (a one-thread spin on the GPU clock): makes this

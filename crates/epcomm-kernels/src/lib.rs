@@ -9,7 +9,7 @@
 pub mod abi;
 mod intranode;
 
-pub use intranode::IntranodeKernels;
+pub use intranode::{IntranodeKernels, KernelVariant};
 
 mod embedded {
     include!(concat!(env!("OUT_DIR"), "/embedded.rs"));
@@ -60,7 +60,12 @@ impl<T> DriverContext<T> for Result<T, cudarc::driver::DriverError> {
     }
 }
 
-/// True when the intranode fatbin was embedded at build time.
+/// True when the intranode store-variant fatbin was embedded at build time.
 pub fn intranode_embedded() -> bool {
     embedded::INTRANODE.is_some()
+}
+
+/// True when the NVSHMEM variant (device-linked cubin) was embedded at build time.
+pub fn intranode_nvshmem_embedded() -> bool {
+    embedded::INTRANODE_NVSHMEM.is_some()
 }

@@ -193,6 +193,16 @@ impl Transport for IpcTransport {
                 source,
             })
     }
+
+    type ModuleBinding = ();
+
+    unsafe fn bind_module(
+        &self,
+        _module: cudarc::driver::sys::CUmodule,
+    ) -> Result<(), TransportError> {
+        // Store-variant kernels use no device runtime: nothing to bind.
+        Ok(())
+    }
 }
 
 /// A symmetric buffer shared through CUDA IPC.

@@ -1,15 +1,19 @@
 //! NVSHMEM transport: the symmetric buffer lives on NVSHMEM's symmetric heap
-//! (`nvshmem_calloc`), and peers inside the NVLink domain are reached through `nvshmem_ptr`
-//! mappings, so the same store-based (`NvlinkStore`) kernels run on it unchanged.
+//! (`nvshmem_calloc`); its kernels (the `NvshmemDevice` family, device-linked with
+//! `libnvshmem_device` and bound with `nvshmemx_cumodule_init`) reach peers inside the NVLink
+//! domain through `nvshmem_ptr` mappings and every other peer with NVSHMEM put/signal.
 //!
 //! Setup (collective): rank 0 draws an NVSHMEM unique id, the bootstrap broadcasts it, every
 //! rank initialises NVSHMEM with it (`nvshmemx_hostlib_init_attr`, through `nvshmem-sys`, which
 //! dlopens `libnvshmem_host.so.3` — nothing links at build time). One runtime per process,
 //! shared by every transport clone and allocation; finalised when the last one drops.
 //!
-//! Not yet: device-linked NVSHMEM kernels (`nvshmem_put_signal`, IBGDA) and therefore the
-//! PeerSignal strategy and ranks outside the NVLink domain; such peers get no mapping
-//! (`peer_bases()[r] == 0`), which the `epcomm` frontend rejects.
+//! Strategies: Global, Epoch and PeerSignal (every peer through put/signal, none by stores).
+//!
+//! **Virtual nodes** ([`NvshmemOptions::virtual_nodes`]): the GPUs of one host are split into
+//! logical nodes and only peers in the same logical node get a mapping, so traffic between
+//! logical nodes goes through NVSHMEM put/signal exactly as it would between hosts. This is how
+//! the inter-node path is tested on one machine.
 //!
 //! On a host without an RDMA NIC set `NVSHMEM_REMOTE_TRANSPORT=none` and
 //! `NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo`; keep `NVSHMEM_DISABLE_NVLS=1`.
@@ -19,8 +23,9 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use cudarc::driver::CudaContext;
 use epcomm_bootstrap::Bootstrap;
+use epcomm_topology::WorldLayout;
 use epcomm_transport::{BarrierStrategy, KernelFamily, SymmetricMemory, Transport, TransportError};
-use nvshmem_sys::{Nvshmem, OwnedSymmetricAlloc, SharedNvshmem};
+use nvshmem_sys::{Nvshmem, OwnedModuleRegistration, OwnedSymmetricAlloc, SharedNvshmem};
 
 fn backend(context: impl Into<String>) -> impl FnOnce(nvshmem_sys::Error) -> TransportError {
     let context = context.into();
@@ -38,18 +43,57 @@ fn boot_err(context: &str) -> impl FnOnce(epcomm_bootstrap::BootstrapError) -> T
     }
 }
 
+/// Options of [`NvshmemTransport::with_options`]; every rank must pass the same values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NvshmemOptions {
+    /// Logical nodes each host's GPUs are split into (1 = none). Peers in another logical node
+    /// get no mapping and are reached with NVSHMEM put/signal.
+    pub virtual_nodes: usize,
+}
+
+impl Default for NvshmemOptions {
+    fn default() -> Self {
+        Self { virtual_nodes: 1 }
+    }
+}
+
 /// The NVSHMEM transport of one process (one GPU, one PE). Cheap to clone (shares the runtime).
 #[derive(Clone, Debug)]
 pub struct NvshmemTransport {
     ctx: Arc<CudaContext>,
     bootstrap: Arc<Bootstrap>,
     rt: SharedNvshmem,
+    world: WorldLayout,
 }
 
 impl NvshmemTransport {
+    /// [`NvshmemTransport::with_options`] with the default options (no virtual nodes).
+    pub fn new(ctx: Arc<CudaContext>, bootstrap: Arc<Bootstrap>) -> Result<Self, TransportError> {
+        Self::with_options(ctx, bootstrap, NvshmemOptions::default())
+    }
+
     /// Loads NVSHMEM and initialises it over the bootstrap (collective). `ctx` is made current
     /// on this thread first (NVSHMEM binds to the current context).
-    pub fn new(ctx: Arc<CudaContext>, bootstrap: Arc<Bootstrap>) -> Result<Self, TransportError> {
+    ///
+    /// # Errors
+    /// [`TransportError::InvalidArgument`] naming `virtual_nodes` unless it divides the GPUs
+    /// per host; [`TransportError::Backend`] when NVSHMEM cannot be loaded (naming every place
+    /// searched) or initialised.
+    pub fn with_options(
+        ctx: Arc<CudaContext>,
+        bootstrap: Arc<Bootstrap>,
+        options: NvshmemOptions,
+    ) -> Result<Self, TransportError> {
+        let layout = WorldLayout::with_virtual_nodes(
+            bootstrap.world_size(),
+            bootstrap.rank(),
+            bootstrap.local_world_size(),
+            options.virtual_nodes,
+        )
+        .map_err(|e| TransportError::InvalidArgument {
+            argument: "NvshmemOptions::virtual_nodes",
+            rule: e.to_string(),
+        })?;
         let lib = nvshmem_sys::loader::load_default().map_err(|e| TransportError::Backend {
             backend: "nvshmem",
             context: "loading libnvshmem_host.so.3".into(),
@@ -75,7 +119,13 @@ impl NvshmemTransport {
             ctx,
             bootstrap,
             rt: SharedNvshmem::new(rt),
+            world: layout,
         })
+    }
+
+    /// The world as this transport sees it (logical nodes included).
+    pub fn world_layout(&self) -> &WorldLayout {
+        &self.world
     }
 
     /// The shared NVSHMEM runtime.
@@ -101,11 +151,15 @@ impl Transport for NvshmemTransport {
     }
 
     fn kernel_family(&self) -> KernelFamily {
-        KernelFamily::NvlinkStore
+        KernelFamily::NvshmemDevice
     }
 
     fn barrier_strategies(&self) -> &'static [BarrierStrategy] {
-        &[BarrierStrategy::Global, BarrierStrategy::Epoch]
+        &[
+            BarrierStrategy::Global,
+            BarrierStrategy::Epoch,
+            BarrierStrategy::PeerSignal,
+        ]
     }
 
     async fn alloc_symmetric(&self, bytes: usize) -> Result<NvshmemMemory, TransportError> {
@@ -117,8 +171,13 @@ impl Transport for NvshmemTransport {
             })?;
         let alloc = OwnedSymmetricAlloc::zeroed(&self.rt, bytes)
             .map_err(backend(format!("allocating {bytes} symmetric bytes")))?;
+        // Peers outside my (logical) node get no mapping: the kernels put/signal to them.
+        let domain = self.world.nvlink_domain();
         let bases = (0..self.rt.n_pes())
-            .map(|pe| alloc.peer_ptr(pe).unwrap_or(0))
+            .map(|pe| match domain.contains(&(pe as usize)) {
+                true => alloc.peer_ptr(pe).unwrap_or(0),
+                false => 0,
+            })
             .collect();
         // nvshmem_calloc zeroes on the device; make sure that finished before peers may write.
         self.ctx
@@ -140,6 +199,26 @@ impl Transport for NvshmemTransport {
         data: &[u8],
     ) -> Result<Vec<Vec<u8>>, TransportError> {
         self.bootstrap.all_gather(tag, data).map_err(boot_err(tag))
+    }
+
+    type ModuleBinding = OwnedModuleRegistration;
+
+    unsafe fn bind_module(
+        &self,
+        module: cudarc::driver::sys::CUmodule,
+    ) -> Result<OwnedModuleRegistration, TransportError> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|source| TransportError::Driver {
+                context: "binding the CUDA context".into(),
+                source,
+            })?;
+        // SAFETY: the caller guarantees the module is live, of the NvshmemDevice family (linked
+        // against the libnvshmem_device release xtask pins, matching the checked host library)
+        // and outlives the registration.
+        unsafe { OwnedModuleRegistration::new(&self.rt, module.cast()) }.map_err(backend(
+            "registering the kernel module (nvshmemx_cumodule_init)",
+        ))
     }
 }
 

@@ -68,7 +68,13 @@ impl std::str::FromStr for BarrierStrategy {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum KernelFamily {
     /// Plain stores and system-scope atomics through peer mappings (NVLink P2P / CUDA IPC).
+    /// Every peer must have a mapping ([`SymmetricMemory::peer_bases`] nonzero).
     NvlinkStore,
+    /// Kernels device-linked with `libnvshmem_device`: mapped peers (nonzero
+    /// [`SymmetricMemory::peer_bases`]) by stores, every other peer with NVSHMEM put/signal;
+    /// under [`BarrierStrategy::PeerSignal`] every peer with put/signal. The loaded module must be
+    /// bound with [`Transport::bind_module`] before the first launch.
+    NvshmemDevice,
 }
 
 /// Errors of transports.
@@ -191,6 +197,21 @@ pub trait Transport: Send + Sync + Debug {
     /// Host-side all-gather of small byte strings (diagnostics, setup), indexed by rank.
     async fn host_all_gather(&self, tag: &str, data: &[u8])
     -> Result<Vec<Vec<u8>>, TransportError>;
+
+    /// What [`Transport::bind_module`] returns: keeps a kernel module bound to the backend's
+    /// device runtime until dropped (`()` for backends that need no binding).
+    type ModuleBinding: Send + Sync + Debug + 'static;
+
+    /// Binds a loaded kernel module of this backend's [`KernelFamily`] to its device runtime
+    /// (NVSHMEM: `nvshmemx_cumodule_init`). Drop the binding before the module is unloaded.
+    ///
+    /// # Safety
+    /// `module` is a live `CUmodule`, loaded in this transport's CUDA context from the image of
+    /// [`Transport::kernel_family`], and stays loaded until the returned binding is dropped.
+    unsafe fn bind_module(
+        &self,
+        module: cudarc::driver::sys::CUmodule,
+    ) -> Result<Self::ModuleBinding, TransportError>;
 }
 
 /// Object-safe mirror of [`Transport`], implemented for every transport.
@@ -219,6 +240,14 @@ pub trait DynTransport: Send + Sync + Debug {
         tag: &str,
         data: &[u8],
     ) -> Result<Vec<Vec<u8>>, TransportError>;
+    /// See [`Transport::bind_module`].
+    ///
+    /// # Safety
+    /// As for [`Transport::bind_module`].
+    unsafe fn bind_module_dyn(
+        &self,
+        module: cudarc::driver::sys::CUmodule,
+    ) -> Result<Box<dyn Debug + Send + Sync>, TransportError>;
 }
 
 #[async_trait]
@@ -253,6 +282,13 @@ impl<T: Transport> DynTransport for T {
         data: &[u8],
     ) -> Result<Vec<Vec<u8>>, TransportError> {
         self.host_all_gather(tag, data).await
+    }
+    unsafe fn bind_module_dyn(
+        &self,
+        module: cudarc::driver::sys::CUmodule,
+    ) -> Result<Box<dyn Debug + Send + Sync>, TransportError> {
+        // SAFETY: the caller upholds `bind_module`'s contract (same contract).
+        Ok(Box::new(unsafe { self.bind_module(module) }?))
     }
 }
 

@@ -7,12 +7,12 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DevicePtr, DevicePtrMut, sys};
 use epcomm_bootstrap::Bootstrap;
-use epcomm_kernels::IntranodeKernels;
 use epcomm_kernels::abi::{self, ErrorRecord, LayoutArgs, OpArgs};
+use epcomm_kernels::{IntranodeKernels, KernelVariant};
 use epcomm_topology::{BufferPlan, Parity, RegionKind};
 use epcomm_transport::memory::copy_dtoh;
 use epcomm_transport::{
-    BarrierStrategy, DeviceBuffer, MappedHostBuffer, SymmetricMemory, Transport,
+    BarrierStrategy, DeviceBuffer, KernelFamily, MappedHostBuffer, SymmetricMemory, Transport,
 };
 use epcomm_transport_ipc::IpcTransport;
 
@@ -140,7 +140,11 @@ pub struct Buffer<T: Transport = IpcTransport> {
     world: usize,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
+    /// Declared before `kernels`: dropped (unbound) before the module unloads.
+    _module_binding: T::ModuleBinding,
     kernels: IntranodeKernels,
+    /// Bit d: rank d is reached with the transport's put/signal (NVSHMEM variant).
+    remote_mask: u64,
     plan: BufferPlan,
     peer_bases: DeviceBuffer,
     err_claim: DeviceBuffer,
@@ -223,16 +227,20 @@ impl<T: Transport> Buffer<T> {
             cfg.num_experts,
         )?;
         let stream = ctx.new_stream().context("creating the comm stream")?;
-        let kernels = IntranodeKernels::load(&ctx, &stream)?;
+        let family = transport.kernel_family();
+        let variant = match family {
+            KernelFamily::NvlinkStore => KernelVariant::Store,
+            KernelFamily::NvshmemDevice => KernelVariant::Nvshmem,
+        };
+        let kernels = IntranodeKernels::load(&ctx, &stream, variant)?;
+        // SAFETY: the module was loaded in `ctx` from the image of the transport's family and
+        // `kernels` keeps it loaded; the binding is declared before `kernels` in `Buffer`, so it
+        // is dropped first.
+        let module_binding = unsafe { transport.bind_module(kernels.cu_module()?) }?;
         let mem = pollster::block_on(transport.alloc_symmetric(plan.total_bytes() as usize))?;
-        if let Some(peer) = mem.peer_bases().iter().position(|&b| b == 0) {
-            return invalid(
-                "world",
-                format!("rank {peer} is not reachable over NVLink from rank {rank}"),
-            );
-        }
+        let (bases, remote_mask) = peer_routes(family, cfg.barrier, rank, &mem)?;
         let peer_bases = DeviceBuffer::zeroed(&ctx, world * 8)?;
-        peer_bases.write(&stream, 0, mem.peer_bases())?;
+        peer_bases.write(&stream, 0, &bases)?;
         let err_claim = DeviceBuffer::zeroed(&ctx, 8)?;
         let err_record = MappedHostBuffer::zeroed(&ctx, size_of::<ErrorRecord>())?;
         let host_counts = MappedHostBuffer::zeroed(&ctx, (2 + cfg.num_experts / world) * 8)?;
@@ -256,7 +264,9 @@ impl<T: Transport> Buffer<T> {
             world,
             ctx,
             stream,
+            _module_binding: module_binding,
             kernels,
+            remote_mask,
             plan,
             peer_bases,
             err_claim,
@@ -669,6 +679,7 @@ impl<T: Transport> Buffer<T> {
             rank: self.rank as i32,
             max_tokens: self.cfg.max_tokens_per_rank as i32,
             global_barriers: u32::from(self.cfg.barrier == BarrierStrategy::Global),
+            remote_mask: self.remote_mask,
             ..OpArgs::default()
         }
     }
@@ -1165,9 +1176,90 @@ impl<T: Transport> Buffer<T> {
     }
 }
 
+/// The address kernels use for every rank's buffer, and which ranks they reach with the
+/// transport's put/signal (bit d of the mask).
+///
+/// Store family: every peer needs a mapping. NVSHMEM family: unmapped peers (another node, or
+/// another virtual node) are remote, and under PeerSignal every peer but this rank is; a remote
+/// rank's entry is this rank's own symmetric address, which NVSHMEM translates per PE.
+fn peer_routes(
+    family: KernelFamily,
+    strategy: BarrierStrategy,
+    rank: usize,
+    mem: &dyn SymmetricMemory,
+) -> Result<(Vec<u64>, u64)> {
+    let mut bases = mem.peer_bases().to_vec();
+    let mut mask = 0u64;
+    for (d, base) in bases.iter_mut().enumerate() {
+        if d == rank {
+            *base = mem.local_base();
+            continue;
+        }
+        let remote = match family {
+            KernelFamily::NvlinkStore if *base == 0 => {
+                return Err(Error::InvalidArgument {
+                    argument: "world",
+                    rule: format!("rank {d} is not reachable over NVLink from rank {rank}"),
+                });
+            }
+            KernelFamily::NvlinkStore => false,
+            KernelFamily::NvshmemDevice => *base == 0 || strategy == BarrierStrategy::PeerSignal,
+        };
+        if remote {
+            *base = mem.local_base();
+            mask |= 1 << d;
+        }
+    }
+    Ok((bases, mask))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Addresses as a transport reports them (pure data: routing is host logic).
+    #[derive(Debug)]
+    struct Bases(Vec<u64>, u64);
+
+    impl SymmetricMemory for Bases {
+        fn len(&self) -> usize {
+            1
+        }
+        fn local_base(&self) -> u64 {
+            self.1
+        }
+        fn peer_bases(&self) -> &[u64] {
+            &self.0
+        }
+    }
+
+    #[test]
+    fn peer_routes_pick_stores_or_put_signal_per_peer() {
+        use BarrierStrategy::*;
+        use KernelFamily::*;
+        let all_mapped = Bases(vec![0x10, 0x20, 0x30], 0x20);
+        assert_eq!(
+            peer_routes(NvlinkStore, Epoch, 1, &all_mapped).unwrap(),
+            (vec![0x10, 0x20, 0x30], 0)
+        );
+        assert_eq!(
+            peer_routes(NvshmemDevice, Global, 1, &all_mapped).unwrap(),
+            (vec![0x10, 0x20, 0x30], 0)
+        );
+        // PeerSignal: every peer but me through put/signal, addressed by my own base.
+        assert_eq!(
+            peer_routes(NvshmemDevice, PeerSignal, 1, &all_mapped).unwrap(),
+            (vec![0x20, 0x20, 0x20], 0b101)
+        );
+        // Another (virtual) node: unmapped peers are remote; stores cannot reach them.
+        let split = Bases(vec![0, 0x20, 0x30, 0], 0x20);
+        assert_eq!(
+            peer_routes(NvshmemDevice, Epoch, 1, &split).unwrap(),
+            (vec![0x20, 0x20, 0x30, 0x20], 0b1001)
+        );
+        let err = peer_routes(NvlinkStore, Epoch, 1, &split).unwrap_err();
+        assert!(err.to_string().contains("rank 0 is not reachable"), "{err}");
+    }
 
     #[test]
     fn host_sequence_mirrors_the_device_rules() {

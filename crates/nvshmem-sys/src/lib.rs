@@ -41,5 +41,6 @@ pub use attr::{UNIQUEID_BYTES, UniqueIdError};
 pub use loader::{Library, LibrarySearch, LoadError, Version};
 pub use result::NvshmemError;
 pub use safe::{
-    Error, ModuleRegistration, Nvshmem, OwnedSymmetricAlloc, SharedNvshmem, SymmetricAlloc, Team,
+    Error, ModuleRegistration, Nvshmem, OwnedModuleRegistration, OwnedSymmetricAlloc,
+    SharedNvshmem, SymmetricAlloc, Team,
 };

@@ -612,3 +612,54 @@ impl Drop for OwnedSymmetricAlloc {
         self.rt.with(|r| unsafe { result::free(r.lib.api(), ptr) });
     }
 }
+
+/// A `CUmodule` registered with NVSHMEM (`nvshmemx_cumodule_init`) that owns a handle to the
+/// runtime (for long-lived owners); unregistered (`nvshmemx_cumodule_finalize`) on drop.
+#[derive(Debug)]
+pub struct OwnedModuleRegistration {
+    rt: SharedNvshmem,
+    module: NonNull<c_void>,
+}
+
+// SAFETY: the module handle is an opaque driver handle; every NVSHMEM call that uses it goes
+// through the runtime's mutex.
+unsafe impl Send for OwnedModuleRegistration {}
+// SAFETY: as above; `&self` methods only read the handle.
+unsafe impl Sync for OwnedModuleRegistration {}
+
+impl OwnedModuleRegistration {
+    /// Registers `module` (a `CUmodule`, passed opaquely).
+    ///
+    /// # Safety
+    /// As for [`ModuleRegistration::new`]: `module` is live, loaded in the runtime's context
+    /// from a cubin device-linked against the same NVSHMEM release, and stays loaded until this
+    /// guard is dropped.
+    ///
+    /// # Errors
+    /// [`Error::NullModule`]; [`Error::Nvshmem`] when `nvshmemx_cumodule_init` fails.
+    pub unsafe fn new(rt: &SharedNvshmem, module: *mut c_void) -> Result<Self, Error> {
+        let module = NonNull::new(module).ok_or(Error::NullModule)?;
+        // SAFETY: initialised (the runtime exists); the module contract is the caller's.
+        rt.with(|r| unsafe { result::cumodule_init(r.lib.api(), module.as_ptr()) })?;
+        Ok(Self {
+            rt: rt.clone(),
+            module,
+        })
+    }
+
+    /// The registered module.
+    pub fn module(&self) -> *mut c_void {
+        self.module.as_ptr()
+    }
+}
+
+impl Drop for OwnedModuleRegistration {
+    fn drop(&mut self) {
+        let module = self.module;
+        // SAFETY: registered in `new`; still loaded (contract of `new`). A failure cannot be
+        // reported from drop.
+        let _ = self
+            .rt
+            .with(|r| unsafe { result::cumodule_finalize(r.lib.api(), module.as_ptr()) });
+    }
+}

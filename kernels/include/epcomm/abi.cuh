@@ -92,6 +92,8 @@ struct OpArgs {
   uint64_t timeout_ns;
   uint64_t seq_state;          // SeqState (local device memory), advanced by each op's last block
   uint64_t parity_stride;      // bytes between the two copies of every per-parity region
+  uint64_t remote_mask;        // bit d: rank d is reached with transport put/signal (NVSHMEM
+                               // variant only; peer_bases[d] is then this rank's own base)
   int32_t num_tokens;
   int32_t hidden;              // elements per row
   int32_t row_bytes;           // bytes per x row (hidden * elem size)
