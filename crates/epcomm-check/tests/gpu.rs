@@ -266,7 +266,7 @@ fn check_layout_variant(
                         .unwrap();
                 let (c, s, status) = run_layout(
                     &kernels,
-                    &stream,
+                    stream,
                     (&record, &claim),
                     &w.topk_idx,
                     [tokens, top_k, experts, world, gpn],
@@ -296,7 +296,7 @@ fn check_layout_variant(
     // An invalid id is reported, not silently counted.
     let (_, _, status) = run_layout(
         &kernels,
-        &stream,
+        stream,
         (&record, &claim),
         &[0i64, 5, -1, 2],
         [2, 2, 4, 2, 2],
