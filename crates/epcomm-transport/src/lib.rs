@@ -11,9 +11,10 @@
 //! Kernels publish with *data stores, then a system-scope release operation* (a release add on a
 //! peer's counter, or a release store of a tagged word) and consume with an acquire load of that
 //! word before reading the data. A backend must guarantee that a peer address it hands out
-//! preserves this order (NVLink P2P mappings do). A backend whose remote writes are not ordered
-//! this way (a NIC proxy, NVSHMEM across nodes) advertises only [`BarrierStrategy::PeerSignal`]
-//! or [`BarrierStrategy::Global`] and implements the landed-check with its own signal operation.
+//! preserves this order (NVLink P2P mappings do). Peers without such an address are reached
+//! with the transport's own put and signal operations, which only a device-linked kernel
+//! family can issue ([`KernelFamily::NvshmemDevice`]): the data, then a signal that NVSHMEM
+//! delivers after it (docs/protocol.md, "Net policies").
 //! Memory is reused only once every producer that can target it is known to be done
 //! (docs/protocol.md).
 
