@@ -118,11 +118,6 @@ __device__ __forceinline__ void net_put_signal_warp(void* dst, const void* src, 
                                                     uint64_t* sig, uint64_t v, int pe) {
   nvshmemx_putmem_signal_nbi_warp(dst, src, bytes, sig, v, NVSHMEM_SIGNAL_SET, pe);
 }
-
-// Warp-collective blocking get of `bytes` from rank `pe`'s copy of symmetric `src`.
-__device__ __forceinline__ void net_get_warp(void* dst, const void* src, size_t bytes, int pe) {
-  nvshmemx_getmem_warp(dst, src, bytes, pe);
-}
 #endif
 
 }  // namespace epcomm
