@@ -36,6 +36,15 @@ fn backend(context: impl Into<String>) -> impl FnOnce(nvshmem_sys::Error) -> Tra
     }
 }
 
+/// Makes `ctx` current on this thread (NVSHMEM's host calls act on the current context).
+fn bind_context(ctx: &CudaContext) -> Result<(), TransportError> {
+    ctx.bind_to_thread()
+        .map_err(|source| TransportError::Driver {
+            context: "binding the CUDA context".into(),
+            source,
+        })
+}
+
 fn boot_err(context: &str) -> impl FnOnce(epcomm_bootstrap::BootstrapError) -> TransportError + '_ {
     move |source| TransportError::Bootstrap {
         context: context.to_string(),
@@ -108,11 +117,7 @@ impl NvshmemTransport {
         let uid = bootstrap
             .broadcast("epcomm-nvshmem-uid", 0, uid.as_deref())
             .map_err(boot_err("broadcasting the NVSHMEM unique id"))?;
-        ctx.bind_to_thread()
-            .map_err(|source| TransportError::Driver {
-                context: "binding the CUDA context".into(),
-                source,
-            })?;
+        bind_context(&ctx)?;
         let rt = Nvshmem::init_with_uniqueid(Arc::new(lib), rank, world, &uid)
             .map_err(backend(format!("initialising PE {rank} of {world}")))?;
         Ok(Self {
@@ -163,12 +168,7 @@ impl Transport for NvshmemTransport {
     }
 
     async fn alloc_symmetric(&self, bytes: usize) -> Result<NvshmemMemory, TransportError> {
-        self.ctx
-            .bind_to_thread()
-            .map_err(|source| TransportError::Driver {
-                context: "binding the CUDA context".into(),
-                source,
-            })?;
+        bind_context(&self.ctx)?;
         let alloc = OwnedSymmetricAlloc::zeroed(&self.rt, bytes)
             .map_err(backend(format!("allocating {bytes} symmetric bytes")))?;
         // Peers outside my (logical) node get no mapping: the kernels put/signal to them.
@@ -207,12 +207,7 @@ impl Transport for NvshmemTransport {
         &self,
         module: cudarc::driver::sys::CUmodule,
     ) -> Result<OwnedModuleRegistration, TransportError> {
-        self.ctx
-            .bind_to_thread()
-            .map_err(|source| TransportError::Driver {
-                context: "binding the CUDA context".into(),
-                source,
-            })?;
+        bind_context(&self.ctx)?;
         // SAFETY: the caller guarantees the module is live, of the NvshmemDevice family (linked
         // against the libnvshmem_device release xtask pins, matching the checked host library)
         // and outlives the registration.
