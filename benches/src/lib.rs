@@ -129,10 +129,8 @@ where
         .sample_size(20)
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(3));
-    let mut group = c.benchmark_group(format!(
-        "{transport}/ep{world}/{sms}sms/{}",
-        cfg_barrier_name(&buf)
-    ));
+    let strategy = buf.config().barrier.name();
+    let mut group = c.benchmark_group(format!("{transport}/ep{world}/{sms}sms/{strategy}"));
     for (i, op) in BenchOp::ALL.into_iter().enumerate() {
         group.throughput(Throughput::Bytes(
             op.metric_bytes(timer.num_recv, hidden) as u64
@@ -164,8 +162,4 @@ where
     }
     c.final_summary();
     Ok(())
-}
-
-fn cfg_barrier_name<T: epcomm::Transport>(buf: &Buffer<T>) -> &'static str {
-    buf.config().barrier.name()
 }
