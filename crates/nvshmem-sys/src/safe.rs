@@ -379,12 +379,20 @@ impl<'rt> SymmetricAlloc<'rt> {
     /// mapping), via `nvshmem_ptr`; `None` when `pe` is not directly reachable or
     /// `pe >= n_pes`.
     pub fn peer_ptr(&self, pe: u32) -> Option<u64> {
-        if pe >= self.rt.n_pes {
+        self.rt.peer_address(self.ptr, pe)
+    }
+}
+
+impl Nvshmem {
+    /// `nvshmem_ptr(ptr, pe)` for a live symmetric allocation `ptr` of this runtime; `None`
+    /// when `pe` is not directly reachable or `pe >= n_pes`.
+    fn peer_address(&self, ptr: NonNull<c_void>, pe: u32) -> Option<u64> {
+        if pe >= self.n_pes {
             return None;
         }
-        // SAFETY: initialised; `self.ptr` is a live symmetric allocation; `pe < n_pes` and so
-        // fits a c_int.
-        let p = unsafe { result::ptr(self.rt.lib.api(), self.ptr.as_ptr(), pe as c_int) };
+        // SAFETY: initialised; `ptr` is a live symmetric allocation (callers own it); `pe <
+        // n_pes` and so fits a c_int.
+        let p = unsafe { result::ptr(self.lib.api(), ptr.as_ptr(), pe as c_int) };
         p.map(|p| p.as_ptr() as u64)
     }
 }
@@ -593,14 +601,7 @@ impl OwnedSymmetricAlloc {
     /// Address of PE `pe`'s copy that this process can access directly (`nvshmem_ptr`), or
     /// `None` when it is not directly reachable.
     pub fn peer_ptr(&self, pe: u32) -> Option<u64> {
-        if pe >= self.rt.n_pes {
-            return None;
-        }
-        // SAFETY: initialised; live allocation; `pe < n_pes` fits a c_int.
-        let p = self
-            .rt
-            .with(|r| unsafe { result::ptr(r.lib.api(), self.ptr.as_ptr(), pe as c_int) });
-        p.map(|p| p.as_ptr() as u64)
+        self.rt.with(|r| r.peer_address(self.ptr, pe))
     }
 }
 
