@@ -54,7 +54,8 @@ enum Cmd {
         /// Output folder [default: <workspace>/target/device].
         #[arg(long)]
         out: Option<PathBuf>,
-        /// More packages whose test executables to pack (epcomm is always packed).
+        /// More packages whose test executables to pack (epcomm and epcomm-check, which has
+        /// the GPU tests, are always packed).
         #[arg(long = "package", short = 'p', value_name = "PACKAGE")]
         packages: Vec<String>,
         /// Print more.
@@ -107,11 +108,9 @@ fn main() -> ExitCode {
             packages,
             verbose,
         } => {
-            let mut all = vec!["epcomm".to_string()];
-            all.extend(packages.into_iter().filter(|p| p != "epcomm"));
             let opts = pack::PackOptions {
                 out: out.unwrap_or_else(|| layout.workspace.join("target/device")),
-                packages: all,
+                packages: pack::package_list(packages),
                 verbose,
             };
             pack::pack(&layout, &env, &opts)

@@ -17,6 +17,9 @@ pub mod code {
     pub const OVERFLOW: u32 = 2;
     /// A top-k id outside `[-1, num_experts)`.
     pub const INVALID_EXPERT: u32 = 3;
+    /// A peer failed first: `peer` = origin rank, `expected` = its code, `seen` = its op
+    /// sequence number (low 32 bits).
+    pub const PEER_FAILED: u32 = 4;
 }
 
 /// Which operation a kernel was running ([`ErrorRecord::op`], stats kind).
@@ -45,7 +48,18 @@ pub mod wait {
     pub const COMBINE_DONE: u32 = 4;
     /// [G*] a Global-strategy barrier.
     pub const BARRIER: u32 = 5;
+    /// The op's prologue: a peer's failure was known before the op started.
+    pub const OP_START: u32 = 6;
 }
+
+/// Byte offset, inside the stats region, of the in-place combine's `[world]` ready words.
+pub const STATS_READY_OFFSET: u64 = 3072;
+/// Byte offset, inside the stats region, of the abort word failing peers write.
+pub const STATS_ABORT_OFFSET: u64 = 3584;
+
+/// Version of the kernel protocol and argument blocks; ranks compare it when a `Buffer` is
+/// built. Bump it with any change of `abi.cuh` or of the kernels' cross-rank protocol.
+pub const ABI_VERSION: u64 = 2;
 
 /// Bits of [`OpArgs::flags`].
 pub mod flags {

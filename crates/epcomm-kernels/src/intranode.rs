@@ -67,6 +67,7 @@ impl KernelVariant {
 #[derive(Debug)]
 pub struct IntranodeKernels {
     _module: Arc<CudaModule>,
+    image_digest: u64,
     layout: CudaFunction,
     dispatch: CudaFunction,
     combine: CudaFunction,
@@ -93,6 +94,7 @@ impl IntranodeKernels {
             combine: f("epcomm_combine")?,
             delay: f("epcomm_delay")?,
             _module: module,
+            image_digest: fnv1a64(image),
         };
         let mut out = stream
             .alloc_zeros::<u64>(EXPECTED_PROBE.len())
@@ -230,8 +232,43 @@ impl IntranodeKernels {
         args: &OpArgs,
         blocks: u32,
     ) -> Result<(), KernelError> {
+        // Cooperative: the driver starts the grid only with every block co-resident, which
+        // the cross-block and cross-rank waits need, or fails the launch.
         // SAFETY: upheld by the caller (see above).
-        unsafe { stream.launch_builder(f).arg(args).launch(grid(blocks)) }.context(what)?;
+        unsafe {
+            stream
+                .launch_builder(f)
+                .arg(args)
+                .launch_cooperative(grid(blocks))
+        }
+        .context(what)?;
         Ok(())
     }
+
+    /// A digest of the loaded kernel image: ranks compare it, so that they never run
+    /// different kernel builds against each other.
+    pub fn image_digest(&self) -> u64 {
+        self.image_digest
+    }
+
+    /// How many blocks of the dispatch and combine kernels fit on the device at once (the
+    /// lower of the two): a `Buffer` may not use more, since its waits need every block
+    /// resident.
+    pub fn max_coresident_blocks(&self, sms: u32) -> Result<u32, KernelError> {
+        let mut fit = u32::MAX;
+        for f in [&self.dispatch, &self.combine] {
+            let per_sm = f
+                .occupancy_max_active_blocks_per_multiprocessor(THREADS, 0, None)
+                .context("querying kernel occupancy")?;
+            fit = fit.min(per_sm * sms);
+        }
+        Ok(fit)
+    }
+}
+
+/// FNV-1a, 64 bits: a stable digest of a kernel image (not a security hash).
+fn fnv1a64(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
 }

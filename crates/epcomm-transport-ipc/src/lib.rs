@@ -6,9 +6,10 @@
 //! All ranks must be GPUs of one host (one NVLink domain). The raw-verbs backend reuses this for
 //! its intranode part.
 //!
-//! Teardown: dropping [`IpcMemory`] closes the peer mappings, then frees the local allocation.
-//! It never waits for peers; a caller that needs peers to stop touching the buffer first runs a
-//! [`Transport::host_barrier`] (the `epcomm` frontend's `destroy` does).
+//! Teardown: [`SymmetricMemory::release_peer_mappings`] closes the peer mappings; dropping
+//! [`IpcMemory`] closes any that are left, then frees the local allocation. It never waits for
+//! peers: the `epcomm` frontend releases the mappings, runs a host barrier, and only then drops,
+//! so no rank frees memory a peer still maps.
 
 use std::sync::Arc;
 
@@ -233,15 +234,30 @@ impl SymmetricMemory for IpcMemory {
     fn peer_bases(&self) -> &[u64] {
         &self.bases
     }
+
+    fn release_peer_mappings(&mut self) {
+        self.close_peers();
+    }
+}
+
+impl IpcMemory {
+    fn close_peers(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        for ptr in self.opened.drain(..) {
+            // SAFETY: `ptr` was returned by cuIpcOpenMemHandle and is closed exactly once
+            // (drained from `opened`).
+            let _ = unsafe { sys::cuIpcCloseMemHandle(ptr) };
+        }
+        let me = self.local.ptr();
+        for b in self.bases.iter_mut().filter(|b| **b != me) {
+            *b = 0;
+        }
+    }
 }
 
 impl Drop for IpcMemory {
     fn drop(&mut self) {
-        let _ = self.ctx.bind_to_thread();
-        for ptr in self.opened.drain(..) {
-            // SAFETY: `ptr` was returned by cuIpcOpenMemHandle and is closed exactly once.
-            let _ = unsafe { sys::cuIpcCloseMemHandle(ptr) };
-        }
+        self.close_peers();
         // `local` is freed by its own Drop after this.
     }
 }

@@ -236,4 +236,8 @@ impl SymmetricMemory for NvshmemMemory {
     fn peer_bases(&self) -> &[u64] {
         &self.bases
     }
+
+    fn free_is_collective(&self) -> bool {
+        true // nvshmem_free is a collective over every PE
+    }
 }

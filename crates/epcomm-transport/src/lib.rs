@@ -172,6 +172,17 @@ pub trait SymmetricMemory: Send + Sync + Debug {
     /// Device address, valid in this process, of every rank's buffer (own included), indexed by
     /// rank; 0 for ranks this process cannot store to directly.
     fn peer_bases(&self) -> &[u64];
+
+    /// Closes this rank's mappings of the peers' memory: called at teardown once this rank's
+    /// ops are finished, before the barrier after which every rank frees its own allocation
+    /// (so no rank frees memory a peer still maps). Default: nothing to close.
+    fn release_peer_mappings(&mut self) {}
+
+    /// True when freeing is collective (every rank must free together, e.g. NVSHMEM's
+    /// `nvshmem_free`): with a peer gone, the frontend leaks the allocation instead of blocking.
+    fn free_is_collective(&self) -> bool {
+        false
+    }
 }
 
 /// A communication backend (static dispatch).

@@ -1,6 +1,7 @@
 //! [`Buffer`]: one per process (per GPU); owns the transport, the symmetric buffer, the stream,
 //! the loaded kernels and the op sequence numbers that every rank keeps in step.
 
+use std::mem::ManuallyDrop;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -16,9 +17,11 @@ use epcomm_transport::{
 };
 use epcomm_transport_ipc::IpcTransport;
 
+use crate::agreement::Fingerprint;
 use crate::error::DriverContext;
 use crate::handle::{Dispatched, Handle, HandleInner, RecvDtype};
 use crate::layout::{Layout, LayoutInner};
+use crate::pointers::{ROW_ALIGN, check_device_ptr};
 use crate::stats::{LocalStats, OpStats};
 use crate::{BufferConfig, Error, RecvMode, Result};
 
@@ -118,17 +121,35 @@ struct CombineInputs {
 }
 
 /// A captured sequence of ops ([`Buffer::capture`]), replayed with [`Buffer::replay`].
+///
+/// Receive rows alternate between two regions by dispatch parity, so a graph holding a
+/// dispatch is recorded twice, once per parity it can start at: `recordings[by_parity[p]]` is
+/// the recording whose returned receive pointers are right when the device's dispatch count is
+/// `p` modulo 2 at the replay's start (one recording serves both when the graph holds no
+/// dispatch).
 pub struct EpGraph {
-    graph: cudarc::driver::CudaGraph,
+    recordings: Vec<cudarc::driver::CudaGraph>,
+    by_parity: [usize; 2],
     delta: Sequence,
+    buffer_id: u64,
 }
 
 impl std::fmt::Debug for EpGraph {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("EpGraph")
             .field("ops", &self.delta.op)
+            .field("dispatches", &self.delta.dispatch)
             .finish()
     }
+}
+
+/// The latest (cached) dispatch, for in-place combine.
+#[derive(Debug)]
+struct LatestDispatch {
+    handle: std::sync::Weak<HandleInner>,
+    dtype: RecvDtype,
+    /// Top-k weights travelled (a non-cached dispatch with `topk_weights`).
+    weights: bool,
 }
 
 /// One rank's epcomm state: see the crate docs.
@@ -153,11 +174,14 @@ pub struct Buffer<T: Transport = IpcTransport> {
     seq_state: DeviceBuffer,
     parity_stride: u64,
     seq: Sequence,
-    /// Routing and element type of the latest (cached) dispatch, for in-place combine.
-    latest_dispatch: Option<(std::sync::Weak<HandleInner>, RecvDtype)>,
+    /// Routing, element type and weights of the latest (cached) dispatch (in-place combine).
+    latest_dispatch: Option<LatestDispatch>,
     last_op: Option<&'static str>,
     failed: Option<String>,
-    mem: T::Memory,
+    /// Freed by [`Self::teardown`] (or leaked there when the free is collective and a peer is
+    /// gone), never by the field's own drop.
+    mem: ManuallyDrop<T::Memory>,
+    torn_down: bool,
     transport: T,
 }
 
@@ -233,6 +257,36 @@ impl<T: Transport> Buffer<T> {
             KernelFamily::NvshmemDevice => KernelVariant::Nvshmem,
         };
         let kernels = IntranodeKernels::load(&ctx, &stream, variant)?;
+        // Waits across blocks and ranks need every block resident (kernels also launch
+        // cooperatively, so a grid that cannot be co-resident fails instead of hanging).
+        let fit = kernels.max_coresident_blocks(sms)?;
+        if cfg.num_sms > fit {
+            return invalid(
+                "num_sms",
+                format!(
+                    "at most {fit} blocks of the dispatch/combine kernels fit on this GPU at once \
+                     (asked for {})",
+                    cfg.num_sms
+                ),
+            );
+        }
+        // Every rank must agree on everything that shapes the protocol, before any peer
+        // memory is touched (docs/troubleshooting.md).
+        let fingerprint = Fingerprint::new()
+            .with("abi_version", abi::ABI_VERSION)
+            .with("kernel image", format!("{:016x}", kernels.image_digest()))
+            .with("transport", transport.name())
+            .with("world", world)
+            .with("num_sms", cfg.num_sms)
+            .with("max_tokens_per_rank", cfg.max_tokens_per_rank)
+            .with("hidden", cfg.hidden)
+            .with("top_k", cfg.top_k)
+            .with("num_experts", cfg.num_experts)
+            .with("barrier", cfg.barrier.name());
+        let all = pollster::block_on(
+            transport.host_all_gather("epcomm-buffer-config", &fingerprint.encode()),
+        )?;
+        fingerprint.agree(&all)?;
         // SAFETY: the module was loaded in `ctx` from the image of the transport's family and
         // `kernels` keeps it loaded; the binding is declared before `kernels` in `Buffer`, so it
         // is dropped first.
@@ -278,7 +332,8 @@ impl<T: Transport> Buffer<T> {
             latest_dispatch: None,
             last_op: None,
             failed: None,
-            mem,
+            mem: ManuallyDrop::new(mem),
+            torn_down: false,
             transport,
         };
         // Nobody may write into a peer's buffer before that peer has zeroed and mapped it.
@@ -432,13 +487,36 @@ impl<T: Transport> Buffer<T> {
         Ok(unsafe { copy_dtoh::<u64>(&self.stream, self.mem.local_base() + off, self.world) }?)
     }
 
-    /// Host-side barrier with the peers, then frees everything. Use instead of drop when peers
-    /// may still be running ops that touch this rank's memory.
+    /// Frees the buffer after the peers stopped touching it, and reports what went wrong on
+    /// the way (dropping does the same and prints a warning instead). **Collective**: every
+    /// rank destroys (or drops) its buffer.
+    ///
+    /// Order: wait for this rank's ops (bounded: every device wait is), release this rank's
+    /// mappings of the peers' memory, then a host barrier (bounded by the bootstrap timeout;
+    /// a dead peer is detected sooner), and only then free this rank's memory, so no peer can
+    /// write into memory that is already freed and perhaps reused.
     pub fn destroy(mut self) -> Result<()> {
+        self.teardown()
+    }
+
+    fn teardown(&mut self) -> Result<()> {
+        if self.torn_down {
+            return Ok(());
+        }
+        self.torn_down = true;
         // A device failure was already reported by the op that hit it; destroying a failed
         // buffer is the way out, so only driver and transport errors surface here.
         let synced = self.synchronize();
-        pollster::block_on(self.transport.host_barrier("epcomm-buffer-destroy"))?;
+        self.mem.release_peer_mappings();
+        let barrier = pollster::block_on(self.transport.host_barrier("epcomm-buffer-unmapped"));
+        if barrier.is_err() && self.mem.free_is_collective() {
+            // The free would wait for the missing peers forever: leak this allocation instead
+            // (the process keeps running; the memory returns when it exits).
+        } else {
+            // SAFETY: `mem` is taken exactly once (guarded by `torn_down`) and never used after.
+            unsafe { ManuallyDrop::drop(&mut self.mem) };
+        }
+        barrier?;
         match synced {
             Err(e @ (Error::Driver { .. } | Error::Transport(_) | Error::Kernel(_))) => Err(e),
             _ => Ok(()),
@@ -490,12 +568,14 @@ impl<T: Transport> Buffer<T> {
                 num_experts: e,
                 nodes,
                 buffer_id: self.id,
+                generation: AtomicU64::new(0),
             }),
         })
     }
 
-    /// Recomputes `layout` in place from `topk_idx` (same number of tokens). Handles built on
-    /// this layout follow the new routing from here on (stream order).
+    /// Recomputes `layout` in place from `topk_idx` (same number of tokens). A handle that an
+    /// earlier dispatch wrote with this layout is stale from here on: a cached dispatch or
+    /// combine with it fails with [`Error::InvalidArgument`] until a dispatch writes it again.
     pub fn layout_into(&mut self, topk_idx: &dyn DevicePtr<i64>, layout: &Layout) -> Result<()> {
         self.ensure_ready()?;
         let l = self.own(&layout.inner)?;
@@ -534,6 +614,7 @@ impl<T: Transport> Buffer<T> {
         // shape (counts: world + E + nodes, token_slot: T * world, status: 1, topk_idx: T * K);
         // the layout's arrays are owned by `layout`, which outlives the launch (stream order).
         unsafe { self.kernels.launch_layout(s, &args) }?;
+        l.generation.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
 
@@ -574,6 +655,7 @@ impl<T: Transport> Buffer<T> {
                 num_recv,
                 max_rows,
                 buffer_id: self.id,
+                routing: AtomicU64::new(HandleInner::NOT_DISPATCHED),
             }),
         })
     }
@@ -652,9 +734,9 @@ impl<T: Transport> Buffer<T> {
 
     /// The fields every dispatch/combine launch shares. Per-op values (sequence numbers,
     /// parities, expected counter values) are not here: the kernels read them from the device
-    /// `SeqState`, so a captured graph replays correctly. `kind` advances the host mirror.
-    fn base_args(&mut self, kind: u32) -> OpArgs {
-        self.seq.advance(kind);
+    /// `SeqState`, so a captured graph replays correctly. The host mirror advances only once
+    /// the kernel is launched (a check that fails before the launch leaves it in step).
+    fn base_args(&self) -> OpArgs {
         let plan = &self.plan;
         let stats = plan.region(RegionKind::Stats, Parity::Even).offset;
         let (err_claim, err_record, timeout_ns) = self.wait_ctx_base();
@@ -751,7 +833,9 @@ impl<T: Transport> Buffer<T> {
             let handle = Handle {
                 inner: Arc::new(inner),
             };
-            self.latest_dispatch = Some((Arc::downgrade(&handle.inner), dtype));
+            if let Some(latest) = &mut self.latest_dispatch {
+                latest.handle = Arc::downgrade(&handle.inner);
+            }
             (handle, Some(e))
         } else {
             (handle, None)
@@ -789,6 +873,7 @@ impl<T: Transport> Buffer<T> {
     pub fn cached_dispatch(&mut self, x: &XInput<'_>, handle: &Handle) -> Result<Dispatched<'_>> {
         self.ensure_ready()?;
         let h = self.own_handle(handle)?;
+        h.check_routing()?;
         let (dtype, _) = self.check_x(x, h.layout.num_tokens)?;
         self.launch_dispatch(x, None, None, handle)?;
         Ok(self.dispatched(handle.clone(), dtype, false, false, None))
@@ -815,13 +900,20 @@ impl<T: Transport> Buffer<T> {
         let cached = topk_idx.is_none();
         let h = &handle.inner;
         let l = &h.layout;
+        if l.generation.load(Ordering::Relaxed) == 0 {
+            return Err(Error::InvalidArgument {
+                argument: "layout",
+                rule: "was allocated but never computed: call layout_into first".into(),
+            });
+        }
         let (dtype, num_scales) = self.check_x(x, l.num_tokens)?;
         let blocks = self.cfg.num_sms;
-        let mut a = self.base_args(if cached {
+        let kind = if cached {
             abi::op::CACHED_DISPATCH
         } else {
             abi::op::DISPATCH
-        });
+        };
+        let mut a = self.base_args();
         let r = |k| self.plan.region(k, Parity::Even).offset;
         a.off_x = r(RegionKind::DispatchX);
         a.off_scales = r(RegionKind::DispatchScales);
@@ -876,6 +968,18 @@ impl<T: Transport> Buffer<T> {
         a.recv_prefix = rp;
         a.recv_src_idx = ri;
         a.recv_expert_counts = re;
+        let t = l.num_tokens;
+        let dev = self.ctx.ordinal();
+        check_device_ptr("x", a.x, t * a.row_bytes as usize, ROW_ALIGN, dev)?;
+        check_device_ptr("scales", a.x_scales, t * num_scales as usize * 4, 4, dev)?;
+        check_device_ptr("topk_idx", a.topk_idx, t * self.cfg.top_k * 8, 8, dev)?;
+        check_device_ptr(
+            "topk_weights",
+            a.topk_weights,
+            t * self.cfg.top_k * 4,
+            4,
+            dev,
+        )?;
         // SAFETY: inputs were length-checked against the layout's token count; the handle's
         // arrays hold world, world + 1, max_rows and experts_per_rank elements (the kernel never
         // writes more rows than max_rows: it fails with Overflow first); the symmetric buffer
@@ -883,12 +987,21 @@ impl<T: Transport> Buffer<T> {
         // blocks (the completion counters count blocks). A cached dispatch only reads the
         // handle, written by its dispatch earlier on this stream.
         unsafe { self.kernels.launch_dispatch(s, &a, blocks) }?;
+        self.seq.advance(kind);
         self.last_op = Some(if cached {
             "cached dispatch"
         } else {
             "dispatch"
         });
-        self.latest_dispatch = Some((Arc::downgrade(&handle.inner), dtype));
+        if !cached {
+            h.routing
+                .store(l.generation.load(Ordering::Relaxed), Ordering::Relaxed);
+        }
+        self.latest_dispatch = Some(LatestDispatch {
+            handle: Arc::downgrade(&handle.inner),
+            dtype,
+            weights: !cached && topk_weights.is_some(),
+        });
         Ok(())
     }
 
@@ -978,6 +1091,7 @@ impl<T: Transport> Buffer<T> {
     ) -> Result<()> {
         self.ensure_ready()?;
         let h = self.own_handle(handle)?;
+        h.check_routing()?;
         let (hd, k) = (self.cfg.hidden, self.cfg.top_k);
         let rows = h.num_recv.unwrap_or(h.max_rows);
         if y.len() < rows * hd || !y.len().is_multiple_of(hd) {
@@ -1040,11 +1154,26 @@ impl<T: Transport> Buffer<T> {
         out_weights: Option<&mut dyn DevicePtrMut<f32>>,
     ) -> Result<()> {
         self.ensure_ready()?;
-        self.own_handle(handle)?;
+        self.own_handle(handle)?.check_routing()?;
         match &self.latest_dispatch {
-            Some((latest, RecvDtype::Bf16))
-                if std::ptr::eq(latest.as_ptr(), Arc::as_ptr(&handle.inner)) => {}
-            Some((_, RecvDtype::Fp8)) => {
+            Some(latest)
+                if latest.dtype == RecvDtype::Bf16
+                    && std::ptr::eq(latest.handle.as_ptr(), Arc::as_ptr(&handle.inner)) =>
+            {
+                if out_weights.is_some() && !latest.weights {
+                    return Err(Error::InvalidArgument {
+                        argument: "out_weights",
+                        rule: "in-place combine sums the top-k weights the latest dispatch \
+                               received, and that dispatch carried none (a cached dispatch, or \
+                               one without topk_weights): pass None"
+                            .into(),
+                    });
+                }
+            }
+            Some(LatestDispatch {
+                dtype: RecvDtype::Fp8,
+                ..
+            }) => {
                 return Err(Error::InvalidArgument { argument: "handle", rule: "in-place combine needs a BF16 latest dispatch (FP8 rows cannot hold bf16 y)".into() });
             }
             _ => {
@@ -1100,7 +1229,7 @@ impl<T: Transport> Buffer<T> {
             });
         }
         let blocks = self.cfg.num_sms;
-        let mut a = self.base_args(abi::op::COMBINE);
+        let mut a = self.base_args();
         let r = |k| self.plan.region(k, Parity::Even).offset;
         a.off_comb_x = r(RegionKind::CombineX);
         a.off_comb_w = r(RegionKind::CombineWeights);
@@ -1129,23 +1258,79 @@ impl<T: Transport> Buffer<T> {
         a.recv_prefix = rp;
         a.recv_src_idx = ri;
         a.send_offsets = so;
+        let dev = self.ctx.ordinal();
+        let rows = h.num_recv.unwrap_or(h.max_rows);
+        check_device_ptr("y", a.x, rows * hd * 2, ROW_ALIGN, dev)?;
+        check_device_ptr("y_weights", a.topk_weights, rows * k * 4, 4, dev)?;
+        check_device_ptr("out", a.out, t * hd * 2, ROW_ALIGN, dev)?;
+        check_device_ptr("out_weights", a.out_weights, t * k * 4, 4, dev)?;
         // SAFETY: out/out_weights hold T rows (checked above); y per the caller's contract; the
         // handle's arrays were written by its dispatch earlier on this stream.
         unsafe { self.kernels.launch_combine(s, &a, blocks) }?;
+        self.seq.advance(abi::op::COMBINE);
         self.last_op = Some("combine");
         Ok(())
     }
 
     /// Records the ops `ops` issues on this buffer's stream into a CUDA graph instead of running
     /// them. Inside, use only allocation-free, host-wait-free calls: [`Self::layout_into`],
-    /// [`Self::dispatch_into`], [`Self::cached_dispatch`], [`Self::combine`]. Every rank must
-    /// capture (and later replay) the same ops.
-    pub fn capture<F>(&mut self, ops: F) -> Result<EpGraph>
+    /// [`Self::dispatch_into`], [`Self::cached_dispatch`], [`Self::combine`],
+    /// [`Self::combine_in_place`], and your own kernels on this stream. Every rank must capture
+    /// (and later replay) the same ops.
+    ///
+    /// When the ops hold a dispatch, `ops` runs **twice**: receive rows alternate between two
+    /// regions, and each recording is made for one of the two parities a replay can start at.
+    /// Pointers a dispatch returns inside `ops` (e.g. [`Dispatched::recv_x_ptr`] handed to an
+    /// expert kernel captured in the same graph) are therefore right on every replay, whatever
+    /// ran between replays. `ops` must issue the same epcomm ops both times.
+    pub fn capture<F>(&mut self, mut ops: F) -> Result<EpGraph>
     where
-        F: FnOnce(&mut Self) -> Result<()>,
+        F: FnMut(&mut Self) -> Result<()>,
     {
         self.ensure_ready()?;
-        let before = self.seq;
+        let start = self.seq;
+        let (first, delta) = self.record(&mut ops, start)?;
+        let p = (start.dispatch % 2) as usize;
+        let mut recordings = vec![first];
+        let mut by_parity = [0, 0];
+        if delta.dispatch > 0 {
+            let shifted = Sequence {
+                dispatch: start.dispatch + 1,
+                ..start
+            };
+            let (other, other_delta) = self.record(&mut ops, shifted)?;
+            if other_delta != delta {
+                return Err(Error::InvalidArgument {
+                    argument: "capture",
+                    rule: format!(
+                        "ops issued {other_delta:?} on the second recording and {delta:?} on the \
+                         first; they must issue the same ops every time"
+                    ),
+                });
+            }
+            recordings.push(other);
+            by_parity[1 - p] = 1;
+        }
+        Ok(EpGraph {
+            recordings,
+            by_parity,
+            delta,
+            buffer_id: self.id,
+        })
+    }
+
+    /// One recording of `ops` with the host mirror at `at`; returns the graph and the ops it
+    /// holds. The device ran nothing, so the mirror goes back to where it was.
+    fn record<F>(
+        &mut self,
+        ops: &mut F,
+        at: Sequence,
+    ) -> Result<(cudarc::driver::CudaGraph, Sequence)>
+    where
+        F: FnMut(&mut Self) -> Result<()>,
+    {
+        let real = self.seq;
+        self.seq = at;
         self.stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .context("beginning a graph capture")?;
@@ -1156,23 +1341,44 @@ impl<T: Transport> Buffer<T> {
                 sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
             )
             .context("ending a graph capture");
-        // Capturing ran nothing: the device sequence did not move.
-        let delta = self.seq.minus(&before);
-        self.seq = before;
+        let delta = self.seq.minus(&at);
+        self.seq = real;
         captured?;
         let graph = graph?.ok_or(Error::InvalidArgument {
             argument: "capture",
             rule: "captured no work".into(),
         })?;
-        Ok(EpGraph { graph, delta })
+        Ok((graph, delta))
     }
 
-    /// Replays a graph from [`Self::capture`] (stream-ordered, no host wait).
+    /// Replays a graph from [`Self::capture`] (stream-ordered, no host wait): the recording
+    /// made for the current receive-region parity.
     pub fn replay(&mut self, graph: &EpGraph) -> Result<()> {
         self.ensure_ready()?;
-        graph.graph.launch().context("launching a graph")?;
+        if graph.buffer_id != self.id {
+            return Err(Error::InvalidArgument {
+                argument: "graph",
+                rule: "was captured on another Buffer".into(),
+            });
+        }
+        let p = (self.seq.dispatch % 2) as usize;
+        graph.recordings[graph.by_parity[p]]
+            .launch()
+            .context("launching a graph")?;
         self.seq.add(&graph.delta);
         Ok(())
+    }
+}
+
+impl<T: Transport> Drop for Buffer<T> {
+    /// Same order as [`Buffer::destroy`]; problems become a warning on stderr.
+    fn drop(&mut self) {
+        if let Err(e) = self.teardown() {
+            eprintln!(
+                "epcomm: warning: rank {} dropped its Buffer without every peer: {e}",
+                self.rank
+            );
+        }
     }
 }
 

@@ -19,6 +19,8 @@ pub enum WaitKind {
     Barrier,
     /// The host's wait for the receive count (HostSync).
     HostRecvCount,
+    /// The op's start: a peer's failure was already known.
+    OpStart,
     /// Unknown code (newer kernels).
     Other(u32),
 }
@@ -31,6 +33,7 @@ impl WaitKind {
             abi::wait::DISPATCH_DONE => Self::DispatchData,
             abi::wait::COMBINE_DONE => Self::CombineData,
             abi::wait::BARRIER => Self::Barrier,
+            abi::wait::OP_START => Self::OpStart,
             other => Self::Other(other),
         }
     }
@@ -94,6 +97,36 @@ pub enum Error {
         /// Number of experts.
         num_experts: u64,
     },
+    /// Another rank failed first (its own error names the cause); this rank's op stopped
+    /// within microseconds of learning it. The buffer is failed on every rank.
+    #[error(
+        "{op} on rank {rank} stopped during {wait:?}: rank {origin} failed first ({cause} in \
+         its op #{origin_op_seq}); destroy this Buffer on every rank and create a new one"
+    )]
+    PeerFailed {
+        /// The op that stopped here.
+        op: &'static str,
+        /// This rank.
+        rank: usize,
+        /// Where this rank was when it learned of the failure.
+        wait: WaitKind,
+        /// The rank whose failure came first.
+        origin: usize,
+        /// What happened there (timeout, overflow, invalid expert id).
+        cause: &'static str,
+        /// The origin's op sequence number (low 32 bits).
+        origin_op_seq: u64,
+    },
+    /// Ranks built a `Buffer` with different configurations (every rank gets this error).
+    #[error(
+        "ranks disagree on {field} ({values}); every rank must create its Buffer with the same value"
+    )]
+    ConfigMismatch {
+        /// The field that differs.
+        field: &'static str,
+        /// Every rank's value, e.g. "rank 0: 24, rank 1: 32".
+        values: String,
+    },
     /// An earlier error left this buffer unusable.
     #[error("this Buffer failed earlier ({0}); destroy it and create a new one")]
     Failed(String),
@@ -138,6 +171,19 @@ impl Error {
                 token: r.peer as i64,
                 value: r.seen as i64,
                 num_experts: r.expected,
+            },
+            abi::code::PEER_FAILED => Self::PeerFailed {
+                op,
+                rank: r.rank as usize,
+                wait: WaitKind::from_code(r.wait_id),
+                origin: r.peer.max(0) as usize,
+                cause: match r.expected as u32 {
+                    abi::code::TIMEOUT => "a timeout",
+                    abi::code::OVERFLOW => "a receive overflow",
+                    abi::code::INVALID_EXPERT => "an invalid expert id",
+                    _ => "a device failure",
+                },
+                origin_op_seq: r.seen,
             },
             _ => Self::Timeout {
                 op,
@@ -218,5 +264,34 @@ mod tests {
                 ..
             }
         ));
+        let r = abi::ErrorRecord {
+            code: abi::code::PEER_FAILED,
+            op: abi::op::CACHED_DISPATCH,
+            wait_id: abi::wait::OP_START,
+            peer: 2,
+            rank: 1,
+            expected: abi::code::INVALID_EXPERT as u64,
+            seen: 7,
+            ..Default::default()
+        };
+        let e = Error::from_record(&r);
+        assert!(
+            matches!(
+                e,
+                Error::PeerFailed {
+                    rank: 1,
+                    origin: 2,
+                    wait: WaitKind::OpStart,
+                    origin_op_seq: 7,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        let text = e.to_string();
+        assert!(
+            text.contains("rank 2 failed first") && text.contains("invalid expert id"),
+            "{text}"
+        );
     }
 }

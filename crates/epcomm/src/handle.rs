@@ -33,6 +33,34 @@ pub(crate) struct HandleInner {
     /// Upper bound of rows received (the capacity the dispatch ran with).
     pub(crate) max_rows: usize,
     pub(crate) buffer_id: u64,
+    /// The layout generation the latest non-cached dispatch into this handle routed with
+    /// ([`HandleInner::NOT_DISPATCHED`] before the first).
+    pub(crate) routing: std::sync::atomic::AtomicU64,
+}
+
+impl HandleInner {
+    /// `routing` of a handle no dispatch wrote yet.
+    pub(crate) const NOT_DISPATCHED: u64 = u64::MAX;
+
+    /// Fails unless a dispatch wrote this handle with its layout's current routing: a cached
+    /// dispatch or combine along a handle whose layout was recomputed since would mix new
+    /// token slots with old offsets.
+    pub(crate) fn check_routing(&self) -> Result<()> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let routing = self.routing.load(Relaxed);
+        let rule = if routing == Self::NOT_DISPATCHED {
+            "no dispatch wrote this handle yet: dispatch with it first"
+        } else if routing != self.layout.generation.load(Relaxed) {
+            "its layout was recomputed (layout_into) after the dispatch that wrote it: dispatch \
+             again with the new routing before a cached dispatch or combine"
+        } else {
+            return Ok(());
+        };
+        Err(crate::Error::InvalidArgument {
+            argument: "handle",
+            rule: rule.into(),
+        })
+    }
 }
 
 impl Handle {
@@ -44,6 +72,13 @@ impl Handle {
     /// Rows received, if known on the host (HostSync dispatch).
     pub fn num_recv(&self) -> Option<usize> {
         self.inner.num_recv
+    }
+
+    /// The most rows a dispatch into this handle can receive: size `y` of a combine with it
+    /// (`capacity() * hidden` values) when the receive count is not known on the host
+    /// (WorstCase / Bounded dispatch, graph capture).
+    pub fn capacity(&self) -> usize {
+        self.inner.max_rows
     }
 
     /// Reads the number of received rows from the device (waits for the dispatch).

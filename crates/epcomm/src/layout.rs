@@ -21,6 +21,9 @@ pub(crate) struct LayoutInner {
     pub(crate) num_experts: usize,
     pub(crate) nodes: usize,
     pub(crate) buffer_id: u64,
+    /// How many times the layout kernel was issued on this layout (0: never computed). A
+    /// handle remembers the generation its dispatch routed with.
+    pub(crate) generation: std::sync::atomic::AtomicU64,
 }
 
 /// The routing of one batch: tokens per rank / expert / node and each token's slot in every

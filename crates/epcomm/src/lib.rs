@@ -23,11 +23,13 @@
 //! Ops can also be captured into a CUDA graph and replayed ([`Buffer::capture`]): kernels read
 //! their sequence numbers from device memory, never from their arguments.
 
+mod agreement;
 mod buffer;
 mod config;
 mod error;
 mod handle;
 mod layout;
+mod pointers;
 mod stats;
 
 pub use buffer::{Buffer, DispatchInput, EpGraph, XInput};

@@ -14,6 +14,8 @@ enum ErrorCode : uint32_t {
   kTimeout = 1,
   kOverflow = 2,
   kInvalidExpert = 3,
+  kPeerFailed = 4,  // a peer failed first: peer = origin rank, expected = its code,
+                    // seen = its op sequence number (low 32 bits)
 };
 
 enum OpKind : uint32_t {
@@ -31,7 +33,13 @@ enum WaitId : uint32_t {
   kWaitDispatchDone = 3, // [E6] a peer's dispatch data landed
   kWaitCombineDone = 4,  // [C3] a peer's combine contributions landed
   kWaitBarrier = 5,      // [G*] a Global-strategy barrier
+  kWaitOpStart = 6,      // the op's prologue (a peer's failure was already known)
 };
+
+// Byte offsets inside the stats region (per rank, symmetric): [world] "my y is ready" words of
+// the in-place combine, then the abort word that failing peers write.
+constexpr uint64_t kStatsReadyOffset = 3072;
+constexpr uint64_t kStatsAbortOffset = 3584;
 
 // Written once per failure into host-mapped memory (first failing thread wins). Kernels never
 // trap: they record, then leave.

@@ -48,7 +48,6 @@ struct OpSeq {
   uint64_t barrier_base;   // barrier[src] value before this op's first barrier
 };
 
-constexpr uint64_t kReadyOffset = 3072;  // stats-region bytes: [world] "my y is ready" words
 
 struct Shared {
   OpSeq seq;
@@ -63,22 +62,31 @@ __device__ __forceinline__ uint64_t* u64_at(uint8_t* base, uint64_t off) {
   return reinterpret_cast<uint64_t*>(base + off);
 }
 
-__device__ __forceinline__ WaitCtx make_wait(const OpArgs& a, const OpSeq& q, uint32_t op) {
+__device__ __forceinline__ WaitCtx make_wait(const OpArgs& a, const Shared& s, uint32_t op) {
   WaitCtx w;
   w.record = reinterpret_cast<ErrorRecord*>(a.err_record);
   w.claim = reinterpret_cast<uint32_t*>(a.err_claim);
   w.timeout_ns = a.timeout_ns;
-  w.epoch = q.op;
+  w.epoch = s.seq.op;
   w.op = op;
   w.rank = a.rank;
+  w.abort_word = u64_at(s.bases[a.rank], a.off_stats + kStatsAbortOffset);
+  w.bases = s.bases;
+  w.abort_off = a.off_stats + kStatsAbortOffset;
+  w.remote_mask = a.remote_mask;
+  w.world = a.world;
   return w;
 }
 
-// Reads the sequence numbers, loads peer bases, clears the abort flag.
-__device__ __forceinline__ void prologue(const OpArgs& a, Shared& s, uint32_t kind) {
+// Reads the sequence numbers, loads peer bases, clears the abort flag. Returns false (in every
+// block) when the op must not run: this rank failed earlier (its claim is set: the failure is
+// sent to the peers again, in case the failing kernel could not) or a peer's abort word arrived.
+// Such an op writes nothing and publishes nothing, so no peer can mistake it for progress.
+__device__ __forceinline__ bool prologue(const OpArgs& a, Shared& s, uint32_t kind) {
   const int tid = threadIdx.x;
   if (tid < a.world) s.bases[tid] = reinterpret_cast<uint8_t*>(
                          reinterpret_cast<const uint64_t*>(a.peer_bases)[tid]);
+  __syncthreads();
   if (tid == 0) {
     s.abort = 0;
     const volatile SeqState* st = reinterpret_cast<const volatile SeqState*>(a.seq_state);
@@ -91,8 +99,19 @@ __device__ __forceinline__ void prologue(const OpArgs& a, Shared& s, uint32_t ki
     q.done_expected = st->done + gridDim.x;
     q.barrier_base = st->barriers;
     s.seq = q;
+    const WaitCtx w = make_wait(a, s, kind);
+    if (*reinterpret_cast<const volatile uint32_t*>(w.claim) != 0) {
+      s.abort = 1;
+      const volatile ErrorRecord* r = w.record;
+      const uint32_t code = r->code;
+      if (code != kOk && code != kPeerFailed)
+        broadcast_abort(w, make_abort(code, a.rank, r->epoch));
+    } else if (should_stop(w, kWaitOpStart)) {
+      s.abort = 1;
+    }
   }
   __syncthreads();
+  return s.abort == 0;
 }
 
 // Called once per block on the success path; the last block to finish advances SeqState.
@@ -316,6 +335,11 @@ extern "C" __global__ void __launch_bounds__(kThreads) epcomm_layout(const Layou
       w.epoch = 0;
       w.op = kOpLayout;
       w.rank = a.rank;
+      w.abort_word = nullptr;  // no peers here: the next op's prologue tells them
+      w.bases = nullptr;
+      w.abort_off = 0;
+      w.remote_mask = 0;
+      w.world = 0;
       // peer = token index, expected = num_experts, seen = the offending id.
       record_failure(w, kInvalidExpert, kWaitNone, static_cast<int32_t>(i / K),
                      static_cast<uint64_t>(E), static_cast<uint64_t>(v), 0);
@@ -336,9 +360,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) epcomm_dispatch(const 
   const int world = a.world, me = a.rank, K = a.top_k;
   const int epr = a.num_experts / world;
   const bool block0 = blockIdx.x == 0;
-  prologue(a, s, kind);
+  if (!prologue(a, s, kind)) return;
   const OpSeq q = s.seq;
-  const WaitCtx w = make_wait(a, q, kind);
+  const WaitCtx w = make_wait(a, s, kind);
   // Regions of this op: receive rows by dispatch parity, counts by notify parity.
   const uint64_t dpar = (q.dispatch & 1) * a.parity_stride;
   const uint64_t npar = (q.notify & 1) * a.parity_stride;
@@ -534,9 +558,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) epcomm_combine(const O
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int world = a.world, me = a.rank, K = a.top_k;
   const bool block0 = blockIdx.x == 0;
-  prologue(a, s, kOpCombine);
+  if (!prologue(a, s, kOpCombine)) return;
   const OpSeq q = s.seq;
-  const WaitCtx w = make_wait(a, q, kOpCombine);
+  const WaitCtx w = make_wait(a, s, kOpCombine);
   const uint64_t cpar = (q.combine & 1) * a.parity_stride;
   const uint64_t off_comb_x = a.off_comb_x + cpar, off_comb_w = a.off_comb_w + cpar;
   uint8_t* const local = s.bases[me];
@@ -569,14 +593,14 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) epcomm_combine(const O
     // [P1] my y is complete (earlier kernels on this stream wrote it): tell every peer.
     if (block0 && tid < world) {
       __threadfence_system();
-      net_publish_set(u64_at(s.bases[tid], a.off_stats + kReadyOffset) + me, q.epoch, tid,
+      net_publish_set(u64_at(s.bases[tid], a.off_stats + kStatsReadyOffset) + me, q.epoch, tid,
                       net_remote(a.remote_mask, tid));
     }
     // [P2] every block waits until every peer's y is complete, then pulls it directly.
     bool ready = true;
     if (tid < world && tid != me) {
       uint64_t arrived = 0;
-      ready = wait_geq(w, u64_at(local, a.off_stats + kReadyOffset) + tid, q.epoch,
+      ready = wait_geq(w, u64_at(local, a.off_stats + kStatsReadyOffset) + tid, q.epoch,
                        kWaitCombineDone, tid, &arrived);
       if (ready && block0) s_arrival[tid] = arrived;
     }

@@ -2,8 +2,15 @@
 // `wait_tag`: each gives up after `timeout_ns`, records which op / wait / peer / values into the
 // host-mapped ErrorRecord (first failure wins), and returns false so the caller can leave the
 // kernel. Nothing traps: a trap would poison the CUDA context (sticky error) for the process.
+//
+// Failures travel: the thread that records this rank's first failure also writes an abort word
+// into every peer's buffer (`broadcast_abort`), and every wait polls this rank's own abort word
+// on its slow path, so a peer of a failed rank stops within microseconds with kPeerFailed
+// naming the origin, instead of waiting out its timeout. The next op's prologue checks both the
+// claim and the abort word and leaves before writing anything (docs/protocol.md, "Failures").
 #pragma once
 #include "epcomm/abi.cuh"
+#include "epcomm/net.cuh"
 #include "epcomm/ptx.cuh"
 
 namespace epcomm {
@@ -15,10 +22,37 @@ struct WaitCtx {
   uint64_t epoch;
   uint32_t op;
   int32_t rank;
+  // Failure propagation (null in the layout kernel, which has no peers): this rank's abort
+  // word, and where every peer's abort word lives (base + abort_off, route by remote_mask).
+  const uint64_t* abort_word;
+  uint8_t* const* bases;
+  uint64_t abort_off;
+  uint64_t remote_mask;
+  int32_t world;
 };
 
-__device__ __forceinline__ bool failed(const WaitCtx& w) {
-  return *reinterpret_cast<volatile uint32_t*>(w.claim) != 0;
+// Abort word: code (16 bits) | origin rank + 1 (16 bits) | origin's op sequence (low 32 bits).
+// Never 0 once written (origin + 1 >= 1).
+__device__ __forceinline__ uint64_t make_abort(uint32_t code, int32_t origin, uint64_t op) {
+  return (static_cast<uint64_t>(code & 0xffffu) << 48) |
+         (static_cast<uint64_t>((origin + 1) & 0xffff) << 32) | (op & 0xffffffffull);
+}
+__device__ __forceinline__ int32_t abort_origin(uint64_t a) {
+  return static_cast<int32_t>((a >> 32) & 0xffffu) - 1;
+}
+__device__ __forceinline__ uint32_t abort_code(uint64_t a) {
+  return static_cast<uint32_t>(a >> 48);
+}
+
+// Tells every peer that this rank failed (one thread). Idempotent: peers only test for != 0.
+__device__ __noinline__ void broadcast_abort(const WaitCtx& w, uint64_t value) {
+  if (w.bases == nullptr) return;
+  for (int d = 0; d < w.world; ++d) {
+    if (d == w.rank) continue;
+    net_set_word(reinterpret_cast<uint64_t*>(w.bases[d] + w.abort_off), value, d,
+                 net_remote(w.remote_mask, d));
+  }
+  __threadfence_system();
 }
 
 __device__ __noinline__ void record_failure(const WaitCtx& w, uint32_t code, uint32_t wait_id,
@@ -38,9 +72,23 @@ __device__ __noinline__ void record_failure(const WaitCtx& w, uint32_t code, uin
   __threadfence_system();
   r->code = code;
   __threadfence_system();
+  // A failure of this rank's own (not one learned from a peer) goes to every peer.
+  if (code != kPeerFailed) broadcast_abort(w, make_abort(code, w.rank, w.epoch));
 }
 
-// Spin until *p >= target (acquire). Returns false on timeout or when another thread failed.
+// True when this op must stop: this rank already failed (the claim is set), or a peer's abort
+// word arrived (recorded here as kPeerFailed naming the origin, during wait `wait_id`).
+__device__ __forceinline__ bool should_stop(const WaitCtx& w, uint32_t wait_id) {
+  if (*reinterpret_cast<volatile uint32_t*>(w.claim) != 0) return true;
+  if (w.abort_word == nullptr) return false;
+  const uint64_t a = *reinterpret_cast<const volatile uint64_t*>(w.abort_word);
+  if (a == 0) return false;
+  record_failure(w, kPeerFailed, wait_id, abort_origin(a), abort_code(a), a & 0xffffffffull, 0);
+  return true;
+}
+
+// Spin until *p >= target (acquire). Returns false on timeout, when another thread of this
+// rank failed, or when a peer reported a failure.
 __device__ __forceinline__ bool wait_geq(const WaitCtx& w, const uint64_t* p, uint64_t target,
                                          uint32_t wait_id, int32_t peer, uint64_t* arrived_ns) {
   uint64_t v = ld_acquire_sys(p);
@@ -61,7 +109,7 @@ __device__ __forceinline__ bool wait_geq(const WaitCtx& w, const uint64_t* p, ui
         record_failure(w, kTimeout, wait_id, peer, target, v, now - t0);
         return false;
       }
-      if (failed(w)) return false;
+      if (should_stop(w, wait_id)) return false;
     }
   }
 }
@@ -89,7 +137,7 @@ __device__ __forceinline__ bool wait_tag(const WaitCtx& w, const uint64_t* p, ui
         record_failure(w, kTimeout, wait_id, peer, tag, v >> 32, now - t0);
         return false;
       }
-      if (failed(w)) return false;
+      if (should_stop(w, wait_id)) return false;
     }
   }
 }

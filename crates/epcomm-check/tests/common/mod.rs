@@ -1,0 +1,231 @@
+//! Helpers shared by the GPU test executables (`gpu.rs`, `edges.rs`).
+//!
+//! Each multi-process test re-executes its own binary as the workers (`--exact <test>` with
+//! `EPCOMM_WORKER=1`), one process per rank. Ranks map to GPUs round-robin, so
+//! `EPCOMM_TEST_WORLD=2` on a one-GPU machine runs two ranks on that GPU (correctness only;
+//! speed and skew need one GPU per rank).
+//!
+//! Nothing here passes silently:
+//! * with `EPCOMM_GPU_TESTS=1` (set by `run-gpu-tests.sh`), a missing driver, fewer ranks than
+//!   a test needs, or an NVSHMEM library that fails to load is a test **failure**;
+//! * without it (CI, a laptop) the GPU tests skip, and one `SKIP` line per executable goes to
+//!   the terminal directly (cargo hides the output of passing tests);
+//! * every GPU test that really ran appends `<test> <configuration>` to the file named by
+//!   `EPCOMM_GPU_TESTS_RAN_FILE`, and the runner fails when that file stays empty.
+#![allow(dead_code)]
+
+use std::io::Write;
+use std::sync::{Arc, Once};
+use std::time::Duration;
+
+use cudarc::driver::CudaContext;
+use epcomm::{BarrierStrategy, BufferConfig};
+use epcomm_bootstrap::{Bootstrap, BootstrapConfig};
+use epcomm_check::procs::{gpu_count, run_workers};
+
+/// True when GPU tests must run (a skip is then a failure).
+pub fn gpu_tests_required() -> bool {
+    std::env::var("EPCOMM_GPU_TESTS").is_ok_and(|v| v == "1")
+}
+
+/// Skips `test` (one visible line per executable), or fails it when GPU tests are required.
+pub fn skip(test: &str, why: &str) {
+    if gpu_tests_required() {
+        panic!("{test}: EPCOMM_GPU_TESTS=1 but {why}");
+    }
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        // Straight to the terminal: the test harness captures eprintln! of passing tests.
+        let _ = writeln!(
+            std::io::stderr(),
+            "SKIP GPU tests of this executable: {why} (EPCOMM_GPU_TESTS=1 makes this a failure)"
+        );
+    });
+}
+
+/// Records that `test` really ran in `config` (for the runner's "no GPU test ran" check).
+pub fn record_ran(test: &str, config: &str) {
+    let Some(path) = std::env::var_os("EPCOMM_GPU_TESTS_RAN_FILE") else {
+        return;
+    };
+    let line = format!("{test} {config}\n");
+    let written = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .and_then(|mut f| f.write_all(line.as_bytes()));
+    if let Err(e) = written {
+        panic!("{test}: cannot record the run in {path:?}: {e}");
+    }
+}
+
+/// GPUs for a single-process test, or None (skipped).
+pub fn gpus(test: &str) -> Option<usize> {
+    match gpu_count() {
+        Ok(n) => Some(n),
+        Err(why) => {
+            skip(test, &why);
+            None
+        }
+    }
+}
+
+/// Number of ranks for a multi-process test (`EPCOMM_TEST_WORLD`, default one per GPU), or
+/// None when it cannot run here (skipped, or a failure under `EPCOMM_GPU_TESTS=1`).
+pub fn world(test: &str, min: usize) -> Option<usize> {
+    let n = gpus(test)?;
+    let w = std::env::var("EPCOMM_TEST_WORLD")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(n);
+    if w < min {
+        skip(
+            test,
+            &format!(
+                "it needs {min} ranks and this machine has {n} GPU(s); set \
+                 EPCOMM_TEST_WORLD={min} to run {min} ranks on fewer GPUs"
+            ),
+        );
+        return None;
+    }
+    Some(w)
+}
+
+/// True when every rank has a GPU of its own (speed and skew tests need that).
+pub fn one_gpu_per_rank(world: usize) -> bool {
+    gpu_count().is_ok_and(|n| n >= world)
+}
+
+pub fn launch(test: &str, world: usize, env: &[(&str, String)]) {
+    let args = [test, "--exact", "--nocapture", "--test-threads=1"];
+    if let Err(e) = run_workers(world, &args, env, Duration::from_secs(900)) {
+        panic!("{test}: {e}");
+    }
+    let config: Vec<String> = env.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    record_ran(test, &format!("world={world} {}", config.join(" ")));
+}
+
+pub struct Worker {
+    pub boot: Arc<Bootstrap>,
+    pub ctx: Arc<CudaContext>,
+}
+
+/// A worker's bootstrap and the CUDA context of its GPU (rank `local_rank % GPUs`).
+pub fn worker() -> Worker {
+    let cfg = BootstrapConfig::from_env().expect("worker env");
+    let boot = Arc::new(Bootstrap::connect(cfg).expect("bootstrap"));
+    let gpus = gpu_count().expect("a GPU for the worker");
+    let ctx = CudaContext::new(boot.local_rank() % gpus).expect("CUDA context");
+    Worker { boot, ctx }
+}
+
+pub fn strategy_from_env() -> BarrierStrategy {
+    std::env::var("EPCOMM_TEST_BARRIER")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(BarrierStrategy::Epoch)
+}
+
+/// Transports a multi-process test runs on: CUDA IPC always; NVSHMEM when its host library is
+/// installed (each worker then initialises NVSHMEM over the bootstrap), both as one node
+/// (`nvshmem`) and with every GPU its own virtual node (`nvshmem-vnodes`: all traffic between
+/// ranks through NVSHMEM put/signal). `EPCOMM_TEST_TRANSPORTS` (comma-separated) narrows it;
+/// under `EPCOMM_GPU_TESTS=1` an NVSHMEM library that fails to load fails the test unless the
+/// list leaves NVSHMEM out.
+pub fn transports(test: &str) -> Vec<&'static str> {
+    let only = std::env::var("EPCOMM_TEST_TRANSPORTS").ok();
+    let wanted = |t: &str| {
+        only.as_deref()
+            .is_none_or(|o| o.split(',').any(|o| o.trim() == t))
+    };
+    let mut all = vec!["ipc"];
+    if wanted("nvshmem") || wanted("nvshmem-vnodes") {
+        match nvshmem_sys::loader::load_default() {
+            Ok(_) => all.extend(["nvshmem", "nvshmem-vnodes"]),
+            Err(e) if gpu_tests_required() => {
+                panic!(
+                    "{test}: EPCOMM_GPU_TESTS=1 but the NVSHMEM host library failed to load: {e}"
+                )
+            }
+            Err(e) => skip(test, &format!("NVSHMEM is not usable here: {e}")),
+        }
+    }
+    all.into_iter().filter(|t| wanted(t)).collect()
+}
+
+pub fn transport_env(transport: &str, strategy: &str) -> Vec<(&'static str, String)> {
+    let mut env = vec![
+        ("EPCOMM_TEST_BARRIER", strategy.to_string()),
+        ("EPCOMM_TEST_TRANSPORT", transport.to_string()),
+    ];
+    if transport.starts_with("nvshmem") {
+        // A host without an RDMA NIC; NVLink multicast stays off.
+        env.push(("NVSHMEM_REMOTE_TRANSPORT", "none".into()));
+        env.push(("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo".into()));
+        env.push(("NVSHMEM_DISABLE_NVLS", "1".into()));
+    }
+    env
+}
+
+/// Runs `$run(&worker, &make_transport, args...)` on the transport `EPCOMM_TEST_TRANSPORT` names.
+macro_rules! on_transport {
+    ($run:ident $(, $arg:expr)*) => {{
+        let w = common::worker();
+        let which = std::env::var("EPCOMM_TEST_TRANSPORT").unwrap_or_default();
+        if which.starts_with("nvshmem") {
+            let options = epcomm_transport_nvshmem::NvshmemOptions {
+                virtual_nodes: if which == "nvshmem-vnodes" { w.boot.local_world_size() } else { 1 },
+            };
+            let t = epcomm_transport_nvshmem::NvshmemTransport::with_options(
+                w.ctx.clone(), w.boot.clone(), options,
+            )
+            .expect("NVSHMEM transport");
+            $run(&w, &|| t.clone() $(, $arg)*)
+        } else {
+            let mk = || epcomm::IpcTransport::new(w.ctx.clone(), w.boot.clone())
+                .expect("IPC transport");
+            $run(&w, &mk $(, $arg)*)
+        }
+    }};
+}
+pub(crate) use on_transport;
+
+/// Strategies a transport's kernels implement.
+pub fn strategies(transport: &str) -> &'static [&'static str] {
+    match transport {
+        "ipc" => &["epoch", "global"],
+        _ => &["epoch", "global", "peer-signal"],
+    }
+}
+
+/// Launches `test` once per (transport, strategy); `EPCOMM_TEST_BARRIER` narrows the
+/// strategies.
+pub fn launch_all(test: &str, n: usize) {
+    let only = std::env::var("EPCOMM_TEST_BARRIER").ok();
+    for t in transports(test) {
+        for s in strategies(t) {
+            if only
+                .as_deref()
+                .is_some_and(|o| !o.split(',').any(|o| o.trim() == *s))
+            {
+                continue;
+            }
+            eprintln!("== {test}: transport {t}, strategy {s}");
+            launch(test, n, &transport_env(t, s));
+        }
+    }
+}
+
+pub fn log(rank: usize, msg: impl std::fmt::Display) {
+    if rank == 0 {
+        eprintln!("[rank 0] {msg}");
+    }
+}
+
+/// A small buffer with a short timeout, for failure tests.
+pub fn small_cfg(world: usize) -> BufferConfig {
+    let mut cfg = BufferConfig::new(64, 128, 2, 4 * world);
+    cfg.timeout = Duration::from_secs(2);
+    cfg.barrier = strategy_from_env();
+    cfg
+}

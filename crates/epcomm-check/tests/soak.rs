@@ -1,0 +1,272 @@
+//! Pipelined soak: thousands of ops issued without a host sync — changing token counts,
+//! dispatch + combine, cached dispatch, in-place combine and graph replays interleaved, one
+//! rank's stream delayed every few ops — with sampled outputs (received rows and combine
+//! results) copied aside stream-ordered and verified against the reference at the end.
+//! `EPCOMM_SOAK_OPS` sets the op count (default 10,000).
+
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use epcomm::{Buffer, BufferConfig, DispatchInput, RecvMode, Transport, XInput};
+use epcomm_check::inputs::{DeviceInputs, Shape, device_inputs, host_inputs, upload};
+use epcomm_check::procs::is_worker;
+use epcomm_reference::bf16;
+
+mod common;
+use common::{Worker, launch_all, log, on_transport, strategy_from_env, world};
+
+/// One routing: device inputs, this rank's expert output `y` (padded to the capacity), the
+/// rows this rank receives and its combine output (reference).
+struct Case {
+    d: DeviceInputs,
+    y: CudaSlice<bf16>,
+    rows: Vec<bf16>,
+    combined: Vec<bf16>,
+}
+
+/// A stream-ordered copy of `elems` bf16 values from device address `from` into `to`.
+fn copy_aside(stream: &CudaStream, from: u64, to: &CudaSlice<bf16>, elems: usize) {
+    if elems == 0 {
+        return;
+    }
+    let (dst, _g) = to.device_ptr(stream);
+    // SAFETY: `from` holds at least `elems` values (a receive view or an output of that size)
+    // and `to` was allocated with at least as many; ordered on the buffer's stream.
+    unsafe { cudarc::driver::sys::cuMemcpyDtoDAsync_v2(dst, from, elems * 2, stream.cu_stream()) }
+        .result()
+        .unwrap();
+}
+
+/// What a sample must hold once the stream drained.
+struct Sample {
+    what: String,
+    got: CudaSlice<bf16>,
+    want: Vec<bf16>,
+}
+
+fn run_soak<T: Transport>(w: &Worker, mk: &dyn Fn() -> T) {
+    let (rank, world) = (w.boot.rank(), w.boot.world_size());
+    // SAFETY: one stream for everything here; cross-stream events would land in the capture.
+    unsafe { w.ctx.disable_event_tracking() };
+    let (hidden, top_k, experts, max_tokens) = (256, 4, 8 * world, 200);
+    let mut cfg = BufferConfig::new(max_tokens, hidden, top_k, experts);
+    cfg.barrier = strategy_from_env();
+    cfg.timeout = Duration::from_secs(30);
+    let mut buf = Buffer::with_transport(mk(), w.ctx.clone(), cfg).unwrap();
+    let stream = buf.stream().clone();
+    let cap = world * max_tokens;
+    let ops_wanted: usize = std::env::var("EPCOMM_SOAK_OPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(10_000);
+    let cases: Vec<Case> = (0..8usize)
+        .map(|i| {
+            let shape = Shape {
+                tokens: (0..world)
+                    .map(|r| [0, 1, 7, 200, 133, 64, 199, 90][(i + 3 * r) % 8])
+                    .collect(),
+                hidden,
+                top_k,
+                experts,
+                mask_prob: if i % 3 == 0 { 0.2 } else { 0.0 },
+                skew_to: (i % 4 == 3).then_some(i % world),
+                seed: 7000 + i as u64,
+            };
+            let h = host_inputs(&shape).unwrap();
+            let r = epcomm_reference::dispatch(&h.bf16, experts).unwrap();
+            let ys: Vec<Vec<bf16>> = r
+                .iter()
+                .map(|o| o.recv_x.to_bf16(hidden).unwrap())
+                .collect();
+            let want = epcomm_reference::combine(&ys, None, &r, &shape.tokens).unwrap();
+            let mut y = ys[rank].clone();
+            y.resize(cap * hidden, bf16::ZERO);
+            Case {
+                d: device_inputs(&stream, &h, rank).unwrap(),
+                y: upload(&stream, &y).unwrap(),
+                rows: ys[rank].clone(),
+                combined: want[rank].x.clone(),
+            }
+        })
+        .collect();
+    // The graph: layout + dispatch + a consumer copy of the received rows + combine, on fixed
+    // buffers that each replay refills from one of the cases.
+    let gcase = &cases[3];
+    let g_tokens = gcase.d.num_tokens;
+    let idx_g = stream.clone_dtod(&gcase.d.topk_idx).unwrap();
+    let x_g = stream.clone_dtod(&gcase.d.x).unwrap();
+    let mut out_g = stream.alloc_zeros::<bf16>(g_tokens * hidden).unwrap();
+    let rows_g = stream.alloc_zeros::<bf16>(cap * hidden).unwrap();
+    let rows_g_ptr = rows_g.device_ptr(&stream).0;
+    let layout_g = buf.alloc_layout(g_tokens).unwrap();
+    let handle_g = buf.alloc_handle(&layout_g).unwrap();
+    let graph = buf
+        .capture(|b| {
+            b.layout_into(&idx_g, &layout_g)?;
+            let input = DispatchInput {
+                x: XInput::Bf16(&x_g),
+                topk_idx: &idx_g,
+                topk_weights: None,
+            };
+            let from = b.dispatch_into(&input, &handle_g)?.recv_x_ptr();
+            copy_aside(b.stream(), from, &rows_g, cap * hidden);
+            b.combine(&gcase.y, None, &handle_g, &mut out_g, None)
+        })
+        .expect("capture");
+    let out_g_ptr = out_g.device_ptr(&stream).0;
+
+    let mut scratch = stream.alloc_zeros::<bf16>(max_tokens * hidden).unwrap();
+    let mut samples: Vec<Sample> = Vec::new();
+    let mut last: Option<(usize, epcomm::Handle)> = None;
+    let mut ops = 0usize;
+    let mut delays = 0usize;
+    let t0 = Instant::now();
+    let mut i = 0usize;
+    w.boot.barrier("soak-start").unwrap();
+    while ops < ops_wanted {
+        // The same op sequence on every rank (it depends on i only).
+        let k = (i * 5 + i / 8) % cases.len();
+        let c = &cases[k];
+        let t = c.d.num_tokens;
+        let sample = i % 16 == 5;
+        if i % 5 == 2 && rank == (i / 5) % world {
+            buf.inject_delay(Duration::from_micros(50 + (i as u64 * 37) % 250))
+                .unwrap();
+            delays += 1;
+        }
+        match i % 4 {
+            // Dispatch + combine (y from outside).
+            0 | 1 => {
+                let layout = buf.layout(&c.d.topk_idx, t).unwrap();
+                let input = DispatchInput {
+                    x: XInput::Bf16(&c.d.x),
+                    topk_idx: &c.d.topk_idx,
+                    topk_weights: None,
+                };
+                let (handle, from) = {
+                    let d = buf.dispatch(&input, &layout, RecvMode::WorstCase).unwrap();
+                    let p = d.recv_x_ptr();
+                    (d.into_handle(), p)
+                };
+                if sample {
+                    let got = stream.alloc_zeros::<bf16>(c.rows.len().max(1)).unwrap();
+                    copy_aside(&stream, from, &got, c.rows.len());
+                    samples.push(Sample {
+                        what: format!("op {ops}: dispatch rows (case {k})"),
+                        got,
+                        want: c.rows.clone(),
+                    });
+                }
+                if sample {
+                    let mut out = stream.alloc_zeros::<bf16>((t * hidden).max(1)).unwrap();
+                    let mut view = out.slice_mut(..t * hidden);
+                    buf.combine(&c.y, None, &handle, &mut view, None).unwrap();
+                    samples.push(Sample {
+                        what: format!("op {ops}: combine (case {k})"),
+                        got: out,
+                        want: c.combined.clone(),
+                    });
+                } else {
+                    let mut view = scratch.slice_mut(..t * hidden);
+                    buf.combine(&c.y, None, &handle, &mut view, None).unwrap();
+                }
+                ops += 3;
+                last = Some((k, handle));
+            }
+            // Cached dispatch along the last routing, then an in-place combine of it.
+            2 => {
+                let Some((lk, handle)) = last.take() else {
+                    unreachable!("i % 4 == 2 follows a dispatch")
+                };
+                let lc = &cases[lk];
+                let lt = lc.d.num_tokens;
+                {
+                    let d = buf
+                        .cached_dispatch(&XInput::Bf16(&lc.d.x), &handle)
+                        .unwrap();
+                    if sample {
+                        let got = stream.alloc_zeros::<bf16>(lc.rows.len().max(1)).unwrap();
+                        copy_aside(&stream, d.recv_x_ptr(), &got, lc.rows.len());
+                        samples.push(Sample {
+                            what: format!("op {ops}: cached dispatch rows (case {lk})"),
+                            got,
+                            want: lc.rows.clone(),
+                        });
+                    }
+                    if !lc.rows.is_empty() {
+                        d.copy_into_recv_x(&lc.y.slice(..lc.rows.len())).unwrap();
+                    }
+                }
+                if sample {
+                    let mut o = stream.alloc_zeros::<bf16>((lt * hidden).max(1)).unwrap();
+                    let mut view = o.slice_mut(..lt * hidden);
+                    buf.combine_in_place(&handle, &mut view, None).unwrap();
+                    samples.push(Sample {
+                        what: format!("op {ops}: in-place combine (case {lk})"),
+                        got: o,
+                        want: lc.combined.clone(),
+                    });
+                } else {
+                    let mut view = scratch.slice_mut(..lt * hidden);
+                    buf.combine_in_place(&handle, &mut view, None).unwrap();
+                }
+                ops += 2;
+            }
+            // A graph replay with this iteration's case when it has the graph's token count.
+            _ => {
+                buf.replay(&graph).unwrap();
+                if sample {
+                    let got = stream.alloc_zeros::<bf16>(g_tokens * hidden).unwrap();
+                    copy_aside(&stream, out_g_ptr, &got, g_tokens * hidden);
+                    samples.push(Sample {
+                        what: format!("op {ops}: graph replay combine"),
+                        got,
+                        want: gcase.combined.clone(),
+                    });
+                    let rows = stream.alloc_zeros::<bf16>(gcase.rows.len().max(1)).unwrap();
+                    copy_aside(&stream, rows_g_ptr, &rows, gcase.rows.len());
+                    samples.push(Sample {
+                        what: format!("op {ops}: graph replay rows"),
+                        got: rows,
+                        want: gcase.rows.clone(),
+                    });
+                }
+                ops += 3;
+            }
+        }
+        i += 1;
+    }
+    buf.synchronize().expect("pipelined soak");
+    let issued = t0.elapsed();
+    let mut checked = 0;
+    for s in &samples {
+        let mut got = stream.clone_dtoh(&s.got).unwrap();
+        got.truncate(s.want.len());
+        assert!(
+            got == s.want,
+            "rank {rank}: {} differs from the reference",
+            s.what
+        );
+        checked += 1;
+    }
+    log(
+        rank,
+        format_args!(
+            "soak: {ops} ops ({i} steps, this rank's stream delayed {delays} times) without a \
+             host sync in {issued:?}; {checked} sampled outputs match the reference"
+        ),
+    );
+    drop(graph);
+    buf.destroy().unwrap();
+}
+
+#[test]
+fn pipelined_soak_matches_reference() {
+    if is_worker() {
+        return on_transport!(run_soak);
+    }
+    let Some(n) = world("pipelined_soak_matches_reference", 2) else {
+        return;
+    };
+    launch_all("pipelined_soak_matches_reference", n);
+}

@@ -1,0 +1,75 @@
+//! Checks of caller pointers before a launch: the kernels move rows with 16-byte vector
+//! loads and stores, and a misaligned or foreign address would fault on the device, which
+//! leaves the CUDA context unusable (a sticky error) for the whole process.
+
+use cudarc::driver::sys;
+
+use crate::{Error, Result};
+
+/// Alignment of row data (`x`, `y`, `out`): the kernels use 16-byte vectors.
+pub(crate) const ROW_ALIGN: u64 = 16;
+
+/// Fails with [`Error::InvalidArgument`] naming `argument` unless `ptr` is `align`-aligned
+/// device memory of device `ordinal`. Empty arrays (`bytes == 0`) are never dereferenced and
+/// pass, and so do absent optional arrays (`ptr == 0`: the kernel reads nothing there).
+pub(crate) fn check_device_ptr(
+    argument: &'static str,
+    ptr: u64,
+    bytes: usize,
+    align: u64,
+    ordinal: usize,
+) -> Result<()> {
+    if bytes == 0 || ptr == 0 {
+        return Ok(());
+    }
+    if !ptr.is_multiple_of(align) {
+        return Err(Error::InvalidArgument {
+            argument,
+            rule: format!(
+                "must start on a {align}-byte boundary (address {ptr:#x} is {} bytes past one)",
+                ptr % align
+            ),
+        });
+    }
+    let mut device: i32 = -1;
+    // SAFETY: the out-pointer is a live i32, which is what the DEVICE_ORDINAL attribute
+    // writes; the query only reads the driver's table of allocations.
+    let r = unsafe {
+        sys::cuPointerGetAttribute(
+            (&mut device as *mut i32).cast(),
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+            ptr,
+        )
+    };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        return Err(Error::InvalidArgument {
+            argument,
+            rule: format!("address {ptr:#x} is not memory the CUDA driver knows ({r:?})"),
+        });
+    }
+    if device != ordinal as i32 {
+        return Err(Error::InvalidArgument {
+            argument,
+            rule: format!(
+                "lives on GPU {device}, but this Buffer runs on GPU {ordinal}: copy it first"
+            ),
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn misaligned_addresses_are_refused_before_any_driver_call() {
+        let e = check_device_ptr("x", 0x1000_0002, 64, ROW_ALIGN, 0).unwrap_err();
+        assert!(
+            matches!(&e, Error::InvalidArgument { argument: "x", rule } if rule.contains("16-byte") && rule.contains("2 bytes past")),
+            "{e}"
+        );
+        // Empty arrays are never read.
+        check_device_ptr("x", 0x3, 0, ROW_ALIGN, 0).unwrap();
+    }
+}
