@@ -1,7 +1,10 @@
-//! What a model run executes: world size, shapes, strategy, the op sequence, and the
-//! deterministic routing oracle that defines the sequential expectation.
+//! What a model run executes: world size, shapes, strategy, the op sequence, an optional
+//! injected failure, optional protocol mutations, and the deterministic routing oracle that
+//! defines the sequential expectation.
 
 use std::time::Duration;
+
+use crate::step::Step;
 
 /// Largest world the model accepts (routing uses one hash bit per destination).
 pub const MAX_WORLD: usize = 8;
@@ -21,7 +24,9 @@ pub enum Strategy {
     Global,
     /// **Deliberately unsound**: the Epoch schedule with a single (non-parity) count, receive
     /// and combine region and no barrier. It exists so that the tests show the checker catches
-    /// the bug parity buffering prevents; never mirror it in CUDA.
+    /// the bugs parity buffering prevents (stale counts, overwritten receive rows); never mirror
+    /// it in CUDA. Its single combine region alone is safe: done is signalled after the
+    /// reduction and `[C5]` waits for it.
     EpochWithoutParity,
 }
 
@@ -51,6 +56,99 @@ impl OpKind {
     /// Whether the op is a dispatch (cached or not).
     pub fn is_dispatch(self) -> bool {
         matches!(self, OpKind::Dispatch | OpKind::CachedDispatch)
+    }
+}
+
+/// A deliberate change to the protocol, for mutation tests: each one weakens one ordering or
+/// drops one check that the CUDA kernels rely on, and the model checker must catch it (the
+/// exception, [`Mutation::CountLoadsRelaxed`], is benign and the checker must accept it).
+///
+/// Never mirror a mutation in CUDA.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Mutation {
+    /// `[C1]`: the per-token flag store is `Relaxed` instead of `Release`, so the flag no
+    /// longer publishes the contribution row stored before it.
+    FlagStoreRelaxed,
+    /// `[C3]`: the per-token flag wait loads with `Relaxed` instead of `Acquire`.
+    FlagWaitRelaxed,
+    /// `[E5]`/`[C2]`: the done increment is `Relaxed` instead of `Release`.
+    DoneAddRelaxed,
+    /// `[E6]`/`[C5]`: the done wait loads with `Relaxed` instead of `Acquire`.
+    DoneWaitRelaxed,
+    /// `[E2]`/`[E7]`/`[G4]`: the count words are loaded with `Relaxed` instead of `Acquire`.
+    /// **Benign**: a count word is self-validating (the value travels with its tag) and its
+    /// store `[E1]` is relaxed, so the acquire publishes nothing; the model must still pass.
+    CountLoadsRelaxed,
+    /// Drops `[C5]`, combine's final wait for every rank's done signal. A rank that holds no
+    /// token for a peer then waits for nothing from it and can run combines ahead of it.
+    SkipFinalWait,
+    /// Drops `[E6]` in a cached dispatch: the receiver reads its rows without waiting for them.
+    SkipCachedDoneWait,
+    /// Drops `[F1]`, the prologue's failure check: after a failed op the rank runs its next op
+    /// anyway, with the sequence numbers it did not advance.
+    SkipPrologueCheck,
+    /// The bounded waits stop polling the abort word (and the failure claim): a peer of a failed
+    /// rank waits for a signal that never comes.
+    SkipAbortPoll,
+}
+
+impl Mutation {
+    /// Every mutation.
+    pub const ALL: [Mutation; 9] = [
+        Mutation::FlagStoreRelaxed,
+        Mutation::FlagWaitRelaxed,
+        Mutation::DoneAddRelaxed,
+        Mutation::DoneWaitRelaxed,
+        Mutation::CountLoadsRelaxed,
+        Mutation::SkipFinalWait,
+        Mutation::SkipCachedDoneWait,
+        Mutation::SkipPrologueCheck,
+        Mutation::SkipAbortPoll,
+    ];
+
+    /// Whether the protocol stays correct under this mutation (the checker must accept it).
+    pub fn is_benign(self) -> bool {
+        matches!(self, Mutation::CountLoadsRelaxed)
+    }
+}
+
+/// The failure a model run injects: rank `rank` fails in op `op` (0-based) right before it
+/// executes `at`, as if a bounded wait there had timed out.
+///
+/// The failing rank records the failure (its local claim), publishes the abort word to every
+/// peer (`[F2]`) and leaves the op without advancing its sequence numbers; its later ops, and
+/// every op of a peer that saw the failure, must exit at the prologue check `[F1]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Failure {
+    /// The failing rank.
+    pub rank: usize,
+    /// Index of the op in which it fails.
+    pub op: usize,
+    /// The step before which it fails (first sender block for per-block steps).
+    pub at: Step,
+}
+
+impl Failure {
+    /// Whether the failing rank has already published every done signal of the failing op
+    /// (it fails in or after the op's final wait, `[E6]`, `[E7]` or `[C5]`): its peers may then
+    /// complete that op; otherwise none of them can.
+    pub fn after_done(&self) -> bool {
+        matches!(self.at, Step::E6 | Step::E7 | Step::C5)
+    }
+
+    /// Whether `at` is a step an op of kind `kind` executes under `strategy`.
+    pub fn step_is_valid(strategy: Strategy, kind: OpKind, at: Step) -> bool {
+        use Step::*;
+        let global = strategy == Strategy::Global;
+        match at {
+            Recheck => true,
+            E1 | E2 => kind == OpKind::Dispatch && !global,
+            G2 | G3 | G4 | G5 => kind == OpKind::Dispatch && global,
+            G1 => global,
+            E3 | E4 | E5 | E6 | E7 => kind.is_dispatch(),
+            C1 | C2 | C3 | C4 | C5 => kind == OpKind::Combine,
+            F1 | F2 => false,
+        }
     }
 }
 
@@ -100,6 +198,34 @@ pub enum ConfigError {
     /// A zero wait timeout.
     #[error("wait_timeout is zero: bounded waits need a positive timeout")]
     ZeroTimeout,
+    /// An injected failure names a rank outside the world.
+    #[error("failure.rank = {rank}: must be below the world size {world}")]
+    FailureRank {
+        /// The rejected rank.
+        rank: usize,
+        /// The world size.
+        world: usize,
+    },
+    /// An injected failure names an op outside the op sequence.
+    #[error("failure.op = {op}: the configuration has {len} ops")]
+    FailureOp {
+        /// The rejected op index.
+        op: usize,
+        /// Number of ops.
+        len: usize,
+    },
+    /// An injected failure names a step the op does not execute.
+    #[error("failure.at = {at}: ops[{op}] ({kind:?}) does not execute it under {strategy:?}")]
+    FailureStep {
+        /// The op index.
+        op: usize,
+        /// Its kind.
+        kind: OpKind,
+        /// The strategy.
+        strategy: Strategy,
+        /// The rejected step.
+        at: Step,
+    },
 }
 
 /// A validated model configuration.
@@ -111,6 +237,8 @@ pub struct ModelConfig {
     strategy: Strategy,
     ops: Vec<OpKind>,
     wait_timeout: Duration,
+    failure: Option<Failure>,
+    mutations: Vec<Mutation>,
 }
 
 impl ModelConfig {
@@ -161,7 +289,43 @@ impl ModelConfig {
             strategy,
             ops,
             wait_timeout: Self::DEFAULT_WAIT_TIMEOUT,
+            failure: None,
+            mutations: Vec::new(),
         })
+    }
+
+    /// Injects `failure` into the run (replacing any earlier one).
+    pub fn with_failure(mut self, failure: Failure) -> Result<Self, ConfigError> {
+        if failure.rank >= self.world {
+            return Err(ConfigError::FailureRank {
+                rank: failure.rank,
+                world: self.world,
+            });
+        }
+        let Some(&kind) = self.ops.get(failure.op) else {
+            return Err(ConfigError::FailureOp {
+                op: failure.op,
+                len: self.ops.len(),
+            });
+        };
+        if !Failure::step_is_valid(self.strategy, kind, failure.at) {
+            return Err(ConfigError::FailureStep {
+                op: failure.op,
+                kind,
+                strategy: self.strategy,
+                at: failure.at,
+            });
+        }
+        self.failure = Some(failure);
+        Ok(self)
+    }
+
+    /// Applies `mutation` to the protocol every rank runs (mutations accumulate).
+    pub fn with_mutation(mut self, mutation: Mutation) -> Self {
+        if !self.mutations.contains(&mutation) {
+            self.mutations.push(mutation);
+        }
+        self
     }
 
     /// Replaces the bound of every spin-wait in std runs (must be positive).
@@ -196,6 +360,18 @@ impl ModelConfig {
     /// Bound of every spin-wait in std runs.
     pub fn wait_timeout(&self) -> std::time::Duration {
         self.wait_timeout
+    }
+    /// The injected failure, if any.
+    pub fn failure(&self) -> Option<Failure> {
+        self.failure
+    }
+    /// The mutations applied to the protocol (empty: the protocol as the kernels run it).
+    pub fn mutations(&self) -> &[Mutation] {
+        &self.mutations
+    }
+    /// Whether `mutation` is applied.
+    pub fn has(&self, mutation: Mutation) -> bool {
+        self.mutations.contains(&mutation)
     }
     /// Receive slots per region: the worst case, every token of every rank.
     pub fn recv_slots(&self) -> usize {
@@ -305,6 +481,77 @@ mod tests {
         assert_eq!(
             ok.with_wait_timeout(Duration::ZERO),
             Err(ConfigError::ZeroTimeout)
+        );
+    }
+
+    #[test]
+    fn validates_failures_and_records_mutations() {
+        use OpKind::*;
+        let base = ModelConfig::new(2, 1, 1, Strategy::Epoch, ops(&[Dispatch, Combine])).unwrap();
+        let fail = |rank, op, at| base.clone().with_failure(Failure { rank, op, at });
+        assert_eq!(
+            fail(2, 0, Step::E5),
+            Err(ConfigError::FailureRank { rank: 2, world: 2 })
+        );
+        assert_eq!(
+            fail(0, 2, Step::E5),
+            Err(ConfigError::FailureOp { op: 2, len: 2 })
+        );
+        assert!(matches!(
+            fail(0, 1, Step::E5),
+            Err(ConfigError::FailureStep {
+                op: 1,
+                kind: Combine,
+                at: Step::E5,
+                ..
+            })
+        ));
+        assert!(matches!(
+            fail(0, 0, Step::G2),
+            Err(ConfigError::FailureStep { at: Step::G2, .. })
+        ));
+        assert!(matches!(
+            fail(0, 0, Step::F1),
+            Err(ConfigError::FailureStep { at: Step::F1, .. })
+        ));
+        let ok = fail(1, 1, Step::C2).unwrap();
+        assert_eq!(
+            ok.failure(),
+            Some(Failure {
+                rank: 1,
+                op: 1,
+                at: Step::C2
+            })
+        );
+        assert!(!ok.failure().unwrap().after_done());
+        assert!(
+            Failure {
+                rank: 0,
+                op: 0,
+                at: Step::C5
+            }
+            .after_done()
+        );
+        assert!(Failure::step_is_valid(Strategy::Global, Dispatch, Step::G4));
+        assert!(!Failure::step_is_valid(
+            Strategy::Global,
+            CachedDispatch,
+            Step::G4
+        ));
+        assert!(!Failure::step_is_valid(
+            Strategy::Epoch,
+            CachedDispatch,
+            Step::E1
+        ));
+        let m = base
+            .with_mutation(Mutation::SkipFinalWait)
+            .with_mutation(Mutation::SkipFinalWait);
+        assert_eq!(m.mutations(), &[Mutation::SkipFinalWait]);
+        assert!(m.has(Mutation::SkipFinalWait) && !m.has(Mutation::DoneAddRelaxed));
+        assert_eq!(
+            Mutation::ALL.iter().filter(|m| m.is_benign()).count(),
+            1,
+            "only CountLoadsRelaxed is benign"
         );
     }
 

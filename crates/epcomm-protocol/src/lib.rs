@@ -9,9 +9,14 @@
 //!
 //! Properties checked on every run: (a) no count word with another epoch tag is used as
 //! current ([`Violation::CountTag`]); (b) no data slot is overwritten before its owner consumed
-//! it ([`Violation::Data`], including the `[R]` recheck of the live dispatch output); (c) no
-//! deadlock (loom, or [`Violation::Timeout`] under std); (d) outputs equal
-//! [`sequential_reference`].
+//! it, nor read before it landed ([`Violation::Data`], including the `[R]` recheck of the live
+//! dispatch output); (c) no deadlock (loom, or [`Violation::Timeout`] under std); (d) every op
+//! that completes equals [`sequential_reference`]; (e) after an injected failure
+//! ([`Failure`]) every rank's later ops end in an error, not a hang, and a failed rank writes
+//! nothing more ([`check_outcome`], [`Violation::WriteAfterFailure`]).
+//!
+//! [`Mutation`]s weaken one ordering or drop one wait or check of the protocol; the tests show
+//! that the checker catches each of them.
 
 pub mod config;
 pub mod model;
@@ -19,9 +24,11 @@ pub mod reference;
 pub mod step;
 mod sync;
 
-pub use config::{ConfigError, ModelConfig, OpKind, Strategy};
+pub use config::{ConfigError, Failure, ModelConfig, Mutation, OpKind, Strategy};
 #[cfg(not(loom))]
 pub use model::{ModelFailure, run_model};
-pub use model::{NoHook, Region, RunError, StepHook, Violation, World, run_rank};
-pub use reference::{OpOutput, RankReport, sequential_reference};
+pub use model::{NoHook, OpError, Region, RunError, StepHook, Violation, World, run_rank};
+pub use reference::{
+    OpOutput, OpResult, OutcomeViolation, RankReport, check_outcome, sequential_reference,
+};
 pub use step::Step;

@@ -1,6 +1,9 @@
-//! The sequential expectation: what every rank must output if the ops ran one at a time.
+//! The sequential expectation, what every rank must output if the ops ran one at a time, and
+//! [`check_outcome`], which judges a run's results against it (with or without an injected
+//! failure).
 
 use crate::config::{ModelConfig, OpKind, combine_word, data_word, routes_to};
+use crate::model::OpError;
 
 /// What one op produced on one rank.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -21,13 +24,95 @@ pub enum OpOutput {
     },
 }
 
+/// How one op ended on one rank: its output, or the error it ended in.
+pub type OpResult = Result<OpOutput, OpError>;
+
 /// Everything one rank produced, one entry per op.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RankReport {
     /// The rank.
     pub rank: usize,
-    /// One output per op, in op order.
-    pub outputs: Vec<OpOutput>,
+    /// One result per op, in op order.
+    pub outputs: Vec<OpResult>,
+}
+
+/// A property of a run's final results that the run broke; found by [`check_outcome`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum OutcomeViolation {
+    /// The reports do not cover every rank and every op.
+    #[error("rank {rank}: {found} results for {expected} ops (or a missing rank)")]
+    Length {
+        /// The rank.
+        rank: usize,
+        /// Number of ops.
+        expected: usize,
+        /// Number of results.
+        found: usize,
+    },
+    /// A completed op produced something else than the sequential reference. Property (d).
+    #[error(
+        "rank {rank}, op {op}: completed with {found:?}, the sequential reference is {expected:?}"
+    )]
+    Output {
+        /// The rank.
+        rank: usize,
+        /// The op.
+        op: usize,
+        /// The sequential reference.
+        expected: OpOutput,
+        /// What the op returned.
+        found: OpOutput,
+    },
+    /// An op ended in an error that the configuration cannot cause at that rank and op (no
+    /// failure injected, or one that cannot reach this op yet).
+    #[error("rank {rank}, op {op}: ended in an error the configuration cannot cause: {error}")]
+    UnexpectedError {
+        /// The rank.
+        rank: usize,
+        /// The op.
+        op: usize,
+        /// The error.
+        error: OpError,
+    },
+    /// The injected failure did not happen where it was configured.
+    #[error("rank {rank}, op {op}: the injected failure must end this op, found {found:?}")]
+    MissingFailure {
+        /// The failing rank.
+        rank: usize,
+        /// The failing op.
+        op: usize,
+        /// What the op returned instead.
+        found: OpResult,
+    },
+    /// An op ran although an earlier op of the same rank failed: the prologue `[F1]` must
+    /// refuse every later op before it writes anything. Property (e).
+    #[error(
+        "rank {rank}, op {op}: op {failed} failed, so [F1] must refuse this op; found {found:?}"
+    )]
+    NotRefused {
+        /// The rank.
+        rank: usize,
+        /// The op.
+        op: usize,
+        /// The earlier op that failed.
+        failed: usize,
+        /// What the op returned.
+        found: OpResult,
+    },
+    /// A peer completed an op that needs a signal the failing rank never published. Property (e).
+    #[error(
+        "rank {rank}, op {op}: completed, but rank {failing} failed in op {fail_op} before signalling what this op waits for"
+    )]
+    CompletedWithoutPeer {
+        /// The rank.
+        rank: usize,
+        /// The op.
+        op: usize,
+        /// The failing rank.
+        failing: usize,
+        /// The op it failed in.
+        fail_op: usize,
+    },
 }
 
 /// The rows rank `me` receives in a dispatch with sequence `seq` under layout `layout_seq`.
@@ -45,6 +130,8 @@ pub(crate) fn expected_rows(cfg: &ModelConfig, layout_seq: u64, seq: u64, me: us
 
 /// Computes the sequential expectation for every rank of `cfg`.
 pub fn sequential_reference(cfg: &ModelConfig) -> Vec<RankReport> {
+    // The reference ignores any injected failure: it is what every op must produce if it
+    // completes at all.
     (0..cfg.world())
         .map(|me| {
             let mut dispatch_seq = 0u64;
@@ -58,10 +145,10 @@ pub fn sequential_reference(cfg: &ModelConfig) -> Vec<RankReport> {
                         if *op == OpKind::Dispatch {
                             layout_seq = dispatch_seq;
                         }
-                        outputs.push(OpOutput::Dispatch {
+                        outputs.push(Ok(OpOutput::Dispatch {
                             seq: dispatch_seq,
                             rows: expected_rows(cfg, layout_seq, dispatch_seq, me),
-                        });
+                        }));
                     }
                     OpKind::Combine => {
                         combine_seq += 1;
@@ -75,16 +162,127 @@ pub fn sequential_reference(cfg: &ModelConfig) -> Vec<RankReport> {
                                     })
                             })
                             .collect();
-                        outputs.push(OpOutput::Combine {
+                        outputs.push(Ok(OpOutput::Combine {
                             seq: combine_seq,
                             reduced,
-                        });
+                        }));
                     }
                 }
             }
             RankReport { rank: me, outputs }
         })
         .collect()
+}
+
+/// Judges the results of a run of `cfg`, one report per rank in rank order.
+///
+/// Without an injected failure every op must complete with the sequential reference. With a
+/// failure of rank `f` in op `n`:
+/// * every op that completes, on any rank, equals the sequential reference (no stale or missing
+///   data is ever returned as a result);
+/// * rank `f` completes ops `0..n`, op `n` ends in the injected [`OpError::TimedOut`];
+/// * a peer completes ops `0..n-1` (they finished before `f` could fail); op `n-1` may end in
+///   [`OpError::Aborted`] (the abort word can be seen before the last signal); no peer completes
+///   an op that needs a signal `f` never published: op `n` (unless `f` failed after its done
+///   signals, [`crate::config::Failure::after_done`]) and every later op;
+/// * after an op of a rank failed, every later op of that rank is [`OpError::Refused`] by the
+///   prologue `[F1]`: it ends in an error, not a hang, and writes nothing.
+pub fn check_outcome(cfg: &ModelConfig, reports: &[RankReport]) -> Result<(), OutcomeViolation> {
+    let reference = sequential_reference(cfg);
+    let ops = cfg.ops().len();
+    if reports.len() != cfg.world() {
+        return Err(OutcomeViolation::Length {
+            rank: reports.len().min(cfg.world()),
+            expected: ops,
+            found: 0,
+        });
+    }
+    let failure = cfg.failure();
+    for (rank, report) in reports.iter().enumerate() {
+        if report.rank != rank || report.outputs.len() != ops {
+            return Err(OutcomeViolation::Length {
+                rank,
+                expected: ops,
+                found: report.outputs.len(),
+            });
+        }
+        let mut failed: Option<usize> = None;
+        for (op, result) in report.outputs.iter().enumerate() {
+            if let Some(failed) = failed {
+                if !matches!(result, Err(OpError::Refused { .. })) {
+                    return Err(OutcomeViolation::NotRefused {
+                        rank,
+                        op,
+                        failed,
+                        found: result.clone(),
+                    });
+                }
+                continue;
+            }
+            let injected = failure.is_some_and(|f| f.rank == rank && f.op == op);
+            match result {
+                Ok(found) => {
+                    if injected {
+                        return Err(OutcomeViolation::MissingFailure {
+                            rank,
+                            op,
+                            found: result.clone(),
+                        });
+                    }
+                    if let Some(f) = failure
+                        && f.rank != rank
+                        && (op > f.op || (op == f.op && !f.after_done()))
+                    {
+                        return Err(OutcomeViolation::CompletedWithoutPeer {
+                            rank,
+                            op,
+                            failing: f.rank,
+                            fail_op: f.op,
+                        });
+                    }
+                    let expected = reference[rank].outputs[op]
+                        .as_ref()
+                        .expect("the reference completes every op");
+                    if found != expected {
+                        return Err(OutcomeViolation::Output {
+                            rank,
+                            op,
+                            expected: expected.clone(),
+                            found: found.clone(),
+                        });
+                    }
+                }
+                Err(error) => {
+                    let allowed = match (failure, error) {
+                        (None, _) => false,
+                        (Some(f), OpError::TimedOut { step }) => injected && *step == f.at,
+                        (Some(_), _) if injected => false,
+                        // A peer sees the abort word at the earliest in op n-1 (it waits there
+                        // while the failing rank already runs op n), and is refused at the
+                        // earliest at the start of op n.
+                        (Some(f), OpError::Aborted { .. }) => rank != f.rank && op + 1 >= f.op,
+                        (Some(f), OpError::Refused { .. }) => rank != f.rank && op >= f.op,
+                    };
+                    if injected && !allowed {
+                        return Err(OutcomeViolation::MissingFailure {
+                            rank,
+                            op,
+                            found: result.clone(),
+                        });
+                    }
+                    if !allowed {
+                        return Err(OutcomeViolation::UnexpectedError {
+                            rank,
+                            op,
+                            error: error.clone(),
+                        });
+                    }
+                    failed = Some(op);
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -106,22 +304,204 @@ mod tests {
         assert_eq!(reps.len(), 3);
         for (me, r) in reps.iter().enumerate() {
             let total: u64 = (0..3).map(|s| route_count(1, 4, s, me)).sum();
-            let OpOutput::Dispatch { seq, rows } = &r.outputs[0] else {
+            let Ok(OpOutput::Dispatch { seq, rows }) = &r.outputs[0] else {
                 panic!("op 0 is a dispatch")
             };
             assert_eq!(*seq, 1);
             assert_eq!(rows.len() as u64, total);
             // The cached dispatch keeps the layout but carries its own sequence number.
-            let OpOutput::Dispatch { seq, rows: cached } = &r.outputs[1] else {
+            let Ok(OpOutput::Dispatch { seq, rows: cached }) = &r.outputs[1] else {
                 panic!("op 1 is a dispatch")
             };
             assert_eq!(*seq, 2);
             assert_eq!(cached.len(), rows.len());
             assert!(cached.iter().all(|w| w >> 32 == 2));
-            let OpOutput::Combine { seq, reduced } = &r.outputs[2] else {
+            let Ok(OpOutput::Combine { seq, reduced }) = &r.outputs[2] else {
                 panic!("op 2 is a combine")
             };
             assert_eq!((*seq, reduced.len()), (1, 4));
+        }
+    }
+
+    mod outcome {
+        use super::super::*;
+        use crate::config::{Failure, OpKind::*, Strategy};
+        use crate::step::Step;
+
+        fn cfg(ops: &[OpKind], failure: Option<Failure>) -> ModelConfig {
+            let c = ModelConfig::new(2, 2, 1, Strategy::Epoch, ops.to_vec()).unwrap();
+            match failure {
+                Some(f) => c.with_failure(f).unwrap(),
+                None => c,
+            }
+        }
+
+        const REFUSED_0: OpResult = Err(OpError::Refused { by: 0 });
+        const REFUSED_1: OpResult = Err(OpError::Refused { by: 1 });
+
+        fn aborted(step: Step, by: usize) -> OpResult {
+            Err(OpError::Aborted { step, peer: by, by })
+        }
+
+        #[test]
+        fn without_failure_every_op_completes_with_the_reference() {
+            let c = cfg(&[Dispatch, Combine], None);
+            let mut reports = sequential_reference(&c);
+            assert_eq!(check_outcome(&c, &reports), Ok(()));
+            assert!(matches!(
+                check_outcome(&c, &reports[..1]),
+                Err(OutcomeViolation::Length { .. })
+            ));
+            let Ok(OpOutput::Combine { reduced, .. }) = &mut reports[1].outputs[1] else {
+                panic!("op 1 is a combine")
+            };
+            reduced[0] ^= 1;
+            assert!(matches!(
+                check_outcome(&c, &reports),
+                Err(OutcomeViolation::Output { rank: 1, op: 1, .. })
+            ));
+            reports[1].outputs[1] = REFUSED_0;
+            assert!(matches!(
+                check_outcome(&c, &reports),
+                Err(OutcomeViolation::UnexpectedError { rank: 1, op: 1, .. })
+            ));
+            reports[1].outputs.pop();
+            assert!(matches!(
+                check_outcome(&c, &reports),
+                Err(OutcomeViolation::Length {
+                    rank: 1,
+                    expected: 2,
+                    found: 1
+                })
+            ));
+        }
+
+        #[test]
+        fn failure_before_done_ends_every_later_op_in_an_error() {
+            let f = Failure {
+                rank: 1,
+                op: 1,
+                at: Step::C2,
+            };
+            let c = cfg(&[Dispatch, Combine, CachedDispatch], Some(f));
+            let reference = sequential_reference(&c);
+            let good = |r0: [OpResult; 3]| {
+                vec![
+                    RankReport {
+                        rank: 0,
+                        outputs: r0.to_vec(),
+                    },
+                    RankReport {
+                        rank: 1,
+                        outputs: vec![
+                            reference[1].outputs[0].clone(),
+                            Err(OpError::TimedOut { step: Step::C2 }),
+                            REFUSED_1,
+                        ],
+                    },
+                ]
+            };
+            let r0 = |i: usize| reference[0].outputs[i].clone();
+            // Every outcome the protocol allows.
+            for r in [
+                good([r0(0), aborted(Step::C5, 1), REFUSED_0]),
+                good([r0(0), REFUSED_1, REFUSED_0]),
+                good([aborted(Step::E6, 1), REFUSED_0, REFUSED_0]),
+            ] {
+                assert_eq!(check_outcome(&c, &r), Ok(()), "{r:?}");
+            }
+            // Rank 0 cannot complete the op rank 1 never signalled.
+            assert!(matches!(
+                check_outcome(&c, &good([r0(0), r0(1), REFUSED_0])),
+                Err(OutcomeViolation::CompletedWithoutPeer {
+                    rank: 0,
+                    op: 1,
+                    failing: 1,
+                    fail_op: 1
+                })
+            ));
+            // After a failure every later op is refused.
+            assert!(matches!(
+                check_outcome(&c, &good([r0(0), aborted(Step::C5, 1), r0(2)])),
+                Err(OutcomeViolation::NotRefused {
+                    rank: 0,
+                    op: 2,
+                    failed: 1,
+                    ..
+                })
+            ));
+            assert!(matches!(
+                check_outcome(
+                    &c,
+                    &good([r0(0), aborted(Step::C5, 1), aborted(Step::E6, 1)])
+                ),
+                Err(OutcomeViolation::NotRefused {
+                    rank: 0,
+                    op: 2,
+                    failed: 1,
+                    ..
+                })
+            ));
+            // A peer is never refused before the failing op, nor times out itself.
+            assert!(matches!(
+                check_outcome(&c, &good([REFUSED_1, REFUSED_0, REFUSED_0])),
+                Err(OutcomeViolation::UnexpectedError { rank: 0, op: 0, .. })
+            ));
+            assert!(matches!(
+                check_outcome(
+                    &c,
+                    &good([r0(0), Err(OpError::TimedOut { step: Step::C2 }), REFUSED_0])
+                ),
+                Err(OutcomeViolation::UnexpectedError { rank: 0, op: 1, .. })
+            ));
+            // The injected failure must happen.
+            let mut missing = good([r0(0), aborted(Step::C5, 1), REFUSED_0]);
+            missing[1].outputs[1] = reference[1].outputs[1].clone();
+            assert!(matches!(
+                check_outcome(&c, &missing),
+                Err(OutcomeViolation::MissingFailure { rank: 1, op: 1, .. })
+            ));
+            missing[1].outputs[1] = aborted(Step::C3, 0);
+            assert!(matches!(
+                check_outcome(&c, &missing),
+                Err(OutcomeViolation::MissingFailure { rank: 1, op: 1, .. })
+            ));
+        }
+
+        #[test]
+        fn failure_after_done_lets_peers_complete_that_op_only() {
+            let f = Failure {
+                rank: 1,
+                op: 1,
+                at: Step::E6,
+            };
+            let c = cfg(&[Dispatch, CachedDispatch, Combine], Some(f));
+            let reference = sequential_reference(&c);
+            let reports = |r0_2: OpResult| {
+                vec![
+                    RankReport {
+                        rank: 0,
+                        outputs: vec![
+                            reference[0].outputs[0].clone(),
+                            reference[0].outputs[1].clone(),
+                            r0_2,
+                        ],
+                    },
+                    RankReport {
+                        rank: 1,
+                        outputs: vec![
+                            reference[1].outputs[0].clone(),
+                            Err(OpError::TimedOut { step: Step::E6 }),
+                            REFUSED_1,
+                        ],
+                    },
+                ]
+            };
+            assert_eq!(check_outcome(&c, &reports(aborted(Step::C5, 1))), Ok(()));
+            assert!(matches!(
+                check_outcome(&c, &reports(reference[0].outputs[2].clone())),
+                Err(OutcomeViolation::CompletedWithoutPeer { rank: 0, op: 2, .. })
+            ));
         }
     }
 }

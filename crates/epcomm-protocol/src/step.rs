@@ -12,7 +12,7 @@ pub enum Step {
     /// `[R]` op start: re-validate the live output of the last dispatch before the op begins.
     Recheck,
     /// `[E1]` write my row of epoch-tagged counts into `count_matrix[e%2][me][*]` of every rank
-    /// (release).
+    /// (relaxed: each word carries its value and tag).
     E1,
     /// `[E2]` wait until every `count_matrix[e%2][s][*]` word of my buffer carries tag `e`
     /// (acquire, bounded).
@@ -27,17 +27,27 @@ pub enum Step {
     E6,
     /// `[E7]` read the output: `count_matrix[e%2][s][me]` (tag must be `e`) and `recv[e%2]`.
     E7,
-    /// `[C1]` write contributions into the owner's `comb[c%2][me][token]` (relaxed).
+    /// `[C1]` write contributions: each row into the owner's `comb[c%2][me][token]` (relaxed),
+    /// then the owner's per-token flag `flags[me][token] := c` (release).
     C1,
-    /// `[C2]` increment `done[me]` on every rank, once per sender block (release).
+    /// `[C2]` increment `done[me]` on every rank, once per sender block, after the block's
+    /// reductions (release).
     C2,
-    /// `[C3]` wait until `done[s] >= expected` for every source `s` (acquire, bounded).
+    /// `[C3]` wait until `flags[s][token] >= c` for exactly the ranks `s` that hold a
+    /// contribution to the token (acquire, bounded).
     C3,
     /// `[C4]` reduce: `comb[c%2][s][token]` for `s != me`, local data for `s == me`.
     C4,
+    /// `[C5]` wait until `done[s] >= expected` for every source `s` (acquire, bounded).
+    C5,
+    /// `[F1]` prologue: exit before writing anything if this rank failed earlier (its failure
+    /// claim) or a peer published the abort word.
+    F1,
+    /// `[F2]` on failure: publish the abort word to every peer.
+    F2,
     /// `[G1]` Global strategy: round-aware barrier before the op touches shared state.
     G1,
-    /// `[G2]` Global strategy: write my row of counts into the single count region (release).
+    /// `[G2]` Global strategy: write my row of counts into the single count region (relaxed).
     G2,
     /// `[G3]` Global strategy: barrier, every rank's counts have landed.
     G3,
@@ -49,7 +59,7 @@ pub enum Step {
 
 impl Step {
     /// Every step, in label order.
-    pub const ALL: [Step; 17] = [
+    pub const ALL: [Step; 20] = [
         Step::Recheck,
         Step::E1,
         Step::E2,
@@ -62,6 +72,9 @@ impl Step {
         Step::C2,
         Step::C3,
         Step::C4,
+        Step::C5,
+        Step::F1,
+        Step::F2,
         Step::G1,
         Step::G2,
         Step::G3,
@@ -84,6 +97,9 @@ impl Step {
             Step::C2 => "[C2]",
             Step::C3 => "[C3]",
             Step::C4 => "[C4]",
+            Step::C5 => "[C5]",
+            Step::F1 => "[F1]",
+            Step::F2 => "[F2]",
             Step::G1 => "[G1]",
             Step::G2 => "[G2]",
             Step::G3 => "[G3]",
@@ -105,8 +121,11 @@ impl Step {
             Step::E7 => "read output",
             Step::C1 => "write contributions",
             Step::C2 => "signal done",
-            Step::C3 => "wait done",
+            Step::C3 => "wait token flags",
             Step::C4 => "reduce",
+            Step::C5 => "wait all done",
+            Step::F1 => "check failure",
+            Step::F2 => "publish abort",
             Step::G1 => "barrier before op",
             Step::G2 => "write count row",
             Step::G3 => "barrier after counts",
@@ -141,5 +160,6 @@ mod tests {
     fn display_names_label_and_summary() {
         assert_eq!(Step::E3.to_string(), "[E3] compute offsets");
         assert_eq!(Step::G5.to_string(), "[G5] barrier before data");
+        assert_eq!(Step::C5.to_string(), "[C5] wait all done");
     }
 }

@@ -1,4 +1,5 @@
-//! Exhaustive interleaving checks with loom (bounded preemptions).
+//! Exhaustive interleaving checks with loom (bounded preemptions): the protocol, its failure
+//! path, and mutations of it that the checker must catch.
 //!
 //! Run with `RUSTFLAGS="--cfg loom" cargo test -p epcomm-protocol --release --test loom`.
 //! `LOOM_MAX_PREEMPTIONS` overrides the default bound (2); `EPCOMM_LOOM_BIG=1` adds the
@@ -8,8 +9,9 @@
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::time::Instant;
 
+use epcomm_protocol::config::routes_to;
 use epcomm_protocol::{
-    ModelConfig, NoHook, OpKind, Strategy, World, run_rank, sequential_reference,
+    Failure, ModelConfig, Mutation, NoHook, OpKind, Step, Strategy, World, check_outcome, run_rank,
 };
 use loom::sync::Arc;
 
@@ -29,7 +31,8 @@ fn big() -> bool {
 }
 
 /// Explores `cfg` with loom: every rank is a loom thread (rank 0 the model's main thread);
-/// any violation, deadlock, or result differing from the sequential reference fails.
+/// any violation, deadlock, or outcome that [`check_outcome`] rejects (a result differing from
+/// the sequential reference, a failure that does not end every later op in an error) fails.
 fn explore(cfg: ModelConfig, bound: usize) {
     explore_with(cfg, bound, None)
 }
@@ -37,7 +40,6 @@ fn explore(cfg: ModelConfig, bound: usize) {
 fn explore_with(cfg: ModelConfig, bound: usize, budget: Option<std::time::Duration>) {
     let name = format!("{cfg:?}");
     let start = Instant::now();
-    let expected = sequential_reference(&cfg);
     let mut builder = builder(bound);
     if budget.is_some() {
         builder.max_duration = budget;
@@ -59,9 +61,7 @@ fn explore_with(cfg: ModelConfig, bound: usize, budget: Option<std::time::Durati
             run_rank(&world, 0, &NoHook).unwrap_or_else(|e| panic!("protocol violation: {e}")),
         ];
         reports.extend(handles.into_iter().map(|h| h.join().unwrap()));
-        for (rank, report) in reports.into_iter().enumerate() {
-            assert_eq!(report, expected[rank], "rank {rank} result");
-        }
+        check_outcome(&cfg, &reports).unwrap_or_else(|v| panic!("protocol violation: {v}"));
     });
     eprintln!("loom: {name} explored in {:.1?}", start.elapsed());
 }
@@ -103,6 +103,12 @@ fn epoch_two_ranks_two_tokens_cached() {
     explore(cfg(2, 2, 1, Strategy::Epoch, &[D, C, CD]), 2);
 }
 
+/// Two tokens: both ranks return contributions to each other (per-token flags both ways).
+#[test]
+fn epoch_two_ranks_two_tokens_combines() {
+    explore(cfg(2, 2, 1, Strategy::Epoch, &[D, C, C]), 2);
+}
+
 #[test]
 fn global_two_ranks_mixed() {
     explore(cfg(2, 1, 1, Strategy::Global, &[D, C, CD]), 2);
@@ -142,8 +148,9 @@ fn big_three_rank_configurations_time_boxed() {
     }
 }
 
-/// The deliberately unsound variant must be caught: loom finds a schedule with a violation.
-fn expect_failure(cfg: ModelConfig) {
+/// `cfg` must be caught: loom finds a schedule with a detected violation (not a deadlock).
+/// Returns the violation's message.
+fn expect_failure(cfg: ModelConfig) -> String {
     let name = format!("{cfg:?}");
     let result = catch_unwind(AssertUnwindSafe(|| explore(cfg, 2)));
     let payload = result.expect_err("loom found no violation in the unsound variant");
@@ -157,19 +164,226 @@ fn expect_failure(cfg: ModelConfig) {
         "the unsound variant must fail with a detected violation, not: {message}"
     );
     eprintln!("loom: {name} failed as it must: {message}");
+    message
 }
 
 #[test]
 fn without_parity_stale_count_is_found() {
-    expect_failure(cfg(2, 1, 1, Strategy::EpochWithoutParity, &[D, D]));
+    let m = expect_failure(cfg(2, 1, 1, Strategy::EpochWithoutParity, &[D, D]));
+    assert!(m.contains("count_matrix[0]"), "{m}");
 }
 
 #[test]
 fn without_parity_overwritten_rows_are_found() {
-    expect_failure(cfg(2, 1, 1, Strategy::EpochWithoutParity, &[D, CD]));
+    let m = expect_failure(cfg(2, 1, 1, Strategy::EpochWithoutParity, &[D, CD]));
+    assert!(m.contains("recv[0]"), "{m}");
 }
 
+/// Combine does not need its parity: done is signalled after the reduction and [C5] waits for
+/// every rank's done, so a single combine region is never overwritten before it is reduced.
 #[test]
-fn without_parity_overwritten_contributions_are_found() {
-    expect_failure(cfg(2, 1, 1, Strategy::EpochWithoutParity, &[D, C, C]));
+fn without_parity_back_to_back_combines_are_safe() {
+    explore(cfg(2, 1, 1, Strategy::EpochWithoutParity, &[D, C, C]), 2);
+}
+
+// ---- the failure path ------------------------------------------------------------------------
+
+fn failing(c: ModelConfig, rank: usize, op: usize, at: Step) -> ModelConfig {
+    c.with_failure(Failure { rank, op, at }).unwrap()
+}
+
+/// Rank 1 fails in combine 1 after reducing, before its done signal: rank 0 cannot complete the
+/// combine, and every later op of both ranks is refused.
+#[test]
+fn failure_before_combine_done_ends_every_rank_in_error() {
+    explore(
+        failing(cfg(2, 1, 1, Strategy::Epoch, &[D, C, CD]), 1, 1, Step::C2),
+        2,
+    );
+}
+
+/// Rank 0 fails in the final wait of a cached dispatch, after its done signal: rank 1 may
+/// complete that dispatch, never the combine after it.
+#[test]
+fn failure_after_dispatch_done_ends_every_rank_in_error() {
+    explore(
+        failing(cfg(2, 1, 1, Strategy::Epoch, &[D, CD, C]), 0, 1, Step::E6),
+        2,
+    );
+}
+
+/// Rank 1 fails in the count wait of a dispatch, before writing data.
+#[test]
+fn failure_in_count_wait_ends_every_rank_in_error() {
+    explore(
+        failing(cfg(2, 1, 1, Strategy::Epoch, &[D, D, C]), 1, 1, Step::E2),
+        2,
+    );
+}
+
+/// Rank 0 fails in a per-token flag wait (both ranks hold contributions for each other).
+#[test]
+fn failure_in_flag_wait_ends_every_rank_in_error() {
+    explore(
+        failing(cfg(2, 2, 1, Strategy::Epoch, &[D, C, C]), 0, 1, Step::C3),
+        2,
+    );
+}
+
+/// Two sender blocks: rank 1 fails before the first done signal of a cached dispatch.
+#[test]
+fn failure_with_two_blocks_ends_every_rank_in_error() {
+    explore(
+        failing(cfg(2, 2, 2, Strategy::Epoch, &[D, CD]), 1, 1, Step::E5),
+        2,
+    );
+}
+
+/// Global: rank 0 fails in the barrier before a combine.
+#[test]
+fn global_failure_in_barrier_ends_every_rank_in_error() {
+    explore(
+        failing(cfg(2, 1, 1, Strategy::Global, &[D, C]), 0, 1, Step::G1),
+        2,
+    );
+}
+
+// ---- mutations: each one must be caught, and the same scenario must pass unmutated -------------
+
+/// Explores `scenario` unmutated (it must pass), then with `mutation` (loom must find a
+/// violation whose message contains every string of `expect`).
+fn mutation_is_caught(scenario: ModelConfig, mutation: Mutation, expect: &[&str]) {
+    assert!(!mutation.is_benign());
+    explore(scenario.clone(), 2);
+    let message = expect_failure(scenario.with_mutation(mutation));
+    for e in expect {
+        assert!(
+            message.contains(e),
+            "{mutation:?}: expected {e:?} in: {message}"
+        );
+    }
+}
+
+/// Layout 1 with one token per rank: rank 0's token goes to rank 1 only (rank 1 returns a
+/// contribution into rank 0's combine region, guarded by a flag); rank 1's token stays local, so
+/// rank 1 holds no token for rank 0 and waits for no flag of rank 0.
+fn two_rank_routing() {
+    assert!(
+        routes_to(1, 0, 0, 1) && !routes_to(1, 0, 0, 0) && !routes_to(1, 1, 0, 0),
+        "the routing oracle changed: pick another layout for these scenarios"
+    );
+}
+
+/// [C1] flag store Release -> Relaxed: rank 0 sees the flag but not the row before it.
+#[test]
+fn mutation_flag_store_relaxed_is_caught() {
+    two_rank_routing();
+    mutation_is_caught(
+        cfg(2, 1, 1, Strategy::Epoch, &[D, C]),
+        Mutation::FlagStoreRelaxed,
+        &["[C4] reduce: comb[1]"],
+    );
+}
+
+/// [C3] flag wait Acquire -> Relaxed: same stale contribution, from the reader's side.
+#[test]
+fn mutation_flag_wait_relaxed_is_caught() {
+    two_rank_routing();
+    mutation_is_caught(
+        cfg(2, 1, 1, Strategy::Epoch, &[D, C]),
+        Mutation::FlagWaitRelaxed,
+        &["[C4] reduce: comb[1]"],
+    );
+}
+
+/// [E5] done add Release -> Relaxed: rank 1 sees rank 0's done but not its row.
+#[test]
+fn mutation_done_add_relaxed_is_caught() {
+    two_rank_routing();
+    mutation_is_caught(
+        cfg(2, 1, 1, Strategy::Epoch, &[D]),
+        Mutation::DoneAddRelaxed,
+        &["[E7] read output: recv[1]"],
+    );
+}
+
+/// [E6] done wait Acquire -> Relaxed: same stale row, from the reader's side.
+#[test]
+fn mutation_done_wait_relaxed_is_caught() {
+    two_rank_routing();
+    mutation_is_caught(
+        cfg(2, 1, 1, Strategy::Epoch, &[D]),
+        Mutation::DoneWaitRelaxed,
+        &["[E7] read output: recv[1]"],
+    );
+}
+
+/// Drop [C5]: rank 1 holds no token for rank 0, so nothing else holds it back; it runs
+/// combines 2 and 3 while rank 0 still reduces combine 1, and combine 3 overwrites the
+/// contribution rank 0 has not reduced (same parity as combine 1).
+#[test]
+fn mutation_skip_final_wait_is_caught() {
+    two_rank_routing();
+    mutation_is_caught(
+        cfg(2, 1, 1, Strategy::Epoch, &[D, C, C, C]),
+        Mutation::SkipFinalWait,
+        &["rank 0, op 1 (Combine), [C4] reduce: comb[1]"],
+    );
+}
+
+/// Drop [E6] in a cached dispatch: rank 1 reads rank 0's row before it lands.
+#[test]
+fn mutation_skip_cached_done_wait_is_caught() {
+    two_rank_routing();
+    mutation_is_caught(
+        cfg(2, 1, 1, Strategy::Epoch, &[D, CD]),
+        Mutation::SkipCachedDoneWait,
+        &["rank 1, op 1 (CachedDispatch), [E7] read output: recv[0]"],
+    );
+}
+
+/// Drop [F1]: rank 0 fails before its done signal, then runs its next op anyway and writes
+/// into rank 1.
+#[test]
+fn mutation_skip_prologue_check_is_caught() {
+    two_rank_routing();
+    mutation_is_caught(
+        failing(cfg(2, 1, 1, Strategy::Epoch, &[D, CD]), 0, 0, Step::E5),
+        Mutation::SkipPrologueCheck,
+        &["rank 0, op 1"],
+    );
+}
+
+/// Waits stop polling the abort word: after rank 1 fails in the count wait, rank 0 waits forever
+/// for its counts. Loom has no time, so the hang shows as an execution that never ends.
+#[test]
+fn mutation_skip_abort_poll_is_caught_as_a_hang() {
+    let scenario = failing(cfg(2, 1, 1, Strategy::Epoch, &[D, D]), 1, 1, Step::E2);
+    explore(scenario.clone(), 2);
+    let start = Instant::now();
+    let result = catch_unwind(AssertUnwindSafe(|| {
+        explore(scenario.with_mutation(Mutation::SkipAbortPoll), 2)
+    }));
+    let payload = result.expect_err("loom found no hang without the abort poll");
+    let message = payload
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_default();
+    assert!(
+        message.contains("maximum number of branches"),
+        "expected a non-terminating wait, not: {message}"
+    );
+    eprintln!("loom: hang found in {:.1?}: {message}", start.elapsed());
+}
+
+/// The count words are self-validating (the value travels with the tag, [E1] is relaxed), so
+/// relaxing their loads changes nothing: the checker must accept it.
+#[test]
+fn count_loads_relaxed_is_benign() {
+    assert!(Mutation::CountLoadsRelaxed.is_benign());
+    explore(
+        cfg(2, 1, 1, Strategy::Epoch, &[D, D, C]).with_mutation(Mutation::CountLoadsRelaxed),
+        2,
+    );
 }

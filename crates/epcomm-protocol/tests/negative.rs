@@ -1,5 +1,6 @@
-//! Deterministic schedules that break the deliberately unsound `EpochWithoutParity` variant,
-//! and pass on the real `Epoch` strategy: proof that the model can fail.
+//! Deterministic schedules that break the deliberately unsound `EpochWithoutParity` variant or
+//! a mutated protocol, and pass on the real protocol: proof that the model can fail. Also the
+//! failure path on std threads.
 #![cfg(not(loom))]
 
 mod common;
@@ -8,22 +9,30 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use common::Pause;
-use epcomm_protocol::config::route_count;
+use epcomm_protocol::config::{combine_word, data_word, route_count, routes_to};
 use epcomm_protocol::model::Region;
 use epcomm_protocol::{
-    ModelConfig, OpKind, Step, StepHook, Strategy, Violation, run_model, sequential_reference,
+    Failure, ModelConfig, Mutation, NoHook, OpError, OpKind, Step, StepHook, Strategy, Violation,
+    run_model, sequential_reference,
 };
 
 fn run(strategy: Strategy, tokens: usize, ops: &[OpKind], pause: &Pause) -> Result<(), Violation> {
     let cfg = ModelConfig::new(2, tokens, 1, strategy, ops.to_vec()).unwrap();
-    let result = run_model(&cfg, pause);
-    assert!(
+    run_cfg(&cfg, pause, true)
+}
+
+/// Runs `cfg` under `pause`; `reachable` says whether the forced schedule must be reached.
+fn run_cfg(cfg: &ModelConfig, pause: &Pause, reachable: bool) -> Result<(), Violation> {
+    let result = run_model(cfg, pause);
+    assert_eq!(
         !pause.gave_up.load(Ordering::SeqCst),
-        "{strategy:?}: the forced schedule was not reached"
+        reachable,
+        "{cfg:?}: the forced schedule was {}reached",
+        if reachable { "not " } else { "" }
     );
     match result {
         Ok(reports) => {
-            assert_eq!(reports, sequential_reference(&cfg));
+            assert_eq!(reports, sequential_reference(cfg));
             Ok(())
         }
         Err(f) => Err(f.violations[0].clone()),
@@ -79,28 +88,210 @@ fn single_recv_region_overwrites_live_output() {
     }
 }
 
-/// Rank 1 reduces combine 1 late while rank 0 already writes combine 2's contributions.
-#[test]
-fn single_comb_region_overwrites_unreduced_contributions() {
-    use OpKind::*;
-    let tokens = 4;
+/// Layout 1 with one token per rank: rank 0's token goes to rank 1 only, so rank 1 returns a
+/// contribution into rank 0's combine region; rank 1's token stays on rank 1, so rank 1 waits for
+/// no flag of rank 0: only `[C5]` keeps it from running combines ahead of rank 0.
+fn rank_1_holds_no_token_for_rank_0() {
     assert!(
-        (0..tokens).any(|t| epcomm_protocol::config::routes_to(1, 1, t, 0)),
-        "rank 1 must own a token routed to rank 0 for this schedule"
+        routes_to(1, 0, 0, 1) && !routes_to(1, 1, 0, 0),
+        "the routing oracle changed: pick another layout for this schedule"
     );
-    let ops = [Dispatch, Combine, Combine];
-    let pause = || Pause::new(1, (1, Step::C4), 0, (2, Step::C3));
-    run(Strategy::Epoch, tokens, &ops, &pause()).expect("parity regions keep combines apart");
-    let v = run(Strategy::EpochWithoutParity, tokens, &ops, &pause()).unwrap_err();
+}
+
+/// Rank 0 reduces combine 1 late. Without `[C5]` rank 1 runs combines 2 and 3 meanwhile and
+/// overwrites the contribution rank 0 has not reduced yet (combine 3 reuses combine 1's parity).
+/// With `[C5]` rank 1 is held in combine 1 until rank 0 signals, after its reduction, so the
+/// schedule cannot happen.
+#[test]
+fn without_final_wait_a_combine_overwrites_unreduced_contributions() {
+    use OpKind::*;
+    rank_1_holds_no_token_for_rank_0();
+    let cfg = ModelConfig::new(
+        2,
+        1,
+        1,
+        Strategy::Epoch,
+        vec![Dispatch, Combine, Combine, Combine],
+    )
+    .unwrap();
+    let pause = || Pause::new(0, (1, Step::C4), 1, (3, Step::C4));
+    run_cfg(
+        &cfg,
+        &pause().giving_up_after(Duration::from_millis(300)),
+        false,
+    )
+    .expect("[C5] holds rank 1 until rank 0 reduced");
+    let mutated = cfg.with_mutation(Mutation::SkipFinalWait);
+    let v = run_cfg(&mutated, &pause(), true).unwrap_err();
+    match v {
+        Violation::Data {
+            rank: 0,
+            op: 1,
+            step: Step::C4,
+            region: Region::Comb,
+            parity: 1,
+            expected,
+            found,
+            ..
+        } => {
+            let row = data_word(1, 0, 0);
+            assert_eq!(expected, combine_word(1, 1, row));
+            assert_eq!(found, combine_word(3, 1, row), "overwritten by combine 3");
+        }
+        other => panic!("expected an overwritten comb slot, got {other}"),
+    }
+}
+
+/// Without `[E6]` a cached dispatch reads its rows before they land (rank 0 is held before its
+/// data while rank 1 reads).
+#[test]
+fn without_cached_done_wait_rows_are_read_before_they_land() {
+    use OpKind::*;
+    rank_1_holds_no_token_for_rank_0();
+    let cfg = ModelConfig::new(2, 1, 1, Strategy::Epoch, vec![Dispatch, CachedDispatch]).unwrap();
+    let pause = || Pause::new(0, (1, Step::E4), 1, (1, Step::E7));
+    run_cfg(
+        &cfg,
+        &pause().giving_up_after(Duration::from_millis(300)),
+        false,
+    )
+    .expect("[E6] holds rank 1 until rank 0's rows landed");
+    let v = run_cfg(
+        &cfg.with_mutation(Mutation::SkipCachedDoneWait),
+        &pause(),
+        true,
+    )
+    .unwrap_err();
     match v {
         Violation::Data {
             rank: 1,
             op: 1,
-            step: Step::C4,
-            region: Region::Comb,
+            step: Step::E7,
+            region: Region::Recv,
+            found: 0,
             ..
         } => {}
-        other => panic!("expected an overwritten comb slot, got {other}"),
+        other => panic!("expected a missing row at [E7], got {other}"),
+    }
+}
+
+/// A failure before the done signal: the failing rank and its peer end every later op in an
+/// error (the peer cannot complete the failing op either), and nothing hangs.
+#[test]
+fn failure_before_done_ends_every_later_op_in_error() {
+    use OpKind::*;
+    let cfg = ModelConfig::new(
+        2,
+        2,
+        1,
+        Strategy::Epoch,
+        vec![Dispatch, Combine, CachedDispatch, Combine],
+    )
+    .unwrap()
+    .with_failure(Failure {
+        rank: 1,
+        op: 1,
+        at: Step::C2,
+    })
+    .unwrap();
+    let reports = run_model(&cfg, &NoHook).unwrap_or_else(|f| panic!("{f}"));
+    let reference = sequential_reference(&cfg);
+    assert_eq!(reports[1].outputs[0], reference[1].outputs[0]);
+    assert_eq!(
+        reports[1].outputs[1],
+        Err(OpError::TimedOut { step: Step::C2 })
+    );
+    // Rank 0 may see the abort word before rank 1's last done signal of op 0 and give up there.
+    assert!(
+        reports[0].outputs[0] == reference[0].outputs[0]
+            || matches!(reports[0].outputs[0], Err(OpError::Aborted { by: 1, .. })),
+        "{:?}",
+        reports[0].outputs[0]
+    );
+    assert!(
+        matches!(
+            reports[0].outputs[1],
+            Err(OpError::Aborted { by: 1, .. } | OpError::Refused { by: 1 })
+        ),
+        "{:?}",
+        reports[0].outputs[1]
+    );
+    for report in &reports {
+        let later = &report.outputs[2..];
+        assert!(
+            later
+                .iter()
+                .all(|r| matches!(r, Err(OpError::Refused { .. }))),
+            "rank {}: {later:?}",
+            report.rank
+        );
+    }
+}
+
+/// A failure in the final wait, after the done signal: the peer may complete that op (it got
+/// every row) but not the next one.
+#[test]
+fn failure_after_done_lets_the_peer_finish_that_op_only() {
+    use OpKind::*;
+    let cfg = ModelConfig::new(
+        2,
+        2,
+        1,
+        Strategy::Epoch,
+        vec![Dispatch, CachedDispatch, Combine],
+    )
+    .unwrap()
+    .with_failure(Failure {
+        rank: 0,
+        op: 1,
+        at: Step::E6,
+    })
+    .unwrap();
+    // Rank 0 reaches its failure only once rank 1 has completed op 1 and started op 2.
+    let pause = Pause::new(0, (1, Step::E6), 1, (2, Step::F1));
+    let reports = run_model(&cfg, &pause).unwrap_or_else(|f| panic!("{f}"));
+    assert!(!pause.gave_up.load(Ordering::SeqCst));
+    let reference = sequential_reference(&cfg);
+    assert_eq!(reports[1].outputs[..2], reference[1].outputs[..2]);
+    assert!(
+        matches!(
+            reports[1].outputs[2],
+            Err(OpError::Aborted { by: 0, .. } | OpError::Refused { by: 0 })
+        ),
+        "{:?}",
+        reports[1].outputs[2]
+    );
+    assert_eq!(
+        reports[0].outputs[1],
+        Err(OpError::TimedOut { step: Step::E6 })
+    );
+    assert_eq!(reports[0].outputs[2], Err(OpError::Refused { by: 0 }));
+}
+
+/// Without the prologue check the failed rank runs its next op and writes into its peer.
+#[test]
+fn without_prologue_check_a_failed_rank_writes_again() {
+    use OpKind::*;
+    rank_1_holds_no_token_for_rank_0();
+    let cfg = ModelConfig::new(2, 1, 1, Strategy::Epoch, vec![Dispatch, CachedDispatch])
+        .unwrap()
+        .with_failure(Failure {
+            rank: 0,
+            op: 0,
+            at: Step::E5,
+        })
+        .unwrap();
+    let reports = run_model(&cfg, &NoHook).unwrap_or_else(|f| panic!("{f}"));
+    assert_eq!(reports[0].outputs[1], Err(OpError::Refused { by: 0 }));
+    let failure = run_model(&cfg.with_mutation(Mutation::SkipPrologueCheck), &NoHook).unwrap_err();
+    match &failure.violations[0] {
+        Violation::WriteAfterFailure {
+            rank: 0,
+            op: 1,
+            step: Step::E4,
+            ..
+        } => {}
+        other => panic!("expected rank 0 to write at [E4] of op 1, got {other}"),
     }
 }
 

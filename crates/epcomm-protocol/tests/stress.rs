@@ -5,7 +5,9 @@
 mod common;
 
 use common::{Jitter, Rng};
-use epcomm_protocol::{ModelConfig, NoHook, OpKind, Strategy, run_model, sequential_reference};
+use epcomm_protocol::{
+    Failure, ModelConfig, NoHook, OpError, OpKind, Step, Strategy, run_model, sequential_reference,
+};
 
 fn random_ops(rng: &mut Rng, len: usize) -> Vec<OpKind> {
     let mut ops = vec![OpKind::Dispatch];
@@ -45,6 +47,50 @@ fn epoch_survives_random_delays() {
 #[test]
 fn global_survives_random_delays() {
     stress(Strategy::Global, 60, 0x8765_4321);
+}
+
+/// A random rank fails at a random step of a random op: every run must end with every rank's
+/// later ops in an error (no hang, no completed op with wrong data), as `run_model` checks.
+fn stress_failures(strategy: Strategy, runs: u64, seed: u64) {
+    let mut rng = Rng(seed);
+    for run in 0..runs {
+        let world = 2 + rng.below(3) as usize;
+        let tokens = 1 + rng.below(3) as usize;
+        let blocks = 1 + rng.below(2) as usize;
+        let len = 2 + rng.below(5) as usize;
+        let ops = random_ops(&mut rng, len);
+        let op = rng.below(len as u64) as usize;
+        let steps: Vec<Step> = Step::ALL
+            .into_iter()
+            .filter(|&s| Failure::step_is_valid(strategy, ops[op], s))
+            .collect();
+        let at = steps[rng.below(steps.len() as u64) as usize];
+        let rank = rng.below(world as u64) as usize;
+        let cfg = ModelConfig::new(world, tokens, blocks, strategy, ops)
+            .unwrap()
+            .with_failure(Failure { rank, op, at })
+            .unwrap();
+        let reports = run_model(
+            &cfg,
+            &Jitter::new(seed ^ run.wrapping_mul(0x2545_F491_4F6C_DD1D)),
+        )
+        .unwrap_or_else(|f| panic!("run {run}, {cfg:?}: {f}"));
+        assert_eq!(
+            reports[rank].outputs[op],
+            Err(OpError::TimedOut { step: at }),
+            "run {run}"
+        );
+    }
+}
+
+#[test]
+fn epoch_failures_end_in_errors() {
+    stress_failures(Strategy::Epoch, 80, 0xFA11);
+}
+
+#[test]
+fn global_failures_end_in_errors() {
+    stress_failures(Strategy::Global, 40, 0xFA12);
 }
 
 #[test]

@@ -39,6 +39,14 @@ impl Pause {
     }
 }
 
+impl Pause {
+    /// The same pause with another give-up delay (for schedules the protocol must prevent).
+    pub fn giving_up_after(mut self, give_up: Duration) -> Self {
+        self.give_up = give_up;
+        self
+    }
+}
+
 impl StepHook for Pause {
     fn at(&self, rank: usize, op: usize, _kind: OpKind, step: Step) {
         self.reached.lock().unwrap().insert((rank, op, step));
