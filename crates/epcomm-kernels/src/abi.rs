@@ -59,7 +59,7 @@ pub const STATS_ABORT_OFFSET: u64 = 3584;
 
 /// Version of the kernel protocol and argument blocks; ranks compare it when a `Buffer` is
 /// built. Bump it with any change of `abi.cuh` or of the kernels' cross-rank protocol.
-pub const ABI_VERSION: u64 = 2;
+pub const ABI_VERSION: u64 = 3;
 
 /// Bits of [`OpArgs::flags`].
 pub mod flags {
@@ -140,6 +140,9 @@ pub struct OpArgs {
     pub seq_state: u64,
     pub parity_stride: u64,
     pub remote_mask: u64,
+    /// This rank's abort word (stats region + [`STATS_ABORT_OFFSET`]): peers that failed write
+    /// it; every op's prologue and every wait read it.
+    pub abort_word: u64,
     pub num_tokens: i32,
     pub hidden: i32,
     pub row_bytes: i32,
@@ -226,7 +229,7 @@ pub(crate) const EXPECTED_PROBE: [(&str, u64); 8] = [
 ];
 
 const _: () = {
-    assert!(size_of::<OpArgs>() == 34 * 8 + 12 * 4);
+    assert!(size_of::<OpArgs>() == 35 * 8 + 12 * 4);
     assert!(size_of::<SeqState>() == 56);
     assert!(size_of::<LayoutArgs>() == 6 * 8 + 6 * 4);
     assert!(size_of::<ErrorRecord>() == 56);
@@ -238,8 +241,8 @@ mod tests {
 
     #[test]
     fn layouts_match_the_cuda_header() {
-        assert_eq!(offset_of!(OpArgs, num_tokens), 272);
-        assert_eq!(offset_of!(OpArgs, global_barriers), 316);
+        assert_eq!(offset_of!(OpArgs, num_tokens), 280);
+        assert_eq!(offset_of!(OpArgs, global_barriers), 324);
         assert_eq!(offset_of!(LayoutArgs, num_tokens), 48);
         assert_eq!(offset_of!(ErrorRecord, epoch), 24);
     }
@@ -280,6 +283,7 @@ mod tests {
             "seq_state",
             "parity_stride",
             "remote_mask",
+            "abort_word",
             "num_tokens",
             "hidden",
             "row_bytes",

@@ -762,6 +762,7 @@ impl<T: Transport> Buffer<T> {
             max_tokens: self.cfg.max_tokens_per_rank as i32,
             global_barriers: u32::from(self.cfg.barrier == BarrierStrategy::Global),
             remote_mask: self.remote_mask,
+            abort_word: self.mem.local_base() + stats + abi::STATS_ABORT_OFFSET,
             ..OpArgs::default()
         }
     }

@@ -102,6 +102,7 @@ struct OpArgs {
   uint64_t parity_stride;      // bytes between the two copies of every per-parity region
   uint64_t remote_mask;        // bit d: rank d is reached with transport put/signal (NVSHMEM
                                // variant only; peer_bases[d] is then this rank's own base)
+  uint64_t abort_word;         // this rank's abort word (stats region + kStatsAbortOffset)
   int32_t num_tokens;
   int32_t hidden;              // elements per row
   int32_t row_bytes;           // bytes per x row (hidden * elem size)

@@ -70,7 +70,7 @@ __device__ __forceinline__ WaitCtx make_wait(const OpArgs& a, const Shared& s, u
   w.epoch = s.seq.op;
   w.op = op;
   w.rank = a.rank;
-  w.abort_word = u64_at(s.bases[a.rank], a.off_stats + kStatsAbortOffset);
+  w.abort_word = reinterpret_cast<const uint64_t*>(a.abort_word);
   w.bases = s.bases;
   w.abort_off = a.off_stats + kStatsAbortOffset;
   w.remote_mask = a.remote_mask;
@@ -84,11 +84,13 @@ __device__ __forceinline__ WaitCtx make_wait(const OpArgs& a, const Shared& s, u
 // Such an op writes nothing and publishes nothing, so no peer can mistake it for progress.
 __device__ __forceinline__ bool prologue(const OpArgs& a, Shared& s, uint32_t kind) {
   const int tid = threadIdx.x;
-  if (tid < a.world) s.bases[tid] = reinterpret_cast<uint8_t*>(
-                         reinterpret_cast<const uint64_t*>(a.peer_bases)[tid]);
-  __syncthreads();
+  const uint64_t* peer_bases = reinterpret_cast<const uint64_t*>(a.peer_bases);
+  if (tid < a.world) s.bases[tid] = reinterpret_cast<uint8_t*>(peer_bases[tid]);
   if (tid == 0) {
     s.abort = 0;
+    // Issue the failure-word loads with the SeqState loads so their latencies overlap.
+    const uint32_t claim = *reinterpret_cast<const volatile uint32_t*>(a.err_claim);
+    const uint64_t abort = *reinterpret_cast<const volatile uint64_t*>(a.abort_word);
     const volatile SeqState* st = reinterpret_cast<const volatile SeqState*>(a.seq_state);
     OpSeq q;
     q.op = st->op + 1;
@@ -99,15 +101,19 @@ __device__ __forceinline__ bool prologue(const OpArgs& a, Shared& s, uint32_t ki
     q.done_expected = st->done + gridDim.x;
     q.barrier_base = st->barriers;
     s.seq = q;
-    const WaitCtx w = make_wait(a, s, kind);
-    if (*reinterpret_cast<const volatile uint32_t*>(w.claim) != 0) {
+    if (claim != 0 || abort != 0) {  // the rare path: this rank or a peer failed earlier
+      // Every base, for the broadcast (the same values the other threads store).
+      for (int d = 0; d < a.world; ++d) s.bases[d] = reinterpret_cast<uint8_t*>(peer_bases[d]);
+      const WaitCtx w = make_wait(a, s, kind);
       s.abort = 1;
-      const volatile ErrorRecord* r = w.record;
-      const uint32_t code = r->code;
-      if (code != kOk && code != kPeerFailed)
-        broadcast_abort(w, make_abort(code, a.rank, r->epoch));
-    } else if (should_stop(w, kWaitOpStart)) {
-      s.abort = 1;
+      if (claim != 0) {
+        const volatile ErrorRecord* r = w.record;
+        const uint32_t code = r->code;
+        if (code != kOk && code != kPeerFailed)
+          broadcast_abort(w, make_abort(code, a.rank, r->epoch));
+      } else {
+        should_stop(w, kWaitOpStart, 0);  // records PeerFailed naming the origin
+      }
     }
   }
   __syncthreads();

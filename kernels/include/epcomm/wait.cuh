@@ -76,11 +76,16 @@ __device__ __noinline__ void record_failure(const WaitCtx& w, uint32_t code, uin
   if (code != kPeerFailed) broadcast_abort(w, make_abort(code, w.rank, w.epoch));
 }
 
-// True when this op must stop: this rank already failed (the claim is set), or a peer's abort
-// word arrived (recorded here as kPeerFailed naming the origin, during wait `wait_id`).
-__device__ __forceinline__ bool should_stop(const WaitCtx& w, uint32_t wait_id) {
+// How often a spinning wait looks at the abort word (in spins): a peer's failure is seen
+// within a few microseconds, and the spin loop stays as tight as before.
+constexpr uint32_t kAbortPollMask = 1023u;
+
+// True when this op must stop: this rank already failed (the claim is set), or (checked every
+// kAbortPollMask + 1 spins) a peer's abort word arrived, recorded here as kPeerFailed naming the
+// origin, during wait `wait_id`.
+__device__ __noinline__ bool should_stop(const WaitCtx& w, uint32_t wait_id, uint32_t spins) {
   if (*reinterpret_cast<volatile uint32_t*>(w.claim) != 0) return true;
-  if (w.abort_word == nullptr) return false;
+  if (w.abort_word == nullptr || ((spins >> 6) & (kAbortPollMask >> 6)) != 0) return false;
   const uint64_t a = *reinterpret_cast<const volatile uint64_t*>(w.abort_word);
   if (a == 0) return false;
   record_failure(w, kPeerFailed, wait_id, abort_origin(a), abort_code(a), a & 0xffffffffull, 0);
@@ -109,7 +114,7 @@ __device__ __forceinline__ bool wait_geq(const WaitCtx& w, const uint64_t* p, ui
         record_failure(w, kTimeout, wait_id, peer, target, v, now - t0);
         return false;
       }
-      if (should_stop(w, wait_id)) return false;
+      if (should_stop(w, wait_id, spins)) return false;
     }
   }
 }
@@ -137,7 +142,7 @@ __device__ __forceinline__ bool wait_tag(const WaitCtx& w, const uint64_t* p, ui
         record_failure(w, kTimeout, wait_id, peer, tag, v >> 32, now - t0);
         return false;
       }
-      if (should_stop(w, wait_id)) return false;
+      if (should_stop(w, wait_id, spins)) return false;
     }
   }
 }
