@@ -1,7 +1,15 @@
 //! Embeds the kernel artifacts written by `cargo xtask build-kernels`.
 //!
-//! Looks in `$EPCOMM_KERNEL_DIR`, else `<workspace>/target/kernels`. A missing artifact is not a
-//! build error: the crate then reports, at load time, that `cargo xtask build-kernels` must run.
+//! Looks in one directory, the first that applies:
+//!
+//! 1. `$EPCOMM_KERNEL_DIR`, when set and not empty;
+//! 2. `<crate>/prebuilt/`, when this is a packaged copy of the crate (crates.io, `cargo
+//!    package`: it has a `Cargo.toml.orig`). `prebuilt/` is what a release ships; see
+//!    docs/build.md;
+//! 3. `<workspace>/target/kernels`, in the workspace checkout.
+//!
+//! A missing artifact is not a build error: the crate then reads it from `$EPCOMM_KERNEL_DIR`
+//! at run time and, failing that, reports that `cargo xtask build-kernels` must run.
 use std::{env, fmt::Write as _, fs, path::PathBuf};
 
 const ARTIFACTS: &[(&str, &str)] = &[
@@ -13,9 +21,12 @@ fn main() {
     println!("cargo:rerun-if-env-changed=EPCOMM_KERNEL_DIR");
     let manifest =
         PathBuf::from(env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
-    let dir = env::var_os("EPCOMM_KERNEL_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| manifest.join("../../target/kernels"));
+    let packaged = manifest.join("Cargo.toml.orig").is_file();
+    let dir = match env::var_os("EPCOMM_KERNEL_DIR").filter(|d| !d.is_empty()) {
+        Some(dir) => PathBuf::from(dir),
+        None if packaged => manifest.join("prebuilt"),
+        None => manifest.join("../../target/kernels"),
+    };
     let mut code = String::new();
     for (name, file) in ARTIFACTS {
         let path = dir.join(file);

@@ -51,7 +51,7 @@ enum Cmd {
     },
     /// Build release artifacts for the GPU machine and pack them into one folder.
     PackDevice {
-        /// Output folder [default: <workspace>/target/device].
+        /// Output folder [default: target/device in the workspace].
         #[arg(long)]
         out: Option<PathBuf>,
         /// More packages whose test executables to pack (epcomm and epcomm-check, which has

@@ -8,13 +8,20 @@ use crate::kernels::{self, BuildOptions, Layout};
 use crate::toolchain::ToolchainEnv;
 use crate::util::{self, command_line};
 
-/// Whether `nvidia-smi -L` (run through `nvidia_smi`) works and lists at least one GPU.
-pub fn gpu_present(nvidia_smi: &str) -> bool {
+/// How many GPUs `nvidia-smi -L` (run through `nvidia_smi`) lists; 0 when it fails.
+pub fn gpu_count(nvidia_smi: &str) -> usize {
     Command::new(nvidia_smi)
         .arg("-L")
         .output()
-        .map(|o| o.status.success() && String::from_utf8_lossy(&o.stdout).contains("GPU "))
-        .unwrap_or(false)
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .filter(|l| l.starts_with("GPU "))
+                .count()
+        })
+        .unwrap_or(0)
 }
 
 /// Runs `build-kernels`, then `cargo test --workspace [cargo_args...]` with `EPCOMM_KERNEL_DIR`
@@ -27,11 +34,20 @@ pub fn run(layout: &Layout, env: &ToolchainEnv, cargo_args: &[String]) -> Result
         .args(["test", "--workspace"])
         .args(cargo_args)
         .env("EPCOMM_KERNEL_DIR", &layout.out_dir);
-    if gpu_present("nvidia-smi") {
-        println!("test: GPU found (nvidia-smi -L); GPU tests enabled (EPCOMM_GPU_TESTS=1)");
+    let gpus = gpu_count("nvidia-smi");
+    if gpus > 0 {
+        println!(
+            "test: {gpus} GPU(s) found (nvidia-smi -L); GPU tests enabled (EPCOMM_GPU_TESTS=1)"
+        );
         cmd.env("EPCOMM_GPU_TESTS", "1")
             .env("NVSHMEM_DISABLE_NVLS", "1")
             .env("NCCL_NVLS_ENABLE", "0");
+        // The multi-rank tests need two ranks: on one GPU, run two processes on it (checks
+        // correctness; speed and skew need a GPU per rank and skip themselves).
+        if gpus == 1 && std::env::var_os("EPCOMM_TEST_WORLD").is_none() {
+            println!("test: one GPU: EPCOMM_TEST_WORLD=2 (two ranks share it)");
+            cmd.env("EPCOMM_TEST_WORLD", "2");
+        }
         // Each GPU test starts one process per GPU: run them one at a time.
         if !cargo_args.iter().any(|a| a == "--") {
             cmd.args(["--", "--test-threads=1"]);
@@ -63,14 +79,16 @@ mod tests {
     use crate::util::TempDir;
 
     #[test]
-    fn gpu_detection_needs_success_and_a_gpu_line() {
+    fn gpu_count_needs_success_and_counts_gpu_lines() {
         let t = TempDir::new("smi");
         let yes = t.write_script("yes", "echo 'GPU 0: NVIDIA H200 (UUID: GPU-1)'");
         let none = t.write_script("none", "echo 'No devices were found'");
         let broken = t.write_script("broken", "echo 'GPU 0: x'; exit 9");
-        assert!(gpu_present(&yes.to_string_lossy()));
-        assert!(!gpu_present(&none.to_string_lossy()));
-        assert!(!gpu_present(&broken.to_string_lossy()));
-        assert!(!gpu_present("/nonexistent/nvidia-smi"));
+        assert_eq!(gpu_count(&yes.to_string_lossy()), 1);
+        assert_eq!(gpu_count(&none.to_string_lossy()), 0);
+        assert_eq!(gpu_count(&broken.to_string_lossy()), 0);
+        assert_eq!(gpu_count("/nonexistent/nvidia-smi"), 0);
+        let two = t.write_script("two", "echo 'GPU 0: a'; echo 'GPU 1: b'; echo 'MIG 1g: c'");
+        assert_eq!(gpu_count(&two.to_string_lossy()), 2);
     }
 }

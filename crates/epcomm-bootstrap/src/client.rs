@@ -2,16 +2,17 @@
 
 use std::io::{self, Read};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::{Mutex, PoisonError};
-use std::thread;
+use std::sync::mpsc::{self, RecvTimeoutError, Sender};
+use std::sync::{Arc, Mutex, PoisonError, TryLockError};
+use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
-use crate::config::BootstrapConfig;
+use crate::config::{BootstrapConfig, Liveness};
 use crate::coordinator::CoordinatorHandle;
 use crate::error::{BootstrapError, OpKind, Result};
 use crate::wire::{
     self, ClientMsg, FRAME_OVERHEAD, FrameError, FrameReader, Hello, MAX_FRAME,
-    MAX_HANDSHAKE_FRAME, OpMsg, RemoteError, ServerMsg,
+    MAX_HANDSHAKE_FRAME, OpMsg, Progress, RemoteError, ServerMsg,
 };
 
 /// Longest tag accepted by the collectives, in bytes.
@@ -54,13 +55,88 @@ impl Default for Identity {
     }
 }
 
+/// The connection to the coordinator, shared by the calling thread and the heartbeat thread.
+/// Writes go through [`Link::send`] so that frames of the two threads never interleave.
+#[derive(Debug)]
+struct Link {
+    stream: TcpStream,
+    write_lock: Mutex<()>,
+}
+
+impl Link {
+    fn send(&self, body: &[u8]) -> io::Result<()> {
+        let _guard = self
+            .write_lock
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        wire::write_frame(&mut &self.stream, body)
+    }
+
+    /// Sends `body` unless another write is in progress (its bytes then show we are alive);
+    /// `None` when skipped.
+    fn try_send(&self, body: &[u8]) -> Option<io::Result<()>> {
+        let _guard = match self.write_lock.try_lock() {
+            Ok(g) => g,
+            Err(TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(TryLockError::WouldBlock) => return None,
+        };
+        Some(wire::write_frame(&mut &self.stream, body))
+    }
+}
+
+/// Background thread sending a `Heartbeat` frame every interval until stopped or until the
+/// connection fails (the next collective then reports the failure).
+#[derive(Debug)]
+struct HeartbeatThread {
+    stop: Option<Sender<()>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl HeartbeatThread {
+    fn start(link: Arc<Link>, every: Duration, rank: usize) -> io::Result<Self> {
+        let (stop, stopped) = mpsc::channel::<()>();
+        let body = wire::encode_client(&ClientMsg::Heartbeat);
+        let thread = thread::Builder::new()
+            .name(format!("epcomm-bootstrap-heartbeat-{rank}"))
+            .spawn(move || {
+                while let Err(RecvTimeoutError::Timeout) = stopped.recv_timeout(every) {
+                    if let Some(Err(_)) = link.try_send(&body) {
+                        return;
+                    }
+                }
+            })?;
+        Ok(HeartbeatThread {
+            stop: Some(stop),
+            thread: Some(thread),
+        })
+    }
+
+    /// Stops and joins the thread. Idempotent.
+    fn stop(&mut self) {
+        self.stop.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for HeartbeatThread {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
 #[derive(Debug)]
 struct Channel {
-    stream: TcpStream,
+    link: Arc<Link>,
     reader: FrameReader,
     next_seq: u64,
     /// Set once the connection can no longer be trusted; every later op fails with it.
     broken: Option<String>,
+    /// Silence from the coordinator after which a waiting call fails (zero: never).
+    peer_timeout: Duration,
+    /// When bytes last arrived from the coordinator (or the current wait began).
+    last_heard: Instant,
 }
 
 /// A rank's membership in a bootstrap group.
@@ -80,7 +156,10 @@ pub struct Bootstrap {
     local_rank: usize,
     local_world_size: usize,
     timeout: Duration,
+    /// Write timeout of the socket: a coordinator that accepts no bytes for this long is dead.
+    write_timeout: Duration,
     channel: Mutex<Channel>,
+    heartbeat: Option<HeartbeatThread>,
     coordinator: Option<CoordinatorHandle>,
 }
 
@@ -97,15 +176,35 @@ impl Bootstrap {
     ///   [`BootstrapError::DuplicateRank`], ...): a rejected rank fails the whole rendezvous,
     ///   and every rank that had joined gets the same error;
     /// * [`BootstrapError::ConnectTimeout`], [`BootstrapError::Bind`],
-    ///   [`BootstrapError::Resolve`], [`BootstrapError::InvalidConfig`] for local problems.
+    ///   [`BootstrapError::Resolve`], [`BootstrapError::InvalidConfig`] for local problems;
+    /// * [`BootstrapError::PeerUnresponsive`] when a rank that had joined (or the coordinator)
+    ///   went silent for longer than its [`Liveness::peer_timeout`].
+    ///
+    /// Failure detection uses [`Liveness::from_env`] (defaults unless `EPCOMM_BOOTSTRAP_*`
+    /// overrides are set; an invalid override fails with [`BootstrapError::InvalidEnv`]).
     pub fn connect(cfg: BootstrapConfig) -> Result<Bootstrap> {
         Self::connect_with_identity(cfg, Identity::current())
+    }
+
+    /// [`Bootstrap::connect`] with explicit failure-detection settings instead of
+    /// [`Liveness::from_env`].
+    pub fn connect_with_liveness(cfg: BootstrapConfig, liveness: Liveness) -> Result<Bootstrap> {
+        Self::connect_inner(cfg, Identity::current(), liveness)
     }
 
     /// [`Bootstrap::connect`] advertising `identity` instead of [`Identity::current`]; meant
     /// for testing version checks.
     pub fn connect_with_identity(cfg: BootstrapConfig, identity: Identity) -> Result<Bootstrap> {
+        Self::connect_inner(cfg, identity, Liveness::from_env()?)
+    }
+
+    fn connect_inner(
+        cfg: BootstrapConfig,
+        identity: Identity,
+        liveness: Liveness,
+    ) -> Result<Bootstrap> {
         cfg.validate()?;
+        liveness.validate()?;
         let start = Instant::now();
         let deadline = start + cfg.timeout;
         let addr_text = if cfg.master_addr.contains(':') {
@@ -128,25 +227,35 @@ impl Bootstrap {
         }
         let coordinator = if cfg.rank == 0 {
             let listener = bind_any(&addrs)?;
-            let handle =
-                CoordinatorHandle::start(listener, cfg.world_size, identity.crate_version.clone())
-                    .map_err(|source| BootstrapError::Io {
-                        op: OpKind::Connect,
-                        tag: String::new(),
-                        source,
-                    })?;
+            let handle = CoordinatorHandle::start(
+                listener,
+                cfg.world_size,
+                identity.crate_version.clone(),
+                liveness,
+            )
+            .map_err(|source| BootstrapError::Io {
+                op: OpKind::Connect,
+                tag: String::new(),
+                source,
+            })?;
             Some(handle)
         } else {
             None
         };
 
-        let mut stream = connect_retry(&addrs, &addr_text, start, deadline)?;
+        let stream = connect_retry(&addrs, &addr_text, start, deadline)?;
         let io_err = |source| BootstrapError::Io {
             op: OpKind::Connect,
             tag: String::new(),
             source,
         };
         stream.set_nodelay(true).map_err(io_err)?;
+        liveness.apply_keepalive(&stream).map_err(io_err)?;
+        let write_timeout = write_timeout(cfg.timeout, &liveness);
+        stream
+            .set_write_timeout(Some(write_timeout))
+            .map_err(io_err)?;
+        let heartbeats = !liveness.peer_timeout.is_zero();
         let hello = Hello {
             protocol: identity.protocol_version,
             rank: cfg.rank,
@@ -156,14 +265,33 @@ impl Bootstrap {
             local_world_size: cfg.local_world_size,
             op_timeout_ms: millis(cfg.timeout),
             join_budget_ms: millis(deadline.saturating_duration_since(Instant::now())),
+            heartbeat_ms: if heartbeats {
+                millis(liveness.heartbeat_interval)
+            } else {
+                0
+            },
+            peer_timeout_ms: millis(liveness.peer_timeout),
         };
-        wire::write_frame(&mut stream, &wire::encode_hello(&hello)).map_err(io_err)?;
+        let link = Arc::new(Link {
+            stream,
+            write_lock: Mutex::new(()),
+        });
+        link.send(&wire::encode_hello(&hello)).map_err(io_err)?;
+        // Heartbeats start with the handshake: a rank waiting for the others to join is alive.
+        let heartbeat = if heartbeats {
+            let every = liveness.heartbeat_interval;
+            Some(HeartbeatThread::start(link.clone(), every, cfg.rank).map_err(io_err)?)
+        } else {
+            None
+        };
 
         let mut channel = Channel {
-            stream,
+            link,
             reader: FrameReader::new(MAX_HANDSHAKE_FRAME),
             next_seq: 1,
             broken: None,
+            peer_timeout: liveness.peer_timeout,
+            last_heard: Instant::now(),
         };
         let msg = channel.receive(OpKind::Connect, "", 0, start, deadline + COORDINATOR_GRACE)?;
         match msg {
@@ -192,7 +320,9 @@ impl Bootstrap {
             local_rank: cfg.local_rank,
             local_world_size: cfg.local_world_size,
             timeout: cfg.timeout,
+            write_timeout,
             channel: Mutex::new(channel),
+            heartbeat,
             coordinator,
         })
     }
@@ -322,16 +452,28 @@ impl Bootstrap {
             root,
             data: data.to_vec(),
         }));
-        let _ = ch.stream.set_write_timeout(Some(self.timeout));
-        if let Err(e) = wire::write_frame(&mut ch.stream, &body) {
+        let _ = ch.link.stream.set_write_timeout(Some(self.write_timeout));
+        if let Err(e) = ch.link.send(&body) {
             ch.broken = Some(format!("sending {op} (tag {tag:?}) failed: {e}"));
             // The coordinator may have said why it went away before closing.
+            ch.last_heard = Instant::now();
             let peek = Instant::now() + Duration::from_millis(50);
+            let stalled = matches!(
+                e.kind(),
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+            );
             return Err(match ch.receive(op, tag, seq, start, peek) {
                 Ok(ServerMsg::Shutdown) => BootstrapError::PeerLeft {
                     rank: 0,
                     op,
                     tag: tag.into(),
+                },
+                // The coordinator accepted no bytes for the whole write timeout.
+                _ if stalled => BootstrapError::PeerUnresponsive {
+                    rank: 0,
+                    op,
+                    tag: tag.to_string(),
+                    silent_for: self.write_timeout,
                 },
                 _ => BootstrapError::PeerDied {
                     rank: 0,
@@ -340,6 +482,8 @@ impl Bootstrap {
                 },
             });
         }
+        // The coordinator may have been silent while we were not listening; count from now.
+        ch.last_heard = Instant::now();
         let deadline = start + self.timeout + COORDINATOR_GRACE;
         loop {
             match ch.receive(op, tag, seq, start, deadline)? {
@@ -368,8 +512,9 @@ impl Bootstrap {
 }
 
 impl Channel {
-    /// Reads the next coordinator message, waiting until `deadline`. A closed connection means
-    /// the coordinator (rank 0) is gone; the channel is then marked broken.
+    /// Reads the next coordinator message other than a heartbeat, waiting until `deadline`.
+    /// A closed connection means the coordinator (rank 0) is gone, and so does silence (not a
+    /// byte, heartbeats included) for `peer_timeout`; the channel is then marked broken.
     fn receive(
         &mut self,
         op: OpKind,
@@ -388,22 +533,45 @@ impl Channel {
                     waited: start.elapsed(),
                 });
             }
-            if let Err(source) = self.stream.set_read_timeout(Some(remaining)) {
+            let mut wait = remaining;
+            if !self.peer_timeout.is_zero() {
+                let silent = self.last_heard.elapsed();
+                if silent >= self.peer_timeout {
+                    self.broken = Some(format!(
+                        "the coordinator (rank 0) sent nothing for {silent:?}"
+                    ));
+                    return Err(BootstrapError::PeerUnresponsive {
+                        rank: 0,
+                        op,
+                        tag: tag.to_string(),
+                        silent_for: silent,
+                    });
+                }
+                wait = wait.min(self.peer_timeout - silent);
+            }
+            if let Err(source) = self.link.stream.set_read_timeout(Some(wait)) {
                 return Err(BootstrapError::Io {
                     op,
                     tag: tag.to_string(),
                     source,
                 });
             }
-            match self.reader.read_frame(&mut self.stream) {
-                Ok(body) => {
-                    return wire::decode_server(&body).map_err(|e| {
+            let last_heard = &mut self.last_heard;
+            let mut source = Progress {
+                inner: &self.link.stream,
+                on_progress: || *last_heard = Instant::now(),
+            };
+            match self.reader.read_frame(&mut source) {
+                Ok(body) => match wire::decode_server(&body) {
+                    Ok(ServerMsg::Heartbeat) => {}
+                    Ok(msg) => return Ok(msg),
+                    Err(e) => {
                         self.broken = Some(format!("undecodable coordinator message: {e}"));
-                        BootstrapError::Protocol {
+                        return Err(BootstrapError::Protocol {
                             detail: e.to_string(),
-                        }
-                    });
-                }
+                        });
+                    }
+                },
                 Err(e) if e.is_timeout() => {}
                 Err(e @ FrameError::TooLarge { .. }) => {
                     self.broken = Some(e.to_string());
@@ -426,25 +594,30 @@ impl Channel {
 
 impl Drop for Bootstrap {
     fn drop(&mut self) {
+        // No heartbeat may follow the goodbye.
+        if let Some(mut hb) = self.heartbeat.take() {
+            hb.stop();
+        }
         let ch = self
             .channel
             .get_mut()
             .unwrap_or_else(PoisonError::into_inner);
+        let mut stream = &ch.link.stream;
         if ch.broken.is_none() {
-            let _ = ch.stream.set_write_timeout(Some(GOODBYE_LINGER));
-            let _ = wire::write_frame(&mut ch.stream, &wire::encode_client(&ClientMsg::Goodbye));
+            let _ = stream.set_write_timeout(Some(GOODBYE_LINGER));
+            let _ = ch.link.send(&wire::encode_client(&ClientMsg::Goodbye));
         }
-        let _ = ch.stream.shutdown(Shutdown::Write);
+        let _ = stream.shutdown(Shutdown::Write);
         // Wait for the coordinator to close its side, so our goodbye is read before our socket
         // goes away (closing with unread data would reset the connection instead).
         let deadline = Instant::now() + GOODBYE_LINGER;
         let mut sink = [0u8; 4096];
         loop {
             let remaining = deadline.saturating_duration_since(Instant::now());
-            if remaining.is_zero() || ch.stream.set_read_timeout(Some(remaining)).is_err() {
+            if remaining.is_zero() || stream.set_read_timeout(Some(remaining)).is_err() {
                 break;
             }
-            match ch.stream.read(&mut sink) {
+            match stream.read(&mut sink) {
                 Ok(0) => break,
                 Ok(_) => {}
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -454,6 +627,16 @@ impl Drop for Bootstrap {
         if let Some(mut c) = self.coordinator.take() {
             c.shutdown();
         }
+    }
+}
+
+/// Write timeout of a client socket: the operation timeout, shortened to the peer timeout when
+/// silence detection is on (a coordinator that takes no bytes for that long is unresponsive).
+fn write_timeout(timeout: Duration, liveness: &Liveness) -> Duration {
+    if liveness.peer_timeout.is_zero() {
+        timeout
+    } else {
+        timeout.min(liveness.peer_timeout)
     }
 }
 
@@ -588,5 +771,184 @@ fn remote_error(
             limit,
         },
         RemoteError::RendezvousClosed { rank } => BootstrapError::RendezvousClosed { rank },
+        RemoteError::PeerUnresponsive { rank, silent_ms } => BootstrapError::PeerUnresponsive {
+            rank,
+            op,
+            tag,
+            silent_for: Duration::from_millis(silent_ms),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::HelloMsg;
+
+    const LONG: Duration = Duration::from_secs(60);
+
+    fn liveness() -> Liveness {
+        Liveness {
+            heartbeat_interval: Duration::from_millis(100),
+            peer_timeout: Duration::from_millis(1000),
+            ..Liveness::default()
+        }
+    }
+
+    fn cfg(port: u16) -> BootstrapConfig {
+        BootstrapConfig {
+            master_addr: "127.0.0.1".into(),
+            master_port: port,
+            rank: 1,
+            world_size: 2,
+            local_rank: 1,
+            local_world_size: 2,
+            timeout: LONG,
+        }
+    }
+
+    /// A hand-driven coordinator: accepts rank 1 and checks its handshake.
+    fn fake_coordinator() -> (TcpListener, u16) {
+        let listener = TcpListener::bind(("127.0.0.1", 0)).unwrap();
+        let port = listener.local_addr().unwrap().port();
+        (listener, port)
+    }
+
+    fn accept_hello(listener: &TcpListener) -> (TcpStream, FrameReader) {
+        let (mut s, _) = listener.accept().unwrap();
+        let mut r = FrameReader::new(MAX_HANDSHAKE_FRAME);
+        let body = r.read_frame(&mut s).unwrap();
+        match wire::decode_hello(&body).unwrap() {
+            HelloMsg::Ours(h) => {
+                assert_eq!((h.heartbeat_ms, h.peer_timeout_ms), (100, 1000));
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        r.set_max(MAX_FRAME);
+        (s, r)
+    }
+
+    fn welcome(s: &mut TcpStream) {
+        let body = wire::encode_server(&ServerMsg::Welcome {
+            protocol: wire::PROTOCOL_VERSION,
+            crate_version: wire::CRATE_VERSION.into(),
+            world_size: 2,
+        });
+        wire::write_frame(s, &body).unwrap();
+    }
+
+    /// Reads client messages until the connection closes; returns (heartbeats, ops).
+    fn drain(mut s: TcpStream, mut r: FrameReader) -> thread::JoinHandle<(usize, usize)> {
+        thread::spawn(move || {
+            let (mut beats, mut ops) = (0, 0);
+            while let Ok(body) = r.read_frame(&mut s) {
+                match wire::decode_client(&body).unwrap() {
+                    ClientMsg::Heartbeat => beats += 1,
+                    ClientMsg::Op(_) => ops += 1,
+                    ClientMsg::Goodbye => break,
+                }
+            }
+            (beats, ops)
+        })
+    }
+
+    #[test]
+    fn silent_coordinator_fails_a_collective_within_the_peer_timeout() {
+        let (listener, port) = fake_coordinator();
+        let rank = thread::spawn(move || {
+            let bs = Bootstrap::connect_with_liveness(cfg(port), liveness()).expect("connect");
+            let start = Instant::now();
+            let err = bs.barrier("b").expect_err("the coordinator is silent");
+            let waited = start.elapsed();
+            let again = bs.barrier("c").expect_err("the connection is broken");
+            (err, waited, again)
+        });
+        let (mut s, r) = accept_hello(&listener);
+        welcome(&mut s);
+        // Read everything (the kernel of a frozen host would ACK it), answer nothing.
+        let drained = drain(s, r);
+        let (err, waited, again) = rank.join().unwrap();
+        match err {
+            BootstrapError::PeerUnresponsive {
+                rank: 0,
+                op: OpKind::Barrier,
+                silent_for,
+                ..
+            } => assert!(silent_for >= Duration::from_millis(1000), "{silent_for:?}"),
+            other => panic!("expected PeerUnresponsive naming rank 0, got {other}"),
+        }
+        assert!(waited >= Duration::from_millis(950), "{waited:?}");
+        assert!(waited < Duration::from_secs(4), "{waited:?}");
+        assert!(
+            matches!(again, BootstrapError::ConnectionBroken { .. }),
+            "{again}"
+        );
+        // The rank kept sending heartbeats (every 100 ms) while it waited.
+        let (beats, ops) = drained.join().unwrap();
+        assert_eq!(ops, 1);
+        assert!(beats >= 4, "only {beats} heartbeats");
+    }
+
+    #[test]
+    fn silent_coordinator_fails_connect_within_the_peer_timeout() {
+        let (listener, port) = fake_coordinator();
+        let rank = thread::spawn(move || {
+            let start = Instant::now();
+            let err = Bootstrap::connect_with_liveness(cfg(port), liveness()).unwrap_err();
+            (err, start.elapsed())
+        });
+        let (s, r) = accept_hello(&listener);
+        let drained = drain(s, r);
+        let (err, waited) = rank.join().unwrap();
+        assert!(
+            matches!(
+                err,
+                BootstrapError::PeerUnresponsive {
+                    rank: 0,
+                    op: OpKind::Connect,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(waited < Duration::from_secs(4), "{waited:?}");
+        drained.join().unwrap();
+    }
+
+    #[test]
+    fn coordinator_heartbeats_keep_a_waiting_rank_patient() {
+        let (listener, port) = fake_coordinator();
+        let rank = thread::spawn(move || {
+            let bs = Bootstrap::connect_with_liveness(cfg(port), liveness()).expect("connect");
+            let start = Instant::now();
+            let got = bs.all_gather("g", b"mine");
+            (got, start.elapsed())
+        });
+        let (mut s, mut r) = accept_hello(&listener);
+        welcome(&mut s);
+        let seq = loop {
+            match wire::decode_client(&r.read_frame(&mut s).unwrap()).unwrap() {
+                ClientMsg::Op(op) => break op.seq,
+                ClientMsg::Heartbeat => {}
+                ClientMsg::Goodbye => panic!("unexpected goodbye"),
+            }
+        };
+        // Answer only after two peer timeouts, sending heartbeats meanwhile.
+        let heartbeat = wire::encode_server(&ServerMsg::Heartbeat);
+        let until = Instant::now() + Duration::from_millis(2000);
+        while Instant::now() < until {
+            wire::write_frame(&mut s, &heartbeat).unwrap();
+            thread::sleep(Duration::from_millis(100));
+        }
+        let ok = wire::encode_server(&ServerMsg::OpOk {
+            seq,
+            payloads: vec![b"zero".to_vec(), b"mine".to_vec()],
+        });
+        wire::write_frame(&mut s, &ok).unwrap();
+        let drained = drain(s, r);
+        let (got, waited) = rank.join().unwrap();
+        assert_eq!(got.unwrap(), vec![b"zero".to_vec(), b"mine".to_vec()]);
+        assert!(waited >= Duration::from_millis(1900), "{waited:?}");
+        drained.join().unwrap();
     }
 }

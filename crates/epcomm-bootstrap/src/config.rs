@@ -2,7 +2,11 @@
 //! the launcher's environment variables.
 
 use std::collections::HashMap;
+use std::io;
+use std::net::TcpStream;
 use std::time::Duration;
+
+use socket2::{SockRef, TcpKeepalive};
 
 use crate::error::{BootstrapError, Result};
 
@@ -198,6 +202,211 @@ impl BootstrapConfig {
         }
         if self.timeout.is_zero() {
             return bad("timeout", "0s".into(), "must be positive".into());
+        }
+        Ok(())
+    }
+}
+
+/// How a rank and the coordinator notice a peer that is gone without closing its connection:
+/// a host that vanished (power loss, network partition) or a process that is alive but frozen
+/// (`SIGSTOP`, a debugger, a hung machine).
+///
+/// Two mechanisms, both on by default:
+///
+/// * **Heartbeats** (application level). Every rank sends a small `Heartbeat` frame every
+///   `heartbeat_interval` from a background thread, whether or not it is inside a collective;
+///   while a rank waits for the coordinator (in [`crate::Bootstrap::connect`] or a collective),
+///   the coordinator sends it heartbeats at the same interval. Any bytes received count as a
+///   sign of life. When the coordinator has received nothing from a rank for `peer_timeout`,
+///   it declares the rank dead: every pending and later collective fails on every other rank
+///   with [`crate::BootstrapError::PeerUnresponsive`] naming it. When a waiting rank has
+///   received nothing from the coordinator for `peer_timeout`, its call fails with
+///   `PeerUnresponsive { rank: 0, .. }`. A rank that is merely busy (not calling collectives)
+///   keeps sending heartbeats, so it is not affected: its peers wait for it up to
+///   [`BootstrapConfig::timeout`] as before. Each rank announces its own interval and limit in
+///   its handshake, and the coordinator applies that rank's values to its connection, so ranks
+///   started with different settings do not misjudge each other. A peer that accepts no bytes
+///   for `peer_timeout` while being written to counts as silent too (the socket write timeout
+///   is shortened to it).
+/// * **TCP keepalive** on every bootstrap socket (both ends), probing an idle connection after
+///   `keepalive_idle`, every `keepalive_interval`, giving up after `keepalive_probes`
+///   unanswered probes. It needs no cooperation from the peer process, so it also covers
+///   `peer_timeout = 0`, but it cannot see a frozen process (its kernel still answers probes).
+///   Durations are rounded up to whole seconds (the granularity of the socket options).
+///
+/// [`crate::Bootstrap::connect`] reads these settings with [`Liveness::from_env`], which starts
+/// from [`Liveness::default`] and applies the `EPCOMM_BOOTSTRAP_*` overrides listed on
+/// [`Liveness::from_lookup`]; [`crate::Bootstrap::connect_with_liveness`] takes them explicitly.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Liveness {
+    /// How often heartbeats are sent (default 1 s). Must be positive and at most half of
+    /// `peer_timeout` when `peer_timeout` is non-zero.
+    pub heartbeat_interval: Duration,
+    /// Silence after which a peer is declared dead (default 5 s). Zero disables heartbeats and
+    /// silence detection; a frozen peer is then only caught by the operation timeout.
+    pub peer_timeout: Duration,
+    /// Idle time before the first TCP keepalive probe (default 2 s); zero disables keepalive.
+    pub keepalive_idle: Duration,
+    /// Time between unanswered keepalive probes (default 1 s).
+    pub keepalive_interval: Duration,
+    /// Unanswered probes after which the kernel drops the connection (default 3).
+    pub keepalive_probes: u32,
+}
+
+impl Default for Liveness {
+    fn default() -> Self {
+        Liveness {
+            heartbeat_interval: Duration::from_secs(1),
+            peer_timeout: Duration::from_secs(5),
+            keepalive_idle: Duration::from_secs(2),
+            keepalive_interval: Duration::from_secs(1),
+            keepalive_probes: 3,
+        }
+    }
+}
+
+/// Largest keepalive time or interval accepted, in seconds (Linux's limit).
+const MAX_KEEPALIVE_SECS: u64 = 32767;
+/// Largest keepalive probe count accepted (Linux's limit).
+const MAX_KEEPALIVE_PROBES: u32 = 127;
+
+impl Liveness {
+    /// Overrides [`Liveness::heartbeat_interval`], in milliseconds (positive).
+    pub const HEARTBEAT_ENV: &'static str = "EPCOMM_BOOTSTRAP_HEARTBEAT_MS";
+    /// Overrides [`Liveness::peer_timeout`], in milliseconds (`0` disables).
+    pub const PEER_TIMEOUT_ENV: &'static str = "EPCOMM_BOOTSTRAP_PEER_TIMEOUT_MS";
+    /// Overrides [`Liveness::keepalive_idle`], in milliseconds (`0` disables keepalive).
+    pub const KEEPALIVE_IDLE_ENV: &'static str = "EPCOMM_BOOTSTRAP_KEEPALIVE_IDLE_MS";
+    /// Overrides [`Liveness::keepalive_interval`], in milliseconds (positive).
+    pub const KEEPALIVE_INTERVAL_ENV: &'static str = "EPCOMM_BOOTSTRAP_KEEPALIVE_INTERVAL_MS";
+    /// Overrides [`Liveness::keepalive_probes`] (positive).
+    pub const KEEPALIVE_PROBES_ENV: &'static str = "EPCOMM_BOOTSTRAP_KEEPALIVE_PROBES";
+
+    /// Reads the settings from the process environment; see [`Liveness::from_lookup`].
+    pub fn from_env() -> Result<Self> {
+        Self::from_lookup(|k| std::env::var(k).ok())
+    }
+
+    /// [`Liveness::default`] with the overrides found through `lookup(name) -> value`:
+    /// [`Liveness::HEARTBEAT_ENV`], [`Liveness::PEER_TIMEOUT_ENV`],
+    /// [`Liveness::KEEPALIVE_IDLE_ENV`], [`Liveness::KEEPALIVE_INTERVAL_ENV`] and
+    /// [`Liveness::KEEPALIVE_PROBES_ENV`]. Empty values count as unset. The result is
+    /// validated with [`Liveness::validate`].
+    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self> {
+        let env = Env { lookup: &lookup };
+        let mut l = Liveness::default();
+        let ms = |var: &str, allow_zero: bool| -> Result<Option<u64>> {
+            let Some(v) = env.get(var) else {
+                return Ok(None);
+            };
+            match v.trim().parse::<u64>() {
+                Ok(n) if allow_zero || n > 0 => Ok(Some(n)),
+                _ => Err(BootstrapError::InvalidEnv {
+                    var: var.to_string(),
+                    value: v,
+                    rule: if allow_zero {
+                        "must be a non-negative integer (0 disables)".into()
+                    } else {
+                        "must be a positive integer".into()
+                    },
+                }),
+            }
+        };
+        if let Some(n) = ms(Self::HEARTBEAT_ENV, false)? {
+            l.heartbeat_interval = Duration::from_millis(n);
+        }
+        if let Some(n) = ms(Self::PEER_TIMEOUT_ENV, true)? {
+            l.peer_timeout = Duration::from_millis(n);
+        }
+        if let Some(n) = ms(Self::KEEPALIVE_IDLE_ENV, true)? {
+            l.keepalive_idle = Duration::from_millis(n);
+        }
+        if let Some(n) = ms(Self::KEEPALIVE_INTERVAL_ENV, false)? {
+            l.keepalive_interval = Duration::from_millis(n);
+        }
+        if let Some(n) = ms(Self::KEEPALIVE_PROBES_ENV, false)? {
+            l.keepalive_probes = u32::try_from(n).unwrap_or(u32::MAX);
+        }
+        l.validate()?;
+        Ok(l)
+    }
+
+    /// Heartbeats and silence detection disabled (`peer_timeout` zero), keepalive unchanged.
+    pub fn without_heartbeats(self) -> Self {
+        Liveness {
+            peer_timeout: Duration::ZERO,
+            ..self
+        }
+    }
+
+    /// Enables TCP keepalive on `stream` with these settings (no-op when `keepalive_idle` is
+    /// zero). Durations are rounded up to whole seconds.
+    pub(crate) fn apply_keepalive(&self, stream: &TcpStream) -> io::Result<()> {
+        if self.keepalive_idle.is_zero() {
+            return Ok(());
+        }
+        let whole_secs =
+            |d: Duration| Duration::from_secs(d.as_secs() + u64::from(d.subsec_nanos() > 0));
+        let ka = TcpKeepalive::new().with_time(whole_secs(self.keepalive_idle));
+        #[cfg(any(
+            target_os = "linux",
+            target_os = "android",
+            target_os = "macos",
+            target_os = "freebsd",
+            target_os = "netbsd",
+            target_os = "windows"
+        ))]
+        let ka = ka
+            .with_interval(whole_secs(self.keepalive_interval))
+            .with_retries(self.keepalive_probes);
+        SockRef::from(stream).set_tcp_keepalive(&ka)
+    }
+
+    /// Checks the rules listed on the fields; the error names the field and the rule.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |field, value: String, rule: String| {
+            Err(BootstrapError::InvalidConfig { field, value, rule })
+        };
+        if !self.peer_timeout.is_zero() {
+            if self.heartbeat_interval.is_zero() {
+                return bad(
+                    "liveness.heartbeat_interval",
+                    "0s".into(),
+                    "must be positive while peer_timeout is non-zero".into(),
+                );
+            }
+            if self.heartbeat_interval > self.peer_timeout / 2 {
+                return bad(
+                    "liveness.heartbeat_interval",
+                    format!("{:?}", self.heartbeat_interval),
+                    format!(
+                        "must be at most half of peer_timeout ({:?}), so that one late \
+                         heartbeat is not taken for a dead peer",
+                        self.peer_timeout
+                    ),
+                );
+            }
+        }
+        if !self.keepalive_idle.is_zero() {
+            for (field, d) in [
+                ("liveness.keepalive_idle", self.keepalive_idle),
+                ("liveness.keepalive_interval", self.keepalive_interval),
+            ] {
+                if d.is_zero() || d > Duration::from_secs(MAX_KEEPALIVE_SECS) {
+                    return bad(
+                        field,
+                        format!("{d:?}"),
+                        format!("must be in (0, {MAX_KEEPALIVE_SECS}s]"),
+                    );
+                }
+            }
+            if self.keepalive_probes == 0 || self.keepalive_probes > MAX_KEEPALIVE_PROBES {
+                return bad(
+                    "liveness.keepalive_probes",
+                    self.keepalive_probes.to_string(),
+                    format!("must be in 1..={MAX_KEEPALIVE_PROBES}"),
+                );
+            }
         }
         Ok(())
     }
@@ -527,6 +736,125 @@ mod tests {
                 BootstrapError::InvalidConfig { field, .. } => assert_eq!(field, field_name),
                 other => panic!("{k}={v}: unexpected {other:?}"),
             }
+        }
+    }
+
+    #[test]
+    fn liveness_defaults_and_overrides() {
+        let l = Liveness::from_map_for_test(&[]).unwrap();
+        assert_eq!(l, Liveness::default());
+        assert_eq!(l.heartbeat_interval, Duration::from_secs(1));
+        assert_eq!(l.peer_timeout, Duration::from_secs(5));
+        assert_eq!(
+            (l.keepalive_idle, l.keepalive_interval, l.keepalive_probes),
+            (Duration::from_secs(2), Duration::from_secs(1), 3)
+        );
+        let l = Liveness::from_map_for_test(&[
+            (Liveness::HEARTBEAT_ENV, "250"),
+            (Liveness::PEER_TIMEOUT_ENV, "1500"),
+            (Liveness::KEEPALIVE_IDLE_ENV, "0"),
+            (Liveness::KEEPALIVE_INTERVAL_ENV, "3000"),
+            (Liveness::KEEPALIVE_PROBES_ENV, "9"),
+        ])
+        .unwrap();
+        assert_eq!(
+            l,
+            Liveness {
+                heartbeat_interval: Duration::from_millis(250),
+                peer_timeout: Duration::from_millis(1500),
+                keepalive_idle: Duration::ZERO,
+                keepalive_interval: Duration::from_secs(3),
+                keepalive_probes: 9,
+            }
+        );
+        // Zero disables silence detection; the heartbeat interval is then irrelevant.
+        let l = Liveness::from_map_for_test(&[(Liveness::PEER_TIMEOUT_ENV, "0")]).unwrap();
+        assert!(l.peer_timeout.is_zero());
+        assert_eq!(l, Liveness::default().without_heartbeats());
+    }
+
+    #[test]
+    fn invalid_liveness_values_are_named() {
+        for (var, value) in [
+            (Liveness::HEARTBEAT_ENV, "0"),
+            (Liveness::HEARTBEAT_ENV, "1s"),
+            (Liveness::PEER_TIMEOUT_ENV, "-5"),
+            (Liveness::KEEPALIVE_INTERVAL_ENV, "0"),
+            (Liveness::KEEPALIVE_PROBES_ENV, "0"),
+        ] {
+            match Liveness::from_map_for_test(&[(var, value)]).unwrap_err() {
+                BootstrapError::InvalidEnv {
+                    var: v, value: x, ..
+                } => {
+                    assert_eq!((v.as_str(), x.as_str()), (var, value));
+                }
+                other => panic!("{var}={value}: unexpected {other:?}"),
+            }
+        }
+        let cases: [(&[(&str, &str)], &str); 4] = [
+            (
+                &[(Liveness::HEARTBEAT_ENV, "3000")],
+                "liveness.heartbeat_interval",
+            ),
+            (
+                &[(Liveness::KEEPALIVE_PROBES_ENV, "500")],
+                "liveness.keepalive_probes",
+            ),
+            (
+                &[(Liveness::KEEPALIVE_IDLE_ENV, "40000000")],
+                "liveness.keepalive_idle",
+            ),
+            (
+                &[(Liveness::KEEPALIVE_INTERVAL_ENV, "40000000")],
+                "liveness.keepalive_interval",
+            ),
+        ];
+        for (vars, expected) in cases {
+            match Liveness::from_map_for_test(vars).unwrap_err() {
+                BootstrapError::InvalidConfig { field, .. } => assert_eq!(field, expected),
+                other => panic!("{vars:?}: unexpected {other:?}"),
+            }
+        }
+        // Disabled keepalive skips its checks; disabled heartbeats skip theirs.
+        Liveness::from_map_for_test(&[
+            (Liveness::KEEPALIVE_IDLE_ENV, "0"),
+            (Liveness::KEEPALIVE_PROBES_ENV, "500"),
+            (Liveness::PEER_TIMEOUT_ENV, "0"),
+            (Liveness::HEARTBEAT_ENV, "9000"),
+        ])
+        .unwrap();
+    }
+
+    #[test]
+    fn keepalive_is_applied_to_sockets() {
+        let listener = std::net::TcpListener::bind(("127.0.0.1", 0)).unwrap();
+        let client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (server, _) = listener.accept().unwrap();
+        let l = Liveness {
+            keepalive_idle: Duration::from_millis(2500),
+            keepalive_interval: Duration::from_secs(1),
+            keepalive_probes: 4,
+            ..Liveness::default()
+        };
+        l.apply_keepalive(&client).unwrap();
+        let s = SockRef::from(&client);
+        assert!(s.keepalive().unwrap());
+        assert_eq!(s.tcp_keepalive_time().unwrap(), Duration::from_secs(3));
+        assert_eq!(s.tcp_keepalive_interval().unwrap(), Duration::from_secs(1));
+        assert_eq!(s.tcp_keepalive_retries().unwrap(), 4);
+        // Disabled: the socket is left alone.
+        let off = Liveness {
+            keepalive_idle: Duration::ZERO,
+            ..l
+        };
+        off.apply_keepalive(&server).unwrap();
+        assert!(!SockRef::from(&server).keepalive().unwrap());
+    }
+
+    impl Liveness {
+        fn from_map_for_test(pairs: &[(&str, &str)]) -> Result<Liveness> {
+            let vars = map(pairs);
+            Liveness::from_lookup(|k| vars.get(k).cloned())
         }
     }
 

@@ -265,6 +265,25 @@ pub enum BootstrapError {
         tag: String,
     },
 
+    /// Nothing (not even a heartbeat) arrived from a rank for longer than its
+    /// [`crate::Liveness::peer_timeout`], although its connection is still open: its process is
+    /// frozen (stopped, in a debugger, hung) or its host is unreachable. `rank == 0` means this
+    /// rank heard nothing from the coordinator. The rank is treated as dead from then on.
+    #[error(
+        "rank {rank} sent nothing for {silent_for:?} (frozen, stopped or unreachable) before \
+         {op} (tag {tag:?}) could complete; the limit is EPCOMM_BOOTSTRAP_PEER_TIMEOUT_MS"
+    )]
+    PeerUnresponsive {
+        /// The silent rank.
+        rank: usize,
+        /// The operation that cannot complete.
+        op: OpKind,
+        /// Its tag.
+        tag: String,
+        /// How long nothing had arrived from it when it was declared dead.
+        silent_for: Duration,
+    },
+
     /// A rank dropped its [`crate::Bootstrap`] cleanly while others still needed it.
     #[error("rank {rank} closed its bootstrap before {op} (tag {tag:?}) could complete")]
     PeerLeft {
@@ -351,6 +370,20 @@ mod tests {
             assert_eq!(OpKind::from_code(op.code()), Some(op));
         }
         assert_eq!(OpKind::from_code(4), None);
+    }
+
+    #[test]
+    fn unresponsive_message_names_rank_and_silence() {
+        let e = BootstrapError::PeerUnresponsive {
+            rank: 3,
+            op: OpKind::AllGather,
+            tag: "ids".into(),
+            silent_for: Duration::from_millis(5200),
+        };
+        let msg = e.to_string();
+        assert!(msg.starts_with("rank 3 sent nothing for 5.2s"), "{msg}");
+        assert!(msg.contains("all_gather"), "{msg}");
+        assert!(msg.contains("EPCOMM_BOOTSTRAP_PEER_TIMEOUT_MS"), "{msg}");
     }
 
     #[test]

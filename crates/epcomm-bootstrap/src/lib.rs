@@ -18,13 +18,22 @@
 //!   later collective fail promptly with [`BootstrapError::PeerDied`] naming it; a rank that
 //!   dropped its `Bootstrap` yields [`BootstrapError::PeerLeft`]. Rank 0's death is seen by
 //!   the others as `PeerDied { rank: 0, .. }`.
+//! * A rank whose connection stays open but carries nothing (its process is frozen, stopped or
+//!   hung, or its host vanished without a FIN or RST) is caught by heartbeats within
+//!   [`Liveness::peer_timeout`] (default 5 s), not at the end of the operation timeout: every
+//!   pending and later collective fails with [`BootstrapError::PeerUnresponsive`] naming it
+//!   and how long it was silent; a silent coordinator is reported as rank 0. TCP keepalive
+//!   (2 s idle, 1 s interval, 3 probes by default) runs on every bootstrap socket as a second
+//!   line. A rank that is merely busy between collectives keeps sending heartbeats from a
+//!   background thread and is waited for as before. See [`Liveness`] for the knobs and their
+//!   `EPCOMM_BOOTSTRAP_*` environment overrides.
 //! * Handshake mismatches (protocol version, crate version, world size, duplicate or
 //!   out-of-range rank) fail the rendezvous: the offending process and every rank that had
 //!   joined get the same typed error naming both values.
 //! * A round fails as a whole: once the coordinator decides an error for a round, every rank
 //!   that takes part in that round gets the same error, including ranks that arrive later.
 //!
-//! # Wire protocol (version 1)
+//! # Wire protocol (version 2)
 //!
 //! A connection carries **frames**: a `u32` little-endian body length followed by that many
 //! body bytes. Bodies are limited to 64 KiB before the handshake completes and 1 GiB after.
@@ -36,9 +45,10 @@
 //!
 //! | type | message | fields |
 //! |------|---------|--------|
-//! | `0x01` | `Hello` | magic `b"EPCOMMBS"`, protocol `u32`, rank `u64`, world_size `u64`, crate_version `str`, local_rank `u64`, local_world_size `u64`, op_timeout_ms `u64`, join_budget_ms `u64` |
+//! | `0x01` | `Hello` | magic `b"EPCOMMBS"`, protocol `u32`, rank `u64`, world_size `u64`, crate_version `str`, local_rank `u64`, local_world_size `u64`, op_timeout_ms `u64`, join_budget_ms `u64`, heartbeat_ms `u64`, peer_timeout_ms `u64` |
 //! | `0x02` | `Op` | seq `u64`, kind `u8` (1 all_gather, 2 broadcast, 3 barrier), tag `str`, root `u64`, data `bytes` |
 //! | `0x03` | `Goodbye` | — |
+//! | `0x04` | `Heartbeat` | — |
 //!
 //! Coordinator → client:
 //!
@@ -49,16 +59,20 @@
 //! | `0x83` | `OpOk` | seq `u64`, count `u32`, `count` × payload `bytes` |
 //! | `0x84` | `OpErr` | seq `u64`, error |
 //! | `0x85` | `Shutdown` | — |
+//! | `0x86` | `Heartbeat` | — |
 //!
 //! An *error* is a code `u8` and its fields: 1 timeout (count `u32`, missing ranks `u64`…),
 //! 2 peer died (rank), 3 peer left (rank), 4 protocol mismatch (coordinator `u32`, peer `u32`,
 //! peer rank), 5 crate version mismatch (coordinator `str`, peer `str`, peer rank), 6 world size
 //! mismatch (coordinator, peer, peer rank), 7 duplicate rank (rank, first address `str`, second
 //! address `str`), 8 rank out of range (rank, world size), 9 op mismatch (rank a, call a `str`,
-//! rank b, call b `str`), 10 too large (size `u64`, limit `u64`), 11 rendezvous closed (rank).
+//! rank b, call b `str`), 10 too large (size `u64`, limit `u64`), 11 rendezvous closed (rank),
+//! 12 peer unresponsive (rank, silence in ms `u64`).
 //!
 //! The `Hello` prefix up to and including world_size is frozen across protocol versions, so a
-//! coordinator can name the rank and versions of a peer speaking another version.
+//! coordinator can name the rank and versions of a peer speaking another version. Version 2
+//! added the two liveness fields of `Hello`, both `Heartbeat` messages and error 12; a version 1
+//! peer is rejected with a protocol mismatch naming both versions.
 //!
 //! Sequence of a session:
 //!
@@ -78,7 +92,16 @@
 //!    deadline (arrival + op_timeout_ms of each rank present) passes, when a rank that has not
 //!    contributed departs, or on a mismatch. Ranks arriving at a failed round get the same
 //!    `OpErr` at once.
-//! 4. A client leaving cleanly sends `Goodbye`, half-closes, and waits briefly for the
+//! 4. Liveness, per client connection, with that client's `heartbeat_ms` and
+//!    `peer_timeout_ms` (both 0: off). From its `Hello` until it leaves, the client sends
+//!    `Heartbeat` every `heartbeat_ms`. While the client waits for an answer (from `Hello` to
+//!    `Welcome`/`Reject`, from an `Op` to its `OpOk`/`OpErr`) the coordinator sends it
+//!    `Heartbeat` every `heartbeat_ms`; it sends none otherwise, because an idle client does
+//!    not read. Receivers skip `Heartbeat` frames; any bytes received count as a sign of life.
+//!    When nothing arrived from a client for `peer_timeout_ms`, the coordinator treats it as
+//!    departed (error 12, like a broken connection) and closes it; when a waiting client
+//!    received nothing for `peer_timeout_ms`, it gives up on the coordinator.
+//! 5. A client leaving cleanly sends `Goodbye`, half-closes, and waits briefly for the
 //!    coordinator to close. When rank 0 leaves, the coordinator sends `Shutdown` to every
 //!    remaining client, half-closes and closes all connections after a short linger.
 //!
@@ -95,7 +118,7 @@ pub mod launch;
 mod wire;
 
 pub use client::{Bootstrap, Identity, MAX_PAYLOAD, MAX_TAG_LEN};
-pub use config::{BootstrapConfig, DEFAULT_TIMEOUT, TIMEOUT_ENV};
+pub use config::{BootstrapConfig, DEFAULT_TIMEOUT, Liveness, TIMEOUT_ENV};
 pub use error::{BootstrapError, OpKind, Result};
 
 /// Version of the bootstrap wire protocol spoken by this build.

@@ -9,7 +9,7 @@ use crate::error::OpKind;
 /// First 8 bytes of every `Hello` and `Welcome` body.
 pub(crate) const MAGIC: [u8; 8] = *b"EPCOMMBS";
 /// Version of the wire protocol described in the crate docs.
-pub(crate) const PROTOCOL_VERSION: u32 = 1;
+pub(crate) const PROTOCOL_VERSION: u32 = 2;
 /// Version of this crate, exchanged in the handshake.
 pub(crate) const CRATE_VERSION: &str = env!("CARGO_PKG_VERSION");
 /// Largest frame body accepted after the handshake.
@@ -23,11 +23,13 @@ pub(crate) const FRAME_OVERHEAD: usize = 64 * 1024;
 const T_HELLO: u8 = 0x01;
 const T_OP: u8 = 0x02;
 const T_GOODBYE: u8 = 0x03;
+const T_HEARTBEAT: u8 = 0x04;
 const T_WELCOME: u8 = 0x81;
 const T_REJECT: u8 = 0x82;
 const T_OP_OK: u8 = 0x83;
 const T_OP_ERR: u8 = 0x84;
 const T_SHUTDOWN: u8 = 0x85;
+const T_SERVER_HEARTBEAT: u8 = 0x86;
 
 // RemoteError codes.
 const E_TIMEOUT: u8 = 1;
@@ -41,6 +43,7 @@ const E_RANK_RANGE: u8 = 8;
 const E_OP_MISMATCH: u8 = 9;
 const E_TOO_LARGE: u8 = 10;
 const E_CLOSED: u8 = 11;
+const E_PEER_UNRESPONSIVE: u8 = 12;
 
 /// Writes one frame: `u32` little-endian body length, then the body.
 pub(crate) fn write_frame(w: &mut impl Write, body: &[u8]) -> io::Result<()> {
@@ -165,6 +168,24 @@ impl FrameReader {
     }
 }
 
+/// A reader that calls `on_progress` each time the underlying read returns data, so that a
+/// large frame arriving slowly still counts as a sign of life before it is complete.
+#[derive(Debug)]
+pub(crate) struct Progress<R, F> {
+    pub(crate) inner: R,
+    pub(crate) on_progress: F,
+}
+
+impl<R: Read, F: FnMut()> Read for Progress<R, F> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        if n > 0 {
+            (self.on_progress)();
+        }
+        Ok(n)
+    }
+}
+
 /// A malformed message body.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct DecodeError(pub(crate) String);
@@ -284,6 +305,10 @@ pub(crate) struct Hello {
     pub(crate) op_timeout_ms: u64,
     /// Remaining time this rank is willing to wait for the rendezvous.
     pub(crate) join_budget_ms: u64,
+    /// How often this rank sends `Heartbeat`, and wants one while it waits (0: never).
+    pub(crate) heartbeat_ms: u64,
+    /// Silence after which this rank and the coordinator declare each other dead (0: never).
+    pub(crate) peer_timeout_ms: u64,
 }
 
 /// A decoded `Hello`: either in our protocol, or only the frozen prefix of a foreign one.
@@ -312,6 +337,7 @@ pub(crate) struct OpMsg {
 pub(crate) enum ClientMsg {
     Op(OpMsg),
     Goodbye,
+    Heartbeat,
 }
 
 /// Messages from coordinator to client.
@@ -332,6 +358,7 @@ pub(crate) enum ServerMsg {
         error: RemoteError,
     },
     Shutdown,
+    Heartbeat,
 }
 
 /// Errors decided by the coordinator and sent to the ranks concerned.
@@ -382,6 +409,10 @@ pub(crate) enum RemoteError {
     },
     RendezvousClosed {
         rank: usize,
+    },
+    PeerUnresponsive {
+        rank: usize,
+        silent_ms: u64,
     },
 }
 
@@ -458,6 +489,9 @@ impl RemoteError {
             RemoteError::RendezvousClosed { rank } => {
                 e.u8(E_CLOSED).usize(*rank);
             }
+            RemoteError::PeerUnresponsive { rank, silent_ms } => {
+                e.u8(E_PEER_UNRESPONSIVE).usize(*rank).u64(*silent_ms);
+            }
         }
     }
 
@@ -515,6 +549,10 @@ impl RemoteError {
             E_CLOSED => RemoteError::RendezvousClosed {
                 rank: d.usize("rank")?,
             },
+            E_PEER_UNRESPONSIVE => RemoteError::PeerUnresponsive {
+                rank: d.usize("rank")?,
+                silent_ms: d.u64("silence")?,
+            },
             other => return Err(DecodeError(format!("unknown error code {other}"))),
         })
     }
@@ -532,7 +570,9 @@ pub(crate) fn encode_hello(h: &Hello) -> Vec<u8> {
         .usize(h.local_rank)
         .usize(h.local_world_size)
         .u64(h.op_timeout_ms)
-        .u64(h.join_budget_ms);
+        .u64(h.join_budget_ms)
+        .u64(h.heartbeat_ms)
+        .u64(h.peer_timeout_ms);
     e.0
 }
 
@@ -565,6 +605,8 @@ pub(crate) fn decode_hello(body: &[u8]) -> Result<HelloMsg, DecodeError> {
         local_world_size: d.usize("local world size")?,
         op_timeout_ms: d.u64("op timeout")?,
         join_budget_ms: d.u64("join budget")?,
+        heartbeat_ms: d.u64("heartbeat interval")?,
+        peer_timeout_ms: d.u64("peer timeout")?,
     };
     d.finish("Hello")?;
     Ok(HelloMsg::Ours(h))
@@ -584,6 +626,9 @@ pub(crate) fn encode_client(m: &ClientMsg) -> Vec<u8> {
         }
         ClientMsg::Goodbye => {
             e.u8(T_GOODBYE);
+        }
+        ClientMsg::Heartbeat => {
+            e.u8(T_HEARTBEAT);
         }
     }
     e.0
@@ -607,6 +652,7 @@ pub(crate) fn decode_client(body: &[u8]) -> Result<ClientMsg, DecodeError> {
             })
         }
         T_GOODBYE => ClientMsg::Goodbye,
+        T_HEARTBEAT => ClientMsg::Heartbeat,
         t => {
             return Err(DecodeError(format!(
                 "unexpected client message type {t:#04x}"
@@ -647,6 +693,9 @@ pub(crate) fn encode_server(m: &ServerMsg) -> Vec<u8> {
         ServerMsg::Shutdown => {
             e.u8(T_SHUTDOWN);
         }
+        ServerMsg::Heartbeat => {
+            e.u8(T_SERVER_HEARTBEAT);
+        }
     }
     e.0
 }
@@ -681,6 +730,7 @@ pub(crate) fn decode_server(body: &[u8]) -> Result<ServerMsg, DecodeError> {
             }
         }
         T_SHUTDOWN => ServerMsg::Shutdown,
+        T_SERVER_HEARTBEAT => ServerMsg::Heartbeat,
         t => {
             return Err(DecodeError(format!(
                 "unexpected coordinator message type {t:#04x}"
@@ -705,6 +755,8 @@ mod tests {
             local_world_size: 2,
             op_timeout_ms: 1500,
             join_budget_ms: 1400,
+            heartbeat_ms: 250,
+            peer_timeout_ms: 2000,
         }
     }
 
@@ -750,6 +802,7 @@ mod tests {
                 data: vec![1, 2, 3],
             }),
             ClientMsg::Goodbye,
+            ClientMsg::Heartbeat,
         ];
         for m in msgs {
             assert_eq!(decode_client(&encode_client(&m)).unwrap(), m);
@@ -796,6 +849,10 @@ mod tests {
             },
             RemoteError::TooLarge { size: 10, limit: 5 },
             RemoteError::RendezvousClosed { rank: 3 },
+            RemoteError::PeerUnresponsive {
+                rank: 2,
+                silent_ms: 5123,
+            },
         ];
         let mut msgs = vec![
             ServerMsg::Welcome {
@@ -808,6 +865,7 @@ mod tests {
                 payloads: vec![vec![], vec![5; 300]],
             },
             ServerMsg::Shutdown,
+            ServerMsg::Heartbeat,
         ];
         for e in errors {
             msgs.push(ServerMsg::Reject(e.clone()));

@@ -5,11 +5,14 @@
 //! worker signals failure by panicking (non-zero exit), which the launcher reports with the
 //! worker's captured output.
 
+use std::path::PathBuf;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use epcomm_bootstrap::launch::{LocalLaunch, Output};
 use epcomm_bootstrap::{
-    Bootstrap, BootstrapConfig, BootstrapError, CRATE_VERSION, Identity, OpKind,
+    Bootstrap, BootstrapConfig, BootstrapError, CRATE_VERSION, Identity, Liveness, OpKind,
+    TIMEOUT_ENV,
 };
 
 /// Marks a process as a worker.
@@ -239,4 +242,137 @@ fn crate_version_mismatch_is_rejected_everywhere() {
         }
         other => panic!("expected CrateVersionMismatch from rank 1, got {other}"),
     }
+}
+
+/// Operation timeout of the freeze tests: far longer than any detection they accept.
+const LONG_TIMEOUT: Duration = Duration::from_secs(120);
+/// Directory where the survivors of a freeze test record that they have seen the error.
+const MARKERS_ENV: &str = "EPCOMM_BOOTSTRAP_TEST_MARKERS";
+
+/// A fresh directory for a freeze test's markers, removed when dropped (also on panic).
+struct Markers(PathBuf);
+
+impl Markers {
+    fn new(test: &str) -> Markers {
+        let dir = std::env::temp_dir().join(format!("{test}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("create marker directory");
+        Markers(dir)
+    }
+}
+
+impl Drop for Markers {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Sends `signal` (`STOP`, `CONT`) to process `pid` through the shell's `kill` builtin;
+/// false if it failed (e.g. the process has exited).
+fn signal(pid: u32, signal: &str) -> bool {
+    Command::new("sh")
+        .args(["-c", &format!("kill -{signal} {pid} 2>/dev/null")])
+        .status()
+        .expect("run sh")
+        .success()
+}
+
+/// Worker body of the freeze tests: rank `frozen` stops itself with SIGSTOP (its sockets stay
+/// open and its kernel keeps acknowledging, as for a hung process), the others run a barrier
+/// with a 120 s timeout and must get `PeerUnresponsive` naming it within `bound`. The last
+/// survivor to get its error then releases it (marker file, then SIGCONT) and it exits;
+/// releasing it earlier would let a survivor still waiting see it die instead. If a survivor
+/// fails, the launcher kills every rank, the stopped one included.
+fn freeze_worker(frozen: usize, bound: Duration) {
+    let cfg = BootstrapConfig::from_env().expect("worker environment");
+    assert_eq!(cfg.timeout, LONG_TIMEOUT);
+    let liveness = Liveness::from_env().expect("liveness environment");
+    let bs = Bootstrap::connect(cfg).expect("connect");
+    let pids = bs
+        .all_gather("pids", &std::process::id().to_le_bytes())
+        .expect("pid exchange");
+    let pid = |r: usize| u32::from_le_bytes(pids[r].as_slice().try_into().expect("4-byte pid"));
+    let markers = PathBuf::from(std::env::var_os(MARKERS_ENV).expect("marker directory"));
+    let release = markers.join("release");
+    if bs.rank() == frozen {
+        assert!(signal(std::process::id(), "STOP"), "cannot stop myself");
+        // A process-directed SIGSTOP stops a multi-threaded process asynchronously: this thread
+        // may run on for a moment, so it waits for the release instead of assuming a resume.
+        while !release.exists() {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        // Released by a survivor: leave without a goodbye, like a process that was killed.
+        std::process::exit(0);
+    }
+    let start = Instant::now();
+    let err = bs.barrier("during-freeze").expect_err("a rank is frozen");
+    let waited = start.elapsed();
+    // Whichever survivor lists the markers last sees all of them, so someone releases it.
+    std::fs::write(markers.join(format!("rank-{}", bs.rank())), b"").expect("write marker");
+    let seen = std::fs::read_dir(&markers)
+        .expect("list markers")
+        .filter(|e| e.as_ref().is_ok_and(|e| e.file_name() != "release"))
+        .count();
+    if seen == bs.world_size() - 1 {
+        std::fs::write(&release, b"").expect("write release marker");
+        // Both survivors may get here; the second may find the released rank gone: fine.
+        signal(pid(frozen), "CONT");
+    }
+    match err {
+        BootstrapError::PeerUnresponsive {
+            rank,
+            op: OpKind::Barrier,
+            tag,
+            silent_for,
+        } => {
+            assert_eq!(rank, frozen);
+            assert_eq!(tag, "during-freeze");
+            assert!(
+                silent_for >= liveness.peer_timeout,
+                "declared after {silent_for:?} of silence, limit {:?}",
+                liveness.peer_timeout
+            );
+        }
+        other => panic!("expected PeerUnresponsive naming rank {frozen}, got {other}"),
+    }
+    assert!(waited < bound, "detected after {waited:?}, bound {bound:?}");
+    eprintln!(
+        "rank {}: frozen rank {frozen} detected after {waited:?}",
+        bs.rank()
+    );
+}
+
+#[test]
+fn frozen_rank_is_named_within_seconds() {
+    // Default liveness settings (5 s of silence): well under 10 s instead of 120 s.
+    if !is_worker() {
+        let markers = Markers::new("frozen_rank_is_named_within_seconds");
+        return launch("frozen_rank_is_named_within_seconds", 3, |l| {
+            l.env(TIMEOUT_ENV, LONG_TIMEOUT.as_millis().to_string())
+                .env(MARKERS_ENV, &markers.0)
+        });
+    }
+    assert_eq!(Liveness::from_env().unwrap(), Liveness::default());
+    freeze_worker(2, Duration::from_secs(10));
+}
+
+#[test]
+fn frozen_coordinator_is_named_within_seconds() {
+    // Rank 0 hosts the coordinator: freezing it silences the whole rendezvous. The settings
+    // come from the environment overrides.
+    if !is_worker() {
+        let markers = Markers::new("frozen_coordinator_is_named_within_seconds");
+        return launch("frozen_coordinator_is_named_within_seconds", 3, |l| {
+            l.env(TIMEOUT_ENV, LONG_TIMEOUT.as_millis().to_string())
+                .env(Liveness::PEER_TIMEOUT_ENV, "1500")
+                .env(Liveness::HEARTBEAT_ENV, "250")
+                .env(MARKERS_ENV, &markers.0)
+        });
+    }
+    let l = Liveness::from_env().unwrap();
+    assert_eq!(
+        (l.peer_timeout, l.heartbeat_interval),
+        (Duration::from_millis(1500), Duration::from_millis(250))
+    );
+    freeze_worker(0, Duration::from_secs(5));
 }

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use epcomm_bootstrap::launch::free_port;
 use epcomm_bootstrap::{
-    Bootstrap, BootstrapConfig, BootstrapError, Identity, OpKind, PROTOCOL_VERSION,
+    Bootstrap, BootstrapConfig, BootstrapError, Identity, Liveness, OpKind, PROTOCOL_VERSION,
 };
 
 const TIMEOUT: Duration = Duration::from_millis(1000);
@@ -324,6 +324,65 @@ fn invalid_config_is_rejected_before_connecting() {
         Bootstrap::connect(c),
         Err(BootstrapError::InvalidConfig {
             field: "timeout",
+            ..
+        })
+    ));
+}
+
+#[test]
+fn busy_rank_that_keeps_heartbeating_is_not_declared_dead() {
+    // Rank 1 computes for 2.5 peer timeouts before joining the barrier. Its heartbeat thread
+    // keeps it alive for the coordinator, and the coordinator's heartbeats keep the waiting
+    // ranks patient: the barrier completes (it is bounded only by the 5 s op timeout).
+    let liveness = Liveness {
+        heartbeat_interval: Duration::from_millis(200),
+        peer_timeout: Duration::from_millis(800),
+        ..Liveness::default()
+    };
+    let port = free_port().unwrap();
+    let handles: Vec<_> = (0..3)
+        .map(|rank| {
+            thread::spawn(move || {
+                let mut c = cfg(port, rank, 3);
+                c.timeout = Duration::from_secs(5);
+                let bs = Bootstrap::connect_with_liveness(c, liveness)?;
+                if rank == 1 {
+                    thread::sleep(Duration::from_millis(2000));
+                }
+                let start = Instant::now();
+                bs.barrier("after-compute")?;
+                let waited = start.elapsed();
+                let all = bs.all_gather("ids", &[rank as u8])?;
+                Ok::<_, BootstrapError>((waited, all))
+            })
+        })
+        .collect();
+    for (rank, h) in handles.into_iter().enumerate() {
+        let (waited, all) = h
+            .join()
+            .unwrap()
+            .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        if rank != 1 {
+            assert!(
+                waited >= Duration::from_millis(1000),
+                "rank {rank}: {waited:?}"
+            );
+        }
+        assert_eq!(all, vec![vec![0], vec![1], vec![2]]);
+    }
+}
+
+#[test]
+fn invalid_liveness_is_rejected_before_connecting() {
+    let bad = Liveness {
+        heartbeat_interval: Duration::from_secs(3),
+        peer_timeout: Duration::from_secs(5),
+        ..Liveness::default()
+    };
+    assert!(matches!(
+        Bootstrap::connect_with_liveness(cfg(1, 0, 1), bad),
+        Err(BootstrapError::InvalidConfig {
+            field: "liveness.heartbeat_interval",
             ..
         })
     ));

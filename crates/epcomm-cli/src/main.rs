@@ -1,339 +1,157 @@
-//! `epcomm`: the main job — a verified dispatch + combine benchmark on all local GPUs.
+//! `epcomm`: the command-line entry point of epcomm.
 //!
-//! `epcomm bench` starts one worker process per GPU (this same binary with `EPCOMM_WORKER=1`),
-//! checks one BF16 and one FP8 round against the CPU reference, then times every op with CUDA
-//! events (L2 flushed between calls) and prints DeepEP's metric.
+//! * `epcomm doctor` — what this machine offers (GPUs, driver, P2P/NVLink, NVSHMEM, NCCL, RDMA,
+//!   environment) and which transports are usable;
+//! * `epcomm topo` — the world layout and each peer's tier and route (pure computation);
+//! * `epcomm bench` — the main job: a verified dispatch + combine benchmark, one process per
+//!   GPU (see [`mod@bench`]).
+//!
+//! Exit codes (docs/cli.md): [`EXIT_OK`], [`EXIT_RUN_FAILED`], [`EXIT_USAGE`],
+//! [`EXIT_ENVIRONMENT`], [`EXIT_REQUIREMENT`].
 
+mod bench;
+mod cli;
+mod doctor;
+mod gpu;
+mod plot;
+mod results;
+mod topo;
+mod validate;
+
+use std::io::Write as _;
 use std::process::ExitCode;
-use std::sync::Arc;
-use std::time::Duration;
 
-use clap::{Args, Parser, Subcommand};
-use cudarc::driver::{CudaContext, sys};
-use epcomm::{
-    BarrierStrategy, Buffer, BufferConfig, DispatchInput, IpcTransport, RecvMode, Transport, XInput,
-};
-use epcomm_bootstrap::{Bootstrap, BootstrapConfig};
-use epcomm_check::inputs::{Shape, device_inputs, host_inputs};
-use epcomm_check::procs::{gpu_count, is_worker, run_workers};
-use epcomm_check::timing::{BenchOp, Timer, median};
-use epcomm_check::verify::{RoundOptions, verified_round};
-use epcomm_transport_nvshmem::{NvshmemOptions, NvshmemTransport};
+use clap::Parser;
 
-#[derive(Parser, Debug)]
-#[command(
-    name = "epcomm",
-    version,
-    about = "Expert-parallel dispatch/combine over NVLink"
-)]
-struct Cli {
-    #[command(subcommand)]
-    command: Command,
+use cli::{Cli, Command, DoctorArgs, TopoArgs};
+use validate::FlagErrors;
+
+/// Success (for `doctor`: the report was printed, whatever the verdicts).
+pub const EXIT_OK: u8 = 0;
+/// A run failed after it started (a worker, the verification, writing the output).
+pub const EXIT_RUN_FAILED: u8 = 1;
+/// Invalid flags; nothing was started (clap's own usage errors use this code too).
+pub const EXIT_USAGE: u8 = 2;
+/// The machine cannot run it: no CUDA driver, no GPU, a missing library or kernel image.
+pub const EXIT_ENVIRONMENT: u8 = 3;
+/// `doctor --require T`: transport T is not usable here.
+pub const EXIT_REQUIREMENT: u8 = 4;
+
+/// A failure of a subcommand, by exit code.
+#[derive(Debug, thiserror::Error)]
+pub enum AppError {
+    /// Flags break a rule.
+    #[error("{0}")]
+    Usage(FlagErrors),
+    /// The machine lacks something.
+    #[error("{0}")]
+    Environment(String),
+    /// The run failed.
+    #[error("{0}")]
+    Run(Box<dyn std::error::Error>),
+    /// `doctor --require` failed.
+    #[error("{0}")]
+    Requirement(String),
 }
 
-#[derive(Subcommand, Debug)]
-enum Command {
-    /// Verified dispatch + combine benchmark on the local GPUs (DeepEP's workload and metric).
-    Bench(BenchArgs),
-}
-
-#[derive(Args, Debug, Clone)]
-struct BenchArgs {
-    /// Ranks (GPUs) to use; default: every local GPU.
-    #[arg(long)]
-    world: Option<usize>,
-    /// Tokens per rank.
-    #[arg(long, default_value_t = 4096)]
-    tokens: usize,
-    /// Hidden size.
-    #[arg(long, default_value_t = 7168)]
-    hidden: usize,
-    /// Experts per token.
-    #[arg(long, default_value_t = 8)]
-    top_k: usize,
-    /// Experts in total.
-    #[arg(long, default_value_t = 256)]
-    experts: usize,
-    /// SMs (blocks) per op.
-    #[arg(long, default_value_t = 24)]
-    sms: u32,
-    /// Transport: ipc (CUDA IPC over NVLink) or nvshmem (NVSHMEM symmetric heap).
-    #[arg(long, default_value = "ipc")]
-    transport: String,
-    /// Barrier strategy: epoch, global, or peer-signal (nvshmem only).
-    #[arg(long, default_value = "epoch")]
-    barrier: String,
-    /// nvshmem only: split this host's GPUs into this many virtual nodes; traffic between them
-    /// goes through NVSHMEM put/signal as between hosts.
-    #[arg(long, default_value_t = 1)]
-    virtual_nodes: usize,
-    /// Timed calls per op.
-    #[arg(long, default_value_t = 50)]
-    iters: usize,
-    /// Untimed calls per op first.
-    #[arg(long, default_value_t = 5)]
-    warmup: usize,
-    /// Skew demo: delay this rank's GPU stream before each of five extra dispatches...
-    #[arg(long)]
-    delay_rank: Option<usize>,
-    /// ...by this many microseconds, and report who each rank names as late.
-    #[arg(long, default_value_t = 200)]
-    delay_us: u64,
-    /// Comma-separated SM counts to sweep (BF16 dispatch and combine), instead of one config.
-    #[arg(long)]
-    sweep_sms: Option<String>,
+impl AppError {
+    fn code(&self) -> u8 {
+        match self {
+            Self::Usage(_) => EXIT_USAGE,
+            Self::Environment(_) => EXIT_ENVIRONMENT,
+            Self::Run(_) => EXIT_RUN_FAILED,
+            Self::Requirement(_) => EXIT_REQUIREMENT,
+        }
+    }
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
-    let Command::Bench(args) = cli.command;
-    let result = if is_worker() {
-        bench_worker(&args)
-    } else {
-        bench_launcher(&args)
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        // Prints help / version (exit 0) or the usage error naming the flag (exit 2).
+        Err(e) => e.exit(),
+    };
+    let (name, result) = match &cli.command {
+        Command::Bench(args) if epcomm_check::procs::is_worker() => {
+            return match bench::worker(args) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("epcomm bench (worker): {e}");
+                    ExitCode::from(EXIT_RUN_FAILED)
+                }
+            };
+        }
+        Command::Bench(args) => ("bench", bench::launch(args)),
+        Command::Doctor(args) => ("doctor", run_doctor(args)),
+        Command::Topo(args) => ("topo", run_topo(args)),
     };
     match result {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(()) => ExitCode::from(EXIT_OK),
         Err(e) => {
-            eprintln!("epcomm: {e}");
-            ExitCode::FAILURE
-        }
-    }
-}
-
-type Res<T = ()> = Result<T, Box<dyn std::error::Error>>;
-
-fn bench_launcher(args: &BenchArgs) -> Res {
-    let gpus = gpu_count()?;
-    let world = args.world.unwrap_or(gpus);
-    if world == 0 || world > gpus {
-        return Err(format!("--world {world}: this machine has {gpus} GPU(s)").into());
-    }
-    let argv: Vec<String> = std::env::args().skip(1).collect();
-    let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
-    eprintln!(
-        "epcomm bench: {world} rank(s), one process per GPU, {} transport",
-        args.transport
-    );
-    // Local launch = one host: NVSHMEM needs no remote transport; multicast stays off.
-    let mut env = vec![("NVSHMEM_DISABLE_NVLS", "1".to_string())];
-    for (key, value) in [
-        ("NVSHMEM_REMOTE_TRANSPORT", "none"),
-        ("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo"),
-    ] {
-        if std::env::var_os(key).is_none() {
-            env.push((key, value.to_string()));
-        }
-    }
-    run_workers(world, &argv, &env, Duration::from_secs(1800))?;
-    Ok(())
-}
-
-fn say(rank: usize, msg: impl std::fmt::Display) {
-    if rank == 0 {
-        eprintln!("{msg}");
-    }
-}
-
-fn bench_worker(args: &BenchArgs) -> Res {
-    let boot = Arc::new(Bootstrap::connect(BootstrapConfig::from_env()?)?);
-    let ctx = CudaContext::new(boot.local_rank())?;
-    match args.transport.as_str() {
-        "ipc" if args.virtual_nodes != 1 => {
-            Err("--virtual-nodes: only the nvshmem transport can reach other nodes".into())
-        }
-        "ipc" => run_bench(args, &boot, &ctx, &|| {
-            Ok(IpcTransport::new(ctx.clone(), boot.clone())?)
-        }),
-        "nvshmem" => {
-            let options = NvshmemOptions {
-                virtual_nodes: args.virtual_nodes,
+            let kind = match &e {
+                AppError::Usage(_) => "invalid flags",
+                AppError::Environment(_) => "cannot run here",
+                AppError::Run(_) => "failed",
+                AppError::Requirement(_) => "requirement not met",
             };
-            let t = NvshmemTransport::with_options(ctx.clone(), boot.clone(), options)?;
-            run_bench(args, &boot, &ctx, &|| Ok(t.clone()))
+            for line in e.to_string().lines() {
+                eprintln!("epcomm {name}: {kind}: {line}");
+            }
+            if matches!(e, AppError::Usage(_)) {
+                eprintln!("(nothing was started; see `epcomm {name} --help`)");
+            }
+            ExitCode::from(e.code())
         }
-        other => Err(format!("--transport {other}: expected ipc or nvshmem").into()),
     }
 }
 
-fn run_bench<T: Transport>(
-    args: &BenchArgs,
-    boot: &Arc<Bootstrap>,
-    ctx: &Arc<CudaContext>,
-    make: &dyn Fn() -> Res<T>,
-) -> Res {
-    let (rank, world) = (boot.rank(), boot.world_size());
-    let sms_total =
-        ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
-    let barrier: BarrierStrategy = args.barrier.parse()?;
-    let sweep: Vec<u32> = match &args.sweep_sms {
-        Some(s) => s
-            .split(',')
-            .map(|v| v.trim().parse())
-            .collect::<Result<_, _>>()?,
-        None => vec![args.sms],
+fn print_stdout(text: &str) -> Result<(), AppError> {
+    let mut out = std::io::stdout().lock();
+    out.write_all(text.as_bytes())
+        .and_then(|()| out.flush())
+        .map_err(|e| AppError::Run(format!("writing the report: {e}").into()))
+}
+
+fn run_doctor(args: &DoctorArgs) -> Result<(), AppError> {
+    let report = doctor::collect();
+    let text = if args.json {
+        let mut s = serde_json::to_string_pretty(&report).map_err(|e| AppError::Run(e.into()))?;
+        s.push('\n');
+        s
+    } else {
+        doctor::render(&report)
     };
-    let shape = Shape::uniform(
-        world,
-        args.tokens,
-        args.hidden,
-        args.top_k,
-        args.experts,
-        2025,
-    );
-    say(
-        rank,
-        format_args!(
-            "[1/4] generating DeepEP workload: {} tokens/rank, hidden {}, top-{} of {} experts",
-            args.tokens, args.hidden, args.top_k, args.experts
-        ),
-    );
-    let inputs = host_inputs(&shape)?;
-    let mut rows = Vec::new();
-    for (i, &sms) in sweep.iter().enumerate() {
-        let mut cfg = BufferConfig::new(args.tokens, args.hidden, args.top_k, args.experts);
-        cfg.num_sms = sms;
-        cfg.barrier = barrier;
-        let mut buf = Buffer::with_transport(make()?, ctx.clone(), cfg)?;
-        let dev = device_inputs(buf.stream(), &inputs, rank)?;
-        if i == 0 {
-            say(
-                rank,
-                "[2/4] verifying BF16 and FP8 dispatch + cached dispatch + combine against the CPU reference",
-            );
-            verified_round(&mut buf, &inputs, &dev, RoundOptions::default())?;
-            if shape.fp8_capable() {
-                verified_round(
-                    &mut buf,
-                    &inputs,
-                    &dev,
-                    RoundOptions {
-                        fp8: true,
-                        check_layout: false,
-                        ..RoundOptions::default()
-                    },
-                )?;
-            }
-            say(
-                rank,
-                "      verified: every output matches the reference bit for bit",
-            );
-        }
-        say(
-            rank,
-            format_args!(
-                "[3/4] timing with {sms} SMs, {} barrier ({} warm-up + {} timed calls per op, L2 flushed between calls)",
-                barrier.name(),
-                args.warmup,
-                args.iters
-            ),
-        );
-        let mut timer = Timer::new(&mut buf, &dev)?;
-        for op in BenchOp::ALL {
-            if op == BenchOp::DispatchFp8 && !shape.fp8_capable() {
-                continue;
-            }
-            if args.sweep_sms.is_some()
-                && !matches!(
-                    op,
-                    BenchOp::DispatchBf16 | BenchOp::Combine | BenchOp::CombineInPlace
-                )
-            {
-                continue;
-            }
-            timer.time(&mut buf, &dev, op, args.warmup)?;
-            let t = median(&timer.time(&mut buf, &dev, op, args.iters)?);
-            let all = boot.all_gather(&format!("bench-{sms}-{}", op.name()), &t.to_le_bytes())?;
-            let times: Vec<f64> = all
-                .iter()
-                .map(|b| f64::from_le_bytes(b[..8].try_into().unwrap_or([0; 8])))
-                .collect();
-            let gbps = op.metric_bytes(timer.num_recv, args.hidden) / (t * 1e-6) / 1e9;
-            rows.push((op, sms, t, gbps, times));
-        }
-        if let (Some(late), 0) = (args.delay_rank, i) {
-            skew_demo(&mut buf, &dev, boot, late, args.delay_us)?;
-        }
-        buf.destroy()?;
+    print_stdout(&text)?;
+    let unmet: Vec<String> = args
+        .require
+        .iter()
+        .filter_map(|t| match report.verdict(*t) {
+            Some(v) if v.usable => None,
+            Some(v) => Some(format!("{}: {}", t.name(), v.reason)),
+            None => Some(format!("{}: no verdict", t.name())),
+        })
+        .collect();
+    if unmet.is_empty() {
+        Ok(())
+    } else {
+        Err(AppError::Requirement(unmet.join("\n")))
     }
-    say(
-        rank,
-        format_args!(
-            "[4/4] results (rank 0; {world} x GPU, {sms_total} SMs each; DeepEP metric: received bytes incl. self / time)"
-        ),
-    );
-    say(
-        rank,
-        format_args!(
-            "{:<22} {:>5} {:>10} {:>10} {:>24}",
-            "op", "SMs", "us", "GB/s", "us per rank"
-        ),
-    );
-    for (op, sms, t, gbps, times) in rows {
-        let per: Vec<String> = times.iter().map(|v| format!("{v:.1}")).collect();
-        say(
-            rank,
-            format_args!(
-                "{:<22} {:>5} {:>10.1} {:>10.1} {:>24}",
-                op.name(),
-                sms,
-                t,
-                gbps,
-                per.join(" / ")
-            ),
-        );
-    }
-    Ok(())
 }
 
-/// Delays `late`'s stream before each of a few dispatches and reports whom every rank names.
-fn skew_demo<T: Transport>(
-    buf: &mut Buffer<T>,
-    dev: &epcomm_check::inputs::DeviceInputs,
-    boot: &Bootstrap,
-    late: usize,
-    delay_us: u64,
-) -> Res {
-    let rank = boot.rank();
-    let layout = buf.layout(&dev.topk_idx, dev.num_tokens)?;
-    buf.synchronize()?;
-    let mut named = Vec::new();
-    for i in 0..5 {
-        boot.barrier(&format!("skew-{i}"))?;
-        if rank == late {
-            buf.inject_delay(Duration::from_micros(delay_us))?;
-        }
-        let input = DispatchInput {
-            x: XInput::Bf16(&dev.x),
-            topk_idx: &dev.topk_idx,
-            topk_weights: None,
-        };
-        buf.dispatch(&input, &layout, RecvMode::WorstCase)?;
-        let stats = buf.last_op_stats()?.ok_or("no stats after a dispatch")?;
-        named.push(stats.late_rank());
-        if i == 4 {
-            let all = boot.all_gather("skew-report", stats.to_string().as_bytes())?;
-            say(
-                rank,
-                format_args!(
-                    "skew demo: rank {late} delayed by {delay_us} us before each dispatch"
-                ),
-            );
-            for (r, s) in all.iter().enumerate() {
-                say(
-                    rank,
-                    format_args!("  rank {r} says: {}", String::from_utf8_lossy(s).trim_end()),
-                );
+fn run_topo(args: &TopoArgs) -> Result<(), AppError> {
+    let local = match args.world {
+        Some(_) => None,
+        None => match gpu::probe() {
+            Ok(f) => Some(f.gpus.len()),
+            Err(e) => {
+                return Err(AppError::Environment(format!(
+                    "--world not given and the local GPUs cannot be counted ({e}); give the \
+                     world size, e.g. --world 8"
+                )));
             }
-        }
-    }
-    let all = boot.all_gather(
-        "skew-named",
-        &named.iter().map(|&r| r as u8).collect::<Vec<_>>(),
-    )?;
-    say(
-        rank,
-        format_args!("  late rank named by each rank over 5 dispatches: {all:?}"),
-    );
-    Ok(())
+        },
+    };
+    let layout = topo::layout_from_args(args, local).map_err(AppError::Usage)?;
+    let text = topo::render(&layout, args.barrier).map_err(|e| AppError::Run(e.into()))?;
+    print_stdout(&text)
 }

@@ -38,15 +38,15 @@ pub mod op {
 pub mod wait {
     /// Not a wait (overflow, invalid input).
     pub const NONE: u32 = 0;
-    /// [E2] a peer's count row for this epoch.
+    /// \[E2] a peer's count row for this epoch.
     pub const COUNT_ROW: u32 = 1;
-    /// [E2] a peer's per-expert counts for this epoch.
+    /// \[E2] a peer's per-expert counts for this epoch.
     pub const EXPERT_COUNTS: u32 = 2;
-    /// [E6] a peer's dispatch data landing.
+    /// \[E6] a peer's dispatch data landing.
     pub const DISPATCH_DONE: u32 = 3;
-    /// [C3] a peer's combine contributions landing.
+    /// \[C3] a peer's combine contributions landing.
     pub const COMBINE_DONE: u32 = 4;
-    /// [G*] a Global-strategy barrier.
+    /// \[G*] a Global-strategy barrier.
     pub const BARRIER: u32 = 5;
     /// The op's prologue: a peer's failure was known before the op started.
     pub const OP_START: u32 = 6;

@@ -41,7 +41,8 @@ pub enum KernelVariant {
 }
 
 impl KernelVariant {
-    /// The embedded image and what loading it is called in errors.
+    /// The embedded image (else the one in `$EPCOMM_KERNEL_DIR`) and what loading it is called
+    /// in errors.
     fn image(self) -> Result<(&'static [u8], &'static str), KernelError> {
         let (image, artifact, path, loading) = match self {
             Self::Store => (
@@ -57,9 +58,7 @@ impl KernelVariant {
                 "loading intranode_nvshmem.cubin",
             ),
         };
-        image
-            .map(|i| (i, loading))
-            .ok_or(KernelError::Missing { artifact, path })
+        crate::image_or_runtime(image, artifact, path).map(|i| (i, loading))
     }
 }
 

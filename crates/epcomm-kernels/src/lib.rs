@@ -5,6 +5,43 @@
 //! [`IntranodeKernels`] owns the loaded module and launches layout / dispatch / combine.
 //! Launching is `unsafe`: the argument blocks carry raw device addresses whose validity the
 //! caller (the `epcomm` frontend's `Buffer`) guarantees.
+//!
+//! # Where the kernel images come from
+//!
+//! The build script embeds each artifact (`intranode.fatbin`, `intranode_nvshmem.cubin`) from
+//! the first directory that applies: `$EPCOMM_KERNEL_DIR` when set; the crate's own `prebuilt/`
+//! folder in a packaged copy (what a crates.io release ships, when it was built before
+//! packaging); `<workspace>/target/kernels` in the workspace checkout. An artifact that was not
+//! embedded is read from `$EPCOMM_KERNEL_DIR` ([`KERNEL_DIR_ENV`]) when it is first loaded;
+//! without either, loading fails with [`KernelError::Missing`], which names the variable.
+//! docs/build.md has the details.
+//!
+//! # Example
+//!
+//! Asking what this build carries needs no GPU:
+//!
+//! ```
+//! if epcomm_kernels::intranode_embedded() {
+//!     println!("the NVLink store kernels are embedded");
+//! } else {
+//!     println!("no kernels embedded: {} must name a directory holding them",
+//!              epcomm_kernels::KERNEL_DIR_ENV);
+//! }
+//! ```
+//!
+//! Loading and checking them needs one (the frontend does this for you):
+//!
+//! ```no_run
+//! use cudarc::driver::CudaContext;
+//! use epcomm_kernels::{IntranodeKernels, KernelVariant};
+//!
+//! let ctx = CudaContext::new(0)?;
+//! let stream = ctx.new_stream()?;
+//! // Loads the module and runs the ABI probe: host and device agree on every argument block.
+//! let kernels = IntranodeKernels::load(&ctx, &stream, KernelVariant::Store)?;
+//! # let _ = kernels;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
 pub mod abi;
 mod intranode;
@@ -18,16 +55,33 @@ mod embedded {
 /// Errors of loading or launching kernels.
 #[derive(Debug, thiserror::Error)]
 pub enum KernelError {
-    /// The artifact was not present when this crate was compiled.
+    /// The artifact was not present when this crate was compiled, and `EPCOMM_KERNEL_DIR` is
+    /// not set at run time.
     #[error(
-        "kernel artifact `{artifact}` was not embedded (looked for {path} at build time); \
-         run `cargo xtask build-kernels`, then rebuild"
+        "kernel artifact `{artifact}` was not embedded (looked for {path} at build time) and \
+         EPCOMM_KERNEL_DIR is not set; run `cargo xtask build-kernels` and rebuild, or set \
+         EPCOMM_KERNEL_DIR to a directory holding `{artifact}`"
     )]
     Missing {
         /// Artifact file name.
         artifact: &'static str,
         /// Where the build looked.
         path: &'static str,
+    },
+    /// The artifact was not embedded, and reading it from `EPCOMM_KERNEL_DIR` at run time failed.
+    #[error(
+        "kernel artifact `{artifact}` was not embedded, and reading it from EPCOMM_KERNEL_DIR \
+         ({}) failed: {source}",
+        path.display()
+    )]
+    Read {
+        /// Artifact file name.
+        artifact: &'static str,
+        /// The file that could not be read.
+        path: std::path::PathBuf,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
     },
     /// A CUDA driver call failed.
     #[error("CUDA driver error while {context}: {source}")]
@@ -60,6 +114,60 @@ impl<T> DriverContext<T> for Result<T, cudarc::driver::DriverError> {
     }
 }
 
+/// The environment variable naming a directory of kernel artifacts. The build script embeds
+/// from it when it is set at build time; an artifact that was not embedded is read from it at
+/// run time, once per process.
+pub const KERNEL_DIR_ENV: &str = "EPCOMM_KERNEL_DIR";
+
+/// Artifacts read from `$EPCOMM_KERNEL_DIR` at run time, kept for the life of the process.
+static RUNTIME_IMAGES: std::sync::Mutex<Vec<(&str, &[u8])>> = std::sync::Mutex::new(Vec::new());
+
+/// The embedded image, else `artifact` read from `$EPCOMM_KERNEL_DIR` (the first read is kept).
+pub(crate) fn image_or_runtime(
+    embedded: Option<&'static [u8]>,
+    artifact: &'static str,
+    build_path: &'static str,
+) -> Result<&'static [u8], KernelError> {
+    image_or_file(
+        embedded,
+        artifact,
+        build_path,
+        std::env::var_os(KERNEL_DIR_ENV),
+    )
+}
+
+fn image_or_file(
+    embedded: Option<&'static [u8]>,
+    artifact: &'static str,
+    build_path: &'static str,
+    dir: Option<std::ffi::OsString>,
+) -> Result<&'static [u8], KernelError> {
+    if let Some(image) = embedded {
+        return Ok(image);
+    }
+    let mut loaded = RUNTIME_IMAGES
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some((_, image)) = loaded.iter().find(|(name, _)| *name == artifact) {
+        return Ok(image);
+    }
+    let dir = dir
+        .filter(|dir| !dir.is_empty())
+        .ok_or(KernelError::Missing {
+            artifact,
+            path: build_path,
+        })?;
+    let path = std::path::PathBuf::from(dir).join(artifact);
+    let bytes = std::fs::read(&path).map_err(|source| KernelError::Read {
+        artifact,
+        path,
+        source,
+    })?;
+    let image: &'static [u8] = Vec::leak(bytes);
+    loaded.push((artifact, image));
+    Ok(image)
+}
+
 /// True when the intranode store-variant fatbin was embedded at build time.
 pub fn intranode_embedded() -> bool {
     embedded::INTRANODE.is_some()
@@ -68,4 +176,50 @@ pub fn intranode_embedded() -> bool {
 /// True when the NVSHMEM variant (device-linked cubin) was embedded at build time.
 pub fn intranode_nvshmem_embedded() -> bool {
     embedded::INTRANODE_NVSHMEM.is_some()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn embedded_image_wins() {
+        let image = image_or_file(Some(b"embedded"), "t-embedded.bin", "build", None).unwrap();
+        assert_eq!(image, b"embedded");
+    }
+
+    #[test]
+    fn missing_names_the_variable() {
+        let err = image_or_file(None, "t-missing.bin", "/nowhere/t-missing.bin", None).unwrap_err();
+        assert!(matches!(err, KernelError::Missing { .. }), "{err:?}");
+        assert!(err.to_string().contains("EPCOMM_KERNEL_DIR"), "{err}");
+        let empty = image_or_file(None, "t-missing.bin", "build", Some("".into())).unwrap_err();
+        assert!(matches!(empty, KernelError::Missing { .. }), "{empty:?}");
+    }
+
+    #[test]
+    fn reads_the_directory_at_run_time_once() {
+        let dir = std::env::temp_dir().join(format!("epcomm-kernels-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let unreadable =
+            image_or_file(None, "t-runtime.bin", "build", Some(dir.clone().into())).unwrap_err();
+        assert!(
+            matches!(unreadable, KernelError::Read { .. }),
+            "{unreadable:?}"
+        );
+        assert!(
+            unreadable.to_string().contains("EPCOMM_KERNEL_DIR"),
+            "{unreadable}"
+        );
+        std::fs::write(dir.join("t-runtime.bin"), b"first").unwrap();
+        let image =
+            image_or_file(None, "t-runtime.bin", "build", Some(dir.clone().into())).unwrap();
+        assert_eq!(image, b"first");
+        // Kept for the process: a changed file is not read again.
+        std::fs::write(dir.join("t-runtime.bin"), b"second").unwrap();
+        let again =
+            image_or_file(None, "t-runtime.bin", "build", Some(dir.clone().into())).unwrap();
+        assert_eq!(again, b"first");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

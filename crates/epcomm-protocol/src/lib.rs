@@ -17,6 +17,20 @@
 //!
 //! [`Mutation`]s weaken one ordering or drop one wait or check of the protocol; the tests show
 //! that the checker catches each of them.
+//!
+//! # Example
+//!
+//! Two ranks, three tokens each, one sender block, the Epoch strategy, on std threads:
+//!
+//! ```
+//! use epcomm_protocol::{ModelConfig, NoHook, OpKind, Strategy, run_model, sequential_reference};
+//!
+//! let ops = vec![OpKind::Dispatch, OpKind::Combine, OpKind::CachedDispatch, OpKind::Combine];
+//! let cfg = ModelConfig::new(2, 3, 1, Strategy::Epoch, ops)?;
+//! let reports = run_model(&cfg, &NoHook).expect("no protocol violation");
+//! assert_eq!(reports, sequential_reference(&cfg));
+//! # Ok::<(), epcomm_protocol::ConfigError>(())
+//! ```
 
 pub mod config;
 pub mod model;

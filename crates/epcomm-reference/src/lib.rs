@@ -15,6 +15,44 @@
 //!   variant (weighted sum of per-expert outputs).
 //! * [`quantize_fp8_e4m3_per128`] is DeepEP's per-token, per-128-channel fp8 cast.
 //! * [`gen_deepep_workload`] reproduces DeepEP's benchmark inputs, deterministically per seed.
+//!
+//! # Example
+//!
+//! Two ranks, four experts (rank 0 holds 0 and 1, rank 1 holds 2 and 3), top-2, 2 channels:
+//!
+//! ```
+//! use epcomm_reference::{RankInput, RefError, XData, bf16, combine, dispatch};
+//!
+//! let rows = |v: &[f32]| v.iter().copied().map(bf16::from_f32).collect::<Vec<_>>();
+//! let inputs = [
+//!     // Rank 0: token 0 goes to experts 0 and 3 (both ranks), token 1 to expert 1 only.
+//!     RankInput::new(
+//!         XData::Bf16(rows(&[1.0, 2.0, 3.0, 4.0])),
+//!         vec![0, 3, 1, -1],
+//!         vec![0.5, 0.5, 1.0, 0.0],
+//!         2,
+//!         2,
+//!     )?,
+//!     // Rank 1: token 0 goes to expert 2.
+//!     RankInput::new(XData::Bf16(rows(&[5.0, 6.0])), vec![2, -1], vec![1.0, 0.0], 2, 2)?,
+//! ];
+//! let received = dispatch(&inputs, 4)?;
+//! assert_eq!(received[0].num_recv_tokens, 2);
+//! // Rank 1 receives rows ordered by source rank, then source token index.
+//! assert_eq!(received[1].recv_src_rank, [0, 1]);
+//! assert_eq!(received[1].recv_x, XData::Bf16(rows(&[1.0, 2.0, 5.0, 6.0])));
+//!
+//! // Identity "experts": every rank sends its received rows straight back.
+//! let ys = received
+//!     .iter()
+//!     .map(|r| r.recv_x.to_bf16(r.hidden))
+//!     .collect::<Result<Vec<_>, _>>()?;
+//! let combined = combine(&ys, None, &received, &[2, 1])?;
+//! // Token 0 of rank 0 went to both ranks, so it comes back twice, summed.
+//! assert_eq!(combined[0].x, rows(&[2.0, 4.0, 3.0, 4.0]));
+//! assert_eq!(combined[1].x, rows(&[5.0, 6.0]));
+//! # Ok::<(), RefError>(())
+//! ```
 
 mod combine;
 mod dispatch;

@@ -10,6 +10,29 @@
 //!
 //! Every constructor validates its inputs and returns a typed [`TopologyError`] naming the
 //! argument and the rule it broke; nothing here panics on bad input.
+//!
+//! # Example
+//!
+//! ```
+//! use epcomm_topology::{ExpertPlacement, TopologyError, WorldLayout};
+//!
+//! // 16 ranks, 8 GPUs per node, seen from rank 11.
+//! let world = WorldLayout::new(16, 11, 8)?;
+//! assert_eq!((world.node(), world.local_rank()), (1, 3));
+//! assert_eq!(world.nvlink_domain(), 8..16);
+//! // The RDMA peer in node 0: the rank there with the same local rank.
+//! assert_eq!(world.peer_in_node(0)?, 3);
+//!
+//! // 256 experts over those 16 ranks: 16 per rank, in contiguous blocks.
+//! let experts = ExpertPlacement::new(256, 16)?;
+//! assert_eq!(experts.rank_of(200)?, 12);
+//! assert_eq!(experts.experts_of(11)?, 176..192);
+//!
+//! // Bad input is a typed error naming the argument, not a panic.
+//! let err = WorldLayout::new(12, 0, 8).unwrap_err();
+//! assert_eq!(err.to_string(), "`world_size` (12) must be a multiple of `gpus_per_node` (8)");
+//! # Ok::<(), TopologyError>(())
+//! ```
 
 mod buffer;
 mod config;

@@ -10,6 +10,29 @@
 //! [`IpcMemory`] closes any that are left, then frees the local allocation. It never waits for
 //! peers: the `epcomm` frontend releases the mappings, runs a host barrier, and only then drops,
 //! so no rank frees memory a peer still maps.
+//!
+//! # Example
+//!
+//! Needs a GPU per rank and the other ranks of the job (so it is only compiled here):
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//!
+//! use cudarc::driver::CudaContext;
+//! use epcomm_bootstrap::{Bootstrap, BootstrapConfig};
+//! use epcomm_transport::Transport;
+//! use epcomm_transport_ipc::IpcTransport;
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let boot = Arc::new(Bootstrap::connect(BootstrapConfig::from_env()?)?);
+//! let ctx = CudaContext::new(boot.local_rank())?;
+//! // Every rank of the bootstrap must be on this host (checked).
+//! let transport = IpcTransport::new(ctx, boot)?;
+//! assert_eq!(transport.name(), "nvlink-ipc");
+//! // Usually handed to the frontend: `epcomm::Buffer::with_transport(transport, ctx, cfg)`.
+//! # Ok(())
+//! # }
+//! ```
 
 use std::sync::Arc;
 

@@ -17,6 +17,31 @@
 //!
 //! On a host without an RDMA NIC set `NVSHMEM_REMOTE_TRANSPORT=none` and
 //! `NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo`; keep `NVSHMEM_DISABLE_NVLS=1`.
+//!
+//! # Example
+//!
+//! Needs NVSHMEM 3.4, a GPU per rank and the other ranks of the job (so it is only compiled
+//! here):
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//!
+//! use cudarc::driver::CudaContext;
+//! use epcomm_bootstrap::{Bootstrap, BootstrapConfig};
+//! use epcomm_transport::Transport;
+//! use epcomm_transport_nvshmem::{NvshmemOptions, NvshmemTransport};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let boot = Arc::new(Bootstrap::connect(BootstrapConfig::from_env()?)?);
+//! let ctx = CudaContext::new(boot.local_rank())?;
+//! // Each host's GPUs split into 2 logical nodes: half the peers are reached by put/signal.
+//! let options = NvshmemOptions { virtual_nodes: 2 };
+//! let transport = NvshmemTransport::with_options(ctx, boot, options)?;
+//! println!("rank {} of {}", transport.rank(), transport.world_size());
+//! // Usually handed to the frontend: `epcomm::Buffer::with_transport(transport, ctx, cfg)`.
+//! # Ok(())
+//! # }
+//! ```
 
 use std::sync::Arc;
 

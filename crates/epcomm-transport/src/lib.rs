@@ -17,6 +17,20 @@
 //! delivers after it (docs/protocol.md, "Net policies").
 //! Memory is reused only once every producer that can target it is known to be done
 //! (docs/protocol.md).
+//!
+//! # Example
+//!
+//! Barrier strategies are chosen at run time, by name (no GPU needed):
+//!
+//! ```
+//! use epcomm_transport::{BarrierStrategy, TransportError};
+//!
+//! let strategy: BarrierStrategy = "peer-signal".parse()?;
+//! assert_eq!(strategy, BarrierStrategy::PeerSignal);
+//! assert_eq!(strategy.name(), "peer-signal");
+//! assert!("fastest".parse::<BarrierStrategy>().is_err());
+//! # Ok::<(), TransportError>(())
+//! ```
 
 pub mod memory;
 

@@ -7,15 +7,15 @@ use epcomm_kernels::abi;
 /// Which device wait expired (docs/protocol.md step labels).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WaitKind {
-    /// [E2] a peer's count row.
+    /// \[E2] a peer's count row.
     CountRow,
-    /// [E2] a peer's per-expert counts.
+    /// \[E2] a peer's per-expert counts.
     ExpertCounts,
-    /// [E6] a peer's dispatch data.
+    /// \[E6] a peer's dispatch data.
     DispatchData,
-    /// [C3] a peer's combine contributions.
+    /// \[C3] a peer's combine contributions.
     CombineData,
-    /// [G*] a Global-strategy barrier.
+    /// \[G*] a Global-strategy barrier.
     Barrier,
     /// The host's wait for the receive count (HostSync).
     HostRecvCount,

@@ -22,6 +22,65 @@
 //!
 //! Ops can also be captured into a CUDA graph and replayed ([`Buffer::capture`]): kernels read
 //! their sequence numbers from device memory, never from their arguments.
+//!
+//! # Examples
+//!
+//! A [`BufferConfig`] can be checked without a GPU; every rank must use the same one:
+//!
+//! ```
+//! use epcomm::{BarrierStrategy, BufferConfig, Error};
+//!
+//! // 4096 tokens per rank at most, hidden 7168, top-8 of 256 experts.
+//! let cfg = BufferConfig::new(4096, 7168, 8, 256);
+//! assert_eq!(cfg.barrier, BarrierStrategy::Epoch);
+//! cfg.validate()?;
+//!
+//! // A hidden size that is not a multiple of 8 is rejected, naming the field.
+//! let bad = BufferConfig { hidden: 7001, ..cfg };
+//! assert!(matches!(bad.validate(), Err(Error::InvalidArgument { argument: "hidden", .. })));
+//! # Ok::<(), Error>(())
+//! ```
+//!
+//! One rank of a job (one process per GPU, all on one host, launched by torchrun or the like):
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//!
+//! use cudarc::driver::CudaContext;
+//! use epcomm::{Buffer, BufferConfig, DispatchInput, RecvMode, XInput};
+//! use epcomm_bootstrap::{Bootstrap, BootstrapConfig};
+//! use half::bf16;
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let (num_tokens, hidden, top_k, num_experts) = (128, 7168, 8, 256);
+//! // Rendezvous with the other ranks (MASTER_ADDR, RANK, WORLD_SIZE, ... from the launcher).
+//! let boot = Arc::new(Bootstrap::connect(BootstrapConfig::from_env()?)?);
+//! let ctx = CudaContext::new(boot.local_rank())?;
+//! let mut buf = Buffer::new(ctx, boot, BufferConfig::new(4096, hidden, top_k, num_experts))?;
+//!
+//! // This rank's tokens and routing, on the device.
+//! let stream = buf.stream().clone();
+//! let x = stream.alloc_zeros::<bf16>(num_tokens * hidden)?;
+//! let topk_idx = stream.clone_htod(&vec![0_i64; num_tokens * top_k])?;
+//! let topk_weights = stream.clone_htod(&vec![1.0_f32 / top_k as f32; num_tokens * top_k])?;
+//!
+//! let layout = buf.layout(&topk_idx, num_tokens)?;
+//! let input = DispatchInput {
+//!     x: XInput::Bf16(&x),
+//!     topk_idx: &topk_idx,
+//!     topk_weights: Some(&topk_weights),
+//! };
+//! let dispatched = buf.dispatch(&input, &layout, RecvMode::HostSync)?;
+//! let rows = dispatched.num_recv().expect("HostSync reports the count");
+//! // ... the experts read the received rows at dispatched.recv_x_ptr() and write `y` ...
+//! let handle = dispatched.into_handle();
+//! let y = stream.alloc_zeros::<bf16>(rows.max(1) * hidden)?;
+//! let mut out = stream.alloc_zeros::<bf16>(num_tokens * hidden)?;
+//! buf.combine(&y, None, &handle, &mut out, None)?;
+//! buf.synchronize()?;
+//! # Ok(())
+//! # }
+//! ```
 
 mod agreement;
 mod buffer;

@@ -16,6 +16,32 @@
 //! symbols that live in the *device* archive, so they are not bound; initialisation goes through
 //! `nvshmemx_set_attr_uniqueid_args` + `nvshmemx_hostlib_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID)`.
 //! See `docs/nvshmem.md`.
+//!
+//! # Examples
+//!
+//! The unique id travels between ranks as bytes; that part needs no library and no GPU:
+//!
+//! ```
+//! use nvshmem_sys::{UNIQUEID_BYTES, UniqueIdError, attr};
+//!
+//! let id = attr::uniqueid_initializer();
+//! let bytes = attr::uniqueid_to_bytes(&id);
+//! assert_eq!(bytes.len(), UNIQUEID_BYTES);
+//! assert!(attr::uniqueid_from_bytes(&bytes).is_ok());
+//! // Anything else is rejected with a typed error.
+//! assert!(matches!(
+//!     attr::uniqueid_from_bytes(&bytes[..16]),
+//!     Err(UniqueIdError::Length { expected: 128, found: 16 })
+//! ));
+//! ```
+//!
+//! Loading the host library needs NVSHMEM 3.4 installed (and, to initialise it, a GPU):
+//!
+//! ```no_run
+//! let lib = nvshmem_sys::loader::load_default()?;
+//! println!("NVSHMEM {} from {}", lib.version(), lib.path().display());
+//! # Ok::<(), nvshmem_sys::LoadError>(())
+//! ```
 
 /// The bindgen output (vendored; see the crate documentation).
 #[allow(

@@ -1,0 +1,380 @@
+//! `epcomm bench`: the launcher checks every flag and the environment, then starts one worker
+//! process per GPU (this same binary with `EPCOMM_WORKER=1`). The workers verify one BF16 and
+//! one FP8 round against the CPU reference, then time every op with CUDA events (L2 flushed
+//! between calls). Rank 0 hands its results to the launcher as JSON (a file named by
+//! [`RESULTS_ENV`]); the launcher alone writes stdout (table, JSON or CSV) and the plot.
+//! Workers write only to stderr: their stdout is pointed at stderr at start, so nothing a
+//! library prints can corrupt the machine-readable output.
+
+use std::io::{IsTerminal as _, Write as _};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use cudarc::driver::{CudaContext, sys};
+use epcomm::{Buffer, BufferConfig, DispatchInput, IpcTransport, RecvMode, Transport, XInput};
+use epcomm_bootstrap::{Bootstrap, BootstrapConfig};
+use epcomm_check::inputs::{Shape, device_inputs, host_inputs};
+use epcomm_check::procs::run_workers;
+use epcomm_check::timing::{BenchOp, Timer, median};
+use epcomm_check::verify::{RoundOptions, verified_round};
+use epcomm_transport_nvshmem::{NvshmemOptions, NvshmemTransport};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+use crate::cli::{BenchArgs, TransportArg};
+use crate::results::{BenchConfig, BenchReport, SCHEMA, SkewReport, make_row};
+use crate::validate::{BenchPlan, FlagErrors, Machine, validate_bench};
+use crate::{AppError, gpu};
+
+/// Environment variable (set by the launcher for its workers) naming the file rank 0 writes
+/// its results to.
+pub const RESULTS_ENV: &str = "EPCOMM_CLI_RESULTS";
+
+/// How long the workers may run in all.
+const WORKER_TIMEOUT: Duration = Duration::from_secs(1800);
+
+type Res<T = ()> = Result<T, Box<dyn std::error::Error>>;
+
+/// Removes the results file however the launcher leaves.
+struct TempFile(PathBuf);
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// The launcher: checks, spawns, prints.
+///
+/// # Errors
+/// [`AppError::Usage`] for flags (before anything is spawned), [`AppError::Environment`] when
+/// the machine cannot run it, [`AppError::Run`] when a worker fails.
+pub fn launch(args: &BenchArgs) -> Result<(), AppError> {
+    // 1. Everything that needs no device.
+    validate_bench(args, None, &Machine::default()).map_err(AppError::Usage)?;
+    // 2. The device.
+    let facts = gpu::probe().map_err(|e| AppError::Environment(e.to_string()))?;
+    // 3. Everything again, with the device's limits.
+    let machine = Machine::with_gpus(facts.gpus.clone());
+    let plan = validate_bench(args, Some(facts.gpus.len()), &machine).map_err(AppError::Usage)?;
+    let world = plan.world.unwrap_or(facts.gpus.len());
+    // 4. What the transport needs.
+    check_transport(args.transport)?;
+    let argv: Vec<String> = std::env::args_os()
+        .skip(1)
+        .map(|a| a.into_string())
+        .collect::<Result<_, _>>()
+        .map_err(|a| {
+            AppError::Usage(FlagErrors(vec![crate::validate::FlagError::Invalid {
+                flag: "bench",
+                why: format!("argument {a:?} is not UTF-8"),
+            }]))
+        })?;
+    let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
+    for n in &plan.notes {
+        eprintln!("epcomm bench: note: {n}");
+    }
+    let results = TempFile(std::env::temp_dir().join(format!(
+        "epcomm-bench-{}-{}.json",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos())
+    )));
+    // Local launch = one host: NVSHMEM needs no remote transport; multicast stays off.
+    let mut env = vec![
+        ("NVSHMEM_DISABLE_NVLS", "1".to_string()),
+        (RESULTS_ENV, results.0.display().to_string()),
+    ];
+    for (key, value) in [
+        ("NVSHMEM_REMOTE_TRANSPORT", "none"),
+        ("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo"),
+    ] {
+        if std::env::var_os(key).is_none() {
+            env.push((key, value.to_string()));
+        }
+    }
+    eprintln!(
+        "epcomm bench: launching {world} worker(s), one process per GPU, {} transport",
+        args.transport.name()
+    );
+    run_workers(world, &argv, &env, WORKER_TIMEOUT).map_err(|e| AppError::Run(e.into()))?;
+    let text = std::fs::read_to_string(&results.0).map_err(|e| {
+        AppError::Run(format!("rank 0 left no results in {}: {e}", results.0.display()).into())
+    })?;
+    let report: BenchReport =
+        serde_json::from_str(&text).map_err(|e| AppError::Run(format!("results: {e}").into()))?;
+    report.check().map_err(|e| AppError::Run(e.into()))?;
+    let out = report
+        .render(args.format())
+        .map_err(|e| AppError::Run(e.into()))?;
+    let mut stdout = std::io::stdout().lock();
+    stdout
+        .write_all(out.as_bytes())
+        .and_then(|()| stdout.flush())
+        .map_err(|e| AppError::Run(format!("writing the results: {e}").into()))?;
+    if let Some(path) = &args.plot {
+        crate::plot::write_svg(&report, path).map_err(|e| AppError::Run(e.into()))?;
+        eprintln!("epcomm bench: plot written to {}", path.display());
+    }
+    Ok(())
+}
+
+/// Checks that this build and machine have what `transport` loads in the workers.
+fn check_transport(transport: TransportArg) -> Result<(), AppError> {
+    let images = crate::doctor::KernelImages::locate();
+    let image = images.for_transport(transport);
+    if !image.available {
+        return Err(AppError::Environment(format!(
+            "--transport {}: no kernel image {} ({}); {}",
+            transport.name(),
+            image.artifact,
+            image.source,
+            image.fix()
+        )));
+    }
+    match transport {
+        TransportArg::Nvshmem => nvshmem_sys::loader::load_default()
+            .map(drop)
+            .map_err(|e| AppError::Environment(format!("--transport nvshmem: {e}"))),
+        TransportArg::Ipc => Ok(()),
+    }
+}
+
+/// Points this process's stdout at its stderr (workers never write results to stdout).
+fn stdout_to_stderr() {
+    let _ = std::io::stdout().flush();
+    // SAFETY: dup2 on the process's own standard descriptors; no Rust object owns fd 1
+    // exclusively (std's stdout handle writes to whatever fd 1 is).
+    unsafe {
+        libc::dup2(libc::STDERR_FILENO, libc::STDOUT_FILENO);
+    }
+}
+
+/// A worker process (one rank).
+///
+/// # Errors
+/// Any failure of the bootstrap, the transport, the verification or the timing.
+pub fn worker(args: &BenchArgs) -> Res {
+    stdout_to_stderr();
+    let boot = Arc::new(Bootstrap::connect(BootstrapConfig::from_env()?)?);
+    let plan = validate_bench(args, Some(boot.world_size()), &Machine::default())?;
+    let ctx = CudaContext::new(boot.local_rank())?;
+    match args.transport {
+        TransportArg::Ipc => run_bench(args, &plan, &boot, &ctx, &|| {
+            Ok(IpcTransport::new(ctx.clone(), boot.clone())?)
+        }),
+        TransportArg::Nvshmem => {
+            let options = NvshmemOptions {
+                virtual_nodes: args.virtual_nodes,
+            };
+            let t = NvshmemTransport::with_options(ctx.clone(), boot.clone(), options)?;
+            run_bench(args, &plan, &boot, &ctx, &|| Ok(t.clone()))
+        }
+    }
+}
+
+/// Rank 0's messages on stderr, above the progress bar.
+struct Progress {
+    rank: usize,
+    bar: ProgressBar,
+}
+
+impl Progress {
+    fn new(rank: usize, steps: u64, sweep: bool) -> Self {
+        let draw = rank == 0 && sweep && std::io::stderr().is_terminal();
+        let bar = if draw {
+            let bar = ProgressBar::with_draw_target(Some(steps), ProgressDrawTarget::stderr());
+            if let Ok(style) =
+                ProgressStyle::with_template("{spinner} [{bar:32}] {pos}/{len} {msg} ({elapsed})")
+            {
+                bar.set_style(style.progress_chars("=> "));
+            }
+            bar
+        } else {
+            ProgressBar::hidden()
+        };
+        Self { rank, bar }
+    }
+
+    fn say(&self, msg: impl std::fmt::Display) {
+        if self.rank == 0 {
+            self.bar.suspend(|| eprintln!("{msg}"));
+        }
+    }
+}
+
+fn run_bench<T: Transport>(
+    args: &BenchArgs,
+    plan: &BenchPlan,
+    boot: &Arc<Bootstrap>,
+    ctx: &Arc<CudaContext>,
+    make: &dyn Fn() -> Res<T>,
+) -> Res {
+    let (rank, world) = (boot.rank(), boot.world_size());
+    let gpu_sms =
+        ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+    let barrier = args.barrier.strategy();
+    let shape = Shape::uniform(
+        world,
+        args.tokens,
+        args.hidden,
+        args.top_k,
+        args.experts,
+        2025,
+    );
+    let ops: Vec<BenchOp> = BenchOp::ALL
+        .into_iter()
+        .filter(|&op| op != BenchOp::DispatchFp8 || plan.fp8)
+        .filter(|&op| {
+            !plan.is_sweep
+                || matches!(
+                    op,
+                    BenchOp::DispatchBf16 | BenchOp::Combine | BenchOp::CombineInPlace
+                )
+        })
+        .collect();
+    let progress = Progress::new(rank, (plan.sweep.len() * ops.len()) as u64, plan.is_sweep);
+    progress.say(format_args!(
+        "[1/4] generating DeepEP workload: {} tokens/rank, hidden {}, top-{} of {} experts",
+        args.tokens, args.hidden, args.top_k, args.experts
+    ));
+    let inputs = host_inputs(&shape)?;
+    let mut rows = Vec::new();
+    let mut skew = None;
+    for (i, &sms) in plan.sweep.iter().enumerate() {
+        let mut cfg = BufferConfig::new(args.tokens, args.hidden, args.top_k, args.experts);
+        cfg.num_sms = sms;
+        cfg.barrier = barrier;
+        let mut buf = Buffer::with_transport(make()?, ctx.clone(), cfg)?;
+        let dev = device_inputs(buf.stream(), &inputs, rank)?;
+        if i == 0 {
+            progress.say(
+                "[2/4] verifying BF16 and FP8 dispatch + cached dispatch + combine against the CPU reference",
+            );
+            verified_round(&mut buf, &inputs, &dev, RoundOptions::default())?;
+            if plan.fp8 {
+                verified_round(
+                    &mut buf,
+                    &inputs,
+                    &dev,
+                    RoundOptions {
+                        fp8: true,
+                        check_layout: false,
+                        ..RoundOptions::default()
+                    },
+                )?;
+            }
+            progress.say("      verified: every output matches the reference bit for bit");
+        }
+        progress.say(format_args!(
+            "[3/4] timing with {sms} SMs, {} barrier ({} warm-up + {} timed calls per op, L2 flushed between calls)",
+            barrier.name(),
+            args.warmup,
+            args.iters
+        ));
+        let mut timer = Timer::new(&mut buf, &dev)?;
+        for &op in &ops {
+            progress
+                .bar
+                .set_message(format!("{} at {sms} SMs", op.name()));
+            timer.time(&mut buf, &dev, op, args.warmup)?;
+            let t = median(&timer.time(&mut buf, &dev, op, args.iters)?);
+            let all = boot.all_gather(&format!("bench-{sms}-{}", op.name()), &t.to_le_bytes())?;
+            let times: Vec<f64> = all
+                .iter()
+                .map(|b| {
+                    b.get(..8)
+                        .and_then(|b| b.try_into().ok())
+                        .map_or(f64::NAN, f64::from_le_bytes)
+                })
+                .collect();
+            rows.push(make_row(op, sms, times, timer.num_recv, args.hidden)?);
+            progress.bar.inc(1);
+        }
+        if let (Some((late, delay_us)), 0) = (plan.delay, i) {
+            skew = Some(skew_demo(&mut buf, &dev, boot, late, delay_us)?);
+        }
+        buf.destroy()?;
+    }
+    progress.bar.finish_and_clear();
+    progress.say("[4/4] done");
+    if rank == 0 {
+        let report = BenchReport {
+            schema: SCHEMA.into(),
+            config: BenchConfig {
+                world,
+                transport: args.transport.name().into(),
+                barrier: args.barrier.name().into(),
+                virtual_nodes: args.virtual_nodes,
+                tokens: args.tokens,
+                hidden: args.hidden,
+                top_k: args.top_k,
+                experts: args.experts,
+                sms: plan.sweep.clone(),
+                iters: args.iters,
+                warmup: args.warmup,
+                fp8: plan.fp8,
+                gpu_sms: u32::try_from(gpu_sms).unwrap_or(0),
+                gpu_name: ctx.name().unwrap_or_else(|_| "GPU".into()),
+            },
+            results: rows,
+            skew,
+        };
+        report.check()?;
+        let json = serde_json::to_string(&report)?;
+        match std::env::var_os(RESULTS_ENV) {
+            Some(path) => std::fs::write(&path, json)?,
+            // Started by hand (not by the launcher): show the table on stderr.
+            None => eprint!("{}", report.table()),
+        }
+    }
+    Ok(())
+}
+
+/// Delays `late`'s stream before each of five dispatches and gathers whom every rank names.
+fn skew_demo<T: Transport>(
+    buf: &mut Buffer<T>,
+    dev: &epcomm_check::inputs::DeviceInputs,
+    boot: &Bootstrap,
+    late: usize,
+    delay_us: u64,
+) -> Res<SkewReport> {
+    let rank = boot.rank();
+    let layout = buf.layout(&dev.topk_idx, dev.num_tokens)?;
+    buf.synchronize()?;
+    let mut named = Vec::new();
+    let mut statements = Vec::new();
+    for i in 0..5 {
+        boot.barrier(&format!("skew-{i}"))?;
+        if rank == late {
+            buf.inject_delay(Duration::from_micros(delay_us))?;
+        }
+        let input = DispatchInput {
+            x: XInput::Bf16(&dev.x),
+            topk_idx: &dev.topk_idx,
+            topk_weights: None,
+        };
+        buf.dispatch(&input, &layout, RecvMode::WorstCase)?;
+        let stats = buf.last_op_stats()?.ok_or("no stats after a dispatch")?;
+        named.push(u8::try_from(stats.late_rank()).unwrap_or(u8::MAX));
+        if i == 4 {
+            statements = boot
+                .all_gather("skew-report", stats.to_string().as_bytes())?
+                .iter()
+                .map(|s| String::from_utf8_lossy(s).trim_end().to_string())
+                .collect();
+        }
+    }
+    let named = boot
+        .all_gather("skew-named", &named)?
+        .into_iter()
+        .map(|v| v.into_iter().map(usize::from).collect())
+        .collect();
+    Ok(SkewReport {
+        delayed_rank: late,
+        delay_us,
+        statements,
+        named,
+    })
+}

@@ -1,0 +1,440 @@
+//! `epcomm bench`'s results: what rank 0 measures, handed to the launcher as JSON, and the
+//! three ways the launcher prints them on stdout (table, JSON, CSV).
+//!
+//! The JSON document is [`BenchReport`] (schema [`SCHEMA`]); docs/cli.md describes it.
+
+use std::fmt::Write as _;
+
+use epcomm_check::timing::BenchOp;
+use serde::{Deserialize, Serialize};
+
+use crate::cli::OutputFormat;
+
+/// Value of [`BenchReport::schema`]; bumped on incompatible changes.
+pub const SCHEMA: &str = "epcomm-bench/1";
+
+/// The run's configuration, as it ran.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct BenchConfig {
+    /// Ranks (one process and one GPU each).
+    pub world: usize,
+    /// `ipc` or `nvshmem`.
+    pub transport: String,
+    /// `epoch`, `global` or `peer-signal`.
+    pub barrier: String,
+    /// Virtual nodes per host (1 = none).
+    pub virtual_nodes: usize,
+    /// Tokens per rank.
+    pub tokens: usize,
+    /// Hidden size.
+    pub hidden: usize,
+    /// Experts per token.
+    pub top_k: usize,
+    /// Experts in total.
+    pub experts: usize,
+    /// SM counts timed, in order.
+    pub sms: Vec<u32>,
+    /// Timed calls per op (the median is reported).
+    pub iters: usize,
+    /// Untimed calls per op first.
+    pub warmup: usize,
+    /// Whether FP8 dispatch was verified and timed.
+    pub fp8: bool,
+    /// SMs of rank 0's GPU.
+    pub gpu_sms: u32,
+    /// Name of rank 0's GPU.
+    pub gpu_name: String,
+}
+
+/// One timed op at one SM count.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ResultRow {
+    /// Op id: `dispatch_bf16`, `dispatch_fp8`, `cached_dispatch_bf16`, `combine_bf16`,
+    /// `combine_bf16_in_place`.
+    pub op: String,
+    /// SMs (blocks) used.
+    pub sms: u32,
+    /// Median time on rank 0, microseconds.
+    pub time_us: f64,
+    /// DeepEP's metric on rank 0: received bytes (self included) / time, GB/s (1e9 bytes/s).
+    pub gbps: f64,
+    /// Rows rank 0 received.
+    pub recv_rows: usize,
+    /// Median time of every rank, microseconds, indexed by rank.
+    pub rank_time_us: Vec<f64>,
+}
+
+/// The skew demo's outcome.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SkewReport {
+    /// The rank that was delayed.
+    pub delayed_rank: usize,
+    /// The delay before each dispatch, microseconds.
+    pub delay_us: u64,
+    /// Each rank's statistics of the last dispatch, as it printed them.
+    pub statements: Vec<String>,
+    /// The late rank each rank named in each of the five dispatches, indexed by rank.
+    pub named: Vec<Vec<usize>>,
+}
+
+/// The whole result document.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct BenchReport {
+    /// [`SCHEMA`].
+    pub schema: String,
+    /// The configuration.
+    pub config: BenchConfig,
+    /// One row per op and SM count.
+    pub results: Vec<ResultRow>,
+    /// Present with --delay-rank.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub skew: Option<SkewReport>,
+}
+
+/// A result that cannot be reported (never printed as NaN or infinity).
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum ResultError {
+    /// A time was not a positive finite number.
+    #[error("{op} at {sms} SMs: rank {rank} measured an unusable time ({value} us)")]
+    BadTime {
+        /// The op.
+        op: String,
+        /// SMs.
+        sms: u32,
+        /// Which rank.
+        rank: usize,
+        /// What it measured.
+        value: f64,
+    },
+    /// The document is not what the launcher expects.
+    #[error("results: {0}")]
+    Malformed(String),
+}
+
+/// The stable id of an op (JSON / CSV).
+pub fn op_id(op: BenchOp) -> &'static str {
+    match op {
+        BenchOp::DispatchBf16 => "dispatch_bf16",
+        BenchOp::DispatchFp8 => "dispatch_fp8",
+        BenchOp::CachedDispatchBf16 => "cached_dispatch_bf16",
+        BenchOp::Combine => "combine_bf16",
+        BenchOp::CombineInPlace => "combine_bf16_in_place",
+    }
+}
+
+/// The display name of an op id (the id itself when unknown).
+pub fn op_display(id: &str) -> &str {
+    BenchOp::ALL
+        .into_iter()
+        .find(|&op| op_id(op) == id)
+        .map_or(id, |op| op.name())
+}
+
+fn usable(t: f64) -> bool {
+    t.is_finite() && t > 0.0
+}
+
+/// Builds a row from rank 0's view: `times[r]` is rank r's median (rank 0's is the row's
+/// time), `recv_rows` rank 0's received rows.
+///
+/// # Errors
+/// [`ResultError::BadTime`] when a time is not positive and finite (no NaN is ever reported).
+pub fn make_row(
+    op: BenchOp,
+    sms: u32,
+    times: Vec<f64>,
+    recv_rows: usize,
+    hidden: usize,
+) -> Result<ResultRow, ResultError> {
+    let bad = |rank, value| ResultError::BadTime {
+        op: op_id(op).into(),
+        sms,
+        rank,
+        value,
+    };
+    if let Some((rank, &value)) = times.iter().enumerate().find(|(_, t)| !usable(**t)) {
+        return Err(bad(rank, value));
+    }
+    let Some(&t) = times.first() else {
+        return Err(bad(0, f64::NAN));
+    };
+    let gbps = op.metric_bytes(recv_rows, hidden) / (t * 1e-6) / 1e9;
+    if !gbps.is_finite() {
+        return Err(bad(0, t));
+    }
+    Ok(ResultRow {
+        op: op_id(op).into(),
+        sms,
+        time_us: t,
+        gbps,
+        recv_rows,
+        rank_time_us: times,
+    })
+}
+
+impl BenchReport {
+    /// Checks what came back from the workers: schema and finite numbers.
+    ///
+    /// # Errors
+    /// [`ResultError`] naming the first problem.
+    pub fn check(&self) -> Result<(), ResultError> {
+        if self.schema != SCHEMA {
+            return Err(ResultError::Malformed(format!(
+                "schema {:?}, expected {SCHEMA:?}",
+                self.schema
+            )));
+        }
+        if self.results.is_empty() {
+            return Err(ResultError::Malformed("no result rows".into()));
+        }
+        for r in &self.results {
+            let bad = |rank, value| ResultError::BadTime {
+                op: r.op.clone(),
+                sms: r.sms,
+                rank,
+                value,
+            };
+            if !usable(r.time_us) {
+                return Err(bad(0, r.time_us));
+            }
+            if !(r.gbps.is_finite() && r.gbps >= 0.0) {
+                return Err(bad(0, r.time_us));
+            }
+            if let Some((rank, &v)) = r
+                .rank_time_us
+                .iter()
+                .enumerate()
+                .find(|(_, t)| !usable(**t))
+            {
+                return Err(bad(rank, v));
+            }
+        }
+        Ok(())
+    }
+
+    /// The text for stdout in `format`.
+    ///
+    /// # Errors
+    /// Only if JSON serialisation fails.
+    pub fn render(&self, format: OutputFormat) -> Result<String, serde_json::Error> {
+        Ok(match format {
+            OutputFormat::Table => self.table(),
+            OutputFormat::Json => {
+                let mut s = serde_json::to_string_pretty(self)?;
+                s.push('\n');
+                s
+            }
+            OutputFormat::Csv => self.csv(),
+        })
+    }
+
+    /// CSV: one line per row, the config repeated on every line.
+    pub fn csv(&self) -> String {
+        let c = &self.config;
+        let mut s = String::from(
+            "op,sms,time_us,gbps,recv_rows,world,transport,barrier,virtual_nodes,tokens,hidden,\
+             top_k,experts,iters,warmup\n",
+        );
+        for r in &self.results {
+            let _ = writeln!(
+                s,
+                "{},{},{:.3},{:.3},{},{},{},{},{},{},{},{},{},{},{}",
+                r.op,
+                r.sms,
+                r.time_us,
+                r.gbps,
+                r.recv_rows,
+                c.world,
+                c.transport,
+                c.barrier,
+                c.virtual_nodes,
+                c.tokens,
+                c.hidden,
+                c.top_k,
+                c.experts,
+                c.iters,
+                c.warmup
+            );
+        }
+        s
+    }
+
+    /// The human-readable table (and the skew demo's outcome, when present).
+    pub fn table(&self) -> String {
+        let c = &self.config;
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "epcomm bench: {} x {} ({} SMs each), {} transport, {} barrier{}",
+            c.world,
+            c.gpu_name,
+            c.gpu_sms,
+            c.transport,
+            c.barrier,
+            if c.virtual_nodes > 1 {
+                format!(", {} virtual nodes", c.virtual_nodes)
+            } else {
+                String::new()
+            }
+        );
+        let _ = writeln!(
+            s,
+            "{} tokens/rank, hidden {}, top-{} of {} experts; median of {} calls after {} \
+             warm-up, L2 flushed between calls",
+            c.tokens, c.hidden, c.top_k, c.experts, c.iters, c.warmup
+        );
+        let _ = writeln!(
+            s,
+            "GB/s: DeepEP's metric on rank 0 (received bytes incl. self / time)"
+        );
+        let _ = writeln!(
+            s,
+            "{:<22} {:>5} {:>10} {:>10} {:>24}",
+            "op", "SMs", "us", "GB/s", "us per rank"
+        );
+        for r in &self.results {
+            let per: Vec<String> = r.rank_time_us.iter().map(|v| format!("{v:.1}")).collect();
+            let _ = writeln!(
+                s,
+                "{:<22} {:>5} {:>10.1} {:>10.1} {:>24}",
+                op_display(&r.op),
+                r.sms,
+                r.time_us,
+                r.gbps,
+                per.join(" / ")
+            );
+        }
+        if let Some(k) = &self.skew {
+            let _ = writeln!(
+                s,
+                "\nskew demo: rank {} delayed by {} us before each of 5 dispatches",
+                k.delayed_rank, k.delay_us
+            );
+            for (r, st) in k.statements.iter().enumerate() {
+                let _ = writeln!(s, "  rank {r} says: {}", st.trim_end());
+            }
+            let _ = writeln!(s, "  late rank named by each rank: {:?}", k.named);
+        }
+        s
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    /// A synthetic two-point sweep on 2 ranks.
+    pub(crate) fn synthetic() -> BenchReport {
+        let mut results = Vec::new();
+        for (sms, t) in [(16u32, 300.0), (32, 200.0)] {
+            for op in [BenchOp::DispatchBf16, BenchOp::Combine] {
+                results.push(make_row(op, sms, vec![t, t + 5.0], 8160, 7168).unwrap());
+            }
+        }
+        BenchReport {
+            schema: SCHEMA.into(),
+            config: BenchConfig {
+                world: 2,
+                transport: "ipc".into(),
+                barrier: "epoch".into(),
+                virtual_nodes: 1,
+                tokens: 4096,
+                hidden: 7168,
+                top_k: 8,
+                experts: 256,
+                sms: vec![16, 32],
+                iters: 50,
+                warmup: 5,
+                fp8: true,
+                gpu_sms: 132,
+                gpu_name: "Synthetic GPU".into(),
+            },
+            results,
+            skew: None,
+        }
+    }
+
+    #[test]
+    fn json_schema() {
+        let r = synthetic();
+        r.check().unwrap();
+        let text = r.render(OutputFormat::Json).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["schema"], SCHEMA);
+        for key in [
+            "world",
+            "transport",
+            "barrier",
+            "virtual_nodes",
+            "tokens",
+            "hidden",
+            "top_k",
+            "experts",
+            "sms",
+            "iters",
+            "warmup",
+            "fp8",
+            "gpu_sms",
+            "gpu_name",
+        ] {
+            assert!(!v["config"][key].is_null(), "config.{key} missing: {text}");
+        }
+        let rows = v["results"].as_array().unwrap();
+        assert_eq!(rows.len(), 4);
+        for row in rows {
+            assert!(row["op"].is_string());
+            assert!(row["sms"].is_u64());
+            assert!(row["time_us"].as_f64().unwrap() > 0.0);
+            assert!(row["gbps"].as_f64().unwrap().is_finite());
+            assert!(row["recv_rows"].is_u64());
+            assert_eq!(row["rank_time_us"].as_array().unwrap().len(), 2);
+        }
+        assert_eq!(rows[0]["op"], "dispatch_bf16");
+        assert!(v.get("skew").is_none());
+        // Round trip.
+        let back: BenchReport = serde_json::from_str(&text).unwrap();
+        assert_eq!(back, r);
+    }
+
+    #[test]
+    fn metric_and_csv() {
+        let r = synthetic();
+        // 8160 rows * 7168 * 2 bytes in 300 us.
+        let expect = 8160.0 * 7168.0 * 2.0 / 300e-6 / 1e9;
+        assert!((r.results[0].gbps - expect).abs() < 1e-9);
+        let csv = r.csv();
+        let lines: Vec<&str> = csv.lines().collect();
+        assert_eq!(lines.len(), 5);
+        assert!(lines[0].starts_with("op,sms,time_us,gbps,"));
+        let header = lines[0].split(',').count();
+        assert!(lines.iter().all(|l| l.split(',').count() == header));
+        assert!(lines[1].starts_with("dispatch_bf16,16,300.000,"));
+        assert!(!csv.contains("NaN") && !csv.contains("inf"));
+        let table = r.table();
+        assert!(table.contains("dispatch BF16") && table.contains("300.0 / 305.0"));
+    }
+
+    #[test]
+    fn edge_times_are_errors_not_nan() {
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            let e = make_row(BenchOp::Combine, 24, vec![100.0, bad], 10, 128).unwrap_err();
+            assert!(matches!(e, ResultError::BadTime { rank: 1, .. }), "{e}");
+        }
+        assert!(make_row(BenchOp::Combine, 24, vec![], 10, 128).is_err());
+        // No received rows: 0 GB/s, not NaN.
+        assert_eq!(
+            make_row(BenchOp::Combine, 24, vec![5.0], 0, 128)
+                .unwrap()
+                .gbps,
+            0.0
+        );
+        let mut r = synthetic();
+        r.results[1].rank_time_us[0] = f64::NAN;
+        assert!(r.check().is_err());
+        r.results.clear();
+        assert!(r.check().is_err());
+        let mut r = synthetic();
+        r.schema = "other".into();
+        assert!(r.check().is_err());
+    }
+}

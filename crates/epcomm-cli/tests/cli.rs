@@ -1,0 +1,171 @@
+//! Runs the built `epcomm` binary: flag errors fail fast (before any worker is spawned),
+//! `doctor` and `topo` work without a GPU. `EPCOMM_BIN` overrides the binary (packed runs).
+
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+fn bin() -> String {
+    std::env::var("EPCOMM_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_epcomm").to_string())
+}
+
+/// Runs `epcomm args...` without the worker marker; returns the output and how long it took.
+fn run(args: &[&str]) -> (Output, Duration) {
+    let start = Instant::now();
+    let out = Command::new(bin())
+        .args(args)
+        .env_remove("EPCOMM_WORKER")
+        .env_remove("EPCOMM_CLI_RESULTS")
+        .output()
+        .expect("run the epcomm binary");
+    (out, start.elapsed())
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+fn driver_present() -> bool {
+    // SAFETY: only tries to dlopen the driver library.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+#[test]
+fn bad_flags_fail_fast_naming_the_flag_without_spawning_workers() {
+    for (args, flag, code) in [
+        (&["bench", "--world", "2", "--iters", "0"][..], "--iters", 2),
+        (
+            &["bench", "--world", "2", "--experts", "255"],
+            "--experts",
+            2,
+        ),
+        (&["bench", "--world", "2", "--hidden", "100"], "--hidden", 2),
+        (&["bench", "--world", "2", "--top-k", "300"], "--top-k", 2),
+        (
+            &["bench", "--world", "2", "--tokens", "2000000000"],
+            "--tokens",
+            2,
+        ),
+        (
+            &["bench", "--world", "2", "--barrier", "peer-signal"],
+            "--barrier",
+            2,
+        ),
+        (
+            &["bench", "--world", "2", "--virtual-nodes", "2"],
+            "--virtual-nodes",
+            2,
+        ),
+        (
+            &["bench", "--world", "2", "--delay-rank", "2"],
+            "--delay-rank",
+            2,
+        ),
+        (
+            &["bench", "--world", "2", "--sweep-sms", "0,24"],
+            "--sweep-sms",
+            2,
+        ),
+        (&["bench", "--world", "0"], "--world", 2),
+        (&["bench", "--transport", "tcp"], "--transport", 2),
+        (&["bench", "--json", "--csv"], "--csv", 2),
+        (&["bench", "--plot", "x.svg"], "--sweep-sms", 2),
+    ] {
+        let (out, took) = run(args);
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(code), "{args:?}: {err}");
+        assert!(err.contains(flag), "{args:?} should name {flag}: {err}");
+        // Nothing was started: no launch line, and no worker reported a missing driver.
+        assert!(!err.contains("launching"), "{args:?}: {err}");
+        assert!(!err.contains("no CUDA driver"), "{args:?}: {err}");
+        assert!(!err.contains("worker"), "{args:?}: {err}");
+        assert!(out.stdout.is_empty(), "{args:?}: stdout must stay empty");
+        assert!(took < Duration::from_secs(20), "{args:?} took {took:?}");
+    }
+}
+
+#[test]
+fn bench_without_a_driver_says_so() {
+    if driver_present() {
+        eprintln!("skipped: this machine has a CUDA driver");
+        return;
+    }
+    let (out, _) = run(&["bench", "--world", "1", "--iters", "1"]);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{err}");
+    assert!(err.contains("no CUDA driver"), "{err}");
+    assert!(!err.contains("launching"), "{err}");
+    assert!(out.stdout.is_empty());
+}
+
+#[test]
+fn doctor_reports_and_exits_zero() {
+    let (out, _) = run(&["doctor"]);
+    let stdout = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    for section in [
+        "CUDA driver",
+        "GPUs",
+        "Libraries",
+        "NVSHMEM",
+        "Environment",
+        "Verdicts",
+    ] {
+        assert!(stdout.contains(section), "missing {section}: {stdout}");
+    }
+    if !driver_present() {
+        assert!(stdout.contains("no CUDA driver"), "{stdout}");
+        assert!(
+            stdout.contains("ipc      not usable: no CUDA driver"),
+            "{stdout}"
+        );
+        assert!(
+            stdout.contains("nvshmem  not usable: no CUDA driver"),
+            "{stdout}"
+        );
+        // --require turns an unusable transport into exit code 4.
+        let (out, _) = run(&["doctor", "--require", "ipc"]);
+        assert_eq!(out.status.code(), Some(4));
+        assert!(text(&out.stderr).contains("ipc: not usable: no CUDA driver"));
+    }
+    let (out, _) = run(&["doctor", "--json"]);
+    assert_eq!(out.status.code(), Some(0));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("doctor --json");
+    assert_eq!(v["verdicts"].as_array().map(Vec::len), Some(2));
+    assert!(v["driver"]["present"].is_boolean());
+}
+
+#[test]
+fn topo_prints_tiers_and_routes() {
+    let (out, _) = run(&["topo", "--world", "4", "--gpus-per-node", "2"]);
+    let stdout = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert!(
+        stdout.contains("world: 4 rank(s) = 2 node(s) x 2 local rank(s) (2 host(s))"),
+        "{stdout}"
+    );
+    let rows: Vec<Vec<&str>> = stdout
+        .lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .filter(|w| w.len() >= 5 && w[0].parse::<usize>().is_ok())
+        .collect();
+    let expect = [
+        ("0", "same GPU", "local"),
+        ("1", "NVLink domain", "store"),
+        ("2", "other node", "put/signal"),
+        ("3", "other node", "put/signal"),
+    ];
+    assert_eq!(rows.len(), 4, "{stdout}");
+    for (row, (peer, tier, nvshmem)) in rows.iter().zip(expect) {
+        let line = row.join(" ");
+        assert_eq!(row[0], peer, "{line}");
+        assert!(line.contains(tier), "{line}");
+        assert_eq!(row.last().copied(), Some(nvshmem), "{line}");
+        // Two hosts: the ipc transport cannot be used at all.
+        assert!(line.contains("n/a"), "{line}");
+    }
+    assert!(stdout.contains("n/a for ipc: ipc needs every rank on one host"));
+
+    let (out, _) = run(&["topo", "--world", "4", "--gpus-per-node", "3"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains("--gpus-per-node"));
+}
