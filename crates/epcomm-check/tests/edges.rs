@@ -7,28 +7,11 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{CudaSlice, DevicePtr};
 use epcomm::{Buffer, BufferConfig, DispatchInput, Error, RecvMode, Transport, XInput};
 use epcomm_check::inputs::{Shape, device_inputs, host_inputs, upload};
-use epcomm_check::procs::is_worker;
 use epcomm_check::verify::{RoundOptions, verified_round};
 use epcomm_reference::bf16;
 
 mod common;
-use common::{Worker, launch_all, log, on_transport, strategy_from_env, world};
-
-/// Runs `run` on every transport and strategy (workers) or launches them (parent).
-macro_rules! gpu_test {
-    ($name:ident, $run:ident) => {
-        #[test]
-        fn $name() {
-            if is_worker() {
-                return on_transport!($run);
-            }
-            let Some(n) = world(stringify!($name), 2) else {
-                return;
-            };
-            launch_all(stringify!($name), n);
-        }
-    };
-}
+use common::{Worker, gpu_test, log, small_cfg_with, strategy_from_env};
 
 /// A copy of the first `rows` rows at `ptr` (device address) as bf16.
 fn rows_at(buf: &Buffer<impl Transport>, ptr: u64, rows: usize, hidden: usize) -> Vec<bf16> {
@@ -199,9 +182,7 @@ fn negated(v: &[bf16]) -> Vec<bf16> {
 fn run_queued_after_failure<T: Transport>(w: &Worker, mk: &dyn Fn() -> T) {
     let (rank, world) = (w.boot.rank(), w.boot.world_size());
     let late = world - 1;
-    let mut cfg = BufferConfig::new(64, 128, 2, 4 * world);
-    cfg.barrier = strategy_from_env();
-    cfg.timeout = Duration::from_millis(300);
+    let mut cfg = small_cfg_with(world, Duration::from_millis(300));
     let mut buf = Buffer::with_transport(mk(), w.ctx.clone(), cfg.clone()).unwrap();
     let shape = Shape::uniform(world, 40, 128, 2, 4 * world, 21);
     let h = host_inputs(&shape).unwrap();
@@ -288,9 +269,7 @@ gpu_test!(nothing_succeeds_behind_a_failure, run_queued_after_failure);
 
 fn run_fail_fast<T: Transport>(w: &Worker, mk: &dyn Fn() -> T) {
     let (rank, world) = (w.boot.rank(), w.boot.world_size());
-    let mut cfg = BufferConfig::new(64, 128, 2, 4 * world);
-    cfg.barrier = strategy_from_env();
-    cfg.timeout = Duration::from_secs(30);
+    let cfg = small_cfg_with(world, Duration::from_secs(30));
     let mut buf = Buffer::with_transport(mk(), w.ctx.clone(), cfg).unwrap();
     let shape = Shape::uniform(world, 40, 128, 2, 4 * world, 5);
     let h = host_inputs(&shape).unwrap();
@@ -347,9 +326,7 @@ gpu_test!(peers_learn_a_failure_fast, run_fail_fast);
 
 fn run_in_place_weights<T: Transport>(w: &Worker, mk: &dyn Fn() -> T) {
     let (rank, world) = (w.boot.rank(), w.boot.world_size());
-    let mut cfg = BufferConfig::new(64, 128, 2, 4 * world);
-    cfg.barrier = strategy_from_env();
-    cfg.timeout = Duration::from_secs(20);
+    let cfg = small_cfg_with(world, Duration::from_secs(20));
     let mut buf = Buffer::with_transport(mk(), w.ctx.clone(), cfg).unwrap();
     let shape = Shape::uniform(world, 40, 128, 2, 4 * world, 8);
     let h = host_inputs(&shape).unwrap();
@@ -409,12 +386,7 @@ gpu_test!(
 
 fn run_config_mismatch<T: Transport>(w: &Worker, mk: &dyn Fn() -> T) {
     let (rank, world) = (w.boot.rank(), w.boot.world_size());
-    let base = {
-        let mut cfg = BufferConfig::new(64, 128, 2, 4 * world);
-        cfg.barrier = strategy_from_env();
-        cfg.timeout = Duration::from_secs(20);
-        cfg
-    };
+    let base = small_cfg_with(world, Duration::from_secs(20));
     let other = |f: &dyn Fn(&mut BufferConfig)| {
         let mut c = base.clone();
         if rank == world - 1 {
@@ -457,9 +429,7 @@ gpu_test!(mismatched_configs_fail_on_every_rank, run_config_mismatch);
 
 fn run_input_checks<T: Transport>(w: &Worker, mk: &dyn Fn() -> T) {
     let (rank, world) = (w.boot.rank(), w.boot.world_size());
-    let mut cfg = BufferConfig::new(64, 128, 2, 4 * world);
-    cfg.barrier = strategy_from_env();
-    cfg.timeout = Duration::from_secs(20);
+    let cfg = small_cfg_with(world, Duration::from_secs(20));
     let mut buf = Buffer::with_transport(mk(), w.ctx.clone(), cfg).unwrap();
     let shape = Shape::uniform(world, 40, 128, 2, 4 * world, 3);
     let h = host_inputs(&shape).unwrap();

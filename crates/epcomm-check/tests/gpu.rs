@@ -20,8 +20,8 @@ use epcomm_reference::bf16;
 
 mod common;
 use common::{
-    Worker, launch, launch_all, log, on_transport, record_ran, small_cfg, strategy_from_env,
-    worker, world,
+    Worker, gpu_test, launch, launch_all, log, on_transport, record_ran, small_cfg,
+    strategy_from_env, worker, world,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -470,16 +470,7 @@ fn run_soak<T: Transport>(w: &Worker, mk: &dyn Fn() -> T) {
     buf.destroy().unwrap();
 }
 
-#[test]
-fn back_to_back_soak() {
-    if is_worker() {
-        return on_transport!(run_soak);
-    }
-    let Some(n) = world("back_to_back_soak", 2) else {
-        return;
-    };
-    launch_all("back_to_back_soak", n);
-}
+gpu_test!(back_to_back_soak, run_soak);
 
 // ---------------------------------------------------------------------------------------------
 // Failures: typed errors, bounded waits, recovery.
@@ -674,16 +665,7 @@ fn run_failures<T: Transport>(w: &Worker, mk: &dyn Fn() -> T) {
     log(rank, "new Buffer after failures: verified round passes");
 }
 
-#[test]
-fn failures_are_typed_bounded_and_recoverable() {
-    if is_worker() {
-        return on_transport!(run_failures);
-    }
-    let Some(n) = world("failures_are_typed_bounded_and_recoverable", 2) else {
-        return;
-    };
-    launch_all("failures_are_typed_bounded_and_recoverable", n);
-}
+gpu_test!(failures_are_typed_bounded_and_recoverable, run_failures);
 
 // A peer process that dies: the survivors' waits end with a Timeout naming it.
 fn run_killed() {
@@ -826,16 +808,7 @@ fn run_graph<T: Transport>(w: &Worker, mk: &dyn Fn() -> T) {
     buf.destroy().unwrap();
 }
 
-#[test]
-fn graph_replay_matches_reference() {
-    if is_worker() {
-        return on_transport!(run_graph);
-    }
-    let Some(n) = world("graph_replay_matches_reference", 2) else {
-        return;
-    };
-    launch_all("graph_replay_matches_reference", n);
-}
+gpu_test!(graph_replay_matches_reference, run_graph);
 
 // ---------------------------------------------------------------------------------------------
 // Skew attribution: one rank's stream is held 1 ms before each op; every rank names it. The

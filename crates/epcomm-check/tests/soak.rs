@@ -9,11 +9,10 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use epcomm::{Buffer, BufferConfig, DispatchInput, RecvMode, Transport, XInput};
 use epcomm_check::inputs::{DeviceInputs, Shape, device_inputs, host_inputs, upload};
-use epcomm_check::procs::is_worker;
 use epcomm_reference::bf16;
 
 mod common;
-use common::{Worker, launch_all, log, on_transport, strategy_from_env, world};
+use common::{Worker, gpu_test, log, strategy_from_env};
 
 /// One routing: device inputs, this rank's expert output `y` (padded to the capacity), the
 /// rows this rank receives and its combine output (reference).
@@ -260,13 +259,4 @@ fn run_soak<T: Transport>(w: &Worker, mk: &dyn Fn() -> T) {
     buf.destroy().unwrap();
 }
 
-#[test]
-fn pipelined_soak_matches_reference() {
-    if is_worker() {
-        return on_transport!(run_soak);
-    }
-    let Some(n) = world("pipelined_soak_matches_reference", 2) else {
-        return;
-    };
-    launch_all("pipelined_soak_matches_reference", n);
-}
+gpu_test!(pipelined_soak_matches_reference, run_soak);

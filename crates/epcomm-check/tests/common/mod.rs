@@ -222,10 +222,36 @@ pub fn log(rank: usize, msg: impl std::fmt::Display) {
     }
 }
 
-/// A small buffer with a short timeout, for failure tests.
-pub fn small_cfg(world: usize) -> BufferConfig {
+/// A small buffer (64 tokens, hidden 128, top-2 of 4 experts per rank) under the strategy the
+/// launcher chose, with `timeout`.
+pub fn small_cfg_with(world: usize, timeout: Duration) -> BufferConfig {
     let mut cfg = BufferConfig::new(64, 128, 2, 4 * world);
-    cfg.timeout = Duration::from_secs(2);
+    cfg.timeout = timeout;
     cfg.barrier = strategy_from_env();
     cfg
 }
+
+/// A small buffer with a short timeout, for failure tests.
+pub fn small_cfg(world: usize) -> BufferConfig {
+    small_cfg_with(world, Duration::from_secs(2))
+}
+
+/// Declares `#[test] fn $name` that runs `$run(&worker, &make_transport)` in every worker and,
+/// in the parent, launches it on every transport and strategy (needs 2 ranks).
+#[allow(unused_macros)]
+macro_rules! gpu_test {
+    ($name:ident, $run:ident) => {
+        #[test]
+        fn $name() {
+            if epcomm_check::procs::is_worker() {
+                return common::on_transport!($run);
+            }
+            let Some(n) = common::world(stringify!($name), 2) else {
+                return;
+            };
+            common::launch_all(stringify!($name), n);
+        }
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use gpu_test;
