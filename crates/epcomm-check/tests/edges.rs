@@ -46,7 +46,7 @@ fn run_graph_rows<T: Transport>(w: &Worker, mk: &dyn Fn() -> T) {
     let stream = buf.stream().clone();
     let cap = world * tokens;
     // Four routings, their received rows and combine outputs (reference).
-    let variants: Vec<_> = (0..4u64)
+    let variants: Vec<common::Case> = (0..4u64)
         .map(|v| {
             let shape = Shape {
                 tokens: vec![tokens; world],
@@ -57,23 +57,7 @@ fn run_graph_rows<T: Transport>(w: &Worker, mk: &dyn Fn() -> T) {
                 skew_to: (v == 3).then_some(0),
                 seed: 900 + v,
             };
-            let h = host_inputs(&shape).unwrap();
-            let r = epcomm_reference::dispatch(&h.bf16, experts).unwrap();
-            let ys: Vec<Vec<bf16>> = r
-                .iter()
-                .map(|o| o.recv_x.to_bf16(hidden).unwrap())
-                .collect();
-            let want_out = epcomm_reference::combine(&ys, None, &r, &shape.tokens).unwrap();
-            let want_rows = ys[rank].clone();
-            let mut y = ys[rank].clone();
-            y.resize(cap * hidden, bf16::ZERO);
-            let d = device_inputs(&stream, &h, rank).unwrap();
-            (
-                d,
-                upload(&stream, &y).unwrap(),
-                want_rows,
-                want_out[rank].x.clone(),
-            )
+            common::reference_case(&stream, &shape, rank, cap)
         })
         .collect();
     let mut x = stream.alloc_zeros::<bf16>(tokens * hidden).unwrap();
@@ -127,7 +111,12 @@ fn run_graph_rows<T: Transport>(w: &Worker, mk: &dyn Fn() -> T) {
             .expect("capture");
         let replays = 12;
         for i in 0..replays {
-            let (d, dy, want_rows, want_out) = &variants[i % variants.len()];
+            let common::Case {
+                d,
+                y: dy,
+                rows: want_rows,
+                combined: want_out,
+            } = &variants[i % variants.len()];
             stream.memcpy_dtod(&d.x, &mut x).unwrap();
             stream.memcpy_dtod(&d.topk_idx, &mut idx).unwrap();
             stream.memcpy_dtod(dy, &mut y).unwrap();

@@ -731,7 +731,7 @@ fn run_graph<T: Transport>(w: &Worker, mk: &dyn Fn() -> T) {
     let stream = buf.stream().clone();
     let cap = world * tokens;
     // Eight routings and their references; each replay copies one into the captured buffers.
-    let variants: Vec<_> = (0..8u64)
+    let variants: Vec<common::Case> = (0..8u64)
         .map(|v| {
             let shape = Shape {
                 tokens: vec![tokens; world],
@@ -742,17 +742,7 @@ fn run_graph<T: Transport>(w: &Worker, mk: &dyn Fn() -> T) {
                 skew_to: (v == 5).then_some(0),
                 seed: 500 + v,
             };
-            let h = host_inputs(&shape).unwrap();
-            let r = epcomm_reference::dispatch(&h.bf16, experts).unwrap();
-            let ys: Vec<Vec<bf16>> = r
-                .iter()
-                .map(|o| o.recv_x.to_bf16(hidden).unwrap())
-                .collect();
-            let want = epcomm_reference::combine(&ys, None, &r, &shape.tokens).unwrap();
-            let mut y = ys[rank].clone();
-            y.resize(cap * hidden, bf16::ZERO);
-            let d = device_inputs(&stream, &h, rank).unwrap();
-            (d, upload(&stream, &y).unwrap(), want[rank].x.clone())
+            common::reference_case(&stream, &shape, rank, cap)
         })
         .collect();
     let mut x = stream.alloc_zeros::<bf16>(tokens * hidden).unwrap();
@@ -779,7 +769,12 @@ fn run_graph<T: Transport>(w: &Worker, mk: &dyn Fn() -> T) {
         .unwrap_or(1000);
     let t0 = Instant::now();
     for i in 0..replays {
-        let (d, dy, want) = &variants[i % variants.len()];
+        let common::Case {
+            d,
+            y: dy,
+            combined: want,
+            ..
+        } = &variants[i % variants.len()];
         stream.memcpy_dtod(&d.x, &mut x).unwrap();
         stream.memcpy_dtod(&d.topk_idx, &mut idx).unwrap();
         stream.memcpy_dtod(dy, &mut y).unwrap();

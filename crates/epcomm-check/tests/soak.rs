@@ -8,20 +8,11 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use epcomm::{Buffer, BufferConfig, DispatchInput, RecvMode, Transport, XInput};
-use epcomm_check::inputs::{DeviceInputs, Shape, device_inputs, host_inputs, upload};
+use epcomm_check::inputs::Shape;
 use epcomm_reference::bf16;
 
 mod common;
-use common::{Worker, gpu_test, log, strategy_from_env};
-
-/// One routing: device inputs, this rank's expert output `y` (padded to the capacity), the
-/// rows this rank receives and its combine output (reference).
-struct Case {
-    d: DeviceInputs,
-    y: CudaSlice<bf16>,
-    rows: Vec<bf16>,
-    combined: Vec<bf16>,
-}
+use common::{Case, Worker, gpu_test, log, strategy_from_env};
 
 /// A stream-ordered copy of `elems` bf16 values from device address `from` into `to`.
 fn copy_aside(stream: &CudaStream, from: u64, to: &CudaSlice<bf16>, elems: usize) {
@@ -71,21 +62,7 @@ fn run_soak<T: Transport>(w: &Worker, mk: &dyn Fn() -> T) {
                 skew_to: (i % 4 == 3).then_some(i % world),
                 seed: 7000 + i as u64,
             };
-            let h = host_inputs(&shape).unwrap();
-            let r = epcomm_reference::dispatch(&h.bf16, experts).unwrap();
-            let ys: Vec<Vec<bf16>> = r
-                .iter()
-                .map(|o| o.recv_x.to_bf16(hidden).unwrap())
-                .collect();
-            let want = epcomm_reference::combine(&ys, None, &r, &shape.tokens).unwrap();
-            let mut y = ys[rank].clone();
-            y.resize(cap * hidden, bf16::ZERO);
-            Case {
-                d: device_inputs(&stream, &h, rank).unwrap(),
-                y: upload(&stream, &y).unwrap(),
-                rows: ys[rank].clone(),
-                combined: want[rank].x.clone(),
-            }
+            common::reference_case(&stream, &shape, rank, cap)
         })
         .collect();
     // The graph: layout + dispatch + a consumer copy of the received rows + combine, on fixed

@@ -18,10 +18,12 @@ use std::io::Write;
 use std::sync::{Arc, Once};
 use std::time::Duration;
 
-use cudarc::driver::CudaContext;
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use epcomm::{BarrierStrategy, BufferConfig};
 use epcomm_bootstrap::{Bootstrap, BootstrapConfig};
+use epcomm_check::inputs::{DeviceInputs, Shape, device_inputs, host_inputs, upload};
 use epcomm_check::procs::{gpu_count, run_workers};
+use epcomm_reference::bf16;
 
 /// True when GPU tests must run (a skip is then a failure).
 pub fn gpu_tests_required() -> bool {
@@ -255,3 +257,37 @@ macro_rules! gpu_test {
 }
 #[allow(unused_imports)]
 pub(crate) use gpu_test;
+
+/// One routing with its reference: this rank's device inputs, its expert output `y` (its
+/// received rows, unscaled, padded with zeros to `cap_rows`), the rows it receives and the
+/// combine output it must get back (no weights).
+pub struct Case {
+    pub d: DeviceInputs,
+    pub y: CudaSlice<bf16>,
+    pub rows: Vec<bf16>,
+    pub combined: Vec<bf16>,
+}
+
+/// Builds the [`Case`] of `shape` for `rank`.
+pub fn reference_case(
+    stream: &Arc<CudaStream>,
+    shape: &Shape,
+    rank: usize,
+    cap_rows: usize,
+) -> Case {
+    let h = host_inputs(shape).unwrap();
+    let r = epcomm_reference::dispatch(&h.bf16, shape.experts).unwrap();
+    let ys: Vec<Vec<bf16>> = r
+        .iter()
+        .map(|o| o.recv_x.to_bf16(shape.hidden).unwrap())
+        .collect();
+    let want = epcomm_reference::combine(&ys, None, &r, &shape.tokens).unwrap();
+    let mut y = ys[rank].clone();
+    y.resize(cap_rows * shape.hidden, bf16::ZERO);
+    Case {
+        d: device_inputs(stream, &h, rank).unwrap(),
+        y: upload(stream, &y).unwrap(),
+        rows: ys[rank].clone(),
+        combined: want[rank].x.clone(),
+    }
+}
