@@ -1,6 +1,6 @@
 //! Size and layout of the symmetric buffer used by the intranode kernels.
 
-use crate::{Result, TopologyError};
+use crate::{Result, RowDtype, RowFormat, TopologyError};
 
 /// Alignment of every region's offset, in bytes.
 pub const REGION_ALIGN: u64 = 256;
@@ -147,61 +147,6 @@ impl Region {
     }
 }
 
-/// The offsets of every region for one parity, all `u64`, ready to copy into kernel
-/// arguments (field by field, or as one `#[repr(C)]` struct of 13 `uint64_t` in this
-/// order; [`to_array`](Self::to_array) gives the same order).
-#[repr(C)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub struct RegionOffsets {
-    /// See [`RegionKind::DispatchX`].
-    pub dispatch_x: u64,
-    /// See [`RegionKind::DispatchScales`].
-    pub dispatch_scales: u64,
-    /// See [`RegionKind::DispatchTopkIdx`].
-    pub dispatch_topk_idx: u64,
-    /// See [`RegionKind::DispatchTopkWeights`].
-    pub dispatch_topk_weights: u64,
-    /// See [`RegionKind::DispatchSrcIdx`].
-    pub dispatch_src_idx: u64,
-    /// See [`RegionKind::CombineX`].
-    pub combine_x: u64,
-    /// See [`RegionKind::CombineWeights`].
-    pub combine_weights: u64,
-    /// See [`RegionKind::CountMatrix`].
-    pub count_matrix: u64,
-    /// See [`RegionKind::ExpertCounts`].
-    pub expert_counts: u64,
-    /// See [`RegionKind::DoneCounters`].
-    pub done_counters: u64,
-    /// See [`RegionKind::BarrierCounters`].
-    pub barrier_counters: u64,
-    /// See [`RegionKind::Stats`].
-    pub stats: u64,
-    /// Size of the whole buffer.
-    pub total_bytes: u64,
-}
-
-impl RegionOffsets {
-    /// The fields in declaration order.
-    pub fn to_array(&self) -> [u64; 13] {
-        [
-            self.dispatch_x,
-            self.dispatch_scales,
-            self.dispatch_topk_idx,
-            self.dispatch_topk_weights,
-            self.dispatch_src_idx,
-            self.combine_x,
-            self.combine_weights,
-            self.count_matrix,
-            self.expert_counts,
-            self.done_counters,
-            self.barrier_counters,
-            self.stats,
-            self.total_bytes,
-        ]
-    }
-}
-
 /// Layout of the symmetric buffer of the intranode (fixed-slot) kernels.
 ///
 /// Receive rows are addressed `[source rank][token slot]`: source `s` writes its rows at
@@ -233,6 +178,7 @@ pub struct BufferPlan {
     top_k: usize,
     num_experts: usize,
     fp8_capable: bool,
+    row: RowFormat,
     per_parity: [[Region; 9]; 2],
     shared: [Region; 4],
     total_bytes: u64,
@@ -258,7 +204,7 @@ impl BufferPlan {
         TopologyError::zero_check("hidden", hidden)?;
         TopologyError::zero_check("top_k", top_k)?;
         TopologyError::zero_check("num_experts", num_experts)?;
-        TopologyError::multiple_check("hidden", hidden, "8 (bf16 16-byte vectors)", 8)?;
+        let row = RowFormat::new(hidden, RowDtype::Bf16)?;
         TopologyError::multiple_check("num_experts", num_experts, "world_size", world_size)?;
         if top_k > num_experts {
             return Err(TopologyError::OutOfRange {
@@ -278,7 +224,7 @@ impl BufferPlan {
                 rule: "source token indices are carried as i32",
             });
         }
-        let fp8_capable = hidden.is_multiple_of(128);
+        let fp8_capable = RowFormat::fp8_capable(hidden);
         let mut plan = Self {
             world_size,
             max_tokens_per_rank,
@@ -286,6 +232,7 @@ impl BufferPlan {
             top_k,
             num_experts,
             fp8_capable,
+            row,
             per_parity: [[Region { offset: 0, len: 0 }; 9]; 2],
             shared: [Region { offset: 0, len: 0 }; 4],
             total_bytes: 0,
@@ -359,73 +306,6 @@ impl BufferPlan {
         out
     }
 
-    /// All offsets for `parity`, for kernel arguments.
-    pub fn offsets(&self, parity: Parity) -> RegionOffsets {
-        RegionOffsets {
-            dispatch_x: self.dispatch_x(parity),
-            dispatch_scales: self.dispatch_scales(parity),
-            dispatch_topk_idx: self.dispatch_topk_idx(parity),
-            dispatch_topk_weights: self.dispatch_topk_weights(parity),
-            dispatch_src_idx: self.dispatch_src_idx(parity),
-            combine_x: self.combine_x(parity),
-            combine_weights: self.combine_weights(parity),
-            count_matrix: self.count_matrix(parity),
-            expert_counts: self.expert_counts(parity),
-            done_counters: self.done_counters(),
-            barrier_counters: self.barrier_counters(),
-            stats: self.stats(),
-            total_bytes: self.total_bytes,
-        }
-    }
-
-    /// Offset of [`RegionKind::DispatchX`].
-    pub fn dispatch_x(&self, parity: Parity) -> u64 {
-        self.region(RegionKind::DispatchX, parity).offset
-    }
-    /// Offset of [`RegionKind::DispatchScales`].
-    pub fn dispatch_scales(&self, parity: Parity) -> u64 {
-        self.region(RegionKind::DispatchScales, parity).offset
-    }
-    /// Offset of [`RegionKind::DispatchTopkIdx`].
-    pub fn dispatch_topk_idx(&self, parity: Parity) -> u64 {
-        self.region(RegionKind::DispatchTopkIdx, parity).offset
-    }
-    /// Offset of [`RegionKind::DispatchTopkWeights`].
-    pub fn dispatch_topk_weights(&self, parity: Parity) -> u64 {
-        self.region(RegionKind::DispatchTopkWeights, parity).offset
-    }
-    /// Offset of [`RegionKind::DispatchSrcIdx`].
-    pub fn dispatch_src_idx(&self, parity: Parity) -> u64 {
-        self.region(RegionKind::DispatchSrcIdx, parity).offset
-    }
-    /// Offset of [`RegionKind::CombineX`].
-    pub fn combine_x(&self, parity: Parity) -> u64 {
-        self.region(RegionKind::CombineX, parity).offset
-    }
-    /// Offset of [`RegionKind::CombineWeights`].
-    pub fn combine_weights(&self, parity: Parity) -> u64 {
-        self.region(RegionKind::CombineWeights, parity).offset
-    }
-    /// Offset of [`RegionKind::CountMatrix`].
-    pub fn count_matrix(&self, parity: Parity) -> u64 {
-        self.region(RegionKind::CountMatrix, parity).offset
-    }
-    /// Offset of [`RegionKind::ExpertCounts`].
-    pub fn expert_counts(&self, parity: Parity) -> u64 {
-        self.region(RegionKind::ExpertCounts, parity).offset
-    }
-    /// Offset of [`RegionKind::DoneCounters`].
-    pub fn done_counters(&self) -> u64 {
-        self.shared[0].offset
-    }
-    /// Offset of [`RegionKind::BarrierCounters`].
-    pub fn barrier_counters(&self) -> u64 {
-        self.shared[1].offset
-    }
-    /// Offset of [`RegionKind::Stats`].
-    pub fn stats(&self) -> u64 {
-        self.shared[2].offset
-    }
     /// Bytes to allocate (a multiple of [`REGION_ALIGN`], covering every region).
     pub fn total_bytes(&self) -> u64 {
         self.total_bytes
@@ -466,16 +346,12 @@ impl BufferPlan {
     }
     /// Row stride of [`RegionKind::DispatchX`]: `hidden * 2`.
     pub fn x_row_bytes(&self) -> u64 {
-        self.hidden as u64 * 2
+        self.row.pitch() as u64
     }
     /// Row stride of [`RegionKind::DispatchScales`]: `hidden / 128 * 4`, or 0 when not
     /// fp8-capable.
     pub fn scales_row_bytes(&self) -> u64 {
-        if self.fp8_capable {
-            (self.hidden as u64 / 128) * 4
-        } else {
-            0
-        }
+        RowFormat::new(self.hidden, RowDtype::Fp8).map_or(0, |f| f.scale_bytes() as u64)
     }
     /// Row stride of [`RegionKind::DispatchTopkIdx`]: `top_k * 8`.
     pub fn topk_idx_row_bytes(&self) -> u64 {
@@ -495,7 +371,11 @@ impl BufferPlan {
     }
     /// Row stride of [`RegionKind::CombineX`]: `hidden * 2`.
     pub fn combine_x_row_bytes(&self) -> u64 {
-        self.hidden as u64 * 2
+        self.row.x_bytes() as u64
+    }
+    /// The format of the BF16 rows the receive regions are sized for.
+    pub fn row(&self) -> RowFormat {
+        self.row
     }
     /// Row stride of [`RegionKind::CombineWeights`]: `top_k * 4`.
     pub fn combine_weights_row_bytes(&self) -> u64 {
@@ -596,71 +476,29 @@ mod tests {
     }
 
     #[test]
-    fn accessors_match_regions_and_offsets() {
+    fn parity_copies_and_layout_order() {
         let p = BufferPlan::new(3, 10, 128, 2, 6).unwrap();
-        for parity in Parity::ALL {
-            let o = p.offsets(parity);
-            let pairs = [
-                (RegionKind::DispatchX, o.dispatch_x, p.dispatch_x(parity)),
-                (
-                    RegionKind::DispatchScales,
-                    o.dispatch_scales,
-                    p.dispatch_scales(parity),
-                ),
-                (
-                    RegionKind::DispatchTopkIdx,
-                    o.dispatch_topk_idx,
-                    p.dispatch_topk_idx(parity),
-                ),
-                (
-                    RegionKind::DispatchTopkWeights,
-                    o.dispatch_topk_weights,
-                    p.dispatch_topk_weights(parity),
-                ),
-                (
-                    RegionKind::DispatchSrcIdx,
-                    o.dispatch_src_idx,
-                    p.dispatch_src_idx(parity),
-                ),
-                (RegionKind::CombineX, o.combine_x, p.combine_x(parity)),
-                (
-                    RegionKind::CombineWeights,
-                    o.combine_weights,
-                    p.combine_weights(parity),
-                ),
-                (
-                    RegionKind::CountMatrix,
-                    o.count_matrix,
-                    p.count_matrix(parity),
-                ),
-                (
-                    RegionKind::ExpertCounts,
-                    o.expert_counts,
-                    p.expert_counts(parity),
-                ),
-                (RegionKind::DoneCounters, o.done_counters, p.done_counters()),
-                (
-                    RegionKind::BarrierCounters,
-                    o.barrier_counters,
-                    p.barrier_counters(),
-                ),
-                (RegionKind::Stats, o.stats, p.stats()),
-            ];
-            for (kind, from_struct, from_accessor) in pairs {
-                assert_eq!(from_struct, from_accessor, "{kind:?}");
-                assert_eq!(p.region(kind, parity).offset, from_accessor, "{kind:?}");
-                assert_eq!(kind.is_per_parity(), RegionKind::PER_PARITY.contains(&kind));
-            }
-            assert_eq!(o.total_bytes, p.total_bytes());
-            assert_eq!(o.to_array()[0], o.dispatch_x);
-            assert_eq!(o.to_array()[12], o.total_bytes);
+        let off = |k, parity| p.region(k, parity).offset;
+        for kind in RegionKind::PER_PARITY {
+            assert!(kind.is_per_parity());
         }
         // Parities differ for per-op regions and agree for shared ones.
-        assert_ne!(p.dispatch_x(Parity::Even), p.dispatch_x(Parity::Odd));
-        assert_eq!(p.offsets(Parity::Even).stats, p.offsets(Parity::Odd).stats);
+        assert_ne!(
+            off(RegionKind::DispatchX, Parity::Even),
+            off(RegionKind::DispatchX, Parity::Odd)
+        );
+        assert_eq!(
+            off(RegionKind::Stats, Parity::Even),
+            off(RegionKind::Stats, Parity::Odd)
+        );
         // Layout order: parity 0 first, then parity 1, then shared.
-        assert!(p.expert_counts(Parity::Even) < p.dispatch_x(Parity::Odd));
-        assert!(p.expert_counts(Parity::Odd) < p.done_counters());
+        assert!(
+            off(RegionKind::ExpertCounts, Parity::Even) < off(RegionKind::DispatchX, Parity::Odd)
+        );
+        assert!(
+            off(RegionKind::ExpertCounts, Parity::Odd)
+                < off(RegionKind::DoneCounters, Parity::Even)
+        );
         // Same arguments, same plan (symmetric allocation).
         assert_eq!(p, BufferPlan::new(3, 10, 128, 2, 6).unwrap());
     }

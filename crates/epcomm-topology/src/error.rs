@@ -58,6 +58,32 @@ pub enum TopologyError {
         /// Its value.
         value: f64,
     },
+    /// A name (schedule, route, ...) that is not one of the valid ones.
+    #[error("unknown {what} {got:?}: must be one of {}", valid.join(", "))]
+    UnknownName {
+        /// What was being named.
+        what: &'static str,
+        /// The name given.
+        got: String,
+        /// The valid names.
+        valid: Vec<&'static str>,
+    },
+    /// The route a peer needs is not one the backend supports.
+    #[error(
+        "rank {peer} ({tier}) needs the {route} route, which this transport does not support \
+         (it supports: {})",
+        supported.join(", ")
+    )]
+    Unreachable {
+        /// The peer.
+        peer: usize,
+        /// Where it sits (a `Tier` name).
+        tier: &'static str,
+        /// The route it needs.
+        route: &'static str,
+        /// The routes the backend supports.
+        supported: Vec<&'static str>,
+    },
     /// A size computation overflowed `u64`/`usize`.
     #[error("size of {what} overflows (arguments too large)")]
     Overflow {

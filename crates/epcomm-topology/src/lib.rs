@@ -3,9 +3,9 @@
 //! * [`WorldLayout`] — world size, rank, nodes, NVLink domains, RDMA ranks, and *virtual
 //!   nodes* (one host's GPUs split into several logical nodes so internode code paths run on
 //!   a single machine).
-//! * [`ExpertPlacement`] — which rank holds which expert (`E % world == 0`, contiguous blocks).
-//! * [`CommConfig`] — SM count / chunking knobs, their validation, and a bandwidth model
-//!   ([`CommConfig::suggest`]) that picks the fewest SMs that saturate the link.
+//! * [`Schedule`], [`Route`], [`Tier`] and the per-`Buffer` [`RoutePlan`] — how ranks agree
+//!   that memory may be reused, and how each peer is reached.
+//! * [`RowFormat`] — bytes, FP8 scales and pitch of one token row.
 //! * [`BufferPlan`] — the byte layout of the symmetric buffer used by the intranode kernels.
 //!
 //! Every constructor validates its inputs and returns a typed [`TopologyError`] naming the
@@ -14,7 +14,7 @@
 //! # Example
 //!
 //! ```
-//! use epcomm_topology::{ExpertPlacement, TopologyError, WorldLayout};
+//! use epcomm_topology::{Route, RoutePlan, RoutePolicy, TopologyError, WorldLayout};
 //!
 //! // 16 ranks, 8 GPUs per node, seen from rank 11.
 //! let world = WorldLayout::new(16, 11, 8)?;
@@ -23,10 +23,10 @@
 //! // The RDMA peer in node 0: the rank there with the same local rank.
 //! assert_eq!(world.peer_in_node(0)?, 3);
 //!
-//! // 256 experts over those 16 ranks: 16 per rank, in contiguous blocks.
-//! let experts = ExpertPlacement::new(256, 16)?;
-//! assert_eq!(experts.rank_of(200)?, 12);
-//! assert_eq!(experts.experts_of(11)?, 176..192);
+//! // Stores inside the node, put/signal to the other node (for a backend that has both).
+//! let plan = RoutePlan::new(&world, &[Route::Store, Route::PutSignal], RoutePolicy::Auto)?;
+//! assert_eq!((plan.route(9), plan.route(3)), (Some(Route::Store), Some(Route::PutSignal)));
+//! assert_eq!(plan.put_signal_mask(), 0x00ff);
 //!
 //! // Bad input is a typed error naming the argument, not a panic.
 //! let err = WorldLayout::new(12, 0, 8).unwrap_err();
@@ -35,19 +35,15 @@
 //! ```
 
 mod buffer;
-mod config;
 mod error;
-mod experts;
+mod route;
+mod row;
 mod world;
 
-pub use buffer::{
-    BufferPlan, Parity, REGION_ALIGN, Region, RegionKind, RegionOffsets, STATS_BYTES,
-};
-pub use config::{
-    CommConfig, DEFAULT_SM_CAP, DEFAULT_THREADS_PER_BLOCK, MAX_CHUNK_TOKENS, TARGET_CHUNK_BYTES,
-};
+pub use buffer::{BufferPlan, Parity, REGION_ALIGN, Region, RegionKind, STATS_BYTES};
 pub use error::TopologyError;
-pub use experts::ExpertPlacement;
+pub use route::{PeerRoute, Route, RoutePlan, RoutePolicy, Schedule, Tier};
+pub use row::{RowDtype, RowFormat};
 pub use world::WorldLayout;
 
 /// Result alias of this crate.
