@@ -1,8 +1,13 @@
-//! What a model run executes: world size, shapes, strategy, the op sequence, an optional
+//! What a model run executes: world size, shapes, schedule, the op sequence, an optional
 //! injected failure, optional protocol mutations, and the deterministic routing oracle that
 //! defines the sequential expectation.
+//!
+//! The schedule is the kernels' own [`Schedule`] type; the region an op uses is the kernels'
+//! rule, [`Parity::of_epoch`] of its sequence number, under both schedules.
 
 use std::time::Duration;
+
+use epcomm_topology::{Parity, Schedule};
 
 use crate::step::Step;
 
@@ -14,31 +19,6 @@ pub const MAX_TOKENS: usize = 1 << 12;
 pub const MAX_BLOCKS: usize = 64;
 /// Largest op sequence (epochs are 32-bit tags).
 pub const MAX_OPS: usize = 1 << 20;
-
-/// How ranks agree that shared state may be reused.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Strategy {
-    /// Epoch-tagged counts and parity-buffered regions, no barrier: `[E1]`..`[E7]`.
-    Epoch,
-    /// DeepEP-like baseline: single regions guarded by round-aware barriers: `[G1]`..`[G5]`.
-    Global,
-    /// **Deliberately unsound**: the Epoch schedule with a single (non-parity) count, receive
-    /// and combine region and no barrier. It exists so that the tests show the checker catches
-    /// the bugs parity buffering prevents (stale counts, overwritten receive rows); never mirror
-    /// it in CUDA. Its single combine region alone is safe: done is signalled after the
-    /// reduction and `[C5]` waits for it.
-    EpochWithoutParity,
-}
-
-impl Strategy {
-    /// Number of alternating regions (2 for [`Strategy::Epoch`], 1 otherwise).
-    pub fn regions(self) -> usize {
-        match self {
-            Strategy::Epoch => 2,
-            Strategy::Global | Strategy::EpochWithoutParity => 1,
-        }
-    }
-}
 
 /// One collective op; every rank calls the same sequence.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -79,6 +59,14 @@ pub enum Mutation {
     /// **Benign**: a count word is self-validating (the value travels with its tag) and its
     /// store `[E1]` is relaxed, so the acquire publishes nothing; the model must still pass.
     CountLoadsRelaxed,
+    /// **Deliberately unsound** under [`Schedule::Epoch`]: one count, receive and combine
+    /// region instead of the two parity regions ([`ModelConfig::parity`] is always 0). The
+    /// checker must catch the bugs parity buffering prevents (stale counts, receive rows
+    /// overwritten before use). Two things it leaves safe, which the tests also show: a single
+    /// combine region (done is signalled after the reduction and `[C5]` waits for it), and
+    /// [`Schedule::Global`], whose `[G1]` barrier alone protects single regions (DeepEP's
+    /// design). Never mirror it in CUDA.
+    SingleRegion,
     /// Drops `[C5]`, combine's final wait for every rank's done signal. A rank that holds no
     /// token for a peer then waits for nothing from it and can run combines ahead of it.
     SkipFinalWait,
@@ -94,12 +82,13 @@ pub enum Mutation {
 
 impl Mutation {
     /// Every mutation.
-    pub const ALL: [Mutation; 9] = [
+    pub const ALL: [Mutation; 10] = [
         Mutation::FlagStoreRelaxed,
         Mutation::FlagWaitRelaxed,
         Mutation::DoneAddRelaxed,
         Mutation::DoneWaitRelaxed,
         Mutation::CountLoadsRelaxed,
+        Mutation::SingleRegion,
         Mutation::SkipFinalWait,
         Mutation::SkipCachedDoneWait,
         Mutation::SkipPrologueCheck,
@@ -136,10 +125,10 @@ impl Failure {
         matches!(self.at, Step::E6 | Step::E7 | Step::C5)
     }
 
-    /// Whether `at` is a step an op of kind `kind` executes under `strategy`.
-    pub fn step_is_valid(strategy: Strategy, kind: OpKind, at: Step) -> bool {
+    /// Whether `at` is a step an op of kind `kind` executes under `schedule`.
+    pub fn step_is_valid(schedule: Schedule, kind: OpKind, at: Step) -> bool {
         use Step::*;
-        let global = strategy == Strategy::Global;
+        let global = schedule == Schedule::Global;
         match at {
             Recheck => true,
             E1 | E2 => kind == OpKind::Dispatch && !global,
@@ -215,14 +204,16 @@ pub enum ConfigError {
         len: usize,
     },
     /// An injected failure names a step the op does not execute.
-    #[error("failure.at = {at}: ops[{op}] ({kind:?}) does not execute it under {strategy:?}")]
+    #[error(
+        "failure.at = {at}: ops[{op}] ({kind:?}) does not execute it under the {schedule} schedule"
+    )]
     FailureStep {
         /// The op index.
         op: usize,
         /// Its kind.
         kind: OpKind,
-        /// The strategy.
-        strategy: Strategy,
+        /// The schedule.
+        schedule: Schedule,
         /// The rejected step.
         at: Step,
     },
@@ -234,7 +225,7 @@ pub struct ModelConfig {
     world: usize,
     tokens: usize,
     blocks: usize,
-    strategy: Strategy,
+    schedule: Schedule,
     ops: Vec<OpKind>,
     wait_timeout: Duration,
     failure: Option<Failure>,
@@ -254,7 +245,7 @@ impl ModelConfig {
         world: usize,
         tokens: usize,
         blocks: usize,
-        strategy: Strategy,
+        schedule: Schedule,
         ops: Vec<OpKind>,
     ) -> Result<Self, ConfigError> {
         if !(1..=MAX_WORLD).contains(&world) {
@@ -286,7 +277,7 @@ impl ModelConfig {
             world,
             tokens,
             blocks,
-            strategy,
+            schedule,
             ops,
             wait_timeout: Self::DEFAULT_WAIT_TIMEOUT,
             failure: None,
@@ -308,11 +299,11 @@ impl ModelConfig {
                 len: self.ops.len(),
             });
         };
-        if !Failure::step_is_valid(self.strategy, kind, failure.at) {
+        if !Failure::step_is_valid(self.schedule, kind, failure.at) {
             return Err(ConfigError::FailureStep {
                 op: failure.op,
                 kind,
-                strategy: self.strategy,
+                schedule: self.schedule,
                 at: failure.at,
             });
         }
@@ -349,9 +340,27 @@ impl ModelConfig {
     pub fn blocks(&self) -> usize {
         self.blocks
     }
-    /// The synchronization strategy.
-    pub fn strategy(&self) -> Strategy {
-        self.strategy
+    /// The schedule (the kernels' [`Schedule`]).
+    pub fn schedule(&self) -> Schedule {
+        self.schedule
+    }
+    /// Number of alternating count, receive and combine regions: 2 (the kernels' parity
+    /// regions, under both schedules), 1 under [`Mutation::SingleRegion`].
+    pub fn regions(&self) -> usize {
+        if self.has(Mutation::SingleRegion) {
+            1
+        } else {
+            Parity::ALL.len()
+        }
+    }
+    /// The region index an op with sequence number `seq` uses: the kernels' rule,
+    /// [`Parity::of_epoch`], under both schedules; 0 under [`Mutation::SingleRegion`].
+    pub fn parity(&self, seq: u64) -> usize {
+        if self.has(Mutation::SingleRegion) {
+            0
+        } else {
+            Parity::of_epoch(seq).index()
+        }
     }
     /// The op sequence every rank runs.
     pub fn ops(&self) -> &[OpKind] {
@@ -441,43 +450,40 @@ pub fn combine_word(combine_seq: u64, contributor: usize, row: u64) -> u64 {
 mod tests {
     use super::*;
 
-    fn ops(k: &[OpKind]) -> Vec<OpKind> {
-        k.to_vec()
-    }
-
     #[test]
     fn rejects_bad_shapes() {
         use OpKind::*;
-        let d = ops(&[Dispatch]);
-        assert_eq!(
-            ModelConfig::new(0, 1, 1, Strategy::Epoch, d.clone()),
-            Err(ConfigError::World { world: 0 })
-        );
-        assert_eq!(
-            ModelConfig::new(9, 1, 1, Strategy::Epoch, d.clone()),
-            Err(ConfigError::World { world: 9 })
-        );
-        assert_eq!(
-            ModelConfig::new(2, 0, 1, Strategy::Epoch, d.clone()),
-            Err(ConfigError::Tokens { tokens: 0 })
-        );
-        assert_eq!(
-            ModelConfig::new(2, 1, 0, Strategy::Epoch, d.clone()),
-            Err(ConfigError::Blocks { blocks: 0 })
-        );
-        assert_eq!(
-            ModelConfig::new(2, 1, 1, Strategy::Epoch, vec![]),
-            Err(ConfigError::OpCount { len: 0 })
-        );
-        assert_eq!(
-            ModelConfig::new(2, 1, 1, Strategy::Epoch, ops(&[CachedDispatch])),
-            Err(ConfigError::CachedWithoutLayout { index: 0 })
-        );
-        assert_eq!(
-            ModelConfig::new(2, 1, 1, Strategy::Global, ops(&[Combine, Dispatch])),
-            Err(ConfigError::CombineWithoutDispatch { index: 0 })
-        );
-        let ok = ModelConfig::new(2, 1, 1, Strategy::Epoch, d).unwrap();
+        let d = || vec![Dispatch];
+        let cases: [(usize, usize, usize, Vec<OpKind>, ConfigError); 7] = [
+            (0, 1, 1, d(), ConfigError::World { world: 0 }),
+            (9, 1, 1, d(), ConfigError::World { world: 9 }),
+            (2, 0, 1, d(), ConfigError::Tokens { tokens: 0 }),
+            (2, 1, 0, d(), ConfigError::Blocks { blocks: 0 }),
+            (2, 1, 1, vec![], ConfigError::OpCount { len: 0 }),
+            (
+                2,
+                1,
+                1,
+                vec![CachedDispatch],
+                ConfigError::CachedWithoutLayout { index: 0 },
+            ),
+            (
+                2,
+                1,
+                1,
+                vec![Combine, Dispatch],
+                ConfigError::CombineWithoutDispatch { index: 0 },
+            ),
+        ];
+        for (world, tokens, blocks, ops, error) in cases {
+            for schedule in Schedule::ALL {
+                assert_eq!(
+                    ModelConfig::new(world, tokens, blocks, schedule, ops.clone()),
+                    Err(error.clone())
+                );
+            }
+        }
+        let ok = ModelConfig::new(2, 1, 1, Schedule::Epoch, d()).unwrap();
         assert_eq!(
             ok.with_wait_timeout(Duration::ZERO),
             Err(ConfigError::ZeroTimeout)
@@ -485,9 +491,23 @@ mod tests {
     }
 
     #[test]
+    fn parity_is_the_kernels_rule_under_both_schedules() {
+        for schedule in Schedule::ALL {
+            let cfg = ModelConfig::new(2, 1, 1, schedule, vec![OpKind::Dispatch]).unwrap();
+            assert_eq!(cfg.regions(), 2);
+            for seq in 1..6 {
+                assert_eq!(cfg.parity(seq), Parity::of_epoch(seq).index());
+            }
+            let single = cfg.with_mutation(Mutation::SingleRegion);
+            assert_eq!(single.regions(), 1);
+            assert!((1..6).all(|seq| single.parity(seq) == 0));
+        }
+    }
+
+    #[test]
     fn validates_failures_and_records_mutations() {
         use OpKind::*;
-        let base = ModelConfig::new(2, 1, 1, Strategy::Epoch, ops(&[Dispatch, Combine])).unwrap();
+        let base = ModelConfig::new(2, 1, 1, Schedule::Epoch, vec![Dispatch, Combine]).unwrap();
         let fail = |rank, op, at| base.clone().with_failure(Failure { rank, op, at });
         assert_eq!(
             fail(2, 0, Step::E5),
@@ -532,17 +552,14 @@ mod tests {
             }
             .after_done()
         );
-        assert!(Failure::step_is_valid(Strategy::Global, Dispatch, Step::G4));
-        assert!(!Failure::step_is_valid(
-            Strategy::Global,
-            CachedDispatch,
-            Step::G4
-        ));
-        assert!(!Failure::step_is_valid(
-            Strategy::Epoch,
-            CachedDispatch,
-            Step::E1
-        ));
+        for (schedule, kind, at, valid) in [
+            (Schedule::Global, Dispatch, Step::G4, true),
+            (Schedule::Global, CachedDispatch, Step::G4, false),
+            (Schedule::Epoch, CachedDispatch, Step::E1, false),
+            (Schedule::Epoch, Dispatch, Step::G1, false),
+        ] {
+            assert_eq!(Failure::step_is_valid(schedule, kind, at), valid);
+        }
         let m = base
             .with_mutation(Mutation::SkipFinalWait)
             .with_mutation(Mutation::SkipFinalWait);

@@ -15,18 +15,21 @@
 //! ([`Failure`]) every rank's later ops end in an error, not a hang, and a failed rank writes
 //! nothing more ([`check_outcome`], [`Violation::WriteAfterFailure`]).
 //!
-//! [`Mutation`]s weaken one ordering or drop one wait or check of the protocol; the tests show
-//! that the checker catches each of them.
+//! The model runs the kernels' two schedules ([`Schedule::Epoch`], [`Schedule::Global`]) with
+//! the kernels' region rule (the parity of the op's sequence number, under both schedules).
+//! [`Mutation`]s weaken one ordering, drop one wait or check, or (the deliberately unsound
+//! [`Mutation::SingleRegion`]) the parity regions; the tests show that the checker catches
+//! each of them.
 //!
 //! # Example
 //!
-//! Two ranks, three tokens each, one sender block, the Epoch strategy, on std threads:
+//! Two ranks, three tokens each, one sender block, the Epoch schedule, on std threads:
 //!
 //! ```
-//! use epcomm_protocol::{ModelConfig, NoHook, OpKind, Strategy, run_model, sequential_reference};
+//! use epcomm_protocol::{ModelConfig, NoHook, OpKind, Schedule, run_model, sequential_reference};
 //!
 //! let ops = vec![OpKind::Dispatch, OpKind::Combine, OpKind::CachedDispatch, OpKind::Combine];
-//! let cfg = ModelConfig::new(2, 3, 1, Strategy::Epoch, ops)?;
+//! let cfg = ModelConfig::new(2, 3, 1, Schedule::Epoch, ops)?;
 //! let reports = run_model(&cfg, &NoHook).expect("no protocol violation");
 //! assert_eq!(reports, sequential_reference(&cfg));
 //! # Ok::<(), epcomm_protocol::ConfigError>(())
@@ -38,7 +41,9 @@ pub mod reference;
 pub mod step;
 mod sync;
 
-pub use config::{ConfigError, Failure, ModelConfig, Mutation, OpKind, Strategy};
+pub use config::{ConfigError, Failure, ModelConfig, Mutation, OpKind};
+/// The schedules the model runs: the kernels' own type.
+pub use epcomm_topology::Schedule;
 #[cfg(not(loom))]
 pub use model::{ModelFailure, run_model};
 pub use model::{NoHook, OpError, Region, RunError, StepHook, Violation, World, run_rank};

@@ -17,9 +17,11 @@
 
 use std::fmt;
 
+use epcomm_topology::Schedule;
+
 use crate::config::{
-    ModelConfig, Mutation, OpKind, Strategy, combine_word, count_word, data_word, route_count,
-    routes_to, split_count_word, split_data_word,
+    ModelConfig, Mutation, OpKind, combine_word, count_word, data_word, route_count, routes_to,
+    split_count_word, split_data_word,
 };
 #[cfg(not(loom))]
 use crate::reference::check_outcome;
@@ -67,10 +69,10 @@ impl fmt::Display for Region {
 /// A protocol violation detected by the model: the protocol (or the variant run) is wrong.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Violation {
-    /// A count word carried another epoch than the op's: stale (older) or written by a peer more
-    /// than one op ahead (newer). Property (a).
+    /// A count word carried another notify epoch than the op's: stale (older) or written by a
+    /// peer more than one op ahead (newer). Property (a).
     #[error(
-        "rank {rank}, op {op} ({kind:?}), {step}: count_matrix[{parity}][{src}][{dst}] carries epoch {found}, the op runs epoch {expected}"
+        "rank {rank}, op {op} ({kind:?}), {step}: count_matrix[{parity}][{src}][{dst}] carries notify epoch {found}, the op runs notify epoch {expected}"
     )]
     CountTag {
         /// Rank that read the word.
@@ -87,7 +89,7 @@ pub enum Violation {
         src: usize,
         /// Column (receiver).
         dst: usize,
-        /// The op's epoch.
+        /// The op's notify epoch.
         expected: u64,
         /// The tag found.
         found: u64,
@@ -130,7 +132,7 @@ pub enum Violation {
         step: Step,
         /// Which region.
         region: Region,
-        /// Region index (parity, or 0 for single-region strategies).
+        /// Region index (the parity, or 0 under [`Mutation::SingleRegion`]).
         parity: usize,
         /// Slot within the region.
         slot: usize,
@@ -261,7 +263,7 @@ pub struct ModelFailure {
 
 /// The buffer of one rank, written by its peers' remote stores.
 struct RankBuffer {
-    /// `count_matrix[parity][src][dst]`: tagged words `(epoch << 32) | count`.
+    /// `count_matrix[parity][src][dst]`: tagged words `(notify << 32) | count`.
     count: Vec<AtomicU64>,
     /// `recv[parity][slot]`.
     recv: Vec<AtomicU64>,
@@ -302,7 +304,7 @@ impl fmt::Debug for World {
 impl World {
     /// Allocates zeroed buffers for every rank of `cfg` ("never written" everywhere).
     pub fn new(cfg: &ModelConfig) -> Self {
-        let (w, t, p) = (cfg.world(), cfg.tokens(), cfg.strategy().regions());
+        let (w, t, p) = (cfg.world(), cfg.tokens(), cfg.regions());
         let ranks = (0..w)
             .map(|_| RankBuffer {
                 count: zeroed(p * w * w),
@@ -346,7 +348,8 @@ impl World {
     }
 }
 
-/// Layout of the last non-cached dispatch: its epoch and the full count matrix `[s * W + d]`.
+/// Layout of the last non-cached dispatch: its dispatch sequence number (which picks the
+/// routing) and the full count matrix `[s * W + d]`.
 #[derive(Debug, Clone, Default)]
 struct Layout {
     seq: u64,
@@ -383,6 +386,9 @@ impl From<Violation> for Stop {
 /// an op that completes).
 #[derive(Debug, Clone, Copy)]
 struct SeqState {
+    /// Non-cached dispatches so far: the count words' tag and region (the kernels' `notify`).
+    notify_seq: u64,
+    /// Dispatches so far, cached or not: the receive region and the data words' sequence.
     dispatch_seq: u64,
     combine_seq: u64,
     done_expected: u64,
@@ -426,6 +432,7 @@ pub fn run_rank(world: &World, rank: usize, hook: &dyn StepHook) -> Result<RankR
         op: 0,
         kind: OpKind::Dispatch,
         seq: SeqState {
+            notify_seq: 0,
             dispatch_seq: 0,
             combine_seq: 0,
             done_expected: 0,
@@ -549,10 +556,6 @@ impl Rank<'_> {
         } else {
             strong
         }
-    }
-
-    fn parity(&self, seq: u64) -> usize {
-        (seq % self.cfg.strategy().regions() as u64) as usize
     }
 
     fn world_size(&self) -> usize {
@@ -783,17 +786,34 @@ impl Rank<'_> {
             })?;
         }
         for s in 0..self.world_size() {
-            let word = &self.w.ranks[self.me].barrier[s];
-            self.wait(step, s, round, || {
-                let seen = word.load(Ordering::Acquire);
-                Ok(if seen >= round {
-                    Poll::Ready(())
-                } else {
-                    Poll::Pending(seen)
-                })
-            })?;
+            self.wait_geq(
+                step,
+                s,
+                &self.w.ranks[self.me].barrier[s],
+                round,
+                Ordering::Acquire,
+            )?;
         }
         Ok(())
+    }
+
+    /// Bounded wait until `word` (written by `peer`) reaches `target`, loading with `order`.
+    fn wait_geq(
+        &self,
+        step: Step,
+        peer: usize,
+        word: &AtomicU64,
+        target: u64,
+        order: Ordering,
+    ) -> Result<(), Stop> {
+        self.wait(step, peer, target, || {
+            let seen = word.load(order);
+            Ok(if seen >= target {
+                Poll::Ready(())
+            } else {
+                Poll::Pending(seen)
+            })
+        })
     }
 
     /// `[E6]`/`[C5]`: wait until every source signalled all its blocks of this op.
@@ -802,15 +822,7 @@ impl Rank<'_> {
         let expected = self.seq.done_expected;
         let order = self.ordering(Mutation::DoneWaitRelaxed, Ordering::Acquire);
         for s in 0..self.world_size() {
-            let word = &self.w.ranks[self.me].done[s];
-            self.wait(step, s, expected, || {
-                let seen = word.load(order);
-                Ok(if seen >= expected {
-                    Poll::Ready(())
-                } else {
-                    Poll::Pending(seen)
-                })
-            })?;
+            self.wait_geq(step, s, &self.w.ranks[self.me].done[s], expected, order)?;
         }
         Ok(())
     }
@@ -835,26 +847,34 @@ impl Rank<'_> {
             self.cfg.tokens(),
             self.cfg.blocks(),
         );
-        let global = self.cfg.strategy() == Strategy::Global;
+        let global = self.cfg.schedule() == Schedule::Global;
         self.seq.dispatch_seq += 1;
         let e = self.seq.dispatch_seq;
-        let parity = self.parity(e);
+        // The kernels' regions: receive rows by the dispatch sequence, counts by the notify
+        // sequence (non-cached dispatches only), each through `Parity::of_epoch`, under both
+        // schedules.
+        let parity = self.cfg.parity(e);
+        if !cached {
+            self.seq.notify_seq += 1;
+        }
+        let n = self.seq.notify_seq;
+        let npar = self.cfg.parity(n);
         if global {
             // [G1] barrier: every rank finished its previous op, including reading its output.
             self.barrier(Step::G1)?;
         }
         let count_load = self.ordering(Mutation::CountLoadsRelaxed, Ordering::Acquire);
         if !cached {
-            // [E1] / [G2] write my row of counts, tagged with e, into every rank. Relaxed: the
+            // [E1] / [G2] write my row of counts, tagged with n, into every rank. Relaxed: the
             // word carries its value and its tag, so it publishes nothing but itself.
             let write_step = if global { Step::G2 } else { Step::E1 };
             self.step(write_step)?;
             for d in 0..wsz {
                 for dst in 0..wsz {
-                    let word = count_word(e, route_count(e, tokens, me, dst));
+                    let word = count_word(n, route_count(e, tokens, me, dst));
                     self.write(write_step, || {
                         self.w
-                            .count(d, parity, me, dst)
+                            .count(d, npar, me, dst)
                             .store(word, Ordering::Relaxed);
                     })?;
                 }
@@ -868,23 +888,23 @@ impl Rank<'_> {
             let mut counts = vec![0u64; wsz * wsz];
             for s in 0..wsz {
                 for dst in 0..wsz {
-                    let word = self.w.count(me, parity, s, dst);
+                    let word = self.w.count(me, npar, s, dst);
                     let count = if global {
-                        // [G4] read counts (acquire): the barrier guarantees tag e.
+                        // [G4] read counts (acquire): the barrier guarantees tag n.
                         let (tag, count) = split_count_word(word.load(count_load));
-                        if tag != e {
-                            return Err(self.count_tag(read_step, parity, s, dst, e, tag).into());
+                        if tag != n {
+                            return Err(self.count_tag(read_step, npar, s, dst, n, tag).into());
                         }
                         count
                     } else {
-                        // [E2] wait count row: bounded wait until the tag is e (acquire; the
+                        // [E2] wait count row: bounded wait until the tag is n (acquire; the
                         // tag equality is what validates the value).
-                        self.wait(read_step, s, e, || {
+                        self.wait(read_step, s, n, || {
                             let (tag, count) = split_count_word(word.load(count_load));
-                            if tag == e {
+                            if tag == n {
                                 Ok(Poll::Ready(count))
-                            } else if tag > e {
-                                Err(self.count_tag(read_step, parity, s, dst, e, tag))
+                            } else if tag > n {
+                                Err(self.count_tag(read_step, npar, s, dst, n, tag))
                             } else {
                                 Ok(Poll::Pending(tag))
                             }
@@ -938,14 +958,13 @@ impl Rank<'_> {
         }
 
         // [E7] read output: per-source counts (fresh dispatch: re-read the count words, which
-        // must still carry tag e; cached: the cached layout), then the rows.
+        // must still carry tag n; cached: the cached layout), then the rows.
         self.step(Step::E7)?;
         if !cached {
             for s in 0..wsz {
-                let (tag, count) =
-                    split_count_word(self.w.count(me, parity, s, me).load(count_load));
-                if tag != e {
-                    return Err(self.count_tag(Step::E7, parity, s, me, e, tag).into());
+                let (tag, count) = split_count_word(self.w.count(me, npar, s, me).load(count_load));
+                if tag != n {
+                    return Err(self.count_tag(Step::E7, npar, s, me, n, tag).into());
                 }
                 self.check_count(Step::E7, layout.seq, s, me, count)?;
             }
@@ -973,9 +992,9 @@ impl Rank<'_> {
         );
         self.seq.combine_seq += 1;
         let c = self.seq.combine_seq;
-        let parity = self.parity(c);
-        if self.cfg.strategy() == Strategy::Global {
-            // [G1] barrier: every rank finished its previous op (single comb region).
+        let parity = self.cfg.parity(c);
+        if self.cfg.schedule() == Schedule::Global {
+            // [G1] barrier: every rank finished its previous op.
             self.barrier(Step::G1)?;
         }
         let live = self.live.clone().unwrap_or_default();
@@ -1029,15 +1048,7 @@ impl Rank<'_> {
             self.step(Step::C3)?;
             for &t in &mine {
                 for s in (0..wsz).filter(|&s| s != me && routes_to(layout_seq, me, t, s)) {
-                    let word = self.w.flag(me, s, t);
-                    self.wait(Step::C3, s, c, || {
-                        let seen = word.load(flag_load);
-                        Ok(if seen >= c {
-                            Poll::Ready(())
-                        } else {
-                            Poll::Pending(seen)
-                        })
-                    })?;
+                    self.wait_geq(Step::C3, s, self.w.flag(me, s, t), c, flag_load)?;
                 }
             }
             // [C4] reduce in rank order: comb[c%2][s][t] for s != me, local data for s == me.

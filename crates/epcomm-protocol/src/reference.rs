@@ -288,7 +288,8 @@ pub fn check_outcome(cfg: &ModelConfig, reports: &[RankReport]) -> Result<(), Ou
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{OpKind::*, Strategy, route_count};
+    use crate::config::{OpKind::*, route_count};
+    use epcomm_topology::Schedule;
 
     #[test]
     fn dispatch_rows_match_counts() {
@@ -296,7 +297,7 @@ mod tests {
             3,
             4,
             1,
-            Strategy::Epoch,
+            Schedule::Epoch,
             vec![Dispatch, CachedDispatch, Combine],
         )
         .unwrap();
@@ -325,11 +326,12 @@ mod tests {
 
     mod outcome {
         use super::super::*;
-        use crate::config::{Failure, OpKind::*, Strategy};
+        use crate::config::{Failure, OpKind::*};
         use crate::step::Step;
+        use epcomm_topology::Schedule;
 
         fn cfg(ops: &[OpKind], failure: Option<Failure>) -> ModelConfig {
-            let c = ModelConfig::new(2, 2, 1, Strategy::Epoch, ops.to_vec()).unwrap();
+            let c = ModelConfig::new(2, 2, 1, Schedule::Epoch, ops.to_vec()).unwrap();
             match failure {
                 Some(f) => c.with_failure(f).unwrap(),
                 None => c,
@@ -341,6 +343,18 @@ mod tests {
 
         fn aborted(step: Step, by: usize) -> OpResult {
             Err(OpError::Aborted { step, peer: by, by })
+        }
+
+        /// The reports of a two-rank run: rank 0's results, then rank 1's.
+        fn two_ranks(r0: &[OpResult], r1: &[OpResult]) -> Vec<RankReport> {
+            [r0, r1]
+                .into_iter()
+                .enumerate()
+                .map(|(rank, outputs)| RankReport {
+                    rank,
+                    outputs: outputs.to_vec(),
+                })
+                .collect()
         }
 
         #[test]
@@ -376,31 +390,27 @@ mod tests {
             ));
         }
 
+        /// Rank 1 fails in op 1 (of 3) before `at`: the configuration, the sequential
+        /// reference and rank 1's results as the protocol allows them.
+        fn rank_1_fails_in_op_1(
+            ops: [OpKind; 3],
+            at: Step,
+        ) -> (ModelConfig, Vec<RankReport>, [OpResult; 3]) {
+            let c = cfg(&ops, Some(Failure { rank: 1, op: 1, at }));
+            let reference = sequential_reference(&c);
+            let r1 = [
+                reference[1].outputs[0].clone(),
+                Err(OpError::TimedOut { step: at }),
+                REFUSED_1,
+            ];
+            (c, reference, r1)
+        }
+
         #[test]
         fn failure_before_done_ends_every_later_op_in_an_error() {
-            let f = Failure {
-                rank: 1,
-                op: 1,
-                at: Step::C2,
-            };
-            let c = cfg(&[Dispatch, Combine, CachedDispatch], Some(f));
-            let reference = sequential_reference(&c);
-            let good = |r0: [OpResult; 3]| {
-                vec![
-                    RankReport {
-                        rank: 0,
-                        outputs: r0.to_vec(),
-                    },
-                    RankReport {
-                        rank: 1,
-                        outputs: vec![
-                            reference[1].outputs[0].clone(),
-                            Err(OpError::TimedOut { step: Step::C2 }),
-                            REFUSED_1,
-                        ],
-                    },
-                ]
-            };
+            let (c, reference, r1) =
+                rank_1_fails_in_op_1([Dispatch, Combine, CachedDispatch], Step::C2);
+            let good = |r0: [OpResult; 3]| two_ranks(&r0, &r1);
             let r0 = |i: usize| reference[0].outputs[i].clone();
             // Every outcome the protocol allows.
             for r in [
@@ -470,32 +480,15 @@ mod tests {
 
         #[test]
         fn failure_after_done_lets_peers_complete_that_op_only() {
-            let f = Failure {
-                rank: 1,
-                op: 1,
-                at: Step::E6,
-            };
-            let c = cfg(&[Dispatch, CachedDispatch, Combine], Some(f));
-            let reference = sequential_reference(&c);
+            let (c, reference, r1) =
+                rank_1_fails_in_op_1([Dispatch, CachedDispatch, Combine], Step::E6);
             let reports = |r0_2: OpResult| {
-                vec![
-                    RankReport {
-                        rank: 0,
-                        outputs: vec![
-                            reference[0].outputs[0].clone(),
-                            reference[0].outputs[1].clone(),
-                            r0_2,
-                        ],
-                    },
-                    RankReport {
-                        rank: 1,
-                        outputs: vec![
-                            reference[1].outputs[0].clone(),
-                            Err(OpError::TimedOut { step: Step::E6 }),
-                            REFUSED_1,
-                        ],
-                    },
-                ]
+                let r0 = [
+                    reference[0].outputs[0].clone(),
+                    reference[0].outputs[1].clone(),
+                    r0_2,
+                ];
+                two_ranks(&r0, &r1)
             };
             assert_eq!(check_outcome(&c, &reports(aborted(Step::C5, 1))), Ok(()));
             assert!(matches!(

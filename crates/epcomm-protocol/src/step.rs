@@ -11,10 +11,10 @@ use std::fmt;
 pub enum Step {
     /// `[R]` op start: re-validate the live output of the last dispatch before the op begins.
     Recheck,
-    /// `[E1]` write my row of epoch-tagged counts into `count_matrix[e%2][me][*]` of every rank
-    /// (relaxed: each word carries its value and tag).
+    /// `[E1]` write my row of counts, tagged with the notify epoch `n`, into
+    /// `count_matrix[n%2][me][*]` of every rank (relaxed: each word carries its value and tag).
     E1,
-    /// `[E2]` wait until every `count_matrix[e%2][s][*]` word of my buffer carries tag `e`
+    /// `[E2]` wait until every `count_matrix[n%2][s][*]` word of my buffer carries tag `n`
     /// (acquire, bounded).
     E2,
     /// `[E3]` compute offsets: my rows in rank `d` start at `sum_{s<me} count(s->d)`.
@@ -25,7 +25,7 @@ pub enum Step {
     E5,
     /// `[E6]` wait until `done[s] >= expected` for every source `s` (acquire, bounded).
     E6,
-    /// `[E7]` read the output: `count_matrix[e%2][s][me]` (tag must be `e`) and `recv[e%2]`.
+    /// `[E7]` read the output: `count_matrix[n%2][s][me]` (tag must be `n`) and `recv[e%2]`.
     E7,
     /// `[C1]` write contributions: each row into the owner's `comb[c%2][me][token]` (relaxed),
     /// then the owner's per-token flag `flags[me][token] := c` (release).
@@ -45,15 +45,15 @@ pub enum Step {
     F1,
     /// `[F2]` on failure: publish the abort word to every peer.
     F2,
-    /// `[G1]` Global strategy: round-aware barrier before the op touches shared state.
+    /// `[G1]` Global schedule: round-aware barrier before the op touches shared state.
     G1,
-    /// `[G2]` Global strategy: write my row of counts into the single count region (relaxed).
+    /// `[G2]` Global schedule: write my row of counts into `count_matrix[n%2]` (relaxed).
     G2,
-    /// `[G3]` Global strategy: barrier, every rank's counts have landed.
+    /// `[G3]` Global schedule: barrier, every rank's counts have landed.
     G3,
-    /// `[G4]` Global strategy: read the counts of the single region (acquire).
+    /// `[G4]` Global schedule: read the counts of `count_matrix[n%2]` (acquire; tag must be `n`).
     G4,
-    /// `[G5]` Global strategy: barrier before any data is written (DeepEP: cleaning finished).
+    /// `[G5]` Global schedule: barrier before any data is written (DeepEP: cleaning finished).
     G5,
 }
 

@@ -1,5 +1,5 @@
-//! Deterministic schedules that break the deliberately unsound `EpochWithoutParity` variant or
-//! a mutated protocol, and pass on the real protocol: proof that the model can fail. Also the
+//! Deterministic schedules that break the deliberately unsound single-region variant
+//! (`Mutation::SingleRegion`) or another mutated protocol, and pass on the real protocol: proof that the model can fail. Also the
 //! failure path on std threads.
 #![cfg(not(loom))]
 
@@ -12,13 +12,33 @@ use common::Pause;
 use epcomm_protocol::config::{combine_word, data_word, route_count, routes_to};
 use epcomm_protocol::model::Region;
 use epcomm_protocol::{
-    Failure, ModelConfig, Mutation, NoHook, OpError, OpKind, Step, StepHook, Strategy, Violation,
-    run_model, sequential_reference,
+    Failure, ModelConfig, Mutation, NoHook, OpError, OpKind, OpResult, Schedule, Step, StepHook,
+    Violation, run_model, sequential_reference,
 };
 
-fn run(strategy: Strategy, tokens: usize, ops: &[OpKind], pause: &Pause) -> Result<(), Violation> {
-    let cfg = ModelConfig::new(2, tokens, 1, strategy, ops.to_vec()).unwrap();
-    run_cfg(&cfg, pause, true)
+/// Two ranks, one block, the Epoch schedule.
+fn epoch(tokens: usize, ops: &[OpKind]) -> ModelConfig {
+    ModelConfig::new(2, tokens, 1, Schedule::Epoch, ops.to_vec()).unwrap()
+}
+
+/// Runs `cfg` under `pause()`, which must pass, then `cfg` with `mutation` under `pause()`,
+/// which must fail; returns the mutated run's first violation. `reachable` says whether the
+/// protocol itself reaches the forced schedule (when it cannot, the pause gives up quickly).
+fn caught_only_when_mutated(
+    cfg: &ModelConfig,
+    mutation: Mutation,
+    pause: impl Fn() -> Pause,
+    reachable: bool,
+) -> Violation {
+    let unmutated = if reachable {
+        pause()
+    } else {
+        pause().giving_up_after(Duration::from_millis(300))
+    };
+    run_cfg(cfg, &unmutated, reachable)
+        .unwrap_or_else(|v| panic!("{cfg:?} must pass unmutated: {v}"));
+    run_cfg(&cfg.clone().with_mutation(mutation), &pause(), true)
+        .expect_err("the mutated protocol must fail under the forced schedule")
 }
 
 /// Runs `cfg` under `pause`; `reachable` says whether the forced schedule must be reached.
@@ -44,11 +64,9 @@ fn run_cfg(cfg: &ModelConfig, pause: &Pause, reachable: bool) -> Result<(), Viol
 #[test]
 fn single_count_region_reads_next_epoch_count() {
     use OpKind::*;
-    let ops = [Dispatch, Dispatch, Combine];
     let pause = || Pause::new(1, (0, Step::E7), 0, (1, Step::E2));
-    run(Strategy::Epoch, 2, &ops, &pause()).expect("parity regions keep the counts apart");
-    let v = run(Strategy::EpochWithoutParity, 2, &ops, &pause()).unwrap_err();
-    match v {
+    let cfg = epoch(2, &[Dispatch, Dispatch, Combine]);
+    match caught_only_when_mutated(&cfg, Mutation::SingleRegion, pause, true) {
         Violation::CountTag {
             rank: 1,
             op: 0,
@@ -72,11 +90,9 @@ fn single_recv_region_overwrites_live_output() {
         route_count(1, tokens, 0, 1) > 0,
         "rank 0 must send to rank 1 for this schedule"
     );
-    let ops = [Dispatch, CachedDispatch, Combine];
     let pause = || Pause::new(1, (1, Step::Recheck), 0, (1, Step::E6));
-    run(Strategy::Epoch, tokens, &ops, &pause()).expect("parity regions keep the rows apart");
-    let v = run(Strategy::EpochWithoutParity, tokens, &ops, &pause()).unwrap_err();
-    match v {
+    let cfg = epoch(tokens, &[Dispatch, CachedDispatch, Combine]);
+    match caught_only_when_mutated(&cfg, Mutation::SingleRegion, pause, true) {
         Violation::Data {
             rank: 1,
             step: Step::Recheck | Step::E7,
@@ -106,24 +122,10 @@ fn rank_1_holds_no_token_for_rank_0() {
 fn without_final_wait_a_combine_overwrites_unreduced_contributions() {
     use OpKind::*;
     rank_1_holds_no_token_for_rank_0();
-    let cfg = ModelConfig::new(
-        2,
-        1,
-        1,
-        Strategy::Epoch,
-        vec![Dispatch, Combine, Combine, Combine],
-    )
-    .unwrap();
+    let cfg = epoch(1, &[Dispatch, Combine, Combine, Combine]);
+    // [C5] holds rank 1 until rank 0 reduced: unmutated, the schedule cannot happen.
     let pause = || Pause::new(0, (1, Step::C4), 1, (3, Step::C4));
-    run_cfg(
-        &cfg,
-        &pause().giving_up_after(Duration::from_millis(300)),
-        false,
-    )
-    .expect("[C5] holds rank 1 until rank 0 reduced");
-    let mutated = cfg.with_mutation(Mutation::SkipFinalWait);
-    let v = run_cfg(&mutated, &pause(), true).unwrap_err();
-    match v {
+    match caught_only_when_mutated(&cfg, Mutation::SkipFinalWait, pause, false) {
         Violation::Data {
             rank: 0,
             op: 1,
@@ -148,21 +150,10 @@ fn without_final_wait_a_combine_overwrites_unreduced_contributions() {
 fn without_cached_done_wait_rows_are_read_before_they_land() {
     use OpKind::*;
     rank_1_holds_no_token_for_rank_0();
-    let cfg = ModelConfig::new(2, 1, 1, Strategy::Epoch, vec![Dispatch, CachedDispatch]).unwrap();
+    let cfg = epoch(1, &[Dispatch, CachedDispatch]);
+    // [E6] holds rank 1 until rank 0's rows landed: unmutated, the schedule cannot happen.
     let pause = || Pause::new(0, (1, Step::E4), 1, (1, Step::E7));
-    run_cfg(
-        &cfg,
-        &pause().giving_up_after(Duration::from_millis(300)),
-        false,
-    )
-    .expect("[E6] holds rank 1 until rank 0's rows landed");
-    let v = run_cfg(
-        &cfg.with_mutation(Mutation::SkipCachedDoneWait),
-        &pause(),
-        true,
-    )
-    .unwrap_err();
-    match v {
+    match caught_only_when_mutated(&cfg, Mutation::SkipCachedDoneWait, pause, false) {
         Violation::Data {
             rank: 1,
             op: 1,
@@ -175,25 +166,30 @@ fn without_cached_done_wait_rows_are_read_before_they_land() {
     }
 }
 
+/// `result` is a peer's op that gave up on rank `failed`: in a wait (the abort word) or at its
+/// prologue `[F1]`.
+fn assert_gave_up_on(result: &OpResult, failed: usize) {
+    assert!(
+        matches!(
+            result,
+            Err(OpError::Aborted { by, .. } | OpError::Refused { by }) if *by == failed
+        ),
+        "expected an op that gave up on rank {failed}, got {result:?}"
+    );
+}
+
 /// A failure before the done signal: the failing rank and its peer end every later op in an
 /// error (the peer cannot complete the failing op either), and nothing hangs.
 #[test]
 fn failure_before_done_ends_every_later_op_in_error() {
     use OpKind::*;
-    let cfg = ModelConfig::new(
-        2,
-        2,
-        1,
-        Strategy::Epoch,
-        vec![Dispatch, Combine, CachedDispatch, Combine],
-    )
-    .unwrap()
-    .with_failure(Failure {
-        rank: 1,
-        op: 1,
-        at: Step::C2,
-    })
-    .unwrap();
+    let cfg = epoch(2, &[Dispatch, Combine, CachedDispatch, Combine])
+        .with_failure(Failure {
+            rank: 1,
+            op: 1,
+            at: Step::C2,
+        })
+        .unwrap();
     let reports = run_model(&cfg, &NoHook).unwrap_or_else(|f| panic!("{f}"));
     let reference = sequential_reference(&cfg);
     assert_eq!(reports[1].outputs[0], reference[1].outputs[0]);
@@ -208,14 +204,7 @@ fn failure_before_done_ends_every_later_op_in_error() {
         "{:?}",
         reports[0].outputs[0]
     );
-    assert!(
-        matches!(
-            reports[0].outputs[1],
-            Err(OpError::Aborted { by: 1, .. } | OpError::Refused { by: 1 })
-        ),
-        "{:?}",
-        reports[0].outputs[1]
-    );
+    assert_gave_up_on(&reports[0].outputs[1], 1);
     for report in &reports {
         let later = &report.outputs[2..];
         assert!(
@@ -233,34 +222,20 @@ fn failure_before_done_ends_every_later_op_in_error() {
 #[test]
 fn failure_after_done_lets_the_peer_finish_that_op_only() {
     use OpKind::*;
-    let cfg = ModelConfig::new(
-        2,
-        2,
-        1,
-        Strategy::Epoch,
-        vec![Dispatch, CachedDispatch, Combine],
-    )
-    .unwrap()
-    .with_failure(Failure {
-        rank: 0,
-        op: 1,
-        at: Step::E6,
-    })
-    .unwrap();
+    let cfg = epoch(2, &[Dispatch, CachedDispatch, Combine])
+        .with_failure(Failure {
+            rank: 0,
+            op: 1,
+            at: Step::E6,
+        })
+        .unwrap();
     // Rank 0 reaches its failure only once rank 1 has completed op 1 and started op 2.
     let pause = Pause::new(0, (1, Step::E6), 1, (2, Step::F1));
     let reports = run_model(&cfg, &pause).unwrap_or_else(|f| panic!("{f}"));
     assert!(!pause.gave_up.load(Ordering::SeqCst));
     let reference = sequential_reference(&cfg);
     assert_eq!(reports[1].outputs[..2], reference[1].outputs[..2]);
-    assert!(
-        matches!(
-            reports[1].outputs[2],
-            Err(OpError::Aborted { by: 0, .. } | OpError::Refused { by: 0 })
-        ),
-        "{:?}",
-        reports[1].outputs[2]
-    );
+    assert_gave_up_on(&reports[1].outputs[2], 0);
     assert_eq!(
         reports[0].outputs[1],
         Err(OpError::TimedOut { step: Step::E6 })
@@ -273,8 +248,7 @@ fn failure_after_done_lets_the_peer_finish_that_op_only() {
 fn without_prologue_check_a_failed_rank_writes_again() {
     use OpKind::*;
     rank_1_holds_no_token_for_rank_0();
-    let cfg = ModelConfig::new(2, 1, 1, Strategy::Epoch, vec![Dispatch, CachedDispatch])
-        .unwrap()
+    let cfg = epoch(1, &[Dispatch, CachedDispatch])
         .with_failure(Failure {
             rank: 0,
             op: 0,
@@ -307,8 +281,7 @@ fn bounded_wait_names_op_wait_and_peer() {
         }
     }
     use OpKind::*;
-    let cfg = ModelConfig::new(2, 2, 1, Strategy::Epoch, vec![Dispatch, Dispatch])
-        .unwrap()
+    let cfg = epoch(2, &[Dispatch, Dispatch])
         .with_wait_timeout(Duration::from_millis(50))
         .unwrap();
     let failure = run_model(&cfg, &Stall).unwrap_err();

@@ -6,7 +6,8 @@ mod common;
 
 use common::{Jitter, Rng};
 use epcomm_protocol::{
-    Failure, ModelConfig, NoHook, OpError, OpKind, Step, Strategy, run_model, sequential_reference,
+    Failure, ModelConfig, Mutation, NoHook, OpError, OpKind, Schedule, Step, run_model,
+    sequential_reference,
 };
 
 fn random_ops(rng: &mut Rng, len: usize) -> Vec<OpKind> {
@@ -21,60 +22,82 @@ fn random_ops(rng: &mut Rng, len: usize) -> Vec<OpKind> {
     ops
 }
 
-fn stress(strategy: Strategy, runs: u64, seed: u64) {
+/// A random configuration: 2..=4 ranks, `1..=max_tokens` tokens, 1..=2 blocks, and
+/// `min_ops..min_ops + spread_ops` random ops starting with a dispatch.
+fn random_config(
+    rng: &mut Rng,
+    schedule: Schedule,
+    max_tokens: u64,
+    min_ops: usize,
+    spread_ops: u64,
+) -> ModelConfig {
+    let world = 2 + rng.below(3) as usize;
+    let tokens = 1 + rng.below(max_tokens) as usize;
+    let blocks = 1 + rng.below(2) as usize;
+    let len = min_ops + rng.below(spread_ops) as usize;
+    let ops = random_ops(rng, len);
+    ModelConfig::new(world, tokens, blocks, schedule, ops).unwrap()
+}
+
+/// Delays of run `run` of a stress test seeded with `seed`.
+fn jitter(seed: u64, run: u64) -> Jitter {
+    Jitter::new(seed ^ run.wrapping_mul(0x2545_F491_4F6C_DD1D))
+}
+
+fn stress(cfg_of: impl Fn(&mut Rng) -> ModelConfig, runs: u64, seed: u64) {
     let mut rng = Rng(seed);
     for run in 0..runs {
-        let world = 2 + rng.below(3) as usize;
-        let tokens = 1 + rng.below(4) as usize;
-        let blocks = 1 + rng.below(2) as usize;
-        let len = 3 + rng.below(6) as usize;
-        let ops = random_ops(&mut rng, len);
-        let cfg = ModelConfig::new(world, tokens, blocks, strategy, ops).unwrap();
-        let got = run_model(
-            &cfg,
-            &Jitter::new(seed ^ run.wrapping_mul(0x2545_F491_4F6C_DD1D)),
-        )
-        .unwrap_or_else(|f| panic!("run {run}, {cfg:?}: {f}"));
+        let cfg = cfg_of(&mut rng);
+        let got = run_model(&cfg, &jitter(seed, run))
+            .unwrap_or_else(|f| panic!("run {run}, {cfg:?}: {f}"));
         assert_eq!(got, sequential_reference(&cfg), "run {run}, {cfg:?}");
     }
 }
 
 #[test]
 fn epoch_survives_random_delays() {
-    stress(Strategy::Epoch, 120, 0x1234_5678);
+    stress(
+        |rng| random_config(rng, Schedule::Epoch, 4, 3, 6),
+        120,
+        0x1234_5678,
+    );
 }
 
 #[test]
 fn global_survives_random_delays() {
-    stress(Strategy::Global, 60, 0x8765_4321);
+    stress(
+        |rng| random_config(rng, Schedule::Global, 4, 3, 6),
+        60,
+        0x8765_4321,
+    );
+}
+
+/// Global's `[G1]` barrier alone protects single regions (DeepEP's design): without the parity
+/// regions the Global schedule still never reads a stale count or an overwritten row.
+#[test]
+fn global_survives_random_delays_with_single_regions() {
+    let single = |rng: &mut Rng| {
+        random_config(rng, Schedule::Global, 4, 3, 6).with_mutation(Mutation::SingleRegion)
+    };
+    stress(single, 60, 0x5151_0001);
 }
 
 /// A random rank fails at a random step of a random op: every run must end with every rank's
 /// later ops in an error (no hang, no completed op with wrong data), as `run_model` checks.
-fn stress_failures(strategy: Strategy, runs: u64, seed: u64) {
+fn stress_failures(schedule: Schedule, runs: u64, seed: u64) {
     let mut rng = Rng(seed);
     for run in 0..runs {
-        let world = 2 + rng.below(3) as usize;
-        let tokens = 1 + rng.below(3) as usize;
-        let blocks = 1 + rng.below(2) as usize;
-        let len = 2 + rng.below(5) as usize;
-        let ops = random_ops(&mut rng, len);
-        let op = rng.below(len as u64) as usize;
+        let cfg = random_config(&mut rng, schedule, 3, 2, 5);
+        let op = rng.below(cfg.ops().len() as u64) as usize;
         let steps: Vec<Step> = Step::ALL
             .into_iter()
-            .filter(|&s| Failure::step_is_valid(strategy, ops[op], s))
+            .filter(|&s| Failure::step_is_valid(schedule, cfg.ops()[op], s))
             .collect();
         let at = steps[rng.below(steps.len() as u64) as usize];
-        let rank = rng.below(world as u64) as usize;
-        let cfg = ModelConfig::new(world, tokens, blocks, strategy, ops)
-            .unwrap()
-            .with_failure(Failure { rank, op, at })
-            .unwrap();
-        let reports = run_model(
-            &cfg,
-            &Jitter::new(seed ^ run.wrapping_mul(0x2545_F491_4F6C_DD1D)),
-        )
-        .unwrap_or_else(|f| panic!("run {run}, {cfg:?}: {f}"));
+        let rank = rng.below(cfg.world() as u64) as usize;
+        let cfg = cfg.with_failure(Failure { rank, op, at }).unwrap();
+        let reports = run_model(&cfg, &jitter(seed, run))
+            .unwrap_or_else(|f| panic!("run {run}, {cfg:?}: {f}"));
         assert_eq!(
             reports[rank].outputs[op],
             Err(OpError::TimedOut { step: at }),
@@ -85,12 +108,12 @@ fn stress_failures(strategy: Strategy, runs: u64, seed: u64) {
 
 #[test]
 fn epoch_failures_end_in_errors() {
-    stress_failures(Strategy::Epoch, 80, 0xFA11);
+    stress_failures(Schedule::Epoch, 80, 0xFA11);
 }
 
 #[test]
 fn global_failures_end_in_errors() {
-    stress_failures(Strategy::Global, 40, 0xFA12);
+    stress_failures(Schedule::Global, 40, 0xFA12);
 }
 
 #[test]
@@ -100,9 +123,9 @@ fn long_mixed_sequence_without_delays() {
     for i in 0..200 {
         ops.push([Combine, Dispatch, CachedDispatch, Combine, Combine][i % 5]);
     }
-    for strategy in [Strategy::Epoch, Strategy::Global] {
-        let cfg = ModelConfig::new(4, 8, 2, strategy, ops.clone()).unwrap();
-        let got = run_model(&cfg, &NoHook).unwrap_or_else(|f| panic!("{strategy:?}: {f}"));
+    for schedule in Schedule::ALL {
+        let cfg = ModelConfig::new(4, 8, 2, schedule, ops.clone()).unwrap();
+        let got = run_model(&cfg, &NoHook).unwrap_or_else(|f| panic!("{schedule}: {f}"));
         assert_eq!(got, sequential_reference(&cfg));
     }
 }
@@ -110,12 +133,12 @@ fn long_mixed_sequence_without_delays() {
 #[test]
 fn single_rank_world_works() {
     use OpKind::*;
-    for strategy in [Strategy::Epoch, Strategy::Global] {
+    for schedule in Schedule::ALL {
         let cfg = ModelConfig::new(
             1,
             3,
             1,
-            strategy,
+            schedule,
             vec![Dispatch, Combine, CachedDispatch, Combine],
         )
         .unwrap();
@@ -127,7 +150,8 @@ fn single_rank_world_works() {
 }
 
 /// The stress harness is strong enough to matter: with the same delays, the deliberately
-/// unsound single-region variant fails (in practice in almost every run; one is required).
+/// unsound Epoch schedule with single regions fails (in practice in almost every run; one is
+/// required).
 #[test]
 fn jitter_catches_the_unsound_variant() {
     let mut rng = Rng(0xBAD);
@@ -136,7 +160,9 @@ fn jitter_catches_the_unsound_variant() {
         let ops = random_ops(&mut rng, 6);
         let world = 2 + rng.below(3) as usize;
         let tokens = 1 + rng.below(4) as usize;
-        let cfg = ModelConfig::new(world, tokens, 1, Strategy::EpochWithoutParity, ops).unwrap();
+        let cfg = ModelConfig::new(world, tokens, 1, Schedule::Epoch, ops)
+            .unwrap()
+            .with_mutation(Mutation::SingleRegion);
         if run_model(&cfg, &Jitter::new(run)).is_err() {
             failures += 1;
         }
