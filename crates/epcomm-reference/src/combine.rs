@@ -38,7 +38,7 @@ pub fn combine(
     num_tokens: &[usize],
 ) -> Result<Vec<CombineOutput>> {
     let world = dispatch_outputs.len();
-    RefError::zero_check("dispatch_outputs.len()", world)?;
+    RefError::nonzero(&[("dispatch_outputs.len()", world)])?;
     RefError::len_check("ys", ys.len(), world, "one per rank")?;
     RefError::len_check("num_tokens", num_tokens.len(), world, "one per rank")?;
     if let Some(w) = weights {
@@ -131,8 +131,7 @@ pub fn combine_weighted_ll(
     top_k: usize,
     hidden: usize,
 ) -> Result<Vec<bf16>> {
-    RefError::zero_check("top_k", top_k)?;
-    RefError::zero_check("hidden", hidden)?;
+    RefError::nonzero(&[("top_k", top_k), ("hidden", hidden)])?;
     let n = num_tokens * top_k;
     RefError::len_check("topk_idx", topk_idx.len(), n, "num_tokens * top_k")?;
     RefError::len_check("topk_weights", topk_weights.len(), n, "num_tokens * top_k")?;

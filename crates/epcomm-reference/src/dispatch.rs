@@ -2,10 +2,11 @@
 
 use std::ops::Range;
 
+use epcomm_topology::RowDtype;
 use float8::F8E4M3;
 use half::bf16;
 
-use crate::fp8::{FP8_GROUP, dequantize_fp8_e4m3_per128, quantize_fp8_e4m3_per128};
+use crate::fp8::{dequantize_fp8_e4m3_per128, fp8_row, quantize_fp8_e4m3_per128};
 use crate::layout::{check_experts, layout};
 use crate::{RefError, Result};
 
@@ -35,7 +36,15 @@ impl XData {
 
     /// Whether this is [`XData::Fp8`].
     pub fn is_fp8(&self) -> bool {
-        matches!(self, XData::Fp8 { .. })
+        self.dtype() == RowDtype::Fp8
+    }
+
+    /// The row element type, as the buffer plans and kernels name it.
+    pub fn dtype(&self) -> RowDtype {
+        match self {
+            XData::Bf16(_) => RowDtype::Bf16,
+            XData::Fp8 { .. } => RowDtype::Fp8,
+        }
     }
 
     /// `"bf16"` or `"fp8_e4m3"`.
@@ -88,23 +97,19 @@ impl XData {
     /// Checks that this holds `num_tokens` rows of `hidden` (and, for fp8, the scales).
     ///
     /// # Errors
-    /// [`RefError::Length`] / [`RefError::NotMultiple`] naming `x` or `scales`.
+    /// [`RefError::Length`] naming `x` or `scales`; for fp8, [`RefError::Row`] when `hidden`
+    /// is not a valid FP8 row (`hidden % 128 != 0`).
     pub fn check_shape(&self, num_tokens: usize, hidden: usize) -> Result<()> {
-        let n = num_tokens.checked_mul(hidden).ok_or(RefError::TooLarge {
-            arg: "num_tokens * hidden",
-            value: u64::MAX,
-            max: usize::MAX as u64,
-            rule: "must fit in usize",
-        })?;
+        let n = RefError::product("num_tokens * hidden", num_tokens, hidden)?;
         match self {
             XData::Bf16(v) => RefError::len_check("x", v.len(), n, "num_tokens * hidden"),
             XData::Fp8 { data, scales } => {
-                RefError::multiple_check("hidden", hidden, "128 (fp8 scale group)", FP8_GROUP)?;
+                let row = fp8_row(hidden)?;
                 RefError::len_check("x", data.len(), n, "num_tokens * hidden")?;
                 RefError::len_check(
                     "scales",
                     scales.len(),
-                    n / FP8_GROUP,
+                    num_tokens * row.num_scales(),
                     "num_tokens * hidden / 128",
                 )
             }
@@ -121,8 +126,9 @@ impl XData {
         }
     }
 
-    /// Appends row `t` of `src` (same variant, checked by the caller).
-    fn push_row(&mut self, src: &XData, t: usize, hidden: usize) {
+    /// Appends row `t` of `src`, rows of `hidden` values and `scales_per_row` scales (same
+    /// variant and a valid shape, checked by the caller with [`check_shape`](Self::check_shape)).
+    fn push_row(&mut self, src: &XData, t: usize, hidden: usize, scales_per_row: usize) {
         match (self, src) {
             (XData::Bf16(dst), XData::Bf16(s)) => {
                 dst.extend_from_slice(&s[t * hidden..(t + 1) * hidden]);
@@ -134,7 +140,7 @@ impl XData {
                     scales: ss,
                 },
             ) => {
-                let g = hidden / FP8_GROUP;
+                let g = scales_per_row;
                 data.extend_from_slice(&sd[t * hidden..(t + 1) * hidden]);
                 scales.extend_from_slice(&ss[t * g..(t + 1) * g]);
             }
@@ -174,7 +180,7 @@ impl RankInput {
         hidden: usize,
         top_k: usize,
     ) -> Result<Self> {
-        RefError::zero_check("top_k", top_k)?;
+        RefError::nonzero(&[("top_k", top_k)])?;
         RefError::multiple_check("topk_idx.len()", topk_idx.len(), "top_k", top_k)?;
         let input = Self {
             num_tokens: topk_idx.len() / top_k,
@@ -195,8 +201,7 @@ impl RankInput {
     /// # Errors
     /// The first rule broken.
     pub fn validate(&self) -> Result<()> {
-        RefError::zero_check("hidden", self.hidden)?;
-        RefError::zero_check("top_k", self.top_k)?;
+        RefError::nonzero(&[("hidden", self.hidden), ("top_k", self.top_k)])?;
         self.x.check_shape(self.num_tokens, self.hidden)?;
         let n = self.num_tokens * self.top_k;
         RefError::len_check("topk_idx", self.topk_idx.len(), n, "num_tokens * top_k")?;
@@ -270,21 +275,18 @@ impl RankOutput {
 /// ([`RefError::Inconsistent`]); fewer than 2^32 tokens per rank.
 pub fn dispatch(inputs: &[RankInput], num_experts: usize) -> Result<Vec<RankOutput>> {
     let world = inputs.len();
-    RefError::zero_check("inputs.len()", world)?;
-    RefError::zero_check("num_experts", num_experts)?;
+    RefError::nonzero(&[("inputs.len()", world), ("num_experts", num_experts)])?;
     RefError::multiple_check("num_experts", num_experts, "world_size", world)?;
     let first = &inputs[0];
     for (r, input) in inputs.iter().enumerate() {
         input.validate().map_err(|e| e.in_rank(r))?;
-        if input.num_tokens > u32::MAX as usize {
-            return Err(RefError::TooLarge {
-                arg: "num_tokens",
-                value: input.num_tokens as u64,
-                max: u32::MAX as u64,
-                rule: "source indices are u32",
-            }
-            .in_rank(r));
-        }
+        RefError::at_most(
+            "num_tokens",
+            input.num_tokens,
+            u32::MAX as usize,
+            "source indices are u32",
+        )
+        .map_err(|e| e.in_rank(r))?;
         check_experts(&input.topk_idx, input.top_k, num_experts).map_err(|e| e.in_rank(r))?;
         let inconsistent = |arg, expected: String, actual: String| RefError::Inconsistent {
             arg,
@@ -315,6 +317,11 @@ pub fn dispatch(inputs: &[RankInput], num_experts: usize) -> Result<Vec<RankOutp
         }
     }
     let (hidden, top_k) = (first.hidden, first.top_k);
+    // Every input passed check_shape, so an fp8 row format is valid here.
+    let scales_per_row = match first.x.dtype() {
+        RowDtype::Fp8 => fp8_row(hidden)?.num_scales(),
+        RowDtype::Bf16 => 0,
+    };
     let epr = num_experts / world;
     let layouts = inputs
         .iter()
@@ -347,7 +354,7 @@ pub fn dispatch(inputs: &[RankInput], num_experts: usize) -> Result<Vec<RankOutp
                 if !lay.is_token_in_rank[t * world + r] {
                     continue;
                 }
-                out.recv_x.push_row(&input.x, t, hidden);
+                out.recv_x.push_row(&input.x, t, hidden, scales_per_row);
                 let ids = &input.topk_idx[t * top_k..(t + 1) * top_k];
                 let ws = &input.topk_weights[t * top_k..(t + 1) * top_k];
                 for (&e, &w) in ids.iter().zip(ws) {

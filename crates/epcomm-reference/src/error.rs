@@ -93,6 +93,10 @@ pub enum RefError {
         /// What is wrong.
         rule: &'static str,
     },
+    /// A row format the rows cannot have (FP8 rows need `hidden % 128 == 0`): the rule comes
+    /// from [`epcomm_topology::RowFormat`], shared with the buffer plans and kernel arguments.
+    #[error("row format: {0}")]
+    Row(#[from] epcomm_topology::TopologyError),
     /// An error in the input of one rank.
     #[error("rank {rank}: {source}")]
     InRank {
@@ -112,12 +116,41 @@ impl RefError {
         }
     }
 
-    pub(crate) fn zero_check(arg: &'static str, value: usize) -> Result<(), Self> {
-        if value == 0 {
-            Err(RefError::Zero { arg })
+    /// [`RefError::Zero`] naming the first `(name, value)` whose value is 0.
+    pub(crate) fn nonzero(args: &[(&'static str, usize)]) -> Result<(), Self> {
+        match args.iter().find(|(_, value)| *value == 0) {
+            Some(&(arg, _)) => Err(RefError::Zero { arg }),
+            None => Ok(()),
+        }
+    }
+
+    /// [`RefError::TooLarge`] unless `value <= max`.
+    pub(crate) fn at_most(
+        arg: &'static str,
+        value: usize,
+        max: usize,
+        rule: &'static str,
+    ) -> Result<(), Self> {
+        if value > max {
+            Err(RefError::TooLarge {
+                arg,
+                value: value as u64,
+                max: max as u64,
+                rule,
+            })
         } else {
             Ok(())
         }
+    }
+
+    /// `a * b`, or [`RefError::TooLarge`] naming `arg` when it overflows `usize`.
+    pub(crate) fn product(arg: &'static str, a: usize, b: usize) -> Result<usize, Self> {
+        a.checked_mul(b).ok_or(RefError::TooLarge {
+            arg,
+            value: u64::MAX,
+            max: usize::MAX as u64,
+            rule: "must fit in usize",
+        })
     }
 
     pub(crate) fn multiple_check(

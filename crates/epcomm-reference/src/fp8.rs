@@ -1,12 +1,14 @@
 //! DeepEP's fp8 cast: e4m3, one f32 scale per token per 128 channels.
 
+use epcomm_topology::{RowDtype, RowFormat};
 use float8::F8E4M3;
 use half::bf16;
 
 use crate::{RefError, Result};
 
-/// Channels per scale group.
-pub const FP8_GROUP: usize = 128;
+/// Channels per scale group: [`RowFormat::FP8_BLOCK`], the rule the buffer plans and kernels
+/// use.
+pub const FP8_GROUP: usize = RowFormat::FP8_BLOCK;
 /// Largest finite e4m3 value.
 pub const FP8_E4M3_MAX: f32 = 448.0;
 /// Lower clamp of a group's absolute maximum (as DeepEP's `per_token_cast_to_fp8`:
@@ -22,11 +24,12 @@ pub const FP8_AMAX_FLOOR: f32 = 1e-4;
 /// Non-finite inputs give non-finite scales (no error; the GPU cast behaves the same way).
 ///
 /// # Errors
-/// `hidden > 0`, `hidden % 128 == 0`, `x.len() % hidden == 0`.
+/// `hidden` a valid FP8 row ([`RowFormat::new`]: `hidden > 0`, `hidden % 128 == 0`, as
+/// [`RefError::Row`]), `x.len() % hidden == 0`.
 pub fn quantize_fp8_e4m3_per128(x: &[bf16], hidden: usize) -> Result<(Vec<F8E4M3>, Vec<f32>)> {
-    check_hidden(hidden)?;
+    let row = fp8_row(hidden)?;
     RefError::multiple_check("x.len()", x.len(), "hidden", hidden)?;
-    let groups = x.len() / FP8_GROUP;
+    let groups = x.len() / hidden * row.num_scales();
     let mut data = Vec::with_capacity(x.len());
     let mut scales = Vec::with_capacity(groups);
     for group in x.chunks_exact(FP8_GROUP) {
@@ -45,19 +48,19 @@ pub fn quantize_fp8_e4m3_per128(x: &[bf16], hidden: usize) -> Result<(Vec<F8E4M3
 /// Inverse of [`quantize_fp8_e4m3_per128`]: `x[t][c] = f32(data[t][c]) * scales[t][c / 128]`.
 ///
 /// # Errors
-/// `hidden > 0`, `hidden % 128 == 0`, `data.len() % hidden == 0`,
+/// `hidden` a valid FP8 row (as [`quantize_fp8_e4m3_per128`]), `data.len() % hidden == 0`,
 /// `scales.len() == data.len() / 128`.
 pub fn dequantize_fp8_e4m3_per128(
     data: &[F8E4M3],
     scales: &[f32],
     hidden: usize,
 ) -> Result<Vec<f32>> {
-    check_hidden(hidden)?;
+    let row = fp8_row(hidden)?;
     RefError::multiple_check("data.len()", data.len(), "hidden", hidden)?;
     RefError::len_check(
         "scales",
         scales.len(),
-        data.len() / FP8_GROUP,
+        data.len() / hidden * row.num_scales(),
         "data.len() / 128",
     )?;
     Ok(data
@@ -67,14 +70,15 @@ pub fn dequantize_fp8_e4m3_per128(
         .collect())
 }
 
-fn check_hidden(hidden: usize) -> Result<()> {
-    RefError::zero_check("hidden", hidden)?;
-    RefError::multiple_check("hidden", hidden, "128 (fp8 scale group)", FP8_GROUP)
+/// The format of one FP8 row of `hidden` values (its scales per row).
+pub(crate) fn fp8_row(hidden: usize) -> Result<RowFormat> {
+    Ok(RowFormat::new(hidden, RowDtype::Fp8)?)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use epcomm_topology::TopologyError;
     use proptest::prelude::*;
 
     #[test]
@@ -110,11 +114,14 @@ mod tests {
         let x = vec![bf16::ONE; 256];
         assert!(matches!(
             quantize_fp8_e4m3_per128(&x, 0),
-            Err(RefError::Zero { arg: "hidden" })
+            Err(RefError::Row(TopologyError::Zero { arg: "hidden" }))
         ));
         assert!(matches!(
             quantize_fp8_e4m3_per128(&x, 64),
-            Err(RefError::NotMultiple { arg: "hidden", .. })
+            Err(RefError::Row(TopologyError::NotMultiple {
+                arg: "hidden",
+                ..
+            }))
         ));
         assert!(matches!(
             quantize_fp8_e4m3_per128(&x[..200], 128),

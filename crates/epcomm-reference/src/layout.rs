@@ -70,26 +70,21 @@ pub fn layout(
     world_size: usize,
     gpus_per_node: usize,
 ) -> Result<Layout> {
-    RefError::zero_check("top_k", top_k)?;
-    RefError::zero_check("num_experts", num_experts)?;
-    RefError::zero_check("world_size", world_size)?;
-    RefError::zero_check("gpus_per_node", gpus_per_node)?;
+    RefError::nonzero(&[
+        ("top_k", top_k),
+        ("num_experts", num_experts),
+        ("world_size", world_size),
+        ("gpus_per_node", gpus_per_node),
+    ])?;
     RefError::multiple_check("world_size", world_size, "gpus_per_node", gpus_per_node)?;
     RefError::multiple_check("num_experts", num_experts, "world_size", world_size)?;
-    if num_tokens > i32::MAX as usize {
-        return Err(RefError::TooLarge {
-            arg: "num_tokens",
-            value: num_tokens as u64,
-            max: i32::MAX as u64,
-            rule: "token slots are i32",
-        });
-    }
-    let expected = num_tokens.checked_mul(top_k).ok_or(RefError::TooLarge {
-        arg: "num_tokens * top_k",
-        value: u64::MAX,
-        max: usize::MAX as u64,
-        rule: "must fit in usize",
-    })?;
+    RefError::at_most(
+        "num_tokens",
+        num_tokens,
+        i32::MAX as usize,
+        "token slots are i32",
+    )?;
+    let expected = RefError::product("num_tokens * top_k", num_tokens, top_k)?;
     RefError::len_check("topk_idx", topk_idx.len(), expected, "num_tokens * top_k")?;
     check_experts(topk_idx, top_k, num_experts)?;
 

@@ -39,11 +39,7 @@ impl Workload {
     pub fn to_rank_input(&self) -> RankInput {
         RankInput {
             x: XData::Bf16(self.x.clone()),
-            topk_idx: self.topk_idx.clone(),
-            topk_weights: self.topk_weights.clone(),
-            num_tokens: self.num_tokens,
-            hidden: self.hidden,
-            top_k: self.top_k,
+            ..self.to_rank_input_without_x()
         }
     }
 
@@ -101,17 +97,17 @@ pub fn gen_deepep_workload(
     num_experts: usize,
     seed: u64,
 ) -> Result<Workload> {
-    RefError::zero_check("hidden", hidden)?;
-    RefError::zero_check("top_k", top_k)?;
-    RefError::zero_check("num_experts", num_experts)?;
-    if top_k > num_experts {
-        return Err(RefError::TooLarge {
-            arg: "top_k",
-            value: top_k as u64,
-            max: num_experts as u64,
-            rule: "a token picks distinct experts",
-        });
-    }
+    RefError::nonzero(&[
+        ("hidden", hidden),
+        ("top_k", top_k),
+        ("num_experts", num_experts),
+    ])?;
+    RefError::at_most(
+        "top_k",
+        top_k,
+        num_experts,
+        "a token picks distinct experts",
+    )?;
     let mut rng = StdRng::seed_from_u64(seed);
     let x = randn_f32(&mut rng, num_tokens * hidden)
         .into_iter()
@@ -159,7 +155,7 @@ pub fn gen_deepep_world(
     num_experts: usize,
     seed: u64,
 ) -> Result<Vec<RankInput>> {
-    RefError::zero_check("world_size", world_size)?;
+    RefError::nonzero(&[("world_size", world_size)])?;
     (0..world_size as u64)
         .map(|r| {
             gen_deepep_workload(num_tokens, hidden, top_k, num_experts, seed.wrapping_add(r))
@@ -205,27 +201,15 @@ pub fn skewed_topk(
     hot_rank: usize,
     seed: u64,
 ) -> Result<Vec<i64>> {
-    RefError::zero_check("top_k", top_k)?;
-    RefError::zero_check("num_experts", num_experts)?;
-    RefError::zero_check("world_size", world_size)?;
+    RefError::nonzero(&[
+        ("top_k", top_k),
+        ("num_experts", num_experts),
+        ("world_size", world_size),
+    ])?;
     RefError::multiple_check("num_experts", num_experts, "world_size", world_size)?;
     let epr = num_experts / world_size;
-    if hot_rank >= world_size {
-        return Err(RefError::TooLarge {
-            arg: "hot_rank",
-            value: hot_rank as u64,
-            max: world_size as u64 - 1,
-            rule: "a rank index",
-        });
-    }
-    if top_k > epr {
-        return Err(RefError::TooLarge {
-            arg: "top_k",
-            value: top_k as u64,
-            max: epr as u64,
-            rule: "distinct experts of one rank",
-        });
-    }
+    RefError::at_most("hot_rank", hot_rank, world_size - 1, "a rank index")?;
+    RefError::at_most("top_k", top_k, epr, "distinct experts of one rank")?;
     let mut rng = StdRng::seed_from_u64(seed);
     let base = hot_rank * epr;
     let mut pool: Vec<usize> = (0..epr).collect();
@@ -409,7 +393,7 @@ mod tests {
             gen_deepep_workload(1, 100, 1, 8, 0)
                 .unwrap()
                 .to_rank_input_fp8(),
-            Err(RefError::NotMultiple { .. })
+            Err(RefError::Row(_))
         ));
     }
 }
