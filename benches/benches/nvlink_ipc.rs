@@ -1,11 +1,10 @@
 //! Criterion bench of the CUDA-IPC (NVLink) transport on all local GPUs: DeepEP's normal-mode
 //! workload (4096 tokens/rank, hidden 7168, top-8 of 256, 24 SMs) and metric.
-//! `cargo bench -p epcomm-benches --bench nvlink_ipc`
-
-use epcomm_transport_ipc::IpcTransport;
+//! `cargo bench -p epcomm-benches --bench nvlink_ipc`; `EPCOMM_BENCH_SCHEDULE=global` picks the
+//! schedule.
 
 fn main() {
-    if let Err(e) = epcomm_benches::run("nvlink-ipc", IpcTransport::new) {
+    if let Err(e) = epcomm_benches::run(epcomm_backends::TransportSpec::Ipc) {
         eprintln!("nvlink_ipc bench failed: {e}");
         std::process::exit(1);
     }

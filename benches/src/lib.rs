@@ -12,6 +12,7 @@ use std::time::Duration;
 use criterion::{Criterion, Throughput};
 use cudarc::driver::CudaContext;
 use epcomm::{Buffer, BufferConfig};
+use epcomm_backends::TransportSpec;
 use epcomm_bootstrap::launch::{LocalLaunch, free_port};
 use epcomm_bootstrap::{Bootstrap, BootstrapConfig};
 use epcomm_check::inputs::{Shape, device_inputs, host_inputs};
@@ -22,12 +23,13 @@ use epcomm_check::verify::{RoundOptions, verified_round};
 /// Errors of the driver.
 pub type Res<T = ()> = Result<T, Box<dyn std::error::Error>>;
 
-/// The barrier strategy, `EPCOMM_BENCH_BARRIER` (epoch, global, peer-signal; default epoch).
-fn strategy() -> Res<epcomm::BarrierStrategy> {
-    match std::env::var("EPCOMM_BENCH_BARRIER") {
-        Ok(s) => Ok(s.parse()?),
-        Err(_) => Ok(epcomm::BarrierStrategy::Epoch),
-    }
+/// `EPCOMM_BENCH_SCHEDULE` (epoch, global) and `EPCOMM_BENCH_ROUTES` (auto, put-signal), parsed
+/// like the CLI's flags; defaults: epoch, auto.
+fn schedule_and_routes() -> Res<(epcomm::Schedule, epcomm::RoutePolicy)> {
+    let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+    let schedule = var("EPCOMM_BENCH_SCHEDULE").map_or(Ok(Default::default()), |s| s.parse())?;
+    let routes = var("EPCOMM_BENCH_ROUTES").map_or(Ok(Default::default()), |s| s.parse())?;
+    Ok((schedule, routes))
 }
 
 /// The DeepEP normal-mode workload, overridable with `EPCOMM_BENCH_TOKENS` / `EPCOMM_BENCH_SMS`.
@@ -64,12 +66,9 @@ fn connect(world: usize, rank: usize, port: u16) -> Res<Arc<Bootstrap>> {
     Ok(Arc::new(Bootstrap::connect(cfg)?))
 }
 
-/// Runs the benchmark on the transport `make` builds (named `transport` in benchmark ids).
-pub fn run<T, F>(transport: &str, make: F) -> Res
-where
-    T: epcomm::Transport,
-    F: Fn(Arc<CudaContext>, Arc<Bootstrap>) -> Result<T, epcomm_transport::TransportError>,
-{
+/// Runs the benchmark on the transport `spec` builds (named by the spec in benchmark ids).
+pub fn run(spec: TransportSpec) -> Res {
+    let transport = spec.to_string();
     let gpus = match gpu_count() {
         Ok(n) => n,
         Err(why) => {
@@ -105,9 +104,8 @@ where
     let (tokens, hidden, top_k, experts, sms) = workload();
     let mut cfg = BufferConfig::new(tokens, hidden, top_k, experts);
     cfg.num_sms = sms;
-    cfg.barrier = strategy()?;
-    let transport_impl = make(ctx.clone(), boot.clone())?;
-    let mut buf = Buffer::with_transport(transport_impl, ctx, cfg)?;
+    (cfg.schedule, cfg.routes) = schedule_and_routes()?;
+    let mut buf = Buffer::new(ctx.clone(), spec.build(ctx, boot.clone())?, cfg)?;
     let inputs = host_inputs(&Shape::uniform(world, tokens, hidden, top_k, experts, 2025))?;
     let dev = device_inputs(buf.stream(), &inputs, rank)?;
     verified_round(&mut buf, &inputs, &dev, RoundOptions::default())?;
@@ -129,8 +127,10 @@ where
         .sample_size(20)
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(3));
-    let strategy = buf.config().barrier.name();
-    let mut group = c.benchmark_group(format!("{transport}/ep{world}/{sms}sms/{strategy}"));
+    let (schedule, routes) = (buf.config().schedule, buf.config().routes);
+    let mut group = c.benchmark_group(format!(
+        "{transport}/ep{world}/{sms}sms/{schedule}/{routes}"
+    ));
     for (i, op) in BenchOp::ALL.into_iter().enumerate() {
         group.throughput(Throughput::Bytes(
             op.metric_bytes(timer.num_recv, hidden) as u64

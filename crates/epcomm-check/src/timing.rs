@@ -78,7 +78,7 @@ pub struct Timer {
 
 impl Timer {
     /// Prepares timing of `dev` on `buf` (runs one HostSync dispatch to size combine's input).
-    pub fn new<T: epcomm::Transport>(buf: &mut Buffer<T>, dev: &DeviceInputs) -> Result<Self> {
+    pub fn new(buf: &mut Buffer, dev: &DeviceInputs) -> Result<Self> {
         let stream = buf.stream().clone();
         let ctx = buf.context().clone();
         let flush = stream.alloc_zeros::<u8>(FLUSH_BYTES)?;
@@ -118,9 +118,9 @@ impl Timer {
 
     /// Runs `op` `iters` times (each call after an L2 flush) and returns each call's time in
     /// microseconds (CUDA events around the op only). Collective.
-    pub fn time<T: epcomm::Transport>(
+    pub fn time(
         &mut self,
-        buf: &mut Buffer<T>,
+        buf: &mut Buffer,
         dev: &DeviceInputs,
         op: BenchOp,
         iters: usize,
@@ -150,12 +150,7 @@ impl Timer {
             .collect()
     }
 
-    fn run<T: epcomm::Transport>(
-        &mut self,
-        buf: &mut Buffer<T>,
-        dev: &DeviceInputs,
-        op: BenchOp,
-    ) -> Result<()> {
+    fn run(&mut self, buf: &mut Buffer, dev: &DeviceInputs, op: BenchOp) -> Result<()> {
         match op {
             BenchOp::DispatchBf16 | BenchOp::DispatchFp8 => {
                 let x = if op == BenchOp::DispatchFp8 {

@@ -82,8 +82,8 @@ fn expert_output(out: &RankOutput, rank: usize) -> Result<Vec<bf16>> {
 
 /// Runs one verified round on this rank. Every rank must call it with the same arguments
 /// (collective).
-pub fn verified_round<T: epcomm::Transport>(
-    buf: &mut Buffer<T>,
+pub fn verified_round(
+    buf: &mut Buffer,
     inputs: &HostInputs,
     dev: &DeviceInputs,
     opts: RoundOptions,

@@ -5,16 +5,16 @@
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaSlice, DevicePtr};
-use epcomm::{Buffer, BufferConfig, DispatchInput, Error, RecvMode, Transport, XInput};
+use epcomm::{Buffer, BufferConfig, DispatchInput, Error, RecvMode, XInput};
 use epcomm_check::inputs::{Shape, device_inputs, host_inputs, upload};
 use epcomm_check::verify::{RoundOptions, verified_round};
 use epcomm_reference::bf16;
 
 mod common;
-use common::{Worker, gpu_test, log, small_cfg_with, strategy_from_env};
+use common::{MakeTransport, Worker, gpu_test, log, small_cfg_with};
 
 /// A copy of the first `rows` rows at `ptr` (device address) as bf16.
-fn rows_at(buf: &Buffer<impl Transport>, ptr: u64, rows: usize, hidden: usize) -> Vec<bf16> {
+fn rows_at(buf: &Buffer, ptr: u64, rows: usize, hidden: usize) -> Vec<bf16> {
     let mut host = vec![bf16::ZERO; rows * hidden];
     if host.is_empty() {
         return host;
@@ -33,16 +33,16 @@ fn rows_at(buf: &Buffer<impl Transport>, ptr: u64, rows: usize, hidden: usize) -
 // the current replay, for graphs with an odd and an even number of dispatches, also when
 // host-issued dispatches come between replays.
 
-fn run_graph_rows<T: Transport>(w: &Worker, mk: &dyn Fn() -> T) {
+fn run_graph_rows(w: &Worker, mk: MakeTransport<'_>) {
     let (rank, world) = (w.boot.rank(), w.boot.world_size());
     // SAFETY: this process uses one stream for everything; cudarc's cross-stream events would
     // otherwise be recorded into the capture.
     unsafe { w.ctx.disable_event_tracking() };
     let (hidden, top_k, experts, tokens) = (256, 4, 8 * world, 96);
     let mut cfg = BufferConfig::new(tokens, hidden, top_k, experts);
-    cfg.barrier = strategy_from_env();
+    common::apply_test_config(&mut cfg);
     cfg.timeout = Duration::from_secs(20);
-    let mut buf = Buffer::with_transport(mk(), w.ctx.clone(), cfg).unwrap();
+    let mut buf = Buffer::new(w.ctx.clone(), mk(), cfg).unwrap();
     let stream = buf.stream().clone();
     let cap = world * tokens;
     // Four routings, their received rows and combine outputs (reference).
@@ -72,7 +72,7 @@ fn run_graph_rows<T: Transport>(w: &Worker, mk: &dyn Fn() -> T) {
     let layout = buf.alloc_layout(tokens).unwrap();
     let handle = buf.alloc_handle(&layout).unwrap();
     // A consumer kernel: copies the received rows from the returned pointer (stream-ordered).
-    let consume = |b: &Buffer<T>, from: u64, to: u64| -> epcomm::Result<()> {
+    let consume = |b: &Buffer, from: u64, to: u64| -> epcomm::Result<()> {
         // SAFETY: `from` is a receive view of `b` (cap rows of hidden bf16), `to` a test
         // buffer of cap rows; the copy is ordered on the buffer's stream.
         unsafe {
@@ -168,11 +168,11 @@ fn negated(v: &[bf16]) -> Vec<bf16> {
     v.iter().map(|x| -*x).collect()
 }
 
-fn run_queued_after_failure<T: Transport>(w: &Worker, mk: &dyn Fn() -> T) {
+fn run_queued_after_failure(w: &Worker, mk: MakeTransport<'_>) {
     let (rank, world) = (w.boot.rank(), w.boot.world_size());
     let late = world - 1;
     let mut cfg = small_cfg_with(world, Duration::from_millis(300));
-    let mut buf = Buffer::with_transport(mk(), w.ctx.clone(), cfg.clone()).unwrap();
+    let mut buf = Buffer::new(w.ctx.clone(), mk(), cfg.clone()).unwrap();
     let shape = Shape::uniform(world, 40, 128, 2, 4 * world, 21);
     let h = host_inputs(&shape).unwrap();
     let d = device_inputs(buf.stream(), &h, rank).unwrap();
@@ -238,7 +238,7 @@ fn run_queued_after_failure<T: Transport>(w: &Worker, mk: &dyn Fn() -> T) {
     buf.destroy().unwrap();
     // A new Buffer on every rank: nothing of the old ops leaks into it.
     cfg.timeout = Duration::from_secs(20);
-    let mut buf = Buffer::with_transport(mk(), w.ctx.clone(), cfg).unwrap();
+    let mut buf = Buffer::new(w.ctx.clone(), mk(), cfg).unwrap();
     let d = device_inputs(buf.stream(), &h, rank).unwrap();
     for _ in 0..3 {
         verified_round(&mut buf, &h, &d, RoundOptions::default()).expect("round on a new Buffer");
@@ -256,10 +256,10 @@ gpu_test!(nothing_succeeds_behind_a_failure, run_queued_after_failure);
 // Fail fast: an invalid expert id on rank 0 reaches the other ranks within milliseconds, not
 // after their (long) timeout.
 
-fn run_fail_fast<T: Transport>(w: &Worker, mk: &dyn Fn() -> T) {
+fn run_fail_fast(w: &Worker, mk: MakeTransport<'_>) {
     let (rank, world) = (w.boot.rank(), w.boot.world_size());
     let cfg = small_cfg_with(world, Duration::from_secs(30));
-    let mut buf = Buffer::with_transport(mk(), w.ctx.clone(), cfg).unwrap();
+    let mut buf = Buffer::new(w.ctx.clone(), mk(), cfg).unwrap();
     let shape = Shape::uniform(world, 40, 128, 2, 4 * world, 5);
     let h = host_inputs(&shape).unwrap();
     let mut idx = h.bf16[rank].topk_idx.clone();
@@ -313,10 +313,10 @@ gpu_test!(peers_learn_a_failure_fast, run_fail_fast);
 // ---------------------------------------------------------------------------------------------
 // In-place combine weights: only a dispatch that carried weights wrote them.
 
-fn run_in_place_weights<T: Transport>(w: &Worker, mk: &dyn Fn() -> T) {
+fn run_in_place_weights(w: &Worker, mk: MakeTransport<'_>) {
     let (rank, world) = (w.boot.rank(), w.boot.world_size());
     let cfg = small_cfg_with(world, Duration::from_secs(20));
-    let mut buf = Buffer::with_transport(mk(), w.ctx.clone(), cfg).unwrap();
+    let mut buf = Buffer::new(w.ctx.clone(), mk(), cfg).unwrap();
     let shape = Shape::uniform(world, 40, 128, 2, 4 * world, 8);
     let h = host_inputs(&shape).unwrap();
     let d = device_inputs(buf.stream(), &h, rank).unwrap();
@@ -373,7 +373,7 @@ gpu_test!(
 // ---------------------------------------------------------------------------------------------
 // Ranks that disagree on the configuration: every rank gets an error naming the field.
 
-fn run_config_mismatch<T: Transport>(w: &Worker, mk: &dyn Fn() -> T) {
+fn run_config_mismatch(w: &Worker, mk: MakeTransport<'_>) {
     let (rank, world) = (w.boot.rank(), w.boot.world_size());
     let base = small_cfg_with(world, Duration::from_secs(20));
     let other = |f: &dyn Fn(&mut BufferConfig)| {
@@ -388,7 +388,7 @@ fn run_config_mismatch<T: Transport>(w: &Worker, mk: &dyn Fn() -> T) {
         ("top_k", other(&|c| c.top_k = 1)),
     ];
     for (field, cfg) in cases {
-        let r = Buffer::with_transport(mk(), w.ctx.clone(), cfg);
+        let r = Buffer::new(w.ctx.clone(), mk(), cfg);
         match r {
             Err(Error::ConfigMismatch { field: f, values }) => {
                 assert_eq!(f, field, "{values}");
@@ -403,7 +403,7 @@ fn run_config_mismatch<T: Transport>(w: &Worker, mk: &dyn Fn() -> T) {
         );
     }
     // Agreeing ranks still build and run.
-    let mut buf = Buffer::with_transport(mk(), w.ctx.clone(), base).unwrap();
+    let mut buf = Buffer::new(w.ctx.clone(), mk(), base).unwrap();
     let shape = Shape::uniform(world, 30, 128, 2, 4 * world, 2);
     let h = host_inputs(&shape).unwrap();
     let d = device_inputs(buf.stream(), &h, rank).unwrap();
@@ -416,10 +416,10 @@ gpu_test!(mismatched_configs_fail_on_every_rank, run_config_mismatch);
 // ---------------------------------------------------------------------------------------------
 // Input checks before launch: misaligned caller pointers, a handle whose layout was recomputed.
 
-fn run_input_checks<T: Transport>(w: &Worker, mk: &dyn Fn() -> T) {
+fn run_input_checks(w: &Worker, mk: MakeTransport<'_>) {
     let (rank, world) = (w.boot.rank(), w.boot.world_size());
     let cfg = small_cfg_with(world, Duration::from_secs(20));
-    let mut buf = Buffer::with_transport(mk(), w.ctx.clone(), cfg).unwrap();
+    let mut buf = Buffer::new(w.ctx.clone(), mk(), cfg).unwrap();
     let shape = Shape::uniform(world, 40, 128, 2, 4 * world, 3);
     let h = host_inputs(&shape).unwrap();
     let d = device_inputs(buf.stream(), &h, rank).unwrap();

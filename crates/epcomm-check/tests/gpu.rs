@@ -7,10 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, DevicePtr, DevicePtrMut};
-use epcomm::{
-    BarrierStrategy, Buffer, BufferConfig, DispatchInput, Error, RecvMode, Transport, WaitKind,
-    XInput,
-};
+use epcomm::{Buffer, BufferConfig, DispatchInput, Error, RecvMode, Schedule, WaitKind, XInput};
 use epcomm_check::inputs::{Shape, device_inputs, host_inputs, upload};
 use epcomm_check::procs::is_worker;
 use epcomm_check::verify::{RoundOptions, verified_round};
@@ -20,8 +17,8 @@ use epcomm_reference::bf16;
 
 mod common;
 use common::{
-    Worker, gpu_test, launch, launch_all, log, on_transport, record_ran, small_cfg,
-    strategy_from_env, worker, world,
+    MakeTransport, TestConfig, Worker, gpu_test, launch, launch_all, log, on_transport, record_ran,
+    small_cfg, worker, world,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -274,7 +271,7 @@ fn groups(world: usize) -> Vec<Group> {
     ]
 }
 
-fn run_suite<T: Transport>(w: &Worker, mk: &dyn Fn() -> T, strategy: BarrierStrategy) {
+fn run_suite(w: &Worker, mk: MakeTransport<'_>, test: TestConfig) {
     let (rank, world) = (w.boot.rank(), w.boot.world_size());
     // EPCOMM_TEST_SMALL=1 keeps the small groups (for compute-sanitizer runs).
     let small = std::env::var_os("EPCOMM_TEST_SMALL").is_some();
@@ -284,9 +281,9 @@ fn run_suite<T: Transport>(w: &Worker, mk: &dyn Fn() -> T, strategy: BarrierStra
         }
         let experts = g.experts_per_rank * world;
         let mut cfg = BufferConfig::new(g.max_tokens, g.hidden, g.top_k, experts);
-        cfg.barrier = strategy;
+        (cfg.schedule, cfg.routes) = (test.schedule, test.routes);
         cfg.timeout = Duration::from_secs(20);
-        let mut buf = Buffer::with_transport(mk(), w.ctx.clone(), cfg).expect("Buffer::new");
+        let mut buf = Buffer::new(w.ctx.clone(), mk(), cfg).expect("Buffer::new");
         for (ci, (tokens, mask, skew, opts)) in g.cases.into_iter().enumerate() {
             let shape = Shape {
                 tokens: tokens.clone(),
@@ -305,12 +302,12 @@ fn run_suite<T: Transport>(w: &Worker, mk: &dyn Fn() -> T, strategy: BarrierStra
             let dev = device_inputs(buf.stream(), &inputs, rank).expect("upload");
             let t0 = Instant::now();
             verified_round(&mut buf, &inputs, &dev, opts).unwrap_or_else(|e| {
-                panic!("{strategy:?} group {gi} case {ci} ({shape:?}, {opts:?}): {e}")
+                panic!("{test} group {gi} case {ci} ({shape:?}, {opts:?}): {e}")
             });
             log(
                 rank,
                 format_args!(
-                    "{strategy:?} H={} K={} E={experts} tokens={tokens:?} mask={mask} skew={skew:?} {opts:?}: ok ({:?})",
+                    "{test} H={} K={} E={experts} tokens={tokens:?} mask={mask} skew={skew:?} {opts:?}: ok ({:?})",
                     g.hidden,
                     g.top_k,
                     t0.elapsed()
@@ -319,8 +316,8 @@ fn run_suite<T: Transport>(w: &Worker, mk: &dyn Fn() -> T, strategy: BarrierStra
         }
         // Zero global barriers under Epoch: the barrier counters never moved.
         let barriers = buf.barrier_counters().expect("barrier counters");
-        match strategy {
-            BarrierStrategy::Global => assert!(barriers.iter().all(|&b| b > 0), "{barriers:?}"),
+        match test.schedule {
+            Schedule::Global => assert!(barriers.iter().all(|&b| b > 0), "{barriers:?}"),
             _ => assert!(
                 barriers.iter().all(|&b| b == 0),
                 "Epoch issued barriers: {barriers:?}"
@@ -328,7 +325,7 @@ fn run_suite<T: Transport>(w: &Worker, mk: &dyn Fn() -> T, strategy: BarrierStra
         }
         log(
             rank,
-            format_args!("{strategy:?}: barrier arrivals per peer after group {gi}: {barriers:?}"),
+            format_args!("{test}: barrier arrivals per peer after group {gi}: {barriers:?}"),
         );
         buf.destroy().expect("destroy");
     }
@@ -337,7 +334,7 @@ fn run_suite<T: Transport>(w: &Worker, mk: &dyn Fn() -> T, strategy: BarrierStra
 #[test]
 fn dispatch_combine_suite() {
     if is_worker() {
-        return on_transport!(run_suite, strategy_from_env());
+        return on_transport!(run_suite, TestConfig::from_env());
     }
     let Some(n) = world("dispatch_combine_suite", 2) else {
         return;
@@ -349,13 +346,13 @@ fn dispatch_combine_suite() {
 // Many ops back to back: first verified one by one with changing shapes, then issued without
 // any host synchronisation (WorstCase) and verified at the end.
 
-fn run_soak<T: Transport>(w: &Worker, mk: &dyn Fn() -> T) {
+fn run_soak(w: &Worker, mk: MakeTransport<'_>) {
     let (rank, world) = (w.boot.rank(), w.boot.world_size());
     let (hidden, top_k, experts, max_tokens) = (256, 4, 8 * world, 512);
     let mut cfg = BufferConfig::new(max_tokens, hidden, top_k, experts);
-    cfg.barrier = strategy_from_env();
+    common::apply_test_config(&mut cfg);
     cfg.timeout = Duration::from_secs(20);
-    let mut buf = Buffer::with_transport(mk(), w.ctx.clone(), cfg.clone()).expect("Buffer::new");
+    let mut buf = Buffer::new(w.ctx.clone(), mk(), cfg.clone()).expect("Buffer::new");
     let iters: usize = std::env::var("EPCOMM_SOAK_ITERS")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -475,10 +472,10 @@ gpu_test!(back_to_back_soak, run_soak);
 // ---------------------------------------------------------------------------------------------
 // Failures: typed errors, bounded waits, recovery.
 
-fn assert_recovers<T: Transport>(w: &Worker, mk: &dyn Fn() -> T) {
+fn assert_recovers(w: &Worker, mk: MakeTransport<'_>) {
     let world = w.boot.world_size();
-    let mut buf = Buffer::with_transport(mk(), w.ctx.clone(), small_cfg(world))
-        .expect("a new Buffer after a failure");
+    let mut buf =
+        Buffer::new(w.ctx.clone(), mk(), small_cfg(world)).expect("a new Buffer after a failure");
     let shape = Shape::uniform(world, 50, 128, 2, 4 * world, 77);
     let h = host_inputs(&shape).unwrap();
     let d = device_inputs(buf.stream(), &h, w.boot.rank()).unwrap();
@@ -486,10 +483,10 @@ fn assert_recovers<T: Transport>(w: &Worker, mk: &dyn Fn() -> T) {
     buf.destroy().unwrap();
 }
 
-fn run_failures<T: Transport>(w: &Worker, mk: &dyn Fn() -> T) {
+fn run_failures(w: &Worker, mk: MakeTransport<'_>) {
     let (rank, world) = (w.boot.rank(), w.boot.world_size());
     let cfg = small_cfg(world);
-    let mut buf = Buffer::with_transport(mk(), w.ctx.clone(), cfg.clone()).unwrap();
+    let mut buf = Buffer::new(w.ctx.clone(), mk(), cfg.clone()).unwrap();
     let shape = Shape::uniform(world, 40, 128, 2, 4 * world, 5);
     let h = host_inputs(&shape).unwrap();
     let d = device_inputs(buf.stream(), &h, rank).unwrap();
@@ -586,7 +583,7 @@ fn run_failures<T: Transport>(w: &Worker, mk: &dyn Fn() -> T) {
     log(rank, "overflow: typed error on every rank");
 
     // A stalled peer: the last rank skips the op; the others time out naming it, within bound.
-    let mut buf = Buffer::with_transport(mk(), w.ctx.clone(), cfg.clone()).unwrap();
+    let mut buf = Buffer::new(w.ctx.clone(), mk(), cfg.clone()).unwrap();
     let layout = buf.layout(&d.topk_idx, 40).unwrap();
     let late = world - 1;
     if rank != late {
@@ -600,9 +597,9 @@ fn run_failures<T: Transport>(w: &Worker, mk: &dyn Fn() -> T) {
             Err(Error::Timeout { peer, wait, .. }) => {
                 assert_eq!(peer as usize, late, "the timeout names the stalled rank");
                 // Epoch waits for the late rank's count row; Global for the first barrier.
-                let first_wait = match cfg.barrier {
-                    BarrierStrategy::Global => WaitKind::Barrier,
-                    _ => WaitKind::CountRow,
+                let first_wait = match cfg.schedule {
+                    Schedule::Global => WaitKind::Barrier,
+                    Schedule::Epoch => WaitKind::CountRow,
                 };
                 assert_eq!(wait, first_wait);
             }
@@ -621,7 +618,7 @@ fn run_failures<T: Transport>(w: &Worker, mk: &dyn Fn() -> T) {
     assert_recovers(w, mk);
 
     // An invalid expert id on rank 0: rank 0 gets InvalidExpert, the others a timeout naming 0.
-    let mut buf = Buffer::with_transport(mk(), w.ctx.clone(), cfg.clone()).unwrap();
+    let mut buf = Buffer::new(w.ctx.clone(), mk(), cfg.clone()).unwrap();
     let mut idx = h.bf16[rank].topk_idx.clone();
     if rank == 0 {
         idx[3 * 2 + 1] = (4 * world + 5) as i64;
@@ -671,7 +668,10 @@ gpu_test!(failures_are_typed_bounded_and_recoverable, run_failures);
 fn run_killed() {
     let w = worker();
     let (rank, world) = (w.boot.rank(), w.boot.world_size());
-    let mut buf = Buffer::new(w.ctx.clone(), w.boot.clone(), small_cfg(world)).unwrap();
+    let transport = epcomm_backends::TransportSpec::Ipc
+        .build(w.ctx.clone(), w.boot.clone())
+        .unwrap();
+    let mut buf = Buffer::new(w.ctx.clone(), transport, small_cfg(world)).unwrap();
     let shape = Shape::uniform(world, 40, 128, 2, 4 * world, 9);
     let h = host_inputs(&shape).unwrap();
     let d = device_inputs(buf.stream(), &h, rank).unwrap();
@@ -718,16 +718,16 @@ fn killed_peer_times_out() {
 // ---------------------------------------------------------------------------------------------
 // CUDA graphs: layout + dispatch (WorstCase) + combine captured once, replayed with new data.
 
-fn run_graph<T: Transport>(w: &Worker, mk: &dyn Fn() -> T) {
+fn run_graph(w: &Worker, mk: MakeTransport<'_>) {
     let (rank, world) = (w.boot.rank(), w.boot.world_size());
     // SAFETY: this process uses one stream for everything; cudarc's cross-stream events would
     // otherwise be recorded into the capture.
     unsafe { w.ctx.disable_event_tracking() };
     let (hidden, top_k, experts, tokens) = (512, 4, 8 * world, 200);
     let mut cfg = BufferConfig::new(tokens, hidden, top_k, experts);
-    cfg.barrier = strategy_from_env();
+    common::apply_test_config(&mut cfg);
     cfg.timeout = Duration::from_secs(20);
-    let mut buf = Buffer::with_transport(mk(), w.ctx.clone(), cfg).unwrap();
+    let mut buf = Buffer::new(w.ctx.clone(), mk(), cfg).unwrap();
     let stream = buf.stream().clone();
     let cap = world * tokens;
     // Eight routings and their references; each replay copies one into the captured buffers.
@@ -811,11 +811,11 @@ gpu_test!(graph_replay_matches_reference, run_graph);
 // eight configurations saw the *other* rank reach the op ~285 us late on the host, and the
 // stats (rightly) named that rank.
 
-fn run_skew<T: Transport>(w: &Worker, mk: &dyn Fn() -> T) {
+fn run_skew(w: &Worker, mk: MakeTransport<'_>) {
     let (rank, world) = (w.boot.rank(), w.boot.world_size());
     let mut cfg = BufferConfig::new(512, 1024, 4, 8 * world);
-    cfg.barrier = strategy_from_env();
-    let mut buf = Buffer::with_transport(mk(), w.ctx.clone(), cfg).unwrap();
+    common::apply_test_config(&mut cfg);
+    let mut buf = Buffer::new(w.ctx.clone(), mk(), cfg).unwrap();
     let shape = Shape::uniform(world, 512, 1024, 4, 8 * world, 3);
     let h = host_inputs(&shape).unwrap();
     let d = device_inputs(buf.stream(), &h, rank).unwrap();

@@ -7,12 +7,12 @@
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
-use epcomm::{Buffer, BufferConfig, DispatchInput, RecvMode, Transport, XInput};
+use epcomm::{Buffer, BufferConfig, DispatchInput, RecvMode, XInput};
 use epcomm_check::inputs::Shape;
 use epcomm_reference::bf16;
 
 mod common;
-use common::{Case, Worker, gpu_test, log, strategy_from_env};
+use common::{Case, MakeTransport, Worker, gpu_test, log};
 
 /// A stream-ordered copy of `elems` bf16 values from device address `from` into `to`.
 fn copy_aside(stream: &CudaStream, from: u64, to: &CudaSlice<bf16>, elems: usize) {
@@ -34,15 +34,15 @@ struct Sample {
     want: Vec<bf16>,
 }
 
-fn run_soak<T: Transport>(w: &Worker, mk: &dyn Fn() -> T) {
+fn run_soak(w: &Worker, mk: MakeTransport<'_>) {
     let (rank, world) = (w.boot.rank(), w.boot.world_size());
     // SAFETY: one stream for everything here; cross-stream events would land in the capture.
     unsafe { w.ctx.disable_event_tracking() };
     let (hidden, top_k, experts, max_tokens) = (256, 4, 8 * world, 200);
     let mut cfg = BufferConfig::new(max_tokens, hidden, top_k, experts);
-    cfg.barrier = strategy_from_env();
+    common::apply_test_config(&mut cfg);
     cfg.timeout = Duration::from_secs(30);
-    let mut buf = Buffer::with_transport(mk(), w.ctx.clone(), cfg).unwrap();
+    let mut buf = Buffer::new(w.ctx.clone(), mk(), cfg).unwrap();
     let stream = buf.stream().clone();
     let cap = world * max_tokens;
     let ops_wanted: usize = std::env::var("EPCOMM_SOAK_OPS")

@@ -12,13 +12,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cudarc::driver::{CudaContext, sys};
-use epcomm::{Buffer, BufferConfig, DispatchInput, IpcTransport, RecvMode, Transport, XInput};
+use epcomm::{Buffer, BufferConfig, DispatchInput, DynTransport, RecvMode, XInput};
 use epcomm_bootstrap::{Bootstrap, BootstrapConfig};
 use epcomm_check::inputs::{Shape, device_inputs, host_inputs};
 use epcomm_check::procs::run_workers;
 use epcomm_check::timing::{BenchOp, Timer, median};
 use epcomm_check::verify::{RoundOptions, verified_round};
-use epcomm_transport_nvshmem::{NvshmemOptions, NvshmemTransport};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::cli::{BenchArgs, TransportArg};
@@ -160,18 +159,8 @@ pub fn worker(args: &BenchArgs) -> Res {
     let boot = Arc::new(Bootstrap::connect(BootstrapConfig::from_env()?)?);
     let plan = validate_bench(args, Some(boot.world_size()), &Machine::default())?;
     let ctx = CudaContext::new(boot.local_rank())?;
-    match args.transport {
-        TransportArg::Ipc => run_bench(args, &plan, &boot, &ctx, &|| {
-            Ok(IpcTransport::new(ctx.clone(), boot.clone())?)
-        }),
-        TransportArg::Nvshmem => {
-            let options = NvshmemOptions {
-                virtual_nodes: args.virtual_nodes,
-            };
-            let t = NvshmemTransport::with_options(ctx.clone(), boot.clone(), options)?;
-            run_bench(args, &plan, &boot, &ctx, &|| Ok(t.clone()))
-        }
-    }
+    let transport = args.transport_spec().build(ctx.clone(), boot.clone())?;
+    run_bench(args, &plan, &boot, &ctx, &transport)
 }
 
 /// Rank 0's messages on stderr, above the progress bar.
@@ -204,17 +193,17 @@ impl Progress {
     }
 }
 
-fn run_bench<T: Transport>(
+fn run_bench(
     args: &BenchArgs,
     plan: &BenchPlan,
     boot: &Arc<Bootstrap>,
     ctx: &Arc<CudaContext>,
-    make: &dyn Fn() -> Res<T>,
+    transport: &Arc<dyn DynTransport>,
 ) -> Res {
     let (rank, world) = (boot.rank(), boot.world_size());
     let gpu_sms =
         ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
-    let barrier = args.barrier.strategy();
+    let (schedule, routes) = args.barrier.schedule_and_routes();
     let shape = Shape::uniform(
         world,
         args.tokens,
@@ -245,8 +234,8 @@ fn run_bench<T: Transport>(
     for (i, &sms) in plan.sweep.iter().enumerate() {
         let mut cfg = BufferConfig::new(args.tokens, args.hidden, args.top_k, args.experts);
         cfg.num_sms = sms;
-        cfg.barrier = barrier;
-        let mut buf = Buffer::with_transport(make()?, ctx.clone(), cfg)?;
+        (cfg.schedule, cfg.routes) = (schedule, routes);
+        let mut buf = Buffer::new(ctx.clone(), transport.clone(), cfg)?;
         let dev = device_inputs(buf.stream(), &inputs, rank)?;
         if i == 0 {
             progress.say(
@@ -268,8 +257,8 @@ fn run_bench<T: Transport>(
             progress.say("      verified: every output matches the reference bit for bit");
         }
         progress.say(format_args!(
-            "[3/4] timing with {sms} SMs, {} barrier ({} warm-up + {} timed calls per op, L2 flushed between calls)",
-            barrier.name(),
+            "[3/4] timing with {sms} SMs, {} ({} warm-up + {} timed calls per op, L2 flushed between calls)",
+            args.barrier.name(),
             args.warmup,
             args.iters
         ));
@@ -333,8 +322,8 @@ fn run_bench<T: Transport>(
 }
 
 /// Delays `late`'s stream before each of five dispatches and gathers whom every rank names.
-fn skew_demo<T: Transport>(
-    buf: &mut Buffer<T>,
+fn skew_demo(
+    buf: &mut Buffer,
     dev: &epcomm_check::inputs::DeviceInputs,
     boot: &Bootstrap,
     late: usize,

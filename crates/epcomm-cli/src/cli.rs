@@ -4,7 +4,8 @@
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use epcomm::BarrierStrategy;
+use epcomm::{RoutePolicy, Schedule};
+use epcomm_backends::{TransportSpec, VirtualNodes};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -82,15 +83,19 @@ pub enum BarrierArg {
 impl BarrierArg {
     /// The name as typed on the command line.
     pub fn name(self) -> &'static str {
-        self.strategy().name()
+        match self {
+            Self::Epoch => "epoch",
+            Self::Global => "global",
+            Self::PeerSignal => "peer-signal",
+        }
     }
 
-    /// The library's strategy.
-    pub fn strategy(self) -> BarrierStrategy {
+    /// The library's schedule and route policy.
+    pub fn schedule_and_routes(self) -> (Schedule, RoutePolicy) {
         match self {
-            Self::Epoch => BarrierStrategy::Epoch,
-            Self::Global => BarrierStrategy::Global,
-            Self::PeerSignal => BarrierStrategy::PeerSignal,
+            Self::Epoch => (Schedule::Epoch, RoutePolicy::Auto),
+            Self::Global => (Schedule::Global, RoutePolicy::Auto),
+            Self::PeerSignal => (Schedule::Epoch, RoutePolicy::PutSignal),
         }
     }
 }
@@ -171,6 +176,16 @@ pub enum OutputFormat {
 }
 
 impl BenchArgs {
+    /// The transport the workers build.
+    pub fn transport_spec(&self) -> TransportSpec {
+        match self.transport {
+            TransportArg::Ipc => TransportSpec::Ipc,
+            TransportArg::Nvshmem => TransportSpec::Nvshmem {
+                virtual_nodes: VirtualNodes::Count(self.virtual_nodes),
+            },
+        }
+    }
+
     /// The stdout format picked by --json / --csv (clap makes them exclusive).
     pub fn format(&self) -> OutputFormat {
         match (self.json, self.csv) {

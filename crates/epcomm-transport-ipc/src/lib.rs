@@ -28,19 +28,18 @@
 //! let ctx = CudaContext::new(boot.local_rank())?;
 //! // Every rank of the bootstrap must be on this host (checked).
 //! let transport = IpcTransport::new(ctx, boot)?;
-//! assert_eq!(transport.name(), "nvlink-ipc");
-//! // Usually handed to the frontend: `epcomm::Buffer::with_transport(transport, ctx, cfg)`.
+//! assert_eq!(transport.capabilities().name, "nvlink-ipc");
+//! // Usually handed to the frontend: `epcomm::Buffer::new(ctx, Arc::new(transport), cfg)`.
 //! # Ok(())
 //! # }
 //! ```
 
 use std::sync::Arc;
 
-use async_trait::async_trait;
 use cudarc::driver::{CudaContext, sys};
-use epcomm_bootstrap::Bootstrap;
 use epcomm_transport::{
-    BarrierStrategy, DeviceBuffer, KernelFamily, SymmetricMemory, Transport, TransportError,
+    Bootstrap, Capabilities, DeviceBuffer, DeviceRuntime, KernelFamily, Route, Schedule,
+    SymmetricHeap, SymmetricMemory, Transport, TransportError, WorldLayout,
 };
 
 const IPC_HANDLE_BYTES: usize = 64;
@@ -50,6 +49,7 @@ const IPC_HANDLE_BYTES: usize = 64;
 pub struct IpcTransport {
     ctx: Arc<CudaContext>,
     bootstrap: Arc<Bootstrap>,
+    world: WorldLayout,
     allocations: std::sync::atomic::AtomicU64,
 }
 
@@ -68,9 +68,15 @@ impl IpcTransport {
                 ),
             });
         }
+        let world = WorldLayout::new(
+            bootstrap.world_size(),
+            bootstrap.rank(),
+            bootstrap.world_size(),
+        )?;
         Ok(Self {
             ctx,
             bootstrap,
+            world,
             allocations: 0.into(),
         })
     }
@@ -93,31 +99,48 @@ fn driver(
     move |source| TransportError::Driver { context, source }
 }
 
-#[async_trait]
+/// The capabilities of [`IpcTransport`].
+pub const CAPABILITIES: Capabilities = Capabilities {
+    name: "nvlink-ipc",
+    kernel_family: KernelFamily::NvlinkStore,
+    schedules: &Schedule::ALL,
+    routes: &[Route::Store],
+};
+
 impl Transport for IpcTransport {
-    type Memory = IpcMemory;
-
-    fn name(&self) -> &'static str {
-        "nvlink-ipc"
+    fn capabilities(&self) -> Capabilities {
+        CAPABILITIES
     }
 
-    fn rank(&self) -> usize {
-        self.bootstrap.rank()
+    fn world(&self) -> WorldLayout {
+        self.world
     }
 
-    fn world_size(&self) -> usize {
-        self.bootstrap.world_size()
+    fn bootstrap(&self) -> &Arc<Bootstrap> {
+        &self.bootstrap
     }
+}
+
+impl DeviceRuntime for IpcTransport {
+    type ModuleBinding = ();
 
     fn kernel_family(&self) -> KernelFamily {
         KernelFamily::NvlinkStore
     }
 
-    fn barrier_strategies(&self) -> &'static [BarrierStrategy] {
-        &[BarrierStrategy::Global, BarrierStrategy::Epoch]
+    unsafe fn bind_module(
+        &self,
+        _module: cudarc::driver::sys::CUmodule,
+    ) -> Result<(), TransportError> {
+        // Store-family kernels use no device runtime: nothing to bind.
+        Ok(())
     }
+}
 
-    async fn alloc_symmetric(&self, bytes: usize) -> Result<IpcMemory, TransportError> {
+impl SymmetricHeap for IpcTransport {
+    type Memory = IpcMemory;
+
+    fn alloc_symmetric(&self, bytes: usize) -> Result<IpcMemory, TransportError> {
         let seq = self
             .allocations
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -144,7 +167,7 @@ impl Transport for IpcTransport {
                     context: format!("exchanging IPC handles ({tag})"),
                     source,
                 })?;
-        let me = self.rank();
+        let me = self.world.rank();
         let mut mem = IpcMemory {
             ctx: self.ctx.clone(),
             bases: vec![0; all.len()],
@@ -195,38 +218,6 @@ impl Transport for IpcTransport {
         }
         Ok(mem)
     }
-
-    async fn host_barrier(&self, tag: &str) -> Result<(), TransportError> {
-        self.bootstrap
-            .barrier(tag)
-            .map_err(|source| TransportError::Bootstrap {
-                context: format!("host barrier {tag}"),
-                source,
-            })
-    }
-
-    async fn host_all_gather(
-        &self,
-        tag: &str,
-        data: &[u8],
-    ) -> Result<Vec<Vec<u8>>, TransportError> {
-        self.bootstrap
-            .all_gather(tag, data)
-            .map_err(|source| TransportError::Bootstrap {
-                context: format!("host all-gather {tag}"),
-                source,
-            })
-    }
-
-    type ModuleBinding = ();
-
-    unsafe fn bind_module(
-        &self,
-        _module: cudarc::driver::sys::CUmodule,
-    ) -> Result<(), TransportError> {
-        // Store-variant kernels use no device runtime: nothing to bind.
-        Ok(())
-    }
 }
 
 /// A symmetric buffer shared through CUDA IPC.
@@ -254,8 +245,8 @@ impl SymmetricMemory for IpcMemory {
         self.local.ptr()
     }
 
-    fn peer_bases(&self) -> &[u64] {
-        &self.bases
+    fn peer_base(&self, peer: usize) -> Option<u64> {
+        self.bases.get(peer).copied().filter(|&b| b != 0)
     }
 
     fn release_peer_mappings(&mut self) {

@@ -8,7 +8,8 @@
 //! dlopens `libnvshmem_host.so.3` — nothing links at build time). One runtime per process,
 //! shared by every transport clone and allocation; finalised when the last one drops.
 //!
-//! Strategies: Global, Epoch and PeerSignal (every peer through put/signal, none by stores).
+//! Schedules: Global and Epoch. Routes: stores through `nvshmem_ptr` mappings and put/signal
+//! (every peer outside the logical node; every peer under `RoutePolicy::PutSignal`).
 //!
 //! **Virtual nodes** ([`NvshmemOptions::virtual_nodes`]): the GPUs of one host are split into
 //! logical nodes and only peers in the same logical node get a mapping, so traffic between
@@ -16,7 +17,7 @@
 //! the inter-node path is tested on one machine.
 //!
 //! On a host without an RDMA NIC set `NVSHMEM_REMOTE_TRANSPORT=none` and
-//! `NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo`; keep `NVSHMEM_DISABLE_NVLS=1`.
+//! `NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo`; keep `NVSHMEM_DISABLE_NVLS=1` ([`SINGLE_HOST_ENV`]).
 //!
 //! # Example
 //!
@@ -37,19 +38,19 @@
 //! // Each host's GPUs split into 2 logical nodes: half the peers are reached by put/signal.
 //! let options = NvshmemOptions { virtual_nodes: 2 };
 //! let transport = NvshmemTransport::with_options(ctx, boot, options)?;
-//! println!("rank {} of {}", transport.rank(), transport.world_size());
-//! // Usually handed to the frontend: `epcomm::Buffer::with_transport(transport, ctx, cfg)`.
+//! println!("rank {} of {}", transport.world().rank(), transport.world().world_size());
+//! // Usually handed to the frontend: `epcomm::Buffer::new(ctx, Arc::new(transport), cfg)`.
 //! # Ok(())
 //! # }
 //! ```
 
 use std::sync::Arc;
 
-use async_trait::async_trait;
 use cudarc::driver::CudaContext;
-use epcomm_bootstrap::Bootstrap;
-use epcomm_topology::WorldLayout;
-use epcomm_transport::{BarrierStrategy, KernelFamily, SymmetricMemory, Transport, TransportError};
+use epcomm_transport::{
+    Bootstrap, Capabilities, DeviceRuntime, KernelFamily, Route, Schedule, SymmetricHeap,
+    SymmetricMemory, Transport, TransportError, WorldLayout,
+};
 use nvshmem_sys::{Nvshmem, OwnedModuleRegistration, OwnedSymmetricAlloc, SharedNvshmem};
 
 fn backend(context: impl Into<String>) -> impl FnOnce(nvshmem_sys::Error) -> TransportError {
@@ -76,6 +77,15 @@ fn boot_err(context: &str) -> impl FnOnce(epcomm_bootstrap::BootstrapError) -> T
         source,
     }
 }
+
+/// NVSHMEM environment for a job on one host, which needs no RDMA NIC: no remote transport,
+/// the unique-id bootstrap on the loopback interface, NVLink multicast off. Launchers set each
+/// one in their ranks' environment unless the user already did (NVSHMEM reads them at init).
+pub const SINGLE_HOST_ENV: [(&str, &str); 3] = [
+    ("NVSHMEM_REMOTE_TRANSPORT", "none"),
+    ("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo"),
+    ("NVSHMEM_DISABLE_NVLS", "1"),
+];
 
 /// Options of [`NvshmemTransport::with_options`]; every rank must pass the same values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -153,46 +163,38 @@ impl NvshmemTransport {
         })
     }
 
-    /// The world as this transport sees it (logical nodes included).
-    pub fn world_layout(&self) -> &WorldLayout {
-        &self.world
-    }
-
     /// The shared NVSHMEM runtime.
     pub fn runtime(&self) -> &SharedNvshmem {
         &self.rt
     }
 }
 
-#[async_trait]
+/// The capabilities of [`NvshmemTransport`].
+pub const CAPABILITIES: Capabilities = Capabilities {
+    name: "nvshmem",
+    kernel_family: KernelFamily::NvshmemDevice,
+    schedules: &Schedule::ALL,
+    routes: &Route::ALL,
+};
+
 impl Transport for NvshmemTransport {
+    fn capabilities(&self) -> Capabilities {
+        CAPABILITIES
+    }
+
+    fn world(&self) -> WorldLayout {
+        self.world
+    }
+
+    fn bootstrap(&self) -> &Arc<Bootstrap> {
+        &self.bootstrap
+    }
+}
+
+impl SymmetricHeap for NvshmemTransport {
     type Memory = NvshmemMemory;
 
-    fn name(&self) -> &'static str {
-        "nvshmem"
-    }
-
-    fn rank(&self) -> usize {
-        self.bootstrap.rank()
-    }
-
-    fn world_size(&self) -> usize {
-        self.bootstrap.world_size()
-    }
-
-    fn kernel_family(&self) -> KernelFamily {
-        KernelFamily::NvshmemDevice
-    }
-
-    fn barrier_strategies(&self) -> &'static [BarrierStrategy] {
-        &[
-            BarrierStrategy::Global,
-            BarrierStrategy::Epoch,
-            BarrierStrategy::PeerSignal,
-        ]
-    }
-
-    async fn alloc_symmetric(&self, bytes: usize) -> Result<NvshmemMemory, TransportError> {
+    fn alloc_symmetric(&self, bytes: usize) -> Result<NvshmemMemory, TransportError> {
         bind_context(&self.ctx)?;
         let alloc = OwnedSymmetricAlloc::zeroed(&self.rt, bytes)
             .map_err(backend(format!("allocating {bytes} symmetric bytes")))?;
@@ -213,17 +215,11 @@ impl Transport for NvshmemTransport {
             })?;
         Ok(NvshmemMemory { bases, alloc })
     }
+}
 
-    async fn host_barrier(&self, tag: &str) -> Result<(), TransportError> {
-        self.bootstrap.barrier(tag).map_err(boot_err(tag))
-    }
-
-    async fn host_all_gather(
-        &self,
-        tag: &str,
-        data: &[u8],
-    ) -> Result<Vec<Vec<u8>>, TransportError> {
-        self.bootstrap.all_gather(tag, data).map_err(boot_err(tag))
+impl DeviceRuntime for NvshmemTransport {
+    fn kernel_family(&self) -> KernelFamily {
+        KernelFamily::NvshmemDevice
     }
 
     type ModuleBinding = OwnedModuleRegistration;
@@ -258,8 +254,8 @@ impl SymmetricMemory for NvshmemMemory {
         self.alloc.ptr()
     }
 
-    fn peer_bases(&self) -> &[u64] {
-        &self.bases
+    fn peer_base(&self, peer: usize) -> Option<u64> {
+        self.bases.get(peer).copied().filter(|&b| b != 0)
     }
 
     fn free_is_collective(&self) -> bool {

@@ -1,95 +1,104 @@
 //! The transport layer of epcomm: what a backend must provide so that the kernels can move
-//! tokens between ranks.
+//! tokens between ranks, split into roles.
 //!
-//! A backend ([`Transport`]) gives every rank a **symmetric buffer** (same size and layout on
-//! every rank), the addresses of its peers' buffers that this process can store to directly
-//! (the NVLink domain), a host barrier, and the set of [`BarrierStrategy`]s its kernel variant
-//! supports. The trait is statically dispatched (associated types, like `wgpu-hal`'s `Api`);
-//! [`DynTransport`] is its object-safe mirror for code that picks a backend at run time.
+//! * [`SymmetricHeap`] — collective allocation of a **symmetric buffer** (same size and layout
+//!   on every rank), and [`SymmetricMemory`]: this rank's base address and, per peer, whether
+//!   this process can store to it directly (a mapping) or only reach it through the backend's
+//!   put/signal operations.
+//! * [`DeviceRuntime`] — the kernel image a backend needs ([`KernelFamily`]) and the binding of a
+//!   loaded module to the backend's device runtime (NVSHMEM's `nvshmemx_cumodule_init`).
+//! * [`Transport`] — both roles plus [`Capabilities`] (schedules and routes the backend
+//!   supports) and the [`WorldLayout`] it sees. Host collectives (all-gather, barrier) are not a
+//!   backend's business: they come from the [`Bootstrap`] every transport is built on
+//!   ([`Transport::bootstrap`]).
+//!
+//! The traits are statically dispatched (associated types, like `wgpu-hal`'s `Api`);
+//! [`DynTransport`] is the object-safe mirror the frontend holds, so it never names a backend.
 //!
 //! # Ordering contract
 //! Kernels publish with *data stores, then a system-scope release operation* (a release add on a
 //! peer's counter, or a release store of a tagged word) and consume with an acquire load of that
 //! word before reading the data. A backend must guarantee that a peer address it hands out
 //! preserves this order (NVLink P2P mappings do). Peers without such an address are reached
-//! with the transport's own put and signal operations, which only a device-linked kernel
-//! family can issue ([`KernelFamily::NvshmemDevice`]): the data, then a signal that NVSHMEM
-//! delivers after it (docs/protocol.md, "Net policies").
+//! with the transport's own put and signal operations ([`Route::PutSignal`]), which only a
+//! device-linked kernel family can issue ([`KernelFamily::NvshmemDevice`]): the data, then a
+//! signal that the backend delivers after it (docs/protocol.md, "Net policies").
 //! Memory is reused only once every producer that can target it is known to be done
 //! (docs/protocol.md).
 //!
 //! # Example
 //!
-//! Barrier strategies are chosen at run time, by name (no GPU needed):
+//! What a backend declares can be inspected without a GPU:
 //!
 //! ```
-//! use epcomm_transport::{BarrierStrategy, TransportError};
+//! use epcomm_transport::{Capabilities, KernelFamily, Route, Schedule};
 //!
-//! let strategy: BarrierStrategy = "peer-signal".parse()?;
-//! assert_eq!(strategy, BarrierStrategy::PeerSignal);
-//! assert_eq!(strategy.name(), "peer-signal");
-//! assert!("fastest".parse::<BarrierStrategy>().is_err());
-//! # Ok::<(), TransportError>(())
+//! let caps = Capabilities {
+//!     name: "example",
+//!     kernel_family: KernelFamily::NvlinkStore,
+//!     schedules: &[Schedule::Global, Schedule::Epoch],
+//!     routes: &[Route::Store],
+//! };
+//! assert!(caps.supports_schedule(Schedule::Epoch));
+//! assert!(caps.check_schedule(Schedule::Global).is_ok());
+//! assert!(!caps.routes.contains(&Route::PutSignal));
 //! ```
 
 pub mod memory;
 
 use std::fmt::Debug;
+use std::sync::Arc;
 
-use async_trait::async_trait;
-
+pub use epcomm_bootstrap::Bootstrap;
+pub use epcomm_topology::{Route, RoutePolicy, Schedule, WorldLayout};
 pub use memory::{DeviceBuffer, MappedHostBuffer};
 
-/// How ranks agree that buffers may be reused; chosen per `Buffer`, at run time.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum BarrierStrategy {
-    /// DeepEP-V1-equivalent schedule: all-rank barriers before the count exchange, after it,
-    /// and after reading it. Baseline and fallback.
-    Global,
-    /// No barrier: epoch-tagged counts, monotonic completion counters, parity-alternating
-    /// receive regions; each rank waits only for the data it receives.
-    Epoch,
-    /// Epoch with the landed-check done by the transport's signal operations.
-    PeerSignal,
-}
-
-impl BarrierStrategy {
-    /// Lower-case name, as used on command lines.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Global => "global",
-            Self::Epoch => "epoch",
-            Self::PeerSignal => "peer-signal",
-        }
-    }
-}
-
-impl std::str::FromStr for BarrierStrategy {
-    type Err = TransportError;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "global" => Ok(Self::Global),
-            "epoch" => Ok(Self::Epoch),
-            "peer-signal" => Ok(Self::PeerSignal),
-            other => Err(TransportError::InvalidArgument {
-                argument: "barrier strategy",
-                rule: format!("must be one of global, epoch, peer-signal (got {other:?})"),
-            }),
-        }
-    }
-}
-
-/// Which kernel variant a transport's device context works with.
+/// Which kernel image a transport's device runtime works with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum KernelFamily {
-    /// Plain stores and system-scope atomics through peer mappings (NVLink P2P / CUDA IPC).
-    /// Every peer must have a mapping ([`SymmetricMemory::peer_bases`] nonzero).
+    /// Plain stores and system-scope atomics through peer mappings (NVLink P2P / CUDA IPC):
+    /// supports [`Route::Store`] only.
     NvlinkStore,
-    /// Kernels device-linked with `libnvshmem_device`: mapped peers (nonzero
-    /// [`SymmetricMemory::peer_bases`]) by stores, every other peer with NVSHMEM put/signal;
-    /// under [`BarrierStrategy::PeerSignal`] every peer with put/signal. The loaded module must be
-    /// bound with [`Transport::bind_module`] before the first launch.
+    /// Kernels device-linked with `libnvshmem_device`: [`Route::Store`] through mappings and
+    /// [`Route::PutSignal`] with NVSHMEM put/signal. The loaded module must be bound with
+    /// [`DeviceRuntime::bind_module`] before the first launch.
     NvshmemDevice,
+}
+
+/// What a backend supports; a `Buffer` asking for anything else is a typed error.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Capabilities {
+    /// Short backend name (`"nvlink-ipc"`, `"nvshmem"`).
+    pub name: &'static str,
+    /// The kernel image it needs.
+    pub kernel_family: KernelFamily,
+    /// Schedules its kernels implement.
+    pub schedules: &'static [Schedule],
+    /// Routes it can reach a peer by.
+    pub routes: &'static [Route],
+}
+
+impl Capabilities {
+    /// Whether `schedule` is supported.
+    pub fn supports_schedule(&self, schedule: Schedule) -> bool {
+        self.schedules.contains(&schedule)
+    }
+
+    /// `Ok` when `schedule` is supported, else an error naming the supported ones.
+    pub fn check_schedule(&self, schedule: Schedule) -> Result<(), TransportError> {
+        if self.supports_schedule(schedule) {
+            return Ok(());
+        }
+        let names: Vec<_> = self.schedules.iter().map(|s| s.name()).collect();
+        Err(TransportError::InvalidArgument {
+            argument: "schedule",
+            rule: format!(
+                "transport {} supports {}, not {schedule}",
+                self.name,
+                names.join(", ")
+            ),
+        })
+    }
 }
 
 /// Errors of transports.
@@ -142,6 +151,9 @@ pub enum TransportError {
         #[source]
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+    /// A topology rule was broken (world layout, route plan).
+    #[error(transparent)]
+    Topology(#[from] epcomm_topology::TopologyError),
     /// A memory access outside an allocation.
     #[error("{what}: range {offset}..{end} is outside the {len}-byte allocation")]
     OutOfBounds {
@@ -172,8 +184,8 @@ impl<T> DriverContext<T> for Result<T, cudarc::driver::DriverError> {
 /// A buffer allocated collectively by every rank, with the same size everywhere.
 ///
 /// Who may touch it: the owning rank's kernels read and write all of it; a peer's kernels may
-/// write (and atomically update) it through [`SymmetricMemory::peer_bases`] only as the protocol
-/// allows; the host never reads it on the hot path.
+/// write (and atomically update) it, through [`SymmetricMemory::peer_base`] or the backend's
+/// put/signal, only as the protocol allows; the host never reads it on the hot path.
 pub trait SymmetricMemory: Send + Sync + Debug {
     /// Size in bytes (identical on every rank).
     fn len(&self) -> usize;
@@ -183,9 +195,10 @@ pub trait SymmetricMemory: Send + Sync + Debug {
     }
     /// Device address of this rank's own buffer.
     fn local_base(&self) -> u64;
-    /// Device address, valid in this process, of every rank's buffer (own included), indexed by
-    /// rank; 0 for ranks this process cannot store to directly.
-    fn peer_bases(&self) -> &[u64];
+    /// Device address, valid in this process, of `peer`'s buffer when this process can store
+    /// to it directly ([`Route::Store`]; this rank's own buffer included); `None` for a peer
+    /// reachable only by the backend's put/signal, or not at all.
+    fn peer_base(&self, peer: usize) -> Option<u64>;
 
     /// Closes this rank's mappings of the peers' memory: called at teardown once this rank's
     /// ops are finished, before the barrier after which every rank frees its own allocation
@@ -199,115 +212,84 @@ pub trait SymmetricMemory: Send + Sync + Debug {
     }
 }
 
-/// A communication backend (static dispatch).
-#[async_trait]
-pub trait Transport: Send + Sync + Debug {
+/// Role: collective allocation of symmetric memory.
+pub trait SymmetricHeap {
     /// The backend's symmetric memory.
     type Memory: SymmetricMemory + 'static;
+    /// Collectively allocates `bytes` of zeroed symmetric memory. Every rank must call this
+    /// with the same size, in the same order; it returns once every peer's memory that this
+    /// rank maps is zeroed and mapped here.
+    fn alloc_symmetric(&self, bytes: usize) -> Result<Self::Memory, TransportError>;
+}
 
-    /// Short backend name (`"nvlink-ipc"`, `"nvshmem"`).
-    fn name(&self) -> &'static str;
-    /// This process's rank.
-    fn rank(&self) -> usize;
-    /// Number of ranks.
-    fn world_size(&self) -> usize;
-    /// The kernel variant that can use this transport's memory.
-    fn kernel_family(&self) -> KernelFamily;
-    /// Barrier strategies this backend's kernel variant implements.
-    fn barrier_strategies(&self) -> &'static [BarrierStrategy];
-    /// Collectively allocates `bytes` of zeroed symmetric memory (every rank must call this with
-    /// the same size, in the same order).
-    async fn alloc_symmetric(&self, bytes: usize) -> Result<Self::Memory, TransportError>;
-    /// Host-side barrier over all ranks, bounded by the bootstrap timeout.
-    async fn host_barrier(&self, tag: &str) -> Result<(), TransportError>;
-    /// Host-side all-gather of small byte strings (diagnostics, setup), indexed by rank.
-    async fn host_all_gather(&self, tag: &str, data: &[u8])
-    -> Result<Vec<Vec<u8>>, TransportError>;
-
-    /// What [`Transport::bind_module`] returns: keeps a kernel module bound to the backend's
-    /// device runtime until dropped (`()` for backends that need no binding).
+/// Role: the device runtime a backend's kernels need.
+pub trait DeviceRuntime {
+    /// What [`DeviceRuntime::bind_module`] returns: keeps a kernel module bound to the
+    /// backend's device runtime until dropped (`()` for backends that need no binding).
     type ModuleBinding: Send + Sync + Debug + 'static;
+
+    /// The kernel image this runtime works with.
+    fn kernel_family(&self) -> KernelFamily;
 
     /// Binds a loaded kernel module of this backend's [`KernelFamily`] to its device runtime
     /// (NVSHMEM: `nvshmemx_cumodule_init`). Drop the binding before the module is unloaded.
     ///
     /// # Safety
     /// `module` is a live `CUmodule`, loaded in this transport's CUDA context from the image of
-    /// [`Transport::kernel_family`], and stays loaded until the returned binding is dropped.
+    /// [`DeviceRuntime::kernel_family`], and stays loaded until the returned binding is dropped.
     unsafe fn bind_module(
         &self,
         module: cudarc::driver::sys::CUmodule,
     ) -> Result<Self::ModuleBinding, TransportError>;
 }
 
-/// Object-safe mirror of [`Transport`], implemented for every transport.
-#[async_trait]
+/// A communication backend (static dispatch): both roles, what it supports, and where it runs.
+pub trait Transport: SymmetricHeap + DeviceRuntime + Send + Sync + Debug {
+    /// What the backend supports.
+    fn capabilities(&self) -> Capabilities;
+    /// The world as this backend sees it (logical nodes included).
+    fn world(&self) -> WorldLayout;
+    /// The bootstrap it was built on: the host collectives every rank shares.
+    fn bootstrap(&self) -> &Arc<Bootstrap>;
+}
+
+/// Object-safe mirror of [`Transport`], implemented for every transport: what the frontend
+/// holds.
 pub trait DynTransport: Send + Sync + Debug {
-    /// See [`Transport::name`].
-    fn name(&self) -> &'static str;
-    /// See [`Transport::rank`].
-    fn rank(&self) -> usize;
-    /// See [`Transport::world_size`].
-    fn world_size(&self) -> usize;
-    /// See [`Transport::kernel_family`].
-    fn kernel_family(&self) -> KernelFamily;
-    /// See [`Transport::barrier_strategies`].
-    fn barrier_strategies(&self) -> &'static [BarrierStrategy];
-    /// See [`Transport::alloc_symmetric`].
-    async fn alloc_symmetric_dyn(
-        &self,
-        bytes: usize,
-    ) -> Result<Box<dyn SymmetricMemory>, TransportError>;
-    /// See [`Transport::host_barrier`].
-    async fn host_barrier_dyn(&self, tag: &str) -> Result<(), TransportError>;
-    /// See [`Transport::host_all_gather`].
-    async fn host_all_gather_dyn(
-        &self,
-        tag: &str,
-        data: &[u8],
-    ) -> Result<Vec<Vec<u8>>, TransportError>;
-    /// See [`Transport::bind_module`].
+    /// See [`Transport::capabilities`].
+    fn capabilities(&self) -> Capabilities;
+    /// See [`Transport::world`].
+    fn world(&self) -> WorldLayout;
+    /// See [`Transport::bootstrap`].
+    fn bootstrap(&self) -> &Arc<Bootstrap>;
+    /// See [`SymmetricHeap::alloc_symmetric`].
+    fn alloc_symmetric_dyn(&self, bytes: usize)
+    -> Result<Box<dyn SymmetricMemory>, TransportError>;
+    /// See [`DeviceRuntime::bind_module`].
     ///
     /// # Safety
-    /// As for [`Transport::bind_module`].
+    /// As for [`DeviceRuntime::bind_module`].
     unsafe fn bind_module_dyn(
         &self,
         module: cudarc::driver::sys::CUmodule,
     ) -> Result<Box<dyn Debug + Send + Sync>, TransportError>;
 }
 
-#[async_trait]
 impl<T: Transport> DynTransport for T {
-    fn name(&self) -> &'static str {
-        Transport::name(self)
+    fn capabilities(&self) -> Capabilities {
+        Transport::capabilities(self)
     }
-    fn rank(&self) -> usize {
-        Transport::rank(self)
+    fn world(&self) -> WorldLayout {
+        Transport::world(self)
     }
-    fn world_size(&self) -> usize {
-        Transport::world_size(self)
+    fn bootstrap(&self) -> &Arc<Bootstrap> {
+        Transport::bootstrap(self)
     }
-    fn kernel_family(&self) -> KernelFamily {
-        Transport::kernel_family(self)
-    }
-    fn barrier_strategies(&self) -> &'static [BarrierStrategy] {
-        Transport::barrier_strategies(self)
-    }
-    async fn alloc_symmetric_dyn(
+    fn alloc_symmetric_dyn(
         &self,
         bytes: usize,
     ) -> Result<Box<dyn SymmetricMemory>, TransportError> {
-        Ok(Box::new(self.alloc_symmetric(bytes).await?))
-    }
-    async fn host_barrier_dyn(&self, tag: &str) -> Result<(), TransportError> {
-        self.host_barrier(tag).await
-    }
-    async fn host_all_gather_dyn(
-        &self,
-        tag: &str,
-        data: &[u8],
-    ) -> Result<Vec<Vec<u8>>, TransportError> {
-        self.host_all_gather(tag, data).await
+        Ok(Box::new(self.alloc_symmetric(bytes)?))
     }
     unsafe fn bind_module_dyn(
         &self,
@@ -323,15 +305,17 @@ mod tests {
     use super::*;
 
     #[test]
-    fn strategy_names_round_trip() {
-        for s in [
-            BarrierStrategy::Global,
-            BarrierStrategy::Epoch,
-            BarrierStrategy::PeerSignal,
-        ] {
-            assert_eq!(s.name().parse::<BarrierStrategy>().unwrap(), s);
-        }
-        let err = "fast".parse::<BarrierStrategy>().unwrap_err();
-        assert!(err.to_string().contains("barrier strategy"), "{err}");
+    fn unsupported_schedules_are_named() {
+        let caps = Capabilities {
+            name: "t",
+            kernel_family: KernelFamily::NvlinkStore,
+            schedules: &[Schedule::Epoch],
+            routes: &[Route::Store],
+        };
+        let err = caps.check_schedule(Schedule::Global).unwrap_err();
+        assert!(
+            err.to_string().contains("supports epoch, not global"),
+            "{err}"
+        );
     }
 }

@@ -7,15 +7,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DevicePtr, DevicePtrMut, sys};
-use epcomm_bootstrap::Bootstrap;
 use epcomm_kernels::abi::{self, ErrorRecord, LayoutArgs, OpArgs};
 use epcomm_kernels::{IntranodeKernels, KernelVariant};
-use epcomm_topology::{BufferPlan, Parity, RegionKind};
+use epcomm_topology::{BufferPlan, Parity, RegionKind, Route, RoutePlan, Schedule};
 use epcomm_transport::memory::copy_dtoh;
 use epcomm_transport::{
-    BarrierStrategy, DeviceBuffer, KernelFamily, MappedHostBuffer, SymmetricMemory, Transport,
+    DeviceBuffer, DynTransport, KernelFamily, MappedHostBuffer, SymmetricMemory,
 };
-use epcomm_transport_ipc::IpcTransport;
 
 use crate::agreement::Fingerprint;
 use crate::error::DriverContext;
@@ -154,7 +152,7 @@ struct LatestDispatch {
 
 /// One rank's epcomm state: see the crate docs.
 #[derive(Debug)]
-pub struct Buffer<T: Transport = IpcTransport> {
+pub struct Buffer {
     id: u64,
     cfg: BufferConfig,
     rank: usize,
@@ -162,9 +160,11 @@ pub struct Buffer<T: Transport = IpcTransport> {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     /// Declared before `kernels`: dropped (unbound) before the module unloads.
-    _module_binding: T::ModuleBinding,
+    _module_binding: Box<dyn std::fmt::Debug + Send + Sync>,
     kernels: IntranodeKernels,
-    /// Bit d: rank d is reached with the transport's put/signal (NVSHMEM variant).
+    /// How every peer is reached (computed once, from the world layout and the transport).
+    routes: RoutePlan,
+    /// Bit d: rank d is reached with the transport's put/signal (`routes`' mask).
     remote_mask: u64,
     plan: BufferPlan,
     peer_bases: DeviceBuffer,
@@ -180,30 +180,25 @@ pub struct Buffer<T: Transport = IpcTransport> {
     failed: Option<String>,
     /// Freed by [`Self::teardown`] (or leaked there when the free is collective and a peer is
     /// gone), never by the field's own drop.
-    mem: ManuallyDrop<T::Memory>,
+    mem: ManuallyDrop<Box<dyn SymmetricMemory>>,
     torn_down: bool,
-    transport: T,
+    transport: Arc<dyn DynTransport>,
 }
 
-impl Buffer<IpcTransport> {
-    /// Creates the buffer of this rank over CUDA IPC (all ranks on one host). Collective: every
-    /// rank must call it with the same config.
+impl Buffer {
+    /// Creates this rank's buffer over `transport` (e.g. from `epcomm_backends::TransportSpec`;
+    /// one transport can serve several buffers, one after another or side by side).
+    /// Collective: every rank must call it with the same config and the same kind of transport
+    /// (checked: [`Error::ConfigMismatch`]).
     pub fn new(
         ctx: Arc<CudaContext>,
-        bootstrap: Arc<Bootstrap>,
+        transport: Arc<dyn DynTransport>,
         cfg: BufferConfig,
     ) -> Result<Self> {
-        let transport = IpcTransport::new(ctx.clone(), bootstrap)?;
-        Self::with_transport(transport, ctx, cfg)
-    }
-}
-
-impl<T: Transport> Buffer<T> {
-    /// Creates the buffer over any transport. Collective.
-    pub fn with_transport(transport: T, ctx: Arc<CudaContext>, cfg: BufferConfig) -> Result<Self> {
         cfg.validate()?;
-        let world = transport.world_size();
-        let rank = transport.rank();
+        let layout = transport.world();
+        let caps = transport.capabilities();
+        let (world, rank) = (layout.world_size(), layout.rank());
         let invalid = |argument, rule: String| Err(Error::InvalidArgument { argument, rule });
         if world > abi::MAX_WORLD {
             return invalid(
@@ -223,17 +218,8 @@ impl<T: Transport> Buffer<T> {
                 ),
             );
         }
-        if !transport.barrier_strategies().contains(&cfg.barrier) {
-            return invalid(
-                "barrier",
-                format!(
-                    "transport {} supports {:?}, not {:?}",
-                    transport.name(),
-                    transport.barrier_strategies(),
-                    cfg.barrier
-                ),
-            );
-        }
+        caps.check_schedule(cfg.schedule)?;
+        let routes = RoutePlan::new(&layout, caps.routes, cfg.routes)?;
         let sms = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .context("reading the SM count")? as u32;
@@ -251,8 +237,7 @@ impl<T: Transport> Buffer<T> {
             cfg.num_experts,
         )?;
         let stream = ctx.new_stream().context("creating the comm stream")?;
-        let family = transport.kernel_family();
-        let variant = match family {
+        let variant = match caps.kernel_family {
             KernelFamily::NvlinkStore => KernelVariant::Store,
             KernelFamily::NvshmemDevice => KernelVariant::Nvshmem,
         };
@@ -275,24 +260,26 @@ impl<T: Transport> Buffer<T> {
         let fingerprint = Fingerprint::new()
             .with("abi_version", abi::ABI_VERSION)
             .with("kernel image", format!("{:016x}", kernels.image_digest()))
-            .with("transport", transport.name())
+            .with("transport", caps.name)
             .with("world", world)
             .with("num_sms", cfg.num_sms)
             .with("max_tokens_per_rank", cfg.max_tokens_per_rank)
             .with("hidden", cfg.hidden)
             .with("top_k", cfg.top_k)
             .with("num_experts", cfg.num_experts)
-            .with("barrier", cfg.barrier.name());
-        let all = pollster::block_on(
-            transport.host_all_gather("epcomm-buffer-config", &fingerprint.encode()),
-        )?;
+            .with("schedule", cfg.schedule.name())
+            .with("routes", cfg.routes.name());
+        let all = transport
+            .bootstrap()
+            .all_gather("epcomm-buffer-config", &fingerprint.encode())?;
         fingerprint.agree(&all)?;
         // SAFETY: the module was loaded in `ctx` from the image of the transport's family and
         // `kernels` keeps it loaded; the binding is declared before `kernels` in `Buffer`, so it
         // is dropped first.
-        let module_binding = unsafe { transport.bind_module(kernels.cu_module()?) }?;
-        let mem = pollster::block_on(transport.alloc_symmetric(plan.total_bytes() as usize))?;
-        let (bases, remote_mask) = peer_routes(family, cfg.barrier, rank, &mem)?;
+        let module_binding = unsafe { transport.bind_module_dyn(kernels.cu_module()?) }?;
+        let mem = transport.alloc_symmetric_dyn(plan.total_bytes() as usize)?;
+        let bases = peer_bases(&routes, mem.as_ref())?;
+        let remote_mask = routes.put_signal_mask();
         let peer_bases = DeviceBuffer::zeroed(&ctx, world * 8)?;
         peer_bases.write(&stream, 0, &bases)?;
         let err_claim = DeviceBuffer::zeroed(&ctx, 8)?;
@@ -320,6 +307,7 @@ impl<T: Transport> Buffer<T> {
             stream,
             _module_binding: module_binding,
             kernels,
+            routes,
             remote_mask,
             plan,
             peer_bases,
@@ -337,7 +325,10 @@ impl<T: Transport> Buffer<T> {
             transport,
         };
         // Nobody may write into a peer's buffer before that peer has zeroed and mapped it.
-        pollster::block_on(buffer.transport.host_barrier("epcomm-buffer-ready"))?;
+        buffer
+            .transport
+            .bootstrap()
+            .barrier("epcomm-buffer-ready")?;
         Ok(buffer)
     }
 
@@ -362,8 +353,13 @@ impl<T: Transport> Buffer<T> {
     }
 
     /// The transport.
-    pub fn transport(&self) -> &T {
-        &self.transport
+    pub fn transport(&self) -> &dyn DynTransport {
+        self.transport.as_ref()
+    }
+
+    /// How this rank reaches every peer (tier and route per rank).
+    pub fn route_plan(&self) -> &RoutePlan {
+        &self.routes
     }
 
     /// The stream every op runs on. Make it wait for your producers ([`Self::wait_event`]) and
@@ -440,7 +436,10 @@ impl<T: Transport> Buffer<T> {
             return Ok(None);
         };
         let tag = format!("epcomm-stats-{}", local.op_seq);
-        let all = pollster::block_on(self.transport.host_all_gather(&tag, &local.encode()))?;
+        let all = self
+            .transport
+            .bootstrap()
+            .all_gather(&tag, &local.encode())?;
         let mut waits = Vec::with_capacity(all.len());
         for (peer, bytes) in all.iter().enumerate() {
             let row = LocalStats::decode_waits(bytes, local.op_seq, self.world).ok_or_else(|| Error::InvalidArgument {
@@ -508,7 +507,7 @@ impl<T: Transport> Buffer<T> {
         // buffer is the way out, so only driver and transport errors surface here.
         let synced = self.synchronize();
         self.mem.release_peer_mappings();
-        let barrier = pollster::block_on(self.transport.host_barrier("epcomm-buffer-unmapped"));
+        let barrier = self.transport.bootstrap().barrier("epcomm-buffer-unmapped");
         if barrier.is_err() && self.mem.free_is_collective() {
             // The free would wait for the missing peers forever: leak this allocation instead
             // (the process keeps running; the memory returns when it exits).
@@ -760,7 +759,7 @@ impl<T: Transport> Buffer<T> {
             world: self.world as i32,
             rank: self.rank as i32,
             max_tokens: self.cfg.max_tokens_per_rank as i32,
-            global_barriers: u32::from(self.cfg.barrier == BarrierStrategy::Global),
+            global_barriers: u32::from(self.cfg.schedule == Schedule::Global),
             remote_mask: self.remote_mask,
             abort_word: self.mem.local_base() + stats + abi::STATS_ABORT_OFFSET,
             ..OpArgs::default()
@@ -1371,7 +1370,7 @@ impl<T: Transport> Buffer<T> {
     }
 }
 
-impl<T: Transport> Drop for Buffer<T> {
+impl Drop for Buffer {
     /// Same order as [`Buffer::destroy`]; problems become a warning on stderr.
     fn drop(&mut self) {
         if let Err(e) = self.teardown() {
@@ -1383,48 +1382,40 @@ impl<T: Transport> Drop for Buffer<T> {
     }
 }
 
-/// The address kernels use for every rank's buffer, and which ranks they reach with the
-/// transport's put/signal (bit d of the mask).
+/// The address kernels use for every rank's buffer: the mapping for a peer reached by stores,
+/// this rank's own symmetric address for a peer reached by put/signal (NVSHMEM translates it
+/// per PE).
 ///
-/// Store family: every peer needs a mapping. NVSHMEM family: unmapped peers (another node, or
-/// another virtual node) are remote, and under PeerSignal every peer but this rank is; a remote
-/// rank's entry is this rank's own symmetric address, which NVSHMEM translates per PE.
-fn peer_routes(
-    family: KernelFamily,
-    strategy: BarrierStrategy,
-    rank: usize,
-    mem: &dyn SymmetricMemory,
-) -> Result<(Vec<u64>, u64)> {
-    let mut bases = mem.peer_bases().to_vec();
-    let mut mask = 0u64;
-    for (d, base) in bases.iter_mut().enumerate() {
-        if d == rank {
-            *base = mem.local_base();
-            continue;
-        }
-        let remote = match family {
-            KernelFamily::NvlinkStore if *base == 0 => {
-                return Err(Error::InvalidArgument {
-                    argument: "world",
-                    rule: format!("rank {d} is not reachable over NVLink from rank {rank}"),
-                });
-            }
-            KernelFamily::NvlinkStore => false,
-            KernelFamily::NvshmemDevice => *base == 0 || strategy == BarrierStrategy::PeerSignal,
-        };
-        if remote {
-            *base = mem.local_base();
-            mask |= 1 << d;
-        }
-    }
-    Ok((bases, mask))
+/// # Errors
+/// [`Error::InvalidArgument`] naming `world` when the plan says stores but the transport did not
+/// map the peer.
+fn peer_bases(routes: &RoutePlan, mem: &dyn SymmetricMemory) -> Result<Vec<u64>> {
+    let me = routes.world().rank();
+    routes
+        .peers()
+        .iter()
+        .map(|p| match p.route {
+            _ if p.peer == me => Ok(mem.local_base()),
+            Route::PutSignal => Ok(mem.local_base()),
+            Route::Store => mem.peer_base(p.peer).ok_or_else(|| Error::InvalidArgument {
+                argument: "world",
+                rule: format!(
+                    "rank {} ({}) is not mapped into rank {me}, so stores cannot reach it",
+                    p.peer,
+                    p.tier.name()
+                ),
+            }),
+        })
+        .collect()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// Addresses as a transport reports them (pure data: routing is host logic).
+    use epcomm_topology::{RoutePolicy, WorldLayout};
+
+    /// Addresses as a transport reports them (0: not mapped).
     #[derive(Debug)]
     struct Bases(Vec<u64>, u64);
 
@@ -1435,37 +1426,42 @@ mod tests {
         fn local_base(&self) -> u64 {
             self.1
         }
-        fn peer_bases(&self) -> &[u64] {
-            &self.0
+        fn peer_base(&self, peer: usize) -> Option<u64> {
+            self.0.get(peer).copied().filter(|&b| b != 0)
         }
     }
 
     #[test]
-    fn peer_routes_pick_stores_or_put_signal_per_peer() {
-        use BarrierStrategy::*;
-        use KernelFamily::*;
+    fn peer_bases_follow_the_route_plan() {
+        use Route::*;
+        let one_node = WorldLayout::new(3, 1, 3).unwrap();
         let all_mapped = Bases(vec![0x10, 0x20, 0x30], 0x20);
+        let auto = RoutePlan::new(&one_node, &[Store], RoutePolicy::Auto).unwrap();
         assert_eq!(
-            peer_routes(NvlinkStore, Epoch, 1, &all_mapped).unwrap(),
-            (vec![0x10, 0x20, 0x30], 0)
+            peer_bases(&auto, &all_mapped).unwrap(),
+            vec![0x10, 0x20, 0x30]
         );
+        // Put/signal everywhere: every peer addressed by my own base.
+        let ps = RoutePlan::new(&one_node, &Route::ALL, RoutePolicy::PutSignal).unwrap();
+        assert_eq!(peer_bases(&ps, &all_mapped).unwrap(), vec![0x20; 3]);
+        assert_eq!(ps.put_signal_mask(), 0b101);
+        // Another (virtual) node: the unmapped peers are planned as put/signal.
+        let split = WorldLayout::with_virtual_nodes(4, 1, 4, 2).unwrap();
+        let mem = Bases(vec![0x10, 0x20, 0, 0], 0x20);
+        let plan = RoutePlan::new(&split, &Route::ALL, RoutePolicy::Auto).unwrap();
         assert_eq!(
-            peer_routes(NvshmemDevice, Global, 1, &all_mapped).unwrap(),
-            (vec![0x10, 0x20, 0x30], 0)
+            peer_bases(&plan, &mem).unwrap(),
+            vec![0x10, 0x20, 0x20, 0x20]
         );
-        // PeerSignal: every peer but me through put/signal, addressed by my own base.
-        assert_eq!(
-            peer_routes(NvshmemDevice, PeerSignal, 1, &all_mapped).unwrap(),
-            (vec![0x20, 0x20, 0x20], 0b101)
+        assert_eq!(plan.put_signal_mask(), 0b1100);
+        // A peer planned for stores that the transport did not map is an error.
+        let unmapped = Bases(vec![0, 0x20, 0x30], 0x20);
+        let err = peer_bases(&auto, &unmapped).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("rank 0 (NVLink domain) is not mapped"),
+            "{err}"
         );
-        // Another (virtual) node: unmapped peers are remote; stores cannot reach them.
-        let split = Bases(vec![0, 0x20, 0x30, 0], 0x20);
-        assert_eq!(
-            peer_routes(NvshmemDevice, Epoch, 1, &split).unwrap(),
-            (vec![0x20, 0x20, 0x30, 0x20], 0b1001)
-        );
-        let err = peer_routes(NvlinkStore, Epoch, 1, &split).unwrap_err();
-        assert!(err.to_string().contains("rank 0 is not reachable"), "{err}");
     }
 
     #[test]

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use epcomm_transport::BarrierStrategy;
+use epcomm_topology::{RoutePolicy, Schedule};
 
 use crate::{Error, Result};
 
@@ -34,14 +34,17 @@ pub struct BufferConfig {
     pub num_experts: usize,
     /// Blocks (one per SM) of the dispatch and combine kernels.
     pub num_sms: u32,
-    /// Barrier strategy (must be one the transport supports).
-    pub barrier: BarrierStrategy,
+    /// How ranks agree that memory may be reused (must be one the transport supports).
+    pub schedule: Schedule,
+    /// Which route reaches a peer where more than one would (the transport must support every
+    /// route the plan needs).
+    pub routes: RoutePolicy,
     /// Bound of every device wait.
     pub timeout: Duration,
 }
 
 impl BufferConfig {
-    /// A config with 24 SMs, the Epoch strategy and a 100 s timeout.
+    /// A config with 24 SMs, the Epoch schedule, automatic routes and a 100 s timeout.
     pub fn new(
         max_tokens_per_rank: usize,
         hidden: usize,
@@ -54,7 +57,8 @@ impl BufferConfig {
             top_k,
             num_experts,
             num_sms: 24,
-            barrier: BarrierStrategy::Epoch,
+            schedule: Schedule::Epoch,
+            routes: RoutePolicy::Auto,
             timeout: Duration::from_secs(100),
         }
     }

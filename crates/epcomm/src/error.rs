@@ -133,6 +133,9 @@ pub enum Error {
     /// Transport error.
     #[error(transparent)]
     Transport(#[from] epcomm_transport::TransportError),
+    /// A host collective (all-gather, barrier) over the bootstrap failed.
+    #[error(transparent)]
+    Bootstrap(#[from] epcomm_bootstrap::BootstrapError),
     /// Kernel loading/launch error.
     #[error(transparent)]
     Kernel(#[from] epcomm_kernels::KernelError),

@@ -28,11 +28,11 @@
 //! A [`BufferConfig`] can be checked without a GPU; every rank must use the same one:
 //!
 //! ```
-//! use epcomm::{BarrierStrategy, BufferConfig, Error};
+//! use epcomm::{BufferConfig, Error, RoutePolicy, Schedule};
 //!
 //! // 4096 tokens per rank at most, hidden 7168, top-8 of 256 experts.
 //! let cfg = BufferConfig::new(4096, 7168, 8, 256);
-//! assert_eq!(cfg.barrier, BarrierStrategy::Epoch);
+//! assert_eq!((cfg.schedule, cfg.routes), (Schedule::Epoch, RoutePolicy::Auto));
 //! cfg.validate()?;
 //!
 //! // A hidden size that is not a multiple of 8 is rejected, naming the field.
@@ -41,13 +41,15 @@
 //! # Ok::<(), Error>(())
 //! ```
 //!
-//! One rank of a job (one process per GPU, all on one host, launched by torchrun or the like):
+//! One rank of a job (one process per GPU, launched by torchrun or the like); the transport
+//! comes from a spec string through `epcomm-backends`, so this crate never names a backend:
 //!
 //! ```no_run
 //! use std::sync::Arc;
 //!
 //! use cudarc::driver::CudaContext;
 //! use epcomm::{Buffer, BufferConfig, DispatchInput, RecvMode, XInput};
+//! use epcomm_backends::TransportSpec;
 //! use epcomm_bootstrap::{Bootstrap, BootstrapConfig};
 //! use half::bf16;
 //!
@@ -56,7 +58,8 @@
 //! // Rendezvous with the other ranks (MASTER_ADDR, RANK, WORLD_SIZE, ... from the launcher).
 //! let boot = Arc::new(Bootstrap::connect(BootstrapConfig::from_env()?)?);
 //! let ctx = CudaContext::new(boot.local_rank())?;
-//! let mut buf = Buffer::new(ctx, boot, BufferConfig::new(4096, hidden, top_k, num_experts))?;
+//! let transport = "ipc".parse::<TransportSpec>()?.build(ctx.clone(), boot)?;
+//! let mut buf = Buffer::new(ctx, transport, BufferConfig::new(4096, hidden, top_k, num_experts))?;
 //!
 //! // This rank's tokens and routing, on the device.
 //! let stream = buf.stream().clone();
@@ -93,8 +96,8 @@ mod stats;
 
 pub use buffer::{Buffer, DispatchInput, EpGraph, XInput};
 pub use config::{BufferConfig, RecvMode};
-pub use epcomm_transport::{BarrierStrategy, Transport};
-pub use epcomm_transport_ipc::IpcTransport;
+pub use epcomm_topology::{PeerRoute, Route, RoutePlan, RoutePolicy, Schedule, Tier};
+pub use epcomm_transport::{DynTransport, Transport};
 pub use error::{Error, WaitKind};
 pub use handle::{Dispatched, Handle, RecvDtype};
 pub use layout::{HostLayout, Layout};

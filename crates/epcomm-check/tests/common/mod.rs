@@ -19,7 +19,8 @@ use std::sync::{Arc, Once};
 use std::time::Duration;
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
-use epcomm::{BarrierStrategy, BufferConfig};
+use epcomm::{BufferConfig, DynTransport, RoutePolicy, Schedule};
+use epcomm_backends::TransportSpec;
 use epcomm_bootstrap::{Bootstrap, BootstrapConfig};
 use epcomm_check::inputs::{DeviceInputs, Shape, device_inputs, host_inputs, upload};
 use epcomm_check::procs::{gpu_count, run_workers};
@@ -121,100 +122,135 @@ pub fn worker() -> Worker {
     Worker { boot, ctx }
 }
 
-pub fn strategy_from_env() -> BarrierStrategy {
-    std::env::var("EPCOMM_TEST_BARRIER")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(BarrierStrategy::Epoch)
+/// Makes (or shares) the transport a test's buffers are built on.
+pub type MakeTransport<'a> = &'a dyn Fn() -> Arc<dyn DynTransport>;
+
+/// One configuration a multi-process test runs under: a transport spec, a schedule and a route
+/// policy, passed to the workers as `EPCOMM_TEST_{TRANSPORT,SCHEDULE,ROUTES}`.
+#[derive(Clone, Copy, Debug)]
+pub struct TestConfig {
+    pub spec: TransportSpec,
+    pub schedule: Schedule,
+    pub routes: RoutePolicy,
 }
 
-/// Transports a multi-process test runs on: CUDA IPC always; NVSHMEM when its host library is
-/// installed (each worker then initialises NVSHMEM over the bootstrap), both as one node
-/// (`nvshmem`) and with every GPU its own virtual node (`nvshmem-vnodes`: all traffic between
-/// ranks through NVSHMEM put/signal). `EPCOMM_TEST_TRANSPORTS` (comma-separated) narrows it;
-/// under `EPCOMM_GPU_TESTS=1` an NVSHMEM library that fails to load fails the test unless the
-/// list leaves NVSHMEM out.
-pub fn transports(test: &str) -> Vec<&'static str> {
-    let only = std::env::var("EPCOMM_TEST_TRANSPORTS").ok();
-    let wanted = |t: &str| {
-        only.as_deref()
-            .is_none_or(|o| o.split(',').any(|o| o.trim() == t))
-    };
-    let mut all = vec!["ipc"];
-    if wanted("nvshmem") || wanted("nvshmem-vnodes") {
-        match nvshmem_sys::loader::load_default() {
-            Ok(_) => all.extend(["nvshmem", "nvshmem-vnodes"]),
-            Err(e) if gpu_tests_required() => {
-                panic!(
-                    "{test}: EPCOMM_GPU_TESTS=1 but the NVSHMEM host library failed to load: {e}"
-                )
-            }
-            Err(e) => skip(test, &format!("NVSHMEM is not usable here: {e}")),
+impl TestConfig {
+    /// The configuration the launcher gave this worker.
+    pub fn from_env() -> Self {
+        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        Self {
+            spec: var("EPCOMM_TEST_TRANSPORT").map_or(TransportSpec::Ipc, |s| {
+                s.parse().expect("EPCOMM_TEST_TRANSPORT")
+            }),
+            schedule: var("EPCOMM_TEST_SCHEDULE").map_or(Schedule::Epoch, |s| {
+                s.parse().expect("EPCOMM_TEST_SCHEDULE")
+            }),
+            routes: var("EPCOMM_TEST_ROUTES").map_or(RoutePolicy::Auto, |s| {
+                s.parse().expect("EPCOMM_TEST_ROUTES")
+            }),
         }
     }
-    all.into_iter().filter(|t| wanted(t)).collect()
-}
 
-pub fn transport_env(transport: &str, strategy: &str) -> Vec<(&'static str, String)> {
-    let mut env = vec![
-        ("EPCOMM_TEST_BARRIER", strategy.to_string()),
-        ("EPCOMM_TEST_TRANSPORT", transport.to_string()),
-    ];
-    if transport.starts_with("nvshmem") {
-        // A host without an RDMA NIC; NVLink multicast stays off.
-        env.push(("NVSHMEM_REMOTE_TRANSPORT", "none".into()));
-        env.push(("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo".into()));
-        env.push(("NVSHMEM_DISABLE_NVLS", "1".into()));
+    /// The workers' environment for this configuration (NVSHMEM's one-host defaults included).
+    pub fn env(&self) -> Vec<(&'static str, String)> {
+        let mut env = vec![
+            ("EPCOMM_TEST_TRANSPORT", self.spec.to_string()),
+            ("EPCOMM_TEST_SCHEDULE", self.schedule.to_string()),
+            ("EPCOMM_TEST_ROUTES", self.routes.to_string()),
+        ];
+        if self.spec.needs_runtime_library() {
+            env.extend(
+                epcomm_backends::single_host_env_defaults()
+                    .into_iter()
+                    .map(|(k, v)| (k, v.to_string())),
+            );
+        }
+        env
     }
-    env
 }
 
-/// Runs `$run(&worker, &make_transport, args...)` on the transport `EPCOMM_TEST_TRANSPORT` names.
+impl std::fmt::Display for TestConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {} routes={}", self.spec, self.schedule, self.routes)
+    }
+}
+
+/// The configurations a multi-process test runs under: CUDA IPC under both schedules;
+/// NVSHMEM (when its host library loads) as one node and with every GPU its own virtual node
+/// (all traffic between ranks by put/signal), under both schedules and with put/signal to every
+/// peer. `EPCOMM_TEST_TRANSPORTS` (comma-separated specs), `EPCOMM_TEST_SCHEDULE` and
+/// `EPCOMM_TEST_ROUTES` narrow it; under `EPCOMM_GPU_TESTS=1` an NVSHMEM library that fails to
+/// load fails the test unless the list leaves NVSHMEM out.
+pub fn configs(test: &str) -> Vec<TestConfig> {
+    let only = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+    let keep = |k: &str, v: String| only(k).is_none_or(|o| o.split(',').any(|o| o.trim() == v));
+    let specs: Vec<TransportSpec> = ["ipc", "nvshmem", "nvshmem:vnodes=max"]
+        .iter()
+        .map(|s| s.parse().expect("a valid spec"))
+        .filter(|s: &TransportSpec| keep("EPCOMM_TEST_TRANSPORTS", s.to_string()))
+        .collect();
+    let mut usable = Vec::new();
+    for spec in specs {
+        if spec.needs_runtime_library() {
+            match nvshmem_sys::loader::load_default() {
+                Ok(_) => {}
+                Err(e) if gpu_tests_required() => panic!(
+                    "{test}: EPCOMM_GPU_TESTS=1 but the NVSHMEM host library failed to load: {e}"
+                ),
+                Err(e) => {
+                    skip(test, &format!("NVSHMEM is not usable here: {e}"));
+                    continue;
+                }
+            }
+        }
+        usable.push(spec);
+    }
+    let mut out = Vec::new();
+    for spec in usable {
+        let caps = spec.capabilities().expect("compiled in");
+        for schedule in Schedule::ALL {
+            for routes in RoutePolicy::ALL {
+                // Put/signal everywhere is one extra configuration (under Epoch), not a matrix.
+                let put_signal_everywhere = routes == RoutePolicy::PutSignal;
+                if put_signal_everywhere
+                    && (schedule != Schedule::Epoch
+                        || !caps.routes.contains(&epcomm::Route::PutSignal))
+                {
+                    continue;
+                }
+                let cfg = TestConfig {
+                    spec,
+                    schedule,
+                    routes,
+                };
+                if keep("EPCOMM_TEST_SCHEDULE", schedule.to_string())
+                    && keep("EPCOMM_TEST_ROUTES", routes.to_string())
+                {
+                    out.push(cfg);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Runs `$run(&worker, &make_transport, args...)` on the transport the launcher chose: one
+/// transport per worker, shared by every buffer the test builds.
 macro_rules! on_transport {
     ($run:ident $(, $arg:expr)*) => {{
         let w = common::worker();
-        let which = std::env::var("EPCOMM_TEST_TRANSPORT").unwrap_or_default();
-        if which.starts_with("nvshmem") {
-            let options = epcomm_transport_nvshmem::NvshmemOptions {
-                virtual_nodes: if which == "nvshmem-vnodes" { w.boot.local_world_size() } else { 1 },
-            };
-            let t = epcomm_transport_nvshmem::NvshmemTransport::with_options(
-                w.ctx.clone(), w.boot.clone(), options,
-            )
-            .expect("NVSHMEM transport");
-            $run(&w, &|| t.clone() $(, $arg)*)
-        } else {
-            let mk = || epcomm::IpcTransport::new(w.ctx.clone(), w.boot.clone())
-                .expect("IPC transport");
-            $run(&w, &mk $(, $arg)*)
-        }
+        let spec = common::TestConfig::from_env().spec;
+        let t = spec.build(w.ctx.clone(), w.boot.clone()).expect("transport");
+        $run(&w, &|| t.clone() $(, $arg)*)
     }};
 }
 pub(crate) use on_transport;
 
-/// Strategies a transport's kernels implement.
-pub fn strategies(transport: &str) -> &'static [&'static str] {
-    match transport {
-        "ipc" => &["epoch", "global"],
-        _ => &["epoch", "global", "peer-signal"],
-    }
-}
-
-/// Launches `test` once per (transport, strategy); `EPCOMM_TEST_BARRIER` narrows the
-/// strategies.
+/// Launches `test` once per configuration of [`configs`].
 pub fn launch_all(test: &str, n: usize) {
-    let only = std::env::var("EPCOMM_TEST_BARRIER").ok();
-    for t in transports(test) {
-        for s in strategies(t) {
-            if only
-                .as_deref()
-                .is_some_and(|o| !o.split(',').any(|o| o.trim() == *s))
-            {
-                continue;
-            }
-            eprintln!("== {test}: transport {t}, strategy {s}");
-            launch(test, n, &transport_env(t, s));
-        }
+    for cfg in configs(test) {
+        eprintln!("== {test}: {cfg}");
+        launch(test, n, &cfg.env());
     }
 }
 
@@ -229,8 +265,14 @@ pub fn log(rank: usize, msg: impl std::fmt::Display) {
 pub fn small_cfg_with(world: usize, timeout: Duration) -> BufferConfig {
     let mut cfg = BufferConfig::new(64, 128, 2, 4 * world);
     cfg.timeout = timeout;
-    cfg.barrier = strategy_from_env();
+    apply_test_config(&mut cfg);
     cfg
+}
+
+/// Sets the schedule and routes the launcher chose for this worker.
+pub fn apply_test_config(cfg: &mut BufferConfig) {
+    let test = TestConfig::from_env();
+    (cfg.schedule, cfg.routes) = (test.schedule, test.routes);
 }
 
 /// A small buffer with a short timeout, for failure tests.

@@ -1,0 +1,372 @@
+//! Transport selection for epcomm: one [`TransportSpec`], parsed from a short string, builds any
+//! backend compiled into this crate and hands it over as an `Arc<dyn DynTransport>`, so the
+//! frontend (`epcomm::Buffer`) and its callers (CLI, benches, tests, bindings) never name a
+//! backend crate and keep no registry of transport names of their own.
+//!
+//! | spec | backend | what it reaches peers by |
+//! |---|---|---|
+//! | `ipc` | CUDA IPC (feature `ipc`) | stores through NVLink mappings; every rank on one host |
+//! | `nvshmem` | NVSHMEM (feature `nvshmem`) | stores inside the node, put/signal to other nodes |
+//! | `nvshmem:vnodes=N` | NVSHMEM | each host's GPUs split into `N` logical nodes: put/signal between them |
+//! | `nvshmem:vnodes=max` | NVSHMEM | one logical node per GPU: every peer by put/signal |
+//!
+//! # Example
+//!
+//! Parsing and planning need no GPU:
+//!
+//! ```
+//! use epcomm_backends::TransportSpec;
+//!
+//! let spec: TransportSpec = "nvshmem:vnodes=2".parse()?;
+//! assert_eq!(spec.to_string(), "nvshmem:vnodes=2");
+//! // 4 ranks on one host, seen from rank 1: two logical nodes of two GPUs.
+//! let world = spec.world_layout(4, 1, 4)?;
+//! assert_eq!(world.nvlink_domain(), 0..2);
+//! assert!("carrier-pigeon".parse::<TransportSpec>().is_err());
+//! # Ok::<(), epcomm_backends::TransportError>(())
+//! ```
+//!
+//! Building one needs a GPU and the other ranks of the job:
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//!
+//! use cudarc::driver::CudaContext;
+//! use epcomm_backends::TransportSpec;
+//! use epcomm_bootstrap::{Bootstrap, BootstrapConfig};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let boot = Arc::new(Bootstrap::connect(BootstrapConfig::from_env()?)?);
+//! let ctx = CudaContext::new(boot.local_rank())?;
+//! let transport = "ipc".parse::<TransportSpec>()?.build(ctx, boot)?;
+//! println!("{}", transport.capabilities().name);
+//! // Handed to the frontend: `epcomm::Buffer::new(ctx, transport, cfg)`.
+//! # Ok(())
+//! # }
+//! ```
+
+use std::fmt;
+use std::str::FromStr;
+use std::sync::Arc;
+
+use cudarc::driver::CudaContext;
+pub use epcomm_transport::{
+    Bootstrap, Capabilities, DynTransport, KernelFamily, Route, Schedule, TransportError,
+    WorldLayout,
+};
+
+/// How many logical nodes each host's GPUs are split into (NVSHMEM only).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum VirtualNodes {
+    /// This many per host (1 = no split).
+    Count(usize),
+    /// One per GPU: every peer is in another logical node.
+    OnePerGpu,
+}
+
+impl VirtualNodes {
+    /// The count for hosts of `gpus_per_host` GPUs.
+    pub fn per_host(self, gpus_per_host: usize) -> usize {
+        match self {
+            Self::Count(n) => n,
+            Self::OnePerGpu => gpus_per_host,
+        }
+    }
+}
+
+/// Which backend to build, with its options: parsed from `ipc`, `nvshmem`,
+/// `nvshmem:vnodes=N` or `nvshmem:vnodes=max` (see the crate docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TransportSpec {
+    /// CUDA IPC over one NVLink domain.
+    Ipc,
+    /// NVSHMEM, optionally with virtual nodes.
+    Nvshmem {
+        /// Logical nodes per host.
+        virtual_nodes: VirtualNodes,
+    },
+}
+
+impl TransportSpec {
+    /// The forms a spec can take, for help texts.
+    pub const FORMS: [&'static str; 4] =
+        ["ipc", "nvshmem", "nvshmem:vnodes=N", "nvshmem:vnodes=max"];
+
+    /// The backend's short name (`"ipc"`, `"nvshmem"`), without options.
+    pub fn backend(&self) -> &'static str {
+        match self {
+            Self::Ipc => "ipc",
+            Self::Nvshmem { .. } => "nvshmem",
+        }
+    }
+
+    /// The cargo feature that compiles this backend in.
+    pub fn feature(&self) -> &'static str {
+        self.backend()
+    }
+
+    /// Whether this build carries the backend.
+    pub fn is_compiled(&self) -> bool {
+        match self {
+            Self::Ipc => cfg!(feature = "ipc"),
+            Self::Nvshmem { .. } => cfg!(feature = "nvshmem"),
+        }
+    }
+
+    /// True when the backend loads a library at run time that the machine may lack (NVSHMEM).
+    pub fn needs_runtime_library(&self) -> bool {
+        matches!(self, Self::Nvshmem { .. })
+    }
+
+    /// What the backend supports (no GPU needed).
+    ///
+    /// # Errors
+    /// [`TransportError::InvalidArgument`] naming `transport` when the backend is not compiled
+    /// into this build.
+    pub fn capabilities(&self) -> Result<Capabilities, TransportError> {
+        match self {
+            #[cfg(feature = "ipc")]
+            Self::Ipc => Ok(epcomm_transport_ipc::CAPABILITIES),
+            #[cfg(feature = "nvshmem")]
+            Self::Nvshmem { .. } => Ok(epcomm_transport_nvshmem::CAPABILITIES),
+            #[allow(unreachable_patterns)]
+            _ => Err(self.not_compiled()),
+        }
+    }
+
+    /// The world layout a transport of this spec sees for `world_size` ranks, `local_world_size`
+    /// per host, seen from `rank` (no GPU needed): what `Transport::world` returns once built.
+    ///
+    /// # Errors
+    /// [`TransportError::InvalidArgument`] naming `world` when CUDA IPC is asked to span hosts,
+    /// or `transport` when the virtual node count does not divide the GPUs per host; topology
+    /// errors for inconsistent sizes.
+    pub fn world_layout(
+        &self,
+        world_size: usize,
+        rank: usize,
+        local_world_size: usize,
+    ) -> Result<WorldLayout, TransportError> {
+        match self {
+            Self::Ipc if local_world_size != world_size => Err(TransportError::InvalidArgument {
+                argument: "world",
+                rule: format!(
+                    "the CUDA-IPC transport needs every rank on one host (one NVLink domain), \
+                     but there are {local_world_size} ranks per host and {world_size} in all"
+                ),
+            }),
+            Self::Ipc => Ok(WorldLayout::new(world_size, rank, world_size)?),
+            Self::Nvshmem { virtual_nodes } => {
+                let per_host = virtual_nodes.per_host(local_world_size);
+                if per_host == 0 || !local_world_size.is_multiple_of(per_host) {
+                    return Err(TransportError::InvalidArgument {
+                        argument: "transport",
+                        rule: format!(
+                            "vnodes={per_host} must divide the {local_world_size} GPUs per host"
+                        ),
+                    });
+                }
+                Ok(WorldLayout::with_virtual_nodes(
+                    world_size,
+                    rank,
+                    local_world_size,
+                    per_host,
+                )?)
+            }
+        }
+    }
+
+    /// Builds the transport of this rank over `bootstrap` (collective: every rank builds the
+    /// same spec). NVSHMEM is loaded and initialised here.
+    ///
+    /// # Errors
+    /// As the backend's constructor; [`TransportError::InvalidArgument`] naming `transport` when
+    /// the backend is not compiled into this build.
+    pub fn build(
+        &self,
+        ctx: Arc<CudaContext>,
+        bootstrap: Arc<Bootstrap>,
+    ) -> Result<Arc<dyn DynTransport>, TransportError> {
+        match *self {
+            #[cfg(feature = "ipc")]
+            Self::Ipc => Ok(Arc::new(epcomm_transport_ipc::IpcTransport::new(
+                ctx, bootstrap,
+            )?)),
+            #[cfg(feature = "nvshmem")]
+            Self::Nvshmem { virtual_nodes } => {
+                let options = epcomm_transport_nvshmem::NvshmemOptions {
+                    virtual_nodes: virtual_nodes.per_host(bootstrap.local_world_size()),
+                };
+                Ok(Arc::new(
+                    epcomm_transport_nvshmem::NvshmemTransport::with_options(
+                        ctx, bootstrap, options,
+                    )?,
+                ))
+            }
+            #[allow(unreachable_patterns)]
+            _ => {
+                let _ = (ctx, bootstrap);
+                Err(self.not_compiled())
+            }
+        }
+    }
+
+    fn not_compiled(&self) -> TransportError {
+        TransportError::InvalidArgument {
+            argument: "transport",
+            rule: format!(
+                "{self} is not compiled into this build (enable the `{}` feature of \
+                 epcomm-backends)",
+                self.feature()
+            ),
+        }
+    }
+}
+
+impl FromStr for TransportSpec {
+    type Err = TransportError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let bad = |rule: String| TransportError::InvalidArgument {
+            argument: "transport",
+            rule,
+        };
+        let (backend, options) = s.split_once(':').unwrap_or((s, ""));
+        match backend {
+            "ipc" | "nvlink-ipc" if options.is_empty() => Ok(Self::Ipc),
+            "ipc" | "nvlink-ipc" => Err(bad(format!("ipc takes no options (got {options:?})"))),
+            "nvshmem" => {
+                let mut virtual_nodes = VirtualNodes::Count(1);
+                for option in options.split(',').filter(|o| !o.is_empty()) {
+                    virtual_nodes = match option.split_once('=') {
+                        Some(("vnodes", "max")) => VirtualNodes::OnePerGpu,
+                        Some(("vnodes", n)) => match n.parse::<usize>() {
+                            Ok(n) if n > 0 => VirtualNodes::Count(n),
+                            _ => {
+                                return Err(bad(format!(
+                                    "vnodes must be a positive number or `max` (got {n:?})"
+                                )));
+                            }
+                        },
+                        _ => {
+                            return Err(bad(format!(
+                                "unknown nvshmem option {option:?} (known: vnodes=N, vnodes=max)"
+                            )));
+                        }
+                    };
+                }
+                Ok(Self::Nvshmem { virtual_nodes })
+            }
+            other => Err(bad(format!(
+                "unknown transport {other:?}: must be one of {}",
+                Self::FORMS.join(", ")
+            ))),
+        }
+    }
+}
+
+impl fmt::Display for TransportSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Ipc => f.write_str("ipc"),
+            Self::Nvshmem {
+                virtual_nodes: VirtualNodes::Count(1),
+            } => f.write_str("nvshmem"),
+            Self::Nvshmem {
+                virtual_nodes: VirtualNodes::Count(n),
+            } => write!(f, "nvshmem:vnodes={n}"),
+            Self::Nvshmem {
+                virtual_nodes: VirtualNodes::OnePerGpu,
+            } => f.write_str("nvshmem:vnodes=max"),
+        }
+    }
+}
+
+/// The NVSHMEM variables a job on one host needs (no RDMA NIC, multicast off) that the
+/// environment does not set yet: what a local launcher adds to its ranks' environment.
+/// Empty when the NVSHMEM backend is not compiled in.
+pub fn single_host_env_defaults() -> Vec<(&'static str, &'static str)> {
+    #[cfg(feature = "nvshmem")]
+    let all: &[(&str, &str)] = &epcomm_transport_nvshmem::SINGLE_HOST_ENV;
+    #[cfg(not(feature = "nvshmem"))]
+    let all: &[(&str, &str)] = &[];
+    all.iter()
+        .copied()
+        .filter(|(key, _)| std::env::var_os(key).is_none())
+        .collect()
+}
+
+/// Sets [`single_host_env_defaults`] in this process's environment.
+///
+/// # Safety
+/// No other thread may exist (it writes the environment, see [`std::env::set_var`]): call it
+/// first thing in `main`.
+pub unsafe fn apply_single_host_env_defaults() {
+    for (key, value) in single_host_env_defaults() {
+        // SAFETY: the caller guarantees that this process has no other thread yet.
+        unsafe { std::env::set_var(key, value) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn specs_round_trip() {
+        for text in ["ipc", "nvshmem", "nvshmem:vnodes=2", "nvshmem:vnodes=max"] {
+            let spec: TransportSpec = text.parse().unwrap();
+            assert_eq!(spec.to_string(), text);
+            assert!(spec.is_compiled());
+        }
+        assert_eq!(
+            "nvlink-ipc".parse::<TransportSpec>().unwrap(),
+            TransportSpec::Ipc
+        );
+        assert_eq!(
+            "nvshmem:vnodes=1"
+                .parse::<TransportSpec>()
+                .unwrap()
+                .to_string(),
+            "nvshmem"
+        );
+    }
+
+    #[test]
+    fn bad_specs_say_what_is_valid() {
+        for (text, needle) in [
+            ("tcp", "must be one of ipc, nvshmem"),
+            ("ipc:vnodes=2", "ipc takes no options"),
+            ("nvshmem:vnodes=0", "positive number or `max`"),
+            ("nvshmem:pes=2", "unknown nvshmem option"),
+        ] {
+            let err = text.parse::<TransportSpec>().unwrap_err().to_string();
+            assert!(
+                err.contains("transport") && err.contains(needle),
+                "{text}: {err}"
+            );
+        }
+    }
+
+    #[test]
+    fn layouts_and_capabilities_without_a_gpu() {
+        let ipc = TransportSpec::Ipc;
+        assert_eq!(ipc.capabilities().unwrap().routes, &[Route::Store]);
+        assert_eq!(ipc.world_layout(4, 2, 4).unwrap().nvlink_domain(), 0..4);
+        let err = ipc.world_layout(4, 2, 2).unwrap_err().to_string();
+        assert!(err.contains("one host"), "{err}");
+
+        let every: TransportSpec = "nvshmem:vnodes=max".parse().unwrap();
+        assert!(
+            every
+                .capabilities()
+                .unwrap()
+                .routes
+                .contains(&Route::PutSignal)
+        );
+        assert_eq!(every.world_layout(4, 2, 4).unwrap().nvlink_domain(), 2..3);
+        let three: TransportSpec = "nvshmem:vnodes=3".parse().unwrap();
+        let err = three.world_layout(4, 0, 4).unwrap_err().to_string();
+        assert!(err.contains("vnodes=3 must divide"), "{err}");
+    }
+}
