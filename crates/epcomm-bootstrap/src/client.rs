@@ -65,11 +65,7 @@ struct Link {
 
 impl Link {
     fn send(&self, body: &[u8]) -> io::Result<()> {
-        let _guard = self
-            .write_lock
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        wire::write_frame(&mut &self.stream, body)
+        wire::write_frame_locked(&self.write_lock, &self.stream, body)
     }
 
     /// Sends `body` unless another write is in progress (its bytes then show we are alive);
@@ -785,26 +781,11 @@ mod tests {
     use super::*;
     use crate::wire::HelloMsg;
 
-    const LONG: Duration = Duration::from_secs(60);
+    use crate::testing::{LONG, fast_liveness as liveness};
 
-    fn liveness() -> Liveness {
-        Liveness {
-            heartbeat_interval: Duration::from_millis(100),
-            peer_timeout: Duration::from_millis(1000),
-            ..Liveness::default()
-        }
-    }
-
+    /// Rank 1 of 2 on this machine.
     fn cfg(port: u16) -> BootstrapConfig {
-        BootstrapConfig {
-            master_addr: "127.0.0.1".into(),
-            master_port: port,
-            rank: 1,
-            world_size: 2,
-            local_rank: 1,
-            local_world_size: 2,
-            timeout: LONG,
-        }
+        BootstrapConfig::single_host(port, 1, 2, LONG)
     }
 
     /// A hand-driven coordinator: accepts rank 1 and checks its handshake.

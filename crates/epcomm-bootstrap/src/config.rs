@@ -61,6 +61,26 @@ pub struct BootstrapConfig {
 }
 
 impl BootstrapConfig {
+    /// Every rank on this machine: the coordinator at `127.0.0.1:master_port`, `local_rank ==
+    /// rank` and `local_world_size == world_size` (what one process or thread per local GPU,
+    /// without a launcher, needs). Not validated: [`crate::Bootstrap::connect`] checks it.
+    pub fn single_host(
+        master_port: u16,
+        rank: usize,
+        world_size: usize,
+        timeout: Duration,
+    ) -> Self {
+        Self {
+            master_addr: "127.0.0.1".into(),
+            master_port,
+            rank,
+            world_size,
+            local_rank: rank,
+            local_world_size: world_size,
+            timeout,
+        }
+    }
+
     /// Reads the config from the process environment; see [`BootstrapConfig::from_lookup`].
     pub fn from_env() -> Result<Self> {
         Self::from_lookup(|k| std::env::var(k).ok())

@@ -67,11 +67,7 @@ struct ConnShared {
 
 impl ConnShared {
     fn send(&self, body: &[u8]) -> io::Result<()> {
-        let _guard = self
-            .write_lock
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        wire::write_frame(&mut &self.stream, body)
+        wire::write_frame_locked(&self.write_lock, &self.stream, body)
     }
 }
 
@@ -980,28 +976,12 @@ mod tests {
 
     use crate::launch::free_port;
     use crate::wire::{self, Hello, PROTOCOL_VERSION};
-    use crate::{Bootstrap, BootstrapConfig, BootstrapError, CRATE_VERSION, Liveness, OpKind};
+    use crate::{Bootstrap, BootstrapConfig, BootstrapError, CRATE_VERSION, OpKind};
 
-    const LONG: Duration = Duration::from_secs(60);
-
-    fn fast() -> Liveness {
-        Liveness {
-            heartbeat_interval: Duration::from_millis(100),
-            peer_timeout: Duration::from_millis(1000),
-            ..Liveness::default()
-        }
-    }
+    use crate::testing::{LONG, fast_liveness as fast};
 
     fn cfg(port: u16, rank: usize, world_size: usize, timeout: Duration) -> BootstrapConfig {
-        BootstrapConfig {
-            master_addr: "127.0.0.1".into(),
-            master_port: port,
-            rank,
-            world_size,
-            local_rank: rank,
-            local_world_size: world_size,
-            timeout,
-        }
+        BootstrapConfig::single_host(port, rank, world_size, timeout)
     }
 
     /// Joins as `rank` over a raw socket with a valid `Hello` announcing `peer_timeout_ms`,

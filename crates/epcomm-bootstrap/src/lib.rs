@@ -126,3 +126,23 @@ pub const PROTOCOL_VERSION: u32 = wire::PROTOCOL_VERSION;
 
 /// Version of this crate, exchanged in the handshake.
 pub const CRATE_VERSION: &str = wire::CRATE_VERSION;
+
+/// Shared settings of the unit tests.
+#[cfg(test)]
+pub(crate) mod testing {
+    use std::time::Duration;
+
+    use crate::Liveness;
+
+    /// A bound no test should reach.
+    pub(crate) const LONG: Duration = Duration::from_secs(60);
+
+    /// Heartbeats every 100 ms, a peer silent for 1 s is unresponsive.
+    pub(crate) fn fast_liveness() -> Liveness {
+        Liveness {
+            heartbeat_interval: Duration::from_millis(100),
+            peer_timeout: Duration::from_millis(1000),
+            ..Liveness::default()
+        }
+    }
+}

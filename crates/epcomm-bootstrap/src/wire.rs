@@ -66,6 +66,20 @@ pub(crate) fn write_frame(w: &mut impl Write, body: &[u8]) -> io::Result<()> {
     w.flush()
 }
 
+/// [`write_frame`] to `stream` while holding `lock`, the stream's write lock, so frames of
+/// concurrent writers never interleave. A poisoned lock is taken over: it guards no data, only
+/// the order of whole frames.
+pub(crate) fn write_frame_locked(
+    lock: &std::sync::Mutex<()>,
+    stream: &std::net::TcpStream,
+    body: &[u8],
+) -> io::Result<()> {
+    let _guard = lock
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    write_frame(&mut &*stream, body)
+}
+
 /// Why [`FrameReader::read_frame`] returned no frame.
 #[derive(Debug)]
 pub(crate) enum FrameError {

@@ -13,15 +13,7 @@ use epcomm_bootstrap::{
 const TIMEOUT: Duration = Duration::from_millis(1000);
 
 fn cfg(port: u16, rank: usize, world_size: usize) -> BootstrapConfig {
-    BootstrapConfig {
-        master_addr: "127.0.0.1".into(),
-        master_port: port,
-        rank,
-        world_size,
-        local_rank: rank,
-        local_world_size: world_size,
-        timeout: TIMEOUT,
-    }
+    BootstrapConfig::single_host(port, rank, world_size, TIMEOUT)
 }
 
 /// Runs `f(rank, connect result)` on one thread per entry of `ranks` and returns the results in
