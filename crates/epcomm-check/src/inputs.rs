@@ -101,6 +101,20 @@ pub struct DeviceInputs {
     pub topk_weights: CudaSlice<f32>,
 }
 
+impl DeviceInputs {
+    /// The token rows as a dispatch input: FP8 (with scales) or BF16.
+    pub fn x_input(&self, fp8: bool) -> epcomm::XInput<'_> {
+        if fp8 {
+            epcomm::XInput::Fp8 {
+                x: &self.x_fp8,
+                scales: &self.scales,
+            }
+        } else {
+            epcomm::XInput::Bf16(&self.x)
+        }
+    }
+}
+
 /// Copies `data` to a new device slice (a null slice when empty).
 pub fn upload<T: cudarc::driver::DeviceRepr + Copy>(
     stream: &Arc<CudaStream>,

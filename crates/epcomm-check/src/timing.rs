@@ -153,16 +153,8 @@ impl Timer {
     fn run(&mut self, buf: &mut Buffer, dev: &DeviceInputs, op: BenchOp) -> Result<()> {
         match op {
             BenchOp::DispatchBf16 | BenchOp::DispatchFp8 => {
-                let x = if op == BenchOp::DispatchFp8 {
-                    XInput::Fp8 {
-                        x: &dev.x_fp8,
-                        scales: &dev.scales,
-                    }
-                } else {
-                    XInput::Bf16(&dev.x)
-                };
                 let input = DispatchInput {
-                    x,
+                    x: dev.x_input(op == BenchOp::DispatchFp8),
                     topk_idx: &dev.topk_idx,
                     topk_weights: Some(&dev.topk_weights),
                 };

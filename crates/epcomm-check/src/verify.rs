@@ -3,7 +3,7 @@
 
 use std::fmt::Debug;
 
-use epcomm::{Buffer, DispatchInput, RecvMode, XInput};
+use epcomm::{Buffer, DispatchInput, RecvMode};
 use epcomm_reference::{RankOutput, XData, bf16};
 
 use crate::inputs::{DeviceInputs, HostInputs, upload};
@@ -132,16 +132,8 @@ pub fn verified_round(
             &want_l.token_slot,
         )?;
     }
-    let x = if opts.fp8 {
-        XInput::Fp8 {
-            x: &dev.x_fp8,
-            scales: &dev.scales,
-        }
-    } else {
-        XInput::Bf16(&dev.x)
-    };
     let input = DispatchInput {
-        x,
+        x: dev.x_input(opts.fp8),
         topk_idx: &dev.topk_idx,
         topk_weights: opts.weights.then_some(&dev.topk_weights as _),
     };
@@ -150,31 +142,26 @@ pub fn verified_round(
         check_dispatched(&d, want, rank, opts, true)?;
         d.into_handle()
     };
-    let prefix: Vec<i32> = want.rank_prefix.iter().map(|&v| v as i32).collect();
-    first_diff(
-        "handle.recv_prefix",
-        rank,
-        &handle.recv_prefix_to_host()?,
-        &prefix,
-    )?;
-    let per_expert: Vec<i32> = want
-        .num_recv_per_local_expert
-        .iter()
-        .map(|&v| v as i32)
-        .collect();
-    first_diff(
-        "handle.num_recv_per_local_expert",
-        rank,
-        &handle.num_recv_per_local_expert()?,
-        &per_expert,
-    )?;
-    let src: Vec<i32> = want.recv_src_idx.iter().map(|&v| v as i32).collect();
-    first_diff(
-        "handle.recv_src_idx",
-        rank,
-        &handle.recv_src_idx_to_host()?,
-        &src,
-    )?;
+    let as_i32 = |v: &[u32]| v.iter().map(|&v| v as i32).collect::<Vec<i32>>();
+    for (what, got, want) in [
+        (
+            "handle.recv_prefix",
+            handle.recv_prefix_to_host()?,
+            as_i32(&want.rank_prefix),
+        ),
+        (
+            "handle.num_recv_per_local_expert",
+            handle.num_recv_per_local_expert()?,
+            as_i32(&want.num_recv_per_local_expert),
+        ),
+        (
+            "handle.recv_src_idx",
+            handle.recv_src_idx_to_host()?,
+            as_i32(&want.recv_src_idx),
+        ),
+    ] {
+        first_diff(what, rank, &got, &want)?;
+    }
 
     // Combine: every rank's expert output is known to every rank (deterministic).
     let ys: Vec<Vec<bf16>> = reference
@@ -224,7 +211,7 @@ pub fn verified_round(
             }
         } else {
             if round == 1 {
-                let d = buf.cached_dispatch(&x, &handle)?;
+                let d = buf.cached_dispatch(&dev.x_input(opts.fp8), &handle)?;
                 check_dispatched(&d, want, rank, opts, false)?;
             }
             if opts.weights {

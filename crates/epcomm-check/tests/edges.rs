@@ -35,31 +35,13 @@ fn rows_at(buf: &Buffer, ptr: u64, rows: usize, hidden: usize) -> Vec<bf16> {
 
 fn run_graph_rows(w: &Worker, mk: MakeTransport<'_>) {
     let (rank, world) = (w.boot.rank(), w.boot.world_size());
-    // SAFETY: this process uses one stream for everything; cudarc's cross-stream events would
-    // otherwise be recorded into the capture.
-    unsafe { w.ctx.disable_event_tracking() };
     let (hidden, top_k, experts, tokens) = (256, 4, 8 * world, 96);
-    let mut cfg = BufferConfig::new(tokens, hidden, top_k, experts);
-    common::apply_test_config(&mut cfg);
-    cfg.timeout = Duration::from_secs(20);
-    let mut buf = Buffer::new(w.ctx.clone(), mk(), cfg).unwrap();
+    let dims = (hidden, top_k, experts, tokens);
+    let mut buf = common::graph_buffer(w, mk, dims, Duration::from_secs(20));
     let stream = buf.stream().clone();
     let cap = world * tokens;
     // Four routings, their received rows and combine outputs (reference).
-    let variants: Vec<common::Case> = (0..4u64)
-        .map(|v| {
-            let shape = Shape {
-                tokens: vec![tokens; world],
-                hidden,
-                top_k,
-                experts,
-                mask_prob: if v % 2 == 0 { 0.1 } else { 0.0 },
-                skew_to: (v == 3).then_some(0),
-                seed: 900 + v,
-            };
-            common::reference_case(&stream, &shape, rank, cap)
-        })
-        .collect();
+    let variants = common::reference_cases(&stream, dims, rank, world, 4, 900, 3);
     let mut x = stream.alloc_zeros::<bf16>(tokens * hidden).unwrap();
     let mut idx = stream.alloc_zeros::<i64>(tokens * top_k).unwrap();
     let mut y = stream.alloc_zeros::<bf16>(cap * hidden).unwrap();
@@ -314,12 +296,8 @@ gpu_test!(peers_learn_a_failure_fast, run_fail_fast);
 // In-place combine weights: only a dispatch that carried weights wrote them.
 
 fn run_in_place_weights(w: &Worker, mk: MakeTransport<'_>) {
-    let (rank, world) = (w.boot.rank(), w.boot.world_size());
-    let cfg = small_cfg_with(world, Duration::from_secs(20));
-    let mut buf = Buffer::new(w.ctx.clone(), mk(), cfg).unwrap();
-    let shape = Shape::uniform(world, 40, 128, 2, 4 * world, 8);
-    let h = host_inputs(&shape).unwrap();
-    let d = device_inputs(buf.stream(), &h, rank).unwrap();
+    let rank = w.boot.rank();
+    let (mut buf, h, d) = common::small_setup(w, mk, Duration::from_secs(20), 40, 8);
     let layout = buf.layout(&d.topk_idx, 40).unwrap();
     let mut out = buf.stream().alloc_zeros::<bf16>(40 * 128).unwrap();
     let mut out_w = buf.stream().alloc_zeros::<f32>(40 * 2).unwrap();
@@ -333,11 +311,9 @@ fn run_in_place_weights(w: &Worker, mk: MakeTransport<'_>) {
         .dispatch(&input, &layout, RecvMode::HostSync)
         .unwrap()
         .into_handle();
+    // Out weights after a dispatch without weights.
     let r = buf.combine_in_place(&handle, &mut out, Some(&mut out_w));
-    assert!(
-        matches!(r, Err(Error::InvalidArgument { .. })),
-        "out_weights after a dispatch without weights: {r:?}"
-    );
+    common::assert_invalid(r, "out_weights");
     buf.combine_in_place(&handle, &mut out, None).unwrap();
     // A weighted dispatch, then a cached one (no weights travel), then in place with weights.
     let input = DispatchInput {
@@ -349,11 +325,9 @@ fn run_in_place_weights(w: &Worker, mk: MakeTransport<'_>) {
         .unwrap()
         .into_handle();
     buf.cached_dispatch(&XInput::Bf16(&d.x), &handle).unwrap();
+    // Out weights after a cached dispatch.
     let r = buf.combine_in_place(&handle, &mut out, Some(&mut out_w));
-    assert!(
-        matches!(r, Err(Error::InvalidArgument { .. })),
-        "out_weights after a cached dispatch: {r:?}"
-    );
+    common::assert_invalid(r, "out_weights");
     buf.combine_in_place(&handle, &mut out, None).unwrap();
     buf.synchronize().unwrap();
     // The weighted path still works.
@@ -418,11 +392,7 @@ gpu_test!(mismatched_configs_fail_on_every_rank, run_config_mismatch);
 
 fn run_input_checks(w: &Worker, mk: MakeTransport<'_>) {
     let (rank, world) = (w.boot.rank(), w.boot.world_size());
-    let cfg = small_cfg_with(world, Duration::from_secs(20));
-    let mut buf = Buffer::new(w.ctx.clone(), mk(), cfg).unwrap();
-    let shape = Shape::uniform(world, 40, 128, 2, 4 * world, 3);
-    let h = host_inputs(&shape).unwrap();
-    let d = device_inputs(buf.stream(), &h, rank).unwrap();
+    let (mut buf, h, d) = common::small_setup(w, mk, Duration::from_secs(20), 40, 3);
     let layout = buf.layout(&d.topk_idx, 40).unwrap();
     // x one element off a 16-byte boundary, with the right length.
     let wide = buf.stream().alloc_zeros::<bf16>(40 * 128 + 1).unwrap();
@@ -432,13 +402,7 @@ fn run_input_checks(w: &Worker, mk: MakeTransport<'_>) {
         topk_idx: &d.topk_idx,
         topk_weights: None,
     };
-    let r = buf
-        .dispatch(&input, &layout, RecvMode::HostSync)
-        .map(|_| ());
-    assert!(
-        matches!(r, Err(Error::InvalidArgument { argument: "x", .. })),
-        "misaligned x: {r:?}"
-    );
+    common::assert_invalid(buf.dispatch(&input, &layout, RecvMode::HostSync), "x");
     // A handle, then its layout recomputed for another routing: the handle is stale.
     let input = DispatchInput {
         x: XInput::Bf16(&d.x),
@@ -457,32 +421,10 @@ fn run_input_checks(w: &Worker, mk: MakeTransport<'_>) {
     let other = host_inputs(&Shape::uniform(world, 40, 128, 2, 4 * world, 4)).unwrap();
     let other_idx = upload(buf.stream(), &other.bf16[rank].topk_idx).unwrap();
     buf.layout_into(&other_idx, &layout).unwrap();
-    let r = buf
-        .cached_dispatch(&XInput::Bf16(&d.x), &handle)
-        .map(|_| ());
-    assert!(
-        matches!(
-            r,
-            Err(Error::InvalidArgument {
-                argument: "handle",
-                ..
-            })
-        ),
-        "cached dispatch with a stale handle: {r:?}"
-    );
+    common::assert_invalid(buf.cached_dispatch(&XInput::Bf16(&d.x), &handle), "handle");
     let y = buf.stream().alloc_zeros::<bf16>(world * 64 * 128).unwrap();
     let mut out = buf.stream().alloc_zeros::<bf16>(40 * 128).unwrap();
-    let r = buf.combine(&y, None, &handle, &mut out, None);
-    assert!(
-        matches!(
-            r,
-            Err(Error::InvalidArgument {
-                argument: "handle",
-                ..
-            })
-        ),
-        "combine with a stale handle: {r:?}"
-    );
+    common::assert_invalid(buf.combine(&y, None, &handle, &mut out, None), "handle");
     buf.synchronize().unwrap();
     verified_round(&mut buf, &h, &d, RoundOptions::default()).unwrap();
     buf.destroy().unwrap();

@@ -486,34 +486,11 @@ fn assert_recovers(w: &Worker, mk: MakeTransport<'_>) {
 fn run_failures(w: &Worker, mk: MakeTransport<'_>) {
     let (rank, world) = (w.boot.rank(), w.boot.world_size());
     let cfg = small_cfg(world);
-    let mut buf = Buffer::new(w.ctx.clone(), mk(), cfg.clone()).unwrap();
-    let shape = Shape::uniform(world, 40, 128, 2, 4 * world, 5);
-    let h = host_inputs(&shape).unwrap();
-    let d = device_inputs(buf.stream(), &h, rank).unwrap();
+    let (mut buf, h, d) = common::small_setup(w, mk, cfg.timeout, 40, 5);
 
     // Bad arguments: typed errors naming the argument, nothing launched.
-    let e = buf.layout(&d.topk_idx, 41).unwrap_err();
-    assert!(
-        matches!(
-            e,
-            Error::InvalidArgument {
-                argument: "topk_idx",
-                ..
-            }
-        ),
-        "{e}"
-    );
-    let e = buf.layout(&d.topk_idx, 65).unwrap_err();
-    assert!(
-        matches!(
-            e,
-            Error::InvalidArgument {
-                argument: "num_tokens",
-                ..
-            }
-        ),
-        "{e}"
-    );
+    common::assert_invalid(buf.layout(&d.topk_idx, 41), "topk_idx");
+    common::assert_invalid(buf.layout(&d.topk_idx, 65), "num_tokens");
     let layout = buf.layout(&d.topk_idx, 40).unwrap();
     let short = upload(buf.stream(), &vec![bf16::ZERO; 39 * 128]).unwrap();
     let input = DispatchInput {
@@ -521,34 +498,14 @@ fn run_failures(w: &Worker, mk: MakeTransport<'_>) {
         topk_idx: &d.topk_idx,
         topk_weights: None,
     };
-    let e = buf
-        .dispatch(&input, &layout, RecvMode::HostSync)
-        .unwrap_err();
-    assert!(
-        matches!(e, Error::InvalidArgument { argument: "x", .. }),
-        "{e}"
-    );
-    let e = buf
-        .dispatch(
-            &DispatchInput {
-                x: XInput::Bf16(&d.x),
-                topk_idx: &d.topk_idx,
-                topk_weights: None,
-            },
-            &layout,
-            RecvMode::Bounded(1 << 30),
-        )
-        .unwrap_err();
-    assert!(
-        matches!(
-            e,
-            Error::InvalidArgument {
-                argument: "RecvMode::Bounded",
-                ..
-            }
-        ),
-        "{e}"
-    );
+    common::assert_invalid(buf.dispatch(&input, &layout, RecvMode::HostSync), "x");
+    let input = DispatchInput {
+        x: XInput::Bf16(&d.x),
+        topk_idx: &d.topk_idx,
+        topk_weights: None,
+    };
+    let bounded = buf.dispatch(&input, &layout, RecvMode::Bounded(1 << 30));
+    common::assert_invalid(bounded, "RecvMode::Bounded");
     log(rank, "bad arguments: typed errors");
 
     // A valid round still works on this buffer.
@@ -720,31 +677,13 @@ fn killed_peer_times_out() {
 
 fn run_graph(w: &Worker, mk: MakeTransport<'_>) {
     let (rank, world) = (w.boot.rank(), w.boot.world_size());
-    // SAFETY: this process uses one stream for everything; cudarc's cross-stream events would
-    // otherwise be recorded into the capture.
-    unsafe { w.ctx.disable_event_tracking() };
     let (hidden, top_k, experts, tokens) = (512, 4, 8 * world, 200);
-    let mut cfg = BufferConfig::new(tokens, hidden, top_k, experts);
-    common::apply_test_config(&mut cfg);
-    cfg.timeout = Duration::from_secs(20);
-    let mut buf = Buffer::new(w.ctx.clone(), mk(), cfg).unwrap();
+    let dims = (hidden, top_k, experts, tokens);
+    let mut buf = common::graph_buffer(w, mk, dims, Duration::from_secs(20));
     let stream = buf.stream().clone();
     let cap = world * tokens;
     // Eight routings and their references; each replay copies one into the captured buffers.
-    let variants: Vec<common::Case> = (0..8u64)
-        .map(|v| {
-            let shape = Shape {
-                tokens: vec![tokens; world],
-                hidden,
-                top_k,
-                experts,
-                mask_prob: if v % 2 == 0 { 0.1 } else { 0.0 },
-                skew_to: (v == 5).then_some(0),
-                seed: 500 + v,
-            };
-            common::reference_case(&stream, &shape, rank, cap)
-        })
-        .collect();
+    let variants = common::reference_cases(&stream, dims, rank, world, 8, 500, 5);
     let mut x = stream.alloc_zeros::<bf16>(tokens * hidden).unwrap();
     let mut idx = stream.alloc_zeros::<i64>(tokens * top_k).unwrap();
     let mut y = stream.alloc_zeros::<bf16>(cap * hidden).unwrap();

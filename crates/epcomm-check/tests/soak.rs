@@ -4,10 +4,11 @@
 //! results) copied aside stream-ordered and verified against the reference at the end.
 //! `EPCOMM_SOAK_OPS` sets the op count (default 10,000).
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
-use epcomm::{Buffer, BufferConfig, DispatchInput, RecvMode, XInput};
+use cudarc::driver::{CudaSlice, CudaStream, CudaViewMut, DevicePtr};
+use epcomm::{DispatchInput, RecvMode, XInput};
 use epcomm_check::inputs::Shape;
 use epcomm_reference::bf16;
 
@@ -34,15 +35,35 @@ struct Sample {
     want: Vec<bf16>,
 }
 
+/// Runs `op` with an output of `len` values: a fresh one recorded as a [`Sample`] when `check`
+/// names what it must hold, else the shared `scratch`.
+fn sampled(
+    stream: &Arc<CudaStream>,
+    scratch: &mut CudaSlice<bf16>,
+    len: usize,
+    check: Option<(String, &Vec<bf16>)>,
+    samples: &mut Vec<Sample>,
+    op: impl FnOnce(&mut CudaViewMut<'_, bf16>) -> epcomm::Result<()>,
+) {
+    match check {
+        Some((what, want)) => {
+            let mut got = stream.alloc_zeros::<bf16>(len.max(1)).unwrap();
+            op(&mut got.slice_mut(..len)).unwrap();
+            samples.push(Sample {
+                what,
+                got,
+                want: want.clone(),
+            });
+        }
+        None => op(&mut scratch.slice_mut(..len)).unwrap(),
+    }
+}
+
 fn run_soak(w: &Worker, mk: MakeTransport<'_>) {
     let (rank, world) = (w.boot.rank(), w.boot.world_size());
-    // SAFETY: one stream for everything here; cross-stream events would land in the capture.
-    unsafe { w.ctx.disable_event_tracking() };
     let (hidden, top_k, experts, max_tokens) = (256, 4, 8 * world, 200);
-    let mut cfg = BufferConfig::new(max_tokens, hidden, top_k, experts);
-    common::apply_test_config(&mut cfg);
-    cfg.timeout = Duration::from_secs(30);
-    let mut buf = Buffer::new(w.ctx.clone(), mk(), cfg).unwrap();
+    let dims = (hidden, top_k, experts, max_tokens);
+    let mut buf = common::graph_buffer(w, mk, dims, Duration::from_secs(30));
     let stream = buf.stream().clone();
     let cap = world * max_tokens;
     let ops_wanted: usize = std::env::var("EPCOMM_SOAK_OPS")
@@ -133,19 +154,15 @@ fn run_soak(w: &Worker, mk: MakeTransport<'_>) {
                         want: c.rows.clone(),
                     });
                 }
-                if sample {
-                    let mut out = stream.alloc_zeros::<bf16>((t * hidden).max(1)).unwrap();
-                    let mut view = out.slice_mut(..t * hidden);
-                    buf.combine(&c.y, None, &handle, &mut view, None).unwrap();
-                    samples.push(Sample {
-                        what: format!("op {ops}: combine (case {k})"),
-                        got: out,
-                        want: c.combined.clone(),
-                    });
-                } else {
-                    let mut view = scratch.slice_mut(..t * hidden);
-                    buf.combine(&c.y, None, &handle, &mut view, None).unwrap();
-                }
+                let check = sample.then(|| (format!("op {ops}: combine (case {k})"), &c.combined));
+                sampled(
+                    &stream,
+                    &mut scratch,
+                    t * hidden,
+                    check,
+                    &mut samples,
+                    |out| buf.combine(&c.y, None, &handle, out, None),
+                );
                 ops += 3;
                 last = Some((k, handle));
             }
@@ -173,19 +190,16 @@ fn run_soak(w: &Worker, mk: MakeTransport<'_>) {
                         d.copy_into_recv_x(&lc.y.slice(..lc.rows.len())).unwrap();
                     }
                 }
-                if sample {
-                    let mut o = stream.alloc_zeros::<bf16>((lt * hidden).max(1)).unwrap();
-                    let mut view = o.slice_mut(..lt * hidden);
-                    buf.combine_in_place(&handle, &mut view, None).unwrap();
-                    samples.push(Sample {
-                        what: format!("op {ops}: in-place combine (case {lk})"),
-                        got: o,
-                        want: lc.combined.clone(),
-                    });
-                } else {
-                    let mut view = scratch.slice_mut(..lt * hidden);
-                    buf.combine_in_place(&handle, &mut view, None).unwrap();
-                }
+                let what = format!("op {ops}: in-place combine (case {lk})");
+                let check = sample.then_some((what, &lc.combined));
+                sampled(
+                    &stream,
+                    &mut scratch,
+                    lt * hidden,
+                    check,
+                    &mut samples,
+                    |out| buf.combine_in_place(&handle, out, None),
+                );
                 ops += 2;
             }
             // A graph replay with this iteration's case when it has the graph's token count.

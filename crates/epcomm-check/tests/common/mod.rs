@@ -333,3 +333,79 @@ pub fn reference_case(
         combined: want[rank].x.clone(),
     }
 }
+
+/// `n` routings of `tokens` tokens on every rank (seeds `seed..seed + n`; even ones mask 10 % of
+/// the ids, `skewed` sends everything to rank 0) with their references.
+pub fn reference_cases(
+    stream: &Arc<CudaStream>,
+    dims: (usize, usize, usize, usize),
+    rank: usize,
+    world: usize,
+    n: u64,
+    seed: u64,
+    skewed: u64,
+) -> Vec<Case> {
+    let (hidden, top_k, experts, tokens) = dims;
+    (0..n)
+        .map(|v| {
+            let shape = Shape {
+                tokens: vec![tokens; world],
+                hidden,
+                top_k,
+                experts,
+                mask_prob: if v % 2 == 0 { 0.1 } else { 0.0 },
+                skew_to: (v == skewed).then_some(0),
+                seed: seed + v,
+            };
+            reference_case(stream, &shape, rank, world * tokens)
+        })
+        .collect()
+}
+
+/// A buffer for a captured-graph test: `dims` = (hidden, top_k, experts, max tokens), the
+/// launcher's schedule and routes, `timeout`. Turns off cudarc's cross-stream event tracking
+/// (one stream does everything; its events would otherwise land in the capture).
+pub fn graph_buffer(
+    w: &Worker,
+    mk: MakeTransport<'_>,
+    dims: (usize, usize, usize, usize),
+    timeout: Duration,
+) -> epcomm::Buffer {
+    // SAFETY: the test uses one stream for everything, so no cross-stream ordering is lost.
+    unsafe { w.ctx.disable_event_tracking() };
+    let (hidden, top_k, experts, tokens) = dims;
+    let mut cfg = BufferConfig::new(tokens, hidden, top_k, experts);
+    apply_test_config(&mut cfg);
+    cfg.timeout = timeout;
+    epcomm::Buffer::new(w.ctx.clone(), mk(), cfg).unwrap()
+}
+
+/// A small buffer (`small_cfg_with(world, timeout)`) and a uniform routing of `tokens` tokens
+/// (hidden 128, top-2 of 4 experts per rank, `seed`), uploaded: host and device inputs.
+pub fn small_setup(
+    w: &Worker,
+    mk: MakeTransport<'_>,
+    timeout: Duration,
+    tokens: usize,
+    seed: u64,
+) -> (
+    epcomm::Buffer,
+    epcomm_check::inputs::HostInputs,
+    DeviceInputs,
+) {
+    let world = w.boot.world_size();
+    let buf = epcomm::Buffer::new(w.ctx.clone(), mk(), small_cfg_with(world, timeout)).unwrap();
+    let shape = Shape::uniform(world, tokens, 128, 2, 4 * world, seed);
+    let h = host_inputs(&shape).unwrap();
+    let d = device_inputs(buf.stream(), &h, w.boot.rank()).unwrap();
+    (buf, h, d)
+}
+
+/// Asserts that `result` is `Error::InvalidArgument` naming `argument`.
+#[track_caller]
+pub fn assert_invalid<T: std::fmt::Debug>(result: epcomm::Result<T>, argument: &str) {
+    match result {
+        Err(epcomm::Error::InvalidArgument { argument: a, .. }) if a == argument => {}
+        other => panic!("expected an invalid {argument}, got {other:?}"),
+    }
+}
