@@ -42,10 +42,7 @@ fn run_graph_rows(w: &Worker, mk: MakeTransport<'_>) {
     let cap = world * tokens;
     // Four routings, their received rows and combine outputs (reference).
     let variants = common::reference_cases(&stream, dims, rank, world, 4, 900, 3);
-    let mut x = stream.alloc_zeros::<bf16>(tokens * hidden).unwrap();
-    let mut idx = stream.alloc_zeros::<i64>(tokens * top_k).unwrap();
-    let mut y = stream.alloc_zeros::<bf16>(cap * hidden).unwrap();
-    let mut out = stream.alloc_zeros::<bf16>(tokens * hidden).unwrap();
+    let mut io = common::GraphIo::new(&stream, dims, cap);
     // What the captured consumers saw through the returned pointers.
     let seen: Vec<CudaSlice<bf16>> = (0..2)
         .map(|_| stream.alloc_zeros::<bf16>(cap * hidden).unwrap())
@@ -74,34 +71,29 @@ fn run_graph_rows(w: &Worker, mk: MakeTransport<'_>) {
     for dispatches in [1usize, 2] {
         let graph = buf
             .capture(|b| {
-                b.layout_into(&idx, &layout)?;
+                b.layout_into(&io.idx, &layout)?;
                 for (i, to) in seen_ptr.iter().enumerate().take(dispatches) {
                     let from = if i == 0 {
                         let input = DispatchInput {
-                            x: XInput::Bf16(&x),
-                            topk_idx: &idx,
+                            x: XInput::Bf16(&io.x),
+                            topk_idx: &io.idx,
                             topk_weights: None,
                         };
                         b.dispatch_into(&input, &handle)?.recv_x_ptr()
                     } else {
-                        b.cached_dispatch(&XInput::Bf16(&x), &handle)?.recv_x_ptr()
+                        b.cached_dispatch(&XInput::Bf16(&io.x), &handle)?
+                            .recv_x_ptr()
                     };
                     consume(b, from, *to)?;
                 }
-                b.combine(&y, None, &handle, &mut out, None)
+                b.combine(&io.y, None, &handle, &mut io.out, None)
             })
             .expect("capture");
         let replays = 12;
         for i in 0..replays {
-            let common::Case {
-                d,
-                y: dy,
-                rows: want_rows,
-                combined: want_out,
-            } = &variants[i % variants.len()];
-            stream.memcpy_dtod(&d.x, &mut x).unwrap();
-            stream.memcpy_dtod(&d.topk_idx, &mut idx).unwrap();
-            stream.memcpy_dtod(dy, &mut y).unwrap();
+            let case = &variants[i % variants.len()];
+            let (want_rows, want_out) = (&case.rows, &case.combined);
+            io.load(&stream, case);
             buf.replay(&graph).unwrap();
             buf.synchronize()
                 .unwrap_or_else(|e| panic!("{dispatches} dispatch(es), replay {i}: {e}"));
@@ -113,7 +105,7 @@ fn run_graph_rows(w: &Worker, mk: MakeTransport<'_>) {
                      of dispatch {j} read rows that are not this replay's"
                 );
             }
-            let got = stream.clone_dtoh(&out).unwrap();
+            let got = stream.clone_dtoh(&io.out).unwrap();
             assert!(
                 &got == want_out,
                 "graph with {dispatches} dispatch(es), replay {i}: combine output differs"

@@ -684,22 +684,19 @@ fn run_graph(w: &Worker, mk: MakeTransport<'_>) {
     let cap = world * tokens;
     // Eight routings and their references; each replay copies one into the captured buffers.
     let variants = common::reference_cases(&stream, dims, rank, world, 8, 500, 5);
-    let mut x = stream.alloc_zeros::<bf16>(tokens * hidden).unwrap();
-    let mut idx = stream.alloc_zeros::<i64>(tokens * top_k).unwrap();
-    let mut y = stream.alloc_zeros::<bf16>(cap * hidden).unwrap();
-    let mut out = stream.alloc_zeros::<bf16>(tokens * hidden).unwrap();
+    let mut io = common::GraphIo::new(&stream, dims, cap);
     let layout = buf.alloc_layout(tokens).unwrap();
     let handle = buf.alloc_handle(&layout).unwrap();
     let graph = buf
         .capture(|b| {
-            b.layout_into(&idx, &layout)?;
+            b.layout_into(&io.idx, &layout)?;
             let input = DispatchInput {
-                x: XInput::Bf16(&x),
-                topk_idx: &idx,
+                x: XInput::Bf16(&io.x),
+                topk_idx: &io.idx,
                 topk_weights: None,
             };
             b.dispatch_into(&input, &handle)?;
-            b.combine(&y, None, &handle, &mut out, None)
+            b.combine(&io.y, None, &handle, &mut io.out, None)
         })
         .expect("capture");
     let replays: usize = std::env::var("EPCOMM_GRAPH_REPLAYS")
@@ -708,21 +705,14 @@ fn run_graph(w: &Worker, mk: MakeTransport<'_>) {
         .unwrap_or(1000);
     let t0 = Instant::now();
     for i in 0..replays {
-        let common::Case {
-            d,
-            y: dy,
-            combined: want,
-            ..
-        } = &variants[i % variants.len()];
-        stream.memcpy_dtod(&d.x, &mut x).unwrap();
-        stream.memcpy_dtod(&d.topk_idx, &mut idx).unwrap();
-        stream.memcpy_dtod(dy, &mut y).unwrap();
+        let case = &variants[i % variants.len()];
+        io.load(&stream, case);
         buf.replay(&graph).unwrap();
         buf.synchronize()
             .unwrap_or_else(|e| panic!("replay {i}: {e}"));
-        let got = stream.clone_dtoh(&out).unwrap();
+        let got = stream.clone_dtoh(&io.out).unwrap();
         assert!(
-            &got == want,
+            got == case.combined,
             "replay {i}: combine output differs from the reference"
         );
     }

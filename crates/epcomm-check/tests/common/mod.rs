@@ -409,3 +409,37 @@ pub fn assert_invalid<T: std::fmt::Debug>(result: epcomm::Result<T>, argument: &
         other => panic!("expected an invalid {argument}, got {other:?}"),
     }
 }
+
+/// The device buffers a captured graph reads and writes: this rank's tokens `x`, ids `idx`, its
+/// expert output `y` (capacity rows) and the combine output `out`. Replays load a [`Case`]
+/// into them.
+pub struct GraphIo {
+    pub x: CudaSlice<bf16>,
+    pub idx: CudaSlice<i64>,
+    pub y: CudaSlice<bf16>,
+    pub out: CudaSlice<bf16>,
+}
+
+impl GraphIo {
+    /// Zeroed buffers for `dims` = (hidden, top_k, experts, tokens) and `cap_rows` received rows.
+    pub fn new(
+        stream: &Arc<CudaStream>,
+        dims: (usize, usize, usize, usize),
+        cap_rows: usize,
+    ) -> Self {
+        let (hidden, top_k, _, tokens) = dims;
+        Self {
+            x: stream.alloc_zeros(tokens * hidden).unwrap(),
+            idx: stream.alloc_zeros(tokens * top_k).unwrap(),
+            y: stream.alloc_zeros(cap_rows * hidden).unwrap(),
+            out: stream.alloc_zeros(tokens * hidden).unwrap(),
+        }
+    }
+
+    /// Copies `case`'s tokens, ids and expert output in (stream-ordered).
+    pub fn load(&mut self, stream: &Arc<CudaStream>, case: &Case) {
+        stream.memcpy_dtod(&case.d.x, &mut self.x).unwrap();
+        stream.memcpy_dtod(&case.d.topk_idx, &mut self.idx).unwrap();
+        stream.memcpy_dtod(&case.y, &mut self.y).unwrap();
+    }
+}
