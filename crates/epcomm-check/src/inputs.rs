@@ -102,6 +102,15 @@ pub struct DeviceInputs {
 }
 
 impl DeviceInputs {
+    /// A dispatch input of these tokens: FP8 or BF16 rows, with or without the top-k weights.
+    pub fn dispatch_input(&self, fp8: bool, weights: bool) -> epcomm::DispatchInput<'_> {
+        epcomm::DispatchInput {
+            x: self.x_input(fp8),
+            topk_idx: &self.topk_idx,
+            topk_weights: weights.then_some(&self.topk_weights as _),
+        }
+    }
+
     /// The token rows as a dispatch input: FP8 (with scales) or BF16.
     pub fn x_input(&self, fp8: bool) -> epcomm::XInput<'_> {
         if fp8 {

@@ -83,11 +83,7 @@ impl Timer {
         let ctx = buf.context().clone();
         let flush = stream.alloc_zeros::<u8>(FLUSH_BYTES)?;
         let layout = buf.layout(&dev.topk_idx, dev.num_tokens)?;
-        let input = DispatchInput {
-            x: XInput::Bf16(&dev.x),
-            topk_idx: &dev.topk_idx,
-            topk_weights: Some(&dev.topk_weights),
-        };
+        let input = dev.dispatch_input(false, true);
         let handle = buf
             .dispatch(&input, &layout, RecvMode::HostSync)?
             .into_handle();

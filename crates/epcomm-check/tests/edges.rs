@@ -151,11 +151,7 @@ fn run_queued_after_failure(w: &Worker, mk: MakeTransport<'_>) {
     let h = host_inputs(&shape).unwrap();
     let d = device_inputs(buf.stream(), &h, rank).unwrap();
     let layout = buf.layout(&d.topk_idx, 40).unwrap();
-    let input = DispatchInput {
-        x: XInput::Bf16(&d.x),
-        topk_idx: &d.topk_idx,
-        topk_weights: None,
-    };
+    let input = d.dispatch_input(false, false);
     w.boot.barrier("queued-warmup").unwrap();
     let h1 = buf
         .dispatch(&input, &layout, RecvMode::WorstCase)
@@ -294,11 +290,7 @@ fn run_in_place_weights(w: &Worker, mk: MakeTransport<'_>) {
     let mut out = buf.stream().alloc_zeros::<bf16>(40 * 128).unwrap();
     let mut out_w = buf.stream().alloc_zeros::<f32>(40 * 2).unwrap();
     // A dispatch without weights, then in place with out_weights.
-    let input = DispatchInput {
-        x: XInput::Bf16(&d.x),
-        topk_idx: &d.topk_idx,
-        topk_weights: None,
-    };
+    let input = d.dispatch_input(false, false);
     let handle = buf
         .dispatch(&input, &layout, RecvMode::HostSync)
         .unwrap()
@@ -396,11 +388,7 @@ fn run_input_checks(w: &Worker, mk: MakeTransport<'_>) {
     };
     common::assert_invalid(buf.dispatch(&input, &layout, RecvMode::HostSync), "x");
     // A handle, then its layout recomputed for another routing: the handle is stale.
-    let input = DispatchInput {
-        x: XInput::Bf16(&d.x),
-        topk_idx: &d.topk_idx,
-        topk_weights: None,
-    };
+    let input = d.dispatch_input(false, false);
     let handle = buf
         .dispatch(&input, &layout, RecvMode::HostSync)
         .unwrap()

@@ -423,11 +423,7 @@ fn run_soak(w: &Worker, mk: MakeTransport<'_>) {
         let k = (i * 7) % prepared.len();
         let (_, d) = &prepared[k];
         let layout = buf.layout(&d.topk_idx, d.num_tokens).unwrap();
-        let input = DispatchInput {
-            x: XInput::Bf16(&d.x),
-            topk_idx: &d.topk_idx,
-            topk_weights: None,
-        };
+        let input = d.dispatch_input(false, false);
         let handle = buf
             .dispatch(&input, &layout, RecvMode::WorstCase)
             .unwrap()
@@ -499,11 +495,7 @@ fn run_failures(w: &Worker, mk: MakeTransport<'_>) {
         topk_weights: None,
     };
     common::assert_invalid(buf.dispatch(&input, &layout, RecvMode::HostSync), "x");
-    let input = DispatchInput {
-        x: XInput::Bf16(&d.x),
-        topk_idx: &d.topk_idx,
-        topk_weights: None,
-    };
+    let input = d.dispatch_input(false, false);
     let bounded = buf.dispatch(&input, &layout, RecvMode::Bounded(1 << 30));
     common::assert_invalid(bounded, "RecvMode::Bounded");
     log(rank, "bad arguments: typed errors");
@@ -513,11 +505,7 @@ fn run_failures(w: &Worker, mk: MakeTransport<'_>) {
 
     // Overflow: Bounded(n) smaller than what arrives fails on the device on every rank.
     let layout = buf.layout(&d.topk_idx, 40).unwrap();
-    let input = DispatchInput {
-        x: XInput::Bf16(&d.x),
-        topk_idx: &d.topk_idx,
-        topk_weights: None,
-    };
+    let input = d.dispatch_input(false, false);
     let r = buf
         .dispatch(&input, &layout, RecvMode::Bounded(10))
         .map(|_| ());
@@ -637,11 +625,7 @@ fn run_killed() {
         std::process::exit(0); // dies without a word
     }
     let layout = buf.layout(&d.topk_idx, 40).unwrap();
-    let input = DispatchInput {
-        x: XInput::Bf16(&d.x),
-        topk_idx: &d.topk_idx,
-        topk_weights: None,
-    };
+    let input = d.dispatch_input(false, false);
     let r = buf
         .dispatch(&input, &layout, RecvMode::WorstCase)
         .map(|_| ())
@@ -758,11 +742,7 @@ fn run_skew(w: &Worker, mk: MakeTransport<'_>) {
         if rank == late {
             buf.inject_delay(delay).unwrap();
         }
-        let input = DispatchInput {
-            x: XInput::Bf16(&d.x),
-            topk_idx: &d.topk_idx,
-            topk_weights: None,
-        };
+        let input = d.dispatch_input(false, false);
         let handle = buf
             .dispatch(&input, &layout, RecvMode::WorstCase)
             .unwrap()
