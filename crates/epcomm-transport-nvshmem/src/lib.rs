@@ -51,7 +51,7 @@ use epcomm_transport::{
     Bootstrap, Capabilities, DeviceRuntime, KernelFamily, Route, Schedule, SymmetricHeap,
     SymmetricMemory, Transport, TransportError, WorldLayout,
 };
-use nvshmem_sys::{Nvshmem, OwnedModuleRegistration, OwnedSymmetricAlloc, SharedNvshmem};
+use nvshmem_sys::{ModuleRegistration, Nvshmem, SharedNvshmem, SymmetricAlloc};
 
 fn backend(context: impl Into<String>) -> impl FnOnce(nvshmem_sys::Error) -> TransportError {
     let context = context.into();
@@ -196,7 +196,7 @@ impl SymmetricHeap for NvshmemTransport {
 
     fn alloc_symmetric(&self, bytes: usize) -> Result<NvshmemMemory, TransportError> {
         bind_context(&self.ctx)?;
-        let alloc = OwnedSymmetricAlloc::zeroed(&self.rt, bytes)
+        let alloc = SymmetricAlloc::zeroed(&self.rt, bytes)
             .map_err(backend(format!("allocating {bytes} symmetric bytes")))?;
         // Peers outside my (logical) node get no mapping: the kernels put/signal to them.
         let domain = self.world.nvlink_domain();
@@ -222,17 +222,17 @@ impl DeviceRuntime for NvshmemTransport {
         KernelFamily::NvshmemDevice
     }
 
-    type ModuleBinding = OwnedModuleRegistration;
+    type ModuleBinding = ModuleRegistration;
 
     unsafe fn bind_module(
         &self,
         module: cudarc::driver::sys::CUmodule,
-    ) -> Result<OwnedModuleRegistration, TransportError> {
+    ) -> Result<ModuleRegistration, TransportError> {
         bind_context(&self.ctx)?;
         // SAFETY: the caller guarantees the module is live, of the NvshmemDevice family (linked
         // against the libnvshmem_device release xtask pins, matching the checked host library)
         // and outlives the registration.
-        unsafe { OwnedModuleRegistration::new(&self.rt, module.cast()) }.map_err(backend(
+        unsafe { ModuleRegistration::new(&self.rt, module.cast()) }.map_err(backend(
             "registering the kernel module (nvshmemx_cumodule_init)",
         ))
     }
@@ -242,7 +242,7 @@ impl DeviceRuntime for NvshmemTransport {
 #[derive(Debug)]
 pub struct NvshmemMemory {
     bases: Vec<u64>,
-    alloc: OwnedSymmetricAlloc,
+    alloc: SymmetricAlloc,
 }
 
 impl SymmetricMemory for NvshmemMemory {

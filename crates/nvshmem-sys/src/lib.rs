@@ -66,7 +66,4 @@ pub mod safe;
 pub use attr::{UNIQUEID_BYTES, UniqueIdError};
 pub use loader::{Library, LibrarySearch, LoadError, Version};
 pub use result::NvshmemError;
-pub use safe::{
-    Error, ModuleRegistration, Nvshmem, OwnedModuleRegistration, OwnedSymmetricAlloc,
-    SharedNvshmem, SymmetricAlloc, Team,
-};
+pub use safe::{Error, ModuleRegistration, Nvshmem, SharedNvshmem, SymmetricAlloc, Team};

@@ -282,107 +282,6 @@ impl Drop for Nvshmem {
     }
 }
 
-/// Symmetric-heap memory (`nvshmem_malloc`/`align`/`calloc`), freed with `nvshmem_free` on drop.
-/// Creation and drop are collective: every PE allocates and frees the same sizes in the same
-/// order.
-pub struct SymmetricAlloc<'rt> {
-    rt: &'rt Nvshmem,
-    ptr: NonNull<c_void>,
-    bytes: usize,
-}
-
-impl std::fmt::Debug for SymmetricAlloc<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SymmetricAlloc")
-            .field("ptr", &self.ptr)
-            .field("bytes", &self.bytes)
-            .finish()
-    }
-}
-
-impl<'rt> SymmetricAlloc<'rt> {
-    fn wrap(
-        rt: &'rt Nvshmem,
-        call: &'static str,
-        bytes: usize,
-        ptr: Option<NonNull<c_void>>,
-    ) -> Result<SymmetricAlloc<'rt>, Error> {
-        match ptr {
-            Some(ptr) => Ok(SymmetricAlloc { rt, ptr, bytes }),
-            None => Err(Error::OutOfSymmetricMemory { call, bytes }),
-        }
-    }
-
-    /// `nvshmem_malloc(bytes)` (uninitialised device memory). Collective.
-    ///
-    /// # Errors
-    /// [`Error::ZeroSizeAlloc`]; [`Error::OutOfSymmetricMemory`].
-    pub fn new(rt: &'rt Nvshmem, bytes: usize) -> Result<SymmetricAlloc<'rt>, Error> {
-        if bytes == 0 {
-            return Err(Error::ZeroSizeAlloc);
-        }
-        // SAFETY: initialised (`rt` exists).
-        let p = unsafe { result::malloc(rt.lib.api(), bytes) };
-        Self::wrap(rt, "nvshmem_malloc", bytes, p)
-    }
-
-    /// `nvshmem_calloc(1, bytes)`: zeroed. Collective.
-    ///
-    /// # Errors
-    /// [`Error::ZeroSizeAlloc`]; [`Error::OutOfSymmetricMemory`].
-    pub fn zeroed(rt: &'rt Nvshmem, bytes: usize) -> Result<SymmetricAlloc<'rt>, Error> {
-        if bytes == 0 {
-            return Err(Error::ZeroSizeAlloc);
-        }
-        // SAFETY: initialised.
-        let p = unsafe { result::calloc(rt.lib.api(), 1, bytes) };
-        Self::wrap(rt, "nvshmem_calloc", bytes, p)
-    }
-
-    /// `nvshmem_align(alignment, bytes)`. Collective.
-    ///
-    /// # Errors
-    /// [`Error::ZeroSizeAlloc`]; [`Error::InvalidAlignment`] unless a power of two;
-    /// [`Error::OutOfSymmetricMemory`].
-    pub fn aligned(
-        rt: &'rt Nvshmem,
-        alignment: usize,
-        bytes: usize,
-    ) -> Result<SymmetricAlloc<'rt>, Error> {
-        if bytes == 0 {
-            return Err(Error::ZeroSizeAlloc);
-        }
-        if !alignment.is_power_of_two() {
-            return Err(Error::InvalidAlignment { alignment });
-        }
-        // SAFETY: initialised; alignment is a power of two.
-        let p = unsafe { result::align(rt.lib.api(), alignment, bytes) };
-        Self::wrap(rt, "nvshmem_align", bytes, p)
-    }
-
-    /// The device address of this PE's copy (same offset in every PE's heap).
-    pub fn ptr(&self) -> u64 {
-        self.ptr.as_ptr() as u64
-    }
-
-    /// Size in bytes.
-    pub fn len(&self) -> usize {
-        self.bytes
-    }
-
-    /// Always false (zero-size allocations are refused); for API symmetry with `len`.
-    pub fn is_empty(&self) -> bool {
-        self.bytes == 0
-    }
-
-    /// The address at which this process can access PE `pe`'s copy directly (NVLink/P2P
-    /// mapping), via `nvshmem_ptr`; `None` when `pe` is not directly reachable or
-    /// `pe >= n_pes`.
-    pub fn peer_ptr(&self, pe: u32) -> Option<u64> {
-        self.rt.peer_address(self.ptr, pe)
-    }
-}
-
 impl Nvshmem {
     /// `nvshmem_ptr(ptr, pe)` for a live symmetric allocation `ptr` of this runtime; `None`
     /// when `pe` is not directly reachable or `pe >= n_pes`.
@@ -394,75 +293,6 @@ impl Nvshmem {
         // n_pes` and so fits a c_int.
         let p = unsafe { result::ptr(self.lib.api(), ptr.as_ptr(), pe as c_int) };
         p.map(|p| p.as_ptr() as u64)
-    }
-}
-
-impl Drop for SymmetricAlloc<'_> {
-    fn drop(&mut self) {
-        // SAFETY: `ptr` came from this runtime's allocator and is dropped exactly once; the
-        // runtime outlives `self` (borrow).
-        unsafe { result::free(self.rt.lib.api(), self.ptr) }
-    }
-}
-
-/// A `CUmodule` registered with NVSHMEM (`nvshmemx_cumodule_init`), unregistered
-/// (`nvshmemx_cumodule_finalize`) on drop. Needed for modules device-linked against
-/// `libnvshmem_device` before their kernels may call NVSHMEM.
-pub struct ModuleRegistration<'rt> {
-    rt: &'rt Nvshmem,
-    module: NonNull<c_void>,
-}
-
-impl std::fmt::Debug for ModuleRegistration<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ModuleRegistration")
-            .field("module", &self.module)
-            .finish()
-    }
-}
-
-impl<'rt> ModuleRegistration<'rt> {
-    /// Registers `module` (a `CUmodule`, passed opaquely).
-    ///
-    /// # Safety
-    /// `module` is a live `CUmodule`, loaded in the current context from a cubin device-linked
-    /// against the same NVSHMEM release, and stays loaded until this guard is dropped.
-    ///
-    /// # Errors
-    /// [`Error::NullModule`]; [`Error::Nvshmem`] when `nvshmemx_cumodule_init` fails.
-    pub unsafe fn new(
-        rt: &'rt Nvshmem,
-        module: *mut c_void,
-    ) -> Result<ModuleRegistration<'rt>, Error> {
-        let module = NonNull::new(module).ok_or(Error::NullModule)?;
-        // SAFETY: initialised; the module contract is the caller's.
-        unsafe { result::cumodule_init(rt.lib.api(), module.as_ptr()) }?;
-        Ok(ModuleRegistration { rt, module })
-    }
-
-    /// The registered module.
-    pub fn module(&self) -> *mut c_void {
-        self.module.as_ptr()
-    }
-
-    /// Unregisters now, reporting the status that [`Drop`] would ignore.
-    ///
-    /// # Errors
-    /// [`Error::Nvshmem`] when `nvshmemx_cumodule_finalize` fails.
-    pub fn finalize(self) -> Result<(), Error> {
-        let this = std::mem::ManuallyDrop::new(self);
-        // SAFETY: registered in `new`, the module is still loaded (contract of `new`), and
-        // `ManuallyDrop` keeps `Drop` from finalising it a second time.
-        unsafe { result::cumodule_finalize(this.rt.lib.api(), this.module.as_ptr()) }?;
-        Ok(())
-    }
-}
-
-impl Drop for ModuleRegistration<'_> {
-    fn drop(&mut self) {
-        // SAFETY: registered in `new`; the module is still loaded (contract of `new`). A failure
-        // cannot be reported from drop; `finalize` reports it.
-        let _ = unsafe { result::cumodule_finalize(self.rt.lib.api(), self.module.as_ptr()) };
     }
 }
 
@@ -544,10 +374,11 @@ impl SharedNvshmem {
     }
 }
 
-/// Zeroed symmetric-heap memory that owns a handle to the runtime (for long-lived owners such as
-/// transports); `nvshmem_free` on drop. Creation and drop are collective.
+/// Zeroed symmetric-heap memory (`nvshmem_calloc`) that owns a handle to the runtime, freed with
+/// `nvshmem_free` on drop. Creation and drop are collective: every PE allocates and frees the
+/// same sizes in the same order.
 #[derive(Debug)]
-pub struct OwnedSymmetricAlloc {
+pub struct SymmetricAlloc {
     rt: SharedNvshmem,
     ptr: NonNull<c_void>,
     bytes: usize,
@@ -555,11 +386,11 @@ pub struct OwnedSymmetricAlloc {
 
 // SAFETY: the allocation is device memory addressed by value; every host call that touches it
 // goes through the runtime's mutex.
-unsafe impl Send for OwnedSymmetricAlloc {}
+unsafe impl Send for SymmetricAlloc {}
 // SAFETY: as above; `&self` methods only read the immutable address and size.
-unsafe impl Sync for OwnedSymmetricAlloc {}
+unsafe impl Sync for SymmetricAlloc {}
 
-impl OwnedSymmetricAlloc {
+impl SymmetricAlloc {
     /// `nvshmem_calloc(1, bytes)`. Collective.
     ///
     /// # Errors
@@ -605,7 +436,7 @@ impl OwnedSymmetricAlloc {
     }
 }
 
-impl Drop for OwnedSymmetricAlloc {
+impl Drop for SymmetricAlloc {
     fn drop(&mut self) {
         let ptr = self.ptr;
         // SAFETY: `ptr` came from this runtime's allocator and is freed exactly once; the
@@ -614,27 +445,27 @@ impl Drop for OwnedSymmetricAlloc {
     }
 }
 
-/// A `CUmodule` registered with NVSHMEM (`nvshmemx_cumodule_init`) that owns a handle to the
-/// runtime (for long-lived owners); unregistered (`nvshmemx_cumodule_finalize`) on drop.
+/// A `CUmodule` registered with NVSHMEM (`nvshmemx_cumodule_init`), unregistered
+/// (`nvshmemx_cumodule_finalize`) on drop: the scoped guard a module device-linked against
+/// `libnvshmem_device` needs before its kernels may call NVSHMEM. Owns a handle to the runtime.
 #[derive(Debug)]
-pub struct OwnedModuleRegistration {
+pub struct ModuleRegistration {
     rt: SharedNvshmem,
     module: NonNull<c_void>,
 }
 
 // SAFETY: the module handle is an opaque driver handle; every NVSHMEM call that uses it goes
 // through the runtime's mutex.
-unsafe impl Send for OwnedModuleRegistration {}
+unsafe impl Send for ModuleRegistration {}
 // SAFETY: as above; `&self` methods only read the handle.
-unsafe impl Sync for OwnedModuleRegistration {}
+unsafe impl Sync for ModuleRegistration {}
 
-impl OwnedModuleRegistration {
+impl ModuleRegistration {
     /// Registers `module` (a `CUmodule`, passed opaquely).
     ///
     /// # Safety
-    /// As for [`ModuleRegistration::new`]: `module` is live, loaded in the runtime's context
-    /// from a cubin device-linked against the same NVSHMEM release, and stays loaded until this
-    /// guard is dropped.
+    /// `module` is live, loaded in the runtime's context from a cubin device-linked against the
+    /// same NVSHMEM release, and stays loaded until this guard is dropped.
     ///
     /// # Errors
     /// [`Error::NullModule`]; [`Error::Nvshmem`] when `nvshmemx_cumodule_init` fails.
@@ -654,7 +485,7 @@ impl OwnedModuleRegistration {
     }
 }
 
-impl Drop for OwnedModuleRegistration {
+impl Drop for ModuleRegistration {
     fn drop(&mut self) {
         let module = self.module;
         // SAFETY: registered in `new`; still loaded (contract of `new`). A failure cannot be
