@@ -124,10 +124,6 @@ impl Transport for IpcTransport {
 impl DeviceRuntime for IpcTransport {
     type ModuleBinding = ();
 
-    fn kernel_family(&self) -> KernelFamily {
-        KernelFamily::NvlinkStore
-    }
-
     unsafe fn bind_module(
         &self,
         _module: cudarc::driver::sys::CUmodule,

@@ -218,10 +218,6 @@ impl SymmetricHeap for NvshmemTransport {
 }
 
 impl DeviceRuntime for NvshmemTransport {
-    fn kernel_family(&self) -> KernelFamily {
-        KernelFamily::NvshmemDevice
-    }
-
     type ModuleBinding = ModuleRegistration;
 
     unsafe fn bind_module(

@@ -228,15 +228,13 @@ pub trait DeviceRuntime {
     /// backend's device runtime until dropped (`()` for backends that need no binding).
     type ModuleBinding: Send + Sync + Debug + 'static;
 
-    /// The kernel image this runtime works with.
-    fn kernel_family(&self) -> KernelFamily;
-
-    /// Binds a loaded kernel module of this backend's [`KernelFamily`] to its device runtime
+    /// Binds a loaded kernel module of this backend's [`KernelFamily`] (see
+    /// [`Transport::capabilities`]) to its device runtime
     /// (NVSHMEM: `nvshmemx_cumodule_init`). Drop the binding before the module is unloaded.
     ///
     /// # Safety
     /// `module` is a live `CUmodule`, loaded in this transport's CUDA context from the image of
-    /// [`DeviceRuntime::kernel_family`], and stays loaded until the returned binding is dropped.
+    /// [`Capabilities::kernel_family`], and stays loaded until the returned binding is dropped.
     unsafe fn bind_module(
         &self,
         module: cudarc::driver::sys::CUmodule,
