@@ -1,10 +1,10 @@
-//! `cargo xtask build-kernels`: compiles `kernels/*.cu` into fatbins and `kernels/nvshmem/*.cu`
-//! into NVSHMEM device-linked cubins, incrementally, recording what was built in
-//! `manifest.json`.
+//! `cargo xtask build-kernels`: compiles every image of the image manifest
+//! (`kernels/images.txt`) into a fatbin or an NVSHMEM device-linked cubin, incrementally,
+//! recording what was built in `manifest.json`.
 //!
-//! An artifact is rebuilt only when the SHA-256 of its inputs changes: the source, every file
-//! under `kernels/include` (and the non-`.cu` files of `kernels/nvshmem` for NVSHMEM variants),
-//! the compiler and linker flags, the nvcc version and, for NVSHMEM variants, the content of
+//! An artifact is rebuilt only when the SHA-256 of its inputs changes: its entry source, every
+//! other file under `kernels/` except `.cu` entries and the image manifest (the headers), the
+//! compiler and linker flags, the nvcc version and, for NVSHMEM images, the content of
 //! `libnvshmem_device.a`.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -64,73 +64,211 @@ impl Layout {
     }
 }
 
-/// How a source is built.
+/// How an image is built (the `build` field of the image manifest).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum KernelKind {
-    /// `kernels/<stem>.cu` → `<stem>.fatbin` (sm_90a SASS + compute_90 PTX).
+    /// `fatbin`: `nvcc --fatbin` (sm_90a SASS + compute_90 PTX) into a `.fatbin`.
     Fatbin,
-    /// `kernels/nvshmem/<stem>.cu` → `<stem>.cubin`, device-linked with `libnvshmem_device`.
+    /// `nvshmem_cubin`: `nvcc -rdc=true -cubin`, device-linked with `libnvshmem_device` into a
+    /// `.cubin`.
     NvshmemCubin,
 }
 
-/// One `.cu` file to build.
+impl KernelKind {
+    /// The word the image manifest uses.
+    pub fn word(self) -> &'static str {
+        match self {
+            KernelKind::Fatbin => "fatbin",
+            KernelKind::NvshmemCubin => "nvshmem_cubin",
+        }
+    }
+
+    /// The extension an artifact of this kind must have.
+    pub fn extension(self) -> &'static str {
+        match self {
+            KernelKind::Fatbin => "fatbin",
+            KernelKind::NvshmemCubin => "cubin",
+        }
+    }
+
+    fn from_word(word: &str) -> Option<KernelKind> {
+        [KernelKind::Fatbin, KernelKind::NvshmemCubin]
+            .into_iter()
+            .find(|k| k.word() == word)
+    }
+}
+
+/// Workspace-relative path of the image manifest: one line per kernel image (see
+/// [`parse_images`]). It drives `build-kernels`, `pack-device` and, through `cargo xtask
+/// codegen`, the image table that `epcomm-kernels` embeds from.
+pub const IMAGES_FILE: &str = "kernels/images.txt";
+
+/// One kernel image: a line of the image manifest.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KernelSource {
+    /// The name the Rust side uses, e.g. `intranode`.
+    pub name: String,
+    /// The artifact's file name in the output directory, e.g. `intranode.fatbin`.
+    pub artifact: String,
     /// How it is built.
     pub kind: KernelKind,
-    /// Workspace-relative path, e.g. `kernels/dispatch.cu`.
+    /// Workspace-relative path of its entry source, e.g. `kernels/intranode/store.cu`.
     pub rel: String,
-    /// File stem, e.g. `dispatch`.
-    pub stem: String,
 }
 
-impl KernelSource {
-    /// The artifact's file name in the output directory.
-    pub fn artifact(&self) -> String {
-        match self.kind {
-            KernelKind::Fatbin => format!("{}.fatbin", self.stem),
-            KernelKind::NvshmemCubin => format!("{}.cubin", self.stem),
+/// A line of the image manifest that does not follow its format.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ImagesError {
+    /// Not four fields.
+    #[error("{IMAGES_FILE}:{line}: expected 4 fields (name artifact build entry), found {found}")]
+    Fields {
+        /// 1-based line number.
+        line: usize,
+        /// How many fields it has.
+        found: usize,
+    },
+    /// A name that is not a Rust-friendly identifier.
+    #[error(
+        "{IMAGES_FILE}:{line}: name `{name}` must be lower-case ASCII letters, digits and `_`, starting with a letter"
+    )]
+    Name {
+        /// 1-based line number.
+        line: usize,
+        /// The name.
+        name: String,
+    },
+    /// An unknown build kind.
+    #[error("{IMAGES_FILE}:{line}: unknown build `{build}` (expected fatbin or nvshmem_cubin)")]
+    Build {
+        /// 1-based line number.
+        line: usize,
+        /// The word found.
+        build: String,
+    },
+    /// An artifact name with a path or the wrong extension for its build.
+    #[error(
+        "{IMAGES_FILE}:{line}: artifact `{artifact}` must be a plain file name ending in .{extension}"
+    )]
+    Artifact {
+        /// 1-based line number.
+        line: usize,
+        /// The artifact name.
+        artifact: String,
+        /// The extension its build needs.
+        extension: &'static str,
+    },
+    /// An entry that is not a `.cu` file under `kernels/`.
+    #[error("{IMAGES_FILE}:{line}: entry `{entry}` must be a .cu file under kernels/")]
+    Entry {
+        /// 1-based line number.
+        line: usize,
+        /// The entry path.
+        entry: String,
+    },
+    /// A name or artifact listed twice.
+    #[error("{IMAGES_FILE}:{line}: {what} `{value}` is already listed")]
+    Duplicate {
+        /// 1-based line number.
+        line: usize,
+        /// `name` or `artifact`.
+        what: &'static str,
+        /// The repeated value.
+        value: String,
+    },
+}
+
+/// Parses the image manifest: `#` starts a comment, blank lines are skipped, and every other
+/// line is `name artifact build entry`, separated by whitespace. Names are unique lower-case
+/// identifiers, artifacts unique file names whose extension matches the build (`fatbin` →
+/// `.fatbin`, `nvshmem_cubin` → `.cubin`), entries `.cu` files under `kernels/`. Images keep
+/// the manifest's order.
+pub fn parse_images(text: &str) -> std::result::Result<Vec<KernelSource>, ImagesError> {
+    let mut images: Vec<KernelSource> = Vec::new();
+    for (i, raw) in text.lines().enumerate() {
+        let line = i + 1;
+        let fields: Vec<&str> = raw
+            .split('#')
+            .next()
+            .unwrap_or("")
+            .split_whitespace()
+            .collect();
+        if fields.is_empty() {
+            continue;
         }
-    }
-}
-
-/// The `.cu` files directly in `dir`, sorted, as workspace-relative sources of `kind`.
-fn cu_files(workspace: &Path, dir: &Path, kind: KernelKind) -> Result<Vec<KernelSource>> {
-    let entries = match fs::read_dir(dir) {
-        Ok(e) => e,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => return Err(Error::io("listing", dir)(e)),
-    };
-    let mut out = Vec::new();
-    for entry in entries {
-        let path = entry.map_err(Error::io("listing", dir))?.path();
-        if path.extension().is_some_and(|e| e == "cu") && path.is_file() {
-            let stem = path
-                .file_stem()
-                .map(|s| s.to_string_lossy().into_owned())
-                .unwrap_or_default();
-            out.push(KernelSource {
-                kind,
-                rel: relative_to(workspace, &path),
-                stem,
+        let &[name, artifact, build, entry] = fields.as_slice() else {
+            return Err(ImagesError::Fields {
+                line,
+                found: fields.len(),
+            });
+        };
+        let mut chars = name.chars();
+        if !chars.next().is_some_and(|c| c.is_ascii_lowercase())
+            || !chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+        {
+            return Err(ImagesError::Name {
+                line,
+                name: name.to_string(),
             });
         }
+        let kind = KernelKind::from_word(build).ok_or_else(|| ImagesError::Build {
+            line,
+            build: build.to_string(),
+        })?;
+        let extension = kind.extension();
+        let stem = artifact
+            .strip_suffix(extension)
+            .and_then(|s| s.strip_suffix('.'));
+        if artifact.contains(['/', '\\']) || stem.is_none_or(str::is_empty) {
+            return Err(ImagesError::Artifact {
+                line,
+                artifact: artifact.to_string(),
+                extension,
+            });
+        }
+        if !entry.starts_with("kernels/") || !entry.ends_with(".cu") || entry.contains("..") {
+            return Err(ImagesError::Entry {
+                line,
+                entry: entry.to_string(),
+            });
+        }
+        for (what, value, taken) in [
+            ("name", name, images.iter().any(|i| i.name == name)),
+            (
+                "artifact",
+                artifact,
+                images.iter().any(|i| i.artifact == artifact),
+            ),
+        ] {
+            if taken {
+                return Err(ImagesError::Duplicate {
+                    line,
+                    what,
+                    value: value.to_string(),
+                });
+            }
+        }
+        images.push(KernelSource {
+            name: name.to_string(),
+            artifact: artifact.to_string(),
+            kind,
+            rel: entry.to_string(),
+        });
     }
-    out.sort_by(|a, b| a.rel.cmp(&b.rel));
-    Ok(out)
+    Ok(images)
 }
 
-/// All kernel sources: `kernels/*.cu` then `kernels/nvshmem/*.cu`. Missing directories mean none.
-pub fn discover_sources(workspace: &Path) -> Result<Vec<KernelSource>> {
-    let kernels = workspace.join("kernels");
-    let mut all = cu_files(workspace, &kernels, KernelKind::Fatbin)?;
-    all.extend(cu_files(
-        workspace,
-        &kernels.join("nvshmem"),
-        KernelKind::NvshmemCubin,
-    )?);
-    Ok(all)
+/// The images of the workspace's manifest ([`IMAGES_FILE`]); none when it does not exist.
+pub fn read_images(workspace: &Path) -> Result<Vec<KernelSource>> {
+    let path = workspace.join(IMAGES_FILE);
+    let text = match fs::read_to_string(&path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(Error::io("reading", &path)(e)),
+    };
+    parse_images(&text).map_err(|e| {
+        Error::io("parsing", &path)(std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+    })
 }
 
 /// A dependency file (header) with its content, identified by its workspace-relative path.
@@ -142,8 +280,9 @@ pub struct Dep {
     pub bytes: Vec<u8>,
 }
 
-/// Every file under `dir` (recursively, skipping `.cu` files when `skip_cu`), sorted by path.
-fn read_deps(workspace: &Path, dir: &Path, skip_cu: bool, recursive: bool) -> Result<Vec<Dep>> {
+/// Every file under `dir`, recursively, except `.cu` files (entries) and the image manifest,
+/// sorted by path: what any entry may include.
+fn read_deps(workspace: &Path, dir: &Path) -> Result<Vec<Dep>> {
     let mut out = Vec::new();
     let mut stack = vec![dir.to_path_buf()];
     while let Some(d) = stack.pop() {
@@ -154,16 +293,12 @@ fn read_deps(workspace: &Path, dir: &Path, skip_cu: bool, recursive: bool) -> Re
         };
         for entry in entries {
             let path = entry.map_err(Error::io("listing", &d))?.path();
+            let rel = relative_to(workspace, &path);
             if path.is_dir() {
-                if recursive {
-                    stack.push(path);
-                }
-            } else if !(skip_cu && path.extension().is_some_and(|e| e == "cu")) {
+                stack.push(path);
+            } else if path.extension().is_none_or(|e| e != "cu") && rel != IMAGES_FILE {
                 let bytes = fs::read(&path).map_err(Error::io("reading", &path))?;
-                out.push(Dep {
-                    rel: relative_to(workspace, &path),
-                    bytes,
-                });
+                out.push(Dep { rel, bytes });
             }
         }
     }
@@ -185,7 +320,7 @@ pub fn flags(
         "-O3".to_string(),
         "-std=c++17".to_string(),
         "-lineinfo".to_string(),
-        "-Ikernels/include".to_string(),
+        "-Ikernels".to_string(),
     ];
     match kind {
         KernelKind::Fatbin => {
@@ -202,7 +337,6 @@ pub fn flags(
             (nvcc, Vec::new())
         }
         KernelKind::NvshmemCubin => {
-            nvcc.push("-Ikernels/nvshmem".to_string());
             let mut link = vec!["-arch=sm_90a".to_string()];
             if let Some(n) = nvshmem {
                 nvcc.push(format!("-I{}", relative_to(workspace, &n.include)));
@@ -432,12 +566,12 @@ struct Plan {
 
 /// Runs `build-kernels` (or `--check`) for `layout`.
 pub fn build(layout: &Layout, env: &ToolchainEnv, opts: BuildOptions) -> Result<BuildSummary> {
-    let sources = discover_sources(&layout.workspace)?;
+    let sources = read_images(&layout.workspace)?;
     let mut manifest = Manifest::load(&layout.out_dir);
     if sources.is_empty() {
         println!(
-            "build-kernels: no kernel sources in {} (kernels/*.cu, kernels/nvshmem/*.cu); nothing to do",
-            layout.kernels_dir().display()
+            "build-kernels: no kernel images listed in {}; nothing to do",
+            layout.workspace.join(IMAGES_FILE).display()
         );
         if opts.check {
             return Ok(BuildSummary::default());
@@ -465,30 +599,18 @@ pub fn build(layout: &Layout, env: &ToolchainEnv, opts: BuildOptions) -> Result<
         None
     };
 
-    let kernels = layout.kernels_dir();
-    let common_deps = read_deps(&layout.workspace, &kernels.join("include"), false, true)?;
-    let mut nvshmem_deps = common_deps.clone();
-    nvshmem_deps.extend(read_deps(
-        &layout.workspace,
-        &kernels.join("nvshmem"),
-        true,
-        false,
-    )?);
+    let deps = read_deps(&layout.workspace, &layout.kernels_dir())?;
 
     let mut plans = Vec::new();
     for src in &sources {
         let source_bytes = fs::read(layout.workspace.join(&src.rel))
             .map_err(Error::io("reading", &layout.workspace.join(&src.rel)))?;
         let (nvcc_flags, link_flags) = flags(src.kind, &layout.workspace, &tc, nvshmem.as_ref());
-        let deps = match src.kind {
-            KernelKind::Fatbin => &common_deps,
-            KernelKind::NvshmemCubin => &nvshmem_deps,
-        };
         let hash = inputs_hash(&HashInputs {
             kind: src.kind,
             source_rel: &src.rel,
             source: &source_bytes,
-            deps,
+            deps: &deps,
             nvcc_flags: &nvcc_flags,
             link_flags: &link_flags,
             toolchain: &tc.version.text,
@@ -497,10 +619,9 @@ pub fn build(layout: &Layout, env: &ToolchainEnv, opts: BuildOptions) -> Result<
                 KernelKind::NvshmemCubin => nvshmem.as_ref().map(|n| n.device_lib_sha256.as_str()),
             },
         });
-        let artifact = src.artifact();
         let state = staleness(
-            manifest.artifacts.get(&artifact),
-            &layout.out_dir.join(&artifact),
+            manifest.artifacts.get(&src.artifact),
+            &layout.out_dir.join(&src.artifact),
             &hash,
         );
         plans.push(Plan {
@@ -518,7 +639,7 @@ pub fn build(layout: &Layout, env: &ToolchainEnv, opts: BuildOptions) -> Result<
         });
     }
 
-    let wanted: BTreeSet<String> = plans.iter().map(|p| p.src.artifact()).collect();
+    let wanted: BTreeSet<String> = plans.iter().map(|p| p.src.artifact.clone()).collect();
     if opts.check {
         let orphans: Vec<&String> = manifest
             .artifacts
@@ -528,14 +649,7 @@ pub fn build(layout: &Layout, env: &ToolchainEnv, opts: BuildOptions) -> Result<
         let stale: Vec<String> = plans
             .iter()
             .filter(|p| p.state != Staleness::UpToDate)
-            .map(|p| {
-                format!(
-                    "{} ({}): {}",
-                    p.src.artifact(),
-                    p.src.rel,
-                    p.state.describe()
-                )
-            })
+            .map(|p| format!("{} ({}): {}", p.src.artifact, p.src.rel, p.state.describe()))
             .collect();
         if !orphans.is_empty() {
             println!(
@@ -556,7 +670,7 @@ pub fn build(layout: &Layout, env: &ToolchainEnv, opts: BuildOptions) -> Result<
             layout.out_dir.display()
         );
         return Ok(BuildSummary {
-            up_to_date: plans.iter().map(|p| p.src.artifact()).collect(),
+            up_to_date: plans.iter().map(|p| p.src.artifact.clone()).collect(),
             ..BuildSummary::default()
         });
     }
@@ -570,7 +684,7 @@ pub fn build(layout: &Layout, env: &ToolchainEnv, opts: BuildOptions) -> Result<
     let (todo, done): (Vec<Plan>, Vec<Plan>) = plans
         .into_iter()
         .partition(|p| opts.force || p.state != Staleness::UpToDate);
-    summary.up_to_date = done.iter().map(|p| p.src.artifact()).collect();
+    summary.up_to_date = done.iter().map(|p| p.src.artifact.clone()).collect();
 
     let results = if todo.is_empty() {
         Vec::new()
@@ -591,7 +705,7 @@ pub fn build(layout: &Layout, env: &ToolchainEnv, opts: BuildOptions) -> Result<
 
     let mut failures = Vec::new();
     for (plan, result) in todo.into_iter().zip(results) {
-        let artifact = plan.src.artifact();
+        let artifact = plan.src.artifact.clone();
         match result {
             Ok(size) => {
                 manifest
@@ -731,7 +845,7 @@ fn run_tool(
 fn compile_one(ctx: &CompileCtx<'_>, plan: &Plan) -> Result<u64, CompileFailure> {
     let started = Instant::now();
     let src = &plan.src;
-    let out = ctx.layout.out_dir.join(src.artifact());
+    let out = ctx.layout.out_dir.join(&src.artifact);
     let tmp = util::temp_sibling(&out);
     let io_fail = |what: &str, e: std::io::Error| CompileFailure {
         source: src.rel.clone(),
@@ -753,7 +867,7 @@ fn compile_one(ctx: &CompileCtx<'_>, plan: &Plan) -> Result<u64, CompileFailure>
             let rdc =
                 ctx.layout
                     .out_dir
-                    .join(format!(".{}.rdc.{}.cubin", src.stem, std::process::id()));
+                    .join(format!(".{}.rdc.{}.cubin", src.name, std::process::id()));
             let mut cmd = Command::new(&ctx.toolchain.nvcc);
             cmd.args(&plan.entry.flags)
                 .arg(&src.rel)
@@ -786,7 +900,7 @@ fn compile_one(ctx: &CompileCtx<'_>, plan: &Plan) -> Result<u64, CompileFailure>
     println!(
         "  built {} -> {} ({}, {:.1} s)",
         src.rel,
-        src.artifact(),
+        src.artifact,
         human_size(size),
         started.elapsed().as_secs_f64()
     );
@@ -911,37 +1025,71 @@ mod tests {
     }
 
     #[test]
-    fn discovers_top_level_and_nvshmem_sources_only() {
-        let t = TempDir::new("disc");
-        assert!(
-            discover_sources(t.path())
-                .expect("no kernels dir")
-                .is_empty()
-        );
-        t.write("kernels/b.cu", "");
-        t.write("kernels/a.cu", "");
-        t.write("kernels/include/common.cuh", "");
-        t.write("kernels/notes.md", "");
-        t.write("kernels/nvshmem/a.cu", "");
-        t.write("kernels/nvshmem/net.cuh", "");
-        t.write("kernels/other/c.cu", "");
-        let found = discover_sources(t.path()).expect("discover");
-        let names: Vec<_> = found
-            .iter()
-            .map(|s| (s.rel.as_str(), s.artifact()))
-            .collect();
+    fn parses_the_image_manifest() {
+        let images = parse_images(
+            "# comment\n\na  a.fatbin  fatbin  kernels/x/a.cu  # trailing\n\
+             b_2 b.cubin nvshmem_cubin kernels/b.cu\n",
+        )
+        .expect("parse");
         assert_eq!(
-            names,
-            vec![
-                ("kernels/a.cu", "a.fatbin".to_string()),
-                ("kernels/b.cu", "b.fatbin".to_string()),
-                ("kernels/nvshmem/a.cu", "a.cubin".to_string()),
+            images,
+            [
+                KernelSource {
+                    name: "a".into(),
+                    artifact: "a.fatbin".into(),
+                    kind: KernelKind::Fatbin,
+                    rel: "kernels/x/a.cu".into(),
+                },
+                KernelSource {
+                    name: "b_2".into(),
+                    artifact: "b.cubin".into(),
+                    kind: KernelKind::NvshmemCubin,
+                    rel: "kernels/b.cu".into(),
+                },
             ]
         );
-        let deps =
-            read_deps(t.path(), &t.path().join("kernels/nvshmem"), true, false).expect("deps");
-        assert_eq!(deps.len(), 1);
-        assert_eq!(deps[0].rel, "kernels/nvshmem/net.cuh");
+        let line2 = |text: &str| parse_images(&format!("a a.fatbin fatbin kernels/a.cu\n{text}\n"));
+        for (text, expected) in [
+            ("b b.fatbin fatbin", "Fields { line: 2, found: 3 }"),
+            ("B b.fatbin fatbin kernels/b.cu", "Name {"),
+            ("b b.fatbin ptx kernels/b.cu", "Build {"),
+            ("b b.cubin fatbin kernels/b.cu", "Artifact {"),
+            ("b x/b.fatbin fatbin kernels/b.cu", "Artifact {"),
+            ("b .fatbin fatbin kernels/b.cu", "Artifact {"),
+            ("b b.fatbin fatbin src/b.cu", "Entry {"),
+            ("b b.fatbin fatbin kernels/b.cuh", "Entry {"),
+            (
+                "a b.fatbin fatbin kernels/b.cu",
+                "Duplicate { line: 2, what: \"name\"",
+            ),
+        ] {
+            let err = line2(text).expect_err(text);
+            assert!(format!("{err:?}").starts_with(expected), "{text}: {err:?}");
+        }
+        let dup = line2("b a.fatbin fatbin kernels/b.cu").expect_err("same artifact");
+        assert_eq!(
+            dup.to_string(),
+            "kernels/images.txt:2: artifact `a.fatbin` is already listed"
+        );
+    }
+
+    #[test]
+    fn deps_are_every_header_under_kernels() {
+        let t = TempDir::new("deps");
+        assert!(read_images(t.path()).expect("no manifest").is_empty());
+        t.write("kernels/a/a.cu", "");
+        t.write("kernels/common/x.cuh", "");
+        t.write("kernels/a/y.cuh", "");
+        t.write(IMAGES_FILE, "a a.fatbin fatbin kernels/a/a.cu\n");
+        let deps = read_deps(t.path(), &t.path().join("kernels")).expect("deps");
+        let names: Vec<&str> = deps.iter().map(|d| d.rel.as_str()).collect();
+        assert_eq!(names, ["kernels/a/y.cuh", "kernels/common/x.cuh"]);
+        t.write(IMAGES_FILE, "a a.fatbin fatbin\n");
+        let err = read_images(t.path()).expect_err("bad manifest").to_string();
+        assert!(
+            err.contains("kernels/images.txt:1: expected 4 fields"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -951,7 +1099,7 @@ mod tests {
         let (nvcc, link) = flags(KernelKind::Fatbin, ws, &tc, None);
         assert_eq!(
             nvcc.join(" "),
-            "-O3 -std=c++17 -lineinfo -Ikernels/include -gencode arch=compute_90a,code=sm_90a \
+            "-O3 -std=c++17 -lineinfo -Ikernels -gencode arch=compute_90a,code=sm_90a \
              -gencode arch=compute_90,code=compute_90 --fatbin"
         );
         assert!(link.is_empty());
@@ -1060,7 +1208,11 @@ cat "$src" > "$out""#,
 
         t.write("ws/kernels/a.cu", "A");
         t.write("ws/kernels/b.cu", "B");
-        t.write("ws/kernels/include/common.cuh", "H1");
+        t.write("ws/kernels/common/common.cuh", "H1");
+        t.write(
+            &format!("ws/{IMAGES_FILE}"),
+            "a a.fatbin fatbin kernels/a.cu\nb b.fatbin fatbin kernels/b.cu\n",
+        );
         let err = build(&layout, &env, check).expect_err("nothing built yet");
         assert!(
             matches!(&err, Error::StaleKernels { stale } if stale.len() == 2),
@@ -1093,7 +1245,7 @@ cat "$src" > "$out""#,
         build(&layout, &env, BuildOptions::default()).expect("rebuild b");
         assert_eq!(calls(&t), ["kernels/b.cu"]);
 
-        t.write("ws/kernels/include/common.cuh", "H2");
+        t.write("ws/kernels/common/common.cuh", "H2");
         build(&layout, &env, BuildOptions::default()).expect("header change");
         assert_eq!(calls(&t), ["kernels/a.cu", "kernels/b.cu"]);
 
@@ -1108,7 +1260,10 @@ cat "$src" > "$out""#,
         build(&layout, &env, force).expect("force");
         assert_eq!(calls(&t), ["kernels/a.cu", "kernels/b.cu"]);
 
-        fs::remove_file(ws.join("kernels/b.cu")).expect("rm source");
+        t.write(
+            &format!("ws/{IMAGES_FILE}"),
+            "a a.fatbin fatbin kernels/a.cu\n",
+        );
         let s = build(&layout, &env, BuildOptions::default()).expect("orphan");
         assert_eq!(s.removed, ["b.fatbin"]);
         assert!(!layout.out_dir.join("b.fatbin").exists());
@@ -1132,6 +1287,10 @@ cat "$src" > "$out""#,
         };
         t.write("ws/kernels/good.cu", "ok");
         t.write("ws/kernels/bad.cu", "#error nope");
+        t.write(
+            &format!("ws/{IMAGES_FILE}"),
+            "good good.fatbin fatbin kernels/good.cu\nbad bad.fatbin fatbin kernels/bad.cu\n",
+        );
         let err = build(&layout, &env, BuildOptions::default()).expect_err("bad fails");
         let msg = err.to_string();
         assert!(msg.contains("--- kernels/bad.cu ---"), "{msg}");
@@ -1166,24 +1325,27 @@ cat "$src" > "$out""#,
             pip_root: real.pip_root.clone(),
         };
         t.write(
-            "kernels/include/tiny.cuh",
+            "kernels/common/tiny.cuh",
             "#pragma once\n#define TINY_ADD 1.0f\n",
         );
         t.write(
-            "kernels/tiny.cu",
-            "#include \"tiny.cuh\"\nextern \"C\" __global__ void tiny(float* x, int n) {\n\
+            "kernels/tiny/tiny.cu",
+            "#include \"common/tiny.cuh\"\nextern \"C\" __global__ void tiny(float* x, int n) {\n\
              int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < n) x[i] += TINY_ADD; }\n",
         );
         let with_nvshmem = crate::toolchain::locate_nvshmem(&env).is_ok();
+        let mut images = "tiny tiny.fatbin fatbin kernels/tiny/tiny.cu\n".to_string();
         if with_nvshmem {
+            images.push_str("tiny_put tiny_put.cubin nvshmem_cubin kernels/tiny/put.cu\n");
             t.write(
-                "kernels/nvshmem/tiny_put.cu",
+                "kernels/tiny/put.cu",
                 "#include <nvshmem.h>\n#include <nvshmemx.h>\n\
                  extern \"C\" __global__ void tiny_put(int* sig, int pe) { nvshmem_int_p(sig, 1, pe); nvshmem_quiet(); }\n",
             );
         } else {
             eprintln!("note: NVSHMEM not found; compiling the fatbin only");
         }
+        t.write(IMAGES_FILE, &images);
         let s = build(&layout, &env, BuildOptions::default()).expect("real nvcc build");
         assert_eq!(s.built.len(), if with_nvshmem { 2 } else { 1 });
         let fatbin = fs::read(layout.out_dir.join("tiny.fatbin")).expect("fatbin");

@@ -5,10 +5,13 @@
 //!   (see docs/gpu-testing.md).
 //! * `test` — build the kernels and run every test (GPU tests too when a GPU is present).
 //! * `bench` — build the kernels and run the main job, `epcomm bench`, on every local GPU.
+//! * `codegen` — regenerate (or `--check`) what the Rust side mirrors of `kernels/`: the ABI
+//!   (`kernels/common/abi.cuh`) and the image table (`kernels/images.txt`) (see docs/build.md).
 //! * `bindgen-nvshmem` — regenerate (or `--check`) the vendored NVSHMEM host bindings of
 //!   `nvshmem-sys` (see docs/nvshmem.md).
 
 mod bindgen_nvshmem;
+mod codegen;
 mod error;
 mod kernels;
 mod pack;
@@ -36,8 +39,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Cmd {
-    /// Compile kernels/*.cu (fatbins) and kernels/nvshmem/*.cu (NVSHMEM-linked cubins)
-    /// into target/kernels (or $EPCOMM_KERNEL_DIR), rebuilding only what changed.
+    /// Compile every image of kernels/images.txt (fatbins, NVSHMEM-linked cubins) into
+    /// target/kernels (or $EPCOMM_KERNEL_DIR), rebuilding only what changed.
     BuildKernels {
         /// Verify every artifact is present and up to date; build nothing, exit 1 if stale.
         #[arg(long, conflicts_with = "force")]
@@ -74,6 +77,13 @@ enum Cmd {
         /// Arguments for `epcomm bench` (e.g. `--sms 32 --barrier global`).
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         bench_args: Vec<String>,
+    },
+    /// Generate the Rust mirror of kernels/common/abi.cuh (and the device ABI probe) and the
+    /// kernel image table of kernels/images.txt.
+    Codegen {
+        /// Generate in memory and fail if a checked-in file differs; write nothing.
+        #[arg(long)]
+        check: bool,
     },
     /// Generate crates/nvshmem-sys/src/bindings.rs from the pinned NVSHMEM headers with bindgen.
     BindgenNvshmem {
@@ -117,22 +127,25 @@ fn main() -> ExitCode {
         }
         Cmd::Test { cargo_args } => test_cmd::run(&layout, &env, &cargo_args),
         Cmd::Bench { bench_args } => test_cmd::bench(&layout, &env, &bench_args),
+        Cmd::Codegen { check } => return report(codegen::run(&layout.workspace, check)),
         Cmd::BindgenNvshmem { check } => {
             let paths = bindgen_nvshmem::BindgenPaths::new(&layout.workspace, &layout.pip_root);
-            return match bindgen_nvshmem::run(&paths, check) {
-                Ok(outcome) => {
-                    println!("{outcome}");
-                    ExitCode::SUCCESS
-                }
-                Err(e) => {
-                    eprintln!("error: {e}");
-                    ExitCode::FAILURE
-                }
-            };
+            return report(bindgen_nvshmem::run(&paths, check));
         }
     };
+    report(result.map(|()| ""))
+}
+
+/// Prints what a command did (when it says anything) or its error, and gives the exit code.
+fn report<T: std::fmt::Display, E: std::fmt::Display>(result: Result<T, E>) -> ExitCode {
     match result {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(outcome) => {
+            let outcome = outcome.to_string();
+            if !outcome.is_empty() {
+                println!("{outcome}");
+            }
+            ExitCode::SUCCESS
+        }
         Err(e) => {
             eprintln!("error: {e}");
             ExitCode::FAILURE
@@ -168,6 +181,8 @@ mod tests {
         assert!(
             matches!(c.command, Cmd::Test { ref cargo_args } if cargo_args == &["--release", "-p", "x"])
         );
+        let c = Cli::try_parse_from(["xtask", "codegen", "--check"]).expect("parse");
+        assert!(matches!(c.command, Cmd::Codegen { check: true }));
         let c = Cli::try_parse_from(["xtask", "bindgen-nvshmem", "--check"]).expect("parse");
         assert!(matches!(c.command, Cmd::BindgenNvshmem { check: true }));
         let c = Cli::try_parse_from(["xtask", "bindgen-nvshmem"]).expect("parse");

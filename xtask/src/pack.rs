@@ -341,6 +341,17 @@ echo "GPU test runs recorded: $ran (listed in {RAN_NAME})" >> "$summary"
     )
 }
 
+/// What goes into the pack's `kernels/`: the artifact of every image of the image manifest,
+/// then the build record (`manifest.json`), all of which `build-kernels` has just written.
+pub fn kernel_files(workspace: &Path) -> Result<Vec<String>> {
+    let mut files: Vec<String> = kernels::read_images(workspace)?
+        .into_iter()
+        .map(|image| image.artifact)
+        .collect();
+    files.push(kernels::MANIFEST_NAME.to_string());
+    Ok(files)
+}
+
 /// Runs `pack-device`.
 pub fn pack(layout: &Layout, env: &ToolchainEnv, opts: &PackOptions) -> Result<()> {
     kernels::build(
@@ -399,15 +410,11 @@ pub fn pack(layout: &Layout, env: &ToolchainEnv, opts: &PackOptions) -> Result<(
             println!("pack-device: {} -> {name}", t.executable.display());
         }
     }
-    if layout.out_dir.is_dir() {
-        for entry in fs::read_dir(&layout.out_dir).map_err(Error::io("listing", &layout.out_dir))? {
-            let entry = entry.map_err(Error::io("listing", &layout.out_dir))?;
-            let name = entry.file_name();
-            let hidden = name.to_string_lossy().starts_with('.');
-            if entry.path().is_file() && !hidden {
-                copy_file(&entry.path(), &out.join("kernels").join(&name))?;
-            }
-        }
+    for name in kernel_files(&layout.workspace)? {
+        copy_file(
+            &layout.out_dir.join(&name),
+            &out.join("kernels").join(&name),
+        )?;
     }
     let names: Vec<String> = named.into_iter().map(|(n, _)| n).collect();
     let script = out.join(SCRIPT);
@@ -532,6 +539,23 @@ mod tests {
         assert!(
             msg.contains("  - a: 600 B\n  - kernels/b.fatbin: 500 B"),
             "{msg}"
+        );
+    }
+
+    #[test]
+    fn packs_every_image_of_the_manifest_and_the_build_record() {
+        let t = TempDir::new("kfiles");
+        assert_eq!(
+            kernel_files(t.path()).expect("no manifest"),
+            ["manifest.json"]
+        );
+        t.write(
+            kernels::IMAGES_FILE,
+            "a a.fatbin fatbin kernels/a.cu\nb b.cubin nvshmem_cubin kernels/b.cu\n",
+        );
+        assert_eq!(
+            kernel_files(t.path()).expect("manifest"),
+            ["a.fatbin", "b.cubin", "manifest.json"]
         );
     }
 

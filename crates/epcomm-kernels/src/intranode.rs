@@ -1,7 +1,7 @@
 //! The intranode (NVLink domain) kernel module: layout, dispatch, combine.
 //!
-//! Two variants are built from the same source (`kernels/include/epcomm/intranode.cuh`):
-//! [`KernelVariant::Store`] reaches every peer through a mapping of its buffer;
+//! Two images are built from the same kernel bodies (`kernels/intranode/`), one per Net
+//! policy: [`KernelVariant::Store`] reaches every peer through a mapping of its buffer;
 //! [`KernelVariant::Nvshmem`] is device-linked with `libnvshmem_device` and reaches the peers
 //! flagged in `OpArgs::remote_mask` with NVSHMEM put/signal. The NVSHMEM module must be bound to
 //! the NVSHMEM runtime (`nvshmemx_cumodule_init`, see [`IntranodeKernels::cu_module`]) before
@@ -15,11 +15,11 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 
 use crate::abi::{EXPECTED_PROBE, LayoutArgs, OpArgs};
-use crate::{DriverContext, KernelError, embedded};
+use crate::{DriverContext, Image, KernelError};
 
-/// Threads per block of every intranode kernel (`kThreads` in intranode.cu).
+/// Threads per block of every intranode kernel (`kThreads` in kernels/intranode/shared.cuh).
 pub const THREADS: u32 = 512;
-/// Experts per histogram block of the layout kernel (`kHistChunk`).
+/// Experts per histogram block of the layout kernel (`kHistChunk` in layout.cuh).
 const HIST_CHUNK: u32 = 4096;
 
 fn grid(blocks: u32) -> LaunchConfig {
@@ -29,6 +29,13 @@ fn grid(blocks: u32) -> LaunchConfig {
         shared_mem_bytes: 0,
     }
 }
+
+/// One block of one thread (the probe and the delay kernel).
+const ONE_THREAD: LaunchConfig = LaunchConfig {
+    grid_dim: (1, 1, 1),
+    block_dim: (1, 1, 1),
+    shared_mem_bytes: 0,
+};
 
 /// Which build of the intranode kernels to load.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -41,24 +48,44 @@ pub enum KernelVariant {
 }
 
 impl KernelVariant {
-    /// The embedded image (else the one in `$EPCOMM_KERNEL_DIR`) and what loading it is called
-    /// in errors.
-    fn image(self) -> Result<(&'static [u8], &'static str), KernelError> {
-        let (image, artifact, path, loading) = match self {
-            Self::Store => (
-                embedded::INTRANODE,
-                "intranode.fatbin",
-                embedded::INTRANODE_PATH,
-                "loading intranode.fatbin",
-            ),
-            Self::Nvshmem => (
-                embedded::INTRANODE_NVSHMEM,
-                "intranode_nvshmem.cubin",
-                embedded::INTRANODE_NVSHMEM_PATH,
-                "loading intranode_nvshmem.cubin",
-            ),
-        };
-        crate::image_or_runtime(image, artifact, path).map(|i| (i, loading))
+    /// The image this variant loads.
+    pub fn image(self) -> Image {
+        match self {
+            Self::Store => Image::INTRANODE,
+            Self::Nvshmem => Image::INTRANODE_NVSHMEM,
+        }
+    }
+}
+
+/// A dispatch or combine kernel and what launching it is called in errors.
+#[derive(Debug)]
+struct OpKernel {
+    f: CudaFunction,
+    launching: &'static str,
+}
+
+impl OpKernel {
+    /// Launches the kernel cooperatively with `blocks` blocks: the driver starts the grid only
+    /// with every block co-resident, which the cross-block and cross-rank waits need, or fails
+    /// the launch.
+    ///
+    /// # Safety
+    /// As for [`IntranodeKernels::launch_dispatch`].
+    unsafe fn launch(
+        &self,
+        stream: &CudaStream,
+        args: &OpArgs,
+        blocks: u32,
+    ) -> Result<(), KernelError> {
+        // SAFETY: upheld by the caller (see above).
+        unsafe {
+            stream
+                .launch_builder(&self.f)
+                .arg(args)
+                .launch_cooperative(grid(blocks))
+        }
+        .context(self.launching)?;
+        Ok(())
     }
 }
 
@@ -68,8 +95,8 @@ pub struct IntranodeKernels {
     _module: Arc<CudaModule>,
     image_digest: u64,
     layout: CudaFunction,
-    dispatch: CudaFunction,
-    combine: CudaFunction,
+    dispatch: OpKernel,
+    combine: OpKernel,
     delay: CudaFunction,
 }
 
@@ -81,16 +108,25 @@ impl IntranodeKernels {
         stream: &Arc<CudaStream>,
         variant: KernelVariant,
     ) -> Result<Self, KernelError> {
-        let (image, loading) = variant.image()?;
+        let image = variant.image().bytes()?;
         let module = ctx
             .load_module(Ptx::from_binary(image.to_vec()))
-            .context(loading)?;
+            .context(match variant {
+                KernelVariant::Store => "loading intranode.fatbin",
+                KernelVariant::Nvshmem => "loading intranode_nvshmem.cubin",
+            })?;
         let f = |name| module.load_function(name).context("looking up a kernel");
         let probe = f("epcomm_abi_probe")?;
         let kernels = Self {
             layout: f("epcomm_layout")?,
-            dispatch: f("epcomm_dispatch")?,
-            combine: f("epcomm_combine")?,
+            dispatch: OpKernel {
+                f: f("epcomm_dispatch")?,
+                launching: "launching epcomm_dispatch",
+            },
+            combine: OpKernel {
+                f: f("epcomm_combine")?,
+                launching: "launching epcomm_combine",
+            },
             delay: f("epcomm_delay")?,
             _module: module,
             image_digest: fnv1a64(image),
@@ -103,11 +139,7 @@ impl IntranodeKernels {
             stream
                 .launch_builder(&probe)
                 .arg(&mut out)
-                .launch(LaunchConfig {
-                    grid_dim: (1, 1, 1),
-                    block_dim: (1, 1, 1),
-                    shared_mem_bytes: 0,
-                })
+                .launch(ONE_THREAD)
         }
         .context("launching the ABI probe")?;
         let device = stream.clone_dtoh(&out).context("reading the ABI probe")?;
@@ -138,14 +170,14 @@ impl IntranodeKernels {
     /// Holds `stream` for `ns` nanoseconds (a one-thread spin on the GPU clock): makes this
     /// rank late by an exact amount, for skew diagnostics.
     pub fn launch_delay(&self, stream: &CudaStream, ns: u64) -> Result<(), KernelError> {
-        let cfg = LaunchConfig {
-            grid_dim: (1, 1, 1),
-            block_dim: (1, 1, 1),
-            shared_mem_bytes: 0,
-        };
         // SAFETY: the kernel takes one integer and touches no memory.
-        unsafe { stream.launch_builder(&self.delay).arg(&ns).launch(cfg) }
-            .context("launching epcomm_delay")?;
+        unsafe {
+            stream
+                .launch_builder(&self.delay)
+                .arg(&ns)
+                .launch(ONE_THREAD)
+        }
+        .context("launching epcomm_delay")?;
         Ok(())
     }
 
@@ -189,15 +221,7 @@ impl IntranodeKernels {
         blocks: u32,
     ) -> Result<(), KernelError> {
         // SAFETY: upheld by the caller (see above).
-        unsafe {
-            Self::launch_op(
-                &self.dispatch,
-                "launching epcomm_dispatch",
-                stream,
-                args,
-                blocks,
-            )
-        }
+        unsafe { self.dispatch.launch(stream, args, blocks) }
     }
 
     /// Launches combine with `blocks` blocks.
@@ -211,37 +235,7 @@ impl IntranodeKernels {
         blocks: u32,
     ) -> Result<(), KernelError> {
         // SAFETY: upheld by the caller (see above).
-        unsafe {
-            Self::launch_op(
-                &self.combine,
-                "launching epcomm_combine",
-                stream,
-                args,
-                blocks,
-            )
-        }
-    }
-
-    /// # Safety
-    /// As for [`Self::launch_dispatch`].
-    unsafe fn launch_op(
-        f: &CudaFunction,
-        what: &'static str,
-        stream: &CudaStream,
-        args: &OpArgs,
-        blocks: u32,
-    ) -> Result<(), KernelError> {
-        // Cooperative: the driver starts the grid only with every block co-resident, which
-        // the cross-block and cross-rank waits need, or fails the launch.
-        // SAFETY: upheld by the caller (see above).
-        unsafe {
-            stream
-                .launch_builder(f)
-                .arg(args)
-                .launch_cooperative(grid(blocks))
-        }
-        .context(what)?;
-        Ok(())
+        unsafe { self.combine.launch(stream, args, blocks) }
     }
 
     /// A digest of the loaded kernel image: ranks compare it, so that they never run
@@ -255,10 +249,10 @@ impl IntranodeKernels {
     /// resident.
     pub fn max_coresident_blocks(&self, sms: u32) -> Result<u32, KernelError> {
         let mut fit = u32::MAX;
-        for f in [&self.dispatch, &self.combine] {
-            let per_sm = f
-                .occupancy_max_active_blocks_per_multiprocessor(THREADS, 0, None)
-                .context("querying kernel occupancy")?;
+        for op in [&self.dispatch, &self.combine] {
+            let per_sm =
+                op.f.occupancy_max_active_blocks_per_multiprocessor(THREADS, 0, None)
+                    .context("querying kernel occupancy")?;
             fit = fit.min(per_sm * sms);
         }
         Ok(fit)

@@ -1,15 +1,17 @@
 //! epcomm's CUDA kernels: the fatbins built from `kernels/` by `cargo xtask build-kernels`,
 //! embedded at compile time, loaded lazily into a CUDA context, and launched through cudarc.
 //!
-//! Layers: [`abi`] mirrors the argument blocks of `kernels/include/epcomm/abi.cuh`;
-//! [`IntranodeKernels`] owns the loaded module and launches layout / dispatch / combine.
+//! Layers: [`abi`] mirrors the kernel ABI of `kernels/common/abi.cuh` (generated from it by
+//! `cargo xtask codegen`); [`images`] lists the kernel images of `kernels/images.txt`;
+//! [`IntranodeKernels`] owns a loaded intranode module and launches layout / dispatch /
+//! combine.
 //! Launching is `unsafe`: the argument blocks carry raw device addresses whose validity the
 //! caller (the `epcomm` frontend's `Buffer`) guarantees.
 //!
 //! # Where the kernel images come from
 //!
-//! The build script embeds each artifact (`intranode.fatbin`, `intranode_nvshmem.cubin`) from
-//! the first directory that applies: `$EPCOMM_KERNEL_DIR` when set; the crate's own `prebuilt/`
+//! The build script embeds each image's artifact (`intranode.fatbin`, `intranode_nvshmem.cubin`)
+//! from the first directory that applies: `$EPCOMM_KERNEL_DIR` when set; the crate's own `prebuilt/`
 //! folder in a packaged copy (what a crates.io release ships, when it was built before
 //! packaging); `<workspace>/target/kernels` in the workspace checkout. An artifact that was not
 //! embedded is read from `$EPCOMM_KERNEL_DIR` ([`KERNEL_DIR_ENV`]) when it is first loaded;
@@ -21,11 +23,13 @@
 //! Asking what this build carries needs no GPU:
 //!
 //! ```
-//! if epcomm_kernels::intranode_embedded() {
-//!     println!("the NVLink store kernels are embedded");
-//! } else {
-//!     println!("no kernels embedded: {} must name a directory holding them",
-//!              epcomm_kernels::KERNEL_DIR_ENV);
+//! for image in epcomm_kernels::images() {
+//!     if image.is_embedded() {
+//!         println!("{} ({}) is embedded", image.name(), image.artifact());
+//!     } else {
+//!         println!("{} is not embedded: {} must name a directory holding {}",
+//!                  image.name(), epcomm_kernels::KERNEL_DIR_ENV, image.artifact());
+//!     }
 //! }
 //! ```
 //!
@@ -44,13 +48,11 @@
 //! ```
 
 pub mod abi;
+mod image;
 mod intranode;
 
+pub use image::{Image, ImageBuild, images};
 pub use intranode::{IntranodeKernels, KernelVariant};
-
-mod embedded {
-    include!(concat!(env!("OUT_DIR"), "/embedded.rs"));
-}
 
 /// Errors of loading or launching kernels.
 #[derive(Debug, thiserror::Error)]
@@ -122,21 +124,8 @@ pub const KERNEL_DIR_ENV: &str = "EPCOMM_KERNEL_DIR";
 /// Artifacts read from `$EPCOMM_KERNEL_DIR` at run time, kept for the life of the process.
 static RUNTIME_IMAGES: std::sync::Mutex<Vec<(&str, &[u8])>> = std::sync::Mutex::new(Vec::new());
 
-/// The embedded image, else `artifact` read from `$EPCOMM_KERNEL_DIR` (the first read is kept).
-pub(crate) fn image_or_runtime(
-    embedded: Option<&'static [u8]>,
-    artifact: &'static str,
-    build_path: &'static str,
-) -> Result<&'static [u8], KernelError> {
-    image_or_file(
-        embedded,
-        artifact,
-        build_path,
-        std::env::var_os(KERNEL_DIR_ENV),
-    )
-}
-
-fn image_or_file(
+/// The embedded image, else `artifact` read from `dir` (the first read is kept for the process).
+pub(crate) fn image_or_file(
     embedded: Option<&'static [u8]>,
     artifact: &'static str,
     build_path: &'static str,
@@ -168,14 +157,15 @@ fn image_or_file(
     Ok(image)
 }
 
-/// True when the intranode store-variant fatbin was embedded at build time.
+/// True when the intranode store image ([`Image::INTRANODE`]) was embedded at build time.
 pub fn intranode_embedded() -> bool {
-    embedded::INTRANODE.is_some()
+    Image::INTRANODE.is_embedded()
 }
 
-/// True when the NVSHMEM variant (device-linked cubin) was embedded at build time.
+/// True when the intranode NVSHMEM image ([`Image::INTRANODE_NVSHMEM`]) was embedded at build
+/// time.
 pub fn intranode_nvshmem_embedded() -> bool {
-    embedded::INTRANODE_NVSHMEM.is_some()
+    Image::INTRANODE_NVSHMEM.is_embedded()
 }
 
 #[cfg(test)]

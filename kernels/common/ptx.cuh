@@ -1,10 +1,10 @@
-// Memory-model primitives used by every epcomm kernel.
+// PTX helpers: the memory-model primitives used by every epcomm kernel.
 //
 // Ordering contract (see docs/protocol.md): a producer writes payload with plain or relaxed
 // stores, then publishes with a release operation at system scope (`red_add_release_sys`,
 // `st_release_sys`); a consumer observes the publication with `ld_acquire_sys` and only then
-// reads the payload. Peer memory is reached through CUDA IPC mappings over NVLink, so every
-// cross-GPU publication uses `.sys` scope.
+// reads the payload. Peer memory is reached through mappings over NVLink (CUDA IPC,
+// `nvshmem_ptr`), so every cross-GPU publication uses `.sys` scope.
 #pragma once
 #include <cstdint>
 
@@ -14,6 +14,13 @@ __device__ __forceinline__ uint64_t globaltimer_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
+}
+
+// Spins (one thread) until `ns` nanoseconds of %globaltimer have passed.
+__device__ __forceinline__ void spin_ns(uint64_t ns) {
+  const uint64_t t0 = globaltimer_ns();
+  while (globaltimer_ns() - t0 < ns) {
+  }
 }
 
 __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {

@@ -8,13 +8,19 @@
 // on its slow path, so a peer of a failed rank stops within microseconds with kPeerFailed
 // naming the origin, instead of waiting out its timeout. The next op's prologue checks both the
 // claim and the abort word and leaves before writing anything (docs/protocol.md, "Failures").
+//
+// The functions that may tell peers (record_failure, should_stop, the waits) are templates over
+// the image's Net policy (common/net.cuh), which routes the abort word to each peer.
 #pragma once
-#include "epcomm/abi.cuh"
-#include "epcomm/net.cuh"
-#include "epcomm/ptx.cuh"
+#include "common/abi.cuh"
+#include "common/net.cuh"
+#include "common/ptx.cuh"
 
 namespace epcomm {
 
+// What a failing wait records and whom it tells. One per block, in shared memory, filled by one
+// thread before the block's first barrier (the kernels' prologue): built per thread it lived in
+// local memory and cost every op a stack frame.
 struct WaitCtx {
   ErrorRecord* record;     // host-mapped
   uint32_t* claim;         // device word; the first failing thread flips it 0 -> 1
@@ -45,16 +51,18 @@ __device__ __forceinline__ uint32_t abort_code(uint64_t a) {
 }
 
 // Tells every peer that this rank failed (one thread). Idempotent: peers only test for != 0.
+template <class Net>
 __device__ __noinline__ void broadcast_abort(const WaitCtx& w, uint64_t value) {
   if (w.bases == nullptr) return;
   for (int d = 0; d < w.world; ++d) {
     if (d == w.rank) continue;
-    net_set_word(reinterpret_cast<uint64_t*>(w.bases[d] + w.abort_off), value, d,
-                 net_remote(w.remote_mask, d));
+    Net::set_word(reinterpret_cast<uint64_t*>(w.bases[d] + w.abort_off), value, d,
+                  Net::remote(w.remote_mask, d));
   }
   __threadfence_system();
 }
 
+template <class Net>
 __device__ __noinline__ void record_failure(const WaitCtx& w, uint32_t code, uint32_t wait_id,
                                             int32_t peer, uint64_t expected, uint64_t seen,
                                             uint64_t waited_ns) {
@@ -73,7 +81,7 @@ __device__ __noinline__ void record_failure(const WaitCtx& w, uint32_t code, uin
   r->code = code;
   __threadfence_system();
   // A failure of this rank's own (not one learned from a peer) goes to every peer.
-  if (code != kPeerFailed) broadcast_abort(w, make_abort(code, w.rank, w.epoch));
+  if (code != kPeerFailed) broadcast_abort<Net>(w, make_abort(code, w.rank, w.epoch));
 }
 
 // How often a spinning wait looks at the abort word (in spins): a peer's failure is seen
@@ -83,17 +91,20 @@ constexpr uint32_t kAbortPollMask = 1023u;
 // True when this op must stop: this rank already failed (the claim is set), or (checked every
 // kAbortPollMask + 1 spins) a peer's abort word arrived, recorded here as kPeerFailed naming the
 // origin, during wait `wait_id`.
+template <class Net>
 __device__ __noinline__ bool should_stop(const WaitCtx& w, uint32_t wait_id, uint32_t spins) {
   if (*reinterpret_cast<volatile uint32_t*>(w.claim) != 0) return true;
   if (w.abort_word == nullptr || ((spins >> 6) & (kAbortPollMask >> 6)) != 0) return false;
   const uint64_t a = *reinterpret_cast<const volatile uint64_t*>(w.abort_word);
   if (a == 0) return false;
-  record_failure(w, kPeerFailed, wait_id, abort_origin(a), abort_code(a), a & 0xffffffffull, 0);
+  record_failure<Net>(w, kPeerFailed, wait_id, abort_origin(a), abort_code(a), a & 0xffffffffull,
+                      0);
   return true;
 }
 
 // Spin until *p >= target (acquire). Returns false on timeout, when another thread of this
 // rank failed, or when a peer reported a failure.
+template <class Net>
 __device__ __forceinline__ bool wait_geq(const WaitCtx& w, const uint64_t* p, uint64_t target,
                                          uint32_t wait_id, int32_t peer, uint64_t* arrived_ns) {
   uint64_t v = ld_acquire_sys(p);
@@ -111,10 +122,10 @@ __device__ __forceinline__ bool wait_geq(const WaitCtx& w, const uint64_t* p, ui
     if ((spins & 63u) == 0u) {
       const uint64_t now = globaltimer_ns();
       if (now - t0 > w.timeout_ns) {
-        record_failure(w, kTimeout, wait_id, peer, target, v, now - t0);
+        record_failure<Net>(w, kTimeout, wait_id, peer, target, v, now - t0);
         return false;
       }
-      if (should_stop(w, wait_id, spins)) return false;
+      if (should_stop<Net>(w, wait_id, spins)) return false;
     }
   }
 }
@@ -125,6 +136,7 @@ __device__ __forceinline__ uint64_t make_tagged(uint64_t tag, uint32_t value) {
 }
 
 // Spin until the word's tag equals `tag` (acquire); returns the value through *value.
+template <class Net>
 __device__ __forceinline__ bool wait_tag(const WaitCtx& w, const uint64_t* p, uint64_t tag,
                                          uint32_t wait_id, int32_t peer, uint32_t* value,
                                          uint64_t* arrived_ns) {
@@ -139,10 +151,10 @@ __device__ __forceinline__ bool wait_tag(const WaitCtx& w, const uint64_t* p, ui
     if ((spins & 63u) == 63u) {
       const uint64_t now = globaltimer_ns();
       if (now - t0 > w.timeout_ns) {
-        record_failure(w, kTimeout, wait_id, peer, tag, v >> 32, now - t0);
+        record_failure<Net>(w, kTimeout, wait_id, peer, tag, v >> 32, now - t0);
         return false;
       }
-      if (should_stop(w, wait_id, spins)) return false;
+      if (should_stop<Net>(w, wait_id, spins)) return false;
     }
   }
 }

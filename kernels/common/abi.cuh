@@ -1,0 +1,179 @@
+// The kernel ABI: every structure and number shared bit-for-bit with the Rust side. This header
+// is the single source: `cargo xtask codegen` parses it and writes the Rust mirror
+// (crates/epcomm-kernels/src/abi_generated.rs) and the device probe (common/abi_probe.cuh),
+// which the host runs at module load to compare every size, offset and constant below with its
+// own; `cargo xtask codegen --check` fails when either generated file is stale.
+//
+// Because a program reads it, the header keeps to a small format:
+//  * `/// text` lines document the item that follows (they become its Rust doc);
+//  * `///< text` documents the member on the same line; a `///<` line of its own continues it;
+//  * `constexpr <type> kName = <integer>;` becomes `pub const NAME: <type>`;
+//  * `enum Name : uint32_t {  // rust: mod <module>, strip <prefix>` becomes `pub mod <module>`
+//    with one `pub const` per `kPrefixName = <integer or 1u << n>,` (the prefix dropped);
+//  * `struct Name {` holds one `<type> <name>;` per line; a plain `//` line inside it is a
+//    group heading, kept as a comment in Rust;
+//  * types: uint64_t (u64), uint32_t (u32), int32_t (i32), size_t (usize); other `//` comments
+//    and the namespace lines are ignored.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+namespace epcomm {
+
+/// Version of the kernel protocol and argument blocks; ranks compare it when a `Buffer` is
+/// built. Bump it with any change of this header or of the kernels' cross-rank protocol.
+constexpr uint64_t kAbiVersion = 3;
+
+/// Largest world size the intranode kernels support (shared-memory tables are this large).
+constexpr size_t kMaxWorld = 64;
+
+/// Failure codes written by kernels into `ErrorRecord::code`.
+enum ErrorCode : uint32_t {  // rust: mod code, strip k
+  kOk = 0,             ///< No failure.
+  kTimeout = 1,        ///< A bounded wait expired.
+  kOverflow = 2,       ///< The receive count exceeds the capacity (buffer or `Bounded(n)`).
+  kInvalidExpert = 3,  ///< A top-k id outside `[-1, num_experts)`.
+  kPeerFailed = 4,     ///< A peer failed first: `peer` = origin rank, `expected` = its code,
+                       ///< `seen` = its op sequence number (low 32 bits).
+};
+
+/// Which operation a kernel was running (`ErrorRecord::op`, stats kind).
+enum OpKind : uint32_t {  // rust: mod op, strip kOp
+  kOpLayout = 1,          ///< The layout kernel.
+  kOpDispatch = 2,        ///< Dispatch with count exchange.
+  kOpCachedDispatch = 3,  ///< Dispatch reusing a handle's routing.
+  kOpCombine = 4,         ///< Combine.
+};
+
+/// Which wait expired (`ErrorRecord::wait_id`); labels refer to docs/protocol.md.
+enum WaitId : uint32_t {  // rust: mod wait, strip kWait
+  kWaitNone = 0,          ///< Not a wait (overflow, invalid input).
+  kWaitCountRow = 1,      ///< [E2] a peer's count row for this epoch.
+  kWaitExpertCounts = 2,  ///< [E2] a peer's per-expert counts for this epoch.
+  kWaitDispatchDone = 3,  ///< [E6] a peer's dispatch data landing.
+  kWaitCombineDone = 4,   ///< [C3] a peer's combine contributions landing.
+  kWaitBarrier = 5,       ///< [G*] a Global-strategy barrier.
+  kWaitOpStart = 6,       ///< The op's prologue: a peer's failure was known before the op started.
+};
+
+/// Byte offset, inside the stats region, of the in-place combine's `[world]` ready words.
+constexpr uint64_t kStatsReadyOffset = 3072;
+/// Byte offset, inside the stats region, of the abort word failing peers write.
+constexpr uint64_t kStatsAbortOffset = 3584;
+
+/// Failure record written by the first failing device thread into host-mapped memory. Kernels
+/// never trap: they record, then leave.
+struct ErrorRecord {
+  uint32_t code;       ///< One of `code`.
+  uint32_t op;         ///< One of `op`.
+  uint32_t wait_id;    ///< One of `wait`.
+  int32_t peer;        ///< The peer waited for (timeout), destination (overflow) or token index
+                       ///< (invalid input).
+  uint32_t block;      ///< Block that failed.
+  uint32_t rank;       ///< Rank that failed.
+  uint64_t epoch;      ///< Op sequence number.
+  uint64_t expected;   ///< Value waited for / capacity / number of experts.
+  uint64_t seen;       ///< Value last seen / requested / offending id.
+  uint64_t waited_ns;  ///< Time spent waiting.
+};
+
+/// Bits of `OpArgs::flags`.
+enum OpFlags : uint32_t {  // rust: mod flags, strip kFlag
+  kFlagCached = 1u << 0,      ///< Cached dispatch: no count exchange; offsets come from the handle.
+  kFlagHasScales = 1u << 1,   ///< FP8 dispatch: per-128-channel f32 scales travel with x.
+  kFlagHasWeights = 1u << 2,  ///< Top-k weights travel (dispatch) or are reduced (combine).
+  kFlagHasTopk = 1u << 3,     ///< Top-k ids travel (dispatch).
+  kFlagInPlace = 1u << 4,     ///< Combine pulls y from every rank's latest dispatch receive region.
+};
+
+/// Arguments of `epcomm_dispatch` and `epcomm_combine`. All addresses are device addresses.
+struct OpArgs {
+  // Caller inputs/outputs (local device memory).
+  uint64_t x;             ///< Dispatch: [T][row_bytes]; combine: y [R][hidden] bf16.
+  uint64_t x_scales;      ///< Dispatch FP8: [T][num_scales] f32.
+  uint64_t topk_idx;      ///< Dispatch: [T][K] i64.
+  uint64_t topk_weights;  ///< Dispatch: [T][K] f32; combine: y weights [R][K] f32.
+  uint64_t out;           ///< Combine: [T][hidden] bf16.
+  uint64_t out_weights;   ///< Combine: [T][K] f32.
+  // Layout (device memory written by the layout kernel).
+  uint64_t token_slot;     ///< [T][world] i32, -1 = not sent there.
+  uint64_t layout_counts;  ///< [world] tokens per rank, then [E] tokens per expert (u32).
+  uint64_t layout_status;  ///< u32: nonzero when the layout kernel rejected its input.
+  // Handle (device memory owned by the host handle).
+  uint64_t send_offsets;        ///< [world] i32: first row of my tokens in each destination.
+  uint64_t recv_prefix;         ///< [world + 1] i32: first row received from each source.
+  uint64_t recv_src_idx;        ///< [max_recv] i32: source token index of each received row.
+  uint64_t recv_expert_counts;  ///< [experts_per_rank] i32.
+  // Symmetric buffer.
+  uint64_t peer_bases;         ///< [world] u64: base of every rank's symmetric buffer (mine too).
+  uint64_t off_x;              ///< Dispatch region (per parity): x rows.
+  uint64_t off_scales;         ///< Dispatch region (per parity): FP8 scales.
+  uint64_t off_topk_idx;       ///< Dispatch region (per parity): top-k ids.
+  uint64_t off_topk_w;         ///< Dispatch region (per parity): top-k weights.
+  uint64_t off_src_idx;        ///< Dispatch region (per parity): source token indices.
+  uint64_t off_comb_x;         ///< Combine region (per parity): rows, [sender][token].
+  uint64_t off_comb_w;         ///< Combine region (per parity): weights, [sender][token].
+  uint64_t off_comb_flags;     ///< [world][max_tokens] monotonic u64: last combine whose row
+                               ///< landed.
+  uint64_t off_counts;         ///< [world][world] tagged u64 (notify parity).
+  uint64_t off_expert_counts;  ///< [world][experts_per_rank] tagged u64 (notify parity).
+  uint64_t off_done;           ///< [world] monotonic u64.
+  uint64_t off_barrier;        ///< [world] monotonic u64.
+  uint64_t off_stats;          ///< Stats block (local only).
+  // Failure reporting.
+  uint64_t err_claim;    ///< Device u32, claimed by the first failing thread.
+  uint64_t err_record;   ///< Host-mapped ErrorRecord.
+  uint64_t host_counts;  ///< Host-mapped: [0] tag, [1] recv rows, [2..] per local expert.
+  // Sequencing: read from device memory so that a captured CUDA graph replays correctly.
+  uint64_t timeout_ns;     ///< Bound of every wait.
+  uint64_t seq_state;      ///< SeqState (local device memory), advanced by each op's last block.
+  uint64_t parity_stride;  ///< Bytes between the two copies of every per-parity region.
+  uint64_t remote_mask;    ///< Bit d: rank d is reached with transport put/signal (NVSHMEM
+                           ///< image only; peer_bases[d] is then this rank's own base).
+  uint64_t abort_word;     ///< This rank's abort word (stats region + kStatsAbortOffset): peers
+                           ///< that failed write it; every prologue and every wait read it.
+  int32_t num_tokens;      ///< Tokens of this rank.
+  int32_t hidden;          ///< Elements per row.
+  int32_t row_bytes;       ///< Bytes per x row (hidden * elem size).
+  int32_t num_scales;      ///< f32 scales per row (FP8).
+  int32_t top_k;           ///< Experts per token.
+  int32_t num_experts;     ///< Experts in the world.
+  int32_t world;           ///< Ranks.
+  int32_t rank;            ///< This rank.
+  int32_t max_tokens;      ///< Per-rank token capacity of the buffer.
+  int32_t max_recv_rows;   ///< Receive capacity (buffer or Bounded(n)).
+  uint32_t flags;            ///< Bits of `flags`.
+  uint32_t global_barriers;  ///< 1: Global schedule (DeepEP-equivalent barriers), 0: Epoch.
+};
+
+/// Op sequence numbers kept on the device. Every rank issues the same ops, so every rank's copy
+/// holds the same values. The last block of each op advances it (stream order makes the next op
+/// see the new values), so kernel arguments never carry per-op values: graph replays just work.
+struct SeqState {
+  uint64_t op;        ///< Ops so far.
+  uint64_t notify;    ///< Count exchanges so far (the count tag).
+  uint64_t dispatch;  ///< Dispatches so far, cached ones included (receive-region parity).
+  uint64_t combine;   ///< Combines so far (combine-region parity, row-flag value).
+  uint64_t done;      ///< Every done[src] counter's value after the last op.
+  uint64_t barriers;  ///< Every barrier[src] counter's value after the last op.
+  uint32_t exits;     ///< Blocks of the running op that finished (0 between ops).
+  uint32_t pad;       ///< Padding.
+};
+
+/// Arguments of `epcomm_layout`.
+struct LayoutArgs {
+  uint64_t topk_idx;       ///< [T][K] i64.
+  uint64_t counts;         ///< Out: [world] per rank, [E] per expert, [nodes] per node (u32).
+  uint64_t token_slot;     ///< Out: [T][world] i32.
+  uint64_t status;         ///< Out: u32, 0 = ok.
+  uint64_t err_record;     ///< Host-mapped ErrorRecord.
+  uint64_t err_claim;      ///< Device u32.
+  int32_t num_tokens;      ///< Tokens of this rank.
+  int32_t top_k;           ///< Experts per token.
+  int32_t num_experts;     ///< Experts in the world.
+  int32_t world;           ///< Ranks.
+  int32_t gpus_per_node;   ///< Ranks per node.
+  int32_t rank;            ///< This rank.
+};
+
+}  // namespace epcomm

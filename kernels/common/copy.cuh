@@ -1,0 +1,66 @@
+// Copy primitives: one warp moves rows of 16-byte vectors, each lane keeping kCopyUnroll
+// vectors in flight (loads of all of them first, then the stores).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "common/ptx.cuh"
+
+namespace epcomm {
+
+constexpr int kCopyUnroll = 8;  // 16-byte vectors per lane in flight per copy step
+
+// One copy step of a lane: vectors base + u * 32 + lane (u < kCopyUnroll) that are below n16.
+__device__ __forceinline__ void load_step(int4 (&v)[kCopyUnroll], const int4* src, int base,
+                                          int n16, int lane) {
+#pragma unroll
+  for (int u = 0; u < kCopyUnroll; ++u) {
+    const int i = base + u * 32 + lane;
+    if (i < n16) v[u] = ld_nc_v4(src + i);
+  }
+}
+__device__ __forceinline__ void store_step(int4* out, const int4 (&v)[kCopyUnroll], int base,
+                                           int n16, int lane) {
+#pragma unroll
+  for (int u = 0; u < kCopyUnroll; ++u) {
+    const int i = base + u * 32 + lane;
+    if (i < n16) st_na_v4(out + i, v[u]);
+  }
+}
+
+// Copies one row of `n16` 16-byte vectors from `src` to row `rows[d]` of the region at
+// `bases[d] + off` for every destination d with rows[d] >= 0 (both tables in shared memory).
+// One warp. Destinations reached through the transport (Net::remote) get one warp put of the
+// row instead.
+template <class Net>
+__device__ __forceinline__ void warp_copy_row_multi(const int4* src, uint8_t* const* bases,
+                                                    const int* rows, uint64_t off,
+                                                    int64_t row_bytes, int ndst, int n16,
+                                                    int lane, uint64_t remote_mask) {
+  for (int base = 0; base < n16; base += 32 * kCopyUnroll) {
+    int4 v[kCopyUnroll];
+    load_step(v, src, base, n16, lane);
+    for (int d = 0; d < ndst; ++d) {
+      const int row = rows[d];
+      if (row < 0 || Net::remote(remote_mask, d)) continue;
+      store_step(reinterpret_cast<int4*>(bases[d] + off + row * row_bytes), v, base, n16, lane);
+    }
+  }
+  if constexpr (Net::kTransport) {
+    for (int d = 0; remote_mask != 0 && d < ndst; ++d)
+      if (rows[d] >= 0 && Net::remote(remote_mask, d))
+        Net::put_warp(bases[d] + off + rows[d] * row_bytes, src, static_cast<size_t>(n16) * 16,
+                      d);
+  }
+}
+
+// One row, one destination.
+__device__ __forceinline__ void warp_copy_row(const int4* src, int4* out, int n16, int lane) {
+  for (int base = 0; base < n16; base += 32 * kCopyUnroll) {
+    int4 v[kCopyUnroll];
+    load_step(v, src, base, n16, lane);
+    store_step(out, v, base, n16, lane);
+  }
+}
+
+}  // namespace epcomm

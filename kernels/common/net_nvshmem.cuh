@@ -1,0 +1,79 @@
+// The NVSHMEM Net policy (contract: common/net.cuh): peers whose bit is set in
+// OpArgs::remote_mask are reached with NVSHMEM put/signal, every other peer through its mapping
+// exactly as StoreNet does. Needs the NVSHMEM device headers and an image device-linked with
+// libnvshmem_device, so only such images' entry files include it.
+#pragma once
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include "common/net.cuh"
+
+namespace epcomm {
+
+struct NvshmemNet {
+  static constexpr bool kTransport = true;
+
+  __device__ static __forceinline__ bool remote(uint64_t remote_mask, int d) {
+    return ((remote_mask >> d) & 1ull) != 0;
+  }
+
+  __device__ static __forceinline__ void set_word(uint64_t* p, uint64_t v, int pe, bool remote) {
+    if (remote)
+      nvshmemx_signal_op(p, v, NVSHMEM_SIGNAL_SET, pe);
+    else
+      StoreNet::set_word(p, v, pe, false);
+  }
+
+  __device__ static __forceinline__ void publish_set(uint64_t* p, uint64_t v, int pe,
+                                                     bool remote) {
+    if (!remote) return StoreNet::publish_set(p, v, pe, false);
+    nvshmem_fence();
+    nvshmemx_signal_op(p, v, NVSHMEM_SIGNAL_SET, pe);
+  }
+
+  __device__ static __forceinline__ void publish_add(uint64_t* p, uint64_t v, int pe,
+                                                     bool remote) {
+    if (!remote) return StoreNet::publish_add(p, v, pe, false);
+    nvshmem_fence();
+    nvshmemx_signal_op(p, v, NVSHMEM_SIGNAL_ADD, pe);
+  }
+
+  __device__ static __forceinline__ void quiet(uint64_t remote_mask) {
+    if (remote_mask != 0) nvshmem_quiet();
+  }
+
+  // One element: a store, or `nvshmem_<type>_p` on the remote path.
+  template <typename T>
+  __device__ static __forceinline__ void put_elem(T* p, T v, int pe, bool remote) {
+    if (remote)
+      put_remote_elem(p, v, pe);
+    else
+      *p = v;
+  }
+  __device__ static __forceinline__ void put_remote_elem(int64_t* p, int64_t v, int pe) {
+    nvshmem_int64_p(p, v, pe);
+  }
+  __device__ static __forceinline__ void put_remote_elem(int32_t* p, int32_t v, int pe) {
+    nvshmem_int32_p(p, v, pe);
+  }
+  __device__ static __forceinline__ void put_remote_elem(float* p, float v, int pe) {
+    nvshmem_float_p(p, v, pe);
+  }
+
+  // Orders this thread's earlier puts before its later ones to the same PE.
+  __device__ static __forceinline__ void fence() { nvshmem_fence(); }
+
+  // Warp-collective put of `bytes` from local `src` into rank `pe`'s copy of symmetric `dst`.
+  __device__ static __forceinline__ void put_warp(void* dst, const void* src, size_t bytes,
+                                                  int pe) {
+    nvshmemx_putmem_nbi_warp(dst, src, bytes, pe);
+  }
+
+  // Warp-collective put of a row followed by a signal set, delivered after the row.
+  __device__ static __forceinline__ void put_signal_warp(void* dst, const void* src, size_t bytes,
+                                                         uint64_t* sig, uint64_t v, int pe) {
+    nvshmemx_putmem_signal_nbi_warp(dst, src, bytes, sig, v, NVSHMEM_SIGNAL_SET, pe);
+  }
+};
+
+}  // namespace epcomm

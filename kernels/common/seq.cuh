@@ -1,0 +1,124 @@
+// Sequence state and the per-block op state every dispatch/combine-style kernel starts with.
+//
+// Kernels never receive per-op values in their arguments: each block derives this op's
+// sequence numbers from the device SeqState in its prologue, and the last block to finish
+// advances SeqState in its epilogue (docs/architecture.md, "Sequencing, parities, graphs").
+#pragma once
+#include "common/abi.cuh"
+#include "common/wait.cuh"
+
+namespace epcomm {
+
+// This op's sequence numbers, derived from the device SeqState by block thread 0.
+struct OpSeq {
+  uint64_t op;             // op sequence number (>= 1)
+  uint64_t epoch;          // dispatch: notify seq (count tag); combine: combine seq (flag value)
+  uint64_t notify, dispatch, combine;
+  uint64_t done_expected;  // done[src] value once this op's sends all landed
+  uint64_t barrier_base;   // barrier[src] value before this op's first barrier
+};
+
+// The shared-memory state of one block of an op kernel. Written by the prologue; every thread
+// reads it only after the prologue's closing __syncthreads. Kernels extend it with their own
+// tables (struct Shared : OpState).
+struct OpState {
+  OpSeq seq;
+  WaitCtx wait;                // what a failing wait records and whom it tells
+  uint8_t* bases[kMaxWorld];   // every rank's symmetric buffer (through the Net policy)
+  int abort;                   // block-uniform "leave now" flag (all_ok)
+};
+
+__device__ __forceinline__ uint64_t* u64_at(uint8_t* base, uint64_t off) {
+  return reinterpret_cast<uint64_t*>(base + off);
+}
+
+// Fills s.wait for an op of `kind` (one thread; s.seq is set, s.bases is the table the other
+// threads fill).
+__device__ __forceinline__ void make_wait(const OpArgs& a, OpState& s, uint32_t kind) {
+  WaitCtx& w = s.wait;
+  w.record = reinterpret_cast<ErrorRecord*>(a.err_record);
+  w.claim = reinterpret_cast<uint32_t*>(a.err_claim);
+  w.timeout_ns = a.timeout_ns;
+  w.epoch = s.seq.op;
+  w.op = kind;
+  w.rank = a.rank;
+  w.abort_word = reinterpret_cast<const uint64_t*>(a.abort_word);
+  w.bases = s.bases;
+  w.abort_off = a.off_stats + kStatsAbortOffset;
+  w.remote_mask = a.remote_mask;
+  w.world = a.world;
+}
+
+// Reads the sequence numbers, loads peer bases, fills the wait context, clears the abort flag.
+// Returns false (in every block) when the op must not run: this rank failed earlier (its claim
+// is set: the failure is sent to the peers again, in case the failing kernel could not) or a
+// peer's abort word arrived. Such an op writes nothing and publishes nothing, so no peer can
+// mistake it for progress. Ends with __syncthreads: s is then complete for every thread.
+template <class Net>
+__device__ __forceinline__ bool prologue(const OpArgs& a, OpState& s, uint32_t kind) {
+  const int tid = threadIdx.x;
+  const uint64_t* peer_bases = reinterpret_cast<const uint64_t*>(a.peer_bases);
+  if (tid < a.world) s.bases[tid] = reinterpret_cast<uint8_t*>(peer_bases[tid]);
+  if (tid == 0) {
+    s.abort = 0;
+    // Issue the failure-word loads with the SeqState loads so their latencies overlap.
+    const uint32_t claim = *reinterpret_cast<const volatile uint32_t*>(a.err_claim);
+    const uint64_t abort = *reinterpret_cast<const volatile uint64_t*>(a.abort_word);
+    const volatile SeqState* st = reinterpret_cast<const volatile SeqState*>(a.seq_state);
+    OpSeq q;
+    q.op = st->op + 1;
+    q.notify = st->notify + (kind == kOpDispatch ? 1 : 0);
+    q.dispatch = st->dispatch + (kind == kOpDispatch || kind == kOpCachedDispatch ? 1 : 0);
+    q.combine = st->combine + (kind == kOpCombine ? 1 : 0);
+    q.epoch = kind == kOpCombine ? q.combine : q.notify;
+    q.done_expected = st->done + gridDim.x;
+    q.barrier_base = st->barriers;
+    s.seq = q;
+    make_wait(a, s, kind);
+    if (claim != 0 || abort != 0) {  // the rare path: this rank or a peer failed earlier
+      // Every base, for the broadcast (the same values the other threads store).
+      for (int d = 0; d < a.world; ++d) s.bases[d] = reinterpret_cast<uint8_t*>(peer_bases[d]);
+      const WaitCtx& w = s.wait;
+      s.abort = 1;
+      if (claim != 0) {
+        const volatile ErrorRecord* r = w.record;
+        const uint32_t code = r->code;
+        if (code != kOk && code != kPeerFailed)
+          broadcast_abort<Net>(w, make_abort(code, a.rank, r->epoch));
+      } else {
+        should_stop<Net>(w, kWaitOpStart, 0);  // records PeerFailed naming the origin
+      }
+    }
+  }
+  __syncthreads();
+  return s.abort == 0;
+}
+
+// Called once per block on the success path, after `barriers` all-rank barriers of this op
+// (Global schedule; 0 under Epoch); the last block to finish advances SeqState.
+__device__ __forceinline__ void epilogue(const OpArgs& a, const OpState& s, uint64_t barriers) {
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  SeqState* st = reinterpret_cast<SeqState*>(a.seq_state);
+  __threadfence();
+  if (atomicAdd(&st->exits, 1u) != gridDim.x - 1) return;
+  const OpSeq& q = s.seq;
+  volatile SeqState* v = st;
+  v->op = q.op;
+  v->notify = q.notify;
+  v->dispatch = q.dispatch;
+  v->combine = q.combine;
+  v->done = q.done_expected;
+  v->barriers = q.barrier_base + barriers * gridDim.x;
+  v->exits = 0;
+  __threadfence();
+}
+
+// Block-uniform: true when every thread's `ok` held.
+__device__ __forceinline__ bool all_ok(OpState& s, bool ok) {
+  if (!ok) s.abort = 1;
+  __syncthreads();
+  return s.abort == 0;
+}
+
+}  // namespace epcomm

@@ -1,0 +1,229 @@
+// Combine (and in-place combine, kFlagInPlace).
+#pragma once
+#include <cuda_bf16.h>
+
+#include "common/abi.cuh"
+#include "common/copy.cuh"
+#include "common/schedule.cuh"
+#include "common/seq.cuh"
+#include "common/stats.cuh"
+#include "common/wait.cuh"
+#include "intranode/shared.cuh"
+
+namespace epcomm::intranode {
+
+constexpr int kReduceUnroll = 4;  // 16-byte vectors per lane and source in flight
+
+__device__ __forceinline__ void add_bf16x8(float* acc, const int4& v) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 f = __bfloat1622float2(h[j]);
+    acc[2 * j] += f.x;
+    acc[2 * j + 1] += f.y;
+  }
+}
+
+__device__ __forceinline__ int4 pack_bf16x8(const float* acc) {
+  int4 v;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) h[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
+  return v;
+}
+
+// Combine: y rows (in this rank's receive order) go back to their source ranks and are summed
+// there in rank order (fp32 accumulate, one bf16 rounding).
+//
+// Every warp first pushes its share of rows (dealt block-first) and publishes each row with a
+// monotonic per-token flag (the combine sequence number: flags[sender][token] on the owner),
+// then reduces tokens of this rank, each as soon as the flags of exactly the peers that hold a
+// contribution (known locally from the layout) arrived: warps that finish sending early reduce
+// while the last rows are still crossing NVLink, and a small batch has a short critical path.
+template <class Net>
+__device__ __forceinline__ void combine(const OpArgs& a, Shared& s) {
+  __shared__ unsigned long long s_arrival[kMaxWorld];
+  __shared__ int s_send_off[kMaxWorld];
+  const uint64_t t_start = globaltimer_ns();
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int world = a.world, me = a.rank, K = a.top_k;
+  const bool block0 = blockIdx.x == 0;
+  if (!prologue<Net>(a, s, kOpCombine)) return;
+  const OpSeq q = s.seq;
+  const WaitCtx& w = s.wait;
+  const uint64_t cpar = (q.combine & 1) * a.parity_stride;
+  const uint64_t off_comb_x = a.off_comb_x + cpar, off_comb_w = a.off_comb_w + cpar;
+  uint8_t* const local = s.bases[me];
+  uint64_t* const stats = u64_at(local, a.off_stats);
+  const bool in_place = (a.flags & kFlagInPlace) != 0;
+  if (tid <= world) s.offsets[tid] = reinterpret_cast<const int*>(a.recv_prefix)[tid];
+  if (tid < world) {
+    s_arrival[tid] = 0;
+    s_send_off[tid] = in_place ? reinterpret_cast<const int*>(a.send_offsets)[tid] : 0;
+  }
+  __syncthreads();
+  Schedule<Net> sched(a);
+  if (!sched.barrier(a, s)) return;  // [G1]
+  // In place: every rank's y is its latest dispatch's receive region (same parity everywhere).
+  const uint64_t dpar = (q.dispatch & 1) * a.parity_stride;
+  const uint64_t off_y = a.off_x + dpar, off_yw = a.off_topk_w + dpar;
+
+  const int64_t row_bytes = static_cast<int64_t>(a.hidden) * 2;
+  const int n16 = static_cast<int>(row_bytes / 16);
+  const bool has_w = (a.flags & kFlagHasWeights) != 0;
+  const int32_t* src_idx = reinterpret_cast<const int32_t*>(a.recv_src_idx);
+  // y and its weights: the caller's (a.x, a.topk_weights), or in place my receive region.
+  const uint8_t* y = in_place ? local + off_y : reinterpret_cast<const uint8_t*>(a.x);
+  const float* y_w = in_place ? reinterpret_cast<const float*>(local + off_yw)
+                              : reinterpret_cast<const float*>(a.topk_weights);
+  const int gwarp = warp * gridDim.x + blockIdx.x, nwarps = gridDim.x * kWarps;
+  bool ok = true;
+
+  if (in_place) {
+    // [P1] my y is complete (earlier kernels on this stream wrote it): tell every peer.
+    if (block0 && tid < world) {
+      __threadfence_system();
+      Net::publish_set(u64_at(s.bases[tid], a.off_stats + kStatsReadyOffset) + me, q.epoch, tid,
+                       Net::remote(a.remote_mask, tid));
+    }
+    // [P2] every block waits until every peer's y is complete, then pulls it directly.
+    bool ready = true;
+    if (tid < world && tid != me) {
+      uint64_t arrived = 0;
+      ready = wait_geq<Net>(w, u64_at(local, a.off_stats + kStatsReadyOffset) + tid, q.epoch,
+                       kWaitCombineDone, tid, &arrived);
+      if (ready && block0) s_arrival[tid] = arrived;
+    }
+    if (!all_ok(s, ready)) return;
+  }
+  // [C1] push every received row whose source is another rank, then publish it (release).
+  // In place, rows of mapped peers are pulled below; rows of peers reached through the
+  // transport (remote_mask) are still pushed, since a remote read would stall every token.
+  const int num_rows = in_place && a.remote_mask == 0 ? 0 : s.offsets[world];
+  for (int row = gwarp; row < num_rows; row += nwarps) {
+    int r = 0;
+    while (r + 1 < world && s.offsets[r + 1] <= row) ++r;
+    if (r == me || (in_place && !Net::remote(a.remote_mask, r))) continue;
+    const int t = src_idx[row];
+    const int64_t slot = static_cast<int64_t>(me) * a.max_tokens + t;
+    if constexpr (Net::kTransport) {
+      if (Net::remote(a.remote_mask, r)) {  // weights, then the row with its flag (ordered)
+        if (has_w)
+          Net::put_warp(s.bases[r] + off_comb_w + slot * K * 4,
+                        y_w + static_cast<int64_t>(row) * K, static_cast<size_t>(K) * 4, r);
+        Net::fence();
+        Net::put_signal_warp(s.bases[r] + off_comb_x + slot * row_bytes, y + row * row_bytes,
+                             static_cast<size_t>(row_bytes),
+                             u64_at(s.bases[r], a.off_comb_flags) + slot, q.epoch, r);
+        continue;
+      }
+    }
+    warp_copy_row(reinterpret_cast<const int4*>(y + row * row_bytes),
+                  reinterpret_cast<int4*>(s.bases[r] + off_comb_x + slot * row_bytes), n16, lane);
+    if (has_w)
+      for (int k = lane; k < K; k += 32)
+        reinterpret_cast<float*>(s.bases[r] + off_comb_w)[slot * K + k] =
+            y_w[static_cast<int64_t>(row) * K + k];
+    __syncwarp();
+    if (lane == 0) st_release_sys(u64_at(s.bases[r], a.off_comb_flags) + slot, q.epoch);
+  }
+
+  // [C3] wait for exactly the contributions token t has, [C4] reduce it in rank order.
+  const int32_t* token_slot = reinterpret_cast<const int32_t*>(a.token_slot);
+  const uint8_t* comb = local + off_comb_x;
+  const float* comb_w = reinterpret_cast<const float*>(local + off_comb_w);
+  const uint64_t* flags = u64_at(local, a.off_comb_flags);
+  int* rows = s.rows[warp];
+  for (int t = gwarp; ok && t < a.num_tokens; t += nwarps) {
+    bool lane_ok = true;
+    for (int r = lane; r < world; r += 32) {
+      const int slot = token_slot[static_cast<int64_t>(t) * world + r];
+      if (in_place && !Net::remote(a.remote_mask, r)) {
+        rows[r] = slot < 0 ? -1 : s_send_off[r] + slot;  // my token's row in r's region
+        continue;
+      }
+      rows[r] = slot < 0 ? -1 : (r == me ? s.offsets[me] + slot : t);
+      if (slot >= 0 && r != me) {
+        uint64_t arrived = 0;
+        lane_ok = lane_ok && wait_geq<Net>(w, flags + static_cast<int64_t>(r) * a.max_tokens + t,
+                                      q.epoch, kWaitCombineDone, r, &arrived);
+        if (lane_ok && block0) atomicMax(&s_arrival[r], static_cast<unsigned long long>(arrived));
+      }
+    }
+    ok = __all_sync(0xffffffffu, lane_ok);
+    if (!ok) break;
+    // Reconverge before the reduction: without it the lanes that waited and the ones that did
+    // not may run the loop below apart (measured: put/signal combine 531 -> 407 us).
+    __syncwarp();
+    int4* out = reinterpret_cast<int4*>(a.out + static_cast<int64_t>(t) * row_bytes);
+    for (int base = 0; base < n16; base += 32 * kReduceUnroll) {
+      float acc[kReduceUnroll][8];
+#pragma unroll
+      for (int u = 0; u < kReduceUnroll; ++u)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[u][j] = 0.f;
+      for (int r = 0; r < world; ++r) {
+        const int row = rows[r];
+        if (row < 0) continue;
+        const bool pulled = in_place && !Net::remote(a.remote_mask, r);
+        const int4* p =
+            pulled ? reinterpret_cast<const int4*>(s.bases[r] + off_y + row * row_bytes)
+            : r == me ? reinterpret_cast<const int4*>(y + static_cast<int64_t>(row) * row_bytes)
+                      : reinterpret_cast<const int4*>(
+                            comb + (static_cast<int64_t>(r) * a.max_tokens + t) * row_bytes);
+        // Pulled rows (in place) and y never change during this kernel: non-coherent loads.
+        const bool nc = pulled || r == me;
+        int4 v[kReduceUnroll];
+#pragma unroll
+        for (int u = 0; u < kReduceUnroll; ++u) {
+          const int i = base + u * 32 + lane;
+          if (i < n16) v[u] = nc ? ld_nc_v4(p + i) : ld_v4(p + i);
+        }
+#pragma unroll
+        for (int u = 0; u < kReduceUnroll; ++u)
+          if (base + u * 32 + lane < n16) add_bf16x8(acc[u], v[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < kReduceUnroll; ++u) {
+        const int i = base + u * 32 + lane;
+        if (i < n16) st_na_v4(out + i, pack_bf16x8(acc[u]));
+      }
+    }
+    if (has_w)
+      for (int k = lane; k < K; k += 32) {
+        float acc = 0.f;
+        for (int r = 0; r < world; ++r) {
+          const int row = rows[r];
+          if (row < 0) continue;
+          acc += in_place && !Net::remote(a.remote_mask, r)
+                     ? reinterpret_cast<const float*>(s.bases[r] + off_yw)[
+                                static_cast<int64_t>(row) * K + k]
+                 : r == me ? y_w[static_cast<int64_t>(row) * K + k]
+                           : comb_w[(static_cast<int64_t>(r) * a.max_tokens + t) * K + k];
+        }
+        reinterpret_cast<float*>(a.out_weights)[static_cast<int64_t>(t) * K + k] = acc;
+      }
+    __syncwarp();
+  }
+  Net::quiet(a.remote_mask);
+  if (!all_ok(s, ok)) return;
+  if (block0 && tid == 0) stats[kStatSent] = globaltimer_ns();
+  // [C2] completion counters stay in step with every other op (cumulative expectations).
+  if (tid < world)
+    Net::publish_add(u64_at(s.bases[tid], a.off_done) + me, 1, tid,
+                     Net::remote(a.remote_mask, tid));
+  if (!block0) return epilogue(a, s, sched.count);
+  // [C5] every peer finished this combine's sends: finishing an op implies every peer started
+  // it, which is what lets the next ops reuse the parity regions (docs/protocol.md).
+  ok = true;
+  if (tid < world) {
+    ok = wait_geq<Net>(w, u64_at(local, a.off_done) + tid, q.done_expected, kWaitCombineDone,
+                       tid, nullptr);
+    stats[kStatPeers + 2 * world + tid] = s_arrival[tid];
+  }
+  if (!all_ok(s, ok)) return;
+  finish_stats(a, s, t_start, kOpCombine);
+  epilogue(a, s, sched.count);
+}
+
+}  // namespace epcomm::intranode
