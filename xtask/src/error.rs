@@ -37,7 +37,7 @@ pub enum Error {
 
     /// NVSHMEM kernels exist but no NVSHMEM headers/device library were found.
     #[error(
-        "NVSHMEM (include/nvshmem.h and lib/libnvshmem_device.a) not found, needed for kernels/nvshmem/*.cu. \
+        "NVSHMEM (include/nvshmem.h and lib/libnvshmem_device.a) not found, needed for the nvshmem_cubin images of kernels/images.txt. \
          Searched, in order:\n{}{}",
         bullets(searched),
         install_note(install_error.as_deref())
@@ -51,7 +51,7 @@ pub enum Error {
 
     /// `nvlink` is needed for the NVSHMEM variants but is not next to nvcc nor on PATH.
     #[error(
-        "nvlink not found next to {nvcc} nor on PATH; it is needed to device-link kernels/nvshmem/*.cu"
+        "nvlink not found next to {nvcc} nor on PATH; it is needed to device-link the nvshmem_cubin images of kernels/images.txt"
     )]
     NvlinkNotFound {
         /// The nvcc whose directory was searched.
