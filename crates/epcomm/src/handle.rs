@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream};
+use epcomm_topology::RowFormat;
 use epcomm_transport::memory::copy_dtoh;
 
 use crate::Result;
@@ -41,6 +42,12 @@ pub(crate) struct HandleInner {
 impl HandleInner {
     /// `routing` of a handle no dispatch wrote yet.
     pub(crate) const NOT_DISPATCHED: u64 = u64::MAX;
+
+    /// The most rows the handle's dispatch received: the count if the host knows it
+    /// (HostSync), the capacity the dispatch ran with otherwise.
+    pub(crate) fn rows_bound(&self) -> usize {
+        self.num_recv.unwrap_or(self.max_rows)
+    }
 
     /// Fails unless a dispatch wrote this handle with its layout's current routing: a cached
     /// dispatch or combine along a handle whose layout was recomputed since would mix new
@@ -116,14 +123,9 @@ impl Handle {
     }
 }
 
-/// Element type of received rows.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum RecvDtype {
-    /// bf16 rows.
-    Bf16,
-    /// FP8 e4m3 rows with one f32 scale per 128 channels.
-    Fp8,
-}
+/// Element type of received rows: the row type of `epcomm_topology` (`Bf16`, or `Fp8` e4m3
+/// with one f32 scale per 128 channels), under the name this crate has always used.
+pub use epcomm_topology::RowDtype as RecvDtype;
 
 /// The result of a dispatch: views of the received rows in this rank's symmetric buffer plus
 /// the [`Handle`]. It borrows the `Buffer`, so no other op can be issued while it lives; copy
@@ -134,8 +136,8 @@ pub enum RecvDtype {
 pub struct Dispatched<'b> {
     pub(crate) stream: &'b Arc<CudaStream>,
     pub(crate) handle: Handle,
-    pub(crate) dtype: RecvDtype,
-    pub(crate) hidden: usize,
+    /// Format of the received rows (hidden size and element type).
+    pub(crate) row: RowFormat,
     pub(crate) top_k: usize,
     pub(crate) recv_x: u64,
     pub(crate) recv_scales: u64,
@@ -167,7 +169,7 @@ impl Dispatched<'_> {
 
     /// Element type of the rows.
     pub fn dtype(&self) -> RecvDtype {
-        self.dtype
+        self.row.dtype()
     }
 
     /// Device address of the received rows (`[rows][hidden]`, bf16 or e4m3 bytes).
@@ -177,7 +179,7 @@ impl Dispatched<'_> {
 
     /// Device address of the received FP8 scales (`[rows][hidden / 128]` f32), if FP8.
     pub fn recv_scales_ptr(&self) -> Option<u64> {
-        (self.dtype == RecvDtype::Fp8).then_some(self.recv_scales)
+        (self.dtype() == RecvDtype::Fp8).then_some(self.recv_scales)
     }
 
     /// Device address of the received local top-k ids (`[rows][top_k]` i64, -1 where the expert
@@ -199,24 +201,17 @@ impl Dispatched<'_> {
         }
     }
 
-    fn row_bytes(&self) -> usize {
-        match self.dtype {
-            RecvDtype::Bf16 => self.hidden * 2,
-            RecvDtype::Fp8 => self.hidden,
-        }
-    }
-
     /// Copies `y` (`[rows][hidden]` bf16, device) over the received rows, stream-ordered, for
     /// [`crate::Buffer::combine_in_place`] (BF16 dispatch only). Writing the expert output
     /// straight to [`Self::recv_x_ptr`] avoids even this copy.
     pub fn copy_into_recv_x(&self, y: &dyn cudarc::driver::DevicePtr<half::bf16>) -> Result<()> {
-        let rows_cap = self.handle.inner.max_rows;
-        if self.dtype != RecvDtype::Bf16 || y.len() > rows_cap * self.hidden {
+        let (rows_cap, hidden) = (self.handle.inner.max_rows, self.row.hidden());
+        if self.dtype() != RecvDtype::Bf16 || y.len() > rows_cap * hidden {
             return Err(crate::Error::InvalidArgument {
                 argument: "y",
                 rule: format!(
                     "needs a BF16 dispatch and at most {} values (got {})",
-                    rows_cap * self.hidden,
+                    rows_cap * hidden,
                     y.len()
                 ),
             });
@@ -243,7 +238,7 @@ impl Dispatched<'_> {
 
     /// Copies the received rows' raw bytes to the host (waits for the dispatch).
     pub fn recv_x_bytes_to_host(&self) -> Result<Vec<u8>> {
-        let n = self.rows()? * self.row_bytes();
+        let n = self.rows()? * self.row.x_bytes();
         // SAFETY: the rows lie in this rank's symmetric buffer (capacity checked by the kernel),
         // which the borrowed Buffer keeps alive.
         Ok(unsafe { copy_dtoh::<u8>(self.stream, self.recv_x, n) }?)
@@ -263,7 +258,7 @@ impl Dispatched<'_> {
         let Some(p) = self.recv_scales_ptr() else {
             return Ok(Vec::new());
         };
-        let n = self.rows()? * (self.hidden / 128);
+        let n = self.rows()? * self.row.num_scales();
         // SAFETY: as for recv_x.
         Ok(unsafe { copy_dtoh::<f32>(self.stream, p, n) }?)
     }

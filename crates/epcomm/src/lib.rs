@@ -91,7 +91,6 @@ mod config;
 mod error;
 mod handle;
 mod layout;
-mod pointers;
 mod stats;
 
 pub use buffer::{Buffer, DispatchInput, EpGraph, XInput};

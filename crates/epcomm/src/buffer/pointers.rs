@@ -3,16 +3,17 @@
 //! leaves the CUDA context unusable (a sticky error) for the whole process.
 
 use cudarc::driver::sys;
+use epcomm_topology::RowFormat;
 
 use crate::{Error, Result};
 
 /// Alignment of row data (`x`, `y`, `out`): the kernels use 16-byte vectors.
-pub(crate) const ROW_ALIGN: u64 = 16;
+pub(super) const ROW_ALIGN: u64 = RowFormat::ALIGN as u64;
 
 /// Fails with [`Error::InvalidArgument`] naming `argument` unless `ptr` is `align`-aligned
 /// device memory of device `ordinal`. Empty arrays (`bytes == 0`) are never dereferenced and
 /// pass, and so do absent optional arrays (`ptr == 0`: the kernel reads nothing there).
-pub(crate) fn check_device_ptr(
+pub(super) fn check_device_ptr(
     argument: &'static str,
     ptr: u64,
     bytes: usize,

@@ -1,0 +1,203 @@
+//! Kernel argument blocks ([`OpArgs`], [`LayoutArgs`]) from the plan, the config and the
+//! inputs.
+//!
+//! What goes in: the symmetric-buffer offsets of the **even** parity copy of every region (the
+//! kernels add `parity_stride` themselves), the shapes, the flags, and the addresses of the
+//! failure and sequencing blocks. What never goes in: per-op values (sequence numbers,
+//! parities, expected counter values): the kernels read those from the device `SeqState`, so a
+//! captured graph replays correctly. Caller addresses are filled in by the op right before its
+//! launch, while it holds the guards that keep them valid.
+
+use epcomm_kernels::abi::{self, LayoutArgs, OpArgs};
+use epcomm_topology::{BufferPlan, Parity, RegionKind, RowDtype, RowFormat, Schedule};
+
+use super::Buffer;
+
+/// Offset of the even-parity copy of region `kind`.
+fn region(plan: &BufferPlan, kind: RegionKind) -> u64 {
+    plan.region(kind, Parity::Even).offset
+}
+
+/// Flags of a dispatch (`cached`: along a handle, no count exchange; `weights`: top-k weights
+/// travel, never on a cached dispatch).
+pub(super) fn dispatch_flags(cached: bool, weights: bool, dtype: RowDtype) -> u32 {
+    let kind = if cached {
+        abi::flags::CACHED
+    } else {
+        abi::flags::HAS_TOPK
+    };
+    let weights = if !cached && weights {
+        abi::flags::HAS_WEIGHTS
+    } else {
+        0
+    };
+    let scales = if dtype == RowDtype::Fp8 {
+        abi::flags::HAS_SCALES
+    } else {
+        0
+    };
+    kind | weights | scales
+}
+
+/// Flags of a combine (`in_place`: pull y from the peers' receive regions; `weights`: top-k
+/// weights are reduced too).
+pub(super) fn combine_flags(in_place: bool, weights: bool) -> u32 {
+    let in_place = if in_place { abi::flags::IN_PLACE } else { 0 };
+    let weights = if weights { abi::flags::HAS_WEIGHTS } else { 0 };
+    in_place | weights
+}
+
+impl Buffer {
+    /// What every bounded wait needs: the error claim word, the mapped error record, and the
+    /// timeout in nanoseconds.
+    pub(super) fn wait_ctx_base(&self) -> (u64, u64, u64) {
+        (
+            self.err_claim.ptr(),
+            self.err_record.device_ptr(),
+            self.cfg.timeout.as_nanos().min(u64::MAX as u128) as u64,
+        )
+    }
+
+    /// The arguments of the layout kernel for `num_tokens` tokens, given the addresses of
+    /// `topk_idx` and of the layout's three arrays.
+    pub(super) fn layout_args(
+        &self,
+        num_tokens: usize,
+        topk_idx: u64,
+        counts: u64,
+        token_slot: u64,
+        status: u64,
+    ) -> LayoutArgs {
+        let (err_claim, err_record, _) = self.wait_ctx_base();
+        LayoutArgs {
+            topk_idx,
+            counts,
+            token_slot,
+            status,
+            err_record,
+            err_claim,
+            num_tokens: num_tokens as i32,
+            top_k: self.cfg.top_k as i32,
+            num_experts: self.cfg.num_experts as i32,
+            world: self.world as i32,
+            gpus_per_node: self.world as i32,
+            rank: self.rank as i32,
+        }
+    }
+
+    /// The fields every dispatch/combine launch shares. Per-op values (sequence numbers,
+    /// parities, expected counter values) are not here: the kernels read them from the device
+    /// `SeqState`, so a captured graph replays correctly. The host mirror advances only once
+    /// the kernel is launched (a check that fails before the launch leaves it in step).
+    fn base_args(&self) -> OpArgs {
+        let plan = &self.plan;
+        let stats = region(plan, RegionKind::Stats);
+        let (err_claim, err_record, timeout_ns) = self.wait_ctx_base();
+        OpArgs {
+            peer_bases: self.peer_bases.ptr(),
+            off_done: region(plan, RegionKind::DoneCounters),
+            off_barrier: region(plan, RegionKind::BarrierCounters),
+            off_comb_flags: region(plan, RegionKind::CombineFlags),
+            off_stats: stats,
+            err_claim,
+            err_record,
+            host_counts: self.host_counts.device_ptr(),
+            timeout_ns,
+            seq_state: self.seq_state.ptr(),
+            parity_stride: self.parity_stride,
+            hidden: self.cfg.hidden as i32,
+            top_k: self.cfg.top_k as i32,
+            num_experts: self.cfg.num_experts as i32,
+            world: self.world as i32,
+            rank: self.rank as i32,
+            max_tokens: self.cfg.max_tokens_per_rank as i32,
+            global_barriers: u32::from(self.cfg.schedule == Schedule::Global),
+            remote_mask: self.remote_mask,
+            abort_word: self.mem.local_base() + stats + abi::STATS_ABORT_OFFSET,
+            ..OpArgs::default()
+        }
+    }
+
+    /// A dispatch of `num_tokens` rows of `row` into at most `max_recv_rows` rows, with
+    /// `flags` ([`dispatch_flags`]); caller and handle addresses still 0.
+    pub(super) fn dispatch_args(
+        &self,
+        num_tokens: usize,
+        row: RowFormat,
+        max_recv_rows: usize,
+        flags: u32,
+    ) -> OpArgs {
+        let plan = &self.plan;
+        OpArgs {
+            off_x: region(plan, RegionKind::DispatchX),
+            off_scales: region(plan, RegionKind::DispatchScales),
+            off_topk_idx: region(plan, RegionKind::DispatchTopkIdx),
+            off_topk_w: region(plan, RegionKind::DispatchTopkWeights),
+            off_src_idx: region(plan, RegionKind::DispatchSrcIdx),
+            off_counts: region(plan, RegionKind::CountMatrix),
+            off_expert_counts: region(plan, RegionKind::ExpertCounts),
+            num_tokens: num_tokens as i32,
+            num_scales: row.num_scales() as i32,
+            row_bytes: row.x_bytes() as i32,
+            max_recv_rows: max_recv_rows as i32,
+            flags,
+            ..self.base_args()
+        }
+    }
+
+    /// A combine of `num_tokens` tokens along a handle of at most `max_recv_rows` rows, with
+    /// `flags` ([`combine_flags`]); caller and handle addresses still 0.
+    pub(super) fn combine_args(
+        &self,
+        num_tokens: usize,
+        max_recv_rows: usize,
+        flags: u32,
+    ) -> OpArgs {
+        let plan = &self.plan;
+        OpArgs {
+            off_comb_x: region(plan, RegionKind::CombineX),
+            off_comb_w: region(plan, RegionKind::CombineWeights),
+            off_x: region(plan, RegionKind::DispatchX),
+            off_topk_w: region(plan, RegionKind::DispatchTopkWeights),
+            num_tokens: num_tokens as i32,
+            max_recv_rows: max_recv_rows as i32,
+            flags,
+            ..self.base_args()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    use abi::flags::{CACHED, HAS_SCALES, HAS_TOPK, HAS_WEIGHTS, IN_PLACE};
+
+    #[test]
+    fn dispatch_flags_by_kind_weights_and_type() {
+        use RowDtype::{Bf16, Fp8};
+        for (cached, weights, dtype, want) in [
+            (false, false, Bf16, HAS_TOPK),
+            (false, true, Bf16, HAS_TOPK | HAS_WEIGHTS),
+            (false, true, Fp8, HAS_TOPK | HAS_WEIGHTS | HAS_SCALES),
+            (false, false, Fp8, HAS_TOPK | HAS_SCALES),
+            // A cached dispatch never sends weights, even when asked.
+            (true, true, Bf16, CACHED),
+            (true, false, Fp8, CACHED | HAS_SCALES),
+        ] {
+            assert_eq!(
+                dispatch_flags(cached, weights, dtype),
+                want,
+                "{cached} {weights} {dtype:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn combine_flags_by_mode_and_weights() {
+        assert_eq!(combine_flags(false, false), 0);
+        assert_eq!(combine_flags(false, true), HAS_WEIGHTS);
+        assert_eq!(combine_flags(true, false), IN_PLACE);
+        assert_eq!(combine_flags(true, true), IN_PLACE | HAS_WEIGHTS);
+    }
+}

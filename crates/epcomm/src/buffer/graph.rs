@@ -1,0 +1,126 @@
+//! CUDA-graph capture and replay of ops ([`EpGraph`]).
+//!
+//! Kernels read their sequence numbers from the device `SeqState`, never from their arguments,
+//! so a recording replays correctly any number of times. Only the host needs care: the
+//! receive-region parity a dispatch's returned pointers name depends on the dispatch count when
+//! the replay starts, so a graph holding a dispatch is recorded once per parity, and a replay
+//! advances the host mirror by what the graph holds.
+
+use cudarc::driver::{CudaGraph, sys};
+
+use super::{Buffer, Sequence};
+use crate::error::DriverContext;
+use crate::{Error, Result};
+
+/// A captured sequence of ops ([`Buffer::capture`]), replayed with [`Buffer::replay`].
+///
+/// Receive rows alternate between two regions by dispatch parity, so a graph holding a
+/// dispatch is recorded twice, once per parity it can start at: `recordings[by_parity[p]]` is
+/// the recording whose returned receive pointers are right when the device's dispatch count is
+/// `p` modulo 2 at the replay's start (one recording serves both when the graph holds no
+/// dispatch).
+pub struct EpGraph {
+    recordings: Vec<CudaGraph>,
+    by_parity: [usize; 2],
+    delta: Sequence,
+    buffer_id: u64,
+}
+
+impl std::fmt::Debug for EpGraph {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EpGraph")
+            .field("ops", &self.delta.op)
+            .field("dispatches", &self.delta.dispatch)
+            .finish()
+    }
+}
+
+impl Buffer {
+    /// Records the ops `ops` issues on this buffer's stream into a CUDA graph instead of running
+    /// them. Inside, use only allocation-free, host-wait-free calls: [`Self::layout_into`],
+    /// [`Self::dispatch_into`], [`Self::cached_dispatch`], [`Self::combine`],
+    /// [`Self::combine_in_place`], and your own kernels on this stream. Every rank must capture
+    /// (and later replay) the same ops.
+    ///
+    /// When the ops hold a dispatch, `ops` runs **twice**: receive rows alternate between two
+    /// regions, and each recording is made for one of the two parities a replay can start at.
+    /// Pointers a dispatch returns inside `ops` (e.g. [`crate::Dispatched::recv_x_ptr`] handed
+    /// to an expert kernel captured in the same graph) are therefore right on every replay,
+    /// whatever ran between replays. `ops` must issue the same epcomm ops both times.
+    pub fn capture<F>(&mut self, mut ops: F) -> Result<EpGraph>
+    where
+        F: FnMut(&mut Self) -> Result<()>,
+    {
+        self.ensure_ready()?;
+        let start = self.seq;
+        let (first, delta) = self.record(&mut ops, start)?;
+        let p = (start.dispatch % 2) as usize;
+        let mut recordings = vec![first];
+        let mut by_parity = [0, 0];
+        if delta.dispatch > 0 {
+            let shifted = Sequence {
+                dispatch: start.dispatch + 1,
+                ..start
+            };
+            let (other, other_delta) = self.record(&mut ops, shifted)?;
+            if other_delta != delta {
+                return Err(Error::InvalidArgument {
+                    argument: "capture",
+                    rule: format!(
+                        "ops issued {other_delta:?} on the second recording and {delta:?} on the \
+                         first; they must issue the same ops every time"
+                    ),
+                });
+            }
+            recordings.push(other);
+            by_parity[1 - p] = 1;
+        }
+        Ok(EpGraph {
+            recordings,
+            by_parity,
+            delta,
+            buffer_id: self.id,
+        })
+    }
+
+    /// One recording of `ops` with the host mirror at `at`; returns the graph and the ops it
+    /// holds. The device ran nothing, so the mirror goes back to where it was.
+    fn record<F>(&mut self, ops: &mut F, at: Sequence) -> Result<(CudaGraph, Sequence)>
+    where
+        F: FnMut(&mut Self) -> Result<()>,
+    {
+        let real = self.seq;
+        self.seq = at;
+        self.stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .context("beginning a graph capture")?;
+        let captured = ops(self);
+        let graph = self
+            .stream
+            .end_capture(
+                sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
+            )
+            .context("ending a graph capture");
+        let delta = self.seq.minus(&at);
+        self.seq = real;
+        captured?;
+        let graph = graph?.ok_or(Error::InvalidArgument {
+            argument: "capture",
+            rule: "captured no work".into(),
+        })?;
+        Ok((graph, delta))
+    }
+
+    /// Replays a graph from [`Self::capture`] (stream-ordered, no host wait): the recording
+    /// made for the current receive-region parity.
+    pub fn replay(&mut self, graph: &EpGraph) -> Result<()> {
+        self.ensure_ready()?;
+        self.check_owner(graph.buffer_id, "graph", "was captured on another Buffer")?;
+        let p = (self.seq.dispatch % 2) as usize;
+        graph.recordings[graph.by_parity[p]]
+            .launch()
+            .context("launching a graph")?;
+        self.seq.add(&graph.delta);
+        Ok(())
+    }
+}

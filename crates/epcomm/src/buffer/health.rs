@@ -1,0 +1,162 @@
+//! Health and failure: the failed state, the device error record, the host's one bounded wait
+//! (HostSync receive counts), and the diagnostics read back from the stats block.
+//!
+//! Contract: a kernel that fails records `{op, wait, peer, ...}` into mapped host memory
+//! (`err_record`) and every block leaves. The host learns it at its next check — before every
+//! op, after every synchronize, and while it waits for receive counts — turns the record into a
+//! typed [`Error`], and marks the buffer failed; from then on every op returns
+//! [`Error::Failed`] and the way out is a new `Buffer`.
+
+use std::time::{Duration, Instant};
+
+use cudarc::driver::sys;
+use epcomm_kernels::abi::{self, ErrorRecord};
+use epcomm_topology::{Parity, RegionKind};
+use epcomm_transport::memory::copy_dtoh;
+
+use super::Buffer;
+use crate::stats::{LocalStats, OpStats};
+use crate::{Error, Result, WaitKind};
+
+impl Buffer {
+    /// Reports a failure recorded by a kernel (cheap: one read of mapped host memory). After a
+    /// failure the buffer refuses new ops: destroy it and create a new one.
+    pub fn check(&mut self) -> Result<()> {
+        if let Some(why) = &self.failed {
+            return Err(Error::Failed(why.clone()));
+        }
+        if self.err_record.load_u64(0).unwrap_or(0) as u32 == abi::code::OK {
+            return Ok(());
+        }
+        // The record is complete once the failing kernel has exited.
+        let _ = self.stream.synchronize();
+        let record: ErrorRecord = self.err_record.read_struct().unwrap_or_default();
+        Err(self.fail(Error::from_record(&record)))
+    }
+
+    /// True after a device failure.
+    pub fn is_failed(&self) -> bool {
+        self.failed.is_some()
+    }
+
+    /// The check every op makes before it issues anything.
+    pub(super) fn ensure_ready(&mut self) -> Result<()> {
+        self.check()
+    }
+
+    /// Marks the buffer failed because of `e` and returns `e`.
+    fn fail(&mut self, e: Error) -> Error {
+        self.failed = Some(e.to_string());
+        e
+    }
+
+    /// HostSync: waits (bounded by the config's timeout plus one second) for the counts the
+    /// dispatch kernel publishes to mapped memory with notify tag `tag`; returns the rows
+    /// received and the rows per local expert (`epr` of them).
+    pub(super) fn wait_host_counts(&mut self, tag: u64, epr: usize) -> Result<(usize, Vec<usize>)> {
+        let start = Instant::now();
+        let limit = self.cfg.timeout + Duration::from_secs(1);
+        loop {
+            if self.host_counts.load_u64(0) == Some(tag) {
+                let n = self.host_counts.load_u64(1).unwrap_or(0) as usize;
+                let e = (0..epr)
+                    .map(|i| self.host_counts.load_u64(2 + i).unwrap_or(0) as usize)
+                    .collect();
+                return Ok((n, e));
+            }
+            self.check()?;
+            // SAFETY: querying a live stream has no preconditions.
+            let idle = unsafe { sys::cuStreamQuery(self.stream.cu_stream()) }
+                == sys::CUresult::CUDA_SUCCESS;
+            if idle && self.host_counts.load_u64(0) != Some(tag) {
+                self.check()?;
+                return Err(Error::Failed(
+                    "dispatch finished without publishing its receive count".into(),
+                ));
+            }
+            if start.elapsed() > limit {
+                let e = Error::Timeout {
+                    op: "dispatch",
+                    rank: self.rank,
+                    wait: WaitKind::HostRecvCount,
+                    peer: -1,
+                    op_seq: self.seq.op,
+                    expected: tag,
+                    seen: self.host_counts.load_u64(0).unwrap_or(0),
+                    waited: start.elapsed(),
+                };
+                return Err(self.fail(e));
+            }
+            std::hint::spin_loop();
+        }
+    }
+
+    /// Waits for the last op and returns who waited for whom in it. **Collective** (every rank
+    /// must call it after the same op): the ranks all-gather their waits over the transport's
+    /// host channel, since GPU clocks are not comparable across GPUs.
+    pub fn last_op_stats(&mut self) -> Result<Option<OpStats>> {
+        self.synchronize()?;
+        if self.last_op.is_none() {
+            return Ok(None);
+        }
+        let words = self.read_local_words(RegionKind::Stats, 8 + 3 * self.world)?;
+        let Some(local) = LocalStats::from_words(&words) else {
+            return Ok(None);
+        };
+        let tag = format!("epcomm-stats-{}", local.op_seq);
+        let all = self
+            .transport
+            .bootstrap()
+            .all_gather(&tag, &local.encode())?;
+        let mut waits = Vec::with_capacity(all.len());
+        for (peer, bytes) in all.iter().enumerate() {
+            let row = LocalStats::decode_waits(bytes, local.op_seq, self.world).ok_or_else(|| Error::InvalidArgument {
+                argument: "last_op_stats",
+                rule: format!("rank {peer} reported stats of another op (call it on every rank after the same op)"),
+            })?;
+            waits.push(row);
+        }
+        Ok(Some(OpStats {
+            op: local.op,
+            op_seq: local.op_seq,
+            rank: self.rank,
+            total: local.total,
+            sending: local.sending,
+            waits,
+        }))
+    }
+
+    /// Diagnostics: delays the ops issued after this call by `delay` on this rank's stream (a
+    /// GPU spin, so the delay is exact), to see skew attribution at work ([`OpStats`]).
+    pub fn inject_delay(&mut self, delay: Duration) -> Result<()> {
+        if delay > Duration::from_secs(10) {
+            return Err(Error::InvalidArgument {
+                argument: "delay",
+                rule: format!("at most 10 s (got {delay:?})"),
+            });
+        }
+        self.ensure_ready()?;
+        self.kernels
+            .launch_delay(&self.stream, delay.as_nanos() as u64)?;
+        Ok(())
+    }
+
+    /// This rank's global-barrier counters (one per peer: barrier arrivals received). They stay
+    /// 0 under the Epoch strategy, which issues no barrier; under Global each op adds
+    /// `barriers * num_sms` per peer. Waits for issued ops.
+    pub fn barrier_counters(&mut self) -> Result<Vec<u64>> {
+        self.synchronize()?;
+        self.read_local_words(RegionKind::BarrierCounters, self.world)
+    }
+
+    /// Copies the first `n` u64 words of region `kind` (even parity) of this rank's symmetric
+    /// buffer to the host, stream-ordered. Callers synchronize first, so no kernel of this rank
+    /// is writing it; `n` words must fit the region (the stats block holds `8 + 3 * world`, the
+    /// barrier counters `world`).
+    fn read_local_words(&self, kind: RegionKind, n: usize) -> Result<Vec<u64>> {
+        let off = self.plan.region(kind, Parity::Even).offset;
+        // SAFETY: the region lies inside this rank's live symmetric buffer (plan offsets) and
+        // holds at least `n` words (see above).
+        Ok(unsafe { copy_dtoh::<u64>(&self.stream, self.mem.local_base() + off, n) }?)
+    }
+}

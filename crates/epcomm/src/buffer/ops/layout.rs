@@ -1,0 +1,86 @@
+//! The layout op: routing statistics of `topk_idx` on the GPU ([`Layout`]).
+//!
+//! The layout kernel is local (no peer memory, no sequence number): it writes only the
+//! layout's own arrays, and records an invalid expert id into the error record, which the next
+//! op reports ([`crate::Error::InvalidExpert`]). A layout is tied to the buffer that made it
+//! and carries a generation, bumped at every launch, that handles compare against.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use cudarc::driver::DevicePtr;
+
+use crate::Result;
+use crate::buffer::Buffer;
+use crate::buffer::validate::exact_len;
+use crate::error::DriverContext;
+use crate::layout::{Layout, LayoutInner};
+
+impl Buffer {
+    /// Computes the routing of `topk_idx` (`[num_tokens][top_k]`, -1 = none) on the GPU.
+    /// Invalid ids are reported by the next op ([`crate::Error::InvalidExpert`]).
+    pub fn layout(&mut self, topk_idx: &dyn DevicePtr<i64>, num_tokens: usize) -> Result<Layout> {
+        self.ensure_ready()?;
+        let layout = self.alloc_layout(num_tokens)?;
+        self.layout_into(topk_idx, &layout)?;
+        Ok(layout)
+    }
+
+    /// Allocates the device arrays of a layout for `num_tokens` tokens (for [`Self::layout_into`],
+    /// e.g. before a CUDA-graph capture, which must not allocate).
+    pub fn alloc_layout(&mut self, num_tokens: usize) -> Result<Layout> {
+        self.check_tokens(num_tokens)?;
+        let (world, e) = (self.world, self.cfg.num_experts);
+        let nodes = 1; // one NVLink domain
+        // SAFETY: every element is written by the layout kernel before anything reads it.
+        let counts = unsafe { self.stream.alloc::<u32>(world + e + nodes) }
+            .context("allocating layout counts")?;
+        // SAFETY: as above.
+        let token_slot = unsafe { self.stream.alloc::<i32>((num_tokens * world).max(1)) }
+            .context("allocating token slots")?;
+        // SAFETY: as above.
+        let status = unsafe { self.stream.alloc::<u32>(1) }.context("allocating layout status")?;
+        Ok(Layout {
+            inner: Arc::new(LayoutInner {
+                counts,
+                token_slot,
+                status,
+                num_tokens,
+                world,
+                num_experts: e,
+                nodes,
+                buffer_id: self.id,
+                generation: AtomicU64::new(0),
+            }),
+        })
+    }
+
+    /// Recomputes `layout` in place from `topk_idx` (same number of tokens). A handle that an
+    /// earlier dispatch wrote with this layout is stale from here on: a cached dispatch or
+    /// combine with it fails with [`crate::Error::InvalidArgument`] until a dispatch writes it
+    /// again.
+    pub fn layout_into(&mut self, topk_idx: &dyn DevicePtr<i64>, layout: &Layout) -> Result<()> {
+        self.ensure_ready()?;
+        let l = self.own(&layout.inner)?;
+        let (num_tokens, k) = (l.num_tokens, self.cfg.top_k);
+        exact_len(
+            "topk_idx",
+            topk_idx.len(),
+            "must hold num_tokens * top_k",
+            num_tokens * k,
+            "ids",
+        )?;
+        let s = &self.stream;
+        let (idx_ptr, _g0) = topk_idx.device_ptr(s);
+        let (counts_ptr, _g1) = l.counts.device_ptr(s);
+        let (slot_ptr, _g2) = l.token_slot.device_ptr(s);
+        let (status_ptr, _g3) = l.status.device_ptr(s);
+        let args = self.layout_args(num_tokens, idx_ptr, counts_ptr, slot_ptr, status_ptr);
+        // SAFETY: all addresses are live allocations of the sizes the kernel expects for this
+        // shape (counts: world + E + nodes, token_slot: T * world, status: 1, topk_idx: T * K);
+        // the layout's arrays are owned by `layout`, which outlives the launch (stream order).
+        unsafe { self.kernels.launch_layout(s, &args) }?;
+        l.generation.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+}

@@ -1,0 +1,108 @@
+//! The host mirror of the device `SeqState`.
+//!
+//! The kernels read the authoritative sequence numbers from device memory at their start and
+//! the last block of each op advances them, so kernel arguments never carry per-op values (a
+//! captured graph replays correctly). The host keeps this mirror only for what it must know
+//! itself: the notify tag a HostSync dispatch waits for, and the dispatch parity that tells
+//! which receive region a [`crate::Dispatched`] view points at.
+//!
+//! Contract: the mirror advances exactly when an op's kernel was launched (or captured), by the
+//! same rules as the device `prologue`; a check that fails before the launch leaves it in step.
+//! Every rank issues the same ops, so every rank's mirror holds the same values.
+
+use epcomm_kernels::abi;
+
+/// Op counts since the buffer was created (identical on every rank).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct Sequence {
+    /// Ops of any kind.
+    pub(super) op: u64,
+    /// Count exchanges (non-cached dispatches): the HostSync tag.
+    pub(super) notify: u64,
+    /// Dispatches, cached or not: their parity picks the receive region.
+    pub(super) dispatch: u64,
+    /// Combines.
+    pub(super) combine: u64,
+}
+
+impl Sequence {
+    /// Counts one op of `kind` (an `abi::op` code; anything but a dispatch counts as a combine).
+    pub(super) fn advance(&mut self, kind: u32) {
+        self.op += 1;
+        match kind {
+            abi::op::DISPATCH => {
+                self.notify += 1;
+                self.dispatch += 1;
+            }
+            abi::op::CACHED_DISPATCH => self.dispatch += 1,
+            _ => self.combine += 1,
+        }
+    }
+
+    /// The ops issued between `o` and `self` (`o` must be an earlier state).
+    pub(super) fn minus(&self, o: &Self) -> Self {
+        Self {
+            op: self.op - o.op,
+            notify: self.notify - o.notify,
+            dispatch: self.dispatch - o.dispatch,
+            combine: self.combine - o.combine,
+        }
+    }
+
+    /// Counts the ops of `d` (e.g. what a replayed graph holds).
+    pub(super) fn add(&mut self, d: &Self) {
+        self.op += d.op;
+        self.notify += d.notify;
+        self.dispatch += d.dispatch;
+        self.combine += d.combine;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_sequence_mirrors_the_device_rules() {
+        let mut s = Sequence::default();
+        s.advance(abi::op::DISPATCH);
+        s.advance(abi::op::COMBINE);
+        s.advance(abi::op::CACHED_DISPATCH);
+        s.advance(abi::op::COMBINE);
+        // Same increments as `prologue` in the kernels.
+        assert_eq!(
+            s,
+            Sequence {
+                op: 4,
+                notify: 1,
+                dispatch: 2,
+                combine: 2
+            }
+        );
+        let before = s;
+        s.advance(abi::op::DISPATCH);
+        s.advance(abi::op::COMBINE);
+        let delta = s.minus(&before);
+        assert_eq!(
+            delta,
+            Sequence {
+                op: 2,
+                notify: 1,
+                dispatch: 1,
+                combine: 1
+            }
+        );
+        // A graph replay advances the mirror by what the capture contained.
+        let mut replayed = s;
+        replayed.add(&delta);
+        assert_eq!(
+            replayed,
+            Sequence {
+                op: 8,
+                notify: 3,
+                dispatch: 4,
+                combine: 4
+            }
+        );
+    }
+}

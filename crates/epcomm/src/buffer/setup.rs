@@ -1,0 +1,258 @@
+//! [`Buffer::new`]: the collective setup of one rank's buffer.
+//!
+//! Order (every rank runs it with the same config): local checks (config, world, SMs, schedule,
+//! routes), kernel load and residency check, the config agreement over the bootstrap (before any
+//! peer memory is touched), module binding, symmetric allocation and peer bases, the small
+//! device/mapped-host blocks, and a final barrier: nobody writes into a peer's buffer before
+//! that peer has zeroed and mapped it.
+
+use std::mem::ManuallyDrop;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use cudarc::driver::{CudaContext, sys};
+use epcomm_kernels::abi::{self, ErrorRecord};
+use epcomm_kernels::{IntranodeKernels, KernelVariant};
+use epcomm_topology::{BufferPlan, Parity, RegionKind, Route, RoutePlan};
+use epcomm_transport::{
+    DeviceBuffer, DynTransport, KernelFamily, MappedHostBuffer, SymmetricMemory,
+};
+
+use super::{Buffer, Sequence};
+use crate::agreement::Fingerprint;
+use crate::error::DriverContext;
+use crate::{BufferConfig, Error, Result};
+
+/// Source of [`Buffer`] ids (process-unique, never reused).
+static NEXT_BUFFER_ID: AtomicU64 = AtomicU64::new(1);
+
+impl Buffer {
+    /// Creates this rank's buffer over `transport` (e.g. from `epcomm_backends::TransportSpec`;
+    /// one transport can serve several buffers, one after another or side by side).
+    /// Collective: every rank must call it with the same config and the same kind of transport
+    /// (checked: [`Error::ConfigMismatch`]).
+    pub fn new(
+        ctx: Arc<CudaContext>,
+        transport: Arc<dyn DynTransport>,
+        cfg: BufferConfig,
+    ) -> Result<Self> {
+        cfg.validate()?;
+        let layout = transport.world();
+        let caps = transport.capabilities();
+        let (world, rank) = (layout.world_size(), layout.rank());
+        let invalid = |argument, rule: String| Err(Error::InvalidArgument { argument, rule });
+        if world > abi::MAX_WORLD {
+            return invalid(
+                "world",
+                format!(
+                    "at most {} ranks per NVLink domain (got {world})",
+                    abi::MAX_WORLD
+                ),
+            );
+        }
+        if !cfg.num_experts.is_multiple_of(world) {
+            return invalid(
+                "num_experts",
+                format!(
+                    "must be a multiple of the world size {world} (got {})",
+                    cfg.num_experts
+                ),
+            );
+        }
+        caps.check_schedule(cfg.schedule)?;
+        let routes = RoutePlan::new(&layout, caps.routes, cfg.routes)?;
+        let sms = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .context("reading the SM count")? as u32;
+        if cfg.num_sms > sms {
+            return invalid(
+                "num_sms",
+                format!("the device has {sms} SMs (asked for {})", cfg.num_sms),
+            );
+        }
+        let plan = BufferPlan::new(
+            world,
+            cfg.max_tokens_per_rank,
+            cfg.hidden,
+            cfg.top_k,
+            cfg.num_experts,
+        )?;
+        let stream = ctx.new_stream().context("creating the comm stream")?;
+        let variant = match caps.kernel_family {
+            KernelFamily::NvlinkStore => KernelVariant::Store,
+            KernelFamily::NvshmemDevice => KernelVariant::Nvshmem,
+        };
+        let kernels = IntranodeKernels::load(&ctx, &stream, variant)?;
+        // Waits across blocks and ranks need every block resident (kernels also launch
+        // cooperatively, so a grid that cannot be co-resident fails instead of hanging).
+        let fit = kernels.max_coresident_blocks(sms)?;
+        if cfg.num_sms > fit {
+            return invalid(
+                "num_sms",
+                format!(
+                    "at most {fit} blocks of the dispatch/combine kernels fit on this GPU at once \
+                     (asked for {})",
+                    cfg.num_sms
+                ),
+            );
+        }
+        // Every rank must agree on everything that shapes the protocol, before any peer
+        // memory is touched (docs/troubleshooting.md).
+        let fingerprint = Fingerprint::new()
+            .with("abi_version", abi::ABI_VERSION)
+            .with("kernel image", format!("{:016x}", kernels.image_digest()))
+            .with("transport", caps.name)
+            .with("world", world)
+            .with("num_sms", cfg.num_sms)
+            .with("max_tokens_per_rank", cfg.max_tokens_per_rank)
+            .with("hidden", cfg.hidden)
+            .with("top_k", cfg.top_k)
+            .with("num_experts", cfg.num_experts)
+            .with("schedule", cfg.schedule.name())
+            .with("routes", cfg.routes.name());
+        let all = transport
+            .bootstrap()
+            .all_gather("epcomm-buffer-config", &fingerprint.encode())?;
+        fingerprint.agree(&all)?;
+        // SAFETY: the module was loaded in `ctx` from the image of the transport's family and
+        // `kernels` keeps it loaded; the binding is declared before `kernels` in `Buffer`, so it
+        // is dropped first.
+        let module_binding = unsafe { transport.bind_module_dyn(kernels.cu_module()?) }?;
+        let mem = transport.alloc_symmetric_dyn(plan.total_bytes() as usize)?;
+        let bases = peer_bases(&routes, mem.as_ref())?;
+        let remote_mask = routes.put_signal_mask();
+        let peer_bases = DeviceBuffer::zeroed(&ctx, world * 8)?;
+        peer_bases.write(&stream, 0, &bases)?;
+        let err_claim = DeviceBuffer::zeroed(&ctx, 8)?;
+        let err_record = MappedHostBuffer::zeroed(&ctx, size_of::<ErrorRecord>())?;
+        let host_counts = MappedHostBuffer::zeroed(&ctx, (2 + cfg.num_experts / world) * 8)?;
+        let seq_state = DeviceBuffer::zeroed(&ctx, size_of::<abi::SeqState>())?;
+        // Kernels find a region's other parity copy at a fixed distance; check the plan agrees.
+        let stride = |k| plan.region(k, Parity::Odd).offset - plan.region(k, Parity::Even).offset;
+        let parity_stride = stride(RegionKind::DispatchX);
+        if let Some(k) = RegionKind::PER_PARITY
+            .iter()
+            .find(|&&k| stride(k) != parity_stride)
+        {
+            return invalid(
+                "buffer plan",
+                format!("{k:?} parity copies are not {parity_stride} bytes apart"),
+            );
+        }
+        let buffer = Self {
+            id: NEXT_BUFFER_ID.fetch_add(1, Ordering::Relaxed),
+            cfg,
+            rank,
+            world,
+            ctx,
+            stream,
+            _module_binding: module_binding,
+            kernels,
+            routes,
+            remote_mask,
+            plan,
+            peer_bases,
+            err_claim,
+            err_record,
+            host_counts,
+            seq_state,
+            parity_stride,
+            seq: Sequence::default(),
+            latest_dispatch: None,
+            last_op: None,
+            failed: None,
+            mem: ManuallyDrop::new(mem),
+            torn_down: false,
+            transport,
+        };
+        // Nobody may write into a peer's buffer before that peer has zeroed and mapped it.
+        buffer
+            .transport
+            .bootstrap()
+            .barrier("epcomm-buffer-ready")?;
+        Ok(buffer)
+    }
+}
+
+/// The address kernels use for every rank's buffer: the mapping for a peer reached by stores,
+/// this rank's own symmetric address for a peer reached by put/signal (NVSHMEM translates it
+/// per PE).
+///
+/// # Errors
+/// [`Error::InvalidArgument`] naming `world` when the plan says stores but the transport did not
+/// map the peer.
+fn peer_bases(routes: &RoutePlan, mem: &dyn SymmetricMemory) -> Result<Vec<u64>> {
+    let me = routes.world().rank();
+    routes
+        .peers()
+        .iter()
+        .map(|p| match p.route {
+            _ if p.peer == me => Ok(mem.local_base()),
+            Route::PutSignal => Ok(mem.local_base()),
+            Route::Store => mem.peer_base(p.peer).ok_or_else(|| Error::InvalidArgument {
+                argument: "world",
+                rule: format!(
+                    "rank {} ({}) is not mapped into rank {me}, so stores cannot reach it",
+                    p.peer,
+                    p.tier.name()
+                ),
+            }),
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    use epcomm_topology::{RoutePolicy, WorldLayout};
+
+    /// Addresses as a transport reports them (0: not mapped).
+    #[derive(Debug)]
+    struct Bases(Vec<u64>, u64);
+
+    impl SymmetricMemory for Bases {
+        fn len(&self) -> usize {
+            1
+        }
+        fn local_base(&self) -> u64 {
+            self.1
+        }
+        fn peer_base(&self, peer: usize) -> Option<u64> {
+            self.0.get(peer).copied().filter(|&b| b != 0)
+        }
+    }
+
+    #[test]
+    fn peer_bases_follow_the_route_plan() {
+        use Route::*;
+        let one_node = WorldLayout::new(3, 1, 3).unwrap();
+        let all_mapped = Bases(vec![0x10, 0x20, 0x30], 0x20);
+        let auto = RoutePlan::new(&one_node, &[Store], RoutePolicy::Auto).unwrap();
+        assert_eq!(
+            peer_bases(&auto, &all_mapped).unwrap(),
+            vec![0x10, 0x20, 0x30]
+        );
+        // Put/signal everywhere: every peer addressed by my own base.
+        let ps = RoutePlan::new(&one_node, &Route::ALL, RoutePolicy::PutSignal).unwrap();
+        assert_eq!(peer_bases(&ps, &all_mapped).unwrap(), vec![0x20; 3]);
+        assert_eq!(ps.put_signal_mask(), 0b101);
+        // Another (virtual) node: the unmapped peers are planned as put/signal.
+        let split = WorldLayout::with_virtual_nodes(4, 1, 4, 2).unwrap();
+        let mem = Bases(vec![0x10, 0x20, 0, 0], 0x20);
+        let plan = RoutePlan::new(&split, &Route::ALL, RoutePolicy::Auto).unwrap();
+        assert_eq!(
+            peer_bases(&plan, &mem).unwrap(),
+            vec![0x10, 0x20, 0x20, 0x20]
+        );
+        assert_eq!(plan.put_signal_mask(), 0b1100);
+        // A peer planned for stores that the transport did not map is an error.
+        let unmapped = Bases(vec![0, 0x20, 0x30], 0x20);
+        let err = peer_bases(&auto, &unmapped).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("rank 0 (NVLink domain) is not mapped"),
+            "{err}"
+        );
+    }
+}
