@@ -216,33 +216,33 @@ impl<T> DriverContext<T> for Result<T, cudarc::driver::DriverError> {
 mod tests {
     use super::*;
 
+    /// A record of `code` in `op` naming `peer`, with the values `expected` and `seen`.
+    fn record(code: u32, op: u32, peer: i32, expected: u64, seen: u64) -> abi::ErrorRecord {
+        abi::ErrorRecord {
+            code,
+            op,
+            peer,
+            expected,
+            seen,
+            ..Default::default()
+        }
+    }
+
     #[test]
     fn records_become_typed_errors_naming_the_peer() {
         let r = abi::ErrorRecord {
-            code: abi::code::TIMEOUT,
-            op: abi::op::COMBINE,
             wait_id: abi::wait::COMBINE_DONE,
-            peer: 3,
             rank: 1,
             epoch: 9,
-            expected: 48,
-            seen: 24,
             waited_ns: 2_000_000,
-            ..Default::default()
+            ..record(abi::code::TIMEOUT, abi::op::COMBINE, 3, 48, 24)
         };
         let e = Error::from_record(&r).to_string();
         assert!(
             e.contains("combine") && e.contains("rank 3") && e.contains("CombineData"),
             "{e}"
         );
-        let r = abi::ErrorRecord {
-            code: abi::code::INVALID_EXPERT,
-            op: abi::op::LAYOUT,
-            peer: 7,
-            expected: 64,
-            seen: 99,
-            ..Default::default()
-        };
+        let r = record(abi::code::INVALID_EXPERT, abi::op::LAYOUT, 7, 64, 99);
         assert!(matches!(
             Error::from_record(&r),
             Error::InvalidExpert {
@@ -251,14 +251,7 @@ mod tests {
                 num_experts: 64
             }
         ));
-        let r = abi::ErrorRecord {
-            code: abi::code::OVERFLOW,
-            op: abi::op::DISPATCH,
-            peer: 0,
-            expected: 10,
-            seen: 12,
-            ..Default::default()
-        };
+        let r = record(abi::code::OVERFLOW, abi::op::DISPATCH, 0, 10, 12);
         assert!(matches!(
             Error::from_record(&r),
             Error::Overflow {
@@ -268,14 +261,15 @@ mod tests {
             }
         ));
         let r = abi::ErrorRecord {
-            code: abi::code::PEER_FAILED,
-            op: abi::op::CACHED_DISPATCH,
             wait_id: abi::wait::OP_START,
-            peer: 2,
             rank: 1,
-            expected: abi::code::INVALID_EXPERT as u64,
-            seen: 7,
-            ..Default::default()
+            ..record(
+                abi::code::PEER_FAILED,
+                abi::op::CACHED_DISPATCH,
+                2,
+                abi::code::INVALID_EXPERT as u64,
+                7,
+            )
         };
         let e = Error::from_record(&r);
         assert!(

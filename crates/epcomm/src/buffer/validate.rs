@@ -73,6 +73,15 @@ impl Buffer {
         Ok(&handle.inner)
     }
 
+    /// The checks before an op along `handle`'s routing (cached dispatch, combine): the buffer
+    /// is healthy, made `handle`, and a dispatch wrote it with its layout's current routing.
+    pub(super) fn routed_handle<'h>(&mut self, handle: &'h Handle) -> Result<&'h HandleInner> {
+        self.ensure_ready()?;
+        let h = self.own_handle(handle)?;
+        h.check_routing()?;
+        Ok(h)
+    }
+
     /// Fails unless `num_tokens` fits the buffer (`max_tokens_per_rank`).
     pub(super) fn check_tokens(&self, num_tokens: usize) -> Result<()> {
         if num_tokens > self.cfg.max_tokens_per_rank {

@@ -139,9 +139,7 @@ impl Buffer {
 
     /// Sends new rows along the routing of an earlier dispatch: no count exchange, no host wait.
     pub fn cached_dispatch(&mut self, x: &XInput<'_>, handle: &Handle) -> Result<Dispatched<'_>> {
-        self.ensure_ready()?;
-        let h = self.own_handle(handle)?;
-        h.check_routing()?;
+        let h = self.routed_handle(handle)?;
         let row = self.check_x(x, h.layout.num_tokens)?;
         self.launch_dispatch(x, None, None, handle)?;
         Ok(self.dispatched(handle.clone(), row, false, false, None))
@@ -265,9 +263,7 @@ impl Buffer {
         out: &mut dyn DevicePtrMut<half::bf16>,
         out_weights: Option<&mut dyn DevicePtrMut<f32>>,
     ) -> Result<()> {
-        self.ensure_ready()?;
-        let h = self.own_handle(handle)?;
-        h.check_routing()?;
+        let h = self.routed_handle(handle)?;
         self.check_combine_y(
             h,
             y.len(),
@@ -299,9 +295,7 @@ impl Buffer {
         out: &mut dyn DevicePtrMut<half::bf16>,
         out_weights: Option<&mut dyn DevicePtrMut<f32>>,
     ) -> Result<()> {
-        self.ensure_ready()?;
-        let h = self.own_handle(handle)?;
-        h.check_routing()?;
+        let h = self.routed_handle(handle)?;
         self.check_in_place(h, out_weights.is_some())?;
         let inputs = CombineInputs {
             y: 0,
