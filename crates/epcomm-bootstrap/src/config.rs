@@ -553,6 +553,20 @@ mod tests {
         map(&all)
     }
 
+    /// The config `pairs` (plus a master) give, and its (rank, world, local rank, local world).
+    fn ranks_of(
+        pairs: &[(&'static str, &'static str)],
+    ) -> (BootstrapConfig, (usize, usize, usize, usize)) {
+        let cfg = BootstrapConfig::from_map(&with_master(pairs)).unwrap();
+        let ranks = (
+            cfg.rank,
+            cfg.world_size,
+            cfg.local_rank,
+            cfg.local_world_size,
+        );
+        (cfg, ranks)
+    }
+
     #[test]
     fn torchrun_variables() {
         let cfg = BootstrapConfig::from_map(&with_master(&[
@@ -609,22 +623,13 @@ mod tests {
 
     #[test]
     fn slurm_variables_with_explicit_tasks_per_node() {
-        let cfg = BootstrapConfig::from_map(&with_master(&[
+        let (_, ranks) = ranks_of(&[
             ("SLURM_PROCID", "6"),
             ("SLURM_NTASKS", "16"),
             ("SLURM_LOCALID", "2"),
             ("SLURM_NTASKS_PER_NODE", "8"),
-        ]))
-        .unwrap();
-        assert_eq!(
-            (
-                cfg.rank,
-                cfg.world_size,
-                cfg.local_rank,
-                cfg.local_world_size
-            ),
-            (6, 16, 2, 8)
-        );
+        ]);
+        assert_eq!(ranks, (6, 16, 2, 8));
     }
 
     #[test]
@@ -676,23 +681,14 @@ mod tests {
 
     #[test]
     fn openmpi_variables() {
-        let cfg = BootstrapConfig::from_map(&with_master(&[
+        let (cfg, ranks) = ranks_of(&[
             ("OMPI_COMM_WORLD_RANK", "3"),
             ("OMPI_COMM_WORLD_SIZE", "4"),
             ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
             ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
             (TIMEOUT_ENV, "2500"),
-        ]))
-        .unwrap();
-        assert_eq!(
-            (
-                cfg.rank,
-                cfg.world_size,
-                cfg.local_rank,
-                cfg.local_world_size
-            ),
-            (3, 4, 1, 2)
-        );
+        ]);
+        assert_eq!(ranks, (3, 4, 1, 2));
         assert_eq!(cfg.timeout, Duration::from_millis(2500));
     }
 

@@ -135,43 +135,47 @@ fn rank_that_never_arrives_is_named_in_timeout() {
     );
 }
 
-#[test]
-fn rank_that_dies_is_reported_promptly() {
-    if !is_worker() {
-        return launch("rank_that_dies_is_reported_promptly", 3, |l| l);
-    }
+/// Worker side of a death test: after a first barrier, rank `dying` exits without a goodbye
+/// (exit code 0 keeps the launcher from killing the survivors before they check their errors);
+/// every other rank gets its bootstrap back and the time the death became possible.
+fn survive_the_death_of(dying: usize) -> Option<(Bootstrap, Instant)> {
     let bs = connect_worker();
     bs.barrier("first").expect("first barrier");
-    if bs.rank() == 2 {
-        // Dies without dropping the bootstrap (no goodbye); exit code 0 keeps the launcher from
-        // killing the survivors before they check their errors.
+    if bs.rank() == dying {
         std::process::exit(0);
     }
-    let start = Instant::now();
-    match bs.barrier("second").expect_err("rank 2 is dead") {
-        BootstrapError::PeerDied {
-            rank: 2,
-            op: OpKind::Barrier,
-            tag,
-        } => assert_eq!(tag, "second"),
-        other => panic!("expected PeerDied naming rank 2, got {other}"),
+    Some((bs, Instant::now()))
+}
+
+/// Asserts that `result` is `PeerDied` naming `rank`, within half the timeout of `start`.
+#[track_caller]
+fn assert_died_promptly<T: std::fmt::Debug>(
+    result: Result<T, BootstrapError>,
+    rank: usize,
+    op: OpKind,
+    start: Instant,
+) {
+    match result {
+        Err(BootstrapError::PeerDied { rank: r, op: o, .. }) if r == rank && o == op => {}
+        other => panic!("expected PeerDied naming rank {rank} in {op:?}, got {other:?}"),
     }
     assert!(
         start.elapsed() < TIMEOUT / 2,
         "not prompt: {:?}",
         start.elapsed()
     );
-    match bs
-        .all_gather("third", b"x")
-        .expect_err("rank 2 is still dead")
-    {
-        BootstrapError::PeerDied {
-            rank: 2,
-            op: OpKind::AllGather,
-            ..
-        } => {}
-        other => panic!("expected PeerDied naming rank 2, got {other}"),
+}
+
+#[test]
+fn rank_that_dies_is_reported_promptly() {
+    if !is_worker() {
+        return launch("rank_that_dies_is_reported_promptly", 3, |l| l);
     }
+    let Some((bs, start)) = survive_the_death_of(2) else {
+        return;
+    };
+    assert_died_promptly(bs.barrier("second"), 2, OpKind::Barrier, start);
+    assert_died_promptly(bs.all_gather("third", b"x"), 2, OpKind::AllGather, start);
 }
 
 #[test]
@@ -179,23 +183,14 @@ fn coordinator_death_is_reported_promptly() {
     if !is_worker() {
         return launch("coordinator_death_is_reported_promptly", 3, |l| l);
     }
-    let bs = connect_worker();
-    bs.barrier("first").expect("first barrier");
-    if bs.rank() == 0 {
-        std::process::exit(0);
-    }
-    let start = Instant::now();
-    match bs
-        .all_gather("after", &[1, 2, 3])
-        .expect_err("rank 0 is dead")
-    {
-        BootstrapError::PeerDied { rank: 0, .. } => {}
-        other => panic!("expected PeerDied naming rank 0, got {other}"),
-    }
-    assert!(
-        start.elapsed() < TIMEOUT / 2,
-        "not prompt: {:?}",
-        start.elapsed()
+    let Some((bs, start)) = survive_the_death_of(0) else {
+        return;
+    };
+    assert_died_promptly(
+        bs.all_gather("after", &[1, 2, 3]),
+        0,
+        OpKind::AllGather,
+        start,
     );
 }
 
