@@ -98,18 +98,7 @@ impl Buffer {
         }
         // Every rank must agree on everything that shapes the protocol, before any peer
         // memory is touched (docs/troubleshooting.md).
-        let fingerprint = Fingerprint::new()
-            .with("abi_version", abi::ABI_VERSION)
-            .with("kernel image", format!("{:016x}", kernels.image_digest()))
-            .with("transport", caps.name)
-            .with("world", world)
-            .with("num_sms", cfg.num_sms)
-            .with("max_tokens_per_rank", cfg.max_tokens_per_rank)
-            .with("hidden", cfg.hidden)
-            .with("top_k", cfg.top_k)
-            .with("num_experts", cfg.num_experts)
-            .with("schedule", cfg.schedule.name())
-            .with("routes", cfg.routes.name());
+        let fingerprint = fingerprint(&cfg, &kernels, caps.name, world);
         let all = transport
             .bootstrap()
             .all_gather("epcomm-buffer-config", &fingerprint.encode())?;
@@ -127,18 +116,7 @@ impl Buffer {
         let err_record = MappedHostBuffer::zeroed(&ctx, size_of::<ErrorRecord>())?;
         let host_counts = MappedHostBuffer::zeroed(&ctx, (2 + cfg.num_experts / world) * 8)?;
         let seq_state = DeviceBuffer::zeroed(&ctx, size_of::<abi::SeqState>())?;
-        // Kernels find a region's other parity copy at a fixed distance; check the plan agrees.
-        let stride = |k| plan.region(k, Parity::Odd).offset - plan.region(k, Parity::Even).offset;
-        let parity_stride = stride(RegionKind::DispatchX);
-        if let Some(k) = RegionKind::PER_PARITY
-            .iter()
-            .find(|&&k| stride(k) != parity_stride)
-        {
-            return invalid(
-                "buffer plan",
-                format!("{k:?} parity copies are not {parity_stride} bytes apart"),
-            );
-        }
+        let parity_stride = parity_stride(&plan)?;
         let buffer = Self {
             id: NEXT_BUFFER_ID.fetch_add(1, Ordering::Relaxed),
             cfg,
@@ -172,6 +150,48 @@ impl Buffer {
             .barrier("epcomm-buffer-ready")?;
         Ok(buffer)
     }
+}
+
+/// What every rank must agree on (see `agreement`): everything that shapes the protocol. The
+/// timeout is per rank and not included.
+fn fingerprint(
+    cfg: &BufferConfig,
+    kernels: &IntranodeKernels,
+    transport: &str,
+    world: usize,
+) -> Fingerprint {
+    Fingerprint::new()
+        .with("abi_version", abi::ABI_VERSION)
+        .with("kernel image", format!("{:016x}", kernels.image_digest()))
+        .with("transport", transport)
+        .with("world", world)
+        .with("num_sms", cfg.num_sms)
+        .with("max_tokens_per_rank", cfg.max_tokens_per_rank)
+        .with("hidden", cfg.hidden)
+        .with("top_k", cfg.top_k)
+        .with("num_experts", cfg.num_experts)
+        .with("schedule", cfg.schedule.name())
+        .with("routes", cfg.routes.name())
+}
+
+/// The distance between the two parity copies of every per-parity region. Kernels find a
+/// region's other copy at this one fixed distance, so the plan must agree for every region.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] naming `buffer plan` when one region's copies are elsewhere.
+fn parity_stride(plan: &BufferPlan) -> Result<u64> {
+    let stride = |k| plan.region(k, Parity::Odd).offset - plan.region(k, Parity::Even).offset;
+    let parity_stride = stride(RegionKind::DispatchX);
+    if let Some(k) = RegionKind::PER_PARITY
+        .iter()
+        .find(|&&k| stride(k) != parity_stride)
+    {
+        return Err(Error::InvalidArgument {
+            argument: "buffer plan",
+            rule: format!("{k:?} parity copies are not {parity_stride} bytes apart"),
+        });
+    }
+    Ok(parity_stride)
 }
 
 /// The address kernels use for every rank's buffer: the mapping for a peer reached by stores,
@@ -221,6 +241,15 @@ mod tests {
         fn peer_base(&self, peer: usize) -> Option<u64> {
             self.0.get(peer).copied().filter(|&b| b != 0)
         }
+    }
+
+    #[test]
+    fn plans_keep_one_parity_stride() {
+        let plan = BufferPlan::new(8, 4096, 7168, 8, 256).unwrap();
+        let stride = parity_stride(&plan).unwrap();
+        let x = |p| plan.region(RegionKind::DispatchX, p).offset;
+        assert_eq!(stride, x(Parity::Odd) - x(Parity::Even));
+        assert!(stride > 0);
     }
 
     #[test]

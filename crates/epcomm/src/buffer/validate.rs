@@ -300,3 +300,30 @@ impl Buffer {
         check_device_ptr("out_weights", a.out_weights, t * k * 4, 4, dev)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn length_rules_name_the_argument_the_expected_and_the_held_count() {
+        let e = exact_len(
+            "x",
+            3,
+            format_args!("{} x must hold num_tokens * hidden", RowDtype::Bf16.name()),
+            4,
+            "values",
+        )
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "invalid x: bf16 x must hold num_tokens * hidden = 4 values (holds 3)"
+        );
+        let e = exact_len("topk_idx", 0, "must hold num_tokens * top_k", 16, "ids").unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "invalid topk_idx: must hold num_tokens * top_k = 16 ids (holds 0)"
+        );
+        exact_len("out", 8, "must hold num_tokens * hidden", 8, "values").unwrap();
+    }
+}
