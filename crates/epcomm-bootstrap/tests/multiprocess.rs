@@ -61,16 +61,19 @@ fn worker_config() -> BootstrapConfig {
     cfg
 }
 
-fn connect_worker() -> Bootstrap {
-    let cfg = worker_config();
-    let identity = match std::env::var(FAKE_VERSION_ENV) {
+/// This worker's identity: the crate's, with the version `FAKE_VERSION_ENV` names if set.
+fn worker_identity() -> Identity {
+    match std::env::var(FAKE_VERSION_ENV) {
         Ok(v) => Identity {
             crate_version: v,
             ..Identity::current()
         },
         Err(_) => Identity::current(),
-    };
-    Bootstrap::connect_with_identity(cfg, identity).expect("connect")
+    }
+}
+
+fn connect_worker() -> Bootstrap {
+    Bootstrap::connect_with_identity(worker_config(), worker_identity()).expect("connect")
 }
 
 #[test]
@@ -218,15 +221,9 @@ fn crate_version_mismatch_is_rejected_everywhere() {
             l.rank_env(1, FAKE_VERSION_ENV, "99.0.0-test")
         });
     }
-    let cfg = worker_config();
-    let identity = match std::env::var(FAKE_VERSION_ENV) {
-        Ok(v) => Identity {
-            crate_version: v,
-            ..Identity::current()
-        },
-        Err(_) => Identity::current(),
-    };
-    match Bootstrap::connect_with_identity(cfg, identity).expect_err("versions differ") {
+    match Bootstrap::connect_with_identity(worker_config(), worker_identity())
+        .expect_err("versions differ")
+    {
         BootstrapError::CrateVersionMismatch {
             coordinator,
             peer,
