@@ -20,9 +20,10 @@ use epcomm_check::timing::{BenchOp, Timer, median};
 use epcomm_check::verify::{RoundOptions, verified_round};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-use crate::cli::{BenchArgs, TransportArg};
+use crate::cli::BenchArgs;
+use crate::doctor::KernelImage;
 use crate::results::{BenchConfig, BenchReport, SCHEMA, SkewReport, make_row};
-use crate::validate::{BenchPlan, FlagErrors, Machine, validate_bench};
+use crate::validate::{BenchPlan, FlagErrors, Machine, TransportChoice, validate_bench};
 use crate::{AppError, gpu};
 
 /// Environment variable (set by the launcher for its workers) naming the file rank 0 writes
@@ -58,7 +59,7 @@ pub fn launch(args: &BenchArgs) -> Result<(), AppError> {
     let plan = validate_bench(args, Some(facts.gpus.len()), &machine).map_err(AppError::Usage)?;
     let world = plan.world.unwrap_or(facts.gpus.len());
     // 4. What the transport needs.
-    check_transport(args.transport)?;
+    check_transport(&plan.transport)?;
     let argv: Vec<String> = std::env::args_os()
         .skip(1)
         .map(|a| a.into_string())
@@ -80,22 +81,16 @@ pub fn launch(args: &BenchArgs) -> Result<(), AppError> {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos())
     )));
-    // Local launch = one host: NVSHMEM needs no remote transport; multicast stays off.
-    let mut env = vec![
-        ("NVSHMEM_DISABLE_NVLS", "1".to_string()),
-        (RESULTS_ENV, results.0.display().to_string()),
-    ];
-    for (key, value) in [
-        ("NVSHMEM_REMOTE_TRANSPORT", "none"),
-        ("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo"),
-    ] {
-        if std::env::var_os(key).is_none() {
-            env.push((key, value.to_string()));
-        }
-    }
+    // Local launch = one host: the library's NVSHMEM defaults for one host (no remote
+    // transport, multicast off), where the environment does not set them.
+    let mut env: Vec<(&str, String)> = epcomm_backends::single_host_env_defaults()
+        .into_iter()
+        .map(|(key, value)| (key, value.to_string()))
+        .collect();
+    env.push((RESULTS_ENV, results.0.display().to_string()));
     eprintln!(
         "epcomm bench: launching {world} worker(s), one process per GPU, {} transport",
-        args.transport.name()
+        plan.transport.spec
     );
     run_workers(world, &argv, &env, WORKER_TIMEOUT).map_err(|e| AppError::Run(e.into()))?;
     let text = std::fs::read_to_string(&results.0).map_err(|e| {
@@ -119,25 +114,33 @@ pub fn launch(args: &BenchArgs) -> Result<(), AppError> {
     Ok(())
 }
 
-/// Checks that this build and machine have what `transport` loads in the workers.
-fn check_transport(transport: TransportArg) -> Result<(), AppError> {
-    let images = crate::doctor::KernelImages::locate();
-    let image = images.for_transport(transport);
-    if !image.available {
-        return Err(AppError::Environment(format!(
-            "--transport {}: no kernel image {} ({}); {}",
-            transport.name(),
-            image.artifact,
-            image.source,
-            image.fix()
-        )));
+/// Checks that this build and machine have what the transport loads in the workers: the
+/// kernel image of its kernel family and, when it needs one, its run-time library (NVSHMEM).
+fn check_transport(t: &TransportChoice) -> Result<(), AppError> {
+    let spec = t.spec;
+    let images = KernelImage::locate_all();
+    match KernelImage::of_family(&images, t.caps.kernel_family) {
+        Some(image) if image.available => {}
+        Some(image) => {
+            return Err(AppError::Environment(format!(
+                "--transport {spec}: no kernel image {} ({}); {}",
+                image.artifact,
+                image.source,
+                image.fix()
+            )));
+        }
+        None => {
+            return Err(AppError::Environment(format!(
+                "--transport {spec}: this build has no kernel image for it"
+            )));
+        }
     }
-    match transport {
-        TransportArg::Nvshmem => nvshmem_sys::loader::load_default()
+    if spec.needs_runtime_library() {
+        nvshmem_sys::loader::load_default()
             .map(drop)
-            .map_err(|e| AppError::Environment(format!("--transport nvshmem: {e}"))),
-        TransportArg::Ipc => Ok(()),
+            .map_err(|e| AppError::Environment(format!("--transport {spec}: {e}")))?;
     }
+    Ok(())
 }
 
 /// Points this process's stdout at its stderr (workers never write results to stdout).
@@ -159,7 +162,7 @@ pub fn worker(args: &BenchArgs) -> Res {
     let boot = Arc::new(Bootstrap::connect(BootstrapConfig::from_env()?)?);
     let plan = validate_bench(args, Some(boot.world_size()), &Machine::default())?;
     let ctx = CudaContext::new(boot.local_rank())?;
-    let transport = args.transport_spec().build(ctx.clone(), boot.clone())?;
+    let transport = plan.transport.spec.build(ctx.clone(), boot.clone())?;
     run_bench(args, &plan, &boot, &ctx, &transport)
 }
 
@@ -203,7 +206,7 @@ fn run_bench(
     let (rank, world) = (boot.rank(), boot.world_size());
     let gpu_sms =
         ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
-    let (schedule, routes) = args.barrier.schedule_and_routes();
+    let (schedule, routes) = (plan.transport.schedule, plan.transport.routes);
     let shape = Shape::uniform(
         world,
         args.tokens,
@@ -257,8 +260,7 @@ fn run_bench(
             progress.say("      verified: every output matches the reference bit for bit");
         }
         progress.say(format_args!(
-            "[3/4] timing with {sms} SMs, {} ({} warm-up + {} timed calls per op, L2 flushed between calls)",
-            args.barrier.name(),
+            "[3/4] timing with {sms} SMs, {schedule} schedule, {routes} routes ({} warm-up + {} timed calls per op, L2 flushed between calls)",
             args.warmup,
             args.iters
         ));
@@ -293,9 +295,9 @@ fn run_bench(
             schema: SCHEMA.into(),
             config: BenchConfig {
                 world,
-                transport: args.transport.name().into(),
-                barrier: args.barrier.name().into(),
-                virtual_nodes: args.virtual_nodes,
+                transport: plan.transport.spec.to_string(),
+                schedule: schedule.to_string(),
+                routes: routes.to_string(),
                 tokens: args.tokens,
                 hidden: args.hidden,
                 top_k: args.top_k,

@@ -3,9 +3,13 @@
 
 use std::path::PathBuf;
 
+use std::str::FromStr;
+
+use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use epcomm::{RoutePolicy, Schedule};
-use epcomm_backends::{TransportSpec, VirtualNodes};
+use epcomm_backends::{TransportError, TransportSpec};
+use epcomm_topology::TopologyError;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -28,55 +32,65 @@ pub enum Command {
     /// Checks this machine: GPUs, driver, P2P/NVLink, NVSHMEM, NCCL, RDMA, environment, and
     /// says which transports are usable (and how to fix the others).
     Doctor(DoctorArgs),
-    /// Prints the world layout (nodes x local ranks) and, for every peer of one rank, its tier
-    /// and the route a Buffer would use for each transport. Pure computation: needs no GPU when
-    /// --world is given.
+    /// Prints the world layout (nodes x local ranks) a transport sees and the route plan a
+    /// Buffer would use: for every peer of one rank, its tier and route. Pure computation: needs
+    /// no GPU when --world is given.
     Topo(TopoArgs),
 }
 
-/// A transport, as named on the command line.
-#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum TransportArg {
-    /// CUDA IPC over NVLink: every rank on one host, peers reached by stores.
-    Ipc,
-    /// NVSHMEM symmetric heap: stores inside the NVLink domain, put/signal beyond it.
-    Nvshmem,
+/// A library type named on the command line by its lower-case name: the library's list of
+/// values and their names are the only source of the accepted words.
+pub trait Named: Copy + Send + Sync + 'static + FromStr<Err = TopologyError> {
+    /// Every value, in documentation order.
+    const ALL: &'static [Self];
+    /// The name as typed.
+    fn name(self) -> &'static str;
 }
 
-impl TransportArg {
-    /// Every transport, in report order.
-    pub const ALL: [TransportArg; 2] = [Self::Ipc, Self::Nvshmem];
-
-    /// The name as typed on the command line.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Ipc => "ipc",
-            Self::Nvshmem => "nvshmem",
+macro_rules! named {
+    ($($ty:ty),*) => {$(
+        impl Named for $ty {
+            const ALL: &'static [Self] = &<$ty>::ALL;
+            fn name(self) -> &'static str {
+                <$ty>::name(self)
+            }
         }
-    }
-
-    /// Barrier strategies the transport's kernels implement (mirrors
-    /// `Transport::barrier_strategies` of `IpcTransport` and `NvshmemTransport`).
-    pub fn barriers(self) -> &'static [BarrierArg] {
-        match self {
-            Self::Ipc => &[BarrierArg::Epoch, BarrierArg::Global],
-            Self::Nvshmem => &[
-                BarrierArg::Epoch,
-                BarrierArg::Global,
-                BarrierArg::PeerSignal,
-            ],
-        }
-    }
+    )*};
 }
 
-/// A barrier strategy, as named on the command line.
+named!(Schedule, RoutePolicy);
+
+/// A clap value parser accepting the names of `T` (listed in `--help` and in errors), parsed by
+/// `T`'s `FromStr`.
+pub fn by_name<T: Named>() -> impl TypedValueParser<Value = T> {
+    PossibleValuesParser::new(T::ALL.iter().map(|v| v.name())).try_map(|s| s.parse::<T>())
+}
+
+/// Parses `--transport` and `--require` values with [`TransportSpec::from_str`]; the error is
+/// the library's rule (clap names the flag and the value).
+pub fn parse_transport(s: &str) -> Result<TransportSpec, String> {
+    s.parse().map_err(|e| match e {
+        TransportError::InvalidArgument { rule, .. } => rule,
+        other => other.to_string(),
+    })
+}
+
+fn transport_help() -> String {
+    format!(
+        "Transport spec: {} (N logical nodes per host; `max`: one per GPU)",
+        TransportSpec::FORMS.join(", ")
+    )
+}
+
+/// The old `--barrier` names, kept as a hidden, deprecated alias of `--schedule` and
+/// `--routes` so that recorded commands still run.
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum BarrierArg {
-    /// No barrier: epoch-tagged counts, each rank waits only for the data it receives.
+    /// `--schedule epoch`.
     Epoch,
-    /// All-rank barriers around the count exchange (DeepEP V1 schedule).
+    /// `--schedule global`.
     Global,
-    /// Epoch with every peer reached by NVSHMEM put/signal (nvshmem only).
+    /// `--schedule epoch --routes put-signal`.
     PeerSignal,
 }
 
@@ -96,6 +110,81 @@ impl BarrierArg {
             Self::Epoch => (Schedule::Epoch, RoutePolicy::Auto),
             Self::Global => (Schedule::Global, RoutePolicy::Auto),
             Self::PeerSignal => (Schedule::Epoch, RoutePolicy::PutSignal),
+        }
+    }
+}
+
+/// How a `Buffer` is built: transport, schedule and route policy (shared by `bench` and
+/// `topo`). [`crate::validate::TransportChoice::from_flags`] resolves the deprecated aliases.
+#[derive(Args, Debug, Clone)]
+pub struct TransportFlags {
+    #[arg(long, value_name = "SPEC", value_parser = parse_transport,
+          default_value_t = TransportSpec::Ipc, help = transport_help())]
+    pub transport: TransportSpec,
+    /// How ranks agree that buffers may be reused: epoch (no barrier) or global (all-rank
+    /// barriers, DeepEP V1's schedule).
+    #[arg(long, value_parser = by_name::<Schedule>(), default_value_t = Schedule::default())]
+    pub schedule: Schedule,
+    /// Route policy: auto (stores inside the NVLink domain, put/signal beyond it) or put-signal
+    /// (every peer by put/signal).
+    #[arg(long, value_parser = by_name::<RoutePolicy>(), default_value_t = RoutePolicy::default())]
+    pub routes: RoutePolicy,
+    /// Deprecated: `--transport nvshmem --virtual-nodes N` is `--transport nvshmem:vnodes=N`.
+    #[arg(long, value_name = "N", hide = true)]
+    pub virtual_nodes: Option<usize>,
+    /// Deprecated: epoch, global or peer-signal (= --schedule epoch --routes put-signal).
+    #[arg(long, value_enum, hide = true, conflicts_with_all = ["schedule", "routes"])]
+    pub barrier: Option<BarrierArg>,
+}
+
+impl TransportFlags {
+    /// The schedule and route policy asked for (through `--barrier` when it is given).
+    pub fn schedule_and_routes(&self) -> (Schedule, RoutePolicy) {
+        self.barrier.map_or(
+            (self.schedule, self.routes),
+            BarrierArg::schedule_and_routes,
+        )
+    }
+
+    /// The flag that chose the schedule, as typed.
+    pub fn schedule_flag(&self) -> &'static str {
+        if self.barrier.is_some() {
+            "--barrier"
+        } else {
+            "--schedule"
+        }
+    }
+
+    /// The flag that chose the route policy, as typed.
+    pub fn routes_flag(&self) -> &'static str {
+        if self.barrier.is_some() {
+            "--barrier"
+        } else {
+            "--routes"
+        }
+    }
+
+    /// What to say about deprecated flags that were used.
+    pub fn deprecations(&self) -> Vec<String> {
+        let barrier = self.barrier.map(|b| {
+            let (schedule, routes) = b.schedule_and_routes();
+            format!(
+                "--barrier {} is deprecated: use --schedule {schedule} --routes {routes}",
+                b.name()
+            )
+        });
+        let vnodes = self
+            .virtual_nodes
+            .map(|n| format!("--virtual-nodes is deprecated: use --transport nvshmem:vnodes={n}"));
+        barrier.into_iter().chain(vnodes).collect()
+    }
+
+    /// The flag that chose the virtual nodes, as typed.
+    pub fn vnodes_flag(&self) -> &'static str {
+        if self.virtual_nodes.is_some() {
+            "--virtual-nodes"
+        } else {
+            "--transport"
         }
     }
 }
@@ -122,16 +211,8 @@ pub struct BenchArgs {
     /// SMs (blocks) per op.
     #[arg(long, default_value_t = 24)]
     pub sms: u32,
-    /// Transport.
-    #[arg(long, value_enum, default_value_t = TransportArg::Ipc)]
-    pub transport: TransportArg,
-    /// Barrier strategy (peer-signal needs --transport nvshmem).
-    #[arg(long, value_enum, default_value_t = BarrierArg::Epoch)]
-    pub barrier: BarrierArg,
-    /// nvshmem only: split this host's GPUs into this many virtual nodes; traffic between them
-    /// goes through NVSHMEM put/signal as between hosts.
-    #[arg(long, default_value_t = 1)]
-    pub virtual_nodes: usize,
+    #[command(flatten)]
+    pub comm: TransportFlags,
     /// Timed calls per op.
     #[arg(long, default_value_t = 50)]
     pub iters: usize,
@@ -176,16 +257,6 @@ pub enum OutputFormat {
 }
 
 impl BenchArgs {
-    /// The transport the workers build.
-    pub fn transport_spec(&self) -> TransportSpec {
-        match self.transport {
-            TransportArg::Ipc => TransportSpec::Ipc,
-            TransportArg::Nvshmem => TransportSpec::Nvshmem {
-                virtual_nodes: VirtualNodes::Count(self.virtual_nodes),
-            },
-        }
-    }
-
     /// The stdout format picked by --json / --csv (clap makes them exclusive).
     pub fn format(&self) -> OutputFormat {
         match (self.json, self.csv) {
@@ -201,9 +272,10 @@ pub struct DoctorArgs {
     /// Print the report as JSON on stdout.
     #[arg(long)]
     pub json: bool,
-    /// Exit with code 4 unless this transport is usable (repeatable).
-    #[arg(long, value_enum, value_name = "TRANSPORT")]
-    pub require: Vec<TransportArg>,
+    /// Exit with code 4 unless this transport spec (e.g. `nvshmem:vnodes=2`) is usable here
+    /// (repeatable).
+    #[arg(long, value_name = "SPEC", value_parser = parse_transport)]
+    pub require: Vec<TransportSpec>,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -215,14 +287,23 @@ pub struct TopoArgs {
     /// GPUs per physical host; default: --world (one host).
     #[arg(long)]
     pub gpus_per_node: Option<usize>,
-    /// Split each host's GPUs into this many virtual nodes (nvshmem only).
-    #[arg(long, default_value_t = 1)]
-    pub virtual_nodes: usize,
     /// The rank whose peers are listed.
     #[arg(long, default_value_t = 0)]
     pub rank: usize,
-    /// Barrier strategy the routes are computed for (peer-signal sends every peer through
-    /// put/signal).
-    #[arg(long, value_enum, default_value_t = BarrierArg::Epoch)]
-    pub barrier: BarrierArg,
+    #[command(flatten)]
+    pub comm: TransportFlags,
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    /// `epcomm <argv...>`, parsed; panics (test helper) when clap refuses it.
+    pub(crate) fn parse(argv: &[&str]) -> Command {
+        let full = ["epcomm"].iter().chain(argv).copied();
+        match Cli::try_parse_from(full) {
+            Ok(cli) => cli.command,
+            Err(e) => panic!("{argv:?}: {e}"),
+        }
+    }
 }

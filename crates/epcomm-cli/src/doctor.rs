@@ -12,7 +12,9 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use crate::cli::TransportArg;
+use epcomm_backends::{KernelFamily, Route, TransportSpec};
+use epcomm_kernels::KernelVariant;
+
 use crate::gpu::{self, DriverFacts, GpuInfo, NoDriver, PeerLink};
 
 /// The driver section.
@@ -77,7 +79,7 @@ pub struct RdmaDevice {
 /// A transport's verdict.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Verdict {
-    /// `ipc` or `nvshmem`.
+    /// The backend's spec (`ipc`, `nvshmem`).
     pub transport: String,
     /// Whether `epcomm bench --transport <it>` can run here.
     pub usable: bool,
@@ -87,9 +89,11 @@ pub struct Verdict {
     pub fix: Option<String>,
 }
 
-/// Where one kernel image comes from.
+/// One kernel image of the manifest, and where it comes from here.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct KernelImage {
+    /// Its name in the manifest (`intranode`).
+    pub name: String,
     /// The artifact's file name.
     pub artifact: String,
     /// Whether a Buffer can load it.
@@ -101,7 +105,7 @@ pub struct KernelImage {
 impl KernelImage {
     /// Embedded at build time, else read from `dir` (`$EPCOMM_KERNEL_DIR`) at run time, as
     /// `epcomm-kernels` does when it loads the image.
-    pub fn locate(artifact: &str, embedded: bool, dir: Option<&Path>) -> Self {
+    pub fn locate(name: &str, artifact: &str, embedded: bool, dir: Option<&Path>) -> Self {
         let (available, source) = if embedded {
             (true, "embedded".to_string())
         } else {
@@ -121,10 +125,28 @@ impl KernelImage {
             }
         };
         Self {
+            name: name.into(),
             artifact: artifact.into(),
             available,
             source,
         }
+    }
+
+    /// Every image of the kernels' manifest (`epcomm_kernels::images`), completed by
+    /// `$EPCOMM_KERNEL_DIR`.
+    pub fn locate_all() -> Vec<Self> {
+        let dir = std::env::var_os(epcomm_kernels::KERNEL_DIR_ENV)
+            .filter(|d| !d.is_empty())
+            .map(PathBuf::from);
+        epcomm_kernels::images()
+            .map(|i| Self::locate(i.name(), i.artifact(), i.is_embedded(), dir.as_deref()))
+            .collect()
+    }
+
+    /// The image of `family` among `images`.
+    pub fn of_family(images: &[Self], family: KernelFamily) -> Option<&Self> {
+        let name = kernel_image(family).name();
+        images.iter().find(|i| i.name == name)
     }
 
     /// How to make it available.
@@ -138,43 +160,27 @@ impl KernelImage {
     }
 }
 
-/// The kernel images the transports load.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct KernelImages {
-    /// The store variant (the ipc transport).
-    pub store: KernelImage,
-    /// The NVSHMEM device-linked variant (the nvshmem transport).
-    pub nvshmem: KernelImage,
+/// The kernel image a transport of `family` loads (the frontend's choice of variant).
+pub fn kernel_image(family: KernelFamily) -> epcomm_kernels::Image {
+    match family {
+        KernelFamily::NvlinkStore => KernelVariant::Store,
+        KernelFamily::NvshmemDevice => KernelVariant::Nvshmem,
+    }
+    .image()
 }
 
-impl KernelImages {
-    /// What this build embeds, completed by `$EPCOMM_KERNEL_DIR`. The artifact names are
-    /// those of `epcomm-kernels`' build script.
-    pub fn locate() -> Self {
-        let dir = std::env::var_os(epcomm_kernels::KERNEL_DIR_ENV)
-            .filter(|d| !d.is_empty())
-            .map(PathBuf::from);
-        Self {
-            store: KernelImage::locate(
-                "intranode.fatbin",
-                epcomm_kernels::intranode_embedded(),
-                dir.as_deref(),
-            ),
-            nvshmem: KernelImage::locate(
-                "intranode_nvshmem.cubin",
-                epcomm_kernels::intranode_nvshmem_embedded(),
-                dir.as_deref(),
-            ),
+/// One spec per backend, from the library's list of spec forms (`TransportSpec::FORMS`).
+pub fn backends() -> Vec<TransportSpec> {
+    let mut specs: Vec<TransportSpec> = Vec::new();
+    for spec in TransportSpec::FORMS
+        .iter()
+        .filter_map(|f| f.parse::<TransportSpec>().ok())
+    {
+        if !specs.iter().any(|s| s.backend() == spec.backend()) {
+            specs.push(spec);
         }
     }
-
-    /// The image `t` loads.
-    pub fn for_transport(&self, t: TransportArg) -> &KernelImage {
-        match t {
-            TransportArg::Ipc => &self.store,
-            TransportArg::Nvshmem => &self.nvshmem,
-        }
-    }
+    specs
 }
 
 /// Everything `epcomm doctor` reports.
@@ -192,8 +198,8 @@ pub struct DoctorReport {
     pub peer_error: Option<String>,
     /// `nvidia-smi topo -m`, when the tool is present.
     pub nvidia_smi_topo: Option<String>,
-    /// Kernel images embedded in this build.
-    pub kernels: KernelImages,
+    /// Every kernel image of the manifest: embedded, found, or missing.
+    pub kernels: Vec<KernelImage>,
     /// The NVSHMEM host library.
     pub nvshmem: LibraryReport,
     /// NCCL.
@@ -211,9 +217,24 @@ pub struct DoctorReport {
 }
 
 impl DoctorReport {
-    /// The verdict of `t`.
-    pub fn verdict(&self, t: TransportArg) -> Option<&Verdict> {
-        self.verdicts.iter().find(|v| v.transport == t.name())
+    /// `Ok` when `spec` can run here: its backend's verdict is usable and its layout fits the
+    /// GPUs of this host (e.g. `vnodes=N` divides their count); else why not, as one line.
+    ///
+    /// # Errors
+    /// The reason, prefixed with the spec.
+    pub fn requirement(&self, spec: &TransportSpec) -> Result<(), String> {
+        let verdict = self
+            .verdicts
+            .iter()
+            .find(|v| v.transport == spec.backend())
+            .ok_or_else(|| format!("{spec}: no verdict"))?;
+        if !verdict.usable {
+            return Err(format!("{spec}: {}", verdict.reason));
+        }
+        let n = self.gpus.len();
+        spec.world_layout(n, 0, n)
+            .map(drop)
+            .map_err(|e| format!("{spec}: not usable on {n} GPU(s): {e}"))
     }
 }
 
@@ -246,7 +267,7 @@ pub fn collect() -> DoctorReport {
         Ok(f) if f.gpus.len() > 1 => nvidia_smi_topo(),
         _ => None,
     };
-    let kernels = KernelImages::locate();
+    let kernels = KernelImage::locate_all();
     let nvshmem = probe_nvshmem();
     let env = relevant_env(std::env::vars_os().map(|(k, v)| {
         (
@@ -277,138 +298,135 @@ pub fn collect() -> DoctorReport {
     }
 }
 
-/// The verdicts, from the probes' results (pure).
+/// The verdicts, one per backend ([`backends`]), from the probes' results (pure).
 pub fn verdicts(
     facts: &Result<DriverFacts, NoDriver>,
     links: &Result<Vec<PeerLink>, String>,
-    kernels: &KernelImages,
+    kernels: &[KernelImage],
     nvshmem: &LibraryReport,
 ) -> Vec<Verdict> {
-    let no = |t: TransportArg, reason: String, fix: String| Verdict {
-        transport: t.name().into(),
-        usable: false,
-        reason,
-        fix: Some(fix),
-    };
-    let driver_fix = |e: &NoDriver| match e {
-        NoDriver::Missing => {
-            "install the NVIDIA driver (libcuda.so.1 must be loadable); in a container, start it \
-             with the GPU runtime enabled"
-                .to_string()
-        }
-        NoDriver::Init(_) => {
-            "check that the driver loads (`nvidia-smi`) and that the kernel module matches the \
-             user-space driver"
-                .to_string()
-        }
-        NoDriver::NoDevice => {
-            "check CUDA_VISIBLE_DEVICES (unset it to see every GPU) and the GPUs' state".into()
-        }
-    };
-    let facts = match facts {
-        Ok(f) => f,
-        Err(e) => {
-            return TransportArg::ALL
-                .into_iter()
-                .map(|t| no(t, format!("not usable: {}", e.short()), driver_fix(e)))
-                .collect();
-        }
-    };
-    let n = facts.gpus.len();
-
-    let ipc = if !kernels.store.available {
-        no(
-            TransportArg::Ipc,
-            format!(
-                "not usable: no store kernel image ({})",
-                kernels.store.source
-            ),
-            kernels.store.fix(),
-        )
-    } else if n == 1 {
-        Verdict {
-            transport: "ipc".into(),
-            usable: true,
-            reason: "usable: 1 GPU (single-rank runs)".into(),
-            fix: None,
-        }
-    } else {
-        match links {
-            Err(e) => no(
-                TransportArg::Ipc,
-                format!("not usable: peer access could not be queried ({e})"),
-                "check the driver with `nvidia-smi`".into(),
-            ),
-            Ok(l) => {
-                let missing: Vec<String> = l
-                    .iter()
-                    .filter(|p| !p.can_access_peer)
-                    .map(|p| format!("{}->{}", p.from, p.to))
-                    .collect();
-                if !missing.is_empty() {
-                    no(
-                        TransportArg::Ipc,
-                        format!(
-                            "not usable: no P2P access between GPUs {}",
-                            missing.join(", ")
-                        ),
-                        "ipc needs P2P (NVLink) between every pair of GPUs it uses: pick GPUs \
-                         that have it with CUDA_VISIBLE_DEVICES and --world, or check the \
-                         NVLink / PCIe (IOMMU, ACS) setup"
-                            .into(),
-                    )
-                } else {
-                    let nvlink = l.iter().filter(|p| p.kind() == "NVLink").count();
-                    Verdict {
-                        transport: "ipc".into(),
-                        usable: true,
-                        reason: format!(
-                            "usable: {n} GPUs, P2P between every pair (native atomics, i.e. \
-                             NVLink, on {nvlink} of {} directed pairs)",
-                            l.len()
-                        ),
-                        fix: (nvlink < l.len()).then(|| {
-                            "some pairs lack native peer atomics (PCIe, not NVLink); the \
-                             kernels' peer atomics expect NVLink"
-                                .to_string()
-                        }),
-                    }
-                }
+    backends()
+        .into_iter()
+        .map(|spec| {
+            let (usable, reason, fix) = match verdict(&spec, facts, links, kernels, nvshmem) {
+                Ok((reason, note)) => (true, format!("usable: {reason}"), note),
+                Err((reason, fix)) => (false, format!("not usable: {reason}"), Some(fix)),
+            };
+            Verdict {
+                transport: spec.to_string(),
+                usable,
+                reason,
+                fix,
             }
-        }
-    };
+        })
+        .collect()
+}
 
-    let nvshmem = if !nvshmem.found {
-        no(
-            TransportArg::Nvshmem,
-            "not usable: the NVSHMEM host library does not load".into(),
+/// `Ok((why, note))` when `spec` can run here, else `Err((why not, fix))`. What is required
+/// follows from the library's description of the backend: compiled in, the kernel image of
+/// its kernel family, its run-time library, and, for a backend that reaches peers by stores
+/// only, P2P between every pair of GPUs.
+fn verdict(
+    spec: &TransportSpec,
+    facts: &Result<DriverFacts, NoDriver>,
+    links: &Result<Vec<PeerLink>, String>,
+    kernels: &[KernelImage],
+    nvshmem: &LibraryReport,
+) -> Result<(String, Option<String>), (String, String)> {
+    let caps = spec.capabilities().map_err(|e| {
+        (
+            format!("{spec} is not compiled into this build"),
+            format!("{e}"),
+        )
+    })?;
+    let facts = facts.as_ref().map_err(|e| (e.short(), driver_fix(e)))?;
+    if spec.needs_runtime_library() && !nvshmem.found {
+        return Err((
+            "the NVSHMEM host library does not load".into(),
             nvshmem
                 .detail
                 .clone()
                 .unwrap_or_else(|| "set EPCOMM_NVSHMEM_LIB to the library's directory".into()),
+        ));
+    }
+    let image = KernelImage::of_family(kernels, caps.kernel_family).ok_or_else(|| {
+        (
+            format!("no kernel image for {:?} in this build", caps.kernel_family),
+            "rebuild epcomm with the kernels (`cargo xtask build-kernels`)".to_string(),
         )
-    } else if !kernels.nvshmem.available {
-        no(
-            TransportArg::Nvshmem,
+    })?;
+    if !image.available {
+        return Err((
+            format!("no kernel image {} ({})", image.artifact, image.source),
+            image.fix(),
+        ));
+    }
+    let n = facts.gpus.len();
+    if spec.needs_runtime_library() {
+        return Ok((
             format!(
-                "not usable: no NVSHMEM kernel image ({})",
-                kernels.nvshmem.source
-            ),
-            kernels.nvshmem.fix(),
-        )
-    } else {
-        Verdict {
-            transport: "nvshmem".into(),
-            usable: true,
-            reason: format!(
-                "usable: NVSHMEM {} from {}",
+                "NVSHMEM {} from {}",
                 nvshmem.version.as_deref().unwrap_or("?"),
                 nvshmem.path.as_deref().unwrap_or("?")
             ),
-            fix: None,
+            None,
+        ));
+    }
+    if caps.routes.contains(&Route::PutSignal) || n == 1 {
+        return Ok((format!("{n} GPU(s)"), None));
+    }
+    // Stores only: every pair of GPUs must map each other.
+    let l = links.as_ref().map_err(|e| {
+        (
+            format!("peer access could not be queried ({e})"),
+            "check the driver with `nvidia-smi`".to_string(),
+        )
+    })?;
+    let missing: Vec<String> = l
+        .iter()
+        .filter(|p| !p.can_access_peer)
+        .map(|p| format!("{}->{}", p.from, p.to))
+        .collect();
+    if !missing.is_empty() {
+        return Err((
+            format!("no P2P access between GPUs {}", missing.join(", ")),
+            format!(
+                "{spec} needs P2P (NVLink) between every pair of GPUs it uses: pick GPUs that \
+                 have it with CUDA_VISIBLE_DEVICES and --world, or check the NVLink / PCIe \
+                 (IOMMU, ACS) setup"
+            ),
+        ));
+    }
+    let nvlink = l.iter().filter(|p| p.kind() == "NVLink").count();
+    Ok((
+        format!(
+            "{n} GPUs, P2P between every pair (native atomics, i.e. NVLink, on {nvlink} of {} \
+             directed pairs)",
+            l.len()
+        ),
+        (nvlink < l.len()).then(|| {
+            "some pairs lack native peer atomics (PCIe, not NVLink); the kernels' peer atomics \
+             expect NVLink"
+                .to_string()
+        }),
+    ))
+}
+
+fn driver_fix(e: &NoDriver) -> String {
+    match e {
+        NoDriver::Missing => {
+            "install the NVIDIA driver (libcuda.so.1 must be loadable); in a container, start it \
+             with the GPU runtime enabled"
         }
-    };
-    vec![ipc, nvshmem]
+        NoDriver::Init(_) => {
+            "check that the driver loads (`nvidia-smi`) and that the kernel module matches the \
+             user-space driver"
+        }
+        NoDriver::NoDevice => {
+            "check CUDA_VISIBLE_DEVICES (unset it to see every GPU) and the GPUs' state"
+        }
+    }
+    .into()
 }
 
 /// The variables that matter to epcomm, NVSHMEM, NCCL and CUDA, sorted by name.
@@ -806,8 +824,8 @@ pub fn render(r: &DoctorReport) -> String {
         }
     }
     let _ = writeln!(s, "\nKernel images");
-    for (what, k) in [("ipc", &r.kernels.store), ("nvshmem", &r.kernels.nvshmem)] {
-        let _ = writeln!(s, "  {what:<9} {}: {}", k.artifact, k.source);
+    for k in &r.kernels {
+        let _ = writeln!(s, "  {:<18} {}: {}", k.name, k.artifact, k.source);
     }
     let _ = writeln!(s, "\nLibraries");
     lib_line(&mut s, "NVSHMEM", &r.nvshmem);
@@ -914,12 +932,11 @@ mod tests {
         }
     }
 
-    fn images(available: bool) -> KernelImages {
+    fn images(available: bool) -> Vec<KernelImage> {
         let dir = (!available).then(|| Path::new("/nonexistent-epcomm"));
-        KernelImages {
-            store: KernelImage::locate("intranode.fatbin", available, dir),
-            nvshmem: KernelImage::locate("intranode_nvshmem.cubin", available, dir),
-        }
+        epcomm_kernels::images()
+            .map(|i| KernelImage::locate(i.name(), i.artifact(), available, dir))
+            .collect()
     }
 
     #[test]
@@ -968,7 +985,7 @@ mod tests {
             v[0].reason.contains("/nonexistent-epcomm/intranode.fatbin"),
             "{v:?}"
         );
-        let k = KernelImage::locate("a.bin", false, None);
+        let k = KernelImage::locate("a", "a.bin", false, None);
         assert!(
             !k.available && k.source.contains("EPCOMM_KERNEL_DIR"),
             "{k:?}"
@@ -1101,14 +1118,12 @@ mod tests {
         };
         let text = render(&r);
         assert!(text.contains("no CUDA driver"), "{text}");
-        assert!(
-            text.contains("ipc      not usable: no CUDA driver"),
-            "{text}"
-        );
-        assert!(
-            text.contains("nvshmem  not usable: no CUDA driver"),
-            "{text}"
-        );
+        for spec in backends() {
+            let line = format!("{:<8} not usable: no CUDA driver", spec.to_string());
+            assert!(text.contains(&line), "{line}: {text}");
+            let err = r.requirement(&spec).unwrap_err();
+            assert!(err.contains("no CUDA driver"), "{err}");
+        }
         let json = serde_json::to_string(&r).unwrap();
         let v: serde_json::Value = serde_json::from_str(&json).unwrap();
         assert_eq!(v["verdicts"][0]["usable"], false);

@@ -2,7 +2,8 @@
 //!
 //! * `epcomm doctor` — what this machine offers (GPUs, driver, P2P/NVLink, NVSHMEM, NCCL, RDMA,
 //!   environment) and which transports are usable;
-//! * `epcomm topo` — the world layout and each peer's tier and route (pure computation);
+//! * `epcomm topo` — the world layout and route plan the library computes for a transport
+//!   (pure computation);
 //! * `epcomm bench` — the main job: a verified dispatch + combine benchmark, one process per
 //!   GPU (see [`mod@bench`]).
 //!
@@ -34,7 +35,7 @@ pub const EXIT_RUN_FAILED: u8 = 1;
 pub const EXIT_USAGE: u8 = 2;
 /// The machine cannot run it: no CUDA driver, no GPU, a missing library or kernel image.
 pub const EXIT_ENVIRONMENT: u8 = 3;
-/// `doctor --require T`: transport T is not usable here.
+/// `doctor --require SPEC`: that transport spec is not usable here.
 pub const EXIT_REQUIREMENT: u8 = 4;
 
 /// A failure of a subcommand, by exit code.
@@ -125,11 +126,7 @@ fn run_doctor(args: &DoctorArgs) -> Result<(), AppError> {
     let unmet: Vec<String> = args
         .require
         .iter()
-        .filter_map(|t| match report.verdict(*t) {
-            Some(v) if v.usable => None,
-            Some(v) => Some(format!("{}: {}", t.name(), v.reason)),
-            None => Some(format!("{}: no verdict", t.name())),
-        })
+        .filter_map(|spec| report.requirement(spec).err())
         .collect();
     if unmet.is_empty() {
         Ok(())
@@ -151,7 +148,10 @@ fn run_topo(args: &TopoArgs) -> Result<(), AppError> {
             }
         },
     };
-    let layout = topo::layout_from_args(args, local).map_err(AppError::Usage)?;
-    let text = topo::render(&layout, args.barrier).map_err(|e| AppError::Run(e.into()))?;
+    for note in args.comm.deprecations() {
+        eprintln!("epcomm topo: note: {note}");
+    }
+    let topo = topo::plan_from_args(args, local).map_err(AppError::Usage)?;
+    let text = topo::render(&topo).map_err(|e| AppError::Run(e.into()))?;
     print_stdout(&text)
 }

@@ -77,8 +77,11 @@ pub fn write_svg(report: &BenchReport, path: &Path) -> Result<(), PlotError> {
     };
     let c = &report.config;
     let title = format!(
-        "epcomm {} / {}: {} ranks, {} tokens, hidden {}",
-        c.transport, c.barrier, c.world, c.tokens, c.hidden
+        "epcomm, {}: {} ranks, {} tokens, hidden {}",
+        c.describe(),
+        c.world,
+        c.tokens,
+        c.hidden
     );
     let root = SVGBackend::new(path, (900, 560)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| draw(&e))?;

@@ -11,19 +11,19 @@ use serde::{Deserialize, Serialize};
 use crate::cli::OutputFormat;
 
 /// Value of [`BenchReport::schema`]; bumped on incompatible changes.
-pub const SCHEMA: &str = "epcomm-bench/1";
+pub const SCHEMA: &str = "epcomm-bench/2";
 
 /// The run's configuration, as it ran.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct BenchConfig {
     /// Ranks (one process and one GPU each).
     pub world: usize,
-    /// `ipc` or `nvshmem`.
+    /// The transport spec (`ipc`, `nvshmem`, `nvshmem:vnodes=2`, ...).
     pub transport: String,
-    /// `epoch`, `global` or `peer-signal`.
-    pub barrier: String,
-    /// Virtual nodes per host (1 = none).
-    pub virtual_nodes: usize,
+    /// The schedule (`epoch`, `global`).
+    pub schedule: String,
+    /// The route policy (`auto`, `put-signal`).
+    pub routes: String,
     /// Tokens per rank.
     pub tokens: usize,
     /// Hidden size.
@@ -44,6 +44,16 @@ pub struct BenchConfig {
     pub gpu_sms: u32,
     /// Name of rank 0's GPU.
     pub gpu_name: String,
+}
+
+impl BenchConfig {
+    /// `<transport> transport, <schedule> schedule, <routes> routes`.
+    pub fn describe(&self) -> String {
+        format!(
+            "{} transport, {} schedule, {} routes",
+            self.transport, self.schedule, self.routes
+        )
+    }
 }
 
 /// One timed op at one SM count.
@@ -232,8 +242,8 @@ impl BenchReport {
     pub fn csv(&self) -> String {
         let c = &self.config;
         let mut s = String::from(
-            "op,sms,time_us,gbps,recv_rows,world,transport,barrier,virtual_nodes,tokens,hidden,\
-             top_k,experts,iters,warmup\n",
+            "op,sms,time_us,gbps,recv_rows,world,transport,schedule,routes,tokens,hidden,top_k,\
+             experts,iters,warmup\n",
         );
         for r in &self.results {
             let _ = writeln!(
@@ -246,8 +256,8 @@ impl BenchReport {
                 r.recv_rows,
                 c.world,
                 c.transport,
-                c.barrier,
-                c.virtual_nodes,
+                c.schedule,
+                c.routes,
                 c.tokens,
                 c.hidden,
                 c.top_k,
@@ -265,17 +275,11 @@ impl BenchReport {
         let mut s = String::new();
         let _ = writeln!(
             s,
-            "epcomm bench: {} x {} ({} SMs each), {} transport, {} barrier{}",
+            "epcomm bench: {} x {} ({} SMs each), {}",
             c.world,
             c.gpu_name,
             c.gpu_sms,
-            c.transport,
-            c.barrier,
-            if c.virtual_nodes > 1 {
-                format!(", {} virtual nodes", c.virtual_nodes)
-            } else {
-                String::new()
-            }
+            c.describe()
         );
         let _ = writeln!(
             s,
@@ -335,9 +339,9 @@ pub(crate) mod tests {
             schema: SCHEMA.into(),
             config: BenchConfig {
                 world: 2,
-                transport: "ipc".into(),
-                barrier: "epoch".into(),
-                virtual_nodes: 1,
+                transport: "nvshmem:vnodes=2".into(),
+                schedule: "epoch".into(),
+                routes: "auto".into(),
                 tokens: 4096,
                 hidden: 7168,
                 top_k: 8,
@@ -364,8 +368,8 @@ pub(crate) mod tests {
         for key in [
             "world",
             "transport",
-            "barrier",
-            "virtual_nodes",
+            "schedule",
+            "routes",
             "tokens",
             "hidden",
             "top_k",
@@ -412,6 +416,15 @@ pub(crate) mod tests {
         assert!(!csv.contains("NaN") && !csv.contains("inf"));
         let table = r.table();
         assert!(table.contains("dispatch BF16") && table.contains("300.0 / 305.0"));
+        assert!(
+            table.contains("nvshmem:vnodes=2 transport, epoch schedule, auto routes"),
+            "{table}"
+        );
+        assert!(
+            lines[1].contains(",nvshmem:vnodes=2,epoch,auto,"),
+            "{}",
+            lines[1]
+        );
     }
 
     #[test]

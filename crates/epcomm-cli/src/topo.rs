@@ -1,223 +1,90 @@
-//! `epcomm topo`: the world layout and, per peer, its tier and the route a `Buffer` would use.
+//! `epcomm topo`: the world layout a transport sees and the route plan a `Buffer` would use.
 //!
-//! **The routing here is re-derived, not called.** The library decides routes in
-//! `peer_routes` (crates/epcomm/src/buffer.rs), a private function over the addresses a
-//! transport's symmetric memory hands out. This CLI may not change that crate, so [`route`]
-//! mirrors its rules as a pure function of [`WorldLayout`], using what each transport maps:
-//!
-//! * `IpcTransport` maps every peer (it requires every rank on one host), kernel family
-//!   `NvlinkStore`: every peer by stores; a peer without a mapping is an error;
-//! * `NvshmemTransport::alloc_symmetric` maps exactly the peers of this rank's *logical* node
-//!   (`WorldLayout::nvlink_domain`), kernel family `NvshmemDevice`: a peer is reached by
-//!   put/signal when it has no mapping or when the barrier is PeerSignal, by stores otherwise;
-//! * the rank itself is always written through its own base address.
-//!
-//! If `peer_routes` or the transports' mappings change, change [`route`] with them (its tests
-//! restate the cases of `peer_routes_pick_stores_or_put_signal_per_peer`).
+//! Nothing is derived here: the layout is `TransportSpec::world_layout` and the plan
+//! `RoutePlan::new` over the backend's supported routes ([`TransportChoice::plan`]), the same
+//! calls a `Buffer` makes; this module only checks the flags and prints what they return.
 
 use std::fmt::Write as _;
 
-use epcomm_topology::WorldLayout;
+use epcomm_topology::{Route, RoutePlan, WorldLayout};
 
-use crate::cli::{BarrierArg, TopoArgs, TransportArg};
-use crate::validate::{FlagError, FlagErrors, MAX_WORLD};
+use crate::cli::TopoArgs;
+use crate::validate::{FlagError, FlagErrors, TransportChoice, world_rule};
 
-/// Where a peer sits relative to the rank.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Tier {
-    /// The rank itself.
-    SameGpu,
-    /// Same logical node: the NVLink domain the kernels store into.
-    NvlinkDomain,
-    /// Another logical node on the same physical host (virtual nodes).
-    OtherVirtualNode,
-    /// Another physical host.
-    OtherNode,
+/// The library's argument names of a physical layout, by `epcomm topo`'s flags.
+const LAYOUT_FLAGS: &[(&str, &str)] = &[
+    ("world_size", "--world"),
+    ("gpus_per_node", "--gpus-per-node"),
+    ("rank", "--rank"),
+];
+
+/// What `epcomm topo` prints: the transport and the route plan of one rank.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Topo {
+    /// Transport, schedule and route policy.
+    pub choice: TransportChoice,
+    /// The plan (its world included).
+    pub plan: RoutePlan,
 }
 
-impl Tier {
-    /// Display name.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::SameGpu => "same GPU",
-            Self::NvlinkDomain => "NVLink domain",
-            Self::OtherVirtualNode => "other node (virtual, same host)",
-            Self::OtherNode => "other node",
-        }
-    }
-}
-
-/// How a Buffer moves bytes to a peer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Route {
-    /// The rank's own buffer.
-    Local,
-    /// Stores (and system-scope atomics) through a peer mapping.
-    Store,
-    /// NVSHMEM put, then a signal delivered after the data.
-    PutSignal,
-    /// The transport cannot be used for this world / barrier; the reason.
-    Unsupported(&'static str),
-}
-
-impl Route {
-    /// Display name (the reason of `Unsupported` is printed below the table).
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Local => "local",
-            Self::Store => "store",
-            Self::PutSignal => "put/signal",
-            Self::Unsupported(_) => "n/a",
-        }
-    }
-}
-
-/// The tier of `peer` as seen from `layout`'s rank.
-///
-/// # Errors
-/// `peer` out of range.
-pub fn tier(layout: &WorldLayout, peer: usize) -> Result<Tier, epcomm_topology::TopologyError> {
-    Ok(if peer == layout.rank() {
-        Tier::SameGpu
-    } else if layout.same_node(peer)? {
-        Tier::NvlinkDomain
-    } else if layout.nvlink_reachable(peer)? {
-        Tier::OtherVirtualNode
-    } else {
-        Tier::OtherNode
-    })
-}
-
-/// The route a Buffer on `layout`'s rank would use to reach `peer` (see the module docs: a
-/// mirror of `peer_routes`).
-///
-/// # Errors
-/// `peer` out of range.
-pub fn route(
-    layout: &WorldLayout,
-    transport: TransportArg,
-    barrier: BarrierArg,
-    peer: usize,
-) -> Result<Route, epcomm_topology::TopologyError> {
-    let mapped_in_logical_node = layout.same_node(peer)?;
-    if !transport.barriers().contains(&barrier) {
-        return Ok(Route::Unsupported("peer-signal needs nvshmem"));
-    }
-    match transport {
-        TransportArg::Ipc => {
-            if layout.is_virtual() {
-                Ok(Route::Unsupported("virtual nodes need nvshmem"))
-            } else if layout.num_hosts() > 1 {
-                // IpcTransport::new: local_world_size must equal world_size.
-                Ok(Route::Unsupported("ipc needs every rank on one host"))
-            } else if peer == layout.rank() {
-                Ok(Route::Local)
-            } else {
-                Ok(Route::Store)
-            }
-        }
-        TransportArg::Nvshmem => {
-            if peer == layout.rank() {
-                Ok(Route::Local)
-            } else if !mapped_in_logical_node || barrier == BarrierArg::PeerSignal {
-                Ok(Route::PutSignal)
-            } else {
-                Ok(Route::Store)
-            }
-        }
-    }
-}
-
-/// The validated layout of `epcomm topo`'s flags; `local_gpus` stands in for --world.
+/// The checked flags of `epcomm topo`, planned; `local_gpus` stands in for --world.
 ///
 /// # Errors
 /// Each broken rule, naming its flag.
-pub fn layout_from_args(
-    args: &TopoArgs,
-    local_gpus: Option<usize>,
-) -> Result<WorldLayout, FlagErrors> {
-    let mut errs = Vec::new();
+pub fn plan_from_args(args: &TopoArgs, local_gpus: Option<usize>) -> Result<Topo, FlagErrors> {
     let Some(world) = args.world.or(local_gpus) else {
         return Err(FlagErrors(vec![FlagError::Invalid {
             flag: "--world",
             why: "no GPU to count here; give the world size, e.g. --world 8".into(),
         }]));
     };
-    if world == 0 {
-        errs.push(FlagError::TooSmall {
-            flag: "--world",
-            value: 0,
-            min: 1,
-        });
-    } else if world > MAX_WORLD {
-        errs.push(FlagError::TooLarge {
-            flag: "--world",
-            value: world as u64,
-            max: MAX_WORLD as u64,
-            why: format!("the kernels support at most {MAX_WORLD} ranks"),
-        });
+    let gpus_per_node = args.gpus_per_node.unwrap_or(world);
+    // The kernels' limit, then the physical layout by the library's rules.
+    let layout = world_rule(world, "").map_or_else(
+        || {
+            WorldLayout::new(world, args.rank, gpus_per_node)
+                .map_err(|e| FlagError::from_topology(&e, LAYOUT_FLAGS))
+        },
+        Err,
+    );
+    let choice = TransportChoice::from_flags(&args.comm);
+    match (layout, choice) {
+        (Ok(_), Ok(choice)) => {
+            let plan = choice
+                .plan(&args.comm, world, args.rank, gpus_per_node)
+                .map_err(|e| FlagErrors(vec![e]))?;
+            Ok(Topo { choice, plan })
+        }
+        (layout, choice) => Err(FlagErrors(
+            [layout.err(), choice.err()].into_iter().flatten().collect(),
+        )),
     }
-    let gpn = args.gpus_per_node.unwrap_or(world);
-    if gpn == 0 {
-        errs.push(FlagError::TooSmall {
-            flag: "--gpus-per-node",
-            value: 0,
-            min: 1,
-        });
-    } else if world > 0 && !world.is_multiple_of(gpn) {
-        errs.push(FlagError::Unsupported {
-            flag: "--gpus-per-node",
-            value: gpn.to_string(),
-            why: format!("must divide --world {world} (every host has as many GPUs)"),
-        });
-    }
-    let vn = args.virtual_nodes;
-    if vn == 0 {
-        errs.push(FlagError::TooSmall {
-            flag: "--virtual-nodes",
-            value: 0,
-            min: 1,
-        });
-    } else if gpn > 0 && !gpn.is_multiple_of(vn) {
-        errs.push(FlagError::Unsupported {
-            flag: "--virtual-nodes",
-            value: vn.to_string(),
-            why: format!("must divide --gpus-per-node {gpn}"),
-        });
-    }
-    if world > 0 && args.rank >= world {
-        errs.push(FlagError::TooLarge {
-            flag: "--rank",
-            value: args.rank as u64,
-            max: world as u64 - 1,
-            why: format!("ranks are 0..{world}"),
-        });
-    }
-    if !errs.is_empty() {
-        return Err(FlagErrors(errs));
-    }
-    WorldLayout::with_virtual_nodes(world, args.rank, gpn, vn).map_err(|e| {
-        FlagErrors(vec![FlagError::Invalid {
-            flag: "--world",
-            why: e.to_string(),
-        }])
-    })
+}
+
+fn names<T: Copy>(list: &[T], name: impl Fn(T) -> &'static str) -> String {
+    list.iter().map(|&v| name(v)).collect::<Vec<_>>().join(", ")
 }
 
 /// The report of `epcomm topo`.
 ///
 /// # Errors
-/// Only when the layout is inconsistent (not for a layout from [`layout_from_args`]).
-pub fn render(
-    layout: &WorldLayout,
-    barrier: BarrierArg,
-) -> Result<String, epcomm_topology::TopologyError> {
+/// Only when the layout is inconsistent (not for a plan from [`plan_from_args`]).
+pub fn render(topo: &Topo) -> Result<String, epcomm_topology::TopologyError> {
+    let (choice, plan) = (&topo.choice, &topo.plan);
+    let layout = plan.world();
     let mut s = String::new();
-    let w = layout.world_size();
     // `write!` to a String cannot fail.
     let _ = writeln!(
         s,
-        "world: {w} rank(s) = {} node(s) x {} local rank(s){}",
+        "transport {}: schedules {}; routes {}",
+        choice.spec,
+        names(choice.caps.schedules, |v| v.name()),
+        names(choice.caps.routes, Route::name),
+    );
+    let _ = writeln!(
+        s,
+        "world: {} rank(s) = {} node(s) x {} local rank(s){}",
+        layout.world_size(),
         layout.num_nodes(),
         layout.gpus_per_node(),
         if layout.is_virtual() {
@@ -243,47 +110,23 @@ pub fn render(
     }
     let _ = writeln!(
         s,
-        "\npeers of rank {} (node {}, local rank {}), {} barrier:",
+        "\nroute plan of rank {} (node {}, local rank {}), routes {}, schedule {}:",
         layout.rank(),
         layout.node(),
         layout.local_rank(),
-        barrier.name()
+        plan.policy(),
+        choice.schedule,
     );
-    let _ = writeln!(
-        s,
-        "  {:>4} {:>4} {:>5}  {:<31} {:<12} nvshmem",
-        "peer", "node", "local", "tier", "ipc"
-    );
-    let mut unsupported: Vec<(TransportArg, &'static str)> = Vec::new();
-    for peer in 0..w {
-        let ipc = route(layout, TransportArg::Ipc, barrier, peer)?;
-        let nvshmem = route(layout, TransportArg::Nvshmem, barrier, peer)?;
-        for (t, r) in [(TransportArg::Ipc, ipc), (TransportArg::Nvshmem, nvshmem)] {
-            if let Route::Unsupported(why) = r
-                && !unsupported.contains(&(t, why))
-            {
-                unsupported.push((t, why));
-            }
-        }
-        let _ = writeln!(
-            s,
-            "  {:>4} {:>4} {:>5}  {:<31} {:<12} {}",
-            peer,
-            layout.node_of(peer)?,
-            layout.local_rank_of(peer)?,
-            tier(layout, peer)?.name(),
-            ipc.name(),
-            nvshmem.name(),
-        );
-    }
-    for (t, why) in unsupported {
-        let _ = writeln!(s, "  n/a for {}: {why}", t.name());
+    for line in plan.to_string().lines() {
+        let _ = writeln!(s, "  {line}");
     }
     let _ = writeln!(
         s,
-        "\nstore: the kernels write through a peer mapping (NVLink); put/signal: NVSHMEM put, then a \
-         signal the peer waits on.\nRoutes are derived from the layout the way a Buffer derives \
-         them (assuming P2P works inside each node; `epcomm doctor` checks that)."
+        "  put-signal mask: {:#x}\n\nstore: the kernels write through a mapping of the peer's \
+         memory (NVLink); put-signal: the transport's put, then a signal the peer waits on.\n\
+         Computed by the library from the layout, as a Buffer computes it (assuming P2P works \
+         inside each node; `epcomm doctor` checks that).",
+        plan.put_signal_mask()
     );
     Ok(s)
 }
@@ -291,96 +134,81 @@ pub fn render(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use BarrierArg::*;
-    use TransportArg::*;
+    use crate::cli::Command;
+    use crate::cli::tests::parse;
 
-    fn topo(world: usize, gpn: Option<usize>, vn: usize, rank: usize) -> TopoArgs {
-        TopoArgs {
-            world: Some(world),
-            gpus_per_node: gpn,
-            virtual_nodes: vn,
-            rank,
-            barrier: Epoch,
+    fn topo(extra: &[&str]) -> TopoArgs {
+        match parse(&[&["topo"], extra].concat()) {
+            Command::Topo(a) => a,
+            other => panic!("not topo: {other:?}"),
         }
     }
 
     #[test]
-    fn mirrors_peer_routes() {
-        // One host of 3 GPUs, everything mapped (peer_routes' `all_mapped`).
-        let l = WorldLayout::new(3, 1, 3).unwrap();
-        let r = |t, b, p| route(&l, t, b, p).unwrap();
-        assert_eq!(r(Ipc, Epoch, 0), Route::Store);
-        assert_eq!(r(Ipc, Epoch, 1), Route::Local);
-        assert_eq!(r(Nvshmem, Global, 2), Route::Store);
-        // PeerSignal: every peer but me through put/signal.
-        assert_eq!(r(Nvshmem, PeerSignal, 0), Route::PutSignal);
-        assert_eq!(r(Nvshmem, PeerSignal, 1), Route::Local);
-        assert!(matches!(r(Ipc, PeerSignal, 0), Route::Unsupported(_)));
-        // Another (virtual) node: unmapped peers are put/signal; stores cannot reach them.
-        let split = WorldLayout::with_virtual_nodes(4, 1, 4, 2).unwrap();
-        assert_eq!(route(&split, Nvshmem, Epoch, 0).unwrap(), Route::Store);
-        assert_eq!(route(&split, Nvshmem, Epoch, 3).unwrap(), Route::PutSignal);
-        assert!(matches!(
-            route(&split, Ipc, Epoch, 3).unwrap(),
-            Route::Unsupported(_)
-        ));
-        assert_eq!(tier(&split, 3).unwrap(), Tier::OtherVirtualNode);
-        assert!(route(&l, Ipc, Epoch, 3).is_err());
-    }
-
-    #[test]
-    fn two_hosts() {
-        let l = layout_from_args(&topo(4, Some(2), 1, 0), None).unwrap();
-        assert_eq!(
-            (0..4).map(|p| tier(&l, p).unwrap()).collect::<Vec<_>>(),
-            vec![
-                Tier::SameGpu,
-                Tier::NvlinkDomain,
-                Tier::OtherNode,
-                Tier::OtherNode
-            ]
-        );
-        assert_eq!(
-            (0..4)
-                .map(|p| route(&l, Nvshmem, Epoch, p).unwrap())
-                .collect::<Vec<_>>(),
-            vec![
-                Route::Local,
-                Route::Store,
-                Route::PutSignal,
-                Route::PutSignal
-            ]
-        );
-        assert!(matches!(
-            route(&l, Ipc, Epoch, 1).unwrap(),
-            Route::Unsupported(_)
-        ));
-        let text = render(&l, Epoch).unwrap();
-        assert!(text.contains("2 node(s) x 2 local rank(s)"), "{text}");
-        assert!(text.contains("node  1 (host 1): ranks 2 3"), "{text}");
+    fn the_virtual_nodes_alias_plans_like_the_spec() {
+        // (The printed plan of two hosts is checked on the binary, in tests/cli.rs.)
+        let spec = plan_from_args(
+            &topo(&["--world", "4", "--transport", "nvshmem:vnodes=2"]),
+            None,
+        )
+        .unwrap();
+        let alias = plan_from_args(
+            &topo(&[
+                "--world",
+                "4",
+                "--transport",
+                "nvshmem",
+                "--virtual-nodes",
+                "2",
+            ]),
+            None,
+        )
+        .unwrap();
+        assert_eq!(spec, alias);
+        assert_eq!(spec.plan.put_signal_mask(), 0b1100);
+        let text = render(&spec).unwrap();
+        assert!(text.contains("split into 2 virtual nodes"), "{text}");
+        assert!(text.contains("node  1 (host 0): ranks 2 3"), "{text}");
     }
 
     #[test]
     fn flags_are_named() {
-        for (args, flag) in [
-            (topo(0, None, 1, 0), "--world"),
-            (topo(65, None, 1, 0), "--world"),
-            (topo(4, Some(3), 1, 0), "--gpus-per-node"),
-            (topo(4, Some(0), 1, 0), "--gpus-per-node"),
-            (topo(4, Some(4), 3, 0), "--virtual-nodes"),
-            (topo(4, Some(4), 0, 0), "--virtual-nodes"),
-            (topo(4, None, 1, 4), "--rank"),
+        for (argv, flag) in [
+            (&["--world", "0"][..], "--world"),
+            (&["--world", "65"], "--world"),
+            (&["--world", "4", "--gpus-per-node", "3"], "--world"),
+            (&["--world", "4", "--gpus-per-node", "0"], "--gpus-per-node"),
+            (&["--world", "4", "--rank", "4"], "--rank"),
+            (
+                &["--world", "4", "--transport", "nvshmem:vnodes=3"],
+                "--transport",
+            ),
+            (
+                &[
+                    "--world",
+                    "4",
+                    "--transport",
+                    "nvshmem",
+                    "--virtual-nodes",
+                    "3",
+                ],
+                "--virtual-nodes",
+            ),
+            (&["--world", "4", "--virtual-nodes", "2"], "--virtual-nodes"),
+            (&["--world", "4", "--gpus-per-node", "2"], "--transport"),
+            (&["--world", "4", "--routes", "put-signal"], "--routes"),
+            (&["--world", "4", "--barrier", "peer-signal"], "--barrier"),
         ] {
-            let err = layout_from_args(&args, None).unwrap_err();
-            assert!(err.about(flag).is_some(), "{flag}: {err}");
+            let err = plan_from_args(&topo(argv), None).unwrap_err();
+            assert!(err.about(flag).is_some(), "{argv:?} {flag}: {err}");
             assert!(err.to_string().contains(flag), "{err}");
         }
-        let none = TopoArgs {
-            world: None,
-            ..topo(1, None, 1, 0)
-        };
-        let err = layout_from_args(&none, None).unwrap_err();
+        let err =
+            plan_from_args(&topo(&["--world", "4", "--gpus-per-node", "3"]), None).unwrap_err();
+        assert!(err.to_string().contains("--gpus-per-node"), "{err}");
+        let err = plan_from_args(&topo(&[]), None).unwrap_err();
         assert!(err.to_string().contains("--world"), "{err}");
-        assert_eq!(layout_from_args(&none, Some(8)).unwrap().world_size(), 8);
+        let t = plan_from_args(&topo(&[]), Some(8)).unwrap();
+        assert_eq!(t.plan.world().world_size(), 8);
     }
 }

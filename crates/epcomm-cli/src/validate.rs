@@ -1,16 +1,22 @@
 //! Checks of `epcomm bench`'s flags, run by the launcher before any worker is spawned.
 //!
 //! Every error names the flag as the user typed it (`--tokens`, not `max_tokens_per_rank`).
-//! The rules mirror what the library checks later, on the GPU, in the workers
-//! (`BufferConfig::validate` and `Buffer::with_transport` in crates/epcomm, `BufferPlan::new`
-//! in crates/epcomm-topology, the transports' barrier lists, `Buffer::inject_delay`), so that a
-//! bad flag fails in milliseconds with one clear message instead of once per rank.
+//! Transport, schedule and routes are checked by the library itself, without a GPU: the spec's
+//! `capabilities()`, its `world_layout(...)` and `RoutePlan::new` ([`TransportChoice`]); row
+//! sizes by `RowFormat`, buffer sizes by `BufferPlan`. What remains here are the CLI's own
+//! limits (kernel table sizes, 32-bit indices, the machine's GPUs and memory), so that a bad
+//! flag fails in milliseconds with one clear message instead of once per rank.
 
 use std::collections::BTreeSet;
 use std::fmt;
 use std::path::Path;
 
-use crate::cli::{BenchArgs, TransportArg};
+use epcomm_backends::{Capabilities, TransportError, TransportSpec, VirtualNodes};
+use epcomm_topology::{
+    RoutePlan, RoutePolicy, RowDtype, RowFormat, Schedule, TopologyError, WorldLayout,
+};
+
+use crate::cli::{BenchArgs, TransportFlags};
 use crate::gpu::GpuInfo;
 
 /// Largest world the kernels support (their shared-memory tables are this large).
@@ -21,6 +27,8 @@ pub const MAX_ITERS: usize = 10_000;
 pub const MAX_DELAY_US: u64 = 10_000_000;
 /// Skew-demo delay when --delay-us is not given.
 pub const DEFAULT_DELAY_US: u64 = 200;
+/// `RowFormat`'s argument, by its flag.
+const HIDDEN: &[(&str, &str)] = &[("hidden", "--hidden")];
 /// Received rows are indexed with 32-bit integers on the device.
 const MAX_ROWS: u64 = i32::MAX as u64;
 
@@ -92,6 +100,255 @@ impl FlagError {
             | Self::Invalid { flag, .. } => flag,
         }
     }
+
+    /// `value < min`: the error, else `None`.
+    pub fn at_least(flag: &'static str, value: u64, min: u64) -> Option<Self> {
+        (value < min).then_some(Self::TooSmall { flag, value, min })
+    }
+
+    /// `value > max`: the error (with why), else `None`.
+    pub fn at_most(
+        flag: &'static str,
+        value: u64,
+        max: u64,
+        why: impl Into<String>,
+    ) -> Option<Self> {
+        (value > max).then(|| Self::TooLarge {
+            flag,
+            value,
+            max,
+            why: why.into(),
+        })
+    }
+
+    /// `value` not a multiple of `divisor` (> 0): the error, else `None`.
+    pub fn multiple_of(
+        flag: &'static str,
+        value: u64,
+        divisor: u64,
+        why: impl Into<String>,
+    ) -> Option<Self> {
+        (!value.is_multiple_of(divisor)).then(|| Self::NotMultiple {
+            flag,
+            value,
+            divisor,
+            why: why.into(),
+        })
+    }
+
+    /// A library rule broken by an argument, as the error of that argument's flag: `flags`
+    /// maps the library's argument names to flags (the first one stands in for an argument it
+    /// does not list).
+    pub fn from_topology(e: &TopologyError, flags: &[(&str, &'static str)]) -> Self {
+        let flag_of = |arg: &str| flags.iter().find(|(a, _)| *a == arg).map(|(_, f)| *f);
+        let named = |arg: &'static str| flag_of(arg).unwrap_or(arg);
+        let flag = topology_arg(e)
+            .and_then(flag_of)
+            .or_else(|| flags.first().map(|(_, f)| *f))
+            .unwrap_or("--");
+        match *e {
+            TopologyError::Zero { .. } => Self::TooSmall {
+                flag,
+                value: 0,
+                min: 1,
+            },
+            TopologyError::NotMultiple {
+                value,
+                divisor_arg,
+                divisor,
+                ..
+            } => Self::NotMultiple {
+                flag,
+                value,
+                divisor,
+                // `8 (bf16 16-byte vectors)` -> `bf16 16-byte vectors`; an argument by its flag.
+                why: divisor_arg
+                    .strip_prefix(&divisor.to_string())
+                    .map(|r| r.trim().trim_start_matches('(').trim_end_matches(')'))
+                    .filter(|r| !r.is_empty())
+                    .map_or_else(|| named(divisor_arg).to_string(), str::to_string),
+            },
+            TopologyError::IndexOutOfRange {
+                value,
+                bound_name,
+                bound,
+                ..
+            } => Self::TooLarge {
+                flag,
+                value,
+                max: bound.saturating_sub(1),
+                why: format!("< {} {bound}", named(bound_name)),
+            },
+            TopologyError::OutOfRange {
+                value,
+                min,
+                max,
+                rule,
+                ..
+            } => Self::at_least(flag, value, min)
+                .or_else(|| Self::at_most(flag, value, max, rule))
+                .unwrap_or_else(|| Self::Invalid {
+                    flag,
+                    why: e.to_string(),
+                }),
+            _ => Self::Invalid {
+                flag,
+                why: e.to_string(),
+            },
+        }
+    }
+}
+
+/// The argument a topology error is about.
+fn topology_arg(e: &TopologyError) -> Option<&'static str> {
+    match *e {
+        TopologyError::Zero { arg }
+        | TopologyError::NotMultiple { arg, .. }
+        | TopologyError::IndexOutOfRange { arg, .. }
+        | TopologyError::OutOfRange { arg, .. }
+        | TopologyError::NotPositiveFinite { arg, .. } => Some(arg),
+        _ => None,
+    }
+}
+
+/// Pushes the first error of `checks` (each `None` when its rule holds); true when there was
+/// none.
+fn first_error(
+    errs: &mut Vec<FlagError>,
+    checks: impl IntoIterator<Item = Option<FlagError>>,
+) -> bool {
+    match checks.into_iter().flatten().next() {
+        Some(e) => {
+            errs.push(e);
+            false
+        }
+        None => true,
+    }
+}
+
+/// The rule of a transport error, without the `invalid <argument>:` prefix.
+fn rule_of(e: TransportError) -> String {
+    match e {
+        TransportError::InvalidArgument { rule, .. } => rule,
+        other => other.to_string(),
+    }
+}
+
+/// The transport, schedule and route policy that the flags ask for, checked against what the
+/// spec's backend supports ([`TransportSpec::capabilities`]: no GPU needed).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TransportChoice {
+    /// The spec (`--virtual-nodes` folded in).
+    pub spec: TransportSpec,
+    /// What its backend supports.
+    pub caps: Capabilities,
+    /// The schedule.
+    pub schedule: Schedule,
+    /// The route policy.
+    pub routes: RoutePolicy,
+}
+
+impl TransportChoice {
+    /// Resolves the deprecated aliases (`--virtual-nodes`, `--barrier`) and checks that the
+    /// backend is compiled in and implements the schedule.
+    ///
+    /// # Errors
+    /// Each broken rule, naming the flag as typed.
+    pub fn from_flags(flags: &TransportFlags) -> Result<Self, FlagError> {
+        let spec = Self::spec_of(flags)?;
+        let caps = spec.capabilities().map_err(|e| FlagError::Unsupported {
+            flag: "--transport",
+            value: spec.to_string(),
+            why: rule_of(e),
+        })?;
+        let (schedule, routes) = flags.schedule_and_routes();
+        caps.check_schedule(schedule)
+            .map_err(|e| FlagError::Unsupported {
+                flag: flags.schedule_flag(),
+                value: flags
+                    .barrier
+                    .map_or_else(|| schedule.to_string(), |b| b.name().into()),
+                why: format!("with --transport {spec}: {}", rule_of(e)),
+            })?;
+        Ok(Self {
+            spec,
+            caps,
+            schedule,
+            routes,
+        })
+    }
+
+    /// `--transport`, with `--virtual-nodes N` folded into an `nvshmem` spec.
+    fn spec_of(flags: &TransportFlags) -> Result<TransportSpec, FlagError> {
+        let (spec, Some(n)) = (flags.transport, flags.virtual_nodes) else {
+            return Ok(flags.transport);
+        };
+        if let Some(e) = FlagError::at_least("--virtual-nodes", n as u64, 1) {
+            return Err(e);
+        }
+        match spec {
+            TransportSpec::Nvshmem {
+                virtual_nodes: VirtualNodes::Count(1),
+            } => Ok(TransportSpec::Nvshmem {
+                virtual_nodes: VirtualNodes::Count(n),
+            }),
+            _ if n == 1 => Ok(spec),
+            _ => Err(FlagError::Unsupported {
+                flag: "--virtual-nodes",
+                value: n.to_string(),
+                why: format!(
+                    "virtual nodes are an option of nvshmem, not of --transport {spec}; use                      --transport nvshmem:vnodes={n}"
+                ),
+            }),
+        }
+    }
+
+    /// The world layout this transport sees for `world` ranks, `local` per host, from `rank`,
+    /// and the route plan a `Buffer` on that rank would use: what the library computes.
+    ///
+    /// # Errors
+    /// The library's rule, naming the flag that chose what broke it.
+    pub fn plan(
+        &self,
+        flags: &TransportFlags,
+        world: usize,
+        rank: usize,
+        local: usize,
+    ) -> Result<RoutePlan, FlagError> {
+        let spec = self.spec;
+        let layout: WorldLayout = spec.world_layout(world, rank, local).map_err(|e| {
+            let flag = match &e {
+                TransportError::InvalidArgument {
+                    argument: "transport",
+                    ..
+                } => flags.vnodes_flag(),
+                _ => "--transport",
+            };
+            FlagError::Unsupported {
+                flag,
+                value: flags
+                    .virtual_nodes
+                    .map_or_else(|| spec.to_string(), |n| n.to_string()),
+                why: rule_of(e),
+            }
+        })?;
+        RoutePlan::new(&layout, self.caps.routes, self.routes).map_err(|e| {
+            let (flag, value) = match self.routes {
+                RoutePolicy::Auto => ("--transport", spec.to_string()),
+                _ => (
+                    flags.routes_flag(),
+                    flags
+                        .barrier
+                        .map_or_else(|| self.routes.to_string(), |b| b.name().into()),
+                ),
+            };
+            FlagError::Unsupported {
+                flag,
+                value,
+                why: format!("with --transport {spec}: {e}"),
+            }
+        })
+    }
 }
 
 /// Every broken rule found (at least one).
@@ -162,8 +419,10 @@ pub struct BenchPlan {
     pub is_sweep: bool,
     /// Skew demo: (late rank, delay in microseconds).
     pub delay: Option<(usize, u64)>,
-    /// Whether FP8 dispatch is verified and timed (hidden % 128 == 0).
+    /// Whether FP8 dispatch is verified and timed (`RowFormat` admits FP8 rows).
     pub fp8: bool,
+    /// The transport, schedule and route policy.
+    pub transport: TransportChoice,
     /// Things worth telling the user (stderr).
     pub notes: Vec<String>,
 }
@@ -208,46 +467,35 @@ pub fn validate_bench(
     machine: &Machine,
 ) -> Result<BenchPlan, FlagErrors> {
     let mut errs = Vec::new();
-    let mut notes = Vec::new();
+    let mut notes = args.comm.deprecations();
     let gpus = machine.gpus.as_deref();
 
     // --world
     let mut world = args.world.or(world_hint);
     if let Some(w) = world {
-        let why_default = if args.world.is_none() {
+        let default = if args.world.is_none() {
             " (the default: every visible GPU)"
         } else {
             ""
         };
-        let bad = if w == 0 {
-            Some(FlagError::TooSmall {
-                flag: "--world",
-                value: 0,
-                min: 1,
-            })
-        } else if w > MAX_WORLD {
-            Some(FlagError::TooLarge {
-                flag: "--world",
-                value: w as u64,
-                max: MAX_WORLD as u64,
-                why: format!("the kernels support at most {MAX_WORLD} ranks{why_default}"),
-            })
-        } else {
-            match gpus {
-                Some(g) if w > g.len() => Some(FlagError::TooLarge {
-                    flag: "--world",
-                    value: w as u64,
-                    max: g.len() as u64,
-                    why: format!(
-                        "this machine has {} GPU(s) visible; one rank runs per GPU",
-                        g.len()
-                    ),
+        let ok = first_error(
+            &mut errs,
+            [
+                world_rule(w, default),
+                gpus.and_then(|g| {
+                    FlagError::at_most(
+                        "--world",
+                        w as u64,
+                        g.len() as u64,
+                        format!(
+                            "this machine has {} GPU(s) visible; one rank runs per GPU",
+                            g.len()
+                        ),
+                    )
                 }),
-                _ => None,
-            }
-        };
-        if let Some(e) = bad {
-            errs.push(e);
+            ],
+        );
+        if !ok {
             world = None;
         }
     }
@@ -259,150 +507,134 @@ pub fn validate_bench(
     let min_mem = used.and_then(|g| g.iter().map(|g| g.memory_bytes).min());
 
     // --iters, --warmup
-    if args.iters == 0 {
-        errs.push(FlagError::TooSmall {
-            flag: "--iters",
-            value: 0,
-            min: 1,
-        });
-    }
-    for (flag, v) in [("--iters", args.iters), ("--warmup", args.warmup)] {
-        if v > MAX_ITERS {
-            errs.push(FlagError::TooLarge {
-                flag,
-                value: v as u64,
-                max: MAX_ITERS as u64,
-                why: "calls per op".into(),
-            });
-        }
-    }
+    first_error(
+        &mut errs,
+        [
+            FlagError::at_least("--iters", args.iters as u64, 1),
+            FlagError::at_most(
+                "--iters",
+                args.iters as u64,
+                MAX_ITERS as u64,
+                "calls per op",
+            ),
+        ],
+    );
+    first_error(
+        &mut errs,
+        [FlagError::at_most(
+            "--warmup",
+            args.warmup as u64,
+            MAX_ITERS as u64,
+            "calls per op",
+        )],
+    );
 
     // --tokens
-    let mut tokens_ok = true;
-    if args.tokens == 0 {
-        errs.push(FlagError::TooSmall {
-            flag: "--tokens",
-            value: 0,
-            min: 1,
-        });
-        tokens_ok = false;
-    } else if let Some(w) = world {
-        let max = MAX_ROWS / w as u64;
-        if args.tokens as u64 > max {
-            errs.push(FlagError::TooLarge {
-                flag: "--tokens",
-                value: args.tokens as u64,
-                max,
-                why: format!(
-                    "a rank receives up to --tokens x --world ({w}) rows, indexed with 32-bit \
-                     integers on the GPU"
-                ),
-            });
-            tokens_ok = false;
-        }
-    }
+    let tokens_ok = first_error(
+        &mut errs,
+        [
+            FlagError::at_least("--tokens", args.tokens as u64, 1),
+            world.and_then(|w| {
+                FlagError::at_most(
+                    "--tokens",
+                    args.tokens as u64,
+                    MAX_ROWS / w as u64,
+                    format!(
+                        "a rank receives up to --tokens x --world ({w}) rows, indexed with 32-bit \
+                         integers on the GPU"
+                    ),
+                )
+            }),
+        ],
+    );
 
-    // --hidden
-    let mut hidden_ok = false;
+    // --hidden: the library's row rules, then 32-bit row bytes on the GPU.
     let h = args.hidden;
-    if h == 0 {
-        errs.push(FlagError::TooSmall {
-            flag: "--hidden",
-            value: 0,
-            min: 8,
-        });
-    } else if !h.is_multiple_of(8) {
-        errs.push(FlagError::NotMultiple {
-            flag: "--hidden",
-            value: h as u64,
-            divisor: 8,
-            why: "rows move as 16-byte vectors of 8 bf16 values".into(),
-        });
-    } else if h as u64 * 2 > i32::MAX as u64 {
-        errs.push(FlagError::TooLarge {
-            flag: "--hidden",
-            value: h as u64,
-            max: i32::MAX as u64 / 2,
-            why: "row bytes are 32-bit integers on the GPU".into(),
-        });
-    } else {
-        hidden_ok = true;
-    }
-    let fp8 = hidden_ok && h.is_multiple_of(128);
-    if hidden_ok && !fp8 {
-        notes.push(format!(
-            "--hidden {h} is not a multiple of 128: FP8 dispatch (one scale per 128 values) is \
-             neither verified nor timed"
-        ));
-    }
+    let hidden_ok = match RowFormat::new(h, RowDtype::Bf16) {
+        Err(e) => {
+            errs.push(FlagError::from_topology(&e, HIDDEN));
+            false
+        }
+        Ok(row) => first_error(
+            &mut errs,
+            [FlagError::at_most(
+                "--hidden",
+                row.x_bytes() as u64,
+                i32::MAX as u64,
+                "row bytes are 32-bit integers on the GPU",
+            )],
+        ),
+    };
+    let fp8 = match RowFormat::new(h, RowDtype::Fp8) {
+        Ok(_) => hidden_ok,
+        Err(e) => {
+            if hidden_ok {
+                notes.push(format!(
+                    "{}: FP8 dispatch is neither verified nor timed",
+                    FlagError::from_topology(&e, HIDDEN)
+                ));
+            }
+            false
+        }
+    };
 
     // --experts, --top-k
-    let mut experts_ok = true;
-    if args.experts == 0 {
-        errs.push(FlagError::TooSmall {
-            flag: "--experts",
-            value: 0,
-            min: 1,
-        });
-        experts_ok = false;
-    } else if args.experts > i32::MAX as usize {
-        errs.push(FlagError::TooLarge {
-            flag: "--experts",
-            value: args.experts as u64,
-            max: i32::MAX as u64,
-            why: "expert ids are 32-bit integers on the GPU".into(),
-        });
-        experts_ok = false;
-    } else if let Some(w) = world
-        && !args.experts.is_multiple_of(w)
-    {
-        errs.push(FlagError::NotMultiple {
-            flag: "--experts",
-            value: args.experts as u64,
-            divisor: w as u64,
-            why: format!("experts are split evenly over the --world {w} ranks"),
-        });
-        experts_ok = false;
-    }
-    let mut top_k_ok = true;
-    if args.top_k == 0 {
-        errs.push(FlagError::TooSmall {
-            flag: "--top-k",
-            value: 0,
-            min: 1,
-        });
-        top_k_ok = false;
-    } else if args.experts > 0 && args.top_k > args.experts {
-        errs.push(FlagError::TooLarge {
-            flag: "--top-k",
-            value: args.top_k as u64,
-            max: args.experts as u64,
-            why: format!(
-                "a token picks distinct experts among --experts {}",
-                args.experts
+    let experts_ok = first_error(
+        &mut errs,
+        [
+            FlagError::at_least("--experts", args.experts as u64, 1),
+            FlagError::at_most(
+                "--experts",
+                args.experts as u64,
+                i32::MAX as u64,
+                "expert ids are 32-bit integers on the GPU",
             ),
-        });
-        top_k_ok = false;
-    }
+            world.and_then(|w| {
+                FlagError::multiple_of(
+                    "--experts",
+                    args.experts as u64,
+                    w as u64,
+                    format!("experts are split evenly over the --world {w} ranks"),
+                )
+            }),
+        ],
+    );
+    let top_k_ok = first_error(
+        &mut errs,
+        [
+            FlagError::at_least("--top-k", args.top_k as u64, 1),
+            (args.experts > 0)
+                .then(|| {
+                    FlagError::at_most(
+                        "--top-k",
+                        args.top_k as u64,
+                        args.experts as u64,
+                        format!(
+                            "a token picks distinct experts among --experts {}",
+                            args.experts
+                        ),
+                    )
+                })
+                .flatten(),
+        ],
+    );
 
     // --sms / --sweep-sms
     let sms_rule = |flag: &'static str, v: u32, errs: &mut Vec<FlagError>| {
-        if v == 0 {
-            errs.push(FlagError::TooSmall {
-                flag,
-                value: 0,
-                min: 1,
-            });
-        } else if let Some(max) = min_sms
-            && v > max
-        {
-            errs.push(FlagError::TooLarge {
-                flag,
-                value: u64::from(v),
-                max: u64::from(max),
-                why: format!("the GPU has {max} SMs"),
-            });
-        }
+        first_error(
+            errs,
+            [
+                FlagError::at_least(flag, u64::from(v), 1),
+                min_sms.and_then(|max| {
+                    FlagError::at_most(
+                        flag,
+                        u64::from(v),
+                        u64::from(max),
+                        format!("the GPU has {max} SMs"),
+                    )
+                }),
+            ],
+        );
     };
     let (sweep, is_sweep) = match &args.sweep_sms {
         None => {
@@ -430,69 +662,49 @@ pub fn validate_bench(
         }
     };
 
-    // --transport, --virtual-nodes, --barrier
-    let vn = args.virtual_nodes;
-    if vn == 0 {
-        errs.push(FlagError::TooSmall {
-            flag: "--virtual-nodes",
-            value: 0,
-            min: 1,
-        });
-    } else if vn != 1 && args.transport == TransportArg::Ipc {
-        errs.push(FlagError::Unsupported {
-            flag: "--virtual-nodes",
-            value: vn.to_string(),
-            why: "--transport ipc reaches peers by stores only; traffic between (virtual) \
-                  nodes needs --transport nvshmem"
-                .into(),
-        });
-    } else if let Some(w) = world
-        && !w.is_multiple_of(vn)
-    {
-        errs.push(FlagError::Unsupported {
-            flag: "--virtual-nodes",
-            value: vn.to_string(),
-            why: format!("must divide --world {w} (every virtual node gets as many GPUs)"),
-        });
-    }
-    if !args.transport.barriers().contains(&args.barrier) {
-        let names: Vec<&str> = args.transport.barriers().iter().map(|b| b.name()).collect();
-        errs.push(FlagError::Unsupported {
-            flag: "--barrier",
-            value: args.barrier.name().into(),
-            why: format!(
-                "--transport {} supports {}; peer-signal needs --transport nvshmem",
-                args.transport.name(),
-                names.join(", ")
-            ),
-        });
-    }
+    // --transport, --schedule, --routes (and their aliases): the library decides, for every
+    // rank of a local launch (one host).
+    let transport = TransportChoice::from_flags(&args.comm).and_then(|t| {
+        if let Some(w) = world {
+            (0..w).try_for_each(|rank| t.plan(&args.comm, w, rank, w).map(drop))?;
+        }
+        Ok(t)
+    });
+    let transport = match transport {
+        Ok(t) => Some(t),
+        Err(e) => {
+            errs.push(e);
+            None
+        }
+    };
 
     // --delay-rank, --delay-us
     let delay_us = args.delay_us.unwrap_or(DEFAULT_DELAY_US);
-    if delay_us > MAX_DELAY_US {
-        errs.push(FlagError::TooLarge {
-            flag: "--delay-us",
-            value: delay_us,
-            max: MAX_DELAY_US,
-            why: "the injected GPU delay is at most 10 s".into(),
-        });
-    }
+    first_error(
+        &mut errs,
+        [FlagError::at_most(
+            "--delay-us",
+            delay_us,
+            MAX_DELAY_US,
+            "the injected GPU delay is at most 10 s",
+        )],
+    );
     if args.delay_us.is_some() && args.delay_rank.is_none() {
         errs.push(FlagError::Invalid {
             flag: "--delay-us",
             why: "needs --delay-rank".into(),
         });
     }
-    if let (Some(r), Some(w)) = (args.delay_rank, world)
-        && r >= w
-    {
-        errs.push(FlagError::TooLarge {
-            flag: "--delay-rank",
-            value: r as u64,
-            max: w as u64 - 1,
-            why: format!("ranks are 0..{w} with --world {w}"),
-        });
+    if let (Some(r), Some(w)) = (args.delay_rank, world) {
+        first_error(
+            &mut errs,
+            [FlagError::at_most(
+                "--delay-rank",
+                r as u64,
+                w as u64 - 1,
+                format!("ranks are 0..{w} with --world {w}"),
+            )],
+        );
     }
 
     // Memory, when everything it depends on is valid and the machine is known.
@@ -502,46 +714,7 @@ pub fn validate_bench(
         && experts_ok
         && top_k_ok
     {
-        match device_bytes_estimate(w, args.tokens, h, args.top_k, args.experts) {
-            None => errs.push(FlagError::Invalid {
-                flag: "--tokens",
-                why: format!(
-                    "--tokens {} with --hidden {h} and --world {w}: buffer sizes overflow",
-                    args.tokens
-                ),
-            }),
-            Some(need) => {
-                if let Some(have) = min_mem
-                    && need > u128::from(have)
-                {
-                    errs.push(FlagError::Invalid {
-                        flag: "--tokens",
-                        why: format!(
-                            "--tokens {} with --hidden {h} and --world {w} needs about {} of GPU \
-                             memory per rank; the smallest GPU has {}",
-                            args.tokens,
-                            gib(need),
-                            gib(u128::from(have))
-                        ),
-                    });
-                }
-            }
-        }
-        let host = host_bytes_estimate(w, args.tokens, h);
-        if let Some(have) = machine.host_memory_bytes
-            && host > u128::from(have)
-        {
-            errs.push(FlagError::Invalid {
-                flag: "--tokens",
-                why: format!(
-                    "--tokens {} with --hidden {h} and --world {w} needs about {} of host \
-                     memory (every worker generates every rank's inputs); this host has {}",
-                    args.tokens,
-                    gib(host),
-                    gib(u128::from(have))
-                ),
-            });
-        }
+        errs.extend(memory_errors(args, w, min_mem, machine.host_memory_bytes));
     }
 
     // --plot
@@ -551,18 +724,70 @@ pub fn validate_bench(
         errs.push(e);
     }
 
-    if errs.is_empty() {
-        Ok(BenchPlan {
+    match transport {
+        Some(transport) if errs.is_empty() => Ok(BenchPlan {
             world,
             sweep,
             is_sweep,
             delay: args.delay_rank.map(|r| (r, delay_us)),
             fp8,
+            transport,
             notes,
-        })
-    } else {
-        Err(FlagErrors(errs))
+        }),
+        _ => Err(FlagErrors(errs)),
     }
+}
+
+/// The rule every `--world` obeys (also `epcomm topo`'s): 1 ..= [`MAX_WORLD`].
+pub fn world_rule(world: usize, why_suffix: &str) -> Option<FlagError> {
+    FlagError::at_least("--world", world as u64, 1).or_else(|| {
+        FlagError::at_most(
+            "--world",
+            world as u64,
+            MAX_WORLD as u64,
+            format!("the kernels support at most {MAX_WORLD} ranks{why_suffix}"),
+        )
+    })
+}
+
+/// The memory the run needs against what the GPUs (`gpu_memory`: the smallest) and the host
+/// have; all reported on `--tokens`.
+fn memory_errors(
+    args: &BenchArgs,
+    w: usize,
+    gpu_memory: Option<u64>,
+    host_memory: Option<u64>,
+) -> Vec<FlagError> {
+    let (t, h) = (args.tokens, args.hidden);
+    let what = format!("--tokens {t} with --hidden {h} and --world {w}");
+    let too_much = |need: u128, have: Option<u64>, whose: &str| {
+        have.filter(|&have| need > u128::from(have))
+            .map(|have| FlagError::Invalid {
+                flag: "--tokens",
+                why: format!(
+                    "{what} needs about {} of {whose} {}",
+                    gib(need),
+                    gib(u128::from(have))
+                ),
+            })
+    };
+    let device = match device_bytes_estimate(w, t, h, args.top_k, args.experts) {
+        None => Some(FlagError::Invalid {
+            flag: "--tokens",
+            why: format!("{what}: buffer sizes overflow"),
+        }),
+        Some(need) => too_much(
+            need,
+            gpu_memory,
+            "GPU memory per rank; the smallest GPU has",
+        ),
+    };
+    let host = too_much(
+        host_bytes_estimate(w, t, h),
+        host_memory,
+        "host memory (every worker generates every rank's inputs); this host has",
+    );
+    device.into_iter().chain(host).collect()
 }
 
 fn plot_path_error(p: &Path) -> Option<FlagError> {
@@ -594,18 +819,20 @@ fn plot_path_error(p: &Path) -> Option<FlagError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cli::tests::parse;
     use crate::cli::{BarrierArg, Cli, Command};
     use clap::Parser;
 
     fn args(extra: &[&str]) -> BenchArgs {
-        let mut argv = vec!["epcomm", "bench"];
-        argv.extend_from_slice(extra);
-        match Cli::try_parse_from(argv) {
-            Ok(Cli {
-                command: Command::Bench(a),
-            }) => a,
-            other => panic!("parse failed: {other:?}"),
+        match parse(&[&["bench"], extra].concat()) {
+            Command::Bench(a) => a,
+            other => panic!("not bench: {other:?}"),
         }
+    }
+
+    /// Validates `extra` with no machine facts; it must pass.
+    fn valid(extra: &[&str]) -> BenchPlan {
+        validate_bench(&args(extra), None, &Machine::default()).unwrap()
     }
 
     fn gpus(n: usize, sms: u32, mem_gib: u64) -> Vec<GpuInfo> {
@@ -636,12 +863,12 @@ mod tests {
 
     #[test]
     fn defaults_are_valid() {
-        let plan = validate_bench(&args(&["--world", "8"]), None, &Machine::default()).unwrap();
+        let plan = valid(&["--world", "8"]);
         assert_eq!(plan.world, Some(8));
         assert_eq!(plan.sweep, vec![24]);
         assert!(plan.fp8 && !plan.is_sweep && plan.delay.is_none());
         // Without --world nor a machine, world-dependent rules wait for the GPU count.
-        let plan = validate_bench(&args(&[]), None, &Machine::default()).unwrap();
+        let plan = valid(&[]);
         assert_eq!(plan.world, None);
     }
 
@@ -657,7 +884,7 @@ mod tests {
     #[test]
     fn warmup_too_many() {
         error_about(&["--warmup", "10001"], "--warmup");
-        validate_bench(&args(&["--warmup", "0"]), None, &Machine::default()).unwrap();
+        valid(&["--warmup", "0"]);
     }
 
     #[test]
@@ -722,7 +949,7 @@ mod tests {
             "{e}"
         );
         error_about(&["--hidden", "0"], "--hidden");
-        let plan = validate_bench(&args(&["--hidden", "136"]), None, &Machine::default()).unwrap();
+        let plan = valid(&["--hidden", "136"]);
         assert!(!plan.fp8);
         assert!(plan.notes.iter().any(|n| n.contains("--hidden 136")));
     }
@@ -753,43 +980,86 @@ mod tests {
     }
 
     #[test]
-    fn virtual_nodes_need_nvshmem_and_must_divide_world() {
-        let e = error_about(&["--virtual-nodes", "2"], "--virtual-nodes");
-        assert!(e.to_string().contains("nvshmem"), "{e}");
-        error_about(&["--virtual-nodes", "0"], "--virtual-nodes");
+    fn transport_specs_and_the_virtual_nodes_alias() {
+        let ok = |extra: &[&str]| valid(extra).transport;
+        let spec = ok(&["--transport", "nvshmem:vnodes=2", "--world", "4"]);
+        assert_eq!(spec.spec.to_string(), "nvshmem:vnodes=2");
+        let alias = ok(&[
+            "--transport",
+            "nvshmem",
+            "--virtual-nodes",
+            "2",
+            "--world",
+            "4",
+        ]);
+        assert_eq!(alias, spec);
+        assert_eq!(ok(&["--virtual-nodes", "1"]).spec.to_string(), "ipc");
+        // The library's layout rule, named by the flag that was typed.
+        let e = error_about(
+            &["--transport", "nvshmem:vnodes=3", "--world", "4"],
+            "--transport",
+        );
+        assert!(e.to_string().contains("vnodes=3 must divide"), "{e}");
         error_about(
             &[
                 "--transport",
                 "nvshmem",
-                "--world",
-                "4",
                 "--virtual-nodes",
                 "3",
+                "--world",
+                "4",
             ],
             "--virtual-nodes",
         );
-        validate_bench(
-            &args(&[
-                "--transport",
-                "nvshmem",
-                "--world",
-                "4",
-                "--virtual-nodes",
-                "2",
-            ]),
-            None,
-            &Machine::default(),
-        )
-        .unwrap();
+        let e = error_about(&["--virtual-nodes", "2"], "--virtual-nodes");
+        assert!(e.to_string().contains("nvshmem:vnodes=2"), "{e}");
+        error_about(&["--virtual-nodes", "0"], "--virtual-nodes");
+        error_about(
+            &["--transport", "nvshmem:vnodes=2", "--virtual-nodes", "2"],
+            "--virtual-nodes",
+        );
     }
 
     #[test]
-    fn peer_signal_needs_nvshmem() {
-        let e = error_about(&["--barrier", "peer-signal"], "--barrier");
-        assert!(e.to_string().contains("--transport nvshmem"), "{e}");
+    fn routes_are_planned_by_the_library() {
+        // ipc supports stores only: put-signal to a peer is refused by RoutePlan::new.
+        let e = error_about(&["--routes", "put-signal", "--world", "2"], "--routes");
+        assert!(e.to_string().contains("put-signal"), "{e}");
+        // One rank has no peer to put to.
+        valid(&["--routes", "put-signal", "--world", "1"]);
+        let plan = valid(&[
+            "--routes",
+            "put-signal",
+            "--transport",
+            "nvshmem",
+            "--world",
+            "2",
+        ]);
+        assert_eq!(
+            (plan.transport.schedule, plan.transport.routes),
+            (Schedule::Epoch, RoutePolicy::PutSignal)
+        );
+        let plan = valid(&["--schedule", "global"]);
+        assert_eq!(plan.transport.schedule, Schedule::Global);
+    }
+
+    #[test]
+    fn the_barrier_alias_maps_to_schedule_and_routes() {
+        let e = error_about(&["--barrier", "peer-signal", "--world", "2"], "--barrier");
+        assert!(e.to_string().contains("--transport ipc"), "{e}");
         let a = args(&["--barrier", "peer-signal", "--transport", "nvshmem"]);
-        assert_eq!(a.barrier, BarrierArg::PeerSignal);
-        validate_bench(&a, None, &Machine::default()).unwrap();
+        assert_eq!(a.comm.barrier, Some(BarrierArg::PeerSignal));
+        let plan = validate_bench(&a, Some(2), &Machine::default()).unwrap();
+        assert_eq!(
+            (plan.transport.schedule, plan.transport.routes),
+            (Schedule::Epoch, RoutePolicy::PutSignal)
+        );
+        assert!(plan.notes.iter().any(|n| n.contains("--routes put-signal")));
+        let a = args(&["--barrier", "global"]);
+        assert_eq!(
+            a.comm.schedule_and_routes(),
+            (Schedule::Global, RoutePolicy::Auto)
+        );
     }
 
     #[test]
@@ -807,12 +1077,7 @@ mod tests {
             ],
             "--delay-us",
         );
-        let plan = validate_bench(
-            &args(&["--world", "2", "--delay-rank", "1"]),
-            None,
-            &Machine::default(),
-        )
-        .unwrap();
+        let plan = valid(&["--world", "2", "--delay-rank", "1"]);
         assert_eq!(plan.delay, Some((1, DEFAULT_DELAY_US)));
     }
 
@@ -828,8 +1093,7 @@ mod tests {
         let err = validate_bench(&args(&["--world", "1", "--sweep-sms", "24,264"]), None, &m)
             .unwrap_err();
         assert!(err.about("--sweep-sms").is_some(), "{err}");
-        let plan =
-            validate_bench(&args(&["--sweep-sms", "32,16"]), None, &Machine::default()).unwrap();
+        let plan = valid(&["--sweep-sms", "32,16"]);
         assert_eq!(plan.sweep, vec![32, 16]);
         assert!(plan.is_sweep);
     }
@@ -853,7 +1117,14 @@ mod tests {
     fn clap_rules_name_the_flags() {
         for (argv, flag) in [
             (vec!["--transport", "tcp"], "--transport"),
+            (vec!["--transport", "nvshmem:vnodes=0"], "--transport"),
+            (vec!["--schedule", "peer-signal"], "--schedule"),
+            (vec!["--routes", "store"], "--routes"),
             (vec!["--barrier", "fast"], "--barrier"),
+            (
+                vec!["--barrier", "global", "--schedule", "epoch"],
+                "--schedule",
+            ),
             (vec!["--sweep-sms", "16,x"], "--sweep-sms"),
             (vec!["--plot", "a.svg"], "--sweep-sms"),
             (vec!["--json", "--csv"], "--csv"),

@@ -56,6 +56,17 @@ fn bad_flags_fail_fast_naming_the_flag_without_spawning_workers() {
             2,
         ),
         (
+            &["bench", "--world", "2", "--routes", "put-signal"],
+            "--routes",
+            2,
+        ),
+        (
+            &["bench", "--world", "4", "--transport", "nvshmem:vnodes=3"],
+            "--transport",
+            2,
+        ),
+        (&["bench", "--schedule", "peer-signal"], "--schedule", 2),
+        (
             &["bench", "--world", "2", "--delay-rank", "2"],
             "--delay-rank",
             2,
@@ -114,19 +125,24 @@ fn doctor_reports_and_exits_zero() {
     }
     if !driver_present() {
         assert!(stdout.contains("no CUDA driver"), "{stdout}");
-        assert!(
-            stdout.contains("ipc      not usable: no CUDA driver"),
-            "{stdout}"
-        );
-        assert!(
-            stdout.contains("nvshmem  not usable: no CUDA driver"),
-            "{stdout}"
-        );
-        // --require turns an unusable transport into exit code 4.
-        let (out, _) = run(&["doctor", "--require", "ipc"]);
-        assert_eq!(out.status.code(), Some(4));
-        assert!(text(&out.stderr).contains("ipc: not usable: no CUDA driver"));
+        for spec in ["ipc", "nvshmem"] {
+            let line = format!("{spec:<8} not usable: no CUDA driver");
+            assert!(stdout.contains(&line), "{line}: {stdout}");
+        }
+        // --require turns an unusable transport spec into exit code 4.
+        for spec in ["ipc", "nvshmem:vnodes=2"] {
+            let (out, _) = run(&["doctor", "--require", spec]);
+            assert_eq!(out.status.code(), Some(4));
+            let err = text(&out.stderr);
+            assert!(
+                err.contains(&format!("{spec}: not usable: no CUDA driver")),
+                "{err}"
+            );
+        }
     }
+    let (out, _) = run(&["doctor", "--require", "tcp"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains("--require"));
     let (out, _) = run(&["doctor", "--json"]);
     assert_eq!(out.status.code(), Some(0));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("doctor --json");
@@ -135,8 +151,16 @@ fn doctor_reports_and_exits_zero() {
 }
 
 #[test]
-fn topo_prints_tiers_and_routes() {
-    let (out, _) = run(&["topo", "--world", "4", "--gpus-per-node", "2"]);
+fn topo_prints_the_library_route_plan() {
+    let (out, _) = run(&[
+        "topo",
+        "--world",
+        "4",
+        "--gpus-per-node",
+        "2",
+        "--transport",
+        "nvshmem",
+    ]);
     let stdout = text(&out.stdout);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     assert!(
@@ -146,26 +170,37 @@ fn topo_prints_tiers_and_routes() {
     let rows: Vec<Vec<&str>> = stdout
         .lines()
         .map(|l| l.split_whitespace().collect::<Vec<_>>())
-        .filter(|w| w.len() >= 5 && w[0].parse::<usize>().is_ok())
+        .filter(|w| w.len() >= 3 && w[0].parse::<usize>().is_ok())
         .collect();
     let expect = [
-        ("0", "same GPU", "local"),
+        ("0", "this rank", "store"),
         ("1", "NVLink domain", "store"),
-        ("2", "other node", "put/signal"),
-        ("3", "other node", "put/signal"),
+        ("2", "other node", "put-signal"),
+        ("3", "other node", "put-signal"),
     ];
     assert_eq!(rows.len(), 4, "{stdout}");
-    for (row, (peer, tier, nvshmem)) in rows.iter().zip(expect) {
+    for (row, (peer, tier, route)) in rows.iter().zip(expect) {
         let line = row.join(" ");
         assert_eq!(row[0], peer, "{line}");
         assert!(line.contains(tier), "{line}");
-        assert_eq!(row.last().copied(), Some(nvshmem), "{line}");
-        // Two hosts: the ipc transport cannot be used at all.
-        assert!(line.contains("n/a"), "{line}");
+        assert_eq!(row.last().copied(), Some(route), "{line}");
     }
-    assert!(stdout.contains("n/a for ipc: ipc needs every rank on one host"));
+    assert!(stdout.contains("put-signal mask: 0xc"), "{stdout}");
 
-    let (out, _) = run(&["topo", "--world", "4", "--gpus-per-node", "3"]);
-    assert_eq!(out.status.code(), Some(2));
-    assert!(text(&out.stderr).contains("--gpus-per-node"));
+    // Two hosts: ipc (the default transport) cannot span them; the library says why.
+    for (args, flag) in [
+        (
+            &["topo", "--world", "4", "--gpus-per-node", "2"][..],
+            "--transport",
+        ),
+        (
+            &["topo", "--world", "4", "--gpus-per-node", "3"],
+            "--gpus-per-node",
+        ),
+    ] {
+        let (out, _) = run(args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let err = text(&out.stderr);
+        assert!(err.contains(flag), "{args:?}: {err}");
+    }
 }
