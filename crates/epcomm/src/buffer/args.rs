@@ -89,7 +89,7 @@ impl Buffer {
     /// parities, expected counter values) are not here: the kernels read them from the device
     /// `SeqState`, so a captured graph replays correctly. The host mirror advances only once
     /// the kernel is launched (a check that fails before the launch leaves it in step).
-    fn base_args(&self) -> OpArgs {
+    pub(super) fn base_args(&self) -> OpArgs {
         let plan = &self.plan;
         let stats = region(plan, RegionKind::Stats);
         let (err_claim, err_record, timeout_ns) = self.wait_ctx_base();

@@ -31,7 +31,31 @@ impl Buffer {
         // The record is complete once the failing kernel has exited.
         let _ = self.stream.synchronize();
         let record: ErrorRecord = self.err_record.read_struct().unwrap_or_default();
+        if record.code != abi::code::PEER_FAILED {
+            self.announce_failure();
+        }
         Err(self.fail(Error::from_record(&record)))
+    }
+
+    /// Tells every peer that this rank failed, when the failure was found by the host before
+    /// any op kernel could send it: the layout kernel has no peers, so an invalid expert id it
+    /// records is otherwise sent only by the next op's prologue, and the host refuses to launch
+    /// that op. Launches the dispatch kernel once, which (this rank's claim being set) only
+    /// writes the abort word into every peer's buffer and leaves: it reads no input, writes no
+    /// row and does not advance the sequence state. Idempotent with a kernel's own broadcast;
+    /// best effort (the error this rank reports does not depend on it).
+    fn announce_failure(&mut self) {
+        let args = self.base_args();
+        // SAFETY: the argument block holds this buffer's live peer bases, error words, stats
+        // offsets and sequence state; with the claim set the prologue touches nothing else and
+        // every block returns before the body (so no completion counter is involved).
+        let launched = unsafe {
+            self.kernels
+                .launch_dispatch(&self.stream, &args, self.cfg.num_sms)
+        };
+        if launched.is_ok() {
+            let _ = self.stream.synchronize();
+        }
     }
 
     /// True after a device failure.
