@@ -280,24 +280,19 @@ fn check_dispatched(
         )?;
     }
     let what = if full { "dispatch" } else { "cached dispatch" };
+    let (label, want_bytes): (&str, Vec<u8>) = match &want.recv_x {
+        XData::Bf16(x) => ("recv_x", x.iter().flat_map(|v| v.to_le_bytes()).collect()),
+        XData::Fp8 { data, .. } => ("recv_x (fp8)", data.iter().map(|v| v.to_bits()).collect()),
+    };
+    first_diff(
+        &format!("{what} {label}"),
+        rank,
+        &d.recv_x_bytes_to_host()?,
+        &want_bytes,
+    )?;
     match &want.recv_x {
-        XData::Bf16(x) => {
-            let want_bytes: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
-            first_diff(
-                &format!("{what} recv_x"),
-                rank,
-                &d.recv_x_bytes_to_host()?,
-                &want_bytes,
-            )?;
-        }
-        XData::Fp8 { data, scales } => {
-            let want_bytes: Vec<u8> = data.iter().map(|v| v.to_bits()).collect();
-            first_diff(
-                &format!("{what} recv_x (fp8)"),
-                rank,
-                &d.recv_x_bytes_to_host()?,
-                &want_bytes,
-            )?;
+        XData::Bf16(_) => {}
+        XData::Fp8 { scales, .. } => {
             first_diff(
                 &format!("{what} recv_scales"),
                 rank,

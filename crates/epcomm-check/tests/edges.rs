@@ -313,10 +313,8 @@ fn run_in_place_weights(w: &Worker, mk: MakeTransport<'_>) {
     let r = buf.combine_in_place(&handle, &mut out, Some(&mut out_w));
     common::assert_invalid(r, "out_weights");
     buf.combine_in_place(&handle, &mut out, None).unwrap();
-    buf.synchronize().unwrap();
     // The weighted path still works.
-    verified_round(&mut buf, &h, &d, RoundOptions::default()).unwrap();
-    buf.destroy().unwrap();
+    common::verify_and_destroy(buf, &h, &d);
     log(
         rank,
         "in-place weights: refused unless the latest dispatch carried them",
@@ -405,9 +403,7 @@ fn run_input_checks(w: &Worker, mk: MakeTransport<'_>) {
     let y = buf.stream().alloc_zeros::<bf16>(world * 64 * 128).unwrap();
     let mut out = buf.stream().alloc_zeros::<bf16>(40 * 128).unwrap();
     common::assert_invalid(buf.combine(&y, None, &handle, &mut out, None), "handle");
-    buf.synchronize().unwrap();
-    verified_round(&mut buf, &h, &d, RoundOptions::default()).unwrap();
-    buf.destroy().unwrap();
+    common::verify_and_destroy(buf, &h, &d);
     log(
         rank,
         "input checks: misaligned x and stale handles refused before launch",

@@ -57,6 +57,15 @@ impl KernelVariant {
     }
 }
 
+/// The op kernels of an image that take an [`OpArgs`] block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op {
+    /// `epcomm_dispatch` (also cached dispatch, per `OpArgs::flags`).
+    Dispatch,
+    /// `epcomm_combine` (also in-place combine, per `OpArgs::flags`).
+    Combine,
+}
+
 /// A dispatch or combine kernel and what launching it is called in errors.
 #[derive(Debug)]
 struct OpKernel {
@@ -208,34 +217,26 @@ impl IntranodeKernels {
         Ok(())
     }
 
-    /// Launches dispatch (or cached dispatch, per `args.flags`) with `blocks` blocks.
+    /// Launches `op` (dispatch — or cached dispatch, per `args.flags` — or combine) with
+    /// `blocks` blocks.
     ///
     /// # Safety
     /// Every address in `args` must be valid for the documented sizes until the kernel
     /// finishes, the symmetric buffer must be mapped on every peer, and every rank must launch
     /// the same op with the same `blocks` (the completion counters count blocks).
-    pub unsafe fn launch_dispatch(
+    pub unsafe fn launch_op(
         &self,
+        op: Op,
         stream: &CudaStream,
         args: &OpArgs,
         blocks: u32,
     ) -> Result<(), KernelError> {
+        let kernel = match op {
+            Op::Dispatch => &self.dispatch,
+            Op::Combine => &self.combine,
+        };
         // SAFETY: upheld by the caller (see above).
-        unsafe { self.dispatch.launch(stream, args, blocks) }
-    }
-
-    /// Launches combine with `blocks` blocks.
-    ///
-    /// # Safety
-    /// As for [`Self::launch_dispatch`].
-    pub unsafe fn launch_combine(
-        &self,
-        stream: &CudaStream,
-        args: &OpArgs,
-        blocks: u32,
-    ) -> Result<(), KernelError> {
-        // SAFETY: upheld by the caller (see above).
-        unsafe { self.combine.launch(stream, args, blocks) }
+        unsafe { kernel.launch(stream, args, blocks) }
     }
 
     /// A digest of the loaded kernel image: ranks compare it, so that they never run

@@ -52,7 +52,7 @@ mod image;
 mod intranode;
 
 pub use image::{Image, ImageBuild, images};
-pub use intranode::{IntranodeKernels, KernelVariant};
+pub use intranode::{IntranodeKernels, KernelVariant, Op};
 
 /// Errors of loading or launching kernels.
 #[derive(Debug, thiserror::Error)]

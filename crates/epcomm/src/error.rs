@@ -242,24 +242,27 @@ mod tests {
             e.contains("combine") && e.contains("rank 3") && e.contains("CombineData"),
             "{e}"
         );
-        let r = record(abi::code::INVALID_EXPERT, abi::op::LAYOUT, 7, 64, 99);
-        assert!(matches!(
-            Error::from_record(&r),
-            Error::InvalidExpert {
-                token: 7,
-                value: 99,
-                num_experts: 64
-            }
-        ));
-        let r = record(abi::code::OVERFLOW, abi::op::DISPATCH, 0, 10, 12);
-        assert!(matches!(
-            Error::from_record(&r),
-            Error::Overflow {
-                requested: 12,
-                capacity: 10,
-                ..
-            }
-        ));
+        let invalid = record(abi::code::INVALID_EXPERT, abi::op::LAYOUT, 7, 64, 99);
+        let overflow = record(abi::code::OVERFLOW, abi::op::DISPATCH, 0, 10, 12);
+        let errors = (Error::from_record(&invalid), Error::from_record(&overflow));
+        assert!(
+            matches!(
+                errors,
+                (
+                    Error::InvalidExpert {
+                        token: 7,
+                        value: 99,
+                        num_experts: 64
+                    },
+                    Error::Overflow {
+                        requested: 12,
+                        capacity: 10,
+                        ..
+                    }
+                )
+            ),
+            "{errors:?}"
+        );
         let r = abi::ErrorRecord {
             wait_id: abi::wait::OP_START,
             rank: 1,

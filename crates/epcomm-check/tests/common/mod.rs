@@ -443,3 +443,15 @@ impl GraphIo {
         stream.memcpy_dtod(&case.y, &mut self.y).unwrap();
     }
 }
+
+/// Waits for `buf`'s ops, checks that a verified round still passes on it, and destroys it.
+pub fn verify_and_destroy(
+    mut buf: epcomm::Buffer,
+    h: &epcomm_check::inputs::HostInputs,
+    d: &DeviceInputs,
+) {
+    use epcomm_check::verify::{RoundOptions, verified_round};
+    buf.synchronize().unwrap();
+    verified_round(&mut buf, h, d, RoundOptions::default()).unwrap();
+    buf.destroy().unwrap();
+}

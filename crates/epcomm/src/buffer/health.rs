@@ -10,6 +10,7 @@
 use std::time::{Duration, Instant};
 
 use cudarc::driver::sys;
+use epcomm_kernels::Op;
 use epcomm_kernels::abi::{self, ErrorRecord};
 use epcomm_topology::{Parity, RegionKind};
 use epcomm_transport::memory::copy_dtoh;
@@ -51,7 +52,7 @@ impl Buffer {
         // every block returns before the body (so no completion counter is involved).
         let launched = unsafe {
             self.kernels
-                .launch_dispatch(&self.stream, &args, self.cfg.num_sms)
+                .launch_op(Op::Dispatch, &self.stream, &args, self.cfg.num_sms)
         };
         if launched.is_ok() {
             let _ = self.stream.synchronize();

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 
 use cudarc::driver::{DevicePtr, DevicePtrMut};
-use epcomm_kernels::abi;
+use epcomm_kernels::{Op, abi};
 use epcomm_topology::{Parity, RegionKind, RowDtype, RowFormat};
 
 use super::{DispatchInput, XInput};
@@ -208,7 +208,7 @@ impl Buffer {
         // follows the same plan on every rank, and every rank launches this op with `blocks`
         // blocks (the completion counters count blocks). A cached dispatch only reads the
         // handle, written by its dispatch earlier on this stream.
-        unsafe { self.kernels.launch_dispatch(s, &a, blocks) }?;
+        unsafe { self.kernels.launch_op(Op::Dispatch, s, &a, blocks) }?;
         self.seq.advance(kind);
         self.last_op = Some(if cached {
             "cached dispatch"
@@ -342,7 +342,7 @@ impl Buffer {
         self.check_combine_ptrs(&a, h.rows_bound(), t)?;
         // SAFETY: out/out_weights hold T rows (checked above); y per the caller's contract; the
         // handle's arrays were written by its dispatch earlier on this stream.
-        unsafe { self.kernels.launch_combine(s, &a, blocks) }?;
+        unsafe { self.kernels.launch_op(Op::Combine, s, &a, blocks) }?;
         self.seq.advance(abi::op::COMBINE);
         self.last_op = Some("combine");
         Ok(())
