@@ -1,0 +1,476 @@
+//! The build driver: reads the image manifest and the build record, decides what is stale,
+//! compiles that (or, with `--check`, only reports it), removes the artifacts whose image is
+//! gone, and saves the record.
+
+use std::collections::BTreeSet;
+use std::fs;
+
+use super::Layout;
+use super::images::{IMAGES_FILE, KernelKind, KernelSource, read_images};
+use super::inputs::{HashInputs, inputs_hash, read_deps};
+use super::manifest::{Manifest, ManifestEntry, Staleness, staleness};
+use super::nvcc::{CompileCtx, Job, compile_all, flags};
+use crate::error::{Error, Result};
+use crate::toolchain::{Nvshmem, Toolchain, ToolchainEnv};
+
+/// Options of `build-kernels`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct BuildOptions {
+    /// Only verify; build nothing, install nothing.
+    pub check: bool,
+    /// Rebuild everything.
+    pub force: bool,
+    /// Print the toolchain, every command and nvcc's output.
+    pub verbose: bool,
+}
+
+/// What a build did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BuildSummary {
+    /// Artifacts compiled in this run.
+    pub built: Vec<String>,
+    /// Artifacts that were already up to date.
+    pub up_to_date: Vec<String>,
+    /// Artifacts removed because their source is gone.
+    pub removed: Vec<String>,
+}
+
+/// One planned artifact with its inputs resolved.
+#[derive(Debug)]
+struct Plan {
+    src: KernelSource,
+    entry: ManifestEntry,
+    state: Staleness,
+}
+
+/// Runs `build-kernels` (or `--check`) for `layout`.
+pub fn build(layout: &Layout, env: &ToolchainEnv, opts: BuildOptions) -> Result<BuildSummary> {
+    let sources = read_images(&layout.workspace)?;
+    let mut manifest = Manifest::load(&layout.out_dir);
+    if sources.is_empty() {
+        println!(
+            "build-kernels: no kernel images listed in {}; nothing to do",
+            layout.workspace.join(IMAGES_FILE).display()
+        );
+        if opts.check {
+            return Ok(BuildSummary::default());
+        }
+        fs::create_dir_all(&layout.out_dir).map_err(Error::io("creating", &layout.out_dir))?;
+        let removed = remove_orphans(layout, &mut manifest, &BTreeSet::new())?;
+        manifest.save(&layout.out_dir)?;
+        return Ok(BuildSummary {
+            removed,
+            ..BuildSummary::default()
+        });
+    }
+    let tc = Toolchain::resolve(env, !opts.check)?;
+    if opts.verbose {
+        println!(
+            "build-kernels: nvcc {} ({}) from {}",
+            tc.nvcc.display(),
+            tc.version.text,
+            tc.origin
+        );
+    }
+    let nvshmem = if sources.iter().any(|s| s.kind == KernelKind::NvshmemCubin) {
+        Some(Nvshmem::resolve(env, !opts.check)?)
+    } else {
+        None
+    };
+
+    let deps = read_deps(&layout.workspace, &layout.kernels_dir())?;
+
+    let mut plans = Vec::new();
+    for src in &sources {
+        let source_bytes = fs::read(layout.workspace.join(&src.rel))
+            .map_err(Error::io("reading", &layout.workspace.join(&src.rel)))?;
+        let (nvcc_flags, link_flags) = flags(src.kind, &layout.workspace, &tc, nvshmem.as_ref());
+        let hash = inputs_hash(&HashInputs {
+            kind: src.kind,
+            source_rel: &src.rel,
+            source: &source_bytes,
+            deps: &deps,
+            nvcc_flags: &nvcc_flags,
+            link_flags: &link_flags,
+            toolchain: &tc.version.text,
+            nvshmem_lib: match src.kind {
+                KernelKind::Fatbin => None,
+                KernelKind::NvshmemCubin => nvshmem.as_ref().map(|n| n.device_lib_sha256.as_str()),
+            },
+        });
+        let state = staleness(
+            manifest.artifacts.get(&src.artifact),
+            &layout.out_dir.join(&src.artifact),
+            &hash,
+        );
+        plans.push(Plan {
+            src: src.clone(),
+            entry: ManifestEntry {
+                source: src.rel.clone(),
+                kind: src.kind,
+                inputs_sha256: hash,
+                flags: nvcc_flags,
+                link_flags,
+                toolchain: tc.version.text.clone(),
+                size: 0,
+            },
+            state,
+        });
+    }
+
+    let wanted: BTreeSet<String> = plans.iter().map(|p| p.src.artifact.clone()).collect();
+    if opts.check {
+        let orphans: Vec<&String> = manifest
+            .artifacts
+            .keys()
+            .filter(|k| !wanted.contains(*k))
+            .collect();
+        let stale: Vec<String> = plans
+            .iter()
+            .filter(|p| p.state != Staleness::UpToDate)
+            .map(|p| format!("{} ({}): {}", p.src.artifact, p.src.rel, p.state.describe()))
+            .collect();
+        if !orphans.is_empty() {
+            println!(
+                "build-kernels: note: manifest lists artifacts without a source (removed on the next build): {}",
+                orphans
+                    .iter()
+                    .map(|o| o.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        }
+        if !stale.is_empty() {
+            return Err(Error::StaleKernels { stale });
+        }
+        println!(
+            "build-kernels: {} artifact(s) up to date in {}",
+            plans.len(),
+            layout.out_dir.display()
+        );
+        return Ok(BuildSummary {
+            up_to_date: plans.iter().map(|p| p.src.artifact.clone()).collect(),
+            ..BuildSummary::default()
+        });
+    }
+
+    fs::create_dir_all(&layout.out_dir).map_err(Error::io("creating", &layout.out_dir))?;
+    let mut summary = BuildSummary {
+        removed: remove_orphans(layout, &mut manifest, &wanted)?,
+        ..BuildSummary::default()
+    };
+
+    let (todo, done): (Vec<Plan>, Vec<Plan>) = plans
+        .into_iter()
+        .partition(|p| opts.force || p.state != Staleness::UpToDate);
+    summary.up_to_date = done.iter().map(|p| p.src.artifact.clone()).collect();
+
+    let results = if todo.is_empty() {
+        Vec::new()
+    } else {
+        let nvlink = if todo.iter().any(|p| p.src.kind == KernelKind::NvshmemCubin) {
+            Some(tc.nvlink(env.path.as_deref())?)
+        } else {
+            None
+        };
+        let ctx = CompileCtx {
+            workspace: &layout.workspace,
+            out_dir: &layout.out_dir,
+            toolchain: &tc,
+            nvlink: nvlink.as_deref(),
+            verbose: opts.verbose,
+        };
+        let jobs: Vec<Job<'_>> = todo
+            .iter()
+            .map(|p| Job {
+                src: &p.src,
+                nvcc_flags: &p.entry.flags,
+                link_flags: &p.entry.link_flags,
+            })
+            .collect();
+        compile_all(&ctx, &jobs)
+    };
+
+    let mut failures = Vec::new();
+    for (plan, result) in todo.into_iter().zip(results) {
+        let artifact = plan.src.artifact.clone();
+        match result {
+            Ok(size) => {
+                manifest
+                    .artifacts
+                    .insert(artifact.clone(), ManifestEntry { size, ..plan.entry });
+                summary.built.push(artifact);
+            }
+            Err(failure) => {
+                manifest.artifacts.remove(&artifact);
+                failures.push(failure);
+            }
+        }
+    }
+    manifest.save(&layout.out_dir)?;
+    println!(
+        "build-kernels: {} built, {} up to date{} -> {}",
+        summary.built.len(),
+        summary.up_to_date.len(),
+        if failures.is_empty() {
+            String::new()
+        } else {
+            format!(", {} FAILED", failures.len())
+        },
+        layout.out_dir.display()
+    );
+    if failures.is_empty() {
+        Ok(summary)
+    } else {
+        Err(Error::KernelsFailed { failures })
+    }
+}
+
+/// Deletes the artifacts the manifest lists but no source produces any more (only files the
+/// manifest names, so nothing else in the output directory is touched); returns their names.
+fn remove_orphans(
+    layout: &Layout,
+    manifest: &mut Manifest,
+    wanted: &BTreeSet<String>,
+) -> Result<Vec<String>> {
+    let orphans: Vec<String> = manifest
+        .artifacts
+        .keys()
+        .filter(|k| !wanted.contains(*k))
+        .cloned()
+        .collect();
+    for orphan in &orphans {
+        let path = layout.out_dir.join(orphan);
+        match fs::remove_file(&path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(Error::io("removing stale artifact", &path)(e)),
+        }
+        manifest.artifacts.remove(orphan);
+        println!("build-kernels: removed {orphan} (its source is gone)");
+    }
+    Ok(orphans)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::util::TempDir;
+
+    /// A fake nvcc: answers `--version`, copies its input (`$N`, the argument before `-o`)
+    /// to the output after `-o`, fails on sources containing `#error`, and logs each call.
+    #[cfg(unix)]
+    fn fake_nvcc_env(t: &TempDir) -> ToolchainEnv {
+        t.write_script(
+            "bin/nvcc",
+            r#"if [ "$1" = --version ]; then echo 'Cuda compilation tools, release 13.0, V13.0.88'; exit 0; fi
+out=""; prev=""; src=""
+for a in "$@"; do
+  if [ "$prev" = "-o" ]; then out="$a"; fi
+  case "$a" in *.cu) src="$a";; esac
+  prev="$a"
+done
+echo "$src" >> "$(dirname "$0")/calls.log"
+if grep -q '#error' "$src"; then echo "$src(1): error: boom" >&2; exit 2; fi
+cat "$src" > "$out""#,
+        );
+        ToolchainEnv {
+            cuda_home: None,
+            nvshmem_home: None,
+            path: Some(t.path().join("bin").into_os_string()),
+            pip_root: t.path().join("ws/target/cuda-toolchain"),
+            python: "false".into(),
+        }
+    }
+
+    #[cfg(unix)]
+    fn calls(t: &TempDir) -> Vec<String> {
+        let mut v: Vec<String> = fs::read_to_string(t.path().join("bin/calls.log"))
+            .unwrap_or_default()
+            .lines()
+            .map(String::from)
+            .collect();
+        v.sort();
+        fs::remove_file(t.path().join("bin/calls.log")).ok();
+        v
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn incremental_build_check_force_and_orphans_with_a_fake_nvcc() {
+        let t = TempDir::new("incr");
+        let env = fake_nvcc_env(&t);
+        let ws = t.path().join("ws");
+        let layout = Layout {
+            workspace: ws.clone(),
+            out_dir: ws.join("target/kernels"),
+            pip_root: env.pip_root.clone(),
+        };
+        let check = BuildOptions {
+            check: true,
+            ..BuildOptions::default()
+        };
+        // No kernels directory: nothing to do, not even nvcc needed.
+        let s = build(&layout, &env, BuildOptions::default()).expect("empty");
+        assert!(s.built.is_empty());
+
+        t.write("ws/kernels/a.cu", "A");
+        t.write("ws/kernels/b.cu", "B");
+        t.write("ws/kernels/common/common.cuh", "H1");
+        t.write(
+            &format!("ws/{IMAGES_FILE}"),
+            "a a.fatbin fatbin kernels/a.cu\nb b.fatbin fatbin kernels/b.cu\n",
+        );
+        let err = build(&layout, &env, check).expect_err("nothing built yet");
+        assert!(
+            matches!(&err, Error::StaleKernels { stale } if stale.len() == 2),
+            "{err}"
+        );
+
+        let s = build(&layout, &env, BuildOptions::default()).expect("first build");
+        assert_eq!(s.built, ["a.fatbin", "b.fatbin"]);
+        assert_eq!(calls(&t), ["kernels/a.cu", "kernels/b.cu"]);
+        assert_eq!(
+            fs::read_to_string(layout.out_dir.join("a.fatbin")).expect("a"),
+            "A"
+        );
+        build(&layout, &env, check).expect("fresh after build");
+        let m = Manifest::load(&layout.out_dir);
+        assert_eq!(m.artifacts["b.fatbin"].size, 1);
+        assert_eq!(m.artifacts["b.fatbin"].source, "kernels/b.cu");
+
+        let s = build(&layout, &env, BuildOptions::default()).expect("no-op");
+        assert!(s.built.is_empty() && s.up_to_date.len() == 2, "{s:?}");
+        assert!(calls(&t).is_empty());
+
+        t.write("ws/kernels/b.cu", "B2");
+        let err = build(&layout, &env, check).expect_err("b changed");
+        assert!(
+            err.to_string()
+                .contains("b.fatbin (kernels/b.cu): inputs changed"),
+            "{err}"
+        );
+        build(&layout, &env, BuildOptions::default()).expect("rebuild b");
+        assert_eq!(calls(&t), ["kernels/b.cu"]);
+
+        t.write("ws/kernels/common/common.cuh", "H2");
+        build(&layout, &env, BuildOptions::default()).expect("header change");
+        assert_eq!(calls(&t), ["kernels/a.cu", "kernels/b.cu"]);
+
+        fs::remove_file(layout.out_dir.join("a.fatbin")).expect("rm");
+        build(&layout, &env, BuildOptions::default()).expect("missing output");
+        assert_eq!(calls(&t), ["kernels/a.cu"]);
+
+        let force = BuildOptions {
+            force: true,
+            ..BuildOptions::default()
+        };
+        build(&layout, &env, force).expect("force");
+        assert_eq!(calls(&t), ["kernels/a.cu", "kernels/b.cu"]);
+
+        t.write(
+            &format!("ws/{IMAGES_FILE}"),
+            "a a.fatbin fatbin kernels/a.cu\n",
+        );
+        let s = build(&layout, &env, BuildOptions::default()).expect("orphan");
+        assert_eq!(s.removed, ["b.fatbin"]);
+        assert!(!layout.out_dir.join("b.fatbin").exists());
+        assert!(
+            !Manifest::load(&layout.out_dir)
+                .artifacts
+                .contains_key("b.fatbin")
+        );
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn a_failing_kernel_reports_stderr_and_keeps_the_others() {
+        let t = TempDir::new("fail");
+        let env = fake_nvcc_env(&t);
+        let ws = t.path().join("ws");
+        let layout = Layout {
+            workspace: ws.clone(),
+            out_dir: ws.join("out"),
+            pip_root: env.pip_root.clone(),
+        };
+        t.write("ws/kernels/good.cu", "ok");
+        t.write("ws/kernels/bad.cu", "#error nope");
+        t.write(
+            &format!("ws/{IMAGES_FILE}"),
+            "good good.fatbin fatbin kernels/good.cu\nbad bad.fatbin fatbin kernels/bad.cu\n",
+        );
+        let err = build(&layout, &env, BuildOptions::default()).expect_err("bad fails");
+        let msg = err.to_string();
+        assert!(msg.contains("--- kernels/bad.cu ---"), "{msg}");
+        assert!(msg.contains("kernels/bad.cu(1): error: boom"), "{msg}");
+        let m = Manifest::load(&layout.out_dir);
+        assert!(m.artifacts.contains_key("good.fatbin"));
+        assert!(!m.artifacts.contains_key("bad.fatbin"));
+        assert!(!layout.out_dir.join("bad.fatbin").exists());
+        let leftovers: Vec<_> = fs::read_dir(&layout.out_dir)
+            .expect("ls")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".tmp"))
+            .collect();
+        assert!(leftovers.is_empty(), "{leftovers:?}");
+    }
+
+    /// The real thing: compiles a tiny kernel (and an NVSHMEM one) with the workspace's nvcc
+    /// when one can be found without installing; otherwise says why it skipped.
+    #[test]
+    fn compiles_tiny_kernels_with_real_nvcc_when_available() {
+        let real = Layout::from_env();
+        let env = ToolchainEnv::from_process(real.pip_root.clone());
+        if let Err(searched) = crate::toolchain::locate_nvcc(&env) {
+            eprintln!("skipping: no nvcc available (searched: {searched:?})");
+            return;
+        }
+        let t = TempDir::new("real");
+        let ws = t.path().to_path_buf();
+        let layout = Layout {
+            workspace: ws.clone(),
+            out_dir: ws.join("target/kernels"),
+            pip_root: real.pip_root.clone(),
+        };
+        t.write(
+            "kernels/common/tiny.cuh",
+            "#pragma once\n#define TINY_ADD 1.0f\n",
+        );
+        t.write(
+            "kernels/tiny/tiny.cu",
+            "#include \"common/tiny.cuh\"\nextern \"C\" __global__ void tiny(float* x, int n) {\n\
+             int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < n) x[i] += TINY_ADD; }\n",
+        );
+        let with_nvshmem = crate::toolchain::locate_nvshmem(&env).is_ok();
+        let mut images = "tiny tiny.fatbin fatbin kernels/tiny/tiny.cu\n".to_string();
+        if with_nvshmem {
+            images.push_str("tiny_put tiny_put.cubin nvshmem_cubin kernels/tiny/put.cu\n");
+            t.write(
+                "kernels/tiny/put.cu",
+                "#include <nvshmem.h>\n#include <nvshmemx.h>\n\
+                 extern \"C\" __global__ void tiny_put(int* sig, int pe) { nvshmem_int_p(sig, 1, pe); nvshmem_quiet(); }\n",
+            );
+        } else {
+            eprintln!("note: NVSHMEM not found; compiling the fatbin only");
+        }
+        t.write(IMAGES_FILE, &images);
+        let s = build(&layout, &env, BuildOptions::default()).expect("real nvcc build");
+        assert_eq!(s.built.len(), if with_nvshmem { 2 } else { 1 });
+        let fatbin = fs::read(layout.out_dir.join("tiny.fatbin")).expect("fatbin");
+        // Fatbin files start with the fatbin magic 0xBA55ED50 (little-endian).
+        assert_eq!(&fatbin[..4], &[0x50, 0xed, 0x55, 0xba]);
+        if with_nvshmem {
+            let cubin = fs::read(layout.out_dir.join("tiny_put.cubin")).expect("cubin");
+            assert_eq!(&cubin[..4], b"\x7fELF");
+        }
+        build(
+            &layout,
+            &env,
+            BuildOptions {
+                check: true,
+                ..BuildOptions::default()
+            },
+        )
+        .expect("up to date");
+    }
+}
