@@ -10,7 +10,7 @@ use super::images::{IMAGES_FILE, KernelKind, KernelSource, read_images};
 use super::inputs::{HashInputs, inputs_hash, read_deps};
 use super::manifest::{Manifest, ManifestEntry, Staleness, staleness};
 use super::nvcc::{CompileCtx, Job, compile_all, flags};
-use crate::error::{Error, Result};
+use crate::error::{CompileFailure, Error, Result};
 use crate::toolchain::{Nvshmem, Toolchain, ToolchainEnv};
 
 /// Options of `build-kernels`.
@@ -44,6 +44,12 @@ struct Plan {
 }
 
 /// Runs `build-kernels` (or `--check`) for `layout`.
+///
+/// With `check`, builds, installs and writes nothing: fails with [`Error::StaleKernels`] when
+/// any image is stale. Otherwise compiles every stale image (every image with `force`),
+/// removes the artifacts whose image is no longer listed and saves the record; an image that
+/// fails to compile loses its record entry and makes the whole run fail with
+/// [`Error::KernelsFailed`] after the others are built.
 pub fn build(layout: &Layout, env: &ToolchainEnv, opts: BuildOptions) -> Result<BuildSummary> {
     let sources = read_images(&layout.workspace)?;
     let mut manifest = Manifest::load(&layout.out_dir);
@@ -77,81 +83,11 @@ pub fn build(layout: &Layout, env: &ToolchainEnv, opts: BuildOptions) -> Result<
     } else {
         None
     };
-
-    let deps = read_deps(&layout.workspace, &layout.kernels_dir())?;
-
-    let mut plans = Vec::new();
-    for src in &sources {
-        let source_bytes = fs::read(layout.workspace.join(&src.rel))
-            .map_err(Error::io("reading", &layout.workspace.join(&src.rel)))?;
-        let (nvcc_flags, link_flags) = flags(src.kind, &layout.workspace, &tc, nvshmem.as_ref());
-        let hash = inputs_hash(&HashInputs {
-            kind: src.kind,
-            source_rel: &src.rel,
-            source: &source_bytes,
-            deps: &deps,
-            nvcc_flags: &nvcc_flags,
-            link_flags: &link_flags,
-            toolchain: &tc.version.text,
-            nvshmem_lib: match src.kind {
-                KernelKind::Fatbin => None,
-                KernelKind::NvshmemCubin => nvshmem.as_ref().map(|n| n.device_lib_sha256.as_str()),
-            },
-        });
-        let state = staleness(
-            manifest.artifacts.get(&src.artifact),
-            &layout.out_dir.join(&src.artifact),
-            &hash,
-        );
-        plans.push(Plan {
-            src: src.clone(),
-            entry: ManifestEntry {
-                source: src.rel.clone(),
-                kind: src.kind,
-                inputs_sha256: hash,
-                flags: nvcc_flags,
-                link_flags,
-                toolchain: tc.version.text.clone(),
-                size: 0,
-            },
-            state,
-        });
-    }
+    let plans = plan(layout, &sources, &manifest, &tc, nvshmem.as_ref())?;
 
     let wanted: BTreeSet<String> = plans.iter().map(|p| p.src.artifact.clone()).collect();
     if opts.check {
-        let orphans: Vec<&String> = manifest
-            .artifacts
-            .keys()
-            .filter(|k| !wanted.contains(*k))
-            .collect();
-        let stale: Vec<String> = plans
-            .iter()
-            .filter(|p| p.state != Staleness::UpToDate)
-            .map(|p| format!("{} ({}): {}", p.src.artifact, p.src.rel, p.state.describe()))
-            .collect();
-        if !orphans.is_empty() {
-            println!(
-                "build-kernels: note: manifest lists artifacts without a source (removed on the next build): {}",
-                orphans
-                    .iter()
-                    .map(|o| o.as_str())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            );
-        }
-        if !stale.is_empty() {
-            return Err(Error::StaleKernels { stale });
-        }
-        println!(
-            "build-kernels: {} artifact(s) up to date in {}",
-            plans.len(),
-            layout.out_dir.display()
-        );
-        return Ok(BuildSummary {
-            up_to_date: plans.iter().map(|p| p.src.artifact.clone()).collect(),
-            ..BuildSummary::default()
-        });
+        return check(layout, &manifest, &plans, &wanted);
     }
 
     fs::create_dir_all(&layout.out_dir).map_err(Error::io("creating", &layout.out_dir))?;
@@ -164,32 +100,7 @@ pub fn build(layout: &Layout, env: &ToolchainEnv, opts: BuildOptions) -> Result<
         .into_iter()
         .partition(|p| opts.force || p.state != Staleness::UpToDate);
     summary.up_to_date = done.iter().map(|p| p.src.artifact.clone()).collect();
-
-    let results = if todo.is_empty() {
-        Vec::new()
-    } else {
-        let nvlink = if todo.iter().any(|p| p.src.kind == KernelKind::NvshmemCubin) {
-            Some(tc.nvlink(env.path.as_deref())?)
-        } else {
-            None
-        };
-        let ctx = CompileCtx {
-            workspace: &layout.workspace,
-            out_dir: &layout.out_dir,
-            toolchain: &tc,
-            nvlink: nvlink.as_deref(),
-            verbose: opts.verbose,
-        };
-        let jobs: Vec<Job<'_>> = todo
-            .iter()
-            .map(|p| Job {
-                src: &p.src,
-                nvcc_flags: &p.entry.flags,
-                link_flags: &p.entry.link_flags,
-            })
-            .collect();
-        compile_all(&ctx, &jobs)
-    };
+    let results = compile(layout, env, &tc, opts.verbose, &todo)?;
 
     let mut failures = Vec::new();
     for (plan, result) in todo.into_iter().zip(results) {
@@ -226,6 +137,134 @@ pub fn build(layout: &Layout, env: &ToolchainEnv, opts: BuildOptions) -> Result<
     }
 }
 
+/// Resolves every image's flags and inputs hash and compares it with the record; the plans
+/// keep the image manifest's order, and each carries the record entry it gets once built
+/// (size still 0).
+fn plan(
+    layout: &Layout,
+    sources: &[KernelSource],
+    manifest: &Manifest,
+    tc: &Toolchain,
+    nvshmem: Option<&Nvshmem>,
+) -> Result<Vec<Plan>> {
+    let deps = read_deps(&layout.workspace, &layout.kernels_dir())?;
+    let mut plans = Vec::new();
+    for src in sources {
+        let source_bytes = fs::read(layout.workspace.join(&src.rel))
+            .map_err(Error::io("reading", &layout.workspace.join(&src.rel)))?;
+        let (nvcc_flags, link_flags) = flags(src.kind, &layout.workspace, tc, nvshmem);
+        let hash = inputs_hash(&HashInputs {
+            kind: src.kind,
+            source_rel: &src.rel,
+            source: &source_bytes,
+            deps: &deps,
+            nvcc_flags: &nvcc_flags,
+            link_flags: &link_flags,
+            toolchain: &tc.version.text,
+            nvshmem_lib: match src.kind {
+                KernelKind::Fatbin => None,
+                KernelKind::NvshmemCubin => nvshmem.map(|n| n.device_lib_sha256.as_str()),
+            },
+        });
+        let state = staleness(
+            manifest.artifacts.get(&src.artifact),
+            &layout.out_dir.join(&src.artifact),
+            &hash,
+        );
+        plans.push(Plan {
+            src: src.clone(),
+            entry: ManifestEntry {
+                source: src.rel.clone(),
+                kind: src.kind,
+                inputs_sha256: hash,
+                flags: nvcc_flags,
+                link_flags,
+                toolchain: tc.version.text.clone(),
+                size: 0,
+            },
+            state,
+        });
+    }
+    Ok(plans)
+}
+
+/// `--check`: notes the recorded artifacts no image wants (the next build removes them) and
+/// fails with every stale image, or reports all `plans` up to date.
+fn check(
+    layout: &Layout,
+    manifest: &Manifest,
+    plans: &[Plan],
+    wanted: &BTreeSet<String>,
+) -> Result<BuildSummary> {
+    let orphans: Vec<&String> = manifest
+        .artifacts
+        .keys()
+        .filter(|k| !wanted.contains(*k))
+        .collect();
+    let stale: Vec<String> = plans
+        .iter()
+        .filter(|p| p.state != Staleness::UpToDate)
+        .map(|p| format!("{} ({}): {}", p.src.artifact, p.src.rel, p.state.describe()))
+        .collect();
+    if !orphans.is_empty() {
+        println!(
+            "build-kernels: note: manifest lists artifacts without a source (removed on the next build): {}",
+            orphans
+                .iter()
+                .map(|o| o.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    if !stale.is_empty() {
+        return Err(Error::StaleKernels { stale });
+    }
+    println!(
+        "build-kernels: {} artifact(s) up to date in {}",
+        plans.len(),
+        layout.out_dir.display()
+    );
+    Ok(BuildSummary {
+        up_to_date: plans.iter().map(|p| p.src.artifact.clone()).collect(),
+        ..BuildSummary::default()
+    })
+}
+
+/// Compiles `todo` (resolving nvlink first when an NVSHMEM image is among them); one result
+/// per plan, in order. Fails as a whole only when nvlink is needed and cannot be found.
+fn compile(
+    layout: &Layout,
+    env: &ToolchainEnv,
+    tc: &Toolchain,
+    verbose: bool,
+    todo: &[Plan],
+) -> Result<Vec<std::result::Result<u64, CompileFailure>>> {
+    if todo.is_empty() {
+        return Ok(Vec::new());
+    }
+    let nvlink = if todo.iter().any(|p| p.src.kind == KernelKind::NvshmemCubin) {
+        Some(tc.nvlink(env.path.as_deref())?)
+    } else {
+        None
+    };
+    let ctx = CompileCtx {
+        workspace: &layout.workspace,
+        out_dir: &layout.out_dir,
+        toolchain: tc,
+        nvlink: nvlink.as_deref(),
+        verbose,
+    };
+    let jobs: Vec<Job<'_>> = todo
+        .iter()
+        .map(|p| Job {
+            src: &p.src,
+            nvcc_flags: &p.entry.flags,
+            link_flags: &p.entry.link_flags,
+        })
+        .collect();
+    Ok(compile_all(&ctx, &jobs))
+}
+
 /// Deletes the artifacts the manifest lists but no source produces any more (only files the
 /// manifest names, so nothing else in the output directory is touched); returns their names.
 fn remove_orphans(
@@ -257,10 +296,13 @@ mod tests {
     use super::*;
     use crate::util::TempDir;
 
-    /// A fake nvcc: answers `--version`, copies its input (`$N`, the argument before `-o`)
-    /// to the output after `-o`, fails on sources containing `#error`, and logs each call.
+    /// A temporary directory with a fake nvcc in `bin/` and a workspace in `ws/` whose
+    /// artifacts go to `ws/<out>`. The fake nvcc answers `--version`, copies its input (the
+    /// `.cu` argument) to the output after `-o`, fails on sources containing `#error`, and logs
+    /// each call (see [`calls`]).
     #[cfg(unix)]
-    fn fake_nvcc_env(t: &TempDir) -> ToolchainEnv {
+    fn fake_nvcc_workspace(tag: &str, out: &str) -> (TempDir, ToolchainEnv, Layout) {
+        let t = TempDir::new(tag);
         t.write_script(
             "bin/nvcc",
             r#"if [ "$1" = --version ]; then echo 'Cuda compilation tools, release 13.0, V13.0.88'; exit 0; fi
@@ -274,15 +316,23 @@ echo "$src" >> "$(dirname "$0")/calls.log"
 if grep -q '#error' "$src"; then echo "$src(1): error: boom" >&2; exit 2; fi
 cat "$src" > "$out""#,
         );
-        ToolchainEnv {
+        let env = ToolchainEnv {
             cuda_home: None,
             nvshmem_home: None,
             path: Some(t.path().join("bin").into_os_string()),
             pip_root: t.path().join("ws/target/cuda-toolchain"),
             python: "false".into(),
-        }
+        };
+        let ws = t.path().join("ws");
+        let layout = Layout {
+            out_dir: ws.join(out),
+            workspace: ws,
+            pip_root: env.pip_root.clone(),
+        };
+        (t, env, layout)
     }
 
+    /// The sources the fake nvcc compiled since the last call, sorted.
     #[cfg(unix)]
     fn calls(t: &TempDir) -> Vec<String> {
         let mut v: Vec<String> = fs::read_to_string(t.path().join("bin/calls.log"))
@@ -298,14 +348,7 @@ cat "$src" > "$out""#,
     #[cfg(unix)]
     #[test]
     fn incremental_build_check_force_and_orphans_with_a_fake_nvcc() {
-        let t = TempDir::new("incr");
-        let env = fake_nvcc_env(&t);
-        let ws = t.path().join("ws");
-        let layout = Layout {
-            workspace: ws.clone(),
-            out_dir: ws.join("target/kernels"),
-            pip_root: env.pip_root.clone(),
-        };
+        let (t, env, layout) = fake_nvcc_workspace("incr", "target/kernels");
         let check = BuildOptions {
             check: true,
             ..BuildOptions::default()
@@ -385,14 +428,7 @@ cat "$src" > "$out""#,
     #[cfg(unix)]
     #[test]
     fn a_failing_kernel_reports_stderr_and_keeps_the_others() {
-        let t = TempDir::new("fail");
-        let env = fake_nvcc_env(&t);
-        let ws = t.path().join("ws");
-        let layout = Layout {
-            workspace: ws.clone(),
-            out_dir: ws.join("out"),
-            pip_root: env.pip_root.clone(),
-        };
+        let (t, env, layout) = fake_nvcc_workspace("fail", "out");
         t.write("ws/kernels/good.cu", "ok");
         t.write("ws/kernels/bad.cu", "#error nope");
         t.write(
