@@ -573,6 +573,7 @@ fn images_rust(images: &[KernelSource]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::util::assert_contains_all;
 
     const HEADER: &str = "#pragma once\n#include <cstdint>\n\nnamespace epcomm {\n\n\
         /// Version.\nconstexpr uint64_t kAbiVersion = 3;\n\
@@ -609,39 +610,27 @@ mod tests {
         let items = parse_abi(HEADER).expect("parse");
         let rust = abi_rust(&items);
         assert!(rust.starts_with(RUST_BANNER), "{rust}");
-        assert!(rust.contains("pub const ABI_VERSION: u64 = 3;"), "{rust}");
-        assert!(rust.contains("pub const MAX_WORLD: usize = 64;"), "{rust}");
-        assert!(
-            rust.contains("/// Bits of [`Args::flags`].\npub mod flags {"),
-            "{rust}"
+        assert_contains_all(
+            &rust,
+            &[
+                "pub const ABI_VERSION: u64 = 3;",
+                "pub const MAX_WORLD: usize = 64;",
+                "/// Bits of [`Args::flags`].\npub mod flags {",
+                "    /// First \\[bit\\].\n    pub const A: u32 = 1 << 0;",
+                "    pub const BIG_ONE: u32 = 2;",
+                "    // Group.\n    /// X.\n    pub x: u64,\n    pub n: i32,",
+                "(\"offsetof(Args, flags)\", offset_of!(Args, flags) as u64),",
+                "ABI_PROBE: [(&str, u64); 8]",
+            ],
         );
-        assert!(
-            rust.contains("    /// First \\[bit\\].\n    pub const A: u32 = 1 << 0;"),
-            "{rust}"
+        assert_contains_all(
+            &abi_probe(&items),
+            &[
+                "constexpr int kAbiProbeWords = 8;",
+                "  out[0] = static_cast<uint64_t>(kAbiVersion);",
+                "  out[7] = static_cast<uint64_t>(offsetof(Args, flags));",
+            ],
         );
-        assert!(rust.contains("    pub const BIG_ONE: u32 = 2;"), "{rust}");
-        assert!(
-            rust.contains("    // Group.\n    /// X.\n    pub x: u64,\n    pub n: i32,"),
-            "{rust}"
-        );
-        assert!(
-            rust.contains("(\"offsetof(Args, flags)\", offset_of!(Args, flags) as u64),"),
-            "{rust}"
-        );
-        let probe = abi_probe(&items);
-        assert!(
-            probe.contains("constexpr int kAbiProbeWords = 8;"),
-            "{probe}"
-        );
-        assert!(
-            probe.contains("  out[0] = static_cast<uint64_t>(kAbiVersion);"),
-            "{probe}"
-        );
-        assert!(
-            probe.contains("  out[7] = static_cast<uint64_t>(offsetof(Args, flags));"),
-            "{probe}"
-        );
-        assert!(rust.contains("ABI_PROBE: [(&str, u64); 8]"), "{rust}");
     }
 
     #[test]

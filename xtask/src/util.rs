@@ -165,6 +165,15 @@ pub fn human_size(bytes: u64) -> String {
     }
 }
 
+/// Panics, showing `text`, unless it contains every one of `fragments` (tests only).
+#[cfg(test)]
+#[track_caller]
+pub fn assert_contains_all(text: &str, fragments: &[&str]) {
+    for fragment in fragments {
+        assert!(text.contains(fragment), "missing {fragment:?} in:\n{text}");
+    }
+}
+
 /// A directory under the system temp dir, removed with everything in it on drop (tests only).
 #[cfg(test)]
 #[derive(Debug)]
@@ -286,6 +295,12 @@ mod tests {
             1,
             "no temp file left behind"
         );
+    }
+
+    #[test]
+    #[should_panic(expected = "missing \"two\" in:\none three")]
+    fn assert_contains_all_names_the_missing_fragment() {
+        assert_contains_all("one three", &["one", "two", "three"]);
     }
 
     #[test]
