@@ -22,7 +22,7 @@ pub struct Dep {
 }
 
 /// Every file under `dir`, recursively, except `.cu` files (entries) and the image manifest,
-/// sorted by path: what any entry may include.
+/// sorted by workspace-relative path: what any entry may include. A missing `dir` has none.
 pub fn read_deps(workspace: &Path, dir: &Path) -> Result<Vec<Dep>> {
     let mut out = Vec::new();
     let mut stack = vec![dir.to_path_buf()];
@@ -69,7 +69,8 @@ pub struct HashInputs<'a> {
 }
 
 /// SHA-256 (hex) over all inputs; every field is length-prefixed so no two different input
-/// sets can serialise to the same byte stream.
+/// sets can serialise to the same byte stream. The hash is what `manifest.json` records:
+/// changing how it is computed makes every artifact stale once.
 pub fn inputs_hash(i: &HashInputs<'_>) -> String {
     let mut h = Sha256::new();
     let mut field = |bytes: &[u8]| {

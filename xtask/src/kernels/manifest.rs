@@ -24,7 +24,7 @@ pub struct ManifestEntry {
     pub source: String,
     /// How it was built.
     pub kind: KernelKind,
-    /// [`inputs_hash`] of the inputs it was built from.
+    /// [`inputs_hash`](super::inputs::inputs_hash) of the inputs it was built from.
     pub inputs_sha256: String,
     /// nvcc flags used.
     pub flags: Vec<String>,
