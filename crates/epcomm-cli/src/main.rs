@@ -116,9 +116,7 @@ fn print_stdout(text: &str) -> Result<(), AppError> {
 fn run_doctor(args: &DoctorArgs) -> Result<(), AppError> {
     let report = doctor::collect();
     let text = if args.json {
-        let mut s = serde_json::to_string_pretty(&report).map_err(|e| AppError::Run(e.into()))?;
-        s.push('\n');
-        s
+        doctor::render_json(&report).map_err(|e| AppError::Run(e.into()))?
     } else {
         doctor::render(&report)
     };

@@ -1,0 +1,79 @@
+//! Kernel images: which images of the kernels' manifest a `Buffer` can load here, and from
+//! where.
+//!
+//! Contract: an image is available when it is embedded at build time or its artifact is a
+//! file under `$EPCOMM_KERNEL_DIR`, which is where `epcomm-kernels` looks when it loads one.
+
+use std::path::{Path, PathBuf};
+
+use epcomm_backends::KernelFamily;
+use epcomm_kernels::KernelVariant;
+
+use super::report::KernelImage;
+
+impl KernelImage {
+    /// Embedded at build time, else read from `dir` (`$EPCOMM_KERNEL_DIR`) at run time, as
+    /// `epcomm-kernels` does when it loads the image.
+    pub fn locate(name: &str, artifact: &str, embedded: bool, dir: Option<&Path>) -> Self {
+        let (available, source) = if embedded {
+            (true, "embedded".to_string())
+        } else {
+            match dir.map(|d| d.join(artifact)) {
+                Some(p) if p.is_file() => (true, p.display().to_string()),
+                Some(p) => (
+                    false,
+                    format!("not embedded, and {} does not exist", p.display()),
+                ),
+                None => (
+                    false,
+                    format!(
+                        "not embedded, and {} is not set",
+                        epcomm_kernels::KERNEL_DIR_ENV
+                    ),
+                ),
+            }
+        };
+        Self {
+            name: name.into(),
+            artifact: artifact.into(),
+            available,
+            source,
+        }
+    }
+
+    /// Every image of the kernels' manifest (`epcomm_kernels::images`), completed by
+    /// `$EPCOMM_KERNEL_DIR`.
+    pub fn locate_all() -> Vec<Self> {
+        let dir = std::env::var_os(epcomm_kernels::KERNEL_DIR_ENV)
+            .filter(|d| !d.is_empty())
+            .map(PathBuf::from);
+        epcomm_kernels::images()
+            .map(|i| Self::locate(i.name(), i.artifact(), i.is_embedded(), dir.as_deref()))
+            .collect()
+    }
+
+    /// The image of `family` among `images`.
+    pub fn of_family(images: &[Self], family: KernelFamily) -> Option<&Self> {
+        let name = kernel_image(family).name();
+        images.iter().find(|i| i.name == name)
+    }
+
+    /// How to make it available.
+    pub fn fix(&self) -> String {
+        format!(
+            "build the kernels (`cargo xtask build-kernels`) and rebuild epcomm, or set {} to a \
+             directory holding {}",
+            epcomm_kernels::KERNEL_DIR_ENV,
+            self.artifact
+        )
+    }
+}
+
+/// The kernel image a transport of `family` loads (the frontend's choice of variant).
+pub fn kernel_image(family: KernelFamily) -> epcomm_kernels::Image {
+    match family {
+        KernelFamily::NvlinkStore => KernelVariant::Store,
+        KernelFamily::NvshmemDevice => KernelVariant::Nvshmem,
+    }
+    .image()
+}

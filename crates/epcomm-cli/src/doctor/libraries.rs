@@ -1,0 +1,169 @@
+//! Library probes: the NVSHMEM host library (through `nvshmem_sys::loader`, as a `Buffer`
+//! loads it), NCCL and libibverbs (`dlopen` by soname).
+//!
+//! Contract: a probe never fails; a library that does not load is a report with `found:
+//! false` and, in `detail`, why and how to point at it. The path is the file the dynamic
+//! loader mapped (from `/proc/self/maps`) when the loader does not say.
+
+use std::path::Path;
+
+use super::report::LibraryReport;
+
+/// The file backing the first mapping whose file name starts with `stem` in a
+/// `/proc/self/maps` text.
+pub fn find_in_maps(maps: &str, stem: &str) -> Option<String> {
+    maps.lines()
+        .filter_map(|l| l.split_whitespace().nth(5))
+        .find(|p| {
+            Path::new(p)
+                .file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with(stem))
+        })
+        .map(str::to_string)
+}
+
+fn loaded_path(stem: &str) -> Option<String> {
+    std::fs::read_to_string("/proc/self/maps")
+        .ok()
+        .and_then(|m| find_in_maps(&m, stem))
+}
+
+/// `stem` of a soname: `libnccl.so.2` → `libnccl.so`.
+fn stem(soname: &str) -> &str {
+    soname
+        .find(".so")
+        .map_or(soname, |i| &soname[..i + ".so".len()])
+}
+
+/// The NVSHMEM host library, found as a `Buffer` finds it.
+pub fn probe_nvshmem() -> LibraryReport {
+    use nvshmem_sys::loader;
+    let how = format!(
+        "searched: ${} (directory or file), $NVSHMEM_HOME/lib, pip installs \
+         (nvidia/nvshmem/lib under site-/dist-packages), then the dynamic loader's path; set {} \
+         to the directory holding {} to choose one",
+        loader::ENV_EPCOMM_NVSHMEM_LIB,
+        loader::ENV_EPCOMM_NVSHMEM_LIB,
+        loader::LIBRARY_NAME
+    );
+    match loader::load_default() {
+        Ok(lib) => {
+            let mut path = lib.path().display().to_string();
+            if !path.contains('/') {
+                path = loaded_path(stem(loader::LIBRARY_NAME)).unwrap_or(path);
+            }
+            LibraryReport {
+                library: loader::LIBRARY_NAME.into(),
+                found: true,
+                path: Some(path),
+                version: Some(lib.version().to_string()),
+                detail: Some(how),
+            }
+        }
+        Err(e) => LibraryReport {
+            library: loader::LIBRARY_NAME.into(),
+            found: false,
+            path: None,
+            version: None,
+            detail: Some(e.to_string()),
+        },
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum LibKind {
+    Nccl,
+    Plain,
+}
+
+/// NCCL's `ncclGetVersion` code: `major * 10000 + minor * 100 + patch` since 2.9, before that
+/// `major * 1000 + minor * 100 + patch`.
+pub fn nccl_version(code: i32) -> String {
+    if code >= 10000 {
+        format!("{}.{}.{}", code / 10000, code % 10000 / 100, code % 100)
+    } else {
+        format!("{}.{}.{}", code / 1000, code % 1000 / 100, code % 100)
+    }
+}
+
+fn probe_library(sonames: &[&str], kind: LibKind) -> LibraryReport {
+    use libloading::os::unix::{Library, RTLD_LOCAL, RTLD_NOW};
+    let mut errors = Vec::new();
+    for name in sonames {
+        // SAFETY: dlopen runs the library's initialisers; NCCL's and libibverbs' only set up
+        // internal state. RTLD_LOCAL keeps their symbols out of the global namespace.
+        let lib = match unsafe { Library::open(Some(*name), RTLD_NOW | RTLD_LOCAL) } {
+            Ok(l) => l,
+            Err(e) => {
+                let why = std::error::Error::source(&e).map_or(e.to_string(), |s| s.to_string());
+                errors.push(why);
+                continue;
+            }
+        };
+        let version = match kind {
+            LibKind::Nccl => {
+                // SAFETY: `ncclGetVersion` has this C signature in every NCCL 2.x release.
+                let f = unsafe {
+                    lib.get::<unsafe extern "C" fn(*mut std::ffi::c_int) -> std::ffi::c_int>(
+                        b"ncclGetVersion\0",
+                    )
+                };
+                f.ok().and_then(|f| {
+                    let mut code = 0;
+                    // SAFETY: writes one int through a pointer to a live local; needs no
+                    // initialised communicator.
+                    (unsafe { f(&mut code) } == 0).then(|| nccl_version(code))
+                })
+            }
+            LibKind::Plain => None,
+        };
+        let path = loaded_path(stem(name)).or_else(|| Some(name.to_string()));
+        drop(lib);
+        return LibraryReport {
+            library: sonames[0].into(),
+            found: true,
+            path,
+            version,
+            detail: None,
+        };
+    }
+    LibraryReport {
+        library: sonames[0].into(),
+        found: false,
+        path: None,
+        version: None,
+        detail: Some(format!(
+            "not loadable ({}); if it is installed, add its directory to LD_LIBRARY_PATH",
+            errors.join("; ")
+        )),
+    }
+}
+
+/// NCCL, with its version (`ncclGetVersion`).
+pub fn probe_nccl() -> LibraryReport {
+    probe_library(&["libnccl.so.2", "libnccl.so"], LibKind::Nccl)
+}
+
+/// libibverbs.
+pub fn probe_ibverbs() -> LibraryReport {
+    probe_library(&["libibverbs.so.1", "libibverbs.so"], LibKind::Plain)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn maps_and_versions() {
+        let maps = "7f00-7f01 r-xp 00000000 08:01 42 /usr/lib/x86_64-linux-gnu/libnccl.so.2.27.3\n\
+                    7f02-7f03 r--p 00000000 00:00 0 [heap]\n";
+        assert_eq!(
+            find_in_maps(maps, "libnccl.so").as_deref(),
+            Some("/usr/lib/x86_64-linux-gnu/libnccl.so.2.27.3")
+        );
+        assert_eq!(find_in_maps(maps, "libibverbs.so"), None);
+        assert_eq!(stem("libnccl.so.2"), "libnccl.so");
+        assert_eq!(nccl_version(22703), "2.27.3");
+        assert_eq!(nccl_version(2804), "2.8.4");
+    }
+}

@@ -1,0 +1,124 @@
+//! RDMA devices: every device and port under `/sys/class/infiniband`, as sysfs describes
+//! them.
+//!
+//! Contract: read-only and infallible; a missing directory or file is an empty list or a
+//! `None`, and all-zero GIDs are left out.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use super::report::{MAX_GIDS, RdmaDevice, RdmaPort};
+
+fn read_trim(p: &Path) -> Option<String> {
+    std::fs::read_to_string(p)
+        .ok()
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+}
+
+fn sorted_entries(dir: &Path) -> Vec<(String, PathBuf)> {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut v: Vec<(String, PathBuf)> = rd
+        .filter_map(Result::ok)
+        .map(|e| (e.file_name().to_string_lossy().into_owned(), e.path()))
+        .collect();
+    // Numeric names in numeric order, the rest by name.
+    v.sort_by(|a, b| match (a.0.parse::<u64>(), b.0.parse::<u64>()) {
+        (Ok(x), Ok(y)) => x.cmp(&y),
+        _ => a.0.cmp(&b.0),
+    });
+    v
+}
+
+/// The RDMA devices under `root` (normally `/sys/class/infiniband`); empty when absent.
+pub fn rdma_devices(root: &Path) -> Vec<RdmaDevice> {
+    sorted_entries(root)
+        .into_iter()
+        .map(|(name, dev)| {
+            let ports = sorted_entries(&dev.join("ports"))
+                .into_iter()
+                .filter_map(|(p, dir)| {
+                    let port = p.parse().ok()?;
+                    let mut gids = Vec::new();
+                    let mut gid_count = 0;
+                    for (i, gid_path) in sorted_entries(&dir.join("gids")) {
+                        let Some(gid) = read_trim(&gid_path) else {
+                            continue;
+                        };
+                        if gid.chars().all(|c| c == '0' || c == ':') {
+                            continue;
+                        }
+                        gid_count += 1;
+                        if gids.len() < MAX_GIDS {
+                            let kind = read_trim(&dir.join("gid_attrs/types").join(&i));
+                            let netdev = read_trim(&dir.join("gid_attrs/ndevs").join(&i));
+                            let mut s = format!("{i}: {gid}");
+                            if let Some(k) = kind {
+                                let _ = write!(s, " ({k})");
+                            }
+                            if let Some(n) = netdev {
+                                let _ = write!(s, " on {n}");
+                            }
+                            gids.push(s);
+                        }
+                    }
+                    Some(RdmaPort {
+                        port,
+                        state: read_trim(&dir.join("state")),
+                        phys_state: read_trim(&dir.join("phys_state")),
+                        link_layer: read_trim(&dir.join("link_layer")),
+                        rate: read_trim(&dir.join("rate")),
+                        gids,
+                        gid_count,
+                    })
+                })
+                .collect();
+            RdmaDevice {
+                fw_ver: read_trim(&dev.join("fw_ver")),
+                name,
+                ports,
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rdma_from_a_fake_sysfs() {
+        let root = std::env::temp_dir().join(format!("epcomm-cli-ib-{}", std::process::id()));
+        let port = root.join("mlx5_0/ports/1");
+        for d in ["gids", "gid_attrs/types", "gid_attrs/ndevs"] {
+            std::fs::create_dir_all(port.join(d)).unwrap();
+        }
+        let w = |p: &str, v: &str| std::fs::write(port.join(p), v).unwrap();
+        std::fs::write(root.join("mlx5_0/fw_ver"), "28.39.1002\n").unwrap();
+        w("state", "4: ACTIVE\n");
+        w("phys_state", "5: LinkUp\n");
+        w("link_layer", "Ethernet\n");
+        w("rate", "400 Gb/sec (4X NDR)\n");
+        w("gids/0", "fe80:0000:0000:0000:0a00:00ff:fe00:0001\n");
+        w("gids/1", "0000:0000:0000:0000:0000:0000:0000:0000\n");
+        w("gid_attrs/types/0", "RoCE v2\n");
+        w("gid_attrs/ndevs/0", "eth0\n");
+        let devs = rdma_devices(&root);
+        assert_eq!(devs.len(), 1);
+        let d = &devs[0];
+        assert_eq!(d.name, "mlx5_0");
+        assert_eq!(d.fw_ver.as_deref(), Some("28.39.1002"));
+        let p = &d.ports[0];
+        assert_eq!(p.port, 1);
+        assert_eq!(p.state.as_deref(), Some("4: ACTIVE"));
+        assert_eq!(p.gid_count, 1);
+        assert_eq!(
+            p.gids,
+            ["0: fe80:0000:0000:0000:0a00:00ff:fe00:0001 (RoCE v2) on eth0"]
+        );
+        assert!(rdma_devices(&root.join("absent")).is_empty());
+        let _ = std::fs::remove_dir_all(&root);
+    }
+}

@@ -1,0 +1,215 @@
+//! Verdicts: whether `epcomm bench --transport <backend>` can run here, one per backend, with
+//! why and how to fix it.
+//!
+//! Contract: pure functions of the probes' results; what a backend requires follows from the
+//! library's description of it (`TransportSpec::capabilities`), not from a list kept here.
+
+use epcomm_backends::{Route, TransportSpec};
+
+use super::report::{KernelImage, LibraryReport, Verdict};
+use crate::gpu::{DriverFacts, NoDriver, PeerLink};
+
+/// One spec per backend, from the library's list of spec forms (`TransportSpec::FORMS`).
+pub fn backends() -> Vec<TransportSpec> {
+    let mut specs: Vec<TransportSpec> = Vec::new();
+    for spec in TransportSpec::FORMS
+        .iter()
+        .filter_map(|f| f.parse::<TransportSpec>().ok())
+    {
+        if !specs.iter().any(|s| s.backend() == spec.backend()) {
+            specs.push(spec);
+        }
+    }
+    specs
+}
+
+/// The verdicts, one per backend ([`backends`]), from the probes' results (pure).
+pub fn verdicts(
+    facts: &Result<DriverFacts, NoDriver>,
+    links: &Result<Vec<PeerLink>, String>,
+    kernels: &[KernelImage],
+    nvshmem: &LibraryReport,
+) -> Vec<Verdict> {
+    backends()
+        .into_iter()
+        .map(|spec| {
+            let (usable, reason, fix) = match verdict(&spec, facts, links, kernels, nvshmem) {
+                Ok((reason, note)) => (true, format!("usable: {reason}"), note),
+                Err((reason, fix)) => (false, format!("not usable: {reason}"), Some(fix)),
+            };
+            Verdict {
+                transport: spec.to_string(),
+                usable,
+                reason,
+                fix,
+            }
+        })
+        .collect()
+}
+
+/// `Ok((why, note))` when `spec` can run here, else `Err((why not, fix))`. What is required
+/// follows from the library's description of the backend: compiled in, the kernel image of
+/// its kernel family, its run-time library, and, for a backend that reaches peers by stores
+/// only, P2P between every pair of GPUs.
+fn verdict(
+    spec: &TransportSpec,
+    facts: &Result<DriverFacts, NoDriver>,
+    links: &Result<Vec<PeerLink>, String>,
+    kernels: &[KernelImage],
+    nvshmem: &LibraryReport,
+) -> Result<(String, Option<String>), (String, String)> {
+    let caps = spec.capabilities().map_err(|e| {
+        (
+            format!("{spec} is not compiled into this build"),
+            format!("{e}"),
+        )
+    })?;
+    let facts = facts.as_ref().map_err(|e| (e.short(), driver_fix(e)))?;
+    if spec.needs_runtime_library() && !nvshmem.found {
+        return Err((
+            "the NVSHMEM host library does not load".into(),
+            nvshmem
+                .detail
+                .clone()
+                .unwrap_or_else(|| "set EPCOMM_NVSHMEM_LIB to the library's directory".into()),
+        ));
+    }
+    let image = KernelImage::of_family(kernels, caps.kernel_family).ok_or_else(|| {
+        (
+            format!("no kernel image for {:?} in this build", caps.kernel_family),
+            "rebuild epcomm with the kernels (`cargo xtask build-kernels`)".to_string(),
+        )
+    })?;
+    if !image.available {
+        return Err((
+            format!("no kernel image {} ({})", image.artifact, image.source),
+            image.fix(),
+        ));
+    }
+    let n = facts.gpus.len();
+    if spec.needs_runtime_library() {
+        return Ok((
+            format!(
+                "NVSHMEM {} from {}",
+                nvshmem.version.as_deref().unwrap_or("?"),
+                nvshmem.path.as_deref().unwrap_or("?")
+            ),
+            None,
+        ));
+    }
+    if caps.routes.contains(&Route::PutSignal) || n == 1 {
+        return Ok((format!("{n} GPU(s)"), None));
+    }
+    // Stores only: every pair of GPUs must map each other.
+    let l = links.as_ref().map_err(|e| {
+        (
+            format!("peer access could not be queried ({e})"),
+            "check the driver with `nvidia-smi`".to_string(),
+        )
+    })?;
+    let missing: Vec<String> = l
+        .iter()
+        .filter(|p| !p.can_access_peer)
+        .map(|p| format!("{}->{}", p.from, p.to))
+        .collect();
+    if !missing.is_empty() {
+        return Err((
+            format!("no P2P access between GPUs {}", missing.join(", ")),
+            format!(
+                "{spec} needs P2P (NVLink) between every pair of GPUs it uses: pick GPUs that \
+                 have it with CUDA_VISIBLE_DEVICES and --world, or check the NVLink / PCIe \
+                 (IOMMU, ACS) setup"
+            ),
+        ));
+    }
+    let nvlink = l.iter().filter(|p| p.kind() == "NVLink").count();
+    Ok((
+        format!(
+            "{n} GPUs, P2P between every pair (native atomics, i.e. NVLink, on {nvlink} of {} \
+             directed pairs)",
+            l.len()
+        ),
+        (nvlink < l.len()).then(|| {
+            "some pairs lack native peer atomics (PCIe, not NVLink); the kernels' peer atomics \
+             expect NVLink"
+                .to_string()
+        }),
+    ))
+}
+
+fn driver_fix(e: &NoDriver) -> String {
+    match e {
+        NoDriver::Missing => {
+            "install the NVIDIA driver (libcuda.so.1 must be loadable); in a container, start it \
+             with the GPU runtime enabled"
+        }
+        NoDriver::Init(_) => {
+            "check that the driver loads (`nvidia-smi`) and that the kernel module matches the \
+             user-space driver"
+        }
+        NoDriver::NoDevice => {
+            "check CUDA_VISIBLE_DEVICES (unset it to see every GPU) and the GPUs' state"
+        }
+    }
+    .into()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::fixtures::{gpu, images, lib, link};
+    use super::*;
+
+    #[test]
+    fn no_driver_means_nothing_is_usable() {
+        let v = verdicts(
+            &Err(NoDriver::Missing),
+            &Ok(vec![]),
+            &images(true),
+            &lib(true),
+        );
+        assert_eq!(v.len(), 2);
+        for v in v {
+            assert!(!v.usable);
+            assert_eq!(v.reason, "not usable: no CUDA driver");
+            assert!(v.fix.is_some());
+        }
+    }
+
+    #[test]
+    fn ipc_needs_p2p_between_every_pair() {
+        let facts = Ok(DriverFacts {
+            version: 13000,
+            gpus: vec![gpu(0), gpu(1)],
+        });
+        let ok = vec![link(0, 1, true), link(1, 0, true)];
+        let v = verdicts(&facts, &Ok(ok), &images(true), &lib(false));
+        assert!(v[0].usable, "{v:?}");
+        assert!(!v[1].usable);
+        assert!(v[1].fix.as_deref().unwrap().contains("EPCOMM_NVSHMEM_LIB"));
+        let bad = vec![link(0, 1, true), link(1, 0, false)];
+        let v = verdicts(&facts, &Ok(bad), &images(true), &lib(true));
+        assert!(!v[0].usable);
+        assert!(v[0].reason.contains("1->0"), "{}", v[0].reason);
+        assert!(v[1].usable);
+        let single = Ok(DriverFacts {
+            version: 13000,
+            gpus: vec![gpu(0)],
+        });
+        assert!(verdicts(&single, &Ok(vec![]), &images(true), &lib(true))[0].usable);
+        let v = verdicts(&single, &Ok(vec![]), &images(false), &lib(true));
+        assert!(
+            v.iter()
+                .all(|v| !v.usable && v.fix.as_deref().unwrap().contains("xtask"))
+        );
+        assert!(
+            v[0].reason.contains("/nonexistent-epcomm/intranode.fatbin"),
+            "{v:?}"
+        );
+        let k = KernelImage::locate("a", "a.bin", false, None);
+        assert!(
+            !k.available && k.source.contains("EPCOMM_KERNEL_DIR"),
+            "{k:?}"
+        );
+        assert!(k.fix().contains("EPCOMM_KERNEL_DIR"));
+    }
+}
