@@ -68,6 +68,8 @@ pub fn nvidia_smi_topo(facts: &Result<DriverFacts, NoDriver>) -> Option<String> 
     }
 }
 
+/// Runs `nvidia-smi topo -m`, killed after 10 s; `None` when it fails, times out or prints
+/// nothing.
 fn run_nvidia_smi_topo() -> Option<String> {
     let mut child = Command::new("nvidia-smi")
         .args(["topo", "-m"])

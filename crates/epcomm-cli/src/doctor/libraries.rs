@@ -22,6 +22,7 @@ pub fn find_in_maps(maps: &str, stem: &str) -> Option<String> {
         .map(str::to_string)
 }
 
+/// The file this process mapped for the library `stem` (from `/proc/self/maps`).
 fn loaded_path(stem: &str) -> Option<String> {
     std::fs::read_to_string("/proc/self/maps")
         .ok()
@@ -70,9 +71,12 @@ pub fn probe_nvshmem() -> LibraryReport {
     }
 }
 
+/// How [`probe_library`] asks a library its version.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum LibKind {
+    /// `ncclGetVersion`.
     Nccl,
+    /// It is not asked.
     Plain,
 }
 
@@ -86,6 +90,8 @@ pub fn nccl_version(code: i32) -> String {
     }
 }
 
+/// `dlopen`s the first of `sonames` that loads (closed again right after); `kind` says how
+/// to ask its version. Not found: why each soname failed, and how to point at it.
 fn probe_library(sonames: &[&str], kind: LibKind) -> LibraryReport {
     use libloading::os::unix::{Library, RTLD_LOCAL, RTLD_NOW};
     let mut errors = Vec::new();

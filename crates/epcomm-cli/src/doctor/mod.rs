@@ -7,7 +7,7 @@
 //!
 //! One idea per module: the [`report`]'s types (the JSON schema); the probes that fill them
 //! ([`driver`]: GPUs, driver and peer access; [`kernels`]; [`libraries`]; [`rdma`];
-//! [`environment`]); the [`verdict`]s drawn from the probes; and [`render`]ing the report as
+//! [`environment`]); the [`verdict`]s drawn from the probes; and [rendering](mod@render) the report as
 //! text or JSON. [`collect`] runs every probe.
 
 mod driver;

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 
 use super::report::{MAX_GIDS, RdmaDevice, RdmaPort};
 
+/// The trimmed contents of a sysfs file; `None` when unreadable or empty.
 fn read_trim(p: &Path) -> Option<String> {
     std::fs::read_to_string(p)
         .ok()
@@ -16,6 +17,7 @@ fn read_trim(p: &Path) -> Option<String> {
         .filter(|s| !s.is_empty())
 }
 
+/// The entries of `dir` (name, path), numeric names in numeric order; empty when absent.
 fn sorted_entries(dir: &Path) -> Vec<(String, PathBuf)> {
     let Ok(rd) = std::fs::read_dir(dir) else {
         return Vec::new();

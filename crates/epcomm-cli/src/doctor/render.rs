@@ -8,10 +8,12 @@ use std::fmt::Write as _;
 use super::report::{DoctorReport, LibraryReport};
 use crate::gpu::PeerLink;
 
+/// Bytes as GiB with one decimal.
 fn gib(b: u64) -> String {
     format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64)
 }
 
+/// One library's line: where it was found (and its version), or why not, indented below.
 fn lib_line(s: &mut String, what: &str, l: &LibraryReport) {
     if l.found {
         let _ = writeln!(

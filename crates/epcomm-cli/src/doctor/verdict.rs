@@ -137,6 +137,7 @@ fn verdict(
     ))
 }
 
+/// How to fix a driver that cannot be used.
 fn driver_fix(e: &NoDriver) -> String {
     match e {
         NoDriver::Missing => {

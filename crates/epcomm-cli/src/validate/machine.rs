@@ -55,6 +55,7 @@ pub fn parse_mem_total(meminfo: &str) -> Option<u64> {
     }
 }
 
+/// Bytes as GiB with one decimal.
 fn gib(bytes: u128) -> String {
     format!("{:.1} GiB", bytes as f64 / (1u64 << 30) as f64)
 }
