@@ -1,0 +1,222 @@
+//! The protocol model: shared per-rank buffers and the per-rank program.
+//!
+//! Every rank is a thread running [`run_rank`]; every shared word is an atomic (loom's under
+//! `--cfg loom`, std's otherwise). The code is written step by step with the stable labels of
+//! [`Step`]; the CUDA kernels mirror it and cite the labels.
+//!
+//! The model checks itself while it runs, against the routing oracle of [`crate::config`]:
+//! a count word with the wrong epoch tag, a count that disagrees with the routing, a data word
+//! that differs from the sequential expectation, or a shared write by a rank that already
+//! failed is reported as a [`Violation`] instead of being used. Under loom every interleaving
+//! (within the preemption bound) is explored, so a [`Violation`] in any schedule is found.
+//!
+//! An op can also end in an [`OpError`]: the failure injected by the configuration
+//! ([`crate::config::Failure`]), a wait that gave up because of it, or the prologue `[F1]`
+//! refusing to start after it. [`crate::check_outcome`] judges whether the errors and results
+//! of all ranks together are what the protocol promises.
+//!
+//! The model is split by idea; each file keeps the step labels next to the code that
+//! implements them:
+//!
+//! | file | what |
+//! | --- | --- |
+//! | `mod.rs` | the state: [`World`] (the shared memory of the simulated ranks) and each rank's private state |
+//! | `runner.rs` | the runner: [`run_rank`], [`run_model`], the op loop and the failure injection |
+//! | `dispatch.rs` | dispatch and cached dispatch: `[E1]`..`[E7]`, `[G1]`..`[G5]` |
+//! | `combine.rs` | combine: `[C1]`..`[C5]` (and `[G1]`) |
+//! | `wait.rs` | the bounded waits, the done counters (`[E5]`/`[C2]`, `[E6]`/`[C5]`) and the barrier of `[G1]`/`[G3]`/`[G5]` |
+//! | `failure.rs` | failure propagation: `[F1]`, `[F2]` and the guard that a failed rank writes nothing |
+//! | `violation.rs` | what the model reports ([`Violation`], [`OpError`], [`RunError`]) and the checks behind it, `[R]` included |
+//!
+//! The state lives here so that the step files, child modules, use its fields directly.
+//! Contract of the shared memory: every word starts at 0 ("never written"); the count, recv
+//! and comb regions have [`ModelConfig::regions`] copies, indexed by the parity that the op's
+//! sequence number picks.
+
+mod combine;
+mod dispatch;
+mod failure;
+mod runner;
+mod violation;
+mod wait;
+
+use std::fmt;
+
+use crate::config::{ModelConfig, OpKind};
+use crate::reference::OpOutput;
+use crate::step::Step;
+use crate::sync::AtomicU64;
+
+#[cfg(not(loom))]
+pub use runner::run_model;
+pub use runner::run_rank;
+#[cfg(not(loom))]
+pub use violation::ModelFailure;
+pub use violation::{OpError, Region, RunError, Violation};
+
+/// Observer called by every rank before each labelled step.
+///
+/// Tests use it to inject delays (std stress tests) or to force one specific interleaving
+/// (deterministic negative tests). Under loom use [`NoHook`]: loom already explores schedules.
+pub trait StepHook: Send + Sync {
+    /// Called by rank `rank` right before it executes `step` of op number `op` (0-based) of
+    /// kind `kind`. Steps that repeat per sender block (`[E4]`, `[E5]`, `[C1]`, `[C3]`, `[C4]`,
+    /// `[C2]`) are reported once per block.
+    fn at(&self, rank: usize, op: usize, kind: OpKind, step: Step);
+}
+
+/// A [`StepHook`] that does nothing.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct NoHook;
+
+impl StepHook for NoHook {
+    fn at(&self, _rank: usize, _op: usize, _kind: OpKind, _step: Step) {}
+}
+
+/// The buffer of one rank, written by its peers' remote stores.
+struct RankBuffer {
+    /// `count_matrix[parity][src][dst]`: tagged words `(notify << 32) | count`.
+    count: Vec<AtomicU64>,
+    /// `recv[parity][slot]`.
+    recv: Vec<AtomicU64>,
+    /// `comb[parity][src][token]`.
+    comb: Vec<AtomicU64>,
+    /// `flags[src][token]`: monotonic, the combine sequence number of the last contribution of
+    /// `src` to my `token` (one region: the combine parity alternates the data, not the flag).
+    flags: Vec<AtomicU64>,
+    /// `done[src]`: monotonic, one increment per sender block per op.
+    done: Vec<AtomicU64>,
+    /// `barrier[src]`: monotonic, one increment per barrier (Global only).
+    barrier: Vec<AtomicU64>,
+    /// The abort word: `1 + rank` of a failed rank, 0 while none failed. Never reset.
+    abort: AtomicU64,
+}
+
+fn zeroed(n: usize) -> Vec<AtomicU64> {
+    (0..n).map(|_| AtomicU64::new(0)).collect()
+}
+
+/// The shared memory of all ranks for one model run.
+pub struct World {
+    cfg: ModelConfig,
+    ranks: Vec<RankBuffer>,
+    /// First rank that reported a violation (`usize::MAX`: none), so std waits end early.
+    #[cfg(not(loom))]
+    failed: std::sync::atomic::AtomicUsize,
+}
+
+impl fmt::Debug for World {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("World")
+            .field("cfg", &self.cfg)
+            .finish_non_exhaustive()
+    }
+}
+
+impl World {
+    /// Allocates zeroed buffers for every rank of `cfg` ("never written" everywhere).
+    pub fn new(cfg: &ModelConfig) -> Self {
+        let (w, t, p) = (cfg.world(), cfg.tokens(), cfg.regions());
+        let ranks = (0..w)
+            .map(|_| RankBuffer {
+                count: zeroed(p * w * w),
+                recv: zeroed(p * cfg.recv_slots()),
+                comb: zeroed(p * w * t),
+                flags: zeroed(w * t),
+                done: zeroed(w),
+                barrier: zeroed(w),
+                abort: AtomicU64::new(0),
+            })
+            .collect();
+        Self {
+            cfg: cfg.clone(),
+            ranks,
+            #[cfg(not(loom))]
+            failed: std::sync::atomic::AtomicUsize::new(usize::MAX),
+        }
+    }
+
+    /// The configuration the world was built for.
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn count(&self, rank: usize, parity: usize, src: usize, dst: usize) -> &AtomicU64 {
+        let w = self.cfg.world();
+        &self.ranks[rank].count[(parity * w + src) * w + dst]
+    }
+
+    fn recv(&self, rank: usize, parity: usize, slot: usize) -> &AtomicU64 {
+        &self.ranks[rank].recv[parity * self.cfg.recv_slots() + slot]
+    }
+
+    fn comb(&self, rank: usize, parity: usize, src: usize, token: usize) -> &AtomicU64 {
+        let (w, t) = (self.cfg.world(), self.cfg.tokens());
+        &self.ranks[rank].comb[(parity * w + src) * t + token]
+    }
+
+    fn flag(&self, rank: usize, src: usize, token: usize) -> &AtomicU64 {
+        &self.ranks[rank].flags[src * self.cfg.tokens() + token]
+    }
+}
+
+/// Layout of the last non-cached dispatch: its dispatch sequence number (which picks the
+/// routing) and the full count matrix `[s * W + d]`.
+#[derive(Debug, Clone, Default)]
+struct Layout {
+    seq: u64,
+    counts: Vec<u64>,
+}
+
+/// The output of the last dispatch, which the user may read until the next dispatch starts.
+#[derive(Debug, Clone, Default)]
+struct Live {
+    seq: u64,
+    parity: usize,
+    rows: Vec<u64>,
+}
+
+/// Why a rank stopped an op early: a protocol violation ends the rank's run, an [`OpError`]
+/// only the op.
+enum Stop {
+    Violation(Violation),
+    Failed(OpError),
+}
+
+impl From<Violation> for Stop {
+    fn from(v: Violation) -> Self {
+        Stop::Violation(v)
+    }
+}
+
+/// The sequence state a failed op leaves unchanged (the kernels' `SeqState`, advanced only by
+/// an op that completes).
+#[derive(Debug, Clone, Copy)]
+struct SeqState {
+    /// Non-cached dispatches so far: the count words' tag and region (the kernels' `notify`).
+    notify_seq: u64,
+    /// Dispatches so far, cached or not: the receive region and the data words' sequence.
+    dispatch_seq: u64,
+    /// Combines so far: the combine region and the value of the per-token flags.
+    combine_seq: u64,
+    /// `done` increments expected from every source so far (one per sender block per op).
+    done_expected: u64,
+    /// Barriers so far (Global schedule): the round the next barrier waits for, minus one.
+    barrier_round: u64,
+}
+
+/// One simulated rank: its place in the world, its op cursor and its private state.
+struct Rank<'a> {
+    me: usize,
+    w: &'a World,
+    cfg: &'a ModelConfig,
+    hook: &'a dyn StepHook,
+    op: usize,
+    kind: OpKind,
+    seq: SeqState,
+    /// This rank's failure claim: set when one of its ops failed.
+    claim: bool,
+    layout: Layout,
+    live: Option<Live>,
+    outputs: Vec<Result<OpOutput, OpError>>,
+}

@@ -1,0 +1,332 @@
+//! What the model reports and the checks that produce it.
+//!
+//! A [`Violation`] means the protocol (or the variant run) is wrong; an [`OpError`] is the
+//! protocol's own failure path; [`RunError`] adds misuse of [`run_rank`](super::run_rank). The
+//! checks on [`Rank`] compare what a rank reads against the routing oracle of
+//! [`crate::config`]: the `[R]` recheck of the live dispatch output, the rows, the counts.
+
+use std::fmt;
+
+use super::{Live, Rank, Stop};
+use crate::config::{OpKind, route_count};
+use crate::reference::OutcomeViolation;
+use crate::step::Step;
+use crate::sync::Ordering;
+
+/// Which data region a [`Violation::Data`] was found in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Region {
+    /// `recv[parity][slot]`, the dispatch receive slots.
+    Recv,
+    /// `comb[parity][src][token]`, the combine receive slots (slot = `src * tokens + token`).
+    Comb,
+}
+
+impl fmt::Display for Region {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Region::Recv => "recv",
+            Region::Comb => "comb",
+        })
+    }
+}
+
+/// A protocol violation detected by the model: the protocol (or the variant run) is wrong.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Violation {
+    /// A count word carried another notify epoch than the op's: stale (older) or written by a
+    /// peer more than one op ahead (newer). Property (a).
+    #[error(
+        "rank {rank}, op {op} ({kind:?}), {step}: count_matrix[{parity}][{src}][{dst}] carries notify epoch {found}, the op runs notify epoch {expected}"
+    )]
+    CountTag {
+        /// Rank that read the word.
+        rank: usize,
+        /// Op index.
+        op: usize,
+        /// Op kind.
+        kind: OpKind,
+        /// Step that read it.
+        step: Step,
+        /// Count region index.
+        parity: usize,
+        /// Row (sender).
+        src: usize,
+        /// Column (receiver).
+        dst: usize,
+        /// The op's notify epoch.
+        expected: u64,
+        /// The tag found.
+        found: u64,
+    },
+    /// A count word carried the right tag but a count the routing does not produce.
+    #[error(
+        "rank {rank}, op {op} ({kind:?}), {step}: count {src}->{dst} is {found}, the routing gives {expected}"
+    )]
+    CountValue {
+        /// Rank that read the word.
+        rank: usize,
+        /// Op index.
+        op: usize,
+        /// Op kind.
+        kind: OpKind,
+        /// Step that read it.
+        step: Step,
+        /// Sender.
+        src: usize,
+        /// Receiver.
+        dst: usize,
+        /// The routing's count.
+        expected: u64,
+        /// The count read.
+        found: u64,
+    },
+    /// A data slot held another value than the sequential expectation: it was overwritten before
+    /// its owner consumed it, or read before it landed. Properties (b) and (d).
+    #[error(
+        "rank {rank}, op {op} ({kind:?}), {step}: {region}[{parity}] slot {slot} holds {found:#x}, expected {expected:#x}"
+    )]
+    Data {
+        /// Rank that read the slot.
+        rank: usize,
+        /// Op index.
+        op: usize,
+        /// Op kind.
+        kind: OpKind,
+        /// Step that read it.
+        step: Step,
+        /// Which region.
+        region: Region,
+        /// Region index (the parity, or 0 under
+        /// [`Mutation::SingleRegion`](crate::config::Mutation::SingleRegion)).
+        parity: usize,
+        /// Slot within the region.
+        slot: usize,
+        /// The sequential expectation.
+        expected: u64,
+        /// The value read.
+        found: u64,
+    },
+    /// A bounded wait expired (std runs only; loom reports deadlock itself). Property (c).
+    #[error(
+        "rank {rank}, op {op} ({kind:?}), wait {step}: timed out after {waited_ms} ms on peer {peer}: waiting for {expected}, last seen {seen}"
+    )]
+    Timeout {
+        /// Waiting rank.
+        rank: usize,
+        /// Op index.
+        op: usize,
+        /// Op kind.
+        kind: OpKind,
+        /// The wait.
+        step: Step,
+        /// Peer whose word never arrived.
+        peer: usize,
+        /// Value (or epoch) waited for.
+        expected: u64,
+        /// Last value (or epoch) seen.
+        seen: u64,
+        /// How long it waited.
+        waited_ms: u64,
+    },
+    /// A rank that failed wrote shared memory again (a count, data, flag or done word): its
+    /// prologue `[F1]` must stop every later op before the first write. Property (e).
+    #[error("rank {rank}, op {op} ({kind:?}), {step}: writes shared memory after this rank failed")]
+    WriteAfterFailure {
+        /// The rank.
+        rank: usize,
+        /// Op index.
+        op: usize,
+        /// Op kind.
+        kind: OpKind,
+        /// The writing step.
+        step: Step,
+    },
+    /// The results of all ranks break a property of the outcome (see [`crate::check_outcome`]).
+    #[error(transparent)]
+    Outcome(#[from] OutcomeViolation),
+    /// A wait was abandoned because another rank already reported a violation (std runs only).
+    #[error(
+        "rank {rank}, op {op} ({kind:?}), wait {step}: abandoned on peer {peer} because rank {failed} reported a violation"
+    )]
+    PeerFailed {
+        /// Waiting rank.
+        rank: usize,
+        /// Op index.
+        op: usize,
+        /// Op kind.
+        kind: OpKind,
+        /// The wait.
+        step: Step,
+        /// Peer waited on.
+        peer: usize,
+        /// Rank that failed first.
+        failed: usize,
+    },
+}
+
+impl Violation {
+    /// Whether this violation is a consequence of another rank's violation.
+    pub fn is_secondary(&self) -> bool {
+        matches!(self, Violation::PeerFailed { .. })
+    }
+}
+
+/// How an op ended when it did not complete: the protocol's failure path, not a violation.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, thiserror::Error)]
+pub enum OpError {
+    /// The injected failure ([`crate::config::Failure`]): this rank's wait before `step` timed
+    /// out; it recorded the failure and published the abort word (`[F2]`).
+    #[error("{step}: timed out (injected failure)")]
+    TimedOut {
+        /// The step the failure was injected before.
+        step: Step,
+    },
+    /// A bounded wait gave up because rank `by` failed: the abort word it published, or (when
+    /// `by` is this rank) this rank's own failure claim.
+    #[error("wait {step}: gave up on peer {peer}, rank {by} failed")]
+    Aborted {
+        /// The wait.
+        step: Step,
+        /// The peer it waited on.
+        peer: usize,
+        /// The rank that failed.
+        by: usize,
+    },
+    /// `[F1]`: the op exited at its prologue, before writing anything, because rank `by` failed
+    /// (this rank's failure claim, or the abort word).
+    #[error("[F1] refused: rank {by} failed")]
+    Refused {
+        /// The rank that failed.
+        by: usize,
+    },
+}
+
+/// Misuse of [`run_rank`](super::run_rank).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RunError {
+    /// `rank` is not below the world size.
+    #[error("rank = {rank}: must be below the world size {world}")]
+    Rank {
+        /// The rejected rank.
+        rank: usize,
+        /// World size of the [`World`](super::World).
+        world: usize,
+    },
+    /// The protocol was violated.
+    #[error(transparent)]
+    Violation(#[from] Violation),
+}
+
+/// Every violation of a failed [`run_model`](super::run_model), causes first.
+#[cfg(not(loom))]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{} protocol violation(s); first: {}", violations.len(), violations.first().map(ToString::to_string).unwrap_or_default())]
+pub struct ModelFailure {
+    /// The violations, primary ones (not [`Violation::PeerFailed`]) first.
+    pub violations: Vec<Violation>,
+}
+
+impl Rank<'_> {
+    /// `[R]`: the output of the last dispatch must be intact when the next op starts; a new
+    /// dispatch then releases it.
+    pub(super) fn recheck(&mut self) -> Result<(), Stop> {
+        self.step(Step::Recheck)?;
+        if let Some(live) = &self.live {
+            self.check_rows(Step::Recheck, live)?;
+        }
+        if self.kind.is_dispatch() {
+            self.live = None;
+        }
+        Ok(())
+    }
+
+    pub(super) fn check_rows(&self, step: Step, live: &Live) -> Result<(), Violation> {
+        for (slot, &expected) in live.rows.iter().enumerate() {
+            let found = self
+                .w
+                .recv(self.me, live.parity, slot)
+                .load(Ordering::Relaxed);
+            if found != expected {
+                return Err(self.data_violation(
+                    step,
+                    Region::Recv,
+                    live.parity,
+                    slot,
+                    expected,
+                    found,
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn data_violation(
+        &self,
+        step: Step,
+        region: Region,
+        parity: usize,
+        slot: usize,
+        expected: u64,
+        found: u64,
+    ) -> Violation {
+        Violation::Data {
+            rank: self.me,
+            op: self.op,
+            kind: self.kind,
+            step,
+            region,
+            parity,
+            slot,
+            expected,
+            found,
+        }
+    }
+
+    pub(super) fn count_tag(
+        &self,
+        step: Step,
+        parity: usize,
+        src: usize,
+        dst: usize,
+        expected: u64,
+        found: u64,
+    ) -> Violation {
+        Violation::CountTag {
+            rank: self.me,
+            op: self.op,
+            kind: self.kind,
+            step,
+            parity,
+            src,
+            dst,
+            expected,
+            found,
+        }
+    }
+
+    pub(super) fn check_count(
+        &self,
+        step: Step,
+        layout_seq: u64,
+        src: usize,
+        dst: usize,
+        found: u64,
+    ) -> Result<u64, Violation> {
+        let expected = route_count(layout_seq, self.cfg.tokens(), src, dst);
+        if found == expected {
+            Ok(found)
+        } else {
+            Err(Violation::CountValue {
+                rank: self.me,
+                op: self.op,
+                kind: self.kind,
+                step,
+                src,
+                dst,
+                expected,
+                found,
+            })
+        }
+    }
+}
