@@ -155,6 +155,20 @@ mod tests {
         wire::write_frame(s, &body).unwrap();
     }
 
+    /// Rank 1 joining the fake coordinator at `port` in a thread, then running `f` on its
+    /// `Bootstrap`; the thread returns what `f` returned and how long `f` took.
+    fn rank_thread<T: Send + 'static>(
+        port: u16,
+        f: impl FnOnce(&Bootstrap) -> T + Send + 'static,
+    ) -> thread::JoinHandle<(T, Duration)> {
+        thread::spawn(move || {
+            let bs = Bootstrap::connect_with_liveness(cfg(port), liveness()).expect("connect");
+            let start = Instant::now();
+            let out = f(&bs);
+            (out, start.elapsed())
+        })
+    }
+
     /// Reads client messages until the connection closes; returns (heartbeats, ops).
     fn drain(mut s: TcpStream, mut r: FrameReader) -> thread::JoinHandle<(usize, usize)> {
         thread::spawn(move || {
@@ -173,19 +187,17 @@ mod tests {
     #[test]
     fn silent_coordinator_fails_a_collective_within_the_peer_timeout() {
         let (listener, port) = fake_coordinator();
-        let rank = thread::spawn(move || {
-            let bs = Bootstrap::connect_with_liveness(cfg(port), liveness()).expect("connect");
-            let start = Instant::now();
+        let rank = rank_thread(port, |bs| {
             let err = bs.barrier("b").expect_err("the coordinator is silent");
-            let waited = start.elapsed();
+            // Fails at once: the connection is marked broken.
             let again = bs.barrier("c").expect_err("the connection is broken");
-            (err, waited, again)
+            (err, again)
         });
         let (mut s, r) = accept_hello(&listener);
         welcome(&mut s);
         // Read everything (the kernel of a frozen host would ACK it), answer nothing.
         let drained = drain(s, r);
-        let (err, waited, again) = rank.join().unwrap();
+        let ((err, again), waited) = rank.join().unwrap();
         match err {
             BootstrapError::PeerUnresponsive {
                 rank: 0,
@@ -236,12 +248,7 @@ mod tests {
     #[test]
     fn coordinator_heartbeats_keep_a_waiting_rank_patient() {
         let (listener, port) = fake_coordinator();
-        let rank = thread::spawn(move || {
-            let bs = Bootstrap::connect_with_liveness(cfg(port), liveness()).expect("connect");
-            let start = Instant::now();
-            let got = bs.all_gather("g", b"mine");
-            (got, start.elapsed())
-        });
+        let rank = rank_thread(port, |bs| bs.all_gather("g", b"mine"));
         let (mut s, mut r) = accept_hello(&listener);
         welcome(&mut s);
         let seq = loop {

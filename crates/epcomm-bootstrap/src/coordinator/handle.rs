@@ -34,6 +34,12 @@ pub(crate) struct CoordinatorHandle {
     beater: Option<JoinHandle<()>>,
 }
 
+impl Drop for CoordinatorHandle {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
 impl CoordinatorHandle {
     /// Starts serving `listener` for a group of `world_size` ranks that must all report
     /// `crate_version`. `liveness` gives the keepalive settings of accepted sockets; heartbeat
@@ -121,11 +127,5 @@ impl CoordinatorHandle {
         if let Some(b) = self.beater.take() {
             let _ = b.join();
         }
-    }
-}
-
-impl Drop for CoordinatorHandle {
-    fn drop(&mut self) {
-        self.shutdown();
     }
 }

@@ -10,17 +10,19 @@ use super::remote_error::RemoteError;
 use super::{MAGIC, PROTOCOL_VERSION};
 use crate::error::OpKind;
 
-// Message type bytes.
+// Message type bytes, client to coordinator.
 const T_HELLO: u8 = 0x01;
 const T_OP: u8 = 0x02;
 const T_GOODBYE: u8 = 0x03;
 const T_HEARTBEAT: u8 = 0x04;
-const T_WELCOME: u8 = 0x81;
-const T_REJECT: u8 = 0x82;
-const T_OP_OK: u8 = 0x83;
-const T_OP_ERR: u8 = 0x84;
-const T_SHUTDOWN: u8 = 0x85;
-const T_SERVER_HEARTBEAT: u8 = 0x86;
+/// The high bit of a type byte marks a message from the coordinator.
+const FROM_COORDINATOR: u8 = 0x80;
+const T_WELCOME: u8 = FROM_COORDINATOR | 0x01;
+const T_REJECT: u8 = FROM_COORDINATOR | 0x02;
+const T_OP_OK: u8 = FROM_COORDINATOR | 0x03;
+const T_OP_ERR: u8 = FROM_COORDINATOR | 0x04;
+const T_SHUTDOWN: u8 = FROM_COORDINATOR | 0x05;
+const T_SERVER_HEARTBEAT: u8 = FROM_COORDINATOR | 0x06;
 
 /// First message of a client. Magic, protocol version, rank and world size form a prefix that
 /// is frozen across protocol versions.
@@ -150,51 +152,41 @@ pub(crate) fn decode_hello(body: &[u8]) -> Result<HelloMsg, DecodeError> {
 pub(crate) fn encode_client(m: &ClientMsg) -> Vec<u8> {
     let mut e = Enc::default();
     match m {
-        ClientMsg::Op(op) => {
-            e.u8(T_OP)
-                .u64(op.seq)
-                .u8(op.kind.code())
-                .str(&op.tag)
-                .usize(op.root)
-                .bytes(&op.data);
-        }
-        ClientMsg::Goodbye => {
-            e.u8(T_GOODBYE);
-        }
-        ClientMsg::Heartbeat => {
-            e.u8(T_HEARTBEAT);
-        }
-    }
+        ClientMsg::Op(op) => e
+            .u8(T_OP)
+            .u64(op.seq)
+            .u8(op.kind.code())
+            .str(&op.tag)
+            .usize(op.root)
+            .bytes(&op.data),
+        ClientMsg::Goodbye => e.u8(T_GOODBYE),
+        ClientMsg::Heartbeat => e.u8(T_HEARTBEAT),
+    };
     e.0
 }
 
 /// Decodes a client message body received after the handshake.
 pub(crate) fn decode_client(body: &[u8]) -> Result<ClientMsg, DecodeError> {
-    let mut d = Dec::new(body);
-    let msg = match d.u8("message type")? {
-        T_OP => {
-            let seq = d.u64("sequence number")?;
-            let code = d.u8("op kind")?;
-            let kind = OpKind::from_code(code)
-                .ok_or_else(|| DecodeError(format!("unknown op kind {code}")))?;
-            ClientMsg::Op(OpMsg {
-                seq,
-                kind,
-                tag: d.str("tag")?,
-                root: d.usize("root")?,
-                data: d.bytes("data")?.to_vec(),
-            })
-        }
-        T_GOODBYE => ClientMsg::Goodbye,
-        T_HEARTBEAT => ClientMsg::Heartbeat,
-        t => {
-            return Err(DecodeError(format!(
-                "unexpected client message type {t:#04x}"
-            )));
-        }
-    };
-    d.finish("client message")?;
-    Ok(msg)
+    decode_body(body, "client", |t, d| {
+        Ok(Some(match t {
+            T_OP => {
+                let seq = d.u64("sequence number")?;
+                let code = d.u8("op kind")?;
+                let kind = OpKind::from_code(code)
+                    .ok_or_else(|| DecodeError(format!("unknown op kind {code}")))?;
+                ClientMsg::Op(OpMsg {
+                    seq,
+                    kind,
+                    tag: d.str("tag")?,
+                    root: d.usize("root")?,
+                    data: d.bytes("data")?.to_vec(),
+                })
+            }
+            T_GOODBYE => ClientMsg::Goodbye,
+            T_HEARTBEAT => ClientMsg::Heartbeat,
+            _ => return Ok(None),
+        }))
+    })
 }
 
 /// Encodes a coordinator message body.
@@ -236,42 +228,56 @@ pub(crate) fn encode_server(m: &ServerMsg) -> Vec<u8> {
 
 /// Decodes a coordinator message body.
 pub(crate) fn decode_server(body: &[u8]) -> Result<ServerMsg, DecodeError> {
+    decode_body(body, "coordinator", |t, d| {
+        Ok(Some(match t {
+            T_WELCOME => {
+                d.magic()?;
+                ServerMsg::Welcome {
+                    protocol: d.u32("protocol version")?,
+                    crate_version: d.str("crate version")?,
+                    world_size: d.usize("world size")?,
+                }
+            }
+            T_REJECT => ServerMsg::Reject(RemoteError::decode(d)?),
+            T_OP_OK => {
+                let seq = d.u64("sequence number")?;
+                let n = d.u32("payload count")? as usize;
+                let mut payloads = Vec::with_capacity(n.min(1 << 16));
+                for _ in 0..n {
+                    payloads.push(d.bytes("payload")?.to_vec());
+                }
+                ServerMsg::OpOk { seq, payloads }
+            }
+            T_OP_ERR => {
+                let seq = d.u64("sequence number")?;
+                ServerMsg::OpErr {
+                    seq,
+                    error: RemoteError::decode(d)?,
+                }
+            }
+            T_SHUTDOWN => ServerMsg::Shutdown,
+            T_SERVER_HEARTBEAT => ServerMsg::Heartbeat,
+            _ => return Ok(None),
+        }))
+    })
+}
+
+/// Decodes a message body sent by `side` ("client" or "coordinator"): its type byte, then the
+/// fields `fields` reads for that type, then nothing. `fields` returns `None` for a type that
+/// `side` does not send, which is an error naming the type.
+fn decode_body<T>(
+    body: &[u8],
+    side: &str,
+    fields: impl FnOnce(u8, &mut Dec<'_>) -> Result<Option<T>, DecodeError>,
+) -> Result<T, DecodeError> {
     let mut d = Dec::new(body);
-    let msg = match d.u8("message type")? {
-        T_WELCOME => {
-            d.magic()?;
-            ServerMsg::Welcome {
-                protocol: d.u32("protocol version")?,
-                crate_version: d.str("crate version")?,
-                world_size: d.usize("world size")?,
-            }
-        }
-        T_REJECT => ServerMsg::Reject(RemoteError::decode(&mut d)?),
-        T_OP_OK => {
-            let seq = d.u64("sequence number")?;
-            let n = d.u32("payload count")? as usize;
-            let mut payloads = Vec::with_capacity(n.min(1 << 16));
-            for _ in 0..n {
-                payloads.push(d.bytes("payload")?.to_vec());
-            }
-            ServerMsg::OpOk { seq, payloads }
-        }
-        T_OP_ERR => {
-            let seq = d.u64("sequence number")?;
-            ServerMsg::OpErr {
-                seq,
-                error: RemoteError::decode(&mut d)?,
-            }
-        }
-        T_SHUTDOWN => ServerMsg::Shutdown,
-        T_SERVER_HEARTBEAT => ServerMsg::Heartbeat,
-        t => {
-            return Err(DecodeError(format!(
-                "unexpected coordinator message type {t:#04x}"
-            )));
-        }
+    let t = d.u8("message type")?;
+    let Some(msg) = fields(t, &mut d)? else {
+        return Err(DecodeError(format!(
+            "unexpected {side} message type {t:#04x}"
+        )));
     };
-    d.finish("coordinator message")?;
+    d.finish(&format!("{side} message"))?;
     Ok(msg)
 }
 
@@ -294,6 +300,15 @@ mod tests {
             heartbeat_ms: 250,
             peer_timeout_ms: 2000,
         }
+    }
+
+    #[test]
+    fn type_bytes_are_the_documented_ones() {
+        let client = [T_HELLO, T_OP, T_GOODBYE, T_HEARTBEAT];
+        let coordinator = [T_WELCOME, T_REJECT, T_OP_OK, T_OP_ERR, T_SHUTDOWN];
+        assert_eq!(client, [0x01, 0x02, 0x03, 0x04]);
+        assert_eq!(coordinator, [0x81, 0x82, 0x83, 0x84, 0x85]);
+        assert_eq!(T_SERVER_HEARTBEAT, 0x86);
     }
 
     #[test]

@@ -6,18 +6,30 @@
 
 use super::codec::{Dec, DecodeError, Enc};
 
-// RemoteError codes.
+// Error codes, each followed on the wire by the fields named (ranks and sizes are `u64`).
+/// Timeout: count `u32`, then that many missing ranks.
 const E_TIMEOUT: u8 = 1;
+/// Peer died: rank.
 const E_PEER_DIED: u8 = 2;
+/// Peer left: rank.
 const E_PEER_LEFT: u8 = 3;
+/// Protocol mismatch: coordinator `u32`, peer `u32`, peer rank.
 const E_PROTOCOL_MISMATCH: u8 = 4;
+/// Crate version mismatch: coordinator `str`, peer `str`, peer rank.
 const E_CRATE_MISMATCH: u8 = 5;
+/// World size mismatch: coordinator, peer, peer rank.
 const E_WORLD_MISMATCH: u8 = 6;
+/// Duplicate rank: rank, first address `str`, second address `str`.
 const E_DUPLICATE_RANK: u8 = 7;
+/// Rank out of range: rank, world size.
 const E_RANK_RANGE: u8 = 8;
+/// Op mismatch: rank a, call a `str`, rank b, call b `str`.
 const E_OP_MISMATCH: u8 = 9;
+/// Too large: size, limit.
 const E_TOO_LARGE: u8 = 10;
+/// Rendezvous closed: rank.
 const E_CLOSED: u8 = 11;
+/// Peer unresponsive: rank, silence in milliseconds.
 const E_PEER_UNRESPONSIVE: u8 = 12;
 
 /// Errors decided by the coordinator and sent to the ranks concerned.
