@@ -18,15 +18,17 @@
 //! The model is split by idea; each file keeps the step labels next to the code that
 //! implements them:
 //!
-//! | file | what |
-//! | --- | --- |
-//! | `mod.rs` | the state: [`World`] (the shared memory of the simulated ranks) and each rank's private state |
-//! | `runner.rs` | the runner: [`run_rank`], [`run_model`], the op loop and the failure injection |
-//! | `dispatch.rs` | dispatch and cached dispatch: `[E1]`..`[E7]`, `[G1]`..`[G5]` |
-//! | `combine.rs` | combine: `[C1]`..`[C5]` (and `[G1]`) |
-//! | `wait.rs` | the bounded waits, the done counters (`[E5]`/`[C2]`, `[E6]`/`[C5]`) and the barrier of `[G1]`/`[G3]`/`[G5]` |
-//! | `failure.rs` | failure propagation: `[F1]`, `[F2]` and the guard that a failed rank writes nothing |
-//! | `violation.rs` | what the model reports ([`Violation`], [`OpError`], [`RunError`]) and the checks behind it, `[R]` included |
+//! - `mod.rs`: the state, [`World`] (the shared memory of the simulated ranks) and each rank's
+//!   private state;
+//! - `runner.rs`: [`run_rank`], [`run_model`], the op loop and the failure injection;
+//! - `dispatch.rs`: dispatch and cached dispatch, `[E1]`..`[E7]` and `[G1]`..`[G5]`;
+//! - `combine.rs`: combine, `[C1]`..`[C5]` (and `[G1]`);
+//! - `wait.rs`: the bounded waits, the done counters (`[E5]`/`[C2]` signal, `[E6]`/`[C5]`
+//!   wait) and the barrier of `[G1]`/`[G3]`/`[G5]`;
+//! - `failure.rs`: failure propagation, `[F1]`, `[F2]` and the guard that a failed rank writes
+//!   nothing;
+//! - `violation.rs`: what the model reports ([`Violation`], [`OpError`], [`RunError`]) and the
+//!   checks behind it, `[R]` included.
 //!
 //! The state lives here so that the step files, child modules, use its fields directly.
 //! Contract of the shared memory: every word starts at 0 ("never written"); the count, recv
