@@ -12,7 +12,7 @@ use epcomm_check::inputs::{Shape, device_inputs, host_inputs, upload};
 use epcomm_check::procs::is_worker;
 use epcomm_check::verify::{RoundOptions, verified_round};
 use epcomm_kernels::abi::LayoutArgs;
-use epcomm_kernels::{IntranodeKernels, KernelVariant};
+use epcomm_kernels::{IntranodeKernels, KernelFamily};
 use epcomm_reference::bf16;
 
 mod common;
@@ -84,9 +84,9 @@ fn layout_kernel_matches_reference() {
     let stream = ctx.new_stream().unwrap();
     // Both builds hold the same layout kernel; the NVSHMEM one (when embedded) also proves the
     // device-linked cubin loads and agrees on the ABI.
-    let mut variants = vec![KernelVariant::Store];
+    let mut variants = vec![KernelFamily::NvlinkStore];
     if epcomm_kernels::intranode_nvshmem_embedded() {
-        variants.push(KernelVariant::Nvshmem);
+        variants.push(KernelFamily::NvshmemDevice);
     }
     for variant in variants {
         eprintln!("layout kernel, {variant:?} variant");
@@ -98,7 +98,7 @@ fn layout_kernel_matches_reference() {
 fn check_layout_variant(
     ctx: &Arc<CudaContext>,
     stream: &Arc<cudarc::driver::CudaStream>,
-    variant: KernelVariant,
+    variant: KernelFamily,
 ) {
     let kernels = IntranodeKernels::load(ctx, stream, variant).unwrap();
     let claim = stream.alloc_zeros::<u32>(2).unwrap();

@@ -1,8 +1,8 @@
 //! The intranode (NVLink domain) kernel module: layout, dispatch, combine.
 //!
 //! Two images are built from the same kernel bodies (`kernels/intranode/`), one per Net
-//! policy: [`KernelVariant::Store`] reaches every peer through a mapping of its buffer;
-//! [`KernelVariant::Nvshmem`] is device-linked with `libnvshmem_device` and reaches the peers
+//! policy: [`KernelFamily::NvlinkStore`] reaches every peer through a mapping of its buffer;
+//! [`KernelFamily::NvshmemDevice`] is device-linked with `libnvshmem_device` and reaches the peers
 //! flagged in `OpArgs::remote_mask` with NVSHMEM put/signal. The NVSHMEM module must be bound to
 //! the NVSHMEM runtime (`nvshmemx_cumodule_init`, see [`IntranodeKernels::cu_module`]) before
 //! a dispatch or combine launch.
@@ -37,22 +37,25 @@ const ONE_THREAD: LaunchConfig = LaunchConfig {
     shared_mem_bytes: 0,
 };
 
-/// Which build of the intranode kernels to load.
+/// Which kernel image a transport's device runtime works with (a backend declares it in its
+/// capabilities; the frontend loads that image).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum KernelVariant {
-    /// `intranode.fatbin`: plain stores and system-scope atomics through peer mappings.
-    Store,
-    /// `intranode_nvshmem.cubin`: device-linked with `libnvshmem_device`; peers outside the
-    /// mapping domain (or all of them, under PeerSignal) through NVSHMEM put/signal.
-    Nvshmem,
+pub enum KernelFamily {
+    /// `intranode.fatbin` (`StoreNet`): plain stores and system-scope atomics through peer
+    /// mappings (NVLink P2P / CUDA IPC); the store route only.
+    NvlinkStore,
+    /// `intranode_nvshmem.cubin` (`NvshmemNet`): device-linked with `libnvshmem_device`; stores
+    /// through mappings and NVSHMEM put/signal for the peers whose route bit is set. The loaded
+    /// module must be bound to NVSHMEM (`nvshmemx_cumodule_init`) before the first launch.
+    NvshmemDevice,
 }
 
-impl KernelVariant {
-    /// The image this variant loads.
+impl KernelFamily {
+    /// The image of this family.
     pub fn image(self) -> Image {
         match self {
-            Self::Store => Image::INTRANODE,
-            Self::Nvshmem => Image::INTRANODE_NVSHMEM,
+            Self::NvlinkStore => Image::INTRANODE,
+            Self::NvshmemDevice => Image::INTRANODE_NVSHMEM,
         }
     }
 }
@@ -110,19 +113,19 @@ pub struct IntranodeKernels {
 }
 
 impl IntranodeKernels {
-    /// Loads the embedded image of `variant` into `ctx` and checks the argument-block ABI on
+    /// Loads the embedded image of `family` into `ctx` and checks the argument-block ABI on
     /// the device.
     pub fn load(
         ctx: &Arc<CudaContext>,
         stream: &Arc<CudaStream>,
-        variant: KernelVariant,
+        family: KernelFamily,
     ) -> Result<Self, KernelError> {
-        let image = variant.image().bytes()?;
+        let image = family.image().bytes()?;
         let module = ctx
             .load_module(Ptx::from_binary(image.to_vec()))
-            .context(match variant {
-                KernelVariant::Store => "loading intranode.fatbin",
-                KernelVariant::Nvshmem => "loading intranode_nvshmem.cubin",
+            .context(match family {
+                KernelFamily::NvlinkStore => "loading intranode.fatbin",
+                KernelFamily::NvshmemDevice => "loading intranode_nvshmem.cubin",
             })?;
         let f = |name| module.load_function(name).context("looking up a kernel");
         let probe = f("epcomm_abi_probe")?;

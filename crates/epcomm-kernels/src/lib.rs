@@ -37,12 +37,12 @@
 //!
 //! ```no_run
 //! use cudarc::driver::CudaContext;
-//! use epcomm_kernels::{IntranodeKernels, KernelVariant};
+//! use epcomm_kernels::{IntranodeKernels, KernelFamily};
 //!
 //! let ctx = CudaContext::new(0)?;
 //! let stream = ctx.new_stream()?;
 //! // Loads the module and runs the ABI probe: host and device agree on every argument block.
-//! let kernels = IntranodeKernels::load(&ctx, &stream, KernelVariant::Store)?;
+//! let kernels = IntranodeKernels::load(&ctx, &stream, KernelFamily::NvlinkStore)?;
 //! # let _ = kernels;
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
@@ -52,7 +52,7 @@ mod image;
 mod intranode;
 
 pub use image::{Image, ImageBuild, images};
-pub use intranode::{IntranodeKernels, KernelVariant, Op};
+pub use intranode::{IntranodeKernels, KernelFamily, Op};
 
 /// Errors of loading or launching kernels.
 #[derive(Debug, thiserror::Error)]

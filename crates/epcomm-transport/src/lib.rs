@@ -50,20 +50,9 @@ use std::fmt::Debug;
 use std::sync::Arc;
 
 pub use epcomm_bootstrap::Bootstrap;
+pub use epcomm_kernels::KernelFamily;
 pub use epcomm_topology::{Route, RoutePolicy, Schedule, WorldLayout};
 pub use memory::{DeviceBuffer, MappedHostBuffer};
-
-/// Which kernel image a transport's device runtime works with.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum KernelFamily {
-    /// Plain stores and system-scope atomics through peer mappings (NVLink P2P / CUDA IPC):
-    /// supports [`Route::Store`] only.
-    NvlinkStore,
-    /// Kernels device-linked with `libnvshmem_device`: [`Route::Store`] through mappings and
-    /// [`Route::PutSignal`] with NVSHMEM put/signal. The loaded module must be bound with
-    /// [`DeviceRuntime::bind_module`] before the first launch.
-    NvshmemDevice,
-}
 
 /// What a backend supports; a `Buffer` asking for anything else is a typed error.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

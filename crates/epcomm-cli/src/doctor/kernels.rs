@@ -7,7 +7,6 @@
 use std::path::{Path, PathBuf};
 
 use epcomm_backends::KernelFamily;
-use epcomm_kernels::KernelVariant;
 
 use super::report::KernelImage;
 
@@ -54,7 +53,7 @@ impl KernelImage {
 
     /// The image of `family` among `images`.
     pub fn of_family(images: &[Self], family: KernelFamily) -> Option<&Self> {
-        let name = kernel_image(family).name();
+        let name = family.image().name();
         images.iter().find(|i| i.name == name)
     }
 
@@ -67,13 +66,4 @@ impl KernelImage {
             self.artifact
         )
     }
-}
-
-/// The kernel image a transport of `family` loads (the frontend's choice of variant).
-pub fn kernel_image(family: KernelFamily) -> epcomm_kernels::Image {
-    match family {
-        KernelFamily::NvlinkStore => KernelVariant::Store,
-        KernelFamily::NvshmemDevice => KernelVariant::Nvshmem,
-    }
-    .image()
 }

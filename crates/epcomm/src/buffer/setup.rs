@@ -11,12 +11,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use cudarc::driver::{CudaContext, sys};
+use epcomm_kernels::IntranodeKernels;
 use epcomm_kernels::abi::{self, ErrorRecord};
-use epcomm_kernels::{IntranodeKernels, KernelVariant};
 use epcomm_topology::{BufferPlan, Parity, RegionKind, Route, RoutePlan};
-use epcomm_transport::{
-    DeviceBuffer, DynTransport, KernelFamily, MappedHostBuffer, SymmetricMemory,
-};
+use epcomm_transport::{DeviceBuffer, DynTransport, MappedHostBuffer, SymmetricMemory};
 
 use super::{Buffer, Sequence};
 use crate::agreement::Fingerprint;
@@ -78,11 +76,7 @@ impl Buffer {
             cfg.num_experts,
         )?;
         let stream = ctx.new_stream().context("creating the comm stream")?;
-        let variant = match caps.kernel_family {
-            KernelFamily::NvlinkStore => KernelVariant::Store,
-            KernelFamily::NvshmemDevice => KernelVariant::Nvshmem,
-        };
-        let kernels = IntranodeKernels::load(&ctx, &stream, variant)?;
+        let kernels = IntranodeKernels::load(&ctx, &stream, caps.kernel_family)?;
         // Waits across blocks and ranks need every block resident (kernels also launch
         // cooperatively, so a grid that cannot be co-resident fails instead of hanging).
         let fit = kernels.max_coresident_blocks(sms)?;
