@@ -135,44 +135,38 @@ impl TransportSpec {
     }
 
     /// The world layout a transport of this spec sees for `world_size` ranks, `local_world_size`
-    /// per host, seen from `rank` (no GPU needed): what `Transport::world` returns once built.
+    /// per host, seen from `rank` (no GPU needed): what `Transport::world` returns once built,
+    /// by the backend's own rule (`IpcTransport::world_layout`, `NvshmemTransport::world_layout`).
     ///
     /// # Errors
-    /// [`TransportError::InvalidArgument`] naming `world` when CUDA IPC is asked to span hosts,
-    /// or `transport` when the virtual node count does not divide the GPUs per host; topology
-    /// errors for inconsistent sizes.
+    /// The backend's: [`TransportError::InvalidArgument`] naming `world` when CUDA IPC is asked
+    /// to span hosts, or `NvshmemOptions::virtual_nodes` when the virtual node count does not
+    /// divide the GPUs per host; [`TransportError::InvalidArgument`] naming `transport` when
+    /// the backend is not compiled into this build.
     pub fn world_layout(
         &self,
         world_size: usize,
         rank: usize,
         local_world_size: usize,
     ) -> Result<WorldLayout, TransportError> {
-        match self {
-            Self::Ipc if local_world_size != world_size => Err(TransportError::InvalidArgument {
-                argument: "world",
-                rule: format!(
-                    "the CUDA-IPC transport needs every rank on one host (one NVLink domain), \
-                     but there are {local_world_size} ranks per host and {world_size} in all"
-                ),
-            }),
-            Self::Ipc => Ok(WorldLayout::new(world_size, rank, world_size)?),
+        match *self {
+            #[cfg(feature = "ipc")]
+            Self::Ipc => {
+                epcomm_transport_ipc::IpcTransport::world_layout(world_size, rank, local_world_size)
+            }
+            #[cfg(feature = "nvshmem")]
             Self::Nvshmem { virtual_nodes } => {
-                let per_host = virtual_nodes.per_host(local_world_size);
-                if per_host == 0 || !local_world_size.is_multiple_of(per_host) {
-                    return Err(TransportError::InvalidArgument {
-                        argument: "transport",
-                        rule: format!(
-                            "vnodes={per_host} must divide the {local_world_size} GPUs per host"
-                        ),
-                    });
-                }
-                Ok(WorldLayout::with_virtual_nodes(
+                epcomm_transport_nvshmem::NvshmemTransport::world_layout(
                     world_size,
                     rank,
                     local_world_size,
-                    per_host,
-                )?)
+                    epcomm_transport_nvshmem::NvshmemOptions {
+                        virtual_nodes: virtual_nodes.per_host(local_world_size),
+                    },
+                )
             }
+            #[allow(unreachable_patterns)]
+            _ => Err(self.not_compiled()),
         }
     }
 
@@ -367,6 +361,9 @@ mod tests {
         assert_eq!(every.world_layout(4, 2, 4).unwrap().nvlink_domain(), 2..3);
         let three: TransportSpec = "nvshmem:vnodes=3".parse().unwrap();
         let err = three.world_layout(4, 0, 4).unwrap_err().to_string();
-        assert!(err.contains("vnodes=3 must divide"), "{err}");
+        assert!(
+            err.contains("vnodes=3 must divide the 4 GPUs per host"),
+            "{err}"
+        );
     }
 }

@@ -54,24 +54,36 @@ pub struct IpcTransport {
 }
 
 impl IpcTransport {
-    /// Builds the transport over an initialised bootstrap. Every rank must be on this host:
-    /// `local_world_size == world_size` (checked).
-    pub fn new(ctx: Arc<CudaContext>, bootstrap: Arc<Bootstrap>) -> Result<Self, TransportError> {
-        if bootstrap.local_world_size() != bootstrap.world_size() {
+    /// The world this transport sees for `world_size` ranks, `local_world_size` per host,
+    /// seen from `rank`: one NVLink domain holding every rank (no GPU needed).
+    ///
+    /// # Errors
+    /// [`TransportError::InvalidArgument`] naming `world` unless every rank is on one host
+    /// (`local_world_size == world_size`); topology errors for inconsistent sizes.
+    pub fn world_layout(
+        world_size: usize,
+        rank: usize,
+        local_world_size: usize,
+    ) -> Result<WorldLayout, TransportError> {
+        if local_world_size != world_size {
             return Err(TransportError::InvalidArgument {
                 argument: "world",
                 rule: format!(
                     "the CUDA-IPC transport needs every rank on one host (one NVLink domain), \
-                     but local_world_size = {} and world_size = {}",
-                    bootstrap.local_world_size(),
-                    bootstrap.world_size()
+                     but there are {local_world_size} ranks per host and {world_size} in all"
                 ),
             });
         }
-        let world = WorldLayout::new(
+        Ok(WorldLayout::new(world_size, rank, world_size)?)
+    }
+
+    /// Builds the transport over an initialised bootstrap. Every rank must be on this host
+    /// (checked: [`Self::world_layout`]).
+    pub fn new(ctx: Arc<CudaContext>, bootstrap: Arc<Bootstrap>) -> Result<Self, TransportError> {
+        let world = Self::world_layout(
             bootstrap.world_size(),
             bootstrap.rank(),
-            bootstrap.world_size(),
+            bootstrap.local_world_size(),
         )?;
         Ok(Self {
             ctx,

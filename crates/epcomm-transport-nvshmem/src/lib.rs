@@ -111,6 +111,35 @@ pub struct NvshmemTransport {
 }
 
 impl NvshmemTransport {
+    /// The world this transport sees for `world_size` ranks, `local_world_size` per host, seen
+    /// from `rank`, with `options` (no GPU needed): each host's GPUs split into
+    /// `options.virtual_nodes` logical nodes.
+    ///
+    /// # Errors
+    /// [`TransportError::InvalidArgument`] naming `NvshmemOptions::virtual_nodes` unless it is
+    /// positive and divides the GPUs per host, or the sizes are inconsistent.
+    pub fn world_layout(
+        world_size: usize,
+        rank: usize,
+        local_world_size: usize,
+        options: NvshmemOptions,
+    ) -> Result<WorldLayout, TransportError> {
+        let n = options.virtual_nodes;
+        WorldLayout::with_virtual_nodes(world_size, rank, local_world_size, n).map_err(|e| {
+            let rule = match e {
+                epcomm_transport::TopologyError::NotMultiple {
+                    arg: "physical_gpus_per_node",
+                    ..
+                } => format!("vnodes={n} must divide the {local_world_size} GPUs per host"),
+                other => other.to_string(),
+            };
+            TransportError::InvalidArgument {
+                argument: "NvshmemOptions::virtual_nodes",
+                rule,
+            }
+        })
+    }
+
     /// [`NvshmemTransport::with_options`] with the default options (no virtual nodes).
     pub fn new(ctx: Arc<CudaContext>, bootstrap: Arc<Bootstrap>) -> Result<Self, TransportError> {
         Self::with_options(ctx, bootstrap, NvshmemOptions::default())
@@ -128,16 +157,12 @@ impl NvshmemTransport {
         bootstrap: Arc<Bootstrap>,
         options: NvshmemOptions,
     ) -> Result<Self, TransportError> {
-        let layout = WorldLayout::with_virtual_nodes(
+        let layout = Self::world_layout(
             bootstrap.world_size(),
             bootstrap.rank(),
             bootstrap.local_world_size(),
-            options.virtual_nodes,
-        )
-        .map_err(|e| TransportError::InvalidArgument {
-            argument: "NvshmemOptions::virtual_nodes",
-            rule: e.to_string(),
-        })?;
+            options,
+        )?;
         let lib = nvshmem_sys::loader::load_default().map_err(|e| TransportError::Backend {
             backend: "nvshmem",
             context: "loading libnvshmem_host.so.3".into(),

@@ -51,7 +51,7 @@ use std::sync::Arc;
 
 pub use epcomm_bootstrap::Bootstrap;
 pub use epcomm_kernels::KernelFamily;
-pub use epcomm_topology::{Route, RoutePolicy, Schedule, WorldLayout};
+pub use epcomm_topology::{Route, RoutePolicy, Schedule, TopologyError, WorldLayout};
 pub use memory::{DeviceBuffer, MappedHostBuffer};
 
 /// What a backend supports; a `Buffer` asking for anything else is a typed error.

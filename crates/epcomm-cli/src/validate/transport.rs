@@ -104,7 +104,7 @@ impl TransportChoice {
         let layout: WorldLayout = spec.world_layout(world, rank, local).map_err(|e| {
             let flag = match &e {
                 TransportError::InvalidArgument {
-                    argument: "transport",
+                    argument: "NvshmemOptions::virtual_nodes",
                     ..
                 } => flags.vnodes_flag(),
                 _ => "--transport",
