@@ -22,7 +22,7 @@ namespace epcomm {
 
 /// Version of the kernel protocol and argument blocks; ranks compare it when a `Buffer` is
 /// built. Bump it with any change of this header or of the kernels' cross-rank protocol.
-constexpr uint64_t kAbiVersion = 3;
+constexpr uint64_t kAbiVersion = 4;
 
 /// Largest world size the intranode kernels support (shared-memory tables are this large).
 constexpr size_t kMaxWorld = 64;
@@ -35,6 +35,8 @@ enum ErrorCode : uint32_t {  // rust: mod code, strip k
   kInvalidExpert = 3,  ///< A top-k id outside `[-1, num_experts)`.
   kPeerFailed = 4,     ///< A peer failed first: `peer` = origin rank, `expected` = its code,
                        ///< `seen` = its op sequence number (low 32 bits).
+  kDuplicateExpert = 5,  ///< Low-latency dispatch: a token names one expert twice (`peer` =
+                         ///< token index, `seen` = the expert id).
 };
 
 /// Which operation a kernel was running (`ErrorRecord::op`, stats kind).
@@ -43,6 +45,10 @@ enum OpKind : uint32_t {  // rust: mod op, strip kOp
   kOpDispatch = 2,        ///< Dispatch with count exchange.
   kOpCachedDispatch = 3,  ///< Dispatch reusing a handle's routing.
   kOpCombine = 4,         ///< Combine.
+  kOpLlDispatch = 5,      ///< Low-latency dispatch, send phase.
+  kOpLlDispatchRecv = 6,  ///< Low-latency dispatch, receive phase.
+  kOpLlCombine = 7,       ///< Low-latency combine, send phase.
+  kOpLlCombineRecv = 8,   ///< Low-latency combine, receive phase.
 };
 
 /// Which wait expired (`ErrorRecord::wait_id`); labels refer to docs/protocol.md.
@@ -54,6 +60,8 @@ enum WaitId : uint32_t {  // rust: mod wait, strip kWait
   kWaitCombineDone = 4,   ///< [C3] a peer's combine contributions landing.
   kWaitBarrier = 5,       ///< [G*] a Global-strategy barrier.
   kWaitOpStart = 6,       ///< The op's prologue: a peer's failure was known before the op started.
+  kWaitLlDispatch = 7,    ///< [L3] a peer's low-latency dispatch rows landing.
+  kWaitLlCombine = 8,     ///< [L6] a peer's low-latency combine rows landing.
 };
 
 /// Byte offset, inside the stats region, of the in-place combine's `[world]` ready words.
@@ -84,6 +92,7 @@ enum OpFlags : uint32_t {  // rust: mod flags, strip kFlag
   kFlagHasWeights = 1u << 2,  ///< Top-k weights travel (dispatch) or are reduced (combine).
   kFlagHasTopk = 1u << 3,     ///< Top-k ids travel (dispatch).
   kFlagInPlace = 1u << 4,     ///< Combine pulls y from every rank's latest dispatch receive region.
+  kFlagRoundScale = 1u << 5,  ///< Low-latency FP8 dispatch: scales rounded up to powers of two.
 };
 
 /// Arguments of `epcomm_dispatch` and `epcomm_combine`. All addresses are device addresses.
@@ -132,6 +141,25 @@ struct OpArgs {
                            ///< image only; peer_bases[d] is then this rank's own base).
   uint64_t abort_word;     ///< This rank's abort word (stats region + kStatsAbortOffset): peers
                            ///< that failed write it; every prologue and every wait read it.
+  // Low-latency mode: caller outputs (LL dispatch) / inputs (LL combine), local device memory.
+  uint64_t ll_recv_x;        ///< [epr][world * ll_max_tokens][row_bytes] received rows, packed.
+  uint64_t ll_recv_scales;   ///< [epr][world * ll_max_tokens][num_scales] f32 (FP8).
+  uint64_t ll_recv_count;    ///< [epr] i32 rows received per local expert.
+  uint64_t ll_src_info;      ///< [epr][world * ll_max_tokens] i32 source token index of each row.
+  uint64_t ll_layout_range;  ///< [epr][world] i64: (first row << 32) | rows, per source rank.
+  uint64_t ll_route;         ///< [epr][world * ll_max_tokens] i32: source rank * top_k + k.
+  // Low-latency mode: symmetric-buffer regions.
+  uint64_t off_ll_x;       ///< LL dispatch (per parity): rows, [source][slot][row_bytes].
+  uint64_t off_ll_scales;  ///< LL dispatch (per parity): FP8 scales, [source][slot][num_scales].
+  uint64_t off_ll_meta;    ///< LL dispatch (per parity): [source][slot][top_k + 1] i32: token
+                           ///< index, then (local expert << 16 | index in expert) or -1 per k.
+  uint64_t off_ll_counts;  ///< LL dispatch (per parity): [source][1 + epr] tagged u64: rows, then
+                           ///< rows per local expert.
+  uint64_t off_ll_comb;    ///< LL combine (per parity): rows, [token][top_k][hidden] bf16.
+  uint64_t off_ll_stage;   ///< LL staging (shared): [ll_max_tokens][row_bytes + scales] FP8 rows
+                           ///< cast for put/signal peers.
+  int32_t ll_max_tokens;   ///< Low-latency per-rank token capacity (0: no low-latency regions).
+  int32_t ll_smem_words;   ///< u32 words of dynamic shared memory of the low-latency kernels.
   int32_t num_tokens;      ///< Tokens of this rank.
   int32_t hidden;          ///< Elements per row.
   int32_t row_bytes;       ///< Bytes per x row (hidden * elem size).
@@ -156,6 +184,8 @@ struct SeqState {
   uint64_t combine;   ///< Combines so far (combine-region parity, row-flag value).
   uint64_t done;      ///< Every done[src] counter's value after the last op.
   uint64_t barriers;  ///< Every barrier[src] counter's value after the last op.
+  uint64_t ll_dispatch;  ///< Low-latency dispatches so far (their region parity and tag).
+  uint64_t ll_combine;   ///< Low-latency combines so far (their region parity).
   uint32_t exits;     ///< Blocks of the running op that finished (0 between ops).
   uint32_t pad;       ///< Padding.
 };

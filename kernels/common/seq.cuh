@@ -14,6 +14,7 @@ struct OpSeq {
   uint64_t op;             // op sequence number (>= 1)
   uint64_t epoch;          // dispatch: notify seq (count tag); combine: combine seq (flag value)
   uint64_t notify, dispatch, combine;
+  uint64_t ll_dispatch, ll_combine;  // low-latency ops so far, this one included
   uint64_t done_expected;  // done[src] value once this op's sends all landed
   uint64_t barrier_base;   // barrier[src] value before this op's first barrier
 };
@@ -65,13 +66,21 @@ __device__ __forceinline__ bool prologue(const OpArgs& a, OpState& s, uint32_t k
     const uint32_t claim = *reinterpret_cast<const volatile uint32_t*>(a.err_claim);
     const uint64_t abort = *reinterpret_cast<const volatile uint64_t*>(a.abort_word);
     const volatile SeqState* st = reinterpret_cast<const volatile SeqState*>(a.seq_state);
+    // A receive phase (kOpLl*Recv) belongs to the op its send phase started: it advances
+    // nothing, and waits for the done counters the send phase left behind.
+    const bool recv_phase = kind == kOpLlDispatchRecv || kind == kOpLlCombineRecv;
     OpSeq q;
-    q.op = st->op + 1;
+    q.op = st->op + (recv_phase ? 0 : 1);
     q.notify = st->notify + (kind == kOpDispatch ? 1 : 0);
     q.dispatch = st->dispatch + (kind == kOpDispatch || kind == kOpCachedDispatch ? 1 : 0);
     q.combine = st->combine + (kind == kOpCombine ? 1 : 0);
-    q.epoch = kind == kOpCombine ? q.combine : q.notify;
-    q.done_expected = st->done + gridDim.x;
+    q.ll_dispatch = st->ll_dispatch + (kind == kOpLlDispatch ? 1 : 0);
+    q.ll_combine = st->ll_combine + (kind == kOpLlCombine ? 1 : 0);
+    q.epoch = kind == kOpCombine                                      ? q.combine
+              : kind == kOpLlDispatch || kind == kOpLlDispatchRecv ? q.ll_dispatch
+              : kind == kOpLlCombine || kind == kOpLlCombineRecv   ? q.ll_combine
+                                                                   : q.notify;
+    q.done_expected = st->done + (recv_phase ? 0 : gridDim.x);
     q.barrier_base = st->barriers;
     s.seq = q;
     make_wait(a, s, kind);
@@ -108,6 +117,8 @@ __device__ __forceinline__ void epilogue(const OpArgs& a, const OpState& s, uint
   v->notify = q.notify;
   v->dispatch = q.dispatch;
   v->combine = q.combine;
+  v->ll_dispatch = q.ll_dispatch;
+  v->ll_combine = q.ll_combine;
   v->done = q.done_expected;
   v->barriers = q.barrier_base + barriers * gridDim.x;
   v->exits = 0;

@@ -4,5 +4,7 @@
 // `nvshmem_ptr` mapping.
 #include "common/net_nvshmem.cuh"
 #include "intranode/kernels.cuh"
+#include "ll/kernels.cuh"
 
 EPCOMM_INTRANODE_KERNELS(epcomm::NvshmemNet)
+EPCOMM_LL_KERNELS(epcomm::NvshmemNet)

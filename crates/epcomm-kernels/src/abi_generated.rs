@@ -3,7 +3,7 @@
 
 /// Version of the kernel protocol and argument blocks; ranks compare it when a `Buffer` is
 /// built. Bump it with any change of this header or of the kernels' cross-rank protocol.
-pub const ABI_VERSION: u64 = 3;
+pub const ABI_VERSION: u64 = 4;
 
 /// Largest world size the intranode kernels support (shared-memory tables are this large).
 pub const MAX_WORLD: usize = 64;
@@ -21,6 +21,9 @@ pub mod code {
     /// A peer failed first: `peer` = origin rank, `expected` = its code,
     /// `seen` = its op sequence number (low 32 bits).
     pub const PEER_FAILED: u32 = 4;
+    /// Low-latency dispatch: a token names one expert twice (`peer` =
+    /// token index, `seen` = the expert id).
+    pub const DUPLICATE_EXPERT: u32 = 5;
 }
 
 /// Which operation a kernel was running ([`ErrorRecord::op`], stats kind).
@@ -33,6 +36,14 @@ pub mod op {
     pub const CACHED_DISPATCH: u32 = 3;
     /// Combine.
     pub const COMBINE: u32 = 4;
+    /// Low-latency dispatch, send phase.
+    pub const LL_DISPATCH: u32 = 5;
+    /// Low-latency dispatch, receive phase.
+    pub const LL_DISPATCH_RECV: u32 = 6;
+    /// Low-latency combine, send phase.
+    pub const LL_COMBINE: u32 = 7;
+    /// Low-latency combine, receive phase.
+    pub const LL_COMBINE_RECV: u32 = 8;
 }
 
 /// Which wait expired ([`ErrorRecord::wait_id`]); labels refer to docs/protocol.md.
@@ -51,6 +62,10 @@ pub mod wait {
     pub const BARRIER: u32 = 5;
     /// The op's prologue: a peer's failure was known before the op started.
     pub const OP_START: u32 = 6;
+    /// \[L3\] a peer's low-latency dispatch rows landing.
+    pub const LL_DISPATCH: u32 = 7;
+    /// \[L6\] a peer's low-latency combine rows landing.
+    pub const LL_COMBINE: u32 = 8;
 }
 
 /// Byte offset, inside the stats region, of the in-place combine's `[world]` ready words.
@@ -99,6 +114,8 @@ pub mod flags {
     pub const HAS_TOPK: u32 = 1 << 3;
     /// Combine pulls y from every rank's latest dispatch receive region.
     pub const IN_PLACE: u32 = 1 << 4;
+    /// Low-latency FP8 dispatch: scales rounded up to powers of two.
+    pub const ROUND_SCALE: u32 = 1 << 5;
 }
 
 /// Arguments of `epcomm_dispatch` and `epcomm_combine`. All addresses are device addresses.
@@ -184,6 +201,39 @@ pub struct OpArgs {
     /// This rank's abort word (stats region + kStatsAbortOffset): peers
     /// that failed write it; every prologue and every wait read it.
     pub abort_word: u64,
+    // Low-latency mode: caller outputs (LL dispatch) / inputs (LL combine), local device memory.
+    /// \[epr\]\[world * ll_max_tokens\]\[row_bytes\] received rows, packed.
+    pub ll_recv_x: u64,
+    /// \[epr\]\[world * ll_max_tokens\]\[num_scales\] f32 (FP8).
+    pub ll_recv_scales: u64,
+    /// \[epr\] i32 rows received per local expert.
+    pub ll_recv_count: u64,
+    /// \[epr\]\[world * ll_max_tokens\] i32 source token index of each row.
+    pub ll_src_info: u64,
+    /// \[epr\]\[world\] i64: (first row << 32) | rows, per source rank.
+    pub ll_layout_range: u64,
+    /// \[epr\]\[world * ll_max_tokens\] i32: source rank * top_k + k.
+    pub ll_route: u64,
+    // Low-latency mode: symmetric-buffer regions.
+    /// LL dispatch (per parity): rows, \[source\]\[slot\]\[row_bytes\].
+    pub off_ll_x: u64,
+    /// LL dispatch (per parity): FP8 scales, \[source\]\[slot\]\[num_scales\].
+    pub off_ll_scales: u64,
+    /// LL dispatch (per parity): \[source\]\[slot\]\[top_k + 1\] i32: token
+    /// index, then (local expert << 16 | index in expert) or -1 per k.
+    pub off_ll_meta: u64,
+    /// LL dispatch (per parity): \[source\]\[1 + epr\] tagged u64: rows, then
+    /// rows per local expert.
+    pub off_ll_counts: u64,
+    /// LL combine (per parity): rows, \[token\]\[top_k\]\[hidden\] bf16.
+    pub off_ll_comb: u64,
+    /// LL staging (shared): \[ll_max_tokens\]\[row_bytes + scales\] FP8 rows
+    /// cast for put/signal peers.
+    pub off_ll_stage: u64,
+    /// Low-latency per-rank token capacity (0: no low-latency regions).
+    pub ll_max_tokens: i32,
+    /// u32 words of dynamic shared memory of the low-latency kernels.
+    pub ll_smem_words: i32,
     /// Tokens of this rank.
     pub num_tokens: i32,
     /// Elements per row.
@@ -228,6 +278,10 @@ pub struct SeqState {
     pub done: u64,
     /// Every barrier\[src\] counter's value after the last op.
     pub barriers: u64,
+    /// Low-latency dispatches so far (their region parity and tag).
+    pub ll_dispatch: u64,
+    /// Low-latency combines so far (their region parity).
+    pub ll_combine: u64,
     /// Blocks of the running op that finished (0 between ops).
     pub exits: u32,
     /// Padding.
@@ -266,7 +320,7 @@ pub struct LayoutArgs {
 
 /// What `epcomm_abi_probe` writes, in its order: every constant, enumerator, struct size
 /// and field offset of the ABI, as the host sees it.
-pub(crate) const ABI_PROBE: [(&str, u64); 106] = [
+pub(crate) const ABI_PROBE: [(&str, u64); 130] = [
     ("kAbiVersion", ABI_VERSION),
     ("kMaxWorld", MAX_WORLD as u64),
     ("kOk", code::OK as u64),
@@ -274,10 +328,15 @@ pub(crate) const ABI_PROBE: [(&str, u64); 106] = [
     ("kOverflow", code::OVERFLOW as u64),
     ("kInvalidExpert", code::INVALID_EXPERT as u64),
     ("kPeerFailed", code::PEER_FAILED as u64),
+    ("kDuplicateExpert", code::DUPLICATE_EXPERT as u64),
     ("kOpLayout", op::LAYOUT as u64),
     ("kOpDispatch", op::DISPATCH as u64),
     ("kOpCachedDispatch", op::CACHED_DISPATCH as u64),
     ("kOpCombine", op::COMBINE as u64),
+    ("kOpLlDispatch", op::LL_DISPATCH as u64),
+    ("kOpLlDispatchRecv", op::LL_DISPATCH_RECV as u64),
+    ("kOpLlCombine", op::LL_COMBINE as u64),
+    ("kOpLlCombineRecv", op::LL_COMBINE_RECV as u64),
     ("kWaitNone", wait::NONE as u64),
     ("kWaitCountRow", wait::COUNT_ROW as u64),
     ("kWaitExpertCounts", wait::EXPERT_COUNTS as u64),
@@ -285,6 +344,8 @@ pub(crate) const ABI_PROBE: [(&str, u64); 106] = [
     ("kWaitCombineDone", wait::COMBINE_DONE as u64),
     ("kWaitBarrier", wait::BARRIER as u64),
     ("kWaitOpStart", wait::OP_START as u64),
+    ("kWaitLlDispatch", wait::LL_DISPATCH as u64),
+    ("kWaitLlCombine", wait::LL_COMBINE as u64),
     ("kStatsReadyOffset", STATS_READY_OFFSET),
     ("kStatsAbortOffset", STATS_ABORT_OFFSET),
     ("sizeof(ErrorRecord)", size_of::<ErrorRecord>() as u64),
@@ -303,6 +364,7 @@ pub(crate) const ABI_PROBE: [(&str, u64); 106] = [
     ("kFlagHasWeights", flags::HAS_WEIGHTS as u64),
     ("kFlagHasTopk", flags::HAS_TOPK as u64),
     ("kFlagInPlace", flags::IN_PLACE as u64),
+    ("kFlagRoundScale", flags::ROUND_SCALE as u64),
     ("sizeof(OpArgs)", size_of::<OpArgs>() as u64),
     ("offsetof(OpArgs, x)", offset_of!(OpArgs, x) as u64),
     ("offsetof(OpArgs, x_scales)", offset_of!(OpArgs, x_scales) as u64),
@@ -339,6 +401,20 @@ pub(crate) const ABI_PROBE: [(&str, u64); 106] = [
     ("offsetof(OpArgs, parity_stride)", offset_of!(OpArgs, parity_stride) as u64),
     ("offsetof(OpArgs, remote_mask)", offset_of!(OpArgs, remote_mask) as u64),
     ("offsetof(OpArgs, abort_word)", offset_of!(OpArgs, abort_word) as u64),
+    ("offsetof(OpArgs, ll_recv_x)", offset_of!(OpArgs, ll_recv_x) as u64),
+    ("offsetof(OpArgs, ll_recv_scales)", offset_of!(OpArgs, ll_recv_scales) as u64),
+    ("offsetof(OpArgs, ll_recv_count)", offset_of!(OpArgs, ll_recv_count) as u64),
+    ("offsetof(OpArgs, ll_src_info)", offset_of!(OpArgs, ll_src_info) as u64),
+    ("offsetof(OpArgs, ll_layout_range)", offset_of!(OpArgs, ll_layout_range) as u64),
+    ("offsetof(OpArgs, ll_route)", offset_of!(OpArgs, ll_route) as u64),
+    ("offsetof(OpArgs, off_ll_x)", offset_of!(OpArgs, off_ll_x) as u64),
+    ("offsetof(OpArgs, off_ll_scales)", offset_of!(OpArgs, off_ll_scales) as u64),
+    ("offsetof(OpArgs, off_ll_meta)", offset_of!(OpArgs, off_ll_meta) as u64),
+    ("offsetof(OpArgs, off_ll_counts)", offset_of!(OpArgs, off_ll_counts) as u64),
+    ("offsetof(OpArgs, off_ll_comb)", offset_of!(OpArgs, off_ll_comb) as u64),
+    ("offsetof(OpArgs, off_ll_stage)", offset_of!(OpArgs, off_ll_stage) as u64),
+    ("offsetof(OpArgs, ll_max_tokens)", offset_of!(OpArgs, ll_max_tokens) as u64),
+    ("offsetof(OpArgs, ll_smem_words)", offset_of!(OpArgs, ll_smem_words) as u64),
     ("offsetof(OpArgs, num_tokens)", offset_of!(OpArgs, num_tokens) as u64),
     ("offsetof(OpArgs, hidden)", offset_of!(OpArgs, hidden) as u64),
     ("offsetof(OpArgs, row_bytes)", offset_of!(OpArgs, row_bytes) as u64),
@@ -358,6 +434,8 @@ pub(crate) const ABI_PROBE: [(&str, u64); 106] = [
     ("offsetof(SeqState, combine)", offset_of!(SeqState, combine) as u64),
     ("offsetof(SeqState, done)", offset_of!(SeqState, done) as u64),
     ("offsetof(SeqState, barriers)", offset_of!(SeqState, barriers) as u64),
+    ("offsetof(SeqState, ll_dispatch)", offset_of!(SeqState, ll_dispatch) as u64),
+    ("offsetof(SeqState, ll_combine)", offset_of!(SeqState, ll_combine) as u64),
     ("offsetof(SeqState, exits)", offset_of!(SeqState, exits) as u64),
     ("offsetof(SeqState, pad)", offset_of!(SeqState, pad) as u64),
     ("sizeof(LayoutArgs)", size_of::<LayoutArgs>() as u64),

@@ -67,13 +67,66 @@ pub enum Op {
     Dispatch,
     /// `epcomm_combine` (also in-place combine, per `OpArgs::flags`).
     Combine,
+    /// `epcomm_ll_dispatch_send`: the send phase of a low-latency dispatch.
+    LlDispatchSend,
+    /// `epcomm_ll_dispatch_recv`: the receive phase of a low-latency dispatch.
+    LlDispatchRecv,
+    /// `epcomm_ll_combine_send`: the send phase of a low-latency combine.
+    LlCombineSend,
+    /// `epcomm_ll_combine_recv`: the receive phase of a low-latency combine.
+    LlCombineRecv,
 }
 
-/// A dispatch or combine kernel and what launching it is called in errors.
+impl Op {
+    /// Every op kernel.
+    pub const ALL: [Op; 6] = [
+        Op::Dispatch,
+        Op::Combine,
+        Op::LlDispatchSend,
+        Op::LlDispatchRecv,
+        Op::LlCombineSend,
+        Op::LlCombineRecv,
+    ];
+
+    /// The kernel's symbol in the image.
+    pub fn symbol(self) -> &'static str {
+        match self {
+            Op::Dispatch => "epcomm_dispatch",
+            Op::Combine => "epcomm_combine",
+            Op::LlDispatchSend => "epcomm_ll_dispatch_send",
+            Op::LlDispatchRecv => "epcomm_ll_dispatch_recv",
+            Op::LlCombineSend => "epcomm_ll_combine_send",
+            Op::LlCombineRecv => "epcomm_ll_combine_recv",
+        }
+    }
+
+    /// What launching it is called in errors.
+    fn launching(self) -> &'static str {
+        match self {
+            Op::Dispatch => "launching epcomm_dispatch",
+            Op::Combine => "launching epcomm_combine",
+            Op::LlDispatchSend => "launching epcomm_ll_dispatch_send",
+            Op::LlDispatchRecv => "launching epcomm_ll_dispatch_recv",
+            Op::LlCombineSend => "launching epcomm_ll_combine_send",
+            Op::LlCombineRecv => "launching epcomm_ll_combine_recv",
+        }
+    }
+
+    /// Whether the kernel takes `OpArgs::ll_smem_words` words of dynamic shared memory.
+    fn is_low_latency(self) -> bool {
+        !matches!(self, Op::Dispatch | Op::Combine)
+    }
+}
+
+/// Most dynamic shared memory a low-latency kernel may take, in bytes (the kernels' static
+/// shared memory and this stay within the 48 KiB a kernel gets without opting in).
+pub const LL_MAX_SMEM_BYTES: usize = 32 * 1024;
+
+/// An op kernel and what launching it is called in errors.
 #[derive(Debug)]
 struct OpKernel {
     f: CudaFunction,
-    launching: &'static str,
+    op: Op,
 }
 
 impl OpKernel {
@@ -89,14 +142,27 @@ impl OpKernel {
         args: &OpArgs,
         blocks: u32,
     ) -> Result<(), KernelError> {
+        let mut cfg = grid(blocks);
+        if self.op.is_low_latency() {
+            let bytes = args.ll_smem_words.max(0) as usize * 4;
+            if bytes > LL_MAX_SMEM_BYTES {
+                return Err(KernelError::Launch {
+                    what: self.op.launching(),
+                    reason: format!(
+                        "{bytes} bytes of dynamic shared memory, more than {LL_MAX_SMEM_BYTES}"
+                    ),
+                });
+            }
+            cfg.shared_mem_bytes = bytes as u32;
+        }
         // SAFETY: upheld by the caller (see above).
         unsafe {
             stream
                 .launch_builder(&self.f)
                 .arg(args)
-                .launch_cooperative(grid(blocks))
+                .launch_cooperative(cfg)
         }
-        .context(self.launching)?;
+        .context(self.op.launching())?;
         Ok(())
     }
 }
@@ -107,8 +173,8 @@ pub struct IntranodeKernels {
     _module: Arc<CudaModule>,
     image_digest: u64,
     layout: CudaFunction,
-    dispatch: OpKernel,
-    combine: OpKernel,
+    /// In [`Op::ALL`] order.
+    ops: Vec<OpKernel>,
     delay: CudaFunction,
 }
 
@@ -131,14 +197,15 @@ impl IntranodeKernels {
         let probe = f("epcomm_abi_probe")?;
         let kernels = Self {
             layout: f("epcomm_layout")?,
-            dispatch: OpKernel {
-                f: f("epcomm_dispatch")?,
-                launching: "launching epcomm_dispatch",
-            },
-            combine: OpKernel {
-                f: f("epcomm_combine")?,
-                launching: "launching epcomm_combine",
-            },
+            ops: Op::ALL
+                .iter()
+                .map(|&op| {
+                    Ok(OpKernel {
+                        f: f(op.symbol())?,
+                        op,
+                    })
+                })
+                .collect::<Result<_, KernelError>>()?,
             delay: f("epcomm_delay")?,
             _module: module,
             image_digest: fnv1a64(image),
@@ -234,10 +301,7 @@ impl IntranodeKernels {
         args: &OpArgs,
         blocks: u32,
     ) -> Result<(), KernelError> {
-        let kernel = match op {
-            Op::Dispatch => &self.dispatch,
-            Op::Combine => &self.combine,
-        };
+        let kernel = &self.ops[Op::ALL.iter().position(|&o| o == op).unwrap_or(0)];
         // SAFETY: upheld by the caller (see above).
         unsafe { kernel.launch(stream, args, blocks) }
     }
@@ -248,14 +312,23 @@ impl IntranodeKernels {
         self.image_digest
     }
 
-    /// How many blocks of the dispatch and combine kernels fit on the device at once (the
-    /// lower of the two): a `Buffer` may not use more, since its waits need every block
-    /// resident.
-    pub fn max_coresident_blocks(&self, sms: u32) -> Result<u32, KernelError> {
+    /// How many blocks of every op kernel fit on the device at once (the lowest of them, the
+    /// low-latency kernels with `ll_smem_bytes` of dynamic shared memory): a `Buffer` may not
+    /// use more, since its waits need every block resident.
+    pub fn max_coresident_blocks(
+        &self,
+        sms: u32,
+        ll_smem_bytes: usize,
+    ) -> Result<u32, KernelError> {
         let mut fit = u32::MAX;
-        for op in [&self.dispatch, &self.combine] {
+        for op in &self.ops {
+            let smem = if op.op.is_low_latency() {
+                ll_smem_bytes
+            } else {
+                0
+            };
             let per_sm =
-                op.f.occupancy_max_active_blocks_per_multiprocessor(THREADS, 0, None)
+                op.f.occupancy_max_active_blocks_per_multiprocessor(THREADS, smem, None)
                     .context("querying kernel occupancy")?;
             fit = fit.min(per_sm * sms);
         }

@@ -52,7 +52,7 @@ mod image;
 mod intranode;
 
 pub use image::{Image, ImageBuild, images};
-pub use intranode::{IntranodeKernels, KernelFamily, Op};
+pub use intranode::{IntranodeKernels, KernelFamily, LL_MAX_SMEM_BYTES, Op};
 
 /// Errors of loading or launching kernels.
 #[derive(Debug, thiserror::Error)]
@@ -93,6 +93,14 @@ pub enum KernelError {
         /// The driver's error.
         #[source]
         source: cudarc::driver::DriverError,
+    },
+    /// A launch was refused before reaching the driver.
+    #[error("{what}: {reason}")]
+    Launch {
+        /// Which launch.
+        what: &'static str,
+        /// Why.
+        reason: String,
     },
     /// The device's view of an argument block differs from the host's.
     #[error("kernel ABI mismatch for {field}: host says {host}, device says {device}")]

@@ -101,11 +101,26 @@ pub enum RegionKind {
     /// Combine progress flags, `[world][combine_chunks]` u64 (shared by both parities;
     /// monotonic: each holds the sequence number of the last combine whose chunk landed).
     CombineFlags,
+    /// Low-latency dispatch receive rows, `[world * ll_max_tokens][hidden * 2]` bytes
+    /// (`[source][slot]`; bf16 size, which also holds fp8 rows).
+    LlDispatchX,
+    /// Low-latency dispatch receive fp8 scales, `[world * ll_max_tokens][hidden / 128]` f32
+    /// (empty when not fp8-capable).
+    LlDispatchScales,
+    /// Low-latency dispatch metadata, `[world * ll_max_tokens][top_k + 1]` i32.
+    LlMeta,
+    /// Low-latency dispatch counts, `[world][1 + experts_per_rank]` tagged u64.
+    LlCounts,
+    /// Low-latency combine receive rows, `[ll_max_tokens * top_k][hidden]` bf16.
+    LlCombineX,
+    /// Low-latency fp8 staging for put/signal peers (shared): `[ll_max_tokens][hidden]` fp8
+    /// bytes, then `[ll_max_tokens][hidden / 128]` f32 (empty when not fp8-capable).
+    LlStage,
 }
 
 impl RegionKind {
     /// Regions that exist once per [`Parity`], in layout order.
-    pub const PER_PARITY: [RegionKind; 9] = [
+    pub const PER_PARITY: [RegionKind; 14] = [
         RegionKind::DispatchX,
         RegionKind::DispatchScales,
         RegionKind::DispatchTopkIdx,
@@ -115,14 +130,20 @@ impl RegionKind {
         RegionKind::CombineWeights,
         RegionKind::CountMatrix,
         RegionKind::ExpertCounts,
+        RegionKind::LlDispatchX,
+        RegionKind::LlDispatchScales,
+        RegionKind::LlMeta,
+        RegionKind::LlCounts,
+        RegionKind::LlCombineX,
     ];
 
     /// Regions that exist once, in layout order.
-    pub const SHARED: [RegionKind; 4] = [
+    pub const SHARED: [RegionKind; 5] = [
         RegionKind::DoneCounters,
         RegionKind::BarrierCounters,
         RegionKind::Stats,
         RegionKind::CombineFlags,
+        RegionKind::LlStage,
     ];
 
     /// Whether the region exists once per parity.
@@ -161,6 +182,9 @@ impl Region {
 /// (`hidden` bytes); the scales region exists (non-empty) only when `hidden % 128 == 0`
 /// ([`fp8_capable`](Self::fp8_capable)).
 ///
+/// The low-latency regions (`Ll*`) are sized by `ll_max_tokens_per_rank`
+/// ([`BufferPlan::with_low_latency`]); [`BufferPlan::new`] plans none (all empty).
+///
 /// **Symmetric allocation:** every rank must build the plan from identical arguments so
 /// that each region sits at the same offset in every rank's buffer; the plan is a pure
 /// function of its arguments, so equal arguments give equal plans.
@@ -174,13 +198,14 @@ impl Region {
 pub struct BufferPlan {
     world_size: usize,
     max_tokens_per_rank: usize,
+    ll_max_tokens_per_rank: usize,
     hidden: usize,
     top_k: usize,
     num_experts: usize,
     fp8_capable: bool,
     row: RowFormat,
-    per_parity: [[Region; 9]; 2],
-    shared: [Region; 4],
+    per_parity: [[Region; 14]; 2],
+    shared: [Region; 5],
     total_bytes: u64,
 }
 
@@ -198,6 +223,30 @@ impl BufferPlan {
         hidden: usize,
         top_k: usize,
         num_experts: usize,
+    ) -> Result<Self> {
+        Self::with_low_latency(
+            world_size,
+            max_tokens_per_rank,
+            hidden,
+            top_k,
+            num_experts,
+            0,
+        )
+    }
+
+    /// Plans the buffer with low-latency regions for `ll_max_tokens_per_rank` tokens per rank
+    /// (0: none).
+    ///
+    /// # Errors
+    /// As [`BufferPlan::new`]; `ll_max_tokens_per_rank < 65536` and
+    /// `experts_per_rank < 32768` (a metadata entry packs both in an i32).
+    pub fn with_low_latency(
+        world_size: usize,
+        max_tokens_per_rank: usize,
+        hidden: usize,
+        top_k: usize,
+        num_experts: usize,
+        ll_max_tokens_per_rank: usize,
     ) -> Result<Self> {
         TopologyError::zero_check("world_size", world_size)?;
         TopologyError::zero_check("max_tokens_per_rank", max_tokens_per_rank)?;
@@ -224,17 +273,36 @@ impl BufferPlan {
                 rule: "source token indices are carried as i32",
             });
         }
+        if ll_max_tokens_per_rank > 0xffff {
+            return Err(TopologyError::OutOfRange {
+                arg: "ll_max_tokens_per_rank",
+                value: ll_max_tokens_per_rank as u64,
+                min: 0,
+                max: 0xffff,
+                rule: "a low-latency metadata entry packs the index in 16 bits",
+            });
+        }
+        if ll_max_tokens_per_rank > 0 && num_experts / world_size > 0x7fff {
+            return Err(TopologyError::OutOfRange {
+                arg: "num_experts",
+                value: num_experts as u64,
+                min: 1,
+                max: 0x7fff * world_size as u64,
+                rule: "low-latency metadata packs the local expert in 15 bits",
+            });
+        }
         let fp8_capable = RowFormat::fp8_capable(hidden);
         let mut plan = Self {
             world_size,
             max_tokens_per_rank,
+            ll_max_tokens_per_rank,
             hidden,
             top_k,
             num_experts,
             fp8_capable,
             row,
-            per_parity: [[Region { offset: 0, len: 0 }; 9]; 2],
-            shared: [Region { offset: 0, len: 0 }; 4],
+            per_parity: [[Region { offset: 0, len: 0 }; 14]; 2],
+            shared: [Region { offset: 0, len: 0 }; 5],
             total_bytes: 0,
         };
 
@@ -275,6 +343,29 @@ impl BufferPlan {
             RegionKind::DoneCounters | RegionKind::BarrierCounters => (world, 8),
             RegionKind::Stats => (1, STATS_BYTES),
             RegionKind::CombineFlags => (world, self.combine_chunks() * 8),
+            RegionKind::LlDispatchX => (self.ll_recv_rows(), self.x_row_bytes()),
+            RegionKind::LlDispatchScales => (self.ll_recv_rows(), self.scales_row_bytes()),
+            RegionKind::LlMeta => (self.ll_recv_rows(), (self.top_k as u64 + 1) * 4),
+            RegionKind::LlCounts => (
+                if self.ll_max_tokens_per_rank > 0 {
+                    world
+                } else {
+                    0
+                },
+                (1 + self.experts_per_rank() as u64) * 8,
+            ),
+            RegionKind::LlCombineX => (
+                (self.ll_max_tokens_per_rank as u64) * self.top_k as u64,
+                self.combine_x_row_bytes(),
+            ),
+            RegionKind::LlStage => (
+                self.ll_max_tokens_per_rank as u64,
+                if self.fp8_capable {
+                    self.hidden as u64 + self.scales_row_bytes()
+                } else {
+                    0
+                },
+            ),
         };
         a.checked_mul(b).ok_or(OVERFLOW)
     }
@@ -294,7 +385,8 @@ impl BufferPlan {
 
     /// Every region of the plan (per-parity ones twice), in layout order.
     pub fn regions(&self) -> Vec<(RegionKind, Option<Parity>, Region)> {
-        let mut out = Vec::with_capacity(21);
+        let mut out =
+            Vec::with_capacity(2 * RegionKind::PER_PARITY.len() + RegionKind::SHARED.len());
         for p in Parity::ALL {
             for (i, kind) in RegionKind::PER_PARITY.into_iter().enumerate() {
                 out.push((kind, Some(p), self.per_parity[p.index()][i]));
@@ -343,6 +435,14 @@ impl BufferPlan {
     /// rows `s * max_tokens_per_rank ..`.
     pub fn recv_rows(&self) -> u64 {
         self.world_size as u64 * self.max_tokens_per_rank as u64
+    }
+    /// Low-latency token bound per source rank (0: no low-latency regions).
+    pub fn ll_max_tokens_per_rank(&self) -> usize {
+        self.ll_max_tokens_per_rank
+    }
+    /// Rows of every low-latency receive region (`world_size * ll_max_tokens_per_rank`).
+    pub fn ll_recv_rows(&self) -> u64 {
+        self.world_size as u64 * self.ll_max_tokens_per_rank as u64
     }
     /// Row stride of [`RegionKind::DispatchX`]: `hidden * 2`.
     pub fn x_row_bytes(&self) -> u64 {
@@ -398,7 +498,7 @@ mod tests {
 
     fn check_invariants(p: &BufferPlan) {
         let regions = p.regions();
-        assert_eq!(regions.len(), 22);
+        assert_eq!(regions.len(), 33);
         for (k, _, r) in &regions {
             assert_eq!(r.offset % REGION_ALIGN, 0, "{k:?}");
             assert!(r.end() <= p.total_bytes(), "{k:?}");
@@ -410,7 +510,7 @@ mod tests {
         }
         let sum: u64 = regions.iter().map(|(_, _, r)| r.len).sum();
         assert!(p.total_bytes() >= sum);
-        assert!(p.total_bytes() < sum + 23 * REGION_ALIGN);
+        assert!(p.total_bytes() < sum + 34 * REGION_ALIGN);
         assert_eq!(p.total_bytes() % REGION_ALIGN, 0);
     }
 
@@ -552,11 +652,14 @@ mod tests {
             hidden8 in 1usize..200,
             top_k in 1usize..9,
             epr in 1usize..9,
+            ll in 0usize..300,
         ) {
             let num_experts = world * epr;
             let top_k = top_k.min(num_experts);
             let hidden = hidden8 * 8;
-            let p = BufferPlan::new(world, max_tokens, hidden, top_k, num_experts).unwrap();
+            let p = BufferPlan::with_low_latency(world, max_tokens, hidden, top_k, num_experts, ll)
+                .unwrap();
+            let ll_rows = (world * ll) as u64;
             check_invariants(&p);
             prop_assert_eq!(p.fp8_capable(), hidden % 128 == 0);
             for parity in Parity::ALL {
@@ -576,6 +679,13 @@ mod tests {
                         }
                         RegionKind::CountMatrix => (world * world * 8) as u64,
                         RegionKind::ExpertCounts => (world * epr * 8) as u64,
+                        RegionKind::LlDispatchX => ll_rows * p.x_row_bytes(),
+                        RegionKind::LlDispatchScales => ll_rows * p.scales_row_bytes(),
+                        RegionKind::LlMeta => ll_rows * (top_k as u64 + 1) * 4,
+                        RegionKind::LlCounts => {
+                            if ll > 0 { (world * (1 + epr) * 8) as u64 } else { 0 }
+                        }
+                        RegionKind::LlCombineX => (ll * top_k) as u64 * p.combine_x_row_bytes(),
                         _ => unreachable!(),
                     };
                     prop_assert_eq!(r.len, expected);

@@ -11,7 +11,7 @@
 //! | `health` | failure state, the device error record, the HostSync wait, diagnostics |
 //! | `validate` | caller inputs (shapes, ownership) and `pointers`: caller addresses |
 //! | `args` | kernel argument blocks from the plan, the config and the inputs |
-//! | `ops` | op families: `ops::layout`, `ops::normal` (dispatch, combine) |
+//! | `ops` | op families: `ops::layout`, `ops::normal` (dispatch, combine), `ops::low_latency` |
 //! | `graph` | CUDA-graph capture and replay ([`EpGraph`]) |
 //!
 //! Memory contract: the symmetric buffer (`mem`) is written by the kernels of every rank (peers
@@ -41,7 +41,7 @@ mod setup;
 mod validate;
 
 pub use graph::EpGraph;
-pub use ops::{DispatchInput, XInput};
+pub use ops::{DispatchInput, LlDispatchInput, LlFormat, LlPending, LlRecv, XInput};
 
 use ops::LatestDispatch;
 use sequence::Sequence;
@@ -79,6 +79,10 @@ pub struct Buffer {
     seq: Sequence,
     /// Routing, element type and weights of the latest (cached) dispatch (in-place combine).
     latest_dispatch: Option<LatestDispatch>,
+    /// The low-latency op whose receive phase has not been launched yet.
+    ll_pending: Option<&'static str>,
+    /// u32 words of dynamic shared memory of the low-latency kernels.
+    ll_smem_words: usize,
     last_op: Option<&'static str>,
     /// Why the buffer refuses new ops (a device failure or an expired host wait).
     failed: Option<String>,

@@ -32,6 +32,9 @@ pub struct BufferConfig {
     pub top_k: usize,
     /// Experts in total (a multiple of the world size).
     pub num_experts: usize,
+    /// Most tokens any rank passes to one low-latency dispatch; 0 (the default) plans no
+    /// low-latency memory, and the low-latency ops refuse to run.
+    pub ll_max_tokens_per_rank: usize,
     /// Blocks (one per SM) of the dispatch and combine kernels.
     pub num_sms: u32,
     /// How ranks agree that memory may be reused (must be one the transport supports).
@@ -56,6 +59,7 @@ impl BufferConfig {
             hidden,
             top_k,
             num_experts,
+            ll_max_tokens_per_rank: 0,
             num_sms: 24,
             schedule: Schedule::Epoch,
             routes: RoutePolicy::Auto,
@@ -79,6 +83,15 @@ impl BufferConfig {
             return bad(
                 "top_k",
                 format!("must be in 1..={} (got {})", self.num_experts, self.top_k),
+            );
+        }
+        if self.ll_max_tokens_per_rank > 0xffff {
+            return bad(
+                "ll_max_tokens_per_rank",
+                format!(
+                    "must be at most 65535 (got {})",
+                    self.ll_max_tokens_per_rank
+                ),
             );
         }
         if self.num_sms == 0 {

@@ -21,6 +21,10 @@ pub enum WaitKind {
     HostRecvCount,
     /// The op's start: a peer's failure was already known.
     OpStart,
+    /// \[L5]/\[L6] a peer's low-latency dispatch rows and counts.
+    LlDispatchData,
+    /// \[L9] a peer's low-latency combine rows.
+    LlCombineData,
     /// Unknown code (newer kernels).
     Other(u32),
 }
@@ -34,6 +38,8 @@ impl WaitKind {
             abi::wait::COMBINE_DONE => Self::CombineData,
             abi::wait::BARRIER => Self::Barrier,
             abi::wait::OP_START => Self::OpStart,
+            abi::wait::LL_DISPATCH => Self::LlDispatchData,
+            abi::wait::LL_COMBINE => Self::LlCombineData,
             other => Self::Other(other),
         }
     }
@@ -96,6 +102,14 @@ pub enum Error {
         value: i64,
         /// Number of experts.
         num_experts: u64,
+    },
+    /// A low-latency dispatch found a token naming one expert twice.
+    #[error("invalid topk_idx: token {token} names expert {expert} more than once")]
+    DuplicateExpert {
+        /// Token index.
+        token: i64,
+        /// The expert id.
+        expert: i64,
     },
     /// Another rank failed first (its own error names the cause); this rank's op stopped
     /// within microseconds of learning it. The buffer is failed on every rank.
@@ -161,6 +175,8 @@ impl Error {
             abi::op::DISPATCH => "dispatch",
             abi::op::CACHED_DISPATCH => "cached dispatch",
             abi::op::COMBINE => "combine",
+            abi::op::LL_DISPATCH | abi::op::LL_DISPATCH_RECV => "low-latency dispatch",
+            abi::op::LL_COMBINE | abi::op::LL_COMBINE_RECV => "low-latency combine",
             _ => "unknown op",
         };
         match r.code {
@@ -175,6 +191,10 @@ impl Error {
                 value: r.seen as i64,
                 num_experts: r.expected,
             },
+            abi::code::DUPLICATE_EXPERT => Self::DuplicateExpert {
+                token: r.peer as i64,
+                expert: r.seen as i64,
+            },
             abi::code::PEER_FAILED => Self::PeerFailed {
                 op,
                 rank: r.rank as usize,
@@ -184,6 +204,7 @@ impl Error {
                     abi::code::TIMEOUT => "a timeout",
                     abi::code::OVERFLOW => "a receive overflow",
                     abi::code::INVALID_EXPERT => "an invalid expert id",
+                    abi::code::DUPLICATE_EXPERT => "a duplicate expert id",
                     _ => "a device failure",
                 },
                 origin_op_seq: r.seen,

@@ -93,7 +93,9 @@ mod handle;
 mod layout;
 mod stats;
 
-pub use buffer::{Buffer, DispatchInput, EpGraph, XInput};
+pub use buffer::{
+    Buffer, DispatchInput, EpGraph, LlDispatchInput, LlFormat, LlPending, LlRecv, XInput,
+};
 pub use config::{BufferConfig, RecvMode};
 pub use epcomm_topology::{PeerRoute, Route, RoutePlan, RoutePolicy, Schedule, Tier};
 pub use epcomm_transport::{DynTransport, Transport};

@@ -56,6 +56,8 @@ impl LocalStats {
             2 => "dispatch",
             3 => "cached dispatch",
             4 => "combine",
+            6 => "low-latency dispatch",
+            8 => "low-latency combine",
             _ => return None,
         };
         let start = w[word::START];

@@ -114,6 +114,14 @@ impl Buffer {
             global_barriers: u32::from(self.cfg.schedule == Schedule::Global),
             remote_mask: self.remote_mask,
             abort_word: self.mem.local_base() + stats + abi::STATS_ABORT_OFFSET,
+            off_ll_x: region(plan, RegionKind::LlDispatchX),
+            off_ll_scales: region(plan, RegionKind::LlDispatchScales),
+            off_ll_meta: region(plan, RegionKind::LlMeta),
+            off_ll_counts: region(plan, RegionKind::LlCounts),
+            off_ll_comb: region(plan, RegionKind::LlCombineX),
+            off_ll_stage: region(plan, RegionKind::LlStage),
+            ll_max_tokens: self.cfg.ll_max_tokens_per_rank as i32,
+            ll_smem_words: self.ll_smem_words as i32,
             ..OpArgs::default()
         }
     }

@@ -39,7 +39,9 @@ impl Buffer {
     /// Records the ops `ops` issues on this buffer's stream into a CUDA graph instead of running
     /// them. Inside, use only allocation-free, host-wait-free calls: [`Self::layout_into`],
     /// [`Self::dispatch_into`], [`Self::cached_dispatch`], [`Self::combine`],
-    /// [`Self::combine_in_place`], and your own kernels on this stream. Every rank must capture
+    /// [`Self::combine_in_place`], the low-latency ops ([`Self::ll_dispatch`],
+    /// [`Self::ll_combine`], and their send phases with [`Self::ll_receive`] inside the same
+    /// capture), and your own kernels on this stream. Every rank must capture
     /// (and later replay) the same ops.
     ///
     /// When the ops hold a dispatch, `ops` runs **twice**: receive rows alternate between two
@@ -104,6 +106,15 @@ impl Buffer {
         let delta = self.seq.minus(&at);
         self.seq = real;
         captured?;
+        if let Some(op) = self.ll_pending.take() {
+            return Err(Error::InvalidArgument {
+                argument: "capture",
+                rule: format!(
+                    "the receive phase of a low-latency {op} was not captured: call \
+                     Buffer::ll_receive inside the same capture"
+                ),
+            });
+        }
         let graph = graph?.ok_or(Error::InvalidArgument {
             argument: "capture",
             rule: "captured no work".into(),

@@ -66,7 +66,17 @@ impl Buffer {
 
     /// The check every op makes before it issues anything.
     pub(super) fn ensure_ready(&mut self) -> Result<()> {
-        self.check()
+        self.check()?;
+        if let Some(op) = self.ll_pending {
+            return Err(Error::InvalidArgument {
+                argument: "LlPending",
+                rule: format!(
+                    "the receive phase of a low-latency {op} is still pending: pass its \
+                     LlPending to Buffer::ll_receive before any other op"
+                ),
+            });
+        }
+        Ok(())
     }
 
     /// Marks the buffer failed because of `e` and returns `e`.

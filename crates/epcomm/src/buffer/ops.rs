@@ -2,7 +2,9 @@
 //!
 //! * `layout`: routing statistics of `topk_idx` ([`crate::Layout`]);
 //! * `normal`: dispatch, cached dispatch and combine through the symmetric buffer (the
-//!   throughput kernels); a low-latency family would sit next to it.
+//!   throughput kernels);
+//! * `low_latency`: decode-sized dispatch/combine into fixed expert-major slots, each split
+//!   into a send and a receive phase.
 //!
 //! Contract common to every op: it is **collective** (every rank issues the same ops in the same
 //! order, each with the same number of blocks), **stream-ordered** on [`crate::Buffer::stream`]
@@ -14,8 +16,10 @@ use cudarc::driver::DevicePtr;
 use epcomm_topology::RowDtype;
 
 mod layout;
+mod low_latency;
 mod normal;
 
+pub use low_latency::{LlDispatchInput, LlFormat, LlPending, LlRecv};
 pub(super) use normal::LatestDispatch;
 
 /// Token rows a dispatch sends.

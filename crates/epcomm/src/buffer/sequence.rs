@@ -23,20 +23,28 @@ pub(super) struct Sequence {
     pub(super) dispatch: u64,
     /// Combines.
     pub(super) combine: u64,
+    /// Low-latency dispatches (counted by their send phase).
+    pub(super) ll_dispatch: u64,
+    /// Low-latency combines (counted by their send phase).
+    pub(super) ll_combine: u64,
 }
 
 impl Sequence {
-    /// Counts one op of `kind` (an `abi::op` code; anything but a dispatch counts as a combine).
+    /// Counts one kernel of `kind` (an `abi::op` code). A low-latency receive phase belongs to
+    /// the op its send phase counted and changes nothing.
     pub(super) fn advance(&mut self, kind: u32) {
-        self.op += 1;
         match kind {
+            abi::op::LL_DISPATCH_RECV | abi::op::LL_COMBINE_RECV => return,
             abi::op::DISPATCH => {
                 self.notify += 1;
                 self.dispatch += 1;
             }
             abi::op::CACHED_DISPATCH => self.dispatch += 1,
+            abi::op::LL_DISPATCH => self.ll_dispatch += 1,
+            abi::op::LL_COMBINE => self.ll_combine += 1,
             _ => self.combine += 1,
         }
+        self.op += 1;
     }
 
     /// The ops issued between `o` and `self` (`o` must be an earlier state).
@@ -46,6 +54,8 @@ impl Sequence {
             notify: self.notify - o.notify,
             dispatch: self.dispatch - o.dispatch,
             combine: self.combine - o.combine,
+            ll_dispatch: self.ll_dispatch - o.ll_dispatch,
+            ll_combine: self.ll_combine - o.ll_combine,
         }
     }
 
@@ -55,6 +65,8 @@ impl Sequence {
         self.notify += d.notify;
         self.dispatch += d.dispatch;
         self.combine += d.combine;
+        self.ll_dispatch += d.ll_dispatch;
+        self.ll_combine += d.ll_combine;
     }
 }
 
@@ -76,9 +88,16 @@ mod tests {
                 op: 4,
                 notify: 1,
                 dispatch: 2,
-                combine: 2
+                combine: 2,
+                ..Sequence::default()
             }
         );
+        // A low-latency op counts once, at its send phase.
+        s.advance(abi::op::LL_DISPATCH);
+        s.advance(abi::op::LL_DISPATCH_RECV);
+        s.advance(abi::op::LL_COMBINE);
+        s.advance(abi::op::LL_COMBINE_RECV);
+        assert_eq!((s.op, s.ll_dispatch, s.ll_combine, s.combine), (6, 1, 1, 2));
         let before = s;
         s.advance(abi::op::DISPATCH);
         s.advance(abi::op::COMBINE);
@@ -89,7 +108,8 @@ mod tests {
                 op: 2,
                 notify: 1,
                 dispatch: 1,
-                combine: 1
+                combine: 1,
+                ..Sequence::default()
             }
         );
         // A graph replay advances the mirror by what the capture contained.
@@ -98,10 +118,12 @@ mod tests {
         assert_eq!(
             replayed,
             Sequence {
-                op: 8,
+                op: 10,
                 notify: 3,
                 dispatch: 4,
-                combine: 4
+                combine: 4,
+                ll_dispatch: 1,
+                ll_combine: 1,
             }
         );
     }

@@ -68,18 +68,20 @@ impl Buffer {
                 format!("the device has {sms} SMs (asked for {})", cfg.num_sms),
             );
         }
-        let plan = BufferPlan::new(
+        let plan = BufferPlan::with_low_latency(
             world,
             cfg.max_tokens_per_rank,
             cfg.hidden,
             cfg.top_k,
             cfg.num_experts,
+            cfg.ll_max_tokens_per_rank,
         )?;
+        let ll_smem_words = ll_smem_words(&cfg, world)?;
         let stream = ctx.new_stream().context("creating the comm stream")?;
         let kernels = IntranodeKernels::load(&ctx, &stream, caps.kernel_family)?;
         // Waits across blocks and ranks need every block resident (kernels also launch
         // cooperatively, so a grid that cannot be co-resident fails instead of hanging).
-        let fit = kernels.max_coresident_blocks(sms)?;
+        let fit = kernels.max_coresident_blocks(sms, ll_smem_words * 4)?;
         if cfg.num_sms > fit {
             return invalid(
                 "num_sms",
@@ -131,6 +133,8 @@ impl Buffer {
             parity_stride,
             seq: Sequence::default(),
             latest_dispatch: None,
+            ll_pending: None,
+            ll_smem_words,
             last_op: None,
             failed: None,
             mem: ManuallyDrop::new(mem),
@@ -164,8 +168,39 @@ fn fingerprint(
         .with("hidden", cfg.hidden)
         .with("top_k", cfg.top_k)
         .with("num_experts", cfg.num_experts)
+        .with("ll_max_tokens_per_rank", cfg.ll_max_tokens_per_rank)
         .with("schedule", cfg.schedule.name())
         .with("routes", cfg.routes.name())
+}
+
+/// Dynamic shared memory of the low-latency kernels, in u32 words: the send phase's routing
+/// bitmaps (`(num_experts + world) * ceil(ll_max_tokens_per_rank / 32)`), the receive phase's
+/// first row per (local expert, source) (`num_experts`), the combine's per-expert prefix.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] naming `ll_max_tokens_per_rank` when it exceeds
+/// [`epcomm_kernels::LL_MAX_SMEM_BYTES`].
+fn ll_smem_words(cfg: &BufferConfig, world: usize) -> Result<usize> {
+    let m = cfg.ll_max_tokens_per_rank;
+    if m == 0 {
+        return Ok(0);
+    }
+    let e = cfg.num_experts;
+    let words = ((e + world) * m.div_ceil(32)).max(e + 1);
+    let limit = epcomm_kernels::LL_MAX_SMEM_BYTES;
+    if words * 4 > limit {
+        return Err(Error::InvalidArgument {
+            argument: "ll_max_tokens_per_rank",
+            rule: format!(
+                "the low-latency routing bitmaps, (num_experts + world) * ceil({m} / 32) * 4 = {} \
+                 bytes, must fit in {limit} bytes of shared memory: at most {} tokens with {e} \
+                 experts on {world} ranks",
+                words * 4,
+                (limit / 4 / (e + world)) * 32
+            ),
+        });
+    }
+    Ok(words)
 }
 
 /// The distance between the two parity copies of every per-parity region. Kernels find a

@@ -1,0 +1,464 @@
+//! The low-latency (decode) op family: dispatch into fixed expert-major slots and the weighted
+//! combine back, with no count round trip and no host read, each op split into a send phase and
+//! a receive phase ([`LlPending`], the "hook").
+//!
+//! Memory contract: a dispatch's send phase writes this rank's tokens into every destination's
+//! low-latency receive region (LL parity), its receive phase packs what arrived into the
+//! caller's [`LlRecv`] (device memory the buffer allocated, reused across calls and graph
+//! replays). A combine's send phase reads `y` and the `LlRecv` routing and writes into every
+//! source's combine region; its receive phase reads `topk_idx`/`topk_weights` and writes `out`.
+//! Between the two phases of an op the caller may queue any work of its own on any stream, but
+//! no other epcomm op on this buffer; every caller array an op names must stay alive until its
+//! receive phase ran (the [`LlPending`] borrows them).
+
+use std::marker::PhantomData;
+
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use epcomm_kernels::Op;
+use epcomm_kernels::abi::{self, OpArgs};
+use epcomm_topology::{RowDtype, RowFormat};
+
+use crate::buffer::Buffer;
+use crate::buffer::pointers::{ROW_ALIGN, check_device_ptr};
+use crate::buffer::validate::exact_len;
+use crate::error::DriverContext;
+use crate::{Error, Result};
+
+/// Element type of a low-latency dispatch's received rows. The input is always bf16; FP8
+/// casts it on the device (e4m3, one f32 scale per 128 channels, DeepEP's cast).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LlFormat {
+    /// Rows arrive as sent.
+    Bf16,
+    /// Rows arrive as e4m3 with per-128-channel scales.
+    Fp8 {
+        /// Scales rounded up to powers of two (UE8M0-representable), as for Blackwell-style
+        /// scaled GEMMs; the values are cast with the rounded scale.
+        round_scale: bool,
+    },
+}
+
+impl LlFormat {
+    fn dtype(self) -> RowDtype {
+        match self {
+            Self::Bf16 => RowDtype::Bf16,
+            Self::Fp8 { .. } => RowDtype::Fp8,
+        }
+    }
+}
+
+/// Inputs of a low-latency dispatch.
+#[derive(Clone, Copy)]
+pub struct LlDispatchInput<'a> {
+    /// `[num_tokens][hidden]` bf16 rows.
+    pub x: &'a dyn DevicePtr<half::bf16>,
+    /// `[num_tokens][top_k]` expert ids (-1 = none; a token names each expert at most once).
+    pub topk_idx: &'a dyn DevicePtr<i64>,
+    /// Tokens of this rank (at most `BufferConfig::ll_max_tokens_per_rank`; 0 is allowed).
+    pub num_tokens: usize,
+}
+
+impl std::fmt::Debug for LlDispatchInput<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LlDispatchInput")
+            .field("x", &self.x.len())
+            .field("topk_idx", &self.topk_idx.len())
+            .field("num_tokens", &self.num_tokens)
+            .finish()
+    }
+}
+
+/// What a low-latency dispatch received, expert-major, and the routing its combine uses.
+/// Allocated once by [`Buffer::alloc_ll_recv`] (sized for the buffer's capacity) and filled by
+/// every [`Buffer::ll_dispatch`] into it.
+///
+/// Layout (`cap = world * ll_max_tokens_per_rank` rows per local expert): rows
+/// `[local_expert][cap][row_bytes]` (bf16, or e4m3 bytes), scales `[local_expert][cap][hidden
+/// / 128]` f32 (FP8), and per local expert `l` the first `count[l]` rows are valid, ordered by
+/// source rank, then source token index. `src_info[l][i]` is the source token index of row `i`,
+/// `layout_range[l][r]` = `(first row, rows)` received from rank `r`.
+#[derive(Debug)]
+pub struct LlRecv {
+    x: CudaSlice<u8>,
+    scales: CudaSlice<f32>,
+    count: CudaSlice<i32>,
+    src_info: CudaSlice<i32>,
+    layout_range: CudaSlice<i64>,
+    route: CudaSlice<i32>,
+    buffer_id: u64,
+    experts: usize,
+    capacity: usize,
+    hidden: usize,
+    /// Format and this rank's token count of the latest dispatch into it.
+    dispatched: Option<(LlFormat, usize)>,
+}
+
+impl LlRecv {
+    /// Local experts (`num_experts / world`).
+    pub fn num_local_experts(&self) -> usize {
+        self.experts
+    }
+    /// Rows per local expert (`world * ll_max_tokens_per_rank`).
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+    /// Format of the latest dispatch into it (None before the first).
+    pub fn format(&self) -> Option<LlFormat> {
+        self.dispatched.map(|(f, _)| f)
+    }
+    /// This rank's token count in the latest dispatch (what its combine reduces).
+    pub fn num_tokens(&self) -> Option<usize> {
+        self.dispatched.map(|(_, t)| t)
+    }
+    /// Bytes per received row of the latest dispatch (`hidden * 2` bf16, `hidden` fp8).
+    pub fn row_bytes(&self) -> usize {
+        match self.format() {
+            Some(LlFormat::Fp8 { .. }) => self.hidden,
+            _ => self.hidden * 2,
+        }
+    }
+    /// Device address of the rows (`[local_expert][capacity][row_bytes]`).
+    pub fn x_ptr(&self) -> u64 {
+        let (p, _g) = self.x.device_ptr(self.x.stream());
+        p
+    }
+    /// Device address of the scales (`[local_expert][capacity][hidden / 128]` f32).
+    pub fn scales_ptr(&self) -> u64 {
+        let (p, _g) = self.scales.device_ptr(self.scales.stream());
+        p
+    }
+    /// Device address of the per-expert counts (`[local_expert]` i32).
+    pub fn count_ptr(&self) -> u64 {
+        let (p, _g) = self.count.device_ptr(self.count.stream());
+        p
+    }
+    /// Rows received per local expert (waits for the stream).
+    pub fn count_to_host(&self) -> Result<Vec<i32>> {
+        self.count
+            .stream()
+            .clone_dtoh(&self.count)
+            .context("reading low-latency counts")
+    }
+    /// All row bytes (`[local_expert][capacity][row_bytes]`; rows past a count are stale).
+    pub fn x_bytes_to_host(&self) -> Result<Vec<u8>> {
+        let mut v = self
+            .x
+            .stream()
+            .clone_dtoh(&self.x)
+            .context("reading low-latency rows")?;
+        v.truncate(self.experts * self.capacity * self.row_bytes());
+        Ok(v)
+    }
+    /// All scales (`[local_expert][capacity][hidden / 128]`; FP8 only).
+    pub fn scales_to_host(&self) -> Result<Vec<f32>> {
+        self.scales
+            .stream()
+            .clone_dtoh(&self.scales)
+            .context("reading low-latency scales")
+    }
+    /// Source token index per row (`[local_expert][capacity]`).
+    pub fn src_info_to_host(&self) -> Result<Vec<i32>> {
+        self.src_info
+            .stream()
+            .clone_dtoh(&self.src_info)
+            .context("reading low-latency source indices")
+    }
+    /// `(first row, rows)` per local expert and source rank (`[local_expert][world]`).
+    pub fn layout_range_to_host(&self) -> Result<Vec<(i32, i32)>> {
+        let v = self
+            .layout_range
+            .stream()
+            .clone_dtoh(&self.layout_range)
+            .context("reading low-latency ranges")?;
+        Ok(v.into_iter()
+            .map(|r| ((r >> 32) as i32, r as i32))
+            .collect())
+    }
+}
+
+/// The receive phase of a low-latency op whose send phase was issued: pass it to
+/// [`Buffer::ll_receive`] (the "hook") after your overlapping work. It borrows every caller
+/// array of the op, so none can be freed or reused before the receive phase is issued.
+#[must_use = "the receive phase runs only when the LlPending goes to Buffer::ll_receive"]
+pub struct LlPending<'a> {
+    op: Op,
+    kind: u32,
+    args: OpArgs,
+    buffer_id: u64,
+    _borrows: PhantomData<&'a mut ()>,
+}
+
+impl std::fmt::Debug for LlPending<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LlPending").field("op", &self.op).finish()
+    }
+}
+
+impl Buffer {
+    /// Fails unless the buffer has low-latency memory; returns `ll_max_tokens_per_rank`.
+    fn ll_capacity(&self) -> Result<usize> {
+        match self.cfg.ll_max_tokens_per_rank {
+            0 => Err(Error::InvalidArgument {
+                argument: "ll_max_tokens_per_rank",
+                rule: "is 0 in this Buffer's config: set it to the most tokens a rank passes to \
+                       a low-latency dispatch to use the low-latency ops"
+                    .into(),
+            }),
+            m => Ok(m),
+        }
+    }
+
+    /// Allocates the receive arrays of low-latency dispatches (see [`LlRecv`]).
+    pub fn alloc_ll_recv(&mut self) -> Result<LlRecv> {
+        let m = self.ll_capacity()?;
+        let epr = self.cfg.num_experts / self.world;
+        let cap = self.world * m;
+        let rows = epr * cap;
+        let hidden = self.cfg.hidden;
+        let scales = RowFormat::new(hidden, RowDtype::Fp8).map_or(0, |f| f.num_scales());
+        let s = &self.stream;
+        let ctx = "allocating low-latency receive arrays";
+        Ok(LlRecv {
+            x: s.alloc_zeros::<u8>((rows * hidden * 2).max(16))
+                .context(ctx)?,
+            scales: s.alloc_zeros::<f32>((rows * scales).max(1)).context(ctx)?,
+            count: s.alloc_zeros::<i32>(epr.max(1)).context(ctx)?,
+            src_info: s.alloc_zeros::<i32>(rows.max(1)).context(ctx)?,
+            layout_range: s
+                .alloc_zeros::<i64>((epr * self.world).max(1))
+                .context(ctx)?,
+            route: s.alloc_zeros::<i32>(rows.max(1)).context(ctx)?,
+            buffer_id: self.id,
+            experts: epr,
+            capacity: cap,
+            hidden,
+            dispatched: None,
+        })
+    }
+
+    /// Low-latency dispatch: sends every token once to each rank holding one of its experts
+    /// and packs what this rank received into `recv`, expert-major. Collective; stream-ordered;
+    /// no host wait; capturable in a CUDA graph.
+    pub fn ll_dispatch(
+        &mut self,
+        input: &LlDispatchInput<'_>,
+        format: LlFormat,
+        recv: &mut LlRecv,
+    ) -> Result<()> {
+        let pending = self.ll_dispatch_send(input, format, recv)?;
+        self.ll_receive(pending)
+    }
+
+    /// The send phase of [`Self::ll_dispatch`]: returns once the sends are issued; `recv` is
+    /// filled when the returned [`LlPending`] has gone to [`Self::ll_receive`].
+    pub fn ll_dispatch_send<'a>(
+        &mut self,
+        input: &LlDispatchInput<'a>,
+        format: LlFormat,
+        recv: &'a mut LlRecv,
+    ) -> Result<LlPending<'a>> {
+        self.ensure_ready()?;
+        let m = self.ll_capacity()?;
+        self.check_owner(recv.buffer_id, "recv", "was allocated by another Buffer")?;
+        let t = input.num_tokens;
+        if t > m {
+            return Err(Error::InvalidArgument {
+                argument: "num_tokens",
+                rule: format!("at most ll_max_tokens_per_rank = {m} (got {t})"),
+            });
+        }
+        let (hidden, k) = (self.cfg.hidden, self.cfg.top_k);
+        let row = RowFormat::new(hidden, format.dtype()).map_err(|e| Error::InvalidArgument {
+            argument: "format",
+            rule: e.to_string(),
+        })?;
+        exact_len(
+            "x",
+            input.x.len(),
+            "bf16 x must hold num_tokens * hidden",
+            t * hidden,
+            "values",
+        )?;
+        exact_len(
+            "topk_idx",
+            input.topk_idx.len(),
+            "must hold num_tokens * top_k",
+            t * k,
+            "ids",
+        )?;
+        let s = self.stream.clone();
+        let (x, _gx) = input.x.device_ptr(&s);
+        let (idx, _gi) = input.topk_idx.device_ptr(&s);
+        let ordinal = self.ctx.ordinal();
+        check_device_ptr("x", x, t * hidden * 2, ROW_ALIGN, ordinal)?;
+        check_device_ptr("topk_idx", idx, t * k * 8, 8, ordinal)?;
+        let mut flags = 0;
+        if let LlFormat::Fp8 { round_scale } = format {
+            flags |= abi::flags::HAS_SCALES;
+            if round_scale {
+                flags |= abi::flags::ROUND_SCALE;
+            }
+        }
+        let (rx, _g1) = recv.x.device_ptr_mut(&s);
+        let (rs, _g2) = recv.scales.device_ptr_mut(&s);
+        let (rc, _g3) = recv.count.device_ptr_mut(&s);
+        let (ri, _g4) = recv.src_info.device_ptr_mut(&s);
+        let (rl, _g5) = recv.layout_range.device_ptr_mut(&s);
+        let (rr, _g6) = recv.route.device_ptr_mut(&s);
+        let args = OpArgs {
+            x,
+            topk_idx: idx,
+            num_tokens: t as i32,
+            row_bytes: row.x_bytes() as i32,
+            num_scales: row.num_scales() as i32,
+            flags,
+            ll_recv_x: rx,
+            ll_recv_scales: rs,
+            ll_recv_count: rc,
+            ll_src_info: ri,
+            ll_layout_range: rl,
+            ll_route: rr,
+            ..self.base_args()
+        };
+        // SAFETY: x and topk_idx hold num_tokens rows (checked above) and stay borrowed by the
+        // pending op; the kernel writes only the low-latency regions of the symmetric buffers,
+        // sized by the plan every rank shares, and every rank launches it with num_sms blocks.
+        unsafe {
+            self.kernels
+                .launch_op(Op::LlDispatchSend, &s, &args, self.cfg.num_sms)
+        }?;
+        self.seq.advance(abi::op::LL_DISPATCH);
+        self.last_op = Some("low-latency dispatch");
+        self.ll_pending = Some("dispatch");
+        recv.dispatched = Some((format, t));
+        Ok(LlPending {
+            op: Op::LlDispatchRecv,
+            kind: abi::op::LL_DISPATCH_RECV,
+            args,
+            buffer_id: self.id,
+            _borrows: PhantomData,
+        })
+    }
+
+    /// Low-latency combine: sends every expert output row `y[l][i]` (`[local_expert][capacity]
+    /// [hidden]` bf16, at the rows of `recv`) back to its token's rank, which reduces
+    /// `out[t] = Σ_k topk_weights[t][k] · y_k` over the `k` with `topk_idx[t][k] != -1`, in
+    /// increasing `k`, in f32, rounded to bf16 once. `topk_idx`/`topk_weights` are this rank's
+    /// own, as passed to the dispatch `recv` came from; `out` is `[num_tokens][hidden]`.
+    pub fn ll_combine(
+        &mut self,
+        y: &dyn DevicePtr<half::bf16>,
+        topk_idx: &dyn DevicePtr<i64>,
+        topk_weights: &dyn DevicePtr<f32>,
+        recv: &LlRecv,
+        out: &mut dyn DevicePtrMut<half::bf16>,
+    ) -> Result<()> {
+        let pending = self.ll_combine_send(y, topk_idx, topk_weights, recv, out)?;
+        self.ll_receive(pending)
+    }
+
+    /// The send phase of [`Self::ll_combine`]; `out` is written once the returned
+    /// [`LlPending`] has gone to [`Self::ll_receive`].
+    pub fn ll_combine_send<'a>(
+        &mut self,
+        y: &'a dyn DevicePtr<half::bf16>,
+        topk_idx: &'a dyn DevicePtr<i64>,
+        topk_weights: &'a dyn DevicePtr<f32>,
+        recv: &'a LlRecv,
+        out: &'a mut dyn DevicePtrMut<half::bf16>,
+    ) -> Result<LlPending<'a>> {
+        self.ensure_ready()?;
+        self.ll_capacity()?;
+        self.check_owner(recv.buffer_id, "recv", "was allocated by another Buffer")?;
+        let Some((_, t)) = recv.dispatched else {
+            return Err(Error::InvalidArgument {
+                argument: "recv",
+                rule: "no low-latency dispatch filled it yet".into(),
+            });
+        };
+        let (hidden, k) = (self.cfg.hidden, self.cfg.top_k);
+        exact_len(
+            "y",
+            y.len(),
+            "must hold local_experts * capacity * hidden",
+            recv.experts * recv.capacity * hidden,
+            "values",
+        )?;
+        let per_token = "must hold num_tokens * top_k (num_tokens of the dispatch)";
+        exact_len("topk_idx", topk_idx.len(), per_token, t * k, "ids")?;
+        exact_len(
+            "topk_weights",
+            topk_weights.len(),
+            per_token,
+            t * k,
+            "values",
+        )?;
+        exact_len(
+            "out",
+            out.len(),
+            "must hold num_tokens * hidden (num_tokens of the dispatch)",
+            t * hidden,
+            "values",
+        )?;
+        let s = self.stream.clone();
+        let (yp, _gy) = y.device_ptr(&s);
+        let (idx, _gi) = topk_idx.device_ptr(&s);
+        let (w, _gw) = topk_weights.device_ptr(&s);
+        let (o, _go) = out.device_ptr_mut(&s);
+        let ordinal = self.ctx.ordinal();
+        check_device_ptr("y", yp, y.len() * 2, ROW_ALIGN, ordinal)?;
+        check_device_ptr("topk_idx", idx, t * k * 8, 8, ordinal)?;
+        check_device_ptr("topk_weights", w, t * k * 4, 4, ordinal)?;
+        check_device_ptr("out", o, t * hidden * 2, ROW_ALIGN, ordinal)?;
+        let (rc, _g1) = recv.count.device_ptr(&s);
+        let (ri, _g2) = recv.src_info.device_ptr(&s);
+        let (rr, _g3) = recv.route.device_ptr(&s);
+        let args = OpArgs {
+            x: yp,
+            topk_idx: idx,
+            topk_weights: w,
+            out: o,
+            num_tokens: t as i32,
+            ll_recv_count: rc,
+            ll_src_info: ri,
+            ll_route: rr,
+            ..self.base_args()
+        };
+        // SAFETY: y holds every packed row the counts of `recv` name (checked: its full
+        // capacity), `recv`'s routing was written by its dispatch earlier on this stream, and
+        // every destination row lies in the sources' combine regions ([token][k], token below
+        // the source's dispatch count); every rank launches with num_sms blocks.
+        unsafe {
+            self.kernels
+                .launch_op(Op::LlCombineSend, &s, &args, self.cfg.num_sms)
+        }?;
+        self.seq.advance(abi::op::LL_COMBINE);
+        self.last_op = Some("low-latency combine");
+        self.ll_pending = Some("combine");
+        Ok(LlPending {
+            op: Op::LlCombineRecv,
+            kind: abi::op::LL_COMBINE_RECV,
+            args,
+            buffer_id: self.id,
+            _borrows: PhantomData,
+        })
+    }
+
+    /// The receive phase (the hook) of a low-latency op whose send phase returned `pending`:
+    /// queues the kernel that waits for the peers' rows and finishes the op. Stream-ordered;
+    /// no host wait.
+    pub fn ll_receive(&mut self, pending: LlPending<'_>) -> Result<()> {
+        self.check()?;
+        self.check_owner(pending.buffer_id, "pending", "was issued on another Buffer")?;
+        let s = self.stream.clone();
+        // SAFETY: the arguments are those of the send phase, whose caller arrays `pending`
+        // still borrows; the send phase of this op was the last op issued on this stream.
+        unsafe {
+            self.kernels
+                .launch_op(pending.op, &s, &pending.args, self.cfg.num_sms)
+        }?;
+        self.seq.advance(pending.kind);
+        self.ll_pending = None;
+        Ok(())
+    }
+}

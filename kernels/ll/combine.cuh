@@ -1,0 +1,162 @@
+// Low-latency combine: send phase ([L8]) and receive phase ([L9]).
+#pragma once
+#include <cuda_bf16.h>
+
+#include "common/abi.cuh"
+#include "common/copy.cuh"
+#include "common/schedule.cuh"
+#include "common/seq.cuh"
+#include "common/stats.cuh"
+#include "common/wait.cuh"
+#include "ll/shared.cuh"
+
+namespace epcomm::ll {
+
+// Send phase: every packed row y[l][pos] (pos < the dispatch's count of local expert l) goes
+// back to its source rank, into the combine row [token][k] of the entry it came from. Rows
+// are dealt to warps over the packed rows of all local experts together.
+template <class Net>
+__device__ __forceinline__ void combine_send(const OpArgs& a, Shared& s, uint32_t* dyn) {
+  const uint64_t t_start = globaltimer_ns();
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int world = a.world, me = a.rank, K = a.top_k;
+  const int epr = a.num_experts / world, M = a.ll_max_tokens;
+  if (!prologue<Net>(a, s, kOpLlCombine)) return;
+  const OpSeq q = s.seq;
+  const uint64_t par = (q.ll_combine & 1) * a.parity_stride;
+  uint64_t* const stats = u64_at(s.bases[me], a.off_stats);
+  if (blockIdx.x == 0 && tid == 0) stats[kStatStart] = t_start;  // the op's start (stats)
+  Schedule<Net> sched(a);
+  if (!sched.barrier(a, s)) return;  // [G1]
+  // First packed row of every local expert in the flat order (prefix of the counts).
+  int* first = reinterpret_cast<int*>(dyn);  // [epr + 1]
+  if (tid == 0) {
+    const int* count = reinterpret_cast<const int*>(a.ll_recv_count);
+    int acc = 0;
+    for (int l = 0; l < epr; ++l) {
+      first[l] = acc;
+      acc += count[l];
+    }
+    first[epr] = acc;
+  }
+  __syncthreads();
+  const int64_t row_bytes = static_cast<int64_t>(a.hidden) * 2;
+  const int n16 = static_cast<int>(row_bytes / 16);
+  const int64_t cap = static_cast<int64_t>(world) * M;
+  const int32_t* src_info = reinterpret_cast<const int32_t*>(a.ll_src_info);
+  const int32_t* route = reinterpret_cast<const int32_t*>(a.ll_route);
+  const uint8_t* y = reinterpret_cast<const uint8_t*>(a.x);
+  const uint64_t off_comb = a.off_ll_comb + par;
+  const int gwarp = warp * gridDim.x + blockIdx.x, nwarps = gridDim.x * kWarps;
+  const int total = first[epr];
+  for (int row = gwarp; row < total; row += nwarps) {
+    int lo = 0, hi = epr - 1;  // the expert whose range holds `row` (binary search)
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (first[mid] <= row) lo = mid; else hi = mid - 1;
+    }
+    const int64_t idx = static_cast<int64_t>(lo) * cap + (row - first[lo]);
+    const int t = src_info[idx], rk = route[idx];
+    const int r = rk / K, k = rk % K;
+    const uint8_t* src = y + idx * row_bytes;
+    uint8_t* dst = s.bases[r] + off_comb + (static_cast<int64_t>(t) * K + k) * row_bytes;
+    if constexpr (Net::kTransport) {
+      if (Net::remote(a.remote_mask, r)) {
+        Net::put_warp(dst, src, static_cast<size_t>(row_bytes), r);
+        continue;
+      }
+    }
+    warp_copy_row(reinterpret_cast<const int4*>(src), reinterpret_cast<int4*>(dst), n16, lane);
+  }
+  Net::quiet(a.remote_mask);
+  __syncthreads();
+  if (blockIdx.x == 0 && tid == 0) stats[kStatSent] = globaltimer_ns();
+  // This block's rows for every source are written: publish (release).
+  if (tid < world)
+    Net::publish_add(u64_at(s.bases[tid], a.off_done) + me, 1, tid,
+                     Net::remote(a.remote_mask, tid));
+  epilogue(a, s, sched.count);
+}
+
+// Receive phase: out[t] = sum over k with topk_idx[t][k] != -1, in increasing k, of
+// w[t][k] * y[t][k] (f32: a product, then a sum, both IEEE-rounded, so the CPU reference gives
+// the same bits), rounded to bf16 once.
+template <class Net>
+__device__ __forceinline__ void combine_recv(const OpArgs& a, Shared& s, uint32_t*) {
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int world = a.world, me = a.rank, K = a.top_k;
+  const bool block0 = blockIdx.x == 0;
+  if (!prologue<Net>(a, s, kOpLlCombineRecv)) return;
+  const OpSeq q = s.seq;
+  const WaitCtx& w = s.wait;
+  const uint64_t par = (q.ll_combine & 1) * a.parity_stride;
+  uint8_t* const local = s.bases[me];
+  uint64_t* const stats = u64_at(local, a.off_stats);
+  const uint64_t t_start = stats[kStatStart];  // written by the send phase (stats span both)
+  Schedule<Net> sched(a);
+  if (!sched.barrier(a, s)) return;  // [G2]
+  // [L9] every peer finished its send phase, then reduce.
+  bool ok = true;
+  if (tid < world) {
+    uint64_t arrived = 0;
+    ok = wait_geq<Net>(w, u64_at(local, a.off_done) + tid, q.done_expected, kWaitLlCombine, tid,
+                       &arrived);
+    if (ok && block0) stats[kStatPeers + 2 * world + tid] = arrived;
+  }
+  if (!all_ok(s, ok)) return;
+  const int64_t row_bytes = static_cast<int64_t>(a.hidden) * 2;
+  const int n16 = static_cast<int>(row_bytes / 16);
+  const int64_t* topk_idx = reinterpret_cast<const int64_t*>(a.topk_idx);
+  const float* topk_w = reinterpret_cast<const float*>(a.topk_weights);
+  const uint8_t* comb = local + a.off_ll_comb + par;
+  constexpr int kUnroll = 4;
+  const int gwarp = warp * gridDim.x + blockIdx.x, nwarps = gridDim.x * kWarps;
+  for (int t = gwarp; t < a.num_tokens; t += nwarps) {
+    int4* out = reinterpret_cast<int4*>(a.out + static_cast<int64_t>(t) * row_bytes);
+    for (int base = 0; base < n16; base += 32 * kUnroll) {
+      float acc[kUnroll][8];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[u][j] = 0.f;
+      for (int k = 0; k < K; ++k) {
+        const int64_t e = topk_idx[static_cast<int64_t>(t) * K + k];
+        if (e == -1) continue;
+        const float wt = topk_w[static_cast<int64_t>(t) * K + k];
+        const int4* p =
+            reinterpret_cast<const int4*>(comb + (static_cast<int64_t>(t) * K + k) * row_bytes);
+        int4 v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int i = base + u * 32 + lane;
+          if (i < n16) v[u] = ld_v4(p + i);
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          if (base + u * 32 + lane >= n16) continue;
+          const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[u]);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const float2 f = __bfloat1622float2(h[j]);
+            acc[u][2 * j] = __fadd_rn(acc[u][2 * j], __fmul_rn(wt, f.x));
+            acc[u][2 * j + 1] = __fadd_rn(acc[u][2 * j + 1], __fmul_rn(wt, f.y));
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int i = base + u * 32 + lane;
+        if (i >= n16) continue;
+        int4 o;
+        __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) h[j] = __floats2bfloat162_rn(acc[u][2 * j], acc[u][2 * j + 1]);
+        st_na_v4(out + i, o);
+      }
+    }
+  }
+  if (block0) finish_stats(a, s, t_start, kOpLlCombineRecv);
+  epilogue(a, s, sched.count);
+}
+
+}  // namespace epcomm::ll

@@ -1,0 +1,319 @@
+// Low-latency dispatch: send phase ([L1]-[L4]) and receive phase ([L5]-[L7]).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include "common/abi.cuh"
+#include "common/copy.cuh"
+#include "common/schedule.cuh"
+#include "common/seq.cuh"
+#include "common/stats.cuh"
+#include "common/wait.cuh"
+#include "ll/shared.cuh"
+
+namespace epcomm::ll {
+
+// One lane's 8 channels of an FP8 row: cast with the group's scale (amax over the 16 lanes of
+// its 128-channel group), DeepEP's per-token, per-128-channel cast:
+//   amax = max(max |x|, 1e-4); scale_inv = amax / 448 (rounded up to a power of two with
+//   kFlagRoundScale); q = e4m3(x * (448 / amax)), or e4m3(x * (1 / scale_inv)) when rounded.
+// Every operation is an IEEE-rounded one, so the CPU reference reproduces the bits.
+__device__ __forceinline__ uint2 cast_fp8x8(const int4& v, bool round_scale, float* scale_inv) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+  float f[8];
+  float amax = 0.f;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 p = __bfloat1622float2(h[j]);
+    f[2 * j] = p.x;
+    f[2 * j + 1] = p.y;
+    amax = fmaxf(amax, fmaxf(fabsf(p.x), fabsf(p.y)));
+  }
+#pragma unroll
+  for (int m = 8; m >= 1; m /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+  amax = fmaxf(amax, 1e-4f);
+  float inv = __fdiv_rn(amax, 448.f);
+  float mul = __fdiv_rn(448.f, amax);
+  if (round_scale) {
+    inv = pow2_ceil(inv);
+    mul = __fdiv_rn(1.f, inv);
+  }
+  *scale_inv = inv;
+  uint2 out;
+  uint16_t* q = reinterpret_cast<uint16_t*>(&out);
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    q[j] = __nv_cvt_float2_to_fp8x2(
+        make_float2(__fmul_rn(f[2 * j], mul), __fmul_rn(f[2 * j + 1], mul)), __NV_SATFINITE,
+        __NV_E4M3);
+  return out;
+}
+
+// Send phase. Every block builds the routing bitmaps of all tokens in shared memory (the
+// batch is small), so slots and indices need no communication between blocks; warps are dealt
+// tokens block-first.
+template <class Net>
+__device__ __forceinline__ void dispatch_send(const OpArgs& a, Shared& s, uint32_t* dyn) {
+  const uint64_t t_start = globaltimer_ns();
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int world = a.world, me = a.rank, K = a.top_k, E = a.num_experts, T = a.num_tokens;
+  const int epr = E / world, M = a.ll_max_tokens;
+  if (!prologue<Net>(a, s, kOpLlDispatch)) return;
+  const OpSeq q = s.seq;
+  const WaitCtx& w = s.wait;
+  const uint64_t par = (q.ll_dispatch & 1) * a.parity_stride;
+  uint64_t* const stats = u64_at(s.bases[me], a.off_stats);
+  if (blockIdx.x == 0 && tid == 0) stats[kStatStart] = t_start;  // the op's start (stats)
+  Schedule<Net> sched(a);
+  if (!sched.barrier(a, s)) return;  // [G1]
+
+  // [L1] bitmaps over my tokens: emask[e] (token picks expert e), dmask[d] (token goes to d).
+  const int W = (T + 31) / 32;
+  uint32_t* emask = dyn;
+  uint32_t* dmask = dyn + static_cast<int64_t>(E) * W;
+  for (int i = tid; i < (E + world) * W; i += kThreads) dyn[i] = 0u;
+  __syncthreads();
+  const int64_t* topk_idx = reinterpret_cast<const int64_t*>(a.topk_idx);
+  bool ok = true;
+  for (int i = tid; i < T * K; i += kThreads) {
+    const int64_t e = topk_idx[i];
+    const int t = i / K;
+    if (e == -1) continue;
+    if (e < 0 || e >= E) {
+      if (ok)
+        record_failure<Net>(w, kInvalidExpert, kWaitNone, t, static_cast<uint64_t>(E),
+                            static_cast<uint64_t>(e), 0);
+      ok = false;
+      continue;
+    }
+    const uint32_t bit = 1u << (t % 32);
+    if (atomicOr(&emask[e * W + t / 32], bit) & bit) {
+      if (ok)
+        record_failure<Net>(w, kDuplicateExpert, kWaitNone, t, static_cast<uint64_t>(E),
+                            static_cast<uint64_t>(e), 0);
+      ok = false;
+    }
+    atomicOr(&dmask[(e / epr) * W + t / 32], bit);
+  }
+  if (!all_ok(s, ok)) return;
+
+  // [L2] per destination: rows, then rows per local expert, tagged with this LL epoch.
+  if (blockIdx.x == 0)
+    for (int i = tid; i < world * (1 + epr); i += kThreads) {
+      const int d = i / (1 + epr), l = i % (1 + epr);
+      const uint32_t* m = l == 0 ? dmask + d * W : emask + static_cast<int64_t>(d * epr + l - 1) * W;
+      uint32_t n = 0;
+      for (int j = 0; j < W; ++j) n += __popc(m[j]);
+      Net::set_word(u64_at(s.bases[d], a.off_ll_counts + par) + me * (1 + epr) + l,
+                    make_tagged(q.epoch, n), d, Net::remote(a.remote_mask, d));
+    }
+
+  // [L3] every token once to every rank holding one of its experts: row, scales, metadata.
+  const bool fp8 = (a.flags & kFlagHasScales) != 0;
+  const bool round_scale = (a.flags & kFlagRoundScale) != 0;
+  const int H = a.hidden, S = a.num_scales, row_bytes = a.row_bytes;
+  const int64_t mine = static_cast<int64_t>(me) * M;  // my first slot in every destination
+  const uint64_t off_x = a.off_ll_x + par + mine * row_bytes;
+  const uint64_t off_sc = a.off_ll_scales + par + mine * S * 4;
+  const uint64_t off_meta = a.off_ll_meta + par + mine * (K + 1) * 4;
+  __shared__ int rows_tab[kWarps][kMaxWorld];
+  int* rows = rows_tab[warp];
+  const int gwarp = warp * gridDim.x + blockIdx.x, nwarps = gridDim.x * kWarps;
+  const uint8_t* x = reinterpret_cast<const uint8_t*>(a.x);
+  for (int t = gwarp; t < T; t += nwarps) {
+    for (int d = lane; d < world; d += 32)
+      rows[d] = bit_of(dmask + d * W, t) ? rank_in_mask(dmask + d * W, t) : -1;
+    __syncwarp();
+    if (!fp8) {
+      warp_copy_row_multi<Net>(
+          reinterpret_cast<const int4*>(x + static_cast<int64_t>(t) * H * 2), s.bases, rows,
+          off_x, row_bytes, world, row_bytes / 16, lane, a.remote_mask);
+    } else {
+      // Cast once, store to every mapped destination; stage for put/signal destinations.
+      uint8_t* stage = s.bases[me] + a.off_ll_stage + static_cast<int64_t>(t) * H;
+      float* stage_sc = reinterpret_cast<float*>(s.bases[me] + a.off_ll_stage +
+                                                 static_cast<int64_t>(M) * H) +
+                        static_cast<int64_t>(t) * S;
+      const int4* src = reinterpret_cast<const int4*>(x + static_cast<int64_t>(t) * H * 2);
+      for (int c0 = 0; c0 < H; c0 += 256) {
+        const int c = c0 + lane * 8;
+        const int4 v = c < H ? ld_nc_v4(src + c / 8) : make_int4(0, 0, 0, 0);
+        float inv;
+        const uint2 b = cast_fp8x8(v, round_scale, &inv);
+        if (c >= H) continue;
+        const bool group_head = (lane % 16) == 0;
+        for (int d = 0; d < world; ++d) {
+          if (rows[d] < 0) continue;
+          if (Net::remote(a.remote_mask, d)) continue;
+          *reinterpret_cast<uint2*>(s.bases[d] + off_x + static_cast<int64_t>(rows[d]) * row_bytes +
+                                    c) = b;
+          if (group_head)
+            reinterpret_cast<float*>(s.bases[d] + off_sc)[static_cast<int64_t>(rows[d]) * S +
+                                                         c / 128] = inv;
+        }
+        if (a.remote_mask != 0) {
+          *reinterpret_cast<uint2*>(stage + c) = b;
+          if (group_head) stage_sc[c / 128] = inv;
+        }
+      }
+      if constexpr (Net::kTransport) {
+        if (a.remote_mask != 0) {
+          __syncwarp();
+          __threadfence();
+          for (int d = 0; d < world; ++d)
+            if (rows[d] >= 0 && Net::remote(a.remote_mask, d)) {
+              Net::put_warp(s.bases[d] + off_x + static_cast<int64_t>(rows[d]) * row_bytes, stage,
+                            static_cast<size_t>(H), d);
+              Net::put_warp(s.bases[d] + off_sc + static_cast<int64_t>(rows[d]) * S * 4, stage_sc,
+                            static_cast<size_t>(S) * 4, d);
+            }
+        }
+      }
+    }
+    // Metadata: the token index, then per k its (local expert, index) where d holds it.
+    for (int d = 0; d < world; ++d) {
+      if (rows[d] < 0) continue;
+      const bool remote = Net::remote(a.remote_mask, d);
+      int32_t* meta = reinterpret_cast<int32_t*>(s.bases[d] + off_meta) +
+                      static_cast<int64_t>(rows[d]) * (K + 1);
+      if (lane == 0) Net::put_elem(meta, static_cast<int32_t>(t), d, remote);
+      for (int k = lane; k < K; k += 32) {
+        const int64_t e = topk_idx[static_cast<int64_t>(t) * K + k];
+        int32_t v = -1;
+        if (e >= 0 && e / epr == d)
+          v = static_cast<int32_t>(((e % epr) << 16) |
+                                   rank_in_mask(emask + static_cast<int64_t>(e) * W, t));
+        Net::put_elem(meta + 1 + k, v, d, remote);
+      }
+    }
+    __syncwarp();
+  }
+  Net::quiet(a.remote_mask);
+  __syncthreads();
+  if (blockIdx.x == 0 && tid == 0) stats[kStatSent] = globaltimer_ns();
+  // [L4] this block's rows for every destination are written: publish (release).
+  if (tid < world)
+    Net::publish_add(u64_at(s.bases[tid], a.off_done) + me, 1, tid,
+                     Net::remote(a.remote_mask, tid));
+  epilogue(a, s, sched.count);
+}
+
+// Receive phase: wait for every source's send phase, then pack the rows expert-major into the
+// caller's arrays (per local expert: by source rank, then token index), with their source
+// token index, route (source rank * top_k + k), per-expert counts and per-source ranges.
+template <class Net>
+__device__ __forceinline__ void dispatch_recv(const OpArgs& a, Shared& s, uint32_t* dyn) {
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int world = a.world, me = a.rank, K = a.top_k;
+  const int epr = a.num_experts / world, M = a.ll_max_tokens;
+  const bool block0 = blockIdx.x == 0;
+  if (!prologue<Net>(a, s, kOpLlDispatchRecv)) return;
+  const OpSeq q = s.seq;
+  const WaitCtx& w = s.wait;
+  const uint64_t par = (q.ll_dispatch & 1) * a.parity_stride;
+  uint8_t* const local = s.bases[me];
+  uint64_t* const stats = u64_at(local, a.off_stats);
+  const uint64_t t_start = stats[kStatStart];  // written by the send phase (stats span both)
+  Schedule<Net> sched(a);
+  if (!sched.barrier(a, s)) return;  // [G2]
+  // [L5] every source finished its send phase (monotonic done counters, never reset).
+  bool ok = true;
+  if (tid < world) {
+    uint64_t arrived = 0;
+    ok = wait_geq<Net>(w, u64_at(local, a.off_done) + tid, q.done_expected, kWaitLlDispatch, tid,
+                       &arrived);
+    if (ok && block0) stats[kStatPeers + 2 * world + tid] = arrived;
+  }
+  if (!all_ok(s, ok)) return;
+  // [L6] first packed row of every (local expert, source); counts and ranges (block 0).
+  const uint64_t* counts = u64_at(local, a.off_ll_counts + par);
+  int* first = reinterpret_cast<int*>(dyn);  // [epr][world]
+  for (int l = tid; ok && l < epr; l += kThreads) {
+    int acc = 0;
+    for (int r = 0; ok && r < world; ++r) {
+      uint32_t n = 0;
+      ok = wait_tag<Net>(w, counts + r * (1 + epr) + 1 + l, q.epoch, kWaitLlDispatch, r, &n,
+                         nullptr);
+      first[l * world + r] = acc;
+      if (block0)
+        reinterpret_cast<int64_t*>(a.ll_layout_range)[l * world + r] =
+            (static_cast<int64_t>(acc) << 32) | n;
+      acc += static_cast<int>(n);
+    }
+    if (block0) reinterpret_cast<int*>(a.ll_recv_count)[l] = acc;
+  }
+  if (tid == 0) {
+    int acc = 0;
+    for (int r = 0; ok && r < world; ++r) {
+      uint32_t n = 0;
+      ok = wait_tag<Net>(w, counts + r * (1 + epr), q.epoch, kWaitLlDispatch, r, &n, nullptr);
+      s.prefix[r] = acc;
+      acc += static_cast<int>(n);
+    }
+    s.prefix[world] = acc;
+  }
+  if (!all_ok(s, ok)) return;
+  if (block0 && tid == 0) stats[kStatCountsReady] = globaltimer_ns();
+
+  // [L7] every received row to the packed row of each of its local experts.
+  const int row_bytes = a.row_bytes, S = a.num_scales, n16 = row_bytes / 16;
+  const bool fp8 = (a.flags & kFlagHasScales) != 0;
+  const int64_t cap = static_cast<int64_t>(world) * M;  // rows per local expert
+  const uint8_t* rx = local + a.off_ll_x + par;
+  const float* rsc = reinterpret_cast<const float*>(local + a.off_ll_scales + par);
+  const int32_t* rmeta = reinterpret_cast<const int32_t*>(local + a.off_ll_meta + par);
+  uint8_t* out_x = reinterpret_cast<uint8_t*>(a.ll_recv_x);
+  float* out_sc = reinterpret_cast<float*>(a.ll_recv_scales);
+  int32_t* src_info = reinterpret_cast<int32_t*>(a.ll_src_info);
+  int32_t* route = reinterpret_cast<int32_t*>(a.ll_route);
+  __shared__ int64_t dst_tab[kWarps][32];
+  const int gwarp = warp * gridDim.x + blockIdx.x, nwarps = gridDim.x * kWarps;
+  const int total = s.prefix[world];
+  for (int row = gwarp; row < total; row += nwarps) {
+    int r = 0;
+    while (r + 1 < world && s.prefix[r + 1] <= row) ++r;
+    const int64_t slot = static_cast<int64_t>(r) * M + (row - s.prefix[r]);
+    const int32_t* meta = rmeta + slot * (K + 1);
+    const int32_t t = meta[0];
+    int64_t* dst = dst_tab[warp];
+    for (int k0 = 0; k0 < K; k0 += 32) {
+      // dst[i]: the packed row of entry k0 + i (-1: not one of my experts).
+      const int nk = min(32, K - k0);
+      if (lane < nk) {
+        const int32_t v = meta[1 + k0 + lane];
+        int64_t d = -1;
+        if (v >= 0) {
+          const int l = v >> 16, i = v & 0xffff;
+          d = static_cast<int64_t>(l) * cap + first[l * world + r] + i;
+          src_info[d] = t;
+          route[d] = r * K + k0 + lane;
+        }
+        dst[lane] = d;
+      }
+      __syncwarp();
+      const int4* src = reinterpret_cast<const int4*>(rx + slot * row_bytes);
+      for (int base = 0; base < n16; base += 32 * kCopyUnroll) {
+        int4 v[kCopyUnroll];
+#pragma unroll
+        for (int u = 0; u < kCopyUnroll; ++u) {
+          const int i = base + u * 32 + lane;
+          if (i < n16) v[u] = ld_v4(src + i);
+        }
+        for (int k = 0; k < nk; ++k)
+          if (dst[k] >= 0)
+            store_step(reinterpret_cast<int4*>(out_x + dst[k] * row_bytes), v, base, n16, lane);
+      }
+      if (fp8)
+        for (int i = lane; i < S; i += 32) {
+          const float sc = rsc[slot * S + i];
+          for (int k = 0; k < nk; ++k)
+            if (dst[k] >= 0) out_sc[dst[k] * S + i] = sc;
+        }
+      __syncwarp();
+    }
+  }
+  if (block0) finish_stats(a, s, t_start, kOpLlDispatchRecv);
+  epilogue(a, s, sched.count);
+}
+
+}  // namespace epcomm::ll

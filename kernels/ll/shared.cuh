@@ -1,0 +1,52 @@
+// What every low-latency kernel shares: the launch shape, the block's shared state and the
+// helpers of the routing bitmaps.
+//
+// Low-latency mode (docs/low-latency.md) moves decode-sized batches with no count round trip
+// and no host read: each op is a send phase and a receive phase, two kernels, so a caller can
+// run other work between them (a "hook"). Memory, per LL parity (the LL op's sequence number
+// % 2), in every rank's symmetric buffer:
+//  * dispatch rows [source][slot]: a source writes each token once per destination rank, at
+//    slot = the token's index among the source's tokens for that rank, with a metadata row
+//    (token index; per k: local expert << 16 | index among the source's tokens for that
+//    expert, or -1) and, per destination, tagged counts (rows; rows per local expert);
+//  * combine rows [token][k]: the rank holding expert topk_idx[t][k] writes its output for
+//    token t there, on the token's source rank.
+// The receive phase of a dispatch packs the rows expert-major into caller memory, in a fixed
+// order (source rank, then token index, then k): the same input gives the same output bits.
+// Nothing is cleaned: counts are tagged with the LL sequence number, completion uses the same
+// monotonic done counters as every other op, and a rank is at most one op ahead of a peer.
+// Step labels [L1]..[L9] are those of docs/protocol.md.
+#pragma once
+#include "common/abi.cuh"
+#include "common/seq.cuh"
+
+namespace epcomm::ll {
+
+constexpr int kThreads = 512;  // every low-latency kernel (IntranodeKernels::THREADS in Rust)
+constexpr int kWarps = kThreads / 32;
+
+// One block's shared state. The routing tables whose size depends on the shape live in
+// dynamic shared memory (OpArgs::ll_smem_words u32 words).
+struct Shared : OpState {
+  int prefix[kMaxWorld + 1];  // first received row of every source (dispatch receive)
+};
+
+// Index of token t among the tokens whose bit is set in `mask` (bits below t).
+__device__ __forceinline__ int rank_in_mask(const uint32_t* mask, int t) {
+  int n = 0;
+  for (int w = 0; w < t / 32; ++w) n += __popc(mask[w]);
+  return n + __popc(mask[t / 32] & ((1u << (t % 32)) - 1u));
+}
+
+__device__ __forceinline__ bool bit_of(const uint32_t* mask, int t) {
+  return (mask[t / 32] >> (t % 32)) & 1u;
+}
+
+// Smallest power of two >= x (x a positive normal float): UE8M0 scales.
+__device__ __forceinline__ float pow2_ceil(float x) {
+  uint32_t b = __float_as_uint(x);
+  if ((b & 0x7fffffu) != 0u) b = (b & 0xff800000u) + 0x800000u;
+  return __uint_as_float(b);
+}
+
+}  // namespace epcomm::ll
