@@ -26,14 +26,15 @@ mod tests {
 
     #[test]
     fn layouts_are_the_documented_ones() {
-        assert_eq!(size_of::<OpArgs>(), 35 * 8 + 12 * 4);
-        assert_eq!(offset_of!(OpArgs, num_tokens), 280);
-        assert_eq!(offset_of!(OpArgs, global_barriers), 324);
+        assert_eq!(size_of::<OpArgs>(), 47 * 8 + 14 * 4);
+        assert_eq!(offset_of!(OpArgs, ll_max_tokens), 376);
+        assert_eq!(offset_of!(OpArgs, num_tokens), 384);
+        assert_eq!(offset_of!(OpArgs, global_barriers), 428);
         assert_eq!(size_of::<LayoutArgs>(), 6 * 8 + 6 * 4);
         assert_eq!(offset_of!(LayoutArgs, num_tokens), 48);
         assert_eq!(size_of::<ErrorRecord>(), 56);
         assert_eq!(offset_of!(ErrorRecord, epoch), 24);
-        assert_eq!(size_of::<SeqState>(), 56);
+        assert_eq!(size_of::<SeqState>(), 72);
     }
 
     #[test]
