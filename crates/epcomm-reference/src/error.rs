@@ -47,6 +47,19 @@ pub enum RefError {
         /// Number of experts.
         num_experts: usize,
     },
+    /// A token names one expert twice (the low-latency layout gives each (token, expert) one
+    /// row).
+    #[error("topk_idx[{token}] names expert {expert} twice (k = {first} and k = {second})")]
+    DuplicateExpert {
+        /// Token index.
+        token: usize,
+        /// The expert.
+        expert: i64,
+        /// First slot naming it.
+        first: usize,
+        /// Second slot naming it.
+        second: usize,
+    },
     /// A value that must be equal on every rank differs from rank 0's.
     #[error("`{arg}` differs between ranks: rank 0 has {expected}, rank {rank} has {actual}")]
     Inconsistent {

@@ -45,6 +45,45 @@ pub fn quantize_fp8_e4m3_per128(x: &[bf16], hidden: usize) -> Result<(Vec<F8E4M3
     Ok((data, scales))
 }
 
+/// [`quantize_fp8_e4m3_per128`] with the scales rounded up to powers of two (UE8M0
+/// scales): `scale = 2^ceil(log2(amax / 448))` (exact: the f32 `amax / 448` with its mantissa
+/// cleared and the exponent raised when the mantissa was not zero), `q = e4m3(x * (1 / scale))`.
+///
+/// # Errors
+/// As [`quantize_fp8_e4m3_per128`].
+pub fn quantize_fp8_e4m3_per128_ue8m0(
+    x: &[bf16],
+    hidden: usize,
+) -> Result<(Vec<F8E4M3>, Vec<f32>)> {
+    let row = fp8_row(hidden)?;
+    RefError::multiple_check("x.len()", x.len(), "hidden", hidden)?;
+    let groups = x.len() / hidden * row.num_scales();
+    let mut data = Vec::with_capacity(x.len());
+    let mut scales = Vec::with_capacity(groups);
+    for group in x.chunks_exact(FP8_GROUP) {
+        let amax = group
+            .iter()
+            .map(|v| v.to_f32().abs())
+            .fold(0.0f32, f32::max)
+            .max(FP8_AMAX_FLOOR);
+        let scale = pow2_ceil(amax / FP8_E4M3_MAX);
+        let inv = 1.0 / scale;
+        data.extend(group.iter().map(|v| F8E4M3::from_f32(v.to_f32() * inv)));
+        scales.push(scale);
+    }
+    Ok((data, scales))
+}
+
+/// The smallest power of two `>= x`, for a positive normal `x` (bit-exact, no `log2`).
+fn pow2_ceil(x: f32) -> f32 {
+    let b = x.to_bits();
+    if b & 0x7f_ffff == 0 {
+        x
+    } else {
+        f32::from_bits((b & 0xff80_0000) + 0x80_0000)
+    }
+}
+
 /// Inverse of [`quantize_fp8_e4m3_per128`]: `x[t][c] = f32(data[t][c]) * scales[t][c / 128]`.
 ///
 /// # Errors
@@ -78,6 +117,29 @@ pub(crate) fn fp8_row(hidden: usize) -> Result<RowFormat> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ue8m0_scales_are_powers_of_two_at_least_the_plain_scale() {
+        let x: Vec<bf16> = (0..256)
+            .map(|i| bf16::from_f32(i as f32 * 0.37 - 40.0))
+            .collect();
+        let (_, plain) = quantize_fp8_e4m3_per128(&x, 256).unwrap();
+        let (q, pow2) = quantize_fp8_e4m3_per128_ue8m0(&x, 256).unwrap();
+        for (p, s) in plain.iter().zip(&pow2) {
+            assert_eq!(s.to_bits() & 0x7f_ffff, 0, "{s} is not a power of two");
+            assert!(s >= p && *s < 2.0 * p, "{s} vs {p}");
+        }
+        // Dequantized values stay within one e4m3 step of the input.
+        let back = dequantize_fp8_e4m3_per128(&q, &pow2, 256).unwrap();
+        for (a, b) in x.iter().zip(back) {
+            assert!(
+                (a.to_f32() - b).abs() <= a.to_f32().abs() / 8.0 + pow2[0],
+                "{a} {b}"
+            );
+        }
+        assert_eq!(pow2_ceil(0.25), 0.25);
+        assert_eq!(pow2_ceil(0.3), 0.5);
+    }
     use epcomm_topology::TopologyError;
     use proptest::prelude::*;
 

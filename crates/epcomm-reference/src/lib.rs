@@ -12,7 +12,8 @@
 //!   receives rows ordered by source rank, then source token index.
 //! * [`combine`] sums, for every token, the rows of the ranks it went to, in increasing rank
 //!   order, in f32, rounded to bf16 once. [`combine_weighted_ll`] is the low-latency
-//!   variant (weighted sum of per-expert outputs).
+//!   variant (weighted sum of per-expert outputs); [`ll_dispatch`] gives the rows every rank
+//!   receives in a low-latency dispatch, per local expert.
 //! * [`quantize_fp8_e4m3_per128`] is DeepEP's per-token, per-128-channel fp8 cast.
 //! * [`gen_deepep_workload`] reproduces DeepEP's benchmark inputs, deterministically per seed.
 //!
@@ -59,6 +60,7 @@ mod dispatch;
 mod error;
 mod fp8;
 mod layout;
+mod low_latency;
 mod workload;
 
 pub use combine::{CombineOutput, combine, combine_weighted_ll};
@@ -66,8 +68,10 @@ pub use dispatch::{RankInput, RankOutput, XData, dispatch};
 pub use error::RefError;
 pub use fp8::{
     FP8_AMAX_FLOOR, FP8_E4M3_MAX, FP8_GROUP, dequantize_fp8_e4m3_per128, quantize_fp8_e4m3_per128,
+    quantize_fp8_e4m3_per128_ue8m0,
 };
 pub use layout::{Layout, layout};
+pub use low_latency::{LlEntry, LlReceived, ll_dispatch};
 pub use workload::{
     Workload, gen_deepep_workload, gen_deepep_world, mask_topk, randn_f32, skewed_topk,
     small_int_bf16,

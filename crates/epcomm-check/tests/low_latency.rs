@@ -1,0 +1,565 @@
+//! GPU tests of the low-latency ops (`Buffer::ll_dispatch`, `Buffer::ll_combine`): every shape
+//! bit-exact against the CPU reference (`epcomm_reference::ll_dispatch`, the fp8 casts,
+//! `combine_weighted_ll`), several calls in a row, the send/receive split with work between
+//! the phases, CUDA-graph replays with new data each time, and a late rank named by a timeout.
+//! One process per rank (`tests/common`).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use epcomm::{Buffer, BufferConfig, Error, LlDispatchInput, LlFormat, LlRecv, WaitKind};
+use epcomm_check::inputs::{Shape, host_inputs, upload};
+use epcomm_reference::{
+    RankInput, XData, bf16, combine_weighted_ll, ll_dispatch, quantize_fp8_e4m3_per128,
+    quantize_fp8_e4m3_per128_ue8m0,
+};
+
+mod common;
+use common::{MakeTransport, Worker, apply_test_config, gpu_test, log};
+
+/// Most tokens per rank of the suite's buffers.
+const MAX_TOKENS: usize = 256;
+
+/// A buffer for low-latency ops of this shape (the normal-mode regions kept minimal).
+fn ll_buffer(
+    w: &Worker,
+    mk: MakeTransport<'_>,
+    hidden: usize,
+    top_k: usize,
+    experts: usize,
+    timeout: Duration,
+) -> Buffer {
+    let mut cfg = BufferConfig::new(1, hidden, top_k, experts);
+    cfg.ll_max_tokens_per_rank = MAX_TOKENS;
+    cfg.timeout = timeout;
+    apply_test_config(&mut cfg);
+    Buffer::new(w.ctx.clone(), mk(), cfg).expect("Buffer::new")
+}
+
+/// The expert output the tests use for packed row `i` of local expert `l` on rank `r`:
+/// small integers, exact in bf16.
+fn y_value(r: usize, l: usize, i: usize, c: usize) -> bf16 {
+    bf16::from_f32(((r * 131 + l * 31 + i * 7 + c) % 15) as f32 - 7.0)
+}
+
+fn bf16_rows(input: &RankInput) -> &[bf16] {
+    match &input.x {
+        XData::Bf16(x) => x,
+        XData::Fp8 { .. } => unreachable!("the suite's inputs are bf16"),
+    }
+}
+
+/// The received bytes and scales every source's token rows turn into.
+fn source_rows(inputs: &[RankInput], hidden: usize, format: LlFormat) -> Vec<(Vec<u8>, Vec<f32>)> {
+    inputs
+        .iter()
+        .map(|i| {
+            let x = bf16_rows(i);
+            match format {
+                LlFormat::Bf16 => (x.iter().flat_map(|v| v.to_le_bytes()).collect(), vec![]),
+                LlFormat::Fp8 { round_scale } => {
+                    let (q, s) = if round_scale {
+                        quantize_fp8_e4m3_per128_ue8m0(x, hidden).unwrap()
+                    } else {
+                        quantize_fp8_e4m3_per128(x, hidden).unwrap()
+                    };
+                    (q.iter().map(|v| v.to_bits()).collect(), s)
+                }
+            }
+        })
+        .collect()
+}
+
+/// This rank's device inputs of one round.
+struct Io {
+    x: CudaSlice<bf16>,
+    idx: CudaSlice<i64>,
+    w: CudaSlice<f32>,
+    y: CudaSlice<bf16>,
+    out: CudaSlice<bf16>,
+}
+
+/// Checks what a low-latency dispatch left in `recv` and what the combine wrote to `out`
+/// against the reference, for this rank (`what` names the round in failures).
+#[allow(clippy::too_many_arguments)]
+fn verify_round(
+    buf: &Buffer,
+    inputs: &[RankInput],
+    recv: &LlRecv,
+    out: &CudaSlice<bf16>,
+    format: LlFormat,
+    hidden: usize,
+    top_k: usize,
+    experts: usize,
+    what: &str,
+) {
+    let (rank, world) = (buf.rank(), buf.world_size());
+    let topk: Vec<Vec<i64>> = inputs.iter().map(|i| i.topk_idx.clone()).collect();
+    let routing = ll_dispatch(&topk, top_k, experts).unwrap();
+    let mine = &routing[rank];
+    let epr = experts / world;
+    let cap = recv.capacity();
+    let count = recv.count_to_host().unwrap();
+    let want_count: Vec<i32> = mine.experts.iter().map(|e| e.len() as i32).collect();
+    assert_eq!(count, want_count, "{what}: rows per local expert");
+    let ranges = recv.layout_range_to_host().unwrap();
+    for l in 0..epr {
+        for r in 0..world {
+            let (f, n) = mine.layout_range[l][r];
+            assert_eq!(
+                ranges[l * world + r],
+                (f as i32, n as i32),
+                "{what}: range of expert {l}, source {r}"
+            );
+        }
+    }
+    let src_info = recv.src_info_to_host().unwrap();
+    let rows = recv.x_bytes_to_host().unwrap();
+    let row_bytes = recv.row_bytes();
+    let sources = source_rows(inputs, hidden, format);
+    let scales = matches!(format, LlFormat::Fp8 { .. }).then(|| recv.scales_to_host().unwrap());
+    let ns = hidden / 128;
+    for (l, entries) in mine.experts.iter().enumerate() {
+        for (i, e) in entries.iter().enumerate() {
+            let at = l * cap + i;
+            assert_eq!(
+                src_info[at] as usize, e.src_token,
+                "{what}: src_info of expert {l} row {i}"
+            );
+            let (bytes, sc) = &sources[e.src_rank];
+            let want = &bytes[e.src_token * row_bytes..(e.src_token + 1) * row_bytes];
+            assert!(
+                &rows[at * row_bytes..(at + 1) * row_bytes] == want,
+                "{what}: expert {l} row {i} (rank {} token {}) differs",
+                e.src_rank,
+                e.src_token
+            );
+            if let Some(got) = &scales {
+                assert_eq!(
+                    &got[at * ns..(at + 1) * ns],
+                    &sc[e.src_token * ns..(e.src_token + 1) * ns],
+                    "{what}: scales of expert {l} row {i}"
+                );
+            }
+        }
+    }
+    // Combine: what every owner returns for each of my (token, k) is y_value at its packed row.
+    let me = &inputs[rank];
+    let t = me.num_tokens;
+    let mut at: HashMap<(usize, usize), (usize, usize, usize)> = HashMap::new();
+    for (r, got) in routing.iter().enumerate() {
+        for (l, entries) in got.experts.iter().enumerate() {
+            for (i, e) in entries.iter().enumerate() {
+                if e.src_rank == rank {
+                    at.insert((e.src_token, e.k), (r, l, i));
+                }
+            }
+        }
+    }
+    let mut expert_out = vec![bf16::ZERO; t * top_k * hidden];
+    for ((tok, k), (r, l, i)) in &at {
+        let o = (tok * top_k + k) * hidden;
+        for c in 0..hidden {
+            expert_out[o + c] = y_value(*r, *l, *i, c);
+        }
+    }
+    let want = combine_weighted_ll(
+        &expert_out,
+        &me.topk_idx,
+        &me.topk_weights,
+        t,
+        top_k,
+        hidden,
+    )
+    .unwrap();
+    let got = if t == 0 {
+        vec![]
+    } else {
+        buf.stream().clone_dtoh(out).unwrap()
+    };
+    assert!(got == want, "{what}: combine output differs");
+}
+
+/// Uploads this rank's round inputs and the expert outputs `y` of its received rows.
+fn upload_round(
+    stream: &Arc<CudaStream>,
+    inputs: &[RankInput],
+    rank: usize,
+    world: usize,
+    experts: usize,
+    hidden: usize,
+    top_k: usize,
+) -> Io {
+    let me = &inputs[rank];
+    let topk: Vec<Vec<i64>> = inputs.iter().map(|i| i.topk_idx.clone()).collect();
+    let routing = ll_dispatch(&topk, top_k, experts).unwrap();
+    let epr = experts / world;
+    let cap = world * MAX_TOKENS;
+    let mut y = vec![bf16::ZERO; epr * cap * hidden];
+    for (l, entries) in routing[rank].experts.iter().enumerate() {
+        for i in 0..entries.len() {
+            for c in 0..hidden {
+                y[(l * cap + i) * hidden + c] = y_value(rank, l, i, c);
+            }
+        }
+    }
+    Io {
+        x: upload(stream, bf16_rows(me)).unwrap(),
+        idx: upload(stream, &me.topk_idx).unwrap(),
+        w: upload(stream, &me.topk_weights).unwrap(),
+        y: upload(stream, &y).unwrap(),
+        out: if me.num_tokens == 0 {
+            stream.null().unwrap()
+        } else {
+            stream.alloc_zeros::<bf16>(me.num_tokens * hidden).unwrap()
+        },
+    }
+}
+
+/// Formats of the rounds of a shape: both dtypes (FP8 with and without rounded scales) where
+/// the hidden size allows.
+fn formats(hidden: usize) -> Vec<LlFormat> {
+    if hidden.is_multiple_of(128) {
+        vec![
+            LlFormat::Bf16,
+            LlFormat::Fp8 { round_scale: false },
+            LlFormat::Fp8 { round_scale: true },
+        ]
+    } else {
+        vec![LlFormat::Bf16, LlFormat::Bf16]
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The suite: every shape, every format, several calls in a row on one buffer per dimension set.
+
+fn run_ll_suite(w: &Worker, mk: MakeTransport<'_>) {
+    let (rank, world) = (w.boot.rank(), w.boot.world_size());
+    // (hidden, top_k, experts per rank, cases: (tokens per rank, -1 probability, skew target)).
+    type Case = (Vec<usize>, f64, Option<usize>);
+    let full = |t: usize| vec![t; world];
+    let ragged = |a: usize, b: usize| {
+        (0..world)
+            .map(|r| if r % 2 == 0 { a } else { b })
+            .collect::<Vec<_>>()
+    };
+    let dims: Vec<(usize, usize, usize, Vec<Case>)> = vec![
+        (
+            7168,
+            8,
+            256 / world.min(256),
+            vec![
+                (full(128), 0.0, None),
+                (ragged(0, 1), 0.0, None),
+                (ragged(7, 256), 0.1, None),
+                (full(64), 0.2, Some(0)),
+            ],
+        ),
+        (
+            2048,
+            9,
+            144,
+            vec![
+                (ragged(1, 7), 0.0, None),
+                (ragged(256, 0), 0.3, None),
+                (full(33), 0.0, Some(world - 1)),
+            ],
+        ),
+        (
+            128,
+            1,
+            2,
+            vec![(ragged(5, 3), 0.0, None), (full(256), 0.5, None)],
+        ),
+        (
+            200,
+            3,
+            3,
+            vec![(ragged(10, 20), 0.1, None), (full(1), 0.0, None)],
+        ),
+    ];
+    let mut rounds = 0;
+    for (hidden, top_k, epr, cases) in dims {
+        let experts = epr * world;
+        let mut buf = ll_buffer(w, mk, hidden, top_k, experts, Duration::from_secs(30));
+        let mut recv = buf.alloc_ll_recv().unwrap();
+        let stream = buf.stream().clone();
+        for (ci, (tokens, mask_prob, skew_to)) in cases.into_iter().enumerate() {
+            let shape = Shape {
+                tokens: tokens.clone(),
+                hidden,
+                top_k,
+                experts,
+                mask_prob,
+                skew_to,
+                seed: 1000 + ci as u64 * 17 + hidden as u64,
+            };
+            let inputs = host_inputs(&shape).unwrap().bf16;
+            let io = upload_round(&stream, &inputs, rank, world, experts, hidden, top_k);
+            let mut out = io.out;
+            for format in formats(hidden) {
+                let what = format!(
+                    "hidden {hidden} top-{top_k} of {experts}, tokens {tokens:?}, -1 p={mask_prob}, skew {skew_to:?}, {format:?}"
+                );
+                let input = LlDispatchInput {
+                    x: &io.x,
+                    topk_idx: &io.idx,
+                    num_tokens: tokens[rank],
+                };
+                buf.ll_dispatch(&input, format, &mut recv)
+                    .unwrap_or_else(|e| panic!("{what}: dispatch: {e}"));
+                buf.ll_combine(&io.y, &io.idx, &io.w, &recv, &mut out)
+                    .unwrap_or_else(|e| panic!("{what}: combine: {e}"));
+                buf.synchronize().unwrap_or_else(|e| panic!("{what}: {e}"));
+                verify_round(
+                    &buf, &inputs, &recv, &out, format, hidden, top_k, experts, &what,
+                );
+                rounds += 1;
+            }
+        }
+        buf.destroy().unwrap();
+    }
+    log(
+        rank,
+        format_args!("low-latency suite: {rounds} rounds bit-exact"),
+    );
+}
+
+gpu_test!(ll_suite_matches_reference, run_ll_suite);
+
+// ---------------------------------------------------------------------------------------------
+// Hooks: the send phase returns, work runs on the stream and the host, then the receive phase;
+// no other op may start while a receive is pending.
+
+fn run_ll_hooks(w: &Worker, mk: MakeTransport<'_>) {
+    let (rank, world) = (w.boot.rank(), w.boot.world_size());
+    let (hidden, top_k, experts) = (2048, 4, 8 * world);
+    let mut buf = ll_buffer(w, mk, hidden, top_k, experts, Duration::from_secs(30));
+    let mut recv = buf.alloc_ll_recv().unwrap();
+    let stream = buf.stream().clone();
+    let scratch = stream.alloc_zeros::<u8>(64 << 20).unwrap();
+    let (scratch_ptr, _g) = scratch.device_ptr(&stream);
+    for round in 0..4 {
+        let shape = Shape::uniform(
+            world,
+            48 + round * 20,
+            hidden,
+            top_k,
+            experts,
+            77 + round as u64,
+        );
+        let inputs = host_inputs(&shape).unwrap().bf16;
+        let io = upload_round(&stream, &inputs, rank, world, experts, hidden, top_k);
+        let mut out = io.out;
+        let format = if round % 2 == 0 {
+            LlFormat::Bf16
+        } else {
+            LlFormat::Fp8 { round_scale: false }
+        };
+        let input = LlDispatchInput {
+            x: &io.x,
+            topk_idx: &io.idx,
+            num_tokens: shape.tokens[rank],
+        };
+        let pending = buf.ll_dispatch_send(&input, format, &mut recv).unwrap();
+        // Work between the phases: a 64 MiB memset on the comm stream and a host pause.
+        // SAFETY: scratch is a live 64 MiB device allocation; the memset is stream-ordered.
+        unsafe {
+            cudarc::driver::sys::cuMemsetD8Async(
+                scratch_ptr,
+                round as u8,
+                64 << 20,
+                stream.cu_stream(),
+            )
+        }
+        .result()
+        .unwrap();
+        std::thread::sleep(Duration::from_millis(5));
+        buf.ll_receive(pending).unwrap();
+        let pending = buf
+            .ll_combine_send(&io.y, &io.idx, &io.w, &recv, &mut out)
+            .unwrap();
+        // Another op while a receive is pending is refused, and changes nothing.
+        let refused = buf.inject_delay(Duration::from_micros(1));
+        assert!(
+            matches!(
+                &refused,
+                Err(Error::InvalidArgument {
+                    argument: "LlPending",
+                    ..
+                })
+            ),
+            "{refused:?}"
+        );
+        buf.ll_receive(pending).unwrap();
+        buf.synchronize().unwrap();
+        verify_round(
+            &buf,
+            &inputs,
+            &recv,
+            &out,
+            format,
+            hidden,
+            top_k,
+            experts,
+            &format!("hook round {round}"),
+        );
+    }
+    log(
+        rank,
+        "low-latency hooks: 4 rounds with work between the phases, bit-exact",
+    );
+    buf.destroy().unwrap();
+}
+
+gpu_test!(ll_hooks_split_send_and_receive, run_ll_hooks);
+
+// ---------------------------------------------------------------------------------------------
+// CUDA graphs: dispatch, an identity "expert" (a copy of the received rows into y) and combine,
+// captured once and replayed 1000 times with new inputs before every replay.
+
+fn run_ll_graph(w: &Worker, mk: MakeTransport<'_>) {
+    let (rank, world) = (w.boot.rank(), w.boot.world_size());
+    let (hidden, top_k, experts, tokens) = (256, 4, 4 * world, 40);
+    let mut buf = ll_buffer(w, mk, hidden, top_k, experts, Duration::from_secs(30));
+    let mut recv = buf.alloc_ll_recv().unwrap();
+    let stream = buf.stream().clone();
+    let variants: Vec<Vec<RankInput>> = (0..6)
+        .map(|v| {
+            let mut shape = Shape::uniform(world, tokens, hidden, top_k, experts, 300 + v);
+            shape.mask_prob = if v % 2 == 0 { 0.0 } else { 0.25 };
+            host_inputs(&shape).unwrap().bf16
+        })
+        .collect();
+    let mut x = stream.alloc_zeros::<bf16>(tokens * hidden).unwrap();
+    let mut idx = stream.alloc_zeros::<i64>(tokens * top_k).unwrap();
+    let mut wts = stream.alloc_zeros::<f32>(tokens * top_k).unwrap();
+    let cap = recv.capacity();
+    let mut y = stream
+        .alloc_zeros::<bf16>(recv.num_local_experts() * cap * hidden)
+        .unwrap();
+    let mut out = stream.alloc_zeros::<bf16>(tokens * hidden).unwrap();
+    let y_ptr = y.device_ptr(&stream).0;
+    let graph = {
+        let (x, idx, wts) = (&x, &idx, &wts);
+        let (y_ref, out_ref, recv) = (&mut y, &mut out, &mut recv);
+        buf.capture(move |b| {
+            let input = LlDispatchInput {
+                x,
+                topk_idx: idx,
+                num_tokens: tokens,
+            };
+            b.ll_dispatch(&input, LlFormat::Bf16, recv)?;
+            // The identity expert: y = the received rows.
+            // SAFETY: both hold local_experts * capacity * hidden bf16 values; stream-ordered.
+            unsafe {
+                cudarc::driver::sys::cuMemcpyDtoDAsync_v2(
+                    y_ptr,
+                    recv.x_ptr(),
+                    cap * recv.num_local_experts() * hidden * 2,
+                    b.stream().cu_stream(),
+                )
+            }
+            .result()
+            .map_err(|source| Error::Driver {
+                context: "identity expert",
+                source,
+            })?;
+            b.ll_combine(&*y_ref, idx, wts, recv, &mut *out_ref)
+        })
+        .expect("capture")
+    };
+    let replays = 1000;
+    let t0 = Instant::now();
+    for i in 0..replays {
+        let inputs = &variants[i % variants.len()];
+        let me = &inputs[rank];
+        stream.memcpy_htod(bf16_rows(me), &mut x).unwrap();
+        stream.memcpy_htod(&me.topk_idx, &mut idx).unwrap();
+        stream.memcpy_htod(&me.topk_weights, &mut wts).unwrap();
+        buf.replay(&graph).unwrap();
+        let got = stream.clone_dtoh(&out).unwrap();
+        // Identity experts: every valid (t, k) returns this rank's own row t.
+        let rows = bf16_rows(me);
+        let mut expert_out = vec![bf16::ZERO; tokens * top_k * hidden];
+        for t in 0..tokens {
+            for k in 0..top_k {
+                let o = (t * top_k + k) * hidden;
+                expert_out[o..o + hidden].copy_from_slice(&rows[t * hidden..(t + 1) * hidden]);
+            }
+        }
+        let want = combine_weighted_ll(
+            &expert_out,
+            &me.topk_idx,
+            &me.topk_weights,
+            tokens,
+            top_k,
+            hidden,
+        )
+        .unwrap();
+        assert!(got == want, "replay {i}: combine output differs");
+    }
+    buf.synchronize().unwrap();
+    log(
+        rank,
+        format_args!(
+            "low-latency graph: {replays} replays with new inputs, bit-exact ({:?})",
+            t0.elapsed()
+        ),
+    );
+    buf.destroy().unwrap();
+}
+
+gpu_test!(ll_graph_replays_new_data, run_ll_graph);
+
+// ---------------------------------------------------------------------------------------------
+// A late rank: the others time out naming it, the late rank learns of the failure.
+
+fn run_ll_late_rank(w: &Worker, mk: MakeTransport<'_>) {
+    let (rank, world) = (w.boot.rank(), w.boot.world_size());
+    let late = world - 1;
+    let (hidden, top_k, experts) = (256, 2, 4 * world);
+    let mut buf = ll_buffer(w, mk, hidden, top_k, experts, Duration::from_millis(300));
+    let mut recv = buf.alloc_ll_recv().unwrap();
+    let stream = buf.stream().clone();
+    let shape = Shape::uniform(world, 16, hidden, top_k, experts, 5);
+    let inputs = host_inputs(&shape).unwrap().bf16;
+    let io = upload_round(&stream, &inputs, rank, world, experts, hidden, top_k);
+    let input = LlDispatchInput {
+        x: &io.x,
+        topk_idx: &io.idx,
+        num_tokens: 16,
+    };
+    buf.ll_dispatch(&input, LlFormat::Bf16, &mut recv).unwrap();
+    buf.synchronize().expect("warm-up dispatch");
+    w.boot.barrier("ll-late-start").unwrap();
+    if rank == late {
+        buf.inject_delay(Duration::from_millis(1500)).unwrap();
+    }
+    let r = buf
+        .ll_dispatch(&input, LlFormat::Bf16, &mut recv)
+        .and_then(|_| buf.synchronize());
+    if rank == late {
+        assert!(
+            matches!(&r, Err(Error::PeerFailed { .. })),
+            "the late rank: {r:?}"
+        );
+    } else {
+        assert!(
+            matches!(&r, Err(Error::Timeout { peer, wait: WaitKind::LlDispatchData, .. }) if *peer as usize == late),
+            "{r:?}"
+        );
+    }
+    log(rank, format_args!("late rank {late}: {}", r.unwrap_err()));
+    // Nothing runs on a failed buffer.
+    assert!(matches!(
+        buf.ll_dispatch(&input, LlFormat::Bf16, &mut recv),
+        Err(Error::Failed(_))
+    ));
+    drop(buf);
+    w.boot.barrier("ll-late-end").unwrap();
+}
+
+gpu_test!(ll_late_rank_is_named, run_ll_late_rank);
