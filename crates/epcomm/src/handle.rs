@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use epcomm_topology::RowFormat;
 use epcomm_transport::memory::copy_dtoh;
 
@@ -86,6 +86,15 @@ impl Handle {
     /// (WorstCase / Bounded dispatch, graph capture).
     pub fn capacity(&self) -> usize {
         self.inner.max_rows
+    }
+
+    /// Device address of the `[world + 1]` i32 receive prefix (first received row per source
+    /// rank; element `world` is the number of rows received), written by the handle's dispatch
+    /// on the buffer's stream: for bindings that use the count on the device (e.g. to mask
+    /// padding rows) without a host wait.
+    pub fn recv_prefix_ptr(&self) -> u64 {
+        let prefix = &self.inner.recv_prefix;
+        prefix.device_ptr(prefix.stream()).0
     }
 
     /// Reads the number of received rows from the device (waits for the dispatch).

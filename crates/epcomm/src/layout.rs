@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, DevicePtr};
 
 use crate::Result;
 use crate::error::DriverContext;
@@ -51,6 +51,21 @@ impl Layout {
     /// Tokens of the batch.
     pub fn num_tokens(&self) -> usize {
         self.inner.num_tokens
+    }
+
+    /// Device address of the `[world + num_experts + nodes]` u32 counts (tokens per rank, then
+    /// per expert, then per node) the layout kernel writes on the buffer's stream: for bindings
+    /// that copy them into arrays of their own, stream-ordered after the kernel.
+    pub fn counts_ptr(&self) -> u64 {
+        let counts = &self.inner.counts;
+        counts.device_ptr(counts.stream()).0
+    }
+
+    /// Device address of the `[num_tokens][world]` i32 token slots (each token's slot among
+    /// those sent to each rank, -1 where not sent), written like [`Self::counts_ptr`].
+    pub fn token_slot_ptr(&self) -> u64 {
+        let slots = &self.inner.token_slot;
+        slots.device_ptr(slots.stream()).0
     }
 
     /// Copies the layout to the host (waits for the layout kernel).

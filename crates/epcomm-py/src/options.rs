@@ -1,0 +1,217 @@
+//! What a Python `Buffer` is built from, as plain values ([`BufferOptions`]), turned into the
+//! frontend's [`BufferConfig`], the transport spec and the buffer plan. Nothing here needs a
+//! GPU: every rule that can be checked before the rendezvous is checked here, with the error
+//! naming the argument.
+
+use std::time::Duration;
+
+use epcomm::BufferConfig;
+use epcomm_backends::TransportSpec;
+use epcomm_topology::{BufferPlan, RoutePolicy, Schedule};
+
+use crate::error::{BindError, Result};
+
+/// The arguments of a Python `Buffer` (every rank passes the same values).
+#[derive(Clone, Debug, PartialEq)]
+pub struct BufferOptions {
+    /// Most tokens a rank passes to one dispatch.
+    pub max_tokens_per_rank: usize,
+    /// Elements per token row.
+    pub hidden: usize,
+    /// Experts per token.
+    pub top_k: usize,
+    /// Experts in total.
+    pub num_experts: usize,
+    /// Blocks of the dispatch and combine kernels.
+    pub num_sms: u32,
+    /// Transport spec (`ipc`, `nvshmem`, `nvshmem:vnodes=N|max`).
+    pub transport: String,
+    /// Schedule name (`epoch`, `global`).
+    pub schedule: String,
+    /// Route policy name (`auto`, `put-signal`).
+    pub routes: String,
+    /// Bound of every device wait, seconds.
+    pub timeout_s: f64,
+}
+
+/// Checks a duration given in seconds: finite and > 0.
+pub fn seconds(argument: &'static str, value: f64) -> Result<Duration> {
+    match Duration::try_from_secs_f64(value) {
+        Ok(d) if !d.is_zero() => Ok(d),
+        _ => Err(BindError::InvalidArgument {
+            argument,
+            rule: format!("must be a finite number of seconds > 0 (got {value})"),
+        }),
+    }
+}
+
+impl BufferOptions {
+    /// The transport spec, parsed.
+    pub fn spec(&self) -> Result<TransportSpec> {
+        Ok(self.transport.trim().parse()?)
+    }
+
+    /// The frontend's configuration, validated (the device-dependent rules, such as the SM
+    /// count, are checked by `Buffer::new`).
+    pub fn config(&self) -> Result<BufferConfig> {
+        let mut cfg = BufferConfig::new(
+            self.max_tokens_per_rank,
+            self.hidden,
+            self.top_k,
+            self.num_experts,
+        );
+        cfg.num_sms = self.num_sms;
+        cfg.schedule = self.schedule.trim().parse::<Schedule>()?;
+        cfg.routes = self.routes.trim().parse::<RoutePolicy>()?;
+        cfg.timeout = seconds("timeout", self.timeout_s)?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Everything, for a world of `world_size` ranks, `local_world_size` per host, seen from
+    /// `rank`: the config, the spec (its world layout checked) and the buffer plan.
+    pub fn resolve(
+        &self,
+        world_size: usize,
+        rank: usize,
+        local_world_size: usize,
+    ) -> Result<(BufferConfig, TransportSpec, BufferPlan)> {
+        let cfg = self.config()?;
+        let spec = self.spec()?;
+        spec.capabilities()?.check_schedule(cfg.schedule)?;
+        spec.world_layout(world_size, rank, local_world_size)?;
+        let plan = plan(&cfg, world_size)?;
+        Ok((cfg, spec, plan))
+    }
+}
+
+/// The symmetric buffer plan of `cfg` on `world_size` ranks: the layout the frontend allocates
+/// (the normal op family; the Python API plans no low-latency memory).
+pub fn plan(cfg: &BufferConfig, world_size: usize) -> Result<BufferPlan> {
+    if world_size == 0 {
+        return Err(BindError::InvalidArgument {
+            argument: "world_size",
+            rule: "must be at least 1".into(),
+        });
+    }
+    Ok(BufferPlan::new(
+        world_size,
+        cfg.max_tokens_per_rank,
+        cfg.hidden,
+        cfg.top_k,
+        cfg.num_experts,
+    )?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts() -> BufferOptions {
+        BufferOptions {
+            max_tokens_per_rank: 4096,
+            hidden: 7168,
+            top_k: 8,
+            num_experts: 256,
+            num_sms: 24,
+            transport: "ipc".into(),
+            schedule: "epoch".into(),
+            routes: "auto".into(),
+            timeout_s: 100.0,
+        }
+    }
+
+    #[test]
+    fn a_good_set_resolves_to_the_frontends_types() {
+        let (cfg, spec, plan) = opts().resolve(2, 0, 2).unwrap();
+        assert_eq!(cfg.timeout, Duration::from_secs(100));
+        assert_eq!(
+            (cfg.schedule, cfg.routes),
+            (Schedule::Epoch, RoutePolicy::Auto)
+        );
+        assert_eq!(spec, TransportSpec::Ipc);
+        assert_eq!(plan.recv_rows(), 2 * 4096);
+        let global = BufferOptions {
+            schedule: "global".into(),
+            transport: "nvshmem:vnodes=max".into(),
+            routes: "put-signal".into(),
+            ..opts()
+        };
+        let (cfg, spec, _) = global.resolve(2, 1, 2).unwrap();
+        assert_eq!(cfg.schedule, Schedule::Global);
+        assert_eq!(spec.to_string(), "nvshmem:vnodes=max");
+    }
+
+    #[test]
+    fn each_bad_value_names_its_argument() {
+        let cases: Vec<(BufferOptions, &str)> = vec![
+            (
+                BufferOptions {
+                    hidden: 100,
+                    ..opts()
+                },
+                "hidden",
+            ),
+            (
+                BufferOptions {
+                    timeout_s: f64::NAN,
+                    ..opts()
+                },
+                "timeout",
+            ),
+            (
+                BufferOptions {
+                    timeout_s: 0.0,
+                    ..opts()
+                },
+                "timeout",
+            ),
+            (
+                BufferOptions {
+                    schedule: "lazy".into(),
+                    ..opts()
+                },
+                "schedule",
+            ),
+            (
+                BufferOptions {
+                    routes: "carrier".into(),
+                    ..opts()
+                },
+                "route",
+            ),
+            (
+                BufferOptions {
+                    transport: "tcp".into(),
+                    ..opts()
+                },
+                "transport",
+            ),
+            (
+                BufferOptions {
+                    num_sms: 0,
+                    ..opts()
+                },
+                "num_sms",
+            ),
+            (
+                BufferOptions {
+                    max_tokens_per_rank: 0,
+                    ..opts()
+                },
+                "max_tokens_per_rank",
+            ),
+        ];
+        for (o, argument) in cases {
+            let e = o.resolve(2, 0, 2).unwrap_err();
+            let msg = e.to_string();
+            assert!(msg.contains(argument), "{argument}: {msg}");
+            assert_eq!(e.info().class, "InvalidArgumentError", "{msg}");
+        }
+        // Experts must split evenly over the ranks; CUDA IPC cannot span hosts.
+        let e = opts().resolve(3, 0, 3).unwrap_err().to_string();
+        assert!(e.contains("num_experts"), "{e}");
+        let e = opts().resolve(4, 0, 2).unwrap_err().to_string();
+        assert!(e.contains("world"), "{e}");
+    }
+}

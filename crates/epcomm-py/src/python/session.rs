@@ -1,0 +1,511 @@
+//! The Python classes over [`Session`]: `Session`, `Layout`, `Handle` and `Dispatch`.
+//!
+//! Arrays cross as `(address, element count)` tuples. The caller is the `epcomm` package
+//! (`epcomm/buffer.py`), which passes the `data_ptr()` and `numel()` of contiguous CUDA
+//! tensors on the session's GPU and keeps each tensor referenced until the buffer's stream is
+//! done with it (a synchronous op makes torch's stream wait for the buffer's; an asynchronous
+//! one calls `record_stream`). That is the contract of every `unsafe` call below.
+//!
+//! Every method that may block (the rendezvous, the HostSync wait, synchronize, destroy,
+//! statistics) runs without the GIL.
+
+use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use epcomm::{Handle, Layout, OpStats};
+use epcomm_bootstrap::BootstrapConfig;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use super::convert::{detached, to_pyerr};
+use crate::borrowed::RawArray;
+use crate::error::BindError;
+use crate::options::{BufferOptions, seconds};
+use crate::session::{DispatchOut, RecvRegion, Rows, Session, XArrays};
+
+/// An array argument: `(address, element count)`.
+type Arr = (u64, usize);
+
+fn raw(a: Arr) -> RawArray {
+    RawArray::new(a.0, a.1)
+}
+
+/// One rank's buffer (see the crate docs of `epcomm-py`).
+#[pyclass(module = "epcomm._native", name = "Session")]
+pub(crate) struct PySession {
+    inner: Mutex<Session>,
+    /// What never changes, readable while an op holds the lock.
+    facts: Facts,
+}
+
+/// The session's fixed properties.
+struct Facts {
+    stream_handle: u64,
+    device: usize,
+    rank: usize,
+    world_size: usize,
+    capacity: usize,
+    symmetric_bytes: usize,
+    transport: String,
+    /// `(schedule, routes, num_sms, timeout_s)`.
+    config: (String, String, u32, f64),
+}
+
+impl Facts {
+    fn of(s: &Session) -> Result<Self, BindError> {
+        let c = s.config()?;
+        Ok(Self {
+            stream_handle: s.stream_handle(),
+            device: s.device(),
+            rank: s.rank()?,
+            world_size: s.world_size()?,
+            capacity: s.capacity(),
+            symmetric_bytes: s.symmetric_bytes(),
+            transport: s.spec().to_string(),
+            config: (
+                c.schedule.to_string(),
+                c.routes.to_string(),
+                c.num_sms,
+                c.timeout.as_secs_f64(),
+            ),
+        })
+    }
+}
+
+/// A layout: the routing statistics of one batch (device memory of the session).
+#[pyclass(module = "epcomm._native", name = "Layout", frozen)]
+pub(crate) struct PyLayout {
+    inner: Layout,
+}
+
+/// The routing one dispatch left, for cached dispatch and combine.
+#[pyclass(module = "epcomm._native", name = "Handle", frozen)]
+pub(crate) struct PyHandle {
+    inner: Handle,
+}
+
+/// What a dispatch returned.
+#[pyclass(module = "epcomm._native", name = "Dispatch", frozen)]
+pub(crate) struct PyDispatch {
+    out: DispatchOut,
+}
+
+impl PySession {
+    fn lock(&self) -> MutexGuard<'_, Session> {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// The bootstrap of an explicit rendezvous: `(master_addr, master_port, rank, world_size,
+/// local_rank, local_world_size, timeout_s)`.
+type BootstrapArgs = (String, u16, usize, usize, usize, usize, f64);
+
+fn bootstrap_config(b: BootstrapArgs) -> Result<BootstrapConfig, BindError> {
+    let (master_addr, master_port, rank, world_size, local_rank, local_world_size, t) = b;
+    Ok(BootstrapConfig {
+        master_addr,
+        master_port,
+        rank,
+        world_size,
+        local_rank,
+        local_world_size,
+        timeout: seconds("bootstrap_timeout", t)?,
+    })
+}
+
+fn rows(mode: &str, bound: usize, handle: Option<&PyHandle>) -> Result<Rows, BindError> {
+    match (mode, handle) {
+        ("host_sync", None) => Ok(Rows::HostSync),
+        ("bounded", None) => Ok(Rows::Bounded(bound)),
+        ("into", Some(h)) => Ok(Rows::Into(h.inner.clone())),
+        _ => Err(BindError::InvalidArgument {
+            argument: "mode",
+            rule: format!(
+                "must be host_sync or bounded without a handle, or into with one (got {mode:?}, \
+                 handle {})",
+                if handle.is_some() { "given" } else { "absent" }
+            ),
+        }),
+    }
+}
+
+fn region(name: &str) -> Result<RecvRegion, BindError> {
+    match name {
+        "x" => Ok(RecvRegion::X),
+        "scales" => Ok(RecvRegion::Scales),
+        "topk_idx" => Ok(RecvRegion::TopkIdx),
+        "topk_weights" => Ok(RecvRegion::TopkWeights),
+        other => Err(BindError::InvalidArgument {
+            argument: "region",
+            rule: format!("must be x, scales, topk_idx or topk_weights (got {other:?})"),
+        }),
+    }
+}
+
+fn stats_dict<'py>(py: Python<'py>, s: &OpStats) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("op", s.op)?;
+    d.set_item("op_seq", s.op_seq)?;
+    d.set_item("rank", s.rank)?;
+    d.set_item("total", s.total.as_secs_f64())?;
+    d.set_item("sending", s.sending.as_secs_f64())?;
+    let waits: Vec<Vec<f64>> = s
+        .waits
+        .iter()
+        .map(|row| row.iter().map(Duration::as_secs_f64).collect())
+        .collect();
+    d.set_item("waits", waits)?;
+    d.set_item("late_rank", s.late_rank())?;
+    d.set_item("skew", s.skew().as_secs_f64())?;
+    d.set_item("text", s.to_string())?;
+    Ok(d)
+}
+
+#[pymethods]
+impl PySession {
+    /// Joins the group and creates this rank's buffer on GPU `device` (collective).
+    /// `bootstrap`: `(master_addr, master_port, rank, world_size, local_rank,
+    /// local_world_size, timeout_s)`, or None to read the launcher's environment variables.
+    #[new]
+    #[pyo3(signature = (device, max_tokens_per_rank, hidden, top_k, num_experts, num_sms,
+                        transport, schedule, routes, timeout, bootstrap=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        device: usize,
+        max_tokens_per_rank: usize,
+        hidden: usize,
+        top_k: usize,
+        num_experts: usize,
+        num_sms: u32,
+        transport: String,
+        schedule: String,
+        routes: String,
+        timeout: f64,
+        bootstrap: Option<BootstrapArgs>,
+    ) -> PyResult<Self> {
+        let options = BufferOptions {
+            max_tokens_per_rank,
+            hidden,
+            top_k,
+            num_experts,
+            num_sms,
+            transport,
+            schedule,
+            routes,
+            timeout_s: timeout,
+        };
+        let (session, facts) = detached(py, move || {
+            let boot = bootstrap.map(bootstrap_config).transpose()?;
+            let session = Session::new(device, boot, &options)?;
+            let facts = Facts::of(&session)?;
+            Ok((session, facts))
+        })?;
+        Ok(Self {
+            inner: Mutex::new(session),
+            facts,
+        })
+    }
+
+    /// The buffer's CUDA stream (`CUstream`) as an int.
+    #[getter]
+    fn stream_handle(&self) -> u64 {
+        self.facts.stream_handle
+    }
+
+    /// The GPU ordinal.
+    #[getter]
+    fn device(&self) -> usize {
+        self.facts.device
+    }
+
+    /// This rank.
+    #[getter]
+    fn rank(&self) -> usize {
+        self.facts.rank
+    }
+
+    /// Number of ranks.
+    #[getter]
+    fn world_size(&self) -> usize {
+        self.facts.world_size
+    }
+
+    /// Rows a dispatch can receive at most.
+    #[getter]
+    fn capacity(&self) -> usize {
+        self.facts.capacity
+    }
+
+    /// Bytes of symmetric memory per rank.
+    #[getter]
+    fn symmetric_bytes(&self) -> usize {
+        self.facts.symmetric_bytes
+    }
+
+    /// The transport spec.
+    #[getter]
+    fn transport(&self) -> String {
+        self.facts.transport.clone()
+    }
+
+    /// `(schedule, routes, num_sms, timeout_s)` of the buffer's config.
+    fn config(&self) -> (String, String, u32, f64) {
+        self.facts.config.clone()
+    }
+
+    /// `(peer, tier, route)` for every rank.
+    fn route_plan(&self, py: Python<'_>) -> PyResult<Vec<(usize, String, String)>> {
+        self.lock().route_plan().map_err(|e| to_pyerr(py, e))
+    }
+
+    /// Whether an earlier failure (or destroy) made the buffer unusable.
+    #[getter]
+    fn is_failed(&self) -> bool {
+        self.lock().is_failed()
+    }
+
+    /// Dispatches launched so far.
+    #[getter]
+    fn dispatches(&self) -> u64 {
+        self.lock().dispatches()
+    }
+
+    /// A layout for `num_tokens` tokens (uncomputed: see `layout_into`).
+    fn alloc_layout(&self, py: Python<'_>, num_tokens: usize) -> PyResult<PyLayout> {
+        let inner = detached(py, || self.lock().alloc_layout(num_tokens))?;
+        Ok(PyLayout { inner })
+    }
+
+    /// Computes `layout` from `topk_idx` (`[T][top_k]` int64).
+    fn layout_into(&self, py: Python<'_>, topk_idx: Arr, layout: &PyLayout) -> PyResult<()> {
+        let layout = layout.inner.clone();
+        // SAFETY: the module's contract (see the module docs): a live tensor's address and
+        // length, kept referenced until the stream work is done.
+        detached(py, || unsafe {
+            self.lock().layout_into(raw(topk_idx), &layout)
+        })
+    }
+
+    /// A capacity-sized handle for `dispatch(mode="into")`.
+    fn alloc_handle(&self, py: Python<'_>, layout: &PyLayout) -> PyResult<PyHandle> {
+        let layout = layout.inner.clone();
+        let inner = detached(py, || self.lock().alloc_handle(&layout))?;
+        Ok(PyHandle { inner })
+    }
+
+    /// Dispatches `x` (`scales` given: FP8 rows) along `layout`. `mode`: `host_sync`,
+    /// `bounded` (at most `bound` rows) or `into` (`handle` from `alloc_handle`).
+    #[pyo3(signature = (layout, x, scales, topk_idx, topk_weights, mode, bound=0, handle=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn dispatch(
+        &self,
+        py: Python<'_>,
+        layout: &PyLayout,
+        x: Arr,
+        scales: Option<Arr>,
+        topk_idx: Arr,
+        topk_weights: Option<Arr>,
+        mode: &str,
+        bound: usize,
+        handle: Option<&PyHandle>,
+    ) -> PyResult<PyDispatch> {
+        let rows = rows(mode, bound, handle).map_err(|e| to_pyerr(py, e))?;
+        let layout = layout.inner.clone();
+        let x = XArrays {
+            x: raw(x),
+            scales: scales.map(raw),
+        };
+        let (idx, w) = (raw(topk_idx), topk_weights.map(raw));
+        // SAFETY: the module's contract (see the module docs), for every array.
+        let out = detached(py, || unsafe {
+            self.lock().dispatch(x, idx, w, &layout, rows)
+        })?;
+        Ok(PyDispatch { out })
+    }
+
+    /// Sends `x` along `handle`'s routing (no count exchange, no host wait).
+    fn cached_dispatch(
+        &self,
+        py: Python<'_>,
+        handle: &PyHandle,
+        x: Arr,
+        scales: Option<Arr>,
+    ) -> PyResult<PyDispatch> {
+        let h = handle.inner.clone();
+        let x = XArrays {
+            x: raw(x),
+            scales: scales.map(raw),
+        };
+        // SAFETY: the module's contract (see the module docs).
+        let out = detached(py, || unsafe { self.lock().cached_dispatch(x, &h) })?;
+        Ok(PyDispatch { out })
+    }
+
+    /// Sums the rows of `y` back to this rank's tokens into `out` (and the weights).
+    #[pyo3(signature = (handle, y, y_weights, out, out_weights))]
+    fn combine(
+        &self,
+        py: Python<'_>,
+        handle: &PyHandle,
+        y: Arr,
+        y_weights: Option<Arr>,
+        out: Arr,
+        out_weights: Option<Arr>,
+    ) -> PyResult<()> {
+        let h = handle.inner.clone();
+        let (y, yw, o, ow) = (raw(y), y_weights.map(raw), raw(out), out_weights.map(raw));
+        // SAFETY: the module's contract (see the module docs), for every array.
+        detached(py, || unsafe { self.lock().combine(&h, y, yw, o, ow) })
+    }
+
+    /// Combine pulling every rank's latest receive rows (written over in place).
+    #[pyo3(signature = (handle, out, out_weights))]
+    fn combine_in_place(
+        &self,
+        py: Python<'_>,
+        handle: &PyHandle,
+        out: Arr,
+        out_weights: Option<Arr>,
+    ) -> PyResult<()> {
+        let h = handle.inner.clone();
+        let (o, ow) = (raw(out), out_weights.map(raw));
+        // SAFETY: the module's contract (see the module docs).
+        detached(py, || unsafe { self.lock().combine_in_place(&h, o, ow) })
+    }
+
+    /// `(even, odd)` addresses of a receive region: `x`, `scales`, `topk_idx`, `topk_weights`.
+    fn region_pair(&self, py: Python<'_>, name: &str) -> PyResult<(u64, u64)> {
+        region(name)
+            .and_then(|r| self.lock().region_pair(r))
+            .map_err(|e| to_pyerr(py, e))
+    }
+
+    /// Waits for every issued op; raises a device failure.
+    fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
+        detached(py, || self.lock().synchronize())
+    }
+
+    /// Who waited for whom in the last op, as a dict (collective); None before any op.
+    fn last_op_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let stats = detached(py, || self.lock().last_op_stats())?;
+        stats.map(|s| stats_dict(py, &s)).transpose()
+    }
+
+    /// Delays the next ops on this rank's stream by `seconds` (diagnostics).
+    fn inject_delay(&self, py: Python<'_>, seconds: f64) -> PyResult<()> {
+        let delay = if seconds == 0.0 {
+            Ok(Duration::ZERO)
+        } else {
+            crate::options::seconds("seconds", seconds)
+        }
+        .map_err(|e| to_pyerr(py, e))?;
+        detached(py, || self.lock().inject_delay(delay))
+    }
+
+    /// Frees the buffer (collective); later ops raise.
+    fn destroy(&self, py: Python<'_>) -> PyResult<()> {
+        detached(py, || self.lock().destroy())
+    }
+}
+
+#[pymethods]
+impl PyLayout {
+    /// Tokens of the batch.
+    #[getter]
+    fn num_tokens(&self) -> usize {
+        self.inner.num_tokens()
+    }
+
+    /// Address of the `[world + num_experts + nodes]` uint32 counts.
+    #[getter]
+    fn counts_ptr(&self) -> u64 {
+        self.inner.counts_ptr()
+    }
+
+    /// Address of the `[num_tokens][world]` int32 token slots (-1: not sent).
+    #[getter]
+    fn token_slot_ptr(&self) -> u64 {
+        self.inner.token_slot_ptr()
+    }
+}
+
+#[pymethods]
+impl PyHandle {
+    /// Tokens of the batch the handle routes.
+    #[getter]
+    fn num_tokens(&self) -> usize {
+        self.inner.num_tokens()
+    }
+
+    /// Rows received, when the host knows it (HostSync dispatch).
+    #[getter]
+    fn num_recv(&self) -> Option<usize> {
+        self.inner.num_recv()
+    }
+
+    /// The most rows a dispatch into it can receive.
+    #[getter]
+    fn capacity(&self) -> usize {
+        self.inner.capacity()
+    }
+
+    /// Address of the `[world + 1]` int32 receive prefix (element `world`: rows received).
+    #[getter]
+    fn recv_prefix_ptr(&self) -> u64 {
+        self.inner.recv_prefix_ptr()
+    }
+}
+
+#[pymethods]
+impl PyDispatch {
+    /// The routing.
+    #[getter]
+    fn handle(&self) -> PyHandle {
+        PyHandle {
+            inner: self.out.handle.clone(),
+        }
+    }
+
+    /// Rows received (HostSync), else None.
+    #[getter]
+    fn num_recv(&self) -> Option<usize> {
+        self.out.num_recv
+    }
+
+    /// Rows per local expert (HostSync), else None.
+    #[getter]
+    fn per_expert(&self) -> Option<Vec<usize>> {
+        self.out.per_expert.clone()
+    }
+
+    /// The receive-region parity this dispatch wrote (0 or 1).
+    #[getter]
+    fn parity(&self) -> usize {
+        self.out.parity
+    }
+
+    /// Address of the received rows.
+    #[getter]
+    fn recv_x(&self) -> u64 {
+        self.out.recv_x
+    }
+
+    /// Address of the received scales (FP8), else None.
+    #[getter]
+    fn recv_scales(&self) -> Option<u64> {
+        self.out.recv_scales
+    }
+
+    /// Address of the received local top-k ids, else None (cached dispatch).
+    #[getter]
+    fn recv_topk_idx(&self) -> Option<u64> {
+        self.out.recv_topk_idx
+    }
+
+    /// Address of the received top-k weights, else None.
+    #[getter]
+    fn recv_topk_weights(&self) -> Option<u64> {
+        self.out.recv_topk_weights
+    }
+}

@@ -1,0 +1,476 @@
+//! [`Session`]: one rank's epcomm [`Buffer`] driven through raw device addresses, on the
+//! device's primary CUDA context (the one PyTorch uses).
+//!
+//! What it adds to the frontend is bookkeeping the Python side needs and cannot get from a
+//! `Dispatched` view that must not outlive the call: the rows a dispatch received (when the
+//! host knows them), and where the receive regions of **both** parities lie. The latter lets
+//! the Python side pick a region on the device (by a dispatch counter of its own), which a
+//! captured CUDA graph replayed at either parity needs. The region addresses come from the
+//! same [`BufferPlan`] the frontend allocates and are checked against every pointer a dispatch
+//! returns: a disagreement is an [`BindError::Internal`] error, never a wrong read.
+//!
+//! Memory contract: every op is stream-ordered on the buffer's stream ([`Session::stream_handle`]);
+//! caller arrays are [`Borrowed`] for the duration of that work (see [`Borrowed::new`]).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use cudarc::driver::{CudaContext, CudaStream};
+use epcomm::{Buffer, DispatchInput, Dispatched, Handle, Layout, OpStats, RecvMode, XInput};
+use epcomm_backends::TransportSpec;
+use epcomm_bootstrap::{Bootstrap, BootstrapConfig};
+use epcomm_topology::{BufferPlan, Parity, RegionKind};
+
+use crate::borrowed::{Borrowed, RawArray};
+use crate::error::{BindError, Result};
+use crate::options::BufferOptions;
+
+/// How many rows a dispatch may receive and how the host learns the count.
+#[derive(Clone, Debug)]
+pub enum Rows {
+    /// The host waits (bounded) for the exact count ([`RecvMode::HostSync`]).
+    HostSync,
+    /// At most this many rows, checked on the device; no host wait ([`RecvMode::Bounded`]).
+    Bounded(usize),
+    /// Into a handle from [`Session::alloc_handle`] (the buffer's capacity): no allocation and
+    /// no host wait, so it can be recorded into a CUDA graph.
+    Into(Handle),
+}
+
+/// Token rows of a dispatch: BF16 values, or e4m3 bytes with one f32 scale per 128 values.
+#[derive(Clone, Copy, Debug)]
+pub struct XArrays {
+    /// `[T][hidden]` bf16 values, or e4m3 bytes when `scales` is given.
+    pub x: RawArray,
+    /// `[T][hidden / 128]` f32 scales: FP8 rows.
+    pub scales: Option<RawArray>,
+}
+
+/// A receive region of the dispatch (per parity).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RecvRegion {
+    /// Rows: `[rows][hidden]` bf16, or e4m3 bytes (dense) for an FP8 dispatch.
+    X,
+    /// `[rows][hidden / 128]` f32 scales (FP8).
+    Scales,
+    /// `[rows][top_k]` i64 local expert ids (-1 elsewhere).
+    TopkIdx,
+    /// `[rows][top_k]` f32 weights (0 elsewhere).
+    TopkWeights,
+}
+
+impl RecvRegion {
+    fn kind(self) -> RegionKind {
+        match self {
+            Self::X => RegionKind::DispatchX,
+            Self::Scales => RegionKind::DispatchScales,
+            Self::TopkIdx => RegionKind::DispatchTopkIdx,
+            Self::TopkWeights => RegionKind::DispatchTopkWeights,
+        }
+    }
+}
+
+/// What a dispatch left: its routing, the count when the host knows it, and the addresses of
+/// the received arrays at the parity this dispatch used.
+#[derive(Clone, Debug)]
+pub struct DispatchOut {
+    /// The routing, for combine and cached dispatch.
+    pub handle: Handle,
+    /// Rows received (HostSync only).
+    pub num_recv: Option<usize>,
+    /// Rows per local expert (HostSync only).
+    pub per_expert: Option<Vec<usize>>,
+    /// 0 or 1: the receive-region parity this dispatch wrote.
+    pub parity: usize,
+    /// Received rows.
+    pub recv_x: u64,
+    /// Received scales (FP8).
+    pub recv_scales: Option<u64>,
+    /// Received local top-k ids (not for a cached dispatch).
+    pub recv_topk_idx: Option<u64>,
+    /// Received top-k weights (when they travelled).
+    pub recv_topk_weights: Option<u64>,
+}
+
+/// One rank's buffer; see the module docs.
+#[derive(Debug)]
+pub struct Session {
+    /// `None` once destroyed.
+    buf: Option<Buffer>,
+    spec: TransportSpec,
+    plan: BufferPlan,
+    device: usize,
+    stream: Arc<CudaStream>,
+    /// Dispatches (cached or not) launched so far: the frontend's and the device's count, so
+    /// its parity names the region the latest dispatch wrote.
+    dispatches: u64,
+    /// Base address of this rank's symmetric buffer, learned from the first dispatch.
+    base: Option<u64>,
+}
+
+impl Session {
+    /// Joins the group and creates this rank's buffer on GPU `device` (collective; blocks
+    /// until every rank has joined, bounded by the bootstrap timeout). `bootstrap: None` reads
+    /// the launcher's variables (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, ...).
+    pub fn new(
+        device: usize,
+        bootstrap: Option<BootstrapConfig>,
+        options: &BufferOptions,
+    ) -> Result<Self> {
+        let boot_cfg = match bootstrap {
+            Some(cfg) => cfg,
+            None => BootstrapConfig::from_env()?,
+        };
+        boot_cfg.validate()?;
+        let (cfg, spec, plan) = options.resolve(
+            boot_cfg.world_size,
+            boot_cfg.rank,
+            boot_cfg.local_world_size,
+        )?;
+        // SAFETY: probing for the driver library has no preconditions (cudarc panics on the
+        // first driver call without it, so this comes first).
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err(BindError::NoDriver);
+        }
+        let ctx = CudaContext::new(device).map_err(|source| BindError::Driver {
+            context: "retaining the GPU's primary context",
+            source,
+        })?;
+        // SAFETY: cudarc's cross-stream event tracking is only needed for slices used on more
+        // than one stream; every slice the frontend allocates (layouts, handles) is allocated,
+        // used and freed on the buffer's one stream, and the Python side orders its own
+        // streams against it with events. Without tracking no cudarc event lands in a CUDA
+        // graph that records the buffer's stream.
+        unsafe { ctx.disable_event_tracking() };
+        let boot = Arc::new(Bootstrap::connect(boot_cfg)?);
+        let transport = spec.build(ctx.clone(), boot)?;
+        let buf = Buffer::new(ctx, transport, cfg)?;
+        if buf.symmetric_bytes() as u64 != plan.total_bytes() {
+            return Err(BindError::Internal(format!(
+                "the buffer holds {} bytes but its plan says {}: the binding's buffer plan is \
+                 not the frontend's",
+                buf.symmetric_bytes(),
+                plan.total_bytes()
+            )));
+        }
+        let stream = buf.stream().clone();
+        Ok(Self {
+            buf: Some(buf),
+            spec,
+            plan,
+            device,
+            stream,
+            dispatches: 0,
+            base: None,
+        })
+    }
+
+    fn buf(&mut self) -> Result<&mut Buffer> {
+        self.buf.as_mut().ok_or(BindError::Destroyed)
+    }
+
+    fn buf_ref(&self) -> Result<&Buffer> {
+        self.buf.as_ref().ok_or(BindError::Destroyed)
+    }
+
+    /// The buffer's stream (`CUstream`) as an integer, for the framework's external-stream
+    /// wrapper.
+    pub fn stream_handle(&self) -> u64 {
+        self.stream.cu_stream() as u64
+    }
+
+    /// The GPU ordinal.
+    pub fn device(&self) -> usize {
+        self.device
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> Result<usize> {
+        Ok(self.buf_ref()?.rank())
+    }
+
+    /// Number of ranks.
+    pub fn world_size(&self) -> Result<usize> {
+        Ok(self.buf_ref()?.world_size())
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> Result<&epcomm::BufferConfig> {
+        Ok(self.buf_ref()?.config())
+    }
+
+    /// The transport spec.
+    pub fn spec(&self) -> TransportSpec {
+        self.spec
+    }
+
+    /// Rows a dispatch can receive at most (`max_tokens_per_rank * world`).
+    pub fn capacity(&self) -> usize {
+        self.plan.recv_rows() as usize
+    }
+
+    /// Bytes of symmetric memory per rank.
+    pub fn symmetric_bytes(&self) -> usize {
+        self.plan.total_bytes() as usize
+    }
+
+    /// `(peer, tier, route)` for every rank, as names.
+    pub fn route_plan(&self) -> Result<Vec<(usize, String, String)>> {
+        Ok(self
+            .buf_ref()?
+            .route_plan()
+            .peers()
+            .iter()
+            .enumerate()
+            .map(|(peer, p)| (peer, p.tier.name().to_string(), p.route.name().to_string()))
+            .collect())
+    }
+
+    /// Whether an earlier failure made the buffer unusable.
+    pub fn is_failed(&self) -> bool {
+        self.buf.as_ref().is_none_or(Buffer::is_failed)
+    }
+
+    /// Dispatches launched so far.
+    pub fn dispatches(&self) -> u64 {
+        self.dispatches
+    }
+
+    /// Allocates a layout for `num_tokens` tokens ([`Buffer::alloc_layout`]).
+    pub fn alloc_layout(&mut self, num_tokens: usize) -> Result<Layout> {
+        Ok(self.buf()?.alloc_layout(num_tokens)?)
+    }
+
+    /// Computes `layout` from `topk_idx` (`[T][top_k]` i64) ([`Buffer::layout_into`]).
+    ///
+    /// # Safety
+    /// `topk_idx` as for [`Borrowed::new`] on the buffer's stream.
+    pub unsafe fn layout_into(&mut self, topk_idx: RawArray, layout: &Layout) -> Result<()> {
+        // SAFETY: the caller's contract.
+        let idx = unsafe { Borrowed::<i64>::new(topk_idx, &self.stream) };
+        Ok(self.buf()?.layout_into(&idx, layout)?)
+    }
+
+    /// Allocates a capacity-sized handle for [`Rows::Into`] ([`Buffer::alloc_handle`]).
+    pub fn alloc_handle(&mut self, layout: &Layout) -> Result<Handle> {
+        Ok(self.buf()?.alloc_handle(layout)?)
+    }
+
+    /// Dispatches `x` along `layout` (computed from `topk_idx`).
+    ///
+    /// # Safety
+    /// Every array as for [`Borrowed::new`] on the buffer's stream.
+    pub unsafe fn dispatch(
+        &mut self,
+        x: XArrays,
+        topk_idx: RawArray,
+        topk_weights: Option<RawArray>,
+        layout: &Layout,
+        rows: Rows,
+    ) -> Result<DispatchOut> {
+        let s = self.stream.clone();
+        // SAFETY: the caller's contract, for each array.
+        let xb = unsafe { XBorrow::new(x, &s) };
+        // SAFETY: as above.
+        let idx = unsafe { Borrowed::<i64>::new(topk_idx, &s) };
+        // SAFETY: as above.
+        let w = topk_weights.map(|w| unsafe { Borrowed::<f32>::new(w, &s) });
+        let input = DispatchInput {
+            x: xb.input(),
+            topk_idx: &idx,
+            topk_weights: w.as_ref().map(|w| w as _),
+        };
+        let buf = self.buf.as_mut().ok_or(BindError::Destroyed)?;
+        let seen = match rows {
+            Rows::HostSync => Seen::of(&buf.dispatch(&input, layout, RecvMode::HostSync)?),
+            Rows::Bounded(n) => Seen::of(&buf.dispatch(&input, layout, RecvMode::Bounded(n))?),
+            Rows::Into(h) => Seen::of(&buf.dispatch_into(&input, &h)?),
+        };
+        self.launched(seen)
+    }
+
+    /// Sends new rows along `handle`'s routing ([`Buffer::cached_dispatch`]).
+    ///
+    /// # Safety
+    /// Every array as for [`Borrowed::new`] on the buffer's stream.
+    pub unsafe fn cached_dispatch(&mut self, x: XArrays, handle: &Handle) -> Result<DispatchOut> {
+        let s = self.stream.clone();
+        // SAFETY: the caller's contract.
+        let xb = unsafe { XBorrow::new(x, &s) };
+        let buf = self.buf.as_mut().ok_or(BindError::Destroyed)?;
+        let seen = Seen::of(&buf.cached_dispatch(&xb.input(), handle)?);
+        self.launched(seen)
+    }
+
+    /// Counts a launched dispatch and checks its addresses against the plan.
+    fn launched(&mut self, seen: Seen) -> Result<DispatchOut> {
+        self.dispatches += 1;
+        let parity = Parity::of_epoch(self.dispatches);
+        let base = seen.recv_x - self.plan.region(RegionKind::DispatchX, parity).offset;
+        let expected = *self.base.get_or_insert(base);
+        let checks = [
+            (RecvRegion::X, Some(seen.recv_x)),
+            (RecvRegion::Scales, seen.recv_scales),
+            (RecvRegion::TopkIdx, seen.recv_topk_idx),
+            (RecvRegion::TopkWeights, seen.recv_topk_weights),
+        ];
+        for (region, ptr) in checks {
+            let want = expected + self.plan.region(region.kind(), parity).offset;
+            if let Some(ptr) = ptr.filter(|&p| p != want) {
+                return Err(BindError::Internal(format!(
+                    "dispatch #{} returned {region:?} rows at {ptr:#x}, the plan says {want:#x}",
+                    self.dispatches
+                )));
+            }
+        }
+        Ok(DispatchOut {
+            handle: seen.handle,
+            num_recv: seen.num_recv,
+            per_expert: seen.per_expert,
+            parity: parity.index(),
+            recv_x: seen.recv_x,
+            recv_scales: seen.recv_scales,
+            recv_topk_idx: seen.recv_topk_idx,
+            recv_topk_weights: seen.recv_topk_weights,
+        })
+    }
+
+    /// `(even, odd)` addresses of `region`, known once a dispatch ran.
+    pub fn region_pair(&self, region: RecvRegion) -> Result<(u64, u64)> {
+        let base = self.base.ok_or_else(|| BindError::InvalidArgument {
+            argument: "region",
+            rule: "the receive regions are known once a dispatch has run".into(),
+        })?;
+        let at = |p| base + self.plan.region(region.kind(), p).offset;
+        Ok((at(Parity::Even), at(Parity::Odd)))
+    }
+
+    /// Sums every rank's rows of `y` back to this rank's tokens ([`Buffer::combine`]).
+    ///
+    /// # Safety
+    /// Every array as for [`Borrowed::new`] on the buffer's stream.
+    pub unsafe fn combine(
+        &mut self,
+        handle: &Handle,
+        y: RawArray,
+        y_weights: Option<RawArray>,
+        out: RawArray,
+        out_weights: Option<RawArray>,
+    ) -> Result<()> {
+        let s = self.stream.clone();
+        // SAFETY: the caller's contract, for each array.
+        let y = unsafe { Borrowed::<half::bf16>::new(y, &s) };
+        // SAFETY: as above.
+        let yw = y_weights.map(|w| unsafe { Borrowed::<f32>::new(w, &s) });
+        // SAFETY: as above.
+        let mut out = unsafe { Borrowed::<half::bf16>::new(out, &s) };
+        // SAFETY: as above.
+        let mut ow = out_weights.map(|w| unsafe { Borrowed::<f32>::new(w, &s) });
+        Ok(self.buf()?.combine(
+            &y,
+            yw.as_ref().map(|w| w as _),
+            handle,
+            &mut out,
+            ow.as_mut().map(|w| w as _),
+        )?)
+    }
+
+    /// Combine pulling every rank's latest receive rows ([`Buffer::combine_in_place`]).
+    ///
+    /// # Safety
+    /// `out`, `out_weights` as for [`Borrowed::new`] on the buffer's stream.
+    pub unsafe fn combine_in_place(
+        &mut self,
+        handle: &Handle,
+        out: RawArray,
+        out_weights: Option<RawArray>,
+    ) -> Result<()> {
+        let s = self.stream.clone();
+        // SAFETY: the caller's contract.
+        let mut out = unsafe { Borrowed::<half::bf16>::new(out, &s) };
+        // SAFETY: as above.
+        let mut ow = out_weights.map(|w| unsafe { Borrowed::<f32>::new(w, &s) });
+        Ok(self
+            .buf()?
+            .combine_in_place(handle, &mut out, ow.as_mut().map(|w| w as _))?)
+    }
+
+    /// Waits for every issued op and reports a device failure.
+    pub fn synchronize(&mut self) -> Result<()> {
+        Ok(self.buf()?.synchronize()?)
+    }
+
+    /// Who waited for whom in the last op (collective).
+    pub fn last_op_stats(&mut self) -> Result<Option<OpStats>> {
+        Ok(self.buf()?.last_op_stats()?)
+    }
+
+    /// Delays the ops issued next on this rank's stream (diagnostics).
+    pub fn inject_delay(&mut self, delay: Duration) -> Result<()> {
+        Ok(self.buf()?.inject_delay(delay)?)
+    }
+
+    /// Frees the buffer after every rank stopped using it (collective); later calls fail
+    /// with [`BindError::Destroyed`]. Destroying twice is a no-op.
+    pub fn destroy(&mut self) -> Result<()> {
+        match self.buf.take() {
+            Some(buf) => Ok(buf.destroy()?),
+            None => Ok(()),
+        }
+    }
+}
+
+/// What a `Dispatched` view told, copied out before the view (which borrows the buffer) ends.
+struct Seen {
+    handle: Handle,
+    num_recv: Option<usize>,
+    per_expert: Option<Vec<usize>>,
+    recv_x: u64,
+    recv_scales: Option<u64>,
+    recv_topk_idx: Option<u64>,
+    recv_topk_weights: Option<u64>,
+}
+
+impl Seen {
+    fn of(d: &Dispatched<'_>) -> Self {
+        Self {
+            handle: d.handle().clone(),
+            num_recv: d.num_recv(),
+            per_expert: d.num_recv_per_local_expert().map(<[usize]>::to_vec),
+            recv_x: d.recv_x_ptr(),
+            recv_scales: d.recv_scales_ptr(),
+            recv_topk_idx: d.recv_topk_idx_ptr(),
+            recv_topk_weights: d.recv_topk_weights_ptr(),
+        }
+    }
+}
+
+/// The borrowed arrays of a dispatch's `x`.
+enum XBorrow {
+    Bf16(Borrowed<half::bf16>),
+    Fp8(Borrowed<u8>, Borrowed<f32>),
+}
+
+impl XBorrow {
+    /// Borrows `x`: FP8 exactly when scales are given (also for zero tokens, so that every
+    /// rank launches the same op).
+    ///
+    /// # Safety
+    /// As [`Borrowed::new`] for each array.
+    unsafe fn new(x: XArrays, s: &Arc<CudaStream>) -> Self {
+        // SAFETY: the caller's contract.
+        unsafe {
+            match x.scales {
+                None => Self::Bf16(Borrowed::new(x.x, s)),
+                Some(scales) => Self::Fp8(Borrowed::new(x.x, s), Borrowed::new(scales, s)),
+            }
+        }
+    }
+
+    fn input(&self) -> XInput<'_> {
+        match self {
+            Self::Bf16(x) => XInput::Bf16(x),
+            Self::Fp8(x, scales) => XInput::Fp8 { x, scales },
+        }
+    }
+}
