@@ -1,0 +1,97 @@
+"""Stream ordering between torch's current stream and the Buffer's communication stream, with
+DeepEP's semantics, and the event object ops return (:class:`EventOverlap`).
+
+An op starts with the comm stream waiting for ``previous_event`` (or, without one, for the
+current stream), runs on the comm stream, and ends either with the current stream waiting for
+the comm stream (the default), or, with ``async_finish=True``, by returning an event recorded
+on the comm stream; every tensor the op read or wrote is then ``record_stream``-ed on the comm
+stream so that torch's allocator does not reuse it early. Outputs are allocated on the current
+stream, or on the comm stream with ``allocate_on_comm_stream=True`` (which needs a
+``previous_event``, as in DeepEP). All of it works inside a CUDA graph capture: the comm stream
+joins the capture through the event waits.
+"""
+
+import torch
+
+from ._args import check_bool, fail
+
+
+class EventOverlap:
+    """An event of an asynchronous op (``async_finish=True``), or None inside for a
+    synchronous one. ``current_stream_wait()`` makes the current stream wait for it; as a
+    context manager, the wait happens on exit."""
+
+    def __init__(self, event=None, extra_tensors=None):
+        self.event = event
+        self.extra_tensors = extra_tensors
+
+    def current_stream_wait(self):
+        """Makes torch's current stream wait for the op."""
+        if self.event is None:
+            fail("event", "this op was synchronous (async_finish=False): there is nothing to wait for")
+        torch.cuda.current_stream().wait_event(self.event)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.event is not None:
+            self.current_stream_wait()
+
+
+class StreamOp:
+    """One op's stream bracket (see the module docs)."""
+
+    def __init__(self, comm, previous_event, async_finish, allocate_on_comm_stream):
+        check_bool("async_finish", async_finish)
+        check_bool("allocate_on_comm_stream", allocate_on_comm_stream)
+        if previous_event is not None and not isinstance(previous_event, EventOverlap):
+            fail("previous_event", f"must be an EventOverlap or None (got {type(previous_event).__name__})")
+        if previous_event is not None and previous_event.event is None:
+            fail("previous_event", "holds no event (it came from a synchronous op)")
+        if allocate_on_comm_stream and previous_event is None:
+            fail("allocate_on_comm_stream", "needs a previous_event (as in DeepEP): the comm stream must know what to wait for")
+        self.comm = comm
+        self.compute = torch.cuda.current_stream()
+        self.previous_event = previous_event
+        self.async_finish = async_finish
+        self.on_comm = allocate_on_comm_stream
+        self.capturing = torch.cuda.is_current_stream_capturing()
+        self.used = []
+        self.outputs = []
+
+    def begin(self):
+        """The comm stream waits for the inputs."""
+        if self.previous_event is not None:
+            self.comm.wait_event(self.previous_event.event)
+        else:
+            self.comm.wait_stream(self.compute)
+
+    def alloc_stream(self):
+        """The stream outputs are allocated on."""
+        return self.comm if self.on_comm else self.compute
+
+    def use(self, *tensors):
+        """Tensors the op reads (kept from reuse until the comm stream is done)."""
+        self.used.extend(t for t in tensors if t is not None)
+
+    def output(self, *tensors):
+        """Tensors the op writes and returns."""
+        self.outputs.extend(t for t in tensors if t is not None)
+
+    def finish(self):
+        """Ends the op: the EventOverlap to return."""
+        if self.async_finish:
+            event = torch.cuda.Event()
+            event.record(self.comm)
+            for t in self.used + self.outputs:
+                t.record_stream(self.comm)
+            if self.on_comm:
+                for t in self.outputs:
+                    t.record_stream(self.compute)
+            return EventOverlap(event)
+        self.compute.wait_stream(self.comm)
+        if self.on_comm:
+            for t in self.outputs:
+                t.record_stream(self.compute)
+        return EventOverlap(None)

@@ -1,0 +1,772 @@
+"""``epcomm.Buffer``: DeepEP's normal-mode ``Buffer`` API (``get_dispatch_layout``,
+``dispatch``, cached dispatch, ``combine``) on epcomm, for PyTorch.
+
+How it maps onto the native layer (``epcomm._native``, torch-free):
+
+* every op runs on the Buffer's communication stream (:meth:`Buffer.get_comm_stream`), ordered
+  against torch's current stream by events (``_streams``);
+* the native layer writes received rows into this rank's symmetric memory; outputs are torch
+  tensors allocated here and filled by copies on the comm stream (``zero_copy=True`` returns
+  views of the receive rows instead);
+* receive rows alternate between two regions (by dispatch parity). Outside CUDA graphs the
+  native layer says which one a dispatch wrote; once a dispatch was captured into a graph,
+  the region is picked on the device by a parity word this class flips after every dispatch
+  (captured flips replay too), so a replay copies from the right region at either parity.
+
+Ordering of received rows (the contract tests check bit for bit): by source rank, then by
+source token index; ``recv_topk_idx`` holds local expert ids (``-1`` where the expert lives on
+another rank), ``recv_topk_weights`` the weights there (``0`` elsewhere). ``combine`` sums each
+token's rows in rank order in fp32 and rounds to bf16 once.
+"""
+
+import weakref
+
+import torch
+
+from . import _native
+from ._args import aligned_counts, check, check_bool, check_int, describe, fail
+from ._rendezvous import from_group
+from ._streams import EventOverlap, StreamOp
+from ._views import view
+from .config import DEFAULT_NUM_SMS, Config, check_options, size_hint
+from .stats import OpStats
+
+__all__ = ["Buffer", "DispatchHandle", "EventOverlap"]
+
+_FP8 = getattr(torch, "float8_e4m3fn", None)
+_FP8_BLOCK = 128
+
+
+class _LayoutSlot:
+    """A native layout, kept for reuse: it goes back to its pool when its last user (the
+    ``is_token_in_rank`` tensor it was returned with, the handles dispatched with it) is gone,
+    unless a CUDA graph captured it (then the Buffer keeps it for its life). The handles
+    allocated for it (each bound to it) are kept the same way in ``free_handles``."""
+
+    def __init__(self, native, num_tokens, pool, buffer_id):
+        self.native = native
+        self.num_tokens = num_tokens
+        self.buffer_id = buffer_id
+        self.free_handles = []
+        self.topk_ptr = None
+        self.pinned = False
+        self.views = None
+        self._pool = pool
+        self._users = 0
+
+    def acquire(self):
+        self._users += 1
+
+    def release(self):
+        self._users -= 1
+        if self._users == 0 and not self.pinned:
+            self._pool.append(self)
+
+
+class _HandleSlot:
+    """A capacity-sized native handle of one layout, back in that layout's ``free_handles``
+    when its dispatch's handle is gone (unless a CUDA graph captured it)."""
+
+    def __init__(self, native, home):
+        self.native = native
+        self.pinned = False
+        self._home = home
+
+    def release(self):
+        if not self.pinned:
+            self._home.append(self.native)
+
+
+class DispatchHandle:
+    """The routing of one dispatch, for ``dispatch(handle=...)`` (cached dispatch) and
+    ``combine``. Valid only with the Buffer that made it.
+
+    ``num_recv_tokens``: rows received when the host knows it (a dispatch with
+    ``num_worst_tokens=0``), else None; ``num_rows``: rows of the tensors the dispatch returned
+    (and that ``combine`` takes); ``num_tokens``: tokens of the batch."""
+
+    def __init__(self, buffer, native, layout, num_rows, num_recv_tokens, handle_slot=None):
+        self._buffer_id = id(buffer)
+        self._native = native
+        self._layout = layout
+        self.num_rows = num_rows
+        self.num_recv_tokens = num_recv_tokens
+        self.num_tokens = layout.num_tokens
+        layout.acquire()
+        weakref.finalize(self, layout.release)
+        if handle_slot is not None:
+            weakref.finalize(self, handle_slot.release)
+
+    def __repr__(self):
+        return (
+            f"DispatchHandle(num_tokens={self.num_tokens}, num_rows={self.num_rows}, "
+            f"num_recv_tokens={self.num_recv_tokens})"
+        )
+
+
+class Buffer:
+    """One rank's epcomm buffer, with DeepEP's normal-mode API.
+
+    ``group``: the ``torch.distributed`` process group whose ranks take part (the rendezvous
+    goes through it); None: the default group when ``torch.distributed`` is initialised, else
+    epcomm's own rendezvous from the launcher's variables (``RANK``, ``WORLD_SIZE``,
+    ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``).
+
+    The shape is fixed at creation (every rank passes the same values): ``max_tokens_per_rank``
+    (most tokens one dispatch sends), ``hidden``, ``num_topk``, ``num_experts``.
+    ``num_nvl_bytes``: 0 lets epcomm size its memory; otherwise an upper bound that raises when
+    the shape needs more (:meth:`get_buffer_size_hint`). ``num_rdma_bytes`` must be 0 and
+    ``low_latency_mode`` False (normal mode within one NVLink domain or NVSHMEM job).
+
+    epcomm's own choices: ``transport`` (``"ipc"``, ``"nvshmem"``, ``"nvshmem:vnodes=N"``,
+    ``"nvshmem:vnodes=max"``), ``schedule`` (``"epoch"``, ``"global"``), ``routes``
+    (``"auto"``, ``"put-signal"``), ``num_sms`` (default :attr:`num_sms`), ``timeout``
+    (seconds, bound of every device wait: :class:`epcomm.TimeoutError` names the late rank),
+    ``enable_cuda_graphs`` (keeps the device parity word that graph replays need; costs one
+    tiny kernel per dispatch), ``bootstrap_timeout`` (seconds for the rendezvous).
+
+    Runs on the current CUDA device (``torch.cuda.current_device()``), on PyTorch's primary
+    CUDA context. Creating, destroying and every op are collective: all ranks call them in the
+    same order.
+    """
+
+    #: SMs per op of Buffers created without ``num_sms`` (see :meth:`set_num_sms`).
+    num_sms = DEFAULT_NUM_SMS
+
+    def __init__(
+        self,
+        group=None,
+        num_nvl_bytes=0,
+        num_rdma_bytes=0,
+        low_latency_mode=False,
+        *,
+        max_tokens_per_rank,
+        hidden,
+        num_topk,
+        num_experts,
+        num_sms=None,
+        transport="ipc",
+        schedule="epoch",
+        routes="auto",
+        timeout=100.0,
+        enable_cuda_graphs=True,
+        bootstrap_timeout=300.0,
+        explicitly_destroy=False,
+    ):
+        check_int("num_nvl_bytes", num_nvl_bytes)
+        check_int("num_rdma_bytes", num_rdma_bytes)
+        if num_rdma_bytes != 0:
+            fail("num_rdma_bytes", "must be 0: epcomm's normal mode has no RDMA buffer (use transport='nvshmem' for put/signal)")
+        if low_latency_mode:
+            fail("low_latency_mode", "must be False: the Python API offers the normal (throughput) mode")
+        check_bool("enable_cuda_graphs", enable_cuda_graphs)
+        check_bool("explicitly_destroy", explicitly_destroy)
+        num_sms = Buffer.num_sms if num_sms is None else num_sms
+        if not torch.cuda.is_available():
+            fail("device", "a Buffer needs a CUDA GPU, and torch.cuda.is_available() is False")
+        self.device = torch.cuda.current_device()
+        bootstrap, world, rank, local_world = self._rendezvous(group, bootstrap_timeout)
+        facts = check_options(
+            world_size=world,
+            max_tokens_per_rank=max_tokens_per_rank,
+            hidden=hidden,
+            num_topk=num_topk,
+            num_experts=num_experts,
+            num_sms=num_sms,
+            transport=transport,
+            schedule=schedule,
+            routes=routes,
+            timeout=timeout,
+            rank=rank,
+            local_world_size=local_world,
+        )
+        if num_nvl_bytes and facts["symmetric_bytes"] > num_nvl_bytes:
+            fail(
+                "num_nvl_bytes",
+                f"this shape needs {facts['symmetric_bytes']} bytes per rank (max_tokens_per_rank="
+                f"{max_tokens_per_rank}, hidden={hidden}, num_topk={num_topk}, num_experts={num_experts}, "
+                f"{world} ranks), more than the {num_nvl_bytes} given; pass 0 to let epcomm size it",
+            )
+        if facts["transport"].startswith("nvshmem") and local_world == world:
+            import os
+
+            for key, value in _native.single_host_env_defaults():
+                os.environ.setdefault(key, value)
+        self._session = _native.Session(
+            self.device,
+            max_tokens_per_rank,
+            hidden,
+            num_topk,
+            num_experts,
+            num_sms,
+            facts["transport"],
+            schedule,
+            routes,
+            float(timeout),
+            bootstrap,
+        )
+        self.rank = self._session.rank
+        self.group_size = self._session.world_size
+        self.hidden = hidden
+        self.num_topk = num_topk
+        self.num_experts = num_experts
+        self.max_tokens_per_rank = max_tokens_per_rank
+        self.capacity = self._session.capacity
+        self.explicitly_destroy = explicitly_destroy
+        self._num_sms = num_sms
+        self._comm = torch.cuda.ExternalStream(self._session.stream_handle, device=torch.device("cuda", self.device))
+        self._layout_pool = {}
+        self._pinned = []
+        self._captured = False
+        self._views = {}
+        self._parity = None
+        if enable_cuda_graphs:
+            # Flipped on the comm stream after every dispatch: the device's dispatch parity.
+            self._parity = torch.zeros(1, dtype=torch.int64, device=self.device)
+            torch.cuda.synchronize(self.device)
+
+    # ------------------------------------------------------------------------------------------
+    # Facts and DeepEP's helpers
+
+    @staticmethod
+    def _rendezvous(group, bootstrap_timeout):
+        """``(bootstrap tuple or None, world, rank, local_world_size)``."""
+        import os
+
+        import torch.distributed as dist
+
+        if group is not None or (dist.is_available() and dist.is_initialized()):
+            b = from_group(group, bootstrap_timeout)
+            return b, b[3], b[2], b[5]
+        env = os.environ
+        try:
+            world, rank = int(env["WORLD_SIZE"]), int(env["RANK"])
+            local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+        except (KeyError, ValueError) as e:
+            fail("group", f"no process group given, torch.distributed is not initialised, and the launcher variables are incomplete ({e})")
+        return None, world, rank, local_world
+
+    @staticmethod
+    def set_num_sms(new_num_sms):
+        """Sets the SM count of Buffers created from now on without ``num_sms`` (DeepEP's
+        ``Buffer.set_num_sms``; an existing Buffer keeps its own)."""
+        Config(new_num_sms)
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def get_dispatch_config(num_ranks):
+        """The config dispatch uses by default (DeepEP's helper): :attr:`num_sms` SMs."""
+        check_int("num_ranks", num_ranks, minimum=1)
+        return Config(Buffer.num_sms)
+
+    @staticmethod
+    def get_combine_config(num_ranks):
+        """The config combine uses by default (DeepEP's helper): :attr:`num_sms` SMs."""
+        check_int("num_ranks", num_ranks, minimum=1)
+        return Config(Buffer.num_sms)
+
+    @staticmethod
+    def get_buffer_size_hint(num_ranks, max_tokens_per_rank, hidden, num_topk, num_experts):
+        """Bytes of symmetric GPU memory per rank for this shape (``num_nvl_bytes``)."""
+        return size_hint(num_ranks, max_tokens_per_rank, hidden, num_topk, num_experts)
+
+    def get_comm_stream(self):
+        """The communication stream (a ``torch.cuda.ExternalStream``)."""
+        return self._comm
+
+    @property
+    def transport(self):
+        """The transport spec (canonical form)."""
+        return self._session.transport
+
+    @property
+    def schedule(self):
+        """The schedule (``"epoch"`` or ``"global"``)."""
+        return self._session.config()[0]
+
+    @property
+    def routes(self):
+        """The route policy (``"auto"`` or ``"put-signal"``)."""
+        return self._session.config()[1]
+
+    @property
+    def timeout(self):
+        """Bound of every device wait, seconds."""
+        return self._session.config()[3]
+
+    @property
+    def symmetric_bytes(self):
+        """Bytes of symmetric memory of this rank."""
+        return self._session.symmetric_bytes
+
+    def get_num_sms(self):
+        """The SMs (blocks) every op of this Buffer uses."""
+        return self._num_sms
+
+    def route_plan(self):
+        """``[(peer, tier, route)]``: how this rank reaches every rank."""
+        return self._session.route_plan()
+
+    def is_failed(self):
+        """True after a failure (timeout, peer failure, ...) or destroy: create a new Buffer."""
+        return self._session.is_failed
+
+    def synchronize(self):
+        """Waits for every op issued so far; raises a device failure."""
+        self._session.synchronize()
+
+    def last_op_stats(self):
+        """Who waited for whom in the last op (:class:`epcomm.OpStats`), or None before any
+        op. Collective: every rank calls it after the same op."""
+        d = self._session.last_op_stats()
+        return None if d is None else OpStats(**d)
+
+    def inject_delay(self, seconds):
+        """Diagnostics: delays the ops issued next on this rank's stream by `seconds` (at most
+        10), to see skew attribution and timeouts at work."""
+        self._session.inject_delay(float(seconds))
+
+    def destroy(self):
+        """Frees the buffer after every rank stopped using it (collective). Tensors returned
+        with ``zero_copy=True`` are invalid afterwards."""
+        self._views.clear()
+        self._session.destroy()
+
+    # ------------------------------------------------------------------------------------------
+    # Argument checks
+
+    def _check_config(self, config):
+        if config is None:
+            return
+        if not isinstance(config, Config):
+            fail("config", f"must be an epcomm.Config or None (got {type(config).__name__})")
+        if config.num_sms != self._num_sms:
+            fail(
+                "config",
+                f"config.num_sms = {config.num_sms}, but this Buffer runs every op with {self._num_sms} SMs "
+                "(fixed at creation: pass num_sms= to Buffer, or Buffer.set_num_sms before creating it)",
+            )
+
+    def _tensor(self, argument, t, dtypes, shape, names=()):
+        d = describe(argument, t)
+        check(argument, d, dtypes=dtypes, shape=shape, device=self.device, shape_names=names)
+        return d
+
+    def _x(self, x, num_tokens=None):
+        """`x` (bf16 tensor or (fp8 tensor, f32 scales)): ``(x, scales or None, descs)``."""
+        if isinstance(x, tuple):
+            if len(x) != 2:
+                fail("x", f"an FP8 x is a tuple (x, scales) (got a tuple of {len(x)})")
+            x, scales = x
+            if self.hidden % _FP8_BLOCK != 0:
+                fail("x", f"FP8 dispatch needs hidden % {_FP8_BLOCK} == 0 (hidden = {self.hidden})")
+            dx = self._tensor("x", x, ("float8_e4m3fn",), (num_tokens, self.hidden), ("num_tokens", "hidden"))
+            ds = self._tensor(
+                "scales", scales, ("float32",), (dx.shape[0], self.hidden // _FP8_BLOCK), ("num_tokens", "hidden / 128")
+            )
+            return x, scales, dx, ds
+        dx = self._tensor("x", x, ("bfloat16",), (num_tokens, self.hidden), ("num_tokens", "hidden"))
+        return x, None, dx, None
+
+    # ------------------------------------------------------------------------------------------
+    # Pools (a CUDA graph capture must not allocate: it takes what eager calls left)
+
+    def _layout(self, num_tokens, op):
+        """A layout slot for `num_tokens` tokens: a free one, else (outside a capture) a new
+        one."""
+        pool = self._layout_pool.setdefault(num_tokens, [])
+        if pool:
+            slot = pool.pop()
+        elif op.capturing:
+            fail(
+                "graph capture",
+                f"no routing state for a batch of {num_tokens} tokens was left by an earlier call: run the same "
+                "calls once outside the capture first (a warm-up), so that the capture reuses their state",
+            )
+        else:
+            slot = _LayoutSlot(self._session.alloc_layout(num_tokens), num_tokens, pool, id(self))
+        if op.capturing:
+            self._pin(slot)
+        return slot
+
+    def _handle(self, layout, op):
+        """A capacity-sized handle slot of `layout`: a free one, else (outside a capture) a new
+        one."""
+        if layout.free_handles:
+            native = layout.free_handles.pop()
+        elif op.capturing:
+            fail(
+                "graph capture",
+                "no routing state for this dispatch was left by an earlier call: run the same calls once outside "
+                "the capture first (a warm-up), so that the capture reuses their state",
+            )
+        else:
+            native = self._session.alloc_handle(layout.native)
+        slot = _HandleSlot(native, layout.free_handles)
+        if op.capturing:
+            self._pin(slot)
+        return slot
+
+    def _pin(self, slot):
+        """Keeps `slot` for the Buffer's life: a captured graph uses its memory."""
+        if not slot.pinned:
+            slot.pinned = True
+            self._pinned.append(slot)
+
+    def _layout_of(self, is_token_in_rank, d_idx, op):
+        """The layout for the ``topk_idx`` described by `d_idx`: the one
+        ``get_dispatch_layout`` attached to `is_token_in_rank`, when it was computed from the
+        same ``topk_idx`` tensor on this Buffer, else one computed here."""
+        slot = getattr(is_token_in_rank, "_epcomm_layout", None)
+        if (
+            isinstance(slot, _LayoutSlot)
+            and slot.buffer_id == id(self)
+            and slot.num_tokens == d_idx.shape[0]
+            and slot.topk_ptr == d_idx.ptr
+        ):
+            if op.capturing:
+                self._pin(slot)
+            return slot
+        slot = self._layout(d_idx.shape[0], op)
+        self._session.layout_into((d_idx.ptr, d_idx.numel), slot.native)
+        slot.topk_ptr = d_idx.ptr
+        return slot
+
+    # ------------------------------------------------------------------------------------------
+    # Receive rows: views of the regions and copies out of them
+
+    def _region(self, name, parity, dtype, cols):
+        """A ``[capacity, cols]`` view of receive region `name` at `parity` (0/1), or of both
+        parities (``parity=None``: ``[2, capacity, cols]``)."""
+        key = (name, parity, dtype, cols)
+        v = self._views.get(key)
+        if v is None:
+            even, odd = self._session.region_pair(name)
+            item = torch.tensor([], dtype=dtype).element_size()
+            rows = self.capacity
+            if parity is None:
+                v = view(even, (2, rows, cols), dtype, self.device, self, strides=(odd - even, cols * item, item))
+            else:
+                v = view(odd if parity else even, (rows, cols), dtype, self.device, self)
+            self._views[key] = v
+        return v
+
+    def _recv(self, name, out, cols, parity, by_device):
+        """Fills `out` (``[rows, cols]``) from region `name`: rows of the parity the dispatch
+        wrote (`parity`), or picked on the device by the parity word (`by_device`)."""
+        rows = min(out.shape[0], self.capacity)
+        if rows == 0:
+            return
+        dtype = torch.uint8 if out.dtype == _FP8 else out.dtype
+        dst = out.view(dtype)[:rows]
+        if by_device:
+            both = self._region(name, None, dtype, cols)[:, :rows]
+            torch.index_select(both, 0, self._parity, out=dst.unsqueeze(0))
+        else:
+            dst.copy_(self._region(name, parity, dtype, cols)[:rows])
+
+    def _flip_parity(self):
+        if self._parity is not None:
+            self._parity.bitwise_xor_(1)
+
+    def _check_graph_state(self, op, mode_host_sync, zero_copy, what):
+        if op.capturing:
+            if self._parity is None:
+                fail("graph capture", f"this Buffer was created with enable_cuda_graphs=False: {what} cannot be captured")
+            if mode_host_sync:
+                fail(
+                    "num_worst_tokens",
+                    f"a {what} inside a CUDA graph capture must not wait on the host: pass "
+                    f"num_worst_tokens >= {self.capacity} (num_ranks * max_tokens_per_rank)",
+                )
+        if zero_copy and (op.capturing or self._captured):
+            fail(
+                "zero_copy",
+                "views of the receive rows name one of two alternating regions, which a CUDA graph replay "
+                "cannot follow: not available inside a capture, nor on a Buffer that captured a dispatch",
+            )
+        if mode_host_sync and self._captured:
+            fail(
+                "num_worst_tokens",
+                "this Buffer captured a dispatch into a CUDA graph, so its host no longer knows the device's op "
+                f"count and cannot wait for a receive count: pass num_worst_tokens >= {self.capacity} (or use "
+                "another Buffer for host-synchronised dispatches)",
+            )
+
+    # ------------------------------------------------------------------------------------------
+    # DeepEP's API
+
+    def get_dispatch_layout(
+        self, topk_idx, num_experts, previous_event=None, async_finish=False, allocate_on_comm_stream=False
+    ):
+        """Routing statistics of ``topk_idx`` (``[num_tokens, num_topk]`` int64, ``-1`` = no
+        expert): ``(num_tokens_per_rank [num_ranks] int32, None, num_tokens_per_expert
+        [num_experts] int32, is_token_in_rank [num_tokens, num_ranks] bool, event)``."""
+        if num_experts != self.num_experts:
+            fail("num_experts", f"must be this Buffer's num_experts = {self.num_experts} (got {num_experts!r})")
+        d_idx = self._tensor("topk_idx", topk_idx, ("int64",), (None, self.num_topk), ("num_tokens", "num_topk"))
+        op = StreamOp(self._comm, previous_event, async_finish, allocate_on_comm_stream)
+        op.use(topk_idx)
+        op.begin()
+        world, n = self.group_size, d_idx.shape[0]
+        with torch.cuda.stream(op.alloc_stream()):
+            per_rank = torch.empty(world, dtype=torch.int32, device=self.device)
+            per_expert = torch.empty(self.num_experts, dtype=torch.int32, device=self.device)
+            in_rank = torch.empty((n, world), dtype=torch.bool, device=self.device)
+        layout = self._layout(n, op)
+        self._session.layout_into((d_idx.ptr, d_idx.numel), layout.native)
+        layout.topk_ptr = d_idx.ptr
+        if layout.views is None:
+            counts = view(layout.native.counts_ptr, (world + self.num_experts,), torch.int32, self.device, layout.native)
+            slots = view(layout.native.token_slot_ptr, (n, world), torch.int32, self.device, layout.native)
+            layout.views = (counts, slots)
+        counts, slots = layout.views
+        with torch.cuda.stream(self._comm):
+            per_rank.copy_(counts[:world])
+            per_expert.copy_(counts[world:])
+            torch.ge(slots, 0, out=in_rank)
+        in_rank._epcomm_layout = layout
+        layout.acquire()
+        weakref.finalize(in_rank, layout.release)
+        op.output(per_rank, per_expert, in_rank)
+        return per_rank, None, per_expert, in_rank, op.finish()
+
+    def dispatch(
+        self,
+        x,
+        handle=None,
+        num_tokens_per_rank=None,
+        num_tokens_per_rdma_rank=None,
+        is_token_in_rank=None,
+        num_tokens_per_expert=None,
+        topk_idx=None,
+        topk_weights=None,
+        expert_alignment=1,
+        num_worst_tokens=0,
+        config=None,
+        previous_event=None,
+        async_finish=False,
+        allocate_on_comm_stream=False,
+        *,
+        zero_copy=False,
+    ):
+        """Sends every token to each rank holding one of its experts (DeepEP's ``dispatch``).
+
+        ``x``: ``[num_tokens, hidden]`` bf16, or ``(x, scales)`` with e4m3 ``x`` and f32
+        ``scales [num_tokens, hidden / 128]``. ``topk_idx`` (int64) and ``topk_weights``
+        (f32), ``[num_tokens, num_topk]``. The layout tensors from :meth:`get_dispatch_layout`
+        may be passed (its layout is then reused) or omitted (computed here). With ``handle``
+        (a :class:`DispatchHandle`): cached dispatch along that routing (``topk_idx`` and
+        ``topk_weights`` must be None).
+
+        ``num_worst_tokens = 0``: the host waits for the receive count and the outputs have
+        exactly the received rows. ``num_worst_tokens > 0``: no host wait (CUDA-graph
+        capturable when ``>= num_ranks * max_tokens_per_rank``); outputs have
+        ``num_worst_tokens`` rows, rows past the received ones hold ``-1`` ids and ``0``
+        weights, and ``num_recv_tokens_per_expert_list`` is empty.
+
+        ``zero_copy=True`` (epcomm's extra): the returned ``recv_x`` (scales, ids, weights)
+        are views of this rank's receive rows, valid until the next dispatch on this Buffer
+        (write expert outputs over ``recv_x`` and call :meth:`combine_in_place`).
+
+        Returns ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list,
+        handle, event)``; a cached dispatch returns ``(recv_x, None, None, None, None, event)``.
+        """
+        del num_tokens_per_rank, num_tokens_per_expert  # the native layout holds them
+        if num_tokens_per_rdma_rank is not None:
+            fail("num_tokens_per_rdma_rank", "must be None: epcomm's normal mode has no RDMA ranks")
+        check_int("expert_alignment", expert_alignment, minimum=1)
+        check_int("num_worst_tokens", num_worst_tokens)
+        check_bool("zero_copy", zero_copy)
+        self._check_config(config)
+        if handle is not None:
+            if topk_idx is not None or topk_weights is not None:
+                fail("handle", "a cached dispatch (handle given) takes no topk_idx or topk_weights")
+            return self._cached_dispatch(x, handle, previous_event, async_finish, allocate_on_comm_stream, zero_copy)
+        if topk_idx is None:
+            fail("topk_idx", "a dispatch without a handle needs topk_idx")
+        x, scales, dx, ds = self._x(x)
+        n = dx.shape[0]
+        d_idx = self._tensor("topk_idx", topk_idx, ("int64",), (n, self.num_topk), ("num_tokens", "num_topk"))
+        d_w = None
+        if topk_weights is not None:
+            d_w = self._tensor("topk_weights", topk_weights, ("float32",), (n, self.num_topk), ("num_tokens", "num_topk"))
+        op = StreamOp(self._comm, previous_event, async_finish, allocate_on_comm_stream)
+        host_sync = num_worst_tokens == 0
+        self._check_graph_state(op, host_sync, zero_copy, "dispatch")
+        into = num_worst_tokens >= self.capacity
+        if op.capturing and not into:
+            fail(
+                "num_worst_tokens",
+                f"inside a CUDA graph capture it must be >= {self.capacity} (num_ranks * max_tokens_per_rank) "
+                f"(got {num_worst_tokens})",
+            )
+        op.use(x, scales, topk_idx, topk_weights)
+        op.begin()
+        layout = self._layout_of(is_token_in_rank, d_idx, op)
+        handle_slot = None
+        if host_sync:
+            mode, bound, native_handle = "host_sync", 0, None
+        elif into:
+            handle_slot = self._handle(layout, op)
+            mode, bound, native_handle = "into", 0, handle_slot.native
+        else:
+            mode, bound, native_handle = "bounded", num_worst_tokens, None
+        out = self._session.dispatch(
+            layout.native,
+            (dx.ptr, dx.numel),
+            None if ds is None else (ds.ptr, ds.numel),
+            (d_idx.ptr, d_idx.numel),
+            None if d_w is None else (d_w.ptr, d_w.numel),
+            mode,
+            bound,
+            native_handle,
+        )
+        rows = out.num_recv if host_sync else num_worst_tokens
+        recv = self._outputs(op, out, rows, scales is not None, True, topk_weights is not None, zero_copy)
+        if not host_sync and not zero_copy:
+            self._mask_padding(out.handle, recv[1], recv[2], rows)
+        per_expert = aligned_counts(out.per_expert, expert_alignment) if host_sync else []
+        h = DispatchHandle(self, out.handle, layout, rows, out.num_recv, handle_slot)
+        recv_x = recv[0] if scales is None else (recv[0], recv[3])
+        return recv_x, recv[1], recv[2], per_expert, h, op.finish()
+
+    def _cached_dispatch(self, x, handle, previous_event, async_finish, allocate_on_comm_stream, zero_copy):
+        h = self._own(handle)
+        x, scales, dx, ds = self._x(x, h.num_tokens)
+        op = StreamOp(self._comm, previous_event, async_finish, allocate_on_comm_stream)
+        self._check_graph_state(op, False, zero_copy, "cached dispatch")
+        op.use(x, scales)
+        op.begin()
+        out = self._session.cached_dispatch(h._native, (dx.ptr, dx.numel), None if ds is None else (ds.ptr, ds.numel))
+        recv = self._outputs(op, out, h.num_rows, scales is not None, False, False, zero_copy)
+        recv_x = recv[0] if scales is None else (recv[0], recv[3])
+        return recv_x, None, None, None, None, op.finish()
+
+    def _outputs(self, op, out, rows, fp8, topk, weights, zero_copy):
+        """``[recv_x, recv_topk_idx, recv_topk_weights, recv_scales]`` of a dispatch (None
+        where absent), as copies or (`zero_copy`) views. Flips the parity word first."""
+        with torch.cuda.stream(self._comm):
+            self._flip_parity()
+        if op.capturing:
+            self._captured = True
+        x_dtype = torch.uint8 if fp8 else torch.bfloat16
+        specs = [
+            ("x", self.hidden, _FP8 if fp8 else torch.bfloat16, x_dtype, out.recv_x),
+            ("topk_idx", self.num_topk, torch.int64, torch.int64, out.recv_topk_idx) if topk else None,
+            ("topk_weights", self.num_topk, torch.float32, torch.float32, out.recv_topk_weights) if weights else None,
+            ("scales", self.hidden // _FP8_BLOCK, torch.float32, torch.float32, out.recv_scales) if fp8 else None,
+        ]
+        if zero_copy:
+            views = []
+            for spec in specs:
+                if spec is None:
+                    views.append(None)
+                    continue
+                name, cols, dtype, raw_dtype, ptr = spec
+                v = view(ptr, (min(rows, self.capacity), cols), raw_dtype, self.device, self)
+                views.append(v.view(dtype) if dtype != raw_dtype else v)
+            return views
+        by_device = op.capturing or self._captured
+        results = []
+        with torch.cuda.stream(op.alloc_stream()):
+            for spec in specs:
+                results.append(None if spec is None else torch.empty((rows, spec[1]), dtype=spec[2], device=self.device))
+        with torch.cuda.stream(self._comm):
+            for spec, t in zip(specs, results):
+                if spec is not None:
+                    self._recv(spec[0], t, spec[1], out.parity, by_device)
+        op.output(*results)
+        return results
+
+    def _mask_padding(self, native_handle, recv_topk_idx, recv_topk_weights, rows):
+        """Rows past the received count (known only on the device) get -1 ids and 0 weights."""
+        if recv_topk_idx is None and recv_topk_weights is None:
+            return
+        with torch.cuda.stream(self._comm):
+            count = view(native_handle.recv_prefix_ptr + 4 * self.group_size, (1,), torch.int32, self.device, native_handle)
+            pad = (torch.arange(rows, device=self.device, dtype=torch.int32) >= count).unsqueeze(1)
+            if recv_topk_idx is not None:
+                recv_topk_idx.masked_fill_(pad, -1)
+            if recv_topk_weights is not None:
+                recv_topk_weights.masked_fill_(pad, 0.0)
+
+    def _own(self, handle):
+        if not isinstance(handle, DispatchHandle):
+            fail("handle", f"must be a DispatchHandle from this Buffer's dispatch (got {type(handle).__name__})")
+        if handle._buffer_id != id(self):
+            fail("handle", "was produced by another Buffer")
+        return handle
+
+    def combine(
+        self,
+        x,
+        handle,
+        topk_weights=None,
+        bias=None,
+        config=None,
+        previous_event=None,
+        async_finish=False,
+        allocate_on_comm_stream=False,
+    ):
+        """Sends expert outputs back and sums each token's rows (DeepEP's ``combine``).
+
+        ``x``: ``[handle.num_rows, hidden]`` bf16, one row per received row in the dispatch's
+        order; ``topk_weights`` (optional): ``[handle.num_rows, num_topk]`` f32, summed the
+        same way. Sums run in rank order in fp32, rounded to bf16 once. Returns
+        ``(combined_x [num_tokens, hidden] bf16, combined_topk_weights or None, event)``."""
+        if bias is not None:
+            fail("bias", "epcomm's combine adds no bias (pass None; add it to x before combine, or to the result)")
+        self._check_config(config)
+        h = self._own(handle)
+        d_x = self._tensor("x", x, ("bfloat16",), (h.num_rows, self.hidden), ("num_rows", "hidden"))
+        d_w = None
+        if topk_weights is not None:
+            d_w = self._tensor(
+                "topk_weights", topk_weights, ("float32",), (h.num_rows, self.num_topk), ("num_rows", "num_topk")
+            )
+        op = StreamOp(self._comm, previous_event, async_finish, allocate_on_comm_stream)
+        if op.capturing and self._parity is None:
+            fail("graph capture", "this Buffer was created with enable_cuda_graphs=False: combine cannot be captured")
+        op.use(x, topk_weights)
+        op.begin()
+        with torch.cuda.stream(op.alloc_stream()):
+            out = torch.empty((h.num_tokens, self.hidden), dtype=torch.bfloat16, device=self.device)
+            out_w = None
+            if topk_weights is not None:
+                out_w = torch.empty((h.num_tokens, self.num_topk), dtype=torch.float32, device=self.device)
+        self._session.combine(
+            h._native,
+            (d_x.ptr, d_x.numel),
+            None if d_w is None else (d_w.ptr, d_w.numel),
+            (out.data_ptr(), out.numel()),
+            None if out_w is None else (out_w.data_ptr(), out_w.numel()),
+        )
+        op.output(out, out_w)
+        return out, out_w, op.finish()
+
+    def combine_in_place(
+        self, handle, reduce_weights=False, previous_event=None, async_finish=False, allocate_on_comm_stream=False
+    ):
+        """epcomm's extra: combine without moving ``x``. Every rank has written its expert
+        output over the ``recv_x`` of its **latest** BF16 dispatch, taken with
+        ``zero_copy=True`` (and, with ``reduce_weights``, its weights over
+        ``recv_topk_weights``); each rank pulls its tokens' rows straight from the peers.
+        ``handle`` must be that dispatch's. Returns ``(combined_x, combined_topk_weights or
+        None, event)``."""
+        check_bool("reduce_weights", reduce_weights)
+        h = self._own(handle)
+        op = StreamOp(self._comm, previous_event, async_finish, allocate_on_comm_stream)
+        if op.capturing:
+            fail("graph capture", "combine_in_place reads zero-copy views, which a CUDA graph cannot follow")
+        op.begin()
+        with torch.cuda.stream(op.alloc_stream()):
+            out = torch.empty((h.num_tokens, self.hidden), dtype=torch.bfloat16, device=self.device)
+            out_w = torch.empty((h.num_tokens, self.num_topk), dtype=torch.float32, device=self.device) if reduce_weights else None
+        self._session.combine_in_place(
+            h._native,
+            (out.data_ptr(), out.numel()),
+            None if out_w is None else (out_w.data_ptr(), out_w.numel()),
+        )
+        op.output(out, out_w)
+        return out, out_w, op.finish()
