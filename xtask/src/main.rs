@@ -9,6 +9,8 @@
 //!   (`kernels/common/abi.cuh`) and the image table (`kernels/images.txt`) (see docs/build.md).
 //! * `bindgen-nvshmem` — regenerate (or `--check`) the vendored NVSHMEM host bindings of
 //!   `nvshmem-sys` (see docs/nvshmem.md).
+//! * `wheel` — build (or `--check`) the Python wheel with the kernels inside (see
+//!   docs/python.md).
 
 mod bindgen_nvshmem;
 mod codegen;
@@ -18,6 +20,7 @@ mod pack;
 mod test_cmd;
 mod toolchain;
 mod util;
+mod wheel;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -92,6 +95,19 @@ enum Cmd {
         #[arg(long)]
         check: bool,
     },
+    /// Build the kernels, then the Python wheel (python/, crates/epcomm-py) into target/wheels
+    /// with the kernels inside, and verify it.
+    Wheel {
+        /// Verify the wheel in target/wheels against the sources and kernels; build nothing.
+        #[arg(long, conflicts_with_all = ["test", "install"])]
+        check: bool,
+        /// Also run python/tests (pytest) in target/python-venv.
+        #[arg(long)]
+        test: bool,
+        /// Also pip-install the wheel into $PYTHON (default python3).
+        #[arg(long)]
+        install: bool,
+    },
 }
 
 fn main() -> ExitCode {
@@ -131,6 +147,18 @@ fn main() -> ExitCode {
         Cmd::BindgenNvshmem { check } => {
             let paths = bindgen_nvshmem::BindgenPaths::new(&layout.workspace, &layout.pip_root);
             return report(bindgen_nvshmem::run(&paths, check));
+        }
+        Cmd::Wheel {
+            check,
+            test,
+            install,
+        } => {
+            let opts = wheel::WheelOptions {
+                check,
+                test,
+                install,
+            };
+            return report(wheel::run(&layout, &env, opts));
         }
     };
     report(result.map(|()| ""))
@@ -187,5 +215,15 @@ mod tests {
         assert!(matches!(c.command, Cmd::BindgenNvshmem { check: true }));
         let c = Cli::try_parse_from(["xtask", "bindgen-nvshmem"]).expect("parse");
         assert!(matches!(c.command, Cmd::BindgenNvshmem { check: false }));
+        let c = Cli::try_parse_from(["xtask", "wheel", "--test", "--install"]).expect("parse");
+        assert!(matches!(
+            c.command,
+            Cmd::Wheel {
+                check: false,
+                test: true,
+                install: true
+            }
+        ));
+        assert!(Cli::try_parse_from(["xtask", "wheel", "--check", "--test"]).is_err());
     }
 }
