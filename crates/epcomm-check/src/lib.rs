@@ -4,10 +4,12 @@
 //!   the seed, so each can compute the CPU reference of the whole exchange by itself;
 //! * [`verify`]: runs layout / dispatch / cached dispatch / combine on the GPU and compares every
 //!   output with `epcomm-reference`, bit for bit;
+//! * [`ll`]: low-latency rounds (inputs, expert outputs) checked against the reference;
 //! * [`timing`]: CUDA-event timing with an L2 flush between calls, and DeepEP's bandwidth metric;
 //! * [`procs`]: one-process-per-GPU launching by re-executing the current binary.
 
 pub mod inputs;
+pub mod ll;
 pub mod procs;
 pub mod timing;
 pub mod verify;

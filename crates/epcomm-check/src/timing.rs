@@ -7,11 +7,12 @@
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, sys};
-use epcomm::{Buffer, DispatchInput, Handle, Layout, RecvMode, XInput};
-use epcomm_reference::bf16;
+use epcomm::{Buffer, DispatchInput, Handle, Layout, LlFormat, LlRecv, RecvMode, XInput};
+use epcomm_reference::{RankInput, bf16};
 
 use crate::Result;
 use crate::inputs::{DeviceInputs, upload};
+use crate::ll::{LlIo, verify_ll_round};
 
 /// Bytes written to flush the 50 MB L2 of an H100/H200 (DeepEP flushes with 256 MB).
 pub const FLUSH_BYTES: usize = 256 << 20;
@@ -29,6 +30,21 @@ pub enum BenchOp {
     Combine,
     /// BF16 combine pulling y from the peers' receive regions (after a BF16 dispatch).
     CombineInPlace,
+    /// Low-latency BF16 dispatch (send and receive phase back to back).
+    LlDispatchBf16,
+    /// Low-latency FP8 dispatch (cast on the device).
+    LlDispatchFp8,
+    /// Low-latency combine.
+    LlCombine,
+    /// The send phase of a low-latency FP8 dispatch alone.
+    LlDispatchFp8Send,
+    /// The receive phase of a low-latency FP8 dispatch, issued once every rank's send phase
+    /// finished (what a hook costs after overlapping work).
+    LlDispatchFp8Recv,
+    /// The send phase of a low-latency combine alone.
+    LlCombineSend,
+    /// The receive phase of a low-latency combine, issued once every send phase finished.
+    LlCombineRecv,
 }
 
 impl BenchOp {
@@ -41,6 +57,22 @@ impl BenchOp {
         Self::CombineInPlace,
     ];
 
+    /// The low-latency ops, in report order.
+    pub const LOW_LATENCY: [BenchOp; 7] = [
+        Self::LlDispatchFp8,
+        Self::LlDispatchBf16,
+        Self::LlCombine,
+        Self::LlDispatchFp8Send,
+        Self::LlDispatchFp8Recv,
+        Self::LlCombineSend,
+        Self::LlCombineRecv,
+    ];
+
+    /// Whether it is a low-latency op (timed by [`LlTimer`]).
+    pub fn is_low_latency(self) -> bool {
+        Self::LOW_LATENCY.contains(&self)
+    }
+
     /// Display name.
     pub fn name(self) -> &'static str {
         match self {
@@ -49,14 +81,25 @@ impl BenchOp {
             Self::CachedDispatchBf16 => "cached dispatch BF16",
             Self::Combine => "combine BF16",
             Self::CombineInPlace => "combine BF16 in place",
+            Self::LlDispatchBf16 => "LL dispatch BF16",
+            Self::LlDispatchFp8 => "LL dispatch FP8",
+            Self::LlCombine => "LL combine BF16",
+            Self::LlDispatchFp8Send => "LL dispatch FP8 send phase",
+            Self::LlDispatchFp8Recv => "LL dispatch FP8 receive phase",
+            Self::LlCombineSend => "LL combine send phase",
+            Self::LlCombineRecv => "LL combine receive phase",
         }
     }
 
-    /// Bytes by DeepEP's metric for `rows` received rows of `hidden` values.
+    /// Bytes by DeepEP's metric for `rows` received rows of `hidden` values (low-latency
+    /// ops: one row per received (token, expert) pair, as DeepEP counts them).
     pub fn metric_bytes(self, rows: usize, hidden: usize) -> f64 {
         let bf16 = (rows * hidden * 2) as f64;
         match self {
-            Self::DispatchFp8 => bf16 * (1.0 + 4.0 / 128.0) / 2.0,
+            Self::DispatchFp8
+            | Self::LlDispatchFp8
+            | Self::LlDispatchFp8Send
+            | Self::LlDispatchFp8Recv => bf16 * (1.0 + 4.0 / 128.0) / 2.0,
             _ => bf16,
         }
     }
@@ -161,8 +204,155 @@ impl Timer {
             }
             BenchOp::Combine => buf.combine(&self.y, None, &self.handle, &mut self.out, None)?,
             BenchOp::CombineInPlace => buf.combine_in_place(&self.handle, &mut self.out, None)?,
+            other => {
+                return Err(crate::CheckError::Other(format!(
+                    "{} is timed by LlTimer",
+                    other.name()
+                )));
+            }
         }
         Ok(())
+    }
+}
+
+/// Timing of the low-latency ops of one rank: its inputs, the receive arrays, the flush buffer.
+#[derive(Debug)]
+pub struct LlTimer {
+    stream: Arc<CudaStream>,
+    ctx: Arc<CudaContext>,
+    flush: CudaSlice<u8>,
+    recv: LlRecv,
+    io: LlIo,
+    /// Rows (token, expert pairs) this rank receives.
+    pub num_recv: usize,
+}
+
+impl LlTimer {
+    /// Prepares timing on `buf` (which needs `ll_max_tokens_per_rank`) with every rank's
+    /// `inputs` (bf16); verifies a BF16 and, when `fp8`, an FP8 round against the reference
+    /// first. Collective.
+    pub fn new(buf: &mut Buffer, inputs: &[RankInput], fp8: bool) -> Result<Self> {
+        let stream = buf.stream().clone();
+        let ctx = buf.context().clone();
+        let flush = stream.alloc_zeros::<u8>(FLUSH_BYTES)?;
+        let mut recv = buf.alloc_ll_recv()?;
+        let experts = buf.config().num_experts;
+        let mut io = LlIo::new(&stream, inputs, buf.rank(), experts, recv.capacity())?;
+        let mut formats = vec![LlFormat::Bf16];
+        if fp8 {
+            formats.push(LlFormat::Fp8 { round_scale: false });
+        }
+        for format in formats {
+            buf.ll_dispatch(&io.input(), format, &mut recv)?;
+            buf.ll_combine(&io.y, &io.idx, &io.w, &recv, &mut io.out)?;
+            buf.synchronize()?;
+            verify_ll_round(
+                buf,
+                inputs,
+                &recv,
+                &io.out,
+                format,
+                "low-latency bench round",
+            )?;
+        }
+        let num_recv = recv.count_to_host()?.iter().map(|&c| c as usize).sum();
+        Ok(Self {
+            stream,
+            ctx,
+            flush,
+            recv,
+            io,
+            num_recv,
+        })
+    }
+
+    /// Runs `op` (a low-latency op) `iters` times, each after an L2 flush, and returns each
+    /// call's time in microseconds. A phase op times its phase alone: the receive phase is
+    /// issued after every rank's send phase finished (a host synchronize and barrier between).
+    /// Collective.
+    pub fn time(&mut self, buf: &mut Buffer, op: BenchOp, iters: usize) -> Result<Vec<f64>> {
+        let event =
+            |ctx: &Arc<CudaContext>| ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT));
+        let mut times = Vec::with_capacity(iters);
+        for i in 0..iters {
+            self.stream.memset_zeros(&mut self.flush)?;
+            let (start, end) = (event(&self.ctx)?, event(&self.ctx)?);
+            let fp8 = LlFormat::Fp8 { round_scale: false };
+            let io = &mut self.io;
+            match op {
+                BenchOp::LlDispatchBf16 | BenchOp::LlDispatchFp8 => {
+                    let format = if op == BenchOp::LlDispatchFp8 {
+                        fp8
+                    } else {
+                        LlFormat::Bf16
+                    };
+                    start.record(&self.stream)?;
+                    buf.ll_dispatch(&io.input(), format, &mut self.recv)?;
+                    end.record(&self.stream)?;
+                }
+                BenchOp::LlCombine => {
+                    start.record(&self.stream)?;
+                    buf.ll_combine(&io.y, &io.idx, &io.w, &self.recv, &mut io.out)?;
+                    end.record(&self.stream)?;
+                }
+                BenchOp::LlDispatchFp8Send | BenchOp::LlDispatchFp8Recv => {
+                    let send = op == BenchOp::LlDispatchFp8Send;
+                    if send {
+                        start.record(&self.stream)?;
+                    }
+                    let input = io.input();
+                    let pending = buf.ll_dispatch_send(&input, fp8, &mut self.recv)?;
+                    if send {
+                        end.record(&self.stream)?;
+                    }
+                    self.stream.synchronize()?;
+                    buf.transport()
+                        .bootstrap()
+                        .barrier(&format!("ll-bench-{i}"))?;
+                    if !send {
+                        start.record(&self.stream)?;
+                    }
+                    buf.ll_receive(pending)?;
+                    if !send {
+                        end.record(&self.stream)?;
+                    }
+                }
+                BenchOp::LlCombineSend | BenchOp::LlCombineRecv => {
+                    let send = op == BenchOp::LlCombineSend;
+                    if send {
+                        start.record(&self.stream)?;
+                    }
+                    let pending =
+                        buf.ll_combine_send(&io.y, &io.idx, &io.w, &self.recv, &mut io.out)?;
+                    if send {
+                        end.record(&self.stream)?;
+                    }
+                    self.stream.synchronize()?;
+                    buf.transport()
+                        .bootstrap()
+                        .barrier(&format!("ll-bench-{i}"))?;
+                    if !send {
+                        start.record(&self.stream)?;
+                    }
+                    buf.ll_receive(pending)?;
+                    if !send {
+                        end.record(&self.stream)?;
+                    }
+                }
+                other => {
+                    return Err(crate::CheckError::Other(format!(
+                        "{} is timed by Timer",
+                        other.name()
+                    )));
+                }
+            }
+            times.push((start, end));
+        }
+        buf.synchronize()?;
+        times
+            .iter()
+            .map(|(s, e)| Ok(f64::from(s.elapsed_ms(e)?) * 1e3))
+            .collect()
     }
 }
 

@@ -4,17 +4,13 @@
 //! the phases, CUDA-graph replays with new data each time, and a late rank named by a timeout.
 //! One process per rank (`tests/common`).
 
-use std::collections::HashMap;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
-use epcomm::{Buffer, BufferConfig, Error, LlDispatchInput, LlFormat, LlRecv, WaitKind};
-use epcomm_check::inputs::{Shape, host_inputs, upload};
-use epcomm_reference::{
-    RankInput, XData, bf16, combine_weighted_ll, ll_dispatch, quantize_fp8_e4m3_per128,
-    quantize_fp8_e4m3_per128_ue8m0,
-};
+use cudarc::driver::DevicePtr;
+use epcomm::{Buffer, BufferConfig, Error, LlDispatchInput, LlFormat, WaitKind};
+use epcomm_check::inputs::{Shape, host_inputs};
+use epcomm_check::ll::{LlIo, bf16_rows, verify_ll_round};
+use epcomm_reference::{RankInput, bf16, combine_weighted_ll};
 
 mod common;
 use common::{MakeTransport, Worker, apply_test_config, gpu_test, log};
@@ -36,186 +32,6 @@ fn ll_buffer(
     cfg.timeout = timeout;
     apply_test_config(&mut cfg);
     Buffer::new(w.ctx.clone(), mk(), cfg).expect("Buffer::new")
-}
-
-/// The expert output the tests use for packed row `i` of local expert `l` on rank `r`:
-/// small integers, exact in bf16.
-fn y_value(r: usize, l: usize, i: usize, c: usize) -> bf16 {
-    bf16::from_f32(((r * 131 + l * 31 + i * 7 + c) % 15) as f32 - 7.0)
-}
-
-fn bf16_rows(input: &RankInput) -> &[bf16] {
-    match &input.x {
-        XData::Bf16(x) => x,
-        XData::Fp8 { .. } => unreachable!("the suite's inputs are bf16"),
-    }
-}
-
-/// The received bytes and scales every source's token rows turn into.
-fn source_rows(inputs: &[RankInput], hidden: usize, format: LlFormat) -> Vec<(Vec<u8>, Vec<f32>)> {
-    inputs
-        .iter()
-        .map(|i| {
-            let x = bf16_rows(i);
-            match format {
-                LlFormat::Bf16 => (x.iter().flat_map(|v| v.to_le_bytes()).collect(), vec![]),
-                LlFormat::Fp8 { round_scale } => {
-                    let (q, s) = if round_scale {
-                        quantize_fp8_e4m3_per128_ue8m0(x, hidden).unwrap()
-                    } else {
-                        quantize_fp8_e4m3_per128(x, hidden).unwrap()
-                    };
-                    (q.iter().map(|v| v.to_bits()).collect(), s)
-                }
-            }
-        })
-        .collect()
-}
-
-/// This rank's device inputs of one round.
-struct Io {
-    x: CudaSlice<bf16>,
-    idx: CudaSlice<i64>,
-    w: CudaSlice<f32>,
-    y: CudaSlice<bf16>,
-    out: CudaSlice<bf16>,
-}
-
-/// Checks what a low-latency dispatch left in `recv` and what the combine wrote to `out`
-/// against the reference, for this rank (`what` names the round in failures).
-#[allow(clippy::too_many_arguments)]
-fn verify_round(
-    buf: &Buffer,
-    inputs: &[RankInput],
-    recv: &LlRecv,
-    out: &CudaSlice<bf16>,
-    format: LlFormat,
-    hidden: usize,
-    top_k: usize,
-    experts: usize,
-    what: &str,
-) {
-    let (rank, world) = (buf.rank(), buf.world_size());
-    let topk: Vec<Vec<i64>> = inputs.iter().map(|i| i.topk_idx.clone()).collect();
-    let routing = ll_dispatch(&topk, top_k, experts).unwrap();
-    let mine = &routing[rank];
-    let epr = experts / world;
-    let cap = recv.capacity();
-    let count = recv.count_to_host().unwrap();
-    let want_count: Vec<i32> = mine.experts.iter().map(|e| e.len() as i32).collect();
-    assert_eq!(count, want_count, "{what}: rows per local expert");
-    let ranges = recv.layout_range_to_host().unwrap();
-    for l in 0..epr {
-        for r in 0..world {
-            let (f, n) = mine.layout_range[l][r];
-            assert_eq!(
-                ranges[l * world + r],
-                (f as i32, n as i32),
-                "{what}: range of expert {l}, source {r}"
-            );
-        }
-    }
-    let src_info = recv.src_info_to_host().unwrap();
-    let rows = recv.x_bytes_to_host().unwrap();
-    let row_bytes = recv.row_bytes();
-    let sources = source_rows(inputs, hidden, format);
-    let scales = matches!(format, LlFormat::Fp8 { .. }).then(|| recv.scales_to_host().unwrap());
-    let ns = hidden / 128;
-    for (l, entries) in mine.experts.iter().enumerate() {
-        for (i, e) in entries.iter().enumerate() {
-            let at = l * cap + i;
-            assert_eq!(
-                src_info[at] as usize, e.src_token,
-                "{what}: src_info of expert {l} row {i}"
-            );
-            let (bytes, sc) = &sources[e.src_rank];
-            let want = &bytes[e.src_token * row_bytes..(e.src_token + 1) * row_bytes];
-            assert!(
-                &rows[at * row_bytes..(at + 1) * row_bytes] == want,
-                "{what}: expert {l} row {i} (rank {} token {}) differs",
-                e.src_rank,
-                e.src_token
-            );
-            if let Some(got) = &scales {
-                assert_eq!(
-                    &got[at * ns..(at + 1) * ns],
-                    &sc[e.src_token * ns..(e.src_token + 1) * ns],
-                    "{what}: scales of expert {l} row {i}"
-                );
-            }
-        }
-    }
-    // Combine: what every owner returns for each of my (token, k) is y_value at its packed row.
-    let me = &inputs[rank];
-    let t = me.num_tokens;
-    let mut at: HashMap<(usize, usize), (usize, usize, usize)> = HashMap::new();
-    for (r, got) in routing.iter().enumerate() {
-        for (l, entries) in got.experts.iter().enumerate() {
-            for (i, e) in entries.iter().enumerate() {
-                if e.src_rank == rank {
-                    at.insert((e.src_token, e.k), (r, l, i));
-                }
-            }
-        }
-    }
-    let mut expert_out = vec![bf16::ZERO; t * top_k * hidden];
-    for ((tok, k), (r, l, i)) in &at {
-        let o = (tok * top_k + k) * hidden;
-        for c in 0..hidden {
-            expert_out[o + c] = y_value(*r, *l, *i, c);
-        }
-    }
-    let want = combine_weighted_ll(
-        &expert_out,
-        &me.topk_idx,
-        &me.topk_weights,
-        t,
-        top_k,
-        hidden,
-    )
-    .unwrap();
-    let got = if t == 0 {
-        vec![]
-    } else {
-        buf.stream().clone_dtoh(out).unwrap()
-    };
-    assert!(got == want, "{what}: combine output differs");
-}
-
-/// Uploads this rank's round inputs and the expert outputs `y` of its received rows.
-fn upload_round(
-    stream: &Arc<CudaStream>,
-    inputs: &[RankInput],
-    rank: usize,
-    world: usize,
-    experts: usize,
-    hidden: usize,
-    top_k: usize,
-) -> Io {
-    let me = &inputs[rank];
-    let topk: Vec<Vec<i64>> = inputs.iter().map(|i| i.topk_idx.clone()).collect();
-    let routing = ll_dispatch(&topk, top_k, experts).unwrap();
-    let epr = experts / world;
-    let cap = world * MAX_TOKENS;
-    let mut y = vec![bf16::ZERO; epr * cap * hidden];
-    for (l, entries) in routing[rank].experts.iter().enumerate() {
-        for i in 0..entries.len() {
-            for c in 0..hidden {
-                y[(l * cap + i) * hidden + c] = y_value(rank, l, i, c);
-            }
-        }
-    }
-    Io {
-        x: upload(stream, bf16_rows(me)).unwrap(),
-        idx: upload(stream, &me.topk_idx).unwrap(),
-        w: upload(stream, &me.topk_weights).unwrap(),
-        y: upload(stream, &y).unwrap(),
-        out: if me.num_tokens == 0 {
-            stream.null().unwrap()
-        } else {
-            stream.alloc_zeros::<bf16>(me.num_tokens * hidden).unwrap()
-        },
-    }
 }
 
 /// Formats of the rounds of a shape: both dtypes (FP8 with and without rounded scales) where
@@ -297,7 +113,8 @@ fn run_ll_suite(w: &Worker, mk: MakeTransport<'_>) {
                 seed: 1000 + ci as u64 * 17 + hidden as u64,
             };
             let inputs = host_inputs(&shape).unwrap().bf16;
-            let io = upload_round(&stream, &inputs, rank, world, experts, hidden, top_k);
+            let cap = recv.capacity();
+            let io = LlIo::new(&stream, &inputs, rank, experts, cap).unwrap();
             let mut out = io.out;
             for format in formats(hidden) {
                 let what = format!(
@@ -306,16 +123,15 @@ fn run_ll_suite(w: &Worker, mk: MakeTransport<'_>) {
                 let input = LlDispatchInput {
                     x: &io.x,
                     topk_idx: &io.idx,
-                    num_tokens: tokens[rank],
+                    num_tokens: io.num_tokens,
                 };
                 buf.ll_dispatch(&input, format, &mut recv)
                     .unwrap_or_else(|e| panic!("{what}: dispatch: {e}"));
                 buf.ll_combine(&io.y, &io.idx, &io.w, &recv, &mut out)
                     .unwrap_or_else(|e| panic!("{what}: combine: {e}"));
                 buf.synchronize().unwrap_or_else(|e| panic!("{what}: {e}"));
-                verify_round(
-                    &buf, &inputs, &recv, &out, format, hidden, top_k, experts, &what,
-                );
+                verify_ll_round(&buf, &inputs, &recv, &out, format, &what)
+                    .unwrap_or_else(|e| panic!("{e}"));
                 rounds += 1;
             }
         }
@@ -351,7 +167,7 @@ fn run_ll_hooks(w: &Worker, mk: MakeTransport<'_>) {
             77 + round as u64,
         );
         let inputs = host_inputs(&shape).unwrap().bf16;
-        let io = upload_round(&stream, &inputs, rank, world, experts, hidden, top_k);
+        let io = LlIo::new(&stream, &inputs, rank, experts, recv.capacity()).unwrap();
         let mut out = io.out;
         let format = if round % 2 == 0 {
             LlFormat::Bf16
@@ -395,17 +211,15 @@ fn run_ll_hooks(w: &Worker, mk: MakeTransport<'_>) {
         );
         buf.ll_receive(pending).unwrap();
         buf.synchronize().unwrap();
-        verify_round(
+        verify_ll_round(
             &buf,
             &inputs,
             &recv,
             &out,
             format,
-            hidden,
-            top_k,
-            experts,
             &format!("hook round {round}"),
-        );
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
     }
     log(
         rank,
@@ -423,6 +237,9 @@ gpu_test!(ll_hooks_split_send_and_receive, run_ll_hooks);
 fn run_ll_graph(w: &Worker, mk: MakeTransport<'_>) {
     let (rank, world) = (w.boot.rank(), w.boot.world_size());
     let (hidden, top_k, experts, tokens) = (256, 4, 4 * world, 40);
+    // SAFETY: the test uses one stream for everything, so no cross-stream ordering is lost
+    // (cudarc's events, recorded outside the capture, would otherwise land in it).
+    unsafe { w.ctx.disable_event_tracking() };
     let mut buf = ll_buffer(w, mk, hidden, top_k, experts, Duration::from_secs(30));
     let mut recv = buf.alloc_ll_recv().unwrap();
     let stream = buf.stream().clone();
@@ -476,13 +293,13 @@ fn run_ll_graph(w: &Worker, mk: MakeTransport<'_>) {
     for i in 0..replays {
         let inputs = &variants[i % variants.len()];
         let me = &inputs[rank];
-        stream.memcpy_htod(bf16_rows(me), &mut x).unwrap();
+        stream.memcpy_htod(bf16_rows(me).unwrap(), &mut x).unwrap();
         stream.memcpy_htod(&me.topk_idx, &mut idx).unwrap();
         stream.memcpy_htod(&me.topk_weights, &mut wts).unwrap();
         buf.replay(&graph).unwrap();
         let got = stream.clone_dtoh(&out).unwrap();
         // Identity experts: every valid (t, k) returns this rank's own row t.
-        let rows = bf16_rows(me);
+        let rows = bf16_rows(me).unwrap();
         let mut expert_out = vec![bf16::ZERO; tokens * top_k * hidden];
         for t in 0..tokens {
             for k in 0..top_k {
@@ -526,7 +343,7 @@ fn run_ll_late_rank(w: &Worker, mk: MakeTransport<'_>) {
     let stream = buf.stream().clone();
     let shape = Shape::uniform(world, 16, hidden, top_k, experts, 5);
     let inputs = host_inputs(&shape).unwrap().bf16;
-    let io = upload_round(&stream, &inputs, rank, world, experts, hidden, top_k);
+    let io = LlIo::new(&stream, &inputs, rank, experts, recv.capacity()).unwrap();
     let input = LlDispatchInput {
         x: &io.x,
         topk_idx: &io.idx,
@@ -548,7 +365,8 @@ fn run_ll_late_rank(w: &Worker, mk: MakeTransport<'_>) {
         );
     } else {
         assert!(
-            matches!(&r, Err(Error::Timeout { peer, wait: WaitKind::LlDispatchData, .. }) if *peer as usize == late),
+            matches!(&r, Err(Error::Timeout { peer, wait: WaitKind::LlDispatchData | WaitKind::Barrier, .. })
+                    if *peer as usize == late),
             "{r:?}"
         );
     }

@@ -16,7 +16,7 @@ use epcomm::{Buffer, BufferConfig, DispatchInput, DynTransport, RecvMode, XInput
 use epcomm_bootstrap::{Bootstrap, BootstrapConfig};
 use epcomm_check::inputs::{Shape, device_inputs, host_inputs};
 use epcomm_check::procs::run_workers;
-use epcomm_check::timing::{BenchOp, Timer, median};
+use epcomm_check::timing::{BenchOp, LlTimer, Timer, median};
 use epcomm_check::verify::{RoundOptions, verified_round};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
@@ -238,6 +238,9 @@ fn run_bench(
         let mut cfg = BufferConfig::new(args.tokens, args.hidden, args.top_k, args.experts);
         cfg.num_sms = sms;
         (cfg.schedule, cfg.routes) = (schedule, routes);
+        if args.low_latency {
+            cfg.ll_max_tokens_per_rank = args.tokens;
+        }
         let mut buf = Buffer::new(ctx.clone(), transport.clone(), cfg)?;
         let dev = device_inputs(buf.stream(), &inputs, rank)?;
         if i == 0 {
@@ -271,17 +274,32 @@ fn run_bench(
                 .set_message(format!("{} at {sms} SMs", op.name()));
             timer.time(&mut buf, &dev, op, args.warmup)?;
             let t = median(&timer.time(&mut buf, &dev, op, args.iters)?);
-            let all = boot.all_gather(&format!("bench-{sms}-{}", op.name()), &t.to_le_bytes())?;
-            let times: Vec<f64> = all
-                .iter()
-                .map(|b| {
-                    b.get(..8)
-                        .and_then(|b| b.try_into().ok())
-                        .map_or(f64::NAN, f64::from_le_bytes)
-                })
-                .collect();
+            let times = every_rank(boot, &format!("bench-{sms}-{}", op.name()), t)?;
             rows.push(make_row(op, sms, times, timer.num_recv, args.hidden)?);
             progress.bar.inc(1);
+        }
+        if args.low_latency {
+            progress.say("      low-latency ops: verifying BF16 and FP8 rounds, then timing");
+            let mut ll = LlTimer::new(&mut buf, &inputs.bf16, plan.fp8)?;
+            for op in BenchOp::LOW_LATENCY {
+                if !plan.fp8
+                    && matches!(
+                        op,
+                        BenchOp::LlDispatchFp8
+                            | BenchOp::LlDispatchFp8Send
+                            | BenchOp::LlDispatchFp8Recv
+                    )
+                {
+                    continue;
+                }
+                progress
+                    .bar
+                    .set_message(format!("{} at {sms} SMs", op.name()));
+                ll.time(&mut buf, op, args.warmup)?;
+                let t = median(&ll.time(&mut buf, op, args.iters)?);
+                let times = every_rank(boot, &format!("bench-{sms}-{}", op.name()), t)?;
+                rows.push(make_row(op, sms, times, ll.num_recv, args.hidden)?);
+            }
         }
         if let (Some((late, delay_us)), 0) = (plan.delay, i) {
             skew = Some(skew_demo(&mut buf, &dev, boot, late, delay_us)?);
@@ -321,6 +339,19 @@ fn run_bench(
         }
     }
     Ok(())
+}
+
+/// Every rank's value of `t` (a median time), in rank order (NaN where a rank sent garbage).
+fn every_rank(boot: &Bootstrap, tag: &str, t: f64) -> Res<Vec<f64>> {
+    let all = boot.all_gather(tag, &t.to_le_bytes())?;
+    Ok(all
+        .iter()
+        .map(|b| {
+            b.get(..8)
+                .and_then(|b| b.try_into().ok())
+                .map_or(f64::NAN, f64::from_le_bytes)
+        })
+        .collect())
 }
 
 /// Delays `late`'s stream before each of five dispatches and gathers whom every rank names.

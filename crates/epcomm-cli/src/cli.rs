@@ -226,6 +226,10 @@ pub struct BenchArgs {
     /// Skew demo delay in microseconds (default 200; needs --delay-rank).
     #[arg(long)]
     pub delay_us: Option<u64>,
+    /// Also verify and time the low-latency ops (dispatch BF16 and FP8, combine, and their send
+    /// and receive phases apart) with --tokens tokens per rank (decode sizes: 1 to 256).
+    #[arg(long)]
+    pub low_latency: bool,
     /// Comma-separated SM counts to sweep (BF16 dispatch and combine), instead of --sms.
     #[arg(
         long,

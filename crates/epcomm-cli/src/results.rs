@@ -129,6 +129,13 @@ pub fn op_id(op: BenchOp) -> &'static str {
         BenchOp::CachedDispatchBf16 => "cached_dispatch_bf16",
         BenchOp::Combine => "combine_bf16",
         BenchOp::CombineInPlace => "combine_bf16_in_place",
+        BenchOp::LlDispatchBf16 => "ll_dispatch_bf16",
+        BenchOp::LlDispatchFp8 => "ll_dispatch_fp8",
+        BenchOp::LlCombine => "ll_combine_bf16",
+        BenchOp::LlDispatchFp8Send => "ll_dispatch_fp8_send",
+        BenchOp::LlDispatchFp8Recv => "ll_dispatch_fp8_recv",
+        BenchOp::LlCombineSend => "ll_combine_bf16_send",
+        BenchOp::LlCombineRecv => "ll_combine_bf16_recv",
     }
 }
 
@@ -136,6 +143,7 @@ pub fn op_id(op: BenchOp) -> &'static str {
 pub fn op_display(id: &str) -> &str {
     BenchOp::ALL
         .into_iter()
+        .chain(BenchOp::LOW_LATENCY)
         .find(|&op| op_id(op) == id)
         .map_or(id, |op| op.name())
 }
