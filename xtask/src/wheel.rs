@@ -123,10 +123,10 @@ pub fn run(layout: &Layout, env: &ToolchainEnv, opts: WheelOptions) -> Result<St
     ]);
     util::run_inherited(&mut import)?;
     if opts.test {
-        let mut pytest = Command::new(&venv_python);
-        pytest
-            .current_dir(ws.join("python"))
-            .args(["-m", "pytest", "tests"]);
+        // The console script, not `python -m pytest`: that would put python/ (the sources,
+        // without the native module) first on sys.path instead of the installed wheel.
+        let mut pytest = Command::new(venv_bin(&venv, "pytest"));
+        pytest.current_dir(ws.join("python")).arg("tests");
         println!("wheel: $ {}", command_line(&pytest));
         util::run_inherited(&mut pytest)?;
     }

@@ -112,6 +112,17 @@ fn check_options<'py>(
     Ok(d)
 }
 
+/// None when the NVSHMEM host library (for the `nvshmem` transports) loads here, else why not,
+/// naming every place that was tried.
+#[pyfunction]
+fn nvshmem_status(py: Python<'_>) -> Option<String> {
+    py.detach(|| {
+        nvshmem_sys::loader::load_default()
+            .err()
+            .map(|e| e.to_string())
+    })
+}
+
 /// NVSHMEM variables a one-host job needs that the environment does not set yet.
 #[pyfunction]
 fn single_host_env_defaults() -> Vec<(&'static str, &'static str)> {
@@ -158,6 +169,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(route_policies, m)?)?;
     m.add_function(wrap_pyfunction!(check_options, m)?)?;
     m.add_function(wrap_pyfunction!(single_host_env_defaults, m)?)?;
+    m.add_function(wrap_pyfunction!(nvshmem_status, m)?)?;
     m.add_function(wrap_pyfunction!(deepep_workload, m)?)?;
     Ok(())
 }
