@@ -308,13 +308,36 @@ fn contains(hay: &[u8], needle: &[u8]) -> bool {
     needle.is_empty() || hay.windows(needle.len()).any(|w| w == needle)
 }
 
+/// The crate of the native module.
+const NATIVE_CRATE: &str = "epcomm-py";
+
 /// Inputs of the wheel changed after it was built: the Rust sources and manifests of the
-/// workspace's crates, `Cargo.lock` and `python/pyproject.toml` (the Python files and the
-/// kernels are compared by content in [`verify`]).
+/// native module's crate and of every workspace crate it depends on (normal dependencies,
+/// transitively), `Cargo.lock` and `python/pyproject.toml` (the Python files and the kernels
+/// are compared by content in [`verify`]).
 fn newer_inputs(wheel: &Path, ws: &Path) -> Result<Vec<String>, WheelError> {
     let built = modified(wheel)?;
     let mut inputs = vec![ws.join("Cargo.lock"), ws.join("python/pyproject.toml")];
-    collect_sources(&ws.join("crates"), &mut inputs)?;
+    let mut cargo = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    cargo.current_dir(ws).args([
+        "metadata",
+        "--format-version",
+        "1",
+        "--no-deps",
+        "--offline",
+    ]);
+    let out = util::run_captured(&mut cargo)?;
+    let metadata: serde_json::Value =
+        serde_json::from_slice(&out.stdout).map_err(|source| XtaskError::CargoJson {
+            line: String::from_utf8_lossy(&out.stdout)
+                .chars()
+                .take(200)
+                .collect(),
+            source,
+        })?;
+    for dir in crate_dirs(&metadata, NATIVE_CRATE) {
+        collect_sources(&dir, &mut inputs)?;
+    }
     let mut newer = Vec::new();
     for p in inputs {
         if modified(&p)? > built {
@@ -325,6 +348,38 @@ fn newer_inputs(wheel: &Path, ws: &Path) -> Result<Vec<String>, WheelError> {
         }
     }
     Ok(newer)
+}
+
+/// The directories of workspace package `root` and of every workspace package it depends on
+/// (normal dependencies, transitively), from `cargo metadata --no-deps` output.
+fn crate_dirs(metadata: &serde_json::Value, root: &str) -> Vec<PathBuf> {
+    let packages = metadata["packages"].as_array().cloned().unwrap_or_default();
+    let dir_of = |p: &serde_json::Value| {
+        p["manifest_path"]
+            .as_str()
+            .and_then(|m| Path::new(m).parent().map(Path::to_path_buf))
+    };
+    let mut todo = vec![root.to_string()];
+    let mut seen: Vec<String> = Vec::new();
+    let mut dirs = Vec::new();
+    while let Some(name) = todo.pop() {
+        if seen.contains(&name) {
+            continue;
+        }
+        seen.push(name.clone());
+        let Some(p) = packages.iter().find(|p| p["name"] == name.as_str()) else {
+            continue;
+        };
+        dirs.extend(dir_of(p));
+        for d in p["dependencies"].as_array().into_iter().flatten() {
+            let normal = d["kind"].is_null();
+            if let (true, Some(dep), Some(_)) = (normal, d["name"].as_str(), d["path"].as_str()) {
+                todo.push(dep.to_string());
+            }
+        }
+    }
+    dirs.sort();
+    dirs
 }
 
 /// Every `*.rs` and `Cargo.toml` under `dir`.
@@ -443,6 +498,34 @@ mod tests {
         remove_old_wheels(t.path()).unwrap();
         assert!(wheels_in(t.path()).is_empty());
         assert!(t.path().join("other-1.0-py3-none-any.whl").exists());
+    }
+
+    #[test]
+    fn the_native_crate_depends_on_its_path_dependencies_only() {
+        let metadata = serde_json::json!({"packages": [
+            {"name": "epcomm-py", "manifest_path": "/w/crates/epcomm-py/Cargo.toml", "dependencies": [
+                {"name": "epcomm", "path": "/w/crates/epcomm", "kind": null},
+                {"name": "pyo3", "kind": null},
+                {"name": "epcomm-check", "path": "/w/crates/epcomm-check", "kind": "dev"}
+            ]},
+            {"name": "epcomm", "manifest_path": "/w/crates/epcomm/Cargo.toml", "dependencies": [
+                {"name": "epcomm-topology", "path": "/w/crates/epcomm-topology", "kind": null}
+            ]},
+            {"name": "epcomm-topology", "manifest_path": "/w/crates/epcomm-topology/Cargo.toml",
+             "dependencies": [{"name": "epcomm", "path": "/w/crates/epcomm", "kind": null}]},
+            {"name": "epcomm-check", "manifest_path": "/w/crates/epcomm-check/Cargo.toml",
+             "dependencies": []}
+        ]});
+        let dirs = crate_dirs(&metadata, "epcomm-py");
+        let names: Vec<_> = dirs.iter().map(|d| d.display().to_string()).collect();
+        assert_eq!(
+            names,
+            [
+                "/w/crates/epcomm",
+                "/w/crates/epcomm-py",
+                "/w/crates/epcomm-topology"
+            ]
+        );
     }
 
     #[test]
