@@ -109,37 +109,51 @@ __device__ __forceinline__ void combine_recv(const OpArgs& a, Shared& s, uint32_
   const int64_t* topk_idx = reinterpret_cast<const int64_t*>(a.topk_idx);
   const float* topk_w = reinterpret_cast<const float*>(a.topk_weights);
   const uint8_t* comb = local + a.off_ll_comb + par;
-  constexpr int kUnroll = 4;
+  // Per 16-byte column chunk, the rows of up to kBatch entries are loaded before any is added
+  // (all loads in flight), then added in increasing k.
+  constexpr int kUnroll = 2, kBatch = 8;
   const int gwarp = warp * gridDim.x + blockIdx.x, nwarps = gridDim.x * kWarps;
   for (int t = gwarp; t < a.num_tokens; t += nwarps) {
     int4* out = reinterpret_cast<int4*>(a.out + static_cast<int64_t>(t) * row_bytes);
+    const uint8_t* rows_t = comb + static_cast<int64_t>(t) * K * row_bytes;
     for (int base = 0; base < n16; base += 32 * kUnroll) {
       float acc[kUnroll][8];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u)
 #pragma unroll
         for (int j = 0; j < 8; ++j) acc[u][j] = 0.f;
-      for (int k = 0; k < K; ++k) {
-        const int64_t e = topk_idx[static_cast<int64_t>(t) * K + k];
-        if (e == -1) continue;
-        const float wt = topk_w[static_cast<int64_t>(t) * K + k];
-        const int4* p =
-            reinterpret_cast<const int4*>(comb + (static_cast<int64_t>(t) * K + k) * row_bytes);
-        int4 v[kUnroll];
+      for (int k0 = 0; k0 < K; k0 += kBatch) {
+        bool use[kBatch];
+        float wt[kBatch];
+        int4 v[kBatch][kUnroll];
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const int i = base + u * 32 + lane;
-          if (i < n16) v[u] = ld_v4(p + i);
+        for (int b = 0; b < kBatch; ++b) {
+          const int k = k0 + b;
+          use[b] = k < K && topk_idx[static_cast<int64_t>(t) * K + k] != -1;
+          wt[b] = use[b] ? topk_w[static_cast<int64_t>(t) * K + k] : 0.f;
         }
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          if (base + u * 32 + lane >= n16) continue;
-          const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[u]);
+        for (int b = 0; b < kBatch; ++b) {
+          const int4* p = reinterpret_cast<const int4*>(rows_t + (k0 + b) * row_bytes);
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const float2 f = __bfloat1622float2(h[j]);
-            acc[u][2 * j] = __fadd_rn(acc[u][2 * j], __fmul_rn(wt, f.x));
-            acc[u][2 * j + 1] = __fadd_rn(acc[u][2 * j + 1], __fmul_rn(wt, f.y));
+          for (int u = 0; u < kUnroll; ++u) {
+            const int i = base + u * 32 + lane;
+            if (use[b] && i < n16) v[b][u] = ld_v4(p + i);
+          }
+        }
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) {
+          if (!use[b]) continue;
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) {
+            if (base + u * 32 + lane >= n16) continue;
+            const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[b][u]);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              const float2 f = __bfloat1622float2(h[j]);
+              acc[u][2 * j] = __fadd_rn(acc[u][2 * j], __fmul_rn(wt[b], f.x));
+              acc[u][2 * j + 1] = __fadd_rn(acc[u][2 * j + 1], __fmul_rn(wt[b], f.y));
+            }
           }
         }
       }

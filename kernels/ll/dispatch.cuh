@@ -135,25 +135,37 @@ __device__ __forceinline__ void dispatch_send(const OpArgs& a, Shared& s, uint32
                                                  static_cast<int64_t>(M) * H) +
                         static_cast<int64_t>(t) * S;
       const int4* src = reinterpret_cast<const int4*>(x + static_cast<int64_t>(t) * H * 2);
-      for (int c0 = 0; c0 < H; c0 += 256) {
-        const int c = c0 + lane * 8;
-        const int4 v = c < H ? ld_nc_v4(src + c / 8) : make_int4(0, 0, 0, 0);
-        float inv;
-        const uint2 b = cast_fp8x8(v, round_scale, &inv);
-        if (c >= H) continue;
-        const bool group_head = (lane % 16) == 0;
-        for (int d = 0; d < world; ++d) {
-          if (rows[d] < 0) continue;
-          if (Net::remote(a.remote_mask, d)) continue;
-          *reinterpret_cast<uint2*>(s.bases[d] + off_x + static_cast<int64_t>(rows[d]) * row_bytes +
-                                    c) = b;
-          if (group_head)
-            reinterpret_cast<float*>(s.bases[d] + off_sc)[static_cast<int64_t>(rows[d]) * S +
-                                                         c / 128] = inv;
+      // kCastUnroll chunks of 256 channels (8 per lane) loaded before any is cast, so the
+      // loads of a row are in flight together.
+      constexpr int kCastUnroll = 8;
+      for (int c0 = 0; c0 < H; c0 += 256 * kCastUnroll) {
+        int4 v[kCastUnroll];
+#pragma unroll
+        for (int u = 0; u < kCastUnroll; ++u) {
+          const int c = c0 + u * 256 + lane * 8;
+          v[u] = c < H ? ld_nc_v4(src + c / 8) : make_int4(0, 0, 0, 0);
         }
-        if (a.remote_mask != 0) {
-          *reinterpret_cast<uint2*>(stage + c) = b;
-          if (group_head) stage_sc[c / 128] = inv;
+#pragma unroll
+        for (int u = 0; u < kCastUnroll; ++u) {
+          if (c0 + u * 256 >= H) break;  // warp-uniform: the cast shuffles across the warp
+          const int c = c0 + u * 256 + lane * 8;
+          float inv;
+          const uint2 b = cast_fp8x8(v[u], round_scale, &inv);
+          if (c >= H) continue;
+          const bool group_head = (lane % 16) == 0;
+          for (int d = 0; d < world; ++d) {
+            if (rows[d] < 0) continue;
+            if (Net::remote(a.remote_mask, d)) continue;
+            *reinterpret_cast<uint2*>(s.bases[d] + off_x +
+                                      static_cast<int64_t>(rows[d]) * row_bytes + c) = b;
+            if (group_head)
+              reinterpret_cast<float*>(s.bases[d] + off_sc)[static_cast<int64_t>(rows[d]) * S +
+                                                           c / 128] = inv;
+          }
+          if (a.remote_mask != 0) {
+            *reinterpret_cast<uint2*>(stage + c) = b;
+            if (group_head) stage_sc[c / 128] = inv;
+          }
         }
       }
       if constexpr (Net::kTransport) {
