@@ -41,7 +41,7 @@ class _LayoutSlot:
     """A native layout, kept for reuse: it goes back to its pool when its last user (the
     ``is_token_in_rank`` tensor it was returned with, the handles dispatched with it) is gone,
     unless a CUDA graph captured it (then the Buffer keeps it for its life). The handles
-    allocated for it (each bound to it) are kept the same way in ``free_handles``."""
+    allocated for it (each bound to it) wait in ``free_handles`` the same way."""
 
     def __init__(self, native, num_tokens, pool, buffer_id):
         self.native = native
@@ -70,11 +70,12 @@ class _HandleSlot:
     def __init__(self, native, home):
         self.native = native
         self.pinned = False
+        self.count = None
         self._home = home
 
     def release(self):
         if not self.pinned:
-            self._home.append(self.native)
+            self._home.append(self)
 
 
 class DispatchHandle:
@@ -89,6 +90,7 @@ class DispatchHandle:
         self._buffer_id = id(buffer)
         self._native = native
         self._layout = layout
+        self._slot = handle_slot
         self.num_rows = num_rows
         self.num_recv_tokens = num_recv_tokens
         self.num_tokens = layout.num_tokens
@@ -393,7 +395,7 @@ class Buffer:
         """A capacity-sized handle slot of `layout`: a free one, else (outside a capture) a new
         one."""
         if layout.free_handles:
-            native = layout.free_handles.pop()
+            slot = layout.free_handles.pop()
         elif op.capturing:
             fail(
                 "graph capture",
@@ -401,8 +403,7 @@ class Buffer:
                 "the capture first (a warm-up), so that the capture reuses their state",
             )
         else:
-            native = self._session.alloc_handle(layout.native)
-        slot = _HandleSlot(native, layout.free_handles)
+            slot = _HandleSlot(self._session.alloc_handle(layout.native), layout.free_handles)
         if op.capturing:
             self._pin(slot)
         return slot
@@ -464,6 +465,9 @@ class Buffer:
             torch.index_select(both, 0, self._parity, out=dst.unsqueeze(0))
         else:
             dst.copy_(self._region(name, parity, dtype, cols)[:rows])
+            if self._parity is not None:
+                # Made now, outside any capture, for the copies of captured dispatches.
+                self._region(name, None, dtype, cols)
 
     def _flip_parity(self):
         if self._parity is not None:
@@ -625,7 +629,7 @@ class Buffer:
         rows = out.num_recv if host_sync else num_worst_tokens
         recv = self._outputs(op, out, rows, scales is not None, True, topk_weights is not None, zero_copy)
         if not host_sync and not zero_copy:
-            self._mask_padding(out.handle, recv[1], recv[2], rows)
+            self._mask_padding(self._count(out.handle, handle_slot), recv[1], recv[2], rows)
         per_expert = aligned_counts(out.per_expert, expert_alignment) if host_sync else []
         h = DispatchHandle(self, out.handle, layout, rows, out.num_recv, handle_slot)
         recv_x = recv[0] if scales is None else (recv[0], recv[3])
@@ -636,6 +640,7 @@ class Buffer:
         x, scales, dx, ds = self._x(x, h.num_tokens)
         op = StreamOp(self._comm, previous_event, async_finish, allocate_on_comm_stream)
         self._check_graph_state(op, False, zero_copy, "cached dispatch")
+        self._own(h, op)
         op.use(x, scales)
         op.begin()
         out = self._session.cached_dispatch(h._native, (dx.ptr, dx.numel), None if ds is None else (ds.ptr, ds.numel))
@@ -679,23 +684,41 @@ class Buffer:
         op.output(*results)
         return results
 
-    def _mask_padding(self, native_handle, recv_topk_idx, recv_topk_weights, rows):
-        """Rows past the received count (known only on the device) get -1 ids and 0 weights."""
+    def _count(self, native_handle, slot):
+        """A one-element int32 view of the rows `native_handle`'s dispatch received (on the
+        device); kept with the handle slot when there is one (so that a capture reuses it)."""
+        if slot is not None and getattr(slot, "count", None) is not None:
+            return slot.count
+        ptr = native_handle.recv_prefix_ptr + 4 * self.group_size
+        count = view(ptr, (1,), torch.int32, self.device, native_handle)
+        if slot is not None:
+            slot.count = count
+        return count
+
+    def _mask_padding(self, count, recv_topk_idx, recv_topk_weights, rows):
+        """Rows past the received `count` (known only on the device) get -1 ids and 0
+        weights."""
         if recv_topk_idx is None and recv_topk_weights is None:
             return
         with torch.cuda.stream(self._comm):
-            count = view(native_handle.recv_prefix_ptr + 4 * self.group_size, (1,), torch.int32, self.device, native_handle)
             pad = (torch.arange(rows, device=self.device, dtype=torch.int32) >= count).unsqueeze(1)
             if recv_topk_idx is not None:
                 recv_topk_idx.masked_fill_(pad, -1)
             if recv_topk_weights is not None:
                 recv_topk_weights.masked_fill_(pad, 0.0)
 
-    def _own(self, handle):
+    def _own(self, handle, op=None):
+        """`handle`, checked; an op being captured keeps its routing state for the Buffer's
+        life (the graph reads it on every replay)."""
         if not isinstance(handle, DispatchHandle):
             fail("handle", f"must be a DispatchHandle from this Buffer's dispatch (got {type(handle).__name__})")
         if handle._buffer_id != id(self):
             fail("handle", "was produced by another Buffer")
+        if op is not None and op.capturing:
+            self._pin(handle._layout)
+            if handle._slot is not None:
+                self._pin(handle._slot)
+            self._pinned.append(handle._native)
         return handle
 
     def combine(
@@ -726,8 +749,7 @@ class Buffer:
                 "topk_weights", topk_weights, ("float32",), (h.num_rows, self.num_topk), ("num_rows", "num_topk")
             )
         op = StreamOp(self._comm, previous_event, async_finish, allocate_on_comm_stream)
-        if op.capturing and self._parity is None:
-            fail("graph capture", "this Buffer was created with enable_cuda_graphs=False: combine cannot be captured")
+        self._own(h, op)
         op.use(x, topk_weights)
         op.begin()
         with torch.cuda.stream(op.alloc_stream()):
@@ -757,8 +779,12 @@ class Buffer:
         check_bool("reduce_weights", reduce_weights)
         h = self._own(handle)
         op = StreamOp(self._comm, previous_event, async_finish, allocate_on_comm_stream)
-        if op.capturing:
-            fail("graph capture", "combine_in_place reads zero-copy views, which a CUDA graph cannot follow")
+        if op.capturing or self._captured:
+            fail(
+                "combine_in_place",
+                "it reads the rows written over zero-copy views, which a CUDA graph replay cannot follow: not "
+                "available inside a capture, nor on a Buffer that captured a dispatch",
+            )
         op.begin()
         with torch.cuda.stream(op.alloc_stream()):
             out = torch.empty((h.num_tokens, self.hidden), dtype=torch.bfloat16, device=self.device)

@@ -62,3 +62,33 @@ def test_hosts_map_to_local_ranks():
         with pytest.raises(InvalidArgumentError) as e:
             local_ranks(hosts, 0)
         assert e.value.argument == "group"
+
+
+def test_torch_tensors_are_described_as_the_rules_expect():
+    torch = pytest.importorskip("torch", reason="the torch-side description needs PyTorch")
+    from epcomm._args import describe
+
+    d = describe("x", torch.zeros((3, 128), dtype=torch.bfloat16))
+    assert (d.shape, d.dtype, d.device, d.contiguous) == ((3, 128), "bfloat16", None, True)
+    assert describe("x", torch.zeros((4, 2)).t()).contiguous is False
+    assert describe("x", torch.zeros(2, dtype=torch.float8_e4m3fn)).dtype == "float8_e4m3fn"
+    with pytest.raises(InvalidArgumentError) as e:
+        describe("topk_idx", [[1, 2]])
+    assert e.value.argument == "topk_idx" and "torch.Tensor" in e.value.rule
+    with pytest.raises(InvalidArgumentError) as e:
+        check("x", d, dtypes=("bfloat16",), shape=(None, 128), device=0)
+    assert "not on the CPU" in e.value.rule
+
+
+def test_a_buffer_without_a_gpu_says_so():
+    torch = pytest.importorskip("torch", reason="epcomm.Buffer needs PyTorch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the GPU tests cover Buffer")
+    import epcomm
+
+    with pytest.raises(InvalidArgumentError) as e:
+        epcomm.Buffer(None, max_tokens_per_rank=16, hidden=128, num_topk=2, num_experts=4)
+    assert e.value.argument == "device"
+    with pytest.raises(InvalidArgumentError) as e:
+        epcomm.Buffer(None, 0, 5, max_tokens_per_rank=16, hidden=128, num_topk=2, num_experts=4)
+    assert e.value.argument == "num_rdma_bytes"
