@@ -92,7 +92,7 @@ pub fn run(layout: &Layout, env: &ToolchainEnv, opts: WheelOptions) -> Result<St
     if opts.check {
         let wheel = the_wheel(&wheel_dir)?;
         let unpacked = unpack(env, &wheel, &wheel_dir)?;
-        let mut problems = verify(&unpacked, &ws.join("python"), &layout.out_dir)?;
+        let mut problems = verify(&unpacked, &ws.join("python"), &kernel_artifacts(layout)?)?;
         problems.extend(newer_inputs(&wheel, ws)?);
         return report(wheel, problems, "complete and up to date");
     }
@@ -109,7 +109,7 @@ pub fn run(layout: &Layout, env: &ToolchainEnv, opts: WheelOptions) -> Result<St
     util::run_inherited(&mut maturin)?;
     let wheel = the_wheel(&wheel_dir)?;
     let unpacked = unpack(env, &wheel, &wheel_dir)?;
-    let problems = verify(&unpacked, &ws.join("python"), &layout.out_dir)?;
+    let problems = verify(&unpacked, &ws.join("python"), &kernel_artifacts(layout)?)?;
     if !problems.is_empty() {
         return report(wheel, problems, "");
     }
@@ -233,13 +233,22 @@ fn unpack(env: &ToolchainEnv, wheel: &Path, dir: &Path) -> Result<PathBuf, Wheel
     Ok(out)
 }
 
+/// The kernel artifacts the native module must embed: every image of `kernels/images.txt`, in
+/// the kernel output directory.
+fn kernel_artifacts(layout: &Layout) -> Result<Vec<PathBuf>, WheelError> {
+    Ok(kernels::read_images(&layout.workspace)?
+        .into_iter()
+        .map(|k| layout.out_dir.join(k.artifact))
+        .collect())
+}
+
 /// What is wrong with an unpacked wheel: every `.py` file of `python/epcomm` must be there
 /// with the same content, the native module must be there, and it must hold every kernel
-/// artifact of `kernel_dir` byte for byte.
+/// artifact of `artifacts` byte for byte.
 pub fn verify(
     unpacked: &Path,
     python_src: &Path,
-    kernel_dir: &Path,
+    artifacts: &[PathBuf],
 ) -> Result<Vec<String>, WheelError> {
     let mut problems = Vec::new();
     let pkg = python_src.join(DIST);
@@ -278,21 +287,14 @@ pub fn verify(
         return Ok(problems);
     };
     let module = fs::read(&native).map_err(XtaskError::io("reading", &native))?;
-    let mut artifacts: Vec<PathBuf> = fs::read_dir(kernel_dir)
-        .map_err(XtaskError::io("listing", kernel_dir))?
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| p.extension().is_some_and(|x| x == "fatbin" || x == "cubin"))
-        .collect();
-    artifacts.sort();
-    if artifacts.is_empty() {
-        problems.push(format!(
-            "{} holds no kernel artifact (run `cargo xtask build-kernels`)",
-            kernel_dir.display()
-        ));
-    }
     for a in artifacts {
-        let bytes = fs::read(&a).map_err(XtaskError::io("reading", &a))?;
+        let Ok(bytes) = fs::read(a) else {
+            problems.push(format!(
+                "the kernel artifact {} is missing (run `cargo xtask build-kernels`)",
+                a.display()
+            ));
+            continue;
+        };
         if !contains(&module, &bytes) {
             problems.push(format!(
                 "the native module does not embed {} as it is now",
@@ -432,7 +434,8 @@ mod tests {
 
     fn check(t: &TempDir) -> Vec<String> {
         let p = t.path();
-        verify(&p.join("wheel"), &p.join("python"), &p.join("kernels")).unwrap()
+        let artifacts = [p.join("kernels/a.fatbin"), p.join("kernels/b.cubin")];
+        verify(&p.join("wheel"), &p.join("python"), &artifacts).unwrap()
     }
 
     #[test]
@@ -471,13 +474,14 @@ mod tests {
     }
 
     #[test]
-    fn no_kernels_is_a_problem() {
+    fn a_missing_kernel_is_a_problem_and_other_files_do_not_count() {
         let t = fixture();
-        for k in ["a.fatbin", "b.cubin"] {
-            fs::remove_file(t.path().join("kernels").join(k)).unwrap();
-        }
+        t.write("kernels/.b.rdc.123.cubin", "a temporary file of a build");
+        assert_eq!(check(&t), Vec::<String>::new());
+        fs::remove_file(t.path().join("kernels/b.cubin")).unwrap();
         let problems = check(&t);
-        assert!(problems[0].contains("no kernel artifact"), "{problems:?}");
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert!(problems[0].contains("b.cubin is missing"), "{problems:?}");
     }
 
     #[test]
