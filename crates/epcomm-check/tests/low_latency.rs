@@ -95,6 +95,12 @@ fn run_ll_suite(w: &Worker, mk: MakeTransport<'_>) {
             3,
             vec![(ragged(10, 20), 0.1, None), (full(1), 0.0, None)],
         ),
+        // The other top-k values, across hidden sizes.
+        (2048, 2, 4, vec![(ragged(17, 40), 0.0, None)]),
+        (3072, 4, 16, vec![(ragged(128, 9), 0.1, Some(0))]),
+        (4096, 5, 8, vec![(full(31), 0.2, None)]),
+        (5120, 6, 12, vec![(ragged(2, 64), 0.0, None)]),
+        (6144, 7, 32, vec![(full(50), 0.05, None)]),
     ];
     let mut rounds = 0;
     for (hidden, top_k, epr, cases) in dims {
