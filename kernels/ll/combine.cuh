@@ -84,26 +84,14 @@ __device__ __forceinline__ void combine_send(const OpArgs& a, Shared& s, uint32_
 template <class Net>
 __device__ __forceinline__ void combine_recv(const OpArgs& a, Shared& s, uint32_t*) {
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int world = a.world, me = a.rank, K = a.top_k;
+  const int me = a.rank, K = a.top_k;
   const bool block0 = blockIdx.x == 0;
-  if (!prologue<Net>(a, s, kOpLlCombineRecv)) return;
-  const OpSeq q = s.seq;
-  const WaitCtx& w = s.wait;
-  const uint64_t par = (q.ll_combine & 1) * a.parity_stride;
-  uint8_t* const local = s.bases[me];
-  uint64_t* const stats = u64_at(local, a.off_stats);
-  const uint64_t t_start = stats[kStatStart];  // written by the send phase (stats span both)
   Schedule<Net> sched(a);
-  if (!sched.barrier(a, s)) return;  // [G2]
   // [L9] every peer finished its send phase, then reduce.
-  bool ok = true;
-  if (tid < world) {
-    uint64_t arrived = 0;
-    ok = wait_geq<Net>(w, u64_at(local, a.off_done) + tid, q.done_expected, kWaitLlCombine, tid,
-                       &arrived);
-    if (ok && block0) stats[kStatPeers + 2 * world + tid] = arrived;
-  }
-  if (!all_ok(s, ok)) return;
+  if (!begin_receive<Net>(a, s, sched, kOpLlCombineRecv, kWaitLlCombine)) return;
+  const uint64_t par = (s.seq.ll_combine & 1) * a.parity_stride;
+  uint8_t* const local = s.bases[me];
+  const uint64_t t_start = u64_at(local, a.off_stats)[kStatStart];  // the send phase's start
   const int64_t row_bytes = static_cast<int64_t>(a.hidden) * 2;
   const int n16 = static_cast<int>(row_bytes / 16);
   const int64_t* topk_idx = reinterpret_cast<const int64_t*>(a.topk_idx);

@@ -219,24 +219,16 @@ __device__ __forceinline__ void dispatch_recv(const OpArgs& a, Shared& s, uint32
   const int world = a.world, me = a.rank, K = a.top_k;
   const int epr = a.num_experts / world, M = a.ll_max_tokens;
   const bool block0 = blockIdx.x == 0;
-  if (!prologue<Net>(a, s, kOpLlDispatchRecv)) return;
+  Schedule<Net> sched(a);
+  // [L5] every source finished its send phase.
+  if (!begin_receive<Net>(a, s, sched, kOpLlDispatchRecv, kWaitLlDispatch)) return;
   const OpSeq q = s.seq;
   const WaitCtx& w = s.wait;
   const uint64_t par = (q.ll_dispatch & 1) * a.parity_stride;
   uint8_t* const local = s.bases[me];
   uint64_t* const stats = u64_at(local, a.off_stats);
   const uint64_t t_start = stats[kStatStart];  // written by the send phase (stats span both)
-  Schedule<Net> sched(a);
-  if (!sched.barrier(a, s)) return;  // [G2]
-  // [L5] every source finished its send phase (monotonic done counters, never reset).
   bool ok = true;
-  if (tid < world) {
-    uint64_t arrived = 0;
-    ok = wait_geq<Net>(w, u64_at(local, a.off_done) + tid, q.done_expected, kWaitLlDispatch, tid,
-                       &arrived);
-    if (ok && block0) stats[kStatPeers + 2 * world + tid] = arrived;
-  }
-  if (!all_ok(s, ok)) return;
   // [L6] first packed row of every (local expert, source); counts and ranges (block 0).
   const uint64_t* counts = u64_at(local, a.off_ll_counts + par);
   int* first = reinterpret_cast<int*>(dyn);  // [epr][world]

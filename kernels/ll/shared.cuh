@@ -18,7 +18,10 @@
 // Step labels [L1]..[L9] are those of docs/protocol.md.
 #pragma once
 #include "common/abi.cuh"
+#include "common/schedule.cuh"
 #include "common/seq.cuh"
+#include "common/stats.cuh"
+#include "common/wait.cuh"
 
 namespace epcomm::ll {
 
@@ -47,6 +50,26 @@ __device__ __forceinline__ float pow2_ceil(float x) {
   uint32_t b = __float_as_uint(x);
   if ((b & 0x7fffffu) != 0u) b = (b & 0xff800000u) + 0x800000u;
   return __uint_as_float(b);
+}
+
+// The start of a receive phase of `kind`: the prologue, the Global barrier [G2], then [L5]
+// every peer's send phase of this op is done (monotonic done counters; block 0 records when
+// each peer's arrived, for the stats). False (block-uniform) when the op must stop.
+template <class Net>
+__device__ __forceinline__ bool begin_receive(const OpArgs& a, Shared& s, Schedule<Net>& sched,
+                                              uint32_t kind, uint32_t wait_id) {
+  if (!prologue<Net>(a, s, kind)) return false;
+  if (!sched.barrier(a, s)) return false;  // [G2]
+  bool ok = true;
+  const int tid = threadIdx.x;
+  if (tid < a.world) {
+    uint8_t* const local = s.bases[a.rank];
+    uint64_t arrived = 0;
+    ok = wait_geq<Net>(s.wait, u64_at(local, a.off_done) + tid, s.seq.done_expected, wait_id,
+                       tid, &arrived);
+    if (ok && blockIdx.x == 0) u64_at(local, a.off_stats)[kStatPeers + 2 * a.world + tid] = arrived;
+  }
+  return all_ok(s, ok);
 }
 
 }  // namespace epcomm::ll

@@ -295,35 +295,20 @@ impl LlTimer {
                     buf.ll_combine(&io.y, &io.idx, &io.w, &self.recv, &mut io.out)?;
                     end.record(&self.stream)?;
                 }
-                BenchOp::LlDispatchFp8Send | BenchOp::LlDispatchFp8Recv => {
-                    let send = op == BenchOp::LlDispatchFp8Send;
-                    if send {
-                        start.record(&self.stream)?;
-                    }
-                    let input = io.input();
-                    let pending = buf.ll_dispatch_send(&input, fp8, &mut self.recv)?;
-                    if send {
-                        end.record(&self.stream)?;
-                    }
-                    self.stream.synchronize()?;
-                    buf.transport()
-                        .bootstrap()
-                        .barrier(&format!("ll-bench-{i}"))?;
-                    if !send {
-                        start.record(&self.stream)?;
-                    }
-                    buf.ll_receive(pending)?;
-                    if !send {
-                        end.record(&self.stream)?;
-                    }
-                }
-                BenchOp::LlCombineSend | BenchOp::LlCombineRecv => {
-                    let send = op == BenchOp::LlCombineSend;
+                BenchOp::LlDispatchFp8Send
+                | BenchOp::LlDispatchFp8Recv
+                | BenchOp::LlCombineSend
+                | BenchOp::LlCombineRecv => {
+                    let send = matches!(op, BenchOp::LlDispatchFp8Send | BenchOp::LlCombineSend);
                     if send {
                         start.record(&self.stream)?;
                     }
                     let pending =
-                        buf.ll_combine_send(&io.y, &io.idx, &io.w, &self.recv, &mut io.out)?;
+                        if matches!(op, BenchOp::LlDispatchFp8Send | BenchOp::LlDispatchFp8Recv) {
+                            buf.ll_dispatch_send(&io.input(), fp8, &mut self.recv)?
+                        } else {
+                            buf.ll_combine_send(&io.y, &io.idx, &io.w, &self.recv, &mut io.out)?
+                        };
                     if send {
                         end.record(&self.stream)?;
                     }

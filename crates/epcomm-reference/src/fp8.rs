@@ -27,6 +27,16 @@ pub const FP8_AMAX_FLOOR: f32 = 1e-4;
 /// `hidden` a valid FP8 row ([`RowFormat::new`]: `hidden > 0`, `hidden % 128 == 0`, as
 /// [`RefError::Row`]), `x.len() % hidden == 0`.
 pub fn quantize_fp8_e4m3_per128(x: &[bf16], hidden: usize) -> Result<(Vec<F8E4M3>, Vec<f32>)> {
+    quantize_groups(x, hidden, |amax| (FP8_E4M3_MAX / amax, amax / FP8_E4M3_MAX))
+}
+
+/// Casts every 128-channel group of `x` with `(multiplier, scale) = cast(amax)`, where `amax`
+/// is the group's largest magnitude clamped to [`FP8_AMAX_FLOOR`].
+fn quantize_groups(
+    x: &[bf16],
+    hidden: usize,
+    cast: impl Fn(f32) -> (f32, f32),
+) -> Result<(Vec<F8E4M3>, Vec<f32>)> {
     let row = fp8_row(hidden)?;
     RefError::multiple_check("x.len()", x.len(), "hidden", hidden)?;
     let groups = x.len() / hidden * row.num_scales();
@@ -38,9 +48,9 @@ pub fn quantize_fp8_e4m3_per128(x: &[bf16], hidden: usize) -> Result<(Vec<F8E4M3
             .map(|v| v.to_f32().abs())
             .fold(0.0f32, f32::max)
             .max(FP8_AMAX_FLOOR);
-        let inv = FP8_E4M3_MAX / amax;
-        data.extend(group.iter().map(|v| F8E4M3::from_f32(v.to_f32() * inv)));
-        scales.push(amax / FP8_E4M3_MAX);
+        let (mul, scale) = cast(amax);
+        data.extend(group.iter().map(|v| F8E4M3::from_f32(v.to_f32() * mul)));
+        scales.push(scale);
     }
     Ok((data, scales))
 }
@@ -55,23 +65,10 @@ pub fn quantize_fp8_e4m3_per128_ue8m0(
     x: &[bf16],
     hidden: usize,
 ) -> Result<(Vec<F8E4M3>, Vec<f32>)> {
-    let row = fp8_row(hidden)?;
-    RefError::multiple_check("x.len()", x.len(), "hidden", hidden)?;
-    let groups = x.len() / hidden * row.num_scales();
-    let mut data = Vec::with_capacity(x.len());
-    let mut scales = Vec::with_capacity(groups);
-    for group in x.chunks_exact(FP8_GROUP) {
-        let amax = group
-            .iter()
-            .map(|v| v.to_f32().abs())
-            .fold(0.0f32, f32::max)
-            .max(FP8_AMAX_FLOOR);
+    quantize_groups(x, hidden, |amax| {
         let scale = pow2_ceil(amax / FP8_E4M3_MAX);
-        let inv = 1.0 / scale;
-        data.extend(group.iter().map(|v| F8E4M3::from_f32(v.to_f32() * inv)));
-        scales.push(scale);
-    }
-    Ok((data, scales))
+        (1.0 / scale, scale)
+    })
 }
 
 /// The smallest power of two `>= x`, for a positive normal `x` (bit-exact, no `log2`).
