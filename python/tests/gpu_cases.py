@@ -538,7 +538,9 @@ def timeout(ctx):
     if rank == late:
         buf.inject_delay(1.5)
     try:
-        buf.dispatch(x, topk_idx=idx)
+        # Worst-case receive sizes: the device wait (not the host's wait for the counts, which
+        # cannot know which peer is missing) expires and names the late rank.
+        buf.dispatch(x, topk_idx=idx, num_worst_tokens=world * tokens)
         buf.synchronize()
     except epcomm.TimeoutError as e:
         assert rank != late and e.late_rank == late, (rank, e.late_rank, str(e))
