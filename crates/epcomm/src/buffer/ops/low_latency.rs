@@ -188,6 +188,26 @@ pub struct LlPending<'a> {
     _borrows: PhantomData<&'a mut ()>,
 }
 
+impl LlPending<'_> {
+    /// The same pending receive, no longer tied to the borrows of the op's arrays: for callers
+    /// across a language boundary that keep the arrays alive themselves (a Python binding
+    /// holding the tensors until its hook runs).
+    ///
+    /// # Safety
+    /// Every array the op named (its inputs, `y`, `out`, the [`LlRecv`]) must stay allocated,
+    /// unmoved and untouched by other work until the receive phase this pending value issues
+    /// ([`Buffer::ll_receive`]) has finished on the stream.
+    pub unsafe fn detach(self) -> LlPending<'static> {
+        LlPending {
+            op: self.op,
+            kind: self.kind,
+            args: self.args,
+            buffer_id: self.buffer_id,
+            _borrows: PhantomData,
+        }
+    }
+}
+
 impl std::fmt::Debug for LlPending<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LlPending").field("op", &self.op).finish()
