@@ -93,6 +93,7 @@ enum OpFlags : uint32_t {  // rust: mod flags, strip kFlag
   kFlagHasTopk = 1u << 3,     ///< Top-k ids travel (dispatch).
   kFlagInPlace = 1u << 4,     ///< Combine pulls y from every rank's latest dispatch receive region.
   kFlagRoundScale = 1u << 5,  ///< Low-latency FP8 dispatch: scales rounded up to powers of two.
+  kFlagFused = 1u << 6,       ///< Low-latency send kernel also runs the receive phase (no hook).
 };
 
 /// Arguments of `epcomm_dispatch` and `epcomm_combine`. All addresses are device addresses.

@@ -12,6 +12,9 @@
 
 namespace epcomm::ll {
 
+template <class Net>
+__device__ __forceinline__ void combine_reduce(const OpArgs& a, Shared& s, Schedule<Net>& sched);
+
 // Send phase: every packed row y[l][pos] (pos < the dispatch's count of local expert l) goes
 // back to its source rank, into the combine row [token][k] of the entry it came from. Rows
 // are dealt to warps over the packed rows of all local experts together.
@@ -75,6 +78,10 @@ __device__ __forceinline__ void combine_send(const OpArgs& a, Shared& s, uint32_
   if (tid < world)
     Net::publish_add(u64_at(s.bases[tid], a.off_done) + me, 1, tid,
                      Net::remote(a.remote_mask, tid));
+  if ((a.flags & kFlagFused) != 0) {  // no hook: the receive phase in the same kernel
+    if (!await_sends<Net>(a, s, sched, kWaitLlCombine)) return;
+    return combine_reduce<Net>(a, s, sched);
+  }
   epilogue(a, s, sched.count);
 }
 
@@ -83,12 +90,18 @@ __device__ __forceinline__ void combine_send(const OpArgs& a, Shared& s, uint32_
 // the same bits), rounded to bf16 once.
 template <class Net>
 __device__ __forceinline__ void combine_recv(const OpArgs& a, Shared& s, uint32_t*) {
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int me = a.rank, K = a.top_k;
-  const bool block0 = blockIdx.x == 0;
   Schedule<Net> sched(a);
   // [L9] every peer finished its send phase, then reduce.
   if (!begin_receive<Net>(a, s, sched, kOpLlCombineRecv, kWaitLlCombine)) return;
+  combine_reduce<Net>(a, s, sched);
+}
+
+// [L9]'s reduction after the wait, then the op's epilogue.
+template <class Net>
+__device__ __forceinline__ void combine_reduce(const OpArgs& a, Shared& s, Schedule<Net>& sched) {
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int me = a.rank, K = a.top_k;
+  const bool block0 = blockIdx.x == 0;
   const uint64_t par = (s.seq.ll_combine & 1) * a.parity_stride;
   uint8_t* const local = s.bases[me];
   const uint64_t t_start = u64_at(local, a.off_stats)[kStatStart];  // the send phase's start

@@ -49,6 +49,10 @@ __device__ __forceinline__ uint2 cast_fp8x8(const int4& v, bool round_scale, flo
   return out;
 }
 
+template <class Net>
+__device__ __forceinline__ void dispatch_unpack(const OpArgs& a, Shared& s, uint32_t* dyn,
+                                                Schedule<Net>& sched);
+
 // Send phase. Every block builds the routing bitmaps of all tokens in shared memory (the
 // batch is small), so slots and indices need no communication between blocks; warps are dealt
 // tokens block-first.
@@ -207,6 +211,10 @@ __device__ __forceinline__ void dispatch_send(const OpArgs& a, Shared& s, uint32
   if (tid < world)
     Net::publish_add(u64_at(s.bases[tid], a.off_done) + me, 1, tid,
                      Net::remote(a.remote_mask, tid));
+  if ((a.flags & kFlagFused) != 0) {  // no hook: the receive phase in the same kernel
+    if (!await_sends<Net>(a, s, sched, kWaitLlDispatch)) return;
+    return dispatch_unpack<Net>(a, s, dyn, sched);
+  }
   epilogue(a, s, sched.count);
 }
 
@@ -215,13 +223,20 @@ __device__ __forceinline__ void dispatch_send(const OpArgs& a, Shared& s, uint32
 // token index, route (source rank * top_k + k), per-expert counts and per-source ranges.
 template <class Net>
 __device__ __forceinline__ void dispatch_recv(const OpArgs& a, Shared& s, uint32_t* dyn) {
+  Schedule<Net> sched(a);
+  // [L5] every source finished its send phase.
+  if (!begin_receive<Net>(a, s, sched, kOpLlDispatchRecv, kWaitLlDispatch)) return;
+  dispatch_unpack<Net>(a, s, dyn, sched);
+}
+
+// [L6]-[L7] after [L5], then the op's epilogue.
+template <class Net>
+__device__ __forceinline__ void dispatch_unpack(const OpArgs& a, Shared& s, uint32_t* dyn,
+                                                Schedule<Net>& sched) {
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int world = a.world, me = a.rank, K = a.top_k;
   const int epr = a.num_experts / world, M = a.ll_max_tokens;
   const bool block0 = blockIdx.x == 0;
-  Schedule<Net> sched(a);
-  // [L5] every source finished its send phase.
-  if (!begin_receive<Net>(a, s, sched, kOpLlDispatchRecv, kWaitLlDispatch)) return;
   const OpSeq q = s.seq;
   const WaitCtx& w = s.wait;
   const uint64_t par = (q.ll_dispatch & 1) * a.parity_stride;

@@ -52,13 +52,12 @@ __device__ __forceinline__ float pow2_ceil(float x) {
   return __uint_as_float(b);
 }
 
-// The start of a receive phase of `kind`: the prologue, the Global barrier [G2], then [L5]
-// every peer's send phase of this op is done (monotonic done counters; block 0 records when
-// each peer's arrived, for the stats). False (block-uniform) when the op must stop.
+// [G2] then [L5]: every peer's send phase of this op is done (monotonic done counters; block
+// 0 records when each peer's arrived, for the stats). False (block-uniform) when the op must
+// stop. A fused send kernel (kFlagFused) calls it right after its own [L4].
 template <class Net>
-__device__ __forceinline__ bool begin_receive(const OpArgs& a, Shared& s, Schedule<Net>& sched,
-                                              uint32_t kind, uint32_t wait_id) {
-  if (!prologue<Net>(a, s, kind)) return false;
+__device__ __forceinline__ bool await_sends(const OpArgs& a, Shared& s, Schedule<Net>& sched,
+                                            uint32_t wait_id) {
   if (!sched.barrier(a, s)) return false;  // [G2]
   bool ok = true;
   const int tid = threadIdx.x;
@@ -70,6 +69,13 @@ __device__ __forceinline__ bool begin_receive(const OpArgs& a, Shared& s, Schedu
     if (ok && blockIdx.x == 0) u64_at(local, a.off_stats)[kStatPeers + 2 * a.world + tid] = arrived;
   }
   return all_ok(s, ok);
+}
+
+// The start of a receive-phase kernel of `kind`: the prologue, then await_sends.
+template <class Net>
+__device__ __forceinline__ bool begin_receive(const OpArgs& a, Shared& s, Schedule<Net>& sched,
+                                              uint32_t kind, uint32_t wait_id) {
+  return prologue<Net>(a, s, kind) && await_sends<Net>(a, s, sched, wait_id);
 }
 
 }  // namespace epcomm::ll

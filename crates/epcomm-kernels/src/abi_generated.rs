@@ -116,6 +116,8 @@ pub mod flags {
     pub const IN_PLACE: u32 = 1 << 4;
     /// Low-latency FP8 dispatch: scales rounded up to powers of two.
     pub const ROUND_SCALE: u32 = 1 << 5;
+    /// Low-latency send kernel also runs the receive phase (no hook).
+    pub const FUSED: u32 = 1 << 6;
 }
 
 /// Arguments of `epcomm_dispatch` and `epcomm_combine`. All addresses are device addresses.
@@ -320,7 +322,7 @@ pub struct LayoutArgs {
 
 /// What `epcomm_abi_probe` writes, in its order: every constant, enumerator, struct size
 /// and field offset of the ABI, as the host sees it.
-pub(crate) const ABI_PROBE: [(&str, u64); 130] = [
+pub(crate) const ABI_PROBE: [(&str, u64); 131] = [
     ("kAbiVersion", ABI_VERSION),
     ("kMaxWorld", MAX_WORLD as u64),
     ("kOk", code::OK as u64),
@@ -365,6 +367,7 @@ pub(crate) const ABI_PROBE: [(&str, u64); 130] = [
     ("kFlagHasTopk", flags::HAS_TOPK as u64),
     ("kFlagInPlace", flags::IN_PLACE as u64),
     ("kFlagRoundScale", flags::ROUND_SCALE as u64),
+    ("kFlagFused", flags::FUSED as u64),
     ("sizeof(OpArgs)", size_of::<OpArgs>() as u64),
     ("offsetof(OpArgs, x)", offset_of!(OpArgs, x) as u64),
     ("offsetof(OpArgs, x_scales)", offset_of!(OpArgs, x_scales) as u64),

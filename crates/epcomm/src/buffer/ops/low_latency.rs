@@ -265,8 +265,8 @@ impl Buffer {
         format: LlFormat,
         recv: &mut LlRecv,
     ) -> Result<()> {
-        let pending = self.ll_dispatch_send(input, format, recv)?;
-        self.ll_receive(pending)
+        // One kernel: the send phase goes straight on with the receive phase.
+        self.ll_dispatch_launch(input, format, recv, true).map(drop)
     }
 
     /// The send phase of [`Self::ll_dispatch`]: returns once the sends are issued; `recv` is
@@ -276,6 +276,18 @@ impl Buffer {
         input: &LlDispatchInput<'a>,
         format: LlFormat,
         recv: &'a mut LlRecv,
+    ) -> Result<LlPending<'a>> {
+        self.ll_dispatch_launch(input, format, recv, false)
+    }
+
+    /// Checks and launches a low-latency dispatch's send kernel; `fused`: the kernel also runs
+    /// the receive phase (nothing is left pending).
+    fn ll_dispatch_launch<'a>(
+        &mut self,
+        input: &LlDispatchInput<'a>,
+        format: LlFormat,
+        recv: &'a mut LlRecv,
+        fused: bool,
     ) -> Result<LlPending<'a>> {
         self.ensure_ready()?;
         let m = self.ll_capacity()?;
@@ -312,7 +324,7 @@ impl Buffer {
         let ordinal = self.ctx.ordinal();
         check_device_ptr("x", x, t * hidden * 2, ROW_ALIGN, ordinal)?;
         check_device_ptr("topk_idx", idx, t * k * 8, 8, ordinal)?;
-        let mut flags = 0;
+        let mut flags = if fused { abi::flags::FUSED } else { 0 };
         if let LlFormat::Fp8 { round_scale } = format {
             flags |= abi::flags::HAS_SCALES;
             if round_scale {
@@ -349,7 +361,7 @@ impl Buffer {
         }?;
         self.seq.advance(abi::op::LL_DISPATCH);
         self.last_op = Some("low-latency dispatch");
-        self.ll_pending = Some("dispatch");
+        self.ll_pending = (!fused).then_some("dispatch");
         recv.dispatched = Some((format, t));
         Ok(LlPending {
             op: Op::LlDispatchRecv,
@@ -373,8 +385,9 @@ impl Buffer {
         recv: &LlRecv,
         out: &mut dyn DevicePtrMut<half::bf16>,
     ) -> Result<()> {
-        let pending = self.ll_combine_send(y, topk_idx, topk_weights, recv, out)?;
-        self.ll_receive(pending)
+        // One kernel: the send phase goes straight on with the receive phase.
+        self.ll_combine_launch(y, topk_idx, topk_weights, recv, out, true)
+            .map(drop)
     }
 
     /// The send phase of [`Self::ll_combine`]; `out` is written once the returned
@@ -386,6 +399,20 @@ impl Buffer {
         topk_weights: &'a dyn DevicePtr<f32>,
         recv: &'a LlRecv,
         out: &'a mut dyn DevicePtrMut<half::bf16>,
+    ) -> Result<LlPending<'a>> {
+        self.ll_combine_launch(y, topk_idx, topk_weights, recv, out, false)
+    }
+
+    /// Checks and launches a low-latency combine's send kernel; `fused`: the kernel also runs
+    /// the receive phase (nothing is left pending).
+    fn ll_combine_launch<'a>(
+        &mut self,
+        y: &'a dyn DevicePtr<half::bf16>,
+        topk_idx: &'a dyn DevicePtr<i64>,
+        topk_weights: &'a dyn DevicePtr<f32>,
+        recv: &'a LlRecv,
+        out: &'a mut dyn DevicePtrMut<half::bf16>,
+        fused: bool,
     ) -> Result<LlPending<'a>> {
         self.ensure_ready()?;
         self.ll_capacity()?;
@@ -439,6 +466,7 @@ impl Buffer {
             topk_weights: w,
             out: o,
             num_tokens: t as i32,
+            flags: if fused { abi::flags::FUSED } else { 0 },
             ll_recv_count: rc,
             ll_src_info: ri,
             ll_route: rr,
@@ -454,7 +482,7 @@ impl Buffer {
         }?;
         self.seq.advance(abi::op::LL_COMBINE);
         self.last_op = Some("low-latency combine");
-        self.ll_pending = Some("combine");
+        self.ll_pending = (!fused).then_some("combine");
         Ok(LlPending {
             op: Op::LlCombineRecv,
             kind: abi::op::LL_COMBINE_RECV,
