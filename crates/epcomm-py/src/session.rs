@@ -15,8 +15,9 @@
 //! Low-latency ops (when the options ask for low-latency memory): the session owns **two**
 //! [`LlRecv`] sets and low-latency dispatches alternate between them, so a dispatch's outputs
 //! stay valid until the second-next low-latency dispatch (DeepEP's rule: the next dispatch
-//! writes the other set). Each op is issued as its send phase ([`Session::ll_dispatch_send`],
-//! [`Session::ll_combine_send`]); the session keeps the pending receive phase and
+//! writes the other set). [`Session::ll_dispatch`] and [`Session::ll_combine`] issue both
+//! phases, or with `hook` only the send phase: the session then keeps the pending receive
+//! phase (detached from the borrows of the caller's arrays, which the caller keeps alive) and
 //! [`Session::ll_receive`] (the hook) issues it. Until then every other op is refused.
 
 use std::sync::Arc;
@@ -511,21 +512,24 @@ impl Session {
         }
     }
 
-    /// The send phase of a low-latency dispatch of `num_tokens` bf16 rows `x` (`[T][hidden]`)
-    /// routed by `topk_idx` (`[T][top_k]` i64) into the next of the two receive sets; the
-    /// receive phase stays pending until [`Self::ll_receive`] with the returned op number.
+    /// A low-latency dispatch of `num_tokens` bf16 rows `x` (`[T][hidden]`) routed by
+    /// `topk_idx` (`[T][top_k]` i64) into the next of the two receive sets. `hook`: only the
+    /// send phase is issued, and the receive phase stays pending until [`Self::ll_receive`]
+    /// with the returned op number; otherwise both phases are issued (the frontend's one
+    /// fused kernel) and no op number is returned.
     ///
     /// # Safety
-    /// `x` and `topk_idx` as for [`Borrowed::new`] on the buffer's stream, and they must stay
-    /// allocated and unwritten until the receive phase issued by [`Self::ll_receive`] (or the
-    /// destroy that drops it) has finished on the stream.
-    pub unsafe fn ll_dispatch_send(
+    /// `x` and `topk_idx` as for [`Borrowed::new`] on the buffer's stream; with `hook` they
+    /// must stay allocated and unwritten until the receive phase issued by
+    /// [`Self::ll_receive`] (or the destroy that drops it) has finished on the stream.
+    pub unsafe fn ll_dispatch(
         &mut self,
         x: RawArray,
         topk_idx: RawArray,
         num_tokens: usize,
         format: LlFormat,
-    ) -> Result<(u64, LlDispatchOut)> {
+        hook: bool,
+    ) -> Result<(Option<u64>, LlDispatchOut)> {
         let s = self.stream.clone();
         let (buf, ll) = self.ll_state()?;
         Self::ll_idle(ll, "low-latency op")?;
@@ -539,17 +543,24 @@ impl Session {
             num_tokens,
         };
         let set = (ll.dispatches % 2) as usize;
-        let pending = buf.ll_dispatch_send(&input, format, &mut ll.recvs[set])?;
-        // SAFETY: the pending receive names `x`, `topk_idx` (kept alive by the caller until the
-        // receive phase ran: this function's contract; the Python side holds the tensors until
-        // the hook ran) and the receive set `set`, which the session owns and does not reuse
-        // before the receive phase: every other op is refused while it is pending, and the
-        // next dispatch writes the other set.
-        let pending = unsafe { pending.detach() };
+        let recv = &mut ll.recvs[set];
+        let n = if hook {
+            let pending = buf.ll_dispatch_send(&input, format, recv)?;
+            // SAFETY: the pending receive names `x`, `topk_idx` (kept alive by the caller until
+            // the receive phase ran: this function's contract; the Python side holds the
+            // tensors until the hook ran) and the receive set `set`, which the session owns and
+            // does not reuse before the receive phase: every other op is refused while it is
+            // pending, and the next dispatch writes the other set.
+            let pending = unsafe { pending.detach() };
+            ll.ops += 1;
+            ll.pending = Some((ll.ops, LlOp::Dispatch, pending));
+            Some(ll.ops)
+        } else {
+            buf.ll_dispatch(&input, format, recv)?;
+            ll.ops += 1;
+            None
+        };
         ll.dispatches += 1;
-        ll.ops += 1;
-        let n = ll.ops;
-        ll.pending = Some((n, LlOp::Dispatch, pending));
         let r = &ll.recvs[set];
         let out = LlDispatchOut {
             seq: ll.dispatches,
@@ -566,11 +577,12 @@ impl Session {
         Ok((n, out))
     }
 
-    /// The send phase of a low-latency combine of the expert outputs `y`
-    /// (`[local_experts][capacity][hidden]` bf16) of low-latency dispatch `seq` (its
-    /// [`LlDispatchOut::seq`]), reduced with this rank's `topk_idx`/`topk_weights` of that
-    /// dispatch into `out` (`[T][hidden]` bf16) by the receive phase, pending until
-    /// [`Self::ll_receive`] with the returned op number.
+    /// A low-latency combine of the expert outputs `y` (`[local_experts][capacity][hidden]`
+    /// bf16) of low-latency dispatch `seq` (its [`LlDispatchOut::seq`]), reduced with this
+    /// rank's `topk_idx`/`topk_weights` of that dispatch into `out` (`[T][hidden]` bf16).
+    /// `hook`: only the send phase is issued and the receive phase (which writes `out`) stays
+    /// pending until [`Self::ll_receive`] with the returned op number; otherwise both phases
+    /// are issued (one fused kernel) and no op number is returned.
     ///
     /// # Errors
     /// [`BindError::InvalidArgument`] naming `handle` when `seq` is not a dispatch of this
@@ -578,16 +590,17 @@ impl Session {
     /// the second-next low-latency dispatch).
     ///
     /// # Safety
-    /// Every array as for [`Borrowed::new`] on the buffer's stream, kept allocated (and `out`
-    /// unread by others) until the receive phase has finished on the stream.
-    pub unsafe fn ll_combine_send(
+    /// Every array as for [`Borrowed::new`] on the buffer's stream; with `hook` kept allocated
+    /// (and `out` unread by others) until the receive phase has finished on the stream.
+    pub unsafe fn ll_combine(
         &mut self,
         seq: u64,
         y: RawArray,
         topk_idx: RawArray,
         topk_weights: RawArray,
         out: RawArray,
-    ) -> Result<u64> {
+        hook: bool,
+    ) -> Result<Option<u64>> {
         let s = self.stream.clone();
         let (buf, ll) = self.ll_state()?;
         Self::ll_idle(ll, "low-latency op")?;
@@ -611,16 +624,21 @@ impl Session {
         let w = unsafe { Borrowed::<f32>::new(topk_weights, &s) };
         // SAFETY: as above.
         let mut o = unsafe { Borrowed::<half::bf16>::new(out, &s) };
-        let pending = buf.ll_combine_send(&yb, &idx, &w, &ll.recvs[set], &mut o)?;
+        let recv = &ll.recvs[set];
+        if !hook {
+            buf.ll_combine(&yb, &idx, &w, recv, &mut o)?;
+            ll.ops += 1;
+            return Ok(None);
+        }
+        let pending = buf.ll_combine_send(&yb, &idx, &w, recv, &mut o)?;
         // SAFETY: the pending receive names `y`, `topk_idx`, `topk_weights`, `out` (kept alive
         // by the caller until the receive phase ran: this function's contract; the Python side
         // holds the tensors until the hook ran) and receive set `set`, which the session owns
         // and no dispatch writes before the receive phase (every op is refused meanwhile).
         let pending = unsafe { pending.detach() };
         ll.ops += 1;
-        let n = ll.ops;
-        ll.pending = Some((n, LlOp::Combine, pending));
-        Ok(n)
+        ll.pending = Some((ll.ops, LlOp::Combine, pending));
+        Ok(Some(ll.ops))
     }
 
     /// The hook: issues the receive phase of low-latency op `op` (the number its send phase

@@ -405,12 +405,13 @@ impl PySession {
             .map_err(|e| to_pyerr(py, e))
     }
 
-    /// The send phase of a low-latency dispatch of `num_tokens` bf16 rows `x` routed by
-    /// `topk_idx`; `fp8`: cast to e4m3 with per-128-channel scales (`round_scale`: power-of-two
-    /// scales). Returns `(op, LlDispatch)`: the op number for `ll_receive` (the hook) and
-    /// where the receive arrays lie.
-    #[pyo3(signature = (x, topk_idx, num_tokens, fp8, round_scale))]
-    fn ll_dispatch_send(
+    /// A low-latency dispatch of `num_tokens` bf16 rows `x` routed by `topk_idx`; `fp8`:
+    /// cast to e4m3 with per-128-channel scales (`round_scale`: power-of-two scales); `hook`:
+    /// issue only the send phase. Returns `(op, LlDispatch)`: the op number for `ll_receive`
+    /// (the hook; None without `hook`) and where the receive arrays lie.
+    #[pyo3(signature = (x, topk_idx, num_tokens, fp8, round_scale, hook))]
+    #[allow(clippy::too_many_arguments)]
+    fn ll_dispatch(
         &self,
         py: Python<'_>,
         x: Arr,
@@ -418,7 +419,8 @@ impl PySession {
         num_tokens: usize,
         fp8: bool,
         round_scale: bool,
-    ) -> PyResult<(u64, PyLlDispatch)> {
+        hook: bool,
+    ) -> PyResult<(Option<u64>, PyLlDispatch)> {
         let format = match (fp8, round_scale) {
             (true, round_scale) => LlFormat::Fp8 { round_scale },
             (false, false) => LlFormat::Bf16,
@@ -436,15 +438,17 @@ impl PySession {
         // SAFETY: the module's contract (see the module docs): live tensors, which the Python
         // side keeps referenced until the receive phase (the hook) has run on the stream.
         let (op, out) = detached(py, || unsafe {
-            self.lock().ll_dispatch_send(x, idx, num_tokens, format)
+            self.lock().ll_dispatch(x, idx, num_tokens, format, hook)
         })?;
         Ok((op, PyLlDispatch { out }))
     }
 
-    /// The send phase of a low-latency combine of `y` (expert outputs at the rows of
-    /// low-latency dispatch `seq`) into `out`, reduced with this rank's `topk_idx` and
-    /// `topk_weights` of that dispatch. Returns the op number for `ll_receive`.
-    fn ll_combine_send(
+    /// A low-latency combine of `y` (expert outputs at the rows of low-latency dispatch
+    /// `seq`) into `out`, reduced with this rank's `topk_idx` and `topk_weights` of that
+    /// dispatch; `hook`: issue only the send phase. Returns the op number for `ll_receive`
+    /// (None without `hook`).
+    #[allow(clippy::too_many_arguments)]
+    fn ll_combine(
         &self,
         py: Python<'_>,
         seq: u64,
@@ -452,12 +456,13 @@ impl PySession {
         topk_idx: Arr,
         topk_weights: Arr,
         out: Arr,
-    ) -> PyResult<u64> {
+        hook: bool,
+    ) -> PyResult<Option<u64>> {
         let (y, idx, w, o) = (raw(y), raw(topk_idx), raw(topk_weights), raw(out));
         // SAFETY: the module's contract (see the module docs): live tensors, which the Python
         // side keeps referenced until the receive phase (the hook) has run on the stream.
         detached(py, || unsafe {
-            self.lock().ll_combine_send(seq, y, idx, w, o)
+            self.lock().ll_combine(seq, y, idx, w, o, hook)
         })
     }
 
