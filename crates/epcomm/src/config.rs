@@ -143,6 +143,13 @@ mod tests {
             ),
             (
                 BufferConfig {
+                    ll_max_tokens_per_rank: 65536,
+                    ..ok.clone()
+                },
+                "ll_max_tokens_per_rank",
+            ),
+            (
+                BufferConfig {
                     timeout: Duration::ZERO,
                     ..ok.clone()
                 },

@@ -273,6 +273,27 @@ mod tests {
     }
 
     #[test]
+    fn low_latency_bitmaps_must_fit_in_shared_memory() {
+        let mut cfg = BufferConfig::new(64, 7168, 8, 256);
+        assert_eq!(ll_smem_words(&cfg, 2).unwrap(), 0);
+        cfg.ll_max_tokens_per_rank = 128;
+        // (256 + 2) experts and ranks, 4 words of 32 tokens each.
+        assert_eq!(ll_smem_words(&cfg, 2).unwrap(), 258 * 4);
+        cfg.ll_max_tokens_per_rank = 992;
+        assert_eq!(ll_smem_words(&cfg, 2).unwrap(), 258 * 31);
+        cfg.ll_max_tokens_per_rank = 993;
+        let e = ll_smem_words(&cfg, 2).unwrap_err().to_string();
+        assert!(
+            e.contains("ll_max_tokens_per_rank") && e.contains("at most 992 tokens"),
+            "{e}"
+        );
+        // Small batches with few experts: the receive phase's table sets the size.
+        let mut small = BufferConfig::new(8, 128, 1, 64);
+        small.ll_max_tokens_per_rank = 1;
+        assert_eq!(ll_smem_words(&small, 1).unwrap(), 65);
+    }
+
+    #[test]
     fn plans_keep_one_parity_stride() {
         let plan = BufferPlan::new(8, 4096, 7168, 8, 256).unwrap();
         let stride = parity_stride(&plan).unwrap();
