@@ -77,6 +77,15 @@ def _tensor(buf, argument, t, dtypes, shape, names):
     return d
 
 
+def _no_capture(op):
+    if op.capturing:
+        fail(
+            "graph capture",
+            "the Python layer does not record low-latency ops into CUDA graphs (the Rust frontend's "
+            "Buffer::capture does): run them outside the capture",
+        )
+
+
 def _views(buf, out, use_fp8):
     """``(recv_x, recv_scales or None, recv_count, src_info, layout_range)``: views of the
     receive set `out` names (made once per set and format)."""
@@ -138,6 +147,7 @@ def dispatch(
             ("num_local_experts",),
         )
     op = StreamOp(buf._comm, None, async_finish, False)
+    _no_capture(op)
     op.use(x, topk_idx)
     op.begin()
     number, out = buf._session.ll_dispatch(
@@ -195,6 +205,7 @@ def combine(
     d_idx = _tensor(buf, "topk_idx", topk_idx, ("int64",), (n, buf.num_topk), ("num_tokens", "num_topk"))
     d_w = _tensor(buf, "topk_weights", topk_weights, ("float32",), (n, buf.num_topk), ("num_tokens", "num_topk"))
     op = StreamOp(buf._comm, None, async_finish, False)
+    _no_capture(op)
     if out is None:
         out = torch.empty((n, buf.hidden), dtype=torch.bfloat16, device=buf.device)
     else:
