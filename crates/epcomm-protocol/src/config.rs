@@ -30,12 +30,28 @@ pub enum OpKind {
     CachedDispatch,
     /// Combine: every rank returns the rows of the last dispatch to their owners, which reduce.
     Combine,
+    /// Low-latency dispatch (`kernels/ll/`): a send phase (`[L1]`..`[L4]`) and a receive phase
+    /// (`[L5]``[L6]``[L7]`) of the same rank, with its own sequence number `l` (the kernels'
+    /// `ll_dispatch`) and its own routing ([`ll_routes_to`]); no count exchange, no offsets.
+    /// The kernels' fused form (one kernel runs both phases) executes the same steps back to
+    /// back, so it is this op.
+    LlDispatch,
+    /// Low-latency combine: every rank returns the rows of its last [`OpKind::LlDispatch`] to
+    /// their owners (send phase `[L8]`, `[L4]`), which reduce them (receive phase `[L5]`,
+    /// `[L9]`); its own sequence number (the kernels' `ll_combine`).
+    LlCombine,
 }
 
 impl OpKind {
-    /// Whether the op is a dispatch (cached or not).
+    /// Whether the op is a normal dispatch (cached or not): it writes the receive region and
+    /// releases the live output of the last one. Low-latency ops are not.
     pub fn is_dispatch(self) -> bool {
         matches!(self, OpKind::Dispatch | OpKind::CachedDispatch)
+    }
+
+    /// Whether the op is a low-latency op ([`OpKind::LlDispatch`] or [`OpKind::LlCombine`]).
+    pub fn is_low_latency(self) -> bool {
+        matches!(self, OpKind::LlDispatch | OpKind::LlCombine)
     }
 }
 
@@ -78,11 +94,23 @@ pub enum Mutation {
     /// The bounded waits stop polling the abort word (and the failure claim): a peer of a failed
     /// rank waits for a signal that never comes.
     SkipAbortPoll,
+    /// **Deliberately unsound**: one low-latency region (`ll_x`, `ll_counts`, `ll_comb`) instead
+    /// of two parities ([`ModelConfig::ll_parity`] is always 0). A send phase then writes a
+    /// region a peer may still be reading in its receive phase of the previous op (its done
+    /// signal comes before its reads). Under [`Schedule::Global`] the `[G1]` barrier alone
+    /// protects single regions, as for the normal ops.
+    LlSingleRegion,
+    /// Drops `[L5]`: the low-latency receive phase reads counts and rows without waiting for
+    /// the senders' done signals.
+    LlSkipDoneWait,
+    /// `[L2]` stores the bare row count, without the LL epoch tag: `[L6]` can no longer tell
+    /// this op's word from "never written" or from op `l - 2`'s, and must reject it.
+    LlUntaggedCount,
 }
 
 impl Mutation {
     /// Every mutation.
-    pub const ALL: [Mutation; 10] = [
+    pub const ALL: [Mutation; 13] = [
         Mutation::FlagStoreRelaxed,
         Mutation::FlagWaitRelaxed,
         Mutation::DoneAddRelaxed,
@@ -93,6 +121,9 @@ impl Mutation {
         Mutation::SkipCachedDoneWait,
         Mutation::SkipPrologueCheck,
         Mutation::SkipAbortPoll,
+        Mutation::LlSingleRegion,
+        Mutation::LlSkipDoneWait,
+        Mutation::LlUntaggedCount,
     ];
 
     /// Whether the protocol stays correct under this mutation (the checker must accept it).
@@ -119,10 +150,15 @@ pub struct Failure {
 
 impl Failure {
     /// Whether the failing rank has already published every done signal of the failing op
-    /// (it fails in or after the op's final wait, `[E6]`, `[E7]` or `[C5]`): its peers may then
-    /// complete that op; otherwise none of them can.
+    /// (it fails in or after the op's final wait, `[E6]`, `[E7]` or `[C5]`; in a low-latency
+    /// op at or after `[L5]`): its peers may then complete that op; otherwise none of them can.
+    /// (A failure at the low-latency receive phase's `[G2]` barrier is not: the peers' `[G2]`
+    /// waits for it.)
     pub fn after_done(&self) -> bool {
-        matches!(self.at, Step::E6 | Step::E7 | Step::C5)
+        matches!(
+            self.at,
+            Step::E6 | Step::E7 | Step::C5 | Step::L5 | Step::L6 | Step::L7 | Step::L9
+        )
     }
 
     /// Whether `at` is a step an op of kind `kind` executes under `schedule`.
@@ -132,10 +168,14 @@ impl Failure {
         match at {
             Recheck => true,
             E1 | E2 => kind == OpKind::Dispatch && !global,
-            G2 | G3 | G4 | G5 => kind == OpKind::Dispatch && global,
+            G2 => (kind == OpKind::Dispatch || kind.is_low_latency()) && global,
+            G3 | G4 | G5 => kind == OpKind::Dispatch && global,
             G1 => global,
             E3 | E4 | E5 | E6 | E7 => kind.is_dispatch(),
             C1 | C2 | C3 | C4 | C5 => kind == OpKind::Combine,
+            L1 | L2 | L3 | L6 | L7 => kind == OpKind::LlDispatch,
+            L4 | L5 => kind.is_low_latency(),
+            L8 | L9 => kind == OpKind::LlCombine,
             F1 | F2 => false,
         }
     }
@@ -181,6 +221,14 @@ pub enum ConfigError {
         "ops[{index}] is Combine but no dispatch precedes it (combine returns the rows of the last dispatch)"
     )]
     CombineWithoutDispatch {
+        /// Index of the offending op.
+        index: usize,
+    },
+    /// A low-latency combine with no earlier low-latency dispatch whose rows it could return.
+    #[error(
+        "ops[{index}] is LlCombine but no LlDispatch precedes it (a low-latency combine returns the rows of the last low-latency dispatch)"
+    )]
+    LlCombineWithoutLlDispatch {
         /// Index of the offending op.
         index: usize,
     },
@@ -239,8 +287,9 @@ impl ModelConfig {
     /// Validates and builds a configuration.
     ///
     /// `world` ranks each own `tokens` tokens and send with `blocks` sender blocks; every rank
-    /// runs `ops` in order. The first dispatch must be a [`OpKind::Dispatch`] and every
-    /// [`OpKind::Combine`] must follow some dispatch.
+    /// runs `ops` in order. The first dispatch must be a [`OpKind::Dispatch`], every
+    /// [`OpKind::Combine`] must follow some dispatch and every [`OpKind::LlCombine`] some
+    /// [`OpKind::LlDispatch`].
     pub fn new(
         world: usize,
         tokens: usize,
@@ -261,9 +310,15 @@ impl ModelConfig {
             return Err(ConfigError::OpCount { len: ops.len() });
         }
         let mut seen_dispatch = false;
+        let mut seen_ll_dispatch = false;
         for (index, op) in ops.iter().enumerate() {
             match op {
                 OpKind::Dispatch => seen_dispatch = true,
+                OpKind::LlDispatch => seen_ll_dispatch = true,
+                OpKind::LlCombine if !seen_ll_dispatch => {
+                    return Err(ConfigError::LlCombineWithoutLlDispatch { index });
+                }
+                OpKind::LlCombine => {}
                 OpKind::CachedDispatch if !seen_dispatch => {
                     return Err(ConfigError::CachedWithoutLayout { index });
                 }
@@ -362,6 +417,25 @@ impl ModelConfig {
             Parity::of_epoch(seq).index()
         }
     }
+    /// Number of alternating low-latency regions (`ll_x`, `ll_counts`, `ll_comb`): 2 (the
+    /// kernels' parities), 1 under [`Mutation::LlSingleRegion`].
+    pub fn ll_regions(&self) -> usize {
+        if self.has(Mutation::LlSingleRegion) {
+            1
+        } else {
+            Parity::ALL.len()
+        }
+    }
+    /// The low-latency region index of an LL op with LL sequence number `seq` (`ll_dispatch`
+    /// for the dispatch regions, `ll_combine` for the combine region): [`Parity::of_epoch`],
+    /// 0 under [`Mutation::LlSingleRegion`].
+    pub fn ll_parity(&self, seq: u64) -> usize {
+        if self.has(Mutation::LlSingleRegion) {
+            0
+        } else {
+            Parity::of_epoch(seq).index()
+        }
+    }
     /// The op sequence every rank runs.
     pub fn ops(&self) -> &[OpKind] {
         &self.ops
@@ -415,6 +489,41 @@ pub fn route_count(layout_seq: u64, tokens: usize, src: usize, dst: usize) -> u6
         .count() as u64
 }
 
+/// Salt that separates the low-latency routing (and data words) from the normal ones.
+const LL_SALT: u64 = 1 << 62;
+/// Bit that marks a low-latency sequence number inside a data or combine word.
+const LL_WORD_BIT: u64 = 1 << 31;
+
+/// The low-latency routing oracle: whether token `token` of rank `src` goes to rank `dst` in the
+/// low-latency dispatch with LL sequence number `ll_seq` (the model has one expert per rank, so
+/// the top-k slot `k` of a token is the rank `dst` itself).
+///
+/// Deterministic, different from one LL dispatch to the next and from [`routes_to`].
+pub fn ll_routes_to(ll_seq: u64, src: usize, token: usize, dst: usize) -> bool {
+    routes_to(ll_seq ^ LL_SALT, src, token, dst)
+}
+
+/// Number of tokens `src` sends to `dst` in the LL dispatch `ll_seq` with `tokens` tokens per
+/// rank: the row count of `[L2]`.
+pub fn ll_route_count(ll_seq: u64, tokens: usize, src: usize, dst: usize) -> u64 {
+    (0..tokens)
+        .filter(|&t| ll_routes_to(ll_seq, src, t, dst))
+        .count() as u64
+}
+
+/// The row rank `src` sends for its token `token` in the LL dispatch `ll_seq` (`[L3]`): a
+/// [`data_word`] whose sequence field carries a low-latency marker bit, so it never equals a
+/// normal dispatch's row; never 0.
+pub fn ll_row_word(ll_seq: u64, src: usize, token: usize) -> u64 {
+    data_word(ll_seq | LL_WORD_BIT, src, token)
+}
+
+/// The contribution rank `contributor` returns in the LL combine `ll_combine_seq` for the row
+/// `row` (an [`ll_row_word`]) (`[L8]`); never 0, never a normal [`combine_word`] of the same row.
+pub fn ll_combine_word(ll_combine_seq: u64, contributor: usize, row: u64) -> u64 {
+    combine_word(ll_combine_seq | LL_WORD_BIT, contributor, row)
+}
+
 /// Encodes a count word: `(epoch << 32) | count`. Epochs start at 1, so 0 means never written.
 pub fn count_word(epoch: u64, count: u64) -> u64 {
     (epoch << 32) | (count & 0xFFFF_FFFF)
@@ -454,7 +563,7 @@ mod tests {
     fn rejects_bad_shapes() {
         use OpKind::*;
         let d = || vec![Dispatch];
-        let cases: [(usize, usize, usize, Vec<OpKind>, ConfigError); 7] = [
+        let cases: [(usize, usize, usize, Vec<OpKind>, ConfigError); 8] = [
             (0, 1, 1, d(), ConfigError::World { world: 0 }),
             (9, 1, 1, d(), ConfigError::World { world: 9 }),
             (2, 0, 1, d(), ConfigError::Tokens { tokens: 0 }),
@@ -474,6 +583,13 @@ mod tests {
                 vec![Combine, Dispatch],
                 ConfigError::CombineWithoutDispatch { index: 0 },
             ),
+            (
+                2,
+                1,
+                1,
+                vec![Dispatch, LlCombine, LlDispatch],
+                ConfigError::LlCombineWithoutLlDispatch { index: 1 },
+            ),
         ];
         for (world, tokens, blocks, ops, error) in cases {
             for schedule in Schedule::ALL {
@@ -482,6 +598,13 @@ mod tests {
                     Err(error.clone())
                 );
             }
+        }
+        // Low-latency ops need no normal dispatch, and mix with the normal ops.
+        for ops in [
+            vec![LlDispatch, LlCombine, LlDispatch, LlDispatch],
+            vec![LlDispatch, Dispatch, LlCombine, Combine],
+        ] {
+            assert!(ModelConfig::new(2, 1, 1, Schedule::Epoch, ops).is_ok());
         }
         let ok = ModelConfig::new(2, 1, 1, Schedule::Epoch, d()).unwrap();
         assert_eq!(
@@ -498,9 +621,18 @@ mod tests {
             for seq in 1..6 {
                 assert_eq!(cfg.parity(seq), Parity::of_epoch(seq).index());
             }
-            let single = cfg.with_mutation(Mutation::SingleRegion);
+            assert_eq!(cfg.ll_regions(), 2);
+            for seq in 1..6 {
+                assert_eq!(cfg.ll_parity(seq), Parity::of_epoch(seq).index());
+            }
+            let single = cfg.clone().with_mutation(Mutation::SingleRegion);
             assert_eq!(single.regions(), 1);
             assert!((1..6).all(|seq| single.parity(seq) == 0));
+            // The two single-region mutations are independent.
+            assert_eq!(single.ll_regions(), 2);
+            let ll_single = cfg.with_mutation(Mutation::LlSingleRegion);
+            assert_eq!((ll_single.regions(), ll_single.ll_regions()), (2, 1));
+            assert!((1..6).all(|seq| ll_single.ll_parity(seq) == 0));
         }
     }
 
@@ -557,6 +689,16 @@ mod tests {
             (Schedule::Global, CachedDispatch, Step::G4, false),
             (Schedule::Epoch, CachedDispatch, Step::E1, false),
             (Schedule::Epoch, Dispatch, Step::G1, false),
+            (Schedule::Global, LlDispatch, Step::G2, true),
+            (Schedule::Epoch, LlDispatch, Step::G2, false),
+            (Schedule::Global, LlCombine, Step::G3, false),
+            (Schedule::Epoch, LlDispatch, Step::L2, true),
+            (Schedule::Epoch, LlCombine, Step::L2, false),
+            (Schedule::Epoch, LlCombine, Step::L4, true),
+            (Schedule::Epoch, LlCombine, Step::L9, true),
+            (Schedule::Epoch, LlDispatch, Step::L9, false),
+            (Schedule::Epoch, LlDispatch, Step::E4, false),
+            (Schedule::Epoch, Dispatch, Step::L3, false),
         ] {
             assert_eq!(Failure::step_is_valid(schedule, kind, at), valid);
         }
@@ -591,6 +733,12 @@ mod tests {
         assert_ne!(data_word(1, 0, 0), 0);
         assert_ne!(combine_word(1, 0, 0), 0);
         assert_ne!(combine_word(1, 0, 5), combine_word(2, 0, 5));
+        let row = ll_row_word(3, 1, 2);
+        assert_eq!(split_data_word(row).1..=split_data_word(row).2, 1..=2);
+        assert_ne!(row, data_word(3, 1, 2));
+        assert_ne!(ll_row_word(1, 0, 0), 0);
+        assert_ne!(ll_combine_word(1, 0, row), combine_word(1, 0, row));
+        assert_ne!(ll_combine_word(1, 0, row), ll_combine_word(3, 0, row));
     }
 
     #[test]
@@ -607,6 +755,17 @@ mod tests {
         assert!(layouts.iter().flatten().any(|&b| b));
         assert!(layouts.iter().flatten().any(|&b| !b));
         assert!(!routes_to(1, 0, 0, MAX_WORLD));
+        let ll: Vec<bool> = (1..=8u64)
+            .flat_map(|seq| (0..4).map(move |t| ll_routes_to(seq, 0, t, 1)))
+            .collect();
+        let normal: Vec<bool> = (1..=8u64)
+            .flat_map(|seq| (0..4).map(move |t| routes_to(seq, 0, t, 1)))
+            .collect();
+        assert_ne!(ll, normal, "the LL routing is its own");
+        assert_eq!(
+            ll_route_count(2, 4, 0, 1),
+            (0..4).filter(|&t| ll_routes_to(2, 0, t, 1)).count() as u64
+        );
         assert_eq!(
             route_count(3, 4, 1, 0),
             (0..4).filter(|&t| routes_to(3, 1, t, 0)).count() as u64

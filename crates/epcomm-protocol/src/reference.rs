@@ -2,7 +2,10 @@
 //! [`check_outcome`], which judges a run's results against it (with or without an injected
 //! failure).
 
-use crate::config::{ModelConfig, OpKind, combine_word, data_word, routes_to};
+use crate::config::{
+    ModelConfig, OpKind, combine_word, data_word, ll_combine_word, ll_routes_to, ll_row_word,
+    routes_to,
+};
 use crate::model::OpError;
 
 /// What one op produced on one rank.
@@ -20,6 +23,22 @@ pub enum OpOutput {
         /// Combine sequence number.
         seq: u64,
         /// One reduced word per token this rank owns.
+        reduced: Vec<u64>,
+    },
+    /// The packed rows of a low-latency dispatch, ordered by source rank then token (the model
+    /// has one expert per rank, so the packed order of `[L6]`/`[L7]` is the source order).
+    LlDispatch {
+        /// LL dispatch sequence number (the kernels' `ll_dispatch`).
+        seq: u64,
+        /// The received rows ([`crate::config::ll_row_word`]).
+        rows: Vec<u64>,
+    },
+    /// Per-token reductions of a low-latency combine (wrapping sum over the token's valid top-k
+    /// slots in increasing `k`).
+    LlCombine {
+        /// LL combine sequence number (the kernels' `ll_combine`).
+        seq: u64,
+        /// One reduced word per token this rank owns (0 for a token routed nowhere).
         reduced: Vec<u64>,
     },
 }
@@ -128,6 +147,36 @@ pub(crate) fn expected_rows(cfg: &ModelConfig, layout_seq: u64, seq: u64, me: us
     rows
 }
 
+/// The packed rows rank `me` receives in the low-latency dispatch `ll_seq`: by source, then token.
+pub(crate) fn expected_ll_rows(cfg: &ModelConfig, ll_seq: u64, me: usize) -> Vec<u64> {
+    let mut rows = Vec::new();
+    for s in 0..cfg.world() {
+        for t in 0..cfg.tokens() {
+            if ll_routes_to(ll_seq, s, t, me) {
+                rows.push(ll_row_word(ll_seq, s, t));
+            }
+        }
+    }
+    rows
+}
+
+/// What rank `me` reduces for its token `token` in the LL combine `ll_combine_seq` that
+/// returns the rows of the LL dispatch `ll_seq`.
+pub(crate) fn expected_ll_reduction(
+    cfg: &ModelConfig,
+    ll_seq: u64,
+    ll_combine_seq: u64,
+    me: usize,
+    token: usize,
+) -> u64 {
+    let row = ll_row_word(ll_seq, me, token);
+    (0..cfg.world())
+        .filter(|&k| ll_routes_to(ll_seq, me, token, k))
+        .fold(0u64, |acc, k| {
+            acc.wrapping_add(ll_combine_word(ll_combine_seq, k, row))
+        })
+}
+
 /// Computes the sequential expectation for every rank of `cfg`.
 pub fn sequential_reference(cfg: &ModelConfig) -> Vec<RankReport> {
     // The reference ignores any injected failure: it is what every op must produce if it
@@ -137,6 +186,8 @@ pub fn sequential_reference(cfg: &ModelConfig) -> Vec<RankReport> {
             let mut dispatch_seq = 0u64;
             let mut combine_seq = 0u64;
             let mut layout_seq = 0u64;
+            let mut ll_seq = 0u64;
+            let mut ll_combine_seq = 0u64;
             let mut outputs = Vec::with_capacity(cfg.ops().len());
             for op in cfg.ops() {
                 match op {
@@ -164,6 +215,23 @@ pub fn sequential_reference(cfg: &ModelConfig) -> Vec<RankReport> {
                             .collect();
                         outputs.push(Ok(OpOutput::Combine {
                             seq: combine_seq,
+                            reduced,
+                        }));
+                    }
+                    OpKind::LlDispatch => {
+                        ll_seq += 1;
+                        outputs.push(Ok(OpOutput::LlDispatch {
+                            seq: ll_seq,
+                            rows: expected_ll_rows(cfg, ll_seq, me),
+                        }));
+                    }
+                    OpKind::LlCombine => {
+                        ll_combine_seq += 1;
+                        let reduced = (0..cfg.tokens())
+                            .map(|t| expected_ll_reduction(cfg, ll_seq, ll_combine_seq, me, t))
+                            .collect();
+                        outputs.push(Ok(OpOutput::LlCombine {
+                            seq: ll_combine_seq,
                             reduced,
                         }));
                     }

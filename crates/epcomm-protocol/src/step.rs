@@ -47,7 +47,8 @@ pub enum Step {
     F2,
     /// `[G1]` Global schedule: round-aware barrier before the op touches shared state.
     G1,
-    /// `[G2]` Global schedule: write my row of counts into `count_matrix[n%2]` (relaxed).
+    /// `[G2]` Global schedule: write my row of counts into `count_matrix[n%2]` (relaxed). In a
+    /// low-latency op: the round-aware barrier that starts the receive phase.
     G2,
     /// `[G3]` Global schedule: barrier, every rank's counts have landed.
     G3,
@@ -55,11 +56,38 @@ pub enum Step {
     G4,
     /// `[G5]` Global schedule: barrier before any data is written (DeepEP: cleaning finished).
     G5,
+    /// `[L1]` low-latency send phase: build the routing masks of the whole batch locally (no
+    /// cross-block or cross-rank exchange).
+    L1,
+    /// `[L2]` low-latency send phase, block 0: store `(l << 32) | rows` into every rank's
+    /// `ll_counts[l%2][me]` (relaxed).
+    L2,
+    /// `[L3]` low-latency send phase: each token's row into `ll_x[l%2][me][j]` of every rank
+    /// it goes to, `j` its index among my tokens for that rank (relaxed).
+    L3,
+    /// `[L4]` low-latency send phase: increment `done[me]` on every rank, once per sender
+    /// block, after its rows (release).
+    L4,
+    /// `[L5]` low-latency receive phase: wait until `done[s] >= expected` for every source `s`
+    /// (acquire, bounded).
+    L5,
+    /// `[L6]` low-latency receive phase: read `ll_counts[l%2][s]` (tag must be `l`), the first
+    /// packed row of each source.
+    L6,
+    /// `[L7]` low-latency receive phase: copy the received rows `ll_x[l%2][s][0..rows]` into
+    /// the packed output.
+    L7,
+    /// `[L8]` low-latency combine send phase: each packed row to its source's
+    /// `ll_comb[l'%2][token][k]` (relaxed), then `[L4]`.
+    L8,
+    /// `[L9]` low-latency combine receive phase: after `[L5]`, per token the sum of
+    /// `ll_comb[l'%2][token][k]` over its valid `k` in increasing `k`.
+    L9,
 }
 
 impl Step {
     /// Every step, in label order.
-    pub const ALL: [Step; 20] = [
+    pub const ALL: [Step; 29] = [
         Step::Recheck,
         Step::E1,
         Step::E2,
@@ -80,6 +108,15 @@ impl Step {
         Step::G3,
         Step::G4,
         Step::G5,
+        Step::L1,
+        Step::L2,
+        Step::L3,
+        Step::L4,
+        Step::L5,
+        Step::L6,
+        Step::L7,
+        Step::L8,
+        Step::L9,
     ];
 
     /// The bracketed label the CUDA code cites, e.g. `"[E3]"`.
@@ -105,6 +142,15 @@ impl Step {
             Step::G3 => "[G3]",
             Step::G4 => "[G4]",
             Step::G5 => "[G5]",
+            Step::L1 => "[L1]",
+            Step::L2 => "[L2]",
+            Step::L3 => "[L3]",
+            Step::L4 => "[L4]",
+            Step::L5 => "[L5]",
+            Step::L6 => "[L6]",
+            Step::L7 => "[L7]",
+            Step::L8 => "[L8]",
+            Step::L9 => "[L9]",
         }
     }
 
@@ -127,10 +173,19 @@ impl Step {
             Step::F1 => "check failure",
             Step::F2 => "publish abort",
             Step::G1 => "barrier before op",
-            Step::G2 => "write count row",
+            Step::G2 => "write count row (LL: barrier before receive)",
             Step::G3 => "barrier after counts",
             Step::G4 => "read counts",
             Step::G5 => "barrier before data",
+            Step::L1 => "routing masks",
+            Step::L2 => "write counts",
+            Step::L3 => "write rows",
+            Step::L4 => "signal done",
+            Step::L5 => "wait done",
+            Step::L6 => "first rows",
+            Step::L7 => "pack",
+            Step::L8 => "combine rows",
+            Step::L9 => "reduce",
         }
     }
 }
@@ -161,5 +216,6 @@ mod tests {
         assert_eq!(Step::E3.to_string(), "[E3] compute offsets");
         assert_eq!(Step::G5.to_string(), "[G5] barrier before data");
         assert_eq!(Step::C5.to_string(), "[C5] wait all done");
+        assert_eq!(Step::L6.to_string(), "[L6] first rows");
     }
 }

@@ -6,10 +6,11 @@
 //! larger two-rank configurations and time-boxed three-rank searches (minutes, not for CI).
 #![cfg(loom)]
 
+use std::mem::ManuallyDrop;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::time::Instant;
 
-use epcomm_protocol::config::routes_to;
+use epcomm_protocol::config::{ll_routes_to, routes_to};
 use epcomm_protocol::{
     Failure, ModelConfig, Mutation, NoHook, OpKind, Schedule, Step, World, check_outcome, run_rank,
 };
@@ -48,10 +49,15 @@ fn explore_with(cfg: ModelConfig, bound: usize, budget: Option<std::time::Durati
         let world = Arc::new(World::new(&cfg));
         let handles: Vec<_> = (1..cfg.world())
             .map(|rank| {
-                let world = world.clone();
+                // If rank 0 (the main thread) panics before this thread ever ran, loom drops the
+                // queued closure outside the model, and dropping a loom `Arc` there aborts the
+                // test: the closure holds its `Arc` in `ManuallyDrop` (leaked only in that case)
+                // and takes it back when it runs.
+                let world = ManuallyDrop::new(world.clone());
                 // Panic in the rank's own thread so loom stops this execution at once (a rank
                 // that just returned would leave its peers spinning).
                 loom::thread::spawn(move || {
+                    let world = ManuallyDrop::into_inner(world);
                     run_rank(&world, rank, &NoHook)
                         .unwrap_or_else(|e| panic!("protocol violation: {e}"))
                 })
@@ -76,7 +82,9 @@ fn cfg(
     ModelConfig::new(world, tokens, blocks, schedule, ops.to_vec()).unwrap()
 }
 
-use OpKind::{CachedDispatch as CD, Combine as C, Dispatch as D};
+use OpKind::{
+    CachedDispatch as CD, Combine as C, Dispatch as D, LlCombine as LC, LlDispatch as LD,
+};
 use Schedule::{Epoch, Global};
 
 /// One `#[test]` per scenario, each explored at preemption bound 2 and required to pass.
@@ -137,6 +145,32 @@ explore_tests! {
     /// so relaxing their loads changes nothing: the checker must accept it.
     count_loads_relaxed_is_benign:
         cfg(2, 1, 1, Epoch, &[D, D, C]).with_mutation(Mutation::CountLoadsRelaxed);
+
+    // ---- low-latency ops: send phase, then receive phase, on the shared done counters ------
+
+    /// LL dispatches and combines alternate: each LL region is reused two ops of its kind later.
+    ll_epoch_dispatch_combine_alternating: cfg(2, 1, 1, Epoch, &[LD, LC, LD, LC]);
+    /// Two LL dispatches in a row: the second writes the other parity while a peer may still
+    /// read the first; the combine returns the second's rows.
+    ll_epoch_dispatch_twice: cfg(2, 1, 1, Epoch, &[LD, LD, LC]);
+    /// LL ops between normal ops: the done targets stay in step across op families, and the
+    /// normal dispatch's output survives the LL ops until its combine.
+    ll_epoch_mixed_with_normal_ops: cfg(2, 1, 1, Epoch, &[D, LD, C, LC]);
+    /// Two sender blocks per rank and two tokens: block 0 alone writes the counts.
+    ll_epoch_two_blocks: cfg(2, 2, 2, Epoch, &[LD, LC]);
+    /// Global: `[G1]` starts each send phase and `[G2]` each receive phase.
+    ll_global_mixed: cfg(2, 1, 1, Global, &[LD, LC, LD]);
+    /// Global's `[G1]` barrier alone protects single LL regions, as for the normal ops.
+    ll_global_single_regions_are_safe:
+        cfg(2, 1, 1, Global, &[LD, LD, LC]).with_mutation(Mutation::LlSingleRegion);
+    /// Rank 1 fails in the send phase of an LL combine, before its done signal: rank 0 cannot
+    /// complete it, and every later op of both ranks is refused.
+    ll_failure_in_send_phase_ends_every_rank_in_error:
+        failing(cfg(2, 1, 1, Epoch, &[LD, LC, LD]), 1, 1, Step::L8);
+    /// Rank 0 fails in the receive phase of an LL dispatch, after its done signal: rank 1 may
+    /// complete that dispatch, never the combine after it.
+    ll_failure_in_receive_phase_ends_every_rank_in_error:
+        failing(cfg(2, 1, 1, Epoch, &[LD, LD, LC]), 0, 1, Step::L6);
 }
 
 fn failing(c: ModelConfig, rank: usize, op: usize, at: Step) -> ModelConfig {
@@ -226,6 +260,18 @@ fn two_rank_routing() {
     );
 }
 
+/// LL dispatch 1 with one token per rank: rank 0's token goes to rank 1 only, rank 1's token
+/// to both ranks, so each rank receives a row of the other and (in an LL combine) returns one.
+fn two_rank_ll_routing() {
+    assert!(
+        ll_routes_to(1, 0, 0, 1)
+            && !ll_routes_to(1, 0, 0, 0)
+            && ll_routes_to(1, 1, 0, 0)
+            && ll_routes_to(1, 1, 0, 1),
+        "the LL routing oracle changed: pick another layout for these scenarios"
+    );
+}
+
 /// One `#[test]` per mutation: the scenario passes unmutated and fails mutated, with a
 /// violation whose message contains every expected string (each scenario relies on the layout
 /// [`two_rank_routing`] checks).
@@ -236,6 +282,7 @@ macro_rules! mutation_tests {
             #[test]
             fn $name() {
                 two_rank_routing();
+                two_rank_ll_routing();
                 mutation_is_caught($scenario, Mutation::$mutation, &$expect);
             }
         )*
@@ -279,6 +326,24 @@ mutation_tests! {
     /// One receive region: a cached dispatch overwrites rows a peer still holds.
     single_region_overwritten_rows_are_found:
         SingleRegion, cfg(2, 1, 1, Epoch, &[D, CD]), ["recv[0]"];
+    /// One LL region: a rank that finished LL dispatch 1 writes dispatch 2's count into the
+    /// region its peer still reads in its receive phase of dispatch 1.
+    ll_single_region_stale_count_is_found:
+        LlSingleRegion, cfg(2, 1, 1, Epoch, &[LD, LD]), ["op 0 (LlDispatch), [L6]", "LL epoch 2"];
+    /// One LL combine region: LL combine 2 overwrites a contribution its owner has not reduced
+    /// (done is signalled in the send phase, before the reduction: the LL combine parity is
+    /// load-bearing, unlike the normal combine's).
+    ll_single_region_overwritten_combine_row_is_found:
+        LlSingleRegion, cfg(2, 1, 1, Epoch, &[LD, LC, LC]), ["op 1 (LlCombine), [L9] reduce: ll_comb[0]"];
+    /// Drop [L5]: the receive phase reads a count word before its sender stored it.
+    ll_skip_done_wait_is_caught:
+        LlSkipDoneWait, cfg(2, 1, 1, Epoch, &[LD]), ["[L6] first rows: ll_counts[1]", "LL epoch 0"];
+    /// [L2] without the tag: [L6] cannot tell the word from "never written" and rejects it.
+    ll_untagged_count_is_caught:
+        LlUntaggedCount, cfg(2, 1, 1, Epoch, &[LD]), ["[L6] first rows: ll_counts[1]", "LL epoch 0"];
+    /// [L4] done add Release -> Relaxed: the receiver sees the done count but not the count word.
+    ll_done_add_relaxed_is_caught:
+        DoneAddRelaxed, cfg(2, 1, 1, Epoch, &[LD]), ["(LlDispatch), [L6] first rows"];
 }
 
 /// Waits stop polling the abort word: after rank 1 fails in the count wait, rank 0 waits forever

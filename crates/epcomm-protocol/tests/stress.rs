@@ -22,6 +22,28 @@ fn random_ops(rng: &mut Rng, len: usize) -> Vec<OpKind> {
     ops
 }
 
+/// Random ops of every kind, low-latency ones included (an LL combine only after some LL
+/// dispatch); starts with a dispatch or an LL dispatch.
+fn random_mixed_ops(rng: &mut Rng, len: usize) -> Vec<OpKind> {
+    let mut ops = vec![if rng.below(2) == 0 {
+        OpKind::Dispatch
+    } else {
+        OpKind::LlDispatch
+    }];
+    while ops.len() < len {
+        let seen_dispatch = ops.contains(&OpKind::Dispatch);
+        let seen_ll = ops.contains(&OpKind::LlDispatch);
+        ops.push(match rng.below(5) {
+            0 => OpKind::Dispatch,
+            1 if seen_dispatch => OpKind::CachedDispatch,
+            2 if seen_dispatch => OpKind::Combine,
+            3 if seen_ll => OpKind::LlCombine,
+            _ => OpKind::LlDispatch,
+        });
+    }
+    ops
+}
+
 /// A random configuration: 2..=4 ranks, `1..=max_tokens` tokens, 1..=2 blocks, and
 /// `min_ops..min_ops + spread_ops` random ops starting with a dispatch.
 fn random_config(
@@ -31,11 +53,23 @@ fn random_config(
     min_ops: usize,
     spread_ops: u64,
 ) -> ModelConfig {
+    random_config_of(rng, schedule, max_tokens, min_ops, spread_ops, random_ops)
+}
+
+/// [`random_config`] with the op sequence drawn by `ops_of`.
+fn random_config_of(
+    rng: &mut Rng,
+    schedule: Schedule,
+    max_tokens: u64,
+    min_ops: usize,
+    spread_ops: u64,
+    ops_of: fn(&mut Rng, usize) -> Vec<OpKind>,
+) -> ModelConfig {
     let world = 2 + rng.below(3) as usize;
     let tokens = 1 + rng.below(max_tokens) as usize;
     let blocks = 1 + rng.below(2) as usize;
     let len = min_ops + rng.below(spread_ops) as usize;
-    let ops = random_ops(rng, len);
+    let ops = ops_of(rng, len);
     ModelConfig::new(world, tokens, blocks, schedule, ops).unwrap()
 }
 
@@ -82,12 +116,40 @@ fn global_survives_random_delays_with_single_regions() {
     stress(single, 60, 0x5151_0001);
 }
 
+/// Low-latency ops mixed with the normal ones, under both schedules.
+#[test]
+fn low_latency_mixes_survive_random_delays() {
+    for (schedule, seed) in [(Schedule::Epoch, 0x1100_0001), (Schedule::Global, 0x1100_0002)] {
+        stress(
+            |rng| random_config_of(rng, schedule, 4, 3, 6, random_mixed_ops),
+            60,
+            seed,
+        );
+    }
+}
+
+/// Global's `[G1]` barrier alone protects single LL regions too.
+#[test]
+fn global_survives_random_delays_with_single_ll_regions() {
+    let single = |rng: &mut Rng| {
+        random_config_of(rng, Schedule::Global, 4, 3, 6, random_mixed_ops)
+            .with_mutation(Mutation::LlSingleRegion)
+    };
+    stress(single, 40, 0x5151_0011);
+}
+
 /// A random rank fails at a random step of a random op: every run must end with every rank's
 /// later ops in an error (no hang, no completed op with wrong data), as `run_model` checks.
+/// Half of the runs mix in low-latency ops.
 fn stress_failures(schedule: Schedule, runs: u64, seed: u64) {
     let mut rng = Rng(seed);
     for run in 0..runs {
-        let cfg = random_config(&mut rng, schedule, 3, 2, 5);
+        let ops_of = if run % 2 == 0 {
+            random_ops
+        } else {
+            random_mixed_ops
+        };
+        let cfg = random_config_of(&mut rng, schedule, 3, 2, 5, ops_of);
         let op = rng.below(cfg.ops().len() as u64) as usize;
         let steps: Vec<Step> = Step::ALL
             .into_iter()
@@ -121,7 +183,18 @@ fn long_mixed_sequence_without_delays() {
     use OpKind::*;
     let mut ops = vec![Dispatch];
     for i in 0..200 {
-        ops.push([Combine, Dispatch, CachedDispatch, Combine, Combine][i % 5]);
+        ops.push(
+            [
+                Combine,
+                Dispatch,
+                LlDispatch,
+                CachedDispatch,
+                LlCombine,
+                Combine,
+                LlDispatch,
+                Combine,
+            ][i % 8],
+        );
     }
     for schedule in Schedule::ALL {
         let cfg = ModelConfig::new(4, 8, 2, schedule, ops.clone()).unwrap();
@@ -139,7 +212,14 @@ fn single_rank_world_works() {
             3,
             1,
             schedule,
-            vec![Dispatch, Combine, CachedDispatch, Combine],
+            vec![
+                Dispatch,
+                Combine,
+                LlDispatch,
+                CachedDispatch,
+                LlCombine,
+                Combine,
+            ],
         )
         .unwrap();
         assert_eq!(
@@ -147,6 +227,26 @@ fn single_rank_world_works() {
             sequential_reference(&cfg)
         );
     }
+}
+
+/// The stress harness is strong enough to matter for the LL ops too: with single LL regions the
+/// Epoch schedule fails (one failing run is required).
+#[test]
+fn jitter_catches_single_ll_regions() {
+    let mut rng = Rng(0x0BAD_0011);
+    let mut failures = 0;
+    for run in 0..40u64 {
+        let ops = random_mixed_ops(&mut rng, 6);
+        let world = 2 + rng.below(3) as usize;
+        let tokens = 1 + rng.below(4) as usize;
+        let cfg = ModelConfig::new(world, tokens, 1, Schedule::Epoch, ops)
+            .unwrap()
+            .with_mutation(Mutation::LlSingleRegion);
+        if run_model(&cfg, &Jitter::new(run)).is_err() {
+            failures += 1;
+        }
+    }
+    assert!(failures > 0, "no run with single LL regions failed");
 }
 
 /// The stress harness is strong enough to matter: with the same delays, the deliberately

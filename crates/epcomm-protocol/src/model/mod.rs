@@ -23,6 +23,7 @@
 //! - `runner.rs`: [`run_rank`], [`run_model`], the op loop and the failure injection;
 //! - `dispatch.rs`: dispatch and cached dispatch, `[E1]`..`[E7]` and `[G1]`..`[G5]`;
 //! - `combine.rs`: combine, `[C1]`..`[C5]` (and `[G1]`);
+//! - `low_latency.rs`: the low-latency dispatch and combine, `[L1]`..`[L9]` (and `[G1]`, `[G2]`);
 //! - `wait.rs`: the bounded waits, the done counters (`[E5]`/`[C2]` signal, `[E6]`/`[C5]`
 //!   wait) and the barrier of `[G1]`/`[G3]`/`[G5]`;
 //! - `failure.rs`: failure propagation, `[F1]`, `[F2]` and the guard that a failed rank writes
@@ -33,11 +34,13 @@
 //! The state lives here so that the step files, child modules, use its fields directly.
 //! Contract of the shared memory: every word starts at 0 ("never written"); the count, recv
 //! and comb regions have [`ModelConfig::regions`] copies, indexed by the parity that the op's
-//! sequence number picks.
+//! sequence number picks; the low-latency regions (`ll_x`, `ll_counts`, `ll_comb`) have
+//! [`ModelConfig::ll_regions`] copies, indexed by the parity of the LL op's own sequence number.
 
 mod combine;
 mod dispatch;
 mod failure;
+mod low_latency;
 mod runner;
 mod violation;
 mod wait;
@@ -63,7 +66,7 @@ pub use violation::{OpError, Region, RunError, Violation};
 pub trait StepHook: Send + Sync {
     /// Called by rank `rank` right before it executes `step` of op number `op` (0-based) of
     /// kind `kind`. Steps that repeat per sender block (`[E4]`, `[E5]`, `[C1]`, `[C3]`, `[C4]`,
-    /// `[C2]`) are reported once per block.
+    /// `[C2]`, `[L3]`, `[L4]`, `[L8]`) are reported once per block.
     fn at(&self, rank: usize, op: usize, kind: OpKind, step: Step);
 }
 
@@ -90,6 +93,15 @@ struct RankBuffer {
     done: Vec<AtomicU64>,
     /// `barrier[src]`: monotonic, one increment per barrier (Global only).
     barrier: Vec<AtomicU64>,
+    /// `ll_x[parity][src][slot]`: low-latency receive rows, `slot` the row's index among the
+    /// tokens `src` sends me (parity of the LL dispatch sequence).
+    ll_x: Vec<AtomicU64>,
+    /// `ll_counts[parity][src]`: tagged words `(ll_dispatch << 32) | rows`.
+    ll_counts: Vec<AtomicU64>,
+    /// `ll_comb[parity][token][k]`: low-latency combine rows for my `token` from its top-k slot
+    /// `k` (one expert per rank in the model: `k` is the contributing rank; parity of the LL
+    /// combine sequence).
+    ll_comb: Vec<AtomicU64>,
     /// The abort word: `1 + rank` of a failed rank, 0 while none failed. Never reset.
     abort: AtomicU64,
 }
@@ -127,6 +139,9 @@ impl World {
                 flags: zeroed(w * t),
                 done: zeroed(w),
                 barrier: zeroed(w),
+                ll_x: zeroed(cfg.ll_regions() * w * t),
+                ll_counts: zeroed(cfg.ll_regions() * w),
+                ll_comb: zeroed(cfg.ll_regions() * t * w),
                 abort: AtomicU64::new(0),
             })
             .collect();
@@ -160,6 +175,22 @@ impl World {
     fn flag(&self, rank: usize, src: usize, token: usize) -> &AtomicU64 {
         &self.ranks[rank].flags[src * self.cfg.tokens() + token]
     }
+
+    /// `rank.ll_x[parity][src][slot]`; its index within the parity is `src * tokens + slot`.
+    fn ll_x(&self, rank: usize, parity: usize, src: usize, slot: usize) -> &AtomicU64 {
+        let (w, t) = (self.cfg.world(), self.cfg.tokens());
+        &self.ranks[rank].ll_x[(parity * w + src) * t + slot]
+    }
+
+    fn ll_count(&self, rank: usize, parity: usize, src: usize) -> &AtomicU64 {
+        &self.ranks[rank].ll_counts[parity * self.cfg.world() + src]
+    }
+
+    /// `rank.ll_comb[parity][token][k]`; its index within the parity is `token * world + k`.
+    fn ll_comb(&self, rank: usize, parity: usize, token: usize, k: usize) -> &AtomicU64 {
+        let (w, t) = (self.cfg.world(), self.cfg.tokens());
+        &self.ranks[rank].ll_comb[(parity * t + token) * w + k]
+    }
 }
 
 /// Layout of the last non-cached dispatch: its dispatch sequence number (which picks the
@@ -175,6 +206,16 @@ struct Layout {
 struct Live {
     seq: u64,
     parity: usize,
+    rows: Vec<u64>,
+}
+
+/// The output of the last low-latency dispatch (the packed rows, local memory): the rows the
+/// next low-latency combine returns.
+#[derive(Debug, Clone, Default)]
+struct LlLive {
+    /// Its LL dispatch sequence number (which picks the LL routing).
+    seq: u64,
+    /// The packed rows, ordered by source rank then token.
     rows: Vec<u64>,
 }
 
@@ -205,6 +246,11 @@ struct SeqState {
     done_expected: u64,
     /// Barriers so far (Global schedule): the round the next barrier waits for, minus one.
     barrier_round: u64,
+    /// Low-latency dispatches so far (the kernels' `ll_dispatch`): the `ll_x`/`ll_counts`
+    /// region and the count words' tag.
+    ll_dispatch_seq: u64,
+    /// Low-latency combines so far (the kernels' `ll_combine`): the `ll_comb` region.
+    ll_combine_seq: u64,
 }
 
 /// One simulated rank: its place in the world, its op cursor and its private state.
@@ -220,5 +266,6 @@ struct Rank<'a> {
     claim: bool,
     layout: Layout,
     live: Option<Live>,
+    ll_live: Option<LlLive>,
     outputs: Vec<Result<OpOutput, OpError>>,
 }

@@ -46,6 +46,8 @@ pub fn run_rank(world: &World, rank: usize, hook: &dyn StepHook) -> Result<RankR
             combine_seq: 0,
             done_expected: 0,
             barrier_round: 0,
+            ll_dispatch_seq: 0,
+            ll_combine_seq: 0,
         },
         claim: false,
         layout: Layout {
@@ -53,6 +55,7 @@ pub fn run_rank(world: &World, rank: usize, hook: &dyn StepHook) -> Result<RankR
             counts: vec![0; cfg.world() * cfg.world()],
         },
         live: None,
+        ll_live: None,
         outputs: Vec::with_capacity(cfg.ops().len()),
     };
     let result = r.run();
@@ -128,6 +131,8 @@ impl Rank<'_> {
                     OpKind::Dispatch => self.dispatch(false),
                     OpKind::CachedDispatch => self.dispatch(true),
                     OpKind::Combine => self.combine(),
+                    OpKind::LlDispatch => self.ll_dispatch(),
+                    OpKind::LlCombine => self.ll_combine(),
                 }
             });
             match result {

@@ -20,6 +20,10 @@ pub enum Region {
     Recv,
     /// `comb[parity][src][token]`, the combine receive slots (slot = `src * tokens + token`).
     Comb,
+    /// `ll_x[parity][src][j]`, the low-latency receive rows (slot = `src * tokens + j`).
+    LlX,
+    /// `ll_comb[parity][token][k]`, the low-latency combine rows (slot = `token * world + k`).
+    LlComb,
 }
 
 impl fmt::Display for Region {
@@ -27,6 +31,8 @@ impl fmt::Display for Region {
         f.write_str(match self {
             Region::Recv => "recv",
             Region::Comb => "comb",
+            Region::LlX => "ll_x",
+            Region::LlComb => "ll_comb",
         })
     }
 }
@@ -55,6 +61,29 @@ pub enum Violation {
         /// Column (receiver).
         dst: usize,
         /// The op's notify epoch.
+        expected: u64,
+        /// The tag found.
+        found: u64,
+    },
+    /// A low-latency count word carried another LL epoch than the op's (stale, newer, or
+    /// untagged). Property (a).
+    #[error(
+        "rank {rank}, op {op} ({kind:?}), {step}: ll_counts[{parity}][{src}] carries LL epoch {found}, the op runs LL epoch {expected}"
+    )]
+    LlCountTag {
+        /// Rank that read the word.
+        rank: usize,
+        /// Op index.
+        op: usize,
+        /// Op kind.
+        kind: OpKind,
+        /// Step that read it.
+        step: Step,
+        /// LL region index.
+        parity: usize,
+        /// Sender.
+        src: usize,
+        /// The op's LL dispatch epoch.
         expected: u64,
         /// The tag found.
         found: u64,
@@ -314,6 +343,18 @@ impl Rank<'_> {
         found: u64,
     ) -> Result<u64, Violation> {
         let expected = route_count(layout_seq, self.cfg.tokens(), src, dst);
+        self.check_count_value(step, expected, src, dst, found)
+    }
+
+    /// A count `found` of `src -> dst` read at `step` must equal the routing's `expected`.
+    pub(super) fn check_count_value(
+        &self,
+        step: Step,
+        expected: u64,
+        src: usize,
+        dst: usize,
+        found: u64,
+    ) -> Result<u64, Violation> {
         if found == expected {
             Ok(found)
         } else {
