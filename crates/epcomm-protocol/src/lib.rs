@@ -1,7 +1,9 @@
 //! Executable specification of epcomm's cross-rank synchronization protocols.
 //!
 //! The intranode protocols of `docs/protocol.md` are modelled with one thread per rank and one
-//! atomic per shared GPU word. Under `RUSTFLAGS="--cfg loom"` the atomics and threads are loom's
+//! atomic per shared GPU word: the normal ops (dispatch, cached dispatch, combine) and the
+//! low-latency ops ([`OpKind::LlDispatch`], [`OpKind::LlCombine`]: a send phase and a receive
+//! phase each), in any mix. Under `RUSTFLAGS="--cfg loom"` the atomics and threads are loom's
 //! and `tests/loom.rs` explores every interleaving within a preemption bound; in a normal build
 //! the same code runs on std threads (`tests/stress.rs`, `tests/negative.rs`).
 //!
@@ -18,8 +20,8 @@
 //! The model runs the kernels' two schedules ([`Schedule::Epoch`], [`Schedule::Global`]) with
 //! the kernels' region rule (the parity of the op's sequence number, under both schedules).
 //! [`Mutation`]s weaken one ordering, drop one wait or check, or (the deliberately unsound
-//! [`Mutation::SingleRegion`]) the parity regions; the tests show that the checker catches
-//! each of them.
+//! [`Mutation::SingleRegion`] and [`Mutation::LlSingleRegion`]) the parity regions; the tests
+//! show that the checker catches each of them.
 //!
 //! # Example
 //!

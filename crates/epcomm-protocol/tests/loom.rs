@@ -158,8 +158,9 @@ explore_tests! {
     ll_epoch_mixed_with_normal_ops: cfg(2, 1, 1, Epoch, &[D, LD, C, LC]);
     /// Two sender blocks per rank and two tokens: block 0 alone writes the counts.
     ll_epoch_two_blocks: cfg(2, 2, 2, Epoch, &[LD, LC]);
-    /// Global: `[G1]` starts each send phase and `[G2]` each receive phase.
-    ll_global_mixed: cfg(2, 1, 1, Global, &[LD, LC, LD]);
+    /// Global: `[G1]` starts each send phase and `[G2]` each receive phase (the next test runs
+    /// three Global LL ops, with region reuse).
+    ll_global_dispatch_combine: cfg(2, 1, 1, Global, &[LD, LC]);
     /// Global's `[G1]` barrier alone protects single LL regions, as for the normal ops.
     ll_global_single_regions_are_safe:
         cfg(2, 1, 1, Global, &[LD, LD, LC]).with_mutation(Mutation::LlSingleRegion);

@@ -303,3 +303,77 @@ fn bounded_wait_names_op_wait_and_peer() {
         "{text}"
     );
 }
+
+/// Rank 1 is held before `[L6]` of LL dispatch 1 (it has sent, so rank 0 can finish) while rank
+/// 0 runs LL dispatch 2's send phase: with one LL region rank 1 then reads dispatch 2's count
+/// word as its own; with two parities dispatch 2 writes the other region.
+#[test]
+fn single_ll_region_reads_next_ll_count() {
+    use OpKind::*;
+    let pause = || Pause::new(1, (0, Step::L6), 0, (1, Step::L3));
+    let cfg = epoch(2, &[LlDispatch, LlDispatch]);
+    match caught_only_when_mutated(&cfg, Mutation::LlSingleRegion, pause, true) {
+        Violation::LlCountTag {
+            rank: 1,
+            op: 0,
+            step: Step::L6,
+            parity: 0,
+            expected: 1,
+            found: 2,
+            ..
+        } => {}
+        other => panic!("expected dispatch 2's count at [L6] of dispatch 1, got {other}"),
+    }
+}
+
+/// Without `[L5]` the receive phase reads a count word its sender has not stored yet (rank 0 is
+/// held before `[L2]` while rank 1 reads). With `[L5]` rank 1 waits for rank 0's done signal,
+/// so the schedule cannot happen.
+#[test]
+fn without_ll_done_wait_counts_are_read_before_they_land() {
+    use OpKind::*;
+    let cfg = epoch(1, &[LlDispatch]);
+    let pause = || Pause::new(0, (0, Step::L2), 1, (0, Step::L6));
+    match caught_only_when_mutated(&cfg, Mutation::LlSkipDoneWait, pause, false) {
+        Violation::LlCountTag {
+            rank: 1,
+            op: 0,
+            step: Step::L6,
+            src: 0,
+            expected: 1,
+            found: 0,
+            ..
+        } => {}
+        other => panic!("expected an unwritten count at [L6], got {other}"),
+    }
+}
+
+/// A failure in an LL send phase before its done signal ends every later op of both ranks in
+/// an error; the peer cannot complete the op (its `[L5]` gives up on the abort word).
+#[test]
+fn ll_failure_before_done_ends_every_later_op_in_error() {
+    use OpKind::*;
+    let cfg = epoch(2, &[LlDispatch, LlCombine, LlDispatch, Dispatch])
+        .with_failure(Failure {
+            rank: 0,
+            op: 1,
+            at: Step::L8,
+        })
+        .unwrap();
+    let reports = run_model(&cfg, &NoHook).unwrap_or_else(|f| panic!("{f}"));
+    assert_eq!(
+        reports[0].outputs[1],
+        Err(OpError::TimedOut { step: Step::L8 })
+    );
+    assert_gave_up_on(&reports[1].outputs[1], 0);
+    for report in &reports {
+        assert!(
+            report.outputs[2..]
+                .iter()
+                .all(|r| matches!(r, Err(OpError::Refused { .. }))),
+            "rank {}: {:?}",
+            report.rank,
+            report.outputs
+        );
+    }
+}

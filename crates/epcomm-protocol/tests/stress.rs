@@ -119,7 +119,10 @@ fn global_survives_random_delays_with_single_regions() {
 /// Low-latency ops mixed with the normal ones, under both schedules.
 #[test]
 fn low_latency_mixes_survive_random_delays() {
-    for (schedule, seed) in [(Schedule::Epoch, 0x1100_0001), (Schedule::Global, 0x1100_0002)] {
+    for (schedule, seed) in [
+        (Schedule::Epoch, 0x1100_0001),
+        (Schedule::Global, 0x1100_0002),
+    ] {
         stress(
             |rng| random_config_of(rng, schedule, 4, 3, 6, random_mixed_ops),
             60,
