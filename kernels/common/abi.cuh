@@ -60,8 +60,8 @@ enum WaitId : uint32_t {  // rust: mod wait, strip kWait
   kWaitCombineDone = 4,   ///< [C3] a peer's combine contributions landing.
   kWaitBarrier = 5,       ///< [G*] a Global-strategy barrier.
   kWaitOpStart = 6,       ///< The op's prologue: a peer's failure was known before the op started.
-  kWaitLlDispatch = 7,    ///< [L3] a peer's low-latency dispatch rows landing.
-  kWaitLlCombine = 8,     ///< [L6] a peer's low-latency combine rows landing.
+  kWaitLlDispatch = 7,    ///< [L5]/[L6] a peer's low-latency dispatch rows and counts.
+  kWaitLlCombine = 8,     ///< [L5] before [L9]: a peer's low-latency combine rows.
 };
 
 /// Byte offset, inside the stats region, of the in-place combine's `[world]` ready words.

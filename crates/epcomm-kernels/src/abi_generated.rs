@@ -62,9 +62,9 @@ pub mod wait {
     pub const BARRIER: u32 = 5;
     /// The op's prologue: a peer's failure was known before the op started.
     pub const OP_START: u32 = 6;
-    /// \[L3\] a peer's low-latency dispatch rows landing.
+    /// \[L5\]/\[L6\] a peer's low-latency dispatch rows and counts.
     pub const LL_DISPATCH: u32 = 7;
-    /// \[L6\] a peer's low-latency combine rows landing.
+    /// \[L5\] before \[L9\]: a peer's low-latency combine rows.
     pub const LL_COMBINE: u32 = 8;
 }
 

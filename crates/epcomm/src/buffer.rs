@@ -80,7 +80,7 @@ pub struct Buffer {
     /// Routing, element type and weights of the latest (cached) dispatch (in-place combine).
     latest_dispatch: Option<LatestDispatch>,
     /// The low-latency op whose receive phase has not been launched yet.
-    ll_pending: Option<&'static str>,
+    ll_pending: Option<ops::PendingReceive>,
     /// u32 words of dynamic shared memory of the low-latency kernels.
     ll_smem_words: usize,
     last_op: Option<&'static str>,

@@ -105,13 +105,17 @@ impl Buffer {
             .context("ending a graph capture");
         let delta = self.seq.minus(&at);
         self.seq = real;
+        // Nothing ran on the device: a receive left pending inside is not pending now, also
+        // when the closure failed.
+        let pending = self.ll_pending.take();
         captured?;
-        if let Some(op) = self.ll_pending.take() {
+        if let Some(p) = pending {
             return Err(Error::InvalidArgument {
                 argument: "capture",
                 rule: format!(
-                    "the receive phase of a low-latency {op} was not captured: call \
-                     Buffer::ll_receive inside the same capture"
+                    "the receive phase of a low-latency {} was not captured: call \
+                     Buffer::ll_receive inside the same capture",
+                    p.op
                 ),
             });
         }

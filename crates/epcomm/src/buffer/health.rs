@@ -67,16 +67,23 @@ impl Buffer {
     /// The check every op makes before it issues anything.
     pub(super) fn ensure_ready(&mut self) -> Result<()> {
         self.check()?;
-        if let Some(op) = self.ll_pending {
-            return Err(Error::InvalidArgument {
-                argument: "LlPending",
-                rule: format!(
-                    "the receive phase of a low-latency {op} is still pending: pass its \
-                     LlPending to Buffer::ll_receive before any other op"
-                ),
-            });
+        let Some(p) = &self.ll_pending else {
+            return Ok(());
+        };
+        let op = p.op;
+        if p.abandoned.load(std::sync::atomic::Ordering::Relaxed) {
+            // Its receive phase can no longer be issued, and the peers wait for it.
+            return Err(self.fail(Error::Failed(format!(
+                "the LlPending of a low-latency {op} was dropped without Buffer::ll_receive"
+            ))));
         }
-        Ok(())
+        Err(Error::InvalidArgument {
+            argument: "LlPending",
+            rule: format!(
+                "the receive phase of a low-latency {op} is still pending: pass its LlPending \
+                 to Buffer::ll_receive before any other op"
+            ),
+        })
     }
 
     /// Marks the buffer failed because of `e` and returns `e`.

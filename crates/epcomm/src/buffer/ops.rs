@@ -19,6 +19,7 @@ mod layout;
 mod low_latency;
 mod normal;
 
+pub(super) use low_latency::PendingReceive;
 pub use low_latency::{LlDispatchInput, LlFormat, LlPending, LlRecv};
 pub(super) use normal::LatestDispatch;
 

@@ -11,7 +11,8 @@
 //! no other epcomm op on this buffer; every caller array an op names must stay alive until its
 //! receive phase ran (the [`LlPending`] borrows them).
 
-use std::marker::PhantomData;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use epcomm_kernels::Op;
@@ -185,7 +186,34 @@ pub struct LlPending<'a> {
     kind: u32,
     args: OpArgs,
     buffer_id: u64,
-    _borrows: PhantomData<&'a mut ()>,
+    /// The send phase's op number: [`Buffer::ll_receive`] takes only the latest send's.
+    op_seq: u64,
+    /// Set when this value is dropped without going to [`Buffer::ll_receive`]: the buffer
+    /// then refuses further ops as failed (its peers wait for a receive that never comes).
+    abandoned: Arc<AtomicBool>,
+    /// False once the receive phase was issued (or the value was detached into another).
+    armed: bool,
+    /// A split combine's arrays its receive phase reads and writes: their stream events are
+    /// taken again around the receive kernel, so other streams are ordered after it.
+    combine: Option<CombineArrays<'a>>,
+}
+
+/// The caller arrays a combine's receive phase touches.
+struct CombineArrays<'a> {
+    topk_idx: &'a dyn DevicePtr<i64>,
+    topk_weights: &'a dyn DevicePtr<f32>,
+    out: &'a mut dyn DevicePtrMut<half::bf16>,
+}
+
+/// The low-latency op whose receive phase is outstanding on a [`Buffer`].
+#[derive(Debug)]
+pub(in crate::buffer) struct PendingReceive {
+    /// "dispatch" or "combine".
+    pub(in crate::buffer) op: &'static str,
+    /// The send phase's op number.
+    pub(in crate::buffer) op_seq: u64,
+    /// Set by a dropped [`LlPending`].
+    pub(in crate::buffer) abandoned: Arc<AtomicBool>,
 }
 
 impl LlPending<'_> {
@@ -196,14 +224,30 @@ impl LlPending<'_> {
     /// # Safety
     /// Every array the op named (its inputs, `y`, `out`, the [`LlRecv`]) must stay allocated,
     /// unmoved and untouched by other work until the receive phase this pending value issues
-    /// ([`Buffer::ll_receive`]) has finished on the stream.
-    pub unsafe fn detach(self) -> LlPending<'static> {
+    /// ([`Buffer::ll_receive`]) has finished on the stream; work on other streams that reads
+    /// `out` (or writes `topk_idx`, `topk_weights`) must be ordered after it by the caller (no
+    /// cudarc events are recorded for them).
+    pub unsafe fn detach(mut self) -> LlPending<'static> {
+        self.armed = false;
         LlPending {
             op: self.op,
             kind: self.kind,
             args: self.args,
             buffer_id: self.buffer_id,
-            _borrows: PhantomData,
+            op_seq: self.op_seq,
+            abandoned: self.abandoned.clone(),
+            armed: true,
+            combine: None,
+        }
+    }
+}
+
+impl Drop for LlPending<'_> {
+    /// Dropped without [`Buffer::ll_receive`]: tells the buffer, which then fails instead of
+    /// waiting for a receive that can no longer be issued.
+    fn drop(&mut self) {
+        if self.armed {
+            self.abandoned.store(true, Ordering::Relaxed);
         }
     }
 }
@@ -359,17 +403,46 @@ impl Buffer {
             self.kernels
                 .launch_op(Op::LlDispatchSend, &s, &args, self.cfg.num_sms)
         }?;
-        self.seq.advance(abi::op::LL_DISPATCH);
-        self.last_op = Some("low-latency dispatch");
-        self.ll_pending = (!fused).then_some("dispatch");
         recv.dispatched = Some((format, t));
-        Ok(LlPending {
-            op: Op::LlDispatchRecv,
-            kind: abi::op::LL_DISPATCH_RECV,
+        Ok(self.launched(abi::op::LL_DISPATCH, args, fused, None))
+    }
+
+    /// Book-keeping after a low-latency send kernel of `kind` was launched: the host sequence,
+    /// the last op, and (unless `fused`) the outstanding receive and its [`LlPending`].
+    fn launched<'a>(
+        &mut self,
+        kind: u32,
+        args: OpArgs,
+        fused: bool,
+        combine: Option<CombineArrays<'a>>,
+    ) -> LlPending<'a> {
+        let (name, op, recv_kind) = if kind == abi::op::LL_DISPATCH {
+            ("dispatch", Op::LlDispatchRecv, abi::op::LL_DISPATCH_RECV)
+        } else {
+            ("combine", Op::LlCombineRecv, abi::op::LL_COMBINE_RECV)
+        };
+        self.seq.advance(kind);
+        self.last_op = Some(if kind == abi::op::LL_DISPATCH {
+            "low-latency dispatch"
+        } else {
+            "low-latency combine"
+        });
+        let abandoned = Arc::new(AtomicBool::new(false));
+        self.ll_pending = (!fused).then(|| PendingReceive {
+            op: name,
+            op_seq: self.seq.op,
+            abandoned: abandoned.clone(),
+        });
+        LlPending {
+            op,
+            kind: recv_kind,
             args,
             buffer_id: self.id,
-            _borrows: PhantomData,
-        })
+            op_seq: self.seq.op,
+            abandoned,
+            armed: !fused,
+            combine,
+        }
     }
 
     /// Low-latency combine: sends every expert output row `y[l][i]` (`[local_expert][capacity]
@@ -448,63 +521,89 @@ impl Buffer {
             "values",
         )?;
         let s = self.stream.clone();
-        let (yp, _gy) = y.device_ptr(&s);
-        let (idx, _gi) = topk_idx.device_ptr(&s);
-        let (w, _gw) = topk_weights.device_ptr(&s);
-        let (o, _go) = out.device_ptr_mut(&s);
-        let ordinal = self.ctx.ordinal();
-        check_device_ptr("y", yp, y.len() * 2, ROW_ALIGN, ordinal)?;
-        check_device_ptr("topk_idx", idx, t * k * 8, 8, ordinal)?;
-        check_device_ptr("topk_weights", w, t * k * 4, 4, ordinal)?;
-        check_device_ptr("out", o, t * hidden * 2, ROW_ALIGN, ordinal)?;
-        let (rc, _g1) = recv.count.device_ptr(&s);
-        let (ri, _g2) = recv.src_info.device_ptr(&s);
-        let (rr, _g3) = recv.route.device_ptr(&s);
-        let args = OpArgs {
-            x: yp,
-            topk_idx: idx,
-            topk_weights: w,
-            out: o,
-            num_tokens: t as i32,
-            flags: if fused { abi::flags::FUSED } else { 0 },
-            ll_recv_count: rc,
-            ll_src_info: ri,
-            ll_route: rr,
-            ..self.base_args()
+        let args = {
+            let (yp, _gy) = y.device_ptr(&s);
+            let (idx, _gi) = topk_idx.device_ptr(&s);
+            let (w, _gw) = topk_weights.device_ptr(&s);
+            let (o, _go) = out.device_ptr_mut(&s);
+            let ordinal = self.ctx.ordinal();
+            check_device_ptr("y", yp, y.len() * 2, ROW_ALIGN, ordinal)?;
+            check_device_ptr("topk_idx", idx, t * k * 8, 8, ordinal)?;
+            check_device_ptr("topk_weights", w, t * k * 4, 4, ordinal)?;
+            check_device_ptr("out", o, t * hidden * 2, ROW_ALIGN, ordinal)?;
+            let (rc, _g1) = recv.count.device_ptr(&s);
+            let (ri, _g2) = recv.src_info.device_ptr(&s);
+            let (rr, _g3) = recv.route.device_ptr(&s);
+            let args = OpArgs {
+                x: yp,
+                topk_idx: idx,
+                topk_weights: w,
+                out: o,
+                num_tokens: t as i32,
+                flags: if fused { abi::flags::FUSED } else { 0 },
+                ll_recv_count: rc,
+                ll_src_info: ri,
+                ll_route: rr,
+                ..self.base_args()
+            };
+            // SAFETY: y holds every packed row the counts of `recv` name (checked: its full
+            // capacity), `recv`'s routing was written by its dispatch earlier on this stream,
+            // and every destination row lies in the sources' combine regions ([token][k],
+            // token below the source's dispatch count); every rank launches with num_sms
+            // blocks. The guards record the arrays' events after this kernel.
+            unsafe {
+                self.kernels
+                    .launch_op(Op::LlCombineSend, &s, &args, self.cfg.num_sms)
+            }?;
+            args
         };
-        // SAFETY: y holds every packed row the counts of `recv` name (checked: its full
-        // capacity), `recv`'s routing was written by its dispatch earlier on this stream, and
-        // every destination row lies in the sources' combine regions ([token][k], token below
-        // the source's dispatch count); every rank launches with num_sms blocks.
-        unsafe {
-            self.kernels
-                .launch_op(Op::LlCombineSend, &s, &args, self.cfg.num_sms)
-        }?;
-        self.seq.advance(abi::op::LL_COMBINE);
-        self.last_op = Some("low-latency combine");
-        self.ll_pending = (!fused).then_some("combine");
-        Ok(LlPending {
-            op: Op::LlCombineRecv,
-            kind: abi::op::LL_COMBINE_RECV,
-            args,
-            buffer_id: self.id,
-            _borrows: PhantomData,
-        })
+        let arrays = (!fused).then_some(CombineArrays {
+            topk_idx,
+            topk_weights,
+            out,
+        });
+        Ok(self.launched(abi::op::LL_COMBINE, args, fused, arrays))
     }
 
     /// The receive phase (the hook) of a low-latency op whose send phase returned `pending`:
     /// queues the kernel that waits for the peers' rows and finishes the op. Stream-ordered;
     /// no host wait.
-    pub fn ll_receive(&mut self, pending: LlPending<'_>) -> Result<()> {
+    pub fn ll_receive(&mut self, mut pending: LlPending<'_>) -> Result<()> {
         self.check()?;
         self.check_owner(pending.buffer_id, "pending", "was issued on another Buffer")?;
+        if self.ll_pending.as_ref().map(|p| p.op_seq) != Some(pending.op_seq) {
+            return Err(Error::InvalidArgument {
+                argument: "pending",
+                rule: "is not the receive phase of this Buffer's latest low-latency send phase \
+                       (it was issued already, or its send phase was never run)"
+                    .into(),
+            });
+        }
         let s = self.stream.clone();
-        // SAFETY: the arguments are those of the send phase, whose caller arrays `pending`
-        // still borrows; the send phase of this op was the last op issued on this stream.
-        unsafe {
-            self.kernels
-                .launch_op(pending.op, &s, &pending.args, self.cfg.num_sms)
-        }?;
+        match &mut pending.combine {
+            Some(c) => {
+                // The guards record the arrays' stream events after the receive kernel.
+                let (_, _gi) = c.topk_idx.device_ptr(&s);
+                let (_, _gw) = c.topk_weights.device_ptr(&s);
+                let (_, _go) = c.out.device_ptr_mut(&s);
+                // SAFETY: the arguments are those of the send phase, whose caller arrays
+                // `pending` still borrows; its send phase was the last op issued on this
+                // stream (checked above).
+                unsafe {
+                    self.kernels
+                        .launch_op(pending.op, &s, &pending.args, self.cfg.num_sms)
+                }?;
+            }
+            None => {
+                // SAFETY: as above (a dispatch's receive phase writes only the LlRecv, which
+                // lives on this stream).
+                unsafe {
+                    self.kernels
+                        .launch_op(pending.op, &s, &pending.args, self.cfg.num_sms)
+                }?;
+            }
+        }
+        pending.armed = false;
         self.seq.advance(pending.kind);
         self.ll_pending = None;
         Ok(())
