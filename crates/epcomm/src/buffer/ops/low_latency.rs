@@ -580,29 +580,21 @@ impl Buffer {
             });
         }
         let s = self.stream.clone();
-        match &mut pending.combine {
-            Some(c) => {
-                // The guards record the arrays' stream events after the receive kernel.
-                let (_, _gi) = c.topk_idx.device_ptr(&s);
-                let (_, _gw) = c.topk_weights.device_ptr(&s);
-                let (_, _go) = c.out.device_ptr_mut(&s);
-                // SAFETY: the arguments are those of the send phase, whose caller arrays
-                // `pending` still borrows; its send phase was the last op issued on this
-                // stream (checked above).
-                unsafe {
-                    self.kernels
-                        .launch_op(pending.op, &s, &pending.args, self.cfg.num_sms)
-                }?;
-            }
-            None => {
-                // SAFETY: as above (a dispatch's receive phase writes only the LlRecv, which
-                // lives on this stream).
-                unsafe {
-                    self.kernels
-                        .launch_op(pending.op, &s, &pending.args, self.cfg.num_sms)
-                }?;
-            }
-        }
+        // A split combine's arrays: their guards record the stream events after the receive
+        // kernel (a dispatch's receive phase writes only the LlRecv, which lives on this stream).
+        let _guards = pending.combine.as_mut().map(|c| {
+            (
+                c.topk_idx.device_ptr(&s).1,
+                c.topk_weights.device_ptr(&s).1,
+                c.out.device_ptr_mut(&s).1,
+            )
+        });
+        // SAFETY: the arguments are those of the send phase, whose caller arrays `pending`
+        // still borrows; its send phase was the last op issued on this stream (checked above).
+        unsafe {
+            self.kernels
+                .launch_op(pending.op, &s, &pending.args, self.cfg.num_sms)
+        }?;
         pending.armed = false;
         self.seq.advance(pending.kind);
         self.ll_pending = None;
