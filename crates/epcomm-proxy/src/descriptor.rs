@@ -299,7 +299,7 @@ impl RawDescriptor {
                 bytes: self.arg2,
             }));
         }
-        if self.arg0 % SIGNAL_WORD_BYTES != 0 {
+        if !self.arg0.is_multiple_of(SIGNAL_WORD_BYTES) {
             return Err(DescriptorError::Misaligned {
                 field: Field::SignalOffset,
                 value: self.arg0,

@@ -92,7 +92,7 @@ fn waits_are_bounded_and_typed() {
 
 #[test]
 fn a_stopped_consumer_ends_the_producers_waits() {
-    let (mut producer, consumer) = ring::split(RingMemory::allocate(2).expect("ring"));
+    let (producer, consumer) = ring::split(RingMemory::allocate(2).expect("ring"));
     consumer.publish_completed(0);
     let waiter = thread::spawn(move || {
         let r = producer.wait_completed(1, LONG);

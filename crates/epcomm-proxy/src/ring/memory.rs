@@ -1,10 +1,9 @@
 //! The ring's memory: the header words and the slots, over a raw region (normal build) or boxed
 //! loom atomics (`--cfg loom`), behind one accessor API.
 
-use super::{
-    HEADER_BYTES, MAX_CAPACITY, OFFSET_COMPLETED, OFFSET_HEAD, OFFSET_STATUS, OFFSET_TAIL,
-    REGION_ALIGN, RING_MAGIC, RingError, SLOT_BYTES,
-};
+use super::{HEADER_BYTES, MAX_CAPACITY, RingError, SLOT_BYTES};
+#[cfg(not(loom))]
+use super::{OFFSET_COMPLETED, OFFSET_HEAD, OFFSET_STATUS, OFFSET_TAIL, REGION_ALIGN, RING_MAGIC};
 use crate::sync::AtomicU64;
 
 /// A header word.
@@ -175,7 +174,7 @@ impl RingMemory {
         capacity: u64,
     ) -> Result<RingMemory, RingError> {
         let needed = region_bytes(capacity)?;
-        if (ptr as usize) % REGION_ALIGN != 0 {
+        if !(ptr as usize).is_multiple_of(REGION_ALIGN) {
             return Err(RingError::Misaligned { addr: ptr as usize });
         }
         if len < needed {
@@ -215,7 +214,8 @@ impl RingMemory {
     /// The atomic word at byte `offset` (8-aligned, inside the region).
     fn word_at(&self, offset: usize) -> &AtomicU64 {
         debug_assert!(
-            offset % 8 == 0 && offset + 8 <= HEADER_BYTES + self.capacity as usize * SLOT_BYTES
+            offset.is_multiple_of(8)
+                && offset + 8 <= HEADER_BYTES + self.capacity as usize * SLOT_BYTES
         );
         // SAFETY: the region is valid for `region_bytes(capacity)` bytes for the lifetime of
         // `self` (allocated here, or promised by `from_raw`'s caller), starts on a 64-byte
