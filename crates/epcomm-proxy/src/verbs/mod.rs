@@ -1,0 +1,37 @@
+//! RDMA device enumeration through `libibverbs.so.1`, opened at run time.
+//!
+//! Nothing links at build time (the `ibverbs`/`ibverbs-sys` crates emit
+//! `cargo:rustc-link-lib=ibverbs`, which would make every binary fail to start where
+//! libibverbs is missing); the library is `dlopen`ed by [`Verbs::load`] and only the calls
+//! bound in [`sys`] are used: `ibv_get_device_list`, `ibv_free_device_list`,
+//! `ibv_get_device_name` and `ibv_get_device_guid`.
+//!
+//! [`Verbs::load_default`] looks in these places, in order; the first file that exists is
+//! opened (if it then fails to load, that error is returned and the search stops):
+//!
+//! 1. `$EPCOMM_IBVERBS_LIB`: the library file, or the directory holding `libibverbs.so.1`;
+//! 2. the bare soname `libibverbs.so.1` through the system's dynamic loader
+//!    (`LD_LIBRARY_PATH`, `ld.so.cache`, the default directories).
+//!
+//! When nothing is found, [`LoadError::NotFound`] lists each place and why it was not used.
+//! With the library loaded, [`Verbs::devices`] lists the devices; none is
+//! [`DeviceError::NoDevice`] — libibverbs returns `NULL` with `errno = ENOSYS` when the
+//! kernel's verbs interface (`/sys/class/infiniband_verbs`) is absent, and an empty list when
+//! no provider claims a device.
+//!
+//! One file each: `sys.rs` (the raw function types), `search.rs` (the places, pure),
+//! `error.rs` ([`LoadError`], [`DeviceError`]) and `load.rs` ([`Verbs`]).
+
+mod error;
+mod load;
+mod search;
+pub mod sys;
+
+pub use error::{DeviceError, LoadError, Searched};
+pub use load::{DeviceInfo, Verbs};
+pub use search::{Candidate, LibrarySearch, Origin};
+
+/// The soname looked for.
+pub const LIBRARY_NAME: &str = "libibverbs.so.1";
+/// Environment variable (step 1): the library file, or the directory holding it.
+pub const ENV_EPCOMM_IBVERBS_LIB: &str = "EPCOMM_IBVERBS_LIB";

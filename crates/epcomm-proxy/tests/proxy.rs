@@ -1,0 +1,317 @@
+//! The proxy end to end on the host executor: rows and signals from a producer thread land in
+//! the peers' host buffers in order; coalescing, flow control, shutdown and typed failures.
+#![cfg(not(loom))]
+
+use std::sync::Arc;
+use std::thread;
+use std::time::Duration;
+
+use epcomm_proxy::{
+    Descriptor, DescriptorError, Executor, HostExecutor, HostHeap, Limits, OpFailure, OpId, Proxy,
+    ProxyConfig, ProxyError, RawDescriptor, RingError, RingMemory, Signal, SignalOp, Submit,
+    Transfer, ring,
+};
+
+const LONG: Duration = Duration::from_secs(20);
+const ROW: u64 = 64;
+const TOKENS: u64 = 256;
+const WORLD: u32 = 4;
+const HEAP: usize = 1 << 16;
+/// Where the `done` counters live in every buffer: one word per source rank.
+const DONE: u64 = 60_000;
+
+fn limits() -> Limits {
+    Limits {
+        world: WORLD,
+        heap_bytes: HEAP as u64,
+    }
+}
+
+fn transfer(peer: u32, src: u64, dst: u64, bytes: u64) -> Descriptor {
+    Descriptor::Transfer(Transfer {
+        peer,
+        src_offset: src,
+        dst_offset: dst,
+        bytes,
+    })
+}
+
+fn add(peer: u32, offset: u64, value: u64) -> Descriptor {
+    Descriptor::Signal(Signal {
+        peer,
+        offset,
+        value,
+        op: SignalOp::Add,
+    })
+}
+
+/// Rank 0's token rows (token `t`, byte `i` = `t * 7 + i`), and the descriptors of a dispatch:
+/// every token to every other rank, row-interleaved across peers, then one `done` add each.
+fn dispatch(heap: &HostHeap) -> Vec<Descriptor> {
+    for t in 0..TOKENS {
+        let row: Vec<u8> = (0..ROW).map(|i| (t * 7 + i) as u8).collect();
+        heap.write(0, t * ROW, &row).expect("row");
+    }
+    let mut out = Vec::new();
+    for t in 0..TOKENS {
+        for peer in 1..WORLD {
+            out.push(transfer(peer, t * ROW, 20_000 + t * ROW, ROW));
+        }
+    }
+    for peer in 1..WORLD {
+        out.push(add(peer, DONE, 1));
+    }
+    out
+}
+
+fn check_dispatch(heap: &HostHeap) {
+    let sent = heap.read(0, 0, TOKENS * ROW).expect("source");
+    for peer in 1..WORLD {
+        assert_eq!(heap.word(peer, DONE), Ok(1), "done at {peer}");
+        assert_eq!(heap.read(peer, 20_000, TOKENS * ROW).expect("rows"), sent);
+    }
+}
+
+#[test]
+fn a_dispatch_lands_in_order_and_coalesces() {
+    let heap = HostHeap::new(WORLD, HEAP);
+    let work = dispatch(&heap);
+    let (mut producer, consumer) = ring::split(RingMemory::allocate(16).expect("ring"));
+    let mut config = ProxyConfig::new(limits());
+    config.max_pending = 4; // small: the ring fills and the producer waits
+    let proxy =
+        Proxy::spawn(consumer, HostExecutor::new(Arc::clone(&heap), 0, 2), config).expect("spawn");
+    for d in &work {
+        producer.push(d, &limits(), LONG).expect("push");
+    }
+    producer
+        .wait_completed(work.len() as u64, LONG)
+        .expect("completed");
+    check_dispatch(&heap);
+    let report = proxy.shutdown().expect("clean");
+    assert_eq!(report.descriptors, work.len() as u64);
+    assert_eq!(report.signals, 3);
+    assert_eq!(report.bytes, TOKENS * ROW * 3);
+    assert!(report.ops < report.descriptors, "{report:?}");
+    assert!(
+        report.busy > 0,
+        "the executor's queue of 2 never filled: {report:?}"
+    );
+}
+
+#[test]
+fn a_signal_is_seen_only_after_its_rows() {
+    // The reader polls rank 1's `done` word; once it is 1, every row must be there.
+    let heap = HostHeap::new(WORLD, HEAP);
+    let work = dispatch(&heap);
+    let (mut producer, consumer) = ring::split(RingMemory::allocate(64).expect("ring"));
+    let proxy = Proxy::spawn(
+        consumer,
+        HostExecutor::new(Arc::clone(&heap), 0, 8),
+        ProxyConfig::new(limits()),
+    )
+    .expect("spawn");
+    let watcher = {
+        let heap = Arc::clone(&heap);
+        thread::spawn(move || {
+            while heap.word(1, DONE).expect("word") == 0 {
+                thread::yield_now();
+            }
+            let sent = heap.read(0, 0, TOKENS * ROW).expect("source");
+            assert_eq!(heap.read(1, 20_000, TOKENS * ROW).expect("rows"), sent);
+        })
+    };
+    for d in &work {
+        producer.push(d, &limits(), LONG).expect("push");
+    }
+    watcher.join().expect("rows before signal");
+    proxy.shutdown().expect("clean");
+}
+
+#[test]
+fn shutdown_while_busy_executes_what_was_published_and_closes_the_ring() {
+    let heap = HostHeap::new(WORLD, HEAP);
+    let (mut producer, consumer) = ring::split(RingMemory::allocate(8).expect("ring"));
+    let proxy = Proxy::spawn(
+        consumer,
+        HostExecutor::new(Arc::clone(&heap), 0, 1),
+        ProxyConfig::new(limits()),
+    )
+    .expect("spawn");
+    let writer = thread::spawn(move || {
+        let mut pushed = 0u64;
+        loop {
+            match producer.push(&add(1, 0, 1), &limits(), LONG) {
+                Ok(_) => pushed += 1,
+                Err(RingError::Closed { position }) => {
+                    assert_eq!(position, pushed);
+                    return (producer, pushed);
+                }
+                Err(e) => panic!("unexpected: {e}"),
+            }
+        }
+    });
+    thread::sleep(Duration::from_millis(50));
+    let report = proxy.shutdown().expect("clean");
+    let (producer, pushed) = writer.join().expect("writer");
+    // Everything taken was executed and published; at most what raced the close is left.
+    assert_eq!(heap.word(1, 0), Ok(report.descriptors));
+    assert_eq!(producer.completed(), report.descriptors);
+    assert!(
+        report.descriptors > 0 && pushed - report.descriptors <= 8,
+        "{report:?} {pushed}"
+    );
+}
+
+#[test]
+fn an_invalid_descriptor_fails_the_proxy_naming_it() {
+    let heap = HostHeap::new(WORLD, HEAP);
+    let (mut producer, consumer) = ring::split(RingMemory::allocate(8).expect("ring"));
+    let proxy = Proxy::spawn(
+        consumer,
+        HostExecutor::new(heap, 0, 4),
+        ProxyConfig::new(limits()),
+    )
+    .expect("spawn");
+    let bad = RawDescriptor {
+        kind: 1,
+        flags: 0,
+        peer: 9,
+        arg0: 0,
+        arg1: 0,
+        arg2: 8,
+    };
+    producer.push_raw(&bad, LONG).expect("push");
+    assert_eq!(
+        producer.wait_completed(1, LONG),
+        Err(RingError::ProxyFailed { position: 1 })
+    );
+    match proxy.shutdown() {
+        Err(ProxyError::Decode {
+            position: 0,
+            raw,
+            source: DescriptorError::PeerOutOfRange { peer: 9, world: 4 },
+        }) => assert_eq!(raw, bad),
+        other => panic!("expected Decode, got {other:?}"),
+    }
+}
+
+#[test]
+fn an_executor_failure_names_the_peer_and_the_descriptors() {
+    // The proxy believes the buffers are 64 KiB; rank 2's host buffer is smaller.
+    let heap = HostHeap::new(WORLD, 1024);
+    let (mut producer, consumer) = ring::split(RingMemory::allocate(8).expect("ring"));
+    let proxy = Proxy::spawn(
+        consumer,
+        HostExecutor::new(heap, 0, 4),
+        ProxyConfig::new(limits()),
+    )
+    .expect("spawn");
+    producer
+        .push(&transfer(1, 0, 0, 8), &limits(), LONG)
+        .expect("push");
+    producer
+        .push(&transfer(2, 0, 4096, 8), &limits(), LONG)
+        .expect("push");
+    assert!(producer.wait_completed(2, LONG).is_err());
+    match proxy.shutdown() {
+        Err(e @ ProxyError::Executor { peer: 2, .. }) => {
+            let msg = e.to_string();
+            assert!(msg.contains("host executor failed"), "{msg}");
+            assert!(msg.contains("to peer 2 (ring descriptors [1])"), "{msg}");
+            assert!(msg.contains("rank 2: [4096, 4096 + 8) is outside"), "{msg}");
+        }
+        other => panic!("expected Executor, got {other:?}"),
+    }
+}
+
+/// An executor that accepts work and never completes it: a device that stopped answering.
+struct Unresponsive;
+
+impl Executor for Unresponsive {
+    fn name(&self) -> &str {
+        "unresponsive"
+    }
+    fn submit_transfer(&mut self, _: OpId, _: &Transfer) -> Result<Submit, OpFailure> {
+        Ok(Submit::Accepted)
+    }
+    fn submit_signal(&mut self, _: OpId, _: &Signal) -> Result<Submit, OpFailure> {
+        Ok(Submit::Accepted)
+    }
+    fn poll(&mut self, _: &mut Vec<OpId>) -> Result<(), OpFailure> {
+        Ok(())
+    }
+}
+
+#[test]
+fn an_operation_that_never_completes_is_a_typed_timeout() {
+    let (mut producer, consumer) = ring::split(RingMemory::allocate(8).expect("ring"));
+    let mut config = ProxyConfig::new(limits());
+    config.op_timeout = Duration::from_millis(30);
+    let proxy = Proxy::spawn(consumer, Unresponsive, config).expect("spawn");
+    producer
+        .push(&add(3, 16, 1), &limits(), LONG)
+        .expect("push");
+    assert_eq!(
+        producer.wait_completed(1, LONG),
+        Err(RingError::ProxyFailed { position: 1 })
+    );
+    match proxy.shutdown() {
+        Err(ProxyError::CompletionTimeout {
+            peer: 3,
+            positions,
+            waited,
+            ..
+        }) => {
+            assert_eq!(positions, [0]);
+            assert!(waited >= Duration::from_millis(30));
+        }
+        other => panic!("expected CompletionTimeout, got {other:?}"),
+    }
+}
+
+#[test]
+fn pinning_to_a_cpu_and_a_cpu_that_does_not_exist() {
+    let heap = HostHeap::new(WORLD, HEAP);
+    let (mut producer, consumer) = ring::split(RingMemory::allocate(8).expect("ring"));
+    let mut config = ProxyConfig::new(limits());
+    config.cpu = Some(0);
+    let proxy =
+        Proxy::spawn(consumer, HostExecutor::new(Arc::clone(&heap), 0, 4), config).expect("spawn");
+    producer.push(&add(1, 0, 5), &limits(), LONG).expect("push");
+    producer.wait_completed(1, LONG).expect("completed");
+    proxy.shutdown().expect("clean");
+
+    let (producer, consumer) = ring::split(RingMemory::allocate(8).expect("ring"));
+    let mut config = ProxyConfig::new(limits());
+    config.cpu = Some(1 << 20);
+    let proxy = Proxy::spawn(consumer, HostExecutor::new(heap, 0, 4), config).expect("spawn");
+    assert_eq!(
+        producer.wait_completed(1, LONG),
+        Err(RingError::ProxyFailed { position: 1 })
+    );
+    assert!(matches!(
+        proxy.shutdown(),
+        Err(ProxyError::Pin { cpu: 1_048_576, .. })
+    ));
+}
+
+#[test]
+fn dropping_the_proxy_stops_it_cleanly() {
+    let heap = HostHeap::new(WORLD, HEAP);
+    let (mut producer, consumer) = ring::split(RingMemory::allocate(8).expect("ring"));
+    let proxy = Proxy::spawn(
+        consumer,
+        HostExecutor::new(Arc::clone(&heap), 0, 4),
+        ProxyConfig::new(limits()),
+    )
+    .expect("spawn");
+    producer.push(&add(2, 8, 1), &limits(), LONG).expect("push");
+    drop(proxy);
+    assert_eq!(heap.word(2, 8), Ok(1));
+    assert_eq!(producer.completed(), 1);
+    assert_eq!(
+        producer.try_push_raw(&RawDescriptor::default()),
+        Err(RingError::Closed { position: 1 })
+    );
+}
