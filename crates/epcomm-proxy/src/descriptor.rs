@@ -3,22 +3,38 @@
 //!
 //! # Layout (32 bytes, 8-byte aligned, little-endian; shared with the CUDA side)
 //!
-//! | bytes  | field   | bits | meaning |
-//! |--------|---------|------|---------|
-//! | 0..2   | `kind`  | 16   | [`KIND_TRANSFER`] (1) or [`KIND_SIGNAL`] (2); 0 and every other value are invalid |
-//! | 2..4   | `flags` | 16   | transfer: must be 0; signal: bit 0 = [`SignalOp`] (0 = set, 1 = add), bits 1..15 must be 0 |
-//! | 4..8   | `peer`  | 32   | destination rank, `< world` |
-//! | 8..16  | `arg0`  | 64   | transfer: source offset in this rank's symmetric buffer; signal: offset of the destination's 64-bit signal word (multiple of 8) |
-//! | 16..24 | `arg1`  | 64   | transfer: destination offset in the peer's symmetric buffer; signal: the value (stored, or added) |
-//! | 24..32 | `arg2`  | 64   | transfer: bytes to move (> 0); signal: must be 0 |
+//! | bytes  | field   | bits | transfer ([`KIND_TRANSFER`] = 1) | signal ([`KIND_SIGNAL`] = 2) | write ([`KIND_WRITE`] = 3) |
+//! |--------|---------|------|----------------------------------|------------------------------|----------------------------|
+//! | 0..2   | `kind`  | 16   | 1 | 2 | 3 (0 and every other value are invalid) |
+//! | 2..4   | `flags` | 16   | bit 0 = [`TRANSFER_FLAG_SRC_ADDRESS`]; bits 1..15 must be 0 | bit 0 = [`SIGNAL_FLAG_ADD`] (0 = set, 1 = add); bits 1..15 must be 0 | must be 0 |
+//! | 4..8   | `peer`  | 32   | destination rank, `< world` | destination rank, `< world` | destination rank, `< world` |
+//! | 8..16  | `arg0`  | 64   | source: an offset in this rank's symmetric buffer, or (flag set) a device address, non-zero | offset of the peer's 64-bit signal word (multiple of 8) | destination offset in the peer's buffer (multiple of the width) |
+//! | 16..24 | `arg1`  | 64   | destination offset in the peer's symmetric buffer | the value (stored, or added) | the value, zero-extended (width 4: bits 32..63 must be 0) |
+//! | 24..32 | `arg2`  | 64   | bytes to move (> 0) | must be 0 | width in bytes: 4 or 8 |
 //!
 //! Offsets are byte offsets into the symmetric buffer (the same [`Limits::heap_bytes`] on every
 //! rank); a range `[offset, offset + bytes)` must fit in it. As 64-bit words (what the ring
 //! stores, [`RawDescriptor::to_words`]): word 0 = `kind | flags << 16 | peer << 32`, words 1..3 =
 //! `arg0..arg2`.
 //!
+//! A transfer's source is [`Source::Heap`] (flag clear: an offset, bounds-checked like every
+//! other offset) or [`Source::Address`] (flag set: a device virtual address valid in the
+//! producing process, so a kernel can put straight from caller memory). The decoder cannot
+//! bounds-check an address — it does not know the producer's allocations — and checks only that
+//! it is non-zero and that `[address, address + bytes)` does not wrap around the 64-bit address
+//! space; a bad address surfaces as an executor failure (or, on a GPU, a fault).
+//!
 //! [`Descriptor::encode`] and [`RawDescriptor::decode`] apply the same rules; every violation is
 //! a [`DescriptorError`] naming the [`Field`] and the rule.
+//!
+//! # Ordering contract
+//!
+//! A **signal** to peer `p` takes effect after every transfer and write to `p` that precedes it
+//! in the ring. Transfers and writes to one peer need no order among themselves: the kernels
+//! never target overlapping bytes with them within one operation (dispatch, combine), so the
+//! coalescer may hold a transfer run open while later writes pass it. Executors still keep
+//! per-peer submission order ([`crate::executor`]), which is the simplest way to honour the
+//! signal rule.
 
 use std::fmt;
 
@@ -26,6 +42,11 @@ use std::fmt;
 pub const KIND_TRANSFER: u16 = 1;
 /// `kind` of a signal descriptor.
 pub const KIND_SIGNAL: u16 = 2;
+/// `kind` of a write descriptor (an inline store of a 4- or 8-byte value).
+pub const KIND_WRITE: u16 = 3;
+/// Bit of `flags` that makes a transfer's `arg0` a device address ([`Source::Address`])
+/// instead of an offset in this rank's symmetric buffer ([`Source::Heap`]).
+pub const TRANSFER_FLAG_SRC_ADDRESS: u16 = 1;
 /// Bit of `flags` that selects [`SignalOp::Add`] in a signal descriptor.
 pub const SIGNAL_FLAG_ADD: u16 = 1;
 /// Size of a signal word in bytes; signal offsets are multiples of it.
@@ -40,17 +61,18 @@ pub const DESCRIPTOR_BYTES: usize = 32;
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct RawDescriptor {
-    /// [`KIND_TRANSFER`] or [`KIND_SIGNAL`].
+    /// [`KIND_TRANSFER`], [`KIND_SIGNAL`] or [`KIND_WRITE`].
     pub kind: u16,
-    /// Kind-specific flags ([`SIGNAL_FLAG_ADD`]).
+    /// Kind-specific flags ([`TRANSFER_FLAG_SRC_ADDRESS`], [`SIGNAL_FLAG_ADD`]).
     pub flags: u16,
     /// Destination rank.
     pub peer: u32,
-    /// Transfer: source offset. Signal: signal word offset.
+    /// Transfer: source offset or address. Signal: signal word offset. Write: destination
+    /// offset.
     pub arg0: u64,
-    /// Transfer: destination offset. Signal: value.
+    /// Transfer: destination offset. Signal, write: value.
     pub arg1: u64,
-    /// Transfer: bytes. Signal: 0.
+    /// Transfer: bytes. Signal: 0. Write: width (4 or 8).
     pub arg2: u64,
 }
 
@@ -66,8 +88,10 @@ pub enum Field {
     Flags,
     /// `peer`.
     Peer,
-    /// `arg0` of a transfer.
+    /// `arg0` of a transfer from the symmetric buffer ([`Source::Heap`]).
     SrcOffset,
+    /// `arg0` of a transfer from a device address ([`Source::Address`]).
+    SrcAddress,
     /// `arg1` of a transfer.
     DstOffset,
     /// `arg2` of a transfer.
@@ -76,6 +100,12 @@ pub enum Field {
     SignalOffset,
     /// `arg2` of a signal (reserved).
     SignalReserved,
+    /// `arg0` of a write.
+    WriteOffset,
+    /// `arg1` of a write.
+    WriteValue,
+    /// `arg2` of a write.
+    WriteWidth,
 }
 
 impl fmt::Display for Field {
@@ -85,10 +115,14 @@ impl fmt::Display for Field {
             Field::Flags => "flags",
             Field::Peer => "peer",
             Field::SrcOffset => "arg0 (transfer source offset)",
+            Field::SrcAddress => "arg0 (transfer source address)",
             Field::DstOffset => "arg1 (transfer destination offset)",
             Field::Bytes => "arg2 (transfer bytes)",
             Field::SignalOffset => "arg0 (signal word offset)",
             Field::SignalReserved => "arg2 (reserved in a signal)",
+            Field::WriteOffset => "arg0 (write destination offset)",
+            Field::WriteValue => "arg1 (write value)",
+            Field::WriteWidth => "arg2 (write width)",
         })
     }
 }
@@ -105,8 +139,8 @@ pub struct Limits {
 /// A rule a descriptor broke; each names the field.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum DescriptorError {
-    /// `kind` is neither [`KIND_TRANSFER`] nor [`KIND_SIGNAL`].
-    #[error("descriptor field `kind` is {value}: must be 1 (transfer) or 2 (signal)")]
+    /// `kind` is not [`KIND_TRANSFER`], [`KIND_SIGNAL`] or [`KIND_WRITE`].
+    #[error("descriptor field `kind` is {value}: must be 1 (transfer), 2 (signal) or 3 (write)")]
     UnknownKind {
         /// The value found.
         value: u16,
@@ -133,6 +167,45 @@ pub enum DescriptorError {
         Field::Bytes
     )]
     EmptyTransfer,
+    /// A transfer's source address ([`Source::Address`]) is 0.
+    #[error(
+        "descriptor field `{}` is 0: a device source address must be non-zero",
+        Field::SrcAddress
+    )]
+    NullAddress,
+    /// A transfer's source address range wraps around the 64-bit address space.
+    #[error(
+        "descriptor field `{}` is {address:#x}: [{address:#x}, {address:#x} + {bytes}) wraps \
+         around the 64-bit address space",
+        Field::SrcAddress
+    )]
+    AddressWraps {
+        /// The address found.
+        address: u64,
+        /// The transfer's length.
+        bytes: u64,
+    },
+    /// A write's width is neither 4 nor 8.
+    #[error(
+        "descriptor field `{}` is {value}: a write stores 4 or 8 bytes",
+        Field::WriteWidth
+    )]
+    InvalidWidth {
+        /// The value found.
+        value: u64,
+    },
+    /// A 4-byte write's value has bits set above bit 31.
+    #[error(
+        "descriptor field `{}` is {value:#x}: a {width}-byte write's value must fit in {width} \
+         bytes (zero-extended)",
+        Field::WriteValue
+    )]
+    ValueTooWide {
+        /// The value found.
+        value: u64,
+        /// The write's width in bytes.
+        width: u64,
+    },
     /// An offset is not a multiple of its alignment.
     #[error("descriptor field `{field}` is {value}: must be a multiple of {align}")]
     Misaligned {
@@ -160,13 +233,48 @@ pub enum DescriptorError {
     },
 }
 
-/// Move `bytes` bytes from this rank's symmetric buffer to `peer`'s.
+/// Where a transfer reads from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    /// An offset in this rank's symmetric buffer (bounds-checked against
+    /// [`Limits::heap_bytes`]); `flags` bit [`TRANSFER_FLAG_SRC_ADDRESS`] clear.
+    Heap(u64),
+    /// A device (virtual) address valid in the producing process, non-zero; `flags` bit
+    /// [`TRANSFER_FLAG_SRC_ADDRESS`] set. Not bounds-checked by the decoder (see the
+    /// [module docs](self)).
+    Address(u64),
+}
+
+impl Source {
+    /// The offset or address (what `arg0` holds).
+    pub fn value(&self) -> u64 {
+        match *self {
+            Source::Heap(v) | Source::Address(v) => v,
+        }
+    }
+
+    /// Whether this is a [`Source::Address`].
+    pub fn is_address(&self) -> bool {
+        matches!(self, Source::Address(_))
+    }
+
+    /// The same space at `value + delta`, or `None` on overflow.
+    pub fn checked_add(&self, delta: u64) -> Option<Source> {
+        match *self {
+            Source::Heap(v) => v.checked_add(delta).map(Source::Heap),
+            Source::Address(v) => v.checked_add(delta).map(Source::Address),
+        }
+    }
+}
+
+/// Move `bytes` bytes from `src` (this rank's symmetric buffer, or a device address) to
+/// `peer`'s symmetric buffer at `dst_offset`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Transfer {
     /// Destination rank.
     pub peer: u32,
-    /// Source offset in this rank's symmetric buffer.
-    pub src_offset: u64,
+    /// Where the bytes come from.
+    pub src: Source,
     /// Destination offset in the peer's symmetric buffer.
     pub dst_offset: u64,
     /// Bytes to move (> 0).
@@ -182,8 +290,8 @@ pub enum SignalOp {
     Add,
 }
 
-/// Change a 64-bit word of `peer`'s symmetric buffer, after every transfer to `peer` that came
-/// before it in the ring.
+/// Change a 64-bit word of `peer`'s symmetric buffer, after every transfer and write to `peer`
+/// that came before it in the ring.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Signal {
     /// Destination rank.
@@ -196,6 +304,48 @@ pub struct Signal {
     pub op: SignalOp,
 }
 
+/// The width of a [`Write`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriteWidth {
+    /// 4 bytes (a float scale, an `int32` index).
+    Four,
+    /// 8 bytes (an `int64` top-k id).
+    Eight,
+}
+
+impl WriteWidth {
+    /// Bytes stored: 4 or 8.
+    pub fn bytes(self) -> u64 {
+        match self {
+            WriteWidth::Four => 4,
+            WriteWidth::Eight => 8,
+        }
+    }
+
+    /// The width of `bytes` bytes, if it is 4 or 8.
+    pub fn from_bytes(bytes: u64) -> Option<WriteWidth> {
+        match bytes {
+            4 => Some(WriteWidth::Four),
+            8 => Some(WriteWidth::Eight),
+            _ => None,
+        }
+    }
+}
+
+/// Store a small value (its low [`WriteWidth::bytes`] bytes, little-endian) into `peer`'s
+/// symmetric buffer at `offset`: a kernel's single-element put.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Write {
+    /// Destination rank.
+    pub peer: u32,
+    /// Destination offset in the peer's symmetric buffer (multiple of the width).
+    pub offset: u64,
+    /// The value, zero-extended: for [`WriteWidth::Four`] bits 32..63 are 0.
+    pub value: u64,
+    /// 4 or 8 bytes.
+    pub width: WriteWidth,
+}
+
 /// A decoded, validated descriptor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Descriptor {
@@ -203,6 +353,8 @@ pub enum Descriptor {
     Transfer(Transfer),
     /// See [`Signal`].
     Signal(Signal),
+    /// See [`Write`].
+    Write(Write),
 }
 
 impl Descriptor {
@@ -211,6 +363,7 @@ impl Descriptor {
         match self {
             Descriptor::Transfer(t) => t.peer,
             Descriptor::Signal(s) => s.peer,
+            Descriptor::Write(w) => w.peer,
         }
     }
 
@@ -222,9 +375,12 @@ impl Descriptor {
         let raw = match *self {
             Descriptor::Transfer(t) => RawDescriptor {
                 kind: KIND_TRANSFER,
-                flags: 0,
+                flags: match t.src {
+                    Source::Heap(_) => 0,
+                    Source::Address(_) => TRANSFER_FLAG_SRC_ADDRESS,
+                },
                 peer: t.peer,
-                arg0: t.src_offset,
+                arg0: t.src.value(),
                 arg1: t.dst_offset,
                 arg2: t.bytes,
             },
@@ -238,6 +394,14 @@ impl Descriptor {
                 arg0: s.offset,
                 arg1: s.value,
                 arg2: 0,
+            },
+            Descriptor::Write(w) => RawDescriptor {
+                kind: KIND_WRITE,
+                flags: 0,
+                peer: w.peer,
+                arg0: w.offset,
+                arg1: w.value,
+                arg2: w.width.bytes(),
             },
         };
         raw.decode(limits)?;
@@ -258,20 +422,33 @@ fn check_range(field: Field, offset: u64, bytes: u64, heap: u64) -> Result<(), D
     }
 }
 
+/// `offset` is a multiple of `align`.
+fn check_aligned(field: Field, offset: u64, align: u64) -> Result<(), DescriptorError> {
+    if offset.is_multiple_of(align) {
+        Ok(())
+    } else {
+        Err(DescriptorError::Misaligned {
+            field,
+            value: offset,
+            align,
+        })
+    }
+}
+
 impl RawDescriptor {
     /// The typed descriptor, after checking every rule of the [module docs](self) against
     /// `limits`.
     ///
     /// # Errors
-    /// The first rule broken, in field order, naming the field.
+    /// The first rule broken, naming the field. Checked in field order (`kind`, `flags`,
+    /// `peer`, then the arguments), except that a transfer's `arg2` (bytes) and a write's `arg2`
+    /// (width) come before the ranges and alignment they determine.
     pub fn decode(&self, limits: &Limits) -> Result<Descriptor, DescriptorError> {
-        if self.kind != KIND_TRANSFER && self.kind != KIND_SIGNAL {
-            return Err(DescriptorError::UnknownKind { value: self.kind });
-        }
-        let allowed_flags = if self.kind == KIND_SIGNAL {
-            SIGNAL_FLAG_ADD
-        } else {
-            0
+        let allowed_flags = match self.kind {
+            KIND_TRANSFER => TRANSFER_FLAG_SRC_ADDRESS,
+            KIND_SIGNAL => SIGNAL_FLAG_ADD,
+            KIND_WRITE => 0,
+            value => return Err(DescriptorError::UnknownKind { value }),
         };
         if self.flags & !allowed_flags != 0 {
             return Err(DescriptorError::Reserved {
@@ -285,27 +462,43 @@ impl RawDescriptor {
                 world: limits.world,
             });
         }
-        let heap = limits.heap_bytes;
-        if self.kind == KIND_TRANSFER {
-            if self.arg2 == 0 {
-                return Err(DescriptorError::EmptyTransfer);
+        match self.kind {
+            KIND_TRANSFER => self.decode_transfer(limits.heap_bytes),
+            KIND_SIGNAL => self.decode_signal(limits.heap_bytes),
+            _ => self.decode_write(limits.heap_bytes),
+        }
+    }
+
+    fn decode_transfer(&self, heap: u64) -> Result<Descriptor, DescriptorError> {
+        if self.arg2 == 0 {
+            return Err(DescriptorError::EmptyTransfer);
+        }
+        let src = if self.flags & TRANSFER_FLAG_SRC_ADDRESS != 0 {
+            if self.arg0 == 0 {
+                return Err(DescriptorError::NullAddress);
             }
+            if self.arg0.checked_add(self.arg2).is_none() {
+                return Err(DescriptorError::AddressWraps {
+                    address: self.arg0,
+                    bytes: self.arg2,
+                });
+            }
+            Source::Address(self.arg0)
+        } else {
             check_range(Field::SrcOffset, self.arg0, self.arg2, heap)?;
-            check_range(Field::DstOffset, self.arg1, self.arg2, heap)?;
-            return Ok(Descriptor::Transfer(Transfer {
-                peer: self.peer,
-                src_offset: self.arg0,
-                dst_offset: self.arg1,
-                bytes: self.arg2,
-            }));
-        }
-        if !self.arg0.is_multiple_of(SIGNAL_WORD_BYTES) {
-            return Err(DescriptorError::Misaligned {
-                field: Field::SignalOffset,
-                value: self.arg0,
-                align: SIGNAL_WORD_BYTES,
-            });
-        }
+            Source::Heap(self.arg0)
+        };
+        check_range(Field::DstOffset, self.arg1, self.arg2, heap)?;
+        Ok(Descriptor::Transfer(Transfer {
+            peer: self.peer,
+            src,
+            dst_offset: self.arg1,
+            bytes: self.arg2,
+        }))
+    }
+
+    fn decode_signal(&self, heap: u64) -> Result<Descriptor, DescriptorError> {
+        check_aligned(Field::SignalOffset, self.arg0, SIGNAL_WORD_BYTES)?;
         check_range(Field::SignalOffset, self.arg0, SIGNAL_WORD_BYTES, heap)?;
         if self.arg2 != 0 {
             return Err(DescriptorError::Reserved {
@@ -322,6 +515,27 @@ impl RawDescriptor {
             } else {
                 SignalOp::Set
             },
+        }))
+    }
+
+    fn decode_write(&self, heap: u64) -> Result<Descriptor, DescriptorError> {
+        let Some(width) = WriteWidth::from_bytes(self.arg2) else {
+            return Err(DescriptorError::InvalidWidth { value: self.arg2 });
+        };
+        let bytes = width.bytes();
+        check_aligned(Field::WriteOffset, self.arg0, bytes)?;
+        check_range(Field::WriteOffset, self.arg0, bytes, heap)?;
+        if width == WriteWidth::Four && self.arg1 > u64::from(u32::MAX) {
+            return Err(DescriptorError::ValueTooWide {
+                value: self.arg1,
+                width: bytes,
+            });
+        }
+        Ok(Descriptor::Write(Write {
+            peer: self.peer,
+            offset: self.arg0,
+            value: self.arg1,
+            width,
         }))
     }
 
@@ -360,7 +574,16 @@ mod tests {
     fn transfer(peer: u32, src: u64, dst: u64, bytes: u64) -> Descriptor {
         Descriptor::Transfer(Transfer {
             peer,
-            src_offset: src,
+            src: Source::Heap(src),
+            dst_offset: dst,
+            bytes,
+        })
+    }
+
+    fn transfer_from(peer: u32, address: u64, dst: u64, bytes: u64) -> Descriptor {
+        Descriptor::Transfer(Transfer {
+            peer,
+            src: Source::Address(address),
             dst_offset: dst,
             bytes,
         })
@@ -372,6 +595,15 @@ mod tests {
             offset,
             value,
             op,
+        })
+    }
+
+    fn write(peer: u32, offset: u64, value: u64, width: WriteWidth) -> Descriptor {
+        Descriptor::Write(Write {
+            peer,
+            offset,
+            value,
+            width,
         })
     }
 
@@ -405,11 +637,19 @@ mod tests {
         for d in [
             transfer(3, 0, 4096, 7168),
             transfer(0, (1 << 20) - 1, 0, 1),
+            // An address source is not bounded by the heap, only the destination is.
+            transfer_from(1, 0x7f00_dead_0000, 0, 1 << 20),
+            transfer_from(2, u64::MAX - 8, 64, 8),
             signal(1, 8, u64::MAX, SignalOp::Set),
             signal(2, (1 << 20) - 8, 5, SignalOp::Add),
+            write(1, 4, u64::from(u32::MAX), WriteWidth::Four),
+            write(3, (1 << 20) - 4, 0, WriteWidth::Four),
+            write(2, 16, u64::MAX, WriteWidth::Eight),
+            write(0, (1 << 20) - 8, 42, WriteWidth::Eight),
         ] {
             let raw = d.encode(&LIMITS).expect("valid");
             assert_eq!(raw.decode(&LIMITS), Ok(d));
+            assert_eq!(RawDescriptor::from_words(raw.to_words()), raw);
         }
         let raw = signal(1, 8, 1, SignalOp::Add)
             .encode(&LIMITS)
@@ -417,6 +657,22 @@ mod tests {
         assert_eq!(
             (raw.kind, raw.flags, raw.arg2),
             (KIND_SIGNAL, SIGNAL_FLAG_ADD, 0)
+        );
+        let raw = transfer_from(1, 0x1000, 8, 16)
+            .encode(&LIMITS)
+            .expect("valid");
+        assert_eq!(
+            (raw.kind, raw.flags, raw.arg0, raw.arg1, raw.arg2),
+            (KIND_TRANSFER, TRANSFER_FLAG_SRC_ADDRESS, 0x1000, 8, 16)
+        );
+        let raw = transfer(1, 0x1000, 8, 16).encode(&LIMITS).expect("valid");
+        assert_eq!((raw.kind, raw.flags), (KIND_TRANSFER, 0));
+        let raw = write(2, 12, 0xabcd, WriteWidth::Four)
+            .encode(&LIMITS)
+            .expect("valid");
+        assert_eq!(
+            (raw.kind, raw.flags, raw.peer, raw.arg0, raw.arg1, raw.arg2),
+            (KIND_WRITE, 0, 2, 12, 0xabcd, 4)
         );
     }
 
@@ -431,6 +687,7 @@ mod tests {
             arg2,
         };
         let heap = LIMITS.heap_bytes;
+        let addr = TRANSFER_FLAG_SRC_ADDRESS;
         let cases = [
             (
                 raw(0, 0, 0, 0, 0, 1),
@@ -441,10 +698,10 @@ mod tests {
                 DescriptorError::UnknownKind { value: 9 },
             ),
             (
-                raw(KIND_TRANSFER, 1, 0, 0, 0, 1),
+                raw(KIND_TRANSFER, 2, 0, 0, 0, 1),
                 DescriptorError::Reserved {
                     field: Field::Flags,
-                    value: 1,
+                    value: 2,
                 },
             ),
             (
@@ -455,11 +712,26 @@ mod tests {
                 },
             ),
             (
+                raw(KIND_WRITE, 1, 0, 0, 0, 4),
+                DescriptorError::Reserved {
+                    field: Field::Flags,
+                    value: 1,
+                },
+            ),
+            (
                 raw(KIND_TRANSFER, 0, 4, 0, 0, 1),
                 DescriptorError::PeerOutOfRange { peer: 4, world: 4 },
             ),
             (
+                raw(KIND_WRITE, 0, 7, 0, 0, 4),
+                DescriptorError::PeerOutOfRange { peer: 7, world: 4 },
+            ),
+            (
                 raw(KIND_TRANSFER, 0, 0, 0, 0, 0),
+                DescriptorError::EmptyTransfer,
+            ),
+            (
+                raw(KIND_TRANSFER, addr, 0, 0x1000, 0, 0),
                 DescriptorError::EmptyTransfer,
             ),
             (
@@ -472,11 +744,31 @@ mod tests {
                 },
             ),
             (
+                raw(KIND_TRANSFER, addr, 0, 0, 0, 8),
+                DescriptorError::NullAddress,
+            ),
+            (
+                raw(KIND_TRANSFER, addr, 0, u64::MAX - 3, 0, 8),
+                DescriptorError::AddressWraps {
+                    address: u64::MAX - 3,
+                    bytes: 8,
+                },
+            ),
+            (
                 raw(KIND_TRANSFER, 0, 0, 0, u64::MAX, 2),
                 DescriptorError::OutOfBounds {
                     field: Field::DstOffset,
                     offset: u64::MAX,
                     bytes: 2,
+                    heap_bytes: heap,
+                },
+            ),
+            (
+                raw(KIND_TRANSFER, addr, 0, 0x1000, heap - 4, 8),
+                DescriptorError::OutOfBounds {
+                    field: Field::DstOffset,
+                    offset: heap - 4,
+                    bytes: 8,
                     heap_bytes: heap,
                 },
             ),
@@ -504,16 +796,138 @@ mod tests {
                     value: 7,
                 },
             ),
+            (
+                raw(KIND_WRITE, 0, 0, 0, 0, 0),
+                DescriptorError::InvalidWidth { value: 0 },
+            ),
+            (
+                raw(KIND_WRITE, 0, 0, 0, 0, 2),
+                DescriptorError::InvalidWidth { value: 2 },
+            ),
+            (
+                raw(KIND_WRITE, 0, 0, 6, 0, 4),
+                DescriptorError::Misaligned {
+                    field: Field::WriteOffset,
+                    value: 6,
+                    align: 4,
+                },
+            ),
+            (
+                raw(KIND_WRITE, 0, 0, 12, 0, 8),
+                DescriptorError::Misaligned {
+                    field: Field::WriteOffset,
+                    value: 12,
+                    align: 8,
+                },
+            ),
+            (
+                raw(KIND_WRITE, 0, 0, heap, 0, 4),
+                DescriptorError::OutOfBounds {
+                    field: Field::WriteOffset,
+                    offset: heap,
+                    bytes: 4,
+                    heap_bytes: heap,
+                },
+            ),
+            (
+                raw(KIND_WRITE, 0, 0, u64::MAX - 7, 0, 8),
+                DescriptorError::OutOfBounds {
+                    field: Field::WriteOffset,
+                    offset: u64::MAX - 7,
+                    bytes: 8,
+                    heap_bytes: heap,
+                },
+            ),
+            (
+                raw(KIND_WRITE, 0, 0, 0, 1 << 32, 4),
+                DescriptorError::ValueTooWide {
+                    value: 1 << 32,
+                    width: 4,
+                },
+            ),
         ];
         for (raw, want) in cases {
             assert_eq!(raw.decode(&LIMITS), Err(want.clone()), "{raw:?}");
         }
-        let msg = DescriptorError::EmptyTransfer.to_string();
-        assert!(msg.contains("arg2 (transfer bytes)"), "{msg}");
         assert!(
             transfer(0, 0, 12, 0)
                 .encode(&LIMITS)
                 .is_err_and(|e| e == DescriptorError::EmptyTransfer)
         );
+        // `encode` applies the same rules as `decode`.
+        assert_eq!(
+            transfer_from(0, 0, 0, 8).encode(&LIMITS),
+            Err(DescriptorError::NullAddress)
+        );
+        assert_eq!(
+            write(1, 0, u64::from(u32::MAX) + 1, WriteWidth::Four).encode(&LIMITS),
+            Err(DescriptorError::ValueTooWide {
+                value: 1 << 32,
+                width: 4
+            })
+        );
+        assert!(matches!(
+            write(1, 4, 0, WriteWidth::Eight).encode(&LIMITS),
+            Err(DescriptorError::Misaligned {
+                field: Field::WriteOffset,
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn messages_name_the_field() {
+        for (err, field) in [
+            (DescriptorError::EmptyTransfer, "arg2 (transfer bytes)"),
+            (
+                DescriptorError::NullAddress,
+                "arg0 (transfer source address)",
+            ),
+            (
+                DescriptorError::AddressWraps {
+                    address: u64::MAX,
+                    bytes: 1,
+                },
+                "arg0 (transfer source address)",
+            ),
+            (
+                DescriptorError::InvalidWidth { value: 3 },
+                "arg2 (write width)",
+            ),
+            (
+                DescriptorError::ValueTooWide {
+                    value: 1 << 40,
+                    width: 4,
+                },
+                "arg1 (write value)",
+            ),
+            (
+                DescriptorError::Misaligned {
+                    field: Field::WriteOffset,
+                    value: 2,
+                    align: 4,
+                },
+                "arg0 (write destination offset)",
+            ),
+        ] {
+            let msg = err.to_string();
+            assert!(msg.contains(field), "{msg}");
+        }
+    }
+
+    #[test]
+    fn write_widths_and_sources() {
+        assert_eq!(WriteWidth::from_bytes(4), Some(WriteWidth::Four));
+        assert_eq!(WriteWidth::from_bytes(8), Some(WriteWidth::Eight));
+        assert_eq!(WriteWidth::from_bytes(2), None);
+        assert_eq!(WriteWidth::Eight.bytes(), 8);
+        assert_eq!(Source::Heap(7).checked_add(1), Some(Source::Heap(8)));
+        assert_eq!(
+            Source::Address(u64::MAX).checked_add(1),
+            None,
+            "overflow is None"
+        );
+        assert!(Source::Address(1).is_address() && !Source::Heap(1).is_address());
+        assert_eq!(Source::Address(9).value(), 9);
     }
 }

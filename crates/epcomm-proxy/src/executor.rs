@@ -3,16 +3,21 @@
 //!
 //! # Contract
 //!
-//! * Operations to one peer take effect at that peer **in submission order**; in particular a
-//!   signal takes effect after every transfer submitted to the same peer before it (a CUDA
-//!   stream per peer, an RC queue pair per peer, a FIFO in memory).
+//! * A **signal** to a peer takes effect after every transfer and write submitted to the same
+//!   peer before it. The proxy submits operations in the order the [coalescer](crate::coalesce)
+//!   emits them, which keeps every transfer and write ahead of the signals that follow it in
+//!   the ring (the ordering contract of [`crate::descriptor`]).
+//! * Transfers and writes to one peer need no order among themselves (they never target
+//!   overlapping bytes within one kernel operation), but executors keep **per-peer submission
+//!   order** for every operation anyway: it is the simplest way to honour the signal rule (a
+//!   CUDA stream per peer, an RC queue pair per peer, a FIFO in memory).
 //! * [`Submit::Busy`] means nothing was queued (a full queue: send-queue depth, stream slots);
 //!   the proxy polls completions and submits the same operation again later.
 //! * Every accepted operation is reported exactly once by [`Executor::poll`], or named by an
 //!   [`OpFailure`].
 //! * Nothing blocks: `submit_*` and `poll` return at once.
 
-use crate::descriptor::{Signal, Transfer};
+use crate::descriptor::{Signal, Transfer, Write};
 
 /// The proxy's number for one operation, unique within a proxy run.
 pub type OpId = u64;
@@ -52,14 +57,26 @@ pub trait Executor: Send + 'static {
     /// A short name for errors (`host`, `copy-engine`, `verbs`).
     fn name(&self) -> &str;
 
-    /// Starts moving `transfer.bytes` bytes from this rank's symmetric buffer at
-    /// `transfer.src_offset` to `transfer.peer`'s at `transfer.dst_offset`.
+    /// Starts moving `transfer.bytes` bytes from `transfer.src` — this rank's symmetric buffer
+    /// at an offset ([`Source::Heap`](crate::descriptor::Source::Heap)) or a device address
+    /// valid in the producing process ([`Source::Address`](crate::descriptor::Source::Address),
+    /// not bounds-checked by the decoder) — to `transfer.peer`'s buffer at
+    /// `transfer.dst_offset`.
+    ///
+    /// # Errors
+    /// [`OpFailure`] naming `op` when the operation cannot be started (an executor that cannot
+    /// read the source space refuses it here).
+    fn submit_transfer(&mut self, op: OpId, transfer: &Transfer) -> Result<Submit, OpFailure>;
+
+    /// Starts storing `write.value` (its low `write.width` bytes, little-endian) into
+    /// `write.peer`'s symmetric buffer at `write.offset`.
     ///
     /// # Errors
     /// [`OpFailure`] naming `op` when the operation cannot be started.
-    fn submit_transfer(&mut self, op: OpId, transfer: &Transfer) -> Result<Submit, OpFailure>;
+    fn submit_write(&mut self, op: OpId, write: &Write) -> Result<Submit, OpFailure>;
 
-    /// Starts delivering `signal` after every transfer to the same peer submitted before it.
+    /// Starts delivering `signal` after every transfer and write to the same peer submitted
+    /// before it.
     ///
     /// # Errors
     /// [`OpFailure`] naming `op` when the operation cannot be started.

@@ -1,12 +1,14 @@
 //! The host executor: symmetric buffers in host memory, one per rank, and an [`Executor`] that
 //! copies between them. A real executor for host memory (the proxy's tests run on it), with a
 //! bounded queue so the proxy's flow control is exercised: submissions queue up to `depth`
-//! operations, and [`Executor::poll`] carries out the queue in order.
+//! operations, and [`Executor::poll`] carries out the queue in order (so per-peer submission
+//! order is kept). Transfers read only heap offsets ([`Source::Heap`]): a transfer from a device
+//! address ([`Source::Address`]) is refused at submission with [`HostError::AddressSource`].
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::descriptor::{Signal, SignalOp, Transfer};
+use crate::descriptor::{Signal, SignalOp, Source, Transfer, Write};
 use crate::executor::{Executor, OpFailure, OpId, Submit};
 
 /// What the host heap rejects.
@@ -31,6 +33,15 @@ pub enum HostError {
         bytes: u64,
         /// Size of every rank's buffer.
         heap_bytes: u64,
+    },
+    /// A transfer whose source is a device address: the host executor reads only offsets in
+    /// the host heap.
+    #[error(
+        "transfer source is device address {address:#x}: the host executor reads only offsets          in the host heap (a heap source), not device addresses"
+    )]
+    AddressSource {
+        /// The address given.
+        address: u64,
     },
     /// A thread panicked while holding the rank's buffer.
     #[error("rank {rank}: its buffer's lock is poisoned")]
@@ -124,7 +135,11 @@ impl HostHeap {
 
     /// Copies `t.bytes` bytes from `from`'s buffer to `t.peer`'s.
     fn transfer(&self, from: u32, t: &Transfer) -> Result<(), HostError> {
-        let src = self.range(from, t.src_offset, t.bytes)?;
+        let src_offset = match t.src {
+            Source::Heap(offset) => offset,
+            Source::Address(address) => return Err(HostError::AddressSource { address }),
+        };
+        let src = self.range(from, src_offset, t.bytes)?;
         let dst = self.range(t.peer, t.dst_offset, t.bytes)?;
         if from == t.peer {
             self.lock(from)?.copy_within(src, dst.start);
@@ -149,6 +164,16 @@ impl HostHeap {
         g[r].copy_from_slice(&new.to_le_bytes());
         Ok(())
     }
+
+    /// Stores the low `w.width` bytes of `w.value`, little-endian, at `w.offset` of `w.peer`'s
+    /// buffer.
+    fn store(&self, w: &Write) -> Result<(), HostError> {
+        let bytes = w.width.bytes();
+        let r = self.range(w.peer, w.offset, bytes)?;
+        let le = w.value.to_le_bytes();
+        self.lock(w.peer)?[r].copy_from_slice(&le[..bytes as usize]);
+        Ok(())
+    }
 }
 
 /// Queued work of the host executor.
@@ -156,6 +181,7 @@ impl HostHeap {
 enum Work {
     Transfer(Transfer),
     Signal(Signal),
+    Write(Write),
 }
 
 /// Executes transfers from rank `me` and signals on a [`HostHeap`] (see the
@@ -193,8 +219,17 @@ impl Executor for HostExecutor {
         "host"
     }
 
+    /// Queues `transfer`; one from a device address is refused with
+    /// [`HostError::AddressSource`].
     fn submit_transfer(&mut self, op: OpId, transfer: &Transfer) -> Result<Submit, OpFailure> {
+        if let Source::Address(address) = transfer.src {
+            return Err(OpFailure::new(op, HostError::AddressSource { address }));
+        }
         Ok(self.enqueue(op, Work::Transfer(*transfer)))
+    }
+
+    fn submit_write(&mut self, op: OpId, write: &Write) -> Result<Submit, OpFailure> {
+        Ok(self.enqueue(op, Work::Write(*write)))
     }
 
     fn submit_signal(&mut self, op: OpId, signal: &Signal) -> Result<Submit, OpFailure> {
@@ -206,6 +241,7 @@ impl Executor for HostExecutor {
             match &work {
                 Work::Transfer(t) => self.heap.transfer(self.me, t),
                 Work::Signal(s) => self.heap.signal(s),
+                Work::Write(w) => self.heap.store(w),
             }
             .map_err(|e| OpFailure::new(op, e))?;
             done.push(op);
@@ -225,7 +261,7 @@ mod tests {
         let mut ex = HostExecutor::new(Arc::clone(&heap), 0, 2);
         let t = Transfer {
             peer: 1,
-            src_offset: 0,
+            src: Source::Heap(0),
             dst_offset: 8,
             bytes: 4,
         };
@@ -247,7 +283,7 @@ mod tests {
         let mut ex0 = HostExecutor::new(Arc::clone(&heap), 0, 4);
         let local = Transfer {
             peer: 0,
-            src_offset: 0,
+            src: Source::Heap(0),
             dst_offset: 2,
             bytes: 4,
         };
@@ -262,7 +298,7 @@ mod tests {
         let mut ex = HostExecutor::new(Arc::clone(&heap), 0, 4);
         let t = Transfer {
             peer: 1,
-            src_offset: 0,
+            src: Source::Heap(0),
             dst_offset: 60,
             bytes: 8,
         };

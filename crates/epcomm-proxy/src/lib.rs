@@ -4,11 +4,12 @@
 //!
 //! One idea per module:
 //!
-//! * [`descriptor`] — the 32-byte `#[repr(C)]` record (transfer, signal), its bits, and
-//!   validated encoding/decoding;
-//! * [`ring`] — the single-producer/single-consumer protocol over a memory region:
-//!   sequence-tagged slots, head/tail words, back-pressure, completions, status;
-//! * [`coalesce`] — merging contiguous transfers to the same peer;
+//! * [`descriptor`] — the 32-byte `#[repr(C)]` record (transfer, signal, write), its bits,
+//!   validated encoding/decoding, and the ordering contract;
+//! * [`ring`] — the protocol over a memory region between producers (one host thread, or many
+//!   GPU threads claiming positions from a device counter) and one consumer:
+//!   sequence-tagged slots, tail word, back-pressure, completions, status;
+//! * [`coalesce`] — merging contiguous transfers to the same peer (writes pass through);
 //! * [`completion`] — the prefix count of complete descriptors;
 //! * [`executor`] — the role that moves the bytes ([`Executor`]) and its contract;
 //! * [`host`] — an executor over symmetric buffers in host memory;
@@ -27,7 +28,7 @@
 //! use std::time::Duration;
 //! use epcomm_proxy::{
 //!     Descriptor, HostExecutor, HostHeap, Limits, Proxy, ProxyConfig, RingMemory, Signal,
-//!     SignalOp, Transfer, ring,
+//!     SignalOp, Source, Transfer, Write, WriteWidth, ring,
 //! };
 //!
 //! let limits = Limits { world: 2, heap_bytes: 4096 };
@@ -35,15 +36,18 @@
 //! heap.write(0, 0, b"hello")?;
 //! let (mut producer, consumer) = ring::split(RingMemory::allocate(8)?);
 //! let proxy = Proxy::spawn(consumer, HostExecutor::new(heap.clone(), 0, 16), ProxyConfig::new(limits))?;
-//! let t = Descriptor::Transfer(Transfer { peer: 1, src_offset: 0, dst_offset: 64, bytes: 5 });
+//! let t = Descriptor::Transfer(Transfer { peer: 1, src: Source::Heap(0), dst_offset: 64, bytes: 5 });
+//! let w = Descriptor::Write(Write { peer: 1, offset: 72, value: 7, width: WriteWidth::Four });
 //! let s = Descriptor::Signal(Signal { peer: 1, offset: 8, value: 1, op: SignalOp::Add });
-//! producer.push(&t, &limits, Duration::from_secs(5))?;
-//! producer.push(&s, &limits, Duration::from_secs(5))?;
-//! producer.wait_completed(2, Duration::from_secs(5))?;
+//! for d in [t, w, s] {
+//!     producer.push(&d, &limits, Duration::from_secs(5))?;
+//! }
+//! producer.wait_completed(3, Duration::from_secs(5))?;
 //! assert_eq!(heap.read(1, 64, 5)?, b"hello");
+//! assert_eq!(heap.read(1, 72, 4)?, 7u32.to_le_bytes());
 //! assert_eq!(heap.word(1, 8)?, 1);
 //! let report = proxy.shutdown()?;
-//! assert_eq!(report.descriptors, 2);
+//! assert_eq!((report.descriptors, report.writes), (3, 1));
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
@@ -66,7 +70,8 @@ pub mod verbs;
 
 pub use coalesce::{Coalescer, Op};
 pub use descriptor::{
-    Descriptor, DescriptorError, Field, Limits, RawDescriptor, Signal, SignalOp, Transfer,
+    Descriptor, DescriptorError, Field, Limits, RawDescriptor, Signal, SignalOp, Source, Transfer,
+    Write, WriteWidth,
 };
 pub use ring::{Consumer, Producer, RingError, RingMemory};
 

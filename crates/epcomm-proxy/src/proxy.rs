@@ -4,11 +4,16 @@
 //! Each round of [`run`]:
 //!
 //! 1. **take**: while fewer than [`ProxyConfig::max_pending`] operations wait for the executor,
-//!    take published descriptors, decode them against [`ProxyConfig::limits`] and coalesce
-//!    them ([`Coalescer`]); then flush the coalescer (nothing is held back for a merge that
-//!    may never come). When the executor is saturated the proxy stops taking, the ring fills
-//!    and the producer waits: that is the flow control.
-//! 2. **submit** waiting operations in order until the executor answers [`Submit::Busy`].
+//!    take published descriptors in ring order (following only the slots' `seq` tags, so a
+//!    ring filled by many producers that claim positions elsewhere is drained the same way),
+//!    decode them against [`ProxyConfig::limits`] and coalesce them ([`Coalescer`]); then
+//!    flush the coalescer (nothing is held back for a merge that may never come). When the
+//!    executor is saturated the proxy stops taking, the ring fills and the producers wait:
+//!    that is the flow control.
+//! 2. **submit** waiting operations in order until the executor answers [`Submit::Busy`]:
+//!    transfers to [`Executor::submit_transfer`], writes to [`Executor::submit_write`], signals
+//!    to [`Executor::submit_signal`]. The coalescer's order keeps every transfer and write
+//!    ahead of the signals that follow it in the ring (see [`crate::descriptor`]).
 //! 3. **poll** the executor and publish the prefix of complete descriptors (`completed`).
 //! 4. **check** the oldest operation in the executor against [`ProxyConfig::op_timeout`].
 //!
@@ -72,7 +77,9 @@ pub struct ProxyReport {
     pub transfers: u64,
     /// Signal operations.
     pub signals: u64,
-    /// Bytes transferred.
+    /// Write operations (inline 4- or 8-byte stores; never merged).
+    pub writes: u64,
+    /// Bytes moved by transfer operations (writes and signals not counted).
     pub bytes: u64,
     /// Times the executor answered [`Submit::Busy`].
     pub busy: u64,
@@ -203,6 +210,7 @@ impl<E: Executor> Loop<'_, E> {
             let answer = match &op.work {
                 Descriptor::Transfer(t) => self.executor.submit_transfer(id, t),
                 Descriptor::Signal(s) => self.executor.submit_signal(id, s),
+                Descriptor::Write(w) => self.executor.submit_write(id, w),
             };
             match answer {
                 Ok(Submit::Busy) => {
@@ -243,6 +251,7 @@ impl<E: Executor> Loop<'_, E> {
                     self.report.bytes += t.bytes;
                 }
                 Descriptor::Signal(_) => self.report.signals += 1,
+                Descriptor::Write(_) => self.report.writes += 1,
             }
         }
         self.consumer.publish_completed(self.completions.prefix());

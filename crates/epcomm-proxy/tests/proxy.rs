@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use epcomm_proxy::{
     Descriptor, DescriptorError, Executor, HostExecutor, HostHeap, Limits, OpFailure, OpId, Proxy,
-    ProxyConfig, ProxyError, RawDescriptor, RingError, RingMemory, Signal, SignalOp, Submit,
-    Transfer, ring,
+    ProxyConfig, ProxyError, RawDescriptor, RingError, RingMemory, Signal, SignalOp, Source,
+    Submit, Transfer, Write, ring,
 };
 
 const LONG: Duration = Duration::from_secs(20);
@@ -30,7 +30,7 @@ fn limits() -> Limits {
 fn transfer(peer: u32, src: u64, dst: u64, bytes: u64) -> Descriptor {
     Descriptor::Transfer(Transfer {
         peer,
-        src_offset: src,
+        src: Source::Heap(src),
         dst_offset: dst,
         bytes,
     })
@@ -236,6 +236,9 @@ impl Executor for Unresponsive {
         Ok(Submit::Accepted)
     }
     fn submit_signal(&mut self, _: OpId, _: &Signal) -> Result<Submit, OpFailure> {
+        Ok(Submit::Accepted)
+    }
+    fn submit_write(&mut self, _: OpId, _: &Write) -> Result<Submit, OpFailure> {
         Ok(Submit::Accepted)
     }
     fn poll(&mut self, _: &mut Vec<OpId>) -> Result<(), OpFailure> {
