@@ -22,7 +22,7 @@ namespace epcomm {
 
 /// Version of the kernel protocol and argument blocks; ranks compare it when a `Buffer` is
 /// built. Bump it with any change of this header or of the kernels' cross-rank protocol.
-constexpr uint64_t kAbiVersion = 4;
+constexpr uint64_t kAbiVersion = 5;
 
 /// Largest world size the intranode kernels support (shared-memory tables are this large).
 constexpr size_t kMaxWorld = 64;
@@ -62,6 +62,7 @@ enum WaitId : uint32_t {  // rust: mod wait, strip kWait
   kWaitOpStart = 6,       ///< The op's prologue: a peer's failure was known before the op started.
   kWaitLlDispatch = 7,    ///< [L5]/[L6] a peer's low-latency dispatch rows and counts.
   kWaitLlCombine = 8,     ///< [L5] before [L9]: a peer's low-latency combine rows.
+  kWaitProxy = 9,         ///< [P2] the CPU proxy completing this rank's puts (or a free ring slot).
 };
 
 /// Byte offset, inside the stats region, of the in-place combine's `[world]` ready words.
@@ -189,6 +190,41 @@ struct SeqState {
   uint64_t ll_combine;   ///< Low-latency combines so far (their region parity).
   uint32_t exits;     ///< Blocks of the running op that finished (0 between ops).
   uint32_t pad;       ///< Padding.
+};
+
+/// Bytes of the CPU-proxy ring header (crates/epcomm-proxy, docs/proxy.md); slots follow it.
+constexpr uint64_t kRingHeaderBytes = 320;
+/// Byte offset of the ring's `tail` word (descriptors the proxy has taken).
+constexpr uint64_t kRingTailOffset = 128;
+/// Byte offset of the ring's `completed` word (descriptors whose effects are complete, a prefix).
+constexpr uint64_t kRingCompletedOffset = 192;
+/// Byte offset of the ring's `status` word (0 running, 1 closed, 2 failed).
+constexpr uint64_t kRingStatusOffset = 256;
+/// Bytes per ring slot: `seq` (position + 1, written last with release), then the 4 words.
+constexpr uint64_t kRingSlotBytes = 64;
+/// Descriptor kind: move bytes (arg0 source, arg1 destination offset, arg2 bytes).
+constexpr uint64_t kProxyKindTransfer = 1;
+/// Descriptor kind: set or add a peer's 64-bit word (arg0 offset, arg1 value).
+constexpr uint64_t kProxyKindSignal = 2;
+/// Descriptor kind: store a 4- or 8-byte value (arg0 offset, arg1 value, arg2 width).
+constexpr uint64_t kProxyKindWrite = 3;
+/// Transfer flag: arg0 is a device address in the producing process (else a buffer offset).
+constexpr uint64_t kProxyFlagSrcAddress = 1;
+/// Signal flag: add the value (else store it).
+constexpr uint64_t kProxyFlagSignalAdd = 1;
+
+/// The CPU-proxy channel of a module of the proxy image: the module global
+/// `epcomm_proxy_channel`, written by the host once per buffer before the first launch. Kernels
+/// reach a proxied peer (bit set in `OpArgs::remote_mask`) by writing descriptors into the ring;
+/// the proxy thread executes them in ring order (docs/proxy.md).
+struct ProxyChannel {
+  uint64_t ring;        ///< The ring region: host memory mapped into the device (device address).
+  uint64_t counters;    ///< Device memory, 3 zeroed u64: next position to claim, largest `tail`
+                        ///< seen by a producer, nonzero once a producer gave up on a full ring.
+  uint64_t capacity;    ///< Ring slots (a power of two).
+  uint64_t local_base;  ///< This rank's symmetric base: a proxied peer's `bases[d]` is this, so
+                        ///< an address minus it is the offset in the peer's buffer.
+  uint64_t timeout_ns;  ///< Bound of a producer's wait for a free slot.
 };
 
 /// Arguments of `epcomm_layout`.

@@ -18,7 +18,9 @@
 //   set_word(p, v, pe, remote)      relaxed u64 store (tagged or monotonic words)
 //   publish_set(p, v, pe, remote)   release u64 store after this thread's earlier writes
 //   publish_add(p, v, pe, remote)   release add after every write that happens-before it
-//   quiet(mask)                     completes this thread's outstanding puts
+//   quiet(w, mask)                  completes the block's outstanding puts; called by every
+//                                   thread of the block, then a block barrier follows; a
+//                                   failure is recorded through WaitCtx `w` (wait.cuh)
 //   put_elem(p, v, pe, remote)      one int64_t / int32_t / float element
 // and, when kTransport, the warp-collective puts `put_warp(dst, src, bytes, pe)`,
 // `put_signal_warp(dst, src, bytes, sig, v, pe)` and the ordering point `fence()`.
@@ -33,6 +35,8 @@
 #include "common/ptx.cuh"
 
 namespace epcomm {
+
+struct WaitCtx;  // common/wait.cuh
 
 // Every peer through its mapping: plain stores and system-scope release operations.
 struct StoreNet {
@@ -55,7 +59,7 @@ struct StoreNet {
 
   // Publications are release operations that order every earlier store of the block after a
   // block barrier: nothing to complete.
-  __device__ static __forceinline__ void quiet(uint64_t) {}
+  __device__ static __forceinline__ void quiet(const WaitCtx&, uint64_t) {}
 
   template <typename T>
   __device__ static __forceinline__ void put_elem(T* p, T v, int, bool) {

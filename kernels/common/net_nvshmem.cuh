@@ -38,7 +38,7 @@ struct NvshmemNet {
     nvshmemx_signal_op(p, v, NVSHMEM_SIGNAL_ADD, pe);
   }
 
-  __device__ static __forceinline__ void quiet(uint64_t remote_mask) {
+  __device__ static __forceinline__ void quiet(const WaitCtx&, uint64_t remote_mask) {
     if (remote_mask != 0) nvshmem_quiet();
   }
 

@@ -205,7 +205,7 @@ __device__ __forceinline__ void combine(const OpArgs& a, Shared& s) {
       }
     __syncwarp();
   }
-  Net::quiet(a.remote_mask);
+  Net::quiet(s.wait, a.remote_mask);
   if (!all_ok(s, ok)) return;
   if (block0 && tid == 0) stats[kStatSent] = globaltimer_ns();
   // [C2] completion counters stay in step with every other op (cumulative expectations).

@@ -9,6 +9,8 @@
 //! | `nvshmem` | NVSHMEM (feature `nvshmem`) | stores inside the node, put/signal to other nodes |
 //! | `nvshmem:vnodes=N` | NVSHMEM | each host's GPUs split into `N` logical nodes: put/signal between them |
 //! | `nvshmem:vnodes=max` | NVSHMEM | one logical node per GPU: every peer by put/signal |
+//! | `proxy-ce` | CPU proxy + copy engines (feature `proxy`) | every peer's bytes by the copy engines, driven by a proxy thread; every rank on one host |
+//! | `proxy-ce:vnodes=N` | CPU proxy + copy engines | stores inside each of `N` logical nodes, the copy engines between them |
 //!
 //! # Example
 //!
@@ -85,24 +87,39 @@ pub enum TransportSpec {
         /// Logical nodes per host.
         virtual_nodes: VirtualNodes,
     },
+    /// The CPU proxy with the copy-engine executor (every rank on one host).
+    ProxyCe {
+        /// Logical nodes per host: peers in other logical nodes go through the proxy.
+        virtual_nodes: VirtualNodes,
+    },
 }
 
 impl TransportSpec {
     /// The forms a spec can take, for help texts.
-    pub const FORMS: [&'static str; 4] =
-        ["ipc", "nvshmem", "nvshmem:vnodes=N", "nvshmem:vnodes=max"];
+    pub const FORMS: [&'static str; 6] = [
+        "ipc",
+        "nvshmem",
+        "nvshmem:vnodes=N",
+        "nvshmem:vnodes=max",
+        "proxy-ce",
+        "proxy-ce:vnodes=N",
+    ];
 
     /// The backend's short name (`"ipc"`, `"nvshmem"`), without options.
     pub fn backend(&self) -> &'static str {
         match self {
             Self::Ipc => "ipc",
             Self::Nvshmem { .. } => "nvshmem",
+            Self::ProxyCe { .. } => "proxy-ce",
         }
     }
 
     /// The cargo feature that compiles this backend in.
     pub fn feature(&self) -> &'static str {
-        self.backend()
+        match self {
+            Self::ProxyCe { .. } => "proxy",
+            _ => self.backend(),
+        }
     }
 
     /// Whether this build carries the backend.
@@ -110,6 +127,7 @@ impl TransportSpec {
         match self {
             Self::Ipc => cfg!(feature = "ipc"),
             Self::Nvshmem { .. } => cfg!(feature = "nvshmem"),
+            Self::ProxyCe { .. } => cfg!(feature = "proxy"),
         }
     }
 
@@ -129,6 +147,8 @@ impl TransportSpec {
             Self::Ipc => Ok(epcomm_transport_ipc::CAPABILITIES),
             #[cfg(feature = "nvshmem")]
             Self::Nvshmem { .. } => Ok(epcomm_transport_nvshmem::CAPABILITIES),
+            #[cfg(feature = "proxy")]
+            Self::ProxyCe { .. } => Ok(epcomm_transport_proxy::CAPABILITIES),
             #[allow(unreachable_patterns)]
             _ => Err(self.not_compiled()),
         }
@@ -165,6 +185,15 @@ impl TransportSpec {
                     },
                 )
             }
+            #[cfg(feature = "proxy")]
+            Self::ProxyCe { virtual_nodes } => {
+                epcomm_transport_proxy::ProxyTransport::world_layout(
+                    world_size,
+                    rank,
+                    local_world_size,
+                    virtual_nodes.per_host(local_world_size),
+                )
+            }
             #[allow(unreachable_patterns)]
             _ => Err(self.not_compiled()),
         }
@@ -196,6 +225,15 @@ impl TransportSpec {
                         ctx, bootstrap, options,
                     )?,
                 ))
+            }
+            #[cfg(feature = "proxy")]
+            Self::ProxyCe { virtual_nodes } => {
+                let local = bootstrap.local_world_size();
+                let mut options = epcomm_transport_proxy::ProxyOptions::one_node_per_rank(local);
+                options.virtual_nodes = virtual_nodes.per_host(local);
+                Ok(Arc::new(epcomm_transport_proxy::ProxyTransport::new(
+                    ctx, bootstrap, options,
+                )?))
             }
             #[allow(unreachable_patterns)]
             _ => {
@@ -229,8 +267,12 @@ impl FromStr for TransportSpec {
         match backend {
             "ipc" | "nvlink-ipc" if options.is_empty() => Ok(Self::Ipc),
             "ipc" | "nvlink-ipc" => Err(bad(format!("ipc takes no options (got {options:?})"))),
-            "nvshmem" => {
-                let mut virtual_nodes = VirtualNodes::Count(1);
+            "nvshmem" | "proxy-ce" => {
+                let mut virtual_nodes = if backend == "nvshmem" {
+                    VirtualNodes::Count(1)
+                } else {
+                    VirtualNodes::OnePerGpu
+                };
                 for option in options.split(',').filter(|o| !o.is_empty()) {
                     virtual_nodes = match option.split_once('=') {
                         Some(("vnodes", "max")) => VirtualNodes::OnePerGpu,
@@ -244,12 +286,16 @@ impl FromStr for TransportSpec {
                         },
                         _ => {
                             return Err(bad(format!(
-                                "unknown nvshmem option {option:?} (known: vnodes=N, vnodes=max)"
+                                "unknown {backend} option {option:?} (known: vnodes=N, vnodes=max)"
                             )));
                         }
                     };
                 }
-                Ok(Self::Nvshmem { virtual_nodes })
+                Ok(if backend == "nvshmem" {
+                    Self::Nvshmem { virtual_nodes }
+                } else {
+                    Self::ProxyCe { virtual_nodes }
+                })
             }
             other => Err(bad(format!(
                 "unknown transport {other:?}: must be one of {}",
@@ -272,6 +318,12 @@ impl fmt::Display for TransportSpec {
             Self::Nvshmem {
                 virtual_nodes: VirtualNodes::OnePerGpu,
             } => f.write_str("nvshmem:vnodes=max"),
+            Self::ProxyCe {
+                virtual_nodes: VirtualNodes::OnePerGpu,
+            } => f.write_str("proxy-ce"),
+            Self::ProxyCe {
+                virtual_nodes: VirtualNodes::Count(n),
+            } => write!(f, "proxy-ce:vnodes={n}"),
         }
     }
 }
@@ -308,7 +360,14 @@ mod tests {
 
     #[test]
     fn specs_round_trip() {
-        for text in ["ipc", "nvshmem", "nvshmem:vnodes=2", "nvshmem:vnodes=max"] {
+        for text in [
+            "ipc",
+            "nvshmem",
+            "nvshmem:vnodes=2",
+            "nvshmem:vnodes=max",
+            "proxy-ce",
+            "proxy-ce:vnodes=2",
+        ] {
             let spec: TransportSpec = text.parse().unwrap();
             assert_eq!(spec.to_string(), text);
             assert!(spec.is_compiled());
@@ -324,6 +383,41 @@ mod tests {
                 .to_string(),
             "nvshmem"
         );
+        assert_eq!(
+            "proxy-ce:vnodes=max"
+                .parse::<TransportSpec>()
+                .unwrap()
+                .to_string(),
+            "proxy-ce"
+        );
+    }
+
+    #[test]
+    fn proxy_layouts_put_other_logical_nodes_behind_the_proxy() {
+        let spec: TransportSpec = "proxy-ce".parse().unwrap();
+        assert_eq!(spec.feature(), "proxy");
+        let caps = spec.capabilities().unwrap();
+        assert_eq!(caps.kernel_family, KernelFamily::CpuProxy);
+        // Two ranks on one host, one logical node each: the peer is in another node.
+        let w = spec.world_layout(2, 1, 2).unwrap();
+        assert_eq!(w.nvlink_domain(), 1..2);
+        // Four ranks, two logical nodes.
+        let w = "proxy-ce:vnodes=2"
+            .parse::<TransportSpec>()
+            .unwrap()
+            .world_layout(4, 3, 4)
+            .unwrap();
+        assert_eq!(w.nvlink_domain(), 2..4);
+        // Across hosts it is refused, naming the rule.
+        let err = spec.world_layout(4, 0, 2).unwrap_err().to_string();
+        assert!(err.contains("one host"), "{err}");
+        let err = "proxy-ce:vnodes=3"
+            .parse::<TransportSpec>()
+            .unwrap()
+            .world_layout(4, 0, 4)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("vnodes=3"), "{err}");
     }
 
     #[test]

@@ -82,9 +82,9 @@ fn layout_kernel_matches_reference() {
     }
     let ctx = CudaContext::new(0).unwrap();
     let stream = ctx.new_stream().unwrap();
-    // Both builds hold the same layout kernel; the NVSHMEM one (when embedded) also proves the
+    // Every image holds the same layout kernel; the NVSHMEM one (when embedded) also proves the
     // device-linked cubin loads and agrees on the ABI.
-    let mut variants = vec![KernelFamily::NvlinkStore];
+    let mut variants = vec![KernelFamily::NvlinkStore, KernelFamily::CpuProxy];
     if epcomm_kernels::intranode_nvshmem_embedded() {
         variants.push(KernelFamily::NvshmemDevice);
     }

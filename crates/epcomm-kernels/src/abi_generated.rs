@@ -3,7 +3,7 @@
 
 /// Version of the kernel protocol and argument blocks; ranks compare it when a `Buffer` is
 /// built. Bump it with any change of this header or of the kernels' cross-rank protocol.
-pub const ABI_VERSION: u64 = 4;
+pub const ABI_VERSION: u64 = 5;
 
 /// Largest world size the intranode kernels support (shared-memory tables are this large).
 pub const MAX_WORLD: usize = 64;
@@ -66,6 +66,8 @@ pub mod wait {
     pub const LL_DISPATCH: u32 = 7;
     /// \[L5\] before \[L9\]: a peer's low-latency combine rows.
     pub const LL_COMBINE: u32 = 8;
+    /// \[P2\] the CPU proxy completing this rank's puts (or a free ring slot).
+    pub const PROXY: u32 = 9;
 }
 
 /// Byte offset, inside the stats region, of the in-place combine's `[world]` ready words.
@@ -290,6 +292,57 @@ pub struct SeqState {
     pub pad: u32,
 }
 
+/// Bytes of the CPU-proxy ring header (crates/epcomm-proxy, docs/proxy.md); slots follow it.
+pub const RING_HEADER_BYTES: u64 = 320;
+
+/// Byte offset of the ring's `tail` word (descriptors the proxy has taken).
+pub const RING_TAIL_OFFSET: u64 = 128;
+
+/// Byte offset of the ring's `completed` word (descriptors whose effects are complete, a prefix).
+pub const RING_COMPLETED_OFFSET: u64 = 192;
+
+/// Byte offset of the ring's `status` word (0 running, 1 closed, 2 failed).
+pub const RING_STATUS_OFFSET: u64 = 256;
+
+/// Bytes per ring slot: `seq` (position + 1, written last with release), then the 4 words.
+pub const RING_SLOT_BYTES: u64 = 64;
+
+/// Descriptor kind: move bytes (arg0 source, arg1 destination offset, arg2 bytes).
+pub const PROXY_KIND_TRANSFER: u64 = 1;
+
+/// Descriptor kind: set or add a peer's 64-bit word (arg0 offset, arg1 value).
+pub const PROXY_KIND_SIGNAL: u64 = 2;
+
+/// Descriptor kind: store a 4- or 8-byte value (arg0 offset, arg1 value, arg2 width).
+pub const PROXY_KIND_WRITE: u64 = 3;
+
+/// Transfer flag: arg0 is a device address in the producing process (else a buffer offset).
+pub const PROXY_FLAG_SRC_ADDRESS: u64 = 1;
+
+/// Signal flag: add the value (else store it).
+pub const PROXY_FLAG_SIGNAL_ADD: u64 = 1;
+
+/// The CPU-proxy channel of a module of the proxy image: the module global
+/// `epcomm_proxy_channel`, written by the host once per buffer before the first launch. Kernels
+/// reach a proxied peer (bit set in [`OpArgs::remote_mask`]) by writing descriptors into the ring;
+/// the proxy thread executes them in ring order (docs/proxy.md).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct ProxyChannel {
+    /// The ring region: host memory mapped into the device (device address).
+    pub ring: u64,
+    /// Device memory, 3 zeroed u64: next position to claim, largest `tail`
+    /// seen by a producer, nonzero once a producer gave up on a full ring.
+    pub counters: u64,
+    /// Ring slots (a power of two).
+    pub capacity: u64,
+    /// This rank's symmetric base: a proxied peer's `bases[d]` is this, so
+    /// an address minus it is the offset in the peer's buffer.
+    pub local_base: u64,
+    /// Bound of a producer's wait for a free slot.
+    pub timeout_ns: u64,
+}
+
 /// Arguments of `epcomm_layout`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
@@ -322,7 +375,7 @@ pub struct LayoutArgs {
 
 /// What `epcomm_abi_probe` writes, in its order: every constant, enumerator, struct size
 /// and field offset of the ABI, as the host sees it.
-pub(crate) const ABI_PROBE: [(&str, u64); 131] = [
+pub(crate) const ABI_PROBE: [(&str, u64); 148] = [
     ("kAbiVersion", ABI_VERSION),
     ("kMaxWorld", MAX_WORLD as u64),
     ("kOk", code::OK as u64),
@@ -348,6 +401,7 @@ pub(crate) const ABI_PROBE: [(&str, u64); 131] = [
     ("kWaitOpStart", wait::OP_START as u64),
     ("kWaitLlDispatch", wait::LL_DISPATCH as u64),
     ("kWaitLlCombine", wait::LL_COMBINE as u64),
+    ("kWaitProxy", wait::PROXY as u64),
     ("kStatsReadyOffset", STATS_READY_OFFSET),
     ("kStatsAbortOffset", STATS_ABORT_OFFSET),
     ("sizeof(ErrorRecord)", size_of::<ErrorRecord>() as u64),
@@ -441,6 +495,22 @@ pub(crate) const ABI_PROBE: [(&str, u64); 131] = [
     ("offsetof(SeqState, ll_combine)", offset_of!(SeqState, ll_combine) as u64),
     ("offsetof(SeqState, exits)", offset_of!(SeqState, exits) as u64),
     ("offsetof(SeqState, pad)", offset_of!(SeqState, pad) as u64),
+    ("kRingHeaderBytes", RING_HEADER_BYTES),
+    ("kRingTailOffset", RING_TAIL_OFFSET),
+    ("kRingCompletedOffset", RING_COMPLETED_OFFSET),
+    ("kRingStatusOffset", RING_STATUS_OFFSET),
+    ("kRingSlotBytes", RING_SLOT_BYTES),
+    ("kProxyKindTransfer", PROXY_KIND_TRANSFER),
+    ("kProxyKindSignal", PROXY_KIND_SIGNAL),
+    ("kProxyKindWrite", PROXY_KIND_WRITE),
+    ("kProxyFlagSrcAddress", PROXY_FLAG_SRC_ADDRESS),
+    ("kProxyFlagSignalAdd", PROXY_FLAG_SIGNAL_ADD),
+    ("sizeof(ProxyChannel)", size_of::<ProxyChannel>() as u64),
+    ("offsetof(ProxyChannel, ring)", offset_of!(ProxyChannel, ring) as u64),
+    ("offsetof(ProxyChannel, counters)", offset_of!(ProxyChannel, counters) as u64),
+    ("offsetof(ProxyChannel, capacity)", offset_of!(ProxyChannel, capacity) as u64),
+    ("offsetof(ProxyChannel, local_base)", offset_of!(ProxyChannel, local_base) as u64),
+    ("offsetof(ProxyChannel, timeout_ns)", offset_of!(ProxyChannel, timeout_ns) as u64),
     ("sizeof(LayoutArgs)", size_of::<LayoutArgs>() as u64),
     ("offsetof(LayoutArgs, topk_idx)", offset_of!(LayoutArgs, topk_idx) as u64),
     ("offsetof(LayoutArgs, counts)", offset_of!(LayoutArgs, counts) as u64),

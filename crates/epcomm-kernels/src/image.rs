@@ -60,6 +60,11 @@ impl Image {
     pub const INTRANODE_NVSHMEM: Image = Image {
         index: index_of("intranode_nvshmem"),
     };
+    /// The intranode image whose proxied peers are reached through the CPU proxy's descriptor
+    /// ring (`intranode_proxy.fatbin`).
+    pub const INTRANODE_PROXY: Image = Image {
+        index: index_of("intranode_proxy"),
+    };
 
     /// The image called `name` in the manifest, if any.
     pub fn named(name: &str) -> Option<Image> {

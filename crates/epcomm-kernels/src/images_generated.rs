@@ -2,7 +2,8 @@
 // Included by the build script (to embed each artifact) and by the library.
 
 /// Every kernel image: (name, artifact file, build, entry source), in manifest order.
-pub(crate) const IMAGE_TABLE: [(&str, &str, &str, &str); 2] = [
+pub(crate) const IMAGE_TABLE: [(&str, &str, &str, &str); 3] = [
     ("intranode", "intranode.fatbin", "fatbin", "kernels/intranode/store.cu"),
     ("intranode_nvshmem", "intranode_nvshmem.cubin", "nvshmem_cubin", "kernels/intranode/nvshmem.cu"),
+    ("intranode_proxy", "intranode_proxy.fatbin", "fatbin", "kernels/intranode/proxy.cu"),
 ];

@@ -48,6 +48,10 @@ pub enum KernelFamily {
     /// through mappings and NVSHMEM put/signal for the peers whose route bit is set. The loaded
     /// module must be bound to NVSHMEM (`nvshmemx_cumodule_init`) before the first launch.
     NvshmemDevice,
+    /// `intranode_proxy.fatbin` (`ProxyNet`): stores through mappings, and descriptors in a CPU
+    /// proxy's ring for the peers whose route bit is set. The loaded module's proxy channel must
+    /// be written ([`IntranodeKernels::set_proxy_channel`]) before the first launch.
+    CpuProxy,
 }
 
 impl KernelFamily {
@@ -56,6 +60,7 @@ impl KernelFamily {
         match self {
             Self::NvlinkStore => Image::INTRANODE,
             Self::NvshmemDevice => Image::INTRANODE_NVSHMEM,
+            Self::CpuProxy => Image::INTRANODE_PROXY,
         }
     }
 }
@@ -192,6 +197,7 @@ impl IntranodeKernels {
             .context(match family {
                 KernelFamily::NvlinkStore => "loading intranode.fatbin",
                 KernelFamily::NvshmemDevice => "loading intranode_nvshmem.cubin",
+                KernelFamily::CpuProxy => "loading intranode_proxy.fatbin",
             })?;
         let f = |name| module.load_function(name).context("looking up a kernel");
         let probe = f("epcomm_abi_probe")?;
@@ -244,6 +250,56 @@ impl IntranodeKernels {
             .result()
             .context("cuFuncGetModule on epcomm_layout")?;
         Ok(module)
+    }
+
+    /// Writes the module global `epcomm_proxy_channel` of a [`KernelFamily::CpuProxy`] module
+    /// (stream-ordered on `stream`, before any launch that reads it).
+    ///
+    /// # Errors
+    /// [`KernelError::Driver`] when the module has no such global (another family's image).
+    ///
+    /// # Safety
+    /// The channel's addresses must stay valid (the ring mapped, the counters allocated) for
+    /// every launch of this module's op kernels.
+    pub unsafe fn set_proxy_channel(
+        &self,
+        stream: &CudaStream,
+        channel: &crate::abi::ProxyChannel,
+    ) -> Result<(), KernelError> {
+        let module = self.cu_module()?;
+        let mut ptr: sys::CUdeviceptr = 0;
+        let mut bytes: usize = 0;
+        // SAFETY: `module` is live while `self` is; the name is a NUL-terminated C string and
+        // both out-pointers are valid.
+        unsafe {
+            sys::cuModuleGetGlobal_v2(
+                &mut ptr,
+                &mut bytes,
+                module,
+                c"epcomm_proxy_channel".as_ptr(),
+            )
+        }
+        .result()
+        .context("looking up epcomm_proxy_channel (cuModuleGetGlobal)")?;
+        if bytes != size_of::<crate::abi::ProxyChannel>() {
+            return Err(KernelError::AbiMismatch {
+                field: "sizeof(ProxyChannel) of the module global",
+                host: size_of::<crate::abi::ProxyChannel>() as u64,
+                device: bytes as u64,
+            });
+        }
+        let src = bytemuck::bytes_of(channel);
+        // SAFETY: `ptr` is the module global of exactly `src.len()` bytes (checked above), and
+        // `src` lives until the synchronize below.
+        unsafe {
+            sys::cuMemcpyHtoDAsync_v2(ptr, src.as_ptr().cast(), src.len(), stream.cu_stream())
+        }
+        .result()
+        .context("writing epcomm_proxy_channel")?;
+        stream
+            .synchronize()
+            .context("writing epcomm_proxy_channel")?;
+        Ok(())
     }
 
     /// Holds `stream` for `ns` nanoseconds (a one-thread spin on the GPU clock): makes this

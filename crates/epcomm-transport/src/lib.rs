@@ -194,6 +194,13 @@ pub trait SymmetricMemory: Send + Sync + Debug {
     /// (so no rank frees memory a peer still maps). Default: nothing to close.
     fn release_peer_mappings(&mut self) {}
 
+    /// The CPU-proxy channel the kernels of [`KernelFamily::CpuProxy`] need (the ring, its
+    /// counters, the local base), written into the loaded module before the first launch;
+    /// `None` for memories of other families (the default).
+    fn proxy_channel(&self) -> Option<epcomm_kernels::abi::ProxyChannel> {
+        None
+    }
+
     /// True when freeing is collective (every rank must free together, e.g. NVSHMEM's
     /// `nvshmem_free`): with a peer gone, the frontend leaks the allocation instead of blocking.
     fn free_is_collective(&self) -> bool {

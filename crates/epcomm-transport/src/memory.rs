@@ -220,6 +220,12 @@ impl MappedHostBuffer {
         Ok(buf)
     }
 
+    /// Host address of the allocation (page-aligned, `len` bytes, valid while `self` lives).
+    /// Who may touch it is the owner's contract: the device accesses the same bytes.
+    pub fn host_ptr(&self) -> *mut u8 {
+        self.host
+    }
+
     /// Device address kernels store to.
     pub fn device_ptr(&self) -> u64 {
         self.dev

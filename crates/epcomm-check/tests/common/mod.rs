@@ -178,13 +178,13 @@ impl std::fmt::Display for TestConfig {
 /// The configurations a multi-process test runs under: CUDA IPC under both schedules;
 /// NVSHMEM (when its host library loads) as one node and with every GPU its own virtual node
 /// (all traffic between ranks by put/signal), under both schedules and with put/signal to every
-/// peer. `EPCOMM_TEST_TRANSPORTS` (comma-separated specs), `EPCOMM_TEST_SCHEDULE` and
+/// peer; the CPU proxy with its copy engines (every peer through the proxy) under both schedules. `EPCOMM_TEST_TRANSPORTS` (comma-separated specs), `EPCOMM_TEST_SCHEDULE` and
 /// `EPCOMM_TEST_ROUTES` narrow it; under `EPCOMM_GPU_TESTS=1` an NVSHMEM library that fails to
 /// load fails the test unless the list leaves NVSHMEM out.
 pub fn configs(test: &str) -> Vec<TestConfig> {
     let only = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
     let keep = |k: &str, v: String| only(k).is_none_or(|o| o.split(',').any(|o| o.trim() == v));
-    let specs: Vec<TransportSpec> = ["ipc", "nvshmem", "nvshmem:vnodes=max"]
+    let specs: Vec<TransportSpec> = ["ipc", "nvshmem", "nvshmem:vnodes=max", "proxy-ce"]
         .iter()
         .map(|s| s.parse().expect("a valid spec"))
         .filter(|s: &TransportSpec| keep("EPCOMM_TEST_TRANSPORTS", s.to_string()))
@@ -212,9 +212,11 @@ pub fn configs(test: &str) -> Vec<TestConfig> {
             for routes in RoutePolicy::ALL {
                 // Put/signal everywhere is one extra configuration (under Epoch), not a matrix.
                 let put_signal_everywhere = routes == RoutePolicy::PutSignal;
+                // (The proxy's default layout already reaches every peer through the proxy.)
                 if put_signal_everywhere
                     && (schedule != Schedule::Epoch
-                        || !caps.routes.contains(&epcomm::Route::PutSignal))
+                        || !caps.routes.contains(&epcomm::Route::PutSignal)
+                        || caps.kernel_family == epcomm_kernels::KernelFamily::CpuProxy)
                 {
                     continue;
                 }

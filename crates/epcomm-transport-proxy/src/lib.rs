@@ -1,0 +1,340 @@
+//! The CPU-proxy transport of epcomm, with the copy-engine executor.
+//!
+//! Kernels of the proxy image ([`KernelFamily::CpuProxy`], `ProxyNet` in
+//! `kernels/common/net_proxy.cuh`) reach the peers whose route is [`Route::PutSignal`] by writing
+//! 32-byte descriptors (transfer, inline write, signal) into a ring in host-mapped memory. One
+//! proxy thread per buffer ([`epcomm_proxy::Proxy`]) takes them in ring order and executes them
+//! on a [`CopyEngineExecutor`]: `cuMemcpyAsync` and stream memory operations on one stream per
+//! peer, between CUDA-IPC-mapped buffers. The bytes move on the copy engines, not on SMs; the
+//! kernel's SMs only write descriptors and wait for completions.
+//!
+//! Peers in this rank's logical node are reached by stores through their mapping, as with the
+//! IPC transport; [`ProxyOptions::virtual_nodes`] decides the split (the default, one logical
+//! node per GPU, sends every peer's bytes through the copy engines).
+//!
+//! # Who touches what
+//! * The ring: the kernels (producers, many threads) and the proxy thread (consumer), through
+//!   the ring protocol only (docs/proxy.md).
+//! * The counters (device memory): the kernels only.
+//! * Peers' buffers: the kernels (store route) and this rank's proxy thread (proxy route), as
+//!   the protocol allows; the proxy thread is stopped before the mappings are closed.
+//!
+//! # Example
+//!
+//! What it declares needs no GPU:
+//!
+//! ```
+//! use epcomm_transport::{KernelFamily, Route};
+//!
+//! let caps = epcomm_transport_proxy::CAPABILITIES;
+//! assert_eq!(caps.kernel_family, KernelFamily::CpuProxy);
+//! assert!(caps.routes.contains(&Route::PutSignal));
+//! ```
+
+mod copy_engine;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use cudarc::driver::CudaContext;
+use epcomm_kernels::abi::{self, ProxyChannel};
+use epcomm_proxy::{Limits, Proxy, ProxyConfig, ProxyError, ProxyReport, RingMemory, ring};
+use epcomm_transport::{
+    Bootstrap, Capabilities, DeviceBuffer, DeviceRuntime, KernelFamily, MappedHostBuffer, Route,
+    Schedule, SymmetricHeap, SymmetricMemory, Transport, TransportError, WorldLayout,
+};
+use epcomm_transport_ipc::{IpcMemory, IpcTransport};
+
+pub use copy_engine::{CopyEngineError, CopyEngineExecutor};
+
+// The kernel side (abi.cuh) and the proxy crate must agree on the ring layout.
+const _: () = {
+    assert!(abi::RING_HEADER_BYTES as usize == ring::HEADER_BYTES);
+    assert!(abi::RING_SLOT_BYTES as usize == ring::SLOT_BYTES);
+    assert!(abi::RING_TAIL_OFFSET as usize == ring::OFFSET_TAIL);
+    assert!(abi::RING_COMPLETED_OFFSET as usize == ring::OFFSET_COMPLETED);
+    assert!(abi::RING_STATUS_OFFSET as usize == ring::OFFSET_STATUS);
+    assert!(abi::PROXY_KIND_TRANSFER == epcomm_proxy::descriptor::KIND_TRANSFER as u64);
+    assert!(abi::PROXY_KIND_SIGNAL == epcomm_proxy::descriptor::KIND_SIGNAL as u64);
+    assert!(abi::PROXY_KIND_WRITE == epcomm_proxy::descriptor::KIND_WRITE as u64);
+    assert!(
+        abi::PROXY_FLAG_SRC_ADDRESS == epcomm_proxy::descriptor::TRANSFER_FLAG_SRC_ADDRESS as u64
+    );
+    assert!(abi::PROXY_FLAG_SIGNAL_ADD == epcomm_proxy::descriptor::SIGNAL_FLAG_ADD as u64);
+};
+
+/// The capabilities of [`ProxyTransport`].
+pub const CAPABILITIES: Capabilities = Capabilities {
+    name: "proxy-ce",
+    kernel_family: KernelFamily::CpuProxy,
+    schedules: &Schedule::ALL,
+    routes: &[Route::Store, Route::PutSignal],
+};
+
+/// How the proxy transport is set up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ProxyOptions {
+    /// Logical nodes each host's GPUs are split into: peers in this rank's logical node are
+    /// reached by stores, every other peer through the proxy. Must divide the ranks per host.
+    pub virtual_nodes: usize,
+    /// Ring slots (a power of two): descriptors the kernels may write ahead of the proxy.
+    pub ring_slots: u64,
+    /// Operations outstanding in the copy engines before the proxy stops taking descriptors.
+    pub max_in_flight: usize,
+    /// Longest one operation may stay in the copy engines before the proxy fails.
+    pub op_timeout: Duration,
+    /// Longest a kernel waits for a free ring slot before it fails the op.
+    pub slot_timeout: Duration,
+    /// CPU to pin the proxy thread to (`None`: left to the OS).
+    pub cpu: Option<usize>,
+}
+
+impl ProxyOptions {
+    /// Defaults for `local_world_size` ranks per host: one logical node per rank (every peer
+    /// through the copy engines), 65536 ring slots, 16384 operations in flight, 10 s bounds.
+    pub fn one_node_per_rank(local_world_size: usize) -> Self {
+        Self {
+            virtual_nodes: local_world_size.max(1),
+            ring_slots: 1 << 16,
+            max_in_flight: 1 << 14,
+            op_timeout: Duration::from_secs(10),
+            slot_timeout: Duration::from_secs(10),
+            cpu: None,
+        }
+    }
+}
+
+/// The CPU-proxy transport of one process (one GPU): symmetric buffers shared through CUDA IPC
+/// (every rank on one host), proxied peers reached through the copy engines.
+#[derive(Debug)]
+pub struct ProxyTransport {
+    ipc: IpcTransport,
+    world: WorldLayout,
+    options: ProxyOptions,
+}
+
+impl ProxyTransport {
+    /// The world for `world_size` ranks, `local_world_size` per host, seen from `rank`, split
+    /// into `virtual_nodes` logical nodes per host (no GPU needed).
+    ///
+    /// # Errors
+    /// [`TransportError::InvalidArgument`] naming `world` unless every rank is on one host, or
+    /// naming `ProxyOptions::virtual_nodes` unless it divides the ranks per host.
+    pub fn world_layout(
+        world_size: usize,
+        rank: usize,
+        local_world_size: usize,
+        virtual_nodes: usize,
+    ) -> Result<WorldLayout, TransportError> {
+        IpcTransport::world_layout(world_size, rank, local_world_size)?;
+        WorldLayout::with_virtual_nodes(world_size, rank, local_world_size, virtual_nodes).map_err(
+            |e| TransportError::InvalidArgument {
+                argument: "ProxyOptions::virtual_nodes",
+                rule: format!(
+                    "vnodes={virtual_nodes} must divide the {local_world_size} ranks per host \
+                     ({e})"
+                ),
+            },
+        )
+    }
+
+    /// Builds the transport over an initialised bootstrap.
+    ///
+    /// # Errors
+    /// As [`Self::world_layout`]; [`TransportError::InvalidArgument`] naming
+    /// `ProxyOptions::ring_slots` unless it is a power of two in `2..=2^24`.
+    pub fn new(
+        ctx: Arc<CudaContext>,
+        bootstrap: Arc<Bootstrap>,
+        options: ProxyOptions,
+    ) -> Result<Self, TransportError> {
+        let world = Self::world_layout(
+            bootstrap.world_size(),
+            bootstrap.rank(),
+            bootstrap.local_world_size(),
+            options.virtual_nodes,
+        )?;
+        if let Err(e) = ring::region_bytes(options.ring_slots) {
+            return Err(TransportError::InvalidArgument {
+                argument: "ProxyOptions::ring_slots",
+                rule: e.to_string(),
+            });
+        }
+        Ok(Self {
+            ipc: IpcTransport::new(ctx, bootstrap)?,
+            world,
+            options,
+        })
+    }
+}
+
+impl Transport for ProxyTransport {
+    fn capabilities(&self) -> Capabilities {
+        CAPABILITIES
+    }
+
+    fn world(&self) -> WorldLayout {
+        self.world
+    }
+
+    fn bootstrap(&self) -> &Arc<Bootstrap> {
+        self.ipc.bootstrap()
+    }
+}
+
+impl DeviceRuntime for ProxyTransport {
+    type ModuleBinding = ();
+
+    unsafe fn bind_module(
+        &self,
+        _module: cudarc::driver::sys::CUmodule,
+    ) -> Result<(), TransportError> {
+        // The proxy image needs no device runtime; its channel comes with the memory
+        // (`SymmetricMemory::proxy_channel`).
+        Ok(())
+    }
+}
+
+impl SymmetricHeap for ProxyTransport {
+    type Memory = ProxyMemory;
+
+    fn alloc_symmetric(&self, bytes: usize) -> Result<ProxyMemory, TransportError> {
+        let ipc = self.ipc.alloc_symmetric(bytes)?;
+        let ctx = self.ipc.context();
+        let world = self.world.world_size();
+        let me = self.world.rank();
+        let domain = self.world.nvlink_domain();
+        let mapped: Vec<u64> = (0..world).map(|p| ipc.peer_base(p).unwrap_or(0)).collect();
+        // The executor reaches every proxied peer through its IPC mapping.
+        let proxied: Vec<u64> = (0..world)
+            .map(|p| if domain.contains(&p) { 0 } else { mapped[p] })
+            .collect();
+        let slots = self.options.ring_slots;
+        let region = ring::region_bytes(slots).map_err(backend("sizing the ring"))?;
+        let ring_host = MappedHostBuffer::zeroed(ctx, region)?;
+        // SAFETY: `ring_host` is `region` bytes of pinned, page-aligned host memory owned by
+        // the returned `ProxyMemory`, which stops the proxy (the only host user) before it
+        // drops `ring_host`; the device touches it only through the ring protocol.
+        let ring = unsafe { RingMemory::from_raw(ring_host.host_ptr(), ring_host.len(), slots) }
+            .map_err(backend("laying out the ring"))?;
+        let (_, consumer) = ring::split(ring);
+        let counters = DeviceBuffer::zeroed(ctx, 3 * 8)?;
+        let executor = CopyEngineExecutor::new(
+            ctx.clone(),
+            ipc.local_base(),
+            &proxied,
+            self.options.max_in_flight,
+        )
+        .map_err(|source| TransportError::Driver {
+            context: "creating the copy-engine streams".into(),
+            source,
+        })?;
+        let mut config = ProxyConfig::new(Limits {
+            world: world as u32,
+            heap_bytes: bytes as u64,
+        });
+        config.max_pending = self.options.max_in_flight;
+        config.op_timeout = self.options.op_timeout;
+        config.cpu = self.options.cpu;
+        let proxy = Proxy::spawn(consumer, executor, config).map_err(backend("starting"))?;
+        let channel = ProxyChannel {
+            ring: ring_host.device_ptr(),
+            counters: counters.ptr(),
+            capacity: slots,
+            local_base: ipc.local_base(),
+            timeout_ns: u64::try_from(self.options.slot_timeout.as_nanos()).unwrap_or(u64::MAX),
+        };
+        Ok(ProxyMemory {
+            store_bases: (0..world)
+                .map(|p| {
+                    if p == me || domain.contains(&p) {
+                        mapped[p]
+                    } else {
+                        0
+                    }
+                })
+                .collect(),
+            channel,
+            proxy: Mutex::new(Some(proxy)),
+            last_report: Mutex::new(None),
+            _counters: counters,
+            _ring_host: ring_host,
+            ipc,
+        })
+    }
+}
+
+fn backend<E: std::error::Error + Send + Sync + 'static>(
+    what: &'static str,
+) -> impl FnOnce(E) -> TransportError {
+    move |e| TransportError::Backend {
+        backend: "proxy-ce",
+        context: what.to_string(),
+        source: Box::new(e),
+    }
+}
+
+/// A symmetric buffer shared through CUDA IPC, with the proxy thread serving it.
+///
+/// Field order is drop order: the proxy is stopped explicitly first (see `Drop`), then the
+/// counters, the ring and the IPC memory go.
+#[derive(Debug)]
+pub struct ProxyMemory {
+    store_bases: Vec<u64>,
+    channel: ProxyChannel,
+    proxy: Mutex<Option<Proxy>>,
+    last_report: Mutex<Option<Result<ProxyReport, String>>>,
+    _counters: DeviceBuffer,
+    _ring_host: MappedHostBuffer,
+    ipc: IpcMemory,
+}
+
+impl ProxyMemory {
+    /// Stops the proxy thread (what the kernels published is executed first) and keeps its
+    /// report; idempotent.
+    fn stop_proxy(&self) {
+        let proxy = self.proxy.lock().ok().and_then(|mut p| p.take());
+        if let Some(proxy) = proxy {
+            let report = proxy.shutdown().map_err(|e: ProxyError| e.to_string());
+            if let Ok(mut slot) = self.last_report.lock() {
+                *slot = Some(report);
+            }
+        }
+    }
+
+    /// The proxy's report once it has stopped (after teardown): its counts, or the error it
+    /// stopped on.
+    pub fn report(&self) -> Option<Result<ProxyReport, String>> {
+        self.last_report.lock().ok().and_then(|r| r.clone())
+    }
+}
+
+impl SymmetricMemory for ProxyMemory {
+    fn len(&self) -> usize {
+        self.ipc.len()
+    }
+
+    fn local_base(&self) -> u64 {
+        self.ipc.local_base()
+    }
+
+    fn peer_base(&self, peer: usize) -> Option<u64> {
+        self.store_bases.get(peer).copied().filter(|&b| b != 0)
+    }
+
+    fn release_peer_mappings(&mut self) {
+        // The proxy writes through the mappings: stop it before they close.
+        self.stop_proxy();
+        self.ipc.release_peer_mappings();
+    }
+
+    fn proxy_channel(&self) -> Option<ProxyChannel> {
+        Some(self.channel)
+    }
+}
+
+impl Drop for ProxyMemory {
+    fn drop(&mut self) {
+        self.stop_proxy();
+    }
+}

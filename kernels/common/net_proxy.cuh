@@ -1,0 +1,191 @@
+// The CPU-proxy Net policy (contract: common/net.cuh). Peers whose bit is set in
+// OpArgs::remote_mask are reached through this rank's proxy thread: every remote write becomes a
+// 32-byte descriptor in a ring in host-mapped memory (layout: abi.cuh kRing*, the Rust side's
+// `epcomm_proxy::ring`), which the proxy executes in ring order on its executor (a copy engine,
+// RDMA verbs). Every other peer is reached through its mapping exactly as StoreNet does.
+//
+// Producing [P1]: a thread claims ring position p with an atomic add on a device counter (many
+// producers: every thread of every block), waits (bounded) until p - tail < capacity, writes the
+// descriptor's words, and stores seq = p + 1 with release at system scope. The proxy takes
+// position p only once its seq reads p + 1, so a half-written slot is never read.
+//
+// Ordering: positions are claimed in happens-before order, so a descriptor written after a
+// block barrier always has a larger position than every descriptor written before it. The
+// proxy keeps ring order per peer and lands a signal after every earlier transfer and write to
+// that peer: publication after `__syncthreads` needs no fence. `quiet` [P2] waits (bounded)
+// until the proxy reports every claimed position complete, so the sources of this block's
+// transfers (caller memory, the LL staging rows) may be reused after it and the kernel may end.
+//
+// Addresses: the kernels compute `bases[d] + offset` for every peer; for a proxied peer
+// `bases[d]` is this rank's own symmetric base (ProxyChannel::local_base, as under NVSHMEM), so
+// the destination offset is `address - local_base`.
+#pragma once
+#include "common/abi.cuh"
+#include "common/net.cuh"
+#include "common/ptx.cuh"
+#include "common/wait.cuh"
+
+// The module global the host writes once per buffer (cuModuleGetGlobal "epcomm_proxy_channel").
+__device__ epcomm::ProxyChannel epcomm_proxy_channel;
+
+namespace epcomm {
+
+struct ProxyNet {
+  static constexpr bool kTransport = true;
+
+  __device__ static __forceinline__ bool remote(uint64_t remote_mask, int d) {
+    return ((remote_mask >> d) & 1ull) != 0;
+  }
+
+  __device__ static __forceinline__ uint64_t* counters() {
+    return reinterpret_cast<uint64_t*>(epcomm_proxy_channel.counters);
+  }
+  __device__ static __forceinline__ uint8_t* ring() {
+    return reinterpret_cast<uint8_t*>(epcomm_proxy_channel.ring);
+  }
+  __device__ static __forceinline__ uint64_t offset_of(const void* p) {
+    return reinterpret_cast<uint64_t>(p) - epcomm_proxy_channel.local_base;
+  }
+
+  // [P1] claims `n` consecutive ring positions.
+  __device__ static __forceinline__ uint64_t claim(uint32_t n) {
+    return atomicAdd(reinterpret_cast<unsigned long long*>(counters()),
+                     static_cast<unsigned long long>(n));
+  }
+
+  // [P1] waits until slot `p` is free (bounded by ProxyChannel::timeout_ns); false when the
+  // proxy stopped or the bound passed (then `counters()[2]` is set, and the next `quiet`
+  // records the failure).
+  __device__ static __noinline__ bool wait_slot(uint64_t p) {
+    const uint64_t cap = epcomm_proxy_channel.capacity;
+    uint64_t* seen = counters() + 1;
+    if (p - *reinterpret_cast<volatile uint64_t*>(seen) < cap) return true;
+    const uint64_t* tail = reinterpret_cast<const uint64_t*>(ring() + kRingTailOffset);
+    const uint64_t* status = reinterpret_cast<const uint64_t*>(ring() + kRingStatusOffset);
+    const uint64_t t0 = globaltimer_ns();
+    for (uint32_t spins = 0;; ++spins) {
+      const uint64_t t = ld_acquire_sys(tail);
+      if (p - t < cap) {
+        atomicMax(reinterpret_cast<unsigned long long*>(seen), static_cast<unsigned long long>(t));
+        return true;
+      }
+      if ((spins & 63u) == 63u) {
+        if (ld_relaxed_sys(status) != 0 ||
+            globaltimer_ns() - t0 > epcomm_proxy_channel.timeout_ns) {
+          atomicExch(reinterpret_cast<unsigned long long*>(counters() + 2), 1ull);
+          return false;
+        }
+      }
+    }
+  }
+
+  // [P1] writes descriptor `p` (one thread).
+  __device__ static __forceinline__ void emit(uint64_t p, uint64_t kind, uint64_t flags, int pe,
+                                              uint64_t arg0, uint64_t arg1, uint64_t arg2) {
+    if (!wait_slot(p)) return;
+    uint64_t* slot = reinterpret_cast<uint64_t*>(
+        ring() + kRingHeaderBytes + (p & (epcomm_proxy_channel.capacity - 1)) * kRingSlotBytes);
+    st_relaxed_sys(slot + 1, kind | (flags << 16) | (static_cast<uint64_t>(pe) << 32));
+    st_relaxed_sys(slot + 2, arg0);
+    st_relaxed_sys(slot + 3, arg1);
+    st_relaxed_sys(slot + 4, arg2);
+    st_release_sys(slot, p + 1);
+  }
+
+  __device__ static __forceinline__ void signal(uint64_t* p, uint64_t v, int pe, bool add) {
+    emit(claim(1), kProxyKindSignal, add ? kProxyFlagSignalAdd : 0, pe, offset_of(p), v, 0);
+  }
+
+  __device__ static __forceinline__ void set_word(uint64_t* p, uint64_t v, int pe, bool remote) {
+    if (remote)
+      signal(p, v, pe, false);
+    else
+      StoreNet::set_word(p, v, pe, false);
+  }
+
+  // The ring orders a signal after every descriptor of lower position, which covers every
+  // write of this thread and every write that happens-before it.
+  __device__ static __forceinline__ void publish_set(uint64_t* p, uint64_t v, int pe,
+                                                     bool remote) {
+    if (!remote) return StoreNet::publish_set(p, v, pe, false);
+    signal(p, v, pe, false);
+  }
+
+  __device__ static __forceinline__ void publish_add(uint64_t* p, uint64_t v, int pe,
+                                                     bool remote) {
+    if (!remote) return StoreNet::publish_add(p, v, pe, false);
+    signal(p, v, pe, true);
+  }
+
+  // [P2] Block-collective (every thread of the block calls it, then a block barrier follows):
+  // waits until the proxy completed every position claimed so far, so this block's transfer
+  // sources may be reused. Records kTimeout / kWaitProxy on expiry or when a producer gave up.
+  __device__ static __noinline__ void quiet(const WaitCtx& w, uint64_t remote_mask) {
+    if (remote_mask == 0) return;
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    const uint64_t target = *reinterpret_cast<volatile uint64_t*>(counters());
+    const uint64_t* completed = reinterpret_cast<const uint64_t*>(ring() + kRingCompletedOffset);
+    const uint64_t* status = reinterpret_cast<const uint64_t*>(ring() + kRingStatusOffset);
+    const uint64_t t0 = globaltimer_ns();
+    for (uint32_t spins = 0;; ++spins) {
+      const uint64_t done = ld_acquire_sys(completed);
+      const bool gave_up = *reinterpret_cast<volatile uint64_t*>(counters() + 2) != 0;
+      if (done >= target && !gave_up) return;
+      if ((spins & 63u) == 63u || gave_up) {
+        const uint64_t now = globaltimer_ns();
+        if (gave_up || ld_relaxed_sys(status) != 0 || now - t0 > w.timeout_ns) {
+          record_failure<ProxyNet>(w, kTimeout, kWaitProxy, w.rank, target, done, now - t0);
+          return;
+        }
+        if (should_stop<ProxyNet>(w, kWaitProxy, spins)) return;
+      }
+    }
+  }
+
+  // One element: a store, or a WRITE descriptor carrying the value.
+  template <typename T>
+  __device__ static __forceinline__ void put_elem(T* p, T v, int pe, bool remote) {
+    static_assert(sizeof(T) == 4 || sizeof(T) == 8, "proxy writes are 4 or 8 bytes");
+    if (!remote) {
+      *p = v;
+      return;
+    }
+    uint64_t bits = 0;
+    memcpy(&bits, &v, sizeof(T));
+    emit(claim(1), kProxyKindWrite, 0, pe, offset_of(p), bits, sizeof(T));
+  }
+
+  // Ring order already orders this thread's later descriptors after its earlier ones.
+  __device__ static __forceinline__ void fence() {}
+
+  // Warp-collective put of `bytes` from `src` (a device address of this process: caller memory
+  // or this rank's buffer) into rank `pe`'s copy of `dst`. The warp's earlier stores of `src`
+  // are made visible to the proxy's executor before the descriptor is published.
+  __device__ static __forceinline__ void put_warp(void* dst, const void* src, size_t bytes,
+                                                  int pe) {
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) {
+      __threadfence_system();
+      emit(claim(1), kProxyKindTransfer, kProxyFlagSrcAddress, pe, reinterpret_cast<uint64_t>(src),
+           offset_of(dst), bytes);
+    }
+    __syncwarp();
+  }
+
+  // Warp-collective put of a row followed by a signal set, which lands after the row.
+  __device__ static __forceinline__ void put_signal_warp(void* dst, const void* src, size_t bytes,
+                                                         uint64_t* sig, uint64_t v, int pe) {
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) {
+      __threadfence_system();
+      const uint64_t p = claim(2);
+      emit(p, kProxyKindTransfer, kProxyFlagSrcAddress, pe, reinterpret_cast<uint64_t>(src),
+           offset_of(dst), bytes);
+      emit(p + 1, kProxyKindSignal, 0, pe, offset_of(sig), v, 0);
+    }
+    __syncwarp();
+  }
+};
+
+}  // namespace epcomm
