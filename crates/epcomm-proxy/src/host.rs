@@ -37,7 +37,8 @@ pub enum HostError {
     /// A transfer whose source is a device address: the host executor reads only offsets in
     /// the host heap.
     #[error(
-        "transfer source is device address {address:#x}: the host executor reads only offsets          in the host heap (a heap source), not device addresses"
+        "transfer source is device address {address:#x}: the host executor reads only offsets \
+         in the host heap (a heap source), not device addresses"
     )]
     AddressSource {
         /// The address given.
@@ -313,5 +314,72 @@ mod tests {
             heap.word(5, 0),
             Err(HostError::RankOutOfRange { rank: 5, world: 2 })
         );
+    }
+
+    #[test]
+    fn writes_store_four_or_eight_bytes_little_endian() {
+        use crate::descriptor::WriteWidth;
+        let heap = HostHeap::new(2, 64);
+        heap.write(1, 0, &[0xEE; 16]).expect("fill");
+        let mut ex = HostExecutor::new(Arc::clone(&heap), 0, 4);
+        let four = Write {
+            peer: 1,
+            offset: 4,
+            value: 0x1122_3344,
+            width: WriteWidth::Four,
+        };
+        let eight = Write {
+            peer: 1,
+            offset: 8,
+            value: 0x0102_0304_0506_0708,
+            width: WriteWidth::Eight,
+        };
+        assert_eq!(ex.submit_write(1, &four).ok(), Some(Submit::Accepted));
+        assert_eq!(ex.submit_write(2, &eight).ok(), Some(Submit::Accepted));
+        let mut done = Vec::new();
+        ex.poll(&mut done).expect("poll");
+        assert_eq!(done, [1, 2]);
+        let mut want = vec![0xEE; 4];
+        want.extend_from_slice(&0x1122_3344u32.to_le_bytes());
+        want.extend_from_slice(&0x0102_0304_0506_0708u64.to_le_bytes());
+        // Only the width's bytes change.
+        assert_eq!(heap.read(1, 0, 16), Ok(want));
+        let outside = Write { offset: 62, ..four };
+        assert!(ex.submit_write(3, &outside).is_ok());
+        let err = ex.poll(&mut done).expect_err("out of bounds");
+        assert_eq!(err.op, 3);
+        assert_eq!(
+            err.reason.to_string(),
+            "rank 1: [62, 62 + 4) is outside its 64-byte buffer"
+        );
+    }
+
+    #[test]
+    fn an_address_source_is_refused_at_submission() {
+        let heap = HostHeap::new(2, 64);
+        let mut ex = HostExecutor::new(Arc::clone(&heap), 0, 4);
+        let t = Transfer {
+            peer: 1,
+            src: Source::Address(0x7f00_0000_1000),
+            dst_offset: 0,
+            bytes: 8,
+        };
+        let err = ex.submit_transfer(5, &t).expect_err("refused");
+        assert_eq!(err.op, 5);
+        assert_eq!(
+            err.reason.downcast_ref::<HostError>(),
+            Some(&HostError::AddressSource {
+                address: 0x7f00_0000_1000
+            })
+        );
+        assert!(
+            err.reason.to_string().contains("reads only offsets"),
+            "{}",
+            err.reason
+        );
+        // Nothing was queued.
+        let mut done = Vec::new();
+        ex.poll(&mut done).expect("poll");
+        assert!(done.is_empty());
     }
 }

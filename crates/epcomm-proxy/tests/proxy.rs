@@ -1,15 +1,18 @@
-//! The proxy end to end on the host executor: rows and signals from a producer thread land in
-//! the peers' host buffers in order; coalescing, flow control, shutdown and typed failures.
+//! The proxy end to end on the host executor: rows, writes and signals from a producer thread
+//! land in the peers' host buffers in order; coalescing, flow control, shutdown, typed failures,
+//! and a ring written by many producers that claim positions from a shared counter (as GPU
+//! threads do).
 #![cfg(not(loom))]
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use epcomm_proxy::{
-    Descriptor, DescriptorError, Executor, HostExecutor, HostHeap, Limits, OpFailure, OpId, Proxy,
-    ProxyConfig, ProxyError, RawDescriptor, RingError, RingMemory, Signal, SignalOp, Source,
-    Submit, Transfer, Write, ring,
+    Descriptor, DescriptorError, Executor, HostError, HostExecutor, HostHeap, Limits, OpFailure,
+    OpId, Proxy, ProxyConfig, ProxyError, RawDescriptor, RingError, RingMemory, Signal, SignalOp,
+    Source, Submit, Transfer, Write, WriteWidth, ring,
 };
 
 const LONG: Duration = Duration::from_secs(20);
@@ -33,6 +36,15 @@ fn transfer(peer: u32, src: u64, dst: u64, bytes: u64) -> Descriptor {
         src: Source::Heap(src),
         dst_offset: dst,
         bytes,
+    })
+}
+
+fn write(peer: u32, offset: u64, value: u64, width: WriteWidth) -> Descriptor {
+    Descriptor::Write(Write {
+        peer,
+        offset,
+        value,
+        width,
     })
 }
 
@@ -317,4 +329,227 @@ fn dropping_the_proxy_stops_it_cleanly() {
         producer.try_push_raw(&RawDescriptor::default()),
         Err(RingError::Closed { position: 1 })
     );
+}
+
+/// Where the per-token scales (4 bytes) and top-k ids (8 bytes) land in every buffer.
+const SCALES: u64 = 40_000;
+const IDS: u64 = 48_000;
+
+fn scale(t: u64, peer: u32) -> u64 {
+    u64::from((t as f32 * 0.5 + peer as f32).to_bits())
+}
+
+fn id(t: u64, peer: u32) -> u64 {
+    (t << 32) | u64::from(peer) | 1 << 63
+}
+
+/// A dispatch with a scale and a top-k id per row, as single-element puts between the rows.
+fn dispatch_with_writes(heap: &HostHeap) -> Vec<Descriptor> {
+    let rows = dispatch(heap);
+    let (rows, signals) = rows.split_at(rows.len() - (WORLD as usize - 1));
+    let mut out = Vec::new();
+    for (i, row) in rows.iter().enumerate() {
+        out.push(*row);
+        let (t, peer) = (i as u64 / u64::from(WORLD - 1), row.peer());
+        out.push(write(
+            peer,
+            SCALES + 4 * t,
+            scale(t, peer),
+            WriteWidth::Four,
+        ));
+        out.push(write(peer, IDS + 8 * t, id(t, peer), WriteWidth::Eight));
+    }
+    out.extend_from_slice(signals);
+    out
+}
+
+fn check_writes(heap: &HostHeap, peer: u32) {
+    for t in 0..TOKENS {
+        let s = heap.read(peer, SCALES + 4 * t, 4).expect("scale");
+        assert_eq!(
+            s,
+            (scale(t, peer) as u32).to_le_bytes(),
+            "scale {t} at {peer}"
+        );
+        assert_eq!(heap.word(peer, IDS + 8 * t), Ok(id(t, peer)), "id {t}");
+    }
+}
+
+#[test]
+fn writes_between_rows_land_before_the_signal_and_rows_still_merge() {
+    let heap = HostHeap::new(WORLD, HEAP);
+    let work = dispatch_with_writes(&heap);
+    let (mut producer, consumer) = ring::split(RingMemory::allocate(64).expect("ring"));
+    let proxy = Proxy::spawn(
+        consumer,
+        HostExecutor::new(Arc::clone(&heap), 0, 8),
+        ProxyConfig::new(limits()),
+    )
+    .expect("spawn");
+    // Once rank 2's `done` is 1, its rows, scales and ids must all be there.
+    let watcher = {
+        let heap = Arc::clone(&heap);
+        thread::spawn(move || {
+            while heap.word(2, DONE).expect("word") == 0 {
+                thread::yield_now();
+            }
+            let sent = heap.read(0, 0, TOKENS * ROW).expect("source");
+            assert_eq!(heap.read(2, 20_000, TOKENS * ROW).expect("rows"), sent);
+            check_writes(&heap, 2);
+        })
+    };
+    for d in &work {
+        producer.push(d, &limits(), LONG).expect("push");
+    }
+    producer
+        .wait_completed(work.len() as u64, LONG)
+        .expect("completed");
+    watcher.join().expect("writes before signal");
+    check_dispatch(&heap);
+    for peer in 1..WORLD {
+        check_writes(&heap, peer);
+    }
+    let report = proxy.shutdown().expect("clean");
+    assert_eq!(report.descriptors, work.len() as u64);
+    assert_eq!(report.writes, 2 * TOKENS * u64::from(WORLD - 1));
+    assert_eq!(report.signals, 3);
+    assert_eq!(report.bytes, TOKENS * ROW * 3);
+    // The writes between rows did not keep the rows from merging.
+    assert!(report.transfers < TOKENS * 3, "{report:?}");
+}
+
+#[test]
+fn an_address_source_fails_the_host_proxy_naming_the_peer_and_descriptor() {
+    let heap = HostHeap::new(WORLD, HEAP);
+    let (mut producer, consumer) = ring::split(RingMemory::allocate(8).expect("ring"));
+    let proxy = Proxy::spawn(
+        consumer,
+        HostExecutor::new(heap, 0, 4),
+        ProxyConfig::new(limits()),
+    )
+    .expect("spawn");
+    producer.push(&add(1, 0, 1), &limits(), LONG).expect("push");
+    let from_device = Descriptor::Transfer(Transfer {
+        peer: 3,
+        src: Source::Address(0x7f12_3456_0000),
+        dst_offset: 128,
+        bytes: 64,
+    });
+    producer.push(&from_device, &limits(), LONG).expect("push");
+    assert!(producer.wait_completed(2, LONG).is_err());
+    let err = proxy
+        .shutdown()
+        .expect_err("an address source fails the host proxy");
+    let msg = err.to_string();
+    assert!(msg.contains("host executor failed"), "{msg}");
+    assert!(msg.contains("to peer 3 (ring descriptors [1])"), "{msg}");
+    assert!(msg.contains("device address 0x7f1234560000"), "{msg}");
+    assert!(msg.contains("reads only offsets in the host heap"), "{msg}");
+    match err {
+        ProxyError::Executor {
+            peer: 3,
+            work,
+            positions,
+            source,
+            ..
+        } => {
+            assert_eq!((work, positions.as_slice()), (from_device, &[1][..]));
+            assert_eq!(
+                source.downcast_ref::<HostError>(),
+                Some(&HostError::AddressSource {
+                    address: 0x7f12_3456_0000
+                })
+            );
+        }
+        other => panic!("expected Executor, got {other:?}"),
+    }
+}
+
+/// The GPU producer's protocol over the raw ring layout: claim a position from a shared
+/// counter, wait until `p - tail < capacity`, write the words, store `seq = p + 1` with
+/// release. `head` is never written.
+struct RawProducer {
+    base: usize,
+    capacity: u64,
+}
+
+impl RawProducer {
+    fn word(&self, offset: usize) -> &AtomicU64 {
+        // SAFETY: `base` is the start of a live ring region of `region_bytes(capacity)` bytes
+        // (the test keeps a ring end alive while producers run), `offset` is 8-aligned inside
+        // it, and every access to the region is atomic.
+        unsafe { AtomicU64::from_ptr((self.base + offset) as *mut u64) }
+    }
+
+    fn publish(&self, p: u64, raw: &RawDescriptor) {
+        let start = Instant::now();
+        while p - self.word(ring::OFFSET_TAIL).load(Ordering::Acquire) >= self.capacity {
+            assert!(start.elapsed() < LONG, "ring full for {LONG:?} at {p}");
+            thread::yield_now();
+        }
+        let slot = ring::HEADER_BYTES + (p & (self.capacity - 1)) as usize * ring::SLOT_BYTES;
+        for (i, w) in raw.to_words().into_iter().enumerate() {
+            self.word(slot + 8 + 8 * i).store(w, Ordering::Relaxed);
+        }
+        self.word(slot).store(p + 1, Ordering::Release);
+    }
+}
+
+#[test]
+fn a_ring_written_by_many_producers_is_executed_exactly_once() {
+    const THREADS: u64 = 8;
+    const PER_THREAD: u64 = 500;
+    let heap = HostHeap::new(WORLD, HEAP);
+    let memory = RingMemory::allocate(16).expect("ring");
+    let raw = RawProducer {
+        base: memory.as_ptr() as usize,
+        capacity: memory.capacity(),
+    };
+    // The host producer end only keeps the region alive and reads `completed`.
+    let (host_end, consumer) = ring::split(memory);
+    let mut config = ProxyConfig::new(limits());
+    config.max_pending = 8;
+    let proxy =
+        Proxy::spawn(consumer, HostExecutor::new(Arc::clone(&heap), 0, 4), config).expect("spawn");
+    let next = AtomicU64::new(0);
+    thread::scope(|s| {
+        for t in 0..THREADS {
+            let (raw, next) = (&raw, &next);
+            s.spawn(move || {
+                for k in 0..PER_THREAD {
+                    let p = next.fetch_add(1, Ordering::Relaxed);
+                    let peer = 1 + (k % u64::from(WORLD - 1)) as u32;
+                    let d = write(peer, 8 * (t * PER_THREAD + k), p + 1, WriteWidth::Eight);
+                    raw.publish(p, &d.encode(&limits()).expect("valid"));
+                    if k % 7 == 0 {
+                        thread::yield_now(); // publish out of position order now and then
+                    }
+                }
+                // After its writes in ring order: one `done` add per peer.
+                for peer in 1..WORLD {
+                    let p = next.fetch_add(1, Ordering::Relaxed);
+                    raw.publish(p, &add(peer, DONE, 1).encode(&limits()).expect("valid"));
+                }
+            });
+        }
+    });
+    let total = THREADS * (PER_THREAD + u64::from(WORLD - 1));
+    host_end.wait_completed(total, LONG).expect("completed");
+    assert_eq!(raw.word(ring::OFFSET_HEAD).load(Ordering::Relaxed), 0);
+    let mut seen = std::collections::HashSet::new();
+    for t in 0..THREADS {
+        for k in 0..PER_THREAD {
+            let peer = 1 + (k % u64::from(WORLD - 1)) as u32;
+            let v = heap.word(peer, 8 * (t * PER_THREAD + k)).expect("word");
+            assert!((1..=total).contains(&v), "write {t}/{k}: {v}");
+            assert!(seen.insert(v), "position {} written twice", v - 1);
+        }
+    }
+    for peer in 1..WORLD {
+        assert_eq!(heap.word(peer, DONE), Ok(THREADS));
+    }
+    let report = proxy.shutdown().expect("clean");
+    assert_eq!(report.descriptors, total);
+    assert_eq!(report.writes, THREADS * PER_THREAD);
+    assert_eq!(report.signals, THREADS * u64::from(WORLD - 1));
 }
