@@ -1,9 +1,12 @@
 //! The ring with real threads: ordering across wrap-around, back-pressure when full, typed
-//! timeouts, and the status words.
+//! timeouts, the status words, and many producers claiming positions from a shared counter
+//! (the GPU producer's protocol) written through the raw layout.
 #![cfg(not(loom))]
 
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use epcomm_proxy::{RawDescriptor, RingError, RingMemory, ring};
 
@@ -138,4 +141,92 @@ fn a_ring_over_a_caller_region_and_a_corrupt_tag() {
         })
     );
     drop((producer, consumer));
+}
+
+/// The GPU producer's protocol over the raw ring layout (what `abi.cuh` mirrors): a thread
+/// claims position `p` from a counter outside the ring, waits until `p - tail < capacity`
+/// (acquire), writes the four words (relaxed), stores `seq = p + 1` (release). `head` is never
+/// written.
+struct RawProducer {
+    base: usize,
+    capacity: u64,
+}
+
+impl RawProducer {
+    fn word(&self, offset: usize) -> &AtomicU64 {
+        // SAFETY: `base` is the start of a live ring region of `region_bytes(capacity)` bytes
+        // (the test keeps a ring end alive while producers run), `offset` is 8-aligned inside
+        // it, and every access to the region is atomic.
+        unsafe { AtomicU64::from_ptr((self.base + offset) as *mut u64) }
+    }
+
+    fn publish(&self, p: u64, raw: &RawDescriptor) {
+        let start = Instant::now();
+        while p - self.word(ring::OFFSET_TAIL).load(Ordering::Acquire) >= self.capacity {
+            assert!(start.elapsed() < LONG, "ring full for {LONG:?} at {p}");
+            thread::yield_now();
+        }
+        let slot = ring::HEADER_BYTES + (p & (self.capacity - 1)) as usize * ring::SLOT_BYTES;
+        for (i, w) in raw.to_words().into_iter().enumerate() {
+            self.word(slot + 8 + 8 * i).store(w, Ordering::Relaxed);
+        }
+        self.word(slot).store(p + 1, Ordering::Release);
+    }
+}
+
+#[test]
+fn many_producers_claiming_positions_are_consumed_once_in_position_order() {
+    const THREADS: u64 = 8;
+    const PER_THREAD: u64 = 5_000;
+    let memory = RingMemory::allocate(8).expect("ring");
+    let raw = RawProducer {
+        base: memory.as_ptr() as usize,
+        capacity: memory.capacity(),
+    };
+    // The host producer end is never used to push; it keeps the region alive.
+    let (host_end, mut consumer) = ring::split(memory);
+    let next = AtomicU64::new(0);
+    let total = THREADS * PER_THREAD;
+    let seen = thread::scope(|s| {
+        for t in 0..THREADS {
+            let (raw, next) = (&raw, &next);
+            s.spawn(move || {
+                for k in 0..PER_THREAD {
+                    let p = next.fetch_add(1, Ordering::Relaxed);
+                    // Thread, its own count, and the position: every word checkable.
+                    let d = RawDescriptor {
+                        kind: 1,
+                        flags: 0,
+                        peer: t as u32,
+                        arg0: k,
+                        arg1: p,
+                        arg2: !p,
+                    };
+                    if k % 5 == t % 5 {
+                        thread::yield_now(); // publish out of position order now and then
+                    }
+                    raw.publish(p, &d);
+                }
+            });
+        }
+        let mut seen = HashSet::new();
+        let mut last = vec![None::<u64>; THREADS as usize];
+        for n in 0..total {
+            let (position, d) = consumer.pop(LONG).expect("pop");
+            assert_eq!(position, n);
+            assert_eq!((d.arg1, d.arg2), (n, !n), "slot of {n} read torn or stale");
+            // Each thread claims increasing positions, so its own count increases.
+            let prev = &mut last[d.peer as usize];
+            assert!(prev.is_none_or(|k| k < d.arg0), "{d:?} after {prev:?}");
+            *prev = Some(d.arg0);
+            assert!(seen.insert((d.peer, d.arg0)), "{d:?} seen twice");
+        }
+        seen
+    });
+    assert_eq!(seen.len() as u64, total);
+    assert_eq!(consumer.try_pop(), Ok(None));
+    assert_eq!(consumer.tail(), total);
+    // Nothing wrote `head`, and the consumer never needed it.
+    assert_eq!(raw.word(ring::OFFSET_HEAD).load(Ordering::Relaxed), 0);
+    assert_eq!(host_end.head(), 0);
 }

@@ -1,6 +1,6 @@
-//! The descriptor ring: one producer (a GPU kernel later; a thread in tests) hands
-//! [`RawDescriptor`](crate::RawDescriptor)s to one consumer (the proxy) through a memory region
-//! both can reach (host memory mapped into the GPU).
+//! The descriptor ring: producers (the threads of a GPU kernel, many at once; or one host
+//! [`Producer`]) hand [`RawDescriptor`](crate::RawDescriptor)s to one consumer (the proxy)
+//! through a memory region both can reach (host memory mapped into the GPU).
 //!
 //! # Layout (bytes; every word a little-endian `u64` accessed atomically)
 //!
@@ -8,7 +8,7 @@
 //! |--------|-------------|------------|---------|
 //! | 0      | `magic`     | host, once | [`RING_MAGIC`] |
 //! | 8      | `capacity`  | host, once | slots, a power of two |
-//! | 64     | `head`      | producer   | descriptors published so far |
+//! | 64     | `head`      | host [`Producer`] only | descriptors published so far, for observers; the GPU producer never writes it and the consumer never reads it |
 //! | 128    | `tail`      | consumer   | descriptors taken so far (their slots are free again) |
 //! | 192    | `completed` | consumer   | descriptors whose effects are complete, a prefix of ring order |
 //! | 256    | `status`    | consumer   | [`STATUS_RUNNING`], [`STATUS_CLOSED`] or [`STATUS_FAILED`] |
@@ -22,15 +22,23 @@
 //!
 //! Descriptor number `p` (counting from 0) goes to slot `p mod capacity`.
 //!
-//! * **Producer**, for `p = head`: (1) wait until `p - tail < capacity` (acquire load of
+//! * **Producer**, for its position `p`: (0) claim `p` — the GPU producer is **multi-producer**:
+//!   each thread takes `p` from an atomic counter in device memory, outside the ring, so
+//!   positions are unique but published in any order; the host [`Producer`] is a single
+//!   producer and uses `p = head`; (1) wait until `p - tail < capacity` (acquire load of
 //!   `tail`: the consumer has finished reading the slot's previous descriptor) — the **ring
 //!   full** back-pressure, bounded by a timeout; (2) store the four descriptor words (relaxed);
-//!   (3) store `seq = p + 1` with **release**; (4) store `head = p + 1` (release; for observers).
+//!   (3) store `seq = p + 1` with **release**; (4) host [`Producer`] only: store `head = p + 1`
+//!   (release; for observers). The GPU producer never writes `head` (it stays 0).
 //! * **Consumer**, for `p = tail`: (1) load the slot's `seq` with **acquire**; `p + 1` means the
 //!   descriptor is complete (the release of step 3 orders its words before the tag, so a
 //!   half-written slot is never read); `0` or an older tag `q + 1` with `q ≡ p (mod capacity)`,
 //!   `q < p`, means not yet written; anything else is [`RingError::CorruptSlot`]; (2) read the
-//!   four words; (3) store `tail = p + 1` with **release**, handing the slot back.
+//!   four words; (3) store `tail = p + 1` with **release**, handing the slot back. The consumer
+//!   follows only the `seq` tags, in position order, and never reads `head`: a slot published
+//!   ahead of an earlier position simply waits until that position is published and taken.
+//!   Step (1) of the producer keeps two claimed positions from sharing a slot at once: `p +
+//!   capacity` cannot be written before `tail > p`, i.e. before `p` was taken.
 //! * **Completions**: the consumer publishes `completed` (release) as the count of descriptors,
 //!   in ring order, whose effects are complete; the producer waits for a target with a bounded
 //!   wait ([`Producer::wait_completed`]).
@@ -38,9 +46,11 @@
 //!   [`STATUS_FAILED`] when it stopped on an error; the producer's waits end with
 //!   [`RingError::Closed`] or [`RingError::ProxyFailed`] instead of timing out.
 //!
-//! On the GPU the same steps are `st.relaxed.sys` for the words and `st.release.sys` /
-//! `ld.acquire.sys` for `seq`, `head`, `tail` and `completed`. One ring has one producer: a
-//! kernel whose blocks all produce uses one ring per block.
+//! On the GPU the same steps are an atomic add on the device counter for the claim,
+//! `st.relaxed.sys` for the words, `st.release.sys` for `seq` and `ld.acquire.sys` for `tail`
+//! and `completed`. Any number of GPU threads may produce into one ring; a host [`Producer`]
+//! must be the ring's only producer (it is not `Clone`, and it numbers descriptors from its
+//! own `head`).
 
 mod consumer;
 mod memory;
