@@ -14,6 +14,8 @@ pub struct Verbs {
     free_device_list: sys::FreeDeviceList,
     get_device_name: sys::GetDeviceName,
     get_device_guid: sys::GetDeviceGuid,
+    /// The calls of one RC queue pair (`resources.rs`).
+    pub(super) qp: QpCalls,
     path: PathBuf,
     /// Keeps the code behind the function pointers mapped; declared last, dropped last.
     _library: libloading::Library,
@@ -24,6 +26,58 @@ impl fmt::Debug for Verbs {
         f.debug_struct("Verbs")
             .field("path", &self.path)
             .finish_non_exhaustive()
+    }
+}
+
+/// The calls the wrappers of `resources.rs` make (see [`sys`] for each prototype).
+#[derive(Clone, Copy)]
+pub(super) struct QpCalls {
+    pub(super) open_device: sys::OpenDevice,
+    pub(super) close_device: sys::CloseDevice,
+    pub(super) query_port: sys::QueryPort,
+    pub(super) query_gid: sys::QueryGid,
+    pub(super) alloc_pd: sys::AllocPd,
+    pub(super) dealloc_pd: sys::DeallocPd,
+    pub(super) reg_mr: sys::RegMr,
+    /// Absent before rdma-core 34.
+    pub(super) reg_dmabuf_mr: Option<sys::RegDmabufMr>,
+    pub(super) dereg_mr: sys::DeregMr,
+    pub(super) create_cq: sys::CreateCq,
+    pub(super) destroy_cq: sys::DestroyCq,
+    pub(super) create_qp: sys::CreateQp,
+    pub(super) modify_qp: sys::ModifyQp,
+    pub(super) destroy_qp: sys::DestroyQp,
+    pub(super) wc_status_str: sys::WcStatusStr,
+}
+
+impl QpCalls {
+    /// Resolves every call of [`QpCalls`] in `library`.
+    ///
+    /// # Safety
+    /// `library` must be rdma-core's `libibverbs.so.1` (the prototypes of [`sys`]).
+    unsafe fn resolve(library: &libloading::Library, path: &Path) -> Result<QpCalls, LoadError> {
+        // SAFETY: each type in `sys` is the prototype of the symbol of the same name in
+        // rdma-core's `infiniband/verbs.h` (for `ibv_query_port`, the exported compatible
+        // symbol; see the `sys` docs), which the caller guarantees `library` is.
+        unsafe {
+            Ok(QpCalls {
+                open_device: resolve(library, path, sys::SYM_OPEN_DEVICE)?,
+                close_device: resolve(library, path, sys::SYM_CLOSE_DEVICE)?,
+                query_port: resolve(library, path, sys::SYM_QUERY_PORT)?,
+                query_gid: resolve(library, path, sys::SYM_QUERY_GID)?,
+                alloc_pd: resolve(library, path, sys::SYM_ALLOC_PD)?,
+                dealloc_pd: resolve(library, path, sys::SYM_DEALLOC_PD)?,
+                reg_mr: resolve(library, path, sys::SYM_REG_MR)?,
+                reg_dmabuf_mr: resolve(library, path, sys::SYM_REG_DMABUF_MR).ok(),
+                dereg_mr: resolve(library, path, sys::SYM_DEREG_MR)?,
+                create_cq: resolve(library, path, sys::SYM_CREATE_CQ)?,
+                destroy_cq: resolve(library, path, sys::SYM_DESTROY_CQ)?,
+                create_qp: resolve(library, path, sys::SYM_CREATE_QP)?,
+                modify_qp: resolve(library, path, sys::SYM_MODIFY_QP)?,
+                destroy_qp: resolve(library, path, sys::SYM_DESTROY_QP)?,
+                wc_status_str: resolve(library, path, sys::SYM_WC_STATUS_STR)?,
+            })
+        }
     }
 }
 
@@ -81,7 +135,10 @@ impl Verbs {
                 resolve::<sys::GetDeviceGuid>(&library, path, sys::SYM_GET_DEVICE_GUID)?,
             )
         };
+        // SAFETY: as above: `library` is libibverbs, the prototypes are those of `sys`.
+        let qp = unsafe { QpCalls::resolve(&library, path)? };
         Ok(Verbs {
+            qp,
             get_device_list,
             free_device_list,
             get_device_name,
@@ -140,6 +197,19 @@ impl Verbs {
     /// no provider claims a device); [`DeviceError::ListFailed`] for any other failure of
     /// `ibv_get_device_list`; [`DeviceError::Unnamed`].
     pub fn devices(&self) -> Result<Vec<DeviceInfo>, DeviceError> {
+        self.with_device_list(|devices| devices.iter().map(|(d, _)| d.clone()).collect())
+    }
+
+    /// Calls `f` with the devices (at least one) and their `struct ibv_device` pointers, which
+    /// stay valid only during `f` (devices to use must be opened inside it; an open context
+    /// outlives the list).
+    ///
+    /// # Errors
+    /// As [`Verbs::devices`].
+    pub(super) fn with_device_list<R>(
+        &self,
+        f: impl FnOnce(&[(DeviceInfo, *mut sys::IbvDevice)]) -> R,
+    ) -> Result<R, DeviceError> {
         let mut count: c_int = 0;
         // SAFETY: `count` is a live local the call writes; the result is checked for NULL.
         let list = unsafe { (self.get_device_list)(&mut count) };
@@ -160,17 +230,18 @@ impl Verbs {
             });
         }
         let result = self.read_list(list, usize::try_from(count).unwrap_or(0));
-        // SAFETY: `list` came from `ibv_get_device_list` and is freed once, after the last
-        // use of its entries (names were copied).
-        unsafe { (self.free_device_list)(list) };
-        let devices = result?;
-        if devices.is_empty() {
-            return Err(DeviceError::NoDevice {
+        let result = match result {
+            Ok(devices) if devices.is_empty() => Err(DeviceError::NoDevice {
                 library: self.path.clone(),
                 reason: "ibv_get_device_list found none (no provider claims a device)".to_string(),
-            });
-        }
-        Ok(devices)
+            }),
+            Ok(devices) => Ok(f(&devices)),
+            Err(e) => Err(e),
+        };
+        // SAFETY: `list` came from `ibv_get_device_list` and is freed once, after the last
+        // use of its entries (names were copied; `f` has returned).
+        unsafe { (self.free_device_list)(list) };
+        result
     }
 
     /// The `count` entries of a device list.
@@ -178,7 +249,7 @@ impl Verbs {
         &self,
         list: *mut *mut sys::IbvDevice,
         count: usize,
-    ) -> Result<Vec<DeviceInfo>, DeviceError> {
+    ) -> Result<Vec<(DeviceInfo, *mut sys::IbvDevice)>, DeviceError> {
         let mut out = Vec::with_capacity(count);
         for index in 0..count {
             // SAFETY: the list holds `count` device pointers followed by NULL.
@@ -201,7 +272,7 @@ impl Verbs {
                 .into_owned();
             // SAFETY: `device` is an entry of a live list.
             let guid = u64::from_be(unsafe { (self.get_device_guid)(device) });
-            out.push(DeviceInfo { name, guid });
+            out.push((DeviceInfo { name, guid }, device));
         }
         Ok(out)
     }

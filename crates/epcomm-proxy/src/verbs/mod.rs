@@ -22,14 +22,23 @@
 //! One file each: `sys.rs` (the raw function types), `search.rs` (the places, pure),
 //! `error.rs` ([`LoadError`], [`DeviceError`]) and `load.rs` ([`Verbs`]).
 
+pub mod endpoint;
 mod error;
+pub mod executor;
+pub mod flow;
 mod load;
+pub mod qp_state;
+pub mod resources;
 mod search;
+pub mod select;
 pub mod sys;
 
-pub use error::{DeviceError, LoadError, Searched};
+pub use endpoint::{EndpointError, QpEndpoint, RankEndpoints};
+pub use error::{DeviceError, LoadError, Searched, VerbsError, VerbsOpError};
+pub use executor::{HeapMemory, PreparedVerbs, VerbsConfig, VerbsExecutor};
 pub use load::{DeviceInfo, Verbs};
 pub use search::{Candidate, LibrarySearch, Origin};
+pub use select::{DeviceSelector, GidSelector};
 
 /// The soname looked for.
 pub const LIBRARY_NAME: &str = "libibverbs.so.1";
