@@ -1,10 +1,13 @@
-//! RDMA device enumeration through `libibverbs.so.1`, opened at run time.
+//! RDMA through `libibverbs.so.1`, opened at run time: device enumeration, and
+//! [`VerbsExecutor`], the proxy's executor over one RC queue pair per peer.
 //!
 //! Nothing links at build time (the `ibverbs`/`ibverbs-sys` crates emit
 //! `cargo:rustc-link-lib=ibverbs`, which would make every binary fail to start where
 //! libibverbs is missing); the library is `dlopen`ed by [`Verbs::load`] and only the calls
-//! bound in [`sys`] are used: `ibv_get_device_list`, `ibv_free_device_list`,
-//! `ibv_get_device_name` and `ibv_get_device_guid`.
+//! bound in [`sys`] are used: the device list (`ibv_get_device_list`, `ibv_free_device_list`,
+//! `ibv_get_device_name`, `ibv_get_device_guid`) and what an RC queue pair needs (see [`sys`]
+//! for `ibv_post_send`/`ibv_poll_cq`, which are inline in `verbs.h`, and `ibv_query_port`,
+//! a macro there).
 //!
 //! [`Verbs::load_default`] looks in these places, in order; the first file that exists is
 //! opened (if it then fails to load, that error is returned and the search stops):
@@ -19,8 +22,12 @@
 //! kernel's verbs interface (`/sys/class/infiniband_verbs`) is absent, and an empty list when
 //! no provider claims a device.
 //!
-//! One file each: `sys.rs` (the raw function types), `search.rs` (the places, pure),
-//! `error.rs` ([`LoadError`], [`DeviceError`]) and `load.rs` ([`Verbs`]).
+//! One file each: `sys.rs` (the raw types and layouts), `search.rs` (the places, pure),
+//! `error.rs` ([`LoadError`], [`DeviceError`], [`VerbsError`], [`VerbsOpError`]), `load.rs`
+//! ([`Verbs`]), [`resources`] (owners of context, PD, MR, CQ, QP), [`select`] (device, port,
+//! GID), [`qp_state`] (INIT/RTR/RTS attributes, pure), [`endpoint`] (connection records,
+//! pure), [`flow`] (send-queue bookkeeping and shadow ADD, pure) and [`executor`]
+//! ([`VerbsExecutor`]). Design and how to run it on a device: `docs/proxy-verbs.md`.
 
 pub mod endpoint;
 mod error;

@@ -606,3 +606,34 @@ pub fn wc_status_str(verbs: &Verbs, status: u32) -> String {
         .to_string_lossy()
         .into_owned()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::verbs::LibrarySearch;
+
+    /// Where libibverbs is installed (with or without a device), every call of the queue-pair
+    /// table resolves, and `ibv_wc_status_str` answers through it.
+    #[test]
+    fn system_library_resolves_the_queue_pair_calls() {
+        let search = LibrarySearch {
+            explicit: None,
+            system_loader: true,
+        };
+        let Ok(verbs) = Verbs::load(&search) else {
+            eprintln!("libibverbs not installed: nothing to resolve");
+            return;
+        };
+        assert_eq!(wc_status_str(&verbs, sys::IBV_WC_SUCCESS), "success");
+        // IBV_WC_WR_FLUSH_ERR = 5.
+        assert_eq!(wc_status_str(&verbs, 5), "Work Request Flushed Error");
+        eprintln!(
+            "ibv_reg_dmabuf_mr: {}",
+            if verbs.qp.reg_dmabuf_mr.is_some() {
+                "present"
+            } else {
+                "absent (rdma-core < 34)"
+            }
+        );
+    }
+}
