@@ -553,10 +553,12 @@ impl PostSink for QueuePair {
             self.wrs.push(wr);
         }
         // Link the chain now that the vector no longer moves.
+        // (Through the one raw pointer only, so no later borrow of the vector invalidates it.)
         let base = self.wrs.as_mut_ptr();
         for i in 0..self.wrs.len() - 1 {
-            // SAFETY: `i + 1 < len`: both pointers are inside `self.wrs`.
-            self.wrs[i].next = unsafe { base.add(i + 1) };
+            // SAFETY: `i + 1 < len`: both pointers are inside `self.wrs`, which is not touched
+            // otherwise until the post returns.
+            unsafe { (*base.add(i)).next = base.add(i + 1) };
         }
         // SAFETY: the queue pair is live; its `context` is the open context whose ops table
         // the provider filled.
