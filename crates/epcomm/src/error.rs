@@ -25,6 +25,9 @@ pub enum WaitKind {
     LlDispatchData,
     /// \[L9] a peer's low-latency combine rows.
     LlCombineData,
+    /// \[P2] this rank's CPU proxy completing its puts (or a free slot in its ring): the
+    /// proxy thread stopped, failed or fell behind.
+    ProxyCompletion,
     /// Unknown code (newer kernels).
     Other(u32),
 }
@@ -40,6 +43,7 @@ impl WaitKind {
             abi::wait::OP_START => Self::OpStart,
             abi::wait::LL_DISPATCH => Self::LlDispatchData,
             abi::wait::LL_COMBINE => Self::LlCombineData,
+            abi::wait::PROXY => Self::ProxyCompletion,
             other => Self::Other(other),
         }
     }
