@@ -125,7 +125,7 @@ fn doctor_reports_and_exits_zero() {
     }
     if !driver_present() {
         assert!(stdout.contains("no CUDA driver"), "{stdout}");
-        for spec in ["ipc", "nvshmem"] {
+        for spec in ["ipc", "nvshmem", "proxy-ce"] {
             let line = format!("{spec:<8} not usable: no CUDA driver");
             assert!(stdout.contains(&line), "{line}: {stdout}");
         }
@@ -146,7 +146,7 @@ fn doctor_reports_and_exits_zero() {
     let (out, _) = run(&["doctor", "--json"]);
     assert_eq!(out.status.code(), Some(0));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("doctor --json");
-    assert_eq!(v["verdicts"].as_array().map(Vec::len), Some(2));
+    assert_eq!(v["verdicts"].as_array().map(Vec::len), Some(3));
     assert!(v["driver"]["present"].is_boolean());
 }
 

@@ -75,7 +75,7 @@ struct Lane {
 }
 
 /// Executes proxy operations with `cuMemcpyAsync` and stream memory operations (see the
-/// [module docs](self)).
+/// module docs).
 pub struct CopyEngineExecutor {
     ctx: Arc<CudaContext>,
     local_base: u64,

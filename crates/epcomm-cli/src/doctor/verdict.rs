@@ -168,7 +168,7 @@ mod tests {
             &images(true),
             &lib(true),
         );
-        assert_eq!(v.len(), 2);
+        assert_eq!(v.len(), 3);
         for v in v {
             assert!(!v.usable);
             assert_eq!(v.reason, "not usable: no CUDA driver");
