@@ -64,12 +64,13 @@ struct ProxyNet {
     const uint64_t* status = reinterpret_cast<const uint64_t*>(ring() + kRingStatusOffset);
     const uint64_t t0 = globaltimer_ns();
     for (uint32_t spins = 0;; ++spins) {
+      if (spins != 0) __nanosleep(1000);
       const uint64_t t = ld_acquire_sys(tail);
       if (p - t < cap) {
         atomicMax(reinterpret_cast<unsigned long long*>(seen), static_cast<unsigned long long>(t));
         return true;
       }
-      if ((spins & 63u) == 63u) {
+      if ((spins & 7u) == 7u) {
         if (ld_relaxed_sys(status) != 0 ||
             globaltimer_ns() - t0 > epcomm_proxy_channel.timeout_ns) {
           atomicExch(reinterpret_cast<unsigned long long*>(counters() + 2), 1ull);
@@ -129,10 +130,13 @@ struct ProxyNet {
     const uint64_t* status = reinterpret_cast<const uint64_t*>(ring() + kRingStatusOffset);
     const uint64_t t0 = globaltimer_ns();
     for (uint32_t spins = 0;; ++spins) {
+      // Host memory is polled over the bus: back off, so the copy engines' own traffic to and
+      // from host memory is not crowded out by every block's polling.
+      if (spins != 0) __nanosleep(2000);
       const uint64_t done = ld_acquire_sys(completed);
       const bool gave_up = *reinterpret_cast<volatile uint64_t*>(counters() + 2) != 0;
       if (done >= target && !gave_up) return;
-      if ((spins & 63u) == 63u || gave_up) {
+      if ((spins & 7u) == 7u || gave_up) {
         const uint64_t now = globaltimer_ns();
         if (gave_up || ld_relaxed_sys(status) != 0 || now - t0 > w.timeout_ns) {
           record_failure<ProxyNet>(w, kTimeout, kWaitProxy, w.rank, target, done, now - t0);

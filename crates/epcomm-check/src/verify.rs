@@ -142,6 +142,8 @@ pub fn verified_round(
         check_dispatched(&d, want, rank, opts, true)?;
         d.into_handle()
     };
+    // A failure recorded by the dispatch kernel explains any mismatch below: report it first.
+    buf.synchronize()?;
     let as_i32 = |v: &[u32]| v.iter().map(|&v| v as i32).collect::<Vec<i32>>();
     for (what, got, want) in [
         (

