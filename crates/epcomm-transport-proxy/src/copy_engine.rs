@@ -72,6 +72,7 @@ pub enum CopyEngineError {
 pub struct CallWatch {
     current: std::sync::Mutex<Option<(&'static str, std::time::Instant)>>,
     longest: std::sync::Mutex<Option<(&'static str, std::time::Duration)>>,
+    totals: std::sync::Mutex<Vec<(&'static str, u64, std::time::Duration)>>,
 }
 
 impl CallWatch {
@@ -88,8 +89,22 @@ impl CallWatch {
             if l.is_none_or(|(_, d)| took > d) {
                 *l = Some((name, took));
             }
+            if let Ok(mut t) = self.totals.lock() {
+                match t.iter_mut().find(|(n, _, _)| *n == name) {
+                    Some(e) => {
+                        e.1 += 1;
+                        e.2 += took;
+                    }
+                    None => t.push((name, 1, took)),
+                }
+            }
         }
         out
+    }
+
+    /// Per driver call: how many were made and their total time.
+    pub fn totals(&self) -> Vec<(&'static str, u64, std::time::Duration)> {
+        self.totals.lock().map(|t| t.clone()).unwrap_or_default()
     }
 
     /// The longest driver call so far and how long it took.

@@ -237,7 +237,8 @@ impl SymmetricHeap for ProxyTransport {
             world: world as u32,
             heap_bytes: bytes as u64,
         });
-        config.max_pending = self.options.max_in_flight;
+        // Small take rounds: completions are polled and published between them.
+        config.max_pending = self.options.max_in_flight.min(1024);
         config.op_timeout = self.options.op_timeout;
         config.cpu = self.options.cpu;
         let proxy = Proxy::spawn(consumer, executor, config).map_err(backend("starting"))?;
@@ -358,6 +359,9 @@ impl SymmetricMemory for ProxyMemory {
         }
         if let Some((call, took)) = self.watch.longest() {
             ring += &format!("; its longest driver call was {call} ({took:?})");
+        }
+        for (call, n, total) in self.watch.totals() {
+            ring += &format!("; {n} x {call} in {total:?}");
         }
         match self.report() {
             Some(Err(e)) => Some(format!("the proxy thread stopped: {e} ({ring})")),
