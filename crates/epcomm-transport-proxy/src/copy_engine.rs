@@ -35,6 +35,8 @@ use epcomm_proxy::descriptor::{Signal, SignalOp, Source, Transfer, Write};
 use epcomm_proxy::{Executor, OpFailure, OpId, Submit};
 use epcomm_transport::{MappedHostBuffer, TransportError};
 
+use crate::fifo::Fifo;
+
 /// Bytes of each lane's pinned staging arena.
 const ARENA_BYTES: usize = 4 << 20;
 
@@ -134,11 +136,9 @@ struct Lane {
     stream: Arc<CudaStream>,
     /// Base of the peer's buffer in this process (0: not mapped).
     base: u64,
-    /// Pinned staging for write values (FIFO: `head` allocates, `tail` frees).
+    /// Pinned staging for write values, allocated first in, first out by `fifo`.
     arena: MappedHostBuffer,
-    /// Next arena byte to allocate and first byte still in use, as running totals.
-    head: usize,
-    tail: usize,
+    fifo: Fifo,
     /// The writes not yet handed to the stream.
     run: Option<Run>,
     /// Operations submitted since the last event.
@@ -146,24 +146,6 @@ struct Lane {
     /// Events in record order, each with the operations it completes and the arena total it
     /// frees up to.
     marks: VecDeque<(CudaEvent, Vec<OpId>, usize)>,
-}
-
-impl Lane {
-    /// Reserves `len` contiguous arena bytes (no wrap inside), or `None` when full. A
-    /// reservation that would cross the end skips to the start, keeping the skipped bytes
-    /// allocated until they are freed in order.
-    fn reserve(&mut self, len: usize) -> Option<usize> {
-        let cap = self.arena.len();
-        let offset = self.head % cap;
-        let skip = if offset + len > cap { cap - offset } else { 0 };
-        if self.head + skip + len - self.tail > cap {
-            return None;
-        }
-        self.head += skip;
-        let at = self.head % cap;
-        self.head += len;
-        Some(at)
-    }
 }
 
 /// Executes proxy operations with `cuMemcpyAsync` and stream memory operations (see the
@@ -214,8 +196,7 @@ impl CopyEngineExecutor {
                     })?,
                     base,
                     arena: MappedHostBuffer::zeroed(&ctx, if base == 0 { 8 } else { ARENA_BYTES })?,
-                    head: 0,
-                    tail: 0,
+                    fifo: Fifo::new(if base == 0 { 8 } else { ARENA_BYTES }),
                     run: None,
                     unmarked: Vec::new(),
                     marks: VecDeque::new(),
@@ -353,7 +334,7 @@ impl CopyEngineExecutor {
                 }
             }
         }
-        let Some(at) = self.lanes[i].reserve(8) else {
+        let Some(at) = self.lanes[i].fifo.reserve(8) else {
             return Ok(false);
         };
         let lane = &self.lanes[i];
@@ -413,14 +394,14 @@ impl Executor for CopyEngineExecutor {
         let lane = &mut self.lanes[i];
         let extends = lane.run.is_some_and(|r| {
             r.dst + r.len as u64 == w.offset
-                && r.at + r.len == lane.head % lane.arena.len()
-                && r.at + r.len + len <= lane.arena.len()
+                && r.at + r.len == lane.fifo.next_offset()
+                && r.at + r.len + len <= lane.fifo.capacity()
         });
         if !extends {
             self.flush_run(i, op)?;
         }
         let lane = &mut self.lanes[i];
-        let Some(at) = lane.reserve(len) else {
+        let Some(at) = lane.fifo.reserve(len) else {
             self.flush_run(i, op)?;
             return Ok(Submit::Busy);
         };
@@ -493,7 +474,7 @@ impl Executor for CopyEngineExecutor {
                 .call("cuEventRecord", || event.record(&lane.stream))
                 .map_err(Self::driver(first, i as u32, "cuEventRecord"))?;
             let ops = std::mem::take(&mut lane.unmarked);
-            lane.marks.push_back((event, ops, lane.head));
+            lane.marks.push_back((event, ops, lane.fifo.allocated()));
         }
         for i in 0..self.lanes.len() {
             while let Some((event, ops, _)) = self.lanes[i].marks.front() {
@@ -519,7 +500,7 @@ impl Executor for CopyEngineExecutor {
                 let Some((event, ops, freed)) = self.lanes[i].marks.pop_front() else {
                     break;
                 };
-                self.lanes[i].tail = freed;
+                self.lanes[i].fifo.free_to(freed);
                 self.in_flight -= ops.len();
                 done.extend(ops);
                 self.free_events.push(event);

@@ -32,6 +32,7 @@
 //! ```
 
 mod copy_engine;
+mod fifo;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
