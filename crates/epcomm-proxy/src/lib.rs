@@ -1,4 +1,4 @@
-//! CPU-proxy transport groundwork: GPU kernels write compact descriptors into a ring in
+//! The CPU side of the proxy transport: GPU kernels write compact descriptors into a ring in
 //! host-mapped memory; one proxy thread per GPU drains it in order, hands the work to an
 //! executor and publishes completions the GPU polls with bounded waits.
 //!
