@@ -238,6 +238,8 @@ fn epcomm_info(e: &epcomm::Error, message: String) -> ErrorInfo {
         E::Failed(reason) => {
             ErrorInfo::new("BufferFailedError", message).with("reason", Attr::Str(reason.clone()))
         }
+        // The kernel's own error decides the class (a timeout); the message keeps the report.
+        E::BackendStalled { cause, .. } => epcomm_info(cause, message),
         E::Transport(t) => transport_info(t, message),
         E::Bootstrap(b) => bootstrap_info(b, message),
         E::Kernel(_) => ErrorInfo::new("KernelError", message),
@@ -341,6 +343,31 @@ mod tests {
             waited: Duration::from_secs(1),
         });
         assert_eq!(host.info().attr("late_rank"), Some(&Attr::None));
+        // A stalled proxy: the kernel's timeout decides the class, the report rides along.
+        let stalled = BindError::Epcomm(epcomm::Error::BackendStalled {
+            cause: Box::new(epcomm::Error::Timeout {
+                op: "dispatch",
+                rank: 1,
+                wait: epcomm::WaitKind::ProxyCompletion,
+                peer: 1,
+                op_seq: 1,
+                expected: 10,
+                seen: 0,
+                waited: Duration::from_secs(2),
+            }),
+            backend: "the proxy thread stopped".into(),
+        });
+        let info = stalled.info();
+        assert_eq!(info.class, "TimeoutError");
+        assert_eq!(
+            info.attr("wait"),
+            Some(&Attr::Str("ProxyCompletion".into()))
+        );
+        assert!(
+            info.message.ends_with("; the proxy thread stopped"),
+            "{}",
+            info.message
+        );
     }
 
     #[test]

@@ -148,6 +148,16 @@ pub enum Error {
     /// An earlier error left this buffer unusable.
     #[error("this Buffer failed earlier ({0}); destroy it and create a new one")]
     Failed(String),
+    /// A kernel's wait on this rank's own transport machinery failed (the CPU proxy's
+    /// completions, [`WaitKind::ProxyCompletion`]): `cause` is the kernel's typed error,
+    /// `backend` what the transport reports about that machinery (its own error, its progress).
+    #[error("{cause}; {backend}")]
+    BackendStalled {
+        /// The kernel's error (a [`Error::Timeout`]).
+        cause: Box<Error>,
+        /// The transport's report.
+        backend: String,
+    },
     /// Transport error.
     #[error(transparent)]
     Transport(#[from] epcomm_transport::TransportError),

@@ -39,7 +39,10 @@ impl Buffer {
         if record.wait_id == abi::wait::PROXY
             && let Some(why) = self.mem.backend_failure()
         {
-            e = Error::Failed(format!("{e}; {why}"));
+            e = Error::BackendStalled {
+                cause: Box::new(e),
+                backend: why,
+            };
         }
         Err(self.fail(e))
     }
