@@ -229,7 +229,7 @@ impl TransportSpec {
             #[cfg(feature = "proxy")]
             Self::ProxyCe { virtual_nodes } => {
                 let local = bootstrap.local_world_size();
-                let mut options = epcomm_transport_proxy::ProxyOptions::one_node_per_rank(local);
+                let mut options = epcomm_transport_proxy::ProxyOptions::from_env(local)?;
                 options.virtual_nodes = virtual_nodes.per_host(local);
                 Ok(Arc::new(epcomm_transport_proxy::ProxyTransport::new(
                     ctx, bootstrap, options,

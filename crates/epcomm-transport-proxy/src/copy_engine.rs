@@ -72,33 +72,36 @@ pub enum CopyEngineError {
 /// call that does not return (e.g. blocked behind another thread of the process).
 #[derive(Debug, Default)]
 pub struct CallWatch {
-    current: std::sync::Mutex<Option<(&'static str, std::time::Instant)>>,
-    longest: std::sync::Mutex<Option<(&'static str, std::time::Duration)>>,
-    totals: std::sync::Mutex<Vec<(&'static str, u64, std::time::Duration)>>,
+    state: std::sync::Mutex<WatchState>,
+}
+
+/// What [`CallWatch`] keeps: the call in progress, the longest call, and per-call totals.
+#[derive(Debug, Default)]
+struct WatchState {
+    current: Option<(&'static str, std::time::Instant)>,
+    longest: Option<(&'static str, std::time::Duration)>,
+    totals: Vec<(&'static str, u64, std::time::Duration)>,
 }
 
 impl CallWatch {
     fn call<T>(&self, name: &'static str, f: impl FnOnce() -> T) -> T {
-        if let Ok(mut c) = self.current.lock() {
-            *c = Some((name, std::time::Instant::now()));
+        let since = std::time::Instant::now();
+        if let Ok(mut w) = self.state.lock() {
+            w.current = Some((name, since));
         }
         let out = f();
-        if let Ok(mut c) = self.current.lock()
-            && let Some((_, since)) = c.take()
-            && let Ok(mut l) = self.longest.lock()
-        {
-            let took = since.elapsed();
-            if l.is_none_or(|(_, d)| took > d) {
-                *l = Some((name, took));
+        let took = since.elapsed();
+        if let Ok(mut w) = self.state.lock() {
+            w.current = None;
+            if w.longest.is_none_or(|(_, d)| took > d) {
+                w.longest = Some((name, took));
             }
-            if let Ok(mut t) = self.totals.lock() {
-                match t.iter_mut().find(|(n, _, _)| *n == name) {
-                    Some(e) => {
-                        e.1 += 1;
-                        e.2 += took;
-                    }
-                    None => t.push((name, 1, took)),
+            match w.totals.iter_mut().find(|(n, _, _)| *n == name) {
+                Some(e) => {
+                    e.1 += 1;
+                    e.2 += took;
                 }
+                None => w.totals.push((name, 1, took)),
             }
         }
         out
@@ -106,18 +109,21 @@ impl CallWatch {
 
     /// Per driver call: how many were made and their total time.
     pub fn totals(&self) -> Vec<(&'static str, u64, std::time::Duration)> {
-        self.totals.lock().map(|t| t.clone()).unwrap_or_default()
+        self.state
+            .lock()
+            .map(|w| w.totals.clone())
+            .unwrap_or_default()
     }
 
     /// The longest driver call so far and how long it took.
     pub fn longest(&self) -> Option<(&'static str, std::time::Duration)> {
-        *self.longest.lock().ok()?
+        self.state.lock().ok()?.longest
     }
 
     /// The driver call in progress and how long it has been running, if any.
     pub fn in_call(&self) -> Option<(&'static str, std::time::Duration)> {
-        let c = self.current.lock().ok()?;
-        c.map(|(name, since)| (name, since.elapsed()))
+        let w = self.state.lock().ok()?;
+        w.current.map(|(name, since)| (name, since.elapsed()))
     }
 }
 

@@ -93,22 +93,69 @@ pub struct ProxyOptions {
 impl ProxyOptions {
     /// Defaults for `local_world_size` ranks per host: one logical node per rank (every peer
     /// through the copy engines), 65536 ring slots, 16384 operations in flight, 10 s bounds.
-    /// `EPCOMM_PROXY_RING_SLOTS` and `EPCOMM_PROXY_MAX_IN_FLIGHT` override the two sizes.
     pub fn one_node_per_rank(local_world_size: usize) -> Self {
-        let env = |k: &str, d: u64| {
-            std::env::var(k)
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(d)
-        };
         Self {
             virtual_nodes: local_world_size.max(1),
-            ring_slots: env("EPCOMM_PROXY_RING_SLOTS", 1 << 16),
-            max_in_flight: env("EPCOMM_PROXY_MAX_IN_FLIGHT", 1 << 14) as usize,
+            ring_slots: 1 << 16,
+            max_in_flight: 1 << 14,
             op_timeout: Duration::from_secs(10),
             slot_timeout: Duration::from_secs(10),
             cpu: None,
         }
+    }
+
+    /// [`Self::one_node_per_rank`], with `EPCOMM_PROXY_RING_SLOTS` and
+    /// `EPCOMM_PROXY_MAX_IN_FLIGHT` overriding the two sizes when set.
+    ///
+    /// # Errors
+    /// [`TransportError::InvalidArgument`] naming the variable when its value is not a
+    /// positive integer.
+    pub fn from_env(local_world_size: usize) -> Result<Self, TransportError> {
+        let mut options = Self::one_node_per_rank(local_world_size);
+        let var = |name: &'static str| -> Result<Option<u64>, TransportError> {
+            match std::env::var(name) {
+                Err(_) => Ok(None),
+                Ok(v) => match v.trim().parse::<u64>() {
+                    Ok(n) if n > 0 => Ok(Some(n)),
+                    _ => Err(TransportError::InvalidArgument {
+                        argument: name,
+                        rule: format!("must be a positive integer (got {v:?})"),
+                    }),
+                },
+            }
+        };
+        if let Some(n) = var("EPCOMM_PROXY_RING_SLOTS")? {
+            options.ring_slots = n;
+        }
+        if let Some(n) = var("EPCOMM_PROXY_MAX_IN_FLIGHT")? {
+            options.max_in_flight = usize::try_from(n).unwrap_or(usize::MAX);
+        }
+        Ok(options)
+    }
+
+    /// Checks every rule (no GPU needed).
+    ///
+    /// # Errors
+    /// [`TransportError::InvalidArgument`] naming the field: `ring_slots` a power of two in
+    /// `2..=2^24`, `max_in_flight` and both bounds above zero, `virtual_nodes` above zero.
+    pub fn validate(&self) -> Result<(), TransportError> {
+        let bad = |argument, rule: String| Err(TransportError::InvalidArgument { argument, rule });
+        if let Err(e) = ring::region_bytes(self.ring_slots) {
+            return bad("ProxyOptions::ring_slots", e.to_string());
+        }
+        if self.max_in_flight == 0 {
+            return bad("ProxyOptions::max_in_flight", "must be > 0".into());
+        }
+        if self.op_timeout.is_zero() {
+            return bad("ProxyOptions::op_timeout", "must be > 0".into());
+        }
+        if self.slot_timeout.is_zero() {
+            return bad("ProxyOptions::slot_timeout", "must be > 0".into());
+        }
+        if self.virtual_nodes == 0 {
+            return bad("ProxyOptions::virtual_nodes", "must be > 0".into());
+        }
+        Ok(())
     }
 }
 
@@ -149,8 +196,7 @@ impl ProxyTransport {
     /// Builds the transport over an initialised bootstrap.
     ///
     /// # Errors
-    /// As [`Self::world_layout`]; [`TransportError::InvalidArgument`] naming
-    /// `ProxyOptions::ring_slots` unless it is a power of two in `2..=2^24`.
+    /// As [`Self::world_layout`] and [`ProxyOptions::validate`].
     pub fn new(
         ctx: Arc<CudaContext>,
         bootstrap: Arc<Bootstrap>,
@@ -162,12 +208,7 @@ impl ProxyTransport {
             bootstrap.local_world_size(),
             options.virtual_nodes,
         )?;
-        if let Err(e) = ring::region_bytes(options.ring_slots) {
-            return Err(TransportError::InvalidArgument {
-                argument: "ProxyOptions::ring_slots",
-                rule: e.to_string(),
-            });
-        }
+        options.validate()?;
         Ok(Self {
             ipc: IpcTransport::new(ctx, bootstrap)?,
             world,
@@ -375,5 +416,57 @@ impl SymmetricMemory for ProxyMemory {
 impl Drop for ProxyMemory {
     fn drop(&mut self) {
         self.stop_proxy();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn options_name_the_broken_rule() {
+        let ok = ProxyOptions::one_node_per_rank(2);
+        assert!(ok.validate().is_ok());
+        let cases: [(ProxyOptions, &str); 5] = [
+            (
+                ProxyOptions {
+                    ring_slots: 1000,
+                    ..ok
+                },
+                "ring_slots",
+            ),
+            (
+                ProxyOptions {
+                    max_in_flight: 0,
+                    ..ok
+                },
+                "max_in_flight",
+            ),
+            (
+                ProxyOptions {
+                    op_timeout: Duration::ZERO,
+                    ..ok
+                },
+                "op_timeout",
+            ),
+            (
+                ProxyOptions {
+                    slot_timeout: Duration::ZERO,
+                    ..ok
+                },
+                "slot_timeout",
+            ),
+            (
+                ProxyOptions {
+                    virtual_nodes: 0,
+                    ..ok
+                },
+                "virtual_nodes",
+            ),
+        ];
+        for (options, field) in cases {
+            let err = options.validate().unwrap_err().to_string();
+            assert!(err.contains(field), "{field}: {err}");
+        }
     }
 }
