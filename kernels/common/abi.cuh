@@ -208,6 +208,18 @@ constexpr uint64_t kProxyKindTransfer = 1;
 constexpr uint64_t kProxyKindSignal = 2;
 /// Descriptor kind: store a 4- or 8-byte value (arg0 offset, arg1 value, arg2 width).
 constexpr uint64_t kProxyKindWrite = 3;
+/// Words of `ProxyChannel::counters` (device memory, zeroed).
+constexpr uint64_t kProxyCounterWords = 5;
+/// Counter: the next ring position to claim (producers' atomic add).
+constexpr uint64_t kProxyCounterHead = 0;
+/// Counter: the largest ring `tail` a producer has seen.
+constexpr uint64_t kProxyCounterTailSeen = 1;
+/// Counter: nonzero once a producer gave up on a full ring.
+constexpr uint64_t kProxyCounterGaveUp = 2;
+/// Counter: the proxy's mirror of the ring's `tail` (written by its stream; 0 when unused).
+constexpr uint64_t kProxyCounterTaken = 3;
+/// Counter: the proxy's mirror of the ring's `completed` (written by its stream; 0 when unused).
+constexpr uint64_t kProxyCounterCompleted = 4;
 /// Transfer flag: arg0 is a device address in the producing process (else a buffer offset).
 constexpr uint64_t kProxyFlagSrcAddress = 1;
 /// Signal flag: add the value (else store it).
@@ -219,8 +231,7 @@ constexpr uint64_t kProxyFlagSignalAdd = 1;
 /// the proxy thread executes them in ring order (docs/proxy.md).
 struct ProxyChannel {
   uint64_t ring;        ///< The ring region: host memory mapped into the device (device address).
-  uint64_t counters;    ///< Device memory, 3 zeroed u64: next position to claim, largest `tail`
-                        ///< seen by a producer, nonzero once a producer gave up on a full ring.
+  uint64_t counters;    ///< Device memory, kProxyCounterWords zeroed u64 (kProxyCounter*).
   uint64_t capacity;    ///< Ring slots (a power of two).
   uint64_t local_base;  ///< This rank's symmetric base: a proxied peer's `bases[d]` is this, so
                         ///< an address minus it is the offset in the peer's buffer.

@@ -9,7 +9,7 @@
 
 namespace epcomm {
 
-constexpr int kAbiProbeWords = 148;
+constexpr int kAbiProbeWords = 154;
 
 // Writes kAbiProbeWords words to `out` (one thread).
 __device__ __forceinline__ void abi_probe(uint64_t* out) {
@@ -140,27 +140,33 @@ __device__ __forceinline__ void abi_probe(uint64_t* out) {
   out[124] = static_cast<uint64_t>(kProxyKindTransfer);
   out[125] = static_cast<uint64_t>(kProxyKindSignal);
   out[126] = static_cast<uint64_t>(kProxyKindWrite);
-  out[127] = static_cast<uint64_t>(kProxyFlagSrcAddress);
-  out[128] = static_cast<uint64_t>(kProxyFlagSignalAdd);
-  out[129] = static_cast<uint64_t>(sizeof(ProxyChannel));
-  out[130] = static_cast<uint64_t>(offsetof(ProxyChannel, ring));
-  out[131] = static_cast<uint64_t>(offsetof(ProxyChannel, counters));
-  out[132] = static_cast<uint64_t>(offsetof(ProxyChannel, capacity));
-  out[133] = static_cast<uint64_t>(offsetof(ProxyChannel, local_base));
-  out[134] = static_cast<uint64_t>(offsetof(ProxyChannel, timeout_ns));
-  out[135] = static_cast<uint64_t>(sizeof(LayoutArgs));
-  out[136] = static_cast<uint64_t>(offsetof(LayoutArgs, topk_idx));
-  out[137] = static_cast<uint64_t>(offsetof(LayoutArgs, counts));
-  out[138] = static_cast<uint64_t>(offsetof(LayoutArgs, token_slot));
-  out[139] = static_cast<uint64_t>(offsetof(LayoutArgs, status));
-  out[140] = static_cast<uint64_t>(offsetof(LayoutArgs, err_record));
-  out[141] = static_cast<uint64_t>(offsetof(LayoutArgs, err_claim));
-  out[142] = static_cast<uint64_t>(offsetof(LayoutArgs, num_tokens));
-  out[143] = static_cast<uint64_t>(offsetof(LayoutArgs, top_k));
-  out[144] = static_cast<uint64_t>(offsetof(LayoutArgs, num_experts));
-  out[145] = static_cast<uint64_t>(offsetof(LayoutArgs, world));
-  out[146] = static_cast<uint64_t>(offsetof(LayoutArgs, gpus_per_node));
-  out[147] = static_cast<uint64_t>(offsetof(LayoutArgs, rank));
+  out[127] = static_cast<uint64_t>(kProxyCounterWords);
+  out[128] = static_cast<uint64_t>(kProxyCounterHead);
+  out[129] = static_cast<uint64_t>(kProxyCounterTailSeen);
+  out[130] = static_cast<uint64_t>(kProxyCounterGaveUp);
+  out[131] = static_cast<uint64_t>(kProxyCounterTaken);
+  out[132] = static_cast<uint64_t>(kProxyCounterCompleted);
+  out[133] = static_cast<uint64_t>(kProxyFlagSrcAddress);
+  out[134] = static_cast<uint64_t>(kProxyFlagSignalAdd);
+  out[135] = static_cast<uint64_t>(sizeof(ProxyChannel));
+  out[136] = static_cast<uint64_t>(offsetof(ProxyChannel, ring));
+  out[137] = static_cast<uint64_t>(offsetof(ProxyChannel, counters));
+  out[138] = static_cast<uint64_t>(offsetof(ProxyChannel, capacity));
+  out[139] = static_cast<uint64_t>(offsetof(ProxyChannel, local_base));
+  out[140] = static_cast<uint64_t>(offsetof(ProxyChannel, timeout_ns));
+  out[141] = static_cast<uint64_t>(sizeof(LayoutArgs));
+  out[142] = static_cast<uint64_t>(offsetof(LayoutArgs, topk_idx));
+  out[143] = static_cast<uint64_t>(offsetof(LayoutArgs, counts));
+  out[144] = static_cast<uint64_t>(offsetof(LayoutArgs, token_slot));
+  out[145] = static_cast<uint64_t>(offsetof(LayoutArgs, status));
+  out[146] = static_cast<uint64_t>(offsetof(LayoutArgs, err_record));
+  out[147] = static_cast<uint64_t>(offsetof(LayoutArgs, err_claim));
+  out[148] = static_cast<uint64_t>(offsetof(LayoutArgs, num_tokens));
+  out[149] = static_cast<uint64_t>(offsetof(LayoutArgs, top_k));
+  out[150] = static_cast<uint64_t>(offsetof(LayoutArgs, num_experts));
+  out[151] = static_cast<uint64_t>(offsetof(LayoutArgs, world));
+  out[152] = static_cast<uint64_t>(offsetof(LayoutArgs, gpus_per_node));
+  out[153] = static_cast<uint64_t>(offsetof(LayoutArgs, rank));
 }
 
 }  // namespace epcomm

@@ -19,8 +19,11 @@
 //   publish_set(p, v, pe, remote)   release u64 store after this thread's earlier writes
 //   publish_add(p, v, pe, remote)   release add after every write that happens-before it
 //   quiet(w, mask)                  completes the block's outstanding puts; called by every
-//                                   thread of the block, then a block barrier follows; a
-//                                   failure is recorded through WaitCtx `w` (wait.cuh)
+//                                   thread of the block, its result then goes through
+//                                   `all_ok` (a block barrier); false (in some thread) when
+//                                   the puts could not complete: the failure is recorded
+//                                   through WaitCtx `w` (wait.cuh) and the block must publish
+//                                   nothing more
 //   put_elem(p, v, pe, remote)      one int64_t / int32_t / float element
 // and, when kTransport, the warp-collective puts `put_warp(dst, src, bytes, pe)`,
 // `put_signal_warp(dst, src, bytes, sig, v, pe)` and the ordering point `fence()`.
@@ -59,7 +62,7 @@ struct StoreNet {
 
   // Publications are release operations that order every earlier store of the block after a
   // block barrier: nothing to complete.
-  __device__ static __forceinline__ void quiet(const WaitCtx&, uint64_t) {}
+  __device__ static __forceinline__ bool quiet(const WaitCtx&, uint64_t) { return true; }
 
   template <typename T>
   __device__ static __forceinline__ void put_elem(T* p, T v, int, bool) {

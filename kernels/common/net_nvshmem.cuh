@@ -38,8 +38,9 @@ struct NvshmemNet {
     nvshmemx_signal_op(p, v, NVSHMEM_SIGNAL_ADD, pe);
   }
 
-  __device__ static __forceinline__ void quiet(const WaitCtx&, uint64_t remote_mask) {
+  __device__ static __forceinline__ bool quiet(const WaitCtx&, uint64_t remote_mask) {
     if (remote_mask != 0) nvshmem_quiet();
+    return true;
   }
 
   // One element: a store, or `nvshmem_<type>_p` on the remote path.

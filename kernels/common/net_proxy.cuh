@@ -49,23 +49,34 @@ struct ProxyNet {
 
   // [P1] claims `n` consecutive ring positions.
   __device__ static __forceinline__ uint64_t claim(uint32_t n) {
-    return atomicAdd(reinterpret_cast<unsigned long long*>(counters()),
+    return atomicAdd(reinterpret_cast<unsigned long long*>(counters() + kProxyCounterHead),
                      static_cast<unsigned long long>(n));
   }
 
+  // The proxy's progress: its mirror in device memory (the copy-engine executor writes it with
+  // a stream of its own) and, when `with_host`, the larger of that and the ring's host word
+  // (both only grow). Waits read the host word only every 16th poll: device memory spares
+  // every waiting thread a read across the bus; an executor without a mirror is still seen.
+  __device__ static __forceinline__ uint64_t progress(uint64_t ring_offset, uint64_t counter,
+                                                      bool with_host) {
+    const uint64_t mirror = ld_acquire_sys(counters() + counter);
+    if (!with_host) return mirror;
+    const uint64_t host = ld_acquire_sys(reinterpret_cast<const uint64_t*>(ring() + ring_offset));
+    return host > mirror ? host : mirror;
+  }
+
   // [P1] waits until slot `p` is free (bounded by ProxyChannel::timeout_ns); false when the
-  // proxy stopped or the bound passed (then `counters()[2]` is set, and the next `quiet`
+  // proxy stopped or the bound passed (then the gave-up counter is set, and the next `quiet`
   // records the failure).
   __device__ static __noinline__ bool wait_slot(uint64_t p) {
     const uint64_t cap = epcomm_proxy_channel.capacity;
-    uint64_t* seen = counters() + 1;
+    uint64_t* seen = counters() + kProxyCounterTailSeen;
     if (p - *reinterpret_cast<volatile uint64_t*>(seen) < cap) return true;
-    const uint64_t* tail = reinterpret_cast<const uint64_t*>(ring() + kRingTailOffset);
     const uint64_t* status = reinterpret_cast<const uint64_t*>(ring() + kRingStatusOffset);
     const uint64_t t0 = globaltimer_ns();
     for (uint32_t spins = 0;; ++spins) {
       if (spins != 0) __nanosleep(1000);
-      const uint64_t t = ld_acquire_sys(tail);
+      const uint64_t t = progress(kRingTailOffset, kProxyCounterTaken, (spins & 15u) == 0);
       if (p - t < cap) {
         atomicMax(reinterpret_cast<unsigned long long*>(seen), static_cast<unsigned long long>(t));
         return true;
@@ -73,7 +84,7 @@ struct ProxyNet {
       if ((spins & 7u) == 7u) {
         if (ld_relaxed_sys(status) != 0 ||
             globaltimer_ns() - t0 > epcomm_proxy_channel.timeout_ns) {
-          atomicExch(reinterpret_cast<unsigned long long*>(counters() + 2), 1ull);
+          atomicExch(reinterpret_cast<unsigned long long*>(counters() + kProxyCounterGaveUp), 1ull);
           return false;
         }
       }
@@ -118,31 +129,36 @@ struct ProxyNet {
     signal(p, v, pe, true);
   }
 
-  // [P2] Block-collective (every thread of the block calls it, then a block barrier follows):
-  // waits until the proxy completed every position claimed so far, so this block's transfer
-  // sources may be reused. Records kTimeout / kWaitProxy on expiry or when a producer gave up.
-  __device__ static __noinline__ void quiet(const WaitCtx& w, uint64_t remote_mask) {
-    if (remote_mask == 0) return;
+  // [P2] Block-collective (every thread of the block calls it, then `all_ok` follows): waits
+  // until the proxy completed every position claimed so far, so this block's transfer sources
+  // may be reused. Records kTimeout / kWaitProxy on expiry or when a producer gave up (a
+  // descriptor was dropped) and returns false in thread 0: the block must then publish
+  // nothing, or a peer would take the missing rows for delivered ones.
+  __device__ static __noinline__ bool quiet(const WaitCtx& w, uint64_t remote_mask) {
+    if (remote_mask == 0) return true;
     __syncthreads();
-    if (threadIdx.x != 0) return;
-    const uint64_t target = *reinterpret_cast<volatile uint64_t*>(counters());
-    const uint64_t* completed = reinterpret_cast<const uint64_t*>(ring() + kRingCompletedOffset);
+    if (threadIdx.x != 0) return true;
+    const uint64_t target = *reinterpret_cast<volatile uint64_t*>(counters() + kProxyCounterHead);
     const uint64_t* status = reinterpret_cast<const uint64_t*>(ring() + kRingStatusOffset);
     const uint64_t t0 = globaltimer_ns();
+    uint64_t done = 0;
     for (uint32_t spins = 0;; ++spins) {
       // Host memory is polled over the bus: back off, so the copy engines' own traffic to and
       // from host memory is not crowded out by every block's polling.
       if (spins != 0) __nanosleep(2000);
-      const uint64_t done = ld_acquire_sys(completed);
-      const bool gave_up = *reinterpret_cast<volatile uint64_t*>(counters() + 2) != 0;
-      if (done >= target && !gave_up) return;
+      const uint64_t now_done =
+          progress(kRingCompletedOffset, kProxyCounterCompleted, (spins & 15u) == 0);
+      if (now_done > done) done = now_done;
+      const bool gave_up =
+          *reinterpret_cast<volatile uint64_t*>(counters() + kProxyCounterGaveUp) != 0;
+      if (done >= target && !gave_up) return true;
       if ((spins & 7u) == 7u || gave_up) {
         const uint64_t now = globaltimer_ns();
         if (gave_up || ld_relaxed_sys(status) != 0 || now - t0 > w.timeout_ns) {
           record_failure<ProxyNet>(w, kTimeout, kWaitProxy, w.rank, target, done, now - t0);
-          return;
+          return false;
         }
-        if (should_stop<ProxyNet>(w, kWaitProxy, spins)) return;
+        if (should_stop<ProxyNet>(w, kWaitProxy, spins)) return false;
       }
     }
   }

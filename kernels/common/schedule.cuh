@@ -28,8 +28,7 @@ struct Schedule {
   // of this op completes when every peer's counter reached barrier_base + k * gridDim.x. Never
   // reset, so no cleaning and no add-then-reset race.
   __device__ static bool rank_barrier(const OpArgs& a, OpState& s, uint64_t k) {
-    Net::quiet(s.wait, a.remote_mask);
-    __syncthreads();
+    if (!all_ok(s, Net::quiet(s.wait, a.remote_mask))) return false;
     const int tid = threadIdx.x;
     bool ok = true;
     if (tid < a.world) {

@@ -205,8 +205,8 @@ __device__ __forceinline__ void combine(const OpArgs& a, Shared& s) {
       }
     __syncwarp();
   }
-  Net::quiet(s.wait, a.remote_mask);
-  if (!all_ok(s, ok)) return;
+  const bool quiet_ok = Net::quiet(s.wait, a.remote_mask);
+  if (!all_ok(s, ok && quiet_ok)) return;
   if (block0 && tid == 0) stats[kStatSent] = globaltimer_ns();
   // [C2] completion counters stay in step with every other op (cumulative expectations).
   if (tid < world)

@@ -174,8 +174,7 @@ __device__ __forceinline__ void dispatch(const OpArgs& a, Shared& s) {
                         static_cast<int32_t>(t), d, Net::remote(a.remote_mask, d));
     __syncwarp();
   }
-  Net::quiet(s.wait, a.remote_mask);
-  __syncthreads();
+  if (!all_ok(s, Net::quiet(s.wait, a.remote_mask))) return;
   if (block0 && tid == 0) stats[kStatSent] = globaltimer_ns();
   // [E5] this block's data for every destination is written: publish (release, system scope).
   if (tid < world)

@@ -71,8 +71,7 @@ __device__ __forceinline__ void combine_send(const OpArgs& a, Shared& s, uint32_
     }
     warp_copy_row(reinterpret_cast<const int4*>(src), reinterpret_cast<int4*>(dst), n16, lane);
   }
-  Net::quiet(s.wait, a.remote_mask);
-  __syncthreads();
+  if (!all_ok(s, Net::quiet(s.wait, a.remote_mask))) return;
   if (blockIdx.x == 0 && tid == 0) stats[kStatSent] = globaltimer_ns();
   // This block's rows for every source are written: publish (release).
   if (tid < world)

@@ -204,8 +204,7 @@ __device__ __forceinline__ void dispatch_send(const OpArgs& a, Shared& s, uint32
     }
     __syncwarp();
   }
-  Net::quiet(s.wait, a.remote_mask);
-  __syncthreads();
+  if (!all_ok(s, Net::quiet(s.wait, a.remote_mask))) return;
   if (blockIdx.x == 0 && tid == 0) stats[kStatSent] = globaltimer_ns();
   // [L4] this block's rows for every destination are written: publish (release).
   if (tid < world)

@@ -316,6 +316,24 @@ pub const PROXY_KIND_SIGNAL: u64 = 2;
 /// Descriptor kind: store a 4- or 8-byte value (arg0 offset, arg1 value, arg2 width).
 pub const PROXY_KIND_WRITE: u64 = 3;
 
+/// Words of [`ProxyChannel::counters`] (device memory, zeroed).
+pub const PROXY_COUNTER_WORDS: u64 = 5;
+
+/// Counter: the next ring position to claim (producers' atomic add).
+pub const PROXY_COUNTER_HEAD: u64 = 0;
+
+/// Counter: the largest ring `tail` a producer has seen.
+pub const PROXY_COUNTER_TAIL_SEEN: u64 = 1;
+
+/// Counter: nonzero once a producer gave up on a full ring.
+pub const PROXY_COUNTER_GAVE_UP: u64 = 2;
+
+/// Counter: the proxy's mirror of the ring's `tail` (written by its stream; 0 when unused).
+pub const PROXY_COUNTER_TAKEN: u64 = 3;
+
+/// Counter: the proxy's mirror of the ring's `completed` (written by its stream; 0 when unused).
+pub const PROXY_COUNTER_COMPLETED: u64 = 4;
+
 /// Transfer flag: arg0 is a device address in the producing process (else a buffer offset).
 pub const PROXY_FLAG_SRC_ADDRESS: u64 = 1;
 
@@ -331,8 +349,7 @@ pub const PROXY_FLAG_SIGNAL_ADD: u64 = 1;
 pub struct ProxyChannel {
     /// The ring region: host memory mapped into the device (device address).
     pub ring: u64,
-    /// Device memory, 3 zeroed u64: next position to claim, largest `tail`
-    /// seen by a producer, nonzero once a producer gave up on a full ring.
+    /// Device memory, kProxyCounterWords zeroed u64 (kProxyCounter*).
     pub counters: u64,
     /// Ring slots (a power of two).
     pub capacity: u64,
@@ -375,7 +392,7 @@ pub struct LayoutArgs {
 
 /// What `epcomm_abi_probe` writes, in its order: every constant, enumerator, struct size
 /// and field offset of the ABI, as the host sees it.
-pub(crate) const ABI_PROBE: [(&str, u64); 148] = [
+pub(crate) const ABI_PROBE: [(&str, u64); 154] = [
     ("kAbiVersion", ABI_VERSION),
     ("kMaxWorld", MAX_WORLD as u64),
     ("kOk", code::OK as u64),
@@ -503,6 +520,12 @@ pub(crate) const ABI_PROBE: [(&str, u64); 148] = [
     ("kProxyKindTransfer", PROXY_KIND_TRANSFER),
     ("kProxyKindSignal", PROXY_KIND_SIGNAL),
     ("kProxyKindWrite", PROXY_KIND_WRITE),
+    ("kProxyCounterWords", PROXY_COUNTER_WORDS),
+    ("kProxyCounterHead", PROXY_COUNTER_HEAD),
+    ("kProxyCounterTailSeen", PROXY_COUNTER_TAIL_SEEN),
+    ("kProxyCounterGaveUp", PROXY_COUNTER_GAVE_UP),
+    ("kProxyCounterTaken", PROXY_COUNTER_TAKEN),
+    ("kProxyCounterCompleted", PROXY_COUNTER_COMPLETED),
     ("kProxyFlagSrcAddress", PROXY_FLAG_SRC_ADDRESS),
     ("kProxyFlagSignalAdd", PROXY_FLAG_SIGNAL_ADD),
     ("sizeof(ProxyChannel)", size_of::<ProxyChannel>() as u64),

@@ -47,6 +47,11 @@ impl Completions {
         self.base
     }
 
+    /// Descriptors taken beyond the complete prefix (complete or not).
+    pub fn pending(&self) -> usize {
+        self.done.len()
+    }
+
     /// Descriptors taken and not complete.
     pub fn outstanding(&self) -> usize {
         self.done.iter().filter(|d| !**d).count()

@@ -87,4 +87,18 @@ pub trait Executor: Send + 'static {
     /// # Errors
     /// [`OpFailure`] naming the first operation that failed.
     fn poll(&mut self, done: &mut Vec<OpId>) -> Result<(), OpFailure>;
+
+    /// Called by the proxy after each round with the descriptors taken from the ring so far
+    /// (`taken`, the ring's `tail`) and the prefix complete (`completed`), both already
+    /// published in the ring. An executor close to the producer may mirror them where the
+    /// producer reads them more cheaply (the copy-engine executor writes them into device
+    /// memory, stream-ordered). The default does nothing. Must not block.
+    ///
+    /// # Errors
+    /// [`OpFailure`] naming operation `op_hint` (the newest operation submitted) when the
+    /// mirror cannot be written.
+    fn progress(&mut self, taken: u64, completed: u64, op_hint: OpId) -> Result<(), OpFailure> {
+        let _ = (taken, completed, op_hint);
+        Ok(())
+    }
 }

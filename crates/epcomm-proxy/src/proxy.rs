@@ -141,6 +141,14 @@ pub enum ProxyError {
         /// The number reported.
         op: OpId,
     },
+    /// The executor could not mirror the ring's progress ([`Executor::progress`]).
+    #[error("{executor} executor could not mirror the ring's progress: {source}")]
+    Progress {
+        /// [`Executor::name`].
+        executor: String,
+        /// The executor's error.
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     /// The ring failed.
     #[error(transparent)]
     Ring(#[from] RingError),
@@ -255,6 +263,12 @@ impl<E: Executor> Loop<'_, E> {
             }
         }
         self.consumer.publish_completed(self.completions.prefix());
+        let taken = self.completions.prefix() + self.completions.pending() as u64;
+        let mirrored = self.executor.progress(
+            taken,
+            self.completions.prefix(),
+            self.next_op.saturating_sub(1),
+        );
         if let Err(failure) = polled {
             let Some((op, _)) = self.in_flight.remove(&failure.op) else {
                 return Err(ProxyError::UnknownOp {
@@ -263,6 +277,12 @@ impl<E: Executor> Loop<'_, E> {
                 });
             };
             return Err(self.executor_error(op, failure));
+        }
+        if let Err(failure) = mirrored {
+            return Err(ProxyError::Progress {
+                executor: self.executor.name().to_string(),
+                source: failure.reason,
+            });
         }
         Ok(count)
     }

@@ -3,11 +3,16 @@
 //!
 //! | operation | driver work on the peer's stream |
 //! |---|---|
-//! | transfer | `cuMemcpyDtoDAsync` from the source (caller memory or this rank's buffer) to the peer's buffer through its CUDA-IPC mapping |
-//! | write (4/8 bytes) | the value staged in the peer lane's pinned host arena; writes to contiguous destination bytes merge into one `cuMemcpyHtoDAsync` |
-//! | signal set | `cuStreamWriteValue64` (with its default memory barrier); where the driver refuses it, an 8-byte `cuMemcpyHtoDAsync` from the arena |
+//! | transfer | a copy from the source (caller memory or this rank's buffer) to the peer's buffer through its CUDA-IPC mapping |
+//! | write (4/8 bytes) | the value staged in the peer lane's pinned host arena; writes to contiguous destination bytes merge into one copy |
+//! | signal set | `cuStreamWriteValue64` (with its default memory barrier); where the driver refuses it, an 8-byte copy from the arena |
 //! | signal add | the same, writing a running sum kept here (see below) |
 //!
+//! **Copies go out in batches**: a lane collects its copies and hands them to the driver in one
+//! `cuMemcpyBatchAsync` (source read in stream order, with the hint to use the copy engines
+//! rather than SMs) before a signal, when 1024 are pending, and at each poll. Where the driver
+//! refuses a batch, each copy is one `cuMemcpyAsync` (`EPCOMM_PROXY_BATCH=0` forces that).
+
 //! **Ordering.** One stream per peer and submission order kept on it: a signal is written after
 //! every earlier copy and write to that peer has completed, with a memory barrier before it —
 //! the contract of [`epcomm_proxy::Executor`]. A pending run of writes is handed to its stream
@@ -39,6 +44,12 @@ use crate::fifo::Fifo;
 
 /// Bytes of each lane's pinned staging arena.
 const ARENA_BYTES: usize = 4 << 20;
+
+/// Events made per mapped peer when the executor is created (the only events it uses).
+const EVENTS_PER_LANE: usize = 64;
+
+/// Most copies handed to the driver in one batch.
+const MAX_BATCH: usize = 1024;
 
 /// Why a copy-engine operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -81,6 +92,11 @@ struct WatchState {
     current: Option<(&'static str, std::time::Instant)>,
     longest: Option<(&'static str, std::time::Duration)>,
     totals: Vec<(&'static str, u64, std::time::Duration)>,
+    /// Operations in the copy engines after the last poll, and when the oldest incomplete
+    /// event was recorded.
+    in_flight: (usize, Option<std::time::Instant>),
+    /// Calls of `poll` so far (the proxy's rounds).
+    polls: u64,
 }
 
 impl CallWatch {
@@ -120,6 +136,27 @@ impl CallWatch {
         self.state.lock().ok()?.longest
     }
 
+    /// Operations in the copy engines after the last poll, and how long the oldest incomplete
+    /// one has waited (since its event was recorded).
+    pub fn in_flight(&self) -> (usize, Option<std::time::Duration>) {
+        self.state
+            .lock()
+            .map(|w| (w.in_flight.0, w.in_flight.1.map(|t| t.elapsed())))
+            .unwrap_or_default()
+    }
+
+    fn set_in_flight(&self, n: usize, oldest: Option<std::time::Instant>) {
+        if let Ok(mut w) = self.state.lock() {
+            w.in_flight = (n, oldest);
+            w.polls += 1;
+        }
+    }
+
+    /// Rounds of the proxy so far (calls of the executor's `poll`).
+    pub fn polls(&self) -> u64 {
+        self.state.lock().map(|w| w.polls).unwrap_or(0)
+    }
+
     /// The driver call in progress and how long it has been running, if any.
     pub fn in_call(&self) -> Option<(&'static str, std::time::Duration)> {
         let w = self.state.lock().ok()?;
@@ -145,13 +182,16 @@ struct Lane {
     /// Pinned staging for write values, allocated first in, first out by `fifo`.
     arena: MappedHostBuffer,
     fifo: Fifo,
-    /// The writes not yet handed to the stream.
+    /// The writes not yet added to the batch.
     run: Option<Run>,
+    /// Copies not yet handed to the stream — (destination, source, bytes, operation) — issued
+    /// together by `flush_batch` (one `cuMemcpyBatchAsync` call).
+    batch: Vec<(u64, u64, usize, OpId)>,
     /// Operations submitted since the last event.
     unmarked: Vec<OpId>,
-    /// Events in record order, each with the operations it completes and the arena total it
-    /// frees up to.
-    marks: VecDeque<(CudaEvent, Vec<OpId>, usize)>,
+    /// Events in record order, each with the operations it completes, the arena total it
+    /// frees up to, and when it was recorded.
+    marks: VecDeque<(CudaEvent, Vec<OpId>, usize, std::time::Instant)>,
 }
 
 /// Executes proxy operations with `cuMemcpyAsync` and stream memory operations (see the
@@ -166,7 +206,21 @@ pub struct CopyEngineExecutor {
     max_in_flight: usize,
     /// Set once the driver refused a stream write: signals go through the arena from then on.
     signals_by_copy: bool,
+    /// Copies go out as batches (`cuMemcpyBatchAsync`, preferring the copy engines); cleared
+    /// when the driver refuses a batch (then one `cuMemcpyAsync` per copy).
+    batched: bool,
+    /// Where the ring's progress is mirrored in device memory ([`Self::mirror_progress`]).
+    mirror: Option<Mirror>,
     watch: Arc<CallWatch>,
+}
+
+/// The device words the ring's progress is mirrored into, the stream that writes them, and the
+/// values last written.
+struct Mirror {
+    stream: Arc<CudaStream>,
+    taken_word: u64,
+    completed_word: u64,
+    last: (u64, u64),
 }
 
 impl std::fmt::Debug for CopyEngineExecutor {
@@ -204,22 +258,63 @@ impl CopyEngineExecutor {
                     arena: MappedHostBuffer::zeroed(&ctx, if base == 0 { 8 } else { ARENA_BYTES })?,
                     fifo: Fifo::new(if base == 0 { 8 } else { ARENA_BYTES }),
                     run: None,
+                    batch: Vec::new(),
                     unmarked: Vec::new(),
                     marks: VecDeque::new(),
                 })
             })
             .collect::<Result<_, TransportError>>()?;
+        let mapped = peer_bases.iter().filter(|&&b| b != 0).count();
+        let free_events = (0..EVENTS_PER_LANE * mapped)
+            .map(|_| ctx.new_event(None))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|source| TransportError::Driver {
+                context: "creating the copy-engine executor's events".into(),
+                source,
+            })?;
         Ok(Self {
             ctx,
             local_base,
             lanes,
             shadow: HashMap::new(),
-            free_events: Vec::new(),
+            free_events,
             in_flight: 0,
             max_in_flight: max_in_flight.max(1),
             signals_by_copy: false,
+            batched: std::env::var_os("EPCOMM_PROXY_BATCH").is_none_or(|v| v != "0"),
+            mirror: None,
             watch: Arc::new(CallWatch::default()),
         })
+    }
+
+    /// Also writes the ring's progress — descriptors taken (`tail`) and complete — into the
+    /// device words at `taken_word` and `completed_word` (8 bytes each, zeroed, in this
+    /// context's device memory), with `cuStreamWriteValue64` on a stream of its own, whenever
+    /// they change. The producing kernel then polls device memory instead of reading the
+    /// ring's host words across the bus. Where the driver refuses stream writes the mirror
+    /// switches itself off (the host words stay authoritative).
+    ///
+    /// # Errors
+    /// The driver's error creating the stream.
+    pub fn mirror_progress(
+        &mut self,
+        taken_word: u64,
+        completed_word: u64,
+    ) -> Result<(), TransportError> {
+        let stream = self
+            .ctx
+            .new_stream()
+            .map_err(|source| TransportError::Driver {
+                context: "creating the proxy's progress stream".into(),
+                source,
+            })?;
+        self.mirror = Some(Mirror {
+            stream,
+            taken_word,
+            completed_word,
+            last: (0, 0),
+        });
+        Ok(())
     }
 
     /// The executor's driver-call watch (shared: readable while the proxy thread runs).
@@ -253,44 +348,105 @@ impl CopyEngineExecutor {
             .map_err(Self::driver(op, peer, "binding the CUDA context"))
     }
 
-    /// Copies `len` arena bytes at `at` to the peer's `dst` on lane `i`'s stream.
-    fn copy_from_arena(
-        &self,
-        i: usize,
-        op: OpId,
-        at: usize,
-        dst: u64,
-        len: usize,
-    ) -> Result<(), OpFailure> {
-        let lane = &self.lanes[i];
-        // SAFETY: `at..at + len` lies in the lane's pinned arena, whose bytes stay untouched
-        // until the event recorded after this copy completes (FIFO freeing); the destination
-        // lies in the peer's mapped buffer (bounds-checked by the descriptor decoder).
-        self.watch
-            .call("cuMemcpyHtoDAsync", || {
-                // SAFETY: as stated above this call.
+    /// Hands lane `i`'s pending copies to its stream: one `cuMemcpyBatchAsync` with source
+    /// access in stream order and the hint to overlap with compute (the copy engines, not
+    /// SMs), or, where the driver refuses batches, one `cuMemcpyAsync` each.
+    fn flush_batch(&mut self, i: usize) -> Result<(), OpFailure> {
+        if self.lanes[i].batch.is_empty() {
+            return Ok(());
+        }
+        let first = self.lanes[i].batch[0].3;
+        self.bind(first, i as u32)?;
+        let stream = self.lanes[i].stream.cu_stream();
+        if self.batched {
+            let batch = &self.lanes[i].batch;
+            let mut dsts: Vec<u64> = batch.iter().map(|c| c.0).collect();
+            let mut srcs: Vec<u64> = batch.iter().map(|c| c.1).collect();
+            let mut sizes: Vec<usize> = batch.iter().map(|c| c.2).collect();
+            // SAFETY: an all-zero CUmemcpyAttributes is a valid value (no location hints);
+            // the fields that matter are set below.
+            let mut attrs: sys::CUmemcpyAttributes = unsafe { std::mem::zeroed() };
+            attrs.srcAccessOrder = sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
+            attrs.flags = sys::CUmemcpyFlags::CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE as u32;
+            let mut attr_idx: usize = 0;
+            let count = dsts.len();
+            let res = self.watch.call("cuMemcpyBatchAsync", || {
+                // SAFETY: the three arrays hold `count` entries each; every destination lies in
+                // the peer's mapped buffer (bounds-checked by the decoder), every source is a
+                // device address the producing kernel named in this process (kept valid until
+                // the operation completes) or bytes of the lane's pinned arena (kept until the
+                // event after this batch completes); one attribute applies from index 0.
                 unsafe {
-                    sys::cuMemcpyHtoDAsync_v2(
-                        lane.base + dst,
-                        lane.arena.host_ptr().add(at).cast(),
-                        len,
-                        lane.stream.cu_stream(),
+                    sys::cuMemcpyBatchAsync_v2(
+                        dsts.as_mut_ptr(),
+                        srcs.as_mut_ptr(),
+                        sizes.as_mut_ptr(),
+                        count,
+                        &mut attrs,
+                        &mut attr_idx,
+                        1,
+                        stream,
                     )
                 }
-            })
-            .result()
-            .map_err(Self::driver(
-                op,
-                i as u32,
-                "cuMemcpyHtoDAsync (staged writes)",
-            ))
+            });
+            match res {
+                sys::CUresult::CUDA_SUCCESS => {
+                    self.lanes[i].batch.clear();
+                    return Ok(());
+                }
+                sys::CUresult::CUDA_ERROR_NOT_SUPPORTED
+                | sys::CUresult::CUDA_ERROR_INVALID_VALUE => {
+                    // This driver cannot batch these copies: one call each from now on.
+                    self.batched = false;
+                }
+                err => {
+                    return Err(Self::driver(first, i as u32, "cuMemcpyBatchAsync")(
+                        DriverError(err),
+                    ));
+                }
+            }
+        }
+        for k in 0..self.lanes[i].batch.len() {
+            let (dst, src, bytes, op) = self.lanes[i].batch[k];
+            self.watch
+                .call("cuMemcpyAsync", || {
+                    // SAFETY: as for the batch above: the destination lies in the peer's mapped
+                    // buffer, the source stays valid until the operation completes.
+                    unsafe { sys::cuMemcpyAsync(dst, src, bytes, stream) }
+                })
+                .result()
+                .map_err(Self::driver(op, i as u32, "cuMemcpyAsync"))?;
+        }
+        self.lanes[i].batch.clear();
+        Ok(())
     }
 
-    /// Hands lane `i`'s open run of writes to its stream.
+    /// Adds a copy to lane `i`'s batch (issued when the batch is full, before a signal, at
+    /// the next poll).
+    fn push_copy(
+        &mut self,
+        i: usize,
+        op: OpId,
+        dst: u64,
+        src: u64,
+        bytes: usize,
+    ) -> Result<(), OpFailure> {
+        self.lanes[i].batch.push((dst, src, bytes, op));
+        if self.lanes[i].batch.len() >= MAX_BATCH {
+            self.flush_batch(i)?;
+        }
+        Ok(())
+    }
+
+    /// Adds lane `i`'s open run of writes to its batch.
     fn flush_run(&mut self, i: usize, op: OpId) -> Result<(), OpFailure> {
         if let Some(run) = self.lanes[i].run.take() {
-            self.bind(op, i as u32)?;
-            self.copy_from_arena(i, op, run.at, run.dst, run.len)?;
+            let lane = &self.lanes[i];
+            // The arena's host address: pinned memory, a valid copy source under unified
+            // addressing.
+            let src = lane.arena.host_ptr() as u64 + run.at as u64;
+            let dst = lane.base + run.dst;
+            self.push_copy(i, op, dst, src, run.len)?;
         }
         Ok(())
     }
@@ -311,6 +467,7 @@ impl CopyEngineExecutor {
         value: u64,
     ) -> Result<bool, OpFailure> {
         self.flush_run(i, op)?;
+        self.flush_batch(i)?;
         if !self.signals_by_copy {
             let lane = &self.lanes[i];
             // SAFETY: the address lies in the peer's mapped buffer (offsets are bounds-checked
@@ -348,7 +505,9 @@ impl CopyEngineExecutor {
             // SAFETY: `at + k < at + 8`, inside the arena just reserved.
             unsafe { std::ptr::write_volatile(lane.arena.host_ptr().add(at + k), *b) };
         }
-        self.copy_from_arena(i, op, at, offset, 8)?;
+        let (dst, src) = (lane.base + offset, lane.arena.host_ptr() as u64 + at as u64);
+        self.push_copy(i, op, dst, src, 8)?;
+        self.flush_batch(i)?;
         Ok(true)
     }
 }
@@ -363,31 +522,13 @@ impl Executor for CopyEngineExecutor {
             return Ok(Submit::Busy);
         }
         let i = self.lane(op, t.peer)?;
-        self.bind(op, t.peer)?;
         self.flush_run(i, op)?;
         let src = match t.src {
             Source::Heap(offset) => self.local_base + offset,
             Source::Address(addr) => addr,
         };
-        let lane = &self.lanes[i];
-        // SAFETY: the destination lies in the peer's mapped buffer (bounds-checked by the
-        // decoder); the source is a device address the producing kernel named in this process,
-        // which it keeps valid until this operation completes (it waits for the completion
-        // count before its sources may be reused).
-        self.watch
-            .call("cuMemcpyDtoDAsync", || {
-                // SAFETY: as stated above this call.
-                unsafe {
-                    sys::cuMemcpyDtoDAsync_v2(
-                        lane.base + t.dst_offset,
-                        src,
-                        t.bytes as usize,
-                        lane.stream.cu_stream(),
-                    )
-                }
-            })
-            .result()
-            .map_err(Self::driver(op, t.peer, "cuMemcpyDtoDAsync (transfer)"))?;
+        let dst = self.lanes[i].base + t.dst_offset;
+        self.push_copy(i, op, dst, src, t.bytes as usize)?;
         Ok(self.accept(i, op))
     }
 
@@ -456,8 +597,63 @@ impl Executor for CopyEngineExecutor {
         Ok(self.accept(i, op))
     }
 
+    fn progress(&mut self, taken: u64, completed: u64, op_hint: OpId) -> Result<(), OpFailure> {
+        let Some(m) = &self.mirror else {
+            return Ok(());
+        };
+        if m.last == (taken, completed) {
+            return Ok(());
+        }
+        self.bind(op_hint, 0)?;
+        let Some(m) = &mut self.mirror else {
+            return Ok(());
+        };
+        for (word, value, old) in [
+            (m.taken_word, taken, m.last.0),
+            (m.completed_word, completed, m.last.1),
+        ] {
+            if value == old {
+                continue;
+            }
+            let stream = m.stream.cu_stream();
+            // SAFETY: `word` is an 8-byte device word of this context (the caller of
+            // `mirror_progress` owns it and keeps it until the executor is dropped); the stream
+            // belongs to this executor's context.
+            let res = self.watch.call("cuStreamWriteValue64", || {
+                // SAFETY: as stated above this call.
+                unsafe {
+                    sys::cuStreamWriteValue64_v2(
+                        stream,
+                        word,
+                        value,
+                        sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
+                    )
+                }
+            });
+            match res {
+                sys::CUresult::CUDA_SUCCESS => {}
+                sys::CUresult::CUDA_ERROR_NOT_SUPPORTED
+                | sys::CUresult::CUDA_ERROR_INVALID_VALUE => {
+                    // No stream writes here: the producer keeps reading the host words.
+                    self.mirror = None;
+                    return Ok(());
+                }
+                err => {
+                    return Err(Self::driver(
+                        op_hint,
+                        0,
+                        "cuStreamWriteValue64 (progress mirror)",
+                    )(DriverError(err)));
+                }
+            }
+        }
+        m.last = (taken, completed);
+        Ok(())
+    }
+
     fn poll(&mut self, done: &mut Vec<OpId>) -> Result<(), OpFailure> {
         if self.in_flight == 0 {
+            self.watch.set_in_flight(0, None);
             return Ok(());
         }
         self.bind(0, 0)?;
@@ -467,23 +663,24 @@ impl Executor for CopyEngineExecutor {
             }
             let first = self.lanes[i].unmarked[0];
             self.flush_run(i, first)?;
-            let event = match self.free_events.pop() {
-                Some(e) => e,
-                None => self.ctx.new_event(None).map_err(Self::driver(
-                    first,
-                    i as u32,
-                    "cuEventCreate",
-                ))?,
+            self.flush_batch(i)?;
+            // Events come only from the pool made at construction: creating one here can
+            // block until this context's running kernels end (measured: `cuEventCreate` waited
+            // for the whole kernel while the kernel waited for these very copies). Without a
+            // free event the operations stay unmarked until a later poll frees one.
+            let Some(event) = self.free_events.pop() else {
+                continue;
             };
             let lane = &mut self.lanes[i];
             self.watch
                 .call("cuEventRecord", || event.record(&lane.stream))
                 .map_err(Self::driver(first, i as u32, "cuEventRecord"))?;
             let ops = std::mem::take(&mut lane.unmarked);
-            lane.marks.push_back((event, ops, lane.fifo.allocated()));
+            lane.marks
+                .push_back((event, ops, lane.fifo.allocated(), std::time::Instant::now()));
         }
         for i in 0..self.lanes.len() {
-            while let Some((event, ops, _)) = self.lanes[i].marks.front() {
+            while let Some((event, ops, _, _)) = self.lanes[i].marks.front() {
                 // SAFETY: the event is live (owned here) and was recorded on this context.
                 let status = self.watch.call("cuEventQuery", || {
                     // SAFETY: as stated above this call.
@@ -503,7 +700,7 @@ impl Executor for CopyEngineExecutor {
                         ));
                     }
                 }
-                let Some((event, ops, freed)) = self.lanes[i].marks.pop_front() else {
+                let Some((event, ops, freed, _)) = self.lanes[i].marks.pop_front() else {
                     break;
                 };
                 self.lanes[i].fifo.free_to(freed);
@@ -512,6 +709,12 @@ impl Executor for CopyEngineExecutor {
                 self.free_events.push(event);
             }
         }
+        let oldest = self
+            .lanes
+            .iter()
+            .filter_map(|l| l.marks.front().map(|m| m.3))
+            .min();
+        self.watch.set_in_flight(self.in_flight, oldest);
         Ok(())
     }
 }

@@ -33,6 +33,7 @@
 
 mod copy_engine;
 mod fifo;
+mod trace;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -88,6 +89,9 @@ pub struct ProxyOptions {
     pub slot_timeout: Duration,
     /// CPU to pin the proxy thread to (`None`: left to the OS).
     pub cpu: Option<usize>,
+    /// Mirror the ring's progress into device memory for the kernels to poll
+    /// ([`CopyEngineExecutor::mirror_progress`]); off, kernels read the ring's host words.
+    pub mirror_progress: bool,
 }
 
 impl ProxyOptions {
@@ -101,15 +105,17 @@ impl ProxyOptions {
             op_timeout: Duration::from_secs(10),
             slot_timeout: Duration::from_secs(10),
             cpu: None,
+            mirror_progress: true,
         }
     }
 
     /// [`Self::one_node_per_rank`], with `EPCOMM_PROXY_RING_SLOTS` and
-    /// `EPCOMM_PROXY_MAX_IN_FLIGHT` overriding the two sizes when set.
+    /// `EPCOMM_PROXY_MAX_IN_FLIGHT` overriding the two sizes when set, and
+    /// `EPCOMM_PROXY_MIRROR=0` turning the progress mirror off.
     ///
     /// # Errors
     /// [`TransportError::InvalidArgument`] naming the variable when its value is not a
-    /// positive integer.
+    /// positive integer (`EPCOMM_PROXY_MIRROR`: not `0` or `1`).
     pub fn from_env(local_world_size: usize) -> Result<Self, TransportError> {
         let mut options = Self::one_node_per_rank(local_world_size);
         let var = |name: &'static str| -> Result<Option<u64>, TransportError> {
@@ -129,6 +135,19 @@ impl ProxyOptions {
         }
         if let Some(n) = var("EPCOMM_PROXY_MAX_IN_FLIGHT")? {
             options.max_in_flight = usize::try_from(n).unwrap_or(usize::MAX);
+        }
+        match std::env::var("EPCOMM_PROXY_MIRROR")
+            .as_deref()
+            .map(str::trim)
+        {
+            Err(_) | Ok("1") => {}
+            Ok("0") => options.mirror_progress = false,
+            Ok(v) => {
+                return Err(TransportError::InvalidArgument {
+                    argument: "EPCOMM_PROXY_MIRROR",
+                    rule: format!("must be 0 or 1 (got {v:?})"),
+                });
+            }
         }
         Ok(options)
     }
@@ -267,14 +286,21 @@ impl SymmetricHeap for ProxyTransport {
         let ring = unsafe { RingMemory::from_raw(ring_host.host_ptr(), ring_host.len(), slots) }
             .map_err(backend("laying out the ring"))?;
         let (_, consumer) = ring::split(ring);
-        let counters = DeviceBuffer::zeroed(ctx, 3 * 8)?;
-        let executor = CopyEngineExecutor::new(
+        let counters = DeviceBuffer::zeroed(ctx, abi::PROXY_COUNTER_WORDS as usize * 8)?;
+        let mut executor = CopyEngineExecutor::new(
             ctx.clone(),
             ipc.local_base(),
             &proxied,
             self.options.max_in_flight,
         )?;
+        if self.options.mirror_progress {
+            executor.mirror_progress(
+                counters.ptr() + abi::PROXY_COUNTER_TAKEN * 8,
+                counters.ptr() + abi::PROXY_COUNTER_COMPLETED * 8,
+            )?;
+        }
         let watch = executor.watch();
+        let tracer = trace::Tracer::from_env(ring_host.host_ptr() as usize, slots, &watch);
         let mut config = ProxyConfig::new(Limits {
             world: world as u32,
             heap_bytes: bytes as u64,
@@ -305,6 +331,7 @@ impl SymmetricHeap for ProxyTransport {
             watch,
             proxy: Mutex::new(Some(proxy)),
             last_report: Mutex::new(None),
+            tracer: Mutex::new(tracer),
             _counters: counters,
             _ring_host: ring_host,
             ipc,
@@ -332,6 +359,7 @@ pub struct ProxyMemory {
     channel: ProxyChannel,
     watch: Arc<CallWatch>,
     proxy: Mutex<Option<Proxy>>,
+    tracer: Mutex<Option<trace::Tracer>>,
     last_report: Mutex<Option<Result<ProxyReport, String>>>,
     _counters: DeviceBuffer,
     _ring_host: MappedHostBuffer,
@@ -342,13 +370,46 @@ impl ProxyMemory {
     /// Stops the proxy thread (what the kernels published is executed first) and keeps its
     /// report; idempotent.
     fn stop_proxy(&self) {
+        if let Some(tracer) = self.tracer.lock().ok().and_then(|mut t| t.take()) {
+            tracer.stop();
+        }
         let proxy = self.proxy.lock().ok().and_then(|mut p| p.take());
         if let Some(proxy) = proxy {
             let report = proxy.shutdown().map_err(|e: ProxyError| e.to_string());
+            if std::env::var_os("EPCOMM_PROXY_TRACE").is_some_and(|v| v != "0") {
+                eprintln!(
+                    "epcomm proxy-ce: buffer of {} bytes stopped: {report:?}; {}",
+                    self.ipc.len(),
+                    self.driver_calls()
+                );
+            }
             if let Ok(mut slot) = self.last_report.lock() {
                 *slot = Some(report);
             }
         }
+    }
+
+    /// What the proxy's driver calls cost so far: the call in progress, the longest call, and
+    /// per call its count and total time.
+    fn driver_calls(&self) -> String {
+        let mut out = String::new();
+        match self.watch.in_flight() {
+            (0, _) => out += "nothing in the copy engines; ",
+            (n, Some(age)) => {
+                out += &format!("{n} operations in the copy engines, the oldest for {age:?}; ")
+            }
+            (n, None) => out += &format!("{n} operations in the copy engines; "),
+        }
+        if let Some((call, waited)) = self.watch.in_call() {
+            out += &format!("its thread has been inside {call} for {waited:?}; ");
+        }
+        if let Some((call, took)) = self.watch.longest() {
+            out += &format!("its longest driver call was {call} ({took:?})");
+        }
+        for (call, n, total) in self.watch.totals() {
+            out += &format!("; {n} x {call} in {total:?}");
+        }
+        out
     }
 
     /// The proxy's report once it has stopped (after teardown): its counts, or the error it
@@ -391,20 +452,12 @@ impl SymmetricMemory for ProxyMemory {
             self.stop_proxy();
         }
         let word = |offset: usize| self._ring_host.load_u64(offset / 8).unwrap_or(0);
-        let mut ring = format!(
-            "the proxy had taken {} descriptors and completed {}",
+        let ring = format!(
+            "the proxy had taken {} descriptors and completed {}; {}",
             word(ring::OFFSET_TAIL),
-            word(ring::OFFSET_COMPLETED)
+            word(ring::OFFSET_COMPLETED),
+            self.driver_calls()
         );
-        if let Some((call, waited)) = self.watch.in_call() {
-            ring += &format!("; its thread has been inside {call} for {waited:?}");
-        }
-        if let Some((call, took)) = self.watch.longest() {
-            ring += &format!("; its longest driver call was {call} ({took:?})");
-        }
-        for (call, n, total) in self.watch.totals() {
-            ring += &format!("; {n} x {call} in {total:?}");
-        }
         match self.report() {
             Some(Err(e)) => Some(format!("the proxy thread stopped: {e} ({ring})")),
             Some(Ok(_)) if finished => Some(format!("the proxy thread stopped ({ring})")),

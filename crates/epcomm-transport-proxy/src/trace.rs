@@ -1,0 +1,85 @@
+//! `EPCOMM_PROXY_TRACE=2`: a thread that prints the ring's state a few times a second while a
+//! buffer lives (what the proxy has taken and completed, whether the next slot is published,
+//! what the copy engines hold), so a stalled op can be followed over time. Off by default.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use epcomm_proxy::ring;
+
+use crate::copy_engine::CallWatch;
+
+/// The tracing thread of one buffer.
+pub(crate) struct Tracer {
+    stop: Arc<AtomicBool>,
+    thread: JoinHandle<()>,
+}
+
+impl std::fmt::Debug for Tracer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tracer").finish_non_exhaustive()
+    }
+}
+
+impl Tracer {
+    /// Starts the thread when `EPCOMM_PROXY_TRACE=2`, over the ring at host address `ring`
+    /// (`slots` slots), which must stay mapped until [`Tracer::stop`] returns.
+    pub(crate) fn from_env(ring: usize, slots: u64, watch: &Arc<CallWatch>) -> Option<Tracer> {
+        if std::env::var("EPCOMM_PROXY_TRACE").ok().as_deref() != Some("2") {
+            return None;
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&stop);
+        let watch = Arc::clone(watch);
+        let thread = std::thread::Builder::new()
+            .name("epcomm-proxy-trace".into())
+            .spawn(move || run(ring, slots, &watch, &flag))
+            .ok()?;
+        Some(Tracer { stop, thread })
+    }
+
+    /// Stops the thread and waits for it.
+    pub(crate) fn stop(self) {
+        self.stop.store(true, Ordering::Release);
+        let _ = self.thread.join();
+    }
+}
+
+fn word(ring: usize, offset: usize) -> u64 {
+    // SAFETY: `offset` lies inside the ring region (header words or a slot's first word), which
+    // stays mapped until the tracer is stopped (`Tracer::from_env`); the words are only ever
+    // accessed atomically, and an 8-byte aligned atomic load of them is always valid.
+    unsafe { (*((ring + offset) as *const AtomicU64)).load(Ordering::Acquire) }
+}
+
+fn run(ring: usize, slots: u64, watch: &CallWatch, stop: &AtomicBool) {
+    let start = Instant::now();
+    let pid = std::process::id();
+    let mut last = (u64::MAX, u64::MAX, u64::MAX);
+    let mut printed = Instant::now();
+    while !stop.load(Ordering::Acquire) {
+        let tail = word(ring, ring::OFFSET_TAIL);
+        let completed = word(ring, ring::OFFSET_COMPLETED);
+        let slot = (tail & (slots - 1)) as usize;
+        let seq = word(ring, ring::HEADER_BYTES + slot * ring::SLOT_BYTES);
+        let now = (tail, completed, seq);
+        if now != last || printed.elapsed() > Duration::from_secs(2) {
+            let (n, age) = watch.in_flight();
+            eprintln!(
+                "epcomm proxy-ce trace [pid {pid}] {:>8.3}s: taken {tail}, completed {completed}, \
+                 next slot seq {seq} (published when {}), {n} in the copy engines (oldest {age:?}), \
+                 status {}, {} rounds, in call {:?}",
+                start.elapsed().as_secs_f64(),
+                tail + 1,
+                word(ring, ring::OFFSET_STATUS),
+                watch.polls(),
+                watch.in_call(),
+            );
+            last = now;
+            printed = Instant::now();
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
