@@ -22,7 +22,7 @@ namespace epcomm {
 
 /// Version of the kernel protocol and argument blocks; ranks compare it when a `Buffer` is
 /// built. Bump it with any change of this header or of the kernels' cross-rank protocol.
-constexpr uint64_t kAbiVersion = 5;
+constexpr uint64_t kAbiVersion = 6;
 
 /// Largest world size the intranode kernels support (shared-memory tables are this large).
 constexpr size_t kMaxWorld = 64;
