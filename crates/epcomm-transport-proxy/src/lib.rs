@@ -34,6 +34,7 @@
 mod copy_engine;
 mod fifo;
 mod trace;
+mod watch;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -47,7 +48,8 @@ use epcomm_transport::{
 };
 use epcomm_transport_ipc::{IpcMemory, IpcTransport};
 
-pub use copy_engine::{CallWatch, CopyEngineError, CopyEngineExecutor};
+pub use copy_engine::{CopyEngineError, CopyEngineExecutor};
+pub use watch::CallWatch;
 
 // The kernel side (abi.cuh) and the proxy crate must agree on the ring layout.
 const _: () = {

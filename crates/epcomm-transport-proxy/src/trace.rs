@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use epcomm_proxy::ring;
 
-use crate::copy_engine::CallWatch;
+use crate::watch::CallWatch;
 
 /// The tracing thread of one buffer.
 pub(crate) struct Tracer {

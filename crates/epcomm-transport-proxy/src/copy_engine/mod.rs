@@ -41,6 +41,10 @@ use epcomm_proxy::{Executor, OpFailure, OpId, Submit};
 use epcomm_transport::{MappedHostBuffer, TransportError};
 
 use crate::fifo::Fifo;
+use crate::watch::CallWatch;
+
+mod mirror;
+use mirror::Mirror;
 
 /// Bytes of each lane's pinned staging arena.
 const ARENA_BYTES: usize = 4 << 20;
@@ -77,91 +81,6 @@ pub enum CopyEngineError {
         /// Whether the rank is in range but unmapped.
         mapped: bool,
     },
-}
-
-/// Which driver call the executor is inside, and since when: lets a stalled op name a driver
-/// call that does not return (e.g. blocked behind another thread of the process).
-#[derive(Debug, Default)]
-pub struct CallWatch {
-    state: std::sync::Mutex<WatchState>,
-}
-
-/// What [`CallWatch`] keeps: the call in progress, the longest call, and per-call totals.
-#[derive(Debug, Default)]
-struct WatchState {
-    current: Option<(&'static str, std::time::Instant)>,
-    longest: Option<(&'static str, std::time::Duration)>,
-    totals: Vec<(&'static str, u64, std::time::Duration)>,
-    /// Operations in the copy engines after the last poll, and when the oldest incomplete
-    /// event was recorded.
-    in_flight: (usize, Option<std::time::Instant>),
-    /// Calls of `poll` so far (the proxy's rounds).
-    polls: u64,
-}
-
-impl CallWatch {
-    fn call<T>(&self, name: &'static str, f: impl FnOnce() -> T) -> T {
-        let since = std::time::Instant::now();
-        if let Ok(mut w) = self.state.lock() {
-            w.current = Some((name, since));
-        }
-        let out = f();
-        let took = since.elapsed();
-        if let Ok(mut w) = self.state.lock() {
-            w.current = None;
-            if w.longest.is_none_or(|(_, d)| took > d) {
-                w.longest = Some((name, took));
-            }
-            match w.totals.iter_mut().find(|(n, _, _)| *n == name) {
-                Some(e) => {
-                    e.1 += 1;
-                    e.2 += took;
-                }
-                None => w.totals.push((name, 1, took)),
-            }
-        }
-        out
-    }
-
-    /// Per driver call: how many were made and their total time.
-    pub fn totals(&self) -> Vec<(&'static str, u64, std::time::Duration)> {
-        self.state
-            .lock()
-            .map(|w| w.totals.clone())
-            .unwrap_or_default()
-    }
-
-    /// The longest driver call so far and how long it took.
-    pub fn longest(&self) -> Option<(&'static str, std::time::Duration)> {
-        self.state.lock().ok()?.longest
-    }
-
-    /// Operations in the copy engines after the last poll, and how long the oldest incomplete
-    /// one has waited (since its event was recorded).
-    pub fn in_flight(&self) -> (usize, Option<std::time::Duration>) {
-        self.state
-            .lock()
-            .map(|w| (w.in_flight.0, w.in_flight.1.map(|t| t.elapsed())))
-            .unwrap_or_default()
-    }
-
-    fn set_in_flight(&self, n: usize, oldest: Option<std::time::Instant>) {
-        if let Ok(mut w) = self.state.lock() {
-            w.in_flight = (n, oldest);
-            w.polls += 1;
-        }
-    }
-
-    /// Rounds of the proxy so far (calls of the executor's `poll`).
-    pub fn polls(&self) -> u64 {
-        self.state.lock().map(|w| w.polls).unwrap_or(0)
-    }
-
-    /// The driver call in progress and how long it has been running, if any.
-    pub fn in_call(&self) -> Option<(&'static str, std::time::Duration)> {
-        let w = self.state.lock().ok()?;
-        w.current.map(|(name, since)| (name, since.elapsed()))
-    }
 }
 
 /// An open run of staged write bytes: `len` bytes at arena offset `at`, bound for destination
@@ -212,15 +131,6 @@ pub struct CopyEngineExecutor {
     /// Where the ring's progress is mirrored in device memory ([`Self::mirror_progress`]).
     mirror: Option<Mirror>,
     watch: Arc<CallWatch>,
-}
-
-/// The device words the ring's progress is mirrored into, the stream that writes them, and the
-/// values last written.
-struct Mirror {
-    stream: Arc<CudaStream>,
-    taken_word: u64,
-    completed_word: u64,
-    last: (u64, u64),
 }
 
 impl std::fmt::Debug for CopyEngineExecutor {
@@ -285,36 +195,6 @@ impl CopyEngineExecutor {
             mirror: None,
             watch: Arc::new(CallWatch::default()),
         })
-    }
-
-    /// Also writes the ring's progress — descriptors taken (`tail`) and complete — into the
-    /// device words at `taken_word` and `completed_word` (8 bytes each, zeroed, in this
-    /// context's device memory), with `cuStreamWriteValue64` on a stream of its own, whenever
-    /// they change. The producing kernel then polls device memory instead of reading the
-    /// ring's host words across the bus. Where the driver refuses stream writes the mirror
-    /// switches itself off (the host words stay authoritative).
-    ///
-    /// # Errors
-    /// The driver's error creating the stream.
-    pub fn mirror_progress(
-        &mut self,
-        taken_word: u64,
-        completed_word: u64,
-    ) -> Result<(), TransportError> {
-        let stream = self
-            .ctx
-            .new_stream()
-            .map_err(|source| TransportError::Driver {
-                context: "creating the proxy's progress stream".into(),
-                source,
-            })?;
-        self.mirror = Some(Mirror {
-            stream,
-            taken_word,
-            completed_word,
-            last: (0, 0),
-        });
-        Ok(())
     }
 
     /// The executor's driver-call watch (shared: readable while the proxy thread runs).
@@ -598,57 +478,7 @@ impl Executor for CopyEngineExecutor {
     }
 
     fn progress(&mut self, taken: u64, completed: u64, op_hint: OpId) -> Result<(), OpFailure> {
-        let Some(m) = &self.mirror else {
-            return Ok(());
-        };
-        if m.last == (taken, completed) {
-            return Ok(());
-        }
-        self.bind(op_hint, 0)?;
-        let Some(m) = &mut self.mirror else {
-            return Ok(());
-        };
-        for (word, value, old) in [
-            (m.taken_word, taken, m.last.0),
-            (m.completed_word, completed, m.last.1),
-        ] {
-            if value == old {
-                continue;
-            }
-            let stream = m.stream.cu_stream();
-            // SAFETY: `word` is an 8-byte device word of this context (the caller of
-            // `mirror_progress` owns it and keeps it until the executor is dropped); the stream
-            // belongs to this executor's context.
-            let res = self.watch.call("cuStreamWriteValue64", || {
-                // SAFETY: as stated above this call.
-                unsafe {
-                    sys::cuStreamWriteValue64_v2(
-                        stream,
-                        word,
-                        value,
-                        sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
-                    )
-                }
-            });
-            match res {
-                sys::CUresult::CUDA_SUCCESS => {}
-                sys::CUresult::CUDA_ERROR_NOT_SUPPORTED
-                | sys::CUresult::CUDA_ERROR_INVALID_VALUE => {
-                    // No stream writes here: the producer keeps reading the host words.
-                    self.mirror = None;
-                    return Ok(());
-                }
-                err => {
-                    return Err(Self::driver(
-                        op_hint,
-                        0,
-                        "cuStreamWriteValue64 (progress mirror)",
-                    )(DriverError(err)));
-                }
-            }
-        }
-        m.last = (taken, completed);
-        Ok(())
+        self.write_mirror(taken, completed, op_hint)
     }
 
     fn poll(&mut self, done: &mut Vec<OpId>) -> Result<(), OpFailure> {

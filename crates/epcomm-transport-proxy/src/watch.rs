@@ -1,0 +1,87 @@
+//! [`CallWatch`]: what the copy-engine executor's driver calls cost, readable from other
+//! threads while the proxy runs (the failure report, `EPCOMM_PROXY_TRACE`).
+
+/// Which driver call the executor is inside, and since when: lets a stalled op name a driver
+/// call that does not return (e.g. blocked behind another thread of the process).
+#[derive(Debug, Default)]
+pub struct CallWatch {
+    state: std::sync::Mutex<WatchState>,
+}
+
+/// What [`CallWatch`] keeps: the call in progress, the longest call, and per-call totals.
+#[derive(Debug, Default)]
+struct WatchState {
+    current: Option<(&'static str, std::time::Instant)>,
+    longest: Option<(&'static str, std::time::Duration)>,
+    totals: Vec<(&'static str, u64, std::time::Duration)>,
+    /// Operations in the copy engines after the last poll, and when the oldest incomplete
+    /// event was recorded.
+    in_flight: (usize, Option<std::time::Instant>),
+    /// Calls of `poll` so far (the proxy's rounds).
+    polls: u64,
+}
+
+impl CallWatch {
+    pub(crate) fn call<T>(&self, name: &'static str, f: impl FnOnce() -> T) -> T {
+        let since = std::time::Instant::now();
+        if let Ok(mut w) = self.state.lock() {
+            w.current = Some((name, since));
+        }
+        let out = f();
+        let took = since.elapsed();
+        if let Ok(mut w) = self.state.lock() {
+            w.current = None;
+            if w.longest.is_none_or(|(_, d)| took > d) {
+                w.longest = Some((name, took));
+            }
+            match w.totals.iter_mut().find(|(n, _, _)| *n == name) {
+                Some(e) => {
+                    e.1 += 1;
+                    e.2 += took;
+                }
+                None => w.totals.push((name, 1, took)),
+            }
+        }
+        out
+    }
+
+    /// Per driver call: how many were made and their total time.
+    pub fn totals(&self) -> Vec<(&'static str, u64, std::time::Duration)> {
+        self.state
+            .lock()
+            .map(|w| w.totals.clone())
+            .unwrap_or_default()
+    }
+
+    /// The longest driver call so far and how long it took.
+    pub fn longest(&self) -> Option<(&'static str, std::time::Duration)> {
+        self.state.lock().ok()?.longest
+    }
+
+    /// Operations in the copy engines after the last poll, and how long the oldest incomplete
+    /// one has waited (since its event was recorded).
+    pub fn in_flight(&self) -> (usize, Option<std::time::Duration>) {
+        self.state
+            .lock()
+            .map(|w| (w.in_flight.0, w.in_flight.1.map(|t| t.elapsed())))
+            .unwrap_or_default()
+    }
+
+    pub(crate) fn set_in_flight(&self, n: usize, oldest: Option<std::time::Instant>) {
+        if let Ok(mut w) = self.state.lock() {
+            w.in_flight = (n, oldest);
+            w.polls += 1;
+        }
+    }
+
+    /// Rounds of the proxy so far (calls of the executor's `poll`).
+    pub fn polls(&self) -> u64 {
+        self.state.lock().map(|w| w.polls).unwrap_or(0)
+    }
+
+    /// The driver call in progress and how long it has been running, if any.
+    pub fn in_call(&self) -> Option<(&'static str, std::time::Duration)> {
+        let w = self.state.lock().ok()?;
+        w.current.map(|(name, since)| (name, since.elapsed()))
+    }
+}
