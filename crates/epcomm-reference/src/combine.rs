@@ -37,6 +37,50 @@ pub fn combine(
     dispatch_outputs: &[RankOutput],
     num_tokens: &[usize],
 ) -> Result<Vec<CombineOutput>> {
+    let (hidden, top_k) = check_combine_shapes(ys, weights, dispatch_outputs, num_tokens)?;
+    let sources = row_sources(dispatch_outputs, num_tokens)?;
+    let mut acc: Vec<Vec<f32>> = num_tokens.iter().map(|&t| vec![0.0; t * hidden]).collect();
+    let mut wacc: Option<Vec<Vec<f32>>> =
+        weights.map(|_| num_tokens.iter().map(|&t| vec![0.0; t * top_k]).collect());
+    for (r, rows) in sources.iter().enumerate() {
+        for (row, &(s, t)) in rows.iter().enumerate() {
+            add_row(
+                &mut acc[s][t * hidden..(t + 1) * hidden],
+                &ys[r][row * hidden..(row + 1) * hidden],
+            );
+            if let (Some(wacc), Some(w)) = (wacc.as_mut(), weights) {
+                let dst = &mut wacc[s][t * top_k..(t + 1) * top_k];
+                for (d, v) in dst.iter_mut().zip(&w[r][row * top_k..(row + 1) * top_k]) {
+                    *d += *v;
+                }
+            }
+        }
+    }
+    let mut wacc = wacc.map(|v| v.into_iter());
+    Ok(acc
+        .into_iter()
+        .map(|x| CombineOutput {
+            x: x.into_iter().map(bf16::from_f32).collect(),
+            weights: wacc.as_mut().and_then(|it| it.next()),
+        })
+        .collect())
+}
+
+/// `dst[i] += f32(row[i])`.
+pub(crate) fn add_row(dst: &mut [f32], row: &[bf16]) {
+    for (d, y) in dst.iter_mut().zip(row) {
+        *d += y.to_f32();
+    }
+}
+
+/// The shape rules of [`combine`] (see its errors) on everything but the rows' sources;
+/// returns `(hidden, top_k)`.
+pub(crate) fn check_combine_shapes(
+    ys: &[Vec<bf16>],
+    weights: Option<&[Vec<f32>]>,
+    dispatch_outputs: &[RankOutput],
+    num_tokens: &[usize],
+) -> Result<(usize, usize)> {
     let world = dispatch_outputs.len();
     RefError::nonzero(&[("dispatch_outputs.len()", world)])?;
     RefError::len_check("ys", ys.len(), world, "one per rank")?;
@@ -69,16 +113,28 @@ pub fn combine(
         };
         check().map_err(|e| e.in_rank(r))?;
     }
+    Ok((hidden, top_k))
+}
 
-    let mut acc: Vec<Vec<f32>> = num_tokens.iter().map(|&t| vec![0.0; t * hidden]).collect();
-    let mut wacc: Option<Vec<Vec<f32>>> =
-        weights.map(|_| num_tokens.iter().map(|&t| vec![0.0; t * top_k]).collect());
+/// For every rank `r` and row of `dispatch_outputs[r]` (shapes already checked by
+/// [`check_combine_shapes`]), the row's `(source rank, source token)`.
+///
+/// # Errors
+/// [`RefError::BadRow`]: a source rank or token index out of range, or one (source, token)
+/// twice in one rank.
+pub(crate) fn row_sources(
+    dispatch_outputs: &[RankOutput],
+    num_tokens: &[usize],
+) -> Result<Vec<Vec<(usize, usize)>>> {
+    let world = dispatch_outputs.len();
     let mut seen: Vec<Vec<bool>> = num_tokens.iter().map(|&t| vec![false; t]).collect();
-    for (r, out) in dispatch_outputs.iter().enumerate() {
+    let mut out = Vec::with_capacity(world);
+    for (r, o) in dispatch_outputs.iter().enumerate() {
         seen.iter_mut().for_each(|v| v.fill(false));
-        for row in 0..out.num_recv_tokens {
-            let s = out.recv_src_rank[row] as usize;
-            let t = out.recv_src_idx[row] as usize;
+        let mut rows = Vec::with_capacity(o.num_recv_tokens);
+        for row in 0..o.num_recv_tokens {
+            let s = o.recv_src_rank[row] as usize;
+            let t = o.recv_src_idx[row] as usize;
             let bad = |rule| RefError::BadRow { rank: r, row, rule };
             if s >= world {
                 return Err(bad("recv_src_rank >= world_size"));
@@ -89,26 +145,11 @@ pub fn combine(
             if std::mem::replace(&mut seen[s][t], true) {
                 return Err(bad("(source rank, token) received twice by one rank"));
             }
-            let dst = &mut acc[s][t * hidden..(t + 1) * hidden];
-            for (d, y) in dst.iter_mut().zip(&ys[r][row * hidden..(row + 1) * hidden]) {
-                *d += y.to_f32();
-            }
-            if let (Some(wacc), Some(w)) = (wacc.as_mut(), weights) {
-                let dst = &mut wacc[s][t * top_k..(t + 1) * top_k];
-                for (d, v) in dst.iter_mut().zip(&w[r][row * top_k..(row + 1) * top_k]) {
-                    *d += *v;
-                }
-            }
+            rows.push((s, t));
         }
+        out.push(rows);
     }
-    let mut wacc = wacc.map(|v| v.into_iter());
-    Ok(acc
-        .into_iter()
-        .map(|x| CombineOutput {
-            x: x.into_iter().map(bf16::from_f32).collect(),
-            weights: wacc.as_mut().and_then(|it| it.next()),
-        })
-        .collect())
+    Ok(out)
 }
 
 /// Low-latency combine of one source rank: `out[t] = Σ_k w[t][k] · y[t][k]` over the `k`

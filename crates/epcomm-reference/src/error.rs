@@ -106,6 +106,19 @@ pub enum RefError {
         /// What is wrong.
         rule: &'static str,
     },
+    /// The tiers of a hierarchical function do not cover the world it was given.
+    #[error(
+        "tiers of {nodes} nodes x {local_ranks} local ranks do not cover the {world_size} ranks \
+         given (nodes * local_ranks must equal the world size)"
+    )]
+    TiersMismatch {
+        /// [`Tiers::nodes`](epcomm_topology::Tiers::nodes).
+        nodes: usize,
+        /// [`Tiers::local_ranks`](epcomm_topology::Tiers::local_ranks).
+        local_ranks: usize,
+        /// The number of ranks of the inputs.
+        world_size: usize,
+    },
     /// A row format the rows cannot have (FP8 rows need `hidden % 128 == 0`): the rule comes
     /// from [`epcomm_topology::RowFormat`], shared with the buffer plans and kernel arguments.
     #[error("row format: {0}")]

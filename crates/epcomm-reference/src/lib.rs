@@ -14,6 +14,10 @@
 //!   order, in f32, rounded to bf16 once. [`combine_weighted_ll`] is the low-latency
 //!   variant (weighted sum of per-expert outputs); [`ll_dispatch`] gives the rows every rank
 //!   receives in a low-latency dispatch, per local expert.
+//! * [`hierarchical_combine`] is combine along the internode path (partials per node summed
+//!   on the rail peer, crossing the rail as f32 or bf16, then summed in node order);
+//!   [`rail_traffic`] counts the rows each tier carries. Dispatch's output is the same on
+//!   either path.
 //! * [`quantize_fp8_e4m3_per128`] is DeepEP's per-token, per-128-channel fp8 cast.
 //! * [`gen_deepep_workload`] reproduces DeepEP's benchmark inputs, deterministically per seed.
 //!
@@ -59,6 +63,7 @@ mod combine;
 mod dispatch;
 mod error;
 mod fp8;
+mod hierarchical;
 mod layout;
 mod low_latency;
 mod workload;
@@ -70,12 +75,16 @@ pub use fp8::{
     FP8_AMAX_FLOOR, FP8_E4M3_MAX, FP8_GROUP, dequantize_fp8_e4m3_per128, quantize_fp8_e4m3_per128,
     quantize_fp8_e4m3_per128_ue8m0,
 };
+pub use hierarchical::{RailTraffic, across_rail, hierarchical_combine, rail_traffic};
 pub use layout::{Layout, layout};
 pub use low_latency::{LlEntry, LlReceived, ll_dispatch};
 pub use workload::{
     Workload, gen_deepep_workload, gen_deepep_world, mask_topk, randn_f32, skewed_topk,
     small_int_bf16,
 };
+
+/// Re-exports of the topology types used in the API.
+pub use epcomm_topology::{RailPrecision, Tiers};
 
 /// Re-exports of the element types used in the API.
 pub use float8::F8E4M3;

@@ -90,6 +90,18 @@ pub enum TopologyError {
         /// What was being computed.
         what: &'static str,
     },
+    /// A size exceeded the limit the caller gave.
+    #[error("{what} needs {value} bytes, more than the limit of {limit}: {rule}")]
+    OverLimit {
+        /// What was being sized.
+        what: &'static str,
+        /// Its size in bytes.
+        value: u64,
+        /// The inclusive limit.
+        limit: u64,
+        /// How the size is derived.
+        rule: &'static str,
+    },
 }
 
 impl TopologyError {

@@ -7,6 +7,9 @@
 //!   that memory may be reused, and how each peer is reached.
 //! * [`RowFormat`] — bytes, FP8 scales and pitch of one token row.
 //! * [`BufferPlan`] — the byte layout of the symmetric buffer used by the intranode kernels.
+//! * [`Tiers`] — a world as nodes × local ranks, [`RailPrecision`], and the worst-case sizes
+//!   of the hierarchical (rail + NVLink forwarding) buffers ([`rail_recv_rows`],
+//!   [`forward_rows`], [`combine_rail_partial_rows`] and their byte sizes).
 //!
 //! Every constructor validates its inputs and returns a typed [`TopologyError`] naming the
 //! argument and the rule it broke; nothing here panics on bad input.
@@ -38,12 +41,17 @@ mod buffer;
 mod error;
 mod route;
 mod row;
+mod tiers;
 mod world;
 
 pub use buffer::{BufferPlan, Parity, REGION_ALIGN, Region, RegionKind, STATS_BYTES};
 pub use error::TopologyError;
 pub use route::{PeerRoute, Route, RoutePlan, RoutePolicy, Schedule, Tier};
 pub use row::{RowDtype, RowFormat};
+pub use tiers::{
+    RailPrecision, Tiers, combine_partial_row_bytes, combine_rail_partial_bytes,
+    combine_rail_partial_rows, dispatch_row_bytes, forward_rows, rail_recv_bytes, rail_recv_rows,
+};
 pub use world::WorldLayout;
 
 /// Result alias of this crate.
