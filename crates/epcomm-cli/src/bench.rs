@@ -218,13 +218,6 @@ fn run_bench(
     let ops: Vec<BenchOp> = BenchOp::ALL
         .into_iter()
         .filter(|&op| op != BenchOp::DispatchFp8 || plan.fp8)
-        .filter(|&op| {
-            !plan.is_sweep
-                || matches!(
-                    op,
-                    BenchOp::DispatchBf16 | BenchOp::Combine | BenchOp::CombineInPlace
-                )
-        })
         .collect();
     let progress = Progress::new(rank, (plan.sweep.len() * ops.len()) as u64, plan.is_sweep);
     progress.say(format_args!(

@@ -230,7 +230,7 @@ pub struct BenchArgs {
     /// and receive phases apart) with --tokens tokens per rank (decode sizes: 1 to 256).
     #[arg(long)]
     pub low_latency: bool,
-    /// Comma-separated SM counts to sweep (BF16 dispatch and combine), instead of --sms.
+    /// Comma-separated SM counts to sweep (every op), instead of --sms.
     #[arg(
         long,
         value_name = "SMS,SMS,...",
