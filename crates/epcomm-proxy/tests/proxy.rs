@@ -237,6 +237,64 @@ fn an_executor_failure_names_the_peer_and_the_descriptors() {
     }
 }
 
+/// The host executor, recording every `progress` call (what an executor that mirrors the
+/// ring's progress would write).
+struct Recording {
+    inner: HostExecutor,
+    seen: Arc<std::sync::Mutex<Vec<(u64, u64)>>>,
+}
+
+impl Executor for Recording {
+    fn name(&self) -> &str {
+        "recording"
+    }
+    fn submit_transfer(&mut self, op: OpId, t: &Transfer) -> Result<Submit, OpFailure> {
+        self.inner.submit_transfer(op, t)
+    }
+    fn submit_signal(&mut self, op: OpId, s: &Signal) -> Result<Submit, OpFailure> {
+        self.inner.submit_signal(op, s)
+    }
+    fn submit_write(&mut self, op: OpId, w: &Write) -> Result<Submit, OpFailure> {
+        self.inner.submit_write(op, w)
+    }
+    fn poll(&mut self, done: &mut Vec<OpId>) -> Result<(), OpFailure> {
+        self.inner.poll(done)
+    }
+    fn progress(&mut self, taken: u64, completed: u64, _: OpId) -> Result<(), OpFailure> {
+        self.seen.lock().expect("lock").push((taken, completed));
+        Ok(())
+    }
+}
+
+#[test]
+fn progress_reports_taken_and_completed_as_they_grow() {
+    let heap = HostHeap::new(WORLD, HEAP);
+    let work = dispatch(&heap);
+    let (mut producer, consumer) = ring::split(RingMemory::allocate(64).expect("ring"));
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let executor = Recording {
+        inner: HostExecutor::new(Arc::clone(&heap), 0, 4),
+        seen: Arc::clone(&seen),
+    };
+    let proxy = Proxy::spawn(consumer, executor, ProxyConfig::new(limits())).expect("spawn");
+    for d in &work {
+        producer.push(d, &limits(), LONG).expect("push");
+    }
+    let n = work.len() as u64;
+    producer.wait_completed(n, LONG).expect("completed");
+    proxy.shutdown().expect("clean shutdown");
+    check_dispatch(&heap);
+    let seen = seen.lock().expect("lock");
+    // Never more complete than taken, never more taken than pushed, both only grow, and the
+    // last report covers everything.
+    assert!(seen.iter().all(|&(t, c)| c <= t && t <= n), "{seen:?}");
+    assert!(
+        seen.windows(2)
+            .all(|w| w[0].0 <= w[1].0 && w[0].1 <= w[1].1)
+    );
+    assert_eq!(seen.last(), Some(&(n, n)));
+}
+
 /// An executor that accepts work and never completes it: a device that stopped answering.
 struct Unresponsive;
 
