@@ -353,19 +353,3 @@ fn internode_long_sequence_without_delays() {
         assert_eq!(got, sequential_reference(&cfg));
     }
 }
-
-/// Without the credits the cached internode dispatches overwrite outputs peers still hold: the
-/// random-delay harness finds it (one failing run is required).
-#[test]
-fn jitter_catches_internode_without_credit() {
-    let mut rng = Rng(0x1A7E_0BAD);
-    let mut failures = 0;
-    for run in 0..60u64 {
-        let cfg = internode_config(&mut rng, Schedule::Epoch, false)
-            .with_mutation(Mutation::InterSkipCredit);
-        if run_model(&cfg, &Jitter::new(run)).is_err() {
-            failures += 1;
-        }
-    }
-    assert!(failures > 0, "no run without credits failed");
-}
