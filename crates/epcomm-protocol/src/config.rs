@@ -806,6 +806,33 @@ mod tests {
     }
 
     #[test]
+    fn nodes_split_the_world() {
+        use OpKind::*;
+        let base = ModelConfig::new(6, 1, 1, Schedule::Epoch, vec![InternodeDispatch]).unwrap();
+        assert_eq!((base.nodes(), base.local_ranks()), (1, 6));
+        for nodes in [0, 4] {
+            assert_eq!(
+                base.clone().with_nodes(nodes),
+                Err(ConfigError::Nodes { nodes, world: 6 })
+            );
+        }
+        let c = base.with_nodes(3).unwrap();
+        assert_eq!((c.nodes(), c.local_ranks()), (3, 2));
+        assert_eq!((c.node_of(5), c.local_of(5), c.rank_of(2, 1)), (2, 1, 5));
+        assert_eq!(
+            ModelConfig::new(2, 1, 1, Schedule::Epoch, vec![InternodeCachedDispatch]),
+            Err(ConfigError::InternodeCachedWithoutLayout { index: 0 })
+        );
+        // The internode ops have no failure path in the model yet.
+        assert!(!Failure::step_is_valid(
+            Schedule::Epoch,
+            InternodeDispatch,
+            Step::I6
+        ));
+        assert!(!Failure::step_is_valid(Schedule::Epoch, Dispatch, Step::I6));
+    }
+
+    #[test]
     fn error_messages_name_argument() {
         let e = ConfigError::CachedWithoutLayout { index: 3 };
         assert!(e.to_string().contains("ops[3]"));

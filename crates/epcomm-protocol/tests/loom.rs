@@ -83,8 +83,16 @@ fn cfg(
 }
 
 use OpKind::{
-    CachedDispatch as CD, Combine as C, Dispatch as D, LlCombine as LC, LlDispatch as LD,
+    CachedDispatch as CD, Combine as C, Dispatch as D, InternodeCachedDispatch as ICD,
+    InternodeDispatch as ID, LlCombine as LC, LlDispatch as LD,
 };
+
+/// `nodes x local` ranks, one token each, one block, the Epoch schedule (internode ops).
+fn inter(nodes: usize, local: usize, ops: &[OpKind]) -> ModelConfig {
+    cfg(nodes * local, 1, 1, Epoch, ops)
+        .with_nodes(nodes)
+        .unwrap()
+}
 use Schedule::{Epoch, Global};
 
 /// One `#[test]` per scenario, each explored at preemption bound 2 and required to pass.
@@ -172,6 +180,14 @@ explore_tests! {
     /// complete that dispatch, never the combine after it.
     ll_failure_in_receive_phase_ends_every_rank_in_error:
         failing(cfg(2, 1, 1, Epoch, &[LD, LD, LC]), 0, 1, Step::L6);
+
+    // ---- the hierarchical internode dispatch (model only) ---------------------------------
+
+    /// Two nodes of one rank: every row crosses the rail and the forwarder is its own final
+    /// receiver; the cached dispatch reuses the layout and exchanges no counts.
+    internode_two_nodes_dispatch_cached: inter(2, 1, &[ID, ICD]);
+    /// One node of two ranks: NVLink only; three ops, so the credits guard a parity reuse.
+    internode_one_node_cached_credit: inter(1, 2, &[ID, ICD, ICD]);
 }
 
 fn failing(c: ModelConfig, rank: usize, op: usize, at: Step) -> ModelConfig {
@@ -345,6 +361,28 @@ mutation_tests! {
     /// [L4] done add Release -> Relaxed: the receiver sees the done count but not the count word.
     ll_done_add_relaxed_is_caught:
         DoneAddRelaxed, cfg(2, 1, 1, Epoch, &[LD]), ["(LlDispatch), [L6] first rows"];
+}
+
+/// [I4] without the tag wait: the forwarder takes a rail count word that is not written yet.
+#[test]
+fn mutation_inter_skip_rail_count_wait_is_caught() {
+    mutation_is_caught(
+        inter(2, 1, &[ID]),
+        Mutation::InterSkipRailCountWait,
+        &["[I4] wait and relay rail counts: rail_count[1]", "epoch 0"],
+    );
+}
+
+/// [I5] without the credit wait: rank 0 (which waits on nobody else in cached ops) overwrites
+/// rank 1's live output.
+#[test]
+fn mutation_inter_skip_credit_is_caught() {
+    two_rank_routing();
+    mutation_is_caught(
+        inter(1, 2, &[ID, ICD, ICD]),
+        Mutation::InterSkipCredit,
+        &["rank 1", "xrecv[1]"],
+    );
 }
 
 /// Waits stop polling the abort word: after rank 1 fails in the count wait, rank 0 waits forever

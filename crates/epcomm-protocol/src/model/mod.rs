@@ -68,7 +68,8 @@ pub use violation::{OpError, Region, RunError, Violation};
 pub trait StepHook: Send + Sync {
     /// Called by rank `rank` right before it executes `step` of op number `op` (0-based) of
     /// kind `kind`. Steps that repeat per sender block (`[E4]`, `[E5]`, `[C1]`, `[C3]`, `[C4]`,
-    /// `[C2]`, `[L3]`, `[L4]`, `[L8]`) are reported once per block.
+    /// `[C2]`, `[L3]`, `[L4]`, `[L8]`) are reported once per block; `[I8]` and `[I9]` once
+    /// per rail source node the rank forwards for.
     fn at(&self, rank: usize, op: usize, kind: OpKind, step: Step);
 }
 
