@@ -402,3 +402,23 @@ fn mutation_skip_abort_poll_is_caught_as_a_hang() {
     );
     eprintln!("loom: hang found in {:.1?}: {message}", start.elapsed());
 }
+
+/// Two nodes of two ranks (four threads, a forwarder writing into a third rank): too large
+/// for an exhaustive search, so time-boxed like the three-rank search (`EPCOMM_LOOM_SECONDS`,
+/// default 300). A partial search, not a proof; std stress and negative tests cover 2x2.
+#[test]
+fn big_internode_two_by_two_time_boxed() {
+    if !big() {
+        eprintln!("skipped: set EPCOMM_LOOM_BIG=1");
+        return;
+    }
+    let secs = std::env::var("EPCOMM_LOOM_SECONDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(300);
+    explore_with(
+        inter(2, 2, &[ID]),
+        1,
+        Some(std::time::Duration::from_secs(secs)),
+    );
+}
