@@ -40,6 +40,16 @@ pub enum OpKind {
     /// their owners (send phase `[L8]`, `[L4]`), which reduce them (receive phase `[L5]`,
     /// `[L9]`); its own sequence number (the kernels' `ll_combine`).
     LlCombine,
+    /// Hierarchical internode dispatch (model only; no kernel yet): ranks are `(node, local)`,
+    /// a token crosses the network once per destination node, to its rail peer, which forwards
+    /// it over NVLink (`[I1]`..`[I12]`). Exchanges counts (tagged with its own notify sequence)
+    /// and has its own sequence number, regions, layout and live output; its output equals the
+    /// flat [`OpKind::Dispatch`]'s for the same layout.
+    InternodeDispatch,
+    /// Hierarchical dispatch reusing the layout of the last [`OpKind::InternodeDispatch`]: no
+    /// count exchange (`[I2]`..`[I4]`, `[I10]` skipped); waits only on the peers it receives
+    /// from (and on the credits of the peers it writes into).
+    InternodeCachedDispatch,
 }
 
 impl OpKind {
@@ -52,6 +62,14 @@ impl OpKind {
     /// Whether the op is a low-latency op ([`OpKind::LlDispatch`] or [`OpKind::LlCombine`]).
     pub fn is_low_latency(self) -> bool {
         matches!(self, OpKind::LlDispatch | OpKind::LlCombine)
+    }
+
+    /// Whether the op is a hierarchical internode dispatch (cached or not).
+    pub fn is_internode(self) -> bool {
+        matches!(
+            self,
+            OpKind::InternodeDispatch | OpKind::InternodeCachedDispatch
+        )
     }
 }
 
@@ -106,11 +124,20 @@ pub enum Mutation {
     /// `[L2]` stores the bare row count, without the LL epoch tag: `[L6]` can no longer tell
     /// this op's word from "never written" or from op `l - 2`'s, and must reject it.
     LlUntaggedCount,
+    /// `[I4]`: the forwarder takes the rail count words as they are, without waiting for the
+    /// notify tag: it relays (and expects rows by) a count that may be stale or never written.
+    InterSkipRailCountWait,
+    /// `[I11]`: the final receiver does not wait for the done signal of the sources whose rows
+    /// are forwarded (other nodes): it reads rows the forwarder has not written yet.
+    InterSkipForwardDoneWait,
+    /// `[I5]`: the writers do not wait for the credit of the peers they write into: a cached
+    /// dispatch that waits on nobody can overwrite the live output a peer still reads.
+    InterSkipCredit,
 }
 
 impl Mutation {
     /// Every mutation.
-    pub const ALL: [Mutation; 13] = [
+    pub const ALL: [Mutation; 16] = [
         Mutation::FlagStoreRelaxed,
         Mutation::FlagWaitRelaxed,
         Mutation::DoneAddRelaxed,
@@ -124,6 +151,9 @@ impl Mutation {
         Mutation::LlSingleRegion,
         Mutation::LlSkipDoneWait,
         Mutation::LlUntaggedCount,
+        Mutation::InterSkipRailCountWait,
+        Mutation::InterSkipForwardDoneWait,
+        Mutation::InterSkipCredit,
     ];
 
     /// Whether the protocol stays correct under this mutation (the checker must accept it).
@@ -165,6 +195,10 @@ impl Failure {
     pub fn step_is_valid(schedule: Schedule, kind: OpKind, at: Step) -> bool {
         use Step::*;
         let global = schedule == Schedule::Global;
+        if kind.is_internode() {
+            // The failure path of the internode ops is not modelled yet: no failure in them.
+            return false;
+        }
         match at {
             Recheck => true,
             E1 | E2 => kind == OpKind::Dispatch && !global,
@@ -177,6 +211,8 @@ impl Failure {
             L4 | L5 => kind.is_low_latency(),
             L8 | L9 => kind == OpKind::LlCombine,
             F1 | F2 => false,
+            // The failure path of the internode ops is not modelled yet.
+            I1 | I2 | I3 | I4 | I5 | I6 | I7 | I8 | I9 | I10 | I11 | I12 => false,
         }
     }
 }
@@ -232,6 +268,20 @@ pub enum ConfigError {
         /// Index of the offending op.
         index: usize,
     },
+    /// A cached internode dispatch with no earlier internode dispatch to take its layout from.
+    #[error("ops[{index}] is InternodeCachedDispatch but no InternodeDispatch precedes it")]
+    InternodeCachedWithoutLayout {
+        /// Index of the offending op.
+        index: usize,
+    },
+    /// `nodes` is zero or does not divide the world.
+    #[error("nodes = {nodes}: must be positive and divide the world size {world}")]
+    Nodes {
+        /// The rejected value.
+        nodes: usize,
+        /// The world size.
+        world: usize,
+    },
     /// A zero wait timeout.
     #[error("wait_timeout is zero: bounded waits need a positive timeout")]
     ZeroTimeout,
@@ -275,6 +325,7 @@ pub struct ModelConfig {
     blocks: usize,
     schedule: Schedule,
     ops: Vec<OpKind>,
+    nodes: usize,
     wait_timeout: Duration,
     failure: Option<Failure>,
     mutations: Vec<Mutation>,
@@ -311,8 +362,14 @@ impl ModelConfig {
         }
         let mut seen_dispatch = false;
         let mut seen_ll_dispatch = false;
+        let mut seen_internode = false;
         for (index, op) in ops.iter().enumerate() {
             match op {
+                OpKind::InternodeDispatch => seen_internode = true,
+                OpKind::InternodeCachedDispatch if !seen_internode => {
+                    return Err(ConfigError::InternodeCachedWithoutLayout { index });
+                }
+                OpKind::InternodeCachedDispatch => {}
                 OpKind::Dispatch => seen_dispatch = true,
                 OpKind::LlDispatch => seen_ll_dispatch = true,
                 OpKind::LlCombine if !seen_ll_dispatch => {
@@ -334,6 +391,7 @@ impl ModelConfig {
             blocks,
             schedule,
             ops,
+            nodes: 1,
             wait_timeout: Self::DEFAULT_WAIT_TIMEOUT,
             failure: None,
             mutations: Vec::new(),
@@ -374,6 +432,19 @@ impl ModelConfig {
         self
     }
 
+    /// Splits the world into `nodes` nodes of `world / nodes` local ranks each (rank
+    /// `node * local_ranks + local`); only the internode ops use the split. Default: one node.
+    pub fn with_nodes(mut self, nodes: usize) -> Result<Self, ConfigError> {
+        if nodes == 0 || !self.world.is_multiple_of(nodes) {
+            return Err(ConfigError::Nodes {
+                nodes,
+                world: self.world,
+            });
+        }
+        self.nodes = nodes;
+        Ok(self)
+    }
+
     /// Replaces the bound of every spin-wait in std runs (must be positive).
     pub fn with_wait_timeout(mut self, timeout: Duration) -> Result<Self, ConfigError> {
         if timeout.is_zero() {
@@ -386,6 +457,26 @@ impl ModelConfig {
     /// Number of ranks.
     pub fn world(&self) -> usize {
         self.world
+    }
+    /// Number of nodes (the internode ops' `N`).
+    pub fn nodes(&self) -> usize {
+        self.nodes
+    }
+    /// Ranks per node (the internode ops' `L`): rank `r` is `(r / L, r % L)`.
+    pub fn local_ranks(&self) -> usize {
+        self.world / self.nodes
+    }
+    /// The node of rank `rank`.
+    pub fn node_of(&self, rank: usize) -> usize {
+        rank / self.local_ranks()
+    }
+    /// The local index of rank `rank` within its node.
+    pub fn local_of(&self, rank: usize) -> usize {
+        rank % self.local_ranks()
+    }
+    /// The rank `(node, local)`.
+    pub fn rank_of(&self, node: usize, local: usize) -> usize {
+        node * self.local_ranks() + local
     }
     /// Tokens owned by each rank.
     pub fn tokens(&self) -> usize {
@@ -712,6 +803,33 @@ mod tests {
             1,
             "only CountLoadsRelaxed is benign"
         );
+    }
+
+    #[test]
+    fn nodes_split_the_world() {
+        use OpKind::*;
+        let base = ModelConfig::new(6, 1, 1, Schedule::Epoch, vec![InternodeDispatch]).unwrap();
+        assert_eq!((base.nodes(), base.local_ranks()), (1, 6));
+        for nodes in [0, 4] {
+            assert_eq!(
+                base.clone().with_nodes(nodes),
+                Err(ConfigError::Nodes { nodes, world: 6 })
+            );
+        }
+        let c = base.with_nodes(3).unwrap();
+        assert_eq!((c.nodes(), c.local_ranks()), (3, 2));
+        assert_eq!((c.node_of(5), c.local_of(5), c.rank_of(2, 1)), (2, 1, 5));
+        assert_eq!(
+            ModelConfig::new(2, 1, 1, Schedule::Epoch, vec![InternodeCachedDispatch]),
+            Err(ConfigError::InternodeCachedWithoutLayout { index: 0 })
+        );
+        // The internode ops have no failure path in the model yet.
+        assert!(!Failure::step_is_valid(
+            Schedule::Epoch,
+            InternodeDispatch,
+            Step::I6
+        ));
+        assert!(!Failure::step_is_valid(Schedule::Epoch, Dispatch, Step::I6));
     }
 
     #[test]

@@ -12,6 +12,7 @@ use crate::model::OpError;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum OpOutput {
     /// Rows received by a dispatch, ordered by source rank then token (the `[E3]` offsets).
+    /// Also the output of the internode dispatches (`seq`: their own sequence number).
     Dispatch {
         /// Dispatch sequence number (the epoch).
         seq: u64,
@@ -188,9 +189,22 @@ pub fn sequential_reference(cfg: &ModelConfig) -> Vec<RankReport> {
             let mut layout_seq = 0u64;
             let mut ll_seq = 0u64;
             let mut ll_combine_seq = 0u64;
+            let mut inter_seq = 0u64;
+            let mut inter_layout_seq = 0u64;
             let mut outputs = Vec::with_capacity(cfg.ops().len());
             for op in cfg.ops() {
                 match op {
+                    OpKind::InternodeDispatch | OpKind::InternodeCachedDispatch => {
+                        // The hierarchical path delivers exactly the flat dispatch's rows.
+                        inter_seq += 1;
+                        if *op == OpKind::InternodeDispatch {
+                            inter_layout_seq = inter_seq;
+                        }
+                        outputs.push(Ok(OpOutput::Dispatch {
+                            seq: inter_seq,
+                            rows: expected_rows(cfg, inter_layout_seq, inter_seq, me),
+                        }));
+                    }
                     OpKind::Dispatch | OpKind::CachedDispatch => {
                         dispatch_seq += 1;
                         if *op == OpKind::Dispatch {

@@ -83,11 +83,35 @@ pub enum Step {
     /// `[L9]` low-latency combine receive phase: after `[L5]`, per token the sum of
     /// `ll_comb[l'%2][token][k]` over its valid `k` in increasing `k`.
     L9,
+    /// `[I1]` internode op start: store `credit[me] := i - 1` (release) into every rank that writes my internode regions (my node's ranks and my rail peers, myself included): I read nothing of op `i - 1` any more.
+    I1,
+    /// `[I2]` (non-cached) into each rail peer `(k, l)`, `k != n`: `rail_count[m%2][n][j] := (m << 32) | count(me -> (k, j))` for `j < L`, and `[L]` the number of my tokens that cross to node `k` (relaxed).
+    I2,
+    /// `[I3]` (non-cached) into each rank `d` of my node: `xcount[m%2][me] := (m << 32) | count(me -> d)` (relaxed).
+    I3,
+    /// `[I4]` (non-cached) per node `k != n`: wait until every `rail_count[m%2][k][*]` word carries tag `m` (acquire, bounded), then relay `count((k, l) -> d)` as `xcount[m%2][(k, l)]`, tagged `m`, into each rank `d` of my node (relaxed).
+    I4,
+    /// `[I5]` before writing rows of op `i` into a peer (rail peer or local rank, directly or forwarded): wait until its `credit >= i - 2` (acquire, bounded).
+    I5,
+    /// `[I6]` my rows: one copy per destination node `k != n` into rail peer `rail_buf[i%2][n][r]` (`r` its index among my tokens crossing to `k`), and into each rank `d` of my node `xrecv[i%2][me][j]` (`j` its index among my tokens for `d`) (relaxed).
+    I6,
+    /// `[I7]` after my rows: `rail_done[n] := i` on each rail peer I sent rows to, `idone[me] := i` on each rank of my node I sent rows to (release).
+    I7,
+    /// `[I8]` per node `k != n` whose rail peer sends me rows: wait until `rail_done[k] >= i` (acquire, bounded).
+    I8,
+    /// `[I9]` each row of `rail_buf[i%2][k]` into `xrecv[i%2][(k, l)][j]` of each rank of my node it goes to (relaxed), then `idone[(k, l)] := i` on each of them (release).
+    I9,
+    /// `[I10]` (non-cached) wait until every `xcount[m%2][s]` word carries tag `m` (acquire, bounded): the receive sizes, computed on the device.
+    I10,
+    /// `[I11]` wait until `idone[s] >= i` (acquire, bounded) for exactly the sources `s` with `count(s -> me) > 0`.
+    I11,
+    /// `[I12]` read the output: (non-cached) re-read `xcount[m%2][s]` (tag must be `m`), then `xrecv[i%2][s][0..count(s -> me)]`, by source then token.
+    I12,
 }
 
 impl Step {
     /// Every step, in label order.
-    pub const ALL: [Step; 29] = [
+    pub const ALL: [Step; 41] = [
         Step::Recheck,
         Step::E1,
         Step::E2,
@@ -117,6 +141,18 @@ impl Step {
         Step::L7,
         Step::L8,
         Step::L9,
+        Step::I1,
+        Step::I2,
+        Step::I3,
+        Step::I4,
+        Step::I5,
+        Step::I6,
+        Step::I7,
+        Step::I8,
+        Step::I9,
+        Step::I10,
+        Step::I11,
+        Step::I12,
     ];
 
     /// The bracketed label the CUDA code cites, e.g. `"[E3]"`.
@@ -151,6 +187,18 @@ impl Step {
             Step::L7 => "[L7]",
             Step::L8 => "[L8]",
             Step::L9 => "[L9]",
+            Step::I1 => "[I1]",
+            Step::I2 => "[I2]",
+            Step::I3 => "[I3]",
+            Step::I4 => "[I4]",
+            Step::I5 => "[I5]",
+            Step::I6 => "[I6]",
+            Step::I7 => "[I7]",
+            Step::I8 => "[I8]",
+            Step::I9 => "[I9]",
+            Step::I10 => "[I10]",
+            Step::I11 => "[I11]",
+            Step::I12 => "[I12]",
         }
     }
 
@@ -186,6 +234,18 @@ impl Step {
             Step::L7 => "pack",
             Step::L8 => "combine rows",
             Step::L9 => "reduce",
+            Step::I1 => "release credit",
+            Step::I2 => "write rail counts",
+            Step::I3 => "write local counts",
+            Step::I4 => "wait and relay rail counts",
+            Step::I5 => "wait credit",
+            Step::I6 => "write rows",
+            Step::I7 => "signal rows",
+            Step::I8 => "wait rail rows",
+            Step::I9 => "forward rows",
+            Step::I10 => "wait receive counts",
+            Step::I11 => "wait done",
+            Step::I12 => "read output",
         }
     }
 }

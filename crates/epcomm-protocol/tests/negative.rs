@@ -377,3 +377,106 @@ fn ll_failure_before_done_ends_every_later_op_in_error() {
         );
     }
 }
+
+// ---- the hierarchical internode dispatch (model only) -------------------------------------
+
+/// `nodes x local` ranks, one token each, one block, the Epoch schedule.
+fn internode(nodes: usize, local: usize, ops: &[OpKind]) -> ModelConfig {
+    ModelConfig::new(nodes * local, 1, 1, Schedule::Epoch, ops.to_vec())
+        .unwrap()
+        .with_nodes(nodes)
+        .unwrap()
+}
+
+/// Two nodes of one rank: rank 1 is held before it writes its rail counts `[I2]` while rank 0
+/// reaches `[I4]`. Unmutated, rank 0's `[I4]` waits for the tag (and rank 1 goes on); without
+/// that wait the forwarder takes a never-written rail count word (tag 0) as current.
+#[test]
+fn forwarder_without_rail_count_wait_uses_an_unwritten_count() {
+    use OpKind::*;
+    let cfg = internode(2, 1, &[InternodeDispatch]);
+    let pause = || Pause::new(1, (0, Step::I2), 0, (0, Step::I4));
+    match caught_only_when_mutated(&cfg, Mutation::InterSkipRailCountWait, pause, true) {
+        Violation::InterCountTag {
+            rank: 0,
+            op: 0,
+            step: Step::I4,
+            word: "rail_count",
+            src: 1,
+            expected: 1,
+            found: 0,
+            ..
+        } => {}
+        other => panic!("expected an unwritten rail count at [I4], got {other}"),
+    }
+}
+
+/// Two nodes of two ranks: rank 0's token goes to rank 3 (node 1), forwarded by its rail peer,
+/// rank 2. Rank 2 is held before it forwards `[I9]`; unmutated, rank 3's `[I11]` waits for
+/// rank 2's done signal for source 0, so it cannot reach `[I12]`; without that wait rank 3
+/// (or another rank, whose forwarded rows may be late as well) reads a forwarded row, from a
+/// source of the other node, before it lands.
+#[test]
+fn receiver_without_forward_done_wait_reads_before_the_forwarder() {
+    use OpKind::*;
+    assert!(
+        routes_to(1, 0, 0, 3),
+        "the routing oracle changed: pick another layout for this schedule"
+    );
+    let cfg = internode(2, 2, &[InternodeDispatch, InternodeCachedDispatch]);
+    let pause = || Pause::new(2, (0, Step::I9), 3, (0, Step::I12));
+    match caught_only_when_mutated(&cfg, Mutation::InterSkipForwardDoneWait, pause, false) {
+        Violation::Data {
+            rank,
+            op: 0,
+            step: Step::I12,
+            region: Region::XRecv,
+            slot,
+            found: 0,
+            ..
+        } => assert_ne!(
+            slot / 2,
+            rank / 2,
+            "one token: slot = source, two ranks a node"
+        ),
+        other => panic!("expected a forwarded row read before it landed, got {other}"),
+    }
+}
+
+/// One node of two ranks, cached dispatches: rank 0's token goes to rank 1, rank 1 sends
+/// nothing to rank 0, so rank 0 waits on nobody but the credits. Rank 1 is held at the start
+/// of op 1 with the output of op 0 (internode op 1, parity 1) still live; unmutated, rank 0's
+/// op 2 (internode op 3, parity 1 again) waits at `[I5]` for rank 1's credit of op 1, so it
+/// cannot reach `[I7]`; without the credit wait it overwrites rank 1's output of op 0 (found at
+/// rank 1's `[R]`, or already at its `[I12]` when rank 0 overtakes it before the pause point).
+#[test]
+fn writer_without_credit_overwrites_a_live_output() {
+    use OpKind::*;
+    rank_1_holds_no_token_for_rank_0();
+    let cfg = internode(
+        1,
+        2,
+        &[
+            InternodeDispatch,
+            InternodeCachedDispatch,
+            InternodeCachedDispatch,
+        ],
+    );
+    let pause = || Pause::new(1, (1, Step::Recheck), 0, (2, Step::I7));
+    match caught_only_when_mutated(&cfg, Mutation::InterSkipCredit, pause, false) {
+        Violation::Data {
+            rank: 1,
+            op: 0 | 1,
+            step: Step::Recheck | Step::I12,
+            region: Region::XRecv,
+            parity: 1,
+            expected,
+            found,
+            ..
+        } => {
+            assert_eq!(expected, data_word(1, 0, 0));
+            assert_eq!(found, data_word(3, 0, 0), "overwritten by internode op 3");
+        }
+        other => panic!("expected an overwritten live output, got {other}"),
+    }
+}

@@ -272,3 +272,84 @@ fn jitter_catches_the_unsound_variant() {
     }
     assert!(failures > 0, "no run of the unsound variant failed");
 }
+
+/// The `(nodes, local ranks)` shapes the internode tests run.
+const INTERNODE_SHAPES: [(usize, usize); 5] = [(1, 2), (2, 1), (2, 2), (3, 2), (2, 3)];
+
+/// Random internode op sequences (starting with an internode dispatch), mixed with the other
+/// families when `mixed`.
+fn random_internode_ops(rng: &mut Rng, len: usize, mixed: bool) -> Vec<OpKind> {
+    let mut ops = vec![OpKind::InternodeDispatch];
+    while ops.len() < len {
+        let seen_dispatch = ops.contains(&OpKind::Dispatch);
+        ops.push(match rng.below(if mixed { 7 } else { 3 }) {
+            0 => OpKind::InternodeDispatch,
+            1 | 2 => OpKind::InternodeCachedDispatch,
+            3 => OpKind::Dispatch,
+            4 if seen_dispatch => OpKind::Combine,
+            5 if seen_dispatch => OpKind::CachedDispatch,
+            _ => OpKind::LlDispatch,
+        });
+    }
+    ops
+}
+
+fn internode_config(rng: &mut Rng, schedule: Schedule, mixed: bool) -> ModelConfig {
+    let (nodes, local) = INTERNODE_SHAPES[rng.below(INTERNODE_SHAPES.len() as u64) as usize];
+    let tokens = 1 + rng.below(4) as usize;
+    let blocks = 1 + rng.below(2) as usize;
+    let len = 3 + rng.below(6) as usize;
+    let ops = random_internode_ops(rng, len, mixed);
+    ModelConfig::new(nodes * local, tokens, blocks, schedule, ops)
+        .unwrap()
+        .with_nodes(nodes)
+        .unwrap()
+}
+
+/// The hierarchical internode dispatch (cached or not) under random delays, on every shape:
+/// each rank's receive set equals the flat dispatch's (the sequential reference).
+#[test]
+fn internode_survives_random_delays() {
+    for (schedule, seed, runs) in [
+        (Schedule::Epoch, 0x1A7E_0001, 120),
+        (Schedule::Global, 0x1A7E_0002, 30),
+    ] {
+        stress(|rng| internode_config(rng, schedule, false), runs, seed);
+    }
+}
+
+/// Internode dispatches mixed with the intranode and low-latency ops.
+#[test]
+fn internode_mixes_survive_random_delays() {
+    stress(
+        |rng| internode_config(rng, Schedule::Epoch, true),
+        60,
+        0x1A7E_0003,
+    );
+}
+
+/// Every shape, a long sequence without delays: the credits and parities cycle many times.
+#[test]
+fn internode_long_sequence_without_delays() {
+    use OpKind::*;
+    let mut ops = vec![InternodeDispatch];
+    for i in 0..60 {
+        ops.push(
+            [
+                InternodeCachedDispatch,
+                InternodeCachedDispatch,
+                InternodeDispatch,
+                InternodeCachedDispatch,
+                InternodeDispatch,
+            ][i % 5],
+        );
+    }
+    for (nodes, local) in INTERNODE_SHAPES {
+        let cfg = ModelConfig::new(nodes * local, 4, 1, Schedule::Epoch, ops.clone())
+            .unwrap()
+            .with_nodes(nodes)
+            .unwrap();
+        let got = run_model(&cfg, &NoHook).unwrap_or_else(|f| panic!("{nodes}x{local}: {f}"));
+        assert_eq!(got, sequential_reference(&cfg));
+    }
+}

@@ -24,6 +24,7 @@
 //! - `dispatch.rs`: dispatch and cached dispatch, `[E1]`..`[E7]` and `[G1]`..`[G5]`;
 //! - `combine.rs`: combine, `[C1]`..`[C5]` (and `[G1]`);
 //! - `low_latency.rs`: the low-latency dispatch and combine, `[L1]`..`[L9]` (and `[G1]`, `[G2]`);
+//! - `internode.rs`: the hierarchical internode dispatch (model only), `[I1]`..`[I12]`;
 //! - `wait.rs`: the bounded waits, the done counters (`[E5]`/`[C2]` signal, `[E6]`/`[C5]`
 //!   wait) and the barrier of `[G1]`/`[G3]`/`[G5]`;
 //! - `failure.rs`: failure propagation, `[F1]`, `[F2]` and the guard that a failed rank writes
@@ -40,6 +41,7 @@
 mod combine;
 mod dispatch;
 mod failure;
+mod internode;
 mod low_latency;
 mod runner;
 mod violation;
@@ -66,7 +68,8 @@ pub use violation::{OpError, Region, RunError, Violation};
 pub trait StepHook: Send + Sync {
     /// Called by rank `rank` right before it executes `step` of op number `op` (0-based) of
     /// kind `kind`. Steps that repeat per sender block (`[E4]`, `[E5]`, `[C1]`, `[C3]`, `[C4]`,
-    /// `[C2]`, `[L3]`, `[L4]`, `[L8]`) are reported once per block.
+    /// `[C2]`, `[L3]`, `[L4]`, `[L8]`) are reported once per block; `[I8]` and `[I9]` once
+    /// per rail source node the rank forwards for.
     fn at(&self, rank: usize, op: usize, kind: OpKind, step: Step);
 }
 
@@ -102,6 +105,27 @@ struct RankBuffer {
     /// `k` (one expert per rank in the model: `k` is the contributing rank; parity of the LL
     /// combine sequence).
     ll_comb: Vec<AtomicU64>,
+    /// Internode: `rail_count[parity][src_node][j]`, tagged words from my rail peer in
+    /// `src_node`: its count for rank `(my node, j)` (`j < L`) and, at `j = L`, its rows that
+    /// cross to my node (parity of the internode notify sequence).
+    rail_count: Vec<AtomicU64>,
+    /// Internode: `rail_buf[parity][src_node][r]`, the rows my rail peer in `src_node` sends
+    /// over the network (parity of the internode sequence).
+    rail_buf: Vec<AtomicU64>,
+    /// Internode: `rail_done[src_node]`, monotonic: the internode sequence number of the last
+    /// op whose rail rows from `src_node` all landed.
+    rail_done: Vec<AtomicU64>,
+    /// Internode: `xcount[parity][src]`, tagged `(m << 32) | count(src -> me)`, written by
+    /// `src` (same node) or relayed by its forwarder (parity of the notify sequence).
+    xcount: Vec<AtomicU64>,
+    /// Internode: `xrecv[parity][src][j]`, my `j`-th row from `src` (parity of the internode
+    /// sequence).
+    xrecv: Vec<AtomicU64>,
+    /// Internode: `idone[src]`, monotonic: the internode sequence number of the last op whose
+    /// rows from `src` (direct or forwarded) all landed.
+    idone: Vec<AtomicU64>,
+    /// Internode: `credit[r]`, monotonic: rank `r` reads nothing of internode ops `<=` this.
+    credit: Vec<AtomicU64>,
     /// The abort word: `1 + rank` of a failed rank, 0 while none failed. Never reset.
     abort: AtomicU64,
 }
@@ -142,6 +166,13 @@ impl World {
                 ll_x: zeroed(cfg.ll_regions() * w * t),
                 ll_counts: zeroed(cfg.ll_regions() * w),
                 ll_comb: zeroed(cfg.ll_regions() * t * w),
+                rail_count: zeroed(p * cfg.nodes() * (cfg.local_ranks() + 1)),
+                rail_buf: zeroed(p * cfg.nodes() * t),
+                rail_done: zeroed(cfg.nodes()),
+                xcount: zeroed(p * w),
+                xrecv: zeroed(p * w * t),
+                idone: zeroed(w),
+                credit: zeroed(w),
                 abort: AtomicU64::new(0),
             })
             .collect();
@@ -191,6 +222,51 @@ impl World {
         let (w, t) = (self.cfg.world(), self.cfg.tokens());
         &self.ranks[rank].ll_comb[(parity * t + token) * w + k]
     }
+}
+
+impl World {
+    fn rail_count(&self, rank: usize, parity: usize, node: usize, j: usize) -> &AtomicU64 {
+        let (n, l) = (self.cfg.nodes(), self.cfg.local_ranks());
+        &self.ranks[rank].rail_count[(parity * n + node) * (l + 1) + j]
+    }
+
+    fn rail_buf(&self, rank: usize, parity: usize, node: usize, r: usize) -> &AtomicU64 {
+        let (n, t) = (self.cfg.nodes(), self.cfg.tokens());
+        &self.ranks[rank].rail_buf[(parity * n + node) * t + r]
+    }
+
+    fn xcount(&self, rank: usize, parity: usize, src: usize) -> &AtomicU64 {
+        &self.ranks[rank].xcount[parity * self.cfg.world() + src]
+    }
+
+    /// `rank.xrecv[parity][src][j]`; its index within the parity is `src * tokens + j`.
+    fn xrecv(&self, rank: usize, parity: usize, src: usize, j: usize) -> &AtomicU64 {
+        let (w, t) = (self.cfg.world(), self.cfg.tokens());
+        &self.ranks[rank].xrecv[(parity * w + src) * t + j]
+    }
+}
+
+/// Layout of the last non-cached internode dispatch, as this rank learned it from the count
+/// words (the kernels keep it on the device): what a cached one reuses.
+#[derive(Debug, Clone, Default)]
+struct InterLayout {
+    /// Its internode sequence number (which picks the routing).
+    seq: u64,
+    /// `recv[s]`: `count(s -> me)`, from `xcount` ([`Step::I10`]).
+    recv: Vec<u64>,
+    /// `rail[k]`: rows my rail peer in node `k` sends me, from `rail_count[k][L]` ([`Step::I4`]).
+    rail: Vec<u64>,
+    /// `fwd[k * L + j]`: `count((k, l) -> (n, j))`, the rows I forward from node `k` to rank
+    /// `j` of my node, from `rail_count[k][j]` ([`Step::I4`]).
+    fwd: Vec<u64>,
+}
+
+/// The output of the last internode dispatch, live until the next one starts.
+#[derive(Debug, Clone, Default)]
+struct InterLive {
+    parity: usize,
+    /// `(src, j, row)`: `xrecv[parity][src][j]` must hold `row`.
+    rows: Vec<(usize, usize, u64)>,
 }
 
 /// Layout of the last non-cached dispatch: its dispatch sequence number (which picks the
@@ -251,6 +327,10 @@ struct SeqState {
     ll_dispatch_seq: u64,
     /// Low-latency combines so far (the kernels' `ll_combine`): the `ll_comb` region.
     ll_combine_seq: u64,
+    /// Internode dispatches so far, cached or not: the data regions and the done values.
+    inter_seq: u64,
+    /// Non-cached internode dispatches so far: the count words' tag and region.
+    inter_notify_seq: u64,
 }
 
 /// One simulated rank: its place in the world, its op cursor and its private state.
@@ -267,5 +347,7 @@ struct Rank<'a> {
     layout: Layout,
     live: Option<Live>,
     ll_live: Option<LlLive>,
+    inter_layout: InterLayout,
+    inter_live: Option<InterLive>,
     outputs: Vec<Result<OpOutput, OpError>>,
 }

@@ -48,6 +48,8 @@ pub fn run_rank(world: &World, rank: usize, hook: &dyn StepHook) -> Result<RankR
             barrier_round: 0,
             ll_dispatch_seq: 0,
             ll_combine_seq: 0,
+            inter_seq: 0,
+            inter_notify_seq: 0,
         },
         claim: false,
         layout: Layout {
@@ -56,6 +58,8 @@ pub fn run_rank(world: &World, rank: usize, hook: &dyn StepHook) -> Result<RankR
         },
         live: None,
         ll_live: None,
+        inter_layout: super::InterLayout::default(),
+        inter_live: None,
         outputs: Vec::with_capacity(cfg.ops().len()),
     };
     let result = r.run();
@@ -133,6 +137,8 @@ impl Rank<'_> {
                     OpKind::Combine => self.combine(),
                     OpKind::LlDispatch => self.ll_dispatch(),
                     OpKind::LlCombine => self.ll_combine(),
+                    OpKind::InternodeDispatch => self.internode_dispatch(false),
+                    OpKind::InternodeCachedDispatch => self.internode_dispatch(true),
                 }
             });
             match result {

@@ -24,6 +24,10 @@ pub enum Region {
     LlX,
     /// `ll_comb[parity][token][k]`, the low-latency combine rows (slot = `token * world + k`).
     LlComb,
+    /// `rail_buf[parity][src_node][r]`, the internode rail rows (slot = `src_node * tokens + r`).
+    RailBuf,
+    /// `xrecv[parity][src][j]`, the internode receive rows (slot = `src * tokens + j`).
+    XRecv,
 }
 
 impl fmt::Display for Region {
@@ -33,6 +37,8 @@ impl fmt::Display for Region {
             Region::Comb => "comb",
             Region::LlX => "ll_x",
             Region::LlComb => "ll_comb",
+            Region::RailBuf => "rail_buf",
+            Region::XRecv => "xrecv",
         })
     }
 }
@@ -84,6 +90,33 @@ pub enum Violation {
         /// Sender.
         src: usize,
         /// The op's LL dispatch epoch.
+        expected: u64,
+        /// The tag found.
+        found: u64,
+    },
+    /// An internode count word (`rail_count` or `xcount`) carried another internode notify
+    /// epoch than the op's (stale, newer, or never written). Property (a).
+    #[error(
+        "rank {rank}, op {op} ({kind:?}), {step}: {word}[{parity}][{src}][{index}] carries internode notify epoch {found}, the op runs epoch {expected}"
+    )]
+    InterCountTag {
+        /// Rank that read the word.
+        rank: usize,
+        /// Op index.
+        op: usize,
+        /// Op kind.
+        kind: OpKind,
+        /// Step that read it.
+        step: Step,
+        /// `"rail_count"` or `"xcount"`.
+        word: &'static str,
+        /// Count region index.
+        parity: usize,
+        /// Source node (`rail_count`) or source rank (`xcount`).
+        src: usize,
+        /// Entry within the source (`rail_count`: `j`; `xcount`: 0).
+        index: usize,
+        /// The op's internode notify epoch.
         expected: u64,
         /// The tag found.
         found: u64,
@@ -266,6 +299,30 @@ impl Rank<'_> {
         }
         if self.kind.is_dispatch() {
             self.live = None;
+        }
+        if let Some(live) = &self.inter_live {
+            for &(src, j, expected) in &live.rows {
+                let found = self
+                    .w
+                    .xrecv(self.me, live.parity, src, j)
+                    .load(Ordering::Relaxed);
+                if found != expected {
+                    let slot = src * self.cfg.tokens() + j;
+                    return Err(self
+                        .data_violation(
+                            Step::Recheck,
+                            Region::XRecv,
+                            live.parity,
+                            slot,
+                            expected,
+                            found,
+                        )
+                        .into());
+                }
+            }
+        }
+        if self.kind.is_internode() {
+            self.inter_live = None;
         }
         Ok(())
     }
