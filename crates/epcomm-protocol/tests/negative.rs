@@ -9,7 +9,9 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use common::Pause;
-use epcomm_protocol::config::{combine_word, data_word, route_count, routes_to};
+use epcomm_protocol::config::{
+    combine_word, data_word, inter_combine_word, route_count, routes_to,
+};
 use epcomm_protocol::model::Region;
 use epcomm_protocol::{
     Failure, ModelConfig, Mutation, NoHook, OpError, OpKind, OpResult, Schedule, Step, StepHook,
@@ -478,5 +480,93 @@ fn writer_without_credit_overwrites_a_live_output() {
             assert_eq!(found, data_word(3, 0, 0), "overwritten by internode op 3");
         }
         other => panic!("expected an overwritten live output, got {other}"),
+    }
+}
+
+// ---- the hierarchical internode combine (model only) ---------------------------------------
+
+/// Two nodes of two ranks: rank 0's token goes to rank 3 (node 1), so rank 3 returns its
+/// contribution to the forwarder, rank 2 (`cfwd`). Rank 3 is held before it writes its
+/// contributions `[J3]` until rank 2 reduces `[J6]`; unmutated, rank 2's `[J5]` waits for rank
+/// 3's done signal, so it cannot reach `[J6]`; without that wait the forwarder builds its
+/// partial from a contribution that has not landed.
+#[test]
+fn forwarder_without_local_wait_sends_an_incomplete_partial() {
+    use OpKind::*;
+    assert!(
+        routes_to(1, 0, 0, 3),
+        "the routing oracle changed: pick another layout for this schedule"
+    );
+    let cfg = internode(2, 2, &[InternodeDispatch, InternodeCombine]);
+    let pause = || Pause::new(3, (1, Step::J3), 2, (1, Step::J6));
+    match caught_only_when_mutated(&cfg, Mutation::InterCombineSkipLocalWait, pause, false) {
+        Violation::Data {
+            op: 1,
+            step: Step::J6,
+            region: Region::CFwd,
+            found: 0,
+            ..
+        } => {}
+        other => panic!("expected a partial built before its contributions, got {other}"),
+    }
+}
+
+/// Two nodes of one rank: rank 0's token goes to rank 1, its rail peer, which returns the
+/// token's partial over the rail. Rank 1 is held before it reduces `[J6]` until rank 0 reads
+/// its partials `[J9]`; unmutated, rank 0's `[J8]` waits for rank 1's `cpdone`, so it cannot
+/// reach `[J9]`; without that wait the source reads a partial that has not landed.
+#[test]
+fn source_without_partial_wait_reads_before_the_partial_lands() {
+    use OpKind::*;
+    rank_1_holds_no_token_for_rank_0();
+    let cfg = internode(2, 1, &[InternodeDispatch, InternodeCombine]);
+    let pause = || Pause::new(1, (1, Step::J6), 0, (1, Step::J9));
+    match caught_only_when_mutated(&cfg, Mutation::InterCombineSkipPartialWait, pause, false) {
+        Violation::Data {
+            rank: 0,
+            op: 1,
+            step: Step::J9,
+            region: Region::CPart,
+            slot: 1,
+            found: 0,
+            ..
+        } => {}
+        other => panic!("expected a partial read before it landed, got {other}"),
+    }
+}
+
+/// One node of two ranks, back-to-back combines: rank 0's token goes to rank 1, rank 1's stays
+/// local, so rank 1 waits on nobody in a combine but the credits. Rank 0 is held before it
+/// reduces combine 1 `[J9]` until rank 1 has written combine 3's contributions (the same
+/// parity); unmutated, rank 1's `[J2]` of combine 3 waits for rank 0's credit of combine 2,
+/// so it cannot get there; without the credit wait rank 0 reduces combine 3's contribution.
+#[test]
+fn combine_without_credit_overwrites_an_unreduced_contribution() {
+    use OpKind::*;
+    rank_1_holds_no_token_for_rank_0();
+    let ops = [
+        InternodeDispatch,
+        InternodeCombine,
+        InternodeCombine,
+        InternodeCombine,
+    ];
+    let cfg = internode(1, 2, &ops);
+    let pause = || Pause::new(0, (1, Step::J9), 1, (3, Step::J4));
+    match caught_only_when_mutated(&cfg, Mutation::InterCombineSkipCredit, pause, false) {
+        Violation::Data {
+            rank: 0,
+            op: 1,
+            step: Step::J9,
+            region: Region::CDirect,
+            parity: 1,
+            expected,
+            found,
+            ..
+        } => {
+            let row = data_word(1, 0, 0);
+            assert_eq!(expected, inter_combine_word(1, 1, row));
+            assert_eq!(found, inter_combine_word(3, 1, row), "overwritten by combine 3");
+        }
+        other => panic!("expected an overwritten contribution, got {other}"),
     }
 }
