@@ -565,7 +565,11 @@ fn combine_without_credit_overwrites_an_unreduced_contribution() {
         } => {
             let row = data_word(1, 0, 0);
             assert_eq!(expected, inter_combine_word(1, 1, row));
-            assert_eq!(found, inter_combine_word(3, 1, row), "overwritten by combine 3");
+            assert_eq!(
+                found,
+                inter_combine_word(3, 1, row),
+                "overwritten by combine 3"
+            );
         }
         other => panic!("expected an overwritten contribution, got {other}"),
     }

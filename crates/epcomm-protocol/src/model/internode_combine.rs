@@ -61,9 +61,9 @@ impl Rank<'_> {
         // their contributions (the partial a forwarder must send).
         let expected_sum = |src: usize, t: usize, k: usize| -> u64 {
             let row = data_word(i, src, t);
-            contributors(src, t, k)
-                .into_iter()
-                .fold(0u64, |acc, d| acc.wrapping_add(inter_combine_word(q, d, row)))
+            contributors(src, t, k).into_iter().fold(0u64, |acc, d| {
+                acc.wrapping_add(inter_combine_word(q, d, row))
+            })
         };
 
         // Where my rows go: to a source of my node directly, to the forwarder of my node for
@@ -177,10 +177,7 @@ impl Rank<'_> {
             self.step(Step::J5)?;
             if !cfg.has(Mutation::InterCombineSkipLocalWait) {
                 for &d in local_peers.iter().filter(|&&d| d != me) {
-                    if crossing
-                        .iter()
-                        .any(|&t| routes_to(layout_seq, src, t, d))
-                    {
+                    if crossing.iter().any(|&t| routes_to(layout_seq, src, t, d)) {
                         let word = &self.w.ranks[me].cdone[d];
                         self.wait_geq(Step::J5, d, word, q, Ordering::Acquire)?;
                     }
