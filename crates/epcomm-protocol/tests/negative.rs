@@ -43,6 +43,23 @@ fn caught_only_when_mutated(
         .expect_err("the mutated protocol must fail under the forced schedule")
 }
 
+/// Like [`caught_only_when_mutated`] for a schedule the protocol cannot reach, when the
+/// mutated run may also fail elsewhere first (another rank hits the same bug and the run ends
+/// before the forced schedule is reached): returns the mutated run's first violation without
+/// requiring the forced schedule.
+fn caught_when_mutated_anywhere(
+    cfg: &ModelConfig,
+    mutation: Mutation,
+    pause: impl Fn() -> Pause,
+) -> Violation {
+    let unmutated = pause().giving_up_after(Duration::from_millis(300));
+    run_cfg(cfg, &unmutated, false).unwrap_or_else(|v| panic!("{cfg:?} must pass unmutated: {v}"));
+    let forced = pause().giving_up_after(Duration::from_secs(1));
+    let failure = run_model(&cfg.clone().with_mutation(mutation), &forced)
+        .expect_err("the mutated protocol must fail under the forced schedule");
+    failure.violations[0].clone()
+}
+
 /// Runs `cfg` under `pause`; `reachable` says whether the forced schedule must be reached.
 fn run_cfg(cfg: &ModelConfig, pause: &Pause, reachable: bool) -> Result<(), Violation> {
     let result = run_model(cfg, pause);
@@ -427,7 +444,7 @@ fn receiver_without_forward_done_wait_reads_before_the_forwarder() {
     );
     let cfg = internode(2, 2, &[InternodeDispatch, InternodeCachedDispatch]);
     let pause = || Pause::new(2, (0, Step::I9), 3, (0, Step::I12));
-    match caught_only_when_mutated(&cfg, Mutation::InterSkipForwardDoneWait, pause, false) {
+    match caught_when_mutated_anywhere(&cfg, Mutation::InterSkipForwardDoneWait, pause) {
         Violation::Data {
             rank,
             op: 0,
@@ -489,7 +506,10 @@ fn writer_without_credit_overwrites_a_live_output() {
 /// contribution to the forwarder, rank 2 (`cfwd`). Rank 3 is held before it writes its
 /// contributions `[J3]` until rank 2 reduces `[J6]`; unmutated, rank 2's `[J5]` waits for rank
 /// 3's done signal, so it cannot reach `[J6]`; without that wait the forwarder builds its
-/// partial from a contribution that has not landed.
+/// partial from a contribution that has not landed. (Layout 1 has other forwarded
+/// contributions, rank 1's to rank 0 and rank 0's to rank 1: a mutated forwarder of node 0
+/// may read one of those first, and the run then ends before rank 2 gets there; either way
+/// the first violation is a partial built from a contribution that has not landed.)
 #[test]
 fn forwarder_without_local_wait_sends_an_incomplete_partial() {
     use OpKind::*;
@@ -499,7 +519,7 @@ fn forwarder_without_local_wait_sends_an_incomplete_partial() {
     );
     let cfg = internode(2, 2, &[InternodeDispatch, InternodeCombine]);
     let pause = || Pause::new(3, (1, Step::J3), 2, (1, Step::J6));
-    match caught_only_when_mutated(&cfg, Mutation::InterCombineSkipLocalWait, pause, false) {
+    match caught_when_mutated_anywhere(&cfg, Mutation::InterCombineSkipLocalWait, pause) {
         Violation::Data {
             op: 1,
             step: Step::J6,
