@@ -395,9 +395,9 @@ fn internode_combine_config(rng: &mut Rng, schedule: Schedule, mixed: bool) -> M
 #[test]
 fn internode_combine_survives_random_delays() {
     for (schedule, mixed, seed, runs) in [
-        (Schedule::Epoch, false, 0x1A7E_C001, 100),
-        (Schedule::Epoch, true, 0x1A7E_C002, 40),
-        (Schedule::Global, false, 0x1A7E_C003, 20),
+        (Schedule::Epoch, false, 0x1A7E_C001, 300),
+        (Schedule::Epoch, true, 0x1A7E_C002, 100),
+        (Schedule::Global, false, 0x1A7E_C003, 50),
     ] {
         stress(
             |rng| internode_combine_config(rng, schedule, mixed),
