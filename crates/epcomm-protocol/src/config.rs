@@ -50,6 +50,14 @@ pub enum OpKind {
     /// count exchange (`[I2]`..`[I4]`, `[I10]` skipped); waits only on the peers it receives
     /// from (and on the credits of the peers it writes into).
     InternodeCachedDispatch,
+    /// Hierarchical internode combine (model only; no kernel yet): every rank returns the rows
+    /// of its last internode dispatch (cached or not) to their sources, reusing its layout
+    /// (`[J1]`..`[J9]`). Rows of a source in another node go to the rail peer that forwarded
+    /// them, which reduces its node's rows into one partial per token and returns it over the
+    /// rail; rows of a source in the same node go to it directly. Its own sequence number `q`
+    /// (combine regions `q % 2`, done values) and credits; its output equals the flat
+    /// [`OpKind::Combine`]'s for the same layout (with [`inter_combine_word`] contributions).
+    InternodeCombine,
 }
 
 impl OpKind {
@@ -64,12 +72,19 @@ impl OpKind {
         matches!(self, OpKind::LlDispatch | OpKind::LlCombine)
     }
 
-    /// Whether the op is a hierarchical internode dispatch (cached or not).
+    /// Whether the op is a hierarchical internode dispatch (cached or not): it writes the
+    /// internode receive regions and releases the live output of the last one.
     pub fn is_internode(self) -> bool {
         matches!(
             self,
             OpKind::InternodeDispatch | OpKind::InternodeCachedDispatch
         )
+    }
+
+    /// Whether the op belongs to the hierarchical internode family (a dispatch, cached or
+    /// not, or [`OpKind::InternodeCombine`]).
+    pub fn is_internode_family(self) -> bool {
+        self.is_internode() || self == OpKind::InternodeCombine
     }
 }
 
@@ -133,11 +148,20 @@ pub enum Mutation {
     /// `[I5]`: the writers do not wait for the credit of the peers they write into: a cached
     /// dispatch that waits on nobody can overwrite the live output a peer still reads.
     InterSkipCredit,
+    /// `[J5]`: the forwarder does not wait for the done signals of its node's contributors
+    /// before it reduces: it sends a partial built from contributions that have not landed.
+    InterCombineSkipLocalWait,
+    /// `[J8]`: the source does not wait for the rail partials' done signals: it reads a
+    /// partial before it lands.
+    InterCombineSkipPartialWait,
+    /// `[J2]`: the contributors do not wait for the combine credit of the ranks they write
+    /// into: a combine can overwrite a region a slower peer has not reduced yet.
+    InterCombineSkipCredit,
 }
 
 impl Mutation {
     /// Every mutation.
-    pub const ALL: [Mutation; 16] = [
+    pub const ALL: [Mutation; 19] = [
         Mutation::FlagStoreRelaxed,
         Mutation::FlagWaitRelaxed,
         Mutation::DoneAddRelaxed,
@@ -154,6 +178,9 @@ impl Mutation {
         Mutation::InterSkipRailCountWait,
         Mutation::InterSkipForwardDoneWait,
         Mutation::InterSkipCredit,
+        Mutation::InterCombineSkipLocalWait,
+        Mutation::InterCombineSkipPartialWait,
+        Mutation::InterCombineSkipCredit,
     ];
 
     /// Whether the protocol stays correct under this mutation (the checker must accept it).
@@ -195,7 +222,7 @@ impl Failure {
     pub fn step_is_valid(schedule: Schedule, kind: OpKind, at: Step) -> bool {
         use Step::*;
         let global = schedule == Schedule::Global;
-        if kind.is_internode() {
+        if kind.is_internode_family() {
             // The failure path of the internode ops is not modelled yet: no failure in them.
             return false;
         }
@@ -213,6 +240,7 @@ impl Failure {
             F1 | F2 => false,
             // The failure path of the internode ops is not modelled yet.
             I1 | I2 | I3 | I4 | I5 | I6 | I7 | I8 | I9 | I10 | I11 | I12 => false,
+            J1 | J2 | J3 | J4 | J5 | J6 | J7 | J8 | J9 => false,
         }
     }
 }
@@ -271,6 +299,12 @@ pub enum ConfigError {
     /// A cached internode dispatch with no earlier internode dispatch to take its layout from.
     #[error("ops[{index}] is InternodeCachedDispatch but no InternodeDispatch precedes it")]
     InternodeCachedWithoutLayout {
+        /// Index of the offending op.
+        index: usize,
+    },
+    /// An internode combine with no earlier internode dispatch whose rows it could return.
+    #[error("ops[{index}] is InternodeCombine but no InternodeDispatch precedes it")]
+    InternodeCombineWithoutDispatch {
         /// Index of the offending op.
         index: usize,
     },
@@ -369,7 +403,10 @@ impl ModelConfig {
                 OpKind::InternodeCachedDispatch if !seen_internode => {
                     return Err(ConfigError::InternodeCachedWithoutLayout { index });
                 }
-                OpKind::InternodeCachedDispatch => {}
+                OpKind::InternodeCombine if !seen_internode => {
+                    return Err(ConfigError::InternodeCombineWithoutDispatch { index });
+                }
+                OpKind::InternodeCachedDispatch | OpKind::InternodeCombine => {}
                 OpKind::Dispatch => seen_dispatch = true,
                 OpKind::LlDispatch => seen_ll_dispatch = true,
                 OpKind::LlCombine if !seen_ll_dispatch => {
@@ -615,6 +652,18 @@ pub fn ll_combine_word(ll_combine_seq: u64, contributor: usize, row: u64) -> u64
     combine_word(ll_combine_seq | LL_WORD_BIT, contributor, row)
 }
 
+/// Bit that marks an internode combine sequence number inside a combine word.
+const INTER_WORD_BIT: u64 = 1 << 30;
+
+/// The contribution rank `contributor` returns in the internode combine `inter_combine_seq`
+/// for the received row `row` (a [`data_word`] of an internode dispatch) (`[J3]`); never 0,
+/// never a normal [`combine_word`] of the same row. A forwarder's partial and a source's
+/// reduction are wrapping sums of these: one hash per contributor, so a missing, extra or
+/// stale contribution changes the sum.
+pub fn inter_combine_word(inter_combine_seq: u64, contributor: usize, row: u64) -> u64 {
+    combine_word(inter_combine_seq | INTER_WORD_BIT, contributor, row)
+}
+
 /// Encodes a count word: `(epoch << 32) | count`. Epochs start at 1, so 0 means never written.
 pub fn count_word(epoch: u64, count: u64) -> u64 {
     (epoch << 32) | (count & 0xFFFF_FFFF)
@@ -822,6 +871,10 @@ mod tests {
         assert_eq!(
             ModelConfig::new(2, 1, 1, Schedule::Epoch, vec![InternodeCachedDispatch]),
             Err(ConfigError::InternodeCachedWithoutLayout { index: 0 })
+        );
+        assert_eq!(
+            ModelConfig::new(2, 1, 1, Schedule::Epoch, vec![Dispatch, InternodeCombine]),
+            Err(ConfigError::InternodeCombineWithoutDispatch { index: 1 })
         );
         // The internode ops have no failure path in the model yet.
         assert!(!Failure::step_is_valid(

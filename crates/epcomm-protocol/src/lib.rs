@@ -5,7 +5,8 @@
 //! low-latency ops ([`OpKind::LlDispatch`], [`OpKind::LlCombine`]: a send phase and a receive
 //! phase each), in any mix; and, as a model only (no kernel yet), the hierarchical internode
 //! dispatch ([`OpKind::InternodeDispatch`], [`OpKind::InternodeCachedDispatch`], steps `[I1]`..
-//! `[I12]`; shape [`ModelConfig::with_nodes`]). Under `RUSTFLAGS="--cfg loom"` the atomics and threads are loom's
+//! `[I12]`; shape [`ModelConfig::with_nodes`]) and combine ([`OpKind::InternodeCombine`],
+//! steps `[J1]`..`[J9]`). Under `RUSTFLAGS="--cfg loom"` the atomics and threads are loom's
 //! and `tests/loom.rs` explores every interleaving within a preemption bound; in a normal build
 //! the same code runs on std threads (`tests/stress.rs`, `tests/negative.rs`).
 //!

@@ -3,8 +3,8 @@
 //! failure).
 
 use crate::config::{
-    ModelConfig, OpKind, combine_word, data_word, ll_combine_word, ll_routes_to, ll_row_word,
-    routes_to,
+    ModelConfig, OpKind, combine_word, data_word, inter_combine_word, ll_combine_word,
+    ll_routes_to, ll_row_word, routes_to,
 };
 use crate::model::OpError;
 
@@ -20,6 +20,8 @@ pub enum OpOutput {
         rows: Vec<u64>,
     },
     /// Per-token reductions of a combine (wrapping sum over contributors in rank order).
+    /// Also the output of the internode combine (`seq`: its own sequence number; the sum of
+    /// the contributors' [`crate::config::inter_combine_word`]s, whatever the grouping).
     Combine {
         /// Combine sequence number.
         seq: u64,
@@ -178,6 +180,26 @@ pub(crate) fn expected_ll_reduction(
         })
 }
 
+/// What rank `me` reduces for its token `token` in the internode combine `inter_combine_seq`
+/// that returns the rows of the internode dispatch `inter_seq` under the layout `layout_seq`:
+/// the wrapping sum of one [`inter_combine_word`] per rank the token went to. The hierarchical
+/// path groups the contributors of each other node into one partial; the sum is the same.
+pub(crate) fn expected_inter_reduction(
+    cfg: &ModelConfig,
+    layout_seq: u64,
+    inter_seq: u64,
+    inter_combine_seq: u64,
+    me: usize,
+    token: usize,
+) -> u64 {
+    let row = data_word(inter_seq, me, token);
+    (0..cfg.world())
+        .filter(|&d| routes_to(layout_seq, me, token, d))
+        .fold(0u64, |acc, d| {
+            acc.wrapping_add(inter_combine_word(inter_combine_seq, d, row))
+        })
+}
+
 /// Computes the sequential expectation for every rank of `cfg`.
 pub fn sequential_reference(cfg: &ModelConfig) -> Vec<RankReport> {
     // The reference ignores any injected failure: it is what every op must produce if it
@@ -191,6 +213,7 @@ pub fn sequential_reference(cfg: &ModelConfig) -> Vec<RankReport> {
             let mut ll_combine_seq = 0u64;
             let mut inter_seq = 0u64;
             let mut inter_layout_seq = 0u64;
+            let mut inter_combine_seq = 0u64;
             let mut outputs = Vec::with_capacity(cfg.ops().len());
             for op in cfg.ops() {
                 match op {
@@ -203,6 +226,25 @@ pub fn sequential_reference(cfg: &ModelConfig) -> Vec<RankReport> {
                         outputs.push(Ok(OpOutput::Dispatch {
                             seq: inter_seq,
                             rows: expected_rows(cfg, inter_layout_seq, inter_seq, me),
+                        }));
+                    }
+                    OpKind::InternodeCombine => {
+                        inter_combine_seq += 1;
+                        let reduced = (0..cfg.tokens())
+                            .map(|t| {
+                                expected_inter_reduction(
+                                    cfg,
+                                    inter_layout_seq,
+                                    inter_seq,
+                                    inter_combine_seq,
+                                    me,
+                                    t,
+                                )
+                            })
+                            .collect();
+                        outputs.push(Ok(OpOutput::Combine {
+                            seq: inter_combine_seq,
+                            reduced,
                         }));
                     }
                     OpKind::Dispatch | OpKind::CachedDispatch => {

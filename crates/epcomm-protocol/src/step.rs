@@ -107,11 +107,29 @@ pub enum Step {
     I11,
     /// `[I12]` read the output: (non-cached) re-read `xcount[m%2][s]` (tag must be `m`), then `xrecv[i%2][s][0..count(s -> me)]`, by source then token.
     I12,
+    /// `[J1]` internode combine start: store `ccredit[me] := q - 1` (release) into every rank that writes my combine regions (my node's ranks and my rail peers): I read nothing of internode combine `q - 1` any more.
+    J1,
+    /// `[J2]` before writing contributions or partials of combine `q` into a peer: wait until its `ccredit >= q - 2` (acquire, bounded).
+    J2,
+    /// `[J3]` each row of my live internode output, as its contribution: for a source `s` of my node into `s.cdirect[q%2][me][t]`, for a source `(k, ls)` of another node into its forwarder `(n, ls).cfwd[q%2][s][t][l]` (relaxed); my own stay local.
+    J3,
+    /// `[J4]` after my contributions: `cdone[me] := q` (release) on each rank of my node I wrote contributions into.
+    J4,
+    /// `[J5]` forwarder, per node `k != n` whose rail peer `(k, l)` has tokens crossing to my node: wait until `cdone[j] >= q` (acquire, bounded) for every other rank `j` of my node that holds a row of `(k, l)`.
+    J5,
+    /// `[J6]` forwarder: per token `t` of `(k, l)` crossing to my node, reduce its node-local contributions (`cfwd[q%2][(k, l)][t][*]` and my own) into one partial, and write it into `(k, l).cpart[q%2][n][t]` over the rail (relaxed).
+    J6,
+    /// `[J7]` forwarder: after the partials, `cpdone[n] := q` (release) on the source `(k, l)`.
+    J7,
+    /// `[J8]` source: wait until `cdone[d] >= q` for every other rank `d` of my node my tokens went to, and `cpdone[k] >= q` for every node `k != n` some token of mine crossed to (acquire, bounded).
+    J8,
+    /// `[J9]` source: per token, reduce my own contribution, `cdirect[q%2][d][t]` of my node's ranks and `cpart[q%2][k][t]` of the other nodes.
+    J9,
 }
 
 impl Step {
     /// Every step, in label order.
-    pub const ALL: [Step; 41] = [
+    pub const ALL: [Step; 50] = [
         Step::Recheck,
         Step::E1,
         Step::E2,
@@ -153,6 +171,15 @@ impl Step {
         Step::I10,
         Step::I11,
         Step::I12,
+        Step::J1,
+        Step::J2,
+        Step::J3,
+        Step::J4,
+        Step::J5,
+        Step::J6,
+        Step::J7,
+        Step::J8,
+        Step::J9,
     ];
 
     /// The bracketed label the CUDA code cites, e.g. `"[E3]"`.
@@ -199,6 +226,15 @@ impl Step {
             Step::I10 => "[I10]",
             Step::I11 => "[I11]",
             Step::I12 => "[I12]",
+            Step::J1 => "[J1]",
+            Step::J2 => "[J2]",
+            Step::J3 => "[J3]",
+            Step::J4 => "[J4]",
+            Step::J5 => "[J5]",
+            Step::J6 => "[J6]",
+            Step::J7 => "[J7]",
+            Step::J8 => "[J8]",
+            Step::J9 => "[J9]",
         }
     }
 
@@ -246,6 +282,15 @@ impl Step {
             Step::I10 => "wait receive counts",
             Step::I11 => "wait done",
             Step::I12 => "read output",
+            Step::J1 => "release combine credit",
+            Step::J2 => "wait combine credit",
+            Step::J3 => "write contributions",
+            Step::J4 => "signal contributions",
+            Step::J5 => "wait local contributions",
+            Step::J6 => "reduce and send partials",
+            Step::J7 => "signal partials",
+            Step::J8 => "wait contributions and partials",
+            Step::J9 => "reduce",
         }
     }
 }

@@ -84,7 +84,7 @@ fn cfg(
 
 use OpKind::{
     CachedDispatch as CD, Combine as C, Dispatch as D, InternodeCachedDispatch as ICD,
-    InternodeDispatch as ID, LlCombine as LC, LlDispatch as LD,
+    InternodeCombine as IC, InternodeDispatch as ID, LlCombine as LC, LlDispatch as LD,
 };
 
 /// `nodes x local` ranks, one token each, one block, the Epoch schedule (internode ops).
@@ -188,6 +188,15 @@ explore_tests! {
     internode_two_nodes_dispatch_cached: inter(2, 1, &[ID, ICD]);
     /// One node of two ranks: NVLink only; three ops, so the credits guard a parity reuse.
     internode_one_node_cached_credit: inter(1, 2, &[ID, ICD, ICD]);
+    /// Two nodes of one rank: each rank is the forwarder of the other's tokens and returns
+    /// one partial per token over the rail.
+    internode_two_nodes_dispatch_combine: inter(2, 1, &[ID, IC]);
+    /// Two nodes of one rank: dispatch, combine, cached dispatch, then back-to-back combines
+    /// (the rail partials' region is reused under the combine credits).
+    internode_two_nodes_mixed_combines: inter(2, 1, &[ID, IC, ICD, IC, IC, IC]);
+    /// One node of two ranks: back-to-back combines, so the combine credits guard a parity
+    /// reuse.
+    internode_one_node_combine_credit: inter(1, 2, &[ID, IC, IC, IC]);
 }
 
 fn failing(c: ModelConfig, rank: usize, op: usize, at: Step) -> ModelConfig {
@@ -382,6 +391,29 @@ fn mutation_inter_skip_credit_is_caught() {
         inter(1, 2, &[ID, ICD, ICD]),
         Mutation::InterSkipCredit,
         &["rank 1", "xrecv[1]"],
+    );
+}
+
+/// [J8] without the partial wait: the source reads a rail partial before it lands.
+#[test]
+fn mutation_inter_combine_skip_partial_wait_is_caught() {
+    two_rank_routing();
+    mutation_is_caught(
+        inter(2, 1, &[ID, IC]),
+        Mutation::InterCombineSkipPartialWait,
+        &["rank 0", "[J9] reduce: cpart[1]"],
+    );
+}
+
+/// [J2] without the combine credit: rank 1 (which waits on nobody else in a combine) runs
+/// combine 3 while rank 0 still reduces combine 1, and overwrites its contribution.
+#[test]
+fn mutation_inter_combine_skip_credit_is_caught() {
+    two_rank_routing();
+    mutation_is_caught(
+        inter(1, 2, &[ID, IC, IC, IC]),
+        Mutation::InterCombineSkipCredit,
+        &["rank 0", "[J9] reduce: cdirect[1]"],
     );
 }
 

@@ -9,7 +9,9 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use common::Pause;
-use epcomm_protocol::config::{combine_word, data_word, route_count, routes_to};
+use epcomm_protocol::config::{
+    combine_word, data_word, inter_combine_word, route_count, routes_to,
+};
 use epcomm_protocol::model::Region;
 use epcomm_protocol::{
     Failure, ModelConfig, Mutation, NoHook, OpError, OpKind, OpResult, Schedule, Step, StepHook,
@@ -39,6 +41,23 @@ fn caught_only_when_mutated(
         .unwrap_or_else(|v| panic!("{cfg:?} must pass unmutated: {v}"));
     run_cfg(&cfg.clone().with_mutation(mutation), &pause(), true)
         .expect_err("the mutated protocol must fail under the forced schedule")
+}
+
+/// Like [`caught_only_when_mutated`] for a schedule the protocol cannot reach, when the
+/// mutated run may also fail elsewhere first (another rank hits the same bug and the run ends
+/// before the forced schedule is reached): returns the mutated run's first violation without
+/// requiring the forced schedule.
+fn caught_when_mutated_anywhere(
+    cfg: &ModelConfig,
+    mutation: Mutation,
+    pause: impl Fn() -> Pause,
+) -> Violation {
+    let unmutated = pause().giving_up_after(Duration::from_millis(300));
+    run_cfg(cfg, &unmutated, false).unwrap_or_else(|v| panic!("{cfg:?} must pass unmutated: {v}"));
+    let forced = pause().giving_up_after(Duration::from_secs(1));
+    let failure = run_model(&cfg.clone().with_mutation(mutation), &forced)
+        .expect_err("the mutated protocol must fail under the forced schedule");
+    failure.violations[0].clone()
 }
 
 /// Runs `cfg` under `pause`; `reachable` says whether the forced schedule must be reached.
@@ -425,7 +444,7 @@ fn receiver_without_forward_done_wait_reads_before_the_forwarder() {
     );
     let cfg = internode(2, 2, &[InternodeDispatch, InternodeCachedDispatch]);
     let pause = || Pause::new(2, (0, Step::I9), 3, (0, Step::I12));
-    match caught_only_when_mutated(&cfg, Mutation::InterSkipForwardDoneWait, pause, false) {
+    match caught_when_mutated_anywhere(&cfg, Mutation::InterSkipForwardDoneWait, pause) {
         Violation::Data {
             rank,
             op: 0,
@@ -478,5 +497,100 @@ fn writer_without_credit_overwrites_a_live_output() {
             assert_eq!(found, data_word(3, 0, 0), "overwritten by internode op 3");
         }
         other => panic!("expected an overwritten live output, got {other}"),
+    }
+}
+
+// ---- the hierarchical internode combine (model only) ---------------------------------------
+
+/// Two nodes of two ranks: rank 0's token goes to rank 3 (node 1), so rank 3 returns its
+/// contribution to the forwarder, rank 2 (`cfwd`). Rank 3 is held before it writes its
+/// contributions `[J3]` until rank 2 reduces `[J6]`; unmutated, rank 2's `[J5]` waits for rank
+/// 3's done signal, so it cannot reach `[J6]`; without that wait the forwarder builds its
+/// partial from a contribution that has not landed. (Layout 1 has other forwarded
+/// contributions, rank 1's to rank 0 and rank 0's to rank 1: a mutated forwarder of node 0
+/// may read one of those first, and the run then ends before rank 2 gets there; either way
+/// the first violation is a partial built from a contribution that has not landed.)
+#[test]
+fn forwarder_without_local_wait_sends_an_incomplete_partial() {
+    use OpKind::*;
+    assert!(
+        routes_to(1, 0, 0, 3),
+        "the routing oracle changed: pick another layout for this schedule"
+    );
+    let cfg = internode(2, 2, &[InternodeDispatch, InternodeCombine]);
+    let pause = || Pause::new(3, (1, Step::J3), 2, (1, Step::J6));
+    match caught_when_mutated_anywhere(&cfg, Mutation::InterCombineSkipLocalWait, pause) {
+        Violation::Data {
+            op: 1,
+            step: Step::J6,
+            region: Region::CFwd,
+            found: 0,
+            ..
+        } => {}
+        other => panic!("expected a partial built before its contributions, got {other}"),
+    }
+}
+
+/// Two nodes of one rank: rank 0's token goes to rank 1, its rail peer, which returns the
+/// token's partial over the rail. Rank 1 is held before it reduces `[J6]` until rank 0 reads
+/// its partials `[J9]`; unmutated, rank 0's `[J8]` waits for rank 1's `cpdone`, so it cannot
+/// reach `[J9]`; without that wait the source reads a partial that has not landed.
+#[test]
+fn source_without_partial_wait_reads_before_the_partial_lands() {
+    use OpKind::*;
+    rank_1_holds_no_token_for_rank_0();
+    let cfg = internode(2, 1, &[InternodeDispatch, InternodeCombine]);
+    let pause = || Pause::new(1, (1, Step::J6), 0, (1, Step::J9));
+    match caught_only_when_mutated(&cfg, Mutation::InterCombineSkipPartialWait, pause, false) {
+        Violation::Data {
+            rank: 0,
+            op: 1,
+            step: Step::J9,
+            region: Region::CPart,
+            slot: 1,
+            found: 0,
+            ..
+        } => {}
+        other => panic!("expected a partial read before it landed, got {other}"),
+    }
+}
+
+/// One node of two ranks, back-to-back combines: rank 0's token goes to rank 1, rank 1's stays
+/// local, so rank 1 waits on nobody in a combine but the credits. Rank 0 is held before it
+/// reduces combine 1 `[J9]` until rank 1 has written combine 3's contributions (the same
+/// parity); unmutated, rank 1's `[J2]` of combine 3 waits for rank 0's credit of combine 2,
+/// so it cannot get there; without the credit wait rank 0 reduces combine 3's contribution.
+#[test]
+fn combine_without_credit_overwrites_an_unreduced_contribution() {
+    use OpKind::*;
+    rank_1_holds_no_token_for_rank_0();
+    let ops = [
+        InternodeDispatch,
+        InternodeCombine,
+        InternodeCombine,
+        InternodeCombine,
+    ];
+    let cfg = internode(1, 2, &ops);
+    let pause = || Pause::new(0, (1, Step::J9), 1, (3, Step::J4));
+    match caught_only_when_mutated(&cfg, Mutation::InterCombineSkipCredit, pause, false) {
+        Violation::Data {
+            rank: 0,
+            op: 1,
+            step: Step::J9,
+            region: Region::CDirect,
+            parity: 1,
+            expected,
+            found,
+            ..
+        } => {
+            let row = data_word(1, 0, 0);
+            assert_eq!(expected, inter_combine_word(1, 1, row));
+            assert_eq!(
+                found,
+                inter_combine_word(3, 1, row),
+                "overwritten by combine 3"
+            );
+        }
+        other => panic!("expected an overwritten contribution, got {other}"),
     }
 }

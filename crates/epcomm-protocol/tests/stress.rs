@@ -353,3 +353,84 @@ fn internode_long_sequence_without_delays() {
         assert_eq!(got, sequential_reference(&cfg));
     }
 }
+
+// ---- the hierarchical internode combine (model only) ---------------------------------------
+
+/// The shapes the internode combine tests run: one node (NVLink only), two nodes of one rank
+/// (the forwarder is the only contributor of its node), two and three nodes of two ranks.
+const INTERNODE_COMBINE_SHAPES: [(usize, usize); 4] = [(1, 2), (2, 1), (2, 2), (3, 2)];
+
+/// Random sequences of internode dispatches (cached or not) and internode combines, starting
+/// with a dispatch; `mixed` adds the intranode ops.
+fn random_internode_combine_ops(rng: &mut Rng, len: usize, mixed: bool) -> Vec<OpKind> {
+    let mut ops = vec![OpKind::InternodeDispatch];
+    while ops.len() < len {
+        let seen_dispatch = ops.contains(&OpKind::Dispatch);
+        ops.push(match rng.below(if mixed { 7 } else { 5 }) {
+            0 => OpKind::InternodeDispatch,
+            1 => OpKind::InternodeCachedDispatch,
+            2..=4 => OpKind::InternodeCombine,
+            5 if seen_dispatch => OpKind::Combine,
+            _ => OpKind::Dispatch,
+        });
+    }
+    ops
+}
+
+fn internode_combine_config(rng: &mut Rng, schedule: Schedule, mixed: bool) -> ModelConfig {
+    let shapes = INTERNODE_COMBINE_SHAPES;
+    let (nodes, local) = shapes[rng.below(shapes.len() as u64) as usize];
+    let tokens = 1 + rng.below(4) as usize;
+    let len = 3 + rng.below(6) as usize;
+    let ops = random_internode_combine_ops(rng, len, mixed);
+    ModelConfig::new(nodes * local, tokens, 1, schedule, ops)
+        .unwrap()
+        .with_nodes(nodes)
+        .unwrap()
+}
+
+/// Internode dispatches and combines under random delays, on every shape: each combined token
+/// equals the flat combine's reduction over exactly its contributors (the sequential
+/// reference), with one partial per other node.
+#[test]
+fn internode_combine_survives_random_delays() {
+    for (schedule, mixed, seed, runs) in [
+        (Schedule::Epoch, false, 0x1A7E_C001, 300),
+        (Schedule::Epoch, true, 0x1A7E_C002, 100),
+        (Schedule::Global, false, 0x1A7E_C003, 50),
+    ] {
+        stress(
+            |rng| internode_combine_config(rng, schedule, mixed),
+            runs,
+            seed,
+        );
+    }
+}
+
+/// Every shape, a long sequence without delays: dispatch, combine, cached dispatch, combine,
+/// ..., with back-to-back combines, so the combine credits and parities cycle many times.
+#[test]
+fn internode_combine_long_sequence_without_delays() {
+    use OpKind::*;
+    let mut ops = vec![InternodeDispatch];
+    for i in 0..60 {
+        ops.push(
+            [
+                InternodeCombine,
+                InternodeCachedDispatch,
+                InternodeCombine,
+                InternodeCombine,
+                InternodeDispatch,
+                InternodeCombine,
+            ][i % 6],
+        );
+    }
+    for (nodes, local) in INTERNODE_COMBINE_SHAPES {
+        let cfg = ModelConfig::new(nodes * local, 4, 1, Schedule::Epoch, ops.clone())
+            .unwrap()
+            .with_nodes(nodes)
+            .unwrap();
+        let got = run_model(&cfg, &NoHook).unwrap_or_else(|f| panic!("{nodes}x{local}: {f}"));
+        assert_eq!(got, sequential_reference(&cfg));
+    }
+}

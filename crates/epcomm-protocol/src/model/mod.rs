@@ -25,6 +25,7 @@
 //! - `combine.rs`: combine, `[C1]`..`[C5]` (and `[G1]`);
 //! - `low_latency.rs`: the low-latency dispatch and combine, `[L1]`..`[L9]` (and `[G1]`, `[G2]`);
 //! - `internode.rs`: the hierarchical internode dispatch (model only), `[I1]`..`[I12]`;
+//! - `internode_combine.rs`: the hierarchical internode combine (model only), `[J1]`..`[J9]`;
 //! - `wait.rs`: the bounded waits, the done counters (`[E5]`/`[C2]` signal, `[E6]`/`[C5]`
 //!   wait) and the barrier of `[G1]`/`[G3]`/`[G5]`;
 //! - `failure.rs`: failure propagation, `[F1]`, `[F2]` and the guard that a failed rank writes
@@ -42,6 +43,7 @@ mod combine;
 mod dispatch;
 mod failure;
 mod internode;
+mod internode_combine;
 mod low_latency;
 mod runner;
 mod violation;
@@ -69,7 +71,7 @@ pub trait StepHook: Send + Sync {
     /// Called by rank `rank` right before it executes `step` of op number `op` (0-based) of
     /// kind `kind`. Steps that repeat per sender block (`[E4]`, `[E5]`, `[C1]`, `[C3]`, `[C4]`,
     /// `[C2]`, `[L3]`, `[L4]`, `[L8]`) are reported once per block; `[I8]` and `[I9]` once
-    /// per rail source node the rank forwards for.
+    /// per rail source node the rank forwards for, and so are `[J5]`, `[J6]` and `[J7]`.
     fn at(&self, rank: usize, op: usize, kind: OpKind, step: Step);
 }
 
@@ -126,6 +128,24 @@ struct RankBuffer {
     idone: Vec<AtomicU64>,
     /// Internode: `credit[r]`, monotonic: rank `r` reads nothing of internode ops `<=` this.
     credit: Vec<AtomicU64>,
+    /// Internode combine: `cdirect[parity][src][token]`, the contribution of rank `src` (my
+    /// node) to my `token` (parity of the internode combine sequence).
+    cdirect: Vec<AtomicU64>,
+    /// Internode combine: `cfwd[parity][src][token][j]`, the contribution of rank `(my node,
+    /// j)` to `token` of `src` (another node), which I forward as part of one partial.
+    cfwd: Vec<AtomicU64>,
+    /// Internode combine: `cpart[parity][node][token]`, the partial of `node` for my `token`,
+    /// from my rail peer in `node`.
+    cpart: Vec<AtomicU64>,
+    /// Internode combine: `cdone[src]`, monotonic: the internode combine sequence number of
+    /// the last combine whose contributions from `src` (my node) to me all landed.
+    cdone: Vec<AtomicU64>,
+    /// Internode combine: `cpdone[node]`, monotonic: the internode combine sequence number of
+    /// the last combine whose partials from my rail peer in `node` all landed.
+    cpdone: Vec<AtomicU64>,
+    /// Internode combine: `ccredit[r]`, monotonic: rank `r` reads nothing of internode
+    /// combines `<=` this.
+    ccredit: Vec<AtomicU64>,
     /// The abort word: `1 + rank` of a failed rank, 0 while none failed. Never reset.
     abort: AtomicU64,
 }
@@ -173,6 +193,12 @@ impl World {
                 xrecv: zeroed(p * w * t),
                 idone: zeroed(w),
                 credit: zeroed(w),
+                cdirect: zeroed(p * w * t),
+                cfwd: zeroed(p * w * t * cfg.local_ranks()),
+                cpart: zeroed(p * cfg.nodes() * t),
+                cdone: zeroed(w),
+                cpdone: zeroed(cfg.nodes()),
+                ccredit: zeroed(w),
                 abort: AtomicU64::new(0),
             })
             .collect();
@@ -243,6 +269,27 @@ impl World {
     fn xrecv(&self, rank: usize, parity: usize, src: usize, j: usize) -> &AtomicU64 {
         let (w, t) = (self.cfg.world(), self.cfg.tokens());
         &self.ranks[rank].xrecv[(parity * w + src) * t + j]
+    }
+}
+
+impl World {
+    /// `rank.cdirect[parity][src][token]`; its index within the parity is `src * tokens + token`.
+    fn cdirect(&self, rank: usize, parity: usize, src: usize, token: usize) -> &AtomicU64 {
+        let (w, t) = (self.cfg.world(), self.cfg.tokens());
+        &self.ranks[rank].cdirect[(parity * w + src) * t + token]
+    }
+
+    /// `rank.cfwd[parity][src][token][j]`; its index within the parity is
+    /// `(src * tokens + token) * L + j`.
+    fn cfwd(&self, rank: usize, parity: usize, src: usize, token: usize, j: usize) -> &AtomicU64 {
+        let (w, t, l) = (self.cfg.world(), self.cfg.tokens(), self.cfg.local_ranks());
+        &self.ranks[rank].cfwd[((parity * w + src) * t + token) * l + j]
+    }
+
+    /// `rank.cpart[parity][node][token]`; its index within the parity is `node * tokens + token`.
+    fn cpart(&self, rank: usize, parity: usize, node: usize, token: usize) -> &AtomicU64 {
+        let (n, t) = (self.cfg.nodes(), self.cfg.tokens());
+        &self.ranks[rank].cpart[(parity * n + node) * t + token]
     }
 }
 
@@ -331,6 +378,8 @@ struct SeqState {
     inter_seq: u64,
     /// Non-cached internode dispatches so far: the count words' tag and region.
     inter_notify_seq: u64,
+    /// Internode combines so far: the combine regions, done values and credits.
+    inter_combine_seq: u64,
 }
 
 /// One simulated rank: its place in the world, its op cursor and its private state.

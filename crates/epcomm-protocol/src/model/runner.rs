@@ -50,6 +50,7 @@ pub fn run_rank(world: &World, rank: usize, hook: &dyn StepHook) -> Result<RankR
             ll_combine_seq: 0,
             inter_seq: 0,
             inter_notify_seq: 0,
+            inter_combine_seq: 0,
         },
         claim: false,
         layout: Layout {
@@ -139,6 +140,7 @@ impl Rank<'_> {
                     OpKind::LlCombine => self.ll_combine(),
                     OpKind::InternodeDispatch => self.internode_dispatch(false),
                     OpKind::InternodeCachedDispatch => self.internode_dispatch(true),
+                    OpKind::InternodeCombine => self.internode_combine(),
                 }
             });
             match result {

@@ -28,6 +28,14 @@ pub enum Region {
     RailBuf,
     /// `xrecv[parity][src][j]`, the internode receive rows (slot = `src * tokens + j`).
     XRecv,
+    /// `cdirect[parity][src][token]`, the internode combine's direct contributions (slot =
+    /// `src * tokens + token`).
+    CDirect,
+    /// `cfwd[parity][src][token][j]`, the contributions a forwarder reduces (slot =
+    /// `(src * tokens + token) * L + j`).
+    CFwd,
+    /// `cpart[parity][node][token]`, the rail partials (slot = `node * tokens + token`).
+    CPart,
 }
 
 impl fmt::Display for Region {
@@ -39,6 +47,9 @@ impl fmt::Display for Region {
             Region::LlComb => "ll_comb",
             Region::RailBuf => "rail_buf",
             Region::XRecv => "xrecv",
+            Region::CDirect => "cdirect",
+            Region::CFwd => "cfwd",
+            Region::CPart => "cpart",
         })
     }
 }
