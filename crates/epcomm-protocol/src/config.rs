@@ -157,11 +157,15 @@ pub enum Mutation {
     /// `[J2]`: the contributors do not wait for the combine credit of the ranks they write
     /// into: a combine can overwrite a region a slower peer has not reduced yet.
     InterCombineSkipCredit,
+    /// `[I8]`: the forwarder's wait for its rail peer's rows does not poll the abort word:
+    /// after that peer (or any rank) failed, the forwarder keeps waiting for rows that never
+    /// come, until its bounded wait expires, instead of ending the op in an error.
+    InterForwarderIgnoresAbort,
 }
 
 impl Mutation {
     /// Every mutation.
-    pub const ALL: [Mutation; 19] = [
+    pub const ALL: [Mutation; 20] = [
         Mutation::FlagStoreRelaxed,
         Mutation::FlagWaitRelaxed,
         Mutation::DoneAddRelaxed,
@@ -181,6 +185,7 @@ impl Mutation {
         Mutation::InterCombineSkipLocalWait,
         Mutation::InterCombineSkipPartialWait,
         Mutation::InterCombineSkipCredit,
+        Mutation::InterForwarderIgnoresAbort,
     ];
 
     /// Whether the protocol stays correct under this mutation (the checker must accept it).
@@ -195,6 +200,11 @@ impl Mutation {
 /// The failing rank records the failure (its local claim), publishes the abort word to every
 /// peer (`[F2]`) and leaves the op without advancing its sequence numbers; its later ops, and
 /// every op of a peer that saw the failure, must exit at the prologue check `[F1]`.
+///
+/// In an internode op (`[I*]`, `[J*]`, `[G1]`, `[R]`) the failure fires at the first time the
+/// rank announces `at`; a forwarder step (`[I8]`, `[I9]`, `[J5]`..`[J7]`) is announced only by
+/// a rank that forwards rows in that op ([`crate::reference::failure_fires`] says whether it
+/// does). The peers' rule is [`crate::reference::check_outcome_internode`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Failure {
     /// The failing rank.
@@ -223,8 +233,15 @@ impl Failure {
         use Step::*;
         let global = schedule == Schedule::Global;
         if kind.is_internode_family() {
-            // The failure path of the internode ops is not modelled yet: no failure in them.
-            return false;
+            let cached = kind == OpKind::InternodeCachedDispatch;
+            return match at {
+                Recheck => true,
+                G1 => global,
+                I1 | I5 | I6 | I7 | I8 | I9 | I11 | I12 => kind.is_internode(),
+                I2 | I3 | I4 | I10 => kind.is_internode() && !cached,
+                J1 | J2 | J3 | J4 | J5 | J6 | J7 | J8 | J9 => kind == OpKind::InternodeCombine,
+                _ => false,
+            };
         }
         match at {
             Recheck => true,
@@ -238,7 +255,6 @@ impl Failure {
             L4 | L5 => kind.is_low_latency(),
             L8 | L9 => kind == OpKind::LlCombine,
             F1 | F2 => false,
-            // The failure path of the internode ops is not modelled yet.
             I1 | I2 | I3 | I4 | I5 | I6 | I7 | I8 | I9 | I10 | I11 | I12 => false,
             J1 | J2 | J3 | J4 | J5 | J6 | J7 | J8 | J9 => false,
         }
@@ -876,11 +892,26 @@ mod tests {
             ModelConfig::new(2, 1, 1, Schedule::Epoch, vec![Dispatch, InternodeCombine]),
             Err(ConfigError::InternodeCombineWithoutDispatch { index: 1 })
         );
-        // The internode ops have no failure path in the model yet.
-        assert!(!Failure::step_is_valid(
+        // The internode steps are valid failure points of the internode ops only.
+        assert!(Failure::step_is_valid(
             Schedule::Epoch,
             InternodeDispatch,
             Step::I6
+        ));
+        assert!(!Failure::step_is_valid(
+            Schedule::Epoch,
+            InternodeCachedDispatch,
+            Step::I10
+        ));
+        assert!(!Failure::step_is_valid(
+            Schedule::Epoch,
+            InternodeCombine,
+            Step::I6
+        ));
+        assert!(Failure::step_is_valid(
+            Schedule::Global,
+            InternodeCombine,
+            Step::G1
         ));
         assert!(!Failure::step_is_valid(Schedule::Epoch, Dispatch, Step::I6));
     }

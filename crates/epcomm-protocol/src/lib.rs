@@ -41,6 +41,7 @@
 //! ```
 
 pub mod config;
+mod internode_outcome;
 pub mod model;
 pub mod reference;
 pub mod step;
@@ -53,6 +54,7 @@ pub use epcomm_topology::Schedule;
 pub use model::{ModelFailure, run_model};
 pub use model::{NoHook, OpError, Region, RunError, StepHook, Violation, World, run_rank};
 pub use reference::{
-    OpOutput, OpResult, OutcomeViolation, RankReport, check_outcome, sequential_reference,
+    OpOutput, OpResult, OutcomeViolation, RankReport, check_outcome, check_outcome_internode,
+    failure_fires, sequential_reference,
 };
 pub use step::Step;

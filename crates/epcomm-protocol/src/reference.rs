@@ -7,6 +7,9 @@ use crate::config::{
     ll_routes_to, ll_row_word, routes_to,
 };
 use crate::model::OpError;
+use crate::step::Step;
+
+pub use crate::internode_outcome::{check_outcome_internode, failure_fires};
 
 /// What one op produced on one rank.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -130,6 +133,26 @@ pub enum OutcomeViolation {
         rank: usize,
         /// The op.
         op: usize,
+        /// The failing rank.
+        failing: usize,
+        /// The op it failed in.
+        fail_op: usize,
+    },
+    /// An internode-family run: an op completed although a signal one of its waits needs was
+    /// never published (its writer failed, or gave up, before publishing it), directly or
+    /// through a forwarder or a credit. Property (e), [`check_outcome_internode`].
+    #[error(
+        "rank {rank}, op {op}: completed, but its wait {step:?} on peer {peer} needs a signal no report published (rank {failing} failed in op {fail_op})"
+    )]
+    CompletedWithoutSignal {
+        /// The rank.
+        rank: usize,
+        /// The op.
+        op: usize,
+        /// The wait's step (`None`: the coarse wait of an intranode op for every done signal).
+        step: Option<Step>,
+        /// The peer the wait names.
+        peer: usize,
         /// The failing rank.
         failing: usize,
         /// The op it failed in.
@@ -311,7 +334,14 @@ pub fn sequential_reference(cfg: &ModelConfig) -> Vec<RankReport> {
 ///   signals, [`crate::config::Failure::after_done`]) and every later op;
 /// * after an op of a rank failed, every later op of that rank is [`OpError::Refused`] by the
 ///   prologue `[F1]`: it ends in an error, not a hang, and writes nothing.
+///
+/// With a failure and internode ops ([`OpKind::is_internode_family`]) in the sequence, the
+/// rule above does not hold (with waits only on senders a peer can legitimately finish an op
+/// without the failed rank) and the run is judged by [`check_outcome_internode`] instead.
 pub fn check_outcome(cfg: &ModelConfig, reports: &[RankReport]) -> Result<(), OutcomeViolation> {
+    if cfg.failure().is_some() && cfg.ops().iter().any(|k| k.is_internode_family()) {
+        return check_outcome_internode(cfg, reports);
+    }
     let reference = sequential_reference(cfg);
     let ops = cfg.ops().len();
     if reports.len() != cfg.world() {

@@ -267,6 +267,16 @@ impl Rank<'_> {
             }
         }
 
+        // The one writer of my `xcount[s]` and `idone[s]`, which the waits below name: `s`
+        // itself in my node, its rail peer in my node (the forwarder) otherwise.
+        let writer = |s: usize| {
+            if cfg.node_of(s) == n {
+                s
+            } else {
+                cfg.rank_of(n, cfg.local_of(s))
+            }
+        };
+
         // [I10] receive sizes: every source's count word for me, tagged m (acquire); cached:
         // the layout's.
         let recv: Vec<u64> = if cached {
@@ -276,7 +286,7 @@ impl Rank<'_> {
             let mut recv = Vec::with_capacity(wsz);
             for s in 0..wsz {
                 let word = self.w.xcount(me, mpar, s);
-                let count = self.wait_tag(Step::I10, s, word, m, count_load, |tag| {
+                let count = self.wait_tag(Step::I10, writer(s), word, m, count_load, |tag| {
                     self.inter_count_tag(Step::I10, "xcount", mpar, s, 0, m, tag)
                 })?;
                 recv.push(self.check_count(Step::I10, layout_seq, s, me, count)?);
@@ -292,7 +302,7 @@ impl Rank<'_> {
                 continue;
             }
             let word = &self.w.ranks[me].idone[s];
-            self.wait_geq(Step::I11, s, word, i, Ordering::Acquire)?;
+            self.wait_geq(Step::I11, writer(s), word, i, Ordering::Acquire)?;
         }
 
         // [I12] read the output: (non-cached) the count words must still carry tag m; then the

@@ -44,7 +44,7 @@ impl Rank<'_> {
             match poll()? {
                 Poll::Ready(value) => return Ok(value),
                 Poll::Pending(_seen) => {
-                    if !self.cfg.has(Mutation::SkipAbortPoll)
+                    if !self.ignores_abort(step)
                         && let Some(by) = self.failure_seen()
                     {
                         return Err(Stop::Failed(OpError::Aborted { step, peer, by }));
@@ -86,6 +86,12 @@ impl Rank<'_> {
                 }
             }
         }
+    }
+
+    /// Whether the wait at `step` stops polling the abort word (a mutation).
+    fn ignores_abort(&self, step: Step) -> bool {
+        self.cfg.has(Mutation::SkipAbortPoll)
+            || (step == Step::I8 && self.cfg.has(Mutation::InterForwarderIgnoresAbort))
     }
 
     /// Round-aware barrier: bump `barrier[me]` on every rank, wait for `barrier[s] >= round`.

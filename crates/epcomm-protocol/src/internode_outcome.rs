@@ -1,0 +1,472 @@
+//! The failure rule of the hierarchical internode ops ([`check_outcome_internode`]): which ops
+//! of the peers of a failed rank may complete, and which must end in an error.
+//!
+//! The internode ops wait only on the peers they receive from (directly, or through the rail
+//! peer that forwards for them) and on the credits of the peers they write into, so a peer of a
+//! failed rank can legitimately finish an op without it. The rule is therefore stated as a
+//! dependency graph: every op of every rank is a list of events in program order (the steps it
+//! announces, the signals it publishes, the waits it performs, each naming the one peer the
+//! model's wait names), and an op may complete only if every signal it waits for was published
+//! by an op that, according to the reports, got that far.
+
+use std::collections::HashSet;
+
+use crate::config::{Failure, ModelConfig, OpKind, route_count, routes_to};
+use crate::model::OpError;
+use crate::reference::{OutcomeViolation, RankReport, sequential_reference};
+use crate::step::Step;
+use epcomm_topology::Schedule;
+
+/// One signal a wait can need: a word with one writer, named by what it means.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Sig {
+    /// The Global schedule's barrier of `(rank, op)`.
+    Barrier(usize, usize),
+    /// An intranode op's done signals of `(rank, op)` (coarse: every rank waits for all).
+    Done(usize, usize),
+    /// `[I1]` dispatch credit of `(rank, op)`.
+    Credit(usize, usize),
+    /// `[I2]` rail counts of `(src, op)`.
+    RailCount(usize, usize),
+    /// `[I3]`/`[I4]` count word of `src` for `dst` in `op` (`src`'s own, or relayed).
+    XCount(usize, usize, usize),
+    /// `[I7]` rail rows of `src` to its rail peer `to` in `op`.
+    RailDone(usize, usize, usize),
+    /// `[I7]`/`[I9]` rows of `src` delivered to `dst` in `op` (by `src`, or forwarded).
+    IDone(usize, usize, usize),
+    /// `[J1]` combine credit of `(rank, op)`.
+    CCredit(usize, usize),
+    /// `[J4]` contributions of `from` to `to` in `op`.
+    CDone(usize, usize, usize),
+    /// `[J7]` partials of forwarder `fwd` to source `src` in `op`.
+    CpDone(usize, usize, usize),
+}
+
+/// One event of an op, in program order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ev {
+    /// The op announces `step` (where an injected failure fires, at its first announcement).
+    Step(Step),
+    /// The op publishes a signal.
+    Publish(Sig),
+    /// The op waits (at `step`, `None` for the coarse intranode wait) on `peer` for a signal.
+    Wait(Option<Step>, usize, Sig),
+}
+
+/// Every rank's events, `[rank][op]`, for the op sequence of `cfg`.
+fn events(cfg: &ModelConfig) -> Vec<Vec<Vec<Ev>>> {
+    (0..cfg.world())
+        .map(|me| {
+            let mut state = SeqWalk::default();
+            cfg.ops()
+                .iter()
+                .enumerate()
+                .map(|(k, &kind)| state.op_events(cfg, me, k, kind))
+                .collect()
+        })
+        .collect()
+}
+
+/// The internode sequence state the events need (the same on every rank).
+#[derive(Default)]
+struct SeqWalk {
+    inter_seq: u64,
+    layout_seq: u64,
+    last_dispatch: Option<usize>,
+    combine_seq: u64,
+    last_combine: Option<usize>,
+}
+
+impl SeqWalk {
+    fn op_events(&mut self, cfg: &ModelConfig, me: usize, k: usize, kind: OpKind) -> Vec<Ev> {
+        let mut ev = vec![Ev::Step(Step::Recheck)];
+        if !kind.is_internode_family() {
+            // Coarse: an intranode op publishes its done signals, then waits for every rank's.
+            ev.push(Ev::Publish(Sig::Done(me, k)));
+            ev.extend((0..cfg.world()).map(|s| Ev::Wait(None, s, Sig::Done(s, k))));
+            return ev;
+        }
+        let (wsz, tokens, lsz) = (cfg.world(), cfg.tokens(), cfg.local_ranks());
+        let (n, l) = (cfg.node_of(me), cfg.local_of(me));
+        if cfg.schedule() == Schedule::Global {
+            ev.push(Ev::Step(Step::G1));
+            ev.push(Ev::Publish(Sig::Barrier(me, k)));
+            ev.extend((0..wsz).map(|s| Ev::Wait(Some(Step::G1), s, Sig::Barrier(s, k))));
+        }
+        let local: Vec<usize> = (0..lsz).map(|j| cfg.rank_of(n, j)).collect();
+        let rail: Vec<(usize, usize)> = (0..cfg.nodes())
+            .filter(|&kk| kk != n)
+            .map(|kk| (kk, cfg.rank_of(kk, l)))
+            .collect();
+        let cached = kind == OpKind::InternodeCachedDispatch;
+        if kind == OpKind::InternodeDispatch {
+            self.layout_seq = self.inter_seq + 1;
+        }
+        let ls = self.layout_seq;
+        let count = |s: usize, d: usize| route_count(ls, tokens, s, d);
+        let crosses = |s: usize, kk: usize| {
+            (0..tokens).any(|t| (0..lsz).any(|j| routes_to(ls, s, t, cfg.rank_of(kk, j))))
+        };
+        if kind.is_internode() {
+            self.inter_seq += 1;
+            let i = self.inter_seq;
+            ev.push(Ev::Step(Step::I1));
+            ev.push(Ev::Publish(Sig::Credit(me, k)));
+            if !cached {
+                ev.push(Ev::Step(Step::I2));
+                ev.push(Ev::Publish(Sig::RailCount(me, k)));
+                ev.push(Ev::Step(Step::I3));
+                ev.extend(local.iter().map(|&d| Ev::Publish(Sig::XCount(me, d, k))));
+                ev.push(Ev::Step(Step::I4));
+                for &(_, src) in &rail {
+                    ev.push(Ev::Wait(Some(Step::I4), src, Sig::RailCount(src, k)));
+                    ev.extend(local.iter().map(|&d| Ev::Publish(Sig::XCount(src, d, k))));
+                }
+            }
+            // The peers I write into: my rail peers and local ranks with rows, and the local
+            // ranks I forward rows to.
+            let my_rail: Vec<usize> = rail
+                .iter()
+                .filter(|&&(kk, _)| crosses(me, kk))
+                .map(|&(_, p)| p)
+                .collect();
+            let my_local: Vec<usize> = local
+                .iter()
+                .copied()
+                .filter(|&d| count(me, d) > 0)
+                .collect();
+            let mut targets: Vec<usize> = my_rail.iter().chain(&my_local).copied().collect();
+            for &(_, src) in &rail {
+                targets.extend(local.iter().copied().filter(|&d| count(src, d) > 0));
+            }
+            targets.sort_unstable();
+            targets.dedup();
+            ev.push(Ev::Step(Step::I5));
+            if let (true, Some(prev)) = (i > 2, self.last_dispatch) {
+                ev.extend(
+                    targets
+                        .iter()
+                        .map(|&p| Ev::Wait(Some(Step::I5), p, Sig::Credit(p, prev))),
+                );
+            }
+            ev.push(Ev::Step(Step::I6));
+            ev.push(Ev::Step(Step::I7));
+            ev.extend(
+                my_rail
+                    .iter()
+                    .map(|&p| Ev::Publish(Sig::RailDone(me, p, k))),
+            );
+            ev.extend(my_local.iter().map(|&d| Ev::Publish(Sig::IDone(me, d, k))));
+            for &(_, src) in &rail {
+                if !crosses(src, n) {
+                    continue;
+                }
+                ev.push(Ev::Step(Step::I8));
+                ev.push(Ev::Wait(Some(Step::I8), src, Sig::RailDone(src, me, k)));
+                ev.push(Ev::Step(Step::I9));
+                ev.extend(
+                    local
+                        .iter()
+                        .filter(|&&d| count(src, d) > 0)
+                        .map(|&d| Ev::Publish(Sig::IDone(src, d, k))),
+                );
+            }
+            // The waits of [I10]/[I11] name the word's one writer: the forwarder for a
+            // source of another node.
+            let writer = |s: usize| {
+                if cfg.node_of(s) == n {
+                    s
+                } else {
+                    cfg.rank_of(n, cfg.local_of(s))
+                }
+            };
+            if !cached {
+                ev.push(Ev::Step(Step::I10));
+                ev.extend(
+                    (0..wsz).map(|s| Ev::Wait(Some(Step::I10), writer(s), Sig::XCount(s, me, k))),
+                );
+            }
+            ev.push(Ev::Step(Step::I11));
+            ev.extend(
+                (0..wsz)
+                    .filter(|&s| count(s, me) > 0)
+                    .map(|s| Ev::Wait(Some(Step::I11), writer(s), Sig::IDone(s, me, k))),
+            );
+            ev.push(Ev::Step(Step::I12));
+            self.last_dispatch = Some(k);
+            return ev;
+        }
+        // InternodeCombine: the rows of the live dispatch output go back to their sources.
+        self.combine_seq += 1;
+        let q = self.combine_seq;
+        let dest = |s: usize| {
+            if cfg.node_of(s) == n {
+                s
+            } else {
+                cfg.rank_of(n, cfg.local_of(s))
+            }
+        };
+        let mut wrote: Vec<usize> = (0..wsz)
+            .filter(|&s| count(s, me) > 0)
+            .map(dest)
+            .filter(|&d| d != me)
+            .collect();
+        wrote.sort_unstable();
+        wrote.dedup();
+        let mut targets = wrote.clone();
+        targets.extend(
+            rail.iter()
+                .filter(|&&(_, src)| crosses(src, n))
+                .map(|&(_, src)| src),
+        );
+        targets.sort_unstable();
+        targets.dedup();
+        ev.push(Ev::Step(Step::J1));
+        ev.push(Ev::Publish(Sig::CCredit(me, k)));
+        ev.push(Ev::Step(Step::J2));
+        if let (true, Some(prev)) = (q > 2, self.last_combine) {
+            ev.extend(
+                targets
+                    .iter()
+                    .map(|&p| Ev::Wait(Some(Step::J2), p, Sig::CCredit(p, prev))),
+            );
+        }
+        ev.push(Ev::Step(Step::J3));
+        ev.push(Ev::Step(Step::J4));
+        ev.extend(wrote.iter().map(|&d| Ev::Publish(Sig::CDone(me, d, k))));
+        for &(_, src) in &rail {
+            if !crosses(src, n) {
+                continue;
+            }
+            ev.push(Ev::Step(Step::J5));
+            ev.extend(
+                local
+                    .iter()
+                    .filter(|&&d| d != me && count(src, d) > 0)
+                    .map(|&d| Ev::Wait(Some(Step::J5), d, Sig::CDone(d, me, k))),
+            );
+            ev.push(Ev::Step(Step::J6));
+            ev.push(Ev::Step(Step::J7));
+            ev.push(Ev::Publish(Sig::CpDone(me, src, k)));
+        }
+        ev.push(Ev::Step(Step::J8));
+        ev.extend(
+            local
+                .iter()
+                .filter(|&&d| d != me && count(me, d) > 0)
+                .map(|&d| Ev::Wait(Some(Step::J8), d, Sig::CDone(d, me, k))),
+        );
+        ev.extend(
+            rail.iter()
+                .filter(|&&(kk, _)| crosses(me, kk))
+                .map(|&(_, p)| Ev::Wait(Some(Step::J8), p, Sig::CpDone(p, me, k))),
+        );
+        ev.push(Ev::Step(Step::J9));
+        self.last_combine = Some(k);
+        ev
+    }
+}
+
+/// How far the failing op of the injected failure gets: the events before the first
+/// announcement of its step (for an intranode op: its done signals iff
+/// [`Failure::after_done`]); `None` if the op never announces that step (the failure cannot
+/// fire: a forwarder step of a rank that forwards nothing, or a single node).
+fn failure_cutoff(cfg: &ModelConfig, ev: &[Ev], f: &Failure) -> Option<usize> {
+    if !cfg.ops()[f.op].is_internode_family() {
+        return Some(if f.after_done() { 2 } else { 0 });
+    }
+    ev.iter().position(|e| *e == Ev::Step(f.at))
+}
+
+/// Whether the failure injected into `cfg` fires: the failing rank announces the configured
+/// step in the failing op (always true for the intranode ops; an internode forwarder step
+/// `[I8]`, `[I9]`, `[J5]`..`[J7]` fires only on a rank that forwards rows from some rail peer
+/// in that op). `false` without an injected failure.
+pub fn failure_fires(cfg: &ModelConfig) -> bool {
+    let Some(f) = cfg.failure() else {
+        return false;
+    };
+    let ev = events(cfg);
+    failure_cutoff(cfg, &ev[f.rank][f.op], &f).is_some()
+}
+
+/// Judges the results of a run of `cfg` whose op sequence contains internode ops, with an
+/// injected failure of rank `f` in op `n` (without one, or without internode ops, it is
+/// [`crate::check_outcome`]'s rule). The rule, for the hierarchical protocol:
+///
+/// * every op that completes, on any rank, equals the sequential reference;
+/// * rank `f` completes ops `0..n` (nothing failed yet), op `n` ends in the injected
+///   [`OpError::TimedOut`] at its step, every later op is [`OpError::Refused`] by `[F1]`;
+/// * a peer may complete **any** op whose waits are all satisfied: an op completes only if
+///   every signal it waits for (counts, rows, forwarded rows and counts, contributions,
+///   partials, credits of an earlier op, barriers) was published by an op that, according to
+///   the reports, got that far — `f`'s failing op up to the failing step, a completed op
+///   entirely, an op that ended in [`OpError::Aborted`] up to the wait it gave up in (its last
+///   occurrence), a refused op not at all. So an op that depends on `f` directly, or
+///   transitively through a forwarder or a credit, never completes; one that does not
+///   depend on it may complete, even after `f` failed (there is no global synchronisation
+///   that would stop it). Intranode ops in the sequence count as waiting for every rank's done
+///   signals ([`Failure::after_done`] for the failing op);
+/// * a peer may also end any op in an error (it can see the abort word while it waits), but
+///   its first error must name the failure's origin — [`OpError::Aborted`] or
+///   [`OpError::Refused`] with `by == f` (the abort word) — and every later op of it must be
+///   [`OpError::Refused`] (by `f`, or by itself, its own claim); no peer times out itself.
+///
+/// That no op hangs is the run's own check (every std wait is bounded and reports
+/// [`crate::Violation::Timeout`]); together with the last rule, every op that depends on `f`
+/// ends in an error naming `f`.
+pub fn check_outcome_internode(
+    cfg: &ModelConfig,
+    reports: &[RankReport],
+) -> Result<(), OutcomeViolation> {
+    let ops = cfg.ops().len();
+    if reports.len() != cfg.world() {
+        return Err(OutcomeViolation::Length {
+            rank: reports.len().min(cfg.world()),
+            expected: ops,
+            found: 0,
+        });
+    }
+    for (rank, report) in reports.iter().enumerate() {
+        if report.rank != rank || report.outputs.len() != ops {
+            return Err(OutcomeViolation::Length {
+                rank,
+                expected: ops,
+                found: report.outputs.len(),
+            });
+        }
+    }
+    let Some(f) = cfg.failure() else {
+        return crate::reference::check_outcome(cfg, reports);
+    };
+    let reference = sequential_reference(cfg);
+    let ev = events(cfg);
+    // How far each op got, by the reports.
+    let mut reached = vec![vec![0usize; ops]; cfg.world()];
+    for (rank, report) in reports.iter().enumerate() {
+        let mut failed: Option<usize> = None;
+        for (op, result) in report.outputs.iter().enumerate() {
+            let injected = rank == f.rank && op == f.op;
+            let events = &ev[rank][op];
+            if let Some(failed) = failed {
+                let ok =
+                    matches!(result, Err(OpError::Refused { by }) if *by == rank || *by == f.rank);
+                if !ok {
+                    return Err(OutcomeViolation::NotRefused {
+                        rank,
+                        op,
+                        failed,
+                        found: result.clone(),
+                    });
+                }
+                continue;
+            }
+            reached[rank][op] = match result {
+                Ok(found) => {
+                    if injected {
+                        return Err(OutcomeViolation::MissingFailure {
+                            rank,
+                            op,
+                            found: result.clone(),
+                        });
+                    }
+                    let expected = reference[rank].outputs[op]
+                        .as_ref()
+                        .expect("the reference completes every op");
+                    if found != expected {
+                        return Err(OutcomeViolation::Output {
+                            rank,
+                            op,
+                            expected: expected.clone(),
+                            found: found.clone(),
+                        });
+                    }
+                    events.len()
+                }
+                Err(error) => {
+                    failed = Some(op);
+                    let unexpected = || OutcomeViolation::UnexpectedError {
+                        rank,
+                        op,
+                        error: error.clone(),
+                    };
+                    if rank == f.rank {
+                        match (injected, error) {
+                            (true, OpError::TimedOut { step }) if *step == f.at => {
+                                failure_cutoff(cfg, events, &f).ok_or_else(unexpected)?
+                            }
+                            _ if op <= f.op => {
+                                return Err(OutcomeViolation::MissingFailure {
+                                    rank,
+                                    op: f.op,
+                                    found: report.outputs[f.op].clone(),
+                                });
+                            }
+                            _ => return Err(unexpected()),
+                        }
+                    } else {
+                        match error {
+                            OpError::Refused { by } if *by == f.rank => 0,
+                            OpError::Aborted { step, peer, by } if *by == f.rank => {
+                                if cfg.ops()[op].is_internode_family() {
+                                    events
+                                        .iter()
+                                        .rposition(|e| {
+                                            matches!(e, Ev::Wait(Some(s), p, _) if s == step && p == peer)
+                                        })
+                                        .ok_or_else(unexpected)?
+                                } else if (Failure {
+                                    rank,
+                                    op,
+                                    at: *step,
+                                })
+                                .after_done()
+                                {
+                                    2
+                                } else {
+                                    0
+                                }
+                            }
+                            _ => return Err(unexpected()),
+                        }
+                    }
+                }
+            };
+        }
+    }
+    let published: HashSet<Sig> = ev
+        .iter()
+        .zip(&reached)
+        .flat_map(|(ops, reached)| {
+            ops.iter()
+                .zip(reached)
+                .flat_map(|(events, &upto)| events[..upto].iter())
+        })
+        .filter_map(|e| match e {
+            Ev::Publish(sig) => Some(*sig),
+            _ => None,
+        })
+        .collect();
+    for (rank, report) in reports.iter().enumerate() {
+        for (op, result) in report.outputs.iter().enumerate() {
+            if result.is_err() {
+                continue;
+            }
+            for e in &ev[rank][op] {
+                if let Ev::Wait(step, peer, sig) = e
+                    && !published.contains(sig)
+                {
+                    return Err(OutcomeViolation::CompletedWithoutSignal {
+                        rank,
+                        op,
+                        step: *step,
+                        peer: *peer,
+                        failing: f.rank,
+                        fail_op: f.op,
+                    });
+                }
+            }
+        }
+    }
+    Ok(())
+}
