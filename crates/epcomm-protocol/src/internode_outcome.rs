@@ -470,3 +470,148 @@ pub fn check_outcome_internode(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::OpKind::{InternodeCachedDispatch, InternodeDispatch};
+    use crate::reference::OpResult;
+
+    /// 2x1 (rank 1 is rank 0's rail peer), tokens such that rank 1's rows cross to rank 0,
+    /// `[ID, ICD]`, rank 1 fails in op 0 before `at`.
+    fn two_by_one(at: Step) -> ModelConfig {
+        let tokens = (1..16).find(|&t| route_count(1, t, 1, 0) > 0).unwrap();
+        ModelConfig::new(
+            2,
+            tokens,
+            1,
+            Schedule::Epoch,
+            vec![InternodeDispatch, InternodeCachedDispatch],
+        )
+        .unwrap()
+        .with_nodes(2)
+        .unwrap()
+        .with_failure(Failure { rank: 1, op: 0, at })
+        .unwrap()
+    }
+
+    fn reports(cfg: &ModelConfig, r0: [OpResult; 2]) -> Vec<RankReport> {
+        let at = cfg.failure().unwrap().at;
+        vec![
+            RankReport {
+                rank: 0,
+                outputs: r0.to_vec(),
+            },
+            RankReport {
+                rank: 1,
+                outputs: vec![
+                    Err(OpError::TimedOut { step: at }),
+                    Err(OpError::Refused { by: 1 }),
+                ],
+            },
+        ]
+    }
+
+    #[test]
+    fn a_forwarder_cannot_complete_without_its_rail_peer() {
+        let cfg = two_by_one(Step::I7);
+        let reference = sequential_reference(&cfg);
+        let ok = |op: usize| reference[0].outputs[op].clone();
+        let aborted = Err(OpError::Aborted {
+            step: Step::I8,
+            peer: 1,
+            by: 1,
+        });
+        for r0 in [
+            [aborted.clone(), Err(OpError::Refused { by: 0 })],
+            [
+                Err(OpError::Refused { by: 1 }),
+                Err(OpError::Refused { by: 0 }),
+            ],
+        ] {
+            assert_eq!(check_outcome_internode(&cfg, &reports(&cfg, r0)), Ok(()));
+        }
+        assert_eq!(
+            check_outcome_internode(&cfg, &reports(&cfg, [ok(0), aborted.clone()])),
+            Err(OutcomeViolation::CompletedWithoutSignal {
+                rank: 0,
+                op: 0,
+                step: Some(Step::I8),
+                peer: 1,
+                failing: 1,
+                fail_op: 0
+            })
+        );
+        // The first error must name the origin; every later op is refused.
+        let wrong_origin = Err(OpError::Aborted {
+            step: Step::I8,
+            peer: 1,
+            by: 0,
+        });
+        assert!(matches!(
+            check_outcome_internode(
+                &cfg,
+                &reports(&cfg, [wrong_origin, Err(OpError::Refused { by: 0 })])
+            ),
+            Err(OutcomeViolation::UnexpectedError { rank: 0, op: 0, .. })
+        ));
+        assert!(matches!(
+            check_outcome_internode(&cfg, &reports(&cfg, [aborted, ok(1)])),
+            Err(OutcomeViolation::NotRefused { rank: 0, op: 1, .. })
+        ));
+        // An abort at a wait the op does not perform is no outcome of the protocol.
+        let elsewhere = Err(OpError::Aborted {
+            step: Step::I11,
+            peer: 1,
+            by: 1,
+        });
+        assert!(matches!(
+            check_outcome_internode(
+                &cfg,
+                &reports(&cfg, [elsewhere, Err(OpError::Refused { by: 0 })])
+            ),
+            Err(OutcomeViolation::UnexpectedError { rank: 0, op: 0, .. })
+        ));
+    }
+
+    #[test]
+    fn a_failure_after_the_last_signal_lets_peers_complete_that_op_only() {
+        let cfg = two_by_one(Step::I12);
+        let reference = sequential_reference(&cfg);
+        let ok = |op: usize| reference[0].outputs[op].clone();
+        let refused = Err(OpError::Refused { by: 1 });
+        assert_eq!(
+            check_outcome_internode(&cfg, &reports(&cfg, [ok(0), refused])),
+            Ok(())
+        );
+        // The cached dispatch needs rank 1's rail rows of op 1, which it never sends.
+        assert!(matches!(
+            check_outcome_internode(&cfg, &reports(&cfg, [ok(0), ok(1)])),
+            Err(OutcomeViolation::CompletedWithoutSignal {
+                rank: 0,
+                op: 1,
+                peer: 1,
+                ..
+            })
+        ));
+        // The failing op must time out where configured.
+        let mut missing = reports(&cfg, [ok(0), Err(OpError::Refused { by: 1 })]);
+        missing[1].outputs[0] = reference[1].outputs[0].clone();
+        assert!(matches!(
+            check_outcome_internode(&cfg, &missing),
+            Err(OutcomeViolation::MissingFailure { rank: 1, op: 0, .. })
+        ));
+        // A forwarder step fires only where rows are forwarded.
+        assert!(failure_fires(&cfg));
+        assert!(failure_fires(&two_by_one(Step::I8)));
+        let single = ModelConfig::new(2, 1, 1, Schedule::Epoch, vec![InternodeDispatch])
+            .unwrap()
+            .with_failure(Failure {
+                rank: 0,
+                op: 0,
+                at: Step::I8,
+            })
+            .unwrap();
+        assert!(!failure_fires(&single));
+    }
+}

@@ -18,7 +18,9 @@
 //! dispatch output); (c) no deadlock (loom, or [`Violation::Timeout`] under std); (d) every op
 //! that completes equals [`sequential_reference`]; (e) after an injected failure
 //! ([`Failure`]) every rank's later ops end in an error, not a hang, and a failed rank writes
-//! nothing more ([`check_outcome`], [`Violation::WriteAfterFailure`]).
+//! nothing more ([`check_outcome`], [`Violation::WriteAfterFailure`]); with internode ops, every
+//! op that depends on the failed rank, directly or through forwarders and credits, ends in an
+//! error naming it, and the others may complete ([`check_outcome_internode`]).
 //!
 //! The model runs the kernels' two schedules ([`Schedule::Epoch`], [`Schedule::Global`]) with
 //! the kernels' region rule (the parity of the op's sequence number, under both schedules).

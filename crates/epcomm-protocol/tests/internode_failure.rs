@@ -63,13 +63,16 @@ fn gave_up_on(result: &OpResult, failed: usize) -> bool {
 /// Every failure that fires, at every rank, op and step of three internode sequences, on each
 /// shape and schedule: the run ends (no hang), the failing op times out, and the outcome obeys
 /// the internode rule. Some peers complete ops at or after the failing one (those that do not
-/// depend on it), some end in errors naming the failing rank.
+/// depend on it), some end in errors naming the failing rank. The fourth sequence mixes in
+/// intranode ops, which the rule treats as waiting for every rank.
 #[test]
 fn crash_anywhere_ends_dependent_ops_in_errors() {
-    let sequences: [&[OpKind]; 3] = [
+    let sequences: [&[OpKind]; 4] = [
         &[Id, Icd, Ic, Icd],
         &[Id, Ic, Id, Ic],
         &[Id, Icd, Icd, Ic, Ic],
+        // Mixed with the intranode ops (which wait for every rank's done signals).
+        &[Id, OpKind::Dispatch, Icd, OpKind::Combine, Ic],
     ];
     let (mut runs, mut completed_after, mut gave_up) = (0, 0, 0);
     for schedule in Schedule::ALL {
@@ -95,6 +98,9 @@ fn crash_anywhere_ends_dependent_ops_in_errors() {
             }
         }
     }
+    eprintln!(
+        "{runs} runs, {completed_after} peer ops completed at or after the failing op, {gave_up} peers gave up"
+    );
     assert!(runs > 300, "{runs} runs");
     assert!(
         completed_after > 0 && gave_up > 0,
