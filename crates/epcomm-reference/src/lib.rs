@@ -17,7 +17,8 @@
 //! * [`hierarchical_combine`] is combine along the internode path (partials per node summed
 //!   on the rail peer, crossing the rail as f32 or bf16, then summed in node order);
 //!   [`rail_traffic`] counts the rows each tier carries. Dispatch's output is the same on
-//!   either path.
+//!   either path. [`rail_model::summarize`] turns those rows into rail bytes and lower-bound
+//!   times at a given NIC bandwidth.
 //! * [`quantize_fp8_e4m3_per128`] is DeepEP's per-token, per-128-channel fp8 cast.
 //! * [`gen_deepep_workload`] reproduces DeepEP's benchmark inputs, deterministically per seed.
 //!
@@ -66,6 +67,7 @@ mod fp8;
 mod hierarchical;
 mod layout;
 mod low_latency;
+pub mod rail_model;
 mod workload;
 
 pub use combine::{CombineOutput, combine, combine_weighted_ll};

@@ -1,0 +1,136 @@
+//! Rail traffic of DeepEP's normal-mode workload on EP16 / EP32 / EP64 (8 GPUs per node),
+//! computed on the CPU: rows and bytes per rank over the rail, NVLink forwarding, and the
+//! lower-bound time and DeepEP-style "RDMA GB/s" at a given NIC bandwidth.
+//!
+//! `cargo run --release -p epcomm-reference --example rail_model -- [--nic-gbps 50]
+//! [--overhead-us 0]`
+
+use std::time::Instant;
+
+use epcomm_reference::rail_model::{OpEstimate, RailLink, summarize};
+use epcomm_reference::{Tiers, gen_deepep_workload};
+
+const TOKENS: usize = 4096;
+const HIDDEN: usize = 7168;
+const TOP_K: usize = 8;
+const EXPERTS: usize = 256;
+const LOCAL: usize = 8;
+/// `epcomm bench`'s seed; rank `r` uses `SEED + r * 7919`, as `epcomm-check`'s inputs do.
+const SEED: u64 = 2025;
+const MAX_WORLD: usize = 64;
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let mut link = RailLink {
+        nic_gbps: 50.0,
+        overhead_us: 0.0,
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let value = |v: Option<String>| -> Result<f64, Box<dyn std::error::Error>> {
+            Ok(v.ok_or(format!("{a} needs a value"))?.parse()?)
+        };
+        match a.as_str() {
+            "--nic-gbps" => link.nic_gbps = value(args.next())?,
+            "--overhead-us" => link.overhead_us = value(args.next())?,
+            _ => return Err(format!("unknown argument {a} (--nic-gbps, --overhead-us)").into()),
+        }
+    }
+
+    // Rank r's routing does not depend on the world size: generate the 64 ranks once.
+    let start = Instant::now();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut routing: Vec<Vec<i64>> = vec![Vec::new(); MAX_WORLD];
+    std::thread::scope(|s| {
+        let chunk = MAX_WORLD.div_ceil(threads);
+        for (c, out) in routing.chunks_mut(chunk).enumerate() {
+            s.spawn(move || {
+                for (i, idx) in out.iter_mut().enumerate() {
+                    let r = (c * chunk + i) as u64;
+                    let seed = SEED.wrapping_add(r * 7919);
+                    *idx = gen_deepep_workload(TOKENS, HIDDEN, TOP_K, EXPERTS, seed)
+                        .expect("valid shape")
+                        .topk_idx;
+                }
+            });
+        }
+    });
+    println!(
+        "DeepEP workload: {TOKENS} tokens/rank, hidden {HIDDEN}, top-{TOP_K} of {EXPERTS} \
+         experts, seed {SEED} + rank * 7919, {LOCAL} GPUs/node; generated {MAX_WORLD} ranks \
+         in {:.1} s on {threads} threads",
+        start.elapsed().as_secs_f64()
+    );
+    println!(
+        "NIC {} GB/s per GPU per direction, per-op overhead {} us\n",
+        link.nic_gbps, link.overhead_us
+    );
+
+    let mut models = Vec::new();
+    for nodes in [2, 4, 8] {
+        let tiers = Tiers::new(nodes, LOCAL)?;
+        let world = tiers.world_size();
+        models.push(summarize(
+            &routing[..world],
+            TOP_K,
+            EXPERTS,
+            HIDDEN,
+            tiers,
+            link,
+        )?);
+    }
+
+    println!("Rows per rank (mean / max over ranks):\n");
+    println!(
+        "| EP | nodes | rail rows sent | rail rows received | NVLink forwarded | \
+         DeepEP node rows (own node incl.) | rail rows / (T*K) | rail rows / per-rank transfers |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    for m in &models {
+        println!(
+            "| {} | {} | {:.0} / {} | {:.0} / {} | {:.0} / {} | {:.0} / {} | {:.3} | {:.3} |",
+            m.tiers.world_size(),
+            m.tiers.nodes(),
+            m.rail_sent.mean,
+            m.rail_sent.max,
+            m.rail_received.mean,
+            m.rail_received.max,
+            m.forwarded.mean,
+            m.forwarded.max,
+            m.deepep_rows.mean,
+            m.deepep_rows.max,
+            m.rows_per_slot(),
+            m.rows_per_rank_transfer(),
+        );
+    }
+
+    println!(
+        "\nBytes per rank and lower-bound time (busiest NIC direction of any rank / bandwidth \
+         + overhead):\n"
+    );
+    println!(
+        "| EP | op | row B | rail MB sent (mean) | busiest MB | time us | \
+         DeepEP MB (mean) | DeepEP \"RDMA GB/s\" |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    for m in &models {
+        let ops: [(&str, &OpEstimate); 4] = [
+            ("dispatch BF16", &m.dispatch_bf16),
+            ("dispatch FP8", &m.dispatch_fp8),
+            ("combine BF16 partials", &m.combine_bf16),
+            ("combine F32 partials", &m.combine_f32),
+        ];
+        for (name, op) in ops {
+            println!(
+                "| {} | {name} | {} | {:.2} | {:.2} | {:.1} | {:.2} | {:.1} |",
+                m.tiers.world_size(),
+                op.row_bytes,
+                op.sent_mean / 1e6,
+                op.busiest as f64 / 1e6,
+                op.time_us,
+                op.deepep_bytes_mean / 1e6,
+                op.deepep_gbps,
+            );
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,119 @@
+//! `rail_model::summarize` on a hand-checked routing.
+
+use epcomm_reference::rail_model::{OpEstimate, RailLink, Spread, summarize};
+use epcomm_reference::{RefError, Tiers};
+
+/// 2 nodes of 2 ranks, 4 experts (expert `e` on rank `e`; experts 0, 1 on node 0 and 2, 3 on
+/// node 1), top-3.
+fn routing() -> Vec<Vec<i64>> {
+    vec![
+        // Rank 0 (node 0): tokens 0 and 2 go to ranks 0, 2, 3; token 1 to rank 1 only.
+        vec![0, 2, 3, 1, -1, -1, 0, 2, 3],
+        vec![],
+        vec![],
+        // Rank 3 (node 1): one token to ranks 0, 1, 3.
+        vec![0, 1, 3],
+    ]
+}
+
+const LINK: RailLink = RailLink {
+    nic_gbps: 1.0,
+    overhead_us: 2.0,
+};
+
+fn close(a: f64, b: f64) {
+    assert!((a - b).abs() <= 1e-12 * b.abs().max(1.0), "{a} != {b}");
+}
+
+fn check(op: &OpEstimate, row: u64, sent_mean: f64, deepep_row: f64) {
+    // Busiest direction: rank 0 sends 2 rows, rank 2 receives 2 (in combine: the reverse).
+    assert_eq!(op.row_bytes, row);
+    close(op.sent_mean, sent_mean);
+    assert_eq!(op.busiest, 2 * row);
+    // 1 GB/s = 1000 bytes per us, plus 2 us.
+    let time = (2 * row) as f64 / 1000.0 + 2.0;
+    close(op.time_us, time);
+    // DeepEP rows: rank 0 has 2 + 1 + 2 (node, token) pairs, rank 3 has 2: mean 7 / 4.
+    close(op.deepep_bytes_mean, 1.75 * deepep_row);
+    close(op.deepep_gbps, 1.75 * deepep_row / (time * 1000.0));
+}
+
+#[test]
+fn hand_checked_world() {
+    let m = summarize(&routing(), 3, 4, 128, Tiers::new(2, 2).unwrap(), LINK).unwrap();
+    assert_eq!((m.tokens, m.top_k), (4, 3));
+    // Rank 0 sends tokens 0 and 2 to node 1 (peer rank 2), rank 3 sends its token to node 0
+    // (peer rank 1). Rank 2 forwards both to rank 3 (and keeps them), rank 1 forwards one to
+    // rank 0 (and keeps it).
+    let s = |mean, max| Spread { mean, max };
+    assert_eq!(m.rail_sent, s(0.75, 2));
+    assert_eq!(m.rail_received, s(0.75, 2));
+    assert_eq!(m.forwarded, s(0.75, 2));
+    assert_eq!(m.combine_sent, s(0.75, 2));
+    assert_eq!(m.deepep_rows, s(1.75, 5));
+    // 3 rail rows; one transfer per remote rank would be 2 + 2 + 2 = 6.
+    assert_eq!((m.rail_rows, m.per_rank_rail_rows), (3, 6));
+    close(m.rows_per_slot(), 3.0 / 12.0);
+    close(m.rows_per_rank_transfer(), 0.5);
+    // Dispatch rows: x (256 B BF16 / 128 B FP8 + 4 B scale) + 3 ids * 8 + 3 weights * 4 + 4.
+    check(&m.dispatch_bf16, 296, 0.75 * 296.0, 256.0);
+    check(
+        &m.dispatch_fp8,
+        172,
+        0.75 * 172.0,
+        256.0 * (1.0 + 4.0 / 128.0) / 2.0,
+    );
+    // Combine partials: 128 values (2 or 4 B) + 3 f32 weights; DeepEP counts BF16 payload.
+    check(&m.combine_bf16, 268, 0.75 * 268.0, 256.0);
+    check(&m.combine_f32, 524, 0.75 * 524.0, 256.0);
+}
+
+#[test]
+fn one_node_has_no_rail_traffic() {
+    let m = summarize(&routing(), 3, 4, 128, Tiers::new(1, 4).unwrap(), LINK).unwrap();
+    assert_eq!((m.rail_rows, m.per_rank_rail_rows), (0, 0));
+    assert_eq!(m.dispatch_bf16.busiest, 0);
+    close(m.dispatch_bf16.time_us, 2.0);
+    // DeepEP still counts the own node: 3 + 1 tokens, mean 1.
+    assert_eq!(m.deepep_rows, Spread { mean: 1.0, max: 3 });
+}
+
+#[test]
+fn errors() {
+    let t = Tiers::new(2, 2).unwrap();
+    let bad = |link| summarize(&routing(), 3, 4, 128, t, link).unwrap_err();
+    for nic_gbps in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+        let e = bad(RailLink { nic_gbps, ..LINK });
+        assert!(
+            matches!(
+                e,
+                RefError::OutOfRange {
+                    arg: "nic_gbps",
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+    }
+    let e = bad(RailLink {
+        overhead_us: -1.0,
+        ..LINK
+    });
+    assert!(matches!(
+        e,
+        RefError::OutOfRange {
+            arg: "overhead_us",
+            ..
+        }
+    ));
+    assert!(matches!(
+        summarize(&routing(), 3, 4, 64, t, LINK),
+        Err(RefError::Row(_))
+    ));
+    assert!(matches!(
+        summarize(&routing(), 3, 4, 128, Tiers::new(1, 2).unwrap(), LINK),
+        Err(RefError::TiersMismatch { .. })
+    ));
+    assert_eq!(Spread::of([]), Spread { mean: 0.0, max: 0 });
+    assert_eq!(Spread::of([1, 4]).scaled(10), (25.0, 40));
+}
