@@ -13,7 +13,7 @@ use std::collections::HashSet;
 
 use crate::config::{Failure, ModelConfig, OpKind, route_count, routes_to};
 use crate::model::OpError;
-use crate::reference::{OutcomeViolation, RankReport, sequential_reference};
+use crate::reference::{OutcomeViolation, RankReport, check_output, sequential_reference};
 use crate::step::Step;
 use epcomm_topology::Schedule;
 
@@ -370,17 +370,7 @@ pub fn check_outcome_internode(
                             found: result.clone(),
                         });
                     }
-                    let expected = reference[rank].outputs[op]
-                        .as_ref()
-                        .expect("the reference completes every op");
-                    if found != expected {
-                        return Err(OutcomeViolation::Output {
-                            rank,
-                            op,
-                            expected: expected.clone(),
-                            found: found.clone(),
-                        });
-                    }
+                    check_output(&reference, rank, op, found)?;
                     events.len()
                 }
                 Err(error) => {

@@ -223,6 +223,30 @@ pub(crate) fn expected_inter_reduction(
         })
 }
 
+/// `found`, the output rank `rank` reported for op `op`, against the sequential reference's.
+///
+/// # Errors
+/// [`OutcomeViolation::Output`] when they differ.
+pub(crate) fn check_output(
+    reference: &[RankReport],
+    rank: usize,
+    op: usize,
+    found: &OpOutput,
+) -> Result<(), OutcomeViolation> {
+    let expected = reference[rank].outputs[op]
+        .as_ref()
+        .expect("the reference completes every op");
+    if found != expected {
+        return Err(OutcomeViolation::Output {
+            rank,
+            op,
+            expected: expected.clone(),
+            found: found.clone(),
+        });
+    }
+    Ok(())
+}
+
 /// Computes the sequential expectation for every rank of `cfg`.
 pub fn sequential_reference(cfg: &ModelConfig) -> Vec<RankReport> {
     // The reference ignores any injected failure: it is what every op must produce if it
@@ -394,17 +418,7 @@ pub fn check_outcome(cfg: &ModelConfig, reports: &[RankReport]) -> Result<(), Ou
                             fail_op: f.op,
                         });
                     }
-                    let expected = reference[rank].outputs[op]
-                        .as_ref()
-                        .expect("the reference completes every op");
-                    if found != expected {
-                        return Err(OutcomeViolation::Output {
-                            rank,
-                            op,
-                            expected: expected.clone(),
-                            found: found.clone(),
-                        });
-                    }
+                    check_output(&reference, rank, op, found)?;
                 }
                 Err(error) => {
                     let allowed = match (failure, error) {
