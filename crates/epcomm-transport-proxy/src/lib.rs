@@ -94,6 +94,38 @@ pub struct ProxyOptions {
     /// Mirror the ring's progress into device memory for the kernels to poll
     /// ([`CopyEngineExecutor::mirror_progress`]); off, kernels read the ring's host words.
     pub mirror_progress: bool,
+    /// Hand copies to the driver in batches ([`CopyEngineExecutor::set_batch_copies`]); off,
+    /// one `cuMemcpyAsync` per copy.
+    pub batch_copies: bool,
+    /// Diagnostics on stderr: 0 none, 1 the proxy's report when a buffer's proxy stops, 2 also
+    /// a live trace of the ring several times a second (docs/proxy.md, "Diagnostics").
+    pub trace: u8,
+}
+
+/// The value of the environment variable `name` among `allowed` (trimmed), `None` when unset.
+///
+/// # Errors
+/// [`TransportError::InvalidArgument`] naming the variable when it is set to anything else.
+fn env_choice(name: &'static str, allowed: &[&str]) -> Result<Option<u8>, TransportError> {
+    match std::env::var(name) {
+        Err(_) => Ok(None),
+        Ok(v) => parse_choice(name, &v, allowed),
+    }
+}
+
+/// `value` of `name` as its index in `allowed`.
+fn parse_choice(
+    name: &'static str,
+    value: &str,
+    allowed: &[&str],
+) -> Result<Option<u8>, TransportError> {
+    match allowed.iter().position(|a| *a == value.trim()) {
+        Some(i) => Ok(Some(i as u8)),
+        None => Err(TransportError::InvalidArgument {
+            argument: name,
+            rule: format!("must be one of {} (got {value:?})", allowed.join(", ")),
+        }),
+    }
 }
 
 impl ProxyOptions {
@@ -108,16 +140,19 @@ impl ProxyOptions {
             slot_timeout: Duration::from_secs(10),
             cpu: None,
             mirror_progress: true,
+            batch_copies: true,
+            trace: 0,
         }
     }
 
     /// [`Self::one_node_per_rank`], with `EPCOMM_PROXY_RING_SLOTS` and
-    /// `EPCOMM_PROXY_MAX_IN_FLIGHT` overriding the two sizes when set, and
-    /// `EPCOMM_PROXY_MIRROR=0` turning the progress mirror off.
+    /// `EPCOMM_PROXY_MAX_IN_FLIGHT` overriding the two sizes when set,
+    /// `EPCOMM_PROXY_MIRROR=0` turning the progress mirror off, `EPCOMM_PROXY_BATCH=0` the
+    /// batched copies, and `EPCOMM_PROXY_TRACE=1|2` the diagnostics on.
     ///
     /// # Errors
     /// [`TransportError::InvalidArgument`] naming the variable when its value is not a
-    /// positive integer (`EPCOMM_PROXY_MIRROR`: not `0` or `1`).
+    /// positive integer (the switches: not `0` or `1`; `EPCOMM_PROXY_TRACE`: not 0, 1 or 2).
     pub fn from_env(local_world_size: usize) -> Result<Self, TransportError> {
         let mut options = Self::one_node_per_rank(local_world_size);
         let var = |name: &'static str| -> Result<Option<u64>, TransportError> {
@@ -138,18 +173,14 @@ impl ProxyOptions {
         if let Some(n) = var("EPCOMM_PROXY_MAX_IN_FLIGHT")? {
             options.max_in_flight = usize::try_from(n).unwrap_or(usize::MAX);
         }
-        match std::env::var("EPCOMM_PROXY_MIRROR")
-            .as_deref()
-            .map(str::trim)
-        {
-            Err(_) | Ok("1") => {}
-            Ok("0") => options.mirror_progress = false,
-            Ok(v) => {
-                return Err(TransportError::InvalidArgument {
-                    argument: "EPCOMM_PROXY_MIRROR",
-                    rule: format!("must be 0 or 1 (got {v:?})"),
-                });
-            }
+        if let Some(on) = env_choice("EPCOMM_PROXY_MIRROR", &["0", "1"])? {
+            options.mirror_progress = on == 1;
+        }
+        if let Some(on) = env_choice("EPCOMM_PROXY_BATCH", &["0", "1"])? {
+            options.batch_copies = on == 1;
+        }
+        if let Some(level) = env_choice("EPCOMM_PROXY_TRACE", &["0", "1", "2"])? {
+            options.trace = level;
         }
         Ok(options)
     }
@@ -175,6 +206,12 @@ impl ProxyOptions {
         }
         if self.virtual_nodes == 0 {
             return bad("ProxyOptions::virtual_nodes", "must be > 0".into());
+        }
+        if self.trace > 2 {
+            return bad(
+                "ProxyOptions::trace",
+                format!("must be 0, 1 or 2 (got {})", self.trace),
+            );
         }
         Ok(())
     }
@@ -295,6 +332,7 @@ impl SymmetricHeap for ProxyTransport {
             &proxied,
             self.options.max_in_flight,
         )?;
+        executor.set_batch_copies(self.options.batch_copies);
         if self.options.mirror_progress {
             executor.mirror_progress(
                 counters.ptr() + abi::PROXY_COUNTER_TAKEN * 8,
@@ -302,7 +340,9 @@ impl SymmetricHeap for ProxyTransport {
             )?;
         }
         let watch = executor.watch();
-        let tracer = trace::Tracer::from_env(ring_host.host_ptr() as usize, slots, &watch);
+        let tracer = (self.options.trace >= 2)
+            .then(|| trace::Tracer::start(ring_host.host_ptr() as usize, slots, &watch))
+            .flatten();
         let mut config = ProxyConfig::new(Limits {
             world: world as u32,
             heap_bytes: bytes as u64,
@@ -334,6 +374,7 @@ impl SymmetricHeap for ProxyTransport {
             proxy: Mutex::new(Some(proxy)),
             last_report: Mutex::new(None),
             tracer: Mutex::new(tracer),
+            trace: self.options.trace,
             _counters: counters,
             _ring_host: ring_host,
             ipc,
@@ -362,6 +403,8 @@ pub struct ProxyMemory {
     watch: Arc<CallWatch>,
     proxy: Mutex<Option<Proxy>>,
     tracer: Mutex<Option<trace::Tracer>>,
+    /// `ProxyOptions::trace`.
+    trace: u8,
     last_report: Mutex<Option<Result<ProxyReport, String>>>,
     _counters: DeviceBuffer,
     _ring_host: MappedHostBuffer,
@@ -378,7 +421,7 @@ impl ProxyMemory {
         let proxy = self.proxy.lock().ok().and_then(|mut p| p.take());
         if let Some(proxy) = proxy {
             let report = proxy.shutdown().map_err(|e: ProxyError| e.to_string());
-            if std::env::var_os("EPCOMM_PROXY_TRACE").is_some_and(|v| v != "0") {
+            if self.trace >= 1 {
                 eprintln!(
                     "epcomm proxy-ce: buffer of {} bytes stopped: {report:?}; {}",
                     self.ipc.len(),
@@ -479,10 +522,23 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_switch_outside_its_values_names_the_variable() {
+        assert_eq!(parse_choice("X", " 1 ", &["0", "1"]).ok(), Some(Some(1)));
+        let err = parse_choice("EPCOMM_PROXY_BATCH", "yes", &["0", "1"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("EPCOMM_PROXY_BATCH") && err.contains("yes"),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn options_name_the_broken_rule() {
         let ok = ProxyOptions::one_node_per_rank(2);
         assert!(ok.validate().is_ok());
-        let cases: [(ProxyOptions, &str); 5] = [
+        let cases: [(ProxyOptions, &str); 6] = [
+            (ProxyOptions { trace: 3, ..ok }, "trace"),
             (
                 ProxyOptions {
                     ring_slots: 1000,

@@ -24,12 +24,9 @@ impl std::fmt::Debug for Tracer {
 }
 
 impl Tracer {
-    /// Starts the thread when `EPCOMM_PROXY_TRACE=2`, over the ring at host address `ring`
-    /// (`slots` slots), which must stay mapped until [`Tracer::stop`] returns.
-    pub(crate) fn from_env(ring: usize, slots: u64, watch: &Arc<CallWatch>) -> Option<Tracer> {
-        if std::env::var("EPCOMM_PROXY_TRACE").ok().as_deref() != Some("2") {
-            return None;
-        }
+    /// Starts the thread over the ring at host address `ring` (`slots` slots), which must
+    /// stay mapped until [`Tracer::stop`] returns; `None` when the thread cannot start.
+    pub(crate) fn start(ring: usize, slots: u64, watch: &Arc<CallWatch>) -> Option<Tracer> {
         let stop = Arc::new(AtomicBool::new(false));
         let flag = Arc::clone(&stop);
         let watch = Arc::clone(watch);
@@ -49,7 +46,7 @@ impl Tracer {
 
 fn word(ring: usize, offset: usize) -> u64 {
     // SAFETY: `offset` lies inside the ring region (header words or a slot's first word), which
-    // stays mapped until the tracer is stopped (`Tracer::from_env`); the words are only ever
+    // stays mapped until the tracer is stopped (`Tracer::start`); the words are only ever
     // accessed atomically, and an 8-byte aligned atomic load of them is always valid.
     unsafe { (*((ring + offset) as *const AtomicU64)).load(Ordering::Acquire) }
 }

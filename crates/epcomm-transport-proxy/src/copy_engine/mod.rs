@@ -11,7 +11,7 @@
 //! **Copies go out in batches**: a lane collects its copies and hands them to the driver in one
 //! `cuMemcpyBatchAsync` (source read in stream order, with the hint to use the copy engines
 //! rather than SMs) before a signal, when 1024 are pending, and at each poll. Where the driver
-//! refuses a batch, each copy is one `cuMemcpyAsync` (`EPCOMM_PROXY_BATCH=0` forces that).
+//! refuses a batch, each copy is one `cuMemcpyAsync` ([`Self::set_batch_copies`] can force that).
 
 //! **Ordering.** One stream per peer and submission order kept on it: a signal is written after
 //! every earlier copy and write to that peer has completed, with a memory barrier before it —
@@ -191,10 +191,15 @@ impl CopyEngineExecutor {
             in_flight: 0,
             max_in_flight: max_in_flight.max(1),
             signals_by_copy: false,
-            batched: std::env::var_os("EPCOMM_PROXY_BATCH").is_none_or(|v| v != "0"),
+            batched: true,
             mirror: None,
             watch: Arc::new(CallWatch::default()),
         })
+    }
+
+    /// Whether copies go out in batches (the default) or one `cuMemcpyAsync` each.
+    pub fn set_batch_copies(&mut self, on: bool) {
+        self.batched = on;
     }
 
     /// The executor's driver-call watch (shared: readable while the proxy thread runs).
