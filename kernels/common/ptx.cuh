@@ -66,6 +66,20 @@ __device__ __forceinline__ int4 ld_v4(const int4* p) {
   return v;
 }
 
+// ld_nc_v4 when `nc`, else ld_v4: one predicated instruction each, no branch (a reduction over
+// rows of both kinds keeps all of its loads in flight). Ordered like ld_v4 ("memory").
+__device__ __forceinline__ int4 ld_v4_nc_if(const int4* p, bool nc) {
+  int4 v;
+  asm volatile(
+      "{\n\t.reg .pred nc;\n\tsetp.ne.b32 nc, %5, 0;\n\t"
+      "@nc ld.global.nc.L1::no_allocate.L2::256B.v4.s32 {%0, %1, %2, %3}, [%4];\n\t"
+      "@!nc ld.global.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];\n\t}"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p), "r"(static_cast<int>(nc))
+      : "memory");
+  return v;
+}
+
 // 16-byte store that does not allocate in L1 (peer or local destination).
 __device__ __forceinline__ void st_na_v4(int4* p, const int4& v) {
   asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x),

@@ -12,7 +12,13 @@
 
 namespace epcomm::intranode {
 
-constexpr int kReduceUnroll = 4;  // 16-byte vectors per lane and source in flight
+// [C4] reduction shape (any values give the same bits; only speed and registers change): a
+// step loads kReduceUnroll 16-byte vectors per lane of each of up to kReduceSrcInFlight
+// sources, all in flight (kReduceUnroll * kReduceSrcInFlight * 4 registers), then adds them.
+// 4 x 4 and 2 x 8 both fit the 128 registers of kThreads = 512 without spills; 8 x 2 spills.
+constexpr int kReduceUnroll = 4;       // 16-byte vectors per lane and source in one step
+constexpr int kReduceSrcInFlight = 4;  // sources whose loads are in flight together
+constexpr int kWeightSrcInFlight = 8;  // the same for the weights (one float per lane each)
 
 __device__ __forceinline__ void add_bf16x8(float* acc, const int4& v) {
   const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
@@ -40,10 +46,23 @@ __device__ __forceinline__ int4 pack_bf16x8(const float* acc) {
 // then reduces tokens of this rank, each as soon as the flags of exactly the peers that hold a
 // contribution (known locally from the layout) arrived: warps that finish sending early reduce
 // while the last rows are still crossing NVLink, and a small batch has a short critical path.
+//
+// Reduction of a token (one warp): the contributing sources' rows are listed once, in rank
+// order, in the warp's s_src (bit 0 set: the row never changes during this kernel, so
+// non-coherent loads; clear: a peer pushed it in [C1], plain loads) and s_wsrc (weights). Then,
+// per step of 32 * kReduceUnroll vectors, per group of up to kReduceSrcInFlight listed sources:
+// every load of the group is issued, then the values are added source by source in list order.
+// Each output element is therefore 0.f + src_0 + src_1 + ... in rank order (fp32: the same adds
+// in the same order whatever the constants), rounded once to bf16: bit-identical results, with
+// one dependent load round trip per group and step instead of one per source and step. The
+// weights are summed the same way (0.f + w_0 + w_1 + ..., fp32, rank order).
 template <class Net>
 __device__ __forceinline__ void combine(const OpArgs& a, Shared& s) {
   __shared__ unsigned long long s_arrival[kMaxWorld];
   __shared__ int s_send_off[kMaxWorld];
+  // [C4] one token's contributions in rank order: rows (bit 0: non-coherent) and weight rows.
+  __shared__ uintptr_t s_src[kWarps][kMaxWorld];
+  __shared__ const float* s_wsrc[kWarps][kMaxWorld];
   const uint64_t t_start = globaltimer_ns();
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int world = a.world, me = a.rank, K = a.top_k;
@@ -155,6 +174,33 @@ __device__ __forceinline__ void combine(const OpArgs& a, Shared& s) {
     // Reconverge before the reduction: without it the lanes that waited and the ones that did
     // not may run the loop below apart (measured: put/signal combine 531 -> 407 us).
     __syncwarp();
+    // The contributing sources' rows, compacted in rank order (ballot + prefix count).
+    uintptr_t* src = s_src[warp];
+    const float** wsrc = s_wsrc[warp];
+    int nsrc = 0;
+    for (int r0 = 0; r0 < world; r0 += 32) {
+      const int r = r0 + lane;
+      const int row = r < world ? rows[r] : -1;
+      const unsigned have = __ballot_sync(0xffffffffu, row >= 0);
+      if (row >= 0) {
+        const int n = nsrc + __popc(have & ((1u << lane) - 1u));
+        const bool pulled = in_place && !Net::remote(a.remote_mask, r);
+        const int64_t pushed = static_cast<int64_t>(r) * a.max_tokens + t;  // comb slot
+        const uint8_t* p = pulled    ? s.bases[r] + off_y + row * row_bytes
+                           : r == me ? y + static_cast<int64_t>(row) * row_bytes
+                                     : comb + pushed * row_bytes;
+        // Pulled rows (in place) and y never change during this kernel: non-coherent loads.
+        // Rows peers pushed during this kernel ([C1]) must be plain loads.
+        const bool nc = pulled || r == me;
+        src[n] = reinterpret_cast<uintptr_t>(p) | static_cast<uintptr_t>(nc);
+        wsrc[n] = pulled ? reinterpret_cast<const float*>(s.bases[r] + off_yw) +
+                               static_cast<int64_t>(row) * K
+                  : r == me ? y_w + static_cast<int64_t>(row) * K
+                            : comb_w + pushed * K;
+      }
+      nsrc += __popc(have);
+    }
+    __syncwarp();
     int4* out = reinterpret_cast<int4*>(a.out + static_cast<int64_t>(t) * row_bytes);
     for (int base = 0; base < n16; base += 32 * kReduceUnroll) {
       float acc[kReduceUnroll][8];
@@ -162,26 +208,32 @@ __device__ __forceinline__ void combine(const OpArgs& a, Shared& s) {
       for (int u = 0; u < kReduceUnroll; ++u)
 #pragma unroll
         for (int j = 0; j < 8; ++j) acc[u][j] = 0.f;
-      for (int r = 0; r < world; ++r) {
-        const int row = rows[r];
-        if (row < 0) continue;
-        const bool pulled = in_place && !Net::remote(a.remote_mask, r);
-        const int4* p =
-            pulled ? reinterpret_cast<const int4*>(s.bases[r] + off_y + row * row_bytes)
-            : r == me ? reinterpret_cast<const int4*>(y + static_cast<int64_t>(row) * row_bytes)
-                      : reinterpret_cast<const int4*>(
-                            comb + (static_cast<int64_t>(r) * a.max_tokens + t) * row_bytes);
-        // Pulled rows (in place) and y never change during this kernel: non-coherent loads.
-        const bool nc = pulled || r == me;
-        int4 v[kReduceUnroll];
+      const int lane_i = base + lane;  // this lane's vectors: lane_i + u * 32
+      for (int g = 0; g < nsrc; g += kReduceSrcInFlight) {
+        uintptr_t e[kReduceSrcInFlight];
 #pragma unroll
-        for (int u = 0; u < kReduceUnroll; ++u) {
-          const int i = base + u * 32 + lane;
-          if (i < n16) v[u] = nc ? ld_nc_v4(p + i) : ld_v4(p + i);
+        for (int b = 0; b < kReduceSrcInFlight; ++b) e[b] = g + b < nsrc ? src[g + b] : 0;
+        // Every load of the group first...
+        // (v starts defined so that no value of an earlier group stays live across groups.)
+        int4 v[kReduceSrcInFlight][kReduceUnroll];
+#pragma unroll
+        for (int b = 0; b < kReduceSrcInFlight; ++b) {
+#pragma unroll
+          for (int u = 0; u < kReduceUnroll; ++u) v[b][u] = make_int4(0, 0, 0, 0);
+          if (g + b >= nsrc) continue;
+          const int4* p = reinterpret_cast<const int4*>(e[b] & ~static_cast<uintptr_t>(1)) + lane_i;
+#pragma unroll
+          for (int u = 0; u < kReduceUnroll; ++u)
+            if (lane_i + u * 32 < n16) v[b][u] = ld_v4_nc_if(p + u * 32, e[b] & 1);
         }
+        // ...then the adds, in rank order.
 #pragma unroll
-        for (int u = 0; u < kReduceUnroll; ++u)
-          if (base + u * 32 + lane < n16) add_bf16x8(acc[u], v[u]);
+        for (int b = 0; b < kReduceSrcInFlight; ++b) {
+          if (g + b >= nsrc) continue;
+#pragma unroll
+          for (int u = 0; u < kReduceUnroll; ++u)
+            if (lane_i + u * 32 < n16) add_bf16x8(acc[u], v[b][u]);
+        }
       }
 #pragma unroll
       for (int u = 0; u < kReduceUnroll; ++u) {
@@ -189,17 +241,17 @@ __device__ __forceinline__ void combine(const OpArgs& a, Shared& s) {
         if (i < n16) st_na_v4(out + i, pack_bf16x8(acc[u]));
       }
     }
+    // Weights: the same sources in the same order (loads of a group first, then the adds).
     if (has_w)
       for (int k = lane; k < K; k += 32) {
         float acc = 0.f;
-        for (int r = 0; r < world; ++r) {
-          const int row = rows[r];
-          if (row < 0) continue;
-          acc += in_place && !Net::remote(a.remote_mask, r)
-                     ? reinterpret_cast<const float*>(s.bases[r] + off_yw)[
-                                static_cast<int64_t>(row) * K + k]
-                 : r == me ? y_w[static_cast<int64_t>(row) * K + k]
-                           : comb_w[(static_cast<int64_t>(r) * a.max_tokens + t) * K + k];
+        for (int g = 0; g < nsrc; g += kWeightSrcInFlight) {
+          float wv[kWeightSrcInFlight];
+#pragma unroll
+          for (int b = 0; b < kWeightSrcInFlight; ++b) wv[b] = g + b < nsrc ? wsrc[g + b][k] : 0.f;
+#pragma unroll
+          for (int b = 0; b < kWeightSrcInFlight; ++b)
+            if (g + b < nsrc) acc += wv[b];
         }
         reinterpret_cast<float*>(a.out_weights)[static_cast<int64_t>(t) * K + k] = acc;
       }
