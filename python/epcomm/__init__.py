@@ -1,13 +1,13 @@
 """epcomm: expert-parallel (MoE) dispatch and combine on NVIDIA GPUs, for PyTorch.
 
 :class:`Buffer` has DeepEP's normal-mode API (``get_dispatch_layout``, ``dispatch``, cached
-dispatch, ``combine``, :class:`EventOverlap`, :class:`Config`) on epcomm's kernels and
-transports. Importing this package needs no torch and no GPU (configuration checks, size hints
+dispatch, ``combine``, :class:`EventOverlap`, :class:`Config`) and its low-latency ops
+(``low_latency_dispatch``, ``low_latency_combine``) on epcomm's kernels and transports. Importing this package needs no torch and no GPU (configuration checks, size hints
 and the error classes work anywhere); :class:`Buffer` needs PyTorch with CUDA.
 """
 
 from . import _native
-from .config import DEFAULT_NUM_SMS, Config, check_options, size_hint
+from .config import DEFAULT_NUM_SMS, Config, check_options, low_latency_size_hint, size_hint
 from .errors import (
     BootstrapError,
     BootstrapTimeoutError,
@@ -31,12 +31,14 @@ __version__ = _native.version()
 __all__ = [
     "Buffer",
     "DispatchHandle",
+    "LowLatencyHandle",
     "EventOverlap",
     "Config",
     "OpStats",
     "DEFAULT_NUM_SMS",
     "check_options",
     "size_hint",
+    "low_latency_size_hint",
     "build_info",
     "kernels_embedded",
     "parse_transport",
@@ -56,7 +58,7 @@ __all__ = [
     "CudaError",
 ]
 
-_TORCH_NAMES = ("Buffer", "DispatchHandle", "EventOverlap")
+_TORCH_NAMES = ("Buffer", "DispatchHandle", "EventOverlap", "LowLatencyHandle")
 
 
 def __getattr__(name):

@@ -1,5 +1,6 @@
 """``epcomm.Buffer``: DeepEP's normal-mode ``Buffer`` API (``get_dispatch_layout``,
-``dispatch``, cached dispatch, ``combine``) on epcomm, for PyTorch.
+``dispatch``, cached dispatch, ``combine``) and its low-latency ops (``low_latency_dispatch``,
+``low_latency_combine``: ``_low_latency``) on epcomm, for PyTorch.
 
 How it maps onto the native layer (``epcomm._native``, torch-free):
 
@@ -23,15 +24,17 @@ import weakref
 
 import torch
 
-from . import _native
+from . import _ll_args, _low_latency, _native
 from ._args import aligned_counts, check, check_bool, check_int, describe, fail
 from ._rendezvous import from_group
 from ._streams import EventOverlap, StreamOp
 from ._views import view
-from .config import DEFAULT_NUM_SMS, Config, check_options, size_hint
+from .config import DEFAULT_NUM_SMS, Config, check_options, low_latency_size_hint, size_hint
 from .stats import OpStats
 
-__all__ = ["Buffer", "DispatchHandle", "EventOverlap"]
+__all__ = ["Buffer", "DispatchHandle", "EventOverlap", "LowLatencyHandle"]
+
+LowLatencyHandle = _low_latency.LowLatencyHandle
 
 _FP8 = getattr(torch, "float8_e4m3fn", None)
 _FP8_BLOCK = 128
@@ -117,8 +120,13 @@ class Buffer:
     The shape is fixed at creation (every rank passes the same values): ``max_tokens_per_rank``
     (most tokens one dispatch sends), ``hidden``, ``num_topk``, ``num_experts``.
     ``num_nvl_bytes``: 0 lets epcomm size its memory; otherwise an upper bound that raises when
-    the shape needs more (:meth:`get_buffer_size_hint`). ``num_rdma_bytes`` must be 0 and
-    ``low_latency_mode`` False (normal mode within one NVLink domain or NVSHMEM job).
+    the shape needs more (:meth:`get_buffer_size_hint`).
+
+    Low-latency (decode) ops: ``num_max_dispatch_tokens_per_rank`` (default 0: none) is the
+    most tokens a rank passes to one :meth:`low_latency_dispatch`; it plans the low-latency
+    memory. ``low_latency_mode=True`` is accepted only with it (it changes nothing else);
+    ``num_rdma_bytes`` must then be 0 or an upper bound of the low-latency memory
+    (:meth:`get_low_latency_rdma_size_hint`), and must be 0 without it.
 
     epcomm's own choices: ``transport`` (``"ipc"``, ``"nvshmem"``, ``"nvshmem:vnodes=N"``,
     ``"nvshmem:vnodes=max"``), ``schedule`` (``"epoch"``, ``"global"``), ``routes``
@@ -154,13 +162,13 @@ class Buffer:
         enable_cuda_graphs=True,
         bootstrap_timeout=300.0,
         explicitly_destroy=False,
+        num_max_dispatch_tokens_per_rank=0,
     ):
         check_int("num_nvl_bytes", num_nvl_bytes)
         check_int("num_rdma_bytes", num_rdma_bytes)
-        if num_rdma_bytes != 0:
-            fail("num_rdma_bytes", "must be 0: epcomm's normal mode has no RDMA buffer (use transport='nvshmem' for put/signal)")
-        if low_latency_mode:
-            fail("low_latency_mode", "must be False: the Python API offers the normal (throughput) mode")
+        check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank)
+        ll = num_max_dispatch_tokens_per_rank
+        _ll_args.check_options(ll, low_latency_mode, num_rdma_bytes)
         check_bool("enable_cuda_graphs", enable_cuda_graphs)
         check_bool("explicitly_destroy", explicitly_destroy)
         num_sms = Buffer.num_sms if num_sms is None else num_sms
@@ -181,11 +189,21 @@ class Buffer:
             timeout=timeout,
             rank=rank,
             local_world_size=local_world,
+            num_max_dispatch_tokens_per_rank=ll,
         )
-        if num_nvl_bytes and facts["symmetric_bytes"] > num_nvl_bytes:
+        ll_bytes = facts["low_latency_bytes"]
+        if num_rdma_bytes and ll_bytes > num_rdma_bytes:
+            fail(
+                "num_rdma_bytes",
+                f"the low-latency memory of this shape takes {ll_bytes} bytes per rank "
+                f"(num_max_dispatch_tokens_per_rank={ll}), more than the {num_rdma_bytes} given; pass 0 to let "
+                "epcomm size it",
+            )
+        normal_bytes = facts["symmetric_bytes"] - ll_bytes
+        if num_nvl_bytes and normal_bytes > num_nvl_bytes:
             fail(
                 "num_nvl_bytes",
-                f"this shape needs {facts['symmetric_bytes']} bytes per rank (max_tokens_per_rank="
+                f"this shape needs {normal_bytes} bytes per rank (max_tokens_per_rank="
                 f"{max_tokens_per_rank}, hidden={hidden}, num_topk={num_topk}, num_experts={num_experts}, "
                 f"{world} ranks), more than the {num_nvl_bytes} given; pass 0 to let epcomm size it",
             )
@@ -206,6 +224,7 @@ class Buffer:
             routes,
             float(timeout),
             bootstrap,
+            ll,
         )
         self.rank = self._session.rank
         self.group_size = self._session.world_size
@@ -213,6 +232,7 @@ class Buffer:
         self.num_topk = num_topk
         self.num_experts = num_experts
         self.max_tokens_per_rank = max_tokens_per_rank
+        self.num_max_dispatch_tokens_per_rank = ll
         self.capacity = self._session.capacity
         self.explicitly_destroy = explicitly_destroy
         self._num_sms = num_sms
@@ -221,6 +241,8 @@ class Buffer:
         self._pinned = []
         self._captured = False
         self._views = {}
+        self._ll_views = {}
+        self._ll_keep = None
         self._parity = None
         if enable_cuda_graphs:
             # Flipped on the comm stream after every dispatch: the device's dispatch parity.
@@ -271,6 +293,13 @@ class Buffer:
     def get_buffer_size_hint(num_ranks, max_tokens_per_rank, hidden, num_topk, num_experts):
         """Bytes of symmetric GPU memory per rank for this shape (``num_nvl_bytes``)."""
         return size_hint(num_ranks, max_tokens_per_rank, hidden, num_topk, num_experts)
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts, num_topk):
+        """Bytes of symmetric GPU memory per rank that the low-latency regions add for this
+        shape (DeepEP's helper; what ``num_rdma_bytes`` may bound). Unlike DeepEP's it needs
+        ``num_topk``: the combine rows are planned per (token, k)."""
+        return low_latency_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts, num_topk)
 
     def get_comm_stream(self):
         """The communication stream (a ``torch.cuda.ExternalStream``)."""
@@ -332,7 +361,9 @@ class Buffer:
         """Frees the buffer after every rank stopped using it (collective). Tensors returned
         with ``zero_copy=True`` are invalid afterwards."""
         self._views.clear()
+        self._ll_views.clear()
         self._session.destroy()
+        self._ll_keep = None
 
     # ------------------------------------------------------------------------------------------
     # Argument checks
@@ -796,3 +827,112 @@ class Buffer:
         )
         op.output(out, out_w)
         return out, out_w, op.finish()
+
+    # ------------------------------------------------------------------------------------------
+    # Low-latency (decode) ops
+
+    def low_latency_dispatch(
+        self,
+        x,
+        topk_idx,
+        num_max_dispatch_tokens_per_rank,
+        num_experts,
+        use_fp8=True,
+        round_scale=False,
+        use_ue8m0=False,
+        async_finish=False,
+        return_recv_hook=False,
+        *,
+        cumulative_local_expert_recv_stats=None,
+        dispatch_wait_recv_cost_stats=None,
+    ):
+        """Sends every token once to each rank holding one of its experts and packs what this
+        rank received expert-major (DeepEP's ``low_latency_dispatch``). No host wait, no count
+        round trip. Needs a Buffer created with ``num_max_dispatch_tokens_per_rank > 0``.
+
+        ``x``: ``[num_tokens, hidden]`` bf16 with ``num_tokens <=
+        num_max_dispatch_tokens_per_rank`` (0 allowed); ``topk_idx``: ``[num_tokens, num_topk]``
+        int64 (``-1`` = none; a token names each expert at most once).
+        ``num_max_dispatch_tokens_per_rank`` and ``num_experts`` must be the Buffer's.
+
+        ``use_fp8``: rows arrive as e4m3 with one f32 scale per 128 channels (``amax = max(max
+        |x|, 1e-4)``, ``scale = amax / 448``, values ``e4m3(x * 448 / amax)``);
+        ``round_scale``: scales rounded up to powers of two and the values cast with them.
+        Scales are ``[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden
+        // 128]`` f32, **row-major** (DeepEP stores them column-major per expert: transpose
+        the last two dimensions where code expects DeepEP's layout). ``use_ue8m0=True``
+        (packed UE8M0 scale bytes) is refused: epcomm's rounded scales are f32.
+
+        ``return_recv_hook=True``: returns after the send phase; ``hook()`` issues the receive
+        phase (the outputs are filled once it ran). Until then no other op of this Buffer may
+        run. ``async_finish=True``: returns an event instead of making the current stream wait
+        (not together with a hook, as in DeepEP). ``cumulative_local_expert_recv_stats``
+        (optional ``[num_local_experts]`` int32): the received counts are added to it.
+
+        Returns ``(recv_x, recv_count, handle, event, hook)``: ``recv_x`` is ``[num_local_experts,
+        num_ranks * num_max_dispatch_tokens_per_rank, hidden]`` bf16, or with FP8 the tuple
+        ``(e4m3 rows of that shape, scales)``; for local expert ``l`` the first
+        ``recv_count[l]`` rows are valid, one per (token, k) that named it, ordered by source
+        rank, then source token index. ``recv_count``: ``[num_local_experts]`` int32. Both are
+        views of one of the Buffer's two receive sets, valid until the second-next low-latency
+        dispatch (the next one writes the other set). ``handle``: a
+        :class:`LowLatencyHandle` for :meth:`low_latency_combine`; ``hook``: None unless
+        ``return_recv_hook``.
+        """
+        return _low_latency.dispatch(
+            self,
+            x,
+            topk_idx,
+            num_max_dispatch_tokens_per_rank,
+            num_experts,
+            use_fp8,
+            round_scale,
+            use_ue8m0,
+            async_finish,
+            return_recv_hook,
+            cumulative_local_expert_recv_stats,
+            dispatch_wait_recv_cost_stats,
+        )
+
+    def low_latency_combine(
+        self,
+        x,
+        topk_idx,
+        topk_weights,
+        handle,
+        use_logfmt=False,
+        zero_copy=False,
+        async_finish=False,
+        return_recv_hook=False,
+        out=None,
+        *,
+        combine_wait_recv_cost_stats=None,
+    ):
+        """Sends every expert output row back to its token's rank and reduces them (DeepEP's
+        ``low_latency_combine``): ``combined_x[t] = sum over k with topk_idx[t, k] != -1, in
+        increasing k, of topk_weights[t, k] * y_k``, in fp32 (each product and sum rounded),
+        rounded to bf16 once; deterministic.
+
+        ``x``: ``[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]``
+        bf16, the expert outputs at the rows of ``handle``'s dispatch; ``topk_idx`` (int64) and
+        ``topk_weights`` (f32): this rank's ``[num_tokens, num_topk]`` of that dispatch;
+        ``out`` (optional): the ``[num_tokens, hidden]`` bf16 tensor to write. The handle is
+        valid until the second-next low-latency dispatch after its own.
+
+        ``use_logfmt`` and ``zero_copy`` are refused: epcomm sends bf16 rows and has no
+        zero-copy combine buffer. ``async_finish`` and ``return_recv_hook`` as in
+        :meth:`low_latency_dispatch`. Returns ``(combined_x, event, hook)``.
+        """
+        return _low_latency.combine(
+            self,
+            x,
+            topk_idx,
+            topk_weights,
+            handle,
+            use_logfmt,
+            zero_copy,
+            async_finish,
+            return_recv_hook,
+            out,
+            combine_wait_recv_cost_stats,
+        )

@@ -3,7 +3,7 @@
 from . import _native
 from .errors import InvalidArgumentError
 
-__all__ = ["Config", "DEFAULT_NUM_SMS", "size_hint", "check_options"]
+__all__ = ["Config", "DEFAULT_NUM_SMS", "size_hint", "low_latency_size_hint", "check_options"]
 
 #: SMs (blocks) per op when neither the Buffer nor :meth:`Buffer.set_num_sms` says otherwise.
 DEFAULT_NUM_SMS = 24
@@ -71,12 +71,15 @@ def check_options(
     timeout=100.0,
     rank=0,
     local_world_size=None,
+    num_max_dispatch_tokens_per_rank=0,
 ):
     """Checks a Buffer's arguments for ``world_size`` ranks without a GPU (the same rules, and
     the same errors, as creating it) and returns ``{"symmetric_bytes", "capacity",
-    "transport"}``: the symmetric memory each rank allocates, the most rows one dispatch can
-    receive (``world_size * max_tokens_per_rank``) and the canonical transport spec.
-    ``local_world_size`` (ranks per host) defaults to ``world_size`` (one host)."""
+    "transport", "low_latency_bytes"}``: the symmetric memory each rank allocates, the most
+    rows one dispatch can receive (``world_size * max_tokens_per_rank``), the canonical
+    transport spec, and the part of ``symmetric_bytes`` the low-latency regions take (0 unless
+    ``num_max_dispatch_tokens_per_rank > 0``). ``local_world_size`` (ranks per host) defaults
+    to ``world_size`` (one host)."""
     for name, value in (
         ("world_size", world_size),
         ("max_tokens_per_rank", max_tokens_per_rank),
@@ -86,6 +89,20 @@ def check_options(
         ("num_sms", num_sms),
     ):
         _positive_int(name, value)
+    if isinstance(num_max_dispatch_tokens_per_rank, bool) or not isinstance(num_max_dispatch_tokens_per_rank, int) or (
+        num_max_dispatch_tokens_per_rank < 0
+    ):
+        raise InvalidArgumentError(
+            f"invalid num_max_dispatch_tokens_per_rank: must be an int >= 0 (got {num_max_dispatch_tokens_per_rank!r})",
+            argument="num_max_dispatch_tokens_per_rank",
+            rule="must be an int >= 0",
+        )
+    if num_max_dispatch_tokens_per_rank > 0xFFFF:
+        raise InvalidArgumentError(
+            f"invalid num_max_dispatch_tokens_per_rank: must be at most 65535 (got {num_max_dispatch_tokens_per_rank})",
+            argument="num_max_dispatch_tokens_per_rank",
+            rule="must be at most 65535",
+        )
     local = world_size if local_world_size is None else _positive_int("local_world_size", local_world_size)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise InvalidArgumentError(
@@ -117,6 +134,7 @@ def check_options(
         world_size,
         rank,
         local,
+        num_max_dispatch_tokens_per_rank,
     )
 
 
@@ -130,3 +148,18 @@ def size_hint(num_ranks, max_tokens_per_rank, hidden, num_topk, num_experts):
         num_topk=num_topk,
         num_experts=num_experts,
     )["symmetric_bytes"]
+
+
+def low_latency_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts, num_topk):
+    """Bytes of symmetric GPU memory per rank that the low-latency regions add for this shape
+    (DeepEP's ``get_low_latency_rdma_size_hint``, plus ``num_topk``: epcomm plans the combine
+    rows per (token, k)). The same number whatever ``max_tokens_per_rank`` the Buffer has."""
+    _positive_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank)
+    return check_options(
+        world_size=num_ranks,
+        max_tokens_per_rank=num_max_dispatch_tokens_per_rank,
+        hidden=hidden,
+        num_topk=num_topk,
+        num_experts=num_experts,
+        num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
+    )["low_latency_bytes"]

@@ -573,3 +573,280 @@ CASES = {
     f.__name__: f
     for f in (suite, events, graphs, zero_copy, stats, bad_inputs, invalid_expert, timeout, config_mismatch)
 }
+
+
+# ----------------------------------------------------------------------------------------------
+# Low-latency ops (decode): a plain-torch reference written here from the contract in
+# docs/low-latency.md, checked bit for bit.
+
+FP8_MAX = 448.0
+
+
+def ll_inputs(rank, tokens, hidden, top_k, experts, world, seed):
+    """One rank's low-latency inputs: ``make_inputs``' rows at varied magnitudes (token ``t``
+    times ``1.7 * 2^(t % 5 - 2)``), the first 128-channel group of token 0 all zero (the
+    ``1e-4`` amax floor), and about 15% of the ids ``-1``."""
+    i = ref.make_inputs(rank, tokens, hidden, top_k, experts, world, seed, mask=0.15)
+    f = torch.tensor([1.7 * 2.0 ** (t % 5 - 2) for t in range(tokens)], dtype=torch.float32).reshape(tokens, 1)
+    x = (i.x.float() * f).to(torch.bfloat16)
+    if tokens > 0:
+        x[0, :128] = 0
+    return x.contiguous(), i.topk_idx, i.topk_weights
+
+
+def ll_cast(x, round_scale):
+    """DeepEP's per-128-channel e4m3 cast of bf16 rows ``[n, hidden]``: ``amax = max(max |x|,
+    1e-4)``; ``scale = amax / 448`` and ``q = e4m3(x * (448 / amax))``, or (`round_scale`)
+    ``scale`` = the next power of two >= ``amax / 448`` and ``q = e4m3(x * (1 / scale))``.
+    Every step is one f32 op; torch's float8_e4m3fn conversion rounds to nearest even, and the
+    products are at most 448 up to one rounding (below 464, which torch still rounds to 448)."""
+    n, h = x.shape
+    g = x.float().view(n, h // 128, 128)
+    amax = g.abs().amax(dim=-1).clamp(min=1e-4)
+    if round_scale:
+        s = amax / FP8_MAX
+        b = s.view(torch.int32)
+        # The exponent field raised by one with the mantissa cleared (0xff800000 as an i32).
+        up = ((b & -0x800000) + 0x800000).view(torch.float32)
+        scale = torch.where((b & 0x7FFFFF) == 0, s, up)
+        mul = 1.0 / scale
+    else:
+        scale = amax / FP8_MAX
+        mul = FP8_MAX / amax
+    q = (g * mul.unsqueeze(-1)).view(n, h).to(torch.float8_e4m3fn)
+    return q, scale.contiguous()
+
+
+def ll_reference(all_idx, experts, world):
+    """``(rows, where)``: ``rows[rank][l]`` lists the ``(source rank, source token)`` of every
+    packed row of local expert ``l`` in order (source rank, then source token: one row per
+    (token, k) naming the expert); ``where[(src, t, k)] = (rank, l, row)``."""
+    epr = experts // world
+    rows = [[[] for _ in range(epr)] for _ in range(world)]
+    where = {}
+    for src in range(world):
+        for t, ks in enumerate(all_idx[src].tolist()):
+            for k, e in enumerate(ks):
+                if e < 0:
+                    continue
+                owner, l = e // epr, e % epr
+                where[(src, t, k)] = (owner, l, len(rows[owner][l]))
+                rows[owner][l].append((src, t))
+    return rows, where
+
+
+def ll_y(all_x, rows_of_rank, epr, cap, hidden):
+    """A rank's expert outputs ``[epr, cap, hidden]`` bf16: packed row ``i`` of local expert
+    ``l`` is its bf16 source row times ``l % 3 + 1`` (an f32 product rounded to bf16); rows past
+    the count are zero."""
+    y = torch.zeros((epr, cap, hidden), dtype=torch.bfloat16)
+    for l, rows in enumerate(rows_of_rank):
+        for i, (src, t) in enumerate(rows):
+            y[l, i] = (all_x[src][t].float() * float(l % 3 + 1)).to(torch.bfloat16)
+    return y
+
+
+def ll_combined(rank, idx, w, where, ys, hidden):
+    """``out[t] = sum over k (increasing, ids != -1) of f32(w[t, k]) * f32(y_k)``: one f32
+    product and one f32 sum per k, from 0, rounded to bf16 once."""
+    n, top_k = idx.shape
+    out = torch.zeros((n, hidden), dtype=torch.bfloat16)
+    for t in range(n):
+        acc = torch.zeros(hidden, dtype=torch.float32)
+        for k in range(top_k):
+            if int(idx[t, k]) < 0:
+                continue
+            owner, l, i = where[(rank, t, k)]
+            acc = acc + w[t, k].float() * ys[owner][l, i].float()
+        out[t] = acc.to(torch.bfloat16)
+    return out
+
+
+class LlRound:
+    """One low-latency dispatch + combine of every rank, and its reference."""
+
+    def __init__(self, ctx, tokens, hidden, top_k, experts, max_tokens, seed):
+        world = ctx.world
+        self.epr, self.cap, self.hidden = experts // world, world * max_tokens, hidden
+        ins = [ll_inputs(r, tokens[r], hidden, top_k, experts, world, seed) for r in range(world)]
+        self.all_x = [i[0] for i in ins]
+        self.x, self.idx, self.w = ins[ctx.rank]
+        self.rows, self.where = ll_reference([i[1] for i in ins], experts, world)
+        self.ys = [ll_y(self.all_x, self.rows[r], self.epr, self.cap, hidden) for r in range(world)]
+        self.want_out = ll_combined(ctx.rank, self.idx, self.w, self.where, self.ys, hidden)
+
+    def counts(self, rank):
+        return torch.tensor([len(r) for r in self.rows[rank]], dtype=torch.int32)
+
+    def check_dispatch(self, ctx, what, recv, count, handle, fmt):
+        """This rank's packed rows (and scales), counts, source indices and ranges."""
+        mine = self.rows[ctx.rank]
+        same(f"{what} recv_count", count, self.counts(ctx.rank))
+        rx = recv if fmt == "bf16" else recv[0]
+        want_dtype = torch.bfloat16 if fmt == "bf16" else torch.float8_e4m3fn
+        assert rx.dtype == want_dtype and tuple(rx.shape) == (self.epr, self.cap, self.hidden), (what, rx.dtype, rx.shape)
+        if fmt != "bf16":
+            rs = recv[1]
+            assert rs.dtype == torch.float32 and tuple(rs.shape) == (self.epr, self.cap, self.hidden // 128), (what, rs.shape)
+        src, rng = handle.src_info.cpu(), handle.layout_range.cpu()
+        for l, rows in enumerate(mine):
+            n = len(rows)
+            if n:
+                want = torch.stack([self.all_x[s][t] for s, t in rows])
+            else:
+                want = torch.empty((0, self.hidden), dtype=torch.bfloat16)
+            if fmt == "bf16":
+                same(f"{what} rows of local expert {l}", recv[l, :n], want)
+            else:
+                q, scales = ll_cast(want, fmt == "fp8-round")
+                same(f"{what} e4m3 rows of local expert {l}", recv[0][l, :n], q)
+                same(f"{what} scales of local expert {l}", recv[1][l, :n], scales)
+            same(f"{what} src_info of local expert {l}", src[l, :n], torch.tensor([t for _, t in rows], dtype=torch.int32))
+            first = 0
+            for r in range(ctx.world):
+                k = sum(1 for s, _ in rows if s == r)
+                assert int(rng[l, r]) == (first << 32) | k, (what, "layout_range", l, r, int(rng[l, r]), first, k)
+                first += k
+
+    def y(self, ctx):
+        return self.ys[ctx.rank].to(ctx.device)
+
+
+def _busy(dev):
+    """Some torch work on the current stream (between a send phase and its hook)."""
+    a = torch.randn((512, 512), device=dev)
+    for _ in range(4):
+        a = torch.tanh(a @ a.t() / 512)
+    return a
+
+
+def low_latency(ctx):
+    """low_latency_dispatch / low_latency_combine against the reference above: tokens 0, 1, 7
+    and 128 (different per rank), top-k 1, 8 and 9, hidden 2048 and 7168, -1 ids, BF16, FP8 and
+    FP8 with power-of-two scales; synchronous, async_finish and hook calls (torch work between
+    each send phase and its hook); eight calls per Buffer, so both receive sets are used, with
+    the previous dispatch's outputs checked again (and combined) after the next dispatch and
+    handles two dispatches old refused; then the API's refusals."""
+    world, rank, dev = ctx.world, ctx.rank, ctx.device
+    I = epcomm.InvalidArgumentError  # noqa: E741
+    groups = [(2048, 1, 4), (2048, 9, 16), (7168, 8, 16)]
+    sizes = [0, 1, 7, 128]
+    fmts = ["bf16", "fp8", "fp8-round"]
+    max_tokens = 128
+    for gi, (hidden, top_k, epr) in enumerate(groups):
+        experts = epr * world
+        buf = ctx.buffer(64, hidden, top_k, experts, num_max_dispatch_tokens_per_rank=max_tokens)
+        assert buf.num_max_dispatch_tokens_per_rank == max_tokens
+        stats = torch.zeros(epr, dtype=torch.int32, device=dev)
+        want_stats = torch.zeros(epr, dtype=torch.int32)
+        history = []
+        for c in range(8):
+            tokens = [sizes[(c + r + gi) % len(sizes)] for r in range(world)]
+            fmt = fmts[(c + gi) % len(fmts)]
+            mode = ("sync", "hook", "async")[(c + gi) % 3]
+            rnd = LlRound(ctx, tokens, hidden, top_k, experts, max_tokens, 1000 * gi + c)
+            x, idx, w = rnd.x.to(dev), rnd.idx.to(dev), rnd.w.to(dev)
+            kw = dict(use_fp8=fmt != "bf16", round_scale=fmt == "fp8-round", cumulative_local_expert_recv_stats=stats)
+            what = f"H={hidden} K={top_k} call {c} ({fmt}, {mode}, tokens {tokens})"
+            if mode == "hook":
+                recv, count, handle, ev, hook = buf.low_latency_dispatch(x, idx, max_tokens, experts, return_recv_hook=True, **kw)
+                assert ev.event is None and callable(hook)
+                _busy(dev)
+                # Until the hook ran, every other op is refused (on every rank alike: nothing
+                # is launched).
+                expect_raises(I, lambda: buf.low_latency_dispatch(x, idx, max_tokens, experts), "hook")
+                hook()
+                expect_raises(I, hook, "hook")
+            elif mode == "async":
+                recv, count, handle, ev, hook = buf.low_latency_dispatch(x, idx, max_tokens, experts, async_finish=True, **kw)
+                assert hook is None and ev.event is not None
+                ev.current_stream_wait()
+            else:
+                recv, count, handle, ev, hook = buf.low_latency_dispatch(x, idx, max_tokens, experts, **kw)
+                assert hook is None and ev.event is None
+            assert handle.num_tokens == rnd.x.shape[0]
+            want_stats += rnd.counts(rank)
+            rnd.check_dispatch(ctx, what, recv, count, handle, fmt)
+            same(f"{what} cumulative_local_expert_recv_stats", stats, want_stats)
+            if len(history) >= 2:
+                # Two dispatches old: its receive set was written again.
+                o_rnd, _, _, o_handle, _, _ = history[-2]
+                expect_raises(
+                    I,
+                    lambda: buf.low_latency_combine(o_rnd.y(ctx), o_rnd.idx.to(dev), o_rnd.w.to(dev), o_handle),
+                    "handle",
+                )
+            if history:
+                # One dispatch old: still valid (the other receive set).
+                p_rnd, p_recv, p_count, p_handle, p_fmt, p_what = history[-1]
+                p_rnd.check_dispatch(ctx, f"{p_what}, after the next dispatch", p_recv, p_count, p_handle, p_fmt)
+                out = buf.low_latency_combine(p_rnd.y(ctx), p_rnd.idx.to(dev), p_rnd.w.to(dev), p_handle)[0]
+                same(f"{p_what} combine after the next dispatch", out, p_rnd.want_out)
+            if mode == "hook":
+                given = torch.full((rnd.x.shape[0], hidden), 7, dtype=torch.bfloat16, device=dev)
+                out, ev, hook = buf.low_latency_combine(rnd.y(ctx), idx, w, handle, return_recv_hook=True, out=given)
+                assert out is given and ev.event is None and callable(hook)
+                _busy(dev)
+                expect_raises(I, lambda: buf.low_latency_combine(rnd.y(ctx), idx, w, handle), "hook")
+                hook()
+            elif mode == "async":
+                out, ev, hook = buf.low_latency_combine(rnd.y(ctx), idx, w, handle, async_finish=True)
+                assert hook is None
+                ev.current_stream_wait()
+            else:
+                out, ev, hook = buf.low_latency_combine(rnd.y(ctx), idx, w, handle)
+                assert hook is None and ev.event is None
+            assert out.shape == (rnd.x.shape[0], hidden) and out.dtype == torch.bfloat16
+            same(f"{what} combine", out, rnd.want_out)
+            history.append((rnd, recv, count, handle, fmt, what))
+            ctx.log(f"low latency {what}: ok")
+        # Normal-mode ops still work on a Buffer with low-latency memory.
+        ins = [ref.make_inputs(r, 64, hidden, top_k, experts, world, 77) for r in range(world)]
+        got = buf.dispatch(ins[rank].x.to(dev), topk_idx=ins[rank].topk_idx.to(dev))[0]
+        same(f"H={hidden} K={top_k} normal dispatch after low-latency ops", got, ref.dispatch(ins, rank, experts).x)
+        buf.destroy()
+    low_latency_refusals(ctx)
+
+
+def low_latency_refusals(ctx):
+    """Bad low-latency arguments raise InvalidArgumentError naming them; nothing is launched,
+    and a good call works afterwards."""
+    world, dev = ctx.world, ctx.device
+    I = epcomm.InvalidArgumentError  # noqa: E741
+    hidden, top_k, epr, m = 2048, 4, 4, 16
+    experts = epr * world
+    plain = ctx.buffer(16, hidden, top_k, experts)
+    x = torch.zeros((m, hidden), dtype=torch.bfloat16, device=dev)
+    idx = torch.arange(m * top_k, device=dev).reshape(m, top_k) % experts
+    expect_raises(I, lambda: plain.low_latency_dispatch(x, idx, m, experts), "num_max_dispatch_tokens_per_rank")
+    plain.destroy()
+    expect_raises(I, lambda: ctx.buffer(16, hidden, top_k, experts, low_latency_mode=True), "low_latency_mode")
+    buf = ctx.buffer(16, hidden, top_k, experts, num_max_dispatch_tokens_per_rank=m)
+    expect_raises(I, lambda: buf.low_latency_dispatch(x, idx, m + 1, experts), "num_max_dispatch_tokens_per_rank")
+    expect_raises(I, lambda: buf.low_latency_dispatch(x, idx, m, experts * 2), "num_experts")
+    expect_raises(I, lambda: buf.low_latency_dispatch(x, idx, m, experts, use_ue8m0=True), "use_ue8m0")
+    expect_raises(I, lambda: buf.low_latency_dispatch(x, idx, m, experts, use_fp8=False, round_scale=True), "round_scale")
+    expect_raises(I, lambda: buf.low_latency_dispatch(x, idx, m, experts, async_finish=True, return_recv_hook=True), "return_recv_hook")
+    expect_raises(I, lambda: buf.low_latency_dispatch(x.float(), idx, m, experts), "x")
+    expect_raises(I, lambda: buf.low_latency_dispatch(torch.cat([x, x[:1]]), torch.cat([idx, idx[:1]]), m, experts), "x")
+    expect_raises(I, lambda: buf.low_latency_dispatch(x, idx[:-1], m, experts), "topk_idx")
+    expect_raises(I, lambda: buf.low_latency_dispatch(x, idx.int(), m, experts), "topk_idx")
+    recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, m, experts, use_fp8=False)
+    y = torch.zeros((epr, world * m, hidden), dtype=torch.bfloat16, device=dev)
+    w = torch.ones((m, top_k), dtype=torch.float32, device=dev)
+    expect_raises(I, lambda: buf.low_latency_combine(y, idx, w, handle, use_logfmt=True), "use_logfmt")
+    expect_raises(I, lambda: buf.low_latency_combine(y, idx, w, handle, zero_copy=True), "zero_copy")
+    expect_raises(I, lambda: buf.low_latency_combine(y[:, :-1], idx, w, handle), "x")
+    expect_raises(I, lambda: buf.low_latency_combine(y, idx, w.double(), handle), "topk_weights")
+    expect_raises(I, lambda: buf.low_latency_combine(y, idx[:-1], w, handle), "topk_idx")
+    expect_raises(I, lambda: buf.low_latency_combine(y, idx, w, "handle"), "handle")
+    expect_raises(I, lambda: buf.low_latency_combine(y, idx, w, handle, out=torch.zeros((m, hidden), device=dev)), "out")
+    assert not hasattr(buf, "get_next_low_latency_combine_buffer")
+    out = buf.low_latency_combine(y, idx, w, handle)[0]
+    same("combine of zero rows", out, torch.zeros((m, hidden), dtype=torch.bfloat16))
+    buf.destroy()
+    ctx.log("low-latency refusals: every one named its argument")
+
+
+CASES["low_latency"] = low_latency
+CASES["low_latency_refusals"] = low_latency_refusals

@@ -41,3 +41,19 @@ def test_failures(case):
     """Device-side failures become typed exceptions on every rank (the late rank named), and a
     new Buffer works afterwards."""
     h.launch(case, h.world())
+
+
+@pytest.mark.parametrize("transport,schedule", h.configs())
+def test_low_latency(transport, schedule):
+    """low_latency_dispatch / low_latency_combine bit-exact against a plain-torch reference:
+    tokens 0/1/7/128, top-k 1/8/9, hidden 2048/7168, -1 ids, BF16, FP8 and FP8 with
+    power-of-two scales, synchronous, async and hook calls, both receive sets, stale handles."""
+    n = h.world()
+    _nvshmem_ok(transport)
+    h.launch("low_latency", n, transport, schedule)
+
+
+def test_low_latency_refusals():
+    """Bad low-latency arguments and DeepEP options epcomm lacks raise InvalidArgumentError
+    naming them."""
+    h.launch("low_latency_refusals", h.world())

@@ -34,6 +34,7 @@
 //!     schedule: "epoch".into(),
 //!     routes: "auto".into(),
 //!     timeout_s: 100.0,
+//!     ll_max_tokens_per_rank: 0,
 //! };
 //! // Two ranks on one host, seen from rank 0.
 //! let (cfg, spec, plan) = options.resolve(2, 0, 2)?;
@@ -53,6 +54,6 @@ mod python;
 
 pub use borrowed::{Borrowed, RawArray};
 pub use error::{Attr, BindError, ErrorInfo, Result};
-pub use options::{BufferOptions, plan, seconds};
-pub use session::{DispatchOut, RecvRegion, Rows, Session, XArrays};
+pub use options::{BufferOptions, low_latency_bytes, plan, seconds};
+pub use session::{DispatchOut, LlDispatchOut, LlOp, RecvRegion, Rows, Session, XArrays};
 pub use workload::{WorkloadBytes, deepep_workload, rank_seed};

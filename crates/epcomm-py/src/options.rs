@@ -32,6 +32,9 @@ pub struct BufferOptions {
     pub routes: String,
     /// Bound of every device wait, seconds.
     pub timeout_s: f64,
+    /// Most tokens a rank passes to one low-latency dispatch (the frontend's
+    /// `ll_max_tokens_per_rank`; 0: no low-latency memory).
+    pub ll_max_tokens_per_rank: usize,
 }
 
 /// Checks a duration given in seconds: finite and > 0.
@@ -64,6 +67,7 @@ impl BufferOptions {
         cfg.schedule = self.schedule.trim().parse::<Schedule>()?;
         cfg.routes = self.routes.trim().parse::<RoutePolicy>()?;
         cfg.timeout = seconds("timeout", self.timeout_s)?;
+        cfg.ll_max_tokens_per_rank = self.ll_max_tokens_per_rank;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -86,7 +90,7 @@ impl BufferOptions {
 }
 
 /// The symmetric buffer plan of `cfg` on `world_size` ranks: the layout the frontend allocates
-/// (the normal op family; the Python API plans no low-latency memory).
+/// (the normal op family, and the low-latency regions when `cfg.ll_max_tokens_per_rank > 0`).
 pub fn plan(cfg: &BufferConfig, world_size: usize) -> Result<BufferPlan> {
     if world_size == 0 {
         return Err(BindError::InvalidArgument {
@@ -94,13 +98,29 @@ pub fn plan(cfg: &BufferConfig, world_size: usize) -> Result<BufferPlan> {
             rule: "must be at least 1".into(),
         });
     }
-    Ok(BufferPlan::new(
+    Ok(BufferPlan::with_low_latency(
         world_size,
         cfg.max_tokens_per_rank,
         cfg.hidden,
         cfg.top_k,
         cfg.num_experts,
+        cfg.ll_max_tokens_per_rank,
     )?)
+}
+
+/// Bytes of symmetric memory per rank that the low-latency regions of `cfg` add (0 when
+/// `cfg.ll_max_tokens_per_rank == 0`): the plan's total minus the same plan without them.
+pub fn low_latency_bytes(cfg: &BufferConfig, world_size: usize) -> Result<u64> {
+    let with = plan(cfg, world_size)?.total_bytes();
+    let without = BufferPlan::new(
+        world_size,
+        cfg.max_tokens_per_rank,
+        cfg.hidden,
+        cfg.top_k,
+        cfg.num_experts,
+    )?
+    .total_bytes();
+    Ok(with.saturating_sub(without))
 }
 
 #[cfg(test)]
@@ -118,6 +138,7 @@ mod tests {
             schedule: "epoch".into(),
             routes: "auto".into(),
             timeout_s: 100.0,
+            ll_max_tokens_per_rank: 0,
         }
     }
 
@@ -140,6 +161,24 @@ mod tests {
         let (cfg, spec, _) = global.resolve(2, 1, 2).unwrap();
         assert_eq!(cfg.schedule, Schedule::Global);
         assert_eq!(spec.to_string(), "nvshmem:vnodes=max");
+    }
+
+    #[test]
+    fn low_latency_memory_is_planned_only_when_asked_for() {
+        let (cfg, _, plain) = opts().resolve(2, 0, 2).unwrap();
+        assert_eq!(low_latency_bytes(&cfg, 2).unwrap(), 0);
+        let ll = BufferOptions {
+            ll_max_tokens_per_rank: 128,
+            ..opts()
+        };
+        let (cfg, _, with) = ll.resolve(2, 0, 2).unwrap();
+        assert_eq!(cfg.ll_max_tokens_per_rank, 128);
+        let extra = low_latency_bytes(&cfg, 2).unwrap();
+        assert!(extra > 0);
+        assert_eq!(with.total_bytes(), plain.total_bytes() + extra);
+        // Per parity at least the receive rows (world * M rows of hidden * 2 bytes) and the
+        // combine rows (M * top_k rows of hidden * 2 bytes).
+        assert!(extra >= 2 * (2 * 128 + 128 * 8) * 7168 * 2, "{extra}");
     }
 
     #[test]
@@ -200,6 +239,13 @@ mod tests {
                     ..opts()
                 },
                 "max_tokens_per_rank",
+            ),
+            (
+                BufferOptions {
+                    ll_max_tokens_per_rank: 65536,
+                    ..opts()
+                },
+                "ll_max_tokens_per_rank",
             ),
         ];
         for (o, argument) in cases {

@@ -11,12 +11,23 @@
 //!
 //! Memory contract: every op is stream-ordered on the buffer's stream ([`Session::stream_handle`]);
 //! caller arrays are [`Borrowed`] for the duration of that work (see [`Borrowed::new`]).
+//!
+//! Low-latency ops (when the options ask for low-latency memory): the session owns **two**
+//! [`LlRecv`] sets and low-latency dispatches alternate between them, so a dispatch's outputs
+//! stay valid until the second-next low-latency dispatch (DeepEP's rule: the next dispatch
+//! writes the other set). [`Session::ll_dispatch`] and [`Session::ll_combine`] issue both
+//! phases, or with `hook` only the send phase: the session then keeps the pending receive
+//! phase (detached from the borrows of the caller's arrays, which the caller keeps alive) and
+//! [`Session::ll_receive`] (the hook) issues it. Until then every other op is refused.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use cudarc::driver::{CudaContext, CudaStream};
-use epcomm::{Buffer, DispatchInput, Dispatched, Handle, Layout, OpStats, RecvMode, XInput};
+use epcomm::{
+    Buffer, DispatchInput, Dispatched, Handle, Layout, LlDispatchInput, LlFormat, LlPending,
+    LlRecv, OpStats, RecvMode, XInput,
+};
 use epcomm_backends::TransportSpec;
 use epcomm_bootstrap::{Bootstrap, BootstrapConfig};
 use epcomm_topology::{BufferPlan, Parity, RegionKind};
@@ -92,6 +103,76 @@ pub struct DispatchOut {
     pub recv_topk_weights: Option<u64>,
 }
 
+/// Where the receive arrays of one low-latency dispatch lie (one of the session's two
+/// [`LlRecv`] sets), and which dispatch it was.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LlDispatchOut {
+    /// 1-based number of this low-latency dispatch on the session (its handle's identity).
+    pub seq: u64,
+    /// 0 or 1: the receive set it wrote (`seq % 2` of the count before it).
+    pub set: usize,
+    /// `[local_experts][capacity][row_bytes]` rows (bf16, or e4m3 bytes).
+    pub x: u64,
+    /// `[local_experts][capacity][hidden / 128]` f32 scales (meaningful for FP8).
+    pub scales: u64,
+    /// `[local_experts]` i32 row counts.
+    pub count: u64,
+    /// `[local_experts][capacity]` i32 source token index per row.
+    pub src_info: u64,
+    /// `[local_experts][world]` i64 `(first row << 32) | rows` per source rank.
+    pub layout_range: u64,
+    /// Local experts.
+    pub num_local_experts: usize,
+    /// Rows per local expert (`world * ll_max_tokens_per_rank`).
+    pub capacity: usize,
+    /// Bytes per row (`hidden * 2` bf16, `hidden` FP8).
+    pub row_bytes: usize,
+}
+
+/// Which low-latency op a pending receive phase belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LlOp {
+    /// A dispatch.
+    Dispatch,
+    /// A combine.
+    Combine,
+}
+
+impl LlOp {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Dispatch => "dispatch",
+            Self::Combine => "combine",
+        }
+    }
+}
+
+/// A receive phase detached from its arrays' borrows ([`LlPending::detach`]), held by the
+/// session (which the PyO3 layer shares across threads behind a mutex, so it must be `Send`).
+#[derive(Debug)]
+struct Detached(LlPending<'static>);
+
+// SAFETY: `LlPending` is not `Send` only because a split combine's value may borrow the
+// caller's arrays (`&dyn DevicePtr`) to take their stream events again. A detached value holds
+// no borrow: `detach` erases the lifetime, so it cannot keep references to the arrays (they
+// are the session method's locals) and drops them; what remains is the kernel arguments (plain
+// addresses and counts), numbers and an `Arc<AtomicBool>`, all `Send`. `Detached` is only
+// built from `detach`'s result (`Session::ll_dispatch`, `Session::ll_combine`).
+unsafe impl Send for Detached {}
+
+/// The low-latency state: two receive sets and the pending receive phase.
+#[derive(Debug)]
+struct LlState {
+    recvs: [LlRecv; 2],
+    /// Low-latency dispatches issued so far (the latest wrote set `(dispatches - 1) % 2`).
+    dispatches: u64,
+    /// Low-latency ops (dispatch or combine) issued so far: the identity of a hook.
+    ops: u64,
+    /// The op whose send phase ran and whose receive phase has not: `(op number, which,
+    /// pending)`.
+    pending: Option<(u64, LlOp, Detached)>,
+}
+
 /// One rank's buffer; see the module docs.
 #[derive(Debug)]
 pub struct Session {
@@ -106,6 +187,8 @@ pub struct Session {
     dispatches: u64,
     /// Base address of this rank's symmetric buffer, learned from the first dispatch.
     base: Option<u64>,
+    /// Low-latency receive sets (None: the options asked for no low-latency memory).
+    ll: Option<LlState>,
 }
 
 impl Session {
@@ -144,7 +227,7 @@ impl Session {
         unsafe { ctx.disable_event_tracking() };
         let boot = Arc::new(Bootstrap::connect(boot_cfg)?);
         let transport = spec.build(ctx.clone(), boot)?;
-        let buf = Buffer::new(ctx, transport, cfg)?;
+        let mut buf = Buffer::new(ctx, transport, cfg)?;
         if buf.symmetric_bytes() as u64 != plan.total_bytes() {
             return Err(BindError::Internal(format!(
                 "the buffer holds {} bytes but its plan says {}: the binding's buffer plan is \
@@ -153,6 +236,16 @@ impl Session {
                 plan.total_bytes()
             )));
         }
+        let ll = if buf.config().ll_max_tokens_per_rank > 0 {
+            Some(LlState {
+                recvs: [buf.alloc_ll_recv()?, buf.alloc_ll_recv()?],
+                dispatches: 0,
+                ops: 0,
+                pending: None,
+            })
+        } else {
+            None
+        };
         let stream = buf.stream().clone();
         Ok(Self {
             buf: Some(buf),
@@ -162,6 +255,7 @@ impl Session {
             stream,
             dispatches: 0,
             base: None,
+            ll,
         })
     }
 
@@ -395,6 +489,203 @@ impl Session {
             .combine_in_place(handle, &mut out, ow.as_mut().map(|w| w as _))?)
     }
 
+    /// The low-latency state, or an error naming `num_max_dispatch_tokens_per_rank` when the
+    /// session has no low-latency memory.
+    fn ll_state(&mut self) -> Result<(&mut Buffer, &mut LlState)> {
+        let buf = self.buf.as_mut().ok_or(BindError::Destroyed)?;
+        let ll = self.ll.as_mut().ok_or_else(|| BindError::InvalidArgument {
+            argument: "num_max_dispatch_tokens_per_rank",
+            rule: "is 0 for this Buffer, so it has no low-latency memory: create the Buffer with \
+                   num_max_dispatch_tokens_per_rank > 0 to use the low-latency ops"
+                .into(),
+        })?;
+        Ok((buf, ll))
+    }
+
+    /// Fails while a low-latency op's receive phase is pending (its hook not called).
+    fn ll_idle(ll: &LlState, what: &str) -> Result<()> {
+        match &ll.pending {
+            Some((n, op, _)) => Err(BindError::InvalidArgument {
+                argument: "hook",
+                rule: format!(
+                    "low-latency {} #{n} was sent with return_recv_hook=True and its hook has not \
+                     been called: call it before the next {what}",
+                    op.name()
+                ),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether the session has low-latency memory, and the op number of a pending receive.
+    pub fn ll_status(&self) -> (bool, Option<u64>) {
+        match &self.ll {
+            None => (false, None),
+            Some(ll) => (true, ll.pending.as_ref().map(|(n, _, _)| *n)),
+        }
+    }
+
+    /// A low-latency dispatch of `num_tokens` bf16 rows `x` (`[T][hidden]`) routed by
+    /// `topk_idx` (`[T][top_k]` i64) into the next of the two receive sets. `hook`: only the
+    /// send phase is issued, and the receive phase stays pending until [`Self::ll_receive`]
+    /// with the returned op number; otherwise both phases are issued (the frontend's one
+    /// fused kernel) and no op number is returned.
+    ///
+    /// # Safety
+    /// `x` and `topk_idx` as for [`Borrowed::new`] on the buffer's stream; with `hook` they
+    /// must stay allocated and unwritten until the receive phase issued by
+    /// [`Self::ll_receive`] (or the destroy that drops it) has finished on the stream.
+    pub unsafe fn ll_dispatch(
+        &mut self,
+        x: RawArray,
+        topk_idx: RawArray,
+        num_tokens: usize,
+        format: LlFormat,
+        hook: bool,
+    ) -> Result<(Option<u64>, LlDispatchOut)> {
+        let s = self.stream.clone();
+        let (buf, ll) = self.ll_state()?;
+        Self::ll_idle(ll, "low-latency op")?;
+        // SAFETY: the caller's contract.
+        let xb = unsafe { Borrowed::<half::bf16>::new(x, &s) };
+        // SAFETY: as above.
+        let idx = unsafe { Borrowed::<i64>::new(topk_idx, &s) };
+        let input = LlDispatchInput {
+            x: &xb,
+            topk_idx: &idx,
+            num_tokens,
+        };
+        let set = (ll.dispatches % 2) as usize;
+        let recv = &mut ll.recvs[set];
+        let n = if hook {
+            let pending = buf.ll_dispatch_send(&input, format, recv)?;
+            // SAFETY: the pending receive names `x`, `topk_idx` (kept alive by the caller until
+            // the receive phase ran: this function's contract; the Python side holds the
+            // tensors until the hook ran) and the receive set `set`, which the session owns and
+            // does not reuse before the receive phase: every other op is refused while it is
+            // pending, and the next dispatch writes the other set.
+            let pending = Detached(unsafe { pending.detach() });
+            ll.ops += 1;
+            ll.pending = Some((ll.ops, LlOp::Dispatch, pending));
+            Some(ll.ops)
+        } else {
+            buf.ll_dispatch(&input, format, recv)?;
+            ll.ops += 1;
+            None
+        };
+        ll.dispatches += 1;
+        let r = &ll.recvs[set];
+        let out = LlDispatchOut {
+            seq: ll.dispatches,
+            set,
+            x: r.x_ptr(),
+            scales: r.scales_ptr(),
+            count: r.count_ptr(),
+            src_info: r.src_info_ptr(),
+            layout_range: r.layout_range_ptr(),
+            num_local_experts: r.num_local_experts(),
+            capacity: r.capacity(),
+            row_bytes: r.row_bytes(),
+        };
+        Ok((n, out))
+    }
+
+    /// A low-latency combine of the expert outputs `y` (`[local_experts][capacity][hidden]`
+    /// bf16) of low-latency dispatch `seq` (its [`LlDispatchOut::seq`]), reduced with this
+    /// rank's `topk_idx`/`topk_weights` of that dispatch into `out` (`[T][hidden]` bf16).
+    /// `hook`: only the send phase is issued and the receive phase (which writes `out`) stays
+    /// pending until [`Self::ll_receive`] with the returned op number; otherwise both phases
+    /// are issued (one fused kernel) and no op number is returned.
+    ///
+    /// # Errors
+    /// [`BindError::InvalidArgument`] naming `handle` when `seq` is not a dispatch of this
+    /// session or its receive set was written again since (a dispatch's outputs last until
+    /// the second-next low-latency dispatch).
+    ///
+    /// # Safety
+    /// Every array as for [`Borrowed::new`] on the buffer's stream; with `hook` kept allocated
+    /// (and `out` unread by others) until the receive phase has finished on the stream.
+    pub unsafe fn ll_combine(
+        &mut self,
+        seq: u64,
+        y: RawArray,
+        topk_idx: RawArray,
+        topk_weights: RawArray,
+        out: RawArray,
+        hook: bool,
+    ) -> Result<Option<u64>> {
+        let s = self.stream.clone();
+        let (buf, ll) = self.ll_state()?;
+        Self::ll_idle(ll, "low-latency op")?;
+        if seq == 0 || seq > ll.dispatches || seq + 1 < ll.dispatches {
+            return Err(BindError::InvalidArgument {
+                argument: "handle",
+                rule: format!(
+                    "belongs to low-latency dispatch #{seq}, and {} low-latency dispatches ran on \
+                     this Buffer: a dispatch's receive arrays (and handle) stay valid until the \
+                     second-next low-latency dispatch",
+                    ll.dispatches
+                ),
+            });
+        }
+        let set = ((seq - 1) % 2) as usize;
+        // SAFETY: the caller's contract, for each array.
+        let yb = unsafe { Borrowed::<half::bf16>::new(y, &s) };
+        // SAFETY: as above.
+        let idx = unsafe { Borrowed::<i64>::new(topk_idx, &s) };
+        // SAFETY: as above.
+        let w = unsafe { Borrowed::<f32>::new(topk_weights, &s) };
+        // SAFETY: as above.
+        let mut o = unsafe { Borrowed::<half::bf16>::new(out, &s) };
+        let recv = &ll.recvs[set];
+        if !hook {
+            buf.ll_combine(&yb, &idx, &w, recv, &mut o)?;
+            ll.ops += 1;
+            return Ok(None);
+        }
+        let pending = buf.ll_combine_send(&yb, &idx, &w, recv, &mut o)?;
+        // SAFETY: the pending receive names `y`, `topk_idx`, `topk_weights`, `out` (kept alive
+        // by the caller until the receive phase ran: this function's contract; the Python side
+        // holds the tensors until the hook ran) and receive set `set`, which the session owns
+        // and no dispatch writes before the receive phase (every op is refused meanwhile).
+        // Other streams that read `out` are ordered after the receive phase by the caller (no
+        // cudarc events: the session turned event tracking off; the Python hook makes the
+        // current stream wait for the comm stream after it).
+        let pending = Detached(unsafe { pending.detach() });
+        ll.ops += 1;
+        ll.pending = Some((ll.ops, LlOp::Combine, pending));
+        Ok(Some(ll.ops))
+    }
+
+    /// The hook: issues the receive phase of low-latency op `op` (the number its send phase
+    /// returned). Stream-ordered; no host wait.
+    ///
+    /// # Errors
+    /// [`BindError::InvalidArgument`] naming `hook` when that op's receive phase is not the
+    /// pending one (already issued, or another op's).
+    pub fn ll_receive(&mut self, op: u64) -> Result<()> {
+        let (buf, ll) = self.ll_state()?;
+        match ll.pending.take() {
+            Some((n, _, pending)) if n == op => Ok(buf.ll_receive(pending.0)?),
+            other => {
+                let now = match &other {
+                    Some((n, which, _)) => {
+                        format!("the pending one is low-latency {} #{n}", which.name())
+                    }
+                    None => "no receive phase is pending".into(),
+                };
+                ll.pending = other;
+                Err(BindError::InvalidArgument {
+                    argument: "hook",
+                    rule: format!(
+                        "the hook of low-latency op #{op} can be called once, right after its \
+                         send phase and before any other op; {now}"
+                    ),
+                })
+            }
+        }
+    }
+
     /// Waits for every issued op and reports a device failure.
     pub fn synchronize(&mut self) -> Result<()> {
         Ok(self.buf()?.synchronize()?)
@@ -413,6 +704,11 @@ impl Session {
     /// Frees the buffer after every rank stopped using it (collective); later calls fail
     /// with [`BindError::Destroyed`]. Destroying twice is a no-op.
     pub fn destroy(&mut self) -> Result<()> {
+        if let Some(ll) = self.ll.as_mut() {
+            // A receive phase never issued is dropped: nothing of it was launched. (Dropping it
+            // marks the buffer failed, which no longer matters: it is torn down next.)
+            ll.pending = None;
+        }
         match self.buf.take() {
             Some(buf) => Ok(buf.destroy()?),
             None => Ok(()),

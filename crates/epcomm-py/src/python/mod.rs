@@ -70,11 +70,12 @@ fn route_policies() -> Vec<&'static str> {
 }
 
 /// Checks a Buffer's arguments for `world_size` ranks (`local_world_size` per host, seen
-/// from `rank`) without a GPU; returns `{symmetric_bytes, capacity, transport}` or raises the
-/// error `Buffer` would.
+/// from `rank`) without a GPU; returns `{symmetric_bytes, capacity, transport,
+/// low_latency_bytes}` or raises the error `Buffer` would.
 #[pyfunction]
 #[pyo3(signature = (max_tokens_per_rank, hidden, top_k, num_experts, num_sms, transport,
-                    schedule, routes, timeout, world_size, rank, local_world_size))]
+                    schedule, routes, timeout, world_size, rank, local_world_size,
+                    ll_max_tokens_per_rank=0))]
 #[allow(clippy::too_many_arguments)]
 fn check_options<'py>(
     py: Python<'py>,
@@ -90,6 +91,7 @@ fn check_options<'py>(
     world_size: usize,
     rank: usize,
     local_world_size: usize,
+    ll_max_tokens_per_rank: usize,
 ) -> PyResult<Bound<'py, PyDict>> {
     let options = BufferOptions {
         max_tokens_per_rank,
@@ -101,14 +103,18 @@ fn check_options<'py>(
         schedule,
         routes,
         timeout_s: timeout,
+        ll_max_tokens_per_rank,
     };
-    let (_, spec, plan) = options
+    let (cfg, spec, plan) = options
         .resolve(world_size, rank, local_world_size)
         .map_err(|e| to_pyerr(py, e))?;
+    let ll_bytes =
+        crate::options::low_latency_bytes(&cfg, world_size).map_err(|e| to_pyerr(py, e))?;
     let d = PyDict::new(py);
     d.set_item("symmetric_bytes", plan.total_bytes())?;
     d.set_item("capacity", plan.recv_rows())?;
     d.set_item("transport", spec.to_string())?;
+    d.set_item("low_latency_bytes", ll_bytes)?;
     Ok(d)
 }
 
@@ -160,6 +166,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<session::PyLayout>()?;
     m.add_class::<session::PyHandle>()?;
     m.add_class::<session::PyDispatch>()?;
+    m.add_class::<session::PyLlDispatch>()?;
     m.add_function(wrap_pyfunction!(version, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_images, m)?)?;
     m.add_function(wrap_pyfunction!(driver_present, m)?)?;

@@ -12,7 +12,7 @@
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use epcomm::{Handle, Layout, OpStats};
+use epcomm::{Handle, Layout, LlFormat, OpStats};
 use epcomm_bootstrap::BootstrapConfig;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -21,7 +21,7 @@ use super::convert::{detached, to_pyerr};
 use crate::borrowed::RawArray;
 use crate::error::BindError;
 use crate::options::{BufferOptions, seconds};
-use crate::session::{DispatchOut, RecvRegion, Rows, Session, XArrays};
+use crate::session::{DispatchOut, LlDispatchOut, RecvRegion, Rows, Session, XArrays};
 
 /// An array argument: `(address, element count)`.
 type Arr = (u64, usize);
@@ -49,6 +49,8 @@ struct Facts {
     transport: String,
     /// `(schedule, routes, num_sms, timeout_s)`.
     config: (String, String, u32, f64),
+    /// `ll_max_tokens_per_rank` (0: no low-latency memory).
+    ll_max_tokens: usize,
 }
 
 impl Facts {
@@ -68,6 +70,7 @@ impl Facts {
                 c.num_sms,
                 c.timeout.as_secs_f64(),
             ),
+            ll_max_tokens: c.ll_max_tokens_per_rank,
         })
     }
 }
@@ -82,6 +85,12 @@ pub(crate) struct PyLayout {
 #[pyclass(module = "epcomm._native", name = "Handle", frozen)]
 pub(crate) struct PyHandle {
     inner: Handle,
+}
+
+/// Where a low-latency dispatch's receive arrays lie.
+#[pyclass(module = "epcomm._native", name = "LlDispatch", frozen)]
+pub(crate) struct PyLlDispatch {
+    out: LlDispatchOut,
 }
 
 /// What a dispatch returned.
@@ -168,7 +177,8 @@ impl PySession {
     /// local_world_size, timeout_s)`, or None to read the launcher's environment variables.
     #[new]
     #[pyo3(signature = (device, max_tokens_per_rank, hidden, top_k, num_experts, num_sms,
-                        transport, schedule, routes, timeout, bootstrap=None))]
+                        transport, schedule, routes, timeout, bootstrap=None,
+                        ll_max_tokens_per_rank=0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -183,6 +193,7 @@ impl PySession {
         routes: String,
         timeout: f64,
         bootstrap: Option<BootstrapArgs>,
+        ll_max_tokens_per_rank: usize,
     ) -> PyResult<Self> {
         let options = BufferOptions {
             max_tokens_per_rank,
@@ -194,6 +205,7 @@ impl PySession {
             schedule,
             routes,
             timeout_s: timeout,
+            ll_max_tokens_per_rank,
         };
         let (session, facts) = detached(py, move || {
             let boot = bootstrap.map(bootstrap_config).transpose()?;
@@ -252,6 +264,18 @@ impl PySession {
     /// `(schedule, routes, num_sms, timeout_s)` of the buffer's config.
     fn config(&self) -> (String, String, u32, f64) {
         self.facts.config.clone()
+    }
+
+    /// Most tokens per rank of one low-latency dispatch (0: no low-latency memory).
+    #[getter]
+    fn ll_max_tokens_per_rank(&self) -> usize {
+        self.facts.ll_max_tokens
+    }
+
+    /// The op number of the low-latency op whose receive phase is pending, else None.
+    #[getter]
+    fn ll_pending(&self) -> Option<u64> {
+        self.lock().ll_status().1
     }
 
     /// `(peer, tier, route)` for every rank.
@@ -381,6 +405,72 @@ impl PySession {
             .map_err(|e| to_pyerr(py, e))
     }
 
+    /// A low-latency dispatch of `num_tokens` bf16 rows `x` routed by `topk_idx`; `fp8`:
+    /// cast to e4m3 with per-128-channel scales (`round_scale`: power-of-two scales); `hook`:
+    /// issue only the send phase. Returns `(op, LlDispatch)`: the op number for `ll_receive`
+    /// (the hook; None without `hook`) and where the receive arrays lie.
+    #[pyo3(signature = (x, topk_idx, num_tokens, fp8, round_scale, hook))]
+    #[allow(clippy::too_many_arguments)]
+    fn ll_dispatch(
+        &self,
+        py: Python<'_>,
+        x: Arr,
+        topk_idx: Arr,
+        num_tokens: usize,
+        fp8: bool,
+        round_scale: bool,
+        hook: bool,
+    ) -> PyResult<(Option<u64>, PyLlDispatch)> {
+        let format = match (fp8, round_scale) {
+            (true, round_scale) => LlFormat::Fp8 { round_scale },
+            (false, false) => LlFormat::Bf16,
+            (false, true) => {
+                return Err(to_pyerr(
+                    py,
+                    BindError::InvalidArgument {
+                        argument: "round_scale",
+                        rule: "applies to FP8 dispatches only (use_fp8=True)".into(),
+                    },
+                ));
+            }
+        };
+        let (x, idx) = (raw(x), raw(topk_idx));
+        // SAFETY: the module's contract (see the module docs): live tensors, which the Python
+        // side keeps referenced until the receive phase (the hook) has run on the stream.
+        let (op, out) = detached(py, || unsafe {
+            self.lock().ll_dispatch(x, idx, num_tokens, format, hook)
+        })?;
+        Ok((op, PyLlDispatch { out }))
+    }
+
+    /// A low-latency combine of `y` (expert outputs at the rows of low-latency dispatch
+    /// `seq`) into `out`, reduced with this rank's `topk_idx` and `topk_weights` of that
+    /// dispatch; `hook`: issue only the send phase. Returns the op number for `ll_receive`
+    /// (None without `hook`).
+    #[allow(clippy::too_many_arguments)]
+    fn ll_combine(
+        &self,
+        py: Python<'_>,
+        seq: u64,
+        y: Arr,
+        topk_idx: Arr,
+        topk_weights: Arr,
+        out: Arr,
+        hook: bool,
+    ) -> PyResult<Option<u64>> {
+        let (y, idx, w, o) = (raw(y), raw(topk_idx), raw(topk_weights), raw(out));
+        // SAFETY: the module's contract (see the module docs): live tensors, which the Python
+        // side keeps referenced until the receive phase (the hook) has run on the stream.
+        detached(py, || unsafe {
+            self.lock().ll_combine(seq, y, idx, w, o, hook)
+        })
+    }
+
+    /// The hook: issues the receive phase of low-latency op `op`.
+    fn ll_receive(&self, py: Python<'_>, op: u64) -> PyResult<()> {
+        detached(py, || self.lock().ll_receive(op))
+    }
+
     /// Waits for every issued op; raises a device failure.
     fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
         detached(py, || self.lock().synchronize())
@@ -507,5 +597,68 @@ impl PyDispatch {
     #[getter]
     fn recv_topk_weights(&self) -> Option<u64> {
         self.out.recv_topk_weights
+    }
+}
+
+#[pymethods]
+impl PyLlDispatch {
+    /// 1-based number of this low-latency dispatch (what its combine names).
+    #[getter]
+    fn seq(&self) -> u64 {
+        self.out.seq
+    }
+
+    /// The receive set it wrote (0 or 1).
+    #[getter]
+    fn set(&self) -> usize {
+        self.out.set
+    }
+
+    /// Address of the `[local_experts][capacity][row_bytes]` rows.
+    #[getter]
+    fn x(&self) -> u64 {
+        self.out.x
+    }
+
+    /// Address of the `[local_experts][capacity][hidden / 128]` f32 scales.
+    #[getter]
+    fn scales(&self) -> u64 {
+        self.out.scales
+    }
+
+    /// Address of the `[local_experts]` i32 counts.
+    #[getter]
+    fn count(&self) -> u64 {
+        self.out.count
+    }
+
+    /// Address of the `[local_experts][capacity]` i32 source token indices.
+    #[getter]
+    fn src_info(&self) -> u64 {
+        self.out.src_info
+    }
+
+    /// Address of the `[local_experts][world]` i64 `(first row << 32) | rows` ranges.
+    #[getter]
+    fn layout_range(&self) -> u64 {
+        self.out.layout_range
+    }
+
+    /// Local experts.
+    #[getter]
+    fn num_local_experts(&self) -> usize {
+        self.out.num_local_experts
+    }
+
+    /// Rows per local expert.
+    #[getter]
+    fn capacity(&self) -> usize {
+        self.out.capacity
+    }
+
+    /// Bytes per row.
+    #[getter]
+    fn row_bytes(&self) -> usize {
+        self.out.row_bytes
     }
 }

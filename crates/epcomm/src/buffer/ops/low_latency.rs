@@ -133,6 +133,16 @@ impl LlRecv {
         let (p, _g) = self.count.device_ptr(self.count.stream());
         p
     }
+    /// Device address of the source token index per row (`[local_expert][capacity]` i32).
+    pub fn src_info_ptr(&self) -> u64 {
+        let (p, _g) = self.src_info.device_ptr(self.src_info.stream());
+        p
+    }
+    /// Device address of the `(first row << 32) | rows` ranges (`[local_expert][world]` i64).
+    pub fn layout_range_ptr(&self) -> u64 {
+        let (p, _g) = self.layout_range.device_ptr(self.layout_range.stream());
+        p
+    }
     /// Rows received per local expert (waits for the stream).
     pub fn count_to_host(&self) -> Result<Vec<i32>> {
         self.count

@@ -1,0 +1,228 @@
+"""The low-latency (decode) ops of :class:`epcomm.Buffer`, DeepEP's ``low_latency_dispatch`` /
+``low_latency_combine``, on the native layer's low-latency session methods.
+
+How it maps:
+
+* The native session owns two sets of receive arrays and low-latency dispatches alternate
+  between them: the tensors a dispatch returns are **views** of one set, valid until the
+  second-next low-latency dispatch (the next one writes the other set), as in DeepEP.
+* Without a hook both phases run on the comm stream, ordered against torch's current stream
+  like every other op (``async_finish`` returns an event instead of waiting).
+* ``return_recv_hook=True`` issues only the send phase; the current stream then waits for the
+  comm stream (so work queued after it cannot overwrite the inputs while the send reads
+  them), and the returned ``hook()`` issues the receive phase on the comm stream and makes the
+  then current stream wait for it. The Buffer keeps the op's input and output tensors
+  referenced until the hook ran; no other op of the Buffer may run in between.
+"""
+
+import torch
+
+from ._args import check, describe, fail
+from ._ll_args import FP8_BLOCK as _FP8_BLOCK
+from ._ll_args import check_combine, check_dispatch
+from ._streams import StreamOp
+from ._views import view
+
+_FP8 = getattr(torch, "float8_e4m3fn", None)
+
+
+class LowLatencyHandle:
+    """The routing of one low-latency dispatch, for :meth:`Buffer.low_latency_combine`.
+    Valid with the Buffer that made it until the second-next low-latency dispatch.
+
+    ``num_tokens``: this rank's tokens of the dispatch; ``src_info``
+    (``[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank]`` int32): the source
+    token index of each received row; ``layout_range`` (``[num_local_experts, num_ranks]``
+    int64): ``(first row << 32) | rows`` received from each rank. Both are views of the same
+    receive set as the dispatch's ``recv_x``."""
+
+    def __init__(self, buffer, seq, num_tokens, use_fp8, src_info, layout_range):
+        self._buffer_id = id(buffer)
+        self._seq = seq
+        self.num_tokens = num_tokens
+        self.use_fp8 = use_fp8
+        self.src_info = src_info
+        self.layout_range = layout_range
+
+    def __repr__(self):
+        return f"LowLatencyHandle(dispatch={self._seq}, num_tokens={self.num_tokens}, use_fp8={self.use_fp8})"
+
+
+class _Hook:
+    """The receive phase of a low-latency op whose send phase was issued (call it once)."""
+
+    def __init__(self, buffer, op, after):
+        self._buffer = buffer
+        self._op = op
+        self._after = after
+
+    def __call__(self):
+        b = self._buffer
+        b._session.ll_receive(self._op)
+        keep = b._ll_keep
+        b._ll_keep = None
+        with torch.cuda.stream(b._comm):
+            if self._after is not None:
+                self._after()
+        torch.cuda.current_stream().wait_stream(b._comm)
+        del keep
+
+    def __repr__(self):
+        return f"<epcomm low-latency receive hook of op #{self._op}>"
+
+
+def _tensor(buf, argument, t, dtypes, shape, names):
+    d = describe(argument, t)
+    check(argument, d, dtypes=dtypes, shape=shape, device=buf.device, shape_names=names)
+    return d
+
+
+def _no_capture(op):
+    if op.capturing:
+        fail(
+            "graph capture",
+            "the Python layer does not record low-latency ops into CUDA graphs (the Rust frontend's "
+            "Buffer::capture does): run them outside the capture",
+        )
+
+
+def _views(buf, out, use_fp8):
+    """``(recv_x, recv_scales or None, recv_count, src_info, layout_range)``: views of the
+    receive set `out` names (made once per set and format)."""
+    key = (out.set, use_fp8)
+    v = buf._ll_views.get(key)
+    if v is None:
+        e, cap, h = out.num_local_experts, out.capacity, buf.hidden
+        x = view(out.x, (e, cap, h), _FP8 if use_fp8 else torch.bfloat16, buf.device, buf)
+        scales = view(out.scales, (e, cap, h // _FP8_BLOCK), torch.float32, buf.device, buf) if use_fp8 else None
+        count = view(out.count, (e,), torch.int32, buf.device, buf)
+        src = view(out.src_info, (e, cap), torch.int32, buf.device, buf)
+        rng = view(out.layout_range, (e, buf.group_size), torch.int64, buf.device, buf)
+        v = (x, scales, count, src, rng)
+        buf._ll_views[key] = v
+    return v
+
+
+def dispatch(
+    buf,
+    x,
+    topk_idx,
+    num_max_dispatch_tokens_per_rank,
+    num_experts,
+    use_fp8,
+    round_scale,
+    use_ue8m0,
+    async_finish,
+    return_recv_hook,
+    cumulative_local_expert_recv_stats,
+    dispatch_wait_recv_cost_stats,
+):
+    check_dispatch(
+        buffer_max=buf.num_max_dispatch_tokens_per_rank,
+        given_max=num_max_dispatch_tokens_per_rank,
+        buffer_experts=buf.num_experts,
+        num_experts=num_experts,
+        hidden=buf.hidden,
+        use_fp8=use_fp8,
+        round_scale=round_scale,
+        use_ue8m0=use_ue8m0,
+        async_finish=async_finish,
+        return_recv_hook=return_recv_hook,
+        dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats,
+    )
+    m = buf.num_max_dispatch_tokens_per_rank
+    dx = _tensor(buf, "x", x, ("bfloat16",), (None, buf.hidden), ("num_tokens", "hidden"))
+    n = dx.shape[0]
+    if n > m:
+        fail("x", f"holds {n} tokens, more than num_max_dispatch_tokens_per_rank = {m}")
+    d_idx = _tensor(buf, "topk_idx", topk_idx, ("int64",), (n, buf.num_topk), ("num_tokens", "num_topk"))
+    epr = buf.num_experts // buf.group_size
+    if cumulative_local_expert_recv_stats is not None:
+        _tensor(
+            buf,
+            "cumulative_local_expert_recv_stats",
+            cumulative_local_expert_recv_stats,
+            ("int32",),
+            (epr,),
+            ("num_local_experts",),
+        )
+    op = StreamOp(buf._comm, None, async_finish, False)
+    _no_capture(op)
+    op.use(x, topk_idx)
+    op.begin()
+    number, out = buf._session.ll_dispatch(
+        (dx.ptr, dx.numel), (d_idx.ptr, d_idx.numel), n, use_fp8, round_scale, return_recv_hook
+    )
+    recv_x, recv_scales, count, src, rng = _views(buf, out, use_fp8)
+    handle = LowLatencyHandle(buf, out.seq, n, use_fp8, src, rng)
+    recv = (recv_x, recv_scales) if use_fp8 else recv_x
+
+    def after():
+        if cumulative_local_expert_recv_stats is not None:
+            cumulative_local_expert_recv_stats.add_(count)
+
+    if return_recv_hook:
+        buf._ll_keep = (x, topk_idx, cumulative_local_expert_recv_stats)
+        # The current stream waits for the send phase (async_finish is False here).
+        return recv, count, handle, op.finish(), _Hook(buf, number, after)
+    with torch.cuda.stream(buf._comm):
+        after()
+    op.use(cumulative_local_expert_recv_stats)
+    return recv, count, handle, op.finish(), None
+
+
+def combine(
+    buf,
+    x,
+    topk_idx,
+    topk_weights,
+    handle,
+    use_logfmt,
+    zero_copy,
+    async_finish,
+    return_recv_hook,
+    out,
+    combine_wait_recv_cost_stats,
+):
+    check_combine(
+        buffer_max=buf.num_max_dispatch_tokens_per_rank,
+        use_logfmt=use_logfmt,
+        zero_copy=zero_copy,
+        async_finish=async_finish,
+        return_recv_hook=return_recv_hook,
+        combine_wait_recv_cost_stats=combine_wait_recv_cost_stats,
+    )
+    if not isinstance(handle, LowLatencyHandle):
+        fail("handle", f"must be the LowLatencyHandle of this Buffer's low_latency_dispatch (got {type(handle).__name__})")
+    if handle._buffer_id != id(buf):
+        fail("handle", "was produced by another Buffer")
+    epr = buf.num_experts // buf.group_size
+    cap = buf.group_size * buf.num_max_dispatch_tokens_per_rank
+    n = handle.num_tokens
+    dx = _tensor(
+        buf, "x", x, ("bfloat16",), (epr, cap, buf.hidden), ("num_local_experts", "num_ranks * num_max_dispatch_tokens_per_rank", "hidden")
+    )
+    d_idx = _tensor(buf, "topk_idx", topk_idx, ("int64",), (n, buf.num_topk), ("num_tokens", "num_topk"))
+    d_w = _tensor(buf, "topk_weights", topk_weights, ("float32",), (n, buf.num_topk), ("num_tokens", "num_topk"))
+    op = StreamOp(buf._comm, None, async_finish, False)
+    _no_capture(op)
+    if out is None:
+        out = torch.empty((n, buf.hidden), dtype=torch.bfloat16, device=buf.device)
+    else:
+        _tensor(buf, "out", out, ("bfloat16",), (n, buf.hidden), ("num_tokens", "hidden"))
+    op.use(x, topk_idx, topk_weights)
+    op.output(out)
+    op.begin()
+    number = buf._session.ll_combine(
+        handle._seq,
+        (dx.ptr, dx.numel),
+        (d_idx.ptr, d_idx.numel),
+        (d_w.ptr, d_w.numel),
+        (out.data_ptr(), out.numel()),
+        return_recv_hook,
+    )
+    if return_recv_hook:
+        buf._ll_keep = (x, topk_idx, topk_weights, out)
+        # The current stream waits for the send phase (async_finish is False here).
+        return out, op.finish(), _Hook(buf, number, None)
+    return out, op.finish(), None
