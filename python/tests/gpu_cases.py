@@ -609,10 +609,12 @@ def ll_cast(x, round_scale):
         # The exponent field raised by one with the mantissa cleared (0xff800000 as an i32).
         up = ((b & -0x800000) + 0x800000).view(torch.float32)
         scale = torch.where((b & 0x7FFFFF) == 0, s, up)
-        mul = 1.0 / scale
+        mul = torch.ones_like(scale).div(scale)
     else:
         scale = amax / FP8_MAX
-        mul = FP8_MAX / amax
+        # A tensor divided by a tensor: `scalar / tensor` is computed by torch as
+        # `tensor.reciprocal() * scalar` (two roundings), not as the kernel's one f32 division.
+        mul = torch.full_like(amax, FP8_MAX).div(amax)
     q = (g * mul.unsqueeze(-1)).view(n, h).to(torch.float8_e4m3fn)
     return q, scale.contiguous()
 
