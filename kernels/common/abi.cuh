@@ -22,7 +22,7 @@ namespace epcomm {
 
 /// Version of the kernel protocol and argument blocks; ranks compare it when a `Buffer` is
 /// built. Bump it with any change of this header or of the kernels' cross-rank protocol.
-constexpr uint64_t kAbiVersion = 6;
+constexpr uint64_t kAbiVersion = 7;
 
 /// Largest world size the intranode kernels support (shared-memory tables are this large).
 constexpr size_t kMaxWorld = 64;
@@ -143,6 +143,8 @@ struct OpArgs {
                            ///< image only; peer_bases[d] is then this rank's own base).
   uint64_t abort_word;     ///< This rank's abort word (stats region + kStatsAbortOffset): peers
                            ///< that failed write it; every prologue and every wait read it.
+  uint64_t num_tokens_ptr;  ///< 0, or a device i32: the op's token count, known only on the
+                            ///< device (an earlier op's receive count); at most num_tokens.
   // Low-latency mode: caller outputs (LL dispatch) / inputs (LL combine), local device memory.
   uint64_t ll_recv_x;        ///< [epr][world * ll_max_tokens][row_bytes] received rows, packed.
   uint64_t ll_recv_scales;   ///< [epr][world * ll_max_tokens][num_scales] f32 (FP8).
@@ -170,6 +172,8 @@ struct OpArgs {
   int32_t num_experts;     ///< Experts in the world.
   int32_t world;           ///< Ranks.
   int32_t rank;            ///< This rank.
+  int32_t pe_base;         ///< Transport PE of group rank d: pe_base + d * pe_stride (a buffer
+  int32_t pe_stride;       ///< over the whole world: 0 and 1). `world`/`rank` are the group's.
   int32_t max_tokens;      ///< Per-rank token capacity of the buffer.
   int32_t max_recv_rows;   ///< Receive capacity (buffer or Bounded(n)).
   uint32_t flags;            ///< Bits of `flags`.
@@ -246,6 +250,7 @@ struct LayoutArgs {
   uint64_t status;         ///< Out: u32, 0 = ok.
   uint64_t err_record;     ///< Host-mapped ErrorRecord.
   uint64_t err_claim;      ///< Device u32.
+  uint64_t num_tokens_ptr;  ///< 0, or a device i32: the token count (at most num_tokens).
   int32_t num_tokens;      ///< Tokens of this rank.
   int32_t top_k;           ///< Experts per token.
   int32_t num_experts;     ///< Experts in the world.

@@ -32,7 +32,7 @@ struct Schedule {
     const int tid = threadIdx.x;
     bool ok = true;
     if (tid < a.world) {
-      Net::publish_add(u64_at(s.bases[tid], a.off_barrier) + a.rank, 1, tid,
+      Net::publish_add(u64_at(s.bases[tid], a.off_barrier) + a.rank, 1, peer_pe(s.wait, tid),
                        Net::remote(a.remote_mask, tid));
       uint64_t arrived = 0;
       ok = wait_geq<Net>(s.wait, u64_at(s.bases[a.rank], a.off_barrier) + tid,

@@ -29,6 +29,12 @@ struct OpState {
   int abort;                   // block-uniform "leave now" flag (all_ok)
 };
 
+// The op's token count: `num_tokens`, or the device count at `num_tokens_ptr` (capped by it).
+__device__ __forceinline__ int op_tokens(const OpArgs& a) {
+  if (a.num_tokens_ptr == 0) return a.num_tokens;
+  return min(a.num_tokens, *reinterpret_cast<const int32_t*>(a.num_tokens_ptr));
+}
+
 __device__ __forceinline__ uint64_t* u64_at(uint8_t* base, uint64_t off) {
   return reinterpret_cast<uint64_t*>(base + off);
 }
@@ -48,6 +54,8 @@ __device__ __forceinline__ void make_wait(const OpArgs& a, OpState& s, uint32_t 
   w.abort_off = a.off_stats + kStatsAbortOffset;
   w.remote_mask = a.remote_mask;
   w.world = a.world;
+  w.pe_base = a.pe_base;
+  w.pe_stride = a.pe_stride;
 }
 
 // Reads the sequence numbers, loads peer bases, fills the wait context, clears the abort flag.

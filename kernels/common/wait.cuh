@@ -35,7 +35,16 @@ struct WaitCtx {
   uint64_t abort_off;
   uint64_t remote_mask;
   int32_t world;
+  // Group ranks are transport PEs pe_base + d * pe_stride (OpArgs); `rank`, `world` and the
+  // peers named in failures are group ranks.
+  int32_t pe_base;
+  int32_t pe_stride;
 };
+
+// The transport PE of group rank `d`: what every Net call takes as its `pe`.
+__device__ __forceinline__ int peer_pe(const WaitCtx& w, int d) {
+  return w.pe_base + d * w.pe_stride;
+}
 
 // Abort word: code (16 bits) | origin rank + 1 (16 bits) | origin's op sequence (low 32 bits).
 // Never 0 once written (origin + 1 >= 1).
@@ -56,7 +65,7 @@ __device__ __noinline__ void broadcast_abort(const WaitCtx& w, uint64_t value) {
   if (w.bases == nullptr) return;
   for (int d = 0; d < w.world; ++d) {
     if (d == w.rank) continue;
-    Net::set_word(reinterpret_cast<uint64_t*>(w.bases[d] + w.abort_off), value, d,
+    Net::set_word(reinterpret_cast<uint64_t*>(w.bases[d] + w.abort_off), value, peer_pe(w, d),
                   Net::remote(w.remote_mask, d));
   }
   __threadfence_system();

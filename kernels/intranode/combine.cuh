@@ -102,8 +102,8 @@ __device__ __forceinline__ void combine(const OpArgs& a, Shared& s) {
     // [P1] my y is complete (earlier kernels on this stream wrote it): tell every peer.
     if (block0 && tid < world) {
       __threadfence_system();
-      Net::publish_set(u64_at(s.bases[tid], a.off_stats + kStatsReadyOffset) + me, q.epoch, tid,
-                       Net::remote(a.remote_mask, tid));
+      Net::publish_set(u64_at(s.bases[tid], a.off_stats + kStatsReadyOffset) + me, q.epoch,
+                       peer_pe(w, tid), Net::remote(a.remote_mask, tid));
     }
     // [P2] every block waits until every peer's y is complete, then pulls it directly.
     bool ready = true;
@@ -129,11 +129,13 @@ __device__ __forceinline__ void combine(const OpArgs& a, Shared& s) {
       if (Net::remote(a.remote_mask, r)) {  // weights, then the row with its flag (ordered)
         if (has_w)
           Net::put_warp(s.bases[r] + off_comb_w + slot * K * 4,
-                        y_w + static_cast<int64_t>(row) * K, static_cast<size_t>(K) * 4, r);
+                        y_w + static_cast<int64_t>(row) * K, static_cast<size_t>(K) * 4,
+                        peer_pe(w, r));
         Net::fence();
         Net::put_signal_warp(s.bases[r] + off_comb_x + slot * row_bytes, y + row * row_bytes,
                              static_cast<size_t>(row_bytes),
-                             u64_at(s.bases[r], a.off_comb_flags) + slot, q.epoch, r);
+                             u64_at(s.bases[r], a.off_comb_flags) + slot, q.epoch,
+                             peer_pe(w, r));
         continue;
       }
     }
@@ -153,7 +155,8 @@ __device__ __forceinline__ void combine(const OpArgs& a, Shared& s) {
   const float* comb_w = reinterpret_cast<const float*>(local + off_comb_w);
   const uint64_t* flags = u64_at(local, a.off_comb_flags);
   int* rows = s.rows[warp];
-  for (int t = gwarp; ok && t < a.num_tokens; t += nwarps) {
+  const int num_tokens = op_tokens(a);
+  for (int t = gwarp; ok && t < num_tokens; t += nwarps) {
     bool lane_ok = true;
     for (int r = lane; r < world; r += 32) {
       const int slot = token_slot[static_cast<int64_t>(t) * world + r];
@@ -262,7 +265,7 @@ __device__ __forceinline__ void combine(const OpArgs& a, Shared& s) {
   if (block0 && tid == 0) stats[kStatSent] = globaltimer_ns();
   // [C2] completion counters stay in step with every other op (cumulative expectations).
   if (tid < world)
-    Net::publish_add(u64_at(s.bases[tid], a.off_done) + me, 1, tid,
+    Net::publish_add(u64_at(s.bases[tid], a.off_done) + me, 1, peer_pe(w, tid),
                      Net::remote(a.remote_mask, tid));
   if (!block0) return epilogue(a, s, sched.count);
   // [C5] every peer finished this combine's sends: finishing an op implies every peer started

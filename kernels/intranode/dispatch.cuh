@@ -45,12 +45,13 @@ __device__ __forceinline__ void dispatch(const OpArgs& a, Shared& s) {
       for (int i = tid; i < world * world; i += kThreads) {
         const int d = i / world, j = i % world;
         Net::set_word(u64_at(s.bases[d], off_counts) + me * world + j,
-                      make_tagged(q.epoch, per_rank[j]), d, Net::remote(a.remote_mask, d));
+                      make_tagged(q.epoch, per_rank[j]), peer_pe(w, d),
+                      Net::remote(a.remote_mask, d));
       }
       for (int i = tid; i < world * epr; i += kThreads) {
         const int d = i / epr, l = i % epr;
         Net::set_word(u64_at(s.bases[d], off_expert_counts) + me * epr + l,
-                      make_tagged(q.epoch, per_expert[d * epr + l]), d,
+                      make_tagged(q.epoch, per_expert[d * epr + l]), peer_pe(w, d),
                       Net::remote(a.remote_mask, d));
       }
     }
@@ -132,15 +133,17 @@ __device__ __forceinline__ void dispatch(const OpArgs& a, Shared& s) {
   const int64_t* topk_idx = reinterpret_cast<const int64_t*>(a.topk_idx);
   const float* topk_w = reinterpret_cast<const float*>(a.topk_weights);
   const float* scales = reinterpret_cast<const float*>(a.x_scales);
+  const int num_tokens = op_tokens(a);
   int* rows = s.rows[warp];
-  for (int t = gwarp; t < a.num_tokens; t += nwarps) {
+  for (int t = gwarp; t < num_tokens; t += nwarps) {
     for (int d = lane; d < world; d += 32) {
       const int slot = token_slot[static_cast<int64_t>(t) * world + d];
       rows[d] = slot >= 0 ? s.offsets[d] + slot : -1;
     }
     __syncwarp();
     warp_copy_row_multi<Net>(reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(t) * a.row_bytes),
-                        s.bases, rows, off_x, a.row_bytes, world, n16, lane, a.remote_mask);
+                        s.bases, rows, off_x, a.row_bytes, world, n16, lane, a.remote_mask,
+                        w.pe_base, w.pe_stride);
     if (has_scales)
       for (int i = lane; i < a.num_scales; i += 32) {
         const float v = scales[static_cast<int64_t>(t) * a.num_scales + i];
@@ -148,7 +151,7 @@ __device__ __forceinline__ void dispatch(const OpArgs& a, Shared& s) {
           if (rows[d] >= 0)
             Net::put_elem(reinterpret_cast<float*>(s.bases[d] + off_scales) +
                               static_cast<int64_t>(rows[d]) * a.num_scales + i,
-                          v, d, Net::remote(a.remote_mask, d));
+                          v, peer_pe(w, d), Net::remote(a.remote_mask, d));
       }
     if (has_topk)
       for (int k = lane; k < K; k += 32) {
@@ -161,24 +164,24 @@ __device__ __forceinline__ void dispatch(const OpArgs& a, Shared& s) {
           const int64_t r = static_cast<int64_t>(rows[d]) * K + k;
           const bool remote = Net::remote(a.remote_mask, d);
           Net::put_elem(reinterpret_cast<int64_t*>(s.bases[d] + off_topk_idx) + r,
-                        here ? e - lo : int64_t{-1}, d, remote);
+                        here ? e - lo : int64_t{-1}, peer_pe(w, d), remote);
           if (has_w)
             Net::put_elem(reinterpret_cast<float*>(s.bases[d] + off_topk_w) + r, here ? wt : 0.f,
-                          d, remote);
+                          peer_pe(w, d), remote);
         }
       }
     if (lane == 0)
       for (int d = 0; d < world; ++d)
         if (rows[d] >= 0)
           Net::put_elem(reinterpret_cast<int32_t*>(s.bases[d] + off_src_idx) + rows[d],
-                        static_cast<int32_t>(t), d, Net::remote(a.remote_mask, d));
+                        static_cast<int32_t>(t), peer_pe(w, d), Net::remote(a.remote_mask, d));
     __syncwarp();
   }
   if (!all_ok(s, Net::quiet(s.wait, a.remote_mask))) return;
   if (block0 && tid == 0) stats[kStatSent] = globaltimer_ns();
   // [E5] this block's data for every destination is written: publish (release, system scope).
   if (tid < world)
-    Net::publish_add(u64_at(s.bases[tid], a.off_done) + me, 1, tid,
+    Net::publish_add(u64_at(s.bases[tid], a.off_done) + me, 1, peer_pe(w, tid),
                      Net::remote(a.remote_mask, tid));
   if (!block0) return epilogue(a, s, sched.count);
   // [E6] wait until every source's data landed here (monotonic counters, never reset).

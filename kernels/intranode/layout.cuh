@@ -20,7 +20,10 @@ __device__ __forceinline__ void layout(const LayoutArgs& a) {
   __shared__ WaitCtx s_wait;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int world = a.world, nodes = world / a.gpus_per_node, E = a.num_experts;
-  const int T = a.num_tokens, K = a.top_k, epr = E / world;
+  const int T = a.num_tokens_ptr == 0
+                    ? a.num_tokens
+                    : min(a.num_tokens, *reinterpret_cast<const int32_t*>(a.num_tokens_ptr));
+  const int K = a.top_k, epr = E / world;
   const int64_t* idx = reinterpret_cast<const int64_t*>(a.topk_idx);
   uint32_t* counts = reinterpret_cast<uint32_t*>(a.counts);
   const int b = blockIdx.x;
@@ -81,6 +84,8 @@ __device__ __forceinline__ void layout(const LayoutArgs& a) {
     w.abort_off = 0;
     w.remote_mask = 0;
     w.world = 0;
+    w.pe_base = 0;
+    w.pe_stride = 1;
   }
   __syncthreads();
   const int64_t total = static_cast<int64_t>(T) * K;

@@ -131,7 +131,7 @@ __device__ __forceinline__ void dispatch_send(const OpArgs& a, Shared& s, uint32
     if (!fp8) {
       warp_copy_row_multi<Net>(
           reinterpret_cast<const int4*>(x + static_cast<int64_t>(t) * H * 2), s.bases, rows,
-          off_x, row_bytes, world, row_bytes / 16, lane, a.remote_mask);
+          off_x, row_bytes, world, row_bytes / 16, lane, a.remote_mask, 0, 1);
     } else {
       // Cast once, store to every mapped destination; stage for put/signal destinations.
       uint8_t* stage = s.bases[me] + a.off_ll_stage + static_cast<int64_t>(t) * H;

@@ -26,12 +26,13 @@ mod tests {
 
     #[test]
     fn layouts_are_the_documented_ones() {
-        assert_eq!(size_of::<OpArgs>(), 47 * 8 + 14 * 4);
-        assert_eq!(offset_of!(OpArgs, ll_max_tokens), 376);
-        assert_eq!(offset_of!(OpArgs, num_tokens), 384);
-        assert_eq!(offset_of!(OpArgs, global_barriers), 428);
-        assert_eq!(size_of::<LayoutArgs>(), 6 * 8 + 6 * 4);
-        assert_eq!(offset_of!(LayoutArgs, num_tokens), 48);
+        assert_eq!(size_of::<OpArgs>(), 48 * 8 + 16 * 4);
+        assert_eq!(offset_of!(OpArgs, ll_max_tokens), 384);
+        assert_eq!(offset_of!(OpArgs, num_tokens), 392);
+        assert_eq!(offset_of!(OpArgs, pe_base), 424);
+        assert_eq!(offset_of!(OpArgs, global_barriers), 444);
+        assert_eq!(size_of::<LayoutArgs>(), 7 * 8 + 6 * 4);
+        assert_eq!(offset_of!(LayoutArgs, num_tokens), 56);
         assert_eq!(size_of::<ErrorRecord>(), 56);
         assert_eq!(offset_of!(ErrorRecord, epoch), 24);
         assert_eq!(size_of::<SeqState>(), 72);

@@ -3,7 +3,7 @@
 
 /// Version of the kernel protocol and argument blocks; ranks compare it when a `Buffer` is
 /// built. Bump it with any change of this header or of the kernels' cross-rank protocol.
-pub const ABI_VERSION: u64 = 6;
+pub const ABI_VERSION: u64 = 7;
 
 /// Largest world size the intranode kernels support (shared-memory tables are this large).
 pub const MAX_WORLD: usize = 64;
@@ -205,6 +205,9 @@ pub struct OpArgs {
     /// This rank's abort word (stats region + kStatsAbortOffset): peers
     /// that failed write it; every prologue and every wait read it.
     pub abort_word: u64,
+    /// 0, or a device i32: the op's token count, known only on the
+    /// device (an earlier op's receive count); at most num_tokens.
+    pub num_tokens_ptr: u64,
     // Low-latency mode: caller outputs (LL dispatch) / inputs (LL combine), local device memory.
     /// \[epr\]\[world * ll_max_tokens\]\[row_bytes\] received rows, packed.
     pub ll_recv_x: u64,
@@ -254,6 +257,10 @@ pub struct OpArgs {
     pub world: i32,
     /// This rank.
     pub rank: i32,
+    /// Transport PE of group rank d: pe_base + d * pe_stride (a buffer
+    pub pe_base: i32,
+    /// over the whole world: 0 and 1). `world`/`rank` are the group's.
+    pub pe_stride: i32,
     /// Per-rank token capacity of the buffer.
     pub max_tokens: i32,
     /// Receive capacity (buffer or Bounded(n)).
@@ -376,6 +383,8 @@ pub struct LayoutArgs {
     pub err_record: u64,
     /// Device u32.
     pub err_claim: u64,
+    /// 0, or a device i32: the token count (at most num_tokens).
+    pub num_tokens_ptr: u64,
     /// Tokens of this rank.
     pub num_tokens: i32,
     /// Experts per token.
@@ -392,7 +401,7 @@ pub struct LayoutArgs {
 
 /// What `epcomm_abi_probe` writes, in its order: every constant, enumerator, struct size
 /// and field offset of the ABI, as the host sees it.
-pub(crate) const ABI_PROBE: [(&str, u64); 154] = [
+pub(crate) const ABI_PROBE: [(&str, u64); 158] = [
     ("kAbiVersion", ABI_VERSION),
     ("kMaxWorld", MAX_WORLD as u64),
     ("kOk", code::OK as u64),
@@ -475,6 +484,7 @@ pub(crate) const ABI_PROBE: [(&str, u64); 154] = [
     ("offsetof(OpArgs, parity_stride)", offset_of!(OpArgs, parity_stride) as u64),
     ("offsetof(OpArgs, remote_mask)", offset_of!(OpArgs, remote_mask) as u64),
     ("offsetof(OpArgs, abort_word)", offset_of!(OpArgs, abort_word) as u64),
+    ("offsetof(OpArgs, num_tokens_ptr)", offset_of!(OpArgs, num_tokens_ptr) as u64),
     ("offsetof(OpArgs, ll_recv_x)", offset_of!(OpArgs, ll_recv_x) as u64),
     ("offsetof(OpArgs, ll_recv_scales)", offset_of!(OpArgs, ll_recv_scales) as u64),
     ("offsetof(OpArgs, ll_recv_count)", offset_of!(OpArgs, ll_recv_count) as u64),
@@ -497,6 +507,8 @@ pub(crate) const ABI_PROBE: [(&str, u64); 154] = [
     ("offsetof(OpArgs, num_experts)", offset_of!(OpArgs, num_experts) as u64),
     ("offsetof(OpArgs, world)", offset_of!(OpArgs, world) as u64),
     ("offsetof(OpArgs, rank)", offset_of!(OpArgs, rank) as u64),
+    ("offsetof(OpArgs, pe_base)", offset_of!(OpArgs, pe_base) as u64),
+    ("offsetof(OpArgs, pe_stride)", offset_of!(OpArgs, pe_stride) as u64),
     ("offsetof(OpArgs, max_tokens)", offset_of!(OpArgs, max_tokens) as u64),
     ("offsetof(OpArgs, max_recv_rows)", offset_of!(OpArgs, max_recv_rows) as u64),
     ("offsetof(OpArgs, flags)", offset_of!(OpArgs, flags) as u64),
@@ -541,6 +553,7 @@ pub(crate) const ABI_PROBE: [(&str, u64); 154] = [
     ("offsetof(LayoutArgs, status)", offset_of!(LayoutArgs, status) as u64),
     ("offsetof(LayoutArgs, err_record)", offset_of!(LayoutArgs, err_record) as u64),
     ("offsetof(LayoutArgs, err_claim)", offset_of!(LayoutArgs, err_claim) as u64),
+    ("offsetof(LayoutArgs, num_tokens_ptr)", offset_of!(LayoutArgs, num_tokens_ptr) as u64),
     ("offsetof(LayoutArgs, num_tokens)", offset_of!(LayoutArgs, num_tokens) as u64),
     ("offsetof(LayoutArgs, top_k)", offset_of!(LayoutArgs, top_k) as u64),
     ("offsetof(LayoutArgs, num_experts)", offset_of!(LayoutArgs, num_experts) as u64),

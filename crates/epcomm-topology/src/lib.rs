@@ -7,6 +7,8 @@
 //!   that memory may be reused, and how each peer is reached.
 //! * [`RowFormat`] — bytes, FP8 scales and pitch of one token row.
 //! * [`BufferPlan`] — the byte layout of the symmetric buffer used by the intranode kernels.
+//! * [`RankGroup`] — the ranks one buffer spans (the whole world, or a tier's rail or node
+//!   group).
 //! * [`Tiers`] — a world as nodes × local ranks, [`RailPrecision`], and the worst-case sizes
 //!   of the hierarchical (rail + NVLink forwarding) buffers ([`rail_recv_rows`],
 //!   [`forward_rows`], [`combine_rail_partial_rows`] and their byte sizes).
@@ -39,6 +41,7 @@
 
 mod buffer;
 mod error;
+mod group;
 mod route;
 mod row;
 mod tiers;
@@ -46,6 +49,7 @@ mod world;
 
 pub use buffer::{BufferPlan, Parity, REGION_ALIGN, Region, RegionKind, STATS_BYTES};
 pub use error::TopologyError;
+pub use group::RankGroup;
 pub use route::{PeerRoute, Route, RoutePlan, RoutePolicy, Schedule, Tier};
 pub use row::{RowDtype, RowFormat};
 pub use tiers::{

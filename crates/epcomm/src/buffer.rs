@@ -25,7 +25,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 use epcomm_kernels::IntranodeKernels;
-use epcomm_topology::{BufferPlan, RoutePlan};
+use epcomm_topology::{BufferPlan, RankGroup, RoutePlan};
 use epcomm_transport::{DeviceBuffer, DynTransport, MappedHostBuffer, SymmetricMemory};
 
 use crate::error::DriverContext;
@@ -52,8 +52,12 @@ pub struct Buffer {
     /// Process-unique: layouts, handles and graphs remember the buffer that made them.
     id: u64,
     cfg: BufferConfig,
+    /// This rank's index in `group` (the whole world unless the buffer is one tier's).
     rank: usize,
+    /// Ranks in `group`.
     world: usize,
+    /// The world ranks the buffer spans; kernels number them `0..world`.
+    group: RankGroup,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     /// Declared before `kernels`: dropped (unbound) before the module unloads.
@@ -94,9 +98,15 @@ pub struct Buffer {
 }
 
 impl Buffer {
-    /// This rank.
+    /// This rank (its index in [`Self::group`]: its world rank unless the buffer is one
+    /// tier's).
     pub fn rank(&self) -> usize {
         self.rank
+    }
+
+    /// The world ranks this buffer spans.
+    pub fn group(&self) -> &RankGroup {
+        &self.group
     }
 
     /// Number of ranks.

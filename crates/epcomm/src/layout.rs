@@ -16,7 +16,11 @@ pub(crate) struct LayoutInner {
     pub(crate) token_slot: CudaSlice<i32>,
     /// Nonzero when the kernel rejected a top-k id.
     pub(crate) status: CudaSlice<u32>,
+    /// Tokens, or (with `device_tokens`) the most tokens the batch may have.
     pub(crate) num_tokens: usize,
+    /// The batch's token count when only the device knows it (the layout kernel and every op
+    /// along this layout read it there).
+    pub(crate) device_tokens: Option<DeviceTokens>,
     pub(crate) world: usize,
     pub(crate) num_experts: usize,
     pub(crate) nodes: usize,
@@ -24,6 +28,22 @@ pub(crate) struct LayoutInner {
     /// How many times the layout kernel was issued on this layout (0: never computed). A
     /// handle remembers the generation its dispatch routed with.
     pub(crate) generation: std::sync::atomic::AtomicU64,
+}
+
+/// A token count only the device knows: an `i32` that an earlier op on the same stream writes
+/// (e.g. a dispatch's receive count), kept allocated by `owner`.
+#[derive(Clone)]
+pub(crate) struct DeviceTokens {
+    /// Device address of the `i32`.
+    pub(crate) ptr: u64,
+    /// Keeps the allocation holding it alive.
+    pub(crate) _owner: Arc<dyn std::any::Any + Send + Sync>,
+}
+
+impl std::fmt::Debug for DeviceTokens {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DeviceTokens({:#x})", self.ptr)
+    }
 }
 
 /// The routing of one batch: tokens per rank / expert / node and each token's slot in every

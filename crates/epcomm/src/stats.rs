@@ -36,6 +36,9 @@ pub struct OpStats {
     /// `waits[q][p]`: how long after rank `q` started the op everything it needed from rank
     /// `p` (counts or barrier arrival, and data) was there (zero: nothing waited for).
     pub waits: Vec<Vec<Duration>>,
+    /// The world rank of each index above (`rank`, `q`, `p` and [`Self::late_rank`] index the
+    /// buffer's group: the world itself, or one tier's rail or node group).
+    pub ranks: Vec<usize>,
 }
 
 /// What one rank measured, on its own clock.
@@ -118,6 +121,11 @@ impl OpStats {
             .unwrap_or_default()
     }
 
+    /// The world rank of group index `i` (`i` itself when out of range).
+    pub fn world_rank(&self, i: usize) -> usize {
+        self.ranks.get(i).copied().unwrap_or(i)
+    }
+
     /// How long this rank waited for `peer`.
     pub fn waited_for(&self, peer: usize) -> Duration {
         self.waits
@@ -135,17 +143,18 @@ impl fmt::Display for OpStats {
             "{} #{} on rank {}: {:?} total ({:?} sending); late rank {} (others waited up to {:?} for it)",
             self.op,
             self.op_seq,
-            self.rank,
+            self.world_rank(self.rank),
             self.total,
             self.sending,
-            self.late_rank(),
+            self.world_rank(self.late_rank()),
             self.skew()
         )?;
         for p in 0..self.waits.len() {
             writeln!(
                 f,
-                "  others waited up to {:?} for rank {p}",
-                self.waited_on(p)
+                "  others waited up to {:?} for rank {}",
+                self.waited_on(p),
+                self.world_rank(p)
             )?;
         }
         Ok(())
@@ -210,6 +219,7 @@ mod tests {
                 vec![us(1), us(0), us(1)],
                 vec![us(2), us(205), us(0)],
             ],
+            ranks: vec![0, 1, 2],
         };
         assert_eq!(s.late_rank(), 1);
         assert_eq!(s.skew(), us(210));

@@ -35,7 +35,7 @@ impl Buffer {
         if record.code != abi::code::PEER_FAILED {
             self.announce_failure();
         }
-        let mut e = Error::from_record(&record);
+        let mut e = Error::from_record(&record).in_world(&self.group);
         if record.wait_id == abi::wait::PROXY
             && let Some(why) = self.mem.backend_failure()
         {
@@ -128,7 +128,7 @@ impl Buffer {
             if start.elapsed() > limit {
                 let e = Error::Timeout {
                     op: "dispatch",
-                    rank: self.rank,
+                    rank: self.group.world_rank_or_self(self.rank),
                     wait: WaitKind::HostRecvCount,
                     peer: -1,
                     op_seq: self.seq.op,
@@ -159,8 +159,11 @@ impl Buffer {
             .transport
             .bootstrap()
             .all_gather(&tag, &local.encode())?;
-        let mut waits = Vec::with_capacity(all.len());
-        for (peer, bytes) in all.iter().enumerate() {
+        // Every rank of the world answers (for its own group's buffer); keep this group's.
+        let ranks: Vec<usize> = self.group.members().collect();
+        let mut waits = Vec::with_capacity(ranks.len());
+        for &peer in &ranks {
+            let bytes = all.get(peer).map_or(&[][..], |b| &b[..]);
             let row = LocalStats::decode_waits(bytes, local.op_seq, self.world).ok_or_else(|| Error::InvalidArgument {
                 argument: "last_op_stats",
                 rule: format!("rank {peer} reported stats of another op (call it on every rank after the same op)"),
@@ -174,6 +177,7 @@ impl Buffer {
             total: local.total,
             sending: local.sending,
             waits,
+            ranks,
         }))
     }
 

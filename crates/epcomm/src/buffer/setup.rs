@@ -10,10 +10,10 @@ use std::mem::ManuallyDrop;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use cudarc::driver::{CudaContext, sys};
+use cudarc::driver::{CudaContext, CudaStream, sys};
 use epcomm_kernels::IntranodeKernels;
 use epcomm_kernels::abi::{self, ErrorRecord};
-use epcomm_topology::{BufferPlan, Parity, RegionKind, Route, RoutePlan};
+use epcomm_topology::{BufferPlan, Parity, RankGroup, RegionKind, Route, RoutePlan};
 use epcomm_transport::{DeviceBuffer, DynTransport, MappedHostBuffer, SymmetricMemory};
 
 use super::{Buffer, Sequence};
@@ -34,11 +34,49 @@ impl Buffer {
         transport: Arc<dyn DynTransport>,
         cfg: BufferConfig,
     ) -> Result<Self> {
+        Self::create(ctx, transport, cfg, None, None)
+    }
+
+    /// [`Self::new`] over the ranks of `group` (every member calls it, in the same order
+    /// relative to its other buffers; so does every other rank of the world, for its own
+    /// group: symmetric allocation and the final barrier are world-wide), issuing its ops on
+    /// `stream` when given. The kernels see the group's ranks as `0..group.size()`.
+    pub(crate) fn create(
+        ctx: Arc<CudaContext>,
+        transport: Arc<dyn DynTransport>,
+        cfg: BufferConfig,
+        group: Option<RankGroup>,
+        stream: Option<Arc<CudaStream>>,
+    ) -> Result<Self> {
         cfg.validate()?;
         let layout = transport.world();
         let caps = transport.capabilities();
-        let (world, rank) = (layout.world_size(), layout.rank());
         let invalid = |argument, rule: String| Err(Error::InvalidArgument { argument, rule });
+        let group = match group {
+            Some(g) => g,
+            None => RankGroup::whole(layout.world_size(), layout.rank())?,
+        };
+        group.check_within(layout.world_size())?;
+        if group.member(group.rank())? != layout.rank() {
+            return invalid(
+                "group",
+                format!(
+                    "must contain this rank ({}) at its group rank {}",
+                    layout.rank(),
+                    group.rank()
+                ),
+            );
+        }
+        let whole = group.is_whole(layout.world_size());
+        if !whole && cfg.ll_max_tokens_per_rank != 0 {
+            return invalid(
+                "ll_max_tokens_per_rank",
+                "must be 0 for a buffer over a group of the world (low-latency ops run on \
+                 buffers over the whole world)"
+                    .into(),
+            );
+        }
+        let (world, rank) = (group.size(), group.rank());
         if world > abi::MAX_WORLD {
             return invalid(
                 "world",
@@ -77,7 +115,10 @@ impl Buffer {
             cfg.ll_max_tokens_per_rank,
         )?;
         let ll_smem_words = ll_smem_words(&cfg, world)?;
-        let stream = ctx.new_stream().context("creating the comm stream")?;
+        let stream = match stream {
+            Some(s) => s,
+            None => ctx.new_stream().context("creating the comm stream")?,
+        };
         let kernels = IntranodeKernels::load(&ctx, &stream, caps.kernel_family)?;
         // Waits across blocks and ranks need every block resident (kernels also launch
         // cooperatively, so a grid that cannot be co-resident fails instead of hanging).
@@ -94,7 +135,10 @@ impl Buffer {
         }
         // Every rank must agree on everything that shapes the protocol, before any peer
         // memory is touched (docs/troubleshooting.md).
-        let fingerprint = fingerprint(&cfg, &kernels, caps.name, world);
+        let fingerprint = fingerprint(&cfg, &kernels, caps.name, world).with(
+            "group",
+            format!("{world} ranks {} apart", group.pe_stride()),
+        );
         let all = transport
             .bootstrap()
             .all_gather("epcomm-buffer-config", &fingerprint.encode())?;
@@ -119,8 +163,13 @@ impl Buffer {
             // until its teardown, after the last launch.
             unsafe { kernels.set_proxy_channel(&stream, &channel) }?;
         }
-        let bases = peer_bases(&routes, mem.as_ref())?;
-        let remote_mask = routes.put_signal_mask();
+        let all_bases = peer_bases(&routes, mem.as_ref())?;
+        let bases: Vec<u64> = group.members().map(|m| all_bases[m]).collect();
+        let remote_mask = group
+            .members()
+            .enumerate()
+            .filter(|&(_, m)| (routes.put_signal_mask() >> m) & 1 != 0)
+            .fold(0u64, |mask, (i, _)| mask | (1 << i));
         let peer_bases = DeviceBuffer::zeroed(&ctx, world * 8)?;
         peer_bases.write(&stream, 0, &bases)?;
         let err_claim = DeviceBuffer::zeroed(&ctx, 8)?;
@@ -133,6 +182,7 @@ impl Buffer {
             cfg,
             rank,
             world,
+            group,
             ctx,
             stream,
             _module_binding: module_binding,

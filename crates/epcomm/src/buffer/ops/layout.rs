@@ -14,7 +14,7 @@ use crate::Result;
 use crate::buffer::Buffer;
 use crate::buffer::validate::exact_len;
 use crate::error::DriverContext;
-use crate::layout::{Layout, LayoutInner};
+use crate::layout::{DeviceTokens, Layout, LayoutInner};
 
 impl Buffer {
     /// Computes the routing of `topk_idx` (`[num_tokens][top_k]`, -1 = none) on the GPU.
@@ -29,6 +29,17 @@ impl Buffer {
     /// Allocates the device arrays of a layout for `num_tokens` tokens (for [`Self::layout_into`],
     /// e.g. before a CUDA-graph capture, which must not allocate).
     pub fn alloc_layout(&mut self, num_tokens: usize) -> Result<Layout> {
+        self.alloc_layout_counted(num_tokens, None)
+    }
+
+    /// [`Self::alloc_layout`] for at most `num_tokens` tokens, the batch's own count being
+    /// `device_tokens` (when given): the layout kernel and every op along the layout read it
+    /// on the device.
+    pub(crate) fn alloc_layout_counted(
+        &mut self,
+        num_tokens: usize,
+        device_tokens: Option<DeviceTokens>,
+    ) -> Result<Layout> {
         self.check_tokens(num_tokens)?;
         let (world, e) = (self.world, self.cfg.num_experts);
         let nodes = 1; // one NVLink domain
@@ -46,6 +57,7 @@ impl Buffer {
                 token_slot,
                 status,
                 num_tokens,
+                device_tokens,
                 world,
                 num_experts: e,
                 nodes,
@@ -75,7 +87,8 @@ impl Buffer {
         let (counts_ptr, _g1) = l.counts.device_ptr(s);
         let (slot_ptr, _g2) = l.token_slot.device_ptr(s);
         let (status_ptr, _g3) = l.status.device_ptr(s);
-        let args = self.layout_args(num_tokens, idx_ptr, counts_ptr, slot_ptr, status_ptr);
+        let mut args = self.layout_args(num_tokens, idx_ptr, counts_ptr, slot_ptr, status_ptr);
+        args.num_tokens_ptr = l.device_tokens.as_ref().map_or(0, |d| d.ptr);
         // SAFETY: all addresses are live allocations of the sizes the kernel expects for this
         // shape (counts: world + E + nodes, token_slot: T * world, status: 1, topk_idx: T * K);
         // the layout's arrays are owned by `layout`, which outlives the launch (stream order).

@@ -201,6 +201,7 @@ impl Buffer {
         a.recv_prefix = rp;
         a.recv_src_idx = ri;
         a.recv_expert_counts = re;
+        a.num_tokens_ptr = l.device_tokens.as_ref().map_or(0, |d| d.ptr);
         self.check_dispatch_ptrs(&a, l.num_tokens)?;
         // SAFETY: inputs were length-checked against the layout's token count; the handle's
         // arrays hold world, world + 1, max_rows and experts_per_rank elements (the kernel never
@@ -339,6 +340,7 @@ impl Buffer {
         a.recv_prefix = rp;
         a.recv_src_idx = ri;
         a.send_offsets = so;
+        a.num_tokens_ptr = h.layout.device_tokens.as_ref().map_or(0, |d| d.ptr);
         self.check_combine_ptrs(&a, h.rows_bound(), t)?;
         // SAFETY: out/out_weights hold T rows (checked above); y per the caller's contract; the
         // handle's arrays were written by its dispatch earlier on this stream.
