@@ -51,6 +51,37 @@ pub fn hierarchical_combine(
     tiers: Tiers,
     rail: RailPrecision,
 ) -> Result<Vec<CombineOutput>> {
+    combine_by_node(ys, weights, dispatch_outputs, num_tokens, tiers, rail, false)
+}
+
+/// [`hierarchical_combine`] where the source's **own node's partial is rounded too**, like
+/// every other node's, per `rail`: what a two-stage combine does when its node stage writes
+/// every partial (the own node's included) as a bf16 row and its rail stage sums those rows.
+/// This is epcomm's `HierarchicalBuffer::combine` with [`RailPrecision::Bf16`].
+///
+/// # Errors
+/// As [`hierarchical_combine`].
+pub fn hierarchical_combine_staged(
+    ys: &[Vec<bf16>],
+    weights: Option<&[Vec<f32>]>,
+    dispatch_outputs: &[RankOutput],
+    num_tokens: &[usize],
+    tiers: Tiers,
+    rail: RailPrecision,
+) -> Result<Vec<CombineOutput>> {
+    combine_by_node(ys, weights, dispatch_outputs, num_tokens, tiers, rail, true)
+}
+
+/// Both orders above; `round_own`: the own node's partial crosses `rail` too.
+fn combine_by_node(
+    ys: &[Vec<bf16>],
+    weights: Option<&[Vec<f32>]>,
+    dispatch_outputs: &[RankOutput],
+    num_tokens: &[usize],
+    tiers: Tiers,
+    rail: RailPrecision,
+    round_own: bool,
+) -> Result<Vec<CombineOutput>> {
     let (hidden, top_k) = check_combine_shapes(ys, weights, dispatch_outputs, num_tokens)?;
     check_tiers(tiers, dispatch_outputs.len())?;
     let sources = row_sources(dispatch_outputs, num_tokens)?;
@@ -93,7 +124,11 @@ pub fn hierarchical_combine(
             let mut x = vec![0.0f32; num_tokens[s] * hidden];
             let mut w = weights.map(|_| vec![0.0f32; num_tokens[s] * top_k]);
             for (n, p) in nodes.iter().enumerate() {
-                let precision = if n == own { RailPrecision::F32 } else { rail };
+                let precision = if n == own && !round_own {
+                    RailPrecision::F32
+                } else {
+                    rail
+                };
                 for t in (0..num_tokens[s]).filter(|&t| p.present[t]) {
                     let dst = &mut x[t * hidden..(t + 1) * hidden];
                     for (d, v) in dst.iter_mut().zip(&p.x[t * hidden..(t + 1) * hidden]) {
@@ -330,6 +365,51 @@ mod tests {
         assert_eq!(first(&bf16_rail, 3, 0), 3.0 * eps);
         // A token that stays in its node: rank 1's row only.
         assert_eq!(first(&bf16_rail, 0, 1), eps);
+    }
+
+    #[test]
+    fn staged_rounds_the_own_nodes_partial_too() {
+        // 2 nodes x 2 ranks, one expert per rank; rank 0's one token goes to ranks 0, 1 (its
+        // own node) and 2.
+        let inputs: Vec<RankInput> = [vec![0i64, 1, 2], vec![], vec![], vec![]]
+            .into_iter()
+            .map(|idx| {
+                let t = idx.len() / 3;
+                let w = vec![1.0; idx.len()];
+                RankInput::new(XData::Bf16(vec![bf16::ONE; t * H]), idx, w, H, 3).unwrap()
+            })
+            .collect();
+        let out = dispatch(&inputs, 4).unwrap();
+        let eps = 2f32.powi(-8);
+        let y = ys(&out, |r, _, _| if r == 0 { 1.0 } else { eps });
+        let num_tokens = [1, 0, 0, 0];
+        let t = tiers(2, 2);
+        let run = |staged: bool, rail| {
+            let f = if staged {
+                hierarchical_combine_staged
+            } else {
+                hierarchical_combine
+            };
+            first(&f(&y, None, &out, &num_tokens, t, rail).unwrap(), 0, 0)
+        };
+        // Classic: the own partial 1 + 2^-8 stays f32; + node 1's 2^-8 = 1 + 2^-7, a bf16.
+        assert_eq!(run(false, RailPrecision::Bf16), 1.0 + 2.0 * eps);
+        // Staged: the own partial rounds first (a tie, to 1); 1 + 2^-8 rounds to 1 again.
+        assert_eq!(run(true, RailPrecision::Bf16), 1.0);
+        // On an f32 rail nothing is rounded before the end: both agree.
+        assert_eq!(run(true, RailPrecision::F32), run(false, RailPrecision::F32));
+        // One node: the own partial rounded once is the flat sum rounded once.
+        let flat = combine(&y, None, &out, &num_tokens).unwrap();
+        let one = hierarchical_combine_staged(
+            &y,
+            None,
+            &out,
+            &num_tokens,
+            tiers(1, 4),
+            RailPrecision::Bf16,
+        )
+        .unwrap();
+        assert_eq!(one, flat);
     }
 
     #[test]

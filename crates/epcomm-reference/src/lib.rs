@@ -77,7 +77,9 @@ pub use fp8::{
     FP8_AMAX_FLOOR, FP8_E4M3_MAX, FP8_GROUP, dequantize_fp8_e4m3_per128, quantize_fp8_e4m3_per128,
     quantize_fp8_e4m3_per128_ue8m0,
 };
-pub use hierarchical::{RailTraffic, across_rail, hierarchical_combine, rail_traffic};
+pub use hierarchical::{
+    RailTraffic, across_rail, hierarchical_combine, hierarchical_combine_staged, rail_traffic,
+};
 pub use layout::{Layout, layout};
 pub use low_latency::{LlEntry, LlReceived, ll_dispatch};
 pub use workload::{
