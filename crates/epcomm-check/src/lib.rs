@@ -8,6 +8,7 @@
 //! * [`timing`]: CUDA-event timing with an L2 flush between calls, and DeepEP's bandwidth metric;
 //! * [`procs`]: one-process-per-GPU launching by re-executing the current binary.
 
+pub mod hier;
 pub mod inputs;
 pub mod ll;
 pub mod procs;

@@ -40,7 +40,12 @@ impl Default for RoundOptions {
     }
 }
 
-fn first_diff<T: PartialEq + Debug>(what: &str, rank: usize, got: &[T], want: &[T]) -> Result<()> {
+pub(crate) fn first_diff<T: PartialEq + Debug>(
+    what: &str,
+    rank: usize,
+    got: &[T],
+    want: &[T],
+) -> Result<()> {
     if got.len() != want.len() {
         return Err(CheckError::Mismatch {
             what: what.into(),
@@ -64,13 +69,13 @@ fn first_diff<T: PartialEq + Debug>(what: &str, rank: usize, got: &[T], want: &[
     Ok(())
 }
 
-fn bits(v: &[f32]) -> Vec<u32> {
+pub(crate) fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|f| f.to_bits()).collect()
 }
 
 /// The expert output each rank feeds to combine: its received rows as bf16, scaled by a
 /// per-rank factor so that the sum tells contributions apart.
-fn expert_output(out: &RankOutput, rank: usize) -> Result<Vec<bf16>> {
+pub(crate) fn expert_output(out: &RankOutput, rank: usize) -> Result<Vec<bf16>> {
     let scale = 1.0 + rank as f32 * 0.5;
     Ok(out
         .recv_x

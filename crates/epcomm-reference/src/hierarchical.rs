@@ -51,7 +51,15 @@ pub fn hierarchical_combine(
     tiers: Tiers,
     rail: RailPrecision,
 ) -> Result<Vec<CombineOutput>> {
-    combine_by_node(ys, weights, dispatch_outputs, num_tokens, tiers, rail, false)
+    combine_by_node(
+        ys,
+        weights,
+        dispatch_outputs,
+        num_tokens,
+        tiers,
+        rail,
+        false,
+    )
 }
 
 /// [`hierarchical_combine`] where the source's **own node's partial is rounded too**, like
@@ -397,7 +405,10 @@ mod tests {
         // Staged: the own partial rounds first (a tie, to 1); 1 + 2^-8 rounds to 1 again.
         assert_eq!(run(true, RailPrecision::Bf16), 1.0);
         // On an f32 rail nothing is rounded before the end: both agree.
-        assert_eq!(run(true, RailPrecision::F32), run(false, RailPrecision::F32));
+        assert_eq!(
+            run(true, RailPrecision::F32),
+            run(false, RailPrecision::F32)
+        );
         // One node: the own partial rounded once is the flat sum rounded once.
         let flat = combine(&y, None, &out, &num_tokens).unwrap();
         let one = hierarchical_combine_staged(

@@ -104,6 +104,11 @@ impl Buffer {
         self.rank
     }
 
+    /// Rows the receive region holds (`world * max_tokens_per_rank`).
+    pub(crate) fn recv_capacity_rows(&self) -> usize {
+        self.plan.recv_rows() as usize
+    }
+
     /// The world ranks this buffer spans.
     pub fn group(&self) -> &RankGroup {
         &self.group

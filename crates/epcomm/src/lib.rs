@@ -90,17 +90,22 @@ mod buffer;
 mod config;
 mod error;
 mod handle;
+mod hierarchical;
 mod layout;
 mod stats;
+mod view;
 
 pub use buffer::{
     Buffer, DispatchInput, EpGraph, LlDispatchInput, LlFormat, LlPending, LlRecv, XInput,
 };
 pub use config::{BufferConfig, RecvMode};
-pub use epcomm_topology::{PeerRoute, Route, RoutePlan, RoutePolicy, Schedule, Tier};
+pub use epcomm_topology::{
+    PeerRoute, RankGroup, Route, RoutePlan, RoutePolicy, Schedule, Tier, Tiers,
+};
 pub use epcomm_transport::{DynTransport, Transport};
 pub use error::{Error, WaitKind};
 pub use handle::{Dispatched, Handle, RecvDtype};
+pub use hierarchical::{HierDispatched, HierHandle, HierarchicalBuffer};
 pub use layout::{HostLayout, Layout};
 pub use stats::OpStats;
 

@@ -1,0 +1,361 @@
+//! [`HierarchicalBuffer`]: dispatch and combine across nodes, in two tiers.
+//!
+//! A world of `N` nodes × `L` local ranks ([`Tiers`]; virtual nodes count as nodes) runs two
+//! buffers on one stream:
+//!
+//! * the **rail** buffer over this rank's rail group (the rank with its local rank in every
+//!   node, [`RankGroup::rail`]), whose "ranks" are nodes: each node holds `E / N` experts;
+//! * the **node** buffer over this rank's node group ([`RankGroup::node`]), with the `E / N`
+//!   experts of the node, `E / (N L)` per rank.
+//!
+//! **Dispatch** = a rail dispatch (each token crosses the rail **once per destination node**,
+//! to the rank there with the source's local rank, its top-k ids turned into node-local ids and
+//! the weights of other nodes' experts zeroed), then a node dispatch of what arrived (forwarded
+//! over NVLink to the ranks of the node holding its experts). The node stage's token count is
+//! the rail stage's receive count, read **on the device**: no host wait between the stages, no
+//! global barrier under the Epoch schedule (each stage exchanges its counts with epoch-tagged
+//! words among its group only). The rows a rank ends up with, their local top-k ids and
+//! weights are the flat dispatch's (only their order differs: grouped by forwarding rank).
+//!
+//! **Combine** = a node combine (each forwarder sums its node's contributions to every token it
+//! forwarded, in f32 in local-rank order, into one bf16 partial), then a rail combine (the
+//! source sums the partials of every node in node order, f32, one rounding). The order and
+//! precision are [`epcomm_reference::hierarchical_combine_staged`]'s with a bf16 rail.
+//!
+//! What a rank's own node receives also takes the two stages (a copy into its own rail receive
+//! region, then the node stage): one extra local copy per token, in exchange for one code path.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use epcomm_topology::{RankGroup, Tiers};
+use epcomm_transport::DynTransport;
+use half::bf16;
+
+use crate::buffer::{DispatchInput, XInput};
+use crate::error::DriverContext;
+use crate::handle::{Dispatched, Handle};
+use crate::layout::DeviceTokens;
+use crate::view::DeviceView;
+use crate::{Buffer, BufferConfig, Error, RecvMode, Result};
+
+/// One rank's two-tier state: see the module docs.
+#[derive(Debug)]
+pub struct HierarchicalBuffer {
+    tiers: Tiers,
+    rail: Buffer,
+    node: Buffer,
+    /// `[rail receive rows][hidden]` bf16: the node stage's combine output (one partial per
+    /// token this rank forwarded), the rail stage's combine input.
+    partial_x: CudaSlice<bf16>,
+    /// `[rail receive rows][top_k]` f32: the same for the weights.
+    partial_w: CudaSlice<f32>,
+}
+
+/// The routing of a hierarchical dispatch: both stages' handles and layouts.
+#[derive(Clone, Debug)]
+pub struct HierHandle {
+    rail: Handle,
+    node: Handle,
+}
+
+impl HierHandle {
+    /// The rail stage's handle (rows this rank forwards: `num_recv` of it).
+    pub fn rail(&self) -> &Handle {
+        &self.rail
+    }
+
+    /// The node stage's handle (the rows this rank holds for its experts).
+    pub fn node(&self) -> &Handle {
+        &self.node
+    }
+}
+
+/// A hierarchical dispatch's result: the node stage's views (this rank's rows, as
+/// [`Dispatched`]) and the routing of both stages.
+#[derive(Debug)]
+pub struct HierDispatched<'b> {
+    /// This rank's received rows, local top-k ids and weights (the node stage's receive
+    /// region).
+    pub rows: Dispatched<'b>,
+    /// Both stages' routing, for combine and cached dispatch.
+    pub handle: HierHandle,
+}
+
+impl HierarchicalBuffer {
+    /// Creates this rank's two buffers over `transport`'s world split into its logical nodes
+    /// (`cfg` as for [`Buffer::new`]: `num_experts` over the whole world). Collective: every
+    /// rank of the world calls it with the same config.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming `num_experts` (not a multiple of the world size) or
+    /// `ll_max_tokens_per_rank` (low-latency ops run on a [`Buffer`] over the whole world);
+    /// whatever [`Buffer::new`] returns for either stage.
+    pub fn new(
+        ctx: Arc<CudaContext>,
+        transport: Arc<dyn DynTransport>,
+        cfg: BufferConfig,
+    ) -> Result<Self> {
+        let world = transport.world();
+        let tiers = Tiers::from(&world);
+        let rank = world.rank();
+        if !cfg.num_experts.is_multiple_of(tiers.world_size()) {
+            return Err(Error::InvalidArgument {
+                argument: "num_experts",
+                rule: format!(
+                    "must be a multiple of the world size {} (got {})",
+                    tiers.world_size(),
+                    cfg.num_experts
+                ),
+            });
+        }
+        let stream: Arc<CudaStream> = ctx.new_stream().context("creating the comm stream")?;
+        let rail = Buffer::create(
+            ctx.clone(),
+            transport.clone(),
+            cfg.clone(),
+            Some(RankGroup::rail(&tiers, rank)?),
+            Some(stream.clone()),
+        )?;
+        let rows = rail.recv_capacity_rows();
+        let mut node_cfg = cfg.clone();
+        node_cfg.num_experts = cfg.num_experts / tiers.nodes();
+        node_cfg.max_tokens_per_rank = rows;
+        let node = Buffer::create(
+            ctx,
+            transport,
+            node_cfg,
+            Some(RankGroup::node(&tiers, rank)?),
+            Some(stream.clone()),
+        )?;
+        let partial_x = stream
+            .alloc_zeros::<bf16>((rows * cfg.hidden).max(1))
+            .context("allocating the combine partials")?;
+        let partial_w = stream
+            .alloc_zeros::<f32>((rows * cfg.top_k).max(1))
+            .context("allocating the combine partials")?;
+        Ok(Self {
+            tiers,
+            rail,
+            node,
+            partial_x,
+            partial_w,
+        })
+    }
+
+    /// The world as nodes × local ranks.
+    pub fn tiers(&self) -> Tiers {
+        self.tiers
+    }
+
+    /// The rail stage's buffer (its group: one rank per node).
+    pub fn rail(&mut self) -> &mut Buffer {
+        &mut self.rail
+    }
+
+    /// The node stage's buffer (its group: the ranks of this node).
+    pub fn node(&mut self) -> &mut Buffer {
+        &mut self.node
+    }
+
+    /// The stream both stages run on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        self.rail.stream()
+    }
+
+    /// Sends every token (`input` holds `num_tokens` of them, top-k ids over all experts) to
+    /// every rank holding one of its experts, through the rail and the node. `mode` is the
+    /// node stage's (the rail stage never waits on the host). Collective.
+    ///
+    /// # Errors
+    /// As [`Buffer::layout`] and [`Buffer::dispatch`], from either stage.
+    pub fn dispatch(
+        &mut self,
+        input: &DispatchInput<'_>,
+        num_tokens: usize,
+        mode: RecvMode,
+    ) -> Result<HierDispatched<'_>> {
+        let rail_layout = self.rail.layout(input.topk_idx, num_tokens)?;
+        let weights = input.topk_weights.is_some();
+        let rail_handle;
+        let forwarded;
+        {
+            let d = self
+                .rail
+                .dispatch(input, &rail_layout, RecvMode::WorstCase)?;
+            forwarded = Forwarded::of(&d, weights);
+            rail_handle = d.into_handle();
+        }
+        let count = DeviceTokens {
+            ptr: rail_handle.recv_prefix_ptr() + 4 * self.tiers.nodes() as u64,
+            _owner: rail_handle.inner.clone(),
+        };
+        let rows = self.rail.recv_capacity_rows();
+        let node_layout = self.node.alloc_layout_counted(rows, Some(count))?;
+        let (cfg, stream) = (self.rail.config().clone(), self.rail.stream().clone());
+        let views = forwarded.views(rows, &cfg, &stream);
+        self.node.layout_into(&views.topk_idx, &node_layout)?;
+        let input2 = views.input();
+        let d = self.node.dispatch(&input2, &node_layout, mode)?;
+        let handle = HierHandle {
+            rail: rail_handle,
+            node: d.handle().clone(),
+        };
+        Ok(HierDispatched { rows: d, handle })
+    }
+
+    /// Sends new rows (`num_tokens` of them, as the handle's dispatch) along `handle`'s
+    /// routing: no count exchange in either stage, no host wait. Collective.
+    ///
+    /// # Errors
+    /// As [`Buffer::cached_dispatch`], from either stage.
+    pub fn cached_dispatch(
+        &mut self,
+        x: &XInput<'_>,
+        handle: &HierHandle,
+    ) -> Result<HierDispatched<'_>> {
+        let forwarded = {
+            let d = self.rail.cached_dispatch(x, &handle.rail)?;
+            Forwarded::of(&d, false)
+        };
+        let rows = self.rail.recv_capacity_rows();
+        let (cfg, stream) = (self.rail.config().clone(), self.rail.stream().clone());
+        let views = forwarded.views(rows, &cfg, &stream);
+        let x2 = views.x();
+        let d = self.node.cached_dispatch(&x2, &handle.node)?;
+        Ok(HierDispatched {
+            rows: d,
+            handle: handle.clone(),
+        })
+    }
+
+    /// Sends expert outputs back and reduces them: `y` holds one `[hidden]` bf16 row per row
+    /// this rank received (the node stage's order), `out` gets `[num_tokens][hidden]` bf16 per
+    /// [`epcomm_reference::hierarchical_combine_staged`] (bf16 rail). `y_weights` /
+    /// `out_weights` (`[rows][top_k]` / `[num_tokens][top_k]` f32) are summed the same way, in
+    /// f32 throughout. Collective.
+    ///
+    /// # Errors
+    /// As [`Buffer::combine`], from either stage.
+    pub fn combine(
+        &mut self,
+        y: &dyn DevicePtr<bf16>,
+        y_weights: Option<&dyn DevicePtr<f32>>,
+        handle: &HierHandle,
+        out: &mut dyn DevicePtrMut<bf16>,
+        out_weights: Option<&mut dyn DevicePtrMut<f32>>,
+    ) -> Result<()> {
+        let with_w = y_weights.is_some();
+        if with_w != out_weights.is_some() {
+            return Err(Error::InvalidArgument {
+                argument: "out_weights",
+                rule: "must be given exactly when y_weights is".into(),
+            });
+        }
+        let partial_w: Option<&mut dyn DevicePtrMut<f32>> = if with_w {
+            Some(&mut self.partial_w)
+        } else {
+            None
+        };
+        self.node
+            .combine(y, y_weights, &handle.node, &mut self.partial_x, partial_w)?;
+        let partial_w: Option<&dyn DevicePtr<f32>> =
+            if with_w { Some(&self.partial_w) } else { None };
+        self.rail
+            .combine(&self.partial_x, partial_w, &handle.rail, out, out_weights)
+    }
+
+    /// Reports a failure either stage's kernels recorded ([`Buffer::check`]).
+    ///
+    /// # Errors
+    /// The first stage's failure found.
+    pub fn check(&mut self) -> Result<()> {
+        self.rail.check()?;
+        self.node.check()
+    }
+
+    /// Waits for every issued op and reports failures ([`Buffer::synchronize`]).
+    ///
+    /// # Errors
+    /// As [`Buffer::synchronize`].
+    pub fn synchronize(&mut self) -> Result<()> {
+        self.rail.synchronize()?;
+        self.node.synchronize()
+    }
+}
+
+/// Where the rail stage left this rank's forwarded rows (device addresses).
+struct Forwarded {
+    fp8: bool,
+    x: u64,
+    scales: u64,
+    topk_idx: Option<u64>,
+    topk_weights: Option<u64>,
+}
+
+impl Forwarded {
+    fn of(d: &Dispatched<'_>, weights: bool) -> Self {
+        Self {
+            fp8: d.recv_scales_ptr().is_some(),
+            x: d.recv_x_ptr(),
+            scales: d.recv_scales_ptr().unwrap_or(0),
+            topk_idx: d.recv_topk_idx_ptr(),
+            topk_weights: d.recv_topk_weights_ptr().filter(|_| weights),
+        }
+    }
+
+    /// Views of `rows` rows (the rail receive capacity).
+    fn views(&self, rows: usize, cfg: &BufferConfig, stream: &Arc<CudaStream>) -> ForwardViews {
+        let (h, k) = (cfg.hidden, cfg.top_k);
+        // SAFETY: every view addresses the rail buffer's receive region (current parity),
+        // which holds `rows` rows of each array and lives as long as the HierarchicalBuffer;
+        // the node stage's ops that read it are queued on the same stream before the rail
+        // stage's next dispatch can write it.
+        unsafe {
+            ForwardViews {
+                x: if self.fp8 {
+                    XView::Fp8(
+                        DeviceView::new(self.x, rows * h, stream),
+                        DeviceView::new(self.scales, rows * (h / 128), stream),
+                    )
+                } else {
+                    XView::Bf16(DeviceView::new(self.x, rows * h, stream))
+                },
+                topk_idx: DeviceView::new(self.topk_idx.unwrap_or(0), rows * k, stream),
+                topk_weights: self
+                    .topk_weights
+                    .map(|w| DeviceView::new(w, rows * k, stream)),
+            }
+        }
+    }
+}
+
+/// Forwarded rows: bf16, or e4m3 bytes with their scales.
+enum XView {
+    Bf16(DeviceView<bf16>),
+    Fp8(DeviceView<u8>, DeviceView<f32>),
+}
+
+/// [`Forwarded`] as the node stage's inputs.
+struct ForwardViews {
+    x: XView,
+    topk_idx: DeviceView<i64>,
+    topk_weights: Option<DeviceView<f32>>,
+}
+
+impl ForwardViews {
+    fn x(&self) -> XInput<'_> {
+        match &self.x {
+            XView::Bf16(x) => XInput::Bf16(x),
+            XView::Fp8(x, scales) => XInput::Fp8 { x, scales },
+        }
+    }
+
+    fn input(&self) -> DispatchInput<'_> {
+        DispatchInput {
+            x: self.x(),
+            topk_idx: &self.topk_idx,
+            topk_weights: self.topk_weights.as_ref().map(|w| w as &dyn DevicePtr<f32>),
+        }
+    }
+}
