@@ -56,6 +56,7 @@ fn run_layout(
             status: st,
             err_record: rec,
             err_claim: cl,
+            num_tokens_ptr: 0,
             num_tokens: tokens as i32,
             top_k: top_k as i32,
             num_experts: experts as i32,
