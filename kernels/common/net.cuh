@@ -25,8 +25,16 @@
 //                                   through WaitCtx `w` (wait.cuh) and the block must publish
 //                                   nothing more
 //   put_elem(p, v, pe, remote)      one int64_t / int32_t / float element
+//   kRawMetadata                    true when a transport peer gets a dispatched token's
+//                                   metadata (scales, top-k ids, top-k weights) as whole rows
+//                                   copied raw from the caller's memory, and the receiver
+//                                   transforms the rows of its transport sources itself after
+//                                   [E6] (intranode/dispatch.cuh, docs/protocol.md [E8]); false:
+//                                   the sender writes the final values element by element
 // and, when kTransport, the warp-collective puts `put_warp(dst, src, bytes, pe)`,
-// `put_signal_warp(dst, src, bytes, sig, v, pe)` and the ordering point `fence()`.
+// `put_signal_warp(dst, src, bytes, sig, v, pe)` and the ordering point `fence()`; when
+// kRawMetadata also `put_lanes(valid, dst, src, bytes, pe)`, a warp-collective put of one
+// transfer per lane with `valid` (each lane its own source, destination, size and peer).
 //
 // Ordering contract of the remote path (docs/protocol.md, "Net policies"): a thread that issued
 // puts calls `quiet` before the block barrier that precedes a publication; a per-row
@@ -44,6 +52,7 @@ struct WaitCtx;  // common/wait.cuh
 // Every peer through its mapping: plain stores and system-scope release operations.
 struct StoreNet {
   static constexpr bool kTransport = false;
+  static constexpr bool kRawMetadata = false;
 
   __device__ static __forceinline__ bool remote(uint64_t, int) { return false; }
 
