@@ -9,7 +9,7 @@
 
 namespace epcomm {
 
-constexpr int kAbiProbeWords = 154;
+constexpr int kAbiProbeWords = 155;
 
 // Writes kAbiProbeWords words to `out` (one thread).
 __device__ __forceinline__ void abi_probe(uint64_t* out) {
@@ -121,52 +121,53 @@ __device__ __forceinline__ void abi_probe(uint64_t* out) {
   out[105] = static_cast<uint64_t>(offsetof(OpArgs, max_recv_rows));
   out[106] = static_cast<uint64_t>(offsetof(OpArgs, flags));
   out[107] = static_cast<uint64_t>(offsetof(OpArgs, global_barriers));
-  out[108] = static_cast<uint64_t>(sizeof(SeqState));
-  out[109] = static_cast<uint64_t>(offsetof(SeqState, op));
-  out[110] = static_cast<uint64_t>(offsetof(SeqState, notify));
-  out[111] = static_cast<uint64_t>(offsetof(SeqState, dispatch));
-  out[112] = static_cast<uint64_t>(offsetof(SeqState, combine));
-  out[113] = static_cast<uint64_t>(offsetof(SeqState, done));
-  out[114] = static_cast<uint64_t>(offsetof(SeqState, barriers));
-  out[115] = static_cast<uint64_t>(offsetof(SeqState, ll_dispatch));
-  out[116] = static_cast<uint64_t>(offsetof(SeqState, ll_combine));
-  out[117] = static_cast<uint64_t>(offsetof(SeqState, exits));
-  out[118] = static_cast<uint64_t>(offsetof(SeqState, pad));
-  out[119] = static_cast<uint64_t>(kRingHeaderBytes);
-  out[120] = static_cast<uint64_t>(kRingTailOffset);
-  out[121] = static_cast<uint64_t>(kRingCompletedOffset);
-  out[122] = static_cast<uint64_t>(kRingStatusOffset);
-  out[123] = static_cast<uint64_t>(kRingSlotBytes);
-  out[124] = static_cast<uint64_t>(kProxyKindTransfer);
-  out[125] = static_cast<uint64_t>(kProxyKindSignal);
-  out[126] = static_cast<uint64_t>(kProxyKindWrite);
-  out[127] = static_cast<uint64_t>(kProxyCounterWords);
-  out[128] = static_cast<uint64_t>(kProxyCounterHead);
-  out[129] = static_cast<uint64_t>(kProxyCounterTailSeen);
-  out[130] = static_cast<uint64_t>(kProxyCounterGaveUp);
-  out[131] = static_cast<uint64_t>(kProxyCounterTaken);
-  out[132] = static_cast<uint64_t>(kProxyCounterCompleted);
-  out[133] = static_cast<uint64_t>(kProxyFlagSrcAddress);
-  out[134] = static_cast<uint64_t>(kProxyFlagSignalAdd);
-  out[135] = static_cast<uint64_t>(sizeof(ProxyChannel));
-  out[136] = static_cast<uint64_t>(offsetof(ProxyChannel, ring));
-  out[137] = static_cast<uint64_t>(offsetof(ProxyChannel, counters));
-  out[138] = static_cast<uint64_t>(offsetof(ProxyChannel, capacity));
-  out[139] = static_cast<uint64_t>(offsetof(ProxyChannel, local_base));
-  out[140] = static_cast<uint64_t>(offsetof(ProxyChannel, timeout_ns));
-  out[141] = static_cast<uint64_t>(sizeof(LayoutArgs));
-  out[142] = static_cast<uint64_t>(offsetof(LayoutArgs, topk_idx));
-  out[143] = static_cast<uint64_t>(offsetof(LayoutArgs, counts));
-  out[144] = static_cast<uint64_t>(offsetof(LayoutArgs, token_slot));
-  out[145] = static_cast<uint64_t>(offsetof(LayoutArgs, status));
-  out[146] = static_cast<uint64_t>(offsetof(LayoutArgs, err_record));
-  out[147] = static_cast<uint64_t>(offsetof(LayoutArgs, err_claim));
-  out[148] = static_cast<uint64_t>(offsetof(LayoutArgs, num_tokens));
-  out[149] = static_cast<uint64_t>(offsetof(LayoutArgs, top_k));
-  out[150] = static_cast<uint64_t>(offsetof(LayoutArgs, num_experts));
-  out[151] = static_cast<uint64_t>(offsetof(LayoutArgs, world));
-  out[152] = static_cast<uint64_t>(offsetof(LayoutArgs, gpus_per_node));
-  out[153] = static_cast<uint64_t>(offsetof(LayoutArgs, rank));
+  out[108] = static_cast<uint64_t>(offsetof(OpArgs, off_ll_meta_stage));
+  out[109] = static_cast<uint64_t>(sizeof(SeqState));
+  out[110] = static_cast<uint64_t>(offsetof(SeqState, op));
+  out[111] = static_cast<uint64_t>(offsetof(SeqState, notify));
+  out[112] = static_cast<uint64_t>(offsetof(SeqState, dispatch));
+  out[113] = static_cast<uint64_t>(offsetof(SeqState, combine));
+  out[114] = static_cast<uint64_t>(offsetof(SeqState, done));
+  out[115] = static_cast<uint64_t>(offsetof(SeqState, barriers));
+  out[116] = static_cast<uint64_t>(offsetof(SeqState, ll_dispatch));
+  out[117] = static_cast<uint64_t>(offsetof(SeqState, ll_combine));
+  out[118] = static_cast<uint64_t>(offsetof(SeqState, exits));
+  out[119] = static_cast<uint64_t>(offsetof(SeqState, pad));
+  out[120] = static_cast<uint64_t>(kRingHeaderBytes);
+  out[121] = static_cast<uint64_t>(kRingTailOffset);
+  out[122] = static_cast<uint64_t>(kRingCompletedOffset);
+  out[123] = static_cast<uint64_t>(kRingStatusOffset);
+  out[124] = static_cast<uint64_t>(kRingSlotBytes);
+  out[125] = static_cast<uint64_t>(kProxyKindTransfer);
+  out[126] = static_cast<uint64_t>(kProxyKindSignal);
+  out[127] = static_cast<uint64_t>(kProxyKindWrite);
+  out[128] = static_cast<uint64_t>(kProxyCounterWords);
+  out[129] = static_cast<uint64_t>(kProxyCounterHead);
+  out[130] = static_cast<uint64_t>(kProxyCounterTailSeen);
+  out[131] = static_cast<uint64_t>(kProxyCounterGaveUp);
+  out[132] = static_cast<uint64_t>(kProxyCounterTaken);
+  out[133] = static_cast<uint64_t>(kProxyCounterCompleted);
+  out[134] = static_cast<uint64_t>(kProxyFlagSrcAddress);
+  out[135] = static_cast<uint64_t>(kProxyFlagSignalAdd);
+  out[136] = static_cast<uint64_t>(sizeof(ProxyChannel));
+  out[137] = static_cast<uint64_t>(offsetof(ProxyChannel, ring));
+  out[138] = static_cast<uint64_t>(offsetof(ProxyChannel, counters));
+  out[139] = static_cast<uint64_t>(offsetof(ProxyChannel, capacity));
+  out[140] = static_cast<uint64_t>(offsetof(ProxyChannel, local_base));
+  out[141] = static_cast<uint64_t>(offsetof(ProxyChannel, timeout_ns));
+  out[142] = static_cast<uint64_t>(sizeof(LayoutArgs));
+  out[143] = static_cast<uint64_t>(offsetof(LayoutArgs, topk_idx));
+  out[144] = static_cast<uint64_t>(offsetof(LayoutArgs, counts));
+  out[145] = static_cast<uint64_t>(offsetof(LayoutArgs, token_slot));
+  out[146] = static_cast<uint64_t>(offsetof(LayoutArgs, status));
+  out[147] = static_cast<uint64_t>(offsetof(LayoutArgs, err_record));
+  out[148] = static_cast<uint64_t>(offsetof(LayoutArgs, err_claim));
+  out[149] = static_cast<uint64_t>(offsetof(LayoutArgs, num_tokens));
+  out[150] = static_cast<uint64_t>(offsetof(LayoutArgs, top_k));
+  out[151] = static_cast<uint64_t>(offsetof(LayoutArgs, num_experts));
+  out[152] = static_cast<uint64_t>(offsetof(LayoutArgs, world));
+  out[153] = static_cast<uint64_t>(offsetof(LayoutArgs, gpus_per_node));
+  out[154] = static_cast<uint64_t>(offsetof(LayoutArgs, rank));
 }
 
 }  // namespace epcomm

@@ -26,10 +26,11 @@ mod tests {
 
     #[test]
     fn layouts_are_the_documented_ones() {
-        assert_eq!(size_of::<OpArgs>(), 47 * 8 + 14 * 4);
+        assert_eq!(size_of::<OpArgs>(), 48 * 8 + 14 * 4);
         assert_eq!(offset_of!(OpArgs, ll_max_tokens), 376);
         assert_eq!(offset_of!(OpArgs, num_tokens), 384);
         assert_eq!(offset_of!(OpArgs, global_barriers), 428);
+        assert_eq!(offset_of!(OpArgs, off_ll_meta_stage), 432);
         assert_eq!(size_of::<LayoutArgs>(), 6 * 8 + 6 * 4);
         assert_eq!(offset_of!(LayoutArgs, num_tokens), 48);
         assert_eq!(size_of::<ErrorRecord>(), 56);
