@@ -32,10 +32,11 @@ namespace epcomm {
 
 struct ProxyNet {
   static constexpr bool kTransport = true;
-  // A descriptor per element is what makes the transport slow: a dispatched token's scales,
-  // top-k ids and weights travel to a proxied peer as three transfers from the caller's rows
-  // (`put_lanes`), untransformed; the receiver transforms them (dispatch.cuh, [E8]).
-  static constexpr bool kRawMetadata = true;
+  // A descriptor per element is what made the transport slow: a dispatched token's metadata
+  // travels to a proxied peer as whole-row transfers (`put_lanes`): the normal dispatch's
+  // scales, top-k ids and weights from the caller's rows, untransformed (the receiver
+  // finishes them, [E8]); the low-latency dispatch's metadata row from a staging row ([L3]).
+  static constexpr bool kMetadataRows = true;
 
   __device__ static __forceinline__ bool remote(uint64_t remote_mask, int d) {
     return ((remote_mask >> d) & 1ull) != 0;

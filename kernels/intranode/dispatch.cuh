@@ -134,8 +134,8 @@ __device__ __forceinline__ void dispatch(const OpArgs& a, Shared& s) {
   const float* scales = reinterpret_cast<const float*>(a.x_scales);
   // Whether rank d gets the token's metadata element by element, in its final form (stores,
   // or the transport's single-element puts): every rank unless the policy sends transport
-  // peers whole raw rows (Net::kRawMetadata; then [E8] on the receiver finishes them).
-  auto per_elem = [&](int d) { return !Net::kRawMetadata || !Net::remote(a.remote_mask, d); };
+  // peers whole raw rows (Net::kMetadataRows; then [E8] on the receiver finishes them).
+  auto per_elem = [&](int d) { return !Net::kMetadataRows || !Net::remote(a.remote_mask, d); };
   int* rows = s.rows[warp];
   for (int t = gwarp; t < a.num_tokens; t += nwarps) {
     for (int d = lane; d < world; d += 32) {
@@ -171,7 +171,7 @@ __device__ __forceinline__ void dispatch(const OpArgs& a, Shared& s) {
                           d, remote);
         }
       }
-    if constexpr (Net::kRawMetadata) {
+    if constexpr (Net::kMetadataRows) {
       // Transport peers: the token's scales, top-k ids and top-k weights as they are in the
       // caller's memory, one transfer each (lane i: peer i / 3, record i % 3).
       const int64_t tt = t;
@@ -233,7 +233,7 @@ __device__ __forceinline__ void dispatch(const OpArgs& a, Shared& s) {
     int32_t* out = reinterpret_cast<int32_t*>(a.recv_src_idx);
     for (int i = tid; i < num_recv; i += kThreads) out[i] = src[i];
   }
-  if constexpr (Net::kRawMetadata) {
+  if constexpr (Net::kMetadataRows) {
     // [E8] the rows of transport sources carry the senders' raw top-k ids and weights: make
     // them what a store sender writes (ids of my experts made local, every other id -1 with
     // weight 0). Only those rows (recv_prefix[r]..recv_prefix[r + 1] for r in remote_mask);
