@@ -178,6 +178,9 @@ struct OpArgs {
   int32_t max_recv_rows;   ///< Receive capacity (buffer or Bounded(n)).
   uint32_t flags;            ///< Bits of `flags`.
   uint32_t global_barriers;  ///< 1: Global schedule (DeepEP-equivalent barriers), 0: Epoch.
+  // Low-latency mode: staging for policies that send metadata rows (Net::kMetadataRows).
+  uint64_t off_ll_meta_stage;  ///< LL metadata staging (shared): [world][ll_max_tokens][top_k + 1]
+                               ///< i32, each destination's metadata rows as they land there.
 };
 
 /// Op sequence numbers kept on the device. Every rank issues the same ops, so every rank's copy

@@ -9,7 +9,7 @@
 
 namespace epcomm {
 
-constexpr int kAbiProbeWords = 158;
+constexpr int kAbiProbeWords = 159;
 
 // Writes kAbiProbeWords words to `out` (one thread).
 __device__ __forceinline__ void abi_probe(uint64_t* out) {
@@ -124,53 +124,54 @@ __device__ __forceinline__ void abi_probe(uint64_t* out) {
   out[108] = static_cast<uint64_t>(offsetof(OpArgs, max_recv_rows));
   out[109] = static_cast<uint64_t>(offsetof(OpArgs, flags));
   out[110] = static_cast<uint64_t>(offsetof(OpArgs, global_barriers));
-  out[111] = static_cast<uint64_t>(sizeof(SeqState));
-  out[112] = static_cast<uint64_t>(offsetof(SeqState, op));
-  out[113] = static_cast<uint64_t>(offsetof(SeqState, notify));
-  out[114] = static_cast<uint64_t>(offsetof(SeqState, dispatch));
-  out[115] = static_cast<uint64_t>(offsetof(SeqState, combine));
-  out[116] = static_cast<uint64_t>(offsetof(SeqState, done));
-  out[117] = static_cast<uint64_t>(offsetof(SeqState, barriers));
-  out[118] = static_cast<uint64_t>(offsetof(SeqState, ll_dispatch));
-  out[119] = static_cast<uint64_t>(offsetof(SeqState, ll_combine));
-  out[120] = static_cast<uint64_t>(offsetof(SeqState, exits));
-  out[121] = static_cast<uint64_t>(offsetof(SeqState, pad));
-  out[122] = static_cast<uint64_t>(kRingHeaderBytes);
-  out[123] = static_cast<uint64_t>(kRingTailOffset);
-  out[124] = static_cast<uint64_t>(kRingCompletedOffset);
-  out[125] = static_cast<uint64_t>(kRingStatusOffset);
-  out[126] = static_cast<uint64_t>(kRingSlotBytes);
-  out[127] = static_cast<uint64_t>(kProxyKindTransfer);
-  out[128] = static_cast<uint64_t>(kProxyKindSignal);
-  out[129] = static_cast<uint64_t>(kProxyKindWrite);
-  out[130] = static_cast<uint64_t>(kProxyCounterWords);
-  out[131] = static_cast<uint64_t>(kProxyCounterHead);
-  out[132] = static_cast<uint64_t>(kProxyCounterTailSeen);
-  out[133] = static_cast<uint64_t>(kProxyCounterGaveUp);
-  out[134] = static_cast<uint64_t>(kProxyCounterTaken);
-  out[135] = static_cast<uint64_t>(kProxyCounterCompleted);
-  out[136] = static_cast<uint64_t>(kProxyFlagSrcAddress);
-  out[137] = static_cast<uint64_t>(kProxyFlagSignalAdd);
-  out[138] = static_cast<uint64_t>(sizeof(ProxyChannel));
-  out[139] = static_cast<uint64_t>(offsetof(ProxyChannel, ring));
-  out[140] = static_cast<uint64_t>(offsetof(ProxyChannel, counters));
-  out[141] = static_cast<uint64_t>(offsetof(ProxyChannel, capacity));
-  out[142] = static_cast<uint64_t>(offsetof(ProxyChannel, local_base));
-  out[143] = static_cast<uint64_t>(offsetof(ProxyChannel, timeout_ns));
-  out[144] = static_cast<uint64_t>(sizeof(LayoutArgs));
-  out[145] = static_cast<uint64_t>(offsetof(LayoutArgs, topk_idx));
-  out[146] = static_cast<uint64_t>(offsetof(LayoutArgs, counts));
-  out[147] = static_cast<uint64_t>(offsetof(LayoutArgs, token_slot));
-  out[148] = static_cast<uint64_t>(offsetof(LayoutArgs, status));
-  out[149] = static_cast<uint64_t>(offsetof(LayoutArgs, err_record));
-  out[150] = static_cast<uint64_t>(offsetof(LayoutArgs, err_claim));
-  out[151] = static_cast<uint64_t>(offsetof(LayoutArgs, num_tokens_ptr));
-  out[152] = static_cast<uint64_t>(offsetof(LayoutArgs, num_tokens));
-  out[153] = static_cast<uint64_t>(offsetof(LayoutArgs, top_k));
-  out[154] = static_cast<uint64_t>(offsetof(LayoutArgs, num_experts));
-  out[155] = static_cast<uint64_t>(offsetof(LayoutArgs, world));
-  out[156] = static_cast<uint64_t>(offsetof(LayoutArgs, gpus_per_node));
-  out[157] = static_cast<uint64_t>(offsetof(LayoutArgs, rank));
+  out[111] = static_cast<uint64_t>(offsetof(OpArgs, off_ll_meta_stage));
+  out[112] = static_cast<uint64_t>(sizeof(SeqState));
+  out[113] = static_cast<uint64_t>(offsetof(SeqState, op));
+  out[114] = static_cast<uint64_t>(offsetof(SeqState, notify));
+  out[115] = static_cast<uint64_t>(offsetof(SeqState, dispatch));
+  out[116] = static_cast<uint64_t>(offsetof(SeqState, combine));
+  out[117] = static_cast<uint64_t>(offsetof(SeqState, done));
+  out[118] = static_cast<uint64_t>(offsetof(SeqState, barriers));
+  out[119] = static_cast<uint64_t>(offsetof(SeqState, ll_dispatch));
+  out[120] = static_cast<uint64_t>(offsetof(SeqState, ll_combine));
+  out[121] = static_cast<uint64_t>(offsetof(SeqState, exits));
+  out[122] = static_cast<uint64_t>(offsetof(SeqState, pad));
+  out[123] = static_cast<uint64_t>(kRingHeaderBytes);
+  out[124] = static_cast<uint64_t>(kRingTailOffset);
+  out[125] = static_cast<uint64_t>(kRingCompletedOffset);
+  out[126] = static_cast<uint64_t>(kRingStatusOffset);
+  out[127] = static_cast<uint64_t>(kRingSlotBytes);
+  out[128] = static_cast<uint64_t>(kProxyKindTransfer);
+  out[129] = static_cast<uint64_t>(kProxyKindSignal);
+  out[130] = static_cast<uint64_t>(kProxyKindWrite);
+  out[131] = static_cast<uint64_t>(kProxyCounterWords);
+  out[132] = static_cast<uint64_t>(kProxyCounterHead);
+  out[133] = static_cast<uint64_t>(kProxyCounterTailSeen);
+  out[134] = static_cast<uint64_t>(kProxyCounterGaveUp);
+  out[135] = static_cast<uint64_t>(kProxyCounterTaken);
+  out[136] = static_cast<uint64_t>(kProxyCounterCompleted);
+  out[137] = static_cast<uint64_t>(kProxyFlagSrcAddress);
+  out[138] = static_cast<uint64_t>(kProxyFlagSignalAdd);
+  out[139] = static_cast<uint64_t>(sizeof(ProxyChannel));
+  out[140] = static_cast<uint64_t>(offsetof(ProxyChannel, ring));
+  out[141] = static_cast<uint64_t>(offsetof(ProxyChannel, counters));
+  out[142] = static_cast<uint64_t>(offsetof(ProxyChannel, capacity));
+  out[143] = static_cast<uint64_t>(offsetof(ProxyChannel, local_base));
+  out[144] = static_cast<uint64_t>(offsetof(ProxyChannel, timeout_ns));
+  out[145] = static_cast<uint64_t>(sizeof(LayoutArgs));
+  out[146] = static_cast<uint64_t>(offsetof(LayoutArgs, topk_idx));
+  out[147] = static_cast<uint64_t>(offsetof(LayoutArgs, counts));
+  out[148] = static_cast<uint64_t>(offsetof(LayoutArgs, token_slot));
+  out[149] = static_cast<uint64_t>(offsetof(LayoutArgs, status));
+  out[150] = static_cast<uint64_t>(offsetof(LayoutArgs, err_record));
+  out[151] = static_cast<uint64_t>(offsetof(LayoutArgs, err_claim));
+  out[152] = static_cast<uint64_t>(offsetof(LayoutArgs, num_tokens_ptr));
+  out[153] = static_cast<uint64_t>(offsetof(LayoutArgs, num_tokens));
+  out[154] = static_cast<uint64_t>(offsetof(LayoutArgs, top_k));
+  out[155] = static_cast<uint64_t>(offsetof(LayoutArgs, num_experts));
+  out[156] = static_cast<uint64_t>(offsetof(LayoutArgs, world));
+  out[157] = static_cast<uint64_t>(offsetof(LayoutArgs, gpus_per_node));
+  out[158] = static_cast<uint64_t>(offsetof(LayoutArgs, rank));
 }
 
 }  // namespace epcomm

@@ -25,8 +25,19 @@
 //                                   through WaitCtx `w` (wait.cuh) and the block must publish
 //                                   nothing more
 //   put_elem(p, v, pe, remote)      one int64_t / int32_t / float element
+//   kMetadataRows                   true when a transport peer gets a dispatched token's
+//                                   metadata as whole-row transfers (`put_lanes`) instead of
+//                                   one put per element: the normal dispatch sends the
+//                                   caller's scales, top-k ids and weights raw and the receiver
+//                                   finishes the ids and weights of its transport sources after
+//                                   [E6] (intranode/dispatch.cuh, [E8]); the low-latency
+//                                   dispatch stages each destination's final metadata row and
+//                                   sends it (ll/dispatch.cuh, [L3]). False: every element is
+//                                   written in its final form by `put_elem`
 // and, when kTransport, the warp-collective puts `put_warp(dst, src, bytes, pe)`,
-// `put_signal_warp(dst, src, bytes, sig, v, pe)` and the ordering point `fence()`.
+// `put_signal_warp(dst, src, bytes, sig, v, pe)` and the ordering point `fence()`; when
+// kMetadataRows also `put_lanes(valid, dst, src, bytes, pe)`, a warp-collective put of one
+// transfer per lane with `valid` (each lane its own source, destination, size and peer).
 //
 // Ordering contract of the remote path (docs/protocol.md, "Net policies"): a thread that issued
 // puts calls `quiet` before the block barrier that precedes a publication; a per-row
@@ -44,6 +55,7 @@ struct WaitCtx;  // common/wait.cuh
 // Every peer through its mapping: plain stores and system-scope release operations.
 struct StoreNet {
   static constexpr bool kTransport = false;
+  static constexpr bool kMetadataRows = false;
 
   __device__ static __forceinline__ bool remote(uint64_t, int) { return false; }
 

@@ -32,6 +32,11 @@ namespace epcomm {
 
 struct ProxyNet {
   static constexpr bool kTransport = true;
+  // A descriptor per element is what made the transport slow: a dispatched token's metadata
+  // travels to a proxied peer as whole-row transfers (`put_lanes`): the normal dispatch's
+  // scales, top-k ids and weights from the caller's rows, untransformed (the receiver
+  // finishes them, [E8]); the low-latency dispatch's metadata row from a staging row ([L3]).
+  static constexpr bool kMetadataRows = true;
 
   __device__ static __forceinline__ bool remote(uint64_t remote_mask, int d) {
     return ((remote_mask >> d) & 1ull) != 0;
@@ -190,6 +195,29 @@ struct ProxyNet {
       emit(claim(1), kProxyKindTransfer, kProxyFlagSrcAddress, pe, reinterpret_cast<uint64_t>(src),
            offset_of(dst), bytes);
     }
+    __syncwarp();
+  }
+
+  // Warp-collective: every lane with `valid` puts `bytes` (> 0) from `src` (a device address
+  // of this process) into rank `pe`'s copy of `dst`; lanes may name different peers. The
+  // warp's transfers take consecutive ring positions claimed with one atomic (in lane order),
+  // and each lane writes its own descriptor. The warp's earlier stores of the sources are made
+  // visible to the executor first, as in `put_warp`.
+  __device__ static __forceinline__ void put_lanes(bool valid, void* dst, const void* src,
+                                                   size_t bytes, int pe) {
+    __syncwarp();
+    const unsigned lanes = __ballot_sync(0xffffffffu, valid);
+    if (lanes == 0) return;
+    const unsigned lane = threadIdx.x & 31;
+    unsigned long long p = 0;
+    if (lane == 0) {
+      __threadfence_system();
+      p = claim(static_cast<uint32_t>(__popc(lanes)));
+    }
+    p = __shfl_sync(0xffffffffu, p, 0);
+    if (valid)
+      emit(p + static_cast<uint64_t>(__popc(lanes & ((1u << lane) - 1u))), kProxyKindTransfer,
+           kProxyFlagSrcAddress, pe, reinterpret_cast<uint64_t>(src), offset_of(dst), bytes);
     __syncwarp();
   }
 

@@ -134,6 +134,10 @@ __device__ __forceinline__ void dispatch(const OpArgs& a, Shared& s) {
   const float* topk_w = reinterpret_cast<const float*>(a.topk_weights);
   const float* scales = reinterpret_cast<const float*>(a.x_scales);
   const int num_tokens = op_tokens(a);
+  // Whether rank d gets the token's metadata element by element, in its final form (stores,
+  // or the transport's single-element puts): every rank unless the policy sends transport
+  // peers whole raw rows (Net::kMetadataRows; then [E8] on the receiver finishes them).
+  auto per_elem = [&](int d) { return !Net::kMetadataRows || !Net::remote(a.remote_mask, d); };
   int* rows = s.rows[warp];
   for (int t = gwarp; t < num_tokens; t += nwarps) {
     for (int d = lane; d < world; d += 32) {
@@ -148,7 +152,7 @@ __device__ __forceinline__ void dispatch(const OpArgs& a, Shared& s) {
       for (int i = lane; i < a.num_scales; i += 32) {
         const float v = scales[static_cast<int64_t>(t) * a.num_scales + i];
         for (int d = 0; d < world; ++d)
-          if (rows[d] >= 0)
+          if (rows[d] >= 0 && per_elem(d))
             Net::put_elem(reinterpret_cast<float*>(s.bases[d] + off_scales) +
                               static_cast<int64_t>(rows[d]) * a.num_scales + i,
                           v, peer_pe(w, d), Net::remote(a.remote_mask, d));
@@ -158,7 +162,7 @@ __device__ __forceinline__ void dispatch(const OpArgs& a, Shared& s) {
         const int64_t e = topk_idx[static_cast<int64_t>(t) * K + k];
         const float wt = has_w ? topk_w[static_cast<int64_t>(t) * K + k] : 0.f;
         for (int d = 0; d < world; ++d) {
-          if (rows[d] < 0) continue;
+          if (rows[d] < 0 || !per_elem(d)) continue;
           const int64_t lo = static_cast<int64_t>(d) * epr;
           const bool here = e >= lo && e < lo + epr;
           const int64_t r = static_cast<int64_t>(rows[d]) * K + k;
@@ -170,6 +174,38 @@ __device__ __forceinline__ void dispatch(const OpArgs& a, Shared& s) {
                           peer_pe(w, d), remote);
         }
       }
+    if constexpr (Net::kMetadataRows) {
+      // Transport peers: the token's scales, top-k ids and top-k weights as they are in the
+      // caller's memory, one transfer each (lane i: peer i / 3, record i % 3).
+      const int64_t tt = t;
+      for (int j0 = 0; a.remote_mask != 0 && j0 < world * 3; j0 += 32) {
+        const int j = j0 + lane, d = j / 3, rec = j % 3;
+        bool valid = false;
+        void* dst = nullptr;
+        const void* src = nullptr;
+        size_t bytes = 0;
+        if (d < world && rows[d] >= 0 && Net::remote(a.remote_mask, d)) {
+          const int64_t row = rows[d];
+          if (rec == 0 && has_scales && a.num_scales > 0) {
+            valid = true;
+            dst = s.bases[d] + off_scales + row * a.num_scales * 4;
+            src = scales + tt * a.num_scales;
+            bytes = static_cast<size_t>(a.num_scales) * 4;
+          } else if (rec == 1 && has_topk && K > 0) {
+            valid = true;
+            dst = s.bases[d] + off_topk_idx + row * K * 8;
+            src = topk_idx + tt * K;
+            bytes = static_cast<size_t>(K) * 8;
+          } else if (rec == 2 && has_topk && has_w && K > 0) {
+            valid = true;
+            dst = s.bases[d] + off_topk_w + row * K * 4;
+            src = topk_w + tt * K;
+            bytes = static_cast<size_t>(K) * 4;
+          }
+        }
+        Net::put_lanes(valid, dst, src, bytes, peer_pe(w, d));
+      }
+    }
     if (lane == 0)
       for (int d = 0; d < world; ++d)
         if (rows[d] >= 0)
@@ -199,6 +235,28 @@ __device__ __forceinline__ void dispatch(const OpArgs& a, Shared& s) {
     const int32_t* src = reinterpret_cast<const int32_t*>(local + off_src_idx);
     int32_t* out = reinterpret_cast<int32_t*>(a.recv_src_idx);
     for (int i = tid; i < num_recv; i += kThreads) out[i] = src[i];
+  }
+  if constexpr (Net::kMetadataRows) {
+    // [E8] the rows of transport sources carry the senders' raw top-k ids and weights: make
+    // them what a store sender writes (ids of my experts made local, every other id -1 with
+    // weight 0). Only those rows (recv_prefix[r]..recv_prefix[r + 1] for r in remote_mask);
+    // every source's data landed ([E6]) and the op owns its receive region until it ends.
+    if (has_topk && a.remote_mask != 0) {
+      const int* prefix = reinterpret_cast<const int*>(a.recv_prefix);
+      const int64_t lo = static_cast<int64_t>(me) * epr;
+      int64_t* ids = reinterpret_cast<int64_t*>(local + off_topk_idx);
+      float* wts = reinterpret_cast<float*>(local + off_topk_w);
+      for (int r = 0; r < world; ++r) {
+        if (!Net::remote(a.remote_mask, r)) continue;
+        const int64_t end = static_cast<int64_t>(prefix[r + 1]) * K;
+        for (int64_t i = static_cast<int64_t>(prefix[r]) * K + tid; i < end; i += kThreads) {
+          const int64_t e = ids[i];
+          const bool here = e >= lo && e < lo + epr;
+          ids[i] = here ? e - lo : int64_t{-1};
+          if (has_w && !here) wts[i] = 0.f;
+        }
+      }
+    }
   }
   finish_stats(a, s, t_start, kind);
   epilogue(a, s, sched.count);

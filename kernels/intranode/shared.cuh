@@ -10,7 +10,7 @@
 //    [sender][token], and the owner reduces in rank order (fp32, deterministic).
 // Nothing is ever cleaned: counts are epoch-tagged, completion counters are monotonic, and the
 // receive regions alternate by parity (a rank is at most one op ahead of any peer).
-// Protocol: docs/protocol.md (step labels [E1]..[E7], [C1]..[C5], [P1]..[P2], [G1]..[G5] are
+// Protocol: docs/protocol.md (step labels [E1]..[E8], [C1]..[C5], [P1]..[P2], [G1]..[G5] are
 // cited in the bodies).
 #pragma once
 #include "common/abi.cuh"

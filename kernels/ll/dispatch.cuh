@@ -189,9 +189,16 @@ __device__ __forceinline__ void dispatch_send(const OpArgs& a, Shared& s, uint32
     // Metadata: the token index, then per k its (local expert, index) where d holds it.
     for (int d = 0; d < world; ++d) {
       if (rows[d] < 0) continue;
-      const bool remote = Net::remote(a.remote_mask, d);
+      bool remote = Net::remote(a.remote_mask, d);
       int32_t* meta = reinterpret_cast<int32_t*>(s.bases[d] + off_meta) +
                       static_cast<int64_t>(rows[d]) * (K + 1);
+      if constexpr (Net::kMetadataRows) {
+        if (remote) {  // the row as it will land on d, staged here; one transfer below
+          meta = reinterpret_cast<int32_t*>(s.bases[me] + a.off_ll_meta_stage) +
+                 (static_cast<int64_t>(d) * M + rows[d]) * (K + 1);
+          remote = false;
+        }
+      }
       if (lane == 0) Net::put_elem(meta, static_cast<int32_t>(t), d, remote);
       for (int k = lane; k < K; k += 32) {
         const int64_t e = topk_idx[static_cast<int64_t>(t) * K + k];
@@ -200,6 +207,25 @@ __device__ __forceinline__ void dispatch_send(const OpArgs& a, Shared& s, uint32
           v = static_cast<int32_t>(((e % epr) << 16) |
                                    rank_in_mask(emask + static_cast<int64_t>(e) * W, t));
         Net::put_elem(meta + 1 + k, v, d, remote);
+      }
+    }
+    if constexpr (Net::kMetadataRows) {
+      if (a.remote_mask != 0) {  // every staged row to its peer (lane i: the i-th rank)
+        __syncwarp();
+        __threadfence();
+        for (int d0 = 0; d0 < world; d0 += 32) {
+          const int d = d0 + lane;
+          const bool valid = d < world && rows[d] >= 0 && Net::remote(a.remote_mask, d);
+          void* dst = nullptr;
+          const void* src = nullptr;
+          if (valid) {
+            const int64_t j = rows[d];
+            dst = s.bases[d] + off_meta + j * (K + 1) * 4;
+            src = reinterpret_cast<const int32_t*>(s.bases[me] + a.off_ll_meta_stage) +
+                  (static_cast<int64_t>(d) * M + j) * (K + 1);
+          }
+          Net::put_lanes(valid, dst, src, static_cast<size_t>(K + 1) * 4, d);
+        }
       }
     }
     __syncwarp();

@@ -269,6 +269,10 @@ pub struct OpArgs {
     pub flags: u32,
     /// 1: Global schedule (DeepEP-equivalent barriers), 0: Epoch.
     pub global_barriers: u32,
+    // Low-latency mode: staging for policies that send metadata rows (Net::kMetadataRows).
+    /// LL metadata staging (shared): \[world\]\[ll_max_tokens\]\[top_k + 1\]
+    /// i32, each destination's metadata rows as they land there.
+    pub off_ll_meta_stage: u64,
 }
 
 /// Op sequence numbers kept on the device. Every rank issues the same ops, so every rank's copy
@@ -401,7 +405,7 @@ pub struct LayoutArgs {
 
 /// What `epcomm_abi_probe` writes, in its order: every constant, enumerator, struct size
 /// and field offset of the ABI, as the host sees it.
-pub(crate) const ABI_PROBE: [(&str, u64); 158] = [
+pub(crate) const ABI_PROBE: [(&str, u64); 159] = [
     ("kAbiVersion", ABI_VERSION),
     ("kMaxWorld", MAX_WORLD as u64),
     ("kOk", code::OK as u64),
@@ -513,6 +517,7 @@ pub(crate) const ABI_PROBE: [(&str, u64); 158] = [
     ("offsetof(OpArgs, max_recv_rows)", offset_of!(OpArgs, max_recv_rows) as u64),
     ("offsetof(OpArgs, flags)", offset_of!(OpArgs, flags) as u64),
     ("offsetof(OpArgs, global_barriers)", offset_of!(OpArgs, global_barriers) as u64),
+    ("offsetof(OpArgs, off_ll_meta_stage)", offset_of!(OpArgs, off_ll_meta_stage) as u64),
     ("sizeof(SeqState)", size_of::<SeqState>() as u64),
     ("offsetof(SeqState, op)", offset_of!(SeqState, op) as u64),
     ("offsetof(SeqState, notify)", offset_of!(SeqState, notify) as u64),

@@ -116,6 +116,10 @@ pub enum RegionKind {
     /// Low-latency fp8 staging for put/signal peers (shared): `[ll_max_tokens][hidden]` fp8
     /// bytes, then `[ll_max_tokens][hidden / 128]` f32 (empty when not fp8-capable).
     LlStage,
+    /// Low-latency metadata staging (shared): `[world][ll_max_tokens][top_k + 1]` i32, each
+    /// destination's metadata rows as they land there: the put source of kernel images that
+    /// send a metadata row as one transfer (the CPU proxy's); unused by the others.
+    LlMetaStage,
 }
 
 impl RegionKind {
@@ -138,12 +142,13 @@ impl RegionKind {
     ];
 
     /// Regions that exist once, in layout order.
-    pub const SHARED: [RegionKind; 5] = [
+    pub const SHARED: [RegionKind; 6] = [
         RegionKind::DoneCounters,
         RegionKind::BarrierCounters,
         RegionKind::Stats,
         RegionKind::CombineFlags,
         RegionKind::LlStage,
+        RegionKind::LlMetaStage,
     ];
 
     /// Whether the region exists once per parity.
@@ -205,7 +210,7 @@ pub struct BufferPlan {
     fp8_capable: bool,
     row: RowFormat,
     per_parity: [[Region; 14]; 2],
-    shared: [Region; 5],
+    shared: [Region; 6],
     total_bytes: u64,
 }
 
@@ -302,7 +307,7 @@ impl BufferPlan {
             fp8_capable,
             row,
             per_parity: [[Region { offset: 0, len: 0 }; 14]; 2],
-            shared: [Region { offset: 0, len: 0 }; 5],
+            shared: [Region { offset: 0, len: 0 }; 6],
             total_bytes: 0,
         };
 
@@ -366,6 +371,7 @@ impl BufferPlan {
                     0
                 },
             ),
+            RegionKind::LlMetaStage => (self.ll_recv_rows(), (self.top_k as u64 + 1) * 4),
         };
         a.checked_mul(b).ok_or(OVERFLOW)
     }
@@ -498,7 +504,7 @@ mod tests {
 
     fn check_invariants(p: &BufferPlan) {
         let regions = p.regions();
-        assert_eq!(regions.len(), 33);
+        assert_eq!(regions.len(), 34);
         for (k, _, r) in &regions {
             assert_eq!(r.offset % REGION_ALIGN, 0, "{k:?}");
             assert!(r.end() <= p.total_bytes(), "{k:?}");
@@ -510,7 +516,7 @@ mod tests {
         }
         let sum: u64 = regions.iter().map(|(_, _, r)| r.len).sum();
         assert!(p.total_bytes() >= sum);
-        assert!(p.total_bytes() < sum + 34 * REGION_ALIGN);
+        assert!(p.total_bytes() < sum + 35 * REGION_ALIGN);
         assert_eq!(p.total_bytes() % REGION_ALIGN, 0);
     }
 
@@ -691,6 +697,10 @@ mod tests {
                     prop_assert_eq!(r.len, expected);
                 }
             }
+            prop_assert_eq!(
+                p.region(RegionKind::LlMetaStage, Parity::Even).len,
+                ll_rows * (top_k as u64 + 1) * 4
+            );
         }
     }
 }

@@ -123,6 +123,7 @@ impl Buffer {
             off_ll_counts: region(plan, RegionKind::LlCounts),
             off_ll_comb: region(plan, RegionKind::LlCombineX),
             off_ll_stage: region(plan, RegionKind::LlStage),
+            off_ll_meta_stage: region(plan, RegionKind::LlMetaStage),
             ll_max_tokens: self.cfg.ll_max_tokens_per_rank as i32,
             ll_smem_words: self.ll_smem_words as i32,
             ..OpArgs::default()

@@ -135,10 +135,11 @@ impl Buffer {
         }
         // Every rank must agree on everything that shapes the protocol, before any peer
         // memory is touched (docs/troubleshooting.md).
-        let fingerprint = fingerprint(&cfg, &kernels, caps.name, world).with(
-            "group",
-            format!("{world} ranks {} apart", group.pe_stride()),
-        );
+        let fingerprint = fingerprint(&cfg, &kernels, caps.name, world, layout.gpus_per_node())
+            .with(
+                "group",
+                format!("{world} ranks {} apart", group.pe_stride()),
+            );
         let all = transport
             .bootstrap()
             .all_gather("epcomm-buffer-config", &fingerprint.encode())?;
@@ -216,18 +217,23 @@ impl Buffer {
 }
 
 /// What every rank must agree on (see `agreement`): everything that shapes the protocol. The
-/// timeout is per rank and not included.
+/// timeout is per rank and not included. The ranks per logical node and the route policy fix
+/// every rank's route plan, so the plans agree too: rank `a` reaches `b` by put/signal exactly
+/// when `b` reaches `a` that way, which the CPU-proxy kernels rely on (a receiver finishes the
+/// metadata of its put/signal sources, docs/proxy.md).
 fn fingerprint(
     cfg: &BufferConfig,
     kernels: &IntranodeKernels,
     transport: &str,
     world: usize,
+    ranks_per_node: usize,
 ) -> Fingerprint {
     Fingerprint::new()
         .with("abi_version", abi::ABI_VERSION)
         .with("kernel image", format!("{:016x}", kernels.image_digest()))
         .with("transport", transport)
         .with("world", world)
+        .with("ranks_per_node", ranks_per_node)
         .with("num_sms", cfg.num_sms)
         .with("max_tokens_per_rank", cfg.max_tokens_per_rank)
         .with("hidden", cfg.hidden)
