@@ -35,6 +35,8 @@ mod copy_engine;
 mod core;
 mod fifo;
 mod trace;
+#[cfg(feature = "verbs")]
+pub mod verbs;
 mod watch;
 
 use std::sync::Arc;
