@@ -12,6 +12,10 @@
 //! IPC transport; [`ProxyOptions::virtual_nodes`] decides the split (the default, one logical
 //! node per GPU, sends every peer's bytes through the copy engines).
 //!
+//! With the feature `verbs`, the module `verbs` adds the `proxy-verbs` transport: the same
+//! ring, proxy thread and kernels, executed with RDMA WRITEs (`epcomm_proxy::verbs`), so
+//! ranks may span hosts.
+//!
 //! # Who touches what
 //! * The ring: the kernels (producers, many threads) and the proxy thread (consumer), through
 //!   the ring protocol only (docs/proxy.md).

@@ -585,6 +585,26 @@ impl SourceCache {
     }
 }
 
+/// What [`VerbsTransport::preflight`] checked: the layout, the options and the probe.
+#[derive(Clone, Debug)]
+pub struct Preflight {
+    world: WorldLayout,
+    options: VerbsOptions,
+    probe: RdmaProbe,
+}
+
+impl Preflight {
+    /// What the probe found on this rank.
+    pub fn probe(&self) -> &RdmaProbe {
+        &self.probe
+    }
+
+    /// The world layout.
+    pub fn world(&self) -> WorldLayout {
+        self.world
+    }
+}
+
 /// The `proxy-verbs` transport of one process (one GPU); see the [module docs](self).
 #[derive(Debug)]
 pub struct VerbsTransport {
@@ -622,19 +642,31 @@ impl VerbsTransport {
         )
     }
 
-    /// Builds the transport (collective: every rank of `bootstrap` calls it). In order:
-    /// the layout and options are checked; [`check_rdma`] probes libibverbs and the device on
-    /// every rank; then each rank resolves its [`GpuRegistration`] and the ranks agree again.
+    /// [`Self::preflight`], then [`Self::with_preflight`] (collective: every rank of
+    /// `bootstrap` calls it).
     ///
     /// # Errors
-    /// As [`Self::world_layout`], [`VerbsOptions::validate`] and [`check_rdma`]
-    /// ([`TransportError::Unavailable`] on a machine without libibverbs or an RDMA device);
-    /// [`TransportError::Unavailable`] when GPU memory cannot be registered as asked.
+    /// As the two.
     pub fn new(
         ctx: Arc<CudaContext>,
         bootstrap: Arc<Bootstrap>,
         options: VerbsOptions,
     ) -> Result<Self, TransportError> {
+        let checked = Self::preflight(&bootstrap, options)?;
+        Self::with_preflight(ctx, bootstrap, checked)
+    }
+
+    /// What the constructor checks before it touches the GPU (collective, no GPU needed): the
+    /// layout and the options, then [`check_rdma`] (libibverbs and the device, probed on
+    /// every rank and agreed).
+    ///
+    /// # Errors
+    /// As [`Self::world_layout`], [`VerbsOptions::validate`] and [`check_rdma`]
+    /// ([`TransportError::Unavailable`] on a machine without libibverbs or an RDMA device).
+    pub fn preflight(
+        bootstrap: &Bootstrap,
+        options: VerbsOptions,
+    ) -> Result<Preflight, TransportError> {
         let world = Self::world_layout(
             bootstrap.world_size(),
             bootstrap.rank(),
@@ -642,7 +674,30 @@ impl VerbsTransport {
             options.proxy.virtual_nodes,
         )?;
         options.validate()?;
-        let probe = check_rdma(&bootstrap, &options)?;
+        let probe = check_rdma(bootstrap, &options)?;
+        Ok(Preflight {
+            world,
+            options,
+            probe,
+        })
+    }
+
+    /// Builds the transport after [`Self::preflight`] (collective): each rank resolves its
+    /// [`GpuRegistration`] on its GPU and the ranks agree.
+    ///
+    /// # Errors
+    /// [`TransportError::Unavailable`] when GPU memory cannot be registered as asked (on this
+    /// rank, or naming the rank where it cannot); [`TransportError::Driver`].
+    pub fn with_preflight(
+        ctx: Arc<CudaContext>,
+        bootstrap: Arc<Bootstrap>,
+        checked: Preflight,
+    ) -> Result<Self, TransportError> {
+        let Preflight {
+            world,
+            options,
+            probe,
+        } = checked;
         let local = resolve_registration(&ctx, &probe, options.registration).map(|r| (r, vec![]));
         let (registration, _) = agree(&bootstrap, "proxy-verbs-registration", local, |p, why| {
             unavailable(format!("rank {p}: {why}"))
