@@ -181,6 +181,26 @@ impl TransportSpec {
         }
     }
 
+    /// [`Self::preflight`]'s machine check on this process alone (not collective; no GPU, no
+    /// bootstrap needed): for `proxy-verbs`, its options from the environment, libibverbs and
+    /// an RDMA device with an active port (`epcomm_transport_proxy::verbs::probe_rdma`);
+    /// nothing for the other backends. What a tool runs before it starts any rank.
+    ///
+    /// # Errors
+    /// As [`Self::preflight`], for this machine only.
+    pub fn probe_here(&self) -> Result<(), TransportError> {
+        match *self {
+            #[cfg(feature = "verbs")]
+            Self::ProxyVerbs { .. } => {
+                let options = epcomm_transport_proxy::verbs::VerbsOptions::from_env(1)?;
+                options.validate()?;
+                epcomm_transport_proxy::verbs::probe_rdma(&options).map(|_| ())
+            }
+            _ if !self.is_compiled() => Err(self.not_compiled()),
+            _ => Ok(()),
+        }
+    }
+
     /// `proxy-verbs`' options from the environment with `virtual_nodes`, checked on every rank.
     #[cfg(feature = "verbs")]
     fn verbs_preflight(
@@ -582,6 +602,31 @@ mod tests {
             .into_iter()
             .map(|t| t.join().expect("rank thread"))
             .collect()
+    }
+
+    /// The same check on this process alone (what a bench runs before it starts any rank).
+    #[test]
+    fn probe_here_without_an_rdma_device_is_unavailable() {
+        assert!(
+            "proxy-ce"
+                .parse::<TransportSpec>()
+                .unwrap()
+                .probe_here()
+                .is_ok()
+        );
+        match "proxy-verbs".parse::<TransportSpec>().unwrap().probe_here() {
+            Ok(()) => eprintln!("SKIP: an RDMA device with an active port is present"),
+            Err(e) => assert!(
+                matches!(
+                    e,
+                    TransportError::Unavailable {
+                        what: "proxy-verbs",
+                        ..
+                    }
+                ),
+                "{e}"
+            ),
+        }
     }
 
     /// What `build` runs before it needs a GPU, on two ranks: on a machine without an RDMA
