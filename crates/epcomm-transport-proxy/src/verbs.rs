@@ -1,6 +1,6 @@
 //! The `proxy-verbs` transport: the proxy image and ring of `proxy-ce`, executed on
-//! [`VerbsExecutor`](epcomm_proxy::verbs::VerbsExecutor) (RDMA WRITEs on one RC queue pair per peer, libibverbs opened at run
-//! time) instead of the copy engines.
+//! [`VerbsExecutor`](epcomm_proxy::verbs::VerbsExecutor) (RDMA WRITEs on one RC queue pair
+//! per peer, libibverbs opened at run time) instead of the copy engines.
 //!
 //! * **Peers.** Peers in this rank's logical node ([`ProxyOptions::virtual_nodes`]; always on
 //!   this host) are reached by stores through CUDA-IPC mappings, as with `proxy-ce`; every
@@ -8,8 +8,8 @@
 //!   `proxy-ce`, ranks may span hosts.
 //! * **Symmetric buffer.** `cuMemAlloc` memory (rounded up to 2 MiB), registered with the NIC
 //!   as [`GpuRegistration`] says: a dma-buf exported with `cuMemGetHandleForAddressRange`
-//!   (`ibv_reg_dmabuf_mr`, no kernel module needed), or the address range (`ibv_reg_mr`, which
-//!   needs the `nvidia-peermem` module). [`GpuRegistration::Auto`] takes the dma-buf where
+//!   (`ibv_reg_dmabuf_mr`, no `nvidia-peermem` needed), or the address range (`ibv_reg_mr`,
+//!   which needs the `nvidia-peermem` module). [`GpuRegistration::Auto`] takes the dma-buf where
 //!   both the driver (`CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED`) and libibverbs
 //!   (`ibv_reg_dmabuf_mr`) support it, else the address range.
 //! * **Connection.** One all-gather per buffer carries every rank's size, CUDA-IPC handle and
@@ -279,10 +279,11 @@ fn unavailable(why: String) -> TransportError {
     TransportError::Unavailable { what: NAME, why }
 }
 
-/// What a peer reported instead of its part of a collective step.
+/// An error known by its text only: what a peer reported instead of its part of a collective
+/// step, or a failed driver call's description.
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
-pub struct PeerError(pub String);
+pub struct ErrorText(pub String);
 
 /// Every rank's outcome of a local step, agreed over the bootstrap (`tag`): this rank's value
 /// when every rank succeeded; this rank's own error when it failed; else `on_peer(rank,
@@ -749,8 +750,9 @@ impl VerbsTransport {
                     return Err(TransportError::Backend {
                         backend: NAME,
                         context: "exporting the symmetric buffer as a dma-buf".into(),
-                        source: Box::new(PeerError(format!(
-                            "cuMemAlloc returned {base:#x}, not aligned to the {page}-byte host page"
+                        source: Box::new(ErrorText(format!(
+                            "cuMemAlloc returned {base:#x}, not aligned to the {page}-byte host \
+                             page"
                         ))),
                     });
                 }
@@ -758,7 +760,7 @@ impl VerbsTransport {
                     TransportError::Backend {
                         backend: NAME,
                         context: "exporting the symmetric buffer as a dma-buf".into(),
-                        source: Box::new(PeerError(why)),
+                        source: Box::new(ErrorText(why)),
                     }
                 })?;
                 use std::os::fd::AsRawFd;
@@ -879,7 +881,7 @@ impl SymmetricHeap for VerbsTransport {
             TransportError::Backend {
                 backend: NAME,
                 context: format!("rank {peer} could not prepare its {bytes}-byte symmetric buffer"),
-                source: Box::new(PeerError(why)),
+                source: Box::new(ErrorText(why)),
             }
         })?;
         let built = self
@@ -891,7 +893,7 @@ impl SymmetricHeap for VerbsTransport {
             TransportError::Backend {
                 backend: NAME,
                 context: format!("rank {peer} could not connect its {bytes}-byte symmetric buffer"),
-                source: Box::new(PeerError(why)),
+                source: Box::new(ErrorText(why)),
             }
         })?;
         Ok(memory)
