@@ -567,15 +567,18 @@ impl SourceCache {
                         ),
                     }
                 })?;
-                // SAFETY: the dma-buf holds a reference to the allocation's pages, so they stay
-                // valid while registered even if the caller frees the allocation (a new
-                // allocation at the same address has a new buffer id and is registered anew).
+                // SAFETY: the registry keeps the dma-buf open while the region is registered;
+                // the exporter (the CUDA driver), not this process's mappings, decides what
+                // its pages are, so freeing the allocation never leaves the NIC reading memory
+                // this process reuses: a new allocation at the same address has a new buffer
+                // id and gets a registration of its own. The region's rkey is never sent to a
+                // peer: only this rank's NIC reads it (transfer sources).
                 unsafe { self.registry.register_dmabuf(fd, 0, bytes, start) }
             }
             // SAFETY: the range is the caller's live CUDA allocation; when it is freed,
             // nvidia-peermem invalidates the registration (work requests from it then fail
             // instead of reading freed memory), and a new allocation at the same address has a
-            // new buffer id and is registered anew.
+            // new buffer id and is registered anew. The rkey is never sent to a peer.
             Registration::PeerMemory => unsafe { self.registry.register(start, bytes) },
         }
         .map_err(|source| TransportError::Backend {
