@@ -477,8 +477,8 @@ fn allocation_at(addr: u64) -> Result<(u64, u64, u64), String> {
 }
 
 /// Caller allocations registered as put sources, by range and buffer id. Registrations are
-/// kept until the buffer is dropped or an allocation replaces them; with dma-bufs, the pages
-/// of an allocation the caller freed stay pinned until then.
+/// kept until the buffer is dropped or an allocation replaces them; with dma-bufs, the
+/// registration of an allocation the caller freed keeps its dma-buf open until then.
 #[derive(Debug)]
 struct SourceCache {
     registry: SourceRegistry,
