@@ -16,7 +16,7 @@ def test_imports_without_torch_and_reports_the_build():
     assert info["version"] == epcomm.__version__
     assert [k[0] for k in info["kernels"]] == ["intranode", "intranode_nvshmem", "intranode_proxy"]
     assert epcomm.kernels_embedded(), "the wheel must carry the kernels (cargo xtask wheel)"
-    assert info["transports"] == ["ipc", "nvshmem", "nvshmem:vnodes=N", "nvshmem:vnodes=max", "proxy-ce", "proxy-ce:vnodes=N"]
+    assert info["transports"] == ["ipc", "nvshmem", "nvshmem:vnodes=N", "nvshmem:vnodes=max", "proxy-ce", "proxy-ce:vnodes=N", "proxy-verbs", "proxy-verbs:vnodes=N"]
     assert set(info["schedules"]) == {"epoch", "global"}
     assert set(info["routes"]) == {"auto", "put-signal"}
     assert isinstance(info["cuda_driver"], bool)

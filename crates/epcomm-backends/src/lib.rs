@@ -11,6 +11,8 @@
 //! | `nvshmem:vnodes=max` | NVSHMEM | one logical node per GPU: every peer by put/signal |
 //! | `proxy-ce` | CPU proxy + copy engines (feature `proxy`) | every peer's bytes by the copy engines, driven by a proxy thread; every rank on one host |
 //! | `proxy-ce:vnodes=N` | CPU proxy + copy engines | stores inside each of `N` logical nodes, the copy engines between them |
+//! | `proxy-verbs` | CPU proxy + RDMA verbs (feature `verbs`) | every peer's bytes by RDMA WRITEs through the NIC, driven by a proxy thread; ranks may span hosts |
+//! | `proxy-verbs:vnodes=N` | CPU proxy + RDMA verbs | stores inside each of `N` logical nodes of a host, the NIC between them and to other hosts |
 //!
 //! # Example
 //!
@@ -57,7 +59,7 @@ pub use epcomm_transport::{
     WorldLayout,
 };
 
-/// How many logical nodes each host's GPUs are split into (NVSHMEM only).
+/// How many logical nodes each host's GPUs are split into (NVSHMEM and the CPU proxies).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum VirtualNodes {
     /// This many per host (1 = no split).
@@ -77,7 +79,8 @@ impl VirtualNodes {
 }
 
 /// Which backend to build, with its options: parsed from `ipc`, `nvshmem`,
-/// `nvshmem:vnodes=N` or `nvshmem:vnodes=max` (see the crate docs).
+/// `nvshmem:vnodes=N`, `nvshmem:vnodes=max`, `proxy-ce[:vnodes=N]` or
+/// `proxy-verbs[:vnodes=N]` (see the crate docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum TransportSpec {
     /// CUDA IPC over one NVLink domain.
@@ -92,17 +95,25 @@ pub enum TransportSpec {
         /// Logical nodes per host: peers in other logical nodes go through the proxy.
         virtual_nodes: VirtualNodes,
     },
+    /// The CPU proxy with the RDMA verbs executor (needs libibverbs and an RDMA device).
+    ProxyVerbs {
+        /// Logical nodes per host: peers in other logical nodes (and on other hosts) go through
+        /// the proxy and the NIC.
+        virtual_nodes: VirtualNodes,
+    },
 }
 
 impl TransportSpec {
     /// The forms a spec can take, for help texts.
-    pub const FORMS: [&'static str; 6] = [
+    pub const FORMS: [&'static str; 8] = [
         "ipc",
         "nvshmem",
         "nvshmem:vnodes=N",
         "nvshmem:vnodes=max",
         "proxy-ce",
         "proxy-ce:vnodes=N",
+        "proxy-verbs",
+        "proxy-verbs:vnodes=N",
     ];
 
     /// The backend's short name (`"ipc"`, `"nvshmem"`), without options.
@@ -111,6 +122,7 @@ impl TransportSpec {
             Self::Ipc => "ipc",
             Self::Nvshmem { .. } => "nvshmem",
             Self::ProxyCe { .. } => "proxy-ce",
+            Self::ProxyVerbs { .. } => "proxy-verbs",
         }
     }
 
@@ -118,6 +130,7 @@ impl TransportSpec {
     pub fn feature(&self) -> &'static str {
         match self {
             Self::ProxyCe { .. } => "proxy",
+            Self::ProxyVerbs { .. } => "verbs",
             _ => self.backend(),
         }
     }
@@ -128,12 +141,77 @@ impl TransportSpec {
             Self::Ipc => cfg!(feature = "ipc"),
             Self::Nvshmem { .. } => cfg!(feature = "nvshmem"),
             Self::ProxyCe { .. } => cfg!(feature = "proxy"),
+            Self::ProxyVerbs { .. } => cfg!(feature = "verbs"),
         }
     }
 
     /// True when the backend loads a library at run time that the machine may lack (NVSHMEM).
     pub fn needs_runtime_library(&self) -> bool {
         matches!(self, Self::Nvshmem { .. })
+    }
+
+    /// True when the backend needs an RDMA device with an active port, and libibverbs
+    /// (`proxy-verbs`): [`Self::preflight`] checks both.
+    pub fn needs_rdma_device(&self) -> bool {
+        matches!(self, Self::ProxyVerbs { .. })
+    }
+
+    /// What [`Self::build`] checks before it touches the GPU, on every rank of `bootstrap`
+    /// (collective for `proxy-verbs`; no GPU needed): for `proxy-verbs`, its options from the
+    /// environment, the layout, and libibverbs and the RDMA device
+    /// (`epcomm_transport_proxy::verbs::VerbsTransport::preflight`). The other backends have no
+    /// such step; their checks need the GPU and run in `build`.
+    ///
+    /// # Errors
+    /// [`TransportError::Unavailable`] (`what`: `"proxy-verbs"`) on a machine without
+    /// libibverbs or without an RDMA device with an active port, or when another rank is
+    /// such a machine; [`TransportError::InvalidArgument`] for a bad option or layout, or naming
+    /// `transport` when the backend is not compiled into this build.
+    pub fn preflight(&self, bootstrap: &Bootstrap) -> Result<(), TransportError> {
+        match *self {
+            #[cfg(feature = "verbs")]
+            Self::ProxyVerbs { virtual_nodes } => {
+                self.verbs_preflight(virtual_nodes, bootstrap).map(|_| ())
+            }
+            _ if !self.is_compiled() => Err(self.not_compiled()),
+            _ => {
+                let _ = bootstrap;
+                Ok(())
+            }
+        }
+    }
+
+    /// [`Self::preflight`]'s machine check on this process alone (not collective; no GPU, no
+    /// bootstrap needed): for `proxy-verbs`, its options from the environment, libibverbs and
+    /// an RDMA device with an active port (`epcomm_transport_proxy::verbs::probe_rdma`);
+    /// nothing for the other backends. What a tool runs before it starts any rank.
+    ///
+    /// # Errors
+    /// As [`Self::preflight`], for this machine only.
+    pub fn probe_here(&self) -> Result<(), TransportError> {
+        match *self {
+            #[cfg(feature = "verbs")]
+            Self::ProxyVerbs { .. } => {
+                let options = epcomm_transport_proxy::verbs::VerbsOptions::from_env(1)?;
+                options.validate()?;
+                epcomm_transport_proxy::verbs::probe_rdma(&options).map(|_| ())
+            }
+            _ if !self.is_compiled() => Err(self.not_compiled()),
+            _ => Ok(()),
+        }
+    }
+
+    /// `proxy-verbs`' options from the environment with `virtual_nodes`, checked on every rank.
+    #[cfg(feature = "verbs")]
+    fn verbs_preflight(
+        &self,
+        virtual_nodes: VirtualNodes,
+        bootstrap: &Bootstrap,
+    ) -> Result<epcomm_transport_proxy::verbs::Preflight, TransportError> {
+        let local = bootstrap.local_world_size();
+        let mut options = epcomm_transport_proxy::verbs::VerbsOptions::from_env(local)?;
+        options.proxy.virtual_nodes = virtual_nodes.per_host(local);
+        epcomm_transport_proxy::verbs::VerbsTransport::preflight(bootstrap, options)
     }
 
     /// What the backend supports (no GPU needed).
@@ -149,6 +227,8 @@ impl TransportSpec {
             Self::Nvshmem { .. } => Ok(epcomm_transport_nvshmem::CAPABILITIES),
             #[cfg(feature = "proxy")]
             Self::ProxyCe { .. } => Ok(epcomm_transport_proxy::CAPABILITIES),
+            #[cfg(feature = "verbs")]
+            Self::ProxyVerbs { .. } => Ok(epcomm_transport_proxy::verbs::CAPABILITIES),
             #[allow(unreachable_patterns)]
             _ => Err(self.not_compiled()),
         }
@@ -194,8 +274,20 @@ impl TransportSpec {
                     virtual_nodes.per_host(local_world_size),
                 )
             }
+            #[cfg(feature = "verbs")]
+            Self::ProxyVerbs { virtual_nodes } => {
+                epcomm_transport_proxy::verbs::VerbsTransport::world_layout(
+                    world_size,
+                    rank,
+                    local_world_size,
+                    virtual_nodes.per_host(local_world_size),
+                )
+            }
             #[allow(unreachable_patterns)]
-            _ => Err(self.not_compiled()),
+            _ => {
+                let _ = (world_size, rank, local_world_size);
+                Err(self.not_compiled())
+            }
         }
     }
 
@@ -235,6 +327,17 @@ impl TransportSpec {
                     ctx, bootstrap, options,
                 )?))
             }
+            #[cfg(feature = "verbs")]
+            Self::ProxyVerbs { virtual_nodes } => {
+                // The same checks `preflight` makes, first: a machine without an RDMA device
+                // fails here, on every rank, before anything is allocated.
+                let checked = self.verbs_preflight(virtual_nodes, &bootstrap)?;
+                Ok(Arc::new(
+                    epcomm_transport_proxy::verbs::VerbsTransport::with_preflight(
+                        ctx, bootstrap, checked,
+                    )?,
+                ))
+            }
             #[allow(unreachable_patterns)]
             _ => {
                 let _ = (ctx, bootstrap);
@@ -267,7 +370,7 @@ impl FromStr for TransportSpec {
         match backend {
             "ipc" | "nvlink-ipc" if options.is_empty() => Ok(Self::Ipc),
             "ipc" | "nvlink-ipc" => Err(bad(format!("ipc takes no options (got {options:?})"))),
-            "nvshmem" | "proxy-ce" => {
+            "nvshmem" | "proxy-ce" | "proxy-verbs" => {
                 let mut virtual_nodes = if backend == "nvshmem" {
                     VirtualNodes::Count(1)
                 } else {
@@ -291,10 +394,10 @@ impl FromStr for TransportSpec {
                         }
                     };
                 }
-                Ok(if backend == "nvshmem" {
-                    Self::Nvshmem { virtual_nodes }
-                } else {
-                    Self::ProxyCe { virtual_nodes }
+                Ok(match backend {
+                    "nvshmem" => Self::Nvshmem { virtual_nodes },
+                    "proxy-ce" => Self::ProxyCe { virtual_nodes },
+                    _ => Self::ProxyVerbs { virtual_nodes },
                 })
             }
             other => Err(bad(format!(
@@ -324,6 +427,12 @@ impl fmt::Display for TransportSpec {
             Self::ProxyCe {
                 virtual_nodes: VirtualNodes::Count(n),
             } => write!(f, "proxy-ce:vnodes={n}"),
+            Self::ProxyVerbs {
+                virtual_nodes: VirtualNodes::OnePerGpu,
+            } => f.write_str("proxy-verbs"),
+            Self::ProxyVerbs {
+                virtual_nodes: VirtualNodes::Count(n),
+            } => write!(f, "proxy-verbs:vnodes={n}"),
         }
     }
 }
@@ -367,6 +476,8 @@ mod tests {
             "nvshmem:vnodes=max",
             "proxy-ce",
             "proxy-ce:vnodes=2",
+            "proxy-verbs",
+            "proxy-verbs:vnodes=2",
         ] {
             let spec: TransportSpec = text.parse().unwrap();
             assert_eq!(spec.to_string(), text);
@@ -421,12 +532,148 @@ mod tests {
     }
 
     #[test]
+    fn proxy_verbs_specs_parse_and_lay_out_across_hosts() {
+        let spec: TransportSpec = "proxy-verbs".parse().unwrap();
+        assert_eq!(
+            spec,
+            TransportSpec::ProxyVerbs {
+                virtual_nodes: VirtualNodes::OnePerGpu
+            }
+        );
+        assert_eq!(
+            "proxy-verbs:vnodes=max"
+                .parse::<TransportSpec>()
+                .unwrap()
+                .to_string(),
+            "proxy-verbs"
+        );
+        assert_eq!(spec.backend(), "proxy-verbs");
+        assert_eq!(spec.feature(), "verbs");
+        assert!(spec.needs_rdma_device() && !spec.needs_runtime_library());
+        assert!(
+            !TransportSpec::ProxyCe {
+                virtual_nodes: VirtualNodes::OnePerGpu
+            }
+            .needs_rdma_device()
+        );
+        let caps = spec.capabilities().unwrap();
+        assert_eq!(caps.name, "proxy-verbs");
+        assert_eq!(caps.kernel_family, KernelFamily::CpuProxy);
+        assert_eq!(caps.routes, &[Route::Store, Route::PutSignal]);
+        // Unlike proxy-ce, ranks may span hosts: two hosts of four GPUs, rank 5.
+        assert_eq!(spec.world_layout(8, 5, 4).unwrap().nvlink_domain(), 5..6);
+        let two: TransportSpec = "proxy-verbs:vnodes=2".parse().unwrap();
+        assert_eq!(two.world_layout(8, 5, 4).unwrap().nvlink_domain(), 4..6);
+        let err = "proxy-verbs:vnodes=3"
+            .parse::<TransportSpec>()
+            .unwrap()
+            .world_layout(8, 0, 4)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("vnodes=3"), "{err}");
+        let err = "proxy-verbs:qps=2"
+            .parse::<TransportSpec>()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("unknown proxy-verbs option"), "{err}");
+    }
+
+    /// Bootstraps of `world` ranks over 127.0.0.1, one thread each, running `f`.
+    fn on_ranks<T: Send + 'static>(
+        world: usize,
+        f: impl Fn(epcomm_bootstrap::Bootstrap) -> T + Send + Sync + Clone + 'static,
+    ) -> Vec<T> {
+        let port = epcomm_bootstrap::launch::free_port().expect("a free port");
+        let threads: Vec<_> = (0..world)
+            .map(|rank| {
+                let f = f.clone();
+                std::thread::spawn(move || {
+                    let cfg = epcomm_bootstrap::BootstrapConfig::single_host(
+                        port,
+                        rank,
+                        world,
+                        std::time::Duration::from_secs(20),
+                    );
+                    f(epcomm_bootstrap::Bootstrap::connect(cfg).expect("bootstrap"))
+                })
+            })
+            .collect();
+        threads
+            .into_iter()
+            .map(|t| t.join().expect("rank thread"))
+            .collect()
+    }
+
+    /// The same check on this process alone (what a bench runs before it starts any rank).
+    #[test]
+    fn probe_here_without_an_rdma_device_is_unavailable() {
+        assert!(
+            "proxy-ce"
+                .parse::<TransportSpec>()
+                .unwrap()
+                .probe_here()
+                .is_ok()
+        );
+        match "proxy-verbs".parse::<TransportSpec>().unwrap().probe_here() {
+            Ok(()) => eprintln!("SKIP: an RDMA device with an active port is present"),
+            Err(e) => assert!(
+                matches!(
+                    e,
+                    TransportError::Unavailable {
+                        what: "proxy-verbs",
+                        ..
+                    }
+                ),
+                "{e}"
+            ),
+        }
+    }
+
+    /// What `build` runs before it needs a GPU, on two ranks: on a machine without an RDMA
+    /// device (or without libibverbs) every rank gets `Unavailable` for `proxy-verbs`, none
+    /// waits for the other; the backends without such a step pass.
+    #[test]
+    fn proxy_verbs_without_an_rdma_device_is_unavailable() {
+        let out = on_ranks(2, |b| {
+            let verbs = "proxy-verbs"
+                .parse::<TransportSpec>()
+                .unwrap()
+                .preflight(&b);
+            let ce = "proxy-ce".parse::<TransportSpec>().unwrap().preflight(&b);
+            (verbs, ce)
+        });
+        let kernel_lists_devices =
+            std::fs::read_dir("/sys/class/infiniband").is_ok_and(|mut d| d.next().is_some());
+        for (rank, (verbs, ce)) in out.into_iter().enumerate() {
+            ce.expect("proxy-ce has no machine check before the GPU");
+            match verbs {
+                Ok(()) => eprintln!(
+                    "SKIP (rank {rank}): an RDMA device with an active port is present; the \
+                     no-device path cannot be checked on this machine"
+                ),
+                Err(TransportError::Unavailable { what, why }) => {
+                    assert_eq!(what, "proxy-verbs");
+                    if !kernel_lists_devices {
+                        assert!(
+                            why.starts_with("no RDMA device: ") || why.contains("libibverbs.so.1"),
+                            "{why}"
+                        );
+                    }
+                    eprintln!("rank {rank}: proxy-verbs is unavailable on this machine: {why}");
+                }
+                Err(other) => panic!("rank {rank}: expected Unavailable, got {other}"),
+            }
+        }
+    }
+
+    #[test]
     fn bad_specs_say_what_is_valid() {
         for (text, needle) in [
             ("tcp", "must be one of ipc, nvshmem"),
             ("ipc:vnodes=2", "ipc takes no options"),
             ("nvshmem:vnodes=0", "positive number or `max`"),
             ("nvshmem:pes=2", "unknown nvshmem option"),
+            ("proxy-verbs:vnodes=x", "positive number or `max`"),
         ] {
             let err = text.parse::<TransportSpec>().unwrap_err().to_string();
             assert!(

@@ -140,6 +140,10 @@ fn check_transport(t: &TransportChoice) -> Result<(), AppError> {
             .map(drop)
             .map_err(|e| AppError::Environment(format!("--transport {spec}: {e}")))?;
     }
+    if spec.needs_rdma_device() {
+        spec.probe_here()
+            .map_err(|e| AppError::Environment(format!("--transport {spec}: {e}")))?;
+    }
     Ok(())
 }
 

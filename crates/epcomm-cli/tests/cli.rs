@@ -125,7 +125,7 @@ fn doctor_reports_and_exits_zero() {
     }
     if !driver_present() {
         assert!(stdout.contains("no CUDA driver"), "{stdout}");
-        for spec in ["ipc", "nvshmem", "proxy-ce"] {
+        for spec in ["ipc", "nvshmem", "proxy-ce", "proxy-verbs"] {
             let line = format!("{spec:<8} not usable: no CUDA driver");
             assert!(stdout.contains(&line), "{line}: {stdout}");
         }
@@ -146,7 +146,8 @@ fn doctor_reports_and_exits_zero() {
     let (out, _) = run(&["doctor", "--json"]);
     assert_eq!(out.status.code(), Some(0));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("doctor --json");
-    assert_eq!(v["verdicts"].as_array().map(Vec::len), Some(3));
+    // One per backend: ipc, nvshmem, proxy-ce, proxy-verbs.
+    assert_eq!(v["verdicts"].as_array().map(Vec::len), Some(4));
     assert!(v["driver"]["present"].is_boolean());
 }
 

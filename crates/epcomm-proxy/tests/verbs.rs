@@ -333,3 +333,45 @@ fn verbs_loopback_full_send_queue_is_busy_then_drains() {
     wait_for(&mut e0, &[100]);
     assert_eq!(read(&b0, 0), 7, "rank 0's queue pair to itself");
 }
+
+/// A region registered through the executor's `SourceRegistry` from another thread (what the
+/// transport does for the caller's arrays while the executor runs on the proxy's thread) is a
+/// valid source for the next transfer; once removed, the next transfer from it is refused.
+#[test]
+#[ignore = "needs an RDMA device (see docs/proxy-verbs.md)"]
+fn verbs_loopback_sources_registered_from_another_thread() {
+    let mut b0 = buffer(1 << 16);
+    let mut b1 = buffer(1 << 16);
+    let mut caller = buffer(4096);
+    caller[3] = 0x1234_5678_9abc_def0;
+    let (mut e0, _e1) = pair(heap_of(&mut b0), heap_of(&mut b1), 64).expect("device");
+    let registry = e0.source_registry();
+    let (addr, bytes) = (caller.as_mut_ptr() as u64, 4096u64);
+    let key = std::thread::spawn(move || {
+        // SAFETY: `caller` outlives `e0` and the registry (declared before both).
+        unsafe { registry.register(addr, bytes) }.expect("register")
+    })
+    .join()
+    .expect("registering thread");
+    assert!(e0.source_registry().regions().contains(&(addr, bytes)));
+    let t = Transfer {
+        peer: 1,
+        src: Source::Address(addr + 24),
+        dst_offset: 2048,
+        bytes: 8,
+    };
+    assert_eq!(
+        e0.submit_transfer(1, &t).expect("transfer"),
+        Submit::Accepted
+    );
+    wait_for(&mut e0, &[1]);
+    assert_eq!(read(&b1, 2048), 0x1234_5678_9abc_def0);
+    assert!(e0.source_registry().remove(key));
+    assert!(!e0.source_registry().remove(key), "removed once");
+    let err = e0.submit_transfer(2, &t).expect_err("removed");
+    let reason = err.reason.downcast_ref::<VerbsOpError>().expect("typed");
+    assert!(
+        matches!(reason, VerbsOpError::SourceNotRegistered { peer: 1, .. }),
+        "{reason}"
+    );
+}

@@ -12,6 +12,10 @@
 //! IPC transport; [`ProxyOptions::virtual_nodes`] decides the split (the default, one logical
 //! node per GPU, sends every peer's bytes through the copy engines).
 //!
+//! With the feature `verbs`, the module `verbs` adds the `proxy-verbs` transport: the same
+//! ring, proxy thread and kernels, executed with RDMA WRITEs (`epcomm_proxy::verbs`), so
+//! ranks may span hosts.
+//!
 //! # Who touches what
 //! * The ring: the kernels (producers, many threads) and the proxy thread (consumer), through
 //!   the ring protocol only (docs/proxy.md).
@@ -32,20 +36,25 @@
 //! ```
 
 mod copy_engine;
+mod core;
 mod fifo;
 mod trace;
+#[cfg(feature = "verbs")]
+pub mod verbs;
 mod watch;
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use cudarc::driver::CudaContext;
 use epcomm_kernels::abi::{self, ProxyChannel};
-use epcomm_proxy::{Limits, Proxy, ProxyConfig, ProxyError, ProxyReport, RingMemory, ring};
+use epcomm_proxy::{ProxyReport, ring};
 use epcomm_transport::{
-    Bootstrap, Capabilities, DeviceBuffer, DeviceRuntime, KernelFamily, MappedHostBuffer, Route,
-    Schedule, SymmetricHeap, SymmetricMemory, Transport, TransportError, WorldLayout,
+    Bootstrap, Capabilities, DeviceRuntime, KernelFamily, Route, Schedule, SymmetricHeap,
+    SymmetricMemory, Transport, TransportError, WorldLayout,
 };
+
+use crate::core::{ProxyCore, RingParts};
 use epcomm_transport_ipc::{IpcMemory, IpcTransport};
 
 pub use copy_engine::{CopyEngineError, CopyEngineExecutor};
@@ -316,16 +325,7 @@ impl SymmetricHeap for ProxyTransport {
         let proxied: Vec<u64> = (0..world)
             .map(|p| if domain.contains(&p) { 0 } else { mapped[p] })
             .collect();
-        let slots = self.options.ring_slots;
-        let region = ring::region_bytes(slots).map_err(backend("sizing the ring"))?;
-        let ring_host = MappedHostBuffer::zeroed(ctx, region)?;
-        // SAFETY: `ring_host` is `region` bytes of pinned, page-aligned host memory owned by
-        // the returned `ProxyMemory`, which stops the proxy (the only host user) before it
-        // drops `ring_host`; the device touches it only through the ring protocol.
-        let ring = unsafe { RingMemory::from_raw(ring_host.host_ptr(), ring_host.len(), slots) }
-            .map_err(backend("laying out the ring"))?;
-        let (_, consumer) = ring::split(ring);
-        let counters = DeviceBuffer::zeroed(ctx, abi::PROXY_COUNTER_WORDS as usize * 8)?;
+        let parts = RingParts::new(ctx, &self.options, CAPABILITIES.name)?;
         let mut executor = CopyEngineExecutor::new(
             ctx.clone(),
             ipc.local_base(),
@@ -335,30 +335,19 @@ impl SymmetricHeap for ProxyTransport {
         executor.set_batch_copies(self.options.batch_copies);
         if self.options.mirror_progress {
             executor.mirror_progress(
-                counters.ptr() + abi::PROXY_COUNTER_TAKEN * 8,
-                counters.ptr() + abi::PROXY_COUNTER_COMPLETED * 8,
+                parts.counter(abi::PROXY_COUNTER_TAKEN),
+                parts.counter(abi::PROXY_COUNTER_COMPLETED),
             )?;
         }
         let watch = executor.watch();
-        let tracer = (self.options.trace >= 2)
-            .then(|| trace::Tracer::start(ring_host.host_ptr() as usize, slots, &watch))
-            .flatten();
-        let mut config = ProxyConfig::new(Limits {
-            world: world as u32,
-            heap_bytes: bytes as u64,
-        });
-        // Small take rounds: completions are polled and published between them.
-        config.max_pending = self.options.max_in_flight.min(1024);
-        config.op_timeout = self.options.op_timeout;
-        config.cpu = self.options.cpu;
-        let proxy = Proxy::spawn(consumer, executor, config).map_err(backend("starting"))?;
-        let channel = ProxyChannel {
-            ring: ring_host.device_ptr(),
-            counters: counters.ptr(),
-            capacity: slots,
-            local_base: ipc.local_base(),
-            timeout_ns: u64::try_from(self.options.slot_timeout.as_nanos()).unwrap_or(u64::MAX),
-        };
+        let core = parts.spawn(
+            executor,
+            &self.options,
+            world,
+            bytes,
+            ipc.local_base(),
+            Some(watch),
+        )?;
         Ok(ProxyMemory {
             store_bases: (0..world)
                 .map(|p| {
@@ -369,98 +358,28 @@ impl SymmetricHeap for ProxyTransport {
                     }
                 })
                 .collect(),
-            channel,
-            watch,
-            proxy: Mutex::new(Some(proxy)),
-            last_report: Mutex::new(None),
-            tracer: Mutex::new(tracer),
-            trace: self.options.trace,
-            _counters: counters,
-            _ring_host: ring_host,
+            core,
             ipc,
         })
-    }
-}
-
-fn backend<E: std::error::Error + Send + Sync + 'static>(
-    what: &'static str,
-) -> impl FnOnce(E) -> TransportError {
-    move |e| TransportError::Backend {
-        backend: "proxy-ce",
-        context: what.to_string(),
-        source: Box::new(e),
     }
 }
 
 /// A symmetric buffer shared through CUDA IPC, with the proxy thread serving it.
 ///
 /// Field order is drop order: the proxy is stopped explicitly first (see `Drop`), then the
-/// counters, the ring and the IPC memory go.
+/// ring and counters (`core`) and the IPC memory go.
 #[derive(Debug)]
 pub struct ProxyMemory {
     store_bases: Vec<u64>,
-    channel: ProxyChannel,
-    watch: Arc<CallWatch>,
-    proxy: Mutex<Option<Proxy>>,
-    tracer: Mutex<Option<trace::Tracer>>,
-    /// `ProxyOptions::trace`.
-    trace: u8,
-    last_report: Mutex<Option<Result<ProxyReport, String>>>,
-    _counters: DeviceBuffer,
-    _ring_host: MappedHostBuffer,
+    core: ProxyCore,
     ipc: IpcMemory,
 }
 
 impl ProxyMemory {
-    /// Stops the proxy thread (what the kernels published is executed first) and keeps its
-    /// report; idempotent.
-    fn stop_proxy(&self) {
-        if let Some(tracer) = self.tracer.lock().ok().and_then(|mut t| t.take()) {
-            tracer.stop();
-        }
-        let proxy = self.proxy.lock().ok().and_then(|mut p| p.take());
-        if let Some(proxy) = proxy {
-            let report = proxy.shutdown().map_err(|e: ProxyError| e.to_string());
-            if self.trace >= 1 {
-                eprintln!(
-                    "epcomm proxy-ce: buffer of {} bytes stopped: {report:?}; {}",
-                    self.ipc.len(),
-                    self.driver_calls()
-                );
-            }
-            if let Ok(mut slot) = self.last_report.lock() {
-                *slot = Some(report);
-            }
-        }
-    }
-
-    /// What the proxy's driver calls cost so far: the call in progress, the longest call, and
-    /// per call its count and total time.
-    fn driver_calls(&self) -> String {
-        let mut out = String::new();
-        match self.watch.in_flight() {
-            (0, _) => out += "nothing in the copy engines; ",
-            (n, Some(age)) => {
-                out += &format!("{n} operations in the copy engines, the oldest for {age:?}; ")
-            }
-            (n, None) => out += &format!("{n} operations in the copy engines; "),
-        }
-        if let Some((call, waited)) = self.watch.in_call() {
-            out += &format!("its thread has been inside {call} for {waited:?}; ");
-        }
-        if let Some((call, took)) = self.watch.longest() {
-            out += &format!("its longest driver call was {call} ({took:?})");
-        }
-        for (call, n, total) in self.watch.totals() {
-            out += &format!("; {n} x {call} in {total:?}");
-        }
-        out
-    }
-
     /// The proxy's report once it has stopped (after teardown): its counts, or the error it
     /// stopped on.
     pub fn report(&self) -> Option<Result<ProxyReport, String>> {
-        self.last_report.lock().ok().and_then(|r| r.clone())
+        self.core.report()
     }
 }
 
@@ -479,41 +398,22 @@ impl SymmetricMemory for ProxyMemory {
 
     fn release_peer_mappings(&mut self) {
         // The proxy writes through the mappings: stop it before they close.
-        self.stop_proxy();
+        self.core.stop();
         self.ipc.release_peer_mappings();
     }
 
     fn proxy_channel(&self) -> Option<ProxyChannel> {
-        Some(self.channel)
+        Some(self.core.channel())
     }
 
     fn backend_failure(&self) -> Option<String> {
-        let finished = self
-            .proxy
-            .lock()
-            .ok()
-            .is_some_and(|p| p.as_ref().is_some_and(Proxy::is_finished));
-        if finished {
-            self.stop_proxy();
-        }
-        let word = |offset: usize| self._ring_host.load_u64(offset / 8).unwrap_or(0);
-        let ring = format!(
-            "the proxy had taken {} descriptors and completed {}; {}",
-            word(ring::OFFSET_TAIL),
-            word(ring::OFFSET_COMPLETED),
-            self.driver_calls()
-        );
-        match self.report() {
-            Some(Err(e)) => Some(format!("the proxy thread stopped: {e} ({ring})")),
-            Some(Ok(_)) if finished => Some(format!("the proxy thread stopped ({ring})")),
-            _ => Some(format!("the proxy thread is running; {ring}")),
-        }
+        self.core.failure()
     }
 }
 
 impl Drop for ProxyMemory {
     fn drop(&mut self) {
-        self.stop_proxy();
+        self.core.stop();
     }
 }
 

@@ -1,6 +1,7 @@
 //! `EPCOMM_PROXY_TRACE=2`: a thread that prints the ring's state a few times a second while a
 //! buffer lives (what the proxy has taken and completed, whether the next slot is published,
-//! what the copy engines hold), so a stalled op can be followed over time. Off by default.
+//! what the copy engines hold when the executor has a [`CallWatch`]), so a stalled op can be
+//! followed over time. Off by default.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -25,14 +26,19 @@ impl std::fmt::Debug for Tracer {
 
 impl Tracer {
     /// Starts the thread over the ring at host address `ring` (`slots` slots), which must
-    /// stay mapped until [`Tracer::stop`] returns; `None` when the thread cannot start.
-    pub(crate) fn start(ring: usize, slots: u64, watch: &Arc<CallWatch>) -> Option<Tracer> {
+    /// stay mapped until [`Tracer::stop`] returns, for the transport `backend`; `None` when
+    /// the thread cannot start.
+    pub(crate) fn start(
+        backend: &'static str,
+        ring: usize,
+        slots: u64,
+        watch: Option<Arc<CallWatch>>,
+    ) -> Option<Tracer> {
         let stop = Arc::new(AtomicBool::new(false));
         let flag = Arc::clone(&stop);
-        let watch = Arc::clone(watch);
         let thread = std::thread::Builder::new()
             .name("epcomm-proxy-trace".into())
-            .spawn(move || run(ring, slots, &watch, &flag))
+            .spawn(move || run(backend, ring, slots, watch.as_deref(), &flag))
             .ok()?;
         Some(Tracer { stop, thread })
     }
@@ -51,7 +57,13 @@ fn word(ring: usize, offset: usize) -> u64 {
     unsafe { (*((ring + offset) as *const AtomicU64)).load(Ordering::Acquire) }
 }
 
-fn run(ring: usize, slots: u64, watch: &CallWatch, stop: &AtomicBool) {
+fn run(
+    backend: &'static str,
+    ring: usize,
+    slots: u64,
+    watch: Option<&CallWatch>,
+    stop: &AtomicBool,
+) {
     let start = Instant::now();
     let pid = std::process::id();
     let mut last = (u64::MAX, u64::MAX, u64::MAX);
@@ -63,16 +75,20 @@ fn run(ring: usize, slots: u64, watch: &CallWatch, stop: &AtomicBool) {
         let seq = word(ring, ring::HEADER_BYTES + slot * ring::SLOT_BYTES);
         let now = (tail, completed, seq);
         if now != last || printed.elapsed() > Duration::from_secs(2) {
-            let (n, age) = watch.in_flight();
+            let engines = watch.map_or(String::new(), |w| {
+                let (n, age) = w.in_flight();
+                format!(
+                    ", {n} in the copy engines (oldest {age:?}), {} rounds, in call {:?}",
+                    w.polls(),
+                    w.in_call()
+                )
+            });
             eprintln!(
-                "epcomm proxy-ce trace [pid {pid}] {:>8.3}s: taken {tail}, completed {completed}, \
-                 next slot seq {seq} (published when {}), {n} in the copy engines (oldest {age:?}), \
-                 status {}, {} rounds, in call {:?}",
+                "epcomm {backend} trace [pid {pid}] {:>8.3}s: taken {tail}, completed \
+                 {completed}, next slot seq {seq} (published when {}), status {}{engines}",
                 start.elapsed().as_secs_f64(),
                 tail + 1,
                 word(ring, ring::OFFSET_STATUS),
-                watch.polls(),
-                watch.in_call(),
             );
             last = now;
             printed = Instant::now();

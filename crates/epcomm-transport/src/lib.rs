@@ -140,6 +140,15 @@ pub enum TransportError {
         #[source]
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+    /// The backend cannot run on this machine: something it needs besides the GPU is absent
+    /// (an RDMA device, a runtime library), found before any collective allocation.
+    #[error("{what} is unavailable on this machine: {why}")]
+    Unavailable {
+        /// Which backend (`"proxy-verbs"`).
+        what: &'static str,
+        /// What is missing, as the failing check reported it.
+        why: String,
+    },
     /// A topology rule was broken (world layout, route plan).
     #[error(transparent)]
     Topology(#[from] epcomm_topology::TopologyError),
@@ -199,6 +208,27 @@ pub trait SymmetricMemory: Send + Sync + Debug {
     /// `None` for memories of other families (the default).
     fn proxy_channel(&self) -> Option<epcomm_kernels::abi::ProxyChannel> {
         None
+    }
+
+    /// Makes `[addr, addr + bytes)` of caller memory (an op's input, named `argument`: `x`,
+    /// `y`, `y_weights`) readable by the backend's put operations before a kernel that puts
+    /// from it ([`Route::PutSignal`] transfers whose source is caller memory) is launched.
+    /// Called by the frontend for every such input of every op while some peer is reached by
+    /// put/signal; it may be called again and again with the same memory and must then be
+    /// cheap. Default: nothing to do (backends whose puts read any device memory of this
+    /// process).
+    ///
+    /// # Errors
+    /// [`TransportError::InvalidArgument`] naming `argument` when the memory cannot be made
+    /// readable (not device memory the backend can register); the backend's own errors.
+    fn prepare_put_source(
+        &self,
+        argument: &'static str,
+        addr: u64,
+        bytes: usize,
+    ) -> Result<(), TransportError> {
+        let _ = (argument, addr, bytes);
+        Ok(())
     }
 
     /// Why the backend's own machinery stopped, if it did (a proxy thread that failed): the

@@ -179,7 +179,8 @@ impl std::fmt::Display for TestConfig {
 /// NVSHMEM (when its host library loads) as one node and with every GPU its own virtual node
 /// (all traffic between ranks by put/signal), under both schedules and with put/signal to every
 /// peer. `EPCOMM_TEST_TRANSPORTS=proxy-ce` runs the CPU proxy with its copy engines instead
-/// (opt-in, see docs/proxy.md). `EPCOMM_TEST_TRANSPORTS` (comma-separated specs), `EPCOMM_TEST_SCHEDULE` and
+/// (opt-in, see docs/proxy.md), `EPCOMM_TEST_TRANSPORTS=proxy-verbs` the CPU proxy with RDMA
+/// verbs (opt-in; needs an RDMA device, see docs/proxy-verbs.md). `EPCOMM_TEST_TRANSPORTS` (comma-separated specs), `EPCOMM_TEST_SCHEDULE` and
 /// `EPCOMM_TEST_ROUTES` narrow it; under `EPCOMM_GPU_TESTS=1` an NVSHMEM library that fails to
 /// load fails the test unless the list leaves NVSHMEM out.
 pub fn configs(test: &str) -> Vec<TestConfig> {
@@ -215,6 +216,15 @@ pub fn configs(test: &str) -> Vec<TestConfig> {
                     continue;
                 }
             }
+        }
+        if spec.needs_rdma_device()
+            && let Err(e) = spec.probe_here()
+        {
+            if gpu_tests_required() {
+                panic!("{test}: EPCOMM_GPU_TESTS=1 but {spec} cannot run here: {e}");
+            }
+            skip(test, &format!("{spec} is not usable here: {e}"));
+            continue;
         }
         usable.push(spec);
     }

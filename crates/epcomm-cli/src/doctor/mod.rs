@@ -40,7 +40,12 @@ pub fn collect() -> DoctorReport {
     if let Ok(l) = &links {
         warnings.extend(driver::link_warnings(l));
     }
-    let verdicts = verdict::verdicts(&facts, &links, &kernels, &nvshmem);
+    // The RDMA check of `proxy-verbs` (libibverbs, a device with an active port).
+    let rdma_check = "proxy-verbs"
+        .parse::<epcomm_backends::TransportSpec>()
+        .and_then(|spec| spec.probe_here())
+        .map_err(|e| e.to_string());
+    let verdicts = verdict::verdicts(&facts, &links, &kernels, &nvshmem, &rdma_check);
     DoctorReport {
         epcomm_version: env!("CARGO_PKG_VERSION").into(),
         driver,
@@ -129,6 +134,7 @@ mod fixtures {
                 &Ok(vec![]),
                 &images(true),
                 &lib(false),
+                &Ok(()),
             ),
         }
     }

@@ -23,17 +23,20 @@ pub fn backends() -> Vec<TransportSpec> {
     specs
 }
 
-/// The verdicts, one per backend ([`backends`]), from the probes' results (pure).
+/// The verdicts, one per backend ([`backends`]), from the probes' results (pure). `rdma`:
+/// the RDMA check of the backends that need a device (`TransportSpec::probe_here`), its
+/// error as text.
 pub fn verdicts(
     facts: &Result<DriverFacts, NoDriver>,
     links: &Result<Vec<PeerLink>, String>,
     kernels: &[KernelImage],
     nvshmem: &LibraryReport,
+    rdma: &Result<(), String>,
 ) -> Vec<Verdict> {
     backends()
         .into_iter()
         .map(|spec| {
-            let (usable, reason, fix) = match verdict(&spec, facts, links, kernels, nvshmem) {
+            let (usable, reason, fix) = match verdict(&spec, facts, links, kernels, nvshmem, rdma) {
                 Ok((reason, note)) => (true, format!("usable: {reason}"), note),
                 Err((reason, fix)) => (false, format!("not usable: {reason}"), Some(fix)),
             };
@@ -49,14 +52,15 @@ pub fn verdicts(
 
 /// `Ok((why, note))` when `spec` can run here, else `Err((why not, fix))`. What is required
 /// follows from the library's description of the backend: compiled in, the kernel image of
-/// its kernel family, its run-time library, and, for a backend that reaches peers by stores
-/// only, P2P between every pair of GPUs.
+/// its kernel family, its run-time library, an RDMA device where it needs one, and, for a
+/// backend that reaches peers by stores only, P2P between every pair of GPUs.
 fn verdict(
     spec: &TransportSpec,
     facts: &Result<DriverFacts, NoDriver>,
     links: &Result<Vec<PeerLink>, String>,
     kernels: &[KernelImage],
     nvshmem: &LibraryReport,
+    rdma: &Result<(), String>,
 ) -> Result<(String, Option<String>), (String, String)> {
     let caps = spec.capabilities().map_err(|e| {
         (
@@ -65,6 +69,19 @@ fn verdict(
         )
     })?;
     let facts = facts.as_ref().map_err(|e| (e.short(), driver_fix(e)))?;
+    if spec.needs_rdma_device()
+        && let Err(why) = rdma
+    {
+        return Err((
+            why.clone(),
+            format!(
+                "{spec} needs libibverbs (Debian/Ubuntu: libibverbs1 ibverbs-providers) and an \
+                 RDMA device with an active port: a NIC with its driver, or Soft-RoCE over an \
+                 Ethernet interface (`rdma link add rxe0 type rxe netdev <if>`); \
+                 EPCOMM_VERBS_DEVICE picks the device"
+            ),
+        ));
+    }
     if spec.needs_runtime_library() && !nvshmem.found {
         return Err((
             "the NVSHMEM host library does not load".into(),
@@ -167,13 +184,44 @@ mod tests {
             &Ok(vec![]),
             &images(true),
             &lib(true),
+            &Ok(()),
         );
-        assert_eq!(v.len(), 3);
+        assert_eq!(v.len(), 4);
         for v in v {
             assert!(!v.usable);
             assert_eq!(v.reason, "not usable: no CUDA driver");
             assert!(v.fix.is_some());
         }
+    }
+
+    #[test]
+    fn proxy_verbs_needs_an_rdma_device() {
+        let facts = Ok(DriverFacts {
+            version: 13000,
+            gpus: vec![gpu(0), gpu(1)],
+        });
+        let links = Ok(vec![link(0, 1, true), link(1, 0, true)]);
+        let no_device = Err("proxy-verbs is unavailable on this machine: no RDMA device".into());
+        let v = verdicts(&facts, &links, &images(true), &lib(true), &no_device);
+        let verbs = v
+            .iter()
+            .find(|v| v.transport == "proxy-verbs")
+            .expect("listed");
+        assert!(!verbs.usable);
+        assert!(verbs.reason.contains("no RDMA device"), "{}", verbs.reason);
+        assert!(
+            verbs.fix.as_deref().unwrap().contains("rdma link add"),
+            "{verbs:?}"
+        );
+        // The other backends do not depend on it.
+        assert!(
+            v.iter()
+                .filter(|v| v.transport != "proxy-verbs")
+                .all(|v| v.usable),
+            "{v:?}"
+        );
+        let v = verdicts(&facts, &links, &images(true), &lib(true), &Ok(()));
+        assert!(v.iter().all(|v| v.usable), "{v:?}");
     }
 
     #[test]
@@ -183,12 +231,12 @@ mod tests {
             gpus: vec![gpu(0), gpu(1)],
         });
         let ok = vec![link(0, 1, true), link(1, 0, true)];
-        let v = verdicts(&facts, &Ok(ok), &images(true), &lib(false));
+        let v = verdicts(&facts, &Ok(ok), &images(true), &lib(false), &Ok(()));
         assert!(v[0].usable, "{v:?}");
         assert!(!v[1].usable);
         assert!(v[1].fix.as_deref().unwrap().contains("EPCOMM_NVSHMEM_LIB"));
         let bad = vec![link(0, 1, true), link(1, 0, false)];
-        let v = verdicts(&facts, &Ok(bad), &images(true), &lib(true));
+        let v = verdicts(&facts, &Ok(bad), &images(true), &lib(true), &Ok(()));
         assert!(!v[0].usable);
         assert!(v[0].reason.contains("1->0"), "{}", v[0].reason);
         assert!(v[1].usable);
@@ -196,8 +244,8 @@ mod tests {
             version: 13000,
             gpus: vec![gpu(0)],
         });
-        assert!(verdicts(&single, &Ok(vec![]), &images(true), &lib(true))[0].usable);
-        let v = verdicts(&single, &Ok(vec![]), &images(false), &lib(true));
+        assert!(verdicts(&single, &Ok(vec![]), &images(true), &lib(true), &Ok(()))[0].usable);
+        let v = verdicts(&single, &Ok(vec![]), &images(false), &lib(true), &Ok(()));
         assert!(
             v.iter()
                 .all(|v| !v.usable && v.fix.as_deref().unwrap().contains("xtask"))

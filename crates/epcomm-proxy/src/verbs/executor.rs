@@ -15,8 +15,9 @@
 //! Operations (see [`super::flow`] for the bookkeeping):
 //!
 //! * transfer: RDMA WRITE from the registered buffer ([`Source::Heap`]) or from any address
-//!   inside a registered region ([`Source::Address`]: the symmetric buffer's range, or one added
-//!   by [`VerbsExecutor::register_source`]; anything else is
+//!   inside a registered region ([`Source::Address`]: the symmetric buffer's range, one added
+//!   by [`VerbsExecutor::register_source`], or one of its [`SourceRegistry`], which other
+//!   threads fill while the executor runs on the proxy's; anything else is
 //!   [`VerbsOpError::SourceNotRegistered`]); split into writes of at most the port's
 //!   `max_msg_sz` (capped at 1 GiB);
 //! * write: inline RDMA WRITE of the 4 or 8 bytes;
@@ -41,6 +42,7 @@ use super::flow::{self, Payload, SendQueue, ShadowWords, WrKind};
 use super::qp_state::{self, PSN_MASK, PathParams};
 use super::resources::{CompletionQueue, MemoryRegion, ProtectionDomain, QueuePair};
 use super::select::{self, DeviceSelector, GidSelector, Selected};
+use super::sources::{SourceRegion, SourceRegistry};
 use super::sys::{IBV_WC_SUCCESS, IbvWc};
 use super::{LibrarySearch, Verbs, VerbsError, VerbsOpError};
 use crate::descriptor::{Signal, SignalOp, Source, Transfer, Write};
@@ -404,6 +406,9 @@ impl PreparedVerbs {
         Ok(VerbsExecutor {
             peers,
             sources: Vec::new(),
+            registry: SourceRegistry::new(Arc::clone(&pd)),
+            snapshot: Vec::new(),
+            snapshot_generation: 0,
             heap,
             cq,
             _pd: pd,
@@ -435,6 +440,11 @@ pub struct VerbsExecutor {
     // Declared first, dropped first: queue pairs before the regions they use.
     peers: Vec<PeerQp>,
     sources: Vec<MemoryRegion>,
+    /// Regions other threads register ([`VerbsExecutor::source_registry`]), and this thread's
+    /// snapshot of them as of `snapshot_generation`.
+    registry: SourceRegistry,
+    snapshot: Vec<Arc<SourceRegion>>,
+    snapshot_generation: u64,
     heap: MemoryRegion,
     cq: Arc<CompletionQueue>,
     _pd: Arc<ProtectionDomain>,
@@ -486,6 +496,20 @@ impl VerbsExecutor {
         Ok(())
     }
 
+    /// The registry of source regions this executor reads [`Source::Address`] transfers from,
+    /// besides the symmetric buffer and [`VerbsExecutor::register_source`]'s: a handle other
+    /// threads keep to register memory after the executor has moved to the proxy's thread.
+    pub fn source_registry(&self) -> SourceRegistry {
+        self.registry.clone()
+    }
+
+    /// Takes a new snapshot of the registry when it changed since the last one.
+    fn refresh_sources(&mut self) {
+        if self.registry.generation() != self.snapshot_generation {
+            (self.snapshot_generation, self.snapshot) = self.registry.snapshot();
+        }
+    }
+
     /// The device in use.
     pub fn device(&self) -> &str {
         &self.device
@@ -529,16 +553,16 @@ impl VerbsExecutor {
                 self.check_range("transfer source", peer, offset, bytes)?;
                 Ok((self.heap.base() + offset, self.heap.lkey()))
             }
-            Source::Address(address) => std::iter::once(&self.heap)
-                .chain(&self.sources)
+            Source::Address(address) => self
+                .regions()
                 .find(|mr| mr.contains(address, bytes))
                 .map(|mr| (address, mr.lkey()))
                 .ok_or_else(|| VerbsOpError::SourceNotRegistered {
                     peer,
                     address,
                     bytes,
-                    regions: std::iter::once(&self.heap)
-                        .chain(&self.sources)
+                    regions: self
+                        .regions()
                         .map(|mr| format!("[{:#x}, {:#x})", mr.base(), mr.base() + mr.bytes()))
                         .collect::<Vec<_>>()
                         .join(", "),
@@ -546,8 +570,19 @@ impl VerbsExecutor {
         }
     }
 
+    /// Every region an address source may lie in: the symmetric buffer, then
+    /// [`VerbsExecutor::register_source`]'s, then the registry's (as of the last refresh).
+    fn regions(&self) -> impl Iterator<Item = &MemoryRegion> {
+        std::iter::once(&self.heap)
+            .chain(&self.sources)
+            .chain(self.snapshot.iter().map(|r| r.region()))
+    }
+
     fn transfer(&mut self, op: OpId, t: &Transfer) -> Result<Submit, VerbsOpError> {
         self.check_range("transfer destination", t.peer, t.dst_offset, t.bytes)?;
+        if matches!(t.src, Source::Address(_)) {
+            self.refresh_sources();
+        }
         let (local, lkey) = self.source(t.peer, t.src, t.bytes)?;
         let chunk = self.chunk;
         let needed = t.bytes.div_ceil(chunk);

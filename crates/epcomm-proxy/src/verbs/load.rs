@@ -190,6 +190,12 @@ impl Verbs {
         &self.path
     }
 
+    /// Whether the library has `ibv_reg_dmabuf_mr` (rdma-core 34 and newer): memory can be
+    /// registered from a dma-buf ([`HeapMemory::DmaBuf`](super::HeapMemory)).
+    pub fn supports_dmabuf(&self) -> bool {
+        self.qp.reg_dmabuf_mr.is_some()
+    }
+
     /// The RDMA devices, in libibverbs' order.
     ///
     /// # Errors

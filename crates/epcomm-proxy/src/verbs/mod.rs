@@ -26,7 +26,8 @@
 //! `error.rs` ([`LoadError`], [`DeviceError`], [`VerbsError`], [`VerbsOpError`]), `load.rs`
 //! ([`Verbs`]), [`resources`] (owners of context, PD, MR, CQ, QP), [`select`] (device, port,
 //! GID), [`qp_state`] (INIT/RTR/RTS attributes, pure), [`endpoint`] (connection records,
-//! pure), [`flow`] (send-queue bookkeeping and shadow ADD, pure) and [`executor`]
+//! pure), [`flow`] (send-queue bookkeeping and shadow ADD, pure), [`sources`]
+//! ([`SourceRegistry`]: source regions registered from other threads) and [`executor`]
 //! ([`VerbsExecutor`]). Design and how to run it on a device: `docs/proxy-verbs.md`.
 
 pub mod endpoint;
@@ -38,6 +39,7 @@ pub mod qp_state;
 pub mod resources;
 mod search;
 pub mod select;
+pub mod sources;
 pub mod sys;
 
 pub use endpoint::{EndpointError, QpEndpoint, RankEndpoints};
@@ -46,6 +48,7 @@ pub use executor::{HeapMemory, PreparedVerbs, VerbsConfig, VerbsExecutor};
 pub use load::{DeviceInfo, Verbs};
 pub use search::{Candidate, LibrarySearch, Origin};
 pub use select::{DeviceSelector, GidSelector};
+pub use sources::{SourceKey, SourceRegistry};
 
 /// The soname looked for.
 pub const LIBRARY_NAME: &str = "libibverbs.so.1";

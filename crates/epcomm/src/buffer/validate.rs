@@ -4,7 +4,8 @@
 //! sizes and the FP8 rule from [`RowFormat`]; caller addresses go through `pointers`.
 //!
 //! Nothing here touches device memory or the sequence mirror: a failed check leaves the buffer
-//! exactly as it was.
+//! exactly as it was. (The transport may register caller arrays its puts read, through
+//! `SymmetricMemory::prepare_put_source`; that changes no data either.)
 
 use std::fmt::Display;
 
@@ -287,7 +288,9 @@ impl Buffer {
         check_device_ptr("x", a.x, t * a.row_bytes as usize, ROW_ALIGN, dev)?;
         check_device_ptr("scales", a.x_scales, t * a.num_scales as usize * 4, 4, dev)?;
         check_device_ptr("topk_idx", a.topk_idx, t * k * 8, 8, dev)?;
-        check_device_ptr("topk_weights", a.topk_weights, t * k * 4, 4, dev)
+        check_device_ptr("topk_weights", a.topk_weights, t * k * 4, 4, dev)?;
+        // Rows are put from `x` itself; scales, ids and weights travel as inline writes.
+        self.prepare_put_source("x", a.x, t * a.row_bytes as usize)
     }
 
     /// The caller addresses of a combine of `t` tokens and up to `rows` received rows, as the
@@ -297,7 +300,25 @@ impl Buffer {
         check_device_ptr("y", a.x, rows * hd * 2, ROW_ALIGN, dev)?;
         check_device_ptr("y_weights", a.topk_weights, rows * k * 4, 4, dev)?;
         check_device_ptr("out", a.out, t * hd * 2, ROW_ALIGN, dev)?;
-        check_device_ptr("out_weights", a.out_weights, t * k * 4, 4, dev)
+        check_device_ptr("out_weights", a.out_weights, t * k * 4, 4, dev)?;
+        // Rows and their weights are put from the caller's arrays (0 in place: the buffer).
+        self.prepare_put_source("y", a.x, rows * hd * 2)?;
+        self.prepare_put_source("y_weights", a.topk_weights, rows * k * 4)
+    }
+
+    /// Makes a caller array that the kernel puts from readable by the transport's put
+    /// operations ([`epcomm_transport::SymmetricMemory::prepare_put_source`]), when some peer
+    /// is reached by put/signal. Absent (0) and empty arrays are never read and pass.
+    pub(super) fn prepare_put_source(
+        &self,
+        argument: &'static str,
+        ptr: u64,
+        bytes: usize,
+    ) -> Result<()> {
+        if self.remote_mask == 0 || ptr == 0 || bytes == 0 {
+            return Ok(());
+        }
+        Ok(self.mem.prepare_put_source(argument, ptr, bytes)?)
     }
 }
 

@@ -541,6 +541,8 @@ impl Buffer {
             check_device_ptr("topk_idx", idx, t * k * 8, 8, ordinal)?;
             check_device_ptr("topk_weights", w, t * k * 4, 4, ordinal)?;
             check_device_ptr("out", o, t * hidden * 2, ROW_ALIGN, ordinal)?;
+            // The send phase puts rows straight from `y`.
+            self.prepare_put_source("y", yp, y.len() * 2)?;
             let (rc, _g1) = recv.count.device_ptr(&s);
             let (ri, _g2) = recv.src_info.device_ptr(&s);
             let (rr, _g3) = recv.route.device_ptr(&s);

@@ -1,0 +1,255 @@
+//! What every executor of this crate shares: the descriptor ring in host-mapped memory, the
+//! device counters of the proxy image, the proxy thread that drains the ring into an
+//! executor, and its diagnostics (the report when it stops, the live trace, the failure text
+//! the frontend adds to a stalled op's error).
+//!
+//! Set-up in two steps, because an executor may need the counters before it is built (the
+//! copy-engine executor mirrors the ring's progress into them): [`RingParts::new`], then
+//! [`RingParts::spawn`] with the executor, which starts the proxy thread and returns the
+//! [`ProxyCore`] a symmetric memory keeps.
+
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::CudaContext;
+use epcomm_kernels::abi::{self, ProxyChannel};
+use epcomm_proxy::ring::Consumer;
+use epcomm_proxy::{
+    Executor, Limits, Proxy, ProxyConfig, ProxyError, ProxyReport, RingMemory, ring,
+};
+use epcomm_transport::{DeviceBuffer, MappedHostBuffer, TransportError};
+
+use crate::ProxyOptions;
+use crate::trace;
+use crate::watch::CallWatch;
+
+/// `TransportError::Backend` of `backend` while doing `what`.
+pub(crate) fn backend_error<E: std::error::Error + Send + Sync + 'static>(
+    backend: &'static str,
+    what: &'static str,
+) -> impl FnOnce(E) -> TransportError {
+    move |e| TransportError::Backend {
+        backend,
+        context: what.to_string(),
+        source: Box::new(e),
+    }
+}
+
+/// The ring and the counters, before the proxy starts.
+pub(crate) struct RingParts {
+    backend: &'static str,
+    slots: u64,
+    consumer: Consumer,
+    counters: DeviceBuffer,
+    ring_host: MappedHostBuffer,
+}
+
+impl RingParts {
+    /// A zeroed ring of `options.ring_slots` slots in pinned, device-mapped host memory, and
+    /// the zeroed device counters.
+    ///
+    /// # Errors
+    /// [`TransportError::Driver`] for the allocations; [`TransportError::Backend`] for the
+    /// ring's layout.
+    pub(crate) fn new(
+        ctx: &Arc<CudaContext>,
+        options: &ProxyOptions,
+        backend: &'static str,
+    ) -> Result<RingParts, TransportError> {
+        let slots = options.ring_slots;
+        let region =
+            ring::region_bytes(slots).map_err(backend_error(backend, "sizing the ring"))?;
+        let ring_host = MappedHostBuffer::zeroed(ctx, region)?;
+        // SAFETY: `ring_host` is `region` bytes of pinned, page-aligned host memory owned by
+        // the `ProxyCore` this becomes, which stops the proxy (the only host user) before it
+        // drops `ring_host`; the device touches it only through the ring protocol.
+        let ring = unsafe { RingMemory::from_raw(ring_host.host_ptr(), ring_host.len(), slots) }
+            .map_err(backend_error(backend, "laying out the ring"))?;
+        let (_, consumer) = ring::split(ring);
+        let counters = DeviceBuffer::zeroed(ctx, abi::PROXY_COUNTER_WORDS as usize * 8)?;
+        Ok(RingParts {
+            backend,
+            slots,
+            consumer,
+            counters,
+            ring_host,
+        })
+    }
+
+    /// Device address of the counter `index` (`abi::PROXY_COUNTER_*`).
+    pub(crate) fn counter(&self, index: u64) -> u64 {
+        self.counters.ptr() + index * 8
+    }
+
+    /// Starts the proxy thread over the ring with `executor`, for a symmetric buffer of
+    /// `heap_bytes` bytes at `local_base` in a world of `world` ranks. `watch`: the executor's
+    /// driver-call watch, if it has one (diagnostics).
+    ///
+    /// # Errors
+    /// [`TransportError::Backend`] when the thread cannot start.
+    pub(crate) fn spawn<E: Executor>(
+        self,
+        executor: E,
+        options: &ProxyOptions,
+        world: usize,
+        heap_bytes: usize,
+        local_base: u64,
+        watch: Option<Arc<CallWatch>>,
+    ) -> Result<ProxyCore, TransportError> {
+        let RingParts {
+            backend,
+            slots,
+            consumer,
+            counters,
+            ring_host,
+        } = self;
+        let tracer = (options.trace >= 2)
+            .then(|| {
+                trace::Tracer::start(backend, ring_host.host_ptr() as usize, slots, watch.clone())
+            })
+            .flatten();
+        let mut config = ProxyConfig::new(Limits {
+            world: world as u32,
+            heap_bytes: heap_bytes as u64,
+        });
+        // Small take rounds: completions are polled and published between them.
+        config.max_pending = options.max_in_flight.min(1024);
+        config.op_timeout = options.op_timeout;
+        config.cpu = options.cpu;
+        let proxy =
+            Proxy::spawn(consumer, executor, config).map_err(backend_error(backend, "starting"))?;
+        let channel = ProxyChannel {
+            ring: ring_host.device_ptr(),
+            counters: counters.ptr(),
+            capacity: slots,
+            local_base,
+            timeout_ns: u64::try_from(options.slot_timeout.as_nanos()).unwrap_or(u64::MAX),
+        };
+        Ok(ProxyCore {
+            backend,
+            heap_bytes,
+            channel,
+            watch,
+            proxy: Mutex::new(Some(proxy)),
+            tracer: Mutex::new(tracer),
+            trace: options.trace,
+            last_report: Mutex::new(None),
+            _counters: counters,
+            ring_host,
+        })
+    }
+}
+
+/// The proxy thread of one symmetric buffer with its ring, counters and diagnostics.
+///
+/// Field order is drop order: the proxy is stopped first (see `Drop`), then the counters and
+/// the ring go.
+#[derive(Debug)]
+pub(crate) struct ProxyCore {
+    backend: &'static str,
+    heap_bytes: usize,
+    channel: ProxyChannel,
+    watch: Option<Arc<CallWatch>>,
+    proxy: Mutex<Option<Proxy>>,
+    tracer: Mutex<Option<trace::Tracer>>,
+    /// `ProxyOptions::trace`.
+    trace: u8,
+    last_report: Mutex<Option<Result<ProxyReport, String>>>,
+    _counters: DeviceBuffer,
+    ring_host: MappedHostBuffer,
+}
+
+impl ProxyCore {
+    /// What the kernels need (written into the module before the first launch).
+    pub(crate) fn channel(&self) -> ProxyChannel {
+        self.channel
+    }
+
+    /// Stops the proxy thread (what the kernels published is executed first) and keeps its
+    /// report; idempotent.
+    pub(crate) fn stop(&self) {
+        if let Some(tracer) = self.tracer.lock().ok().and_then(|mut t| t.take()) {
+            tracer.stop();
+        }
+        let proxy = self.proxy.lock().ok().and_then(|mut p| p.take());
+        if let Some(proxy) = proxy {
+            let report = proxy.shutdown().map_err(|e: ProxyError| e.to_string());
+            if self.trace >= 1 {
+                eprintln!(
+                    "epcomm {}: buffer of {} bytes stopped: {report:?}; {}",
+                    self.backend,
+                    self.heap_bytes,
+                    self.driver_calls()
+                );
+            }
+            if let Ok(mut slot) = self.last_report.lock() {
+                *slot = Some(report);
+            }
+        }
+    }
+
+    /// What the executor's driver calls cost so far (an executor with a [`CallWatch`]): the
+    /// call in progress, the longest call, and per call its count and total time.
+    fn driver_calls(&self) -> String {
+        let Some(watch) = &self.watch else {
+            return String::new();
+        };
+        let mut out = String::new();
+        match watch.in_flight() {
+            (0, _) => out += "nothing in the copy engines; ",
+            (n, Some(age)) => {
+                out += &format!("{n} operations in the copy engines, the oldest for {age:?}; ")
+            }
+            (n, None) => out += &format!("{n} operations in the copy engines; "),
+        }
+        if let Some((call, waited)) = watch.in_call() {
+            out += &format!("its thread has been inside {call} for {waited:?}; ");
+        }
+        if let Some((call, took)) = watch.longest() {
+            out += &format!("its longest driver call was {call} ({took:?})");
+        }
+        for (call, n, total) in watch.totals() {
+            out += &format!("; {n} x {call} in {total:?}");
+        }
+        out
+    }
+
+    /// The proxy's report once it has stopped: its counts, or the error it stopped on.
+    pub(crate) fn report(&self) -> Option<Result<ProxyReport, String>> {
+        self.last_report.lock().ok().and_then(|r| r.clone())
+    }
+
+    /// `SymmetricMemory::backend_failure`: why the proxy thread stopped, with what it had
+    /// taken and completed (a stopped thread is joined here to read its error).
+    pub(crate) fn failure(&self) -> Option<String> {
+        let finished = self
+            .proxy
+            .lock()
+            .ok()
+            .is_some_and(|p| p.as_ref().is_some_and(Proxy::is_finished));
+        if finished {
+            self.stop();
+        }
+        let word = |offset: usize| self.ring_host.load_u64(offset / 8).unwrap_or(0);
+        let mut ring = format!(
+            "the proxy had taken {} descriptors and completed {}",
+            word(ring::OFFSET_TAIL),
+            word(ring::OFFSET_COMPLETED),
+        );
+        let calls = self.driver_calls();
+        if !calls.is_empty() {
+            ring += "; ";
+            ring += &calls;
+        }
+        match self.report() {
+            Some(Err(e)) => Some(format!("the proxy thread stopped: {e} ({ring})")),
+            Some(Ok(_)) if finished => Some(format!("the proxy thread stopped ({ring})")),
+            _ => Some(format!("the proxy thread is running; {ring}")),
+        }
+    }
+}
+
+impl Drop for ProxyCore {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
