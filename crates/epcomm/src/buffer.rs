@@ -38,6 +38,8 @@ mod ops;
 mod pointers;
 mod sequence;
 mod setup;
+
+pub(crate) use setup::TierParts;
 mod validate;
 
 pub use graph::EpGraph;
@@ -71,9 +73,9 @@ pub struct Buffer {
     /// `[world]` u64 base address the kernels use for every rank's buffer.
     peer_bases: DeviceBuffer,
     /// Device u32 the first failing thread claims.
-    err_claim: DeviceBuffer,
+    err_claim: Arc<DeviceBuffer>,
     /// Mapped host `ErrorRecord`, written by the failing thread, read by [`Self::check`].
-    err_record: MappedHostBuffer,
+    err_record: Arc<MappedHostBuffer>,
     /// Mapped host `[tag, rows, per local expert...]` a HostSync dispatch publishes.
     host_counts: MappedHostBuffer,
     /// The device `SeqState` (authoritative; `seq` mirrors it).

@@ -32,7 +32,7 @@ use epcomm_topology::{RankGroup, Tiers};
 use epcomm_transport::DynTransport;
 use half::bf16;
 
-use crate::buffer::{DispatchInput, XInput};
+use crate::buffer::{DispatchInput, TierParts, XInput};
 use crate::error::DriverContext;
 use crate::handle::{Dispatched, Handle};
 use crate::layout::DeviceTokens;
@@ -110,23 +110,29 @@ impl HierarchicalBuffer {
             });
         }
         let stream: Arc<CudaStream> = ctx.new_stream().context("creating the comm stream")?;
-        let rail = Buffer::create(
+        let rail = Buffer::new_tier(
             ctx.clone(),
             transport.clone(),
             cfg.clone(),
-            Some(RankGroup::rail(&tiers, rank)?),
-            Some(stream.clone()),
+            TierParts {
+                group: RankGroup::rail(&tiers, rank)?,
+                stream: stream.clone(),
+                share_errors_with: None,
+            },
         )?;
         let rows = rail.recv_capacity_rows();
         let mut node_cfg = cfg.clone();
         node_cfg.num_experts = cfg.num_experts / tiers.nodes();
         node_cfg.max_tokens_per_rank = rows;
-        let node = Buffer::create(
+        let node = Buffer::new_tier(
             ctx,
             transport,
             node_cfg,
-            Some(RankGroup::node(&tiers, rank)?),
-            Some(stream.clone()),
+            TierParts {
+                group: RankGroup::node(&tiers, rank)?,
+                stream: stream.clone(),
+                share_errors_with: Some(&rail),
+            },
         )?;
         let partial_x = stream
             .alloc_zeros::<bf16>((rows * cfg.hidden).max(1))

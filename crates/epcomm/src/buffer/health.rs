@@ -35,7 +35,8 @@ impl Buffer {
         if record.code != abi::code::PEER_FAILED {
             self.announce_failure();
         }
-        let mut e = Error::from_record(&record).in_world(&self.group);
+        // The kernels record world ranks (group ranks mapped on the device).
+        let mut e = Error::from_record(&record);
         if record.wait_id == abi::wait::PROXY
             && let Some(why) = self.mem.backend_failure()
         {
