@@ -55,6 +55,11 @@ pub const FUNCTIONS: &[&str] = &[
     "nvshmemx_quiet_on_stream",
     "nvshmemx_cumodule_init",
     "nvshmemx_cumodule_finalize",
+    // Local (non-symmetric) memory a put reads from: registered with every transport NVSHMEM
+    // initialised (a network transport registers it with the NIC), unregistered before it is
+    // freed or NVSHMEM is finalised.
+    "nvshmemx_buffer_register",
+    "nvshmemx_buffer_unregister",
 ];
 
 /// Types bound (their enumerators come with them as constants).

@@ -207,6 +207,12 @@ pub struct NvshmemHost {
     pub nvshmem_team_n_pes: unsafe extern "C" fn(team: nvshmem_team_t) -> ::std::os::raw::c_int,
     pub nvshmem_barrier_all: unsafe extern "C" fn(),
     pub nvshmemx_barrier_all_on_stream: unsafe extern "C" fn(arg1: cudaStream_t),
+    pub nvshmemx_buffer_register: unsafe extern "C" fn(
+        addr: *mut ::std::os::raw::c_void,
+        length: usize,
+    ) -> ::std::os::raw::c_int,
+    pub nvshmemx_buffer_unregister:
+        unsafe extern "C" fn(addr: *mut ::std::os::raw::c_void) -> ::std::os::raw::c_int,
     pub nvshmemx_hostlib_init_attr: unsafe extern "C" fn(
         flags: ::std::os::raw::c_uint,
         attr: *mut nvshmemx_init_attr_t,
@@ -258,6 +264,12 @@ impl NvshmemHost {
         let nvshmemx_barrier_all_on_stream = __library
             .get(b"nvshmemx_barrier_all_on_stream\0")
             .map(|sym| *sym)?;
+        let nvshmemx_buffer_register = __library
+            .get(b"nvshmemx_buffer_register\0")
+            .map(|sym| *sym)?;
+        let nvshmemx_buffer_unregister = __library
+            .get(b"nvshmemx_buffer_unregister\0")
+            .map(|sym| *sym)?;
         let nvshmemx_hostlib_init_attr = __library
             .get(b"nvshmemx_hostlib_init_attr\0")
             .map(|sym| *sym)?;
@@ -292,6 +304,8 @@ impl NvshmemHost {
             nvshmem_team_n_pes,
             nvshmem_barrier_all,
             nvshmemx_barrier_all_on_stream,
+            nvshmemx_buffer_register,
+            nvshmemx_buffer_unregister,
             nvshmemx_hostlib_init_attr,
             nvshmemx_hostlib_finalize,
             nvshmemx_set_attr_uniqueid_args,
@@ -358,6 +372,19 @@ impl NvshmemHost {
     }
     pub unsafe fn nvshmemx_barrier_all_on_stream(&self, arg1: cudaStream_t) {
         (self.nvshmemx_barrier_all_on_stream)(arg1)
+    }
+    pub unsafe fn nvshmemx_buffer_register(
+        &self,
+        addr: *mut ::std::os::raw::c_void,
+        length: usize,
+    ) -> ::std::os::raw::c_int {
+        (self.nvshmemx_buffer_register)(addr, length)
+    }
+    pub unsafe fn nvshmemx_buffer_unregister(
+        &self,
+        addr: *mut ::std::os::raw::c_void,
+    ) -> ::std::os::raw::c_int {
+        (self.nvshmemx_buffer_unregister)(addr)
     }
     pub unsafe fn nvshmemx_hostlib_init_attr(
         &self,

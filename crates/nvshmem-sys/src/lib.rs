@@ -9,8 +9,9 @@
 //! * [`result`] — one thin, `unsafe` function per call that turns NVSHMEM's integer status into
 //!   `Result<_, NvshmemError>`; plus [`attr`], Rust versions of the header-only initialisers.
 //! * [`safe`] — [`Nvshmem`] (an initialised runtime, finalised on drop), [`SymmetricAlloc`]
-//!   (RAII symmetric-heap memory) and [`ModuleRegistration`] (scoped
-//!   `nvshmemx_cumodule_init`/`finalize`).
+//!   (RAII symmetric-heap memory), [`ModuleRegistration`] (scoped
+//!   `nvshmemx_cumodule_init`/`finalize`) and [`BufferRegistration`] (scoped
+//!   `nvshmemx_buffer_register`/`unregister` of local memory puts read from).
 //!
 //! The `static inline` initialisers of the headers (`nvshmem_init`, `nvshmemx_init_attr`) call
 //! symbols that live in the *device* archive, so they are not bound; initialisation goes through
@@ -66,4 +67,6 @@ pub mod safe;
 pub use attr::{UNIQUEID_BYTES, UniqueIdError};
 pub use loader::{Library, LibrarySearch, LoadError, Version};
 pub use result::NvshmemError;
-pub use safe::{Error, ModuleRegistration, Nvshmem, SharedNvshmem, SymmetricAlloc, Team};
+pub use safe::{
+    BufferRegistration, Error, ModuleRegistration, Nvshmem, SharedNvshmem, SymmetricAlloc, Team,
+};

@@ -177,10 +177,12 @@ pub unsafe fn free(api: &sys::NvshmemHost, ptr: NonNull<c_void>) {
 }
 
 /// `nvshmem_ptr(ptr, pe)`: the address at which this process can load/store `pe`'s copy of the
-/// symmetric object at `ptr`; `None` when `pe` is not directly reachable (not P2P/NVLink).
+/// symmetric object at `ptr`; `None` when `pe` is not directly reachable (not P2P/NVLink), and
+/// for a `ptr` outside the symmetric heap (the host library compares `ptr` with the heap's
+/// bounds and dereferences nothing, so any address may be asked about).
 ///
 /// # Safety
-/// NVSHMEM must be initialised; `ptr` points into the symmetric heap; `0 <= pe < n_pes`.
+/// NVSHMEM must be initialised; `0 <= pe < n_pes`.
 pub unsafe fn ptr(
     api: &sys::NvshmemHost,
     ptr: *const c_void,
@@ -188,6 +190,45 @@ pub unsafe fn ptr(
 ) -> Option<NonNull<c_void>> {
     // SAFETY: upheld by the caller.
     NonNull::new(unsafe { api.nvshmem_ptr(ptr, pe) })
+}
+
+/// `nvshmemx_buffer_register(addr, length)`: registers `[addr, addr + length)` of local,
+/// non-symmetric memory with every transport NVSHMEM initialised, so that RMA operations may
+/// use it as their local buffer (a network transport registers it with the NIC; the P2P
+/// transport only records the range). Not collective.
+///
+/// NVSHMEM 3.4 refuses (`NVSHMEMX_ERROR_INVALID_VALUE`) a zero length, managed memory, memory
+/// inside the symmetric heap (registered already), and a range overlapping, or starting at the
+/// same address as, one registered before.
+///
+/// # Safety
+/// NVSHMEM must be initialised and the calling thread must have the runtime's CUDA context
+/// current; the range must be memory of this process that stays allocated until it is
+/// unregistered with [`buffer_unregister`] (a network transport keeps a NIC registration of
+/// its pages).
+pub unsafe fn buffer_register(
+    api: &sys::NvshmemHost,
+    addr: *mut c_void,
+    length: usize,
+) -> Result<(), NvshmemError> {
+    // SAFETY: upheld by the caller.
+    let code = unsafe { api.nvshmemx_buffer_register(addr, length) };
+    check("nvshmemx_buffer_register", code)
+}
+
+/// `nvshmemx_buffer_unregister(addr)`: undoes [`buffer_register`] of the range starting at
+/// `addr`. `NVSHMEMX_ERROR_INVALID_VALUE` when no registered range starts there.
+///
+/// # Safety
+/// NVSHMEM must be initialised (not finalised yet); no RMA operation still in flight uses the
+/// range as its local buffer.
+pub unsafe fn buffer_unregister(
+    api: &sys::NvshmemHost,
+    addr: *mut c_void,
+) -> Result<(), NvshmemError> {
+    // SAFETY: upheld by the caller.
+    let code = unsafe { api.nvshmemx_buffer_unregister(addr) };
+    check("nvshmemx_buffer_unregister", code)
 }
 
 /// `nvshmem_barrier_all()`: host-side barrier over all PEs, completing prior puts.

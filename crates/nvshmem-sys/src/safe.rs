@@ -86,6 +86,28 @@ pub enum Error {
     /// A null `CUmodule` was passed.
     #[error("module must be a non-null CUmodule")]
     NullModule,
+    /// A buffer registration of address 0 or of zero bytes was requested.
+    #[error(
+        "a buffer registration needs a non-null address and a non-zero length, got {bytes} bytes at {addr:#x}"
+    )]
+    EmptyRegistration {
+        /// The address passed.
+        addr: u64,
+        /// The length passed.
+        bytes: usize,
+    },
+    /// A buffer registration of memory inside the symmetric heap was requested: NVSHMEM
+    /// registers the heap itself and refuses it.
+    #[error(
+        "[{addr:#x}, +{bytes}) lies in the NVSHMEM symmetric heap, which is registered already \
+         and must not be registered as a local buffer"
+    )]
+    SymmetricRegistration {
+        /// The address passed.
+        addr: u64,
+        /// The length passed.
+        bytes: usize,
+    },
 }
 
 /// Set while an [`Nvshmem`] exists in this process.
@@ -283,6 +305,16 @@ impl Drop for Nvshmem {
 }
 
 impl Nvshmem {
+    /// Whether `addr` lies in this PE's symmetric heap (`nvshmem_ptr(addr, my_pe)` is not
+    /// NULL). Any address may be asked about: the host library only compares it with the
+    /// heap's bounds.
+    pub fn in_symmetric_heap(&self, addr: u64) -> bool {
+        // SAFETY: initialised; `my_pe < n_pes` fits a c_int; `nvshmem_ptr` dereferences
+        // nothing (see `result::ptr`).
+        let p = unsafe { result::ptr(self.lib.api(), addr as *const c_void, self.pe as c_int) };
+        p.is_some()
+    }
+
     /// `nvshmem_ptr(ptr, pe)` for a live symmetric allocation `ptr` of this runtime; `None`
     /// when `pe` is not directly reachable or `pe >= n_pes`.
     fn peer_address(&self, ptr: NonNull<c_void>, pe: u32) -> Option<u64> {
@@ -323,11 +355,49 @@ mod tests {
         assert!(e.to_string().starts_with("uid_bytes: "));
     }
 
+    #[test]
+    fn registration_errors_name_the_range_and_rule() {
+        let e = Error::EmptyRegistration {
+            addr: 0x7f00_0000_0000,
+            bytes: 0,
+        };
+        assert_eq!(
+            e.to_string(),
+            "a buffer registration needs a non-null address and a non-zero length, got 0 bytes \
+             at 0x7f0000000000"
+        );
+        let e = Error::SymmetricRegistration {
+            addr: 0x1000,
+            bytes: 64,
+        };
+        let msg = e.to_string();
+        assert!(
+            msg.starts_with("[0x1000, +64) lies in the NVSHMEM symmetric heap"),
+            "{msg}"
+        );
+        let e = Error::from(NvshmemError {
+            call: "nvshmemx_buffer_register",
+            code: 1,
+        });
+        assert_eq!(
+            e.to_string(),
+            "nvshmemx_buffer_register failed with status 1 (NVSHMEMX_ERROR_INVALID_VALUE)"
+        );
+    }
+
     fn assert_send<T: Send>() {}
+
+    fn assert_sync<T: Sync>() {}
 
     #[test]
     fn runtime_is_send() {
         assert_send::<Nvshmem>();
+    }
+
+    #[test]
+    fn registrations_move_between_threads() {
+        assert_send::<BufferRegistration>();
+        assert_sync::<BufferRegistration>();
     }
 }
 
@@ -371,6 +441,11 @@ impl SharedNvshmem {
     /// `nvshmem_barrier_all`. Collective.
     pub fn barrier_all(&self) {
         self.with(Nvshmem::barrier_all)
+    }
+
+    /// Whether `addr` lies in this PE's symmetric heap ([`Nvshmem::in_symmetric_heap`]).
+    pub fn in_symmetric_heap(&self, addr: u64) -> bool {
+        self.with(|r| r.in_symmetric_heap(addr))
     }
 }
 
@@ -493,5 +568,109 @@ impl Drop for ModuleRegistration {
         let _ = self
             .rt
             .with(|r| unsafe { result::cumodule_finalize(r.lib.api(), module.as_ptr()) });
+    }
+}
+
+/// Local, non-symmetric memory registered with NVSHMEM (`nvshmemx_buffer_register`) so that
+/// RMA operations may use it as their local buffer (the source of a put): a network transport
+/// (IBRC, UCX, IBGDA) can only read memory registered with the NIC. Unregistered
+/// (`nvshmemx_buffer_unregister`) on drop, or checked with [`BufferRegistration::unregister`].
+/// Owns a handle to the runtime, so NVSHMEM is finalised only after every registration is
+/// gone. Not collective.
+#[derive(Debug)]
+pub struct BufferRegistration {
+    rt: SharedNvshmem,
+    addr: NonNull<c_void>,
+    bytes: usize,
+    /// Set once unregistered (by [`BufferRegistration::unregister`]): drop does nothing then.
+    released: bool,
+}
+
+// SAFETY: the registration is addressed by value; every NVSHMEM call that uses it goes through
+// the runtime's mutex.
+unsafe impl Send for BufferRegistration {}
+// SAFETY: as above; `&self` methods only read the address and length.
+unsafe impl Sync for BufferRegistration {}
+
+impl BufferRegistration {
+    /// Registers `[addr, addr + bytes)`.
+    ///
+    /// # Safety
+    /// The runtime's CUDA context is current on this thread; the range is memory of this
+    /// process (device memory, or host memory NVSHMEM may pin) that stays allocated while it
+    /// is registered, or, if freed earlier, is read by no put until this registration is
+    /// dropped (a network transport's registration of freed pages must not serve a new
+    /// allocation at the same address).
+    ///
+    /// # Errors
+    /// [`Error::EmptyRegistration`]; [`Error::SymmetricRegistration`] for memory inside the
+    /// symmetric heap (checked before any call); [`Error::Nvshmem`] naming
+    /// `nvshmemx_buffer_register` when NVSHMEM refuses it (managed memory, a range overlapping
+    /// one registered before, a NIC registration that failed).
+    pub unsafe fn new(rt: &SharedNvshmem, addr: u64, bytes: usize) -> Result<Self, Error> {
+        let Some(ptr) = NonNull::new(addr as *mut c_void).filter(|_| bytes > 0) else {
+            return Err(Error::EmptyRegistration { addr, bytes });
+        };
+        let last = addr.saturating_add(bytes as u64 - 1);
+        rt.with(|r| {
+            if r.in_symmetric_heap(addr) || r.in_symmetric_heap(last) {
+                return Err(Error::SymmetricRegistration { addr, bytes });
+            }
+            // SAFETY: initialised (the runtime exists); the range and context contract is the
+            // caller's.
+            unsafe { result::buffer_register(r.lib.api(), ptr.as_ptr(), bytes) }
+                .map_err(Error::from)
+        })?;
+        Ok(Self {
+            rt: rt.clone(),
+            addr: ptr,
+            bytes,
+            released: false,
+        })
+    }
+
+    /// First byte registered.
+    pub fn addr(&self) -> u64 {
+        self.addr.as_ptr() as u64
+    }
+
+    /// Bytes registered.
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+
+    /// Always false (empty registrations are refused).
+    pub fn is_empty(&self) -> bool {
+        self.bytes == 0
+    }
+
+    /// Unregisters now, reporting a failure (dropping unregisters too, silently).
+    ///
+    /// # Errors
+    /// [`Error::Nvshmem`] naming `nvshmemx_buffer_unregister`.
+    pub fn unregister(mut self) -> Result<(), Error> {
+        self.release()
+    }
+
+    /// Unregisters once; later calls do nothing.
+    fn release(&mut self) -> Result<(), Error> {
+        if std::mem::replace(&mut self.released, true) {
+            return Ok(());
+        }
+        let addr = self.addr;
+        // SAFETY: registered in `new` by this runtime, which `self.rt` keeps alive (not
+        // finalised). A put still reading the range would fail (NVSHMEM finds no handle for
+        // it, the NIC no key); nothing writes this process's memory because of it. The owner
+        // drops a registration only once its puts completed.
+        self.rt
+            .with(|r| unsafe { result::buffer_unregister(r.lib.api(), addr.as_ptr()) })
+            .map_err(Error::from)
+    }
+}
+
+impl Drop for BufferRegistration {
+    fn drop(&mut self) {
+        // A failure cannot be reported from drop; `unregister` reports it.
+        let _ = self.release();
     }
 }
