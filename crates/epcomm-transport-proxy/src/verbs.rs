@@ -47,6 +47,7 @@ use epcomm_proxy::verbs::{
     DeviceSelector, GidSelector, HeapMemory, LibrarySearch, PreparedVerbs, SourceKey,
     SourceRegistry, Verbs, VerbsConfig, VerbsError, select,
 };
+use epcomm_transport::sources::{self, Allocation};
 use epcomm_transport::{
     Bootstrap, Capabilities, DeviceBuffer, DeviceRuntime, KernelFamily, Route, Schedule,
     SymmetricHeap, SymmetricMemory, Transport, TransportError, WorldLayout,
@@ -439,123 +440,58 @@ fn export_dmabuf(ctx: &CudaContext, start: u64, bytes: u64) -> Result<OwnedFd, S
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
-/// The CUDA allocation holding `addr`: its start, size and process-unique buffer id.
-fn allocation_at(addr: u64) -> Result<(u64, u64, u64), String> {
-    let mut start: u64 = 0;
-    let mut size: u64 = 0;
-    let mut id: u64 = 0;
-    for (out, attribute) in [
-        (
-            &mut start,
-            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
-        ),
-        (
-            &mut size,
-            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
-        ),
-        (
-            &mut id,
-            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_BUFFER_ID,
-        ),
-    ] {
-        // SAFETY: each of these attributes writes one 64-bit value (a CUdeviceptr, a size_t,
-        // an unsigned long long) into the live u64 it is given; the query only reads the
-        // driver's table of allocations.
-        let r = unsafe { sys::cuPointerGetAttribute((out as *mut u64).cast(), attribute, addr) };
-        if r != sys::CUresult::CUDA_SUCCESS {
-            return Err(format!(
-                "cuPointerGetAttribute({attribute:?}) failed: {r:?}"
-            ));
-        }
-    }
-    if size == 0 || start > addr || addr - start >= size {
-        return Err(format!(
-            "the driver reported the range [{start:#x}, +{size}) for address {addr:#x}"
-        ));
-    }
-    Ok((start, size, id))
-}
-
-/// Caller allocations registered as put sources, by range and buffer id. Registrations are
-/// kept until the buffer is dropped or an allocation replaces them; with dma-bufs, the
-/// registration of an allocation the caller freed keeps its dma-buf open until then.
+/// Caller allocations registered as put sources, by range and buffer id
+/// ([`epcomm_transport::sources::SourceCache`]). Registrations are kept until the buffer is
+/// dropped or an allocation replaces them; with dma-bufs, the registration of an allocation the
+/// caller freed keeps its dma-buf open until then.
 #[derive(Debug)]
 struct SourceCache {
-    registry: SourceRegistry,
-    registration: Registration,
-    ctx: Arc<CudaContext>,
-    entries: Mutex<Vec<CachedSource>>,
-}
-
-#[derive(Debug, Clone, Copy)]
-struct CachedSource {
-    start: u64,
-    bytes: u64,
-    buffer_id: u64,
-    key: SourceKey,
+    registrar: VerbsSources,
+    cache: Mutex<sources::SourceCache<SourceKey>>,
 }
 
 impl SourceCache {
     /// Registers every allocation overlapping `[addr, addr + bytes)` that is not registered
     /// yet (or was freed and replaced since).
     fn prepare(&self, argument: &'static str, addr: u64, bytes: u64) -> Result<(), TransportError> {
-        let end = addr
-            .checked_add(bytes)
-            .ok_or_else(|| TransportError::InvalidArgument {
-                argument,
-                rule: format!("[{addr:#x}, +{bytes}) wraps around the address space"),
-            })?;
-        // A dma-buf export covers whole host pages (cuMemAlloc ranges already do).
-        let page = match self.registration {
-            Registration::DmaBuf => page_size(),
-            Registration::PeerMemory => 1,
-        };
-        let mut entries = self.entries.lock().unwrap_or_else(PoisonError::into_inner);
-        let mut cursor = addr;
-        while cursor < end {
-            let (start, size, buffer_id) =
-                allocation_at(cursor).map_err(|why| TransportError::InvalidArgument {
-                    argument,
-                    rule: format!(
-                        "the proxy-verbs transport puts from it, so it must be CUDA device \
-                         memory it can register: address {cursor:#x}: {why}"
-                    ),
-                })?;
-            let (lo, hi) = (start / page * page, (start + size).div_ceil(page) * page);
-            cursor = start + size;
-            let registered = entries
-                .iter()
-                .any(|e| e.start == lo && e.bytes == hi - lo && e.buffer_id == buffer_id);
-            if registered {
-                continue;
-            }
-            // A new allocation: what was registered where it lies belongs to allocations freed
-            // since (live ones never overlap), and must not serve its addresses any longer.
-            entries.retain(|e| {
-                let stale = e.start < hi && lo < e.start + e.bytes;
-                if stale {
-                    self.registry.remove(e.key);
-                }
-                !stale
-            });
-            let key = self.register(argument, lo, hi - lo)?;
-            entries.push(CachedSource {
-                start: lo,
-                bytes: hi - lo,
-                buffer_id,
-                key,
-            });
-        }
+        let mut cache = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
+        // One memory, one user: the registry's regions go with the executor.
+        cache.prepare(&self.registrar, 0, argument, addr, bytes)?;
         Ok(())
+    }
+}
+
+/// How this transport registers caller memory with the NIC: through the executor's
+/// [`SourceRegistry`], as [`Registration`] says.
+#[derive(Debug)]
+struct VerbsSources {
+    registry: SourceRegistry,
+    registration: Registration,
+    ctx: Arc<CudaContext>,
+}
+
+impl sources::SourceRegistrar for VerbsSources {
+    type Registration = SourceKey;
+
+    fn who(&self) -> &str {
+        "the proxy-verbs transport"
+    }
+
+    fn locate(&self, addr: u64) -> Result<Allocation, String> {
+        let allocation = Allocation::at(addr)?;
+        // A dma-buf export covers whole host pages (cuMemAlloc ranges already do).
+        Ok(match self.registration {
+            Registration::DmaBuf => allocation.page_aligned(page_size()),
+            Registration::PeerMemory => allocation,
+        })
     }
 
     fn register(
         &self,
         argument: &'static str,
-        start: u64,
-        bytes: u64,
+        allocation: &Allocation,
     ) -> Result<SourceKey, TransportError> {
-        let range = format!("[{start:#x}, {:#x})", start + bytes);
+        let (start, bytes, range) = (allocation.start, allocation.bytes, allocation.to_string());
         match self.registration {
             Registration::DmaBuf => {
                 let fd = export_dmabuf(&self.ctx, start, bytes).map_err(|why| {
@@ -586,6 +522,10 @@ impl SourceCache {
             context: format!("registering {argument}'s allocation {range} with the NIC"),
             source: Box::new(source),
         })
+    }
+
+    fn unregister(&self, key: SourceKey) {
+        self.registry.remove(key);
     }
 }
 
@@ -980,10 +920,12 @@ impl VerbsTransport {
         Ok(VerbsMemory {
             core,
             sources: SourceCache {
-                registry,
-                registration: self.registration,
-                ctx: self.ctx.clone(),
-                entries: Mutex::new(Vec::new()),
+                registrar: VerbsSources {
+                    registry,
+                    registration: self.registration,
+                    ctx: self.ctx.clone(),
+                },
+                cache: Mutex::new(sources::SourceCache::new()),
             },
             mapped,
             _dmabuf: dmabuf,
@@ -1068,7 +1010,7 @@ impl VerbsMemory {
 
     /// The caller allocations registered as put sources so far, as `(start, bytes)`.
     pub fn registered_sources(&self) -> Vec<(u64, u64)> {
-        self.sources.registry.regions()
+        self.sources.registrar.registry.regions()
     }
 }
 

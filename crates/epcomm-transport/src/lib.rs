@@ -45,6 +45,7 @@
 //! ```
 
 pub mod memory;
+pub mod sources;
 
 use std::fmt::Debug;
 use std::sync::Arc;
