@@ -44,6 +44,8 @@
 //! # }
 //! ```
 
+mod sources;
+
 use std::sync::Arc;
 
 use cudarc::driver::CudaContext;
@@ -52,6 +54,8 @@ use epcomm_transport::{
     SymmetricMemory, Transport, TransportError, WorldLayout,
 };
 use nvshmem_sys::{ModuleRegistration, Nvshmem, SharedNvshmem, SymmetricAlloc};
+
+use crate::sources::PutSources;
 
 fn backend(context: impl Into<String>) -> impl FnOnce(nvshmem_sys::Error) -> TransportError {
     let context = context.into();
@@ -101,13 +105,16 @@ impl Default for NvshmemOptions {
     }
 }
 
-/// The NVSHMEM transport of one process (one GPU, one PE). Cheap to clone (shares the runtime).
+/// The NVSHMEM transport of one process (one GPU, one PE). Cheap to clone (shares the runtime
+/// and the registrations of caller memory).
 #[derive(Clone, Debug)]
 pub struct NvshmemTransport {
     ctx: Arc<CudaContext>,
     bootstrap: Arc<Bootstrap>,
     rt: SharedNvshmem,
     world: WorldLayout,
+    /// Caller memory registered as put sources, shared with every memory allocated here.
+    sources: Arc<PutSources>,
 }
 
 impl NvshmemTransport {
@@ -180,10 +187,12 @@ impl NvshmemTransport {
         bind_context(&ctx)?;
         let rt = Nvshmem::init_with_uniqueid(Arc::new(lib), rank, world, &uid)
             .map_err(backend(format!("initialising PE {rank} of {world}")))?;
+        let rt = SharedNvshmem::new(rt);
         Ok(Self {
+            sources: Arc::new(PutSources::new(rt.clone(), ctx.clone())),
             ctx,
             bootstrap,
-            rt: SharedNvshmem::new(rt),
+            rt,
             world: layout,
         })
     }
@@ -191,6 +200,17 @@ impl NvshmemTransport {
     /// The shared NVSHMEM runtime.
     pub fn runtime(&self) -> &SharedNvshmem {
         &self.rt
+    }
+
+    /// The caller allocations registered with NVSHMEM as put sources
+    /// ([`SymmetricMemory::prepare_put_source`]) and still held by some memory of this
+    /// transport, as `(start, bytes)`, in the order they were registered.
+    pub fn registered_put_sources(&self) -> Vec<(u64, u64)> {
+        self.sources
+            .registered()
+            .iter()
+            .map(|a| (a.start, a.bytes))
+            .collect()
     }
 }
 
@@ -238,7 +258,12 @@ impl SymmetricHeap for NvshmemTransport {
                 context: "waiting for the symmetric heap's zeroing".into(),
                 source,
             })?;
-        Ok(NvshmemMemory { bases, alloc })
+        Ok(NvshmemMemory {
+            user: self.sources.new_user(),
+            sources: self.sources.clone(),
+            bases,
+            alloc,
+        })
     }
 }
 
@@ -259,11 +284,27 @@ impl DeviceRuntime for NvshmemTransport {
     }
 }
 
-/// A symmetric buffer on the NVSHMEM heap.
+/// A symmetric buffer on the NVSHMEM heap. Dropping it unregisters the caller memory it
+/// registered as put sources that no other memory of the transport uses, then frees the buffer
+/// (collectively).
 #[derive(Debug)]
 pub struct NvshmemMemory {
+    /// This memory's number among the users of `sources`.
+    user: u64,
+    sources: Arc<PutSources>,
     bases: Vec<u64>,
     alloc: SymmetricAlloc,
+}
+
+impl NvshmemMemory {
+    /// Whether `[addr, addr + bytes)` lies inside this buffer.
+    fn holds(&self, addr: u64, bytes: usize) -> bool {
+        let base = self.alloc.ptr();
+        addr >= base
+            && addr
+                .checked_add(bytes as u64)
+                .is_some_and(|end| end <= base + self.alloc.len() as u64)
+    }
 }
 
 impl SymmetricMemory for NvshmemMemory {
@@ -279,7 +320,30 @@ impl SymmetricMemory for NvshmemMemory {
         self.bases.get(peer).copied().filter(|&b| b != 0)
     }
 
+    /// Registers the CUDA allocation holding the caller's array with NVSHMEM
+    /// (`nvshmemx_buffer_register`), once: NVSHMEM's network transports put only from
+    /// symmetric or registered memory. Memory in the symmetric heap needs nothing. See the
+    /// crate docs.
+    fn prepare_put_source(
+        &self,
+        argument: &'static str,
+        addr: u64,
+        bytes: usize,
+    ) -> Result<(), TransportError> {
+        if bytes == 0 || self.holds(addr, bytes) {
+            return Ok(());
+        }
+        self.sources.prepare(self.user, argument, addr, bytes)
+    }
+
     fn free_is_collective(&self) -> bool {
         true // nvshmem_free is a collective over every PE
+    }
+}
+
+impl Drop for NvshmemMemory {
+    fn drop(&mut self) {
+        // Before the buffer is freed (the fields drop after this): this memory's ops are over.
+        self.sources.release(self.user);
     }
 }
