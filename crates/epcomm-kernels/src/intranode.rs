@@ -55,6 +55,18 @@ pub enum KernelFamily {
 }
 
 impl KernelFamily {
+    /// Whether this family's dispatch sends a token's scales, top-k ids and top-k weights to a
+    /// put/signal peer as whole rows read from the caller's arrays (its Net policy's
+    /// `kMetadataRows`: `ProxyNet`), which makes those arrays put sources like `x`. `NvshmemNet`
+    /// sends them element by element as values (`nvshmem_<type>_p`), reading no caller memory
+    /// on the transport's side; `StoreNet` has no put/signal peer.
+    pub fn puts_metadata_rows(self) -> bool {
+        match self {
+            Self::NvlinkStore | Self::NvshmemDevice => false,
+            Self::CpuProxy => true,
+        }
+    }
+
     /// The image of this family.
     pub fn image(self) -> Image {
         match self {
@@ -397,4 +409,31 @@ fn fnv1a64(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
         (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `puts_metadata_rows` mirrors each policy's `kMetadataRows` in `kernels/common/`
+    /// (checked where the CUDA sources are: in the repository, not in a packaged crate).
+    #[test]
+    fn metadata_rows_mirror_the_net_policies() {
+        let common = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../kernels/common");
+        for (family, file) in [
+            (KernelFamily::NvlinkStore, "net.cuh"),
+            (KernelFamily::NvshmemDevice, "net_nvshmem.cuh"),
+            (KernelFamily::CpuProxy, "net_proxy.cuh"),
+        ] {
+            let Ok(src) = std::fs::read_to_string(common.join(file)) else {
+                eprintln!("skipped: no {file} (not built from the repository)");
+                return;
+            };
+            let line = format!(
+                "static constexpr bool kMetadataRows = {};",
+                family.puts_metadata_rows()
+            );
+            assert!(src.contains(&line), "{file} lacks `{line}`");
+        }
+    }
 }

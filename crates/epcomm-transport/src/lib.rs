@@ -211,13 +211,17 @@ pub trait SymmetricMemory: Send + Sync + Debug {
         None
     }
 
-    /// Makes `[addr, addr + bytes)` of caller memory (an op's input, named `argument`: `x`,
-    /// `y`, `y_weights`) readable by the backend's put operations before a kernel that puts
-    /// from it ([`Route::PutSignal`] transfers whose source is caller memory) is launched.
-    /// Called by the frontend for every such input of every op while some peer is reached by
-    /// put/signal; it may be called again and again with the same memory and must then be
-    /// cheap. Default: nothing to do (backends whose puts read any device memory of this
-    /// process).
+    /// Makes `[addr, addr + bytes)` of caller memory (an op's input, named `argument`) readable
+    /// by the backend's put operations before a kernel that puts from it ([`Route::PutSignal`]
+    /// transfers whose source is caller memory) is launched. Called by the frontend for every
+    /// such input of every op while some peer is reached by put/signal: `x` of a dispatch and
+    /// of a BF16 low-latency dispatch, `y` and `y_weights` of a combine, `y` of a low-latency
+    /// combine, and, for a family that sends metadata as rows
+    /// ([`KernelFamily::puts_metadata_rows`]), a dispatch's `scales`, `topk_idx` and
+    /// `topk_weights`. It may be called again and again with the same memory and must then be
+    /// cheap; the memory may also lie in the backend's own symmetric buffers (one tier's output
+    /// handed to another tier). Default: nothing to do (backends whose puts read any device
+    /// memory of this process).
     ///
     /// # Errors
     /// [`TransportError::InvalidArgument`] naming `argument` when the memory cannot be made

@@ -289,8 +289,20 @@ impl Buffer {
         check_device_ptr("scales", a.x_scales, t * a.num_scales as usize * 4, 4, dev)?;
         check_device_ptr("topk_idx", a.topk_idx, t * k * 8, 8, dev)?;
         check_device_ptr("topk_weights", a.topk_weights, t * k * 4, 4, dev)?;
-        // Rows are put from `x` itself; scales, ids and weights travel as inline writes.
-        self.prepare_put_source("x", a.x, t * a.row_bytes as usize)
+        // Rows are put from `x` itself. Scales, ids and weights travel element by element as
+        // values (NVSHMEM), or as rows read from the caller's arrays (the CPU proxy).
+        self.prepare_put_source("x", a.x, t * a.row_bytes as usize)?;
+        if self
+            .transport
+            .capabilities()
+            .kernel_family
+            .puts_metadata_rows()
+        {
+            self.prepare_put_source("scales", a.x_scales, t * a.num_scales as usize * 4)?;
+            self.prepare_put_source("topk_idx", a.topk_idx, t * k * 8)?;
+            self.prepare_put_source("topk_weights", a.topk_weights, t * k * 4)?;
+        }
+        Ok(())
     }
 
     /// The caller addresses of a combine of `t` tokens and up to `rows` received rows, as the

@@ -378,6 +378,11 @@ impl Buffer {
         let ordinal = self.ctx.ordinal();
         check_device_ptr("x", x, t * hidden * 2, ROW_ALIGN, ordinal)?;
         check_device_ptr("topk_idx", idx, t * k * 8, 8, ordinal)?;
+        // BF16 rows are put straight from `x`; FP8 rows (and every metadata row) from staging
+        // rows in the symmetric buffer.
+        if format == LlFormat::Bf16 {
+            self.prepare_put_source("x", x, t * hidden * 2)?;
+        }
         let mut flags = if fused { abi::flags::FUSED } else { 0 };
         if let LlFormat::Fp8 { round_scale } = format {
             flags |= abi::flags::HAS_SCALES;
