@@ -47,15 +47,31 @@ impl Placement {
     }
 }
 
+/// What the rule of a refused registration adds when the driver says the allocation is not
+/// GPUDirect RDMA capable (`gpudirect`: [`Allocation::gpudirect_rdma_capable`]).
+fn gpudirect_hint(gpudirect: Option<bool>) -> &'static str {
+    match gpudirect {
+        Some(false) => {
+            "; the CUDA driver says the allocation is not GPUDirect RDMA capable, so no NIC can \
+             read it (memory of the stream-ordered pool, cuMemAllocAsync / cudaMallocAsync, is \
+             not by default): allocate it with cuMemAlloc / cudaMalloc"
+        }
+        _ => "",
+    }
+}
+
 /// The transport error for a registration NVSHMEM (or the safe layer) refused: the caller's
 /// memory is at fault ([`TransportError::InvalidArgument`] naming `argument`) when NVSHMEM calls
-/// the value invalid or the range reaches into the symmetric heap; anything else is NVSHMEM's
-/// failure ([`TransportError::Backend`], naming the argument and the call).
+/// the value invalid, the range reaches into the symmetric heap, or the driver says a NIC cannot
+/// read the allocation (`gpudirect == Some(false)`, also named in the rule); anything else is
+/// NVSHMEM's failure ([`TransportError::Backend`], naming the argument and the call).
 pub(crate) fn registration_error(
     argument: &'static str,
     allocation: &Allocation,
+    gpudirect: Option<bool>,
     error: nvshmem_sys::Error,
 ) -> TransportError {
+    let hint = gpudirect_hint(gpudirect);
     match error {
         nvshmem_sys::Error::SymmetricRegistration { .. } => TransportError::InvalidArgument {
             argument,
@@ -65,13 +81,13 @@ pub(crate) fn registration_error(
             ),
         },
         nvshmem_sys::Error::Nvshmem(e @ NvshmemError { code, .. })
-            if code == sys::NVSHMEMX_ERROR_INVALID_VALUE as i32 =>
+            if code == sys::NVSHMEMX_ERROR_INVALID_VALUE as i32 || !hint.is_empty() =>
         {
             TransportError::InvalidArgument {
                 argument,
                 rule: format!(
                     "NVSHMEM puts from it, and refused to register the allocation holding it, \
-                     {allocation} ({e}; NVSHMEM's message on stderr says why)"
+                     {allocation} ({e}; NVSHMEM's message on stderr says why){hint}"
                 ),
             }
         }
@@ -129,7 +145,9 @@ impl SourceRegistrar for Registrar {
         // new allocation; the cache drops every registration it holds before NVSHMEM is
         // finalised (each holds the runtime).
         relaxed_capture(|| unsafe { BufferRegistration::new(&self.rt, allocation.start, bytes) })?
-            .map_err(|e| registration_error(argument, allocation, e))
+            .map_err(|e| {
+                registration_error(argument, allocation, allocation.gpudirect_rdma_capable(), e)
+            })
     }
 
     fn unregister(&self, registration: BufferRegistration) {
@@ -249,6 +267,7 @@ mod tests {
         let e = registration_error(
             "y",
             &A,
+            None,
             nvshmem_sys::Error::Nvshmem(NvshmemError {
                 call: "nvshmemx_buffer_register",
                 code: 1,
@@ -270,6 +289,7 @@ mod tests {
         let e = registration_error(
             "x",
             &A,
+            Some(true),
             nvshmem_sys::Error::SymmetricRegistration {
                 addr: A.start,
                 bytes: 64,
@@ -282,6 +302,7 @@ mod tests {
         let e = registration_error(
             "y_weights",
             &A,
+            Some(true),
             nvshmem_sys::Error::Nvshmem(NvshmemError {
                 call: "nvshmemx_buffer_register",
                 code: 7,
@@ -299,5 +320,29 @@ mod tests {
             "{context}"
         );
         assert!(e.to_string().contains("NVSHMEMX_ERROR_INTERNAL"), "{e}");
+    }
+
+    #[test]
+    fn memory_no_nic_can_read_is_the_callers_fault_and_says_how_to_allocate() {
+        let internal = || {
+            nvshmem_sys::Error::Nvshmem(NvshmemError {
+                call: "nvshmemx_buffer_register",
+                code: 7,
+            })
+        };
+        let e = registration_error("y", &A, Some(false), internal());
+        let TransportError::InvalidArgument { argument, rule } = &e else {
+            panic!("{e:?}");
+        };
+        assert_eq!(*argument, "y");
+        assert!(
+            rule.contains("not GPUDirect RDMA capable") && rule.contains("cuMemAllocAsync"),
+            "{rule}"
+        );
+        // No hint when the driver did not answer or calls it capable.
+        for gpudirect in [None, Some(true)] {
+            let e = registration_error("y", &A, gpudirect, internal());
+            assert!(matches!(e, TransportError::Backend { .. }), "{e:?}");
+        }
     }
 }

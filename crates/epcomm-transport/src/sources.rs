@@ -136,6 +136,27 @@ impl Allocation {
     }
 }
 
+impl Allocation {
+    /// Whether the driver calls the allocation GPUDirect RDMA capable
+    /// (`CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE`): `Some(false)` means a NIC cannot
+    /// register it, as for memory of the default stream-ordered pool (`cuMemAllocAsync`,
+    /// which cudarc uses where the GPU supports it); `cuMemAlloc` memory is. `None` when the
+    /// driver does not answer. For error messages: the query costs a driver call.
+    pub fn gpudirect_rdma_capable(&self) -> Option<bool> {
+        let mut capable: u64 = 0;
+        // SAFETY: the attribute writes one boolean of at most 4 bytes into the live, zeroed
+        // u64 it is given; the query only reads the driver's table of allocations.
+        let r = unsafe {
+            sys::cuPointerGetAttribute(
+                (&mut capable as *mut u64).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE,
+                self.start,
+            )
+        };
+        (r == sys::CUresult::CUDA_SUCCESS).then_some(capable != 0)
+    }
+}
+
 impl fmt::Display for Allocation {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "[{:#x}, {:#x})", self.start, self.end())
