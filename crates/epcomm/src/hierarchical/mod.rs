@@ -29,7 +29,7 @@ mod graph;
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut};
 use epcomm_topology::{RankGroup, Tiers};
 use epcomm_transport::DynTransport;
 use half::bf16;
@@ -40,7 +40,7 @@ use crate::handle::{Dispatched, Handle};
 use crate::layout::{DeviceTokens, Layout};
 use crate::stats::OpStats;
 
-use crate::view::DeviceView;
+use crate::view::{DeviceArray, DeviceView};
 use crate::{Buffer, BufferConfig, Error, RecvMode, Result};
 pub use graph::HierGraph;
 
@@ -89,10 +89,12 @@ pub struct HierarchicalBuffer {
     rail: Buffer,
     node: Buffer,
     /// `[rail receive rows][hidden]` bf16: the node stage's combine output (one partial per
-    /// token this rank forwarded), the rail stage's combine input.
-    partial_x: CudaSlice<bf16>,
+    /// token this rank forwarded), the rail stage's combine input, which its kernels put from
+    /// (so `cuMemAlloc` memory, which a NIC can register). Declared after the buffers: their
+    /// memories drop their registrations of it first.
+    partial_x: DeviceArray<bf16>,
     /// `[rail receive rows][top_k]` f32: the same for the weights.
-    partial_w: CudaSlice<f32>,
+    partial_w: DeviceArray<f32>,
 }
 
 /// The routing of a hierarchical dispatch: both stages' handles and layouts.
@@ -168,7 +170,7 @@ impl HierarchicalBuffer {
         node_cfg.num_experts = cfg.num_experts / tiers.nodes();
         node_cfg.max_tokens_per_rank = rows;
         let node = Buffer::new_tier(
-            ctx,
+            ctx.clone(),
             transport,
             node_cfg,
             TierParts {
@@ -177,12 +179,8 @@ impl HierarchicalBuffer {
                 share_errors_with: Some(&rail),
             },
         )?;
-        let partial_x = stream
-            .alloc_zeros::<bf16>((rows * cfg.hidden).max(1))
-            .context("allocating the combine partials")?;
-        let partial_w = stream
-            .alloc_zeros::<f32>((rows * cfg.top_k).max(1))
-            .context("allocating the combine partials")?;
+        let partial_x = DeviceArray::zeroed(&ctx, &stream, (rows * cfg.hidden).max(1))?;
+        let partial_w = DeviceArray::zeroed(&ctx, &stream, (rows * cfg.top_k).max(1))?;
         Ok(Self {
             tiers,
             rail,
