@@ -11,6 +11,11 @@
 //! Schedules: Global and Epoch. Routes: stores through `nvshmem_ptr` mappings and put/signal
 //! (every peer outside the logical node; every peer under `RoutePolicy::PutSignal`).
 //!
+//! **Put sources**: the kernels put rows straight from caller arrays, which NVSHMEM's network
+//! transports read only when registered; [`SymmetricMemory::prepare_put_source`] registers the
+//! CUDA allocation holding each one with `nvshmemx_buffer_register`, once, also without a
+//! network transport (docs/nvshmem.md, "Put sources: caller memory registered with NVSHMEM").
+//!
 //! **Virtual nodes** ([`NvshmemOptions::virtual_nodes`]): the GPUs of one host are split into
 //! logical nodes and only peers in the same logical node get a mapping, so traffic between
 //! logical nodes goes through NVSHMEM put/signal exactly as it would between hosts. This is how
