@@ -55,6 +55,20 @@ pub enum FlagError {
         /// Why, and what to use instead.
         why: String,
     },
+    /// `--hierarchical` on a transport and world that form one logical node.
+    #[error(
+        "--hierarchical: needs more than one logical node, and --transport {transport} puts \
+         the {world} rank(s) of this host in one node; split the host into logical nodes with \
+         a spec `<transport>:vnodes=N` (N >= 2 dividing --world; e.g. --transport \
+         nvshmem:vnodes=2 or proxy-ce:vnodes=2, the rail between them carried by put/signal), \
+         or run the ranks on several hosts (one node per host)"
+    )]
+    SingleNode {
+        /// The transport spec, as the library prints it.
+        transport: String,
+        /// Ranks of the launch.
+        world: usize,
+    },
     /// Anything else about one flag.
     #[error("{flag}: {why}")]
     Invalid {
@@ -74,6 +88,7 @@ impl FlagError {
             | Self::NotMultiple { flag, .. }
             | Self::Unsupported { flag, .. }
             | Self::Invalid { flag, .. } => flag,
+            Self::SingleNode { .. } => "--hierarchical",
         }
     }
 
