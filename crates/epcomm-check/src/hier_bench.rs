@@ -120,17 +120,25 @@ pub struct TierBytes {
 }
 
 impl HierRows {
+    /// The rows `op` moves for this rank: (sent over the rail, sent over NVLink, received in
+    /// all). Dispatch sends [`Self::rail_sent`] and [`Self::nvlink_sent`]; combine sends back
+    /// [`Self::combine_rail_sent`] partials over the rail and [`Self::nvlink_received`] rows
+    /// over NVLink.
+    pub fn tier_rows(&self, op: HierOp) -> (u64, u64, u64) {
+        match op {
+            HierOp::Combine => (self.combine_rail_sent, self.nvlink_received, self.recv),
+            _ => (self.rail_sent, self.nvlink_sent, self.recv),
+        }
+    }
+
     /// Bytes `op` moves for this rank with rows of `hidden` values (module docs).
     pub fn bytes(&self, op: HierOp, hidden: usize) -> TierBytes {
         let b = |rows: u64| op.flat().metric_bytes(rows as usize, hidden);
-        let (rail, nvlink) = match op {
-            HierOp::Combine => (self.combine_rail_sent, self.nvlink_received),
-            _ => (self.rail_sent, self.nvlink_sent),
-        };
+        let (rail, nvlink, recv) = self.tier_rows(op);
         TierBytes {
             rail: b(rail),
             nvlink: b(nvlink),
-            flat: b(self.recv),
+            flat: b(recv),
         }
     }
 }
@@ -432,6 +440,8 @@ mod tests {
         // Combine: the partials sent back over the rail, the rows returned over NVLink.
         let c = r.bytes(HierOp::Combine, h);
         assert_eq!((c.rail, c.nvlink, c.flat), (1280.0, 512.0, 2560.0));
+        assert_eq!(r.tier_rows(HierOp::Combine), (5, 2, 10));
+        assert_eq!(r.tier_rows(HierOp::DispatchFp8), (4, 3, 10));
     }
 
     #[test]
