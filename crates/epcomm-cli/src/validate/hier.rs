@@ -119,6 +119,7 @@ mod tests {
             "--hierarchical",
         );
         assert!(matches!(e, FlagError::SingleNode { world: 1, .. }), "{e}");
+        assert!(e.to_string().contains("give --world 2 or more"), "{e}");
     }
 
     #[test]
