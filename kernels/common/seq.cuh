@@ -100,8 +100,13 @@ __device__ __forceinline__ bool prologue(const OpArgs& a, OpState& s, uint32_t k
       if (claim != 0) {
         const volatile ErrorRecord* r = w.record;
         const uint32_t code = r->code;
+        // Sent again to this op's peers, which may be another tier's (the claim word and the
+        // record are shared by the tiers of a hierarchical buffer): an own failure, or one
+        // learned from a peer with its origin (world rank), cause and op.
         if (code != kOk && code != kPeerFailed)
-          broadcast_abort<Net>(w, make_abort(code, a.rank, r->epoch));
+          broadcast_abort<Net>(w, make_abort(code, peer_pe(w, a.rank), r->epoch));
+        else if (code == kPeerFailed)
+          broadcast_abort<Net>(w, make_abort(static_cast<uint32_t>(r->expected), r->peer, r->seen));
       } else {
         should_stop<Net>(w, kWaitOpStart, 0);  // records PeerFailed naming the origin
       }

@@ -46,7 +46,7 @@ __device__ __forceinline__ int peer_pe(const WaitCtx& w, int d) {
   return w.pe_base + d * w.pe_stride;
 }
 
-// Abort word: code (16 bits) | origin rank + 1 (16 bits) | origin's op sequence (low 32 bits).
+// Abort word: code (16 bits) | origin world rank + 1 (16 bits) | origin's op sequence (low 32 bits).
 // Never 0 once written (origin + 1 >= 1).
 __device__ __forceinline__ uint64_t make_abort(uint32_t code, int32_t origin, uint64_t op) {
   return (static_cast<uint64_t>(code & 0xffffu) << 48) |
@@ -71,6 +71,10 @@ __device__ __noinline__ void broadcast_abort(const WaitCtx& w, uint64_t value) {
   __threadfence_system();
 }
 
+// Records a failure (first thread only) and, unless it was learned from a peer, sends it to
+// every peer. Records and abort words name world ranks (the transport's PEs), whatever group
+// the op runs over, so a failure relayed from one tier's buffer to the other's (they share the
+// claim word and record) still names its origin.
 template <class Net>
 __device__ __noinline__ void record_failure(const WaitCtx& w, uint32_t code, uint32_t wait_id,
                                             int32_t peer, uint64_t expected, uint64_t seen,
@@ -79,9 +83,11 @@ __device__ __noinline__ void record_failure(const WaitCtx& w, uint32_t code, uin
   volatile ErrorRecord* r = w.record;
   r->op = w.op;
   r->wait_id = wait_id;
-  r->peer = peer;
+  // A peer index is a group rank (made a world rank here); kPeerFailed's `peer` (the origin,
+  // from an abort word) is a world rank already; other values (a token index) stay as they are.
+  r->peer = code != kPeerFailed && peer >= 0 && peer < w.world ? peer_pe(w, peer) : peer;
   r->block = blockIdx.x;
-  r->rank = static_cast<uint32_t>(w.rank);
+  r->rank = static_cast<uint32_t>(peer_pe(w, w.rank));
   r->epoch = w.epoch;
   r->expected = expected;
   r->seen = seen;
@@ -90,7 +96,7 @@ __device__ __noinline__ void record_failure(const WaitCtx& w, uint32_t code, uin
   r->code = code;
   __threadfence_system();
   // A failure of this rank's own (not one learned from a peer) goes to every peer.
-  if (code != kPeerFailed) broadcast_abort<Net>(w, make_abort(code, w.rank, w.epoch));
+  if (code != kPeerFailed) broadcast_abort<Net>(w, make_abort(code, peer_pe(w, w.rank), w.epoch));
 }
 
 // How often a spinning wait looks at the abort word (in spins): a peer's failure is seen

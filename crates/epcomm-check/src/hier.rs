@@ -225,6 +225,67 @@ fn check_rows(
     Ok(())
 }
 
+/// One routing of a hierarchical replay or soak: this rank's inputs, its expert output in the
+/// two-stage row order (padded with zeros to `cap_rows` rows) and the combine output it must
+/// get back (bf16 rail, no weights).
+#[derive(Clone, Debug)]
+pub struct HierCase {
+    /// `[T][hidden]` bf16 rows.
+    pub x: Vec<bf16>,
+    /// `[T][top_k]` expert ids.
+    pub topk_idx: Vec<i64>,
+    /// `[cap_rows][hidden]` expert output, two-stage order.
+    pub y: Vec<bf16>,
+    /// `[T][hidden]` expected combine output.
+    pub combined: Vec<bf16>,
+}
+
+/// The [`HierCase`] of `inputs` (every rank's) for `rank` of a `tiers` world.
+pub fn hier_case(
+    inputs: &HostInputs,
+    tiers: Tiers,
+    num_experts: usize,
+    rank: usize,
+    cap_rows: usize,
+) -> Result<HierCase> {
+    let ins = &inputs.bf16;
+    let reference = epcomm_reference::dispatch(ins, num_experts)?;
+    let ys: Vec<Vec<bf16>> = reference
+        .iter()
+        .enumerate()
+        .map(|(r, o)| expert_output(o, r))
+        .collect::<Result<_>>()?;
+    let tokens: Vec<usize> = ins.iter().map(|i| i.num_tokens).collect();
+    let combined = epcomm_reference::hierarchical_combine_staged(
+        &ys,
+        None,
+        &reference,
+        &tokens,
+        tiers,
+        RailPrecision::Bf16,
+    )?;
+    let want = &reference[rank];
+    let hidden = want.hidden;
+    let mut y = permute(&ys[rank], hidden, &two_stage_order(want, tiers));
+    if y.len() > cap_rows * hidden {
+        return Err(CheckError::Other(format!(
+            "rank {rank} receives {} rows, more than the {cap_rows} the test sized",
+            y.len() / hidden
+        )));
+    }
+    y.resize(cap_rows * hidden, bf16::ZERO);
+    let x = match &ins[rank].x {
+        XData::Bf16(x) => x.clone(),
+        XData::Fp8 { .. } => return Err(CheckError::Other("hier_case takes bf16 inputs".into())),
+    };
+    Ok(HierCase {
+        x,
+        topk_idx: ins[rank].topk_idx.clone(),
+        y,
+        combined: combined[rank].x.clone(),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

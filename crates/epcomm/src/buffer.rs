@@ -38,13 +38,15 @@ mod ops;
 mod pointers;
 mod sequence;
 mod setup;
+
+pub(crate) use setup::TierParts;
 mod validate;
 
 pub use graph::EpGraph;
 pub use ops::{DispatchInput, LlDispatchInput, LlFormat, LlPending, LlRecv, XInput};
 
 use ops::LatestDispatch;
-use sequence::Sequence;
+pub(crate) use sequence::Sequence;
 
 /// One rank's epcomm state: see the crate docs.
 #[derive(Debug)]
@@ -71,9 +73,9 @@ pub struct Buffer {
     /// `[world]` u64 base address the kernels use for every rank's buffer.
     peer_bases: DeviceBuffer,
     /// Device u32 the first failing thread claims.
-    err_claim: DeviceBuffer,
+    err_claim: Arc<DeviceBuffer>,
     /// Mapped host `ErrorRecord`, written by the failing thread, read by [`Self::check`].
-    err_record: MappedHostBuffer,
+    err_record: Arc<MappedHostBuffer>,
     /// Mapped host `[tag, rows, per local expert...]` a HostSync dispatch publishes.
     host_counts: MappedHostBuffer,
     /// The device `SeqState` (authoritative; `seq` mirrors it).
@@ -102,6 +104,22 @@ impl Buffer {
     /// tier's).
     pub fn rank(&self) -> usize {
         self.rank
+    }
+
+    /// The host mirror of the op counts (for captures spanning several buffers).
+    pub(crate) fn sequence(&self) -> Sequence {
+        self.seq
+    }
+
+    /// Sets the host mirror (a capture records at a given state and restores the real one;
+    /// a replay adds what the graph holds).
+    pub(crate) fn set_sequence(&mut self, seq: Sequence) {
+        self.seq = seq;
+    }
+
+    /// Process-unique id (graphs and handles remember their buffer).
+    pub(crate) fn id(&self) -> u64 {
+        self.id
     }
 
     /// Rows the receive region holds (`world * max_tokens_per_rank`).

@@ -237,63 +237,6 @@ impl Error {
     }
 }
 
-impl Error {
-    /// A device failure of a buffer over `group`, its ranks renamed from group ranks (what the
-    /// kernels record) to world ranks; token indices and other fields are kept.
-    pub(crate) fn in_world(self, group: &epcomm_topology::RankGroup) -> Self {
-        let world = |i: usize| group.world_rank_or_self(i);
-        let world_i64 = |i: i64| usize::try_from(i).map_or(i, |u| world(u) as i64);
-        match self {
-            Self::Timeout {
-                op,
-                rank,
-                wait,
-                peer,
-                op_seq,
-                expected,
-                seen,
-                waited,
-            } => Self::Timeout {
-                op,
-                rank: world(rank),
-                wait,
-                peer: world_i64(peer),
-                op_seq,
-                expected,
-                seen,
-                waited,
-            },
-            Self::Overflow {
-                op,
-                dest,
-                requested,
-                capacity,
-            } => Self::Overflow {
-                op,
-                dest: world_i64(dest),
-                requested,
-                capacity,
-            },
-            Self::PeerFailed {
-                op,
-                rank,
-                wait,
-                origin,
-                cause,
-                origin_op_seq,
-            } => Self::PeerFailed {
-                op,
-                rank: world(rank),
-                wait,
-                origin: world(origin),
-                cause,
-                origin_op_seq,
-            },
-            other => other,
-        }
-    }
-}
-
 pub(crate) trait DriverContext<T> {
     fn context(self, context: &'static str) -> Result<T, Error>;
 }

@@ -105,7 +105,7 @@ pub use epcomm_topology::{
 pub use epcomm_transport::{DynTransport, Transport};
 pub use error::{Error, WaitKind};
 pub use handle::{Dispatched, Handle, RecvDtype};
-pub use hierarchical::{HierDispatched, HierHandle, HierarchicalBuffer};
+pub use hierarchical::{HierDispatched, HierGraph, HierHandle, HierStats, HierarchicalBuffer};
 pub use layout::{HostLayout, Layout};
 pub use stats::OpStats;
 

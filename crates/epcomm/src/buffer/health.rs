@@ -35,7 +35,8 @@ impl Buffer {
         if record.code != abi::code::PEER_FAILED {
             self.announce_failure();
         }
-        let mut e = Error::from_record(&record).in_world(&self.group);
+        // The kernels record world ranks (group ranks mapped on the device).
+        let mut e = Error::from_record(&record);
         if record.wait_id == abi::wait::PROXY
             && let Some(why) = self.mem.backend_failure()
         {
@@ -74,7 +75,7 @@ impl Buffer {
     }
 
     /// The check every op makes before it issues anything.
-    pub(super) fn ensure_ready(&mut self) -> Result<()> {
+    pub(crate) fn ensure_ready(&mut self) -> Result<()> {
         self.check()?;
         let Some(p) = &self.ll_pending else {
             return Ok(());
@@ -154,7 +155,13 @@ impl Buffer {
         let Some(local) = LocalStats::from_words(&words) else {
             return Ok(None);
         };
-        let tag = format!("epcomm-stats-{}", local.op_seq);
+        // The group in the tag: the two tiers of a hierarchical buffer gather one after the other.
+        let tag = format!(
+            "epcomm-stats-{}-{}x{}",
+            local.op_seq,
+            self.group.size(),
+            self.group.pe_stride()
+        );
         let all = self
             .transport
             .bootstrap()

@@ -14,19 +14,19 @@ use epcomm_kernels::abi;
 
 /// Op counts since the buffer was created (identical on every rank).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(super) struct Sequence {
+pub(crate) struct Sequence {
     /// Ops of any kind.
-    pub(super) op: u64,
+    pub(crate) op: u64,
     /// Count exchanges (non-cached dispatches): the HostSync tag.
-    pub(super) notify: u64,
+    pub(crate) notify: u64,
     /// Dispatches, cached or not: their parity picks the receive region.
-    pub(super) dispatch: u64,
+    pub(crate) dispatch: u64,
     /// Combines.
-    pub(super) combine: u64,
+    pub(crate) combine: u64,
     /// Low-latency dispatches (counted by their send phase).
-    pub(super) ll_dispatch: u64,
+    pub(crate) ll_dispatch: u64,
     /// Low-latency combines (counted by their send phase).
-    pub(super) ll_combine: u64,
+    pub(crate) ll_combine: u64,
 }
 
 impl Sequence {
@@ -48,7 +48,7 @@ impl Sequence {
     }
 
     /// The ops issued between `o` and `self` (`o` must be an earlier state).
-    pub(super) fn minus(&self, o: &Self) -> Self {
+    pub(crate) fn minus(&self, o: &Self) -> Self {
         Self {
             op: self.op - o.op,
             notify: self.notify - o.notify,
@@ -60,7 +60,7 @@ impl Sequence {
     }
 
     /// Counts the ops of `d` (e.g. what a replayed graph holds).
-    pub(super) fn add(&mut self, d: &Self) {
+    pub(crate) fn add(&mut self, d: &Self) {
         self.op += d.op;
         self.notify += d.notify;
         self.dispatch += d.dispatch;

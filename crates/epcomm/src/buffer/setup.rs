@@ -34,20 +34,29 @@ impl Buffer {
         transport: Arc<dyn DynTransport>,
         cfg: BufferConfig,
     ) -> Result<Self> {
-        Self::create(ctx, transport, cfg, None, None)
+        Self::create(ctx, transport, cfg, None)
     }
 
-    /// [`Self::new`] over the ranks of `group` (every member calls it, in the same order
-    /// relative to its other buffers; so does every other rank of the world, for its own
-    /// group: symmetric allocation and the final barrier are world-wide), issuing its ops on
-    /// `stream` when given. The kernels see the group's ranks as `0..group.size()`.
-    pub(crate) fn create(
+    /// [`Self::new`] as one tier of a hierarchical buffer ([`TierParts`]).
+    pub(crate) fn new_tier(
         ctx: Arc<CudaContext>,
         transport: Arc<dyn DynTransport>,
         cfg: BufferConfig,
-        group: Option<RankGroup>,
-        stream: Option<Arc<CudaStream>>,
+        parts: TierParts<'_>,
     ) -> Result<Self> {
+        Self::create(ctx, transport, cfg, Some(parts))
+    }
+
+    fn create(
+        ctx: Arc<CudaContext>,
+        transport: Arc<dyn DynTransport>,
+        cfg: BufferConfig,
+        parts: Option<TierParts<'_>>,
+    ) -> Result<Self> {
+        let (group, stream, errors_of) = match parts {
+            Some(p) => (Some(p.group), Some(p.stream), p.share_errors_with),
+            None => (None, None, None),
+        };
         cfg.validate()?;
         let layout = transport.world();
         let caps = transport.capabilities();
@@ -173,8 +182,13 @@ impl Buffer {
             .fold(0u64, |mask, (i, _)| mask | (1 << i));
         let peer_bases = DeviceBuffer::zeroed(&ctx, world * 8)?;
         peer_bases.write(&stream, 0, &bases)?;
-        let err_claim = DeviceBuffer::zeroed(&ctx, 8)?;
-        let err_record = MappedHostBuffer::zeroed(&ctx, size_of::<ErrorRecord>())?;
+        let (err_claim, err_record) = match errors_of {
+            Some(b) => (b.err_claim.clone(), b.err_record.clone()),
+            None => (
+                Arc::new(DeviceBuffer::zeroed(&ctx, 8)?),
+                Arc::new(MappedHostBuffer::zeroed(&ctx, size_of::<ErrorRecord>())?),
+            ),
+        };
         let host_counts = MappedHostBuffer::zeroed(&ctx, (2 + cfg.num_experts / world) * 8)?;
         let seq_state = DeviceBuffer::zeroed(&ctx, size_of::<abi::SeqState>())?;
         let parity_stride = parity_stride(&plan)?;
@@ -214,6 +228,20 @@ impl Buffer {
             .barrier("epcomm-buffer-ready")?;
         Ok(buffer)
     }
+}
+
+/// What makes a buffer one tier of a hierarchical buffer.
+pub(crate) struct TierParts<'a> {
+    /// The ranks it spans (every member creates it, in the same order relative to its other
+    /// buffers; so does every other rank of the world, for its own group: symmetric allocation
+    /// and the final barrier are world-wide). Kernels see them as `0..group.size()`.
+    pub(crate) group: RankGroup,
+    /// The stream its ops run on (shared with the other tier: one order for both).
+    pub(crate) stream: Arc<CudaStream>,
+    /// A buffer whose failure words it shares: a failure recorded by either one's kernels
+    /// stops every later op of both (their prologues read the same claim word) and is
+    /// reported by both.
+    pub(crate) share_errors_with: Option<&'a Buffer>,
 }
 
 /// What every rank must agree on (see `agreement`): everything that shapes the protocol. The

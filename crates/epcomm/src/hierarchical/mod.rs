@@ -25,6 +25,8 @@
 //! What a rank's own node receives also takes the two stages (a copy into its own rail receive
 //! region, then the node stage): one extra local copy per token, in exchange for one code path.
 
+mod graph;
+
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
@@ -32,12 +34,53 @@ use epcomm_topology::{RankGroup, Tiers};
 use epcomm_transport::DynTransport;
 use half::bf16;
 
-use crate::buffer::{DispatchInput, XInput};
+use crate::buffer::{DispatchInput, TierParts, XInput};
 use crate::error::DriverContext;
 use crate::handle::{Dispatched, Handle};
-use crate::layout::DeviceTokens;
+use crate::layout::{DeviceTokens, Layout};
+use crate::stats::OpStats;
+
 use crate::view::DeviceView;
 use crate::{Buffer, BufferConfig, Error, RecvMode, Result};
+pub use graph::HierGraph;
+
+/// Per-tier wait attribution of one hierarchical op ([`HierarchicalBuffer::last_op_stats`]).
+#[derive(Clone, Debug)]
+pub struct HierStats {
+    /// The rail tier (ranks of this rank's rail group, one per node).
+    pub rail: OpStats,
+    /// The node tier (the ranks of this rank's node).
+    pub node: OpStats,
+}
+
+impl HierStats {
+    /// The world rank the others waited for longest in either tier, the tier (`"rail"` or
+    /// `"node"`), and how long.
+    pub fn late(&self) -> (usize, &'static str, std::time::Duration) {
+        let rail = (
+            self.rail.world_rank(self.rail.late_rank()),
+            "rail",
+            self.rail.skew(),
+        );
+        let node = (
+            self.node.world_rank(self.node.late_rank()),
+            "node",
+            self.node.skew(),
+        );
+        if rail.2 >= node.2 { rail } else { node }
+    }
+}
+
+impl std::fmt::Display for HierStats {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (rank, tier, skew) = self.late();
+        writeln!(
+            f,
+            "late rank {rank} (on the {tier} tier, others waited up to {skew:?})"
+        )?;
+        write!(f, "rail tier: {}node tier: {}", self.rail, self.node)
+    }
+}
 
 /// One rank's two-tier state: see the module docs.
 #[derive(Debug)]
@@ -110,23 +153,29 @@ impl HierarchicalBuffer {
             });
         }
         let stream: Arc<CudaStream> = ctx.new_stream().context("creating the comm stream")?;
-        let rail = Buffer::create(
+        let rail = Buffer::new_tier(
             ctx.clone(),
             transport.clone(),
             cfg.clone(),
-            Some(RankGroup::rail(&tiers, rank)?),
-            Some(stream.clone()),
+            TierParts {
+                group: RankGroup::rail(&tiers, rank)?,
+                stream: stream.clone(),
+                share_errors_with: None,
+            },
         )?;
         let rows = rail.recv_capacity_rows();
         let mut node_cfg = cfg.clone();
         node_cfg.num_experts = cfg.num_experts / tiers.nodes();
         node_cfg.max_tokens_per_rank = rows;
-        let node = Buffer::create(
+        let node = Buffer::new_tier(
             ctx,
             transport,
             node_cfg,
-            Some(RankGroup::node(&tiers, rank)?),
-            Some(stream.clone()),
+            TierParts {
+                group: RankGroup::node(&tiers, rank)?,
+                stream: stream.clone(),
+                share_errors_with: Some(&rail),
+            },
         )?;
         let partial_x = stream
             .alloc_zeros::<bf16>((rows * cfg.hidden).max(1))
@@ -186,10 +235,7 @@ impl HierarchicalBuffer {
             forwarded = Forwarded::of(&d, weights);
             rail_handle = d.into_handle();
         }
-        let count = DeviceTokens {
-            ptr: rail_handle.recv_prefix_ptr() + 4 * self.tiers.nodes() as u64,
-            _owner: rail_handle.inner.clone(),
-        };
+        let count = self.count_of(&rail_handle);
         let rows = self.rail.recv_capacity_rows();
         let node_layout = self.node.alloc_layout_counted(rows, Some(count))?;
         let (cfg, stream) = (self.rail.config().clone(), self.rail.stream().clone());
@@ -202,6 +248,78 @@ impl HierarchicalBuffer {
             node: d.handle().clone(),
         };
         Ok(HierDispatched { rows: d, handle })
+    }
+
+    /// Allocates a handle for [`Self::dispatch_into`] for batches of `num_tokens` tokens: both
+    /// tiers' layouts and handles, sized for the worst case (no allocation and no host wait
+    /// in the dispatch: what a CUDA-graph capture records).
+    ///
+    /// # Errors
+    /// As [`Buffer::alloc_layout`] and [`Buffer::alloc_handle`].
+    pub fn alloc_handle(&mut self, num_tokens: usize) -> Result<HierHandle> {
+        let rail_layout = self.rail.alloc_layout(num_tokens)?;
+        let rail = self.rail.alloc_handle(&rail_layout)?;
+        let node_layout = self
+            .node
+            .alloc_layout_counted(self.rail.recv_capacity_rows(), Some(self.count_of(&rail)))?;
+        let node = self.node.alloc_handle(&node_layout)?;
+        Ok(HierHandle { rail, node })
+    }
+
+    /// Dispatch into a handle from [`Self::alloc_handle`]: both tiers' layouts recomputed in
+    /// place from `input.topk_idx`, then the two dispatches (WorstCase sizes). Collective.
+    ///
+    /// # Errors
+    /// As [`Buffer::layout_into`] and [`Buffer::dispatch_into`], from either tier.
+    pub fn dispatch_into(
+        &mut self,
+        input: &DispatchInput<'_>,
+        handle: &HierHandle,
+    ) -> Result<HierDispatched<'_>> {
+        let rail_layout = Layout {
+            inner: handle.rail.inner.layout.clone(),
+        };
+        let node_layout = Layout {
+            inner: handle.node.inner.layout.clone(),
+        };
+        self.rail.layout_into(input.topk_idx, &rail_layout)?;
+        let forwarded = {
+            let d = self.rail.dispatch_into(input, &handle.rail)?;
+            Forwarded::of(&d, input.topk_weights.is_some())
+        };
+        let rows = self.rail.recv_capacity_rows();
+        let (cfg, stream) = (self.rail.config().clone(), self.rail.stream().clone());
+        let views = forwarded.views(rows, &cfg, &stream);
+        self.node.layout_into(&views.topk_idx, &node_layout)?;
+        let input2 = views.input();
+        let d = self.node.dispatch_into(&input2, &handle.node)?;
+        Ok(HierDispatched {
+            rows: d,
+            handle: handle.clone(),
+        })
+    }
+
+    /// The node tier's token count: the rail handle's receive count, on the device.
+    fn count_of(&self, rail: &Handle) -> DeviceTokens {
+        DeviceTokens {
+            ptr: rail.recv_prefix_ptr() + 4 * self.tiers.nodes() as u64,
+            _owner: rail.inner.clone(),
+        }
+    }
+
+    /// Who waited for whom in the last hierarchical op, per tier: the rail tier's stats (its
+    /// group: one rank per node; waits there are rail waits) and the node tier's (NVLink
+    /// waits), both naming world ranks. **Collective**: every rank calls it after the same op.
+    ///
+    /// # Errors
+    /// As [`Buffer::last_op_stats`].
+    pub fn last_op_stats(&mut self) -> Result<Option<HierStats>> {
+        let rail = self.rail.last_op_stats()?;
+        let node = self.node.last_op_stats()?;
+        Ok(match (rail, node) {
+            (Some(rail), Some(node)) => Some(HierStats { rail, node }),
+            _ => None,
+        })
     }
 
     /// Sends new rows (`num_tokens` of them, as the handle's dispatch) along `handle`'s
