@@ -305,8 +305,8 @@ pub struct TierNotify {
 
 /// Runs `iters` hierarchical BF16 dispatches (WorstCase, like the timed ones) and returns the
 /// rail tier's and the node tier's [`TierNotify`] from the stats blocks
-/// ([`epcomm::Buffer::last_op_stats`] of each tier after each dispatch). Collective: every rank
-/// calls it with the same `iters`.
+/// ([`HierarchicalBuffer::last_op_stats`] after each dispatch). Collective: every rank calls it
+/// with the same `iters`.
 ///
 /// # Errors
 /// The ops', or [`CheckError::Other`] when a tier reported no statistics.
@@ -325,13 +325,10 @@ pub fn notify_stats(
             topk_weights: Some(&dev.topk_weights),
         };
         buf.dispatch(&input, dev.num_tokens, RecvMode::WorstCase)?;
-        for (i, tier) in ["rail", "node"].into_iter().enumerate() {
-            let b = if i == 0 { buf.rail() } else { buf.node() };
-            let stats = b.last_op_stats()?.ok_or_else(|| {
-                CheckError::Other(format!(
-                    "the {tier} tier reported no statistics after a hierarchical dispatch"
-                ))
-            })?;
+        let stats = buf.last_op_stats()?.ok_or_else(|| {
+            CheckError::Other("a tier reported no statistics after a hierarchical dispatch".into())
+        })?;
+        for (i, stats) in [stats.rail, stats.node].into_iter().enumerate() {
             kernel[i].push(stats.total.as_secs_f64() * 1e6);
             match stats.counts_ready {
                 Some(d) => ready[i].push(d.as_secs_f64() * 1e6),
