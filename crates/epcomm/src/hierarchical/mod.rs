@@ -20,7 +20,7 @@
 //! **Combine** = a node combine (each forwarder sums its node's contributions to every token it
 //! forwarded, in f32 in local-rank order, into one bf16 partial), then a rail combine (the
 //! source sums the partials of every node in node order, f32, one rounding). The order and
-//! precision are [`epcomm_reference::hierarchical_combine_staged`]'s with a bf16 rail.
+//! precision are `epcomm_reference::hierarchical_combine_staged`'s with a bf16 rail.
 //!
 //! What a rank's own node receives also takes the two stages (a copy into its own rail receive
 //! region, then the node stage): one extra local copy per token, in exchange for one code path.
@@ -349,7 +349,7 @@ impl HierarchicalBuffer {
 
     /// Sends expert outputs back and reduces them: `y` holds one `[hidden]` bf16 row per row
     /// this rank received (the node stage's order), `out` gets `[num_tokens][hidden]` bf16 per
-    /// [`epcomm_reference::hierarchical_combine_staged`] (bf16 rail). `y_weights` /
+    /// `epcomm_reference::hierarchical_combine_staged` (bf16 rail). `y_weights` /
     /// `out_weights` (`[rows][top_k]` / `[num_tokens][top_k]` f32) are summed the same way, in
     /// f32 throughout. Collective.
     ///
