@@ -477,3 +477,45 @@ impl ForwardViews {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    fn stats(rank: usize, waits: Vec<Vec<u64>>, ranks: Vec<usize>) -> OpStats {
+        OpStats {
+            op: "dispatch",
+            op_seq: 1,
+            rank,
+            total: Duration::from_micros(100),
+            sending: Duration::from_micros(10),
+            waits: waits
+                .into_iter()
+                .map(|r| r.into_iter().map(Duration::from_micros).collect())
+                .collect(),
+            ranks,
+            counts_ready: None,
+        }
+    }
+
+    #[test]
+    fn late_names_the_world_rank_and_the_tier_with_the_longest_wait() {
+        // 2 nodes x 2, seen from rank 1: rail group {1, 3}, node group {0, 1}.
+        // Rail: rank 1 waited 900 us for rank 3. Node: rank 0 waited 50 us for rank 1.
+        let h = HierStats {
+            rail: stats(0, vec![vec![0, 900], vec![0, 0]], vec![1, 3]),
+            node: stats(1, vec![vec![0, 50], vec![0, 0]], vec![0, 1]),
+        };
+        assert_eq!(h.late(), (3, "rail", Duration::from_micros(900)));
+        let text = h.to_string();
+        assert!(text.starts_with("late rank 3 (on the rail tier"), "{text}");
+        // A longer NVLink wait wins.
+        let h = HierStats {
+            rail: stats(0, vec![vec![0, 10], vec![0, 0]], vec![1, 3]),
+            node: stats(1, vec![vec![0, 0], vec![700, 0]], vec![0, 1]),
+        };
+        assert_eq!(h.late(), (0, "node", Duration::from_micros(700)));
+    }
+}
