@@ -20,12 +20,12 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, sys};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use epcomm::{DispatchInput, HierHandle, HierarchicalBuffer, RecvMode, XInput};
 use epcomm_reference::{Tiers, bf16, layout, rail_traffic};
 
 use crate::inputs::{DeviceInputs, upload};
-use crate::timing::{BenchOp, FLUSH_BYTES, median};
+use crate::timing::{BenchOp, FLUSH_BYTES, elapsed_us, flushed_events, median};
 use crate::{CheckError, Result};
 
 /// A hierarchical op to time.
@@ -253,23 +253,13 @@ impl HierTimer {
     ) -> Result<Vec<f64>> {
         let mut events = Vec::with_capacity(iters);
         for _ in 0..iters {
-            self.stream.memset_zeros(&mut self.flush)?;
-            let start = self
-                .ctx
-                .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
-            let end = self
-                .ctx
-                .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
-            start.record(&self.stream)?;
+            let (start, end) = flushed_events(&self.ctx, &self.stream, &mut self.flush)?;
             self.run(buf, dev, op)?;
             end.record(&self.stream)?;
             events.push((start, end));
         }
         buf.synchronize()?;
-        events
-            .iter()
-            .map(|(s, e)| Ok(f64::from(s.elapsed_ms(e)?) * 1e3))
-            .collect()
+        elapsed_us(&events)
     }
 
     fn run(&mut self, buf: &mut HierarchicalBuffer, dev: &DeviceInputs, op: HierOp) -> Result<()> {
