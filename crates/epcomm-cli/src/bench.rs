@@ -6,7 +6,7 @@
 //! Workers write only to stderr: their stdout is pointed at stderr at start, so nothing a
 //! library prints can corrupt the machine-readable output.
 
-use std::io::{IsTerminal as _, Write as _};
+use std::io::Write as _;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,23 +18,17 @@ use epcomm_check::inputs::{Shape, device_inputs, host_inputs};
 use epcomm_check::procs::{gpu_count, run_workers};
 use epcomm_check::timing::{BenchOp, LlTimer, Timer, median};
 use epcomm_check::verify::{RoundOptions, verified_round};
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::cli::BenchArgs;
 use crate::doctor::KernelImage;
 use crate::hier_results::HierReport;
 use crate::results::{BenchConfig, BenchReport, SCHEMA, SkewReport, make_row};
 use crate::validate::{BenchPlan, FlagErrors, Machine, TransportChoice, validate_bench};
+use crate::worker::{Progress, RESULTS_ENV, Res, every_rank};
 use crate::{AppError, gpu};
-
-/// Environment variable (set by the launcher for its workers) naming the file rank 0 writes
-/// its results to.
-pub const RESULTS_ENV: &str = "EPCOMM_CLI_RESULTS";
 
 /// How long the workers may run in all.
 const WORKER_TIMEOUT: Duration = Duration::from_secs(1800);
-
-pub(crate) type Res<T = ()> = Result<T, Box<dyn std::error::Error>>;
 
 /// Removes the results file however the launcher leaves.
 struct TempFile(PathBuf);
@@ -207,36 +201,6 @@ pub fn worker(args: &BenchArgs) -> Res {
     run_bench(args, &plan, &boot, &ctx, &transport)
 }
 
-/// Rank 0's messages on stderr, above the progress bar.
-pub(crate) struct Progress {
-    rank: usize,
-    pub(crate) bar: ProgressBar,
-}
-
-impl Progress {
-    pub(crate) fn new(rank: usize, steps: u64, sweep: bool) -> Self {
-        let draw = rank == 0 && sweep && std::io::stderr().is_terminal();
-        let bar = if draw {
-            let bar = ProgressBar::with_draw_target(Some(steps), ProgressDrawTarget::stderr());
-            if let Ok(style) =
-                ProgressStyle::with_template("{spinner} [{bar:32}] {pos}/{len} {msg} ({elapsed})")
-            {
-                bar.set_style(style.progress_chars("=> "));
-            }
-            bar
-        } else {
-            ProgressBar::hidden()
-        };
-        Self { rank, bar }
-    }
-
-    pub(crate) fn say(&self, msg: impl std::fmt::Display) {
-        if self.rank == 0 {
-            self.bar.suspend(|| eprintln!("{msg}"));
-        }
-    }
-}
-
 fn run_bench(
     args: &BenchArgs,
     plan: &BenchPlan,
@@ -373,19 +337,6 @@ fn run_bench(
         }
     }
     Ok(())
-}
-
-/// Every rank's value of `t` (a median time), in rank order (NaN where a rank sent garbage).
-pub(crate) fn every_rank(boot: &Bootstrap, tag: &str, t: f64) -> Res<Vec<f64>> {
-    let all = boot.all_gather(tag, &t.to_le_bytes())?;
-    Ok(all
-        .iter()
-        .map(|b| {
-            b.get(..8)
-                .and_then(|b| b.try_into().ok())
-                .map_or(f64::NAN, f64::from_le_bytes)
-        })
-        .collect())
 }
 
 /// Delays `late`'s stream before each of five dispatches and gathers whom every rank names.

@@ -22,7 +22,6 @@ use epcomm_check::timing::median;
 use epcomm_check::verify::RoundOptions;
 use epcomm_topology::Tiers;
 
-use crate::bench::{Progress, RESULTS_ENV, Res, every_rank};
 use crate::cli::BenchArgs;
 use crate::hier_results::{
     HIER_SCHEMA, HierConfig, HierReport, HierRow, NOTIFY_TOKENS, NotifyReport, TierNotifyReport,
@@ -30,6 +29,7 @@ use crate::hier_results::{
 };
 use crate::results::BenchConfig;
 use crate::validate::{BenchPlan, TransportChoice};
+use crate::worker::{Progress, RESULTS_ENV, Res, every_rank};
 
 /// The seed of the flat bench's workload.
 const SEED: u64 = 2025;

@@ -21,6 +21,7 @@ mod plot;
 mod results;
 mod topo;
 mod validate;
+mod worker;
 
 use std::io::Write as _;
 use std::process::ExitCode;
