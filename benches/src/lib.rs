@@ -20,6 +20,10 @@ use epcomm_check::procs::{WORKER_ENV, gpu_count, is_worker};
 use epcomm_check::timing::{BenchOp, Timer};
 use epcomm_check::verify::{RoundOptions, verified_round};
 
+pub mod internode;
+
+pub use internode::run_hierarchical;
+
 /// Errors of the driver.
 pub type Res<T = ()> = Result<T, Box<dyn std::error::Error>>;
 

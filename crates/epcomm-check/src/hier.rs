@@ -11,7 +11,7 @@ use epcomm_reference::{RankOutput, XData, bf16};
 use epcomm_topology::{RailPrecision, Tiers};
 
 use crate::inputs::{DeviceInputs, HostInputs, upload};
-use crate::verify::{RoundOptions, bits, expert_output, first_diff};
+use crate::verify::{RoundOptions, bits, check_combined, expert_output, first_diff};
 use crate::{CheckError, Result};
 
 /// The flat rows of `want` in two-stage order: row `i` of the hierarchical output is flat row
@@ -129,30 +129,8 @@ pub fn verified_hier_round(
             buf.combine(&y, None, &handle, &mut out, None)?;
         }
         buf.synchronize()?;
-        let got = if t == 0 {
-            Vec::new()
-        } else {
-            stream.clone_dtoh(&out)?
-        };
         let what = format!("hierarchical combine #{round} x");
-        first_diff(
-            &what,
-            rank,
-            &got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-            &want_c[rank]
-                .x
-                .iter()
-                .map(|v| v.to_bits())
-                .collect::<Vec<_>>(),
-        )?;
-        if let Some(w) = &want_c[rank].weights {
-            let got_w = if t == 0 {
-                Vec::new()
-            } else {
-                stream.clone_dtoh(&out_w)?
-            };
-            first_diff(&format!("{what} weights"), rank, &bits(&got_w), &bits(w))?;
-        }
+        check_combined(&what, rank, &stream, t, &out, &out_w, &want_c[rank])?;
     }
     Ok(())
 }

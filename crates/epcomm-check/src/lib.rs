@@ -6,9 +6,12 @@
 //!   output with `epcomm-reference`, bit for bit;
 //! * [`ll`]: low-latency rounds (inputs, expert outputs) checked against the reference;
 //! * [`timing`]: CUDA-event timing with an L2 flush between calls, and DeepEP's bandwidth metric;
+//! * [`hier`] / [`hier_bench`]: a verified hierarchical round; timing of the hierarchical ops
+//!   and DeepEP's internode metrics (rail and NVLink bytes per rank);
 //! * [`procs`]: one-process-per-GPU launching by re-executing the current binary.
 
 pub mod hier;
+pub mod hier_bench;
 pub mod inputs;
 pub mod ll;
 pub mod procs;

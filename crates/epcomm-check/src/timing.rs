@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, sys};
+use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, sys};
 use epcomm::{Buffer, DispatchInput, Handle, Layout, LlFormat, LlRecv, RecvMode, XInput};
 use epcomm_reference::{RankInput, bf16};
 
@@ -170,23 +170,13 @@ impl Timer {
         }
         let mut events = Vec::with_capacity(iters);
         for _ in 0..iters {
-            self.stream.memset_zeros(&mut self.flush)?;
-            let start = self
-                .ctx
-                .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
-            let end = self
-                .ctx
-                .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
-            start.record(&self.stream)?;
+            let (start, end) = flushed_events(&self.ctx, &self.stream, &mut self.flush)?;
             self.run(buf, dev, op)?;
             end.record(&self.stream)?;
             events.push((start, end));
         }
         buf.synchronize()?;
-        events
-            .iter()
-            .map(|(s, e)| Ok(f64::from(s.elapsed_ms(e)?) * 1e3))
-            .collect()
+        elapsed_us(&events)
     }
 
     fn run(&mut self, buf: &mut Buffer, dev: &DeviceInputs, op: BenchOp) -> Result<()> {
@@ -339,6 +329,34 @@ impl LlTimer {
             .map(|(s, e)| Ok(f64::from(s.elapsed_ms(e)?) * 1e3))
             .collect()
     }
+}
+
+/// One timed call's events: flushes L2 (zeroes `flush` on `stream`), then records and returns
+/// the start event; the caller issues the op and records the end event.
+///
+/// # Errors
+/// The driver's.
+pub(crate) fn flushed_events(
+    ctx: &Arc<CudaContext>,
+    stream: &Arc<CudaStream>,
+    flush: &mut CudaSlice<u8>,
+) -> Result<(CudaEvent, CudaEvent)> {
+    stream.memset_zeros(flush)?;
+    let start = ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+    let end = ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+    start.record(stream)?;
+    Ok((start, end))
+}
+
+/// Microseconds between each (start, end) pair (the stream finished).
+///
+/// # Errors
+/// The driver's.
+pub(crate) fn elapsed_us(events: &[(CudaEvent, CudaEvent)]) -> Result<Vec<f64>> {
+    events
+        .iter()
+        .map(|(s, e)| Ok(f64::from(s.elapsed_ms(e)?) * 1e3))
+        .collect()
 }
 
 /// Median of `v` (NaN when empty).

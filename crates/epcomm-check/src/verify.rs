@@ -2,9 +2,11 @@
 //! compared with the CPU reference of the whole exchange.
 
 use std::fmt::Debug;
+use std::sync::Arc;
 
+use cudarc::driver::{CudaSlice, CudaStream};
 use epcomm::{Buffer, DispatchInput, RecvMode};
-use epcomm_reference::{RankOutput, XData, bf16};
+use epcomm_reference::{CombineOutput, RankOutput, XData, bf16};
 
 use crate::inputs::{DeviceInputs, HostInputs, upload};
 use crate::{CheckError, Result};
@@ -228,33 +230,40 @@ pub fn verified_round(
             }
         }
         buf.synchronize()?;
-        let got = if t == 0 {
-            Vec::new()
-        } else {
-            stream.clone_dtoh(&out)?
-        };
         let what = format!(
             "combine #{round}{} x",
             if round == rounds { " (in place)" } else { "" }
         );
-        first_diff(
-            &what,
-            rank,
-            &got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-            &want_c[rank]
-                .x
-                .iter()
-                .map(|v| v.to_bits())
-                .collect::<Vec<_>>(),
-        )?;
-        if let Some(w) = &want_c[rank].weights {
-            let got_w = if t == 0 {
-                Vec::new()
-            } else {
-                stream.clone_dtoh(&out_w)?
-            };
-            first_diff(&format!("{what} weights"), rank, &bits(&got_w), &bits(w))?;
-        }
+        check_combined(&what, rank, &stream, t, &out, &out_w, &want_c[rank])?;
+    }
+    Ok(())
+}
+
+/// A combine's outputs (`t` tokens; the stream is synchronized) against the reference, bit for
+/// bit: `out`, and `out_w` when the reference combined weights.
+pub(crate) fn check_combined(
+    what: &str,
+    rank: usize,
+    stream: &Arc<CudaStream>,
+    t: usize,
+    out: &CudaSlice<bf16>,
+    out_w: &CudaSlice<f32>,
+    want: &CombineOutput,
+) -> Result<()> {
+    let got = if t == 0 {
+        Vec::new()
+    } else {
+        stream.clone_dtoh(out)?
+    };
+    let to_bits = |v: &[bf16]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    first_diff(what, rank, &to_bits(&got), &to_bits(&want.x))?;
+    if let Some(w) = &want.weights {
+        let got_w = if t == 0 {
+            Vec::new()
+        } else {
+            stream.clone_dtoh(out_w)?
+        };
+        first_diff(&format!("{what} weights"), rank, &bits(&got_w), &bits(w))?;
     }
     Ok(())
 }

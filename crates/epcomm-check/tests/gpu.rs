@@ -276,8 +276,15 @@ fn run_suite(w: &Worker, mk: MakeTransport<'_>, test: TestConfig) {
     let (rank, world) = (w.boot.rank(), w.boot.world_size());
     // EPCOMM_TEST_SMALL=1 keeps the small groups (for compute-sanitizer runs).
     let small = std::env::var_os("EPCOMM_TEST_SMALL").is_some();
+    // EPCOMM_TEST_GROUPS=i,j keeps those groups (to rerun one).
+    let only: Option<Vec<usize>> = std::env::var("EPCOMM_TEST_GROUPS")
+        .ok()
+        .map(|v| v.split(',').filter_map(|g| g.trim().parse().ok()).collect());
     for (gi, g) in groups(world).into_iter().enumerate() {
         if small && g.hidden * g.max_tokens > 1 << 20 {
+            continue;
+        }
+        if only.as_ref().is_some_and(|o| !o.contains(&gi)) {
             continue;
         }
         let experts = g.experts_per_rank * world;

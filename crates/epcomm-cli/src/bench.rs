@@ -6,7 +6,7 @@
 //! Workers write only to stderr: their stdout is pointed at stderr at start, so nothing a
 //! library prints can corrupt the machine-readable output.
 
-use std::io::{IsTerminal as _, Write as _};
+use std::io::Write as _;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,25 +15,20 @@ use cudarc::driver::{CudaContext, sys};
 use epcomm::{Buffer, BufferConfig, DispatchInput, DynTransport, RecvMode, XInput};
 use epcomm_bootstrap::{Bootstrap, BootstrapConfig};
 use epcomm_check::inputs::{Shape, device_inputs, host_inputs};
-use epcomm_check::procs::run_workers;
+use epcomm_check::procs::{gpu_count, run_workers};
 use epcomm_check::timing::{BenchOp, LlTimer, Timer, median};
 use epcomm_check::verify::{RoundOptions, verified_round};
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::cli::BenchArgs;
 use crate::doctor::KernelImage;
+use crate::hier_results::HierReport;
 use crate::results::{BenchConfig, BenchReport, SCHEMA, SkewReport, make_row};
 use crate::validate::{BenchPlan, FlagErrors, Machine, TransportChoice, validate_bench};
+use crate::worker::{Progress, RESULTS_ENV, Res, every_rank};
 use crate::{AppError, gpu};
-
-/// Environment variable (set by the launcher for its workers) naming the file rank 0 writes
-/// its results to.
-pub const RESULTS_ENV: &str = "EPCOMM_CLI_RESULTS";
 
 /// How long the workers may run in all.
 const WORKER_TIMEOUT: Duration = Duration::from_secs(1800);
-
-type Res<T = ()> = Result<T, Box<dyn std::error::Error>>;
 
 /// Removes the results file however the launcher leaves.
 struct TempFile(PathBuf);
@@ -88,30 +83,59 @@ pub fn launch(args: &BenchArgs) -> Result<(), AppError> {
         .map(|(key, value)| (key, value.to_string()))
         .collect();
     env.push((RESULTS_ENV, results.0.display().to_string()));
-    eprintln!(
-        "epcomm bench: launching {world} worker(s), one process per GPU, {} transport",
-        plan.transport.spec
-    );
+    let gpus = facts.gpus.len();
+    if world > gpus {
+        eprintln!(
+            "epcomm bench: launching {world} worker(s) on {gpus} GPU(s), ranks sharing GPUs \
+             round-robin, {} transport",
+            plan.transport.spec
+        );
+    } else {
+        eprintln!(
+            "epcomm bench: launching {world} worker(s), one process per GPU, {} transport",
+            plan.transport.spec
+        );
+    }
+    if let Some(t) = plan.tiers {
+        eprintln!(
+            "epcomm bench: hierarchical: {} logical node(s) x {} local rank(s)",
+            t.nodes(),
+            t.local_ranks()
+        );
+    }
     run_workers(world, &argv, &env, WORKER_TIMEOUT).map_err(|e| AppError::Run(e.into()))?;
     let text = std::fs::read_to_string(&results.0).map_err(|e| {
         AppError::Run(format!("rank 0 left no results in {}: {e}", results.0.display()).into())
     })?;
-    let report: BenchReport =
-        serde_json::from_str(&text).map_err(|e| AppError::Run(format!("results: {e}").into()))?;
+    let parse_err = |e: serde_json::Error| AppError::Run(format!("results: {e}").into());
+    if args.hierarchical {
+        let report: HierReport = serde_json::from_str(&text).map_err(parse_err)?;
+        report.check().map_err(|e| AppError::Run(e.into()))?;
+        let out = report
+            .render(args.format())
+            .map_err(|e| AppError::Run(e.into()))?;
+        return write_stdout(&out);
+    }
+    let report: BenchReport = serde_json::from_str(&text).map_err(parse_err)?;
     report.check().map_err(|e| AppError::Run(e.into()))?;
     let out = report
         .render(args.format())
         .map_err(|e| AppError::Run(e.into()))?;
-    let mut stdout = std::io::stdout().lock();
-    stdout
-        .write_all(out.as_bytes())
-        .and_then(|()| stdout.flush())
-        .map_err(|e| AppError::Run(format!("writing the results: {e}").into()))?;
+    write_stdout(&out)?;
     if let Some(path) = &args.plot {
         crate::plot::write_svg(&report, path).map_err(|e| AppError::Run(e.into()))?;
         eprintln!("epcomm bench: plot written to {}", path.display());
     }
     Ok(())
+}
+
+/// The results on stdout.
+fn write_stdout(out: &str) -> Result<(), AppError> {
+    let mut stdout = std::io::stdout().lock();
+    stdout
+        .write_all(out.as_bytes())
+        .and_then(|()| stdout.flush())
+        .map_err(|e| AppError::Run(format!("writing the results: {e}").into()))
 }
 
 /// Checks that this build and machine have what the transport loads in the workers: the
@@ -157,7 +181,8 @@ fn stdout_to_stderr() {
     }
 }
 
-/// A worker process (one rank).
+/// A worker process (one rank): the flat bench, or with `--hierarchical` the internode one
+/// ([`crate::bench_hier`]).
 ///
 /// # Errors
 /// Any failure of the bootstrap, the transport, the verification or the timing.
@@ -165,39 +190,15 @@ pub fn worker(args: &BenchArgs) -> Res {
     stdout_to_stderr();
     let boot = Arc::new(Bootstrap::connect(BootstrapConfig::from_env()?)?);
     let plan = validate_bench(args, Some(boot.world_size()), &Machine::default())?;
-    let ctx = CudaContext::new(boot.local_rank())?;
+    // One rank per GPU; with --hierarchical ranks may share GPUs, round-robin.
+    let gpus = gpu_count()?;
+    let ctx = CudaContext::new(boot.local_rank() % gpus)?;
     let transport = plan.transport.spec.build(ctx.clone(), boot.clone())?;
+    if args.hierarchical {
+        let gpus_used = boot.world_size().min(gpus);
+        return crate::bench_hier::run_hier_bench(args, &plan, &boot, &ctx, &transport, gpus_used);
+    }
     run_bench(args, &plan, &boot, &ctx, &transport)
-}
-
-/// Rank 0's messages on stderr, above the progress bar.
-struct Progress {
-    rank: usize,
-    bar: ProgressBar,
-}
-
-impl Progress {
-    fn new(rank: usize, steps: u64, sweep: bool) -> Self {
-        let draw = rank == 0 && sweep && std::io::stderr().is_terminal();
-        let bar = if draw {
-            let bar = ProgressBar::with_draw_target(Some(steps), ProgressDrawTarget::stderr());
-            if let Ok(style) =
-                ProgressStyle::with_template("{spinner} [{bar:32}] {pos}/{len} {msg} ({elapsed})")
-            {
-                bar.set_style(style.progress_chars("=> "));
-            }
-            bar
-        } else {
-            ProgressBar::hidden()
-        };
-        Self { rank, bar }
-    }
-
-    fn say(&self, msg: impl std::fmt::Display) {
-        if self.rank == 0 {
-            self.bar.suspend(|| eprintln!("{msg}"));
-        }
-    }
 }
 
 fn run_bench(
@@ -336,19 +337,6 @@ fn run_bench(
         }
     }
     Ok(())
-}
-
-/// Every rank's value of `t` (a median time), in rank order (NaN where a rank sent garbage).
-fn every_rank(boot: &Bootstrap, tag: &str, t: f64) -> Res<Vec<f64>> {
-    let all = boot.all_gather(tag, &t.to_le_bytes())?;
-    Ok(all
-        .iter()
-        .map(|b| {
-            b.get(..8)
-                .and_then(|b| b.try_into().ok())
-                .map_or(f64::NAN, f64::from_le_bytes)
-        })
-        .collect())
 }
 
 /// Delays `late`'s stream before each of five dispatches and gathers whom every rank names.

@@ -230,6 +230,13 @@ pub struct BenchArgs {
     /// and receive phases apart) with --tokens tokens per rank (decode sizes: 1 to 256).
     #[arg(long)]
     pub low_latency: bool,
+    /// Time the internode path instead of the flat one: a HierarchicalBuffer (rail dispatch
+    /// over one rank per node, then node dispatch of what arrived; combine in reverse) on a
+    /// transport with more than one logical node, e.g. nvshmem:vnodes=2. Reports rail
+    /// ("RDMA"), NVLink and flat GB/s per op and the notify latency at 128 tokens per rank.
+    /// Ranks may share GPUs (--world above the GPU count: round-robin).
+    #[arg(long)]
+    pub hierarchical: bool,
     /// Comma-separated SM counts to sweep (every op), instead of --sms.
     #[arg(
         long,

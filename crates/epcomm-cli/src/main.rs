@@ -5,19 +5,23 @@
 //! * `epcomm topo` — the world layout and route plan the library computes for a transport
 //!   (pure computation);
 //! * `epcomm bench` — the main job: a verified dispatch + combine benchmark, one process per
-//!   GPU (see [`mod@bench`]).
+//!   GPU (see [`mod@bench`]); `--hierarchical` times the internode path instead
+//!   ([`mod@bench_hier`]).
 //!
 //! Exit codes (docs/cli.md): [`EXIT_OK`], [`EXIT_RUN_FAILED`], [`EXIT_USAGE`],
 //! [`EXIT_ENVIRONMENT`], [`EXIT_REQUIREMENT`].
 
 mod bench;
+mod bench_hier;
 mod cli;
 mod doctor;
 mod gpu;
+mod hier_results;
 mod plot;
 mod results;
 mod topo;
 mod validate;
+mod worker;
 
 use std::io::Write as _;
 use std::process::ExitCode;

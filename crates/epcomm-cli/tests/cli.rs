@@ -80,6 +80,51 @@ fn bad_flags_fail_fast_naming_the_flag_without_spawning_workers() {
         (&["bench", "--transport", "tcp"], "--transport", 2),
         (&["bench", "--json", "--csv"], "--csv", 2),
         (&["bench", "--plot", "x.svg"], "--sweep-sms", 2),
+        // The internode bench needs more than one logical node.
+        (
+            &["bench", "--world", "2", "--hierarchical"],
+            "--hierarchical",
+            2,
+        ),
+        (
+            &[
+                "bench",
+                "--world",
+                "4",
+                "--hierarchical",
+                "--transport",
+                "nvshmem",
+            ],
+            "vnodes=N",
+            2,
+        ),
+        (
+            &[
+                "bench",
+                "--world",
+                "2",
+                "--hierarchical",
+                "--transport",
+                "nvshmem:vnodes=2",
+                "--sweep-sms",
+                "16,24",
+            ],
+            "--sweep-sms",
+            2,
+        ),
+        (
+            &[
+                "bench",
+                "--world",
+                "2",
+                "--hierarchical",
+                "--transport",
+                "nvshmem:vnodes=2",
+                "--low-latency",
+            ],
+            "--low-latency",
+            2,
+        ),
     ] {
         let (out, took) = run(args);
         let err = text(&out.stderr);

@@ -116,7 +116,7 @@ impl RankGroup {
     /// Checks that every member is below `world_size`.
     ///
     /// # Errors
-    /// [`TopologyError::Index`] naming the last member.
+    /// [`TopologyError::IndexOutOfRange`] naming the last member.
     pub fn check_within(&self, world_size: usize) -> Result<()> {
         let last = self.base + (self.size - 1) * self.stride;
         TopologyError::index_check("group member", last, "world_size", world_size)

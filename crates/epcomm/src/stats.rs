@@ -13,6 +13,7 @@ use std::time::Duration;
 pub(crate) mod word {
     pub const OP_SEQ: usize = 0;
     pub const START: usize = 1;
+    pub const COUNTS_READY: usize = 2;
     pub const SENT: usize = 3;
     pub const END: usize = 4;
     pub const KIND: usize = 5;
@@ -33,6 +34,9 @@ pub struct OpStats {
     pub total: Duration,
     /// This rank's time until its own sends were done.
     pub sending: Duration,
+    /// Dispatch only: this rank's time from its start until every peer's counts had arrived
+    /// and its receive count was known (the count exchange, "notify"); `None` for other ops.
+    pub counts_ready: Option<Duration>,
     /// `waits[q][p]`: how long after rank `q` started the op everything it needed from rank
     /// `p` (counts or barrier arrival, and data) was there (zero: nothing waited for).
     pub waits: Vec<Vec<Duration>>,
@@ -48,6 +52,7 @@ pub(crate) struct LocalStats {
     pub op_seq: u64,
     pub total: Duration,
     pub sending: Duration,
+    pub counts_ready: Option<Duration>,
     pub waits: Vec<Duration>,
 }
 
@@ -55,7 +60,8 @@ impl LocalStats {
     pub(crate) fn from_words(w: &[u64]) -> Option<Self> {
         let world = usize::try_from(*w.get(word::WORLD)?).ok()?;
         let peers = w.get(word::PEERS..word::PEERS + 3 * world)?;
-        let op = match w[word::KIND] {
+        let kind = w[word::KIND];
+        let op = match kind {
             2 => "dispatch",
             3 => "cached dispatch",
             4 => "combine",
@@ -68,11 +74,17 @@ impl LocalStats {
         let waits = (0..world)
             .map(|p| since(peers[world + p].max(peers[2 * world + p])))
             .collect();
+        // Only a normal dispatch writes the word; an older op's stamp (before this start, or
+        // after this end) is not this op's.
+        let ready = w[word::COUNTS_READY];
+        let counts_ready =
+            (kind == 2 && ready >= start && ready <= w[word::END]).then(|| since(ready));
         Some(Self {
             op,
             op_seq: w[word::OP_SEQ],
             total: since(w[word::END]),
             sending: since(w[word::SENT]),
+            counts_ready,
             waits,
         })
     }
@@ -191,6 +203,18 @@ mod tests {
             ]
         );
         assert_eq!(l.total, Duration::from_nanos(299_000));
+        // The word was never written (0, before the start): not this op's.
+        assert_eq!(l.counts_ready, None);
+        let mut w = words(3, &[0; 3], &[0; 3]);
+        w[word::COUNTS_READY] = 51_000;
+        let ready = LocalStats::from_words(&w).unwrap().counts_ready;
+        assert_eq!(ready, Some(Duration::from_nanos(50_000)));
+        // Stamped after the op ended (a later op's), or an op without a count exchange.
+        w[word::COUNTS_READY] = 300_001;
+        assert_eq!(LocalStats::from_words(&w).unwrap().counts_ready, None);
+        w[word::COUNTS_READY] = 51_000;
+        w[word::KIND] = 4;
+        assert_eq!(LocalStats::from_words(&w).unwrap().counts_ready, None);
         let wire = l.encode();
         assert_eq!(LocalStats::decode_waits(&wire, 5, 3), Some(l.waits.clone()));
         assert_eq!(
@@ -214,6 +238,7 @@ mod tests {
             rank: 1,
             total: us(10),
             sending: us(5),
+            counts_ready: Some(us(2)),
             waits: vec![
                 vec![us(0), us(210), us(3)],
                 vec![us(1), us(0), us(1)],

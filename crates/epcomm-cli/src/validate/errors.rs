@@ -55,6 +55,14 @@ pub enum FlagError {
         /// Why, and what to use instead.
         why: String,
     },
+    /// `--hierarchical` on a transport and world that form one logical node.
+    #[error("{}", single_node_message(.transport, *.world))]
+    SingleNode {
+        /// The transport spec, as the library prints it.
+        transport: String,
+        /// Ranks of the launch.
+        world: usize,
+    },
     /// Anything else about one flag.
     #[error("{flag}: {why}")]
     Invalid {
@@ -74,6 +82,7 @@ impl FlagError {
             | Self::NotMultiple { flag, .. }
             | Self::Unsupported { flag, .. }
             | Self::Invalid { flag, .. } => flag,
+            Self::SingleNode { .. } => "--hierarchical",
         }
     }
 
@@ -173,6 +182,24 @@ impl FlagError {
             },
         }
     }
+}
+
+/// [`FlagError::SingleNode`]'s text: what is wrong and how to get several logical nodes.
+fn single_node_message(transport: &str, world: usize) -> String {
+    let ranks = if world < 2 {
+        format!(
+            "--world {world} is one rank, and one rank is one node: give --world 2 or more (with \
+             --hierarchical ranks may share GPUs) and "
+        )
+    } else {
+        format!("--transport {transport} puts the {world} ranks of this host in one node: ")
+    };
+    format!(
+        "--hierarchical: needs more than one logical node; {ranks}split the host into logical \
+         nodes with a spec `<transport>:vnodes=N` (N >= 2 dividing --world; e.g. --transport \
+         nvshmem:vnodes=2 or proxy-ce:vnodes=2, the rail between them carried by put/signal), \
+         or run the ranks on several hosts (one node per host)"
+    )
 }
 
 /// The argument a topology error is about.

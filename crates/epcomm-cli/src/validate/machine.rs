@@ -6,6 +6,8 @@
 
 use std::path::Path;
 
+use epcomm_topology::Tiers;
+
 use super::FlagError;
 use crate::cli::BenchArgs;
 use crate::gpu::GpuInfo;
@@ -31,10 +33,11 @@ impl Machine {
     }
 
     /// The smallest SM count and memory among the GPUs a run of `world` ranks uses (the first
-    /// `world`): `None` while the GPUs or the world are unknown, or fewer GPUs than ranks.
+    /// `world`, every GPU when ranks share them): `None` while the GPUs or the world are
+    /// unknown.
     pub fn smallest_used(&self, world: Option<usize>) -> (Option<u32>, Option<u64>) {
         let used: Option<&[GpuInfo]> = match (self.gpus.as_deref(), world) {
-            (Some(g), Some(w)) => g.get(..w),
+            (Some(g), Some(w)) => g.get(..w.min(g.len())).filter(|g| !g.is_empty()),
             _ => None,
         };
         (
@@ -77,6 +80,44 @@ pub fn device_bytes_estimate(
     Some(u128::from(plan.total_bytes()) + inputs + timing + (512 << 20))
 }
 
+/// Estimated GPU memory one rank of `--hierarchical` needs: the rail stage's buffer (over the
+/// nodes, `tokens` per rank), the node stage's (over the local ranks, as many tokens as the
+/// rail stage receives, a node's experts), the combine partials, the inputs, the timing
+/// buffers and 512 MiB for the context and kernels. `None` when a plan refuses the shape or
+/// the sizes overflow.
+pub fn hier_device_bytes_estimate(
+    tiers: Tiers,
+    tokens: usize,
+    hidden: usize,
+    top_k: usize,
+    experts: usize,
+) -> Option<u128> {
+    use epcomm_topology::BufferPlan;
+    let rail = BufferPlan::new(tiers.nodes(), tokens, hidden, top_k, experts).ok()?;
+    let rail_rows = usize::try_from(rail.recv_rows()).ok()?;
+    let node = BufferPlan::new(
+        tiers.local_ranks(),
+        rail_rows,
+        hidden,
+        top_k,
+        experts / tiers.nodes(),
+    )
+    .ok()?;
+    let (t, h, k) = (tokens as u128, hidden as u128, top_k as u128);
+    let rows = u128::from(node.recv_rows());
+    let partials = rail_rows as u128 * (h * 2 + k * 4);
+    let inputs = t * (h * 3 + h / 128 * 4 + k * 12);
+    let timing = epcomm_check::timing::FLUSH_BYTES as u128 + rows * h * 2 + t * h * 2;
+    Some(
+        u128::from(rail.total_bytes())
+            + u128::from(node.total_bytes())
+            + partials
+            + inputs
+            + timing
+            + (512 << 20),
+    )
+}
+
 /// Estimated host memory of the whole run: every worker generates every rank's inputs (and
 /// the reference) on the host, about `world * tokens * hidden * 4` bytes each.
 pub fn host_bytes_estimate(world: usize, tokens: usize, hidden: usize) -> u128 {
@@ -85,15 +126,23 @@ pub fn host_bytes_estimate(world: usize, tokens: usize, hidden: usize) -> u128 {
 }
 
 /// The memory the run needs against what the GPUs (`gpu_memory`: the smallest) and the host
-/// have; all reported on `--tokens`.
+/// have; all reported on `--tokens`. `per_rank`: the device estimate of one rank (`None`:
+/// the sizes overflow), `ranks_per_gpu` ranks on each GPU.
 pub(super) fn memory_errors(
     args: &BenchArgs,
     w: usize,
+    per_rank: Option<u128>,
+    ranks_per_gpu: usize,
     gpu_memory: Option<u64>,
     host_memory: Option<u64>,
 ) -> Vec<FlagError> {
     let (t, h) = (args.tokens, args.hidden);
     let what = format!("--tokens {t} with --hidden {h} and --world {w}");
+    let whose = if ranks_per_gpu > 1 {
+        format!("GPU memory ({ranks_per_gpu} ranks share each GPU); the smallest GPU has")
+    } else {
+        "GPU memory per rank; the smallest GPU has".into()
+    };
     let too_much = |need: u128, have: Option<u64>, whose: &str| {
         have.filter(|&have| need > u128::from(have))
             .map(|have| FlagError::Invalid {
@@ -105,16 +154,12 @@ pub(super) fn memory_errors(
                 ),
             })
     };
-    let device = match device_bytes_estimate(w, t, h, args.top_k, args.experts) {
+    let device = match per_rank {
         None => Some(FlagError::Invalid {
             flag: "--tokens",
             why: format!("{what}: buffer sizes overflow"),
         }),
-        Some(need) => too_much(
-            need,
-            gpu_memory,
-            "GPU memory per rank; the smallest GPU has",
-        ),
+        Some(need) => too_much(need * ranks_per_gpu as u128, gpu_memory, &whose),
     };
     let host = too_much(
         host_bytes_estimate(w, t, h),

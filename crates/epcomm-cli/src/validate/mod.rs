@@ -9,10 +9,12 @@
 //!
 //! One idea per module: [`errors`] (the errors, naming flags), [`shape`] (the shape and capacity
 //! rules of each flag group), [`transport`] (transport choice and route plans, by the library),
-//! [`machine`] (what the host offers: GPUs, memory, the file system). [`validate_bench`] runs
-//! them in a fixed order, which is the order its errors are printed in.
+//! [`machine`] (what the host offers: GPUs, memory, the file system), [`hier`] (the rules of
+//! `--hierarchical`). [`validate_bench`] runs them in a fixed order, which is the order its
+//! errors are printed in.
 
 mod errors;
+mod hier;
 mod machine;
 mod shape;
 mod transport;
@@ -39,6 +41,8 @@ pub struct BenchPlan {
     pub fp8: bool,
     /// The transport, schedule and route policy.
     pub transport: TransportChoice,
+    /// With `--hierarchical`, once the world is known: its logical nodes x local ranks.
+    pub tiers: Option<epcomm_topology::Tiers>,
     /// Things worth telling the user (stderr).
     pub notes: Vec<String>,
 }
@@ -57,7 +61,13 @@ pub fn validate_bench(
     let mut errs = Vec::new();
     let mut notes = args.comm.deprecations();
 
-    let world = shape::world(args, world_hint, machine.gpus.as_deref(), &mut errs);
+    let world = shape::world(
+        args,
+        world_hint,
+        machine.gpus.as_deref(),
+        &mut errs,
+        &mut notes,
+    );
     let (min_sms, min_mem) = machine.smallest_used(world);
     shape::iters(args, &mut errs);
     let tokens_ok = shape::tokens(args, world, &mut errs);
@@ -77,6 +87,9 @@ pub fn validate_bench(
     };
 
     let delay_us = shape::delay(args, world, &mut errs);
+    let errs_before = errs.len();
+    let tiers = hier::hierarchical(args, world, transport.as_ref(), &mut errs);
+    let hier_ok = errs.len() == errs_before;
 
     // Memory, when everything it depends on is valid and the machine is known.
     if let Some(w) = world
@@ -84,10 +97,22 @@ pub fn validate_bench(
         && hidden_ok
         && experts_ok
         && top_k_ok
+        && hier_ok
     {
+        let (t, h, k, e) = (args.tokens, args.hidden, args.top_k, args.experts);
+        let per_rank = match tiers {
+            Some(tiers) => machine::hier_device_bytes_estimate(tiers, t, h, k, e),
+            None => machine::device_bytes_estimate(w, t, h, k, e),
+        };
+        let ranks_per_gpu = machine
+            .gpus
+            .as_ref()
+            .map_or(1, |g| w.div_ceil(g.len().max(1)));
         errs.extend(machine::memory_errors(
             args,
             w,
+            per_rank,
+            ranks_per_gpu,
             min_mem,
             machine.host_memory_bytes,
         ));
@@ -107,6 +132,7 @@ pub fn validate_bench(
             delay: args.delay_rank.map(|r| (r, delay_us)),
             fp8,
             transport,
+            tiers,
             notes,
         }),
         _ => Err(FlagErrors(errs)),

@@ -42,12 +42,15 @@ pub fn world_rule(world: usize, why_suffix: &str) -> Option<FlagError> {
 }
 
 /// `--world`, or `world_hint` in its place: [`world_rule`], then one rank per visible GPU
-/// (when `gpus` are known). The world the other rules use: `None` when unknown or broken.
+/// (when `gpus` are known) unless ranks may share GPUs (`--hierarchical`: ranks map to GPUs
+/// round-robin, and a note in `notes` says so). The world the other rules use: `None` when
+/// unknown or broken.
 pub(super) fn world(
     args: &BenchArgs,
     world_hint: Option<usize>,
     gpus: Option<&[GpuInfo]>,
     errs: &mut Vec<FlagError>,
+    notes: &mut Vec<String>,
 ) -> Option<usize> {
     let w = args.world.or(world_hint)?;
     let default = if args.world.is_none() {
@@ -59,7 +62,7 @@ pub(super) fn world(
         errs,
         [
             world_rule(w, default),
-            gpus.and_then(|g| {
+            gpus.filter(|_| !args.hierarchical).and_then(|g| {
                 FlagError::at_most(
                     "--world",
                     w as u64,
@@ -72,7 +75,15 @@ pub(super) fn world(
             }),
         ],
     )
-    .then_some(w)
+    .then(|| {
+        if let Some(n) = gpus.map(<[GpuInfo]>::len).filter(|&n| n > 0 && w > n) {
+            notes.push(format!(
+                "--world {w} on {n} GPU(s): ranks share GPUs round-robin (rank r on GPU r % {n}); \
+                 the times include that sharing, not the speed of one GPU per rank"
+            ));
+        }
+        w
+    })
 }
 
 /// `--iters` (1 ..= [`MAX_ITERS`]) and `--warmup` (0 ..= [`MAX_ITERS`]).

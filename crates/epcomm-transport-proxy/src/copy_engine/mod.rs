@@ -8,10 +8,12 @@
 //! | signal set | `cuStreamWriteValue64` (with its default memory barrier); where the driver refuses it, an 8-byte copy from the arena |
 //! | signal add | the same, writing a running sum kept here (see below) |
 //!
-//! **Copies go out in batches**: a lane collects its copies and hands them to the driver in one
-//! `cuMemcpyBatchAsync` (source read in stream order, with the hint to use the copy engines
-//! rather than SMs) before a signal, when 1024 are pending, and at each poll. Where the driver
-//! refuses a batch, each copy is one `cuMemcpyAsync` ([`Self::set_batch_copies`] can force that).
+//! **Copies**: a lane collects its copies and hands them to its stream before a signal, when
+//! 1024 are pending, and at each poll: one `cuMemcpyAsync` each (the default), or, with
+//! [`CopyEngineExecutor::set_batch_copies`], one `cuMemcpyBatchAsync` (source read in stream
+//! order, with the hint to use the copy engines rather than SMs), falling back to single
+//! copies where the driver refuses it. Batches are off by default: they lost copies in a
+//! measured case (a 16 384-token dispatch; docs/proxy.md, "Status").
 
 //! **Ordering.** One stream per peer and submission order kept on it: a signal is written after
 //! every earlier copy and write to that peer has completed, with a memory barrier before it —
@@ -191,13 +193,14 @@ impl CopyEngineExecutor {
             in_flight: 0,
             max_in_flight: max_in_flight.max(1),
             signals_by_copy: false,
-            batched: true,
+            batched: false,
             mirror: None,
             watch: Arc::new(CallWatch::default()),
         })
     }
 
-    /// Whether copies go out in batches (the default) or one `cuMemcpyAsync` each.
+    /// Whether copies go out in batches or one `cuMemcpyAsync` each (the transport's default:
+    /// batches lost copies in a measured case, see `ProxyOptions::batch_copies`).
     pub fn set_batch_copies(&mut self, on: bool) {
         self.batched = on;
     }

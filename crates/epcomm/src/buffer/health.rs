@@ -183,6 +183,7 @@ impl Buffer {
             rank: self.rank,
             total: local.total,
             sending: local.sending,
+            counts_ready: local.counts_ready,
             waits,
             ranks,
         }))

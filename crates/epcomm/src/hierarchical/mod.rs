@@ -20,7 +20,7 @@
 //! **Combine** = a node combine (each forwarder sums its node's contributions to every token it
 //! forwarded, in f32 in local-rank order, into one bf16 partial), then a rail combine (the
 //! source sums the partials of every node in node order, f32, one rounding). The order and
-//! precision are [`epcomm_reference::hierarchical_combine_staged`]'s with a bf16 rail.
+//! precision are `epcomm_reference::hierarchical_combine_staged`'s with a bf16 rail.
 //!
 //! What a rank's own node receives also takes the two stages (a copy into its own rail receive
 //! region, then the node stage): one extra local copy per token, in exchange for one code path.
@@ -347,7 +347,7 @@ impl HierarchicalBuffer {
 
     /// Sends expert outputs back and reduces them: `y` holds one `[hidden]` bf16 row per row
     /// this rank received (the node stage's order), `out` gets `[num_tokens][hidden]` bf16 per
-    /// [`epcomm_reference::hierarchical_combine_staged`] (bf16 rail). `y_weights` /
+    /// `epcomm_reference::hierarchical_combine_staged` (bf16 rail). `y_weights` /
     /// `out_weights` (`[rows][top_k]` / `[num_tokens][top_k]` f32) are summed the same way, in
     /// f32 throughout. Collective.
     ///
@@ -473,5 +473,47 @@ impl ForwardViews {
             topk_idx: &self.topk_idx,
             topk_weights: self.topk_weights.as_ref().map(|w| w as &dyn DevicePtr<f32>),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    fn stats(rank: usize, waits: Vec<Vec<u64>>, ranks: Vec<usize>) -> OpStats {
+        OpStats {
+            op: "dispatch",
+            op_seq: 1,
+            rank,
+            total: Duration::from_micros(100),
+            sending: Duration::from_micros(10),
+            waits: waits
+                .into_iter()
+                .map(|r| r.into_iter().map(Duration::from_micros).collect())
+                .collect(),
+            ranks,
+            counts_ready: None,
+        }
+    }
+
+    #[test]
+    fn late_names_the_world_rank_and_the_tier_with_the_longest_wait() {
+        // 2 nodes x 2, seen from rank 1: rail group {1, 3}, node group {0, 1}.
+        // Rail: rank 1 waited 900 us for rank 3. Node: rank 0 waited 50 us for rank 1.
+        let h = HierStats {
+            rail: stats(0, vec![vec![0, 900], vec![0, 0]], vec![1, 3]),
+            node: stats(1, vec![vec![0, 50], vec![0, 0]], vec![0, 1]),
+        };
+        assert_eq!(h.late(), (3, "rail", Duration::from_micros(900)));
+        let text = h.to_string();
+        assert!(text.starts_with("late rank 3 (on the rail tier"), "{text}");
+        // A longer NVLink wait wins.
+        let h = HierStats {
+            rail: stats(0, vec![vec![0, 10], vec![0, 0]], vec![1, 3]),
+            node: stats(1, vec![vec![0, 0], vec![700, 0]], vec![0, 1]),
+        };
+        assert_eq!(h.late(), (0, "node", Duration::from_micros(700)));
     }
 }

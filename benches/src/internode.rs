@@ -1,0 +1,345 @@
+//! The criterion driver of the hierarchical (internode) ops: [`epcomm::HierarchicalBuffer`]
+//! dispatch (BF16, FP8), cached dispatch and combine on a transport with several logical
+//! nodes, same workload, launch and lockstep protocol as [`crate::run`].
+//!
+//! Unlike the flat targets it never skips: no usable GPU, fewer than 2 ranks, or a spec that
+//! gives one logical node is an [`InternodeError`] (the target prints it and exits 1) before
+//! any rank starts. Ranks may share GPUs (`EPCOMM_BENCH_WORLD` above the GPU count: rank `r`
+//! on GPU `r % GPUs`), which measures correctness and relative cost, not the speed of one GPU
+//! per rank.
+
+use std::time::Duration;
+
+use criterion::{Criterion, Throughput};
+use cudarc::driver::CudaContext;
+use epcomm::{BufferConfig, HierarchicalBuffer};
+use epcomm_backends::TransportSpec;
+use epcomm_bootstrap::launch::{LocalLaunch, free_port};
+use epcomm_check::hier::verified_hier_round;
+use epcomm_check::hier_bench::{HierOp, HierTimer, hier_rows};
+use epcomm_check::inputs::{Shape, device_inputs, host_inputs};
+use epcomm_check::procs::{WORKER_ENV, gpu_count, is_worker};
+use epcomm_check::verify::RoundOptions;
+use epcomm_topology::Tiers;
+
+use crate::{Res, connect, schedule_and_routes, workload};
+
+/// The variable naming the transport spec.
+pub const TRANSPORT_ENV: &str = "EPCOMM_BENCH_TRANSPORT";
+/// The spec when [`TRANSPORT_ENV`] is unset or empty.
+pub const DEFAULT_SPEC: &str = "nvshmem:vnodes=2";
+/// The variable naming the number of ranks.
+pub const WORLD_ENV: &str = "EPCOMM_BENCH_WORLD";
+
+/// Why the internode bench cannot run (before any rank starts).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum InternodeError {
+    /// No CUDA driver or no GPU.
+    #[error("{0}")]
+    NoGpu(String),
+    /// An environment variable has a value the bench cannot use.
+    #[error("{var}={value:?}: {rule}")]
+    BadVariable {
+        /// The variable.
+        var: &'static str,
+        /// Its value.
+        value: String,
+        /// The rule it breaks.
+        rule: String,
+    },
+    /// Fewer than two ranks.
+    #[error(
+        "it needs at least 2 ranks and would start {world} (this \
+         machine has {gpus} GPU(s)); set {WORLD_ENV}=2 or more (ranks may share GPUs)"
+    )]
+    TooFewRanks {
+        /// Ranks it would start.
+        world: usize,
+        /// GPUs visible.
+        gpus: usize,
+    },
+    /// The spec puts the whole world in one logical node.
+    #[error(
+        "{TRANSPORT_ENV}={spec} puts the {world} ranks in one logical \
+         node; give a spec with several, e.g. nvshmem:vnodes=2 or proxy-ce:vnodes=2"
+    )]
+    OneNode {
+        /// The spec.
+        spec: String,
+        /// Ranks.
+        world: usize,
+    },
+}
+
+/// The spec from `value` ([`TRANSPORT_ENV`]'s value; [`DEFAULT_SPEC`] when `None` or empty).
+///
+/// # Errors
+/// [`InternodeError::BadVariable`] with the library's rule.
+pub fn spec_from(value: Option<&str>) -> Result<TransportSpec, InternodeError> {
+    let text = value.filter(|v| !v.is_empty()).unwrap_or(DEFAULT_SPEC);
+    text.parse().map_err(
+        |e: epcomm_backends::TransportError| InternodeError::BadVariable {
+            var: TRANSPORT_ENV,
+            value: text.into(),
+            rule: e.to_string(),
+        },
+    )
+}
+
+/// The ranks to start: `value` ([`WORLD_ENV`]'s value) or one per GPU; at least 2.
+///
+/// # Errors
+/// [`InternodeError::BadVariable`] when `value` is not a positive integer;
+/// [`InternodeError::TooFewRanks`] below 2.
+pub fn world_from(value: Option<&str>, gpus: usize) -> Result<usize, InternodeError> {
+    let world = match value.filter(|v| !v.is_empty()) {
+        None => gpus,
+        Some(v) => v.parse::<usize>().ok().filter(|&w| w > 0).ok_or_else(|| {
+            InternodeError::BadVariable {
+                var: WORLD_ENV,
+                value: v.into(),
+                rule: "must be a positive integer (ranks)".into(),
+            }
+        })?,
+    };
+    if world < 2 {
+        return Err(InternodeError::TooFewRanks { world, gpus });
+    }
+    Ok(world)
+}
+
+/// The logical nodes `spec` forms from `world` ranks on this host: more than one.
+///
+/// # Errors
+/// [`InternodeError::BadVariable`] when the library refuses the layout (e.g. `vnodes` not
+/// dividing the world), [`InternodeError::OneNode`] when it is one node.
+pub fn tiers_of(spec: TransportSpec, world: usize) -> Result<Tiers, InternodeError> {
+    let layout = spec
+        .world_layout(world, 0, world)
+        .map_err(|e| InternodeError::BadVariable {
+            var: TRANSPORT_ENV,
+            value: spec.to_string(),
+            rule: format!("with {world} ranks: {e}"),
+        })?;
+    let tiers = Tiers::from(&layout);
+    if tiers.nodes() < 2 {
+        return Err(InternodeError::OneNode {
+            spec: spec.to_string(),
+            world,
+        });
+    }
+    Ok(tiers)
+}
+
+/// Runs the hierarchical benchmark on `spec` (every rank calls it: rank 0 runs criterion,
+/// the followers it starts run the same calls).
+///
+/// # Errors
+/// [`InternodeError`] before any rank starts; afterwards any failure of the bootstrap, the
+/// buffers, the verification or the timing.
+pub fn run_hierarchical(spec: TransportSpec) -> Res {
+    let transport = spec.to_string();
+    let gpus = gpu_count().map_err(InternodeError::NoGpu)?;
+    let world = world_from(std::env::var(WORLD_ENV).ok().as_deref(), gpus)?;
+    tiers_of(spec, world)?;
+    let mut followers = None;
+    let port = if is_worker() {
+        0
+    } else {
+        let port = free_port()?;
+        let exe = std::env::current_exe()?;
+        let g = LocalLaunch::new(exe, Vec::<String>::new())
+            .world_size(world)
+            .ranks(1..world)
+            .master_port(port)
+            .env(WORKER_ENV, "1")
+            .spawn()?;
+        followers = Some(g);
+        port
+    };
+    let boot = connect(world, 0, port)?;
+    let rank = boot.rank();
+    let world = boot.world_size();
+    let ctx = CudaContext::new(boot.local_rank() % gpus)?;
+    let (tokens, hidden, top_k, experts, sms) = workload();
+    let mut cfg = BufferConfig::new(tokens, hidden, top_k, experts);
+    cfg.num_sms = sms;
+    (cfg.schedule, cfg.routes) = schedule_and_routes()?;
+    let (schedule, routes) = (cfg.schedule, cfg.routes);
+    let mut buf = HierarchicalBuffer::new(ctx.clone(), spec.build(ctx, boot.clone())?, cfg)?;
+    let tiers = buf.tiers();
+    let inputs = host_inputs(&Shape::uniform(world, tokens, hidden, top_k, experts, 2025))?;
+    let dev = device_inputs(buf.stream(), &inputs, rank)?;
+    let opts = RoundOptions {
+        in_place: false,
+        check_layout: false,
+        ..RoundOptions::default()
+    };
+    verified_hier_round(&mut buf, &inputs, &dev, opts)?;
+    verified_hier_round(&mut buf, &inputs, &dev, RoundOptions { fp8: true, ..opts })?;
+    let mut timer = HierTimer::new(&mut buf, &dev)?;
+    if rank != 0 {
+        loop {
+            let msg = boot.broadcast("internode-step", 0, None)?;
+            let (op, iters) = decode_step(&msg)?;
+            let Some(op) = op else { break };
+            timer.time(&mut buf, &dev, op, iters)?;
+        }
+        drop(timer);
+        drop(buf);
+        return Ok(());
+    }
+    let idx: Vec<&[i64]> = inputs.bf16.iter().map(|i| i.topk_idx.as_slice()).collect();
+    let rows = hier_rows(&idx, top_k, experts, tiers)?;
+    let mine = rows.first().copied().unwrap_or_default();
+    let mut c = Criterion::default()
+        .configure_from_args()
+        .sample_size(20)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(3));
+    let mut group = c.benchmark_group(format!(
+        "{transport}/ep{world}/{}x{}/{sms}sms/{schedule}/{routes}",
+        tiers.nodes(),
+        tiers.local_ranks()
+    ));
+    eprintln!(
+        "internode bench: {world} ranks = {} node(s) x {} on {} GPU(s); criterion's throughput \
+         is rank 0's rail (\"RDMA\") bytes per op",
+        tiers.nodes(),
+        tiers.local_ranks(),
+        world.min(gpus)
+    );
+    for (i, op) in HierOp::ALL.into_iter().enumerate() {
+        let bytes = mine.bytes(op, hidden);
+        eprintln!(
+            "  {}: rank 0 moves {:.0} rail, {:.0} NVLink bytes, receives {:.0} bytes",
+            op.name(),
+            bytes.rail,
+            bytes.nvlink,
+            bytes.flat
+        );
+        group.throughput(Throughput::Bytes(bytes.rail as u64));
+        group.bench_function(op.name(), |b| {
+            b.iter_custom(|iters| {
+                let step = boot
+                    .broadcast("internode-step", 0, Some(&encode_step(i as u8, iters)))
+                    .map(|_| ());
+                let times = step.map_err(|e| e.to_string()).and_then(|_| {
+                    timer
+                        .time(&mut buf, &dev, op, iters as usize)
+                        .map_err(|e| e.to_string())
+                });
+                match times {
+                    Ok(t) => Duration::from_secs_f64(t.iter().sum::<f64>() * 1e-6),
+                    Err(e) => panic!("benchmark step failed: {e}"),
+                }
+            })
+        });
+    }
+    group.finish();
+    boot.broadcast("internode-step", 0, Some(&encode_step(u8::MAX, 0)))?;
+    drop(timer);
+    drop(buf);
+    if let Some(mut g) = followers {
+        g.wait(Duration::from_secs(60))?;
+    }
+    c.final_summary();
+    Ok(())
+}
+
+/// A step message: the op's index in [`HierOp::ALL`] (`u8::MAX`: stop) and the calls.
+fn encode_step(op: u8, iters: u64) -> Vec<u8> {
+    let mut msg = vec![op];
+    msg.extend_from_slice(&iters.to_le_bytes());
+    msg
+}
+
+/// The op (`None`: stop) and the calls of a step message.
+fn decode_step(msg: &[u8]) -> Res<(Option<HierOp>, usize)> {
+    let (&op, rest) = msg.split_first().ok_or("empty step message")?;
+    let iters = u64::from_le_bytes(rest.try_into()?);
+    if op == u8::MAX {
+        return Ok((None, 0));
+    }
+    let op = HierOp::ALL
+        .get(usize::from(op))
+        .copied()
+        .ok_or_else(|| format!("step message names op {op}, not one of HierOp::ALL"))?;
+    Ok((Some(op), usize::try_from(iters)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spec_defaults_to_two_virtual_nodes() {
+        assert_eq!(spec_from(None).unwrap().to_string(), DEFAULT_SPEC);
+        assert_eq!(spec_from(Some("")).unwrap().to_string(), DEFAULT_SPEC);
+        assert_eq!(
+            spec_from(Some("proxy-ce:vnodes=2")).unwrap().to_string(),
+            "proxy-ce:vnodes=2"
+        );
+        let e = spec_from(Some("tcp")).unwrap_err();
+        assert!(
+            matches!(
+                &e,
+                InternodeError::BadVariable {
+                    var: TRANSPORT_ENV,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn fewer_than_two_ranks_fail() {
+        assert_eq!(world_from(None, 4), Ok(4));
+        assert_eq!(world_from(Some("2"), 1), Ok(2));
+        assert_eq!(
+            world_from(None, 1),
+            Err(InternodeError::TooFewRanks { world: 1, gpus: 1 })
+        );
+        let e = world_from(Some("1"), 8).unwrap_err();
+        assert!(e.to_string().contains("EPCOMM_BENCH_WORLD=2"), "{e}");
+        for bad in ["0", "two", "-1"] {
+            assert!(matches!(
+                world_from(Some(bad), 2),
+                Err(InternodeError::BadVariable { var: WORLD_ENV, .. })
+            ));
+        }
+    }
+
+    #[test]
+    fn one_logical_node_fails() {
+        let spec = |s: &str| s.parse::<TransportSpec>().unwrap();
+        assert_eq!(
+            tiers_of(spec("nvshmem:vnodes=2"), 4),
+            Ok(Tiers::new(2, 2).unwrap())
+        );
+        assert_eq!(
+            tiers_of(spec("nvshmem"), 2),
+            Err(InternodeError::OneNode {
+                spec: "nvshmem".into(),
+                world: 2
+            })
+        );
+        assert!(matches!(
+            tiers_of(spec("nvshmem:vnodes=3"), 4),
+            Err(InternodeError::BadVariable { .. })
+        ));
+    }
+
+    #[test]
+    fn step_messages_round_trip() {
+        for (i, op) in HierOp::ALL.into_iter().enumerate() {
+            let (got, iters) = decode_step(&encode_step(i as u8, 7)).unwrap();
+            assert_eq!((got, iters), (Some(op), 7));
+        }
+        assert_eq!(decode_step(&encode_step(u8::MAX, 0)).unwrap().0, None);
+        assert!(decode_step(&encode_step(9, 1)).is_err());
+        assert!(decode_step(&[]).is_err());
+        assert!(decode_step(&[0, 1, 2]).is_err());
+    }
+}

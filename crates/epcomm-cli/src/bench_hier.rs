@@ -1,0 +1,290 @@
+//! `epcomm bench --hierarchical`: a worker's part of the internode bench.
+//!
+//! Every rank builds a [`HierarchicalBuffer`] over the transport's logical nodes, verifies a
+//! BF16 (and, when the hidden size allows, an FP8) round of dispatch, combine, cached dispatch
+//! and combine against the CPU reference bit for bit, then times the hierarchical ops the way
+//! the flat bench times its own (CUDA events on the buffer's stream around each call, L2
+//! flushed before it, every rank running the same calls in lockstep). Then the notify latency:
+//! a second buffer for [`NOTIFY_TOKENS`] tokens per rank, verified too, its BF16 dispatch
+//! timed, and each tier's counts-ready time read from the stats blocks. The rows each tier
+//! carries come from the CPU reference's routing ([`hier_rows`]); a rank whose device receive
+//! count differs from it stops the run. Rank 0 hands a [`HierReport`] to the launcher.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, sys};
+use epcomm::{BufferConfig, DynTransport, HierarchicalBuffer};
+use epcomm_bootstrap::Bootstrap;
+use epcomm_check::hier::verified_hier_round;
+use epcomm_check::hier_bench::{HierOp, HierRows, HierTimer, hier_rows, notify_stats};
+use epcomm_check::inputs::{HostInputs, Shape, device_inputs, host_inputs};
+use epcomm_check::timing::median;
+use epcomm_check::verify::RoundOptions;
+use epcomm_topology::Tiers;
+
+use crate::cli::BenchArgs;
+use crate::hier_results::{
+    HIER_SCHEMA, HierConfig, HierReport, HierRow, NOTIFY_TOKENS, NotifyReport, TierNotifyReport,
+    make_hier_row,
+};
+use crate::results::BenchConfig;
+use crate::validate::{BenchPlan, TransportChoice};
+use crate::worker::{Progress, RESULTS_ENV, Res, every_rank};
+
+/// The seed of the flat bench's workload.
+const SEED: u64 = 2025;
+
+/// A failure of the internode bench that is not a library's.
+#[derive(Debug, thiserror::Error)]
+pub enum HierBenchError {
+    /// The device's receive count differs from the reference's routing.
+    #[error(
+        "rank {rank}: the hierarchical dispatch of {tokens} tokens/rank received {device} rows, \
+         the reference routes {reference} to it"
+    )]
+    RecvMismatch {
+        /// The rank.
+        rank: usize,
+        /// Tokens per rank.
+        tokens: usize,
+        /// Rows the device reported.
+        device: usize,
+        /// Rows the reference routes to the rank.
+        reference: u64,
+    },
+    /// The reference gave no rows for a rank of the world.
+    #[error("the reference's rows per tier have no entry for rank {0}")]
+    NoRows(usize),
+}
+
+/// One buffer's worth of the bench: its inputs, every rank's rows per tier.
+struct Workload {
+    inputs: HostInputs,
+    rows: Vec<HierRows>,
+}
+
+impl Workload {
+    fn new(args: &BenchArgs, world: usize, tokens: usize, tiers: Tiers) -> Res<Self> {
+        let shape = Shape::uniform(world, tokens, args.hidden, args.top_k, args.experts, SEED);
+        let inputs = host_inputs(&shape)?;
+        let idx: Vec<&[i64]> = inputs.bf16.iter().map(|i| i.topk_idx.as_slice()).collect();
+        let rows = hier_rows(&idx, args.top_k, args.experts, tiers)?;
+        Ok(Self { inputs, rows })
+    }
+
+    fn rows(&self, rank: usize) -> Result<&HierRows, HierBenchError> {
+        self.rows.get(rank).ok_or(HierBenchError::NoRows(rank))
+    }
+}
+
+/// The buffer configuration for `tokens` tokens per rank.
+fn config(args: &BenchArgs, tokens: usize, transport: &TransportChoice) -> BufferConfig {
+    let mut cfg = BufferConfig::new(tokens, args.hidden, args.top_k, args.experts);
+    cfg.num_sms = args.sms;
+    (cfg.schedule, cfg.routes) = (transport.schedule, transport.routes);
+    cfg
+}
+
+/// Stops the run when the device's receive count is not the reference's.
+fn check_recv(rank: usize, tokens: usize, device: usize, rows: &HierRows) -> Res {
+    if device as u64 == rows.recv {
+        return Ok(());
+    }
+    Err(HierBenchError::RecvMismatch {
+        rank,
+        tokens,
+        device,
+        reference: rows.recv,
+    }
+    .into())
+}
+
+/// The verification rounds: BF16, and FP8 when `fp8`.
+fn verify(
+    buf: &mut HierarchicalBuffer,
+    w: &Workload,
+    dev: &epcomm_check::inputs::DeviceInputs,
+    fp8: bool,
+) -> Res {
+    let bf16 = RoundOptions {
+        in_place: false,
+        check_layout: false,
+        ..RoundOptions::default()
+    };
+    verified_hier_round(buf, &w.inputs, dev, bf16)?;
+    if fp8 {
+        verified_hier_round(buf, &w.inputs, dev, RoundOptions { fp8: true, ..bf16 })?;
+    }
+    Ok(())
+}
+
+/// Every rank's value of an optional time (`None` travels as NaN).
+fn every_rank_opt(boot: &Bootstrap, tag: &str, v: Option<f64>) -> Res<Vec<Option<f64>>> {
+    Ok(every_rank(boot, tag, v.unwrap_or(f64::NAN))?
+        .into_iter()
+        .map(|v| v.is_finite().then_some(v))
+        .collect())
+}
+
+/// Runs the internode bench on this rank (collective). `gpus`: GPUs the world runs on.
+///
+/// # Errors
+/// Any failure of the buffers, the verification, the timing or the results.
+pub fn run_hier_bench(
+    args: &BenchArgs,
+    plan: &BenchPlan,
+    boot: &Arc<Bootstrap>,
+    ctx: &Arc<CudaContext>,
+    transport: &Arc<dyn DynTransport>,
+    gpus: usize,
+) -> Res {
+    let (rank, world) = (boot.rank(), boot.world_size());
+    let choice = &plan.transport;
+    let gpu_sms =
+        ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+    let progress = Progress::new(rank, 0, false);
+    let sms = args.sms;
+
+    progress.say(format_args!(
+        "[1/5] generating DeepEP workload: {} tokens/rank, hidden {}, top-{} of {} experts",
+        args.tokens, args.hidden, args.top_k, args.experts
+    ));
+    let mut buf = HierarchicalBuffer::new(
+        ctx.clone(),
+        transport.clone(),
+        config(args, args.tokens, choice),
+    )?;
+    let tiers = buf.tiers();
+    let work = Workload::new(args, world, args.tokens, tiers)?;
+    let dev = device_inputs(buf.stream(), &work.inputs, rank)?;
+    progress.say(format_args!(
+        "[2/5] verifying hierarchical dispatch + combine + cached dispatch + combine (BF16{}) \
+         against the CPU reference on {} node(s) x {} local rank(s)",
+        if plan.fp8 { ", FP8" } else { "" },
+        tiers.nodes(),
+        tiers.local_ranks()
+    ));
+    verify(&mut buf, &work, &dev, plan.fp8)?;
+    progress.say("      verified: every output matches the reference bit for bit");
+    progress.say(format_args!(
+        "[3/5] timing with {sms} SMs per tier, {} schedule, {} routes ({} warm-up + {} timed \
+         calls per op, L2 flushed between calls)",
+        choice.schedule, choice.routes, args.warmup, args.iters
+    ));
+    let mut timer = HierTimer::new(&mut buf, &dev)?;
+    check_recv(rank, args.tokens, timer.num_recv, work.rows(rank)?)?;
+    let mut results = Vec::new();
+    for op in HierOp::ALL
+        .into_iter()
+        .filter(|op| plan.fp8 || !op.is_fp8())
+    {
+        timer.time(&mut buf, &dev, op, args.warmup)?;
+        let t = median(&timer.time(&mut buf, &dev, op, args.iters)?);
+        let times = every_rank(boot, &format!("hier-bench-{}", op.id()), t)?;
+        results.push(make_hier_row(
+            op,
+            args.tokens,
+            sms,
+            times,
+            work.rows(0)?,
+            args.hidden,
+        )?);
+    }
+    drop(timer);
+    drop(dev);
+    drop(buf);
+
+    progress.say(format_args!(
+        "[4/5] notify latency: hierarchical dispatch of {NOTIFY_TOKENS} tokens/rank (verified \
+         first), then each tier's counts-ready time from the stats blocks"
+    ));
+    let notify = notify(args, boot, ctx, transport, tiers, plan)?;
+    progress.say("[5/5] done");
+
+    if rank == 0 {
+        let report = HierReport {
+            schema: HIER_SCHEMA.into(),
+            config: HierConfig {
+                run: BenchConfig {
+                    world,
+                    transport: choice.spec.to_string(),
+                    schedule: choice.schedule.to_string(),
+                    routes: choice.routes.to_string(),
+                    tokens: args.tokens,
+                    hidden: args.hidden,
+                    top_k: args.top_k,
+                    experts: args.experts,
+                    sms: vec![sms],
+                    iters: args.iters,
+                    warmup: args.warmup,
+                    fp8: plan.fp8,
+                    gpu_sms: u32::try_from(gpu_sms).unwrap_or(0),
+                    gpu_name: ctx.name().unwrap_or_else(|_| "GPU".into()),
+                },
+                nodes: tiers.nodes(),
+                local_ranks: tiers.local_ranks(),
+                gpus,
+            },
+            results,
+            notify,
+        };
+        report.check()?;
+        let json = serde_json::to_string(&report)?;
+        match std::env::var_os(RESULTS_ENV) {
+            Some(path) => std::fs::write(&path, json)?,
+            // Started by hand (not by the launcher): show the table on stderr.
+            None => eprint!("{}", report.table()),
+        }
+    }
+    Ok(())
+}
+
+/// The notify measurement on a buffer for [`NOTIFY_TOKENS`] tokens per rank (collective).
+fn notify(
+    args: &BenchArgs,
+    boot: &Arc<Bootstrap>,
+    ctx: &Arc<CudaContext>,
+    transport: &Arc<dyn DynTransport>,
+    tiers: Tiers,
+    plan: &BenchPlan,
+) -> Res<NotifyReport> {
+    let rank = boot.rank();
+    let mut buf = HierarchicalBuffer::new(
+        ctx.clone(),
+        transport.clone(),
+        config(args, NOTIFY_TOKENS, &plan.transport),
+    )?;
+    let work = Workload::new(args, boot.world_size(), NOTIFY_TOKENS, tiers)?;
+    let dev = device_inputs(buf.stream(), &work.inputs, rank)?;
+    verify(&mut buf, &work, &dev, false)?;
+    let mut timer = HierTimer::new(&mut buf, &dev)?;
+    check_recv(rank, NOTIFY_TOKENS, timer.num_recv, work.rows(rank)?)?;
+    let op = HierOp::DispatchBf16;
+    timer.time(&mut buf, &dev, op, args.warmup)?;
+    let t = median(&timer.time(&mut buf, &dev, op, args.iters)?);
+    let times = every_rank(boot, "hier-notify-dispatch", t)?;
+    let dispatch: HierRow = make_hier_row(
+        op,
+        NOTIFY_TOKENS,
+        args.sms,
+        times,
+        work.rows(0)?,
+        args.hidden,
+    )?;
+    let (rail, node) = notify_stats(&mut buf, &dev, args.iters)?;
+    let gather = |tier: &str, t: epcomm_check::hier_bench::TierNotify| -> Res<TierNotifyReport> {
+        Ok(TierNotifyReport {
+            counts_ready_us: every_rank_opt(
+                boot,
+                &format!("hier-notify-{tier}-ready"),
+                t.counts_ready_us,
+            )?,
+            kernel_us: every_rank(boot, &format!("hier-notify-{tier}-kernel"), t.kernel_us)?,
+        })
+    };
+    Ok(NotifyReport {
+        dispatch,
+        rail: gather("rail", rail)?,
+        node: gather("node", node)?,
+    })
+}
