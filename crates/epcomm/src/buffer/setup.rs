@@ -174,12 +174,7 @@ impl Buffer {
             unsafe { kernels.set_proxy_channel(&stream, &channel) }?;
         }
         let all_bases = peer_bases(&routes, mem.as_ref())?;
-        let bases: Vec<u64> = group.members().map(|m| all_bases[m]).collect();
-        let remote_mask = group
-            .members()
-            .enumerate()
-            .filter(|&(_, m)| (routes.put_signal_mask() >> m) & 1 != 0)
-            .fold(0u64, |mask, (i, _)| mask | (1 << i));
+        let (bases, remote_mask) = group_view(&all_bases, routes.put_signal_mask(), &group)?;
         let peer_bases = DeviceBuffer::zeroed(&ctx, world * 8)?;
         peer_bases.write(&stream, 0, &bases)?;
         let (err_claim, err_record) = match errors_of {
@@ -322,6 +317,32 @@ fn parity_stride(plan: &BufferPlan) -> Result<u64> {
     Ok(parity_stride)
 }
 
+/// The group's share of the world's peer bases and put/signal mask, by group rank: entry `i`
+/// and bit `i` are those of world rank `group.member(i)`.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] naming `group` when a member is not a rank of `bases`.
+fn group_view(bases: &[u64], world_mask: u64, group: &RankGroup) -> Result<(Vec<u64>, u64)> {
+    let mut view = Vec::with_capacity(group.size());
+    let mut mask = 0u64;
+    for (i, m) in group.members().enumerate() {
+        let Some(&base) = bases.get(m) else {
+            return Err(Error::InvalidArgument {
+                argument: "group",
+                rule: format!(
+                    "member {m} is not a rank of this {}-rank world",
+                    bases.len()
+                ),
+            });
+        };
+        view.push(base);
+        if (world_mask >> m) & 1 != 0 {
+            mask |= 1 << i;
+        }
+    }
+    Ok((view, mask))
+}
+
 /// The address kernels use for every rank's buffer: the mapping for a peer reached by stores,
 /// this rank's own symmetric address for a peer reached by put/signal (NVSHMEM translates it
 /// per PE).
@@ -390,6 +411,36 @@ mod tests {
         let mut small = BufferConfig::new(8, 128, 1, 64);
         small.ll_max_tokens_per_rank = 1;
         assert_eq!(ll_smem_words(&small, 1).unwrap(), 65);
+    }
+
+    #[test]
+    fn a_group_sees_its_members_bases_and_routes() {
+        use epcomm_topology::Tiers;
+        // 2 nodes x 2 seen from rank 1: world bases 0x10..0x40, ranks 2 and 3 by put/signal.
+        let bases = [0x10, 0x20, 0x30, 0x40];
+        let tiers = Tiers::new(2, 2).unwrap();
+        let rail = RankGroup::rail(&tiers, 1).unwrap(); // ranks 1, 3
+        assert_eq!(
+            group_view(&bases, 0b1100, &rail).unwrap(),
+            (vec![0x20, 0x40], 0b10)
+        );
+        let node = RankGroup::node(&tiers, 1).unwrap(); // ranks 0, 1
+        assert_eq!(
+            group_view(&bases, 0b1100, &node).unwrap(),
+            (vec![0x10, 0x20], 0)
+        );
+        let whole = RankGroup::whole(4, 1).unwrap();
+        assert_eq!(
+            group_view(&bases, 0b1100, &whole).unwrap(),
+            (bases.to_vec(), 0b1100)
+        );
+        // A group reaching past the world is an error, not a panic.
+        let big = RankGroup::rail(&Tiers::new(3, 2).unwrap(), 5).unwrap(); // ranks 1, 3, 5
+        let e = group_view(&bases, 0, &big).unwrap_err().to_string();
+        assert!(
+            e.contains("member 5 is not a rank of this 4-rank world"),
+            "{e}"
+        );
     }
 
     #[test]

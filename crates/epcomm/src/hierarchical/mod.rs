@@ -390,6 +390,17 @@ impl HierarchicalBuffer {
         self.node.check()
     }
 
+    /// Tears both tiers down (collective, like [`Buffer::destroy`]: every rank calls it), the
+    /// rail tier first, and reports the first error.
+    ///
+    /// # Errors
+    /// As [`Buffer::destroy`].
+    pub fn destroy(self) -> Result<()> {
+        let rail = self.rail.destroy();
+        let node = self.node.destroy();
+        rail.and(node)
+    }
+
     /// Waits for every issued op and reports failures ([`Buffer::synchronize`]).
     ///
     /// # Errors
