@@ -30,6 +30,10 @@ struct OpState {
 };
 
 // The op's token count: `num_tokens`, or the device count at `num_tokens_ptr` (capped by it).
+// The cap never truncates in epcomm's use: the count is a rail dispatch's receive count, which
+// that dispatch keeps within its capacity (it fails with kOverflow first, and then this rank's
+// later ops do not run at all: the tiers share the claim word), and `num_tokens` is that
+// capacity. It only keeps a corrupt count from reading or writing out of bounds.
 __device__ __forceinline__ int op_tokens(const OpArgs& a) {
   if (a.num_tokens_ptr == 0) return a.num_tokens;
   return min(a.num_tokens, *reinterpret_cast<const int32_t*>(a.num_tokens_ptr));

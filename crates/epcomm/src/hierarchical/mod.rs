@@ -24,6 +24,45 @@
 //!
 //! What a rank's own node receives also takes the two stages (a copy into its own rail receive
 //! region, then the node stage): one extra local copy per token, in exchange for one code path.
+//!
+//! # Example
+//!
+//! One rank of a job over several hosts (or one host split into logical nodes with a spec
+//! like `nvshmem:vnodes=2`):
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//!
+//! use cudarc::driver::CudaContext;
+//! use epcomm::{BufferConfig, DispatchInput, HierarchicalBuffer, RecvMode, XInput};
+//! use epcomm_backends::TransportSpec;
+//! use epcomm_bootstrap::{Bootstrap, BootstrapConfig};
+//! use half::bf16;
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let (num_tokens, hidden, top_k, num_experts) = (128, 7168, 8, 256);
+//! let boot = Arc::new(Bootstrap::connect(BootstrapConfig::from_env()?)?);
+//! let ctx = CudaContext::new(boot.local_rank())?;
+//! let transport = "nvshmem".parse::<TransportSpec>()?.build(ctx.clone(), boot)?;
+//! let cfg = BufferConfig::new(4096, hidden, top_k, num_experts);
+//! let mut buf = HierarchicalBuffer::new(ctx, transport, cfg)?;
+//!
+//! let stream = buf.stream().clone();
+//! let x = stream.alloc_zeros::<bf16>(num_tokens * hidden)?;
+//! let topk_idx = stream.clone_htod(&vec![0_i64; num_tokens * top_k])?;
+//! let input = DispatchInput { x: XInput::Bf16(&x), topk_idx: &topk_idx, topk_weights: None };
+//! let (rows, handle) = {
+//!     let d = buf.dispatch(&input, num_tokens, RecvMode::HostSync)?;
+//!     // ... the experts read d.rows.recv_x_ptr() and write `y`, one row per received row ...
+//!     (d.rows.num_recv().expect("HostSync reports the count"), d.handle)
+//! };
+//! let y = stream.alloc_zeros::<bf16>(rows.max(1) * hidden)?;
+//! let mut out = stream.alloc_zeros::<bf16>(num_tokens * hidden)?;
+//! buf.combine(&y, None, &handle, &mut out, None)?;
+//! buf.synchronize()?;
+//! # Ok(())
+//! # }
+//! ```
 
 mod graph;
 
