@@ -11,7 +11,9 @@ use epcomm_reference::{RankOutput, XData, bf16};
 use epcomm_topology::{RailPrecision, Tiers};
 
 use crate::inputs::{DeviceInputs, HostInputs, upload};
-use crate::verify::{RoundOptions, bits, check_combined, expert_output, first_diff};
+use crate::verify::{
+    CombineInputs, RoundOptions, bits, check_combined, combine_inputs, first_diff,
+};
 use crate::{CheckError, Result};
 
 /// The flat rows of `want` in two-stage order: row `i` of the hierarchical output is flat row
@@ -89,16 +91,7 @@ pub fn verified_hier_round(
         &per_expert,
     )?;
 
-    let ys: Vec<Vec<bf16>> = reference
-        .iter()
-        .enumerate()
-        .map(|(r, o)| expert_output(o, r))
-        .collect::<Result<_>>()?;
-    let ws: Vec<Vec<f32>> = reference
-        .iter()
-        .map(|o| o.recv_topk_weights.clone())
-        .collect();
-    let tokens: Vec<usize> = ins.iter().map(|i| i.num_tokens).collect();
+    let CombineInputs { ys, ws, tokens } = combine_inputs(&reference, ins)?;
     let want_c = epcomm_reference::hierarchical_combine_staged(
         &ys,
         opts.weights.then_some(ws.as_slice()),
@@ -228,12 +221,7 @@ pub fn hier_case(
 ) -> Result<HierCase> {
     let ins = &inputs.bf16;
     let reference = epcomm_reference::dispatch(ins, num_experts)?;
-    let ys: Vec<Vec<bf16>> = reference
-        .iter()
-        .enumerate()
-        .map(|(r, o)| expert_output(o, r))
-        .collect::<Result<_>>()?;
-    let tokens: Vec<usize> = ins.iter().map(|i| i.num_tokens).collect();
+    let CombineInputs { ys, tokens, .. } = combine_inputs(&reference, ins)?;
     let combined = epcomm_reference::hierarchical_combine_staged(
         &ys,
         None,

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream};
 use epcomm::{Buffer, DispatchInput, RecvMode};
-use epcomm_reference::{CombineOutput, RankOutput, XData, bf16};
+use epcomm_reference::{CombineOutput, RankInput, RankOutput, XData, bf16};
 
 use crate::inputs::{DeviceInputs, HostInputs, upload};
 use crate::{CheckError, Result};
@@ -85,6 +85,31 @@ pub(crate) fn expert_output(out: &RankOutput, rank: usize) -> Result<Vec<bf16>> 
         .iter()
         .map(|v| bf16::from_f32(v.to_f32() * scale))
         .collect())
+}
+
+/// What every rank feeds to combine in a verified round, known to every rank: the expert
+/// outputs `ys[r]` ([`expert_output`]) and weights `ws[r]` of each rank's received rows (flat
+/// order), and each rank's token count.
+pub(crate) struct CombineInputs {
+    pub(crate) ys: Vec<Vec<bf16>>,
+    pub(crate) ws: Vec<Vec<f32>>,
+    pub(crate) tokens: Vec<usize>,
+}
+
+/// [`CombineInputs`] of the dispatch `reference` of `ins`.
+pub(crate) fn combine_inputs(reference: &[RankOutput], ins: &[RankInput]) -> Result<CombineInputs> {
+    Ok(CombineInputs {
+        ys: reference
+            .iter()
+            .enumerate()
+            .map(|(r, o)| expert_output(o, r))
+            .collect::<Result<_>>()?,
+        ws: reference
+            .iter()
+            .map(|o| o.recv_topk_weights.clone())
+            .collect(),
+        tokens: ins.iter().map(|i| i.num_tokens).collect(),
+    })
 }
 
 /// Runs one verified round on this rank. Every rank must call it with the same arguments
@@ -173,16 +198,7 @@ pub fn verified_round(
     }
 
     // Combine: every rank's expert output is known to every rank (deterministic).
-    let ys: Vec<Vec<bf16>> = reference
-        .iter()
-        .enumerate()
-        .map(|(r, o)| expert_output(o, r))
-        .collect::<Result<_>>()?;
-    let ws: Vec<Vec<f32>> = reference
-        .iter()
-        .map(|o| o.recv_topk_weights.clone())
-        .collect();
-    let tokens: Vec<usize> = ins.iter().map(|i| i.num_tokens).collect();
+    let CombineInputs { ys, ws, tokens } = combine_inputs(&reference, ins)?;
     let want_c = epcomm_reference::combine(
         &ys,
         opts.weights.then_some(ws.as_slice()),

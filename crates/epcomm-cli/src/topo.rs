@@ -6,7 +6,7 @@
 
 use std::fmt::Write as _;
 
-use epcomm_topology::{Route, RoutePlan, WorldLayout};
+use epcomm_topology::{RankGroup, Route, RoutePlan, Tiers, WorldLayout};
 
 use crate::cli::TopoArgs;
 use crate::validate::{FlagError, FlagErrors, TransportChoice, world_rule};
@@ -128,6 +128,25 @@ pub fn render(topo: &Topo) -> Result<String, epcomm_topology::TopologyError> {
          inside each node; `epcomm doctor` checks that).",
         plan.put_signal_mask()
     );
+    if layout.num_nodes() > 1 {
+        let tiers = Tiers::from(layout);
+        let group = |g: RankGroup| {
+            let list: Vec<String> = g.members().map(|r| r.to_string()).collect();
+            format!(
+                "ranks {} (this rank is member {})",
+                list.join(" "),
+                g.rank()
+            )
+        };
+        let _ = writeln!(
+            s,
+            "\nhierarchical path (HierarchicalBuffer) of rank {}:\n  rail tier (one rank per \
+             node, the transport's put/signal): {}\n  node tier (this node, stores): {}",
+            layout.rank(),
+            group(RankGroup::rail(&tiers, layout.rank())?),
+            group(RankGroup::node(&tiers, layout.rank())?),
+        );
+    }
     Ok(s)
 }
 
@@ -169,6 +188,18 @@ mod tests {
         let text = render(&spec).unwrap();
         assert!(text.contains("split into 2 virtual nodes"), "{text}");
         assert!(text.contains("node  1 (host 0): ranks 2 3"), "{text}");
+        // Rank 0 of 2 nodes x 2: rail tier ranks 0 and 2, node tier ranks 0 and 1.
+        assert!(
+            text.contains("rail tier (one rank per node, the transport's put/signal): ranks 0 2 (this rank is member 0)"),
+            "{text}"
+        );
+        assert!(
+            text.contains("node tier (this node, stores): ranks 0 1 (this rank is member 0)"),
+            "{text}"
+        );
+        // One node: no hierarchical section.
+        let one = plan_from_args(&topo(&["--world", "4"]), None).unwrap();
+        assert!(!render(&one).unwrap().contains("hierarchical path"));
     }
 
     #[test]

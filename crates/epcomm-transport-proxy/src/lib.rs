@@ -114,6 +114,28 @@ pub struct ProxyOptions {
     pub trace: u8,
 }
 
+/// The world of both proxy transports: each host's ranks split into `virtual_nodes` logical
+/// nodes (stores inside one, the proxy between them).
+///
+/// # Errors
+/// [`TransportError::InvalidArgument`] naming `ProxyOptions::virtual_nodes` unless it divides
+/// the ranks per host.
+fn split_hosts(
+    world_size: usize,
+    rank: usize,
+    local_world_size: usize,
+    virtual_nodes: usize,
+) -> Result<WorldLayout, TransportError> {
+    WorldLayout::with_virtual_nodes(world_size, rank, local_world_size, virtual_nodes).map_err(
+        |e| TransportError::InvalidArgument {
+            argument: "ProxyOptions::virtual_nodes",
+            rule: format!(
+                "vnodes={virtual_nodes} must divide the {local_world_size} ranks per host ({e})"
+            ),
+        },
+    )
+}
+
 /// The value of the environment variable `name` among `allowed` (trimmed), `None` when unset.
 ///
 /// # Errors
@@ -252,15 +274,7 @@ impl ProxyTransport {
         virtual_nodes: usize,
     ) -> Result<WorldLayout, TransportError> {
         IpcTransport::world_layout(world_size, rank, local_world_size)?;
-        WorldLayout::with_virtual_nodes(world_size, rank, local_world_size, virtual_nodes).map_err(
-            |e| TransportError::InvalidArgument {
-                argument: "ProxyOptions::virtual_nodes",
-                rule: format!(
-                    "vnodes={virtual_nodes} must divide the {local_world_size} ranks per host \
-                     ({e})"
-                ),
-            },
-        )
+        split_hosts(world_size, rank, local_world_size, virtual_nodes)
     }
 
     /// Builds the transport over an initialised bootstrap.

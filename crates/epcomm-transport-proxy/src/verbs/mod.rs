@@ -115,15 +115,7 @@ impl VerbsTransport {
         virtual_nodes: usize,
     ) -> Result<WorldLayout, TransportError> {
         WorldLayout::new(world_size, rank, local_world_size)?;
-        WorldLayout::with_virtual_nodes(world_size, rank, local_world_size, virtual_nodes).map_err(
-            |e| TransportError::InvalidArgument {
-                argument: "ProxyOptions::virtual_nodes",
-                rule: format!(
-                    "vnodes={virtual_nodes} must divide the {local_world_size} ranks per host \
-                     ({e})"
-                ),
-            },
-        )
+        crate::split_hosts(world_size, rank, local_world_size, virtual_nodes)
     }
 
     /// [`Self::preflight`], then [`Self::with_preflight`] (collective: every rank of

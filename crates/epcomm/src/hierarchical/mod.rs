@@ -275,8 +275,7 @@ impl HierarchicalBuffer {
         let count = self.count_of(&rail_handle);
         let rows = self.rail.recv_capacity_rows();
         let node_layout = self.node.alloc_layout_counted(rows, Some(count))?;
-        let (cfg, stream) = (self.rail.config().clone(), self.rail.stream().clone());
-        let views = forwarded.views(rows, &cfg, &stream);
+        let views = forwarded.views(rows, self.rail.config(), self.rail.stream());
         self.node.layout_into(&views.topk_idx, &node_layout)?;
         let input2 = views.input();
         let d = self.node.dispatch(&input2, &node_layout, mode)?;
@@ -325,8 +324,7 @@ impl HierarchicalBuffer {
             Forwarded::of(&d, input.topk_weights.is_some())
         };
         let rows = self.rail.recv_capacity_rows();
-        let (cfg, stream) = (self.rail.config().clone(), self.rail.stream().clone());
-        let views = forwarded.views(rows, &cfg, &stream);
+        let views = forwarded.views(rows, self.rail.config(), self.rail.stream());
         self.node.layout_into(&views.topk_idx, &node_layout)?;
         let input2 = views.input();
         let d = self.node.dispatch_into(&input2, &handle.node)?;
@@ -374,8 +372,7 @@ impl HierarchicalBuffer {
             Forwarded::of(&d, false)
         };
         let rows = self.rail.recv_capacity_rows();
-        let (cfg, stream) = (self.rail.config().clone(), self.rail.stream().clone());
-        let views = forwarded.views(rows, &cfg, &stream);
+        let views = forwarded.views(rows, self.rail.config(), self.rail.stream());
         let x2 = views.x();
         let d = self.node.cached_dispatch(&x2, &handle.node)?;
         Ok(HierDispatched {
