@@ -1,7 +1,9 @@
 //! Multi-process criterion driver shared by the per-transport benches in `benches/`.
 //!
 //! Criterion runs in rank 0 (the process `cargo bench` starts); rank 0 starts one follower
-//! process per other GPU. For every sample criterion asks for, rank 0 broadcasts the op and the
+//! process per other rank: one rank per GPU by default, `EPCOMM_BENCH_WORLD` ranks when set
+//! (above the GPU count they share GPUs round-robin: rank `r` on GPU `r % GPUs`, and the times
+//! include that sharing). For every sample criterion asks for, rank 0 broadcasts the op and the
 //! iteration count over the bootstrap, and every rank runs exactly that many calls, so all
 //! ranks stay in step. Each call is timed with CUDA events (L2 flushed before it, outside the
 //! timed span), as DeepEP's benchmark does; throughput is DeepEP's metric.
@@ -83,8 +85,7 @@ pub fn run(spec: TransportSpec) -> Res {
     let world = std::env::var("EPCOMM_BENCH_WORLD")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(gpus)
-        .min(gpus);
+        .unwrap_or(gpus);
     let mut followers = None;
     let port = if is_worker() {
         0
@@ -104,7 +105,7 @@ pub fn run(spec: TransportSpec) -> Res {
     };
     let boot = connect(world, 0, port)?;
     let rank = boot.rank();
-    let ctx = CudaContext::new(boot.local_rank())?;
+    let ctx = CudaContext::new(boot.local_rank() % gpus)?;
     let (tokens, hidden, top_k, experts, sms) = workload();
     let mut cfg = BufferConfig::new(tokens, hidden, top_k, experts);
     cfg.num_sms = sms;
@@ -132,6 +133,14 @@ pub fn run(spec: TransportSpec) -> Res {
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(3));
     let (schedule, routes) = (buf.config().schedule, buf.config().routes);
+    if world > gpus {
+        let how = if epcomm_check::procs::under_mps() {
+            "under MPS (concurrent; traffic between ranks of one GPU stays in its memory)"
+        } else {
+            "without MPS (the ranks of a GPU take turns on it)"
+        };
+        eprintln!("note: {world} ranks share {gpus} GPU(s) {how}");
+    }
     let mut group = c.benchmark_group(format!(
         "{transport}/ep{world}/{sms}sms/{schedule}/{routes}"
     ));

@@ -27,6 +27,25 @@ pub fn gpu_count() -> std::result::Result<usize, String> {
     }
 }
 
+/// Whether contexts on GPU 0 are shared through MPS (`CU_DEVICE_ATTRIBUTE_MPS_ENABLED`): ranks
+/// on one GPU then run concurrently instead of taking turns. False without a driver, a GPU
+/// or the attribute.
+pub fn under_mps() -> bool {
+    use cudarc::driver::{result, sys};
+    gpu_count().is_ok()
+        && result::init().is_ok()
+        && result::device::get(0).is_ok_and(|dev| {
+            // SAFETY: `dev` is a device handle the initialised driver just returned.
+            unsafe {
+                result::device::get_attribute(
+                    dev,
+                    sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MPS_ENABLED,
+                )
+            }
+            .is_ok_and(|v| v != 0)
+        })
+}
+
 /// Runs `args` of the current executable as `world` worker processes (one per GPU, local rank
 /// = GPU index) with `env` added, and waits for all of them (at most `timeout`). Fails naming
 /// the ranks that failed.

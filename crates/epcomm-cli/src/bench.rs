@@ -190,15 +190,22 @@ pub fn worker(args: &BenchArgs) -> Res {
     stdout_to_stderr();
     let boot = Arc::new(Bootstrap::connect(BootstrapConfig::from_env()?)?);
     let plan = validate_bench(args, Some(boot.world_size()), &Machine::default())?;
-    // One rank per GPU; with --hierarchical ranks may share GPUs, round-robin.
+    // One rank per GPU; with a world above the GPU count ranks share GPUs, round-robin.
     let gpus = gpu_count()?;
     let ctx = CudaContext::new(boot.local_rank() % gpus)?;
     let transport = plan.transport.spec.build(ctx.clone(), boot.clone())?;
+    let gpus_used = boot.world_size().min(gpus);
     if args.hierarchical {
-        let gpus_used = boot.world_size().min(gpus);
         return crate::bench_hier::run_hier_bench(args, &plan, &boot, &ctx, &transport, gpus_used);
     }
-    run_bench(args, &plan, &boot, &ctx, &transport)
+    run_bench(args, &plan, &boot, &ctx, &transport, gpus_used)
+}
+
+/// Whether this context runs under MPS (`CU_DEVICE_ATTRIBUTE_MPS_ENABLED`; false where the
+/// driver does not know the attribute).
+pub(crate) fn under_mps(ctx: &CudaContext) -> bool {
+    ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MPS_ENABLED)
+        .is_ok_and(|v| v != 0)
 }
 
 fn run_bench(
@@ -207,6 +214,7 @@ fn run_bench(
     boot: &Arc<Bootstrap>,
     ctx: &Arc<CudaContext>,
     transport: &Arc<dyn DynTransport>,
+    gpus: usize,
 ) -> Res {
     let (rank, world) = (boot.rank(), boot.world_size());
     let gpu_sms =
@@ -324,6 +332,8 @@ fn run_bench(
                 fp8: plan.fp8,
                 gpu_sms: u32::try_from(gpu_sms).unwrap_or(0),
                 gpu_name: ctx.name().unwrap_or_else(|_| "GPU".into()),
+                gpus,
+                mps: under_mps(ctx),
             },
             results: rows,
             skew,

@@ -193,7 +193,8 @@ impl TransportFlags {
 // `--tokens -1` is reported as a bad value of --tokens, not as an unknown flag `-1`.
 #[command(allow_negative_numbers = true)]
 pub struct BenchArgs {
-    /// Ranks (GPUs) to use; default: every local GPU.
+    /// Ranks to use, one process each; default: every local GPU. Above the GPU count ranks
+    /// share GPUs round-robin (the times then include that sharing).
     #[arg(long)]
     pub world: Option<usize>,
     /// Tokens per rank.
@@ -234,7 +235,6 @@ pub struct BenchArgs {
     /// over one rank per node, then node dispatch of what arrived; combine in reverse) on a
     /// transport with more than one logical node, e.g. nvshmem:vnodes=2. Reports rail
     /// ("RDMA"), NVLink and flat GB/s per op and the notify latency at 128 tokens per rank.
-    /// Ranks may share GPUs (--world above the GPU count: round-robin).
     #[arg(long)]
     pub hierarchical: bool,
     /// Comma-separated SM counts to sweep (every op), instead of --sms.

@@ -28,8 +28,6 @@ pub struct HierConfig {
     pub nodes: usize,
     /// Ranks per logical node.
     pub local_ranks: usize,
-    /// GPUs the ranks ran on (fewer than `world` when ranks shared GPUs).
-    pub gpus: usize,
 }
 
 /// One timed hierarchical op, from rank 0's view.
@@ -316,7 +314,7 @@ impl HierReport {
             r.world,
             c.nodes,
             c.local_ranks,
-            c.gpus,
+            r.gpus,
             r.transport,
             r.schedule,
             r.routes,
@@ -353,7 +351,7 @@ impl HierReport {
             r.world,
             c.nodes,
             c.local_ranks,
-            c.gpus,
+            r.gpus,
             r.gpu_name,
             r.gpu_sms,
             r.describe()
@@ -375,12 +373,8 @@ impl HierReport {
             "rank 0's bytes / time: rail = sent over the rail (\"RDMA\"), NVLink = sent to the \
              other ranks of its node, flat = received incl. self (the flat bench's metric)"
         );
-        if c.gpus < r.world {
-            let _ = writeln!(
-                s,
-                "note: {} ranks shared {} GPU(s): these times include that sharing",
-                r.world, c.gpus
-            );
+        if let Some(note) = r.sharing_note() {
+            let _ = writeln!(s, "{note}");
         }
         let _ = writeln!(
             s,
@@ -487,10 +481,11 @@ mod tests {
                     fp8: true,
                     gpu_sms: 132,
                     gpu_name: "Synthetic GPU".into(),
+                    gpus: 1,
+                    mps: false,
                 },
                 nodes: 2,
                 local_ranks: 1,
-                gpus: 1,
             },
             results,
             notify: NotifyReport {
@@ -647,7 +642,7 @@ mod tests {
             "hier combine BF16",
             "hier dispatch BF16 (128 tok)",
             "250.0 / 252.0",
-            "2 ranks shared 1 GPU(s)",
+            "2 ranks shared 1 GPU(s) without MPS",
             "rail tier: counts ready after 9.5 us of a 20.0 us kernel",
             "counts ready per rank, us: 2.0 / -",
         ] {

@@ -44,9 +44,40 @@ pub struct BenchConfig {
     pub gpu_sms: u32,
     /// Name of rank 0's GPU.
     pub gpu_name: String,
+    /// GPUs the ranks ran on (fewer than `world` when ranks shared GPUs round-robin; 0 in
+    /// documents from before this field: read as `world`).
+    #[serde(default)]
+    pub gpus: usize,
+    /// Whether rank 0's CUDA context ran under MPS (`CU_DEVICE_ATTRIBUTE_MPS_ENABLED`): ranks
+    /// sharing a GPU then run concurrently instead of taking turns.
+    #[serde(default)]
+    pub mps: bool,
 }
 
 impl BenchConfig {
+    /// What sharing GPUs did to the times, when ranks shared them: without MPS they take turns
+    /// on the GPU (every op then waits for the other ranks' time slices), under MPS they run
+    /// concurrently, but their traffic stays in the GPU's memory and they compete for its SMs.
+    pub fn sharing_note(&self) -> Option<String> {
+        (self.gpus != 0 && self.gpus < self.world).then(|| {
+            if self.mps {
+                format!(
+                    "note: {} ranks shared {} GPU(s) under MPS: they ran concurrently, but \
+                     traffic between ranks of one GPU stays in its memory (no NVLink) and they \
+                     share its SMs and memory bandwidth",
+                    self.world, self.gpus
+                )
+            } else {
+                format!(
+                    "note: {} ranks shared {} GPU(s) without MPS: they took turns on the GPU, \
+                     so these times measure that sharing, not the path (start the MPS daemon, \
+                     `nvidia-cuda-mps-control -d`, to run them concurrently)",
+                    self.world, self.gpus
+                )
+            }
+        })
+    }
+
     /// `<transport> transport, <schedule> schedule, <routes> routes`.
     pub fn describe(&self) -> String {
         format!(
@@ -295,6 +326,9 @@ impl BenchReport {
              warm-up, L2 flushed between calls",
             c.tokens, c.hidden, c.top_k, c.experts, c.iters, c.warmup
         );
+        if let Some(note) = c.sharing_note() {
+            let _ = writeln!(s, "{note}");
+        }
         let _ = writeln!(
             s,
             "GB/s: DeepEP's metric on rank 0 (received bytes incl. self / time)"
@@ -360,6 +394,8 @@ pub(crate) mod tests {
                 fp8: true,
                 gpu_sms: 132,
                 gpu_name: "Synthetic GPU".into(),
+                gpus: 2,
+                mps: false,
             },
             results,
             skew: None,

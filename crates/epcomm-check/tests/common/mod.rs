@@ -94,9 +94,11 @@ pub fn world(test: &str, min: usize) -> Option<usize> {
     Some(w)
 }
 
-/// True when every rank has a GPU of its own (speed and skew tests need that).
-pub fn one_gpu_per_rank(world: usize) -> bool {
-    gpu_count().is_ok_and(|n| n >= world)
+/// True when the ranks run at the same time: every rank has a GPU of its own, or ranks that
+/// share a GPU run under MPS (without it they take turns, and the skew tests cannot hold
+/// one rank back by a controlled amount).
+pub fn ranks_run_concurrently(world: usize) -> bool {
+    gpu_count().is_ok_and(|n| n >= world) || epcomm_check::procs::under_mps()
 }
 
 pub fn launch(test: &str, world: usize, env: &[(&str, String)]) {

@@ -187,7 +187,7 @@ mod tests {
     }
 
     #[test]
-    fn ranks_may_share_gpus_only_when_hierarchical() {
+    fn ranks_may_share_gpus() {
         let m = Machine {
             gpus: Some(gpus(1, 132, 141)),
             host_memory_bytes: None,
@@ -211,10 +211,10 @@ mod tests {
         too_many.sms = 200;
         let err = validate_bench(&too_many, None, &m).unwrap_err();
         assert!(err.about("--sms").is_some(), "{err}");
-        // The flat bench keeps one rank per GPU.
+        // The flat bench shares GPUs the same way.
         let flat = args(&["--transport", "nvshmem:vnodes=2", "--world", "2"]);
-        let err = validate_bench(&flat, None, &m).unwrap_err();
-        assert!(err.about("--world").is_some(), "{err}");
+        let plan = validate_bench(&flat, None, &m).unwrap();
+        assert!(plan.notes.iter().any(|n| n.contains("share GPUs")));
     }
 
     #[test]

@@ -41,10 +41,9 @@ pub fn world_rule(world: usize, why_suffix: &str) -> Option<FlagError> {
     })
 }
 
-/// `--world`, or `world_hint` in its place: [`world_rule`], then one rank per visible GPU
-/// (when `gpus` are known) unless ranks may share GPUs (`--hierarchical`: ranks map to GPUs
-/// round-robin, and a note in `notes` says so). The world the other rules use: `None` when
-/// unknown or broken.
+/// `--world`, or `world_hint` in its place: [`world_rule`]; above the visible GPU count (when
+/// `gpus` are known) ranks share GPUs round-robin, and a note in `notes` says so. The world
+/// the other rules use: `None` when unknown or broken.
 pub(super) fn world(
     args: &BenchArgs,
     world_hint: Option<usize>,
@@ -58,28 +57,12 @@ pub(super) fn world(
     } else {
         ""
     };
-    first_error(
-        errs,
-        [
-            world_rule(w, default),
-            gpus.filter(|_| !args.hierarchical).and_then(|g| {
-                FlagError::at_most(
-                    "--world",
-                    w as u64,
-                    g.len() as u64,
-                    format!(
-                        "this machine has {} GPU(s) visible; one rank runs per GPU",
-                        g.len()
-                    ),
-                )
-            }),
-        ],
-    )
-    .then(|| {
+    first_error(errs, [world_rule(w, default)]).then(|| {
         if let Some(n) = gpus.map(<[GpuInfo]>::len).filter(|&n| n > 0 && w > n) {
             notes.push(format!(
                 "--world {w} on {n} GPU(s): ranks share GPUs round-robin (rank r on GPU r % {n}); \
-                 the times include that sharing, not the speed of one GPU per rank"
+                 the times include that sharing, not the speed of one GPU per rank (without \
+                 MPS the ranks of a GPU take turns on it; under MPS they run concurrently)"
             ));
         }
         w
@@ -309,16 +292,21 @@ mod tests {
     use super::*;
 
     #[test]
-    fn world_zero_over_max_and_over_gpus() {
+    fn world_zero_over_max_and_shared_gpus() {
         error_about(&["--world", "0"], "--world");
         error_about(&["--world", "65"], "--world");
         let m = Machine {
             gpus: Some(gpus(2, 132, 141)),
             host_memory_bytes: None,
         };
-        let err = validate_bench(&args(&["--world", "4"]), None, &m).unwrap_err();
-        let e = err.about("--world").expect("world error");
-        assert!(e.to_string().contains("2 GPU(s)"), "{e}");
+        // Four ranks on two GPUs: round-robin, with a note that says so.
+        let plan = validate_bench(&args(&["--world", "4"]), None, &m).unwrap();
+        assert_eq!(plan.world, Some(4));
+        assert!(
+            plan.notes.iter().any(|n| n.contains("on 2 GPU(s)")),
+            "{:?}",
+            plan.notes
+        );
     }
 
     #[test]
