@@ -437,16 +437,18 @@ impl fmt::Display for TransportSpec {
     }
 }
 
-/// The NVSHMEM variables a job on one host needs (no RDMA NIC, multicast off) that the
-/// environment does not set yet: what a local launcher adds to its ranks' environment.
-/// Empty when the NVSHMEM backend is not compiled in.
+/// The variables a job on one host needs that the environment does not set yet: what a
+/// local launcher adds to its ranks' environment. NVSHMEM's (no RDMA NIC, multicast off) when
+/// that backend is compiled in, and the copy-engine proxy's hardware queues
+/// (`CUDA_DEVICE_MAX_CONNECTIONS=32`, see `epcomm_transport_proxy::check_copy_stream_queues`)
+/// when the proxy backend is.
 pub fn single_host_env_defaults() -> Vec<(&'static str, &'static str)> {
+    let mut all: Vec<(&str, &str)> = Vec::new();
     #[cfg(feature = "nvshmem")]
-    let all: &[(&str, &str)] = &epcomm_transport_nvshmem::SINGLE_HOST_ENV;
-    #[cfg(not(feature = "nvshmem"))]
-    let all: &[(&str, &str)] = &[];
-    all.iter()
-        .copied()
+    all.extend(epcomm_transport_nvshmem::SINGLE_HOST_ENV);
+    #[cfg(feature = "proxy")]
+    all.extend(epcomm_transport_proxy::SINGLE_HOST_ENV);
+    all.into_iter()
         .filter(|(key, _)| std::env::var_os(key).is_none())
         .collect()
 }

@@ -47,8 +47,9 @@ pub fn under_mps() -> bool {
 }
 
 /// Runs `args` of the current executable as `world` worker processes (one per GPU, local rank
-/// = GPU index) with `env` added, and waits for all of them (at most `timeout`). Fails naming
-/// the ranks that failed.
+/// = GPU index) with the library's defaults for one host
+/// (`epcomm_backends::single_host_env_defaults`, each unless already set) and `env` added,
+/// and waits for all of them (at most `timeout`). Fails naming the ranks that failed.
 pub fn run_workers(
     world: usize,
     args: &[&str],
@@ -61,6 +62,9 @@ pub fn run_workers(
         .world_size(world)
         .env(WORKER_ENV, "1")
         .output(Output::Inherit);
+    for (k, v) in epcomm_backends::single_host_env_defaults() {
+        launch = launch.env(k, v);
+    }
     for (k, v) in env {
         launch = launch.env(k, v);
     }

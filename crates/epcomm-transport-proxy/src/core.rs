@@ -197,7 +197,13 @@ impl ProxyCore {
         match watch.in_flight() {
             (0, _) => out += "nothing in the copy engines; ",
             (n, Some(age)) => {
-                out += &format!("{n} operations in the copy engines, the oldest for {age:?}; ")
+                out += &format!("{n} operations in the copy engines, the oldest for {age:?}; ");
+                if age > std::time::Duration::from_secs(1) {
+                    // Copies take microseconds; one queued this long waits for other work.
+                    out += "copies this old wait behind other GPU work, as when a copy stream \
+                            shares a hardware queue with the waiting kernel (raise \
+                            CUDA_DEVICE_MAX_CONNECTIONS, up to 32); ";
+                }
             }
             (n, None) => out += &format!("{n} operations in the copy engines; "),
         }

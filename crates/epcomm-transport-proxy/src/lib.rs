@@ -301,6 +301,71 @@ impl ProxyTransport {
     }
 }
 
+/// What a local launcher sets for the copy-engine proxy's ranks unless the environment does:
+/// enough hardware queues for its streams ([`check_copy_stream_queues`]).
+pub const SINGLE_HOST_ENV: [(&str, &str); 1] = [("CUDA_DEVICE_MAX_CONNECTIONS", "32")];
+
+/// Hardware queues (`CUDA_DEVICE_MAX_CONNECTIONS`) a process gets when the variable is not set
+/// and it does not run under MPS.
+const DEFAULT_QUEUES: usize = 8;
+
+/// Refuses a copy-engine executor whose streams could share a hardware queue with the kernel
+/// that waits for them.
+///
+/// The driver maps a process's streams onto a fixed number of hardware queues
+/// (`CUDA_DEVICE_MAX_CONNECTIONS`, 8 by default, at most 32; under MPS the clients of a server
+/// share one pool and the default per client is smaller). Work on one queue runs in order, so
+/// a copy whose stream shares the queue of the stream running an epcomm kernel waits for that
+/// kernel to end, while the kernel waits for the copy: both stop until the op's timeout.
+/// Measured with two ranks on one GPU: under MPS with the default the first ops stalled;
+/// without MPS and `CUDA_DEVICE_MAX_CONNECTIONS=1` the first op stalled; under MPS with 32
+/// every test passed. `copy_streams` (the executor's streams: one per proxied peer, and the
+/// progress mirror's) plus the op's own stream must fit in the queues; under MPS the variable
+/// must be set. Necessary, not sufficient: other streams of the process take queues too, so
+/// set it to 32 (launchers of this workspace do, [`SINGLE_HOST_ENV`]).
+///
+/// # Errors
+/// [`TransportError::InvalidArgument`] naming `CUDA_DEVICE_MAX_CONNECTIONS`, with the value it
+/// needs.
+pub fn check_copy_stream_queues(
+    copy_streams: usize,
+    connections: Option<&str>,
+    under_mps: bool,
+) -> Result<(), TransportError> {
+    if copy_streams == 0 {
+        return Ok(());
+    }
+    let needed = copy_streams + 1;
+    let fail = |why: String| TransportError::InvalidArgument {
+        argument: "CUDA_DEVICE_MAX_CONNECTIONS",
+        rule: format!(
+            "{why}: the copy-engine proxy's {copy_streams} stream(s) and the stream of the \
+             kernel that waits for them need {needed} hardware queues, or a copy can queue \
+             behind that kernel and both stop; set CUDA_DEVICE_MAX_CONNECTIONS=32 in the \
+             environment before CUDA starts"
+        ),
+    };
+    let queues = match connections.map(str::trim) {
+        None | Some("") if under_mps => {
+            return Err(fail(
+                "not set, and this process runs under MPS, where the default is smaller than \
+                 a process's own"
+                    .into(),
+            ));
+        }
+        None | Some("") => DEFAULT_QUEUES,
+        Some(v) => v
+            .parse::<usize>()
+            .ok()
+            .filter(|&n| n > 0)
+            .ok_or_else(|| fail(format!("{v:?} is not a positive number")))?,
+    };
+    if needed > queues.min(32) {
+        return Err(fail(format!("{queues} hardware queue(s) are too few")));
+    }
+    Ok(())
+}
+
 impl Transport for ProxyTransport {
     fn capabilities(&self) -> Capabilities {
         CAPABILITIES
@@ -332,8 +397,17 @@ impl SymmetricHeap for ProxyTransport {
     type Memory = ProxyMemory;
 
     fn alloc_symmetric(&self, bytes: usize) -> Result<ProxyMemory, TransportError> {
-        let ipc = self.ipc.alloc_symmetric(bytes)?;
         let ctx = self.ipc.context();
+        let lanes = self.world.world_size() - self.world.nvlink_domain().len();
+        let mps = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MPS_ENABLED)
+            .is_ok_and(|v| v != 0);
+        check_copy_stream_queues(
+            lanes + usize::from(self.options.mirror_progress),
+            std::env::var("CUDA_DEVICE_MAX_CONNECTIONS").ok().as_deref(),
+            mps,
+        )?;
+        let ipc = self.ipc.alloc_symmetric(bytes)?;
         let world = self.world.world_size();
         let me = self.world.rank();
         let domain = self.world.nvlink_domain();
@@ -436,6 +510,32 @@ impl Drop for ProxyMemory {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn copy_streams_must_fit_in_the_hardware_queues() {
+        // Without MPS: 8 queues by default.
+        assert!(check_copy_stream_queues(7, None, false).is_ok());
+        let e = check_copy_stream_queues(8, None, false).unwrap_err();
+        let text = e.to_string();
+        assert!(text.contains("CUDA_DEVICE_MAX_CONNECTIONS"), "{text}");
+        assert!(text.contains("need 9 hardware queues"), "{text}");
+        assert!(check_copy_stream_queues(8, Some("32"), false).is_ok());
+        // The driver caps the queues at 32.
+        assert!(check_copy_stream_queues(31, Some("64"), false).is_ok());
+        assert!(check_copy_stream_queues(32, Some("64"), false).is_err());
+        assert!(check_copy_stream_queues(2, Some("2"), false).is_err());
+        // Under MPS the variable must be set.
+        let e = check_copy_stream_queues(1, None, true).unwrap_err();
+        assert!(e.to_string().contains("MPS"), "{e}");
+        assert!(check_copy_stream_queues(1, Some(" "), true).is_err());
+        assert!(check_copy_stream_queues(2, Some("32"), true).is_ok());
+        // Malformed values are named.
+        let e = check_copy_stream_queues(1, Some("many"), false).unwrap_err();
+        assert!(e.to_string().contains("\"many\""), "{e}");
+        assert!(check_copy_stream_queues(1, Some("0"), false).is_err());
+        // Without proxied peers nothing waits on a copy stream.
+        assert!(check_copy_stream_queues(0, Some("1"), true).is_ok());
+    }
     use super::*;
 
     #[test]

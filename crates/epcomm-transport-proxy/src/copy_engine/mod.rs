@@ -9,12 +9,20 @@
 //! | signal add | the same, writing a running sum kept here (see below) |
 //!
 //! **Copies**: a lane collects its copies and hands them to its stream before a signal, when
-//! 1024 are pending, and at each poll: one `cuMemcpyAsync` each (the default), or, with
+//! 1024 are pending, and at each poll. A copy whose source and destination both continue
+//! where a pending copy of the lane ends is merged into it (consecutive rows to consecutive
+//! slots become one copy), when no copy between the two touches its bytes, so the stream's
+//! result is unchanged. Then one `cuMemcpyAsync` each (the default), or, with
 //! [`CopyEngineExecutor::set_batch_copies`], one `cuMemcpyBatchAsync` (source read in stream
 //! order, with the hint to use the copy engines rather than SMs), falling back to single
 //! copies where the driver refuses it. Batches are off by default: they lost copies in a
 //! measured case (a 16 384-token dispatch; docs/proxy.md, "Status").
 
+//! **Streams.** One per mapped peer (none for ranks reached by stores), plus the progress
+//! mirror's. A stream the driver puts on the same hardware queue as the stream of a kernel
+//! that waits for this executor's copies would deadlock: see
+//! [`crate::check_copy_stream_queues`].
+//!
 //! **Ordering.** One stream per peer and submission order kept on it: a signal is written after
 //! every earlier copy and write to that peer has completed, with a memory barrier before it —
 //! the contract of [`epcomm_proxy::Executor`]. A pending run of writes is handed to its stream
@@ -57,6 +65,9 @@ const EVENTS_PER_LANE: usize = 64;
 /// Most copies handed to the driver in one batch.
 const MAX_BATCH: usize = 1024;
 
+/// How far back in a lane's pending copies a new copy looks for one it continues.
+const MERGE_WINDOW: usize = 32;
+
 /// Why a copy-engine operation failed.
 #[derive(Debug, thiserror::Error)]
 pub enum CopyEngineError {
@@ -97,7 +108,8 @@ struct Run {
 /// One peer's lane: its stream, its mapping, its arena, and what was submitted since the last
 /// poll.
 struct Lane {
-    stream: Arc<CudaStream>,
+    /// The lane's stream (`None` for a peer this executor has no mapping of).
+    stream: Option<Arc<CudaStream>>,
     /// Base of the peer's buffer in this process (0: not mapped).
     base: u64,
     /// Pinned staging for write values, allocated first in, first out by `fifo`.
@@ -161,11 +173,16 @@ impl CopyEngineExecutor {
         let lanes = peer_bases
             .iter()
             .map(|&base| {
+                let stream =
+                    (base != 0)
+                        .then(|| ctx.new_stream())
+                        .transpose()
+                        .map_err(|source| TransportError::Driver {
+                            context: "creating a copy-engine stream".into(),
+                            source,
+                        })?;
                 Ok(Lane {
-                    stream: ctx.new_stream().map_err(|source| TransportError::Driver {
-                        context: "creating a copy-engine stream".into(),
-                        source,
-                    })?,
+                    stream,
                     base,
                     arena: MappedHostBuffer::zeroed(&ctx, if base == 0 { 8 } else { ARENA_BYTES })?,
                     fifo: Fifo::new(if base == 0 { 8 } else { ARENA_BYTES }),
@@ -229,6 +246,21 @@ impl CopyEngineExecutor {
         move |source| OpFailure::new(op, CopyEngineError::Driver { what, peer, source })
     }
 
+    /// Lane `i`'s stream; a lane without a mapping has none (never reached: [`Self::lane`]
+    /// refuses such peers first).
+    fn stream(&self, i: usize, op: OpId) -> Result<&Arc<CudaStream>, OpFailure> {
+        self.lanes[i].stream.as_ref().ok_or_else(|| {
+            OpFailure::new(
+                op,
+                CopyEngineError::Unmapped {
+                    peer: i as u32,
+                    world: self.lanes.len(),
+                    mapped: false,
+                },
+            )
+        })
+    }
+
     fn bind(&self, op: OpId, peer: u32) -> Result<(), OpFailure> {
         let ctx = &self.ctx;
         self.watch
@@ -245,7 +277,7 @@ impl CopyEngineExecutor {
         }
         let first = self.lanes[i].batch[0].3;
         self.bind(first, i as u32)?;
-        let stream = self.lanes[i].stream.cu_stream();
+        let stream = self.stream(i, first)?.cu_stream();
         if self.batched {
             let batch = &self.lanes[i].batch;
             let mut dsts: Vec<u64> = batch.iter().map(|c| c.0).collect();
@@ -319,8 +351,13 @@ impl CopyEngineExecutor {
         src: u64,
         bytes: usize,
     ) -> Result<(), OpFailure> {
-        self.lanes[i].batch.push((dst, src, bytes, op));
-        if self.lanes[i].batch.len() >= MAX_BATCH {
+        let batch = &mut self.lanes[i].batch;
+        if let Some(k) = continued_copy(batch, dst, src, bytes) {
+            batch[k].2 += bytes;
+            return Ok(());
+        }
+        batch.push((dst, src, bytes, op));
+        if batch.len() >= MAX_BATCH {
             self.flush_batch(i)?;
         }
         Ok(())
@@ -357,6 +394,7 @@ impl CopyEngineExecutor {
         self.flush_run(i, op)?;
         self.flush_batch(i)?;
         if !self.signals_by_copy {
+            let stream = self.stream(i, op)?.cu_stream();
             let lane = &self.lanes[i];
             // SAFETY: the address lies in the peer's mapped buffer (offsets are bounds-checked
             // by the descriptor decoder); the stream belongs to this executor's context.
@@ -364,7 +402,7 @@ impl CopyEngineExecutor {
                 // SAFETY: as stated above this call.
                 unsafe {
                     sys::cuStreamWriteValue64_v2(
-                        lane.stream.cu_stream(),
+                        stream,
                         lane.base + offset,
                         value,
                         sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
@@ -506,12 +544,13 @@ impl Executor for CopyEngineExecutor {
             // block until this context's running kernels end (measured: `cuEventCreate` waited
             // for the whole kernel while the kernel waited for these very copies). Without a
             // free event the operations stay unmarked until a later poll frees one.
+            let stream = Arc::clone(self.stream(i, first)?);
             let Some(event) = self.free_events.pop() else {
                 continue;
             };
             let lane = &mut self.lanes[i];
             self.watch
-                .call("cuEventRecord", || event.record(&lane.stream))
+                .call("cuEventRecord", || event.record(&stream))
                 .map_err(Self::driver(first, i as u32, "cuEventRecord"))?;
             let ops = std::mem::take(&mut lane.unmarked);
             lane.marks
@@ -554,5 +593,99 @@ impl Executor for CopyEngineExecutor {
             .min();
         self.watch.set_in_flight(self.in_flight, oldest);
         Ok(())
+    }
+}
+
+/// The index of the pending copy in `batch` that the copy of `bytes` bytes from `src` to `dst`
+/// continues (both its source and its destination start where that copy's end), when merging
+/// them leaves the stream's result unchanged: no copy issued between the two reads or writes
+/// the new destination or writes the new source, and the merged copy's source and destination
+/// do not overlap. Looks back at most [`MERGE_WINDOW`] copies.
+fn continued_copy(
+    batch: &[(u64, u64, usize, OpId)],
+    dst: u64,
+    src: u64,
+    bytes: usize,
+) -> Option<usize> {
+    let overlaps = |a: u64, a_len: usize, b: u64, b_len: usize| {
+        a < b.saturating_add(b_len as u64) && b < a.saturating_add(a_len as u64)
+    };
+    let lo = batch.len().saturating_sub(MERGE_WINDOW);
+    for k in (lo..batch.len()).rev() {
+        let (d, s, n, _) = batch[k];
+        if d.checked_add(n as u64) == Some(dst) && s.checked_add(n as u64) == Some(src) {
+            let merged = n + bytes;
+            return (!overlaps(d, merged, s, merged)).then_some(k);
+        }
+        if overlaps(d, n, dst, bytes) || overlaps(s, n, dst, bytes) || overlaps(d, n, src, bytes) {
+            return None;
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn op() -> OpId {
+        0
+    }
+
+    #[test]
+    fn consecutive_rows_to_consecutive_slots_merge() {
+        let mut b = vec![(1000, 50_000, 64, op())];
+        assert_eq!(continued_copy(&b, 1064, 50_064, 64), Some(0));
+        // Interleaved copies of other kinds (metadata rows elsewhere) do not stop it.
+        b.push((9000, 70_000, 8, op()));
+        b.push((9100, 71_000, 8, op()));
+        assert_eq!(continued_copy(&b, 1064, 50_064, 64), Some(0));
+        assert_eq!(continued_copy(&b, 9008, 70_008, 8), Some(1));
+    }
+
+    #[test]
+    fn only_both_sides_continuing_merge() {
+        let b = vec![(1000, 50_000, 64, op())];
+        assert_eq!(continued_copy(&b, 1064, 60_000, 64), None, "source jumps");
+        assert_eq!(
+            continued_copy(&b, 2000, 50_064, 64),
+            None,
+            "destination jumps"
+        );
+        assert_eq!(
+            continued_copy(&b, 1000, 50_000, 64),
+            None,
+            "the same copy again"
+        );
+        assert_eq!(continued_copy(&[], 1064, 50_064, 64), None);
+    }
+
+    #[test]
+    fn a_copy_in_between_that_touches_the_bytes_blocks_the_merge() {
+        // Writes the new destination.
+        let b = vec![(1000, 50_000, 64, op()), (1070, 80_000, 8, op())];
+        assert_eq!(continued_copy(&b, 1064, 50_064, 64), None);
+        // Reads the new destination.
+        let b = vec![(1000, 50_000, 64, op()), (5000, 1100, 8, op())];
+        assert_eq!(continued_copy(&b, 1064, 50_064, 64), None);
+        // Writes the new source.
+        let b = vec![(1000, 50_000, 64, op()), (50_100, 90_000, 8, op())];
+        assert_eq!(continued_copy(&b, 1064, 50_064, 64), None);
+    }
+
+    #[test]
+    fn merged_ranges_that_would_overlap_do_not_merge() {
+        // Source and destination 64 bytes apart: the merged copy would overlap itself.
+        let b = vec![(1064, 1000, 64, op())];
+        assert_eq!(continued_copy(&b, 1128, 1064, 64), None);
+    }
+
+    #[test]
+    fn the_window_is_bounded() {
+        let mut b = vec![(1000, 50_000, 64, op())];
+        for k in 0..MERGE_WINDOW as u64 {
+            b.push((100_000 + 16 * k, 200_000 + 16 * k, 8, op()));
+        }
+        assert_eq!(continued_copy(&b, 1064, 50_064, 64), None);
     }
 }
