@@ -5,12 +5,13 @@
 
 /// The variables that matter to epcomm, NVSHMEM, NCCL and CUDA, sorted by name.
 pub fn relevant_env(vars: impl Iterator<Item = (String, String)>) -> Vec<(String, String)> {
-    const EXACT: [&str; 3] = [
+    const EXACT: [&str; 4] = [
         "CUDA_VISIBLE_DEVICES",
         "CUDA_DEVICE_ORDER",
+        "CUDA_DEVICE_MAX_CONNECTIONS",
         "LD_LIBRARY_PATH",
     ];
-    const PREFIXES: [&str; 3] = ["EPCOMM_", "NVSHMEM_", "NCCL_"];
+    const PREFIXES: [&str; 4] = ["EPCOMM_", "NVSHMEM_", "NCCL_", "CUDA_MPS_"];
     let mut v: Vec<(String, String)> = vars
         .filter(|(k, _)| EXACT.contains(&k.as_str()) || PREFIXES.iter().any(|p| k.starts_with(p)))
         .collect();
@@ -43,6 +44,16 @@ pub fn env_warnings(env: &[(String, String)]) -> Vec<String> {
             shown(nccl)
         ));
     }
+    if let Some(v) = get("CUDA_DEVICE_MAX_CONNECTIONS")
+        && v.trim().parse::<usize>().is_ok_and(|n| n < 32)
+    {
+        w.push(format!(
+            "CUDA_DEVICE_MAX_CONNECTIONS is {v:?}: the copy-engine proxy (proxy-ce) needs a \
+             hardware queue per peer it copies to, one for its progress writes and one for the \
+             kernel, or a copy can wait behind the kernel that waits for it; the transport \
+             refuses too few, `epcomm bench` sets 32 for its own workers when it is unset"
+        ));
+    }
     if get("CUDA_VISIBLE_DEVICES") == Some("") {
         w.push("CUDA_VISIBLE_DEVICES is set but empty: it hides every GPU".into());
     }
@@ -68,6 +79,34 @@ pub fn process_vars() -> impl Iterator<Item = (String, String)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn few_hardware_queues_are_named() {
+        let env = |v: &str| vec![("CUDA_DEVICE_MAX_CONNECTIONS".to_string(), v.to_string())];
+        let w = env_warnings(&env("4"));
+        assert!(
+            w.iter()
+                .any(|m| m.contains("CUDA_DEVICE_MAX_CONNECTIONS is \"4\"")),
+            "{w:?}"
+        );
+        let w = env_warnings(&env("32"));
+        assert!(
+            !w.iter().any(|m| m.contains("CUDA_DEVICE_MAX_CONNECTIONS")),
+            "{w:?}"
+        );
+        let kept = relevant_env(
+            [
+                ("CUDA_DEVICE_MAX_CONNECTIONS".to_string(), "32".to_string()),
+                (
+                    "CUDA_MPS_PIPE_DIRECTORY".to_string(),
+                    "/tmp/mps".to_string(),
+                ),
+                ("HOME".to_string(), "/root".to_string()),
+            ]
+            .into_iter(),
+        );
+        assert_eq!(kept.len(), 2, "{kept:?}");
+    }
 
     #[test]
     fn nvls_warnings() {
