@@ -44,6 +44,7 @@ pub mod verbs;
 mod watch;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use cudarc::driver::CudaContext;
@@ -305,6 +306,32 @@ impl ProxyTransport {
 /// enough hardware queues for its streams ([`check_copy_stream_queues`]).
 pub const SINGLE_HOST_ENV: [(&str, &str); 1] = [("CUDA_DEVICE_MAX_CONNECTIONS", "32")];
 
+/// The copy-engine streams of every live [`ProxyMemory`] of this process (its executor's
+/// lanes and progress mirror): all of them must fit in the hardware queues together
+/// ([`check_copy_stream_queues`]).
+static LIVE_COPY_STREAMS: AtomicUsize = AtomicUsize::new(0);
+
+/// Counts a buffer's copy-engine streams in [`LIVE_COPY_STREAMS`] until dropped.
+#[derive(Debug)]
+struct CopyStreams(usize);
+
+impl CopyStreams {
+    fn live() -> usize {
+        LIVE_COPY_STREAMS.load(Ordering::Relaxed)
+    }
+
+    fn count(n: usize) -> Self {
+        LIVE_COPY_STREAMS.fetch_add(n, Ordering::Relaxed);
+        Self(n)
+    }
+}
+
+impl Drop for CopyStreams {
+    fn drop(&mut self) {
+        LIVE_COPY_STREAMS.fetch_sub(self.0, Ordering::Relaxed);
+    }
+}
+
 /// Hardware queues (`CUDA_DEVICE_MAX_CONNECTIONS`) a process gets when the variable is not set
 /// and it does not run under MPS.
 const DEFAULT_QUEUES: usize = 8;
@@ -319,8 +346,9 @@ const DEFAULT_QUEUES: usize = 8;
 /// kernel to end, while the kernel waits for the copy: both stop until the op's timeout.
 /// Measured with two ranks on one GPU: under MPS with the default the first ops stalled;
 /// without MPS and `CUDA_DEVICE_MAX_CONNECTIONS=1` the first op stalled; under MPS with 32
-/// every test passed. `copy_streams` (the executor's streams: one per proxied peer, and the
-/// progress mirror's) plus the op's own stream must fit in the queues; under MPS the variable
+/// every test passed. `copy_streams` (the copy-engine streams of the process's proxy buffers,
+/// this one's included: one per proxied peer and one progress mirror each) plus the op's own
+/// stream must fit in the queues; under MPS the variable
 /// must be set. Necessary, not sufficient: other streams of the process take queues too, so
 /// set it to 32 (launchers of this workspace do, [`SINGLE_HOST_ENV`]).
 ///
@@ -339,7 +367,7 @@ pub fn check_copy_stream_queues(
     let fail = |why: String| TransportError::InvalidArgument {
         argument: "CUDA_DEVICE_MAX_CONNECTIONS",
         rule: format!(
-            "{why}: the copy-engine proxy's {copy_streams} stream(s) and the stream of the \
+            "{why}: the copy-engine proxy's {copy_streams} stream(s) in this process and the stream of the \
              kernel that waits for them need {needed} hardware queues, or a copy can queue \
              behind that kernel and both stop; set CUDA_DEVICE_MAX_CONNECTIONS=32 in the \
              environment before CUDA starts"
@@ -399,14 +427,16 @@ impl SymmetricHeap for ProxyTransport {
     fn alloc_symmetric(&self, bytes: usize) -> Result<ProxyMemory, TransportError> {
         let ctx = self.ipc.context();
         let lanes = self.world.world_size() - self.world.nvlink_domain().len();
+        let streams = lanes + usize::from(self.options.mirror_progress);
         let mps = ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MPS_ENABLED)
             .is_ok_and(|v| v != 0);
         check_copy_stream_queues(
-            lanes + usize::from(self.options.mirror_progress),
+            CopyStreams::live() + streams,
             std::env::var("CUDA_DEVICE_MAX_CONNECTIONS").ok().as_deref(),
             mps,
         )?;
+        let counted = CopyStreams::count(streams);
         let ipc = self.ipc.alloc_symmetric(bytes)?;
         let world = self.world.world_size();
         let me = self.world.rank();
@@ -451,6 +481,7 @@ impl SymmetricHeap for ProxyTransport {
                 .collect(),
             core,
             ipc,
+            _streams: counted,
         })
     }
 }
@@ -464,6 +495,7 @@ pub struct ProxyMemory {
     store_bases: Vec<u64>,
     core: ProxyCore,
     ipc: IpcMemory,
+    _streams: CopyStreams,
 }
 
 impl ProxyMemory {
