@@ -201,13 +201,6 @@ pub fn worker(args: &BenchArgs) -> Res {
     run_bench(args, &plan, &boot, &ctx, &transport, gpus_used)
 }
 
-/// Whether this context runs under MPS (`CU_DEVICE_ATTRIBUTE_MPS_ENABLED`; false where the
-/// driver does not know the attribute).
-pub(crate) fn under_mps(ctx: &CudaContext) -> bool {
-    ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MPS_ENABLED)
-        .is_ok_and(|v| v != 0)
-}
-
 fn run_bench(
     args: &BenchArgs,
     plan: &BenchPlan,
@@ -333,7 +326,7 @@ fn run_bench(
                 gpu_sms: u32::try_from(gpu_sms).unwrap_or(0),
                 gpu_name: ctx.name().unwrap_or_else(|_| "GPU".into()),
                 gpus,
-                mps: under_mps(ctx),
+                mps: crate::gpu::under_mps(ctx),
             },
             results: rows,
             skew,

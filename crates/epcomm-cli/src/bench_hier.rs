@@ -221,7 +221,7 @@ pub fn run_hier_bench(
                     gpu_sms: u32::try_from(gpu_sms).unwrap_or(0),
                     gpu_name: ctx.name().unwrap_or_else(|_| "GPU".into()),
                     gpus,
-                    mps: crate::bench::under_mps(ctx),
+                    mps: crate::gpu::under_mps(ctx),
                 },
                 nodes: tiers.nodes(),
                 local_ranks: tiers.local_ranks(),

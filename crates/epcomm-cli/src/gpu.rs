@@ -252,6 +252,13 @@ fn peer_link(from: usize, to: usize) -> Result<PeerLink, String> {
     })
 }
 
+/// Whether this context runs under MPS (`CU_DEVICE_ATTRIBUTE_MPS_ENABLED`; false where the
+/// driver does not know the attribute).
+pub(crate) fn under_mps(ctx: &cudarc::driver::CudaContext) -> bool {
+    ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MPS_ENABLED)
+        .is_ok_and(|v| v != 0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
