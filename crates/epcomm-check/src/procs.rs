@@ -46,8 +46,8 @@ pub fn under_mps() -> bool {
         })
 }
 
-/// Runs `args` of the current executable as `world` worker processes (one per GPU, local rank
-/// = GPU index) with the library's defaults for one host
+/// Runs `args` of the current executable as `world` worker processes (local rank `r`, which
+/// uses GPU `r % GPUs`) with the library's defaults for one host
 /// (`epcomm_backends::single_host_env_defaults`, each unless already set) and `env` added,
 /// and waits for all of them (at most `timeout`). Fails naming the ranks that failed.
 pub fn run_workers(

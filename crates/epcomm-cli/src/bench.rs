@@ -1,5 +1,6 @@
 //! `epcomm bench`: the launcher checks every flag and the environment, then starts one worker
-//! process per GPU (this same binary with `EPCOMM_WORKER=1`). The workers verify one BF16 and
+//! process per rank (this same binary with `EPCOMM_WORKER=1`; one per GPU unless `--world`
+//! asks for more, then ranks share GPUs round-robin). The workers verify one BF16 and
 //! one FP8 round against the CPU reference, then time every op with CUDA events (L2 flushed
 //! between calls). Rank 0 hands its results to the launcher as JSON (a file named by
 //! [`RESULTS_ENV`]); the launcher alone writes stdout (table, JSON or CSV) and the plot.
@@ -76,13 +77,10 @@ pub fn launch(args: &BenchArgs) -> Result<(), AppError> {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos())
     )));
-    // Local launch = one host: the library's NVSHMEM defaults for one host (no remote
-    // transport, multicast off), where the environment does not set them.
-    let mut env: Vec<(&str, String)> = epcomm_backends::single_host_env_defaults()
-        .into_iter()
-        .map(|(key, value)| (key, value.to_string()))
-        .collect();
-    env.push((RESULTS_ENV, results.0.display().to_string()));
+    // Local launch = one host: `run_workers` adds the library's defaults for one host (NVSHMEM
+    // without a remote transport and without multicast, the copy-engine proxy's hardware
+    // queues), where the environment does not set them.
+    let env = vec![(RESULTS_ENV, results.0.display().to_string())];
     let gpus = facts.gpus.len();
     if world > gpus {
         eprintln!(

@@ -56,6 +56,10 @@ pub struct GpuInfo {
     pub compute_capability: (u32, u32),
     /// PCI bus id, when the driver tells it.
     pub pci_bus_id: Option<String>,
+    /// Whether contexts on it are shared through MPS (`CU_DEVICE_ATTRIBUTE_MPS_ENABLED`):
+    /// processes on it then run at the same time instead of taking turns.
+    #[serde(default)]
+    pub mps: bool,
 }
 
 /// Peer access from one GPU to another.
@@ -179,6 +183,7 @@ fn gpu_info(ordinal: c_int) -> Result<GpuInfo, String> {
     let sms = attribute(dev, A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
     let major = attribute(dev, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
     let minor = attribute(dev, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+    let mps = attribute(dev, A::CU_DEVICE_ATTRIBUTE_MPS_ENABLED).is_ok_and(|v| v != 0);
     // SAFETY: `dev` is a valid device handle (cuDeviceGet after cuInit).
     let memory = unsafe { result::device::total_mem(dev) }.map_err(|e| e.to_string())?;
     let mut bus = [0 as c_char; 32];
@@ -204,6 +209,7 @@ fn gpu_info(ordinal: c_int) -> Result<GpuInfo, String> {
             u32::try_from(minor).unwrap_or(0),
         ),
         pci_bus_id,
+        mps,
     })
 }
 

@@ -16,7 +16,7 @@ pub const SCHEMA: &str = "epcomm-bench/2";
 /// The run's configuration, as it ran.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct BenchConfig {
-    /// Ranks (one process and one GPU each).
+    /// Ranks (one process each; one GPU each unless `gpus` is smaller).
     pub world: usize,
     /// The transport spec (`ipc`, `nvshmem`, `nvshmem:vnodes=2`, ...).
     pub transport: String,

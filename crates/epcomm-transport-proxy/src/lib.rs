@@ -306,12 +306,12 @@ impl ProxyTransport {
 /// enough hardware queues for its streams ([`check_copy_stream_queues`]).
 pub const SINGLE_HOST_ENV: [(&str, &str); 1] = [("CUDA_DEVICE_MAX_CONNECTIONS", "32")];
 
-/// The copy-engine streams of every live [`ProxyMemory`] of this process (its executor's
-/// lanes and progress mirror): all of them must fit in the hardware queues together
-/// ([`check_copy_stream_queues`]).
+/// The streams of every live [`ProxyMemory`] of this process that need a hardware queue each
+/// (its executor's lanes and progress mirror, and its ops' stream):
+/// [`check_copy_stream_queues`].
 static LIVE_COPY_STREAMS: AtomicUsize = AtomicUsize::new(0);
 
-/// Counts a buffer's copy-engine streams in [`LIVE_COPY_STREAMS`] until dropped.
+/// Counts a buffer's streams in [`LIVE_COPY_STREAMS`] until dropped.
 #[derive(Debug)]
 struct CopyStreams(usize);
 
@@ -336,7 +336,7 @@ impl Drop for CopyStreams {
 /// and it does not run under MPS.
 const DEFAULT_QUEUES: usize = 8;
 
-/// Refuses a copy-engine executor whose streams could share a hardware queue with the kernel
+/// Refuses copy-engine executors whose streams could share a hardware queue with a kernel
 /// that waits for them.
 ///
 /// The driver maps a process's streams onto a fixed number of hardware queues
@@ -346,31 +346,30 @@ const DEFAULT_QUEUES: usize = 8;
 /// kernel to end, while the kernel waits for the copy: both stop until the op's timeout.
 /// Measured with two ranks on one GPU: under MPS with the default the first ops stalled;
 /// without MPS and `CUDA_DEVICE_MAX_CONNECTIONS=1` the first op stalled; under MPS with 32
-/// every test passed. `copy_streams` (the copy-engine streams of the process's proxy buffers,
-/// this one's included: one per proxied peer and one progress mirror each) plus the op's own
-/// stream must fit in the queues; under MPS the variable
-/// must be set. Necessary, not sufficient: other streams of the process take queues too, so
-/// set it to 32 (launchers of this workspace do, [`SINGLE_HOST_ENV`]).
+/// every test passed. `streams`: the streams of this process's proxy buffers that must each
+/// have a queue (per buffer its copy streams, one per proxied peer and one progress mirror,
+/// and the stream its ops run on); under MPS the variable must be set. Necessary, not
+/// sufficient: other streams of the process take queues too, so set it to 32 (the launchers
+/// of this workspace do, [`SINGLE_HOST_ENV`]). The count is per process, not per GPU.
 ///
 /// # Errors
-/// [`TransportError::InvalidArgument`] naming `CUDA_DEVICE_MAX_CONNECTIONS`, with the value it
-/// needs.
+/// [`TransportError::InvalidArgument`] naming `CUDA_DEVICE_MAX_CONNECTIONS`, with the number
+/// of queues needed.
 pub fn check_copy_stream_queues(
-    copy_streams: usize,
+    streams: usize,
     connections: Option<&str>,
     under_mps: bool,
 ) -> Result<(), TransportError> {
-    if copy_streams == 0 {
+    if streams == 0 {
         return Ok(());
     }
-    let needed = copy_streams + 1;
     let fail = |why: String| TransportError::InvalidArgument {
         argument: "CUDA_DEVICE_MAX_CONNECTIONS",
         rule: format!(
-            "{why}: the copy-engine proxy's {copy_streams} stream(s) in this process and the stream of the \
-             kernel that waits for them need {needed} hardware queues, or a copy can queue \
-             behind that kernel and both stop; set CUDA_DEVICE_MAX_CONNECTIONS=32 in the \
-             environment before CUDA starts"
+            "{why}: the copy-engine proxy buffers of this process need {streams} hardware \
+             queues (their copy streams and the streams their kernels run on), or a copy can \
+             queue behind the kernel that waits for it and both stop; set \
+             CUDA_DEVICE_MAX_CONNECTIONS=32 in the environment before CUDA starts"
         ),
     };
     let queues = match connections.map(str::trim) {
@@ -388,7 +387,7 @@ pub fn check_copy_stream_queues(
             .filter(|&n| n > 0)
             .ok_or_else(|| fail(format!("{v:?} is not a positive number")))?,
     };
-    if needed > queues.min(32) {
+    if streams > queues.min(32) {
         return Err(fail(format!("{queues} hardware queue(s) are too few")));
     }
     Ok(())
@@ -421,22 +420,66 @@ impl DeviceRuntime for ProxyTransport {
     }
 }
 
+impl ProxyTransport {
+    /// Counts the streams a new buffer adds (its copy streams and its ops' stream; none
+    /// without proxied peers) and checks that the process's total fits in the hardware queues
+    /// ([`check_copy_stream_queues`]). Collective, like the allocation it precedes: every rank
+    /// learns every rank's verdict, so a refusal on one rank is an error on all of them, not a
+    /// wait in the allocation's exchange.
+    fn count_copy_streams(&self) -> Result<CopyStreams, TransportError> {
+        let lanes = self.world.world_size() - self.world.nvlink_domain().len();
+        let added = if lanes == 0 {
+            0
+        } else {
+            lanes + usize::from(self.options.mirror_progress) + 1
+        };
+        let mps = self
+            .ipc
+            .context()
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MPS_ENABLED)
+            .is_ok_and(|v| v != 0);
+        // Counted first, so that buffers made at the same time see each other.
+        let counted = CopyStreams::count(added);
+        let verdict = if added == 0 {
+            Ok(())
+        } else {
+            check_copy_stream_queues(
+                CopyStreams::live(),
+                std::env::var("CUDA_DEVICE_MAX_CONNECTIONS").ok().as_deref(),
+                mps,
+            )
+        };
+        let refused = [u8::from(verdict.is_err())];
+        let all = self
+            .ipc
+            .bootstrap()
+            .all_gather("proxy-ce-queues", &refused)
+            .map_err(|source| TransportError::Bootstrap {
+                context: "agreeing that every rank's copy streams fit in its hardware queues"
+                    .into(),
+                source,
+            })?;
+        verdict?;
+        if let Some(rank) = all.iter().position(|v| v.first() != Some(&0)) {
+            return Err(TransportError::InvalidArgument {
+                argument: "CUDA_DEVICE_MAX_CONNECTIONS",
+                rule: format!(
+                    "rank {rank} refused its copy-engine proxy buffer: its copy streams do not \
+                     fit in its hardware queues (its error says how many it needs); set \
+                     CUDA_DEVICE_MAX_CONNECTIONS=32 for every rank"
+                ),
+            });
+        }
+        Ok(counted)
+    }
+}
+
 impl SymmetricHeap for ProxyTransport {
     type Memory = ProxyMemory;
 
     fn alloc_symmetric(&self, bytes: usize) -> Result<ProxyMemory, TransportError> {
         let ctx = self.ipc.context();
-        let lanes = self.world.world_size() - self.world.nvlink_domain().len();
-        let streams = lanes + usize::from(self.options.mirror_progress);
-        let mps = ctx
-            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MPS_ENABLED)
-            .is_ok_and(|v| v != 0);
-        check_copy_stream_queues(
-            CopyStreams::live() + streams,
-            std::env::var("CUDA_DEVICE_MAX_CONNECTIONS").ok().as_deref(),
-            mps,
-        )?;
-        let counted = CopyStreams::count(streams);
+        let counted = self.count_copy_streams()?;
         let ipc = self.ipc.alloc_symmetric(bytes)?;
         let world = self.world.world_size();
         let me = self.world.rank();
@@ -546,26 +589,26 @@ mod tests {
     #[test]
     fn copy_streams_must_fit_in_the_hardware_queues() {
         // Without MPS: 8 queues by default.
-        assert!(check_copy_stream_queues(7, None, false).is_ok());
-        let e = check_copy_stream_queues(8, None, false).unwrap_err();
+        assert!(check_copy_stream_queues(8, None, false).is_ok());
+        let e = check_copy_stream_queues(9, None, false).unwrap_err();
         let text = e.to_string();
         assert!(text.contains("CUDA_DEVICE_MAX_CONNECTIONS"), "{text}");
-        assert!(text.contains("need 9 hardware queues"), "{text}");
-        assert!(check_copy_stream_queues(8, Some("32"), false).is_ok());
+        assert!(text.contains("need 9 hardware"), "{text}");
+        assert!(check_copy_stream_queues(9, Some("32"), false).is_ok());
         // The driver caps the queues at 32.
-        assert!(check_copy_stream_queues(31, Some("64"), false).is_ok());
-        assert!(check_copy_stream_queues(32, Some("64"), false).is_err());
-        assert!(check_copy_stream_queues(2, Some("2"), false).is_err());
+        assert!(check_copy_stream_queues(32, Some("64"), false).is_ok());
+        assert!(check_copy_stream_queues(33, Some("64"), false).is_err());
+        assert!(check_copy_stream_queues(3, Some("2"), false).is_err());
         // Under MPS the variable must be set.
-        let e = check_copy_stream_queues(1, None, true).unwrap_err();
+        let e = check_copy_stream_queues(2, None, true).unwrap_err();
         assert!(e.to_string().contains("MPS"), "{e}");
-        assert!(check_copy_stream_queues(1, Some(" "), true).is_err());
-        assert!(check_copy_stream_queues(2, Some("32"), true).is_ok());
+        assert!(check_copy_stream_queues(2, Some(" "), true).is_err());
+        assert!(check_copy_stream_queues(3, Some("32"), true).is_ok());
         // Malformed values are named.
-        let e = check_copy_stream_queues(1, Some("many"), false).unwrap_err();
+        let e = check_copy_stream_queues(2, Some("many"), false).unwrap_err();
         assert!(e.to_string().contains("\"many\""), "{e}");
-        assert!(check_copy_stream_queues(1, Some("0"), false).is_err());
-        // Without proxied peers nothing waits on a copy stream.
+        assert!(check_copy_stream_queues(2, Some("0"), false).is_err());
+        // Without streams nothing waits on a copy.
         assert!(check_copy_stream_queues(0, Some("1"), true).is_ok());
     }
     use super::*;

@@ -155,18 +155,12 @@ impl TestConfig {
 
     /// The workers' environment for this configuration (NVSHMEM's one-host defaults included).
     pub fn env(&self) -> Vec<(&'static str, String)> {
-        let mut env = vec![
+        let env = vec![
             ("EPCOMM_TEST_TRANSPORT", self.spec.to_string()),
             ("EPCOMM_TEST_SCHEDULE", self.schedule.to_string()),
             ("EPCOMM_TEST_ROUTES", self.routes.to_string()),
         ];
-        if self.spec.needs_runtime_library() {
-            env.extend(
-                epcomm_backends::single_host_env_defaults()
-                    .into_iter()
-                    .map(|(k, v)| (k, v.to_string())),
-            );
-        }
+        // The library's one-host defaults come from `run_workers`.
         env
     }
 }

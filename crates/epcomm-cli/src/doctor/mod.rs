@@ -79,6 +79,7 @@ mod fixtures {
             memory_bytes: 80 << 30,
             compute_capability: (9, 0),
             pci_bus_id: None,
+            mps: false,
         }
     }
 

@@ -63,7 +63,7 @@ pub fn render(r: &DoctorReport) -> String {
     for g in &r.gpus {
         let _ = writeln!(
             s,
-            "  {}: {}, {} SMs, {}, compute capability {}.{}{}",
+            "  {}: {}, {} SMs, {}, compute capability {}.{}{}{}",
             g.ordinal,
             g.name,
             g.sms,
@@ -73,7 +73,8 @@ pub fn render(r: &DoctorReport) -> String {
             g.pci_bus_id
                 .as_deref()
                 .map(|b| format!(", PCI {b}"))
-                .unwrap_or_default()
+                .unwrap_or_default(),
+            if g.mps { ", MPS" } else { "" },
         );
     }
     if r.gpus.len() > 1 {

@@ -74,7 +74,8 @@ pub fn validate_bench(
     let (hidden_ok, fp8) = shape::hidden(args, &mut errs, &mut notes);
     let experts_ok = shape::experts(args, world, &mut errs);
     let top_k_ok = shape::top_k(args, &mut errs);
-    let (sweep, is_sweep) = shape::sms(args, min_sms, &mut errs);
+    let sm_limit = shape::sm_limit(machine, world, min_sms);
+    let (sweep, is_sweep) = shape::sms(args, sm_limit, &mut errs);
 
     // --transport, --schedule, --routes (and their aliases): the library decides, for every
     // rank of a local launch (one host).
@@ -170,6 +171,7 @@ mod test_support {
                 memory_bytes: mem_gib << 30,
                 compute_capability: (9, 0),
                 pci_bus_id: None,
+                mps: false,
             })
             .collect()
     }

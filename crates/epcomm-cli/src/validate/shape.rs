@@ -201,11 +201,41 @@ pub(super) fn top_k(args: &BenchArgs, errs: &mut Vec<FlagError>) -> bool {
     )
 }
 
-/// `--sms`, or every value of `--sweep-sms` (listed once each): 1 ..= `min_sms` (the smallest
-/// GPU's, when known). Returns the SM counts to time, in order, and whether this is a sweep.
+/// The most SMs one op may use, with the reason: the smallest used GPU's SM count, or under
+/// MPS, where the ranks sharing a GPU run at the same time, that count divided among them (an
+/// op's blocks wait for its peers' blocks, so every rank's blocks must be resident together;
+/// without MPS the ranks take turns and each has the whole GPU in its turn).
+pub(super) fn sm_limit(
+    machine: &super::Machine,
+    world: Option<usize>,
+    min_sms: Option<u32>,
+) -> Option<(u32, String)> {
+    let max = min_sms?;
+    let gpus = machine.gpus.as_deref().filter(|g| !g.is_empty());
+    let shared = match (gpus, world) {
+        (Some(g), Some(w)) if w > g.len() && g.iter().any(|g| g.mps) => w.div_ceil(g.len()),
+        _ => 1,
+    };
+    Some(if shared > 1 {
+        let each = max / shared as u32;
+        (
+            each,
+            format!(
+                "under MPS the {shared} ranks sharing a GPU run at the same time, so their \
+                 blocks must fit on its {max} SMs together ({each} each)"
+            ),
+        )
+    } else {
+        (max, format!("the GPU has {max} SMs"))
+    })
+}
+
+/// `--sms`, or every value of `--sweep-sms` (listed once each): 1 ..= the limit
+/// ([`sm_limit`], when known). Returns the SM counts to time, in order, and whether this is a
+/// sweep.
 pub(super) fn sms(
     args: &BenchArgs,
-    min_sms: Option<u32>,
+    limit: Option<(u32, String)>,
     errs: &mut Vec<FlagError>,
 ) -> (Vec<u32>, bool) {
     let sms_rule = |flag: &'static str, v: u32, errs: &mut Vec<FlagError>| {
@@ -213,13 +243,8 @@ pub(super) fn sms(
             errs,
             [
                 FlagError::at_least(flag, u64::from(v), 1),
-                min_sms.and_then(|max| {
-                    FlagError::at_most(
-                        flag,
-                        u64::from(v),
-                        u64::from(max),
-                        format!("the GPU has {max} SMs"),
-                    )
+                limit.as_ref().and_then(|(max, why)| {
+                    FlagError::at_most(flag, u64::from(v), u64::from(*max), why.clone())
                 }),
             ],
         );
@@ -307,6 +332,31 @@ mod tests {
             "{:?}",
             plan.notes
         );
+    }
+
+    #[test]
+    fn ranks_sharing_a_gpu_under_mps_split_its_sms() {
+        let mut one = gpus(1, 132, 141);
+        let plain = Machine {
+            gpus: Some(one.clone()),
+            host_memory_bytes: None,
+        };
+        one[0].mps = true;
+        let mps = Machine {
+            gpus: Some(one),
+            host_memory_bytes: None,
+        };
+        let a = |sms: &str| args(&["--world", "2", "--sms", sms, "--tokens", "128"]);
+        // Taking turns, each rank has the whole GPU in its turn.
+        assert!(validate_bench(&a("100"), None, &plain).is_ok());
+        // Under MPS both ranks' blocks must be resident together: 66 each at most.
+        let err = validate_bench(&a("100"), None, &mps).unwrap_err();
+        let e = err.about("--sms").expect("sms error");
+        assert!(e.to_string().contains("under MPS"), "{e}");
+        assert!(validate_bench(&a("66"), None, &mps).is_ok());
+        // One rank per GPU: MPS changes nothing.
+        let b = args(&["--world", "1", "--sms", "100", "--tokens", "128"]);
+        assert!(validate_bench(&b, None, &mps).is_ok());
     }
 
     #[test]

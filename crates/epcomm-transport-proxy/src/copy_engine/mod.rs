@@ -255,7 +255,7 @@ impl CopyEngineExecutor {
                 CopyEngineError::Unmapped {
                     peer: i as u32,
                     world: self.lanes.len(),
-                    mapped: false,
+                    mapped: true,
                 },
             )
         })
