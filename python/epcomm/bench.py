@@ -92,6 +92,9 @@ def launch(args, argv):
                 MASTER_PORT=str(port),
             )
             env[RESULTS_ENV] = results
+            # The copy-engine proxy needs a hardware queue per stream it waits on (the library
+            # refuses too few, under MPS an unset value): what the Rust launchers set too.
+            env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
             procs.append(subprocess.Popen([sys.executable, "-m", "epcomm.bench", *argv], env=env, stdout=sys.stderr))
         codes = [p.wait() for p in procs]
         if any(codes):
