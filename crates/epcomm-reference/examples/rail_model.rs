@@ -3,7 +3,7 @@
 //! lower-bound time and DeepEP-style "RDMA GB/s" at a given NIC bandwidth.
 //!
 //! `cargo run --release -p epcomm-reference --example rail_model -- [--nic-gbps 50]
-//! [--overhead-us 0]`
+//! [--overhead-us 0] [--nvlink-gbps 275]`
 
 use std::time::Instant;
 
@@ -23,6 +23,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut link = RailLink {
         nic_gbps: 50.0,
         overhead_us: 0.0,
+        nvlink_gbps: 275.0,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -32,7 +33,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         match a.as_str() {
             "--nic-gbps" => link.nic_gbps = value(args.next())?,
             "--overhead-us" => link.overhead_us = value(args.next())?,
-            _ => return Err(format!("unknown argument {a} (--nic-gbps, --overhead-us)").into()),
+            "--nvlink-gbps" => link.nvlink_gbps = value(args.next())?,
+            _ => {
+                return Err(format!(
+                    "unknown argument {a} (--nic-gbps, --overhead-us, --nvlink-gbps)"
+                )
+                .into());
+            }
         }
     }
 
@@ -61,8 +68,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         start.elapsed().as_secs_f64()
     );
     println!(
-        "NIC {} GB/s per GPU per direction, per-op overhead {} us\n",
-        link.nic_gbps, link.overhead_us
+        "NIC {} GB/s per GPU per direction, per-op overhead {} us, node stage (NVLink \
+         forwarding) {} GB/s\n",
+        link.nic_gbps, link.overhead_us, link.nvlink_gbps
     );
 
     let mut models = Vec::new();
@@ -129,6 +137,36 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 op.time_us,
                 op.deepep_bytes_mean / 1e6,
                 op.deepep_gbps,
+            );
+        }
+    }
+
+    println!(
+        "\nWith the node stage (the busiest rank's forwarded rows at the NVLink rate): after the \
+         rail stage (two stages) or overlapped with it (fused); rail GB/s = mean rail bytes \
+         sent / time:\n"
+    );
+    println!(
+        "| EP | op | rail us | node us | two stages us | rail GB/s | fused us | fused rail GB/s |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    for m in &models {
+        let ops: [(&str, &OpEstimate); 3] = [
+            ("dispatch BF16", &m.dispatch_bf16),
+            ("dispatch FP8", &m.dispatch_fp8),
+            ("combine BF16 partials", &m.combine_bf16),
+        ];
+        for (name, op) in ops {
+            let st = op.staged;
+            println!(
+                "| {} | {name} | {:.0} | {:.0} | {:.0} | {:.1} | {:.0} | {:.1} |",
+                m.tiers.world_size(),
+                st.rail_us,
+                st.node_us,
+                st.sequential_us,
+                st.sequential_rail_gbps,
+                st.overlapped_us,
+                st.overlapped_rail_gbps,
             );
         }
     }

@@ -3,7 +3,11 @@
 //!
 //! Nothing here is measured: rows come from [`rail_traffic`], row bytes from
 //! `epcomm_topology`'s [`dispatch_row_bytes`] and [`combine_partial_row_bytes`], and the time
-//! is `bytes / bandwidth + overhead`, the overhead a fixed per-op term to be measured.
+//! is `bytes / bandwidth + overhead`, the overhead a fixed per-op term measured elsewhere.
+//!
+//! **Stages.** [`OpEstimate::staged`] adds the node stage (the rows a rail peer forwards over
+//! NVLink, at an NVLink rate) two ways: after the rail stage, as the implementation runs them
+//! (two ops on one stream), and overlapped with it, as a fused design would.
 //!
 //! **Bytes counted.** A dispatch row on the rail is the token payload plus its metadata:
 //! * BF16: `hidden * 2` + top-k ids (`top_k * 8`) + top-k weights (`top_k * 4`) + source index
@@ -63,6 +67,9 @@ pub struct RailLink {
     pub nic_gbps: f64,
     /// Fixed time added to every op, microseconds (0 until measured).
     pub overhead_us: f64,
+    /// NVLink rate of the node stage (forwarding), GB/s per GPU: what the node tier's stores
+    /// reach with the op's SMs.
+    pub nvlink_gbps: f64,
 }
 
 impl RailLink {
@@ -88,6 +95,25 @@ pub struct OpEstimate {
     pub deepep_bytes_mean: f64,
     /// `deepep_bytes_mean / time_us`, GB/s: the "RDMA GB/s" DeepEP would print.
     pub deepep_gbps: f64,
+    /// The time with the node stage counted too.
+    pub staged: StagedTime,
+}
+
+/// An op's time with its node stage: the busiest rank's forwarded rows over NVLink.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StagedTime {
+    /// The rail stage alone: the busiest NIC direction at the NIC rate, no overhead.
+    pub rail_us: f64,
+    /// The node stage alone: `max over ranks of rows forwarded * row bytes` at the NVLink rate.
+    pub node_us: f64,
+    /// `rail_us + node_us + overhead`: the stages one after the other.
+    pub sequential_us: f64,
+    /// `max(rail_us, node_us) + overhead`: the stages overlapped.
+    pub overlapped_us: f64,
+    /// Mean rail bytes sent per rank / `sequential_us`, GB/s.
+    pub sequential_rail_gbps: f64,
+    /// Mean rail bytes sent per rank / `overlapped_us`, GB/s.
+    pub overlapped_rail_gbps: f64,
 }
 
 impl OpEstimate {
@@ -95,6 +121,7 @@ impl OpEstimate {
         row_bytes: u64,
         sent: Spread,
         busiest_rows: u64,
+        forwarded: Spread,
         deepep_rows: Spread,
         deepep_row_bytes: f64,
         link: RailLink,
@@ -102,13 +129,33 @@ impl OpEstimate {
         let busiest = busiest_rows * row_bytes;
         let time_us = link.time_us(busiest);
         let deepep_bytes_mean = deepep_rows.mean * deepep_row_bytes;
+        let sent_mean = sent.mean * row_bytes as f64;
+        let rail_us = time_us - link.overhead_us;
+        let node_us = (forwarded.max * row_bytes) as f64 / (link.nvlink_gbps * 1e3);
+        let sequential_us = rail_us + node_us + link.overhead_us;
+        let overlapped_us = rail_us.max(node_us) + link.overhead_us;
+        let gbps = |us: f64| {
+            if us > 0.0 {
+                sent_mean / (us * 1e3)
+            } else {
+                0.0
+            }
+        };
         Self {
             row_bytes,
-            sent_mean: sent.mean * row_bytes as f64,
+            sent_mean,
             busiest,
             time_us,
             deepep_bytes_mean,
             deepep_gbps: deepep_bytes_mean / (time_us * 1e3),
+            staged: StagedTime {
+                rail_us,
+                node_us,
+                sequential_us,
+                overlapped_us,
+                sequential_rail_gbps: gbps(sequential_us),
+                overlapped_rail_gbps: gbps(overlapped_us),
+            },
         }
     }
 }
@@ -168,11 +215,14 @@ impl RailModel {
 ///
 /// Times: each op is bounded by its busiest NIC direction, `max over ranks of max(rows sent,
 /// rows received) * row bytes`; dispatch sends [`RailModel::rail_sent`] and receives
-/// [`RailModel::rail_received`], combine the reverse. NVLink forwarding is not timed.
+/// [`RailModel::rail_received`], combine the reverse. [`OpEstimate::staged`] adds the node
+/// stage: [`RailModel::forwarded`] rows (combine: as many partials back) at
+/// `link.nvlink_gbps`.
 ///
 /// # Errors
 /// As [`rail_traffic`]; `hidden > 0`, `hidden % 128 == 0` (FP8 rows);
-/// [`RefError::OutOfRange`] unless `link.nic_gbps > 0` and `link.overhead_us >= 0`.
+/// [`RefError::OutOfRange`] unless `link.nic_gbps > 0`, `link.nvlink_gbps > 0` and
+/// `link.overhead_us >= 0`.
 pub fn summarize<I: AsRef<[i64]>>(
     topk_idx: &[I],
     top_k: usize,
@@ -186,6 +236,14 @@ pub fn summarize<I: AsRef<[i64]>>(
         return Err(RefError::OutOfRange {
             arg: "nic_gbps",
             value: link.nic_gbps,
+            min: f64::MIN_POSITIVE,
+            max: f64::MAX,
+        });
+    }
+    if !(link.nvlink_gbps > 0.0 && link.nvlink_gbps.is_finite()) {
+        return Err(RefError::OutOfRange {
+            arg: "nvlink_gbps",
+            value: link.nvlink_gbps,
             min: f64::MIN_POSITIVE,
             max: f64::MAX,
         });
@@ -228,6 +286,7 @@ pub fn summarize<I: AsRef<[i64]>>(
         .max()
         .unwrap_or(0);
     let combine_sent = field(|t| t.combine_rail_sent);
+    let forwarded = field(|t| t.dispatch_forwarded);
     let bf16_payload = (hidden * 2) as f64;
     let fp8_payload = bf16_payload * (1.0 + 4.0 / 128.0) / 2.0;
     let combine = |p| -> Result<OpEstimate> {
@@ -235,6 +294,7 @@ pub fn summarize<I: AsRef<[i64]>>(
             combine_partial_row_bytes(hidden, top_k, p)?,
             combine_sent,
             busiest_rows,
+            forwarded,
             deepep_rows,
             bf16_payload,
             link,
@@ -249,7 +309,7 @@ pub fn summarize<I: AsRef<[i64]>>(
         top_k,
         rail_sent,
         rail_received,
-        forwarded: field(|t| t.dispatch_forwarded),
+        forwarded,
         combine_sent,
         deepep_rows,
         per_rank_rail_rows: traffic
@@ -261,6 +321,7 @@ pub fn summarize<I: AsRef<[i64]>>(
             bf16_row,
             rail_sent,
             busiest_rows,
+            forwarded,
             deepep_rows,
             bf16_payload,
             link,
@@ -269,6 +330,7 @@ pub fn summarize<I: AsRef<[i64]>>(
             fp8_row,
             rail_sent,
             busiest_rows,
+            forwarded,
             deepep_rows,
             fp8_payload,
             link,

@@ -19,6 +19,7 @@ fn routing() -> Vec<Vec<i64>> {
 const LINK: RailLink = RailLink {
     nic_gbps: 1.0,
     overhead_us: 2.0,
+    nvlink_gbps: 4.0,
 };
 
 fn close(a: f64, b: f64) {
@@ -36,6 +37,18 @@ fn check(op: &OpEstimate, row: u64, sent_mean: f64, deepep_row: f64) {
     // DeepEP rows: rank 0 has 2 + 1 + 2 (node, token) pairs, rank 3 has 2: mean 7 / 4.
     close(op.deepep_bytes_mean, 1.75 * deepep_row);
     close(op.deepep_gbps, 1.75 * deepep_row / (time * 1000.0));
+    // Node stage: the busiest rank forwards 2 rows, at 4 GB/s = 4000 bytes per us.
+    let (rail, node) = ((2 * row) as f64 / 1000.0, (2 * row) as f64 / 4000.0);
+    let st = op.staged;
+    close(st.rail_us, rail);
+    close(st.node_us, node);
+    close(st.sequential_us, rail + node + 2.0);
+    close(st.overlapped_us, rail + 2.0);
+    close(
+        st.sequential_rail_gbps,
+        sent_mean / ((rail + node + 2.0) * 1000.0),
+    );
+    close(st.overlapped_rail_gbps, sent_mean / ((rail + 2.0) * 1000.0));
 }
 
 #[test]
@@ -94,6 +107,19 @@ fn errors() {
             ),
             "{e:?}"
         );
+    }
+    for nvlink_gbps in [0.0, f64::NAN] {
+        let e = bad(RailLink {
+            nvlink_gbps,
+            ..LINK
+        });
+        assert!(matches!(
+            e,
+            RefError::OutOfRange {
+                arg: "nvlink_gbps",
+                ..
+            }
+        ));
     }
     let e = bad(RailLink {
         overhead_us: -1.0,
