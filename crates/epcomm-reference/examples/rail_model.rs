@@ -142,9 +142,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
 
     println!(
-        "\nWith the node stage (the busiest rank's forwarded rows at the NVLink rate): after the \
-         rail stage (two stages) or overlapped with it (fused); rail GB/s = mean rail bytes \
-         sent / time:\n"
+        "\nWith the node stage (the busiest rank's NVLink rows, forwarded and its own node's, at \
+         the NVLink rate): after the rail stage (two stages) or overlapped with it (fused); \
+         rail GB/s = mean rail bytes sent / time:\n"
     );
     println!(
         "| EP | op | rail us | node us | two stages us | rail GB/s | fused us | fused rail GB/s |"

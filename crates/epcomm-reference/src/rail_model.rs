@@ -5,8 +5,8 @@
 //! `epcomm_topology`'s [`dispatch_row_bytes`] and [`combine_partial_row_bytes`], and the time
 //! is `bytes / bandwidth + overhead`, the overhead a fixed per-op term measured elsewhere.
 //!
-//! **Stages.** [`OpEstimate::staged`] adds the node stage (the rows a rail peer forwards over
-//! NVLink, at an NVLink rate) two ways: after the rail stage, as the implementation runs them
+//! **Stages.** [`OpEstimate::staged`] adds the node stage (the rows a rank moves over NVLink:
+//! those it forwards for other nodes and its own tokens' rows for its node, at an NVLink rate) two ways: after the rail stage, as the implementation runs them
 //! (two ops on one stream), and overlapped with it, as a fused design would.
 //!
 //! **Bytes counted.** A dispatch row on the rail is the token payload plus its metadata:
@@ -99,12 +99,12 @@ pub struct OpEstimate {
     pub staged: StagedTime,
 }
 
-/// An op's time with its node stage: the busiest rank's forwarded rows over NVLink.
+/// An op's time with its node stage: the busiest rank's NVLink rows ([`RailModel::node_rows`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StagedTime {
     /// The rail stage alone: the busiest NIC direction at the NIC rate, no overhead.
     pub rail_us: f64,
-    /// The node stage alone: `max over ranks of rows forwarded * row bytes` at the NVLink rate.
+    /// The node stage alone: `max over ranks of node rows * row bytes` at the NVLink rate.
     pub node_us: f64,
     /// `rail_us + node_us + overhead`: the stages one after the other.
     pub sequential_us: f64,
@@ -121,7 +121,7 @@ impl OpEstimate {
         row_bytes: u64,
         sent: Spread,
         busiest_rows: u64,
-        forwarded: Spread,
+        node_rows: Spread,
         deepep_rows: Spread,
         deepep_row_bytes: f64,
         link: RailLink,
@@ -131,7 +131,7 @@ impl OpEstimate {
         let deepep_bytes_mean = deepep_rows.mean * deepep_row_bytes;
         let sent_mean = sent.mean * row_bytes as f64;
         let rail_us = time_us - link.overhead_us;
-        let node_us = (forwarded.max * row_bytes) as f64 / (link.nvlink_gbps * 1e3);
+        let node_us = (node_rows.max * row_bytes) as f64 / (link.nvlink_gbps * 1e3);
         let sequential_us = rail_us + node_us + link.overhead_us;
         let overlapped_us = rail_us.max(node_us) + link.overhead_us;
         let gbps = |us: f64| {
@@ -176,6 +176,9 @@ pub struct RailModel {
     pub rail_received: Spread,
     /// Rail-received rows forwarded over NVLink (copies to other ranks of the node).
     pub forwarded: Spread,
+    /// Rows the node stage moves over NVLink: the forwarded rows and the rank's own tokens'
+    /// rows for the other ranks of its node (which also go through the node stage).
+    pub node_rows: Spread,
     /// Combine partials sent back over the rail (= rows received over the rail in dispatch).
     pub combine_sent: Spread,
     /// DeepEP's `num_rdma_token_sent`: (token, node) pairs, own node included.
@@ -216,8 +219,7 @@ impl RailModel {
 /// Times: each op is bounded by its busiest NIC direction, `max over ranks of max(rows sent,
 /// rows received) * row bytes`; dispatch sends [`RailModel::rail_sent`] and receives
 /// [`RailModel::rail_received`], combine the reverse. [`OpEstimate::staged`] adds the node
-/// stage: [`RailModel::forwarded`] rows (combine: as many partials back) at
-/// `link.nvlink_gbps`.
+/// stage: [`RailModel::node_rows`] (combine: as many partials back) at `link.nvlink_gbps`.
 ///
 /// # Errors
 /// As [`rail_traffic`]; `hidden > 0`, `hidden % 128 == 0` (FP8 rows);
@@ -287,6 +289,7 @@ pub fn summarize<I: AsRef<[i64]>>(
         .unwrap_or(0);
     let combine_sent = field(|t| t.combine_rail_sent);
     let forwarded = field(|t| t.dispatch_forwarded);
+    let node_rows = field(|t| t.dispatch_forwarded + t.dispatch_direct_nvlink);
     let bf16_payload = (hidden * 2) as f64;
     let fp8_payload = bf16_payload * (1.0 + 4.0 / 128.0) / 2.0;
     let combine = |p| -> Result<OpEstimate> {
@@ -294,7 +297,7 @@ pub fn summarize<I: AsRef<[i64]>>(
             combine_partial_row_bytes(hidden, top_k, p)?,
             combine_sent,
             busiest_rows,
-            forwarded,
+            node_rows,
             deepep_rows,
             bf16_payload,
             link,
@@ -310,6 +313,7 @@ pub fn summarize<I: AsRef<[i64]>>(
         rail_sent,
         rail_received,
         forwarded,
+        node_rows,
         combine_sent,
         deepep_rows,
         per_rank_rail_rows: traffic
@@ -321,7 +325,7 @@ pub fn summarize<I: AsRef<[i64]>>(
             bf16_row,
             rail_sent,
             busiest_rows,
-            forwarded,
+            node_rows,
             deepep_rows,
             bf16_payload,
             link,
@@ -330,7 +334,7 @@ pub fn summarize<I: AsRef<[i64]>>(
             fp8_row,
             rail_sent,
             busiest_rows,
-            forwarded,
+            node_rows,
             deepep_rows,
             fp8_payload,
             link,

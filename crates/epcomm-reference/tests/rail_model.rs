@@ -37,7 +37,7 @@ fn check(op: &OpEstimate, row: u64, sent_mean: f64, deepep_row: f64) {
     // DeepEP rows: rank 0 has 2 + 1 + 2 (node, token) pairs, rank 3 has 2: mean 7 / 4.
     close(op.deepep_bytes_mean, 1.75 * deepep_row);
     close(op.deepep_gbps, 1.75 * deepep_row / (time * 1000.0));
-    // Node stage: the busiest rank forwards 2 rows, at 4 GB/s = 4000 bytes per us.
+    // Node stage: the busiest rank moves 2 rows over NVLink, at 4 GB/s = 4000 bytes per us.
     let (rail, node) = ((2 * row) as f64 / 1000.0, (2 * row) as f64 / 4000.0);
     let st = op.staged;
     close(st.rail_us, rail);
@@ -62,6 +62,8 @@ fn hand_checked_world() {
     assert_eq!(m.rail_sent, s(0.75, 2));
     assert_eq!(m.rail_received, s(0.75, 2));
     assert_eq!(m.forwarded, s(0.75, 2));
+    // Node stage: rank 0 also sends token 1 straight to rank 1 (its node), so 1, 1, 2, 0.
+    assert_eq!(m.node_rows, s(1.0, 2));
     assert_eq!(m.combine_sent, s(0.75, 2));
     assert_eq!(m.deepep_rows, s(1.75, 5));
     // 3 rail rows; one transfer per remote rank would be 2 + 2 + 2 = 6.
