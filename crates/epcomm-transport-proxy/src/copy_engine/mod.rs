@@ -14,8 +14,9 @@
 //! slots become one copy), when no copy between the two touches its bytes, so the stream's
 //! result is unchanged. Then one `cuMemcpyAsync` each (the default), or, with
 //! [`CopyEngineExecutor::set_batch_copies`], one `cuMemcpyBatchAsync` (source read in stream
-//! order, with the hint to use the copy engines rather than SMs), falling back to single
-//! copies where the driver refuses it. Batches are off by default: they lost copies in a
+//! order, with the hint to use the copy engines rather than SMs; a copy that depends on a
+//! pending one starts a new batch, since a batch runs in no particular order), falling back to
+//! single copies where the driver refuses it. Batches are off by default: they lost copies in a
 //! measured case (a 16 384-token dispatch; docs/proxy.md, "Status").
 
 //! **Streams.** One per mapped peer (none for ranks reached by stores), plus the progress
@@ -342,7 +343,9 @@ impl CopyEngineExecutor {
     }
 
     /// Adds a copy to lane `i`'s batch (issued when the batch is full, before a signal, at
-    /// the next poll).
+    /// the next poll). With batched copies, a copy that depends on a pending one (see
+    /// [`depends_on_any`]) first sends the pending ones off: the driver runs a batch's copies
+    /// in no particular order, and dependent copies in one batch are undefined.
     fn push_copy(
         &mut self,
         i: usize,
@@ -351,6 +354,9 @@ impl CopyEngineExecutor {
         src: u64,
         bytes: usize,
     ) -> Result<(), OpFailure> {
+        if self.batched && depends_on_any(&self.lanes[i].batch, dst, src, bytes) {
+            self.flush_batch(i)?;
+        }
         let batch = &mut self.lanes[i].batch;
         if let Some(k) = continued_copy(batch, dst, src, bytes) {
             batch[k].2 += bytes;
@@ -596,6 +602,20 @@ impl Executor for CopyEngineExecutor {
     }
 }
 
+/// Whether `[a, a + a_len)` and `[b, b + b_len)` share a byte.
+fn overlaps(a: u64, a_len: usize, b: u64, b_len: usize) -> bool {
+    a < b.saturating_add(b_len as u64) && b < a.saturating_add(a_len as u64)
+}
+
+/// Whether the copy of `bytes` bytes from `src` to `dst` depends on a copy in `batch` or one
+/// of them on it: it writes what one reads or writes, or reads what one writes. Such copies
+/// may not share a `cuMemcpyBatchAsync` (it runs them in no particular order).
+fn depends_on_any(batch: &[(u64, u64, usize, OpId)], dst: u64, src: u64, bytes: usize) -> bool {
+    batch.iter().any(|&(d, s, n, _)| {
+        overlaps(d, n, dst, bytes) || overlaps(s, n, dst, bytes) || overlaps(d, n, src, bytes)
+    })
+}
+
 /// The index of the pending copy in `batch` that the copy of `bytes` bytes from `src` to `dst`
 /// continues (both its source and its destination start where that copy's end), when merging
 /// them leaves the stream's result unchanged: no copy issued between the two reads or writes
@@ -607,9 +627,6 @@ fn continued_copy(
     src: u64,
     bytes: usize,
 ) -> Option<usize> {
-    let overlaps = |a: u64, a_len: usize, b: u64, b_len: usize| {
-        a < b.saturating_add(b_len as u64) && b < a.saturating_add(a_len as u64)
-    };
     let lo = batch.len().saturating_sub(MERGE_WINDOW);
     for k in (lo..batch.len()).rev() {
         let (d, s, n, _) = batch[k];
@@ -678,6 +695,21 @@ mod tests {
         // Source and destination 64 bytes apart: the merged copy would overlap itself.
         let b = vec![(1064, 1000, 64, op())];
         assert_eq!(continued_copy(&b, 1128, 1064, 64), None);
+    }
+
+    #[test]
+    fn dependent_copies_do_not_share_a_batch() {
+        let b = vec![(1000, 50_000, 64, op()), (9000, 70_000, 8, op())];
+        // Independent: other bytes everywhere, or only a source shared (reads commute).
+        assert!(!depends_on_any(&b, 2000, 60_000, 64));
+        assert!(!depends_on_any(&b, 2000, 50_000, 64));
+        // Writes what a pending copy writes or reads, or reads what one writes.
+        assert!(depends_on_any(&b, 1032, 60_000, 64));
+        assert!(depends_on_any(&b, 50_010, 60_000, 8));
+        assert!(depends_on_any(&b, 2000, 9004, 8));
+        // Touching ends do not overlap.
+        assert!(!depends_on_any(&b, 1064, 50_064, 64));
+        assert!(!depends_on_any(&[], 0, 0, 8));
     }
 
     #[test]
