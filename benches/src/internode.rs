@@ -14,15 +14,14 @@ use criterion::{Criterion, Throughput};
 use cudarc::driver::CudaContext;
 use epcomm::{BufferConfig, HierarchicalBuffer};
 use epcomm_backends::TransportSpec;
-use epcomm_bootstrap::launch::{LocalLaunch, free_port};
 use epcomm_check::hier::verified_hier_round;
 use epcomm_check::hier_bench::{HierOp, HierTimer, hier_rows};
 use epcomm_check::inputs::{Shape, device_inputs, host_inputs};
-use epcomm_check::procs::{WORKER_ENV, gpu_count, is_worker};
+use epcomm_check::procs::gpu_count;
 use epcomm_check::verify::RoundOptions;
 use epcomm_topology::Tiers;
 
-use crate::{Res, connect, schedule_and_routes, workload};
+use crate::{Res, schedule_and_routes, start_ranks, workload};
 
 /// The variable naming the transport spec.
 pub const TRANSPORT_ENV: &str = "EPCOMM_BENCH_TRANSPORT";
@@ -86,12 +85,12 @@ pub fn spec_from(value: Option<&str>) -> Result<TransportSpec, InternodeError> {
     )
 }
 
-/// The ranks to start: `value` ([`WORLD_ENV`]'s value) or one per GPU; at least 2.
+/// The ranks to start: `value` ([`WORLD_ENV`]'s value) or one per GPU; at least `min`.
 ///
 /// # Errors
 /// [`InternodeError::BadVariable`] when `value` is not a positive integer;
-/// [`InternodeError::TooFewRanks`] below 2.
-pub fn world_from(value: Option<&str>, gpus: usize) -> Result<usize, InternodeError> {
+/// [`InternodeError::TooFewRanks`] below `min` (2 for the internode bench, 1 for the flat one).
+pub fn world_from(value: Option<&str>, gpus: usize, min: usize) -> Result<usize, InternodeError> {
     let world = match value.filter(|v| !v.is_empty()) {
         None => gpus,
         Some(v) => v.parse::<usize>().ok().filter(|&w| w > 0).ok_or_else(|| {
@@ -102,7 +101,7 @@ pub fn world_from(value: Option<&str>, gpus: usize) -> Result<usize, InternodeEr
             }
         })?,
     };
-    if world < 2 {
+    if world < min {
         return Err(InternodeError::TooFewRanks { world, gpus });
     }
     Ok(world)
@@ -140,24 +139,9 @@ pub fn tiers_of(spec: TransportSpec, world: usize) -> Result<Tiers, InternodeErr
 pub fn run_hierarchical(spec: TransportSpec) -> Res {
     let transport = spec.to_string();
     let gpus = gpu_count().map_err(InternodeError::NoGpu)?;
-    let world = world_from(std::env::var(WORLD_ENV).ok().as_deref(), gpus)?;
+    let world = world_from(std::env::var(WORLD_ENV).ok().as_deref(), gpus, 2)?;
     tiers_of(spec, world)?;
-    let mut followers = None;
-    let port = if is_worker() {
-        0
-    } else {
-        let port = free_port()?;
-        let exe = std::env::current_exe()?;
-        let g = LocalLaunch::new(exe, Vec::<String>::new())
-            .world_size(world)
-            .ranks(1..world)
-            .master_port(port)
-            .env(WORKER_ENV, "1")
-            .spawn()?;
-        followers = Some(g);
-        port
-    };
-    let boot = connect(world, 0, port)?;
+    let (followers, boot) = start_ranks(world)?;
     let rank = boot.rank();
     let world = boot.world_size();
     let ctx = CudaContext::new(boot.local_rank() % gpus)?;
@@ -295,19 +279,24 @@ mod tests {
 
     #[test]
     fn fewer_than_two_ranks_fail() {
-        assert_eq!(world_from(None, 4), Ok(4));
-        assert_eq!(world_from(Some("2"), 1), Ok(2));
+        assert_eq!(world_from(None, 4, 2), Ok(4));
+        assert_eq!(world_from(Some("2"), 1, 2), Ok(2));
         assert_eq!(
-            world_from(None, 1),
+            world_from(None, 1, 2),
             Err(InternodeError::TooFewRanks { world: 1, gpus: 1 })
         );
-        let e = world_from(Some("1"), 8).unwrap_err();
+        let e = world_from(Some("1"), 8, 2).unwrap_err();
         assert!(e.to_string().contains("EPCOMM_BENCH_WORLD=2"), "{e}");
+        // The flat bench takes one rank, and refuses the same bad values.
+        assert_eq!(world_from(None, 1, 1), Ok(1));
+        assert_eq!(world_from(Some("3"), 1, 1), Ok(3));
         for bad in ["0", "two", "-1"] {
-            assert!(matches!(
-                world_from(Some(bad), 2),
-                Err(InternodeError::BadVariable { var: WORLD_ENV, .. })
-            ));
+            for min in [1, 2] {
+                assert!(matches!(
+                    world_from(Some(bad), 2, min),
+                    Err(InternodeError::BadVariable { var: WORLD_ENV, .. })
+                ));
+            }
         }
     }
 

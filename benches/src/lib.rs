@@ -15,7 +15,7 @@ use criterion::{Criterion, Throughput};
 use cudarc::driver::CudaContext;
 use epcomm::{Buffer, BufferConfig};
 use epcomm_backends::TransportSpec;
-use epcomm_bootstrap::launch::{LocalLaunch, free_port};
+use epcomm_bootstrap::launch::{LaunchedGroup, LocalLaunch, free_port};
 use epcomm_bootstrap::{Bootstrap, BootstrapConfig};
 use epcomm_check::inputs::{Shape, device_inputs, host_inputs};
 use epcomm_check::procs::{WORKER_ENV, gpu_count, is_worker};
@@ -55,6 +55,29 @@ fn workload() -> (usize, usize, usize, usize, u32) {
     )
 }
 
+/// Rank 0 (the process `cargo bench` started) starts ranks `1..world` as follower processes
+/// of this executable and connects; a follower connects from its environment. Returns the
+/// followers (rank 0 waits for them at the end) and the bootstrap.
+fn start_ranks(world: usize) -> Res<(Option<LaunchedGroup>, Arc<Bootstrap>)> {
+    if is_worker() {
+        return Ok((None, connect(world, 0, 0)?));
+    }
+    let port = free_port()?;
+    let followers = if world > 1 {
+        Some(
+            LocalLaunch::new(std::env::current_exe()?, Vec::<String>::new())
+                .world_size(world)
+                .ranks(1..world)
+                .master_port(port)
+                .env(WORKER_ENV, "1")
+                .spawn()?,
+        )
+    } else {
+        None
+    };
+    Ok((followers, connect(world, 0, port)?))
+}
+
 fn connect(world: usize, rank: usize, port: u16) -> Res<Arc<Bootstrap>> {
     let cfg = if is_worker() {
         BootstrapConfig::from_env()?
@@ -82,28 +105,9 @@ pub fn run(spec: TransportSpec) -> Res {
             return Ok(());
         }
     };
-    let world = std::env::var("EPCOMM_BENCH_WORLD")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(gpus);
-    let mut followers = None;
-    let port = if is_worker() {
-        0
-    } else {
-        let port = free_port()?;
-        if world > 1 {
-            let exe = std::env::current_exe()?;
-            let g = LocalLaunch::new(exe, Vec::<String>::new())
-                .world_size(world)
-                .ranks(1..world)
-                .master_port(port)
-                .env(WORKER_ENV, "1")
-                .spawn()?;
-            followers = Some(g);
-        }
-        port
-    };
-    let boot = connect(world, 0, port)?;
+    let world =
+        internode::world_from(std::env::var(internode::WORLD_ENV).ok().as_deref(), gpus, 1)?;
+    let (followers, boot) = start_ranks(world)?;
     let rank = boot.rank();
     let ctx = CudaContext::new(boot.local_rank() % gpus)?;
     let (tokens, hidden, top_k, experts, sms) = workload();
