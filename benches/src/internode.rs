@@ -145,7 +145,7 @@ pub fn run_hierarchical(spec: TransportSpec) -> Res {
     let rank = boot.rank();
     let world = boot.world_size();
     let ctx = CudaContext::new(boot.local_rank() % gpus)?;
-    let (tokens, hidden, top_k, experts, sms) = workload();
+    let (tokens, hidden, top_k, experts, sms) = workload()?;
     let mut cfg = BufferConfig::new(tokens, hidden, top_k, experts);
     cfg.num_sms = sms;
     (cfg.schedule, cfg.routes) = schedule_and_routes()?;

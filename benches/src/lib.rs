@@ -39,20 +39,38 @@ fn schedule_and_routes() -> Res<(epcomm::Schedule, epcomm::RoutePolicy)> {
 }
 
 /// The DeepEP normal-mode workload, overridable with `EPCOMM_BENCH_TOKENS` / `EPCOMM_BENCH_SMS`.
-fn workload() -> (usize, usize, usize, usize, u32) {
-    let env = |k: &str, d: usize| {
-        std::env::var(k)
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(d)
-    };
-    (
-        env("EPCOMM_BENCH_TOKENS", 4096),
-        7168,
-        8,
-        256,
-        env("EPCOMM_BENCH_SMS", 24) as u32,
-    )
+///
+/// # Errors
+/// [`internode::InternodeError::BadVariable`] naming the variable when a value set is not a
+/// positive integer (SMs: at most `u32::MAX`).
+fn workload() -> Result<(usize, usize, usize, usize, u32), internode::InternodeError> {
+    let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+    let tokens = positive("EPCOMM_BENCH_TOKENS", var("EPCOMM_BENCH_TOKENS"), 4096)?;
+    let sms = positive("EPCOMM_BENCH_SMS", var("EPCOMM_BENCH_SMS"), 24)?;
+    let sms = u32::try_from(sms).map_err(|_| internode::InternodeError::BadVariable {
+        var: "EPCOMM_BENCH_SMS",
+        value: sms.to_string(),
+        rule: "must fit in 32 bits".into(),
+    })?;
+    Ok((tokens, 7168, 8, 256, sms))
+}
+
+/// `value` of `var` as a positive integer, `default` when unset.
+fn positive(
+    var: &'static str,
+    value: Option<String>,
+    default: usize,
+) -> Result<usize, internode::InternodeError> {
+    match value {
+        None => Ok(default),
+        Some(v) => v.trim().parse::<usize>().ok().filter(|&n| n > 0).ok_or(
+            internode::InternodeError::BadVariable {
+                var,
+                value: v,
+                rule: "must be a positive integer".into(),
+            },
+        ),
+    }
 }
 
 /// Rank 0 (the process `cargo bench` started) starts ranks `1..world` as follower processes
@@ -110,7 +128,7 @@ pub fn run(spec: TransportSpec) -> Res {
     let (followers, boot) = start_ranks(world)?;
     let rank = boot.rank();
     let ctx = CudaContext::new(boot.local_rank() % gpus)?;
-    let (tokens, hidden, top_k, experts, sms) = workload();
+    let (tokens, hidden, top_k, experts, sms) = workload()?;
     let mut cfg = BufferConfig::new(tokens, hidden, top_k, experts);
     cfg.num_sms = sms;
     (cfg.schedule, cfg.routes) = schedule_and_routes()?;
@@ -179,4 +197,19 @@ pub fn run(spec: TransportSpec) -> Res {
     }
     c.final_summary();
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn workload_variables_are_positive_integers() {
+        assert_eq!(positive("V", None, 7), Ok(7));
+        assert_eq!(positive("V", Some("12".into()), 7), Ok(12));
+        for bad in ["0", "-3", "many", "1.5"] {
+            let e = positive("EPCOMM_BENCH_SMS", Some(bad.into()), 24).unwrap_err();
+            assert!(e.to_string().contains("EPCOMM_BENCH_SMS"), "{e}");
+        }
+    }
 }
