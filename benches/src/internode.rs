@@ -21,7 +21,9 @@ use epcomm_check::procs::gpu_count;
 use epcomm_check::verify::RoundOptions;
 use epcomm_topology::Tiers;
 
-use crate::{Res, schedule_and_routes, start_ranks, workload};
+use crate::{
+    Res, decode_step, encode_step, schedule_and_routes, start_ranks, timed_step, workload,
+};
 
 /// The variable naming the transport spec.
 pub const TRANSPORT_ENV: &str = "EPCOMM_BENCH_TRANSPORT";
@@ -165,7 +167,7 @@ pub fn run_hierarchical(spec: TransportSpec) -> Res {
     if rank != 0 {
         loop {
             let msg = boot.broadcast("internode-step", 0, None)?;
-            let (op, iters) = decode_step(&msg)?;
+            let (op, iters) = decode_step(&msg, &HierOp::ALL)?;
             let Some(op) = op else { break };
             timer.time(&mut buf, &dev, op, iters)?;
         }
@@ -205,18 +207,9 @@ pub fn run_hierarchical(spec: TransportSpec) -> Res {
         group.throughput(Throughput::Bytes(bytes.rail as u64));
         group.bench_function(op.name(), |b| {
             b.iter_custom(|iters| {
-                let step = boot
-                    .broadcast("internode-step", 0, Some(&encode_step(i as u8, iters)))
-                    .map(|_| ());
-                let times = step.map_err(|e| e.to_string()).and_then(|_| {
-                    timer
-                        .time(&mut buf, &dev, op, iters as usize)
-                        .map_err(|e| e.to_string())
-                });
-                match times {
-                    Ok(t) => Duration::from_secs_f64(t.iter().sum::<f64>() * 1e-6),
-                    Err(e) => panic!("benchmark step failed: {e}"),
-                }
+                timed_step(&boot, "internode-step", i, iters, |n| {
+                    Ok(timer.time(&mut buf, &dev, op, n)?)
+                })
             })
         });
     }
@@ -229,27 +222,6 @@ pub fn run_hierarchical(spec: TransportSpec) -> Res {
     }
     c.final_summary();
     Ok(())
-}
-
-/// A step message: the op's index in [`HierOp::ALL`] (`u8::MAX`: stop) and the calls.
-fn encode_step(op: u8, iters: u64) -> Vec<u8> {
-    let mut msg = vec![op];
-    msg.extend_from_slice(&iters.to_le_bytes());
-    msg
-}
-
-/// The op (`None`: stop) and the calls of a step message.
-fn decode_step(msg: &[u8]) -> Res<(Option<HierOp>, usize)> {
-    let (&op, rest) = msg.split_first().ok_or("empty step message")?;
-    let iters = u64::from_le_bytes(rest.try_into()?);
-    if op == u8::MAX {
-        return Ok((None, 0));
-    }
-    let op = HierOp::ALL
-        .get(usize::from(op))
-        .copied()
-        .ok_or_else(|| format!("step message names op {op}, not one of HierOp::ALL"))?;
-    Ok((Some(op), usize::try_from(iters)?))
 }
 
 #[cfg(test)]
@@ -323,12 +295,13 @@ mod tests {
     #[test]
     fn step_messages_round_trip() {
         for (i, op) in HierOp::ALL.into_iter().enumerate() {
-            let (got, iters) = decode_step(&encode_step(i as u8, 7)).unwrap();
+            let (got, iters) = decode_step(&encode_step(i as u8, 7), &HierOp::ALL).unwrap();
             assert_eq!((got, iters), (Some(op), 7));
         }
-        assert_eq!(decode_step(&encode_step(u8::MAX, 0)).unwrap().0, None);
-        assert!(decode_step(&encode_step(9, 1)).is_err());
-        assert!(decode_step(&[]).is_err());
-        assert!(decode_step(&[0, 1, 2]).is_err());
+        let ops = &HierOp::ALL;
+        assert_eq!(decode_step(&encode_step(u8::MAX, 0), ops).unwrap().0, None);
+        assert!(decode_step(&encode_step(9, 1), ops).is_err());
+        assert!(decode_step(&[], ops).is_err());
+        assert!(decode_step(&[0, 1, 2], ops).is_err());
     }
 }

@@ -73,6 +73,53 @@ fn positive(
     }
 }
 
+/// A step message: the op's index in its list (`u8::MAX`: stop) and the calls.
+fn encode_step(op: u8, iters: u64) -> Vec<u8> {
+    let mut msg = vec![op];
+    msg.extend_from_slice(&iters.to_le_bytes());
+    msg
+}
+
+/// The op of `ops` (`None`: stop) and the calls of a step message.
+///
+/// # Errors
+/// A message of the wrong length or naming no op of `ops`.
+fn decode_step<T: Copy>(msg: &[u8], ops: &[T]) -> Res<(Option<T>, usize)> {
+    let (&op, rest) = msg.split_first().ok_or("empty step message")?;
+    let iters = u64::from_le_bytes(rest.try_into()?);
+    if op == u8::MAX {
+        return Ok((None, 0));
+    }
+    let found = ops.get(usize::from(op)).copied().ok_or_else(|| {
+        format!(
+            "step message names op {op}, not one of the {} ops",
+            ops.len()
+        )
+    })?;
+    Ok((Some(found), usize::try_from(iters)?))
+}
+
+/// Rank 0's side of one criterion sample: tells every rank (`tag`) to run op `op` `iters`
+/// times, runs them here with `time` (per-call times in us) and returns their sum. Panics on
+/// failure: criterion's sampling closure cannot return an error.
+fn timed_step(
+    boot: &Bootstrap,
+    tag: &str,
+    op: usize,
+    iters: u64,
+    time: impl FnOnce(usize) -> Res<Vec<f64>>,
+) -> Duration {
+    let run = || -> Res<Vec<f64>> {
+        let index = u8::try_from(op)?;
+        boot.broadcast(tag, 0, Some(&encode_step(index, iters)))?;
+        time(usize::try_from(iters)?)
+    };
+    match run() {
+        Ok(t) => Duration::from_secs_f64(t.iter().sum::<f64>() * 1e-6),
+        Err(e) => panic!("benchmark step failed: {e}"),
+    }
+}
+
 /// Rank 0 (the process `cargo bench` started) starts ranks `1..world` as follower processes
 /// of this executable and connects; a follower connects from its environment. Returns the
 /// followers (rank 0 waits for them at the end) and the bootstrap.
@@ -140,11 +187,9 @@ pub fn run(spec: TransportSpec) -> Res {
     if rank != 0 {
         loop {
             let msg = boot.broadcast("bench-step", 0, None)?;
-            let (op, iters) = (msg[0], u64::from_le_bytes(msg[1..9].try_into()?));
-            if op == u8::MAX {
-                break;
-            }
-            timer.time(&mut buf, &dev, BenchOp::ALL[op as usize], iters as usize)?;
+            let (op, iters) = decode_step(&msg, &BenchOp::ALL)?;
+            let Some(op) = op else { break };
+            timer.time(&mut buf, &dev, op, iters)?;
         }
         buf.destroy()?;
         return Ok(());
@@ -172,25 +217,14 @@ pub fn run(spec: TransportSpec) -> Res {
         ));
         group.bench_function(op.name(), |b| {
             b.iter_custom(|iters| {
-                let mut msg = vec![i as u8];
-                msg.extend_from_slice(&iters.to_le_bytes());
-                let step = boot.broadcast("bench-step", 0, Some(&msg)).map(|_| ());
-                let times = step.map_err(|e| e.to_string()).and_then(|_| {
-                    timer
-                        .time(&mut buf, &dev, op, iters as usize)
-                        .map_err(|e| e.to_string())
-                });
-                match times {
-                    Ok(t) => Duration::from_secs_f64(t.iter().sum::<f64>() * 1e-6),
-                    Err(e) => panic!("benchmark step failed: {e}"),
-                }
+                timed_step(&boot, "bench-step", i, iters, |n| {
+                    Ok(timer.time(&mut buf, &dev, op, n)?)
+                })
             })
         });
     }
     group.finish();
-    let mut stop = vec![u8::MAX];
-    stop.extend_from_slice(&0u64.to_le_bytes());
-    boot.broadcast("bench-step", 0, Some(&stop))?;
+    boot.broadcast("bench-step", 0, Some(&encode_step(u8::MAX, 0)))?;
     buf.destroy()?;
     if let Some(mut g) = followers {
         g.wait(Duration::from_secs(60))?;
