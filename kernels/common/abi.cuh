@@ -22,7 +22,7 @@ namespace epcomm {
 
 /// Version of the kernel protocol and argument blocks; ranks compare it when a `Buffer` is
 /// built. Bump it with any change of this header or of the kernels' cross-rank protocol.
-constexpr uint64_t kAbiVersion = 7;
+constexpr uint64_t kAbiVersion = 8;
 
 /// Largest world size the intranode kernels support (shared-memory tables are this large).
 constexpr size_t kMaxWorld = 64;
@@ -69,6 +69,10 @@ enum WaitId : uint32_t {  // rust: mod wait, strip kWait
 constexpr uint64_t kStatsReadyOffset = 3072;
 /// Byte offset, inside the stats region, of the abort word failing peers write.
 constexpr uint64_t kStatsAbortOffset = 3584;
+
+/// Dynamic shared memory of the combine kernel, bytes: the stages of its bulk-copy push
+/// (per warp, kernels/intranode/combine.cuh). The host launches `epcomm_combine` with this many.
+constexpr uint64_t kCombineStagingBytes = 180224;
 
 /// Failure record written by the first failing device thread into host-mapped memory. Kernels
 /// never trap: they record, then leave.
