@@ -102,10 +102,11 @@ struct ProxyNet {
     }
   }
 
-  // [P1] writes descriptor `p` (one thread).
-  __device__ static __forceinline__ void emit(uint64_t p, uint64_t kind, uint64_t flags, int pe,
+  // [P1] writes descriptor `p` (one thread); false when the slot never came free (`wait_slot`:
+  // the descriptor is dropped and the next `quiet` fails).
+  __device__ static __forceinline__ bool emit(uint64_t p, uint64_t kind, uint64_t flags, int pe,
                                               uint64_t arg0, uint64_t arg1, uint64_t arg2) {
-    if (!wait_slot(p)) return;
+    if (!wait_slot(p)) return false;
     uint64_t* slot = reinterpret_cast<uint64_t*>(
         ring() + kRingHeaderBytes + (p & (epcomm_proxy_channel.capacity - 1)) * kRingSlotBytes);
     st_relaxed_sys(slot + 1, kind | (flags << 16) | (static_cast<uint64_t>(pe) << 32));
@@ -113,6 +114,7 @@ struct ProxyNet {
     st_relaxed_sys(slot + 3, arg1);
     st_relaxed_sys(slot + 4, arg2);
     st_release_sys(slot, p + 1);
+    return true;
   }
 
   // [P1] One thread: makes this thread's (and, after a barrier, its group's) earlier stores
@@ -125,20 +127,21 @@ struct ProxyNet {
   }
 
   // [P1] One thread: descriptor `p` (claimed) is a TRANSFER of `bytes` (> 0) from `src` (a
-  // device address of this process) into rank `pe`'s copy of `dst`.
-  __device__ static __forceinline__ void emit_transfer(uint64_t p, void* dst, const void* src,
+  // device address of this process) into rank `pe`'s copy of `dst`; false as `emit`.
+  __device__ static __forceinline__ bool emit_transfer(uint64_t p, void* dst, const void* src,
                                                        size_t bytes, int pe) {
-    emit(p, kProxyKindTransfer, kProxyFlagSrcAddress, pe, reinterpret_cast<uint64_t>(src),
+    return emit(p, kProxyKindTransfer, kProxyFlagSrcAddress, pe, reinterpret_cast<uint64_t>(src),
          offset_of(dst), bytes);
   }
 
-  // [P1] One thread: descriptor `p` (claimed) is a WRITE of `v` into rank `pe`'s copy of `dst`.
+  // [P1] One thread: descriptor `p` (claimed) is a WRITE of `v` into rank `pe`'s copy of `dst`;
+  // false as `emit`.
   template <typename T>
-  __device__ static __forceinline__ void emit_write(uint64_t p, T* dst, T v, int pe) {
+  __device__ static __forceinline__ bool emit_write(uint64_t p, T* dst, T v, int pe) {
     static_assert(sizeof(T) == 4 || sizeof(T) == 8, "proxy writes are 4 or 8 bytes");
     uint64_t bits = 0;
     memcpy(&bits, &v, sizeof(T));
-    emit(p, kProxyKindWrite, 0, pe, offset_of(dst), bits, sizeof(T));
+    return emit(p, kProxyKindWrite, 0, pe, offset_of(dst), bits, sizeof(T));
   }
 
   __device__ static __forceinline__ void signal(uint64_t* p, uint64_t v, int pe, bool add) {

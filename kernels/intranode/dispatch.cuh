@@ -180,7 +180,10 @@ __device__ __forceinline__ void dispatch(const OpArgs& a, Shared& s) {
   // scales, top-k ids and top-k weights (those the op has) as one TRANSFER each of the `len`
   // raw caller rows ([E8] finishes the ids and weights on the receiver), then the `len` source
   // indices t0 .. t0 + len - 1 as WRITEs of consecutive words on consecutive positions (the
-  // copy-engine executor stages them as one copy). No warp collective: one lane calls it.
+  // copy-engine executor stages them as one copy). No warp collective: one lane calls it. A
+  // descriptor that could not be written (the proxy stopped, or the slot wait's bound passed)
+  // ends the run early: the proxy cannot pass that position, and the block's `quiet` records
+  // the failure, so the rest would only wait out the bound again, slot by slot.
   auto put_run = [&](int d, int t0, int row0, int len) {
     if constexpr (Net::kCoalesceRuns) {
       uint8_t* const base = s.bases[d];
@@ -189,22 +192,23 @@ __device__ __forceinline__ void dispatch(const OpArgs& a, Shared& s) {
       const bool wts = ids && has_w;
       const int64_t t = t0, row = row0, n = len;
       uint64_t p = Net::claim_fenced(static_cast<uint32_t>(1 + sc + ids + wts + len));
-      Net::emit_transfer(p++, base + off_x + row * a.row_bytes,
-                         reinterpret_cast<const uint8_t*>(a.x) + t * a.row_bytes,
-                         static_cast<size_t>(n * a.row_bytes), pe);
-      if (sc)
-        Net::emit_transfer(p++, base + off_scales + row * a.num_scales * 4,
-                           scales + t * a.num_scales,
-                           static_cast<size_t>(n * a.num_scales * 4), pe);
-      if (ids)
-        Net::emit_transfer(p++, base + off_topk_idx + row * K * 8, topk_idx + t * K,
-                           static_cast<size_t>(n * K * 8), pe);
-      if (wts)
-        Net::emit_transfer(p++, base + off_topk_w + row * K * 4, topk_w + t * K,
-                           static_cast<size_t>(n * K * 4), pe);
+      if (!Net::emit_transfer(p++, base + off_x + row * a.row_bytes,
+                              reinterpret_cast<const uint8_t*>(a.x) + t * a.row_bytes,
+                              static_cast<size_t>(n * a.row_bytes), pe))
+        return;
+      if (sc && !Net::emit_transfer(p++, base + off_scales + row * a.num_scales * 4,
+                                    scales + t * a.num_scales,
+                                    static_cast<size_t>(n * a.num_scales * 4), pe))
+        return;
+      if (ids && !Net::emit_transfer(p++, base + off_topk_idx + row * K * 8, topk_idx + t * K,
+                                     static_cast<size_t>(n * K * 8), pe))
+        return;
+      if (wts && !Net::emit_transfer(p++, base + off_topk_w + row * K * 4, topk_w + t * K,
+                                     static_cast<size_t>(n * K * 4), pe))
+        return;
       int32_t* const src_idx = reinterpret_cast<int32_t*>(base + off_src_idx) + row;
       for (int j = 0; j < len; ++j)
-        Net::emit_write(p++, src_idx + j, static_cast<int32_t>(t0 + j), pe);
+        if (!Net::emit_write(p++, src_idx + j, static_cast<int32_t>(t0 + j), pe)) return;
     }
   };
   int* rows = s.rows[warp];
