@@ -14,15 +14,16 @@ use criterion::{Criterion, Throughput};
 use cudarc::driver::CudaContext;
 use epcomm::{BufferConfig, HierarchicalBuffer};
 use epcomm_backends::TransportSpec;
-use epcomm_bootstrap::launch::{LocalLaunch, free_port};
 use epcomm_check::hier::verified_hier_round;
 use epcomm_check::hier_bench::{HierOp, HierTimer, hier_rows};
 use epcomm_check::inputs::{Shape, device_inputs, host_inputs};
-use epcomm_check::procs::{WORKER_ENV, gpu_count, is_worker};
+use epcomm_check::procs::gpu_count;
 use epcomm_check::verify::RoundOptions;
 use epcomm_topology::Tiers;
 
-use crate::{Res, connect, schedule_and_routes, workload};
+use crate::{
+    Res, decode_step, encode_step, schedule_and_routes, start_ranks, timed_step, workload,
+};
 
 /// The variable naming the transport spec.
 pub const TRANSPORT_ENV: &str = "EPCOMM_BENCH_TRANSPORT";
@@ -86,12 +87,12 @@ pub fn spec_from(value: Option<&str>) -> Result<TransportSpec, InternodeError> {
     )
 }
 
-/// The ranks to start: `value` ([`WORLD_ENV`]'s value) or one per GPU; at least 2.
+/// The ranks to start: `value` ([`WORLD_ENV`]'s value) or one per GPU; at least `min`.
 ///
 /// # Errors
 /// [`InternodeError::BadVariable`] when `value` is not a positive integer;
-/// [`InternodeError::TooFewRanks`] below 2.
-pub fn world_from(value: Option<&str>, gpus: usize) -> Result<usize, InternodeError> {
+/// [`InternodeError::TooFewRanks`] below `min` (2 for the internode bench, 1 for the flat one).
+pub fn world_from(value: Option<&str>, gpus: usize, min: usize) -> Result<usize, InternodeError> {
     let world = match value.filter(|v| !v.is_empty()) {
         None => gpus,
         Some(v) => v.parse::<usize>().ok().filter(|&w| w > 0).ok_or_else(|| {
@@ -102,7 +103,7 @@ pub fn world_from(value: Option<&str>, gpus: usize) -> Result<usize, InternodeEr
             }
         })?,
     };
-    if world < 2 {
+    if world < min {
         return Err(InternodeError::TooFewRanks { world, gpus });
     }
     Ok(world)
@@ -140,28 +141,13 @@ pub fn tiers_of(spec: TransportSpec, world: usize) -> Result<Tiers, InternodeErr
 pub fn run_hierarchical(spec: TransportSpec) -> Res {
     let transport = spec.to_string();
     let gpus = gpu_count().map_err(InternodeError::NoGpu)?;
-    let world = world_from(std::env::var(WORLD_ENV).ok().as_deref(), gpus)?;
+    let world = world_from(std::env::var(WORLD_ENV).ok().as_deref(), gpus, 2)?;
     tiers_of(spec, world)?;
-    let mut followers = None;
-    let port = if is_worker() {
-        0
-    } else {
-        let port = free_port()?;
-        let exe = std::env::current_exe()?;
-        let g = LocalLaunch::new(exe, Vec::<String>::new())
-            .world_size(world)
-            .ranks(1..world)
-            .master_port(port)
-            .env(WORKER_ENV, "1")
-            .spawn()?;
-        followers = Some(g);
-        port
-    };
-    let boot = connect(world, 0, port)?;
+    let (followers, boot) = start_ranks(world)?;
     let rank = boot.rank();
     let world = boot.world_size();
     let ctx = CudaContext::new(boot.local_rank() % gpus)?;
-    let (tokens, hidden, top_k, experts, sms) = workload();
+    let (tokens, hidden, top_k, experts, sms) = workload()?;
     let mut cfg = BufferConfig::new(tokens, hidden, top_k, experts);
     cfg.num_sms = sms;
     (cfg.schedule, cfg.routes) = schedule_and_routes()?;
@@ -181,7 +167,7 @@ pub fn run_hierarchical(spec: TransportSpec) -> Res {
     if rank != 0 {
         loop {
             let msg = boot.broadcast("internode-step", 0, None)?;
-            let (op, iters) = decode_step(&msg)?;
+            let (op, iters) = decode_step(&msg, &HierOp::ALL)?;
             let Some(op) = op else { break };
             timer.time(&mut buf, &dev, op, iters)?;
         }
@@ -221,18 +207,9 @@ pub fn run_hierarchical(spec: TransportSpec) -> Res {
         group.throughput(Throughput::Bytes(bytes.rail as u64));
         group.bench_function(op.name(), |b| {
             b.iter_custom(|iters| {
-                let step = boot
-                    .broadcast("internode-step", 0, Some(&encode_step(i as u8, iters)))
-                    .map(|_| ());
-                let times = step.map_err(|e| e.to_string()).and_then(|_| {
-                    timer
-                        .time(&mut buf, &dev, op, iters as usize)
-                        .map_err(|e| e.to_string())
-                });
-                match times {
-                    Ok(t) => Duration::from_secs_f64(t.iter().sum::<f64>() * 1e-6),
-                    Err(e) => panic!("benchmark step failed: {e}"),
-                }
+                timed_step(&boot, "internode-step", i, iters, |n| {
+                    Ok(timer.time(&mut buf, &dev, op, n)?)
+                })
             })
         });
     }
@@ -245,27 +222,6 @@ pub fn run_hierarchical(spec: TransportSpec) -> Res {
     }
     c.final_summary();
     Ok(())
-}
-
-/// A step message: the op's index in [`HierOp::ALL`] (`u8::MAX`: stop) and the calls.
-fn encode_step(op: u8, iters: u64) -> Vec<u8> {
-    let mut msg = vec![op];
-    msg.extend_from_slice(&iters.to_le_bytes());
-    msg
-}
-
-/// The op (`None`: stop) and the calls of a step message.
-fn decode_step(msg: &[u8]) -> Res<(Option<HierOp>, usize)> {
-    let (&op, rest) = msg.split_first().ok_or("empty step message")?;
-    let iters = u64::from_le_bytes(rest.try_into()?);
-    if op == u8::MAX {
-        return Ok((None, 0));
-    }
-    let op = HierOp::ALL
-        .get(usize::from(op))
-        .copied()
-        .ok_or_else(|| format!("step message names op {op}, not one of HierOp::ALL"))?;
-    Ok((Some(op), usize::try_from(iters)?))
 }
 
 #[cfg(test)]
@@ -295,19 +251,24 @@ mod tests {
 
     #[test]
     fn fewer_than_two_ranks_fail() {
-        assert_eq!(world_from(None, 4), Ok(4));
-        assert_eq!(world_from(Some("2"), 1), Ok(2));
+        assert_eq!(world_from(None, 4, 2), Ok(4));
+        assert_eq!(world_from(Some("2"), 1, 2), Ok(2));
         assert_eq!(
-            world_from(None, 1),
+            world_from(None, 1, 2),
             Err(InternodeError::TooFewRanks { world: 1, gpus: 1 })
         );
-        let e = world_from(Some("1"), 8).unwrap_err();
+        let e = world_from(Some("1"), 8, 2).unwrap_err();
         assert!(e.to_string().contains("EPCOMM_BENCH_WORLD=2"), "{e}");
+        // The flat bench takes one rank, and refuses the same bad values.
+        assert_eq!(world_from(None, 1, 1), Ok(1));
+        assert_eq!(world_from(Some("3"), 1, 1), Ok(3));
         for bad in ["0", "two", "-1"] {
-            assert!(matches!(
-                world_from(Some(bad), 2),
-                Err(InternodeError::BadVariable { var: WORLD_ENV, .. })
-            ));
+            for min in [1, 2] {
+                assert!(matches!(
+                    world_from(Some(bad), 2, min),
+                    Err(InternodeError::BadVariable { var: WORLD_ENV, .. })
+                ));
+            }
         }
     }
 
@@ -334,12 +295,13 @@ mod tests {
     #[test]
     fn step_messages_round_trip() {
         for (i, op) in HierOp::ALL.into_iter().enumerate() {
-            let (got, iters) = decode_step(&encode_step(i as u8, 7)).unwrap();
+            let (got, iters) = decode_step(&encode_step(i as u8, 7), &HierOp::ALL).unwrap();
             assert_eq!((got, iters), (Some(op), 7));
         }
-        assert_eq!(decode_step(&encode_step(u8::MAX, 0)).unwrap().0, None);
-        assert!(decode_step(&encode_step(9, 1)).is_err());
-        assert!(decode_step(&[]).is_err());
-        assert!(decode_step(&[0, 1, 2]).is_err());
+        let ops = &HierOp::ALL;
+        assert_eq!(decode_step(&encode_step(u8::MAX, 0), ops).unwrap().0, None);
+        assert!(decode_step(&encode_step(9, 1), ops).is_err());
+        assert!(decode_step(&[], ops).is_err());
+        assert!(decode_step(&[0, 1, 2], ops).is_err());
     }
 }

@@ -15,7 +15,7 @@ use criterion::{Criterion, Throughput};
 use cudarc::driver::CudaContext;
 use epcomm::{Buffer, BufferConfig};
 use epcomm_backends::TransportSpec;
-use epcomm_bootstrap::launch::{LocalLaunch, free_port};
+use epcomm_bootstrap::launch::{LaunchedGroup, LocalLaunch, free_port};
 use epcomm_bootstrap::{Bootstrap, BootstrapConfig};
 use epcomm_check::inputs::{Shape, device_inputs, host_inputs};
 use epcomm_check::procs::{WORKER_ENV, gpu_count, is_worker};
@@ -39,20 +39,108 @@ fn schedule_and_routes() -> Res<(epcomm::Schedule, epcomm::RoutePolicy)> {
 }
 
 /// The DeepEP normal-mode workload, overridable with `EPCOMM_BENCH_TOKENS` / `EPCOMM_BENCH_SMS`.
-fn workload() -> (usize, usize, usize, usize, u32) {
-    let env = |k: &str, d: usize| {
-        std::env::var(k)
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(d)
+///
+/// # Errors
+/// [`internode::InternodeError::BadVariable`] naming the variable when a value set is not a
+/// positive integer (SMs: at most `u32::MAX`).
+fn workload() -> Result<(usize, usize, usize, usize, u32), internode::InternodeError> {
+    let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+    let tokens = positive("EPCOMM_BENCH_TOKENS", var("EPCOMM_BENCH_TOKENS"), 4096)?;
+    let sms = positive("EPCOMM_BENCH_SMS", var("EPCOMM_BENCH_SMS"), 24)?;
+    let sms = u32::try_from(sms).map_err(|_| internode::InternodeError::BadVariable {
+        var: "EPCOMM_BENCH_SMS",
+        value: sms.to_string(),
+        rule: "must fit in 32 bits".into(),
+    })?;
+    Ok((tokens, 7168, 8, 256, sms))
+}
+
+/// `value` of `var` as a positive integer, `default` when unset.
+fn positive(
+    var: &'static str,
+    value: Option<String>,
+    default: usize,
+) -> Result<usize, internode::InternodeError> {
+    match value {
+        None => Ok(default),
+        Some(v) => v.trim().parse::<usize>().ok().filter(|&n| n > 0).ok_or(
+            internode::InternodeError::BadVariable {
+                var,
+                value: v,
+                rule: "must be a positive integer".into(),
+            },
+        ),
+    }
+}
+
+/// A step message: the op's index in its list (`u8::MAX`: stop) and the calls.
+fn encode_step(op: u8, iters: u64) -> Vec<u8> {
+    let mut msg = vec![op];
+    msg.extend_from_slice(&iters.to_le_bytes());
+    msg
+}
+
+/// The op of `ops` (`None`: stop) and the calls of a step message.
+///
+/// # Errors
+/// A message of the wrong length or naming no op of `ops`.
+fn decode_step<T: Copy>(msg: &[u8], ops: &[T]) -> Res<(Option<T>, usize)> {
+    let (&op, rest) = msg.split_first().ok_or("empty step message")?;
+    let iters = u64::from_le_bytes(rest.try_into()?);
+    if op == u8::MAX {
+        return Ok((None, 0));
+    }
+    let found = ops.get(usize::from(op)).copied().ok_or_else(|| {
+        format!(
+            "step message names op {op}, not one of the {} ops",
+            ops.len()
+        )
+    })?;
+    Ok((Some(found), usize::try_from(iters)?))
+}
+
+/// Rank 0's side of one criterion sample: tells every rank (`tag`) to run op `op` `iters`
+/// times, runs them here with `time` (per-call times in us) and returns their sum. Panics on
+/// failure: criterion's sampling closure cannot return an error.
+fn timed_step(
+    boot: &Bootstrap,
+    tag: &str,
+    op: usize,
+    iters: u64,
+    time: impl FnOnce(usize) -> Res<Vec<f64>>,
+) -> Duration {
+    let run = || -> Res<Vec<f64>> {
+        let index = u8::try_from(op)?;
+        boot.broadcast(tag, 0, Some(&encode_step(index, iters)))?;
+        time(usize::try_from(iters)?)
     };
-    (
-        env("EPCOMM_BENCH_TOKENS", 4096),
-        7168,
-        8,
-        256,
-        env("EPCOMM_BENCH_SMS", 24) as u32,
-    )
+    match run() {
+        Ok(t) => Duration::from_secs_f64(t.iter().sum::<f64>() * 1e-6),
+        Err(e) => panic!("benchmark step failed: {e}"),
+    }
+}
+
+/// Rank 0 (the process `cargo bench` started) starts ranks `1..world` as follower processes
+/// of this executable and connects; a follower connects from its environment. Returns the
+/// followers (rank 0 waits for them at the end) and the bootstrap.
+fn start_ranks(world: usize) -> Res<(Option<LaunchedGroup>, Arc<Bootstrap>)> {
+    if is_worker() {
+        return Ok((None, connect(world, 0, 0)?));
+    }
+    let port = free_port()?;
+    let followers = if world > 1 {
+        Some(
+            LocalLaunch::new(std::env::current_exe()?, Vec::<String>::new())
+                .world_size(world)
+                .ranks(1..world)
+                .master_port(port)
+                .env(WORKER_ENV, "1")
+                .spawn()?,
+        )
+    } else {
+        None
+    };
+    Ok((followers, connect(world, 0, port)?))
 }
 
 fn connect(world: usize, rank: usize, port: u16) -> Res<Arc<Bootstrap>> {
@@ -82,31 +170,12 @@ pub fn run(spec: TransportSpec) -> Res {
             return Ok(());
         }
     };
-    let world = std::env::var("EPCOMM_BENCH_WORLD")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(gpus);
-    let mut followers = None;
-    let port = if is_worker() {
-        0
-    } else {
-        let port = free_port()?;
-        if world > 1 {
-            let exe = std::env::current_exe()?;
-            let g = LocalLaunch::new(exe, Vec::<String>::new())
-                .world_size(world)
-                .ranks(1..world)
-                .master_port(port)
-                .env(WORKER_ENV, "1")
-                .spawn()?;
-            followers = Some(g);
-        }
-        port
-    };
-    let boot = connect(world, 0, port)?;
+    let world =
+        internode::world_from(std::env::var(internode::WORLD_ENV).ok().as_deref(), gpus, 1)?;
+    let (followers, boot) = start_ranks(world)?;
     let rank = boot.rank();
     let ctx = CudaContext::new(boot.local_rank() % gpus)?;
-    let (tokens, hidden, top_k, experts, sms) = workload();
+    let (tokens, hidden, top_k, experts, sms) = workload()?;
     let mut cfg = BufferConfig::new(tokens, hidden, top_k, experts);
     cfg.num_sms = sms;
     (cfg.schedule, cfg.routes) = schedule_and_routes()?;
@@ -118,11 +187,9 @@ pub fn run(spec: TransportSpec) -> Res {
     if rank != 0 {
         loop {
             let msg = boot.broadcast("bench-step", 0, None)?;
-            let (op, iters) = (msg[0], u64::from_le_bytes(msg[1..9].try_into()?));
-            if op == u8::MAX {
-                break;
-            }
-            timer.time(&mut buf, &dev, BenchOp::ALL[op as usize], iters as usize)?;
+            let (op, iters) = decode_step(&msg, &BenchOp::ALL)?;
+            let Some(op) = op else { break };
+            timer.time(&mut buf, &dev, op, iters)?;
         }
         buf.destroy()?;
         return Ok(());
@@ -150,29 +217,33 @@ pub fn run(spec: TransportSpec) -> Res {
         ));
         group.bench_function(op.name(), |b| {
             b.iter_custom(|iters| {
-                let mut msg = vec![i as u8];
-                msg.extend_from_slice(&iters.to_le_bytes());
-                let step = boot.broadcast("bench-step", 0, Some(&msg)).map(|_| ());
-                let times = step.map_err(|e| e.to_string()).and_then(|_| {
-                    timer
-                        .time(&mut buf, &dev, op, iters as usize)
-                        .map_err(|e| e.to_string())
-                });
-                match times {
-                    Ok(t) => Duration::from_secs_f64(t.iter().sum::<f64>() * 1e-6),
-                    Err(e) => panic!("benchmark step failed: {e}"),
-                }
+                timed_step(&boot, "bench-step", i, iters, |n| {
+                    Ok(timer.time(&mut buf, &dev, op, n)?)
+                })
             })
         });
     }
     group.finish();
-    let mut stop = vec![u8::MAX];
-    stop.extend_from_slice(&0u64.to_le_bytes());
-    boot.broadcast("bench-step", 0, Some(&stop))?;
+    boot.broadcast("bench-step", 0, Some(&encode_step(u8::MAX, 0)))?;
     buf.destroy()?;
     if let Some(mut g) = followers {
         g.wait(Duration::from_secs(60))?;
     }
     c.final_summary();
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn workload_variables_are_positive_integers() {
+        assert_eq!(positive("V", None, 7), Ok(7));
+        assert_eq!(positive("V", Some("12".into()), 7), Ok(12));
+        for bad in ["0", "-3", "many", "1.5"] {
+            let e = positive("EPCOMM_BENCH_SMS", Some(bad.into()), 24).unwrap_err();
+            assert!(e.to_string().contains("EPCOMM_BENCH_SMS"), "{e}");
+        }
+    }
 }

@@ -45,7 +45,11 @@ pub fn run(layout: &Layout, env: &ToolchainEnv, cargo_args: &[String]) -> Result
         // The multi-rank tests need two ranks: on one GPU, run two processes on it (checks
         // correctness; speed and skew need a GPU per rank and skip themselves).
         if gpus == 1 && std::env::var_os("EPCOMM_TEST_WORLD").is_none() {
-            println!("test: one GPU: EPCOMM_TEST_WORLD=2 (two ranks share it)");
+            println!(
+                "test: one GPU: EPCOMM_TEST_WORLD=2 (two ranks share it; they take turns on it \
+                 unless the MPS daemon runs, `nvidia-cuda-mps-control -d`, and the skew test \
+                 runs only under MPS)"
+            );
             cmd.env("EPCOMM_TEST_WORLD", "2");
         }
         // Each GPU test starts one process per GPU: run them one at a time.

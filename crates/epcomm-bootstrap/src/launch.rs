@@ -129,6 +129,38 @@ pub fn free_port() -> Result<u16, LaunchError> {
     Ok(port)
 }
 
+/// Runs `f` on `world` ranks that are threads of this process, each with its own
+/// [`crate::Bootstrap`] connected over 127.0.0.1 ([`crate::BootstrapConfig::single_host`],
+/// `timeout` bounding every wait), and returns each rank's outcome in rank order: `f`'s value,
+/// or the error of a bootstrap that could not connect. A panic in `f` is resumed here. For
+/// tests and one-process tools; a multi-process job uses [`LocalLaunch`].
+///
+/// # Errors
+/// [`LaunchError::FreePort`] when no port is free.
+pub fn on_threads<T: Send + 'static>(
+    world: usize,
+    timeout: Duration,
+    f: impl Fn(crate::Bootstrap) -> T + Send + Sync + Clone + 'static,
+) -> Result<Vec<crate::Result<T>>, LaunchError> {
+    let port = free_port()?;
+    let threads: Vec<JoinHandle<crate::Result<T>>> = (0..world)
+        .map(|rank| {
+            let f = f.clone();
+            thread::spawn(move || {
+                let cfg = crate::BootstrapConfig::single_host(port, rank, world, timeout);
+                crate::Bootstrap::connect(cfg).map(f)
+            })
+        })
+        .collect();
+    Ok(threads
+        .into_iter()
+        .map(|t| {
+            t.join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+        })
+        .collect())
+}
+
 /// What to do with the children's stdout and stderr.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Output {
@@ -621,5 +653,21 @@ mod tests {
             LocalLaunch::new("/nonexistent/program", Vec::<String>::new()).spawn(),
             Err(LaunchError::Spawn { rank: 0, .. })
         ));
+    }
+
+    #[test]
+    fn ranks_as_threads_gather_in_rank_order() {
+        let out = on_threads(3, Duration::from_secs(20), |b| {
+            let all = b
+                .all_gather("threads", &[b.rank() as u8])
+                .expect("all_gather");
+            (b.rank(), all)
+        })
+        .expect("a free port");
+        for (r, res) in out.into_iter().enumerate() {
+            let (rank, all) = res.expect("connected");
+            assert_eq!(rank, r);
+            assert_eq!(all, vec![vec![0], vec![1], vec![2]]);
+        }
     }
 }

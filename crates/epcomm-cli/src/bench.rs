@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use cudarc::driver::{CudaContext, sys};
+use cudarc::driver::CudaContext;
 use epcomm::{Buffer, BufferConfig, DispatchInput, DynTransport, RecvMode, XInput};
 use epcomm_bootstrap::{Bootstrap, BootstrapConfig};
 use epcomm_check::inputs::{Shape, device_inputs, host_inputs};
@@ -23,9 +23,9 @@ use epcomm_check::verify::{RoundOptions, verified_round};
 use crate::cli::BenchArgs;
 use crate::doctor::KernelImage;
 use crate::hier_results::HierReport;
-use crate::results::{BenchConfig, BenchReport, SCHEMA, SkewReport, make_row};
+use crate::results::{BenchReport, SCHEMA, SkewReport, make_row};
 use crate::validate::{BenchPlan, FlagErrors, Machine, TransportChoice, validate_bench};
-use crate::worker::{Progress, RESULTS_ENV, Res, every_rank};
+use crate::worker::{Progress, RESULTS_ENV, Res, every_rank, hand_off, run_config};
 use crate::{AppError, gpu};
 
 /// How long the workers may run in all.
@@ -208,8 +208,6 @@ fn run_bench(
     gpus: usize,
 ) -> Res {
     let (rank, world) = (boot.rank(), boot.world_size());
-    let gpu_sms =
-        ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
     let (schedule, routes) = (plan.transport.schedule, plan.transport.routes);
     let shape = Shape::uniform(
         world,
@@ -308,34 +306,12 @@ fn run_bench(
     if rank == 0 {
         let report = BenchReport {
             schema: SCHEMA.into(),
-            config: BenchConfig {
-                world,
-                transport: plan.transport.spec.to_string(),
-                schedule: schedule.to_string(),
-                routes: routes.to_string(),
-                tokens: args.tokens,
-                hidden: args.hidden,
-                top_k: args.top_k,
-                experts: args.experts,
-                sms: plan.sweep.clone(),
-                iters: args.iters,
-                warmup: args.warmup,
-                fp8: plan.fp8,
-                gpu_sms: u32::try_from(gpu_sms).unwrap_or(0),
-                gpu_name: ctx.name().unwrap_or_else(|_| "GPU".into()),
-                gpus,
-                mps: crate::gpu::under_mps(ctx),
-            },
+            config: run_config(args, plan, world, plan.sweep.clone(), ctx, gpus)?,
             results: rows,
             skew,
         };
         report.check()?;
-        let json = serde_json::to_string(&report)?;
-        match std::env::var_os(RESULTS_ENV) {
-            Some(path) => std::fs::write(&path, json)?,
-            // Started by hand (not by the launcher): show the table on stderr.
-            None => eprint!("{}", report.table()),
-        }
+        hand_off(&serde_json::to_string(&report)?, || report.table())?;
     }
     Ok(())
 }

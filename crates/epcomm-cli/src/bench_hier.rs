@@ -12,7 +12,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, sys};
+use cudarc::driver::CudaContext;
 use epcomm::{BufferConfig, DynTransport, HierarchicalBuffer};
 use epcomm_bootstrap::Bootstrap;
 use epcomm_check::hier::verified_hier_round;
@@ -27,9 +27,8 @@ use crate::hier_results::{
     HIER_SCHEMA, HierConfig, HierReport, HierRow, NOTIFY_TOKENS, NotifyReport, TierNotifyReport,
     make_hier_row,
 };
-use crate::results::BenchConfig;
 use crate::validate::{BenchPlan, TransportChoice};
-use crate::worker::{Progress, RESULTS_ENV, Res, every_rank};
+use crate::worker::{Progress, Res, every_rank, hand_off, run_config};
 
 /// The seed of the flat bench's workload.
 const SEED: u64 = 2025;
@@ -140,8 +139,6 @@ pub fn run_hier_bench(
 ) -> Res {
     let (rank, world) = (boot.rank(), boot.world_size());
     let choice = &plan.transport;
-    let gpu_sms =
-        ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
     let progress = Progress::new(rank, 0, false);
     let sms = args.sms;
 
@@ -205,24 +202,7 @@ pub fn run_hier_bench(
         let report = HierReport {
             schema: HIER_SCHEMA.into(),
             config: HierConfig {
-                run: BenchConfig {
-                    world,
-                    transport: choice.spec.to_string(),
-                    schedule: choice.schedule.to_string(),
-                    routes: choice.routes.to_string(),
-                    tokens: args.tokens,
-                    hidden: args.hidden,
-                    top_k: args.top_k,
-                    experts: args.experts,
-                    sms: vec![sms],
-                    iters: args.iters,
-                    warmup: args.warmup,
-                    fp8: plan.fp8,
-                    gpu_sms: u32::try_from(gpu_sms).unwrap_or(0),
-                    gpu_name: ctx.name().unwrap_or_else(|_| "GPU".into()),
-                    gpus,
-                    mps: crate::gpu::under_mps(ctx),
-                },
+                run: run_config(args, plan, world, vec![sms], ctx, gpus)?,
                 nodes: tiers.nodes(),
                 local_ranks: tiers.local_ranks(),
             },
@@ -230,12 +210,7 @@ pub fn run_hier_bench(
             notify,
         };
         report.check()?;
-        let json = serde_json::to_string(&report)?;
-        match std::env::var_os(RESULTS_ENV) {
-            Some(path) => std::fs::write(&path, json)?,
-            // Started by hand (not by the launcher): show the table on stderr.
-            None => eprint!("{}", report.table()),
-        }
+        hand_off(&serde_json::to_string(&report)?, || report.table())?;
     }
     Ok(())
 }

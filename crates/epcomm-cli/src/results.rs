@@ -472,6 +472,33 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn shared_gpus_are_named_with_how_they_ran() {
+        let mut r = synthetic();
+        assert!(!r.table().contains("shared"), "one GPU per rank: no note");
+        r.config.gpus = 1;
+        let turns = r.table();
+        assert!(
+            turns.contains("2 ranks shared 1 GPU(s) without MPS") && turns.contains("took turns"),
+            "{turns}"
+        );
+        r.config.mps = true;
+        let mps = r.table();
+        assert!(
+            mps.contains("2 ranks shared 1 GPU(s) under MPS") && mps.contains("no NVLink"),
+            "{mps}"
+        );
+        // Documents from before the field read as one GPU per rank.
+        let mut v: serde_json::Value =
+            serde_json::from_str(&synthetic().render(OutputFormat::Json).unwrap()).unwrap();
+        let config = v["config"].as_object_mut().unwrap();
+        config.remove("gpus");
+        config.remove("mps");
+        let old: BenchReport = serde_json::from_value(v).unwrap();
+        assert_eq!((old.config.gpus, old.config.mps), (0, false));
+        assert!(old.config.sharing_note().is_none());
+    }
+
+    #[test]
     fn edge_times_are_errors_not_nan() {
         for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
             let e = make_row(BenchOp::Combine, 24, vec![100.0, bad], 10, 128).unwrap_err();

@@ -3,8 +3,13 @@
 
 use std::io::IsTerminal as _;
 
+use cudarc::driver::{CudaContext, sys};
 use epcomm_bootstrap::Bootstrap;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+use crate::cli::BenchArgs;
+use crate::results::BenchConfig;
+use crate::validate::BenchPlan;
 
 /// Environment variable (set by the launcher for its workers) naming the file rank 0 writes
 /// its results to.
@@ -12,6 +17,54 @@ pub const RESULTS_ENV: &str = "EPCOMM_CLI_RESULTS";
 
 /// A worker's result.
 pub(crate) type Res<T = ()> = Result<T, Box<dyn std::error::Error>>;
+
+/// The run's configuration as both reports give it: the flags, the plan's transport, the SM
+/// counts timed, rank 0's GPU, and how the ranks shared `gpus` GPUs.
+///
+/// # Errors
+/// The driver's, reading the GPU's SM count.
+pub(crate) fn run_config(
+    args: &BenchArgs,
+    plan: &BenchPlan,
+    world: usize,
+    sms: Vec<u32>,
+    ctx: &CudaContext,
+    gpus: usize,
+) -> Res<BenchConfig> {
+    let gpu_sms =
+        ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+    Ok(BenchConfig {
+        world,
+        transport: plan.transport.spec.to_string(),
+        schedule: plan.transport.schedule.to_string(),
+        routes: plan.transport.routes.to_string(),
+        tokens: args.tokens,
+        hidden: args.hidden,
+        top_k: args.top_k,
+        experts: args.experts,
+        sms,
+        iters: args.iters,
+        warmup: args.warmup,
+        fp8: plan.fp8,
+        gpu_sms: u32::try_from(gpu_sms).unwrap_or(0),
+        gpu_name: ctx.name().unwrap_or_else(|_| "GPU".into()),
+        gpus,
+        mps: crate::gpu::under_mps(ctx),
+    })
+}
+
+/// Rank 0's results (`json`) to the file [`RESULTS_ENV`] names; started by hand (not by the
+/// launcher), the table on stderr instead.
+///
+/// # Errors
+/// Writing the file.
+pub(crate) fn hand_off(json: &str, table: impl FnOnce() -> String) -> Res {
+    match std::env::var_os(RESULTS_ENV) {
+        Some(path) => std::fs::write(&path, json)?,
+        None => eprint!("{}", table()),
+    }
+    Ok(())
+}
 
 /// Rank 0's messages on stderr, above the progress bar.
 pub(crate) struct Progress {

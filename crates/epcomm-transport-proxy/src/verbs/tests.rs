@@ -155,24 +155,10 @@ fn on_ranks<T: Send + 'static>(
     world: usize,
     f: impl Fn(Bootstrap) -> T + Send + Sync + Clone + 'static,
 ) -> Vec<T> {
-    let port = epcomm_bootstrap::launch::free_port().expect("a free port");
-    let threads: Vec<_> = (0..world)
-        .map(|rank| {
-            let f = f.clone();
-            std::thread::spawn(move || {
-                let cfg = epcomm_bootstrap::BootstrapConfig::single_host(
-                    port,
-                    rank,
-                    world,
-                    std::time::Duration::from_secs(20),
-                );
-                f(Bootstrap::connect(cfg).expect("bootstrap"))
-            })
-        })
-        .collect();
-    threads
+    epcomm_bootstrap::launch::on_threads(world, std::time::Duration::from_secs(20), f)
+        .expect("a free port")
         .into_iter()
-        .map(|t| t.join().expect("rank thread"))
+        .map(|r| r.expect("bootstrap"))
         .collect()
 }
 
