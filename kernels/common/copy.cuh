@@ -10,19 +10,21 @@ namespace epcomm {
 
 constexpr int kCopyUnroll = 8;  // 16-byte vectors per lane in flight per copy step
 
-// One copy step of a lane: vectors base + u * 32 + lane (u < kCopyUnroll) that are below n16.
-__device__ __forceinline__ void load_step(int4 (&v)[kCopyUnroll], const int4* src, int base,
-                                          int n16, int lane) {
+// One copy step of a lane: vectors base + u * 32 + lane (u < U) that are below n16.
+template <int U>
+__device__ __forceinline__ void load_step(int4 (&v)[U], const int4* src, int base, int n16,
+                                          int lane) {
 #pragma unroll
-  for (int u = 0; u < kCopyUnroll; ++u) {
+  for (int u = 0; u < U; ++u) {
     const int i = base + u * 32 + lane;
     if (i < n16) v[u] = ld_nc_v4(src + i);
   }
 }
-__device__ __forceinline__ void store_step(int4* out, const int4 (&v)[kCopyUnroll], int base,
-                                           int n16, int lane) {
+template <int U>
+__device__ __forceinline__ void store_step(int4* out, const int4 (&v)[U], int base, int n16,
+                                           int lane) {
 #pragma unroll
-  for (int u = 0; u < kCopyUnroll; ++u) {
+  for (int u = 0; u < U; ++u) {
     const int i = base + u * 32 + lane;
     if (i < n16) st_na_v4(out + i, v[u]);
   }
@@ -56,10 +58,12 @@ __device__ __forceinline__ void warp_copy_row_multi(const int4* src, uint8_t* co
   }
 }
 
-// One row, one destination.
+// One row, one destination, U vectors per lane in flight (U * 512 bytes per warp; U * 4
+// registers: the combine's push, which holds nothing else live, runs U = 16).
+template <int U = kCopyUnroll>
 __device__ __forceinline__ void warp_copy_row(const int4* src, int4* out, int n16, int lane) {
-  for (int base = 0; base < n16; base += 32 * kCopyUnroll) {
-    int4 v[kCopyUnroll];
+  for (int base = 0; base < n16; base += 32 * U) {
+    int4 v[U];
     load_step(v, src, base, n16, lane);
     store_step(out, v, base, n16, lane);
   }

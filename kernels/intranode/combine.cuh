@@ -12,13 +12,15 @@
 
 namespace epcomm::intranode {
 
-// [C4] reduction shape (any values give the same bits; only speed and registers change): a
-// step loads kReduceUnroll 16-byte vectors per lane of each of up to kReduceSrcInFlight
-// sources, all in flight (kReduceUnroll * kReduceSrcInFlight * 4 registers), then adds them.
-// 4 x 4 and 2 x 8 both fit the 128 registers of kThreads = 512 without spills; 8 x 2 spills.
-constexpr int kReduceUnroll = 4;       // 16-byte vectors per lane and source in one step
-constexpr int kReduceSrcInFlight = 4;  // sources whose loads are in flight together
-constexpr int kWeightSrcInFlight = 8;  // the same for the weights (one float per lane each)
+// [C4] reduction shape (any choice gives the same bits; only speed and registers change). A
+// step of a token's reduction loads U 16-byte vectors per lane of each of up to S sources, all
+// in flight, then adds them source by source. A lane keeps U * S = 16 vectors (8 KiB per warp)
+// in flight whenever the token has enough sources, picking the shape per token from its
+// source count: 8 x 2, 4 x 4, 2 x 8 (one group: no accumulator lives across groups, so 8 x 2
+// fits the 128 registers of kThreads = 512), and 4 x 4 with accumulators across groups above 8.
+constexpr int kReduceVectorsInFlight = 16;  // 16-byte vectors per lane in one step
+constexpr int kWeightSrcInFlight = 8;       // sources whose weight loads are in flight together
+constexpr int kPushUnroll = 16;             // 16-byte vectors per lane in flight in the push
 
 __device__ __forceinline__ void add_bf16x8(float* acc, const int4& v) {
   const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
@@ -38,6 +40,104 @@ __device__ __forceinline__ int4 pack_bf16x8(const float* acc) {
   return v;
 }
 
+// Source list entry: the row's address, bit 0 set when the row never changes during the kernel
+// (non-coherent loads allowed).
+__device__ __forceinline__ const int4* src_row(uintptr_t e) {
+  return reinterpret_cast<const int4*>(e & ~static_cast<uintptr_t>(1));
+}
+
+// One step, all nsrc <= S sources in one group: vectors base + u * 32 + lane (u < U) of the
+// output are 0.f + src_0 + ... + src_{nsrc-1} (fp32, list order), rounded once to bf16.
+template <int U, int S>
+__device__ __forceinline__ void reduce_step_one_group(const uintptr_t* src, int nsrc, int base,
+                                                      int n16, int lane, int4* out) {
+  int4 v[S][U];
+#pragma unroll
+  for (int b = 0; b < S; ++b) {
+    const uintptr_t e = b < nsrc ? src[b] : 0;
+    const int4* p = src_row(e) + base + lane;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      v[b][u] = make_int4(0, 0, 0, 0);
+      if (b < nsrc && base + lane + u * 32 < n16) v[b][u] = ld_v4_nc_if(p + u * 32, e & 1);
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int i = base + u * 32 + lane;
+    if (i >= n16) continue;
+    float acc[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[j] = 0.f;
+#pragma unroll
+    for (int b = 0; b < S; ++b)
+      if (b < nsrc) add_bf16x8(acc, v[b][u]);
+    st_na_v4(out + i, pack_bf16x8(acc));
+  }
+}
+
+// One step for any nsrc: groups of S sources (loads of a group first, then the adds in list
+// order), accumulators kept across groups.
+template <int U, int S>
+__device__ __forceinline__ void reduce_step_groups(const uintptr_t* src, int nsrc, int base,
+                                                   int n16, int lane, int4* out) {
+  float acc[U][8];
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[u][j] = 0.f;
+  for (int g = 0; g < nsrc; g += S) {
+    // (v starts defined so that no value of an earlier group stays live across groups.)
+    int4 v[S][U];
+#pragma unroll
+    for (int b = 0; b < S; ++b) {
+      const uintptr_t e = g + b < nsrc ? src[g + b] : 0;
+      const int4* p = src_row(e) + base + lane;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        v[b][u] = make_int4(0, 0, 0, 0);
+        if (g + b < nsrc && base + lane + u * 32 < n16) v[b][u] = ld_v4_nc_if(p + u * 32, e & 1);
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < S; ++b) {
+      if (g + b >= nsrc) continue;
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (base + lane + u * 32 < n16) add_bf16x8(acc[u], v[b][u]);
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int i = base + u * 32 + lane;
+    if (i < n16) st_na_v4(out + i, pack_bf16x8(acc[u]));
+  }
+}
+
+// [C4] one token's row: out = sum of the nsrc listed rows in list order (one warp).
+template <int U, int S, bool kOneGroup>
+__device__ __forceinline__ void reduce_row_shaped(const uintptr_t* src, int nsrc, int n16,
+                                                  int lane, int4* out) {
+  for (int base = 0; base < n16; base += 32 * U) {
+    if constexpr (kOneGroup)
+      reduce_step_one_group<U, S>(src, nsrc, base, n16, lane, out);
+    else
+      reduce_step_groups<U, S>(src, nsrc, base, n16, lane, out);
+  }
+}
+__device__ __forceinline__ void reduce_row(const uintptr_t* src, int nsrc, int n16, int lane,
+                                           int4* out) {
+  static_assert(kReduceVectorsInFlight == 16, "the shapes below keep 16 vectors in flight");
+  if (nsrc <= 2)
+    reduce_row_shaped<8, 2, true>(src, nsrc, n16, lane, out);
+  else if (nsrc <= 4)
+    reduce_row_shaped<4, 4, true>(src, nsrc, n16, lane, out);
+  else if (nsrc <= 8)
+    reduce_row_shaped<2, 8, true>(src, nsrc, n16, lane, out);
+  else
+    reduce_row_shaped<4, 4, false>(src, nsrc, n16, lane, out);
+}
+
 // Combine: y rows (in this rank's receive order) go back to their source ranks and are summed
 // there in rank order (fp32 accumulate, one bf16 rounding).
 //
@@ -50,9 +150,9 @@ __device__ __forceinline__ int4 pack_bf16x8(const float* acc) {
 // Reduction of a token (one warp): the contributing sources' rows are listed once, in rank
 // order, in the warp's s_src (bit 0 set: the row never changes during this kernel, so
 // non-coherent loads; clear: a peer pushed it in [C1], plain loads) and s_wsrc (weights). Then,
-// per step of 32 * kReduceUnroll vectors, per group of up to kReduceSrcInFlight listed sources:
-// every load of the group is issued, then the values are added source by source in list order.
-// Each output element is therefore 0.f + src_0 + src_1 + ... in rank order (fp32: the same adds
+// per step of 32 * U vectors, per group of up to S listed sources (reduce_row picks U x S from
+// the source count): every load of the group is issued, then the values are added source by
+// source in list order. Each output element is therefore 0.f + src_0 + src_1 + ... in rank order (fp32: the same adds
 // in the same order whatever the constants), rounded once to bf16: bit-identical results, with
 // one dependent load round trip per group and step instead of one per source and step. The
 // weights are summed the same way (0.f + w_0 + w_1 + ..., fp32, rank order).
@@ -139,7 +239,7 @@ __device__ __forceinline__ void combine(const OpArgs& a, Shared& s) {
         continue;
       }
     }
-    warp_copy_row(reinterpret_cast<const int4*>(y + row * row_bytes),
+    warp_copy_row<kPushUnroll>(reinterpret_cast<const int4*>(y + row * row_bytes),
                   reinterpret_cast<int4*>(s.bases[r] + off_comb_x + slot * row_bytes), n16, lane);
     if (has_w)
       for (int k = lane; k < K; k += 32)
@@ -204,46 +304,8 @@ __device__ __forceinline__ void combine(const OpArgs& a, Shared& s) {
       nsrc += __popc(have);
     }
     __syncwarp();
-    int4* out = reinterpret_cast<int4*>(a.out + static_cast<int64_t>(t) * row_bytes);
-    for (int base = 0; base < n16; base += 32 * kReduceUnroll) {
-      float acc[kReduceUnroll][8];
-#pragma unroll
-      for (int u = 0; u < kReduceUnroll; ++u)
-#pragma unroll
-        for (int j = 0; j < 8; ++j) acc[u][j] = 0.f;
-      const int lane_i = base + lane;  // this lane's vectors: lane_i + u * 32
-      for (int g = 0; g < nsrc; g += kReduceSrcInFlight) {
-        uintptr_t e[kReduceSrcInFlight];
-#pragma unroll
-        for (int b = 0; b < kReduceSrcInFlight; ++b) e[b] = g + b < nsrc ? src[g + b] : 0;
-        // Every load of the group first...
-        // (v starts defined so that no value of an earlier group stays live across groups.)
-        int4 v[kReduceSrcInFlight][kReduceUnroll];
-#pragma unroll
-        for (int b = 0; b < kReduceSrcInFlight; ++b) {
-#pragma unroll
-          for (int u = 0; u < kReduceUnroll; ++u) v[b][u] = make_int4(0, 0, 0, 0);
-          if (g + b >= nsrc) continue;
-          const int4* p = reinterpret_cast<const int4*>(e[b] & ~static_cast<uintptr_t>(1)) + lane_i;
-#pragma unroll
-          for (int u = 0; u < kReduceUnroll; ++u)
-            if (lane_i + u * 32 < n16) v[b][u] = ld_v4_nc_if(p + u * 32, e[b] & 1);
-        }
-        // ...then the adds, in rank order.
-#pragma unroll
-        for (int b = 0; b < kReduceSrcInFlight; ++b) {
-          if (g + b >= nsrc) continue;
-#pragma unroll
-          for (int u = 0; u < kReduceUnroll; ++u)
-            if (lane_i + u * 32 < n16) add_bf16x8(acc[u], v[b][u]);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kReduceUnroll; ++u) {
-        const int i = base + u * 32 + lane;
-        if (i < n16) st_na_v4(out + i, pack_bf16x8(acc[u]));
-      }
-    }
+    reduce_row(src, nsrc, n16, lane,
+               reinterpret_cast<int4*>(a.out + static_cast<int64_t>(t) * row_bytes));
     // Weights: the same sources in the same order (loads of a group first, then the adds).
     if (has_w)
       for (int k = lane; k < K; k += 32) {
