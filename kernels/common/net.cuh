@@ -34,6 +34,14 @@
 //                                   dispatch stages each destination's final metadata row and
 //                                   sends it (ll/dispatch.cuh, [L3]). False: every element is
 //                                   written in its final form by `put_elem`
+//   kCoalesceRuns                   true when the normal dispatch sends a transport peer its
+//                                   tokens as runs (intranode/dispatch.cuh, [E4]): each warp
+//                                   takes a contiguous chunk of tokens, and consecutive tokens
+//                                   bound for consecutive rows of one transport peer leave as
+//                                   one transfer per record (rows, scales, ids, weights) plus
+//                                   the source indices, from one thread (`claim_fenced`,
+//                                   `emit_transfer`, `emit_write`). False: tokens are dealt
+//                                   block-first and sent one by one (needs kMetadataRows)
 // and, when kTransport, the warp-collective puts `put_warp(dst, src, bytes, pe)`,
 // `put_signal_warp(dst, src, bytes, sig, v, pe)` and the ordering point `fence()`; when
 // kMetadataRows also `put_lanes(valid, dst, src, bytes, pe)`, a warp-collective put of one
@@ -56,6 +64,7 @@ struct WaitCtx;  // common/wait.cuh
 struct StoreNet {
   static constexpr bool kTransport = false;
   static constexpr bool kMetadataRows = false;
+  static constexpr bool kCoalesceRuns = false;
 
   __device__ static __forceinline__ bool remote(uint64_t, int) { return false; }
 

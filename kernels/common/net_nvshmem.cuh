@@ -14,6 +14,8 @@ struct NvshmemNet {
   static constexpr bool kTransport = true;
   // Metadata goes element by element (`nvshmem_<type>_p`), in its final form.
   static constexpr bool kMetadataRows = false;
+  // Every token is put on its own (the dispatch deals tokens block-first).
+  static constexpr bool kCoalesceRuns = false;
 
   __device__ static __forceinline__ bool remote(uint64_t remote_mask, int d) {
     return ((remote_mask >> d) & 1ull) != 0;

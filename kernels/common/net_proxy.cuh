@@ -37,6 +37,12 @@ struct ProxyNet {
   // scales, top-k ids and weights from the caller's rows, untransformed (the receiver
   // finishes them, [E8]); the low-latency dispatch's metadata row from a staging row ([L3]).
   static constexpr bool kMetadataRows = true;
+  // ... and a descriptor per token still was: the normal dispatch deals each warp a contiguous
+  // chunk of tokens and sends a proxied peer each run of consecutive tokens bound for
+  // consecutive rows as one transfer per record (rows, scales, ids, weights) and one WRITE per
+  // source index, all on consecutive positions from one claim ([E4], `claim_fenced`,
+  // `emit_transfer`, `emit_write`).
+  static constexpr bool kCoalesceRuns = true;
 
   __device__ static __forceinline__ bool remote(uint64_t remote_mask, int d) {
     return ((remote_mask >> d) & 1ull) != 0;
@@ -96,10 +102,11 @@ struct ProxyNet {
     }
   }
 
-  // [P1] writes descriptor `p` (one thread).
-  __device__ static __forceinline__ void emit(uint64_t p, uint64_t kind, uint64_t flags, int pe,
+  // [P1] writes descriptor `p` (one thread); false when the slot never came free (`wait_slot`:
+  // the descriptor is dropped and the next `quiet` fails).
+  __device__ static __forceinline__ bool emit(uint64_t p, uint64_t kind, uint64_t flags, int pe,
                                               uint64_t arg0, uint64_t arg1, uint64_t arg2) {
-    if (!wait_slot(p)) return;
+    if (!wait_slot(p)) return false;
     uint64_t* slot = reinterpret_cast<uint64_t*>(
         ring() + kRingHeaderBytes + (p & (epcomm_proxy_channel.capacity - 1)) * kRingSlotBytes);
     st_relaxed_sys(slot + 1, kind | (flags << 16) | (static_cast<uint64_t>(pe) << 32));
@@ -107,6 +114,34 @@ struct ProxyNet {
     st_relaxed_sys(slot + 3, arg1);
     st_relaxed_sys(slot + 4, arg2);
     st_release_sys(slot, p + 1);
+    return true;
+  }
+
+  // [P1] One thread: makes this thread's (and, after a barrier, its group's) earlier stores
+  // visible to the proxy's executor, then claims `n` consecutive positions; the caller writes
+  // each of them with `emit_transfer` / `emit_write` (every claimed position must be written,
+  // or the proxy waits for it until the op's bound).
+  __device__ static __forceinline__ uint64_t claim_fenced(uint32_t n) {
+    __threadfence_system();
+    return claim(n);
+  }
+
+  // [P1] One thread: descriptor `p` (claimed) is a TRANSFER of `bytes` (> 0) from `src` (a
+  // device address of this process) into rank `pe`'s copy of `dst`; false as `emit`.
+  __device__ static __forceinline__ bool emit_transfer(uint64_t p, void* dst, const void* src,
+                                                       size_t bytes, int pe) {
+    return emit(p, kProxyKindTransfer, kProxyFlagSrcAddress, pe, reinterpret_cast<uint64_t>(src),
+         offset_of(dst), bytes);
+  }
+
+  // [P1] One thread: descriptor `p` (claimed) is a WRITE of `v` into rank `pe`'s copy of `dst`;
+  // false as `emit`.
+  template <typename T>
+  __device__ static __forceinline__ bool emit_write(uint64_t p, T* dst, T v, int pe) {
+    static_assert(sizeof(T) == 4 || sizeof(T) == 8, "proxy writes are 4 or 8 bytes");
+    uint64_t bits = 0;
+    memcpy(&bits, &v, sizeof(T));
+    return emit(p, kProxyKindWrite, 0, pe, offset_of(dst), bits, sizeof(T));
   }
 
   __device__ static __forceinline__ void signal(uint64_t* p, uint64_t v, int pe, bool add) {
@@ -176,9 +211,7 @@ struct ProxyNet {
       *p = v;
       return;
     }
-    uint64_t bits = 0;
-    memcpy(&bits, &v, sizeof(T));
-    emit(claim(1), kProxyKindWrite, 0, pe, offset_of(p), bits, sizeof(T));
+    emit_write(claim(1), p, v, pe);
   }
 
   // Ring order already orders this thread's later descriptors after its earlier ones.

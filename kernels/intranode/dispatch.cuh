@@ -10,6 +10,24 @@
 
 namespace epcomm::intranode {
 
+// [E4] under Net::kCoalesceRuns: a lane's open runs, one per peer d = lane + 32 * i (i < kSlots),
+// kept in registers (every index is a compile-time constant). len 0: no open run. A run holds
+// at most `max_len` tokens: kMaxTokens, and at most kMaxBytes of x rows (the proxy's own merge
+// limit, ProxyConfig::max_run_bytes), so the proxy gets work while the chunk is still being
+// sent.
+struct PeerRuns {
+  static constexpr int kSlots = static_cast<int>((kMaxWorld + 31) / 32);
+  static constexpr int kMaxTokens = 256;
+  static constexpr int kMaxBytes = 1 << 20;
+  int t0[kSlots], row0[kSlots], len[kSlots];
+  int max_len;
+  __device__ __forceinline__ void init(int row_bytes) {
+#pragma unroll
+    for (int i = 0; i < kSlots; ++i) t0[i] = row0[i] = len[i] = 0;
+    max_len = row_bytes > 0 ? max(1, min(kMaxTokens, kMaxBytes / row_bytes)) : 1;
+  }
+};
+
 // The body of `epcomm_dispatch` over the image's Net policy; `s` is the block's shared state.
 template <class Net>
 __device__ __forceinline__ void dispatch(const OpArgs& a, Shared& s) {
@@ -123,7 +141,9 @@ __device__ __forceinline__ void dispatch(const OpArgs& a, Shared& s) {
   }
 
   // [E4] every token once to every destination rank, straight into its final row. Work is
-  // dealt block-first (consecutive tokens on different SMs) so small batches use every SM.
+  // dealt block-first (consecutive tokens on different SMs) so small batches use every SM;
+  // under a policy with Net::kCoalesceRuns (the CPU proxy) each warp takes a contiguous chunk
+  // of tokens instead, so that its tokens bound for a proxied peer form runs (below).
   const int gwarp = warp * gridDim.x + blockIdx.x, nwarps = gridDim.x * kWarps;
   const int32_t* token_slot = reinterpret_cast<const int32_t*>(a.token_slot);
   const int n16 = a.row_bytes / 16;
@@ -138,16 +158,87 @@ __device__ __forceinline__ void dispatch(const OpArgs& a, Shared& s) {
   // or the transport's single-element puts): every rank unless the policy sends transport
   // peers whole raw rows (Net::kMetadataRows; then [E8] on the receiver finishes them).
   auto per_elem = [&](int d) { return !Net::kMetadataRows || !Net::remote(a.remote_mask, d); };
+  // This warp's tokens: t_first, t_first + t_step, ... below t_end.
+  int t_first = gwarp, t_end = num_tokens, t_step = nwarps;
+  if constexpr (Net::kCoalesceRuns) {
+    const int64_t chunk = (static_cast<int64_t>(num_tokens) + nwarps - 1) / nwarps;
+    t_first = static_cast<int>(min(static_cast<int64_t>(gwarp) * chunk,
+                                   static_cast<int64_t>(num_tokens)));
+    t_end = static_cast<int>(min(static_cast<int64_t>(gwarp + 1) * chunk,
+                                 static_cast<int64_t>(num_tokens)));
+    t_step = 1;
+  }
+  // Runs (Net::kCoalesceRuns): lane `l` keeps, in registers, the open run of every proxied peer
+  // d = l + 32 * i: tokens t0 .. t0 + len - 1 of this warp's chunk, bound for rows
+  // row0 .. row0 + len - 1 of d. A token extends its peer's run when it continues it in both;
+  // otherwise (or when the run is full) the run is sent (`put_run`) and a new one starts. The
+  // lane sends every open run after the chunk, before `quiet` below.
+  PeerRuns runs;
+  if constexpr (Net::kCoalesceRuns) runs.init(a.row_bytes);
+  // One thread sends run (t0, row0, len) to proxied peer d: ONE claim of consecutive ring
+  // positions (after a system fence, as every put), then the `len` x rows as one TRANSFER, the
+  // scales, top-k ids and top-k weights (those the op has) as one TRANSFER each of the `len`
+  // raw caller rows ([E8] finishes the ids and weights on the receiver), then the `len` source
+  // indices t0 .. t0 + len - 1 as WRITEs of consecutive words on consecutive positions (the
+  // copy-engine executor stages them as one copy). No warp collective: one lane calls it. A
+  // descriptor that could not be written (the proxy stopped, or the slot wait's bound passed)
+  // ends the run early: the proxy cannot pass that position, and the block's `quiet` records
+  // the failure, so the rest would only wait out the bound again, slot by slot.
+  auto put_run = [&](int d, int t0, int row0, int len) {
+    if constexpr (Net::kCoalesceRuns) {
+      uint8_t* const base = s.bases[d];
+      const int pe = peer_pe(w, d);
+      const bool sc = has_scales && a.num_scales > 0, ids = has_topk && K > 0;
+      const bool wts = ids && has_w;
+      const int64_t t = t0, row = row0, n = len;
+      uint64_t p = Net::claim_fenced(static_cast<uint32_t>(1 + sc + ids + wts + len));
+      if (!Net::emit_transfer(p++, base + off_x + row * a.row_bytes,
+                              reinterpret_cast<const uint8_t*>(a.x) + t * a.row_bytes,
+                              static_cast<size_t>(n * a.row_bytes), pe))
+        return;
+      if (sc && !Net::emit_transfer(p++, base + off_scales + row * a.num_scales * 4,
+                                    scales + t * a.num_scales,
+                                    static_cast<size_t>(n * a.num_scales * 4), pe))
+        return;
+      if (ids && !Net::emit_transfer(p++, base + off_topk_idx + row * K * 8, topk_idx + t * K,
+                                     static_cast<size_t>(n * K * 8), pe))
+        return;
+      if (wts && !Net::emit_transfer(p++, base + off_topk_w + row * K * 4, topk_w + t * K,
+                                     static_cast<size_t>(n * K * 4), pe))
+        return;
+      int32_t* const src_idx = reinterpret_cast<int32_t*>(base + off_src_idx) + row;
+      for (int j = 0; j < len; ++j)
+        if (!Net::emit_write(p++, src_idx + j, static_cast<int32_t>(t0 + j), pe)) return;
+    }
+  };
   int* rows = s.rows[warp];
-  for (int t = gwarp; t < num_tokens; t += nwarps) {
+  for (int t = t_first; t < t_end; t += t_step) {
     for (int d = lane; d < world; d += 32) {
       const int slot = token_slot[static_cast<int64_t>(t) * world + d];
       rows[d] = slot >= 0 ? s.offsets[d] + slot : -1;
     }
     __syncwarp();
-    warp_copy_row_multi<Net>(reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(t) * a.row_bytes),
-                        s.bases, rows, off_x, a.row_bytes, world, n16, lane, a.remote_mask,
-                        w.pe_base, w.pe_stride);
+    if constexpr (Net::kCoalesceRuns) {
+#pragma unroll
+      for (int i = 0; i < PeerRuns::kSlots; ++i) {
+        const int d = lane + 32 * i;
+        // Per lane, no warp collective: the lanes meet again at the __syncwarp below.
+        if (d >= world || !Net::remote(a.remote_mask, d) || rows[d] < 0) continue;
+        const int row = rows[d], len = runs.len[i];
+        if (len > 0 && len < runs.max_len && t == runs.t0[i] + len && row == runs.row0[i] + len) {
+          runs.len[i] = len + 1;
+          continue;
+        }
+        if (len > 0) put_run(d, runs.t0[i], runs.row0[i], len);
+        runs.t0[i] = t;
+        runs.row0[i] = row;
+        runs.len[i] = 1;
+      }
+    }
+    // Stores to every mapped rank; puts of the row to transport ranks unless they get runs.
+    warp_copy_row_multi<Net, !Net::kCoalesceRuns>(
+        reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(t) * a.row_bytes), s.bases, rows,
+        off_x, a.row_bytes, world, n16, lane, a.remote_mask, w.pe_base, w.pe_stride);
     if (has_scales)
       for (int i = lane; i < a.num_scales; i += 32) {
         const float v = scales[static_cast<int64_t>(t) * a.num_scales + i];
@@ -174,7 +265,7 @@ __device__ __forceinline__ void dispatch(const OpArgs& a, Shared& s) {
                           peer_pe(w, d), remote);
         }
       }
-    if constexpr (Net::kMetadataRows) {
+    if constexpr (Net::kMetadataRows && !Net::kCoalesceRuns) {
       // Transport peers: the token's scales, top-k ids and top-k weights as they are in the
       // caller's memory, one transfer each (lane i: peer i / 3, record i % 3).
       const int64_t tt = t;
@@ -208,11 +299,18 @@ __device__ __forceinline__ void dispatch(const OpArgs& a, Shared& s) {
     }
     if (lane == 0)
       for (int d = 0; d < world; ++d)
-        if (rows[d] >= 0)
+        if (rows[d] >= 0 && !(Net::kCoalesceRuns && Net::remote(a.remote_mask, d)))
           Net::put_elem(reinterpret_cast<int32_t*>(s.bases[d] + off_src_idx) + rows[d],
                         static_cast<int32_t>(t), peer_pe(w, d), Net::remote(a.remote_mask, d));
     __syncwarp();
   }
+  if constexpr (Net::kCoalesceRuns) {
+#pragma unroll
+    for (int i = 0; i < PeerRuns::kSlots; ++i)
+      if (runs.len[i] > 0) put_run(lane + 32 * i, runs.t0[i], runs.row0[i], runs.len[i]);
+  }
+  // Every descriptor of this block (the runs' too) was claimed before quiet's block barrier,
+  // so quiet waits for all of them.
   if (!all_ok(s, Net::quiet(s.wait, a.remote_mask))) return;
   if (block0 && tid == 0) stats[kStatSent] = globaltimer_ns();
   // [E5] this block's data for every destination is written: publish (release, system scope).
