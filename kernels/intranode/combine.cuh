@@ -25,10 +25,14 @@ constexpr int kPushUnroll = 16;             // 16-byte vectors per lane in fligh
 
 // [C1] by bulk copies: rows for mapped peers go y -> shared -> peer through the TMA engine
 // (push_rows_bulk), one lane per warp, in pieces of kBulkStageBytes through kBulkStages
-// shared buffers per warp (the kernel's dynamic shared memory, kCombineStagingBytes).
-constexpr bool kBulkPush = true;
+// shared buffers per warp (the kernel's dynamic shared memory, kCombineStagingBytes; 0: off).
+// Verified bit-exact on every transport; with two ranks on one GPU it measured the same as the
+// 16-byte store push at 8 and 24 SMs (docs/benchmarks.md), so it is off until a link shows
+// otherwise.
+constexpr bool kBulkPush = kCombineStagingBytes > 0;
 constexpr int kBulkStages = 2;
-constexpr int kBulkStageBytes = static_cast<int>(kCombineStagingBytes) / (kWarps * kBulkStages);
+constexpr int kBulkStageBytes =
+    kBulkPush ? static_cast<int>(kCombineStagingBytes) / (kWarps * kBulkStages) : 16;
 static_assert(kBulkStageBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
 
 __device__ __forceinline__ void add_bf16x8(float* acc, const int4& v) {

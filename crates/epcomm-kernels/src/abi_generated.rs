@@ -77,8 +77,10 @@ pub const STATS_READY_OFFSET: u64 = 3072;
 pub const STATS_ABORT_OFFSET: u64 = 3584;
 
 /// Dynamic shared memory of the combine kernel, bytes: the stages of its bulk-copy push
-/// (per warp, kernels/intranode/combine.cuh). The host launches `epcomm_combine` with this many.
-pub const COMBINE_STAGING_BYTES: u64 = 180224;
+/// (kernels/intranode/combine.cuh, `kBulkPush`); 0 turns that push off (the default: it measured
+/// no faster than 16-byte stores, docs/benchmarks.md). 180224 (16 warps x 2 x 5632) turns it on.
+/// The host launches `epcomm_combine` with this many.
+pub const COMBINE_STAGING_BYTES: u64 = 0;
 
 /// Failure record written by the first failing device thread into host-mapped memory. Kernels
 /// never trap: they record, then leave.

@@ -106,7 +106,7 @@ impl Op {
     ];
 
     /// Dynamic shared memory the kernel needs besides any per-launch amount: the combine's
-    /// bulk-copy stages (`kCombineStagingBytes`).
+    /// bulk-copy stages (`kCombineStagingBytes`; 0 while that push is off).
     pub fn staging_bytes(self) -> u32 {
         match self {
             Op::Combine => crate::abi::COMBINE_STAGING_BYTES as u32,
