@@ -8,7 +8,7 @@ use epcomm_backends::TransportSpec;
 
 fn main() {
     // SAFETY: first thing in main, before any thread exists.
-    unsafe { epcomm_backends::apply_single_host_env_defaults() };
+    unsafe { epcomm_backends::apply_single_host_env_defaults(1) };
     let spec = match std::env::var("EPCOMM_BENCH_VIRTUAL_NODES") {
         Ok(n) => format!("nvshmem:vnodes={n}").parse::<TransportSpec>(),
         Err(_) => Ok(TransportSpec::Nvshmem {

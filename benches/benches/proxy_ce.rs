@@ -9,7 +9,7 @@ use epcomm_backends::TransportSpec;
 
 fn main() {
     // SAFETY: first thing in main, before any other thread exists.
-    unsafe { epcomm_backends::apply_single_host_env_defaults() };
+    unsafe { epcomm_backends::apply_single_host_env_defaults(1) };
     let spec = match std::env::var("EPCOMM_BENCH_VIRTUAL_NODES") {
         Ok(n) => format!("proxy-ce:vnodes={n}").parse::<TransportSpec>(),
         Err(_) => "proxy-ce".parse::<TransportSpec>(),

@@ -48,7 +48,8 @@ pub fn under_mps() -> bool {
 
 /// Runs `args` of the current executable as `world` worker processes (local rank `r`, which
 /// uses GPU `r % GPUs`) with the library's defaults for one host
-/// (`epcomm_backends::single_host_env_defaults`, each unless already set) and `env` added,
+/// (`epcomm_backends::single_host_env_defaults` for that many ranks per GPU, each unless
+/// already set) and `env` added,
 /// and waits for all of them (at most `timeout`). Fails naming the ranks that failed.
 pub fn run_workers(
     world: usize,
@@ -62,7 +63,8 @@ pub fn run_workers(
         .world_size(world)
         .env(WORKER_ENV, "1")
         .output(Output::Inherit);
-    for (k, v) in epcomm_backends::single_host_env_defaults() {
+    let ranks_per_gpu = world.div_ceil(gpu_count().unwrap_or(1).max(1));
+    for (k, v) in epcomm_backends::single_host_env_defaults(ranks_per_gpu) {
         launch = launch.env(k, v);
     }
     for (k, v) in env {

@@ -303,8 +303,24 @@ impl ProxyTransport {
 }
 
 /// What a local launcher sets for the copy-engine proxy's ranks unless the environment does:
-/// enough hardware queues for its streams ([`check_copy_stream_queues`]).
-pub const SINGLE_HOST_ENV: [(&str, &str); 1] = [("CUDA_DEVICE_MAX_CONNECTIONS", "32")];
+/// enough hardware queues for its streams ([`check_copy_stream_queues`]), `ranks_per_gpu`
+/// processes sharing each GPU.
+///
+/// 32 queues (the most the driver gives) while at most two ranks share a GPU; with more, 64
+/// divided among them (16 for four ranks, 8 for eight). Under MPS the clients of a GPU draw
+/// their queues from one pool: four ranks on one GPU asking 32 each failed to create their
+/// CUDA contexts (`CUDA_ERROR_OUT_OF_MEMORY`), while four asking 16 and two asking 32 ran.
+pub fn single_host_env(ranks_per_gpu: usize) -> [(&'static str, &'static str); 1] {
+    let queues = match ranks_per_gpu {
+        0..=2 => "32",
+        3..=4 => "16",
+        5..=8 => "8",
+        9..=16 => "4",
+        17..=32 => "2",
+        _ => "1",
+    };
+    [("CUDA_DEVICE_MAX_CONNECTIONS", queues)]
+}
 
 /// The streams of every live [`ProxyMemory`] of this process that need a hardware queue each
 /// (its executor's lanes and progress mirror, and its ops' stream):
@@ -349,8 +365,9 @@ const DEFAULT_QUEUES: usize = 8;
 /// every test passed. `streams`: the streams of this process's proxy buffers that must each
 /// have a queue (per buffer its copy streams, one per proxied peer and one progress mirror,
 /// and the stream its ops run on); under MPS the variable must be set. Necessary, not
-/// sufficient: other streams of the process take queues too, so set it to 32 (the launchers
-/// of this workspace do, [`SINGLE_HOST_ENV`]). The count is per process, not per GPU.
+/// sufficient: other streams of the process take queues too, so set it to 32 where the GPU
+/// allows (the launchers of this workspace do, [`single_host_env`]). The count is per
+/// process, not per GPU.
 ///
 /// # Errors
 /// [`TransportError::InvalidArgument`] naming `CUDA_DEVICE_MAX_CONNECTIONS`, with the number
@@ -585,6 +602,28 @@ impl Drop for ProxyMemory {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn launchers_divide_the_queues_among_ranks_sharing_a_gpu() {
+        let queues = |n| single_host_env(n)[0];
+        assert_eq!(queues(1), ("CUDA_DEVICE_MAX_CONNECTIONS", "32"));
+        assert_eq!(queues(2).1, "32");
+        assert_eq!(queues(3).1, "16");
+        assert_eq!(queues(4).1, "16");
+        assert_eq!(queues(8).1, "8");
+        assert_eq!(queues(64).1, "1");
+        // Every value fits the driver's range and shrinks as ranks are added.
+        let mut last = 32;
+        for n in 1..=128 {
+            let q: usize = queues(n).1.parse().unwrap();
+            assert!((1..=32).contains(&q) && q <= last, "{n} ranks: {q}");
+            assert!(
+                n <= 2 || q == 1 || q * n <= 64,
+                "{n} ranks ask {q} queues each"
+            );
+            last = q;
+        }
+    }
 
     #[test]
     fn copy_streams_must_fit_in_the_hardware_queues() {

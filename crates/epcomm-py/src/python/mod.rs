@@ -129,10 +129,11 @@ fn nvshmem_status(py: Python<'_>) -> Option<String> {
     })
 }
 
-/// NVSHMEM variables a one-host job needs that the environment does not set yet.
+/// Variables a one-host job needs that the environment does not set yet, every rank on its
+/// own GPU.
 #[pyfunction]
 fn single_host_env_defaults() -> Vec<(&'static str, &'static str)> {
-    epcomm_backends::single_host_env_defaults()
+    epcomm_backends::single_host_env_defaults(1)
 }
 
 /// Rank `rank`'s DeepEP workload exactly as `epcomm bench` makes it (`seed`, the run's seed),
