@@ -11,15 +11,12 @@
 //!   `nvshmem-sys` (see docs/nvshmem.md).
 //! * `wheel` — build (or `--check`) the Python wheel with the kernels inside (see
 //!   docs/python.md).
-//! * `plot-sweep` — draw (or `--check`) an SM sweep of `epcomm bench --json` as an SVG chart;
-//!   with no input, the charts of docs/benchmarks.md from docs/data.
 
 mod bindgen_nvshmem;
 mod codegen;
 mod error;
 mod kernels;
 mod pack;
-mod plot;
 mod test_cmd;
 mod toolchain;
 mod util;
@@ -111,19 +108,6 @@ enum Cmd {
         #[arg(long)]
         install: bool,
     },
-    /// Draw an SM sweep (`epcomm bench --sweep-sms ... --json`) as an SVG chart: time per op
-    /// against SMs. With no INPUT, every docs/data/*.json into docs/img/<name>.svg.
-    PlotSweep {
-        /// `epcomm bench --json` documents (schema epcomm-bench/2) [default: docs/data/*.json].
-        inputs: Vec<PathBuf>,
-        /// The chart for one input, or the folder for several [default: INPUT with .svg, or
-        /// docs/img].
-        #[arg(long)]
-        out: Option<PathBuf>,
-        /// Draw in memory and fail if a chart on disk differs; write nothing.
-        #[arg(long)]
-        check: bool,
-    },
 }
 
 fn main() -> ExitCode {
@@ -175,9 +159,6 @@ fn main() -> ExitCode {
                 install,
             };
             return report(wheel::run(&layout, &env, opts));
-        }
-        Cmd::PlotSweep { inputs, out, check } => {
-            return report(plot::run(&layout.workspace, &inputs, out.as_deref(), check));
         }
     };
     report(result.map(|()| ""))
@@ -244,14 +225,5 @@ mod tests {
             }
         ));
         assert!(Cli::try_parse_from(["xtask", "wheel", "--check", "--test"]).is_err());
-        let c = Cli::try_parse_from(["xtask", "plot-sweep", "a.json", "--out", "a.svg"])
-            .expect("parse");
-        assert!(
-            matches!(c.command, Cmd::PlotSweep { ref inputs, out: Some(_), check: false } if inputs.len() == 1)
-        );
-        let c = Cli::try_parse_from(["xtask", "plot-sweep", "--check"]).expect("parse");
-        assert!(
-            matches!(c.command, Cmd::PlotSweep { ref inputs, out: None, check: true } if inputs.is_empty())
-        );
     }
 }

@@ -121,7 +121,9 @@ pub fn launch(args: &BenchArgs) -> Result<(), AppError> {
         .map_err(|e| AppError::Run(e.into()))?;
     write_stdout(&out)?;
     if let Some(path) = &args.plot {
-        crate::plot::write_svg(&report, path).map_err(|e| AppError::Run(e.into()))?;
+        crate::plot::Sweep::of_report(&report)
+            .and_then(|sweep| sweep.write(path))
+            .map_err(|e| AppError::Run(e.into()))?;
         eprintln!("epcomm bench: plot written to {}", path.display());
     }
     Ok(())

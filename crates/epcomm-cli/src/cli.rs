@@ -36,6 +36,9 @@ pub enum Command {
     /// Buffer would use: for every peer of one rank, its tier and route. Pure computation: needs
     /// no GPU when --world is given.
     Topo(TopoArgs),
+    /// Draws a saved SM sweep (`epcomm bench --sweep-sms ... --json > run.json`) as an SVG
+    /// chart: one line per op against the SMs, both axes logarithmic. Needs no GPU.
+    Plot(PlotArgs),
 }
 
 /// A library type named on the command line by its lower-case name: the library's list of
@@ -245,7 +248,7 @@ pub struct BenchArgs {
         conflicts_with = "sms"
     )]
     pub sweep_sms: Option<Vec<u32>>,
-    /// With --sweep-sms: write an SVG plot of GB/s against SMs to this file.
+    /// With --sweep-sms: write an SVG plot of GB/s against SMs (log axes) to this file.
     #[arg(long, value_name = "PATH", requires = "sweep_sms")]
     pub plot: Option<PathBuf>,
     /// Print the results as JSON on stdout (instead of the table).
@@ -317,4 +320,20 @@ pub(crate) mod tests {
             Err(e) => panic!("{argv:?}: {e}"),
         }
     }
+}
+
+/// `epcomm plot`.
+#[derive(Args, Debug)]
+pub struct PlotArgs {
+    /// A document written by `epcomm bench --json` (schema epcomm-bench/2). Only each
+    /// result's `op`, `sms`, `time_us` (and `gbps` for `--metric gbps`) and the config's
+    /// `world`, `transport`, `schedule`, `tokens`, `hidden` are read.
+    pub input: PathBuf,
+    /// The chart to write [default: INPUT with the extension .svg].
+    #[arg(long, short, value_name = "PATH")]
+    pub out: Option<PathBuf>,
+    /// What the vertical axis shows: `us` (rank 0's median time per op) or `gbps`
+    /// (DeepEP's metric).
+    #[arg(long, value_enum, default_value = "us")]
+    pub metric: crate::plot::Metric,
 }

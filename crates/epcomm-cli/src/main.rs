@@ -6,7 +6,9 @@
 //!   (pure computation);
 //! * `epcomm bench` — the main job: a verified dispatch + combine benchmark, one process per
 //!   GPU (see [`mod@bench`]); `--hierarchical` times the internode path instead
-//!   ([`mod@bench_hier`]).
+//!   ([`mod@bench_hier`]);
+//! * `epcomm plot` — a saved sweep (`epcomm bench --json`) drawn as an SVG chart
+//!   ([`mod@plot`]).
 //!
 //! Exit codes (docs/cli.md): [`EXIT_OK`], [`EXIT_RUN_FAILED`], [`EXIT_USAGE`],
 //! [`EXIT_ENVIRONMENT`], [`EXIT_REQUIREMENT`].
@@ -28,7 +30,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
-use cli::{Cli, Command, DoctorArgs, TopoArgs};
+use cli::{Cli, Command, DoctorArgs, PlotArgs, TopoArgs};
 use validate::FlagErrors;
 
 /// Success (for `doctor`: the report was printed, whatever the verdicts).
@@ -89,6 +91,7 @@ fn main() -> ExitCode {
         Command::Bench(args) => ("bench", bench::launch(args)),
         Command::Doctor(args) => ("doctor", run_doctor(args)),
         Command::Topo(args) => ("topo", run_topo(args)),
+        Command::Plot(args) => ("plot", run_plot(args)),
     };
     match result {
         Ok(()) => ExitCode::from(EXIT_OK),
@@ -156,4 +159,16 @@ fn run_topo(args: &TopoArgs) -> Result<(), AppError> {
     let topo = topo::plan_from_args(args, local).map_err(AppError::Usage)?;
     let text = topo::render(&topo).map_err(|e| AppError::Run(e.into()))?;
     print_stdout(&text)
+}
+
+fn run_plot(args: &PlotArgs) -> Result<(), AppError> {
+    let out = args
+        .out
+        .clone()
+        .unwrap_or_else(|| args.input.with_extension("svg"));
+    plot::Sweep::of_saved(&args.input, args.metric)
+        .and_then(|sweep| sweep.write(&out))
+        .map_err(|e| AppError::Run(e.into()))?;
+    eprintln!("epcomm plot: wrote {}", out.display());
+    Ok(())
 }

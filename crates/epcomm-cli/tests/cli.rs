@@ -1,5 +1,5 @@
 //! Runs the built `epcomm` binary: flag errors fail fast (before any worker is spawned),
-//! `doctor` and `topo` work without a GPU. `EPCOMM_BIN` overrides the binary (packed runs).
+//! `doctor`, `topo` and `plot` work without a GPU. `EPCOMM_BIN` overrides the binary (packed runs).
 
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
@@ -249,4 +249,44 @@ fn topo_prints_the_library_route_plan() {
         let err = text(&out.stderr);
         assert!(err.contains(flag), "{args:?}: {err}");
     }
+}
+
+#[test]
+fn plot_draws_a_saved_sweep_and_names_a_bad_field() {
+    let dir = std::env::temp_dir().join(format!("epcomm-cli-plot-bin-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let run_json = dir.join("run.json");
+    let doc = |time: &str| {
+        format!(
+            r#"{{"schema":"epcomm-bench/2","config":{{"world":2,"transport":"ipc",
+            "schedule":"epoch","tokens":4096,"hidden":7168}},"results":[
+            {{"op":"dispatch_bf16","sms":8,"time_us":300.0}},
+            {{"op":"dispatch_bf16","sms":24,"time_us":{time}}}]}}"#
+        )
+    };
+    std::fs::write(&run_json, doc("130.0")).expect("write");
+    let (out, _) = run(&["plot", run_json.to_str().expect("utf-8")]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let svg = std::fs::read_to_string(dir.join("run.svg")).expect("run.svg written");
+    assert!(
+        svg.starts_with("<svg") && svg.contains("dispatch BF16"),
+        "{svg}"
+    );
+
+    std::fs::write(&run_json, doc("-1")).expect("write");
+    let (out, _) = run(&["plot", run_json.to_str().expect("utf-8"), "-o", "/dev/null"]);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("epcomm plot: failed:") && stderr.contains("results[1].time_us"),
+        "{stderr}"
+    );
+    let (out, _) = run(&[
+        "plot",
+        run_json.to_str().expect("utf-8"),
+        "--metric",
+        "gbps",
+    ]);
+    assert!(text(&out.stderr).contains("results[0].gbps is missing"));
+    let _ = std::fs::remove_dir_all(&dir);
 }
