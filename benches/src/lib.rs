@@ -30,9 +30,20 @@ pub use internode::run_hierarchical;
 pub type Res<T = ()> = Result<T, Box<dyn std::error::Error>>;
 
 /// `EPCOMM_BENCH_SCHEDULE` (epoch, global) and `EPCOMM_BENCH_ROUTES` (auto, put-signal), parsed
-/// like the CLI's flags; defaults: epoch, auto.
+/// like the CLI's flags; defaults: epoch, auto. `EPCOMM_BENCH_BARRIER`, which they replaced, is
+/// refused (it would otherwise be ignored silently).
 fn schedule_and_routes() -> Res<(epcomm::Schedule, epcomm::RoutePolicy)> {
     let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+    if let Some(value) = var("EPCOMM_BENCH_BARRIER") {
+        return Err(internode::InternodeError::BadVariable {
+            var: "EPCOMM_BENCH_BARRIER",
+            value,
+            rule: "no longer read: set EPCOMM_BENCH_SCHEDULE (epoch, global) and \
+                   EPCOMM_BENCH_ROUTES (auto, put-signal) instead"
+                .into(),
+        }
+        .into());
+    }
     let schedule = var("EPCOMM_BENCH_SCHEDULE").map_or(Ok(Default::default()), |s| s.parse())?;
     let routes = var("EPCOMM_BENCH_ROUTES").map_or(Ok(Default::default()), |s| s.parse())?;
     Ok((schedule, routes))

@@ -182,6 +182,13 @@ impl std::fmt::Display for TestConfig {
 pub fn configs(test: &str) -> Vec<TestConfig> {
     let only = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
     let keep = |k: &str, v: String| only(k).is_none_or(|o| o.split(',').any(|o| o.trim() == v));
+    // The variable the schedule and route variables replaced would otherwise be ignored silently.
+    if let Some(v) = only("EPCOMM_TEST_BARRIER") {
+        panic!(
+            "{test}: EPCOMM_TEST_BARRIER={v:?} is no longer read: narrow the runs with \
+             EPCOMM_TEST_SCHEDULE (epoch, global) and EPCOMM_TEST_ROUTES (auto, put-signal)"
+        );
+    }
     // The default list, or exactly the specs EPCOMM_TEST_TRANSPORTS names (any valid spec).
     let specs: Vec<TransportSpec> = match only("EPCOMM_TEST_TRANSPORTS") {
         Some(list) => list
