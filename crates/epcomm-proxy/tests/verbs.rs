@@ -155,6 +155,31 @@ fn building_without_a_device_is_no_device() {
     }
 }
 
+/// Choosing the device nearest a GPU goes through the same enumeration: without an RDMA device
+/// it is the same typed `NoDevice` error, whatever the bus id (one sysfs does not have).
+#[test]
+fn nearest_to_a_gpu_without_a_device_is_no_device() {
+    let mut buf = buffer(4096);
+    let mut config = VerbsConfig::new(0, 1, heap_of(&mut buf));
+    config.device = DeviceSelector::NearestTo("0000:ff:1f.0".into());
+    // SAFETY: `buf` outlives the executor (dropped at the end of this function, before `buf`).
+    let built =
+        unsafe { VerbsExecutor::new(config, |mine| Ok::<_, VerbsError>(vec![mine.to_vec()])) };
+    match built {
+        Err(e @ VerbsError::NoDevice { .. }) => {
+            assert!(e.to_string().starts_with("no RDMA device: "), "{e}");
+        }
+        Err(VerbsError::Load(LoadError::NotFound { .. })) => {
+            eprintln!("libibverbs is not installed: nothing else to check here");
+        }
+        Ok(executor) => eprintln!(
+            "an RDMA device is present ({}): run the ignored tests",
+            executor.device()
+        ),
+        Err(other) => panic!("expected NoDevice, got {other}"),
+    }
+}
+
 /// The device and GID selectors from the environment (see the module docs).
 fn device_config(rank: u32, world: u32, heap: HeapMemory) -> VerbsConfig {
     let mut config = VerbsConfig::new(rank, world, heap);

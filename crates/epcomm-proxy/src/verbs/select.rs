@@ -1,7 +1,10 @@
 //! Device, port and GID selection.
 //!
 //! * [`DeviceSelector::Name`] opens that device; [`DeviceSelector::FirstActive`] opens the
-//!   devices in libibverbs' order and takes the first with an active port.
+//!   devices in libibverbs' order and takes the first with an active port;
+//!   [`DeviceSelector::NearestTo`] does the same in order of PCI distance from a GPU
+//!   ([`pci`](super::pci): the device behind the GPU's own PCIe switch first), which gives each
+//!   GPU of a multi-NIC host its own NIC.
 //! * The port is the one asked for (it must be active) or the device's first active port
 //!   (ports are numbered from 1; the search stops at the first port `ibv_query_port`
 //!   refuses, at most [`MAX_PORTS`]).
@@ -15,6 +18,7 @@ use std::fmt;
 use std::path::Path;
 use std::sync::Arc;
 
+use super::pci;
 use super::resources::Context;
 use super::sys::{self, IbvPortAttr};
 use super::{Verbs, VerbsError};
@@ -30,6 +34,10 @@ pub enum DeviceSelector {
     FirstActive,
     /// The device of this name (`mlx5_0`, `rxe0`).
     Name(String),
+    /// The device with an active port nearest (fewest PCI hops) to the PCI function of this
+    /// bus id (a GPU's: `0000:1b:00.0`); equally near devices, and devices whose place in the
+    /// PCI tree is unknown (after the others), in libibverbs' order.
+    NearestTo(String),
 }
 
 /// Which GID of the port.
@@ -109,11 +117,34 @@ pub fn select(
     port: Option<u8>,
     gid: GidSelector,
 ) -> Result<Selected, VerbsError> {
+    let mut tried = Vec::new();
     let names: Vec<String> = match device {
         DeviceSelector::Name(name) => vec![name.clone()],
         DeviceSelector::FirstActive => verbs.devices()?.into_iter().map(|d| d.name).collect(),
+        DeviceSelector::NearestTo(bus_id) => {
+            let sysfs = Path::new(pci::SYSFS);
+            let gpu = pci::function_path(sysfs, bus_id);
+            if gpu.is_none() {
+                tried.push(format!(
+                    "(PCI function {bus_id} not found under {}/bus/pci/devices: devices in \
+                     libibverbs' order)",
+                    pci::SYSFS
+                ));
+            }
+            let devices = verbs
+                .devices()?
+                .into_iter()
+                .map(|d| {
+                    let path = pci::rdma_device_path(sysfs, &d.name);
+                    (d.name, path)
+                })
+                .collect();
+            pci::nearest_first(gpu.as_deref(), devices)
+                .into_iter()
+                .map(|(name, _)| name)
+                .collect()
+        }
     };
-    let mut tried = Vec::new();
     for name in &names {
         let context = Arc::new(Context::open(verbs, name)?);
         let found = match port {

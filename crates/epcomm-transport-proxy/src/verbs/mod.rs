@@ -174,10 +174,14 @@ impl VerbsTransport {
             options,
             probe,
         } = checked;
-        let local = resolve_registration(&ctx, &probe, options.registration).map(|r| (r, vec![]));
-        let (registration, _) = agree(&bootstrap, "proxy-verbs-registration", local, |p, why| {
-            unavailable(format!("rank {p}: {why}"))
-        })?;
+        let local = nearest_probe(&ctx, &options, probe).and_then(|probe| {
+            resolve_registration(&ctx, &probe, options.registration)
+                .map(|registration| ((registration, probe), vec![]))
+        });
+        let ((registration, probe), _) =
+            agree(&bootstrap, "proxy-verbs-registration", local, |p, why| {
+                unavailable(format!("rank {p}: {why}"))
+            })?;
         Ok(Self {
             ctx,
             bootstrap,
@@ -189,7 +193,7 @@ impl VerbsTransport {
         })
     }
 
-    /// What the probe found on this rank.
+    /// What the probe found on this rank (the device the transport uses).
     pub fn probe(&self) -> &RdmaProbe {
         &self.probe
     }
@@ -314,6 +318,49 @@ struct LocalPart {
     dmabuf: Option<OwnedFd>,
     local: DeviceBuffer,
     message: Vec<u8>,
+}
+
+/// `probe`, or, when `options` leave the device to the transport
+/// ([`VerbsOptions::nearest_to_gpu`] with [`DeviceSelector::FirstActive`]), the probe of the
+/// active device nearest `ctx`'s GPU in the PCI tree.
+///
+/// # Errors
+/// [`TransportError::Driver`] when the GPU's PCI address cannot be read; [`probe_rdma`]'s.
+fn nearest_probe(
+    ctx: &CudaContext,
+    options: &VerbsOptions,
+    probe: RdmaProbe,
+) -> Result<RdmaProbe, TransportError> {
+    if !(options.nearest_to_gpu && options.device == DeviceSelector::FirstActive) {
+        return Ok(probe);
+    }
+    let mut near = options.clone();
+    near.device = DeviceSelector::NearestTo(gpu_bus_id(ctx)?);
+    probe_rdma(&near)
+}
+
+/// `ctx`'s GPU's PCI address, `0000:1b:00.0` (function 0, as every GPU's).
+fn gpu_bus_id(ctx: &CudaContext) -> Result<String, TransportError> {
+    use cudarc::driver::sys::CUdevice_attribute as A;
+    let attr = |a: A, name: &str| {
+        ctx.attribute(a).map_err(|source| TransportError::Driver {
+            context: format!("querying {name} of GPU {}", ctx.ordinal()),
+            source,
+        })
+    };
+    let domain = attr(
+        A::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID,
+        "CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID",
+    )?;
+    let bus = attr(
+        A::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID,
+        "CU_DEVICE_ATTRIBUTE_PCI_BUS_ID",
+    )?;
+    let device = attr(
+        A::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID,
+        "CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID",
+    )?;
+    Ok(format!("{domain:04x}:{bus:02x}:{device:02x}.0"))
 }
 
 impl Transport for VerbsTransport {

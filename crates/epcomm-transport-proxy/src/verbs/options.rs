@@ -42,8 +42,14 @@ pub struct VerbsOptions {
     pub proxy: ProxyOptions,
     /// How GPU memory is registered with the NIC.
     pub registration: GpuRegistration,
-    /// Which RDMA device (default: the first with an active port).
+    /// Which RDMA device (default: the first with an active port; see `nearest_to_gpu`).
     pub device: DeviceSelector,
+    /// With `device` [`DeviceSelector::FirstActive`]: when the transport is built, take the
+    /// active device nearest this rank's GPU in the PCI tree instead
+    /// ([`DeviceSelector::NearestTo`] its bus id), so that each GPU of a host with a NIC per
+    /// GPU gets its own. Default true; the check before the GPU is known
+    /// ([`super::VerbsTransport::preflight`]) looks for any active device.
+    pub nearest_to_gpu: bool,
     /// Which port (`None`: the device's first active one).
     pub port: Option<u8>,
     /// Which GID (default: the first RoCE v2 GID; index 0 on InfiniBand).
@@ -56,13 +62,15 @@ pub struct VerbsOptions {
 
 impl VerbsOptions {
     /// Defaults for `local_world_size` ranks per host: [`ProxyOptions::one_node_per_rank`]
-    /// (every peer through the NIC), [`GpuRegistration::Auto`], the first active device and
-    /// port, the RoCE v2 GID, 256 work requests per send queue.
+    /// (every peer through the NIC), [`GpuRegistration::Auto`], the active device nearest the
+    /// GPU (else the first active one) and its first active port, the RoCE v2 GID, 256 work
+    /// requests per send queue.
     pub fn one_node_per_rank(local_world_size: usize) -> Self {
         Self {
             proxy: ProxyOptions::one_node_per_rank(local_world_size),
             registration: GpuRegistration::Auto,
             device: DeviceSelector::FirstActive,
+            nearest_to_gpu: true,
             port: None,
             gid: GidSelector::RoceV2,
             send_queue_depth: 256,

@@ -32,6 +32,7 @@ fn variables_set_the_device_port_gid_and_registration() {
     let d = VerbsOptions::from_lookup(2, lookup(&[])).unwrap();
     assert_eq!(d.registration, GpuRegistration::Auto);
     assert_eq!(d.device, DeviceSelector::FirstActive);
+    assert!(d.nearest_to_gpu, "the GPU's nearest device by default");
     assert_eq!((d.port, d.gid), (None, GidSelector::RoceV2));
 }
 
