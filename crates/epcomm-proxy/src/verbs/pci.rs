@@ -205,6 +205,25 @@ mod tests {
         let _ = std::fs::remove_dir_all(&sysfs);
     }
 
+    /// The real sysfs of this machine (skipped, saying so, where it has no PCI bus).
+    #[test]
+    fn this_hosts_pci_functions_are_found_in_its_sysfs() {
+        let sysfs = Path::new(SYSFS);
+        let Ok(entries) = std::fs::read_dir(sysfs.join("bus/pci/devices")) else {
+            eprintln!("SKIP: no {SYSFS}/bus/pci/devices on this machine");
+            return;
+        };
+        let mut seen = 0;
+        for entry in entries.flatten().take(16) {
+            let id = entry.file_name().to_string_lossy().into_owned();
+            let path = function_path(sysfs, &id).unwrap_or_else(|| panic!("{id} not placed"));
+            assert_eq!(path.last(), Some(&id), "{path:?}");
+            assert_eq!(hops(&path, &path), 0);
+            seen += 1;
+        }
+        eprintln!("{seen} PCI function(s) placed in {SYSFS}/devices");
+    }
+
     #[test]
     fn hops_count_both_sides() {
         let p = |s: &str| s.split('/').map(str::to_string).collect::<Vec<_>>();
