@@ -1,4 +1,4 @@
-//! Pure topology math for epcomm (no GPU, no I/O).
+//! Pure topology math for epcomm (no GPU; no I/O but [`pci`]'s reads of sysfs).
 //!
 //! * [`WorldLayout`] — world size, rank, nodes, NVLink domains, RDMA ranks, and *virtual
 //!   nodes* (one host's GPUs split into several logical nodes so internode code paths run on
@@ -9,6 +9,8 @@
 //! * [`BufferPlan`] — the byte layout of the symmetric buffer used by the intranode kernels.
 //! * [`RankGroup`] — the ranks one buffer spans (the whole world, or a tier's rail or node
 //!   group).
+//! * [`pci`] — where PCI functions sit in the host's PCI tree (sysfs) and how far apart they
+//!   are: which RDMA device is nearest a GPU.
 //! * [`Tiers`] — a world as nodes × local ranks, [`RailPrecision`], and the worst-case sizes
 //!   of the hierarchical (rail + NVLink forwarding) buffers ([`rail_recv_rows`],
 //!   [`forward_rows`], [`combine_rail_partial_rows`] and their byte sizes).
@@ -42,6 +44,7 @@
 mod buffer;
 mod error;
 mod group;
+pub mod pci;
 mod route;
 mod row;
 mod tiers;

@@ -25,7 +25,7 @@
 //! One file each: `sys.rs` (the raw types and layouts), `search.rs` (the places, pure),
 //! `error.rs` ([`LoadError`], [`DeviceError`], [`VerbsError`], [`VerbsOpError`]), `load.rs`
 //! ([`Verbs`]), [`resources`] (owners of context, PD, MR, CQ, QP), [`select`] (device, port,
-//! GID), [`pci`] (the PCI distance from a GPU to each device, pure), [`qp_state`] (INIT/RTR/RTS attributes, pure), [`endpoint`] (connection records,
+//! GID), [`qp_state`] (INIT/RTR/RTS attributes, pure), [`endpoint`] (connection records,
 //! pure), [`flow`] (send-queue bookkeeping and shadow ADD, pure), [`sources`]
 //! ([`SourceRegistry`]: source regions registered from other threads) and [`executor`]
 //! ([`VerbsExecutor`]). Design and how to run it on a device: `docs/proxy-verbs.md`.
@@ -35,7 +35,6 @@ mod error;
 pub mod executor;
 pub mod flow;
 mod load;
-pub mod pci;
 pub mod qp_state;
 pub mod resources;
 mod search;

@@ -3,7 +3,7 @@
 //! * [`DeviceSelector::Name`] opens that device; [`DeviceSelector::FirstActive`] opens the
 //!   devices in libibverbs' order and takes the first with an active port;
 //!   [`DeviceSelector::NearestTo`] does the same in order of PCI distance from a GPU
-//!   ([`pci`](super::pci): the device behind the GPU's own PCIe switch first), which gives each
+//!   ([`epcomm_topology::pci`]: the device behind the GPU's own PCIe switch first), which gives each
 //!   GPU of a multi-NIC host its own NIC.
 //! * The port is the one asked for (it must be active) or the device's first active port
 //!   (ports are numbered from 1; the search stops at the first port `ibv_query_port`
@@ -18,10 +18,10 @@ use std::fmt;
 use std::path::Path;
 use std::sync::Arc;
 
-use super::pci;
 use super::resources::Context;
 use super::sys::{self, IbvPortAttr};
 use super::{Verbs, VerbsError};
+use epcomm_topology::pci;
 
 /// Ports tried per device.
 pub const MAX_PORTS: u8 = 16;

@@ -1,6 +1,6 @@
 //! Distance between PCI functions in the host's PCI tree, read from sysfs: which RDMA device is
-//! closest to a GPU (pure path arithmetic; sysfs is only read, under a root given by the
-//! caller, so the tests use a tree of their own).
+//! closest to a GPU (path arithmetic; sysfs is only read, under a root given by the caller, so
+//! the tests use a tree of their own, and the host's own).
 //!
 //! sysfs names every PCI function by its place in the tree:
 //! `/sys/bus/pci/devices/<bus id>` and `/sys/class/infiniband/<device>/device` are links to
