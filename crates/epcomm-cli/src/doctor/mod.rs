@@ -46,6 +46,15 @@ pub fn collect() -> DoctorReport {
         .and_then(|spec| spec.probe_here())
         .map_err(|e| e.to_string());
     let verdicts = verdict::verdicts(&facts, &links, &kernels, &nvshmem, &rdma_check);
+    let rdma = rdma::rdma_devices(Path::new("/sys/class/infiniband"));
+    let nearest_rdma = rdma::nearest_per_gpu(
+        Path::new(epcomm_topology::pci::SYSFS),
+        facts
+            .as_ref()
+            .map(|f| f.gpus.as_slice())
+            .unwrap_or_default(),
+        &rdma,
+    );
     DoctorReport {
         epcomm_version: env!("CARGO_PKG_VERSION").into(),
         driver,
@@ -57,7 +66,8 @@ pub fn collect() -> DoctorReport {
         nvshmem,
         nccl: libraries::probe_nccl(),
         ibverbs: libraries::probe_ibverbs(),
-        rdma: rdma::rdma_devices(Path::new("/sys/class/infiniband")),
+        rdma,
+        nearest_rdma,
         env,
         warnings,
         verdicts,
@@ -128,6 +138,7 @@ mod fixtures {
             nccl: lib(false),
             ibverbs: lib(false),
             rdma: vec![],
+            nearest_rdma: vec![],
             env: vec![],
             warnings: environment::env_warnings(&[]),
             verdicts: verdict::verdicts(

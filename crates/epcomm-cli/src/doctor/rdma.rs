@@ -7,7 +7,10 @@
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
-use super::report::{MAX_GIDS, RdmaDevice, RdmaPort};
+use epcomm_topology::pci;
+
+use super::report::{MAX_GIDS, NearestRdma, RdmaDevice, RdmaPort};
+use crate::gpu::GpuInfo;
 
 /// The trimmed contents of a sysfs file; `None` when unreadable or empty.
 fn read_trim(p: &Path) -> Option<String> {
@@ -86,6 +89,39 @@ pub fn rdma_devices(root: &Path) -> Vec<RdmaDevice> {
         .collect()
 }
 
+/// Per GPU with a PCI bus id, the device of `devices` with an active port nearest it in the
+/// PCI tree under `sysfs` (ties, and devices without a place in the tree, in `devices`' order):
+/// the choice `proxy-verbs` makes for a rank on that GPU. Empty without such a device.
+pub fn nearest_per_gpu(sysfs: &Path, gpus: &[GpuInfo], devices: &[RdmaDevice]) -> Vec<NearestRdma> {
+    let active: Vec<(String, Option<Vec<String>>)> = devices
+        .iter()
+        .filter(|d| {
+            d.ports
+                .iter()
+                .any(|p| p.state.as_deref().is_some_and(|s| s.contains("ACTIVE")))
+        })
+        .map(|d| (d.name.clone(), pci::rdma_device_path(sysfs, &d.name)))
+        .collect();
+    if active.is_empty() {
+        return Vec::new();
+    }
+    gpus.iter()
+        .filter_map(|g| {
+            let bus = g.pci_bus_id.as_deref()?;
+            let gpu_path = pci::function_path(sysfs, bus);
+            let (device, hops) = pci::nearest_first(gpu_path.as_deref(), active.clone())
+                .into_iter()
+                .next()?;
+            Some(NearestRdma {
+                gpu: g.ordinal,
+                pci_bus_id: pci::normalize_bus_id(bus).unwrap_or_else(|| bus.to_string()),
+                device,
+                hops,
+            })
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -122,5 +158,85 @@ mod tests {
         );
         assert!(rdma_devices(&root.join("absent")).is_empty());
         let _ = std::fs::remove_dir_all(&root);
+    }
+
+    #[test]
+    fn each_gpu_gets_the_active_device_behind_its_own_switch() {
+        use std::os::unix::fs::symlink;
+        let sysfs = std::env::temp_dir().join(format!("epcomm-cli-pci-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&sysfs);
+        // Two switches under one root complex, a GPU and a NIC behind each; a third NIC, down,
+        // behind GPU 1's switch.
+        let functions = [
+            ("pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:00.0", None),
+            (
+                "pci0000:00/0000:00:01.0/0000:01:00.0/0000:03:00.0",
+                Some("mlx5_0"),
+            ),
+            ("pci0000:00/0000:00:02.0/0000:11:00.0/0000:12:00.0", None),
+            (
+                "pci0000:00/0000:00:02.0/0000:11:00.0/0000:13:00.0",
+                Some("mlx5_1"),
+            ),
+            (
+                "pci0000:00/0000:00:02.0/0000:11:00.0/0000:14:00.0",
+                Some("mlx5_2"),
+            ),
+        ];
+        for (path, nic) in functions {
+            let dir = sysfs.join("devices").join(path);
+            std::fs::create_dir_all(&dir).unwrap();
+            let bus = sysfs.join("bus/pci/devices");
+            std::fs::create_dir_all(&bus).unwrap();
+            symlink(&dir, bus.join(path.rsplit('/').next().unwrap())).unwrap();
+            if let Some(name) = nic {
+                let ib = sysfs.join("class/infiniband").join(name);
+                std::fs::create_dir_all(&ib).unwrap();
+                symlink(&dir, ib.join("device")).unwrap();
+            }
+        }
+        let port = |state: &str| RdmaPort {
+            port: 1,
+            state: Some(state.into()),
+            ..Default::default()
+        };
+        let device = |name: &str, state: &str| RdmaDevice {
+            name: name.into(),
+            fw_ver: None,
+            ports: vec![port(state)],
+        };
+        // Enumeration order puts the far device first; mlx5_2 is nearer GPU 1 but down.
+        let devices = [
+            device("mlx5_2", "1: DOWN"),
+            device("mlx5_1", "4: ACTIVE"),
+            device("mlx5_0", "4: ACTIVE"),
+        ];
+        let gpu = |ordinal: usize, bus: Option<&str>| {
+            let mut g = crate::doctor::fixtures::gpu(ordinal);
+            g.pci_bus_id = bus.map(str::to_string);
+            g
+        };
+        let gpus = [
+            gpu(0, Some("00000000:02:00.0")),
+            gpu(1, Some("0000:12:00.0")),
+            gpu(2, None),
+        ];
+        let nearest = nearest_per_gpu(&sysfs, &gpus, &devices);
+        let got: Vec<(usize, &str, &str, Option<usize>)> = nearest
+            .iter()
+            .map(|n| (n.gpu, n.pci_bus_id.as_str(), n.device.as_str(), n.hops))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (0, "0000:02:00.0", "mlx5_0", Some(2)),
+                (1, "0000:12:00.0", "mlx5_1", Some(2)),
+            ]
+        );
+        assert!(
+            nearest_per_gpu(&sysfs, &gpus, &devices[..1]).is_empty(),
+            "none active"
+        );
+        let _ = std::fs::remove_dir_all(&sysfs);
     }
 }

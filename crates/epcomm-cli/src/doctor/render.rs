@@ -156,6 +156,17 @@ pub fn render(r: &DoctorReport) -> String {
             }
         }
     }
+    for n in &r.nearest_rdma {
+        let how = n.hops.map_or_else(
+            || "PCI distance unknown".to_string(),
+            |h| format!("{h} PCI hops"),
+        );
+        let _ = writeln!(
+            s,
+            "  nearest to GPU {} ({}): {} ({how})",
+            n.gpu, n.pci_bus_id, n.device
+        );
+    }
     let _ = writeln!(s, "\nEnvironment");
     if r.env.is_empty() {
         let _ = writeln!(

@@ -35,6 +35,10 @@ pub struct DoctorReport {
     pub ibverbs: LibraryReport,
     /// RDMA devices.
     pub rdma: Vec<RdmaDevice>,
+    /// Per GPU, the RDMA device with an active port nearest it in the PCI tree (the one
+    /// `proxy-verbs` takes for that GPU unless `EPCOMM_VERBS_DEVICE` names one).
+    #[serde(default)]
+    pub nearest_rdma: Vec<NearestRdma>,
     /// Relevant environment variables, sorted.
     pub env: Vec<(String, String)>,
     /// Warnings about the environment.
@@ -113,6 +117,20 @@ pub struct RdmaDevice {
     pub fw_ver: Option<String>,
     /// Ports.
     pub ports: Vec<RdmaPort>,
+}
+
+/// The RDMA device nearest one GPU.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NearestRdma {
+    /// The GPU's ordinal.
+    pub gpu: usize,
+    /// Its PCI bus id.
+    pub pci_bus_id: String,
+    /// The device.
+    pub device: String,
+    /// PCI hops between the two (`epcomm_topology::pci::hops`); `None` when the device's (or
+    /// the GPU's) place in the PCI tree is unknown and the device was taken in enumeration order.
+    pub hops: Option<usize>,
 }
 
 /// One port of an RDMA device.
