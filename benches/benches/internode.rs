@@ -18,7 +18,9 @@ use epcomm_benches::internode::{TRANSPORT_ENV, spec_from};
 
 fn main() {
     // SAFETY: first thing in main, before any thread exists.
-    unsafe { epcomm_backends::apply_single_host_env_defaults(1) };
+    // One rank per GPU, the bench's layout (ranks sharing GPUs under MPS, more than two per GPU:
+    // set CUDA_DEVICE_MAX_CONNECTIONS yourself, docs/troubleshooting.md).
+    unsafe { epcomm_backends::apply_single_host_env_defaults(1, 1) };
     let result = spec_from(std::env::var(TRANSPORT_ENV).ok().as_deref())
         .map_err(Into::into)
         .and_then(epcomm_benches::run_hierarchical);

@@ -9,7 +9,9 @@ use epcomm_backends::TransportSpec;
 
 fn main() {
     // SAFETY: first thing in main, before any other thread exists.
-    unsafe { epcomm_backends::apply_single_host_env_defaults(1) };
+    // One rank per GPU, the bench's layout (ranks sharing GPUs under MPS, more than two per GPU:
+    // set CUDA_DEVICE_MAX_CONNECTIONS yourself, docs/troubleshooting.md).
+    unsafe { epcomm_backends::apply_single_host_env_defaults(1, 1) };
     let spec = match std::env::var("EPCOMM_BENCH_VIRTUAL_NODES") {
         Ok(n) => format!("proxy-ce:vnodes={n}").parse::<TransportSpec>(),
         Err(_) => "proxy-ce".parse::<TransportSpec>(),

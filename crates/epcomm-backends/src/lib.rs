@@ -438,31 +438,38 @@ impl fmt::Display for TransportSpec {
 }
 
 /// The variables a job on one host needs that the environment does not set yet: what a
-/// local launcher adds to its ranks' environment, `ranks_per_gpu` ranks sharing each GPU (1
-/// when every rank has its own). NVSHMEM's (no RDMA NIC, multicast off) when that backend is
+/// local launcher adds to its ranks' environment, `local_ranks` ranks on the host with
+/// `ranks_per_gpu` of them sharing each GPU (1 when every rank has its own). NVSHMEM's (no RDMA NIC, multicast off) when that backend is
 /// compiled in, and the copy-engine proxy's hardware queues
 /// (`CUDA_DEVICE_MAX_CONNECTIONS`, see `epcomm_transport_proxy::single_host_env`) when the
 /// proxy backend is.
-pub fn single_host_env_defaults(ranks_per_gpu: usize) -> Vec<(&'static str, &'static str)> {
+pub fn single_host_env_defaults(
+    ranks_per_gpu: usize,
+    local_ranks: usize,
+) -> Vec<(&'static str, &'static str)> {
     #[cfg(not(feature = "proxy"))]
-    let _ = ranks_per_gpu;
+    let _ = (ranks_per_gpu, local_ranks);
     let mut all: Vec<(&str, &str)> = Vec::new();
     #[cfg(feature = "nvshmem")]
     all.extend(epcomm_transport_nvshmem::SINGLE_HOST_ENV);
     #[cfg(feature = "proxy")]
-    all.extend(epcomm_transport_proxy::single_host_env(ranks_per_gpu));
+    all.extend(epcomm_transport_proxy::single_host_env(
+        ranks_per_gpu,
+        local_ranks,
+    ));
     all.into_iter()
         .filter(|(key, _)| std::env::var_os(key).is_none())
         .collect()
 }
 
-/// Sets [`single_host_env_defaults`] (`ranks_per_gpu` as there) in this process's environment.
+/// Sets [`single_host_env_defaults`] (`ranks_per_gpu` and `local_ranks` as there) in this
+/// process's environment.
 ///
 /// # Safety
 /// No other thread may exist (it writes the environment, see [`std::env::set_var`]): call it
 /// first thing in `main`.
-pub unsafe fn apply_single_host_env_defaults(ranks_per_gpu: usize) {
-    for (key, value) in single_host_env_defaults(ranks_per_gpu) {
+pub unsafe fn apply_single_host_env_defaults(ranks_per_gpu: usize, local_ranks: usize) {
+    for (key, value) in single_host_env_defaults(ranks_per_gpu, local_ranks) {
         // SAFETY: the caller guarantees that this process has no other thread yet.
         unsafe { std::env::set_var(key, value) };
     }

@@ -64,7 +64,7 @@ pub fn run_workers(
         .env(WORKER_ENV, "1")
         .output(Output::Inherit);
     let ranks_per_gpu = world.div_ceil(gpu_count().unwrap_or(1).max(1));
-    for (k, v) in epcomm_backends::single_host_env_defaults(ranks_per_gpu) {
+    for (k, v) in epcomm_backends::single_host_env_defaults(ranks_per_gpu, world) {
         launch = launch.env(k, v);
     }
     for (k, v) in env {

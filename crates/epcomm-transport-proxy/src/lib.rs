@@ -303,24 +303,37 @@ impl ProxyTransport {
 }
 
 /// What a local launcher sets for the copy-engine proxy's ranks unless the environment does:
-/// enough hardware queues for its streams ([`check_copy_stream_queues`]), `ranks_per_gpu`
-/// processes sharing each GPU.
+/// enough hardware queues for its streams ([`check_copy_stream_queues`]), with `local_ranks`
+/// ranks on this host and `ranks_per_gpu` of them sharing each GPU.
 ///
-/// 32 queues (the most the driver gives) while at most two ranks share a GPU; with more, 64
-/// divided among them (16 for four ranks, 8 for eight). Under MPS the clients of a GPU draw
-/// their queues from one pool: four ranks on one GPU asking 32 each failed to create their
-/// CUDA contexts (`CUDA_ERROR_OUT_OF_MEMORY`), while four asking 16 and two asking 32 ran.
-pub fn single_host_env(ranks_per_gpu: usize) -> [(&'static str, &'static str); 1] {
-    let queues = match ranks_per_gpu {
-        0..=2 => "32",
-        3..=4 => "16",
-        5..=8 => "8",
-        9..=16 => "4",
-        17..=32 => "2",
-        _ => "1",
+/// 32 queues (the most the driver gives) while at most two ranks share a GPU. With more, 64
+/// divided among them (16 for four ranks), but never fewer than one buffer's streams
+/// (`local_ranks + 1`: a copy stream per other rank, the progress mirror's and the ops'), and
+/// at most 32. Under MPS the clients of a GPU draw their queues from one pool: four ranks on
+/// one GPU asking 32 each failed to create their CUDA contexts (`CUDA_ERROR_OUT_OF_MEMORY`),
+/// while four asking 16 and two asking 32 ran; eight asking 9 each has not been run.
+pub fn single_host_env(
+    ranks_per_gpu: usize,
+    local_ranks: usize,
+) -> [(&'static str, &'static str); 1] {
+    let queues = if ranks_per_gpu <= 2 {
+        MAX_QUEUES
+    } else {
+        (64 / ranks_per_gpu)
+            .max(local_ranks.saturating_add(1))
+            .clamp(1, MAX_QUEUES)
     };
-    [("CUDA_DEVICE_MAX_CONNECTIONS", queues)]
+    [("CUDA_DEVICE_MAX_CONNECTIONS", NUMERALS[queues])]
 }
+
+/// The most hardware queues the driver gives a process (`CUDA_DEVICE_MAX_CONNECTIONS`).
+const MAX_QUEUES: usize = 32;
+
+/// `NUMERALS[n]` is `n` written out, for [`single_host_env`]'s `&'static str` values.
+const NUMERALS: [&str; MAX_QUEUES + 1] = [
+    "0", "1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13", "14", "15", "16",
+    "17", "18", "19", "20", "21", "22", "23", "24", "25", "26", "27", "28", "29", "30", "31", "32",
+];
 
 /// The streams of every live [`ProxyMemory`] of this process that need a hardware queue each
 /// (its executor's lanes and progress mirror, and its ops' stream):
@@ -386,7 +399,9 @@ pub fn check_copy_stream_queues(
             "{why}: the copy-engine proxy buffers of this process need {streams} hardware \
              queues (their copy streams and the streams their kernels run on), or a copy can \
              queue behind the kernel that waits for it and both stop; set \
-             CUDA_DEVICE_MAX_CONNECTIONS=32 in the environment before CUDA starts"
+             CUDA_DEVICE_MAX_CONNECTIONS to at least {streams} (at most 32) in the environment \
+             before CUDA starts (under MPS the ranks sharing a GPU draw their queues from one \
+             pool: docs/troubleshooting.md)"
         ),
     };
     let queues = match connections.map(str::trim) {
@@ -605,23 +620,26 @@ mod tests {
 
     #[test]
     fn launchers_divide_the_queues_among_ranks_sharing_a_gpu() {
-        let queues = |n| single_host_env(n)[0];
-        assert_eq!(queues(1), ("CUDA_DEVICE_MAX_CONNECTIONS", "32"));
-        assert_eq!(queues(2).1, "32");
-        assert_eq!(queues(3).1, "16");
-        assert_eq!(queues(4).1, "16");
-        assert_eq!(queues(8).1, "8");
-        assert_eq!(queues(64).1, "1");
-        // Every value fits the driver's range and shrinks as ranks are added.
-        let mut last = 32;
+        let queues = |n, local| single_host_env(n, local)[0];
+        assert_eq!(queues(1, 8), ("CUDA_DEVICE_MAX_CONNECTIONS", "32"));
+        assert_eq!(queues(2, 4).1, "32");
+        assert_eq!(queues(3, 3).1, "21");
+        assert_eq!(queues(4, 4).1, "16");
+        // Eight ranks on one GPU: 64 / 8 = 8 is fewer than one buffer's 9 streams.
+        assert_eq!(queues(8, 8).1, "9");
+        assert_eq!(queues(4, 16).1, "17");
+        assert_eq!(queues(64, 64).1, "32");
         for n in 1..=128 {
-            let q: usize = queues(n).1.parse().unwrap();
-            assert!((1..=32).contains(&q) && q <= last, "{n} ranks: {q}");
-            assert!(
-                n <= 2 || q == 1 || q * n <= 64,
-                "{n} ranks ask {q} queues each"
-            );
-            last = q;
+            for local in n..=n + 64 {
+                let q: usize = queues(n, local).1.parse().unwrap();
+                assert!((1..=32).contains(&q), "{n} ranks per GPU: {q}");
+                // Enough for one buffer's streams whenever the driver allows that many.
+                assert!(q >= (local + 1).min(32), "{n}/{local}: {q}");
+                assert!(
+                    n <= 2 || q * n <= 64 || q == (local + 1).min(32),
+                    "{n}/{local}: {q}"
+                );
+            }
         }
     }
 

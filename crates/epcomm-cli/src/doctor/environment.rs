@@ -51,7 +51,9 @@ pub fn env_warnings(env: &[(String, String)]) -> Vec<String> {
             "CUDA_DEVICE_MAX_CONNECTIONS is {v:?}: the copy-engine proxy (proxy-ce) needs a \
              hardware queue per peer it copies to, one for its progress writes and one for the \
              kernel, or a copy can wait behind the kernel that waits for it; the transport \
-             refuses too few, `epcomm bench` sets 32 for its own workers when it is unset"
+             refuses too few. `epcomm bench` sets 32 for its own workers when it is unset \
+             (with more than two ranks per GPU under MPS, 64 divided among them, at least the \
+             ranks plus one), so a smaller value is expected only there"
         ));
     }
     if get("CUDA_VISIBLE_DEVICES") == Some("") {

@@ -133,7 +133,7 @@ fn nvshmem_status(py: Python<'_>) -> Option<String> {
 /// own GPU.
 #[pyfunction]
 fn single_host_env_defaults() -> Vec<(&'static str, &'static str)> {
-    epcomm_backends::single_host_env_defaults(1)
+    epcomm_backends::single_host_env_defaults(1, 1)
 }
 
 /// Rank `rank`'s DeepEP workload exactly as `epcomm bench` makes it (`seed`, the run's seed),
