@@ -4,11 +4,12 @@
 //!
 //! sysfs names every PCI function by its place in the tree:
 //! `/sys/bus/pci/devices/<bus id>` and `/sys/class/infiniband/<device>/device` are links to
-//! `/sys/devices/pci<domain>:<bus>/<bridge>/.../<function>`. Two functions' **hops** are the
-//! links from each up to their deepest common bridge, added: 2 for two devices behind one PCIe
-//! switch port pair, more through the root complex, and the sum of both depths when they hang
-//! off different root complexes (nothing in common), which is as far as it gets. Like
-//! `nvidia-smi topo -m`'s PIX / PXB / PHB / SYS, smaller is closer.
+//! `/sys/devices/pci<domain>:<bus>/<bridge>/.../<function>`. Nearness is decided by the
+//! **deepest common ancestor** first: two functions behind one PCIe switch share more of the
+//! path than two that meet only at the root complex, which share more than two on different
+//! root complexes (nothing in common), like `nvidia-smi topo -m`'s PIX / PXB / PHB / SYS.
+//! Between functions meeting at the same depth, fewer **hops** (the links from each up to that
+//! ancestor, added) is nearer.
 
 use std::path::{Path, PathBuf};
 
@@ -77,27 +78,42 @@ pub fn rdma_device_path(sysfs: &Path, name: &str) -> Option<Vec<String>> {
 /// Links from `a` and from `b` up to their deepest common ancestor, added (see the
 /// [module docs](self)).
 pub fn hops(a: &[String], b: &[String]) -> usize {
-    let common = a.iter().zip(b).take_while(|(x, y)| x == y).count();
+    let common = common_depth(a, b);
     (a.len() - common) + (b.len() - common)
 }
 
-/// `devices` (name, place in the tree) ordered nearest to `gpu` first; devices at the same
-/// distance keep their order, and devices whose place is unknown (or every device, when the
-/// GPU's place is unknown) come after the others in their order. Each with its hops, if known.
+/// How many leading components `a` and `b` share: the depth of their deepest common ancestor
+/// (0: different root complexes).
+pub fn common_depth(a: &[String], b: &[String]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+/// `devices` (name, place in the tree) ordered nearest to `gpu` first (see the
+/// [module docs](self): deepest common ancestor, then hops); devices equally near keep their
+/// order, and devices whose place is unknown (or every device, when the GPU's place is
+/// unknown) come after the others in their order. Each with its hops, if known.
 pub fn nearest_first(
     gpu: Option<&[String]>,
     devices: Vec<(String, Option<Vec<String>>)>,
 ) -> Vec<(String, Option<usize>)> {
-    let mut ranked: Vec<(String, Option<usize>)> = devices
+    let mut ranked: Vec<(String, Option<(usize, usize)>)> = devices
         .into_iter()
         .map(|(name, path)| {
-            let d = gpu.zip(path.as_deref()).map(|(g, p)| hops(g, p));
+            let d = gpu
+                .zip(path.as_deref())
+                .map(|(g, p)| (common_depth(g, p), hops(g, p)));
             (name, d)
         })
         .collect();
-    // Stable: equal keys keep libibverbs' order.
-    ranked.sort_by_key(|(_, d)| d.unwrap_or(usize::MAX));
+    // Stable: equal keys keep libibverbs' order; unknown places last.
+    ranked.sort_by_key(|(_, d)| match d {
+        Some((depth, hops)) => (0, std::cmp::Reverse(*depth), *hops),
+        None => (1, std::cmp::Reverse(0), 0),
+    });
     ranked
+        .into_iter()
+        .map(|(name, d)| (name, d.map(|(_, h)| h)))
+        .collect()
 }
 
 #[cfg(test)]
@@ -222,6 +238,26 @@ mod tests {
             seen += 1;
         }
         eprintln!("{seen} PCI function(s) placed in {SYSFS}/devices");
+    }
+
+    #[test]
+    fn a_shared_ancestor_beats_fewer_hops() {
+        let p = |s: &str| s.split('/').map(str::to_string).collect::<Vec<_>>();
+        // The GPU 5 deep under root 0; one NIC 5 deep under another bridge of root 0 (8 hops),
+        // one 2 deep under root 1 (7 hops, nothing shared): root 0's comes first.
+        let gpu = p("r0/a/b/c/gpu");
+        let devices = vec![
+            ("other-root".to_string(), Some(p("r1/nic"))),
+            ("same-root".to_string(), Some(p("r0/d/e/f/nic"))),
+        ];
+        assert_eq!(
+            nearest_first(Some(&gpu), devices),
+            [
+                ("same-root".to_string(), Some(8)),
+                ("other-root".to_string(), Some(7)),
+            ]
+        );
+        assert_eq!(common_depth(&gpu, &p("r0/d")), 1);
     }
 
     #[test]

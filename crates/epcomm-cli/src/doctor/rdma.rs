@@ -89,16 +89,18 @@ pub fn rdma_devices(root: &Path) -> Vec<RdmaDevice> {
         .collect()
 }
 
-/// Per GPU with a PCI bus id, the device of `devices` with an active port nearest it in the
-/// PCI tree under `sysfs` (ties, and devices without a place in the tree, in `devices`' order):
-/// the choice `proxy-verbs` makes for a rank on that GPU. Empty without such a device.
+/// Per GPU with a PCI bus id, the device of `devices` with an active port (state `4: ACTIVE`)
+/// nearest it in the PCI tree under `sysfs` (`epcomm_topology::pci::nearest_first`; ties, and
+/// devices without a place in the tree, in `devices`' order, which is sysfs' and may differ
+/// from libibverbs'): what `proxy-verbs` takes for a rank on that GPU when that device also has
+/// a usable GID. Empty without such a device.
 pub fn nearest_per_gpu(sysfs: &Path, gpus: &[GpuInfo], devices: &[RdmaDevice]) -> Vec<NearestRdma> {
     let active: Vec<(String, Option<Vec<String>>)> = devices
         .iter()
         .filter(|d| {
             d.ports
                 .iter()
-                .any(|p| p.state.as_deref().is_some_and(|s| s.contains("ACTIVE")))
+                .any(|p| p.state.as_deref().is_some_and(|s| s.trim() == "4: ACTIVE"))
         })
         .map(|d| (d.name.clone(), pci::rdma_device_path(sysfs, &d.name)))
         .collect();
@@ -207,7 +209,7 @@ mod tests {
         };
         // Enumeration order puts the far device first; mlx5_2 is nearer GPU 1 but down.
         let devices = [
-            device("mlx5_2", "1: DOWN"),
+            device("mlx5_2", "5: ACTIVE_DEFER"),
             device("mlx5_1", "4: ACTIVE"),
             device("mlx5_0", "4: ACTIVE"),
         ];

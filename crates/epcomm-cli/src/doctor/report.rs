@@ -35,8 +35,9 @@ pub struct DoctorReport {
     pub ibverbs: LibraryReport,
     /// RDMA devices.
     pub rdma: Vec<RdmaDevice>,
-    /// Per GPU, the RDMA device with an active port nearest it in the PCI tree (the one
-    /// `proxy-verbs` takes for that GPU unless `EPCOMM_VERBS_DEVICE` names one).
+    /// Per GPU, the RDMA device with an active port nearest it in the PCI tree (what
+    /// `proxy-verbs` takes for that GPU unless `EPCOMM_VERBS_DEVICE` names one, when that
+    /// device has a usable GID).
     #[serde(default)]
     pub nearest_rdma: Vec<NearestRdma>,
     /// Relevant environment variables, sorted.

@@ -1,7 +1,8 @@
 //! Device, port and GID selection.
 //!
 //! * [`DeviceSelector::Name`] opens that device; [`DeviceSelector::FirstActive`] opens the
-//!   devices in libibverbs' order and takes the first with an active port;
+//!   devices in libibverbs' order and takes the first with an active port and a usable GID
+//!   (moving on from a device that cannot be opened or has none);
 //!   [`DeviceSelector::NearestTo`] does the same in order of PCI distance from a GPU
 //!   ([`epcomm_topology::pci`]: the device behind the GPU's own PCIe switch first), which gives each
 //!   GPU of a multi-NIC host its own NIC.
@@ -145,8 +146,19 @@ pub fn select(
                 .collect()
         }
     };
+    // Automatic choices move on from a device that cannot be opened or has no usable GID; a
+    // device named by the caller is that device or an error.
+    let automatic = !matches!(device, DeviceSelector::Name(_));
+    let mut deferred: Option<VerbsError> = None;
     for name in &names {
-        let context = Arc::new(Context::open(verbs, name)?);
+        let context = match Context::open(verbs, name) {
+            Ok(c) => Arc::new(c),
+            Err(e) if automatic => {
+                tried.push(format!("{name}: {e}"));
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
         let found = match port {
             Some(p) => {
                 let attr = context.query_port(p)?;
@@ -162,10 +174,18 @@ pub fn select(
             None => first_active_port(&context, &mut tried),
         };
         if let Some((p, attr)) = found {
-            return finish(context, p, attr, gid);
+            match finish(context, p, attr, gid) {
+                Ok(selected) => return Ok(selected),
+                Err(e) if automatic => {
+                    tried.push(format!("{name}:{p}: {e}"));
+                    deferred.get_or_insert(e);
+                }
+                Err(e) => return Err(e),
+            }
         }
     }
-    Err(VerbsError::NoActivePort { tried })
+    // The first active device that failed (the nearest, in NearestTo's order), else no port.
+    Err(deferred.unwrap_or(VerbsError::NoActivePort { tried }))
 }
 
 fn first_active_port(context: &Context, tried: &mut Vec<String>) -> Option<(u8, IbvPortAttr)> {

@@ -339,28 +339,32 @@ fn nearest_probe(
     probe_rdma(&near)
 }
 
-/// `ctx`'s GPU's PCI address, `0000:1b:00.0` (function 0, as every GPU's).
+/// `ctx`'s GPU's PCI address as the driver prints it (`0000:1B:00.0`; a virtual function's
+/// own function number included).
 fn gpu_bus_id(ctx: &CudaContext) -> Result<String, TransportError> {
-    use cudarc::driver::sys::CUdevice_attribute as A;
-    let attr = |a: A, name: &str| {
-        ctx.attribute(a).map_err(|source| TransportError::Driver {
-            context: format!("querying {name} of GPU {}", ctx.ordinal()),
-            source,
-        })
+    let mut buf = [0 as std::ffi::c_char; 32];
+    // SAFETY: `buf` holds `buf.len()` bytes, which the driver fills with a NUL-terminated string
+    // of at most that length; `ctx.cu_device()` is a valid device of an initialised driver.
+    let res = unsafe {
+        cudarc::driver::sys::cuDeviceGetPCIBusId(
+            buf.as_mut_ptr(),
+            buf.len() as std::ffi::c_int,
+            ctx.cu_device(),
+        )
     };
-    let domain = attr(
-        A::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID,
-        "CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID",
-    )?;
-    let bus = attr(
-        A::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID,
-        "CU_DEVICE_ATTRIBUTE_PCI_BUS_ID",
-    )?;
-    let device = attr(
-        A::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID,
-        "CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID",
-    )?;
-    Ok(format!("{domain:04x}:{bus:02x}:{device:02x}.0"))
+    res.result().map_err(|source| TransportError::Driver {
+        context: format!("cuDeviceGetPCIBusId of GPU {}", ctx.ordinal()),
+        source,
+    })?;
+    let bytes: Vec<u8> = buf.iter().map(|&c| c as u8).collect();
+    let id = std::ffi::CStr::from_bytes_until_nul(&bytes).map_err(|_| TransportError::Backend {
+        backend: NAME,
+        context: format!("cuDeviceGetPCIBusId of GPU {}", ctx.ordinal()),
+        source: Box::new(ErrorText(
+            "the driver's answer is not NUL-terminated".into(),
+        )),
+    })?;
+    Ok(id.to_string_lossy().into_owned())
 }
 
 impl Transport for VerbsTransport {
