@@ -26,8 +26,10 @@ pub enum PlotError {
         /// What was drawn from.
         input: String,
     },
-    /// A value cannot go on a logarithmic axis.
-    #[error("{input}: {field} is {value}: a chart needs positive finite numbers")]
+    /// A value cannot go on the chart's logarithmic axis.
+    #[error(
+        "{input}: {field} is {value}: a chart draws numbers from {MIN_VALUE:e} to {MAX_VALUE:e}"
+    )]
     NotPositive {
         /// What was drawn from.
         input: String,
@@ -61,6 +63,11 @@ pub enum PlotError {
         source: std::io::Error,
     },
 }
+
+/// The smallest value a chart draws (below, a logarithmic axis degenerates).
+pub const MIN_VALUE: f64 = 1e-9;
+/// The largest value a chart draws.
+pub const MAX_VALUE: f64 = 1e15;
 
 /// What the vertical axis shows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -132,7 +139,7 @@ impl Sweep {
     ) -> Result<Self, PlotError> {
         let mut by_op: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
         for (i, (op, sms, value)) in rows.enumerate() {
-            if !(value.is_finite() && value > 0.0) {
+            if !(MIN_VALUE..=MAX_VALUE).contains(&value) {
                 return Err(PlotError::NotPositive {
                     input: input.to_owned(),
                     field: field(i),
@@ -233,13 +240,13 @@ impl Sweep {
         )
     }
 
-    /// `[lo, hi]` of every point's coordinate `pick`, widened by a fifth on a log scale (never
-    /// empty: one point, or equal values, still get a range).
+    /// Every point's coordinate `pick` lies inside the range, which runs from a power of two to
+    /// a power of two, so each axis has at least two ticks (one point, or equal values, too).
     fn range(&self, pick: fn(&(f64, f64)) -> f64) -> std::ops::Range<f64> {
         let values = || self.series.iter().flat_map(|(_, p)| p.iter().map(pick));
         let lo = values().fold(f64::INFINITY, f64::min);
         let hi = values().fold(f64::NEG_INFINITY, f64::max);
-        lo / 1.2..hi * 1.2
+        (lo / 1.05).log2().floor().exp2()..(hi * 1.05).log2().ceil().exp2()
     }
 
     /// The chart as SVG text.
@@ -277,8 +284,8 @@ impl Sweep {
             .y_desc(self.metric.axis())
             .x_labels(8)
             .y_labels(8)
-            .x_label_formatter(&|x| format!("{x:.0}"))
-            .y_label_formatter(&|y| format!("{y:.0}"))
+            .x_label_formatter(&|x| tick_label(*x))
+            .y_label_formatter(&|y| tick_label(*y))
             .draw()
             .map_err(|e| fail(&e))?;
         for (i, (op, points)) in self.series.iter().enumerate() {
@@ -319,6 +326,17 @@ impl Sweep {
             path: path.to_owned(),
             source,
         })
+    }
+}
+
+/// A tick's label: whole numbers from 1 up, else as many decimals as the value needs (at most
+/// 9, `0.125`).
+fn tick_label(v: f64) -> String {
+    if v >= 1.0 {
+        format!("{v:.0}")
+    } else {
+        let s = format!("{v:.9}");
+        s.trim_end_matches('0').trim_end_matches('.').to_string()
     }
 }
 
@@ -363,6 +381,38 @@ mod tests {
             err.to_string().contains("/nonexistent-epcomm/x.svg"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn extreme_values_are_refused_and_small_ones_labelled() {
+        let mut r = synthetic();
+        for bad in [1.5e308, 1e-320, 0.0, -1.0, f64::INFINITY] {
+            r.results[0].gbps = bad;
+            let err = Sweep::of_report(&r).unwrap_err().to_string();
+            assert!(err.contains("results[0].gbps"), "{bad}: {err}");
+        }
+        assert_eq!(tick_label(0.125), "0.125");
+        assert_eq!(tick_label(0.5), "0.5");
+        assert_eq!(tick_label(64.0), "64");
+    }
+
+    #[test]
+    fn every_axis_has_two_ticks_even_for_one_point() {
+        let mut r = synthetic();
+        r.results.truncate(1);
+        let sms = r.results[0].sms;
+        let sweep = Sweep::of_report(&r).unwrap();
+        let x = sweep.range(|p| p.0);
+        assert!(
+            x.start <= f64::from(sms) && f64::from(sms) <= x.end,
+            "{x:?}"
+        );
+        // Both ends are powers of two, at least a factor of two apart.
+        for end in [x.start, x.end] {
+            assert_eq!(end.log2().fract(), 0.0, "{x:?}");
+        }
+        assert!(x.end >= 2.0 * x.start, "{x:?}");
+        sweep.render().unwrap();
     }
 
     #[test]
@@ -448,5 +498,19 @@ mod tests {
             "no chart data in {}",
             docs.join("data").display()
         );
+        // Every chart of docs/img is drawn from data (none is left over or hand-made).
+        for entry in std::fs::read_dir(docs.join("img")).unwrap() {
+            let svg = entry.unwrap().path();
+            if svg.extension().is_some_and(|e| e == "svg") {
+                let stem = svg.file_stem().unwrap().to_string_lossy().into_owned();
+                let data = docs.join("data").join(format!("{stem}.json"));
+                assert!(
+                    data.is_file(),
+                    "{} has no data {}",
+                    svg.display(),
+                    data.display()
+                );
+            }
+        }
     }
 }
