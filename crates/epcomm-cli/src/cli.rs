@@ -335,5 +335,14 @@ pub struct PlotArgs {
     /// What the vertical axis shows: `us` (rank 0's median time per op) or `gbps`
     /// (DeepEP's metric).
     #[arg(long, value_enum, default_value = "us")]
-    pub metric: crate::plot::Metric,
+    pub metric: Metric,
+}
+
+/// What the vertical axis of `epcomm plot`'s chart shows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Metric {
+    /// Rank 0's median time per op, microseconds.
+    Us,
+    /// DeepEP's metric on rank 0, GB/s.
+    Gbps,
 }

@@ -15,6 +15,7 @@ use serde::Deserialize;
 
 use epcomm_check::timing::BenchOp;
 
+pub use crate::cli::Metric;
 use crate::results::{BenchReport, SCHEMA, op_display, op_id};
 
 /// Why a chart was not drawn; each names the input or the output.
@@ -68,15 +69,6 @@ pub enum PlotError {
 pub const MIN_VALUE: f64 = 1e-9;
 /// The largest value a chart draws.
 pub const MAX_VALUE: f64 = 1e15;
-
-/// What the vertical axis shows.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum Metric {
-    /// Rank 0's median time per op, microseconds.
-    Us,
-    /// DeepEP's metric on rank 0, GB/s.
-    Gbps,
-}
 
 impl Metric {
     fn axis(self) -> &'static str {
