@@ -446,12 +446,16 @@ impl fmt::Display for TransportSpec {
 pub fn single_host_env_defaults(
     ranks_per_gpu: usize,
     local_ranks: usize,
-) -> Vec<(&'static str, &'static str)> {
+) -> Vec<(&'static str, String)> {
     #[cfg(not(feature = "proxy"))]
     let _ = (ranks_per_gpu, local_ranks);
-    let mut all: Vec<(&str, &str)> = Vec::new();
+    let mut all: Vec<(&'static str, String)> = Vec::new();
     #[cfg(feature = "nvshmem")]
-    all.extend(epcomm_transport_nvshmem::SINGLE_HOST_ENV);
+    all.extend(
+        epcomm_transport_nvshmem::SINGLE_HOST_ENV
+            .iter()
+            .map(|&(k, v)| (k, v.to_string())),
+    );
     #[cfg(feature = "proxy")]
     all.extend(epcomm_transport_proxy::single_host_env(
         ranks_per_gpu,

@@ -312,10 +312,7 @@ impl ProxyTransport {
 /// at most 32. Under MPS the clients of a GPU draw their queues from one pool: four ranks on
 /// one GPU asking 32 each failed to create their CUDA contexts (`CUDA_ERROR_OUT_OF_MEMORY`),
 /// while four asking 16 and two asking 32 ran; eight asking 9 each has not been run.
-pub fn single_host_env(
-    ranks_per_gpu: usize,
-    local_ranks: usize,
-) -> [(&'static str, &'static str); 1] {
+pub fn single_host_env(ranks_per_gpu: usize, local_ranks: usize) -> [(&'static str, String); 1] {
     let queues = if ranks_per_gpu <= 2 {
         MAX_QUEUES
     } else {
@@ -323,17 +320,11 @@ pub fn single_host_env(
             .max(local_ranks.saturating_add(1))
             .clamp(1, MAX_QUEUES)
     };
-    [("CUDA_DEVICE_MAX_CONNECTIONS", NUMERALS[queues])]
+    [("CUDA_DEVICE_MAX_CONNECTIONS", queues.to_string())]
 }
 
 /// The most hardware queues the driver gives a process (`CUDA_DEVICE_MAX_CONNECTIONS`).
 const MAX_QUEUES: usize = 32;
-
-/// `NUMERALS[n]` is `n` written out, for [`single_host_env`]'s `&'static str` values.
-const NUMERALS: [&str; MAX_QUEUES + 1] = [
-    "0", "1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13", "14", "15", "16",
-    "17", "18", "19", "20", "21", "22", "23", "24", "25", "26", "27", "28", "29", "30", "31", "32",
-];
 
 /// The streams of every live [`ProxyMemory`] of this process that need a hardware queue each
 /// (its executor's lanes and progress mirror, and its ops' stream):
@@ -620,8 +611,11 @@ mod tests {
 
     #[test]
     fn launchers_divide_the_queues_among_ranks_sharing_a_gpu() {
-        let queues = |n, local| single_host_env(n, local)[0];
-        assert_eq!(queues(1, 8), ("CUDA_DEVICE_MAX_CONNECTIONS", "32"));
+        let queues = |n, local| single_host_env(n, local)[0].clone();
+        assert_eq!(
+            queues(1, 8),
+            ("CUDA_DEVICE_MAX_CONNECTIONS", "32".to_string())
+        );
         assert_eq!(queues(2, 4).1, "32");
         assert_eq!(queues(3, 3).1, "21");
         assert_eq!(queues(4, 4).1, "16");

@@ -132,7 +132,7 @@ fn nvshmem_status(py: Python<'_>) -> Option<String> {
 /// Variables a one-host job needs that the environment does not set yet, every rank on its
 /// own GPU.
 #[pyfunction]
-fn single_host_env_defaults() -> Vec<(&'static str, &'static str)> {
+fn single_host_env_defaults() -> Vec<(&'static str, String)> {
     epcomm_backends::single_host_env_defaults(1, 1)
 }
 
