@@ -190,6 +190,13 @@ pub fn run(spec: TransportSpec) -> Res {
     let mut cfg = BufferConfig::new(tokens, hidden, top_k, experts);
     cfg.num_sms = sms;
     (cfg.schedule, cfg.routes) = schedule_and_routes()?;
+    // `EPCOMM_BENCH_COMBINE_STAGING` (auto, push, copy-engine); default auto.
+    if let Some(v) = std::env::var("EPCOMM_BENCH_COMBINE_STAGING")
+        .ok()
+        .filter(|v| !v.is_empty())
+    {
+        cfg.combine_staging = v.parse()?;
+    }
     let mut buf = Buffer::new(ctx.clone(), spec.build(ctx, boot.clone())?, cfg)?;
     let inputs = host_inputs(&Shape::uniform(world, tokens, hidden, top_k, experts, 2025))?;
     let dev = device_inputs(buf.stream(), &inputs, rank)?;

@@ -289,7 +289,7 @@ fn run_suite(w: &Worker, mk: MakeTransport<'_>, test: TestConfig) {
         }
         let experts = g.experts_per_rank * world;
         let mut cfg = BufferConfig::new(g.max_tokens, g.hidden, g.top_k, experts);
-        (cfg.schedule, cfg.routes) = (test.schedule, test.routes);
+        test.apply(&mut cfg);
         cfg.timeout = Duration::from_secs(20);
         let mut buf = Buffer::new(w.ctx.clone(), mk(), cfg).expect("Buffer::new");
         for (ci, (tokens, mask, skew, opts)) in g.cases.into_iter().enumerate() {

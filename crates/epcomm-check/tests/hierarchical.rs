@@ -98,7 +98,7 @@ fn run_hier(w: &Worker, mk: MakeTransport<'_>, test: TestConfig) {
     for (gi, (hidden, top_k, epr, max_tokens, cases)) in groups(world).into_iter().enumerate() {
         let experts = epr * world;
         let mut cfg = BufferConfig::new(max_tokens, hidden, top_k, experts);
-        (cfg.schedule, cfg.routes) = (test.schedule, test.routes);
+        test.apply(&mut cfg);
         cfg.timeout = Duration::from_secs(20);
         let mut buf =
             HierarchicalBuffer::new(w.ctx.clone(), mk(), cfg).expect("HierarchicalBuffer::new");
@@ -205,6 +205,7 @@ fn launch_hier(test: &str) {
                 spec,
                 schedule,
                 routes: epcomm::RoutePolicy::Auto,
+                combine_staging: epcomm::CombineStaging::Auto,
             };
             eprintln!("== {test}: {cfg}");
             launch(test, n, &cfg.env());

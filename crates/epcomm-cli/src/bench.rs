@@ -235,6 +235,7 @@ fn run_bench(
         let mut cfg = BufferConfig::new(args.tokens, args.hidden, args.top_k, args.experts);
         cfg.num_sms = sms;
         (cfg.schedule, cfg.routes) = (schedule, routes);
+        cfg.combine_staging = args.combine_staging;
         if args.low_latency {
             cfg.ll_max_tokens_per_rank = args.tokens;
         }

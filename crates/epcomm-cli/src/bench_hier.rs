@@ -81,6 +81,7 @@ fn config(args: &BenchArgs, tokens: usize, transport: &TransportChoice) -> Buffe
     let mut cfg = BufferConfig::new(tokens, args.hidden, args.top_k, args.experts);
     cfg.num_sms = args.sms;
     (cfg.schedule, cfg.routes) = (transport.schedule, transport.routes);
+    cfg.combine_staging = args.combine_staging;
     cfg
 }
 

@@ -7,9 +7,8 @@ use std::str::FromStr;
 
 use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use epcomm::{RoutePolicy, Schedule};
+use epcomm::{CombineStaging, RoutePolicy, Schedule};
 use epcomm_backends::{TransportError, TransportSpec};
-use epcomm_topology::TopologyError;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -43,7 +42,9 @@ pub enum Command {
 
 /// A library type named on the command line by its lower-case name: the library's list of
 /// values and their names are the only source of the accepted words.
-pub trait Named: Copy + Send + Sync + 'static + FromStr<Err = TopologyError> {
+pub trait Named:
+    Copy + Send + Sync + 'static + FromStr<Err: std::error::Error + Send + Sync + 'static>
+{
     /// Every value, in documentation order.
     const ALL: &'static [Self];
     /// The name as typed.
@@ -61,7 +62,7 @@ macro_rules! named {
     )*};
 }
 
-named!(Schedule, RoutePolicy);
+named!(Schedule, RoutePolicy, CombineStaging);
 
 /// A clap value parser accepting the names of `T` (listed in `--help` and in errors), parsed by
 /// `T`'s `FromStr`.
@@ -217,6 +218,11 @@ pub struct BenchArgs {
     pub sms: u32,
     #[command(flatten)]
     pub comm: TransportFlags,
+    /// How combine moves y to the token owners: auto, push (the kernel's SMs push every row)
+    /// or copy-engine (the copy engine stages y over the receive rows; the owners pull).
+    #[arg(long, value_name = "WAY", value_parser = by_name::<CombineStaging>(),
+          default_value_t = CombineStaging::Auto)]
+    pub combine_staging: CombineStaging,
     /// Timed calls per op.
     #[arg(long, default_value_t = 50)]
     pub iters: usize,

@@ -483,6 +483,7 @@ mod tests {
                     gpu_name: "Synthetic GPU".into(),
                     gpus: 1,
                     mps: false,
+                    combine_staging: "auto".into(),
                 },
                 nodes: 2,
                 local_ranks: 1,

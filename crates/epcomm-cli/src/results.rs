@@ -52,6 +52,10 @@ pub struct BenchConfig {
     /// sharing a GPU then run concurrently instead of taking turns.
     #[serde(default)]
     pub mps: bool,
+    /// How combine moved y (`auto`, `push`, `copy-engine`; empty in documents from before this
+    /// field: read as `push`).
+    #[serde(default)]
+    pub combine_staging: String,
 }
 
 impl BenchConfig {
@@ -78,10 +82,15 @@ impl BenchConfig {
         })
     }
 
-    /// `<transport> transport, <schedule> schedule, <routes> routes`.
+    /// `<transport> transport, <schedule> schedule, <routes> routes, combine staging <way>`.
     pub fn describe(&self) -> String {
+        let staging = if self.combine_staging.is_empty() {
+            "push"
+        } else {
+            &self.combine_staging
+        };
         format!(
-            "{} transport, {} schedule, {} routes",
+            "{} transport, {} schedule, {} routes, combine staging {staging}",
             self.transport, self.schedule, self.routes
         )
     }
@@ -396,6 +405,7 @@ pub(crate) mod tests {
                 gpu_name: "Synthetic GPU".into(),
                 gpus: 2,
                 mps: false,
+                combine_staging: "auto".into(),
             },
             results,
             skew: None,

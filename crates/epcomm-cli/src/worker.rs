@@ -50,6 +50,7 @@ pub(crate) fn run_config(
         gpu_name: ctx.name().unwrap_or_else(|_| "GPU".into()),
         gpus,
         mps: crate::gpu::under_mps(ctx),
+        combine_staging: args.combine_staging.name().into(),
     })
 }
 

@@ -21,6 +21,65 @@ pub enum RecvMode {
     Bounded(usize),
 }
 
+/// How [`crate::Buffer::combine`] gets the expert output `y` to the ranks that own its tokens.
+///
+/// Both ways give the same bits (each token's contributions are summed in fp32, rank order).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CombineStaging {
+    /// [`Self::CopyEngine`] when it applies and every peer is reached by loads and stores
+    /// (mapped memory), else [`Self::Push`]. Every rank decides alike: the decision depends only
+    /// on the config, the transport's routes, the handle and whether the stream is capturing.
+    #[default]
+    Auto,
+    /// The combine kernel's SMs push every received row of `y` into the combine region of the
+    /// rank that owns its token; that rank then sums what arrived.
+    Push,
+    /// Before the kernel, the copy engine copies `y` (and `y_weights`) over the receive rows of
+    /// this rank's latest dispatch (BF16 or FP8; the region is sized for BF16 rows), then the
+    /// kernel pulls every contribution from the peers' receive regions, as
+    /// [`crate::Buffer::combine_in_place`] does. The push leaves the SMs, and the rows cross the
+    /// link once, as reads. Applies when `handle` is the latest dispatch's and the stream is not
+    /// capturing a graph; a combine where it does not apply fails naming `combine_staging`.
+    /// The receive rows of the latest dispatch are overwritten.
+    CopyEngine,
+}
+
+impl CombineStaging {
+    /// Every way, in documentation order.
+    pub const ALL: [Self; 3] = [Self::Auto, Self::Push, Self::CopyEngine];
+
+    /// The name the CLI and the environment use: `auto`, `push` or `copy-engine`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Push => "push",
+            Self::CopyEngine => "copy-engine",
+        }
+    }
+}
+
+impl std::fmt::Display for CombineStaging {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for CombineStaging {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "push" => Ok(Self::Push),
+            "copy-engine" => Ok(Self::CopyEngine),
+            other => Err(Error::InvalidArgument {
+                argument: "combine_staging",
+                rule: format!("must be auto, push or copy-engine (got {other:?})"),
+            }),
+        }
+    }
+}
+
 /// Configuration of a [`crate::Buffer`]; every rank must pass the same values.
 #[derive(Clone, Debug, PartialEq)]
 pub struct BufferConfig {
@@ -42,12 +101,15 @@ pub struct BufferConfig {
     /// Which route reaches a peer where more than one would (the transport must support every
     /// route the plan needs).
     pub routes: RoutePolicy,
+    /// How combine moves `y` to the token owners.
+    pub combine_staging: CombineStaging,
     /// Bound of every device wait.
     pub timeout: Duration,
 }
 
 impl BufferConfig {
-    /// A config with 24 SMs, the Epoch schedule, automatic routes and a 100 s timeout.
+    /// A config with 24 SMs, the Epoch schedule, automatic routes, automatic combine staging and
+    /// a 100 s timeout.
     pub fn new(
         max_tokens_per_rank: usize,
         hidden: usize,
@@ -63,6 +125,7 @@ impl BufferConfig {
             num_sms: 24,
             schedule: Schedule::Epoch,
             routes: RoutePolicy::Auto,
+            combine_staging: CombineStaging::Auto,
             timeout: Duration::from_secs(100),
         }
     }
@@ -159,5 +222,17 @@ mod tests {
             let err = cfg.validate().unwrap_err().to_string();
             assert!(err.contains(name), "{err}");
         }
+    }
+
+    #[test]
+    fn combine_staging_names_round_trip_and_a_bad_one_is_named() {
+        for s in CombineStaging::ALL {
+            assert_eq!(s.name().parse::<CombineStaging>().unwrap(), s);
+        }
+        let err = "ce".parse::<CombineStaging>().unwrap_err().to_string();
+        assert!(
+            err.contains("combine_staging") && err.contains("copy-engine"),
+            "{err}"
+        );
     }
 }

@@ -98,7 +98,7 @@ mod view;
 pub use buffer::{
     Buffer, DispatchInput, EpGraph, LlDispatchInput, LlFormat, LlPending, LlRecv, XInput,
 };
-pub use config::{BufferConfig, RecvMode};
+pub use config::{BufferConfig, CombineStaging, RecvMode};
 pub use epcomm_topology::{
     PeerRoute, RankGroup, Route, RoutePlan, RoutePolicy, Schedule, Tier, Tiers,
 };

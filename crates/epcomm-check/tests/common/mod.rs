@@ -19,7 +19,7 @@ use std::sync::{Arc, Once};
 use std::time::Duration;
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
-use epcomm::{BufferConfig, DynTransport, RoutePolicy, Schedule};
+use epcomm::{BufferConfig, CombineStaging, DynTransport, RoutePolicy, Schedule};
 use epcomm_backends::TransportSpec;
 use epcomm_bootstrap::{Bootstrap, BootstrapConfig};
 use epcomm_check::inputs::{DeviceInputs, Shape, device_inputs, host_inputs, upload};
@@ -127,13 +127,15 @@ pub fn worker() -> Worker {
 /// Makes (or shares) the transport a test's buffers are built on.
 pub type MakeTransport<'a> = &'a dyn Fn() -> Arc<dyn DynTransport>;
 
-/// One configuration a multi-process test runs under: a transport spec, a schedule and a route
-/// policy, passed to the workers as `EPCOMM_TEST_{TRANSPORT,SCHEDULE,ROUTES}`.
+/// One configuration a multi-process test runs under: a transport spec, a schedule, a route
+/// policy and a combine staging, passed to the workers as
+/// `EPCOMM_TEST_{TRANSPORT,SCHEDULE,ROUTES,COMBINE_STAGING}`.
 #[derive(Clone, Copy, Debug)]
 pub struct TestConfig {
     pub spec: TransportSpec,
     pub schedule: Schedule,
     pub routes: RoutePolicy,
+    pub combine_staging: CombineStaging,
 }
 
 impl TestConfig {
@@ -150,7 +152,16 @@ impl TestConfig {
             routes: var("EPCOMM_TEST_ROUTES").map_or(RoutePolicy::Auto, |s| {
                 s.parse().expect("EPCOMM_TEST_ROUTES")
             }),
+            combine_staging: var("EPCOMM_TEST_COMBINE_STAGING").map_or(CombineStaging::Auto, |s| {
+                s.parse().expect("EPCOMM_TEST_COMBINE_STAGING")
+            }),
         }
+    }
+
+    /// Sets the schedule, routes and combine staging of this configuration on `cfg`.
+    pub fn apply(&self, cfg: &mut BufferConfig) {
+        (cfg.schedule, cfg.routes) = (self.schedule, self.routes);
+        cfg.combine_staging = self.combine_staging;
     }
 
     /// The workers' environment for this configuration (NVSHMEM's one-host defaults included).
@@ -159,6 +170,10 @@ impl TestConfig {
             ("EPCOMM_TEST_TRANSPORT", self.spec.to_string()),
             ("EPCOMM_TEST_SCHEDULE", self.schedule.to_string()),
             ("EPCOMM_TEST_ROUTES", self.routes.to_string()),
+            (
+                "EPCOMM_TEST_COMBINE_STAGING",
+                self.combine_staging.name().to_string(),
+            ),
         ];
         // The library's one-host defaults come from `run_workers`.
         env
@@ -167,7 +182,14 @@ impl TestConfig {
 
 impl std::fmt::Display for TestConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} {} routes={}", self.spec, self.schedule, self.routes)
+        write!(
+            f,
+            "{} {} routes={} combine_staging={}",
+            self.spec,
+            self.schedule,
+            self.routes,
+            self.combine_staging.name()
+        )
     }
 }
 
@@ -250,11 +272,35 @@ pub fn configs(test: &str) -> Vec<TestConfig> {
                     spec,
                     schedule,
                     routes,
+                    combine_staging: CombineStaging::Auto,
                 };
-                if keep("EPCOMM_TEST_SCHEDULE", schedule.to_string())
-                    && keep("EPCOMM_TEST_ROUTES", routes.to_string())
+                if !keep("EPCOMM_TEST_SCHEDULE", schedule.to_string())
+                    || !keep("EPCOMM_TEST_ROUTES", routes.to_string())
                 {
-                    out.push(cfg);
+                    continue;
+                }
+                // Automatic staging picks one way per transport; the other way runs once more,
+                // under Epoch: the kernel's push where every peer is mapped (ipc, one-node
+                // NVSHMEM), the copy-engine staging where peers are behind the transport.
+                let behind_transport = caps.kernel_family == epcomm_kernels::KernelFamily::CpuProxy
+                    || spec.to_string().contains("vnodes");
+                let other = if behind_transport {
+                    CombineStaging::CopyEngine
+                } else {
+                    CombineStaging::Push
+                };
+                let extra =
+                    (schedule == Schedule::Epoch && !put_signal_everywhere).then_some(TestConfig {
+                        combine_staging: other,
+                        ..cfg
+                    });
+                for c in std::iter::once(cfg).chain(extra) {
+                    if keep(
+                        "EPCOMM_TEST_COMBINE_STAGING",
+                        c.combine_staging.name().to_string(),
+                    ) {
+                        out.push(c);
+                    }
                 }
             }
         }
@@ -299,8 +345,7 @@ pub fn small_cfg_with(world: usize, timeout: Duration) -> BufferConfig {
 
 /// Sets the schedule and routes the launcher chose for this worker.
 pub fn apply_test_config(cfg: &mut BufferConfig) {
-    let test = TestConfig::from_env();
-    (cfg.schedule, cfg.routes) = (test.schedule, test.routes);
+    TestConfig::from_env().apply(cfg);
 }
 
 /// A small buffer with a short timeout, for failure tests.

@@ -18,6 +18,7 @@ use epcomm_topology::RowDtype;
 mod layout;
 mod low_latency;
 mod normal;
+mod staging;
 
 pub(super) use low_latency::PendingReceive;
 pub use low_latency::{LlDispatchInput, LlFormat, LlPending, LlRecv};

@@ -265,6 +265,7 @@ fn fingerprint(
         .with("ll_max_tokens_per_rank", cfg.ll_max_tokens_per_rank)
         .with("schedule", cfg.schedule.name())
         .with("routes", cfg.routes.name())
+        .with("combine_staging", cfg.combine_staging.name())
 }
 
 /// Dynamic shared memory of the low-latency kernels, in u32 words: the send phase's routing

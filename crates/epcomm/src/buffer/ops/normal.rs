@@ -3,9 +3,9 @@
 //!
 //! Memory contract: a dispatch writes this rank's rows straight into their final rows of every
 //! destination's receive region (current dispatch parity) and fills the handle's arrays; the
-//! rows stay valid until this rank's stream starts its next dispatch. A combine reads `y` (or,
-//! in place, every rank's latest receive rows), writes `out`/`out_weights`, and reads the
-//! handle its dispatch wrote earlier on this stream. The host reads nothing of it, except the
+//! rows stay valid until this rank's stream starts its next dispatch or a combine staged over
+//! them (`staging`). A combine reads `y` (or, in place, every rank's latest receive rows),
+//! writes `out`/`out_weights`, and reads the handle its dispatch wrote earlier on this stream. The host reads nothing of it, except the
 //! receive counts a HostSync dispatch publishes to mapped memory.
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -15,6 +15,7 @@ use cudarc::driver::{DevicePtr, DevicePtrMut};
 use epcomm_kernels::{Op, abi};
 use epcomm_topology::{Parity, RegionKind, RowDtype, RowFormat};
 
+use super::staging::DeviceRange;
 use super::{DispatchInput, XInput};
 use crate::buffer::Buffer;
 use crate::buffer::args::{combine_flags, dispatch_flags};
@@ -256,6 +257,10 @@ impl Buffer {
     /// Sends expert outputs back and sums each token's contributions (fp32, rank order) into
     /// `out` (`[T][hidden]` bf16). `y` holds one row per received row, in the dispatch's order;
     /// `y_weights` (`[rows][top_k]`) are summed into `out_weights` (`[T][top_k]`) the same way.
+    ///
+    /// How `y` travels is [`crate::BufferConfig::combine_staging`]: pushed by the kernel, or
+    /// copied by the copy engine over the latest dispatch's receive rows (which it overwrites)
+    /// and pulled by the owners. `y` may be those receive rows themselves.
     pub fn combine(
         &mut self,
         y: &dyn DevicePtr<half::bf16>,
@@ -274,13 +279,35 @@ impl Buffer {
         let s = self.stream.clone();
         let (y_ptr, _gy) = y.device_ptr(&s);
         let yw = y_weights.map(|w| w.device_ptr(&s));
-        let inputs = CombineInputs {
-            y: y_ptr,
-            y_weights: yw.as_ref().map_or(0, |p| p.0),
-            in_place: false,
+        let staged = self.stage_combine_y(
+            h,
+            h.rows_bound(),
+            DeviceRange {
+                ptr: y_ptr,
+                bytes: (y.len() * 2) as u64,
+            },
+            yw.as_ref().zip(y_weights).map(|(p, w)| DeviceRange {
+                ptr: p.0,
+                bytes: (w.len() * 4) as u64,
+            }),
+        )?;
+        let inputs = if staged {
+            // y now lies over this rank's latest receive rows: pulled from there, as in place.
+            CombineInputs {
+                y: 0,
+                y_weights: 0,
+                in_place: true,
+            }
+        } else {
+            CombineInputs {
+                y: y_ptr,
+                y_weights: yw.as_ref().map_or(0, |p| p.0),
+                in_place: false,
+            }
         };
         // SAFETY: y holds at least the received rows (checked against the host count or the
-        // capacity the dispatch enforced on the device), y_weights as many weight rows.
+        // capacity the dispatch enforced on the device), y_weights as many weight rows; staged,
+        // the rows read are the receive regions the staging copies (and every peer's) filled.
         unsafe { self.launch_combine(handle, inputs, out, out_weights) }
     }
 

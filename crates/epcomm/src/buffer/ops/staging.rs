@@ -1,0 +1,187 @@
+//! Combine staging ([`CombineStaging`]): whether a combine's `y` is pushed by the kernel's SMs or
+//! copied by the copy engine over the latest dispatch's receive rows and pulled by the owners.
+//!
+//! Memory contract of the copy: it is issued on the buffer's stream right before the combine
+//! kernel, so it starts after every earlier op of this rank (the dispatch that filled the rows,
+//! the caller's expert kernels) and the kernel starts after it ends. The kernel tells every peer
+//! that this rank's rows are complete before any peer reads them (the in-place handshake), and a
+//! later dispatch reuses the region only after every peer finished reading it (the schedule's
+//! reuse rule, as for [`Buffer::combine_in_place`]).
+//!
+//! Every rank must take the same way, or the kernels wait for a handshake that never comes: the
+//! decision uses only what every rank shares (config, routes, the handle's place in the op
+//! order, graph capture, which every rank does alike), never an address.
+
+use cudarc::driver::sys;
+use epcomm_topology::{Parity, RegionKind};
+
+use crate::buffer::Buffer;
+use crate::error::DriverContext;
+use crate::handle::HandleInner;
+use crate::{CombineStaging, Error, Result};
+
+/// A device range `[ptr, ptr + bytes)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(in crate::buffer) struct DeviceRange {
+    pub(in crate::buffer) ptr: u64,
+    pub(in crate::buffer) bytes: u64,
+}
+
+impl DeviceRange {
+    fn overlaps(self, other: DeviceRange) -> bool {
+        self.ptr < other.ptr.saturating_add(other.bytes)
+            && other.ptr < self.ptr.saturating_add(self.bytes)
+    }
+}
+
+/// How one copy of a staged combine goes: skipped when the source already is the destination
+/// (the caller wrote it in place), refused when the two overlap otherwise.
+fn plan_copy(argument: &'static str, src: DeviceRange, dst: DeviceRange) -> Result<bool> {
+    if src.bytes == 0 || src.ptr == dst.ptr {
+        return Ok(false);
+    }
+    if src.overlaps(dst) {
+        return Err(Error::InvalidArgument {
+            argument,
+            rule: format!(
+                "overlaps the receive rows it is staged over ({:#x}..{:#x} against {:#x}..{:#x}) \
+                 without starting at them: pass it elsewhere, at the receive rows exactly, or \
+                 set combine_staging to push",
+                src.ptr,
+                src.ptr + src.bytes,
+                dst.ptr,
+                dst.ptr + dst.bytes
+            ),
+        });
+    }
+    Ok(true)
+}
+
+impl Buffer {
+    /// Why the copy-engine staging cannot serve a combine with `h`, if it cannot.
+    fn staging_obstacle(&self, h: &HandleInner) -> Result<Option<&'static str>> {
+        let latest = self
+            .latest_dispatch
+            .as_ref()
+            .is_some_and(|l| std::ptr::eq(l.handle.as_ptr(), h));
+        if !latest {
+            return Ok(Some(
+                "stages y over the receive rows of this rank's latest dispatch, and the handle \
+                 is not that dispatch's",
+            ));
+        }
+        let capturing = self
+            .stream
+            .capture_status()
+            .context("reading the stream's capture status")?;
+        if capturing != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
+            return Ok(Some(
+                "cannot be captured in a graph: the copy's destination depends on the dispatch \
+                 parity a replay starts at",
+            ));
+        }
+        Ok(None)
+    }
+
+    /// Decides how this combine moves `y` ([`crate::BufferConfig::combine_staging`]) and, when
+    /// staged, issues the copies of `y` (and `y_weights`) over the latest dispatch's receive
+    /// rows. Returns whether the combine must run in place.
+    ///
+    /// `rows` is the host's bound on the received rows (the exact count after a HostSync
+    /// dispatch, else the capacity): only that many rows are copied.
+    pub(in crate::buffer) fn stage_combine_y(
+        &mut self,
+        h: &HandleInner,
+        rows: usize,
+        y: DeviceRange,
+        y_weights: Option<DeviceRange>,
+    ) -> Result<bool> {
+        let staging = self.cfg.combine_staging;
+        if staging == CombineStaging::Push {
+            return Ok(false);
+        }
+        match (staging, self.staging_obstacle(h)?) {
+            (CombineStaging::CopyEngine, Some(rule)) => {
+                return Err(Error::InvalidArgument {
+                    argument: "combine_staging",
+                    rule: format!("copy-engine {rule}"),
+                });
+            }
+            (_, Some(_)) => return Ok(false),
+            // Auto stages only where every peer is mapped (a peer behind the transport would
+            // still be pushed to, from the receive rows, after the copy).
+            (CombineStaging::Auto, None) if self.remote_mask != 0 => return Ok(false),
+            _ => {}
+        }
+        let parity = Parity::of_epoch(self.seq.dispatch);
+        let base = self.mem.local_base();
+        let region = |k| base + self.plan.region(k, parity).offset;
+        let (hidden, top_k) = (self.cfg.hidden as u64, self.cfg.top_k as u64);
+        let rows = rows as u64;
+        let x = DeviceRange {
+            ptr: region(RegionKind::DispatchX),
+            bytes: rows * hidden * 2,
+        };
+        let w = DeviceRange {
+            ptr: region(RegionKind::DispatchTopkWeights),
+            bytes: rows * top_k * 4,
+        };
+        let y = DeviceRange {
+            bytes: x.bytes,
+            ..y
+        };
+        let y_weights = y_weights.map(|r| DeviceRange {
+            bytes: w.bytes,
+            ..r
+        });
+        let copy_x = plan_copy("y", y, x)?;
+        let copy_w = match y_weights {
+            Some(yw) => plan_copy("y_weights", yw, w)?,
+            None => false,
+        };
+        let s = self.stream.cu_stream();
+        if copy_x {
+            // SAFETY: the destination is this rank's receive region of the latest dispatch's
+            // parity, which holds `max_rows >= rows` rows of `hidden` bf16 values (the region is
+            // sized for BF16 rows whatever the dispatch's type); the source holds at least `rows`
+            // rows (check_combine_y) and does not overlap it (plan_copy). Stream-ordered after
+            // every earlier op of this rank, before the combine kernel.
+            unsafe { sys::cuMemcpyDtoDAsync_v2(x.ptr, y.ptr, x.bytes as usize, s) }
+                .result()
+                .context("staging y over the receive rows")?;
+        }
+        if let (true, Some(yw)) = (copy_w, y_weights) {
+            // SAFETY: as above, for the `[rows][top_k]` f32 weights region and `y_weights`
+            // (which holds at least `rows * top_k` values, check_combine_y).
+            unsafe { sys::cuMemcpyDtoDAsync_v2(w.ptr, yw.ptr, w.bytes as usize, s) }
+                .result()
+                .context("staging y_weights over the received weights")?;
+        }
+        Ok(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn r(ptr: u64, bytes: u64) -> DeviceRange {
+        DeviceRange { ptr, bytes }
+    }
+
+    #[test]
+    fn a_copy_is_skipped_in_place_done_when_apart_and_refused_when_overlapping() {
+        assert!(!plan_copy("y", r(0x1000, 64), r(0x1000, 64)).unwrap());
+        assert!(!plan_copy("y", r(0x5000, 0), r(0x1000, 64)).unwrap());
+        assert!(plan_copy("y", r(0x2000, 64), r(0x1000, 64)).unwrap());
+        assert!(plan_copy("y", r(0x1000 - 64, 64), r(0x1000, 64)).unwrap());
+        let err = plan_copy("y_weights", r(0x1020, 64), r(0x1000, 64))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("y_weights") && err.contains("overlaps") && err.contains("push"),
+            "{err}"
+        );
+        assert!(plan_copy("y", r(0x0fc0, 65), r(0x1000, 64)).is_err());
+    }
+}
