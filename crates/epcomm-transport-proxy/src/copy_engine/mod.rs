@@ -348,8 +348,8 @@ impl CopyEngineExecutor {
         Ok(())
     }
 
-    /// Adds a copy to lane `i`'s batch (issued when the batch is full, before a signal, at
-    /// the next poll). With batched copies, a copy that depends on a pending one (see
+    /// Adds a copy to lane `i`'s batch, merged into a pending copy it continues where that is
+    /// safe (issued when the batch is full and at the next poll). With batched copies, a copy that depends on a pending one (see
     /// [`depends_on_any`]) first sends the pending ones off: the driver runs a batch's copies
     /// in no particular order, and dependent copies in one batch are undefined.
     fn push_copy(
