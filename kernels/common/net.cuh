@@ -40,7 +40,11 @@
 //                                   bound for consecutive rows of one transport peer leave as
 //                                   one transfer per record (rows, scales, ids, weights) plus
 //                                   the source indices, from one thread (`claim_fenced`,
-//                                   `emit_transfer`, `emit_write`). False: tokens are dealt
+//                                   `emit_transfer`, `emit_write`); and when the combine
+//                                   pushes rows to transport peers as runs (intranode/
+//                                   combine.cuh, [C1]: contiguous chunks of rows, a run's rows
+//                                   and weights as one transfer each, its flags by
+//                                   `emit_signal`). False: tokens and rows are dealt
 //                                   block-first and sent one by one (needs kMetadataRows)
 // and, when kTransport, the warp-collective puts `put_warp(dst, src, bytes, pe)`,
 // `put_signal_warp(dst, src, bytes, sig, v, pe)` and the ordering point `fence()`; when

@@ -41,7 +41,9 @@ struct ProxyNet {
   // chunk of tokens and sends a proxied peer each run of consecutive tokens bound for
   // consecutive rows as one transfer per record (rows, scales, ids, weights) and one WRITE per
   // source index, all on consecutive positions from one claim ([E4], `claim_fenced`,
-  // `emit_transfer`, `emit_write`).
+  // `emit_transfer`, `emit_write`). The combine's push does the same with its rows: a run of
+  // consecutive rows from one source, bound for consecutive slots, is one transfer of rows,
+  // one of weights and one SIGNAL per row ([C1], `emit_signal`).
   static constexpr bool kCoalesceRuns = true;
 
   __device__ static __forceinline__ bool remote(uint64_t remote_mask, int d) {
@@ -142,6 +144,13 @@ struct ProxyNet {
     uint64_t bits = 0;
     memcpy(&bits, &v, sizeof(T));
     return emit(p, kProxyKindWrite, 0, pe, offset_of(dst), bits, sizeof(T));
+  }
+
+  // [P1] One thread: descriptor `p` (claimed) is a SIGNAL setting rank `pe`'s copy of `sig` to
+  // `v`, which lands after every descriptor to `pe` of lower position; false as `emit`.
+  __device__ static __forceinline__ bool emit_signal(uint64_t p, uint64_t* sig, uint64_t v,
+                                                     int pe) {
+    return emit(p, kProxyKindSignal, 0, pe, offset_of(sig), v, 0);
   }
 
   __device__ static __forceinline__ void signal(uint64_t* p, uint64_t v, int pe, bool add) {

@@ -242,8 +242,9 @@ __device__ __forceinline__ void push_rows_bulk(const OpArgs& a, const Shared& s,
 // Combine: y rows (in this rank's receive order) go back to their source ranks and are summed
 // there in rank order (fp32 accumulate, one bf16 rounding).
 //
-// Every warp first pushes its share of rows (dealt block-first) and publishes each row with a
-// monotonic per-token flag (the combine sequence number: flags[sender][token] on the owner),
+// Every warp first pushes its share of rows (dealt block-first; under Net::kCoalesceRuns the
+// rows for proxied peers first, in contiguous chunks sent as runs) and publishes each row with
+// a monotonic per-token flag (the combine sequence number: flags[sender][token] on the owner),
 // then reduces tokens of this rank, each as soon as the flags of exactly the peers that hold a
 // contribution (known locally from the layout) arrived: warps that finish sending early reduce
 // while the last rows are still crossing NVLink, and a small batch has a short critical path.
@@ -332,10 +333,72 @@ __device__ __forceinline__ void combine(const OpArgs& a, Shared& s) {
     }
     __syncwarp();
   }
+  // Runs (Net::kCoalesceRuns, the CPU proxy): rows for proxied peers first, in their own pass,
+  // so that their descriptors reach the proxy before this warp's stores to mapped peers. Each
+  // warp takes a contiguous chunk of rows; rows row0 .. row0 + len - 1 of the chunk, all from
+  // proxied source r and holding its tokens t0 .. t0 + len - 1, go to r's consecutive slots
+  // (me, t0 .. t0 + len - 1). Rows of a source are contiguous in y and in token order, so a run
+  // ends at a source change (it is sent at once: it cannot grow again), at a token of r that
+  // does not come to this rank, at the chunk's end, or at PeerRunLimits' size (the proxy's own
+  // merge limit, so it gets work while the chunk is still being sent). The run state is
+  // warp-uniform; one lane sends a run (`put_run`). Rows for mapped peers keep the block-first
+  // deal below.
+  if constexpr (Net::kCoalesceRuns) {
+    const int64_t chunk = (static_cast<int64_t>(num_rows) + nwarps - 1) / nwarps;
+    const int row_first = static_cast<int>(
+        min(static_cast<int64_t>(gwarp) * chunk, static_cast<int64_t>(num_rows)));
+    const int row_end = static_cast<int>(
+        min(static_cast<int64_t>(gwarp + 1) * chunk, static_cast<int64_t>(num_rows)));
+    const int run_max = PeerRunLimits::max_rows(row_bytes);
+    int run_r = -1, run_t0 = 0, run_row0 = 0, run_len = 0;
+    // One lane sends the open run: ONE claim of consecutive ring positions (after a system
+    // fence, as every put), then the run's weights (when the op has them) and rows as one
+    // TRANSFER each, then one SIGNAL per row setting its flag (flags[me][t0 + j] = epoch), which
+    // the ring lands after both transfers. A descriptor that could not be written (the proxy
+    // stopped, or the slot wait's bound passed) ends the run early: the proxy cannot pass that
+    // position, and the block's `quiet` records the failure.
+    auto put_run = [&]() {
+      if (run_len > 0 && lane == 0) {
+        uint8_t* const base = s.bases[run_r];
+        const int pe = peer_pe(w, run_r);
+        const bool wts = has_w && K > 0;
+        const int64_t slot0 = static_cast<int64_t>(me) * a.max_tokens + run_t0, n = run_len;
+        uint64_t p = Net::claim_fenced(static_cast<uint32_t>(1 + wts + run_len));
+        bool sent = !wts || Net::emit_transfer(p++, base + off_comb_w + slot0 * K * 4,
+                                               y_w + static_cast<int64_t>(run_row0) * K,
+                                               static_cast<size_t>(n * K * 4), pe);
+        sent = sent && Net::emit_transfer(p++, base + off_comb_x + slot0 * row_bytes,
+                                          y + static_cast<int64_t>(run_row0) * row_bytes,
+                                          static_cast<size_t>(n * row_bytes), pe);
+        uint64_t* const run_flags = u64_at(base, a.off_comb_flags) + slot0;
+        for (int j = 0; sent && j < run_len; ++j)
+          sent = Net::emit_signal(p++, run_flags + j, q.epoch, pe);
+      }
+      run_len = 0;
+    };
+    for (int row = row_first; row < row_end; ++row) {
+      const int r = row_rank(s.offsets, world, row);
+      if (r != run_r) put_run();  // rows of run_r are over
+      if (r == me || !Net::remote(a.remote_mask, r)) continue;
+      const int t = src_idx[row];
+      if (run_len > 0 && t == run_t0 + run_len && row == run_row0 + run_len && run_len < run_max) {
+        ++run_len;
+        continue;
+      }
+      put_run();
+      run_r = r;
+      run_t0 = t;
+      run_row0 = row;
+      run_len = 1;
+    }
+    put_run();  // the chunk's last run; every run is claimed before quiet's block barrier
+    __syncwarp();
+  }
   for (int row = gwarp; row < num_rows; row += nwarps) {
     const int r = row_rank(s.offsets, world, row);
     if (r == me || (in_place && !Net::remote(a.remote_mask, r))) continue;
     if (kBulkPush && !in_place && !Net::remote(a.remote_mask, r)) continue;  // sent above
+    if (Net::kCoalesceRuns && Net::remote(a.remote_mask, r)) continue;       // sent above
     const int t = src_idx[row];
     const int64_t slot = static_cast<int64_t>(me) * a.max_tokens + t;
     if constexpr (Net::kTransport) {

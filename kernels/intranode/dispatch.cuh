@@ -12,19 +12,15 @@ namespace epcomm::intranode {
 
 // [E4] under Net::kCoalesceRuns: a lane's open runs, one per peer d = lane + 32 * i (i < kSlots),
 // kept in registers (every index is a compile-time constant). len 0: no open run. A run holds
-// at most `max_len` tokens: kMaxTokens, and at most kMaxBytes of x rows (the proxy's own merge
-// limit, ProxyConfig::max_run_bytes), so the proxy gets work while the chunk is still being
-// sent.
+// at most `max_len` tokens (PeerRunLimits).
 struct PeerRuns {
   static constexpr int kSlots = static_cast<int>((kMaxWorld + 31) / 32);
-  static constexpr int kMaxTokens = 256;
-  static constexpr int kMaxBytes = 1 << 20;
   int t0[kSlots], row0[kSlots], len[kSlots];
   int max_len;
   __device__ __forceinline__ void init(int row_bytes) {
 #pragma unroll
     for (int i = 0; i < kSlots; ++i) t0[i] = row0[i] = len[i] = 0;
-    max_len = row_bytes > 0 ? max(1, min(kMaxTokens, kMaxBytes / row_bytes)) : 1;
+    max_len = PeerRunLimits::max_rows(row_bytes);
   }
 };
 

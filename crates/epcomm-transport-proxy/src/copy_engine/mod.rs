@@ -5,11 +5,11 @@
 //! |---|---|
 //! | transfer | a copy from the source (caller memory or this rank's buffer) to the peer's buffer through its CUDA-IPC mapping |
 //! | write (4/8 bytes) | the value staged in the peer lane's pinned host arena; writes to contiguous destination bytes merge into one copy |
-//! | signal set | `cuStreamWriteValue64` (with its default memory barrier); where the driver refuses it, an 8-byte copy from the arena |
+//! | signal set | the value staged in the arena, then an 8-byte copy after every earlier copy of the lane; signals to consecutive words with nothing between them merge into one copy |
 //! | signal add | the same, writing a running sum kept here (see below) |
 //!
-//! **Copies**: a lane collects its copies and hands them to its stream before a signal, when
-//! 1024 are pending, and at each poll. A copy whose source and destination both continue
+//! **Copies**: a lane collects its copies and hands them to its stream when 1024 are pending
+//! and at each poll. A copy whose source and destination both continue
 //! where a pending copy of the lane ends is merged into it (consecutive rows to consecutive
 //! slots become one copy), when no copy between the two touches its bytes, so the stream's
 //! result is unchanged. Then one `cuMemcpyAsync` each (the default), or, with
@@ -24,10 +24,14 @@
 //! that waits for this executor's copies would deadlock: see
 //! [`crate::check_copy_stream_queues`].
 //!
-//! **Ordering.** One stream per peer and submission order kept on it: a signal is written after
-//! every earlier copy and write to that peer has completed, with a memory barrier before it —
-//! the contract of [`epcomm_proxy::Executor`]. A pending run of writes is handed to its stream
-//! before any later copy or signal on that stream.
+//! **Ordering.** One stream per peer and submission order kept on it: a signal's copy starts
+//! after every earlier copy and write to that peer has completed — the contract of
+//! [`epcomm_proxy::Executor`]. A pending run of writes is handed to its stream before any later
+//! copy or signal on that stream. A copy may merge into an earlier pending copy (it then lands
+//! sooner, never later than the signals after it); a signal merges only into the lane's last
+//! pending copy, and only when that copy holds nothing but signals, so it never lands before
+//! anything that came before it. (A signal used to be a `cuStreamWriteValue64` each: one
+//! driver call per word, which made a combine over this executor take one call per row.)
 //!
 //! **Arena.** Each lane stages write values in its own pinned host arena, used first in, first
 //! out: the bytes of a run stay until the event after its copy completes (events complete in
@@ -121,6 +125,9 @@ struct Lane {
     /// Copies not yet handed to the stream — (destination, source, bytes, operation) — issued
     /// together by `flush_batch` (one `cuMemcpyBatchAsync` call).
     batch: Vec<(u64, u64, usize, OpId)>,
+    /// The index in `batch` of its last copy when that copy holds signals only (later signals
+    /// to the next words merge into it: [`open_signal_continued`]).
+    open_signal: Option<usize>,
     /// Operations submitted since the last event.
     unmarked: Vec<OpId>,
     /// Events in record order, each with the operations it completes, the arena total it
@@ -138,8 +145,6 @@ pub struct CopyEngineExecutor {
     free_events: Vec<CudaEvent>,
     in_flight: usize,
     max_in_flight: usize,
-    /// Set once the driver refused a stream write: signals go through the arena from then on.
-    signals_by_copy: bool,
     /// Copies go out as batches (`cuMemcpyBatchAsync`, preferring the copy engines); cleared
     /// when the driver refuses a batch (then one `cuMemcpyAsync` per copy).
     batched: bool,
@@ -153,7 +158,6 @@ impl std::fmt::Debug for CopyEngineExecutor {
         f.debug_struct("CopyEngineExecutor")
             .field("peers", &self.lanes.len())
             .field("in_flight", &self.in_flight)
-            .field("signals_by_copy", &self.signals_by_copy)
             .finish_non_exhaustive()
     }
 }
@@ -189,6 +193,7 @@ impl CopyEngineExecutor {
                     fifo: Fifo::new(if base == 0 { 8 } else { ARENA_BYTES }),
                     run: None,
                     batch: Vec::new(),
+                    open_signal: None,
                     unmarked: Vec::new(),
                     marks: VecDeque::new(),
                 })
@@ -210,7 +215,6 @@ impl CopyEngineExecutor {
             free_events,
             in_flight: 0,
             max_in_flight: max_in_flight.max(1),
-            signals_by_copy: false,
             batched: false,
             mirror: None,
             watch: Arc::new(CallWatch::default()),
@@ -313,6 +317,7 @@ impl CopyEngineExecutor {
             match res {
                 sys::CUresult::CUDA_SUCCESS => {
                     self.lanes[i].batch.clear();
+                    self.lanes[i].open_signal = None;
                     return Ok(());
                 }
                 sys::CUresult::CUDA_ERROR_NOT_SUPPORTED
@@ -339,11 +344,12 @@ impl CopyEngineExecutor {
                 .map_err(Self::driver(op, i as u32, "cuMemcpyAsync"))?;
         }
         self.lanes[i].batch.clear();
+        self.lanes[i].open_signal = None;
         Ok(())
     }
 
-    /// Adds a copy to lane `i`'s batch (issued when the batch is full, before a signal, at
-    /// the next poll). With batched copies, a copy that depends on a pending one (see
+    /// Adds a copy to lane `i`'s batch, merged into a pending copy it continues where that is
+    /// safe (issued when the batch is full and at the next poll). With batched copies, a copy that depends on a pending one (see
     /// [`depends_on_any`]) first sends the pending ones off: the driver runs a batch's copies
     /// in no particular order, and dependent copies in one batch are undefined.
     fn push_copy(
@@ -357,13 +363,45 @@ impl CopyEngineExecutor {
         if self.batched && depends_on_any(&self.lanes[i].batch, dst, src, bytes) {
             self.flush_batch(i)?;
         }
-        let batch = &mut self.lanes[i].batch;
-        if let Some(k) = continued_copy(batch, dst, src, bytes) {
-            batch[k].2 += bytes;
+        let lane = &mut self.lanes[i];
+        if let Some(k) = continued_copy(&lane.batch, dst, src, bytes) {
+            lane.batch[k].2 += bytes;
+            if lane.open_signal == Some(k) {
+                lane.open_signal = None;
+            }
             return Ok(());
         }
-        batch.push((dst, src, bytes, op));
-        if batch.len() >= MAX_BATCH {
+        lane.batch.push((dst, src, bytes, op));
+        lane.open_signal = None;
+        if lane.batch.len() >= MAX_BATCH {
+            self.flush_batch(i)?;
+        }
+        Ok(())
+    }
+
+    /// Adds the 8-byte copy of a signal (from the arena at `src` to `dst`) to lane `i`'s batch,
+    /// after everything pending there: merged into the lane's open signal copy when it
+    /// continues it ([`open_signal_continued`]); otherwise a new copy (with batched copies, in
+    /// a new batch: a batch runs its copies in no particular order).
+    fn push_signal_copy(
+        &mut self,
+        i: usize,
+        op: OpId,
+        dst: u64,
+        src: u64,
+    ) -> Result<(), OpFailure> {
+        let lane = &mut self.lanes[i];
+        if let Some(k) = open_signal_continued(&lane.batch, lane.open_signal, dst, src) {
+            lane.batch[k].2 += 8;
+            return Ok(());
+        }
+        if self.batched {
+            self.flush_batch(i)?;
+        }
+        let lane = &mut self.lanes[i];
+        lane.batch.push((dst, src, 8, op));
+        lane.open_signal = Some(lane.batch.len() - 1);
+        if lane.batch.len() >= MAX_BATCH {
             self.flush_batch(i)?;
         }
         Ok(())
@@ -398,37 +436,6 @@ impl CopyEngineExecutor {
         value: u64,
     ) -> Result<bool, OpFailure> {
         self.flush_run(i, op)?;
-        self.flush_batch(i)?;
-        if !self.signals_by_copy {
-            let stream = self.stream(i, op)?.cu_stream();
-            let lane = &self.lanes[i];
-            // SAFETY: the address lies in the peer's mapped buffer (offsets are bounds-checked
-            // by the descriptor decoder); the stream belongs to this executor's context.
-            let res = self.watch.call("cuStreamWriteValue64", || {
-                // SAFETY: as stated above this call.
-                unsafe {
-                    sys::cuStreamWriteValue64_v2(
-                        stream,
-                        lane.base + offset,
-                        value,
-                        sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
-                    )
-                }
-            });
-            match res {
-                sys::CUresult::CUDA_SUCCESS => return Ok(true),
-                sys::CUresult::CUDA_ERROR_NOT_SUPPORTED
-                | sys::CUresult::CUDA_ERROR_INVALID_VALUE => {
-                    // This driver cannot write stream-ordered values to this memory: stage them.
-                    self.signals_by_copy = true;
-                }
-                err => {
-                    return Err(Self::driver(op, i as u32, "cuStreamWriteValue64 (signal)")(
-                        DriverError(err),
-                    ));
-                }
-            }
-        }
         let Some(at) = self.lanes[i].fifo.reserve(8) else {
             return Ok(false);
         };
@@ -438,8 +445,7 @@ impl CopyEngineExecutor {
             unsafe { std::ptr::write_volatile(lane.arena.host_ptr().add(at + k), *b) };
         }
         let (dst, src) = (lane.base + offset, lane.arena.host_ptr() as u64 + at as u64);
-        self.push_copy(i, op, dst, src, 8)?;
-        self.flush_batch(i)?;
+        self.push_signal_copy(i, op, dst, src)?;
         Ok(true)
     }
 }
@@ -616,6 +622,24 @@ fn depends_on_any(batch: &[(u64, u64, usize, OpId)], dst: u64, src: u64, bytes: 
     })
 }
 
+/// The index of the lane's open signal copy (`open`: the index of `batch`'s last copy when it
+/// holds signals only) when a signal's 8-byte copy from `src` to `dst` continues it: both its
+/// source and its destination start where that copy ends. Only the last copy qualifies, so the
+/// merged signal still lands after every copy before it.
+fn open_signal_continued(
+    batch: &[(u64, u64, usize, OpId)],
+    open: Option<usize>,
+    dst: u64,
+    src: u64,
+) -> Option<usize> {
+    let k = open?;
+    let (d, s, n, _) = *batch.get(k)?;
+    (k + 1 == batch.len()
+        && d.checked_add(n as u64) == Some(dst)
+        && s.checked_add(n as u64) == Some(src))
+    .then_some(k)
+}
+
 /// The index of the pending copy in `batch` that the copy of `bytes` bytes from `src` to `dst`
 /// continues (both its source and its destination start where that copy's end), when merging
 /// them leaves the stream's result unchanged: no copy issued between the two reads or writes
@@ -710,6 +734,23 @@ mod tests {
         // Touching ends do not overlap.
         assert!(!depends_on_any(&b, 1064, 50_064, 64));
         assert!(!depends_on_any(&[], 0, 0, 8));
+    }
+
+    #[test]
+    fn signals_merge_only_into_the_last_copy_when_it_holds_signals() {
+        // A row, then the flag of that row (open signal at index 1).
+        let b = vec![(1000, 50_000, 64, op()), (9000, 70_000, 8, op())];
+        assert_eq!(open_signal_continued(&b, Some(1), 9008, 70_008), Some(1));
+        // Not continuing: another word, or another arena place.
+        assert_eq!(open_signal_continued(&b, Some(1), 9016, 70_008), None);
+        assert_eq!(open_signal_continued(&b, Some(1), 9008, 70_016), None);
+        // No open signal copy (the last copy carries data), or a stale index.
+        assert_eq!(open_signal_continued(&b, None, 9008, 70_008), None);
+        assert_eq!(open_signal_continued(&b, Some(0), 1064, 50_064), None);
+        // A copy after the signal copy: merging would land the new signal before it.
+        let b = vec![(9000, 70_000, 8, op()), (1000, 50_000, 64, op())];
+        assert_eq!(open_signal_continued(&b, Some(0), 9008, 70_008), None);
+        assert_eq!(open_signal_continued(&[], Some(0), 9008, 70_008), None);
     }
 
     #[test]
