@@ -26,9 +26,10 @@ pub enum RecvMode {
 /// Both ways give the same bits (each token's contributions are summed in fp32, rank order).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum CombineStaging {
-    /// [`Self::CopyEngine`] when it applies and every peer is reached by loads and stores
-    /// (mapped memory), else [`Self::Push`]. Every rank decides alike: the decision depends only
-    /// on the config, the transport's routes, the handle and whether the stream is capturing.
+    /// [`Self::CopyEngine`] when it applies, every peer is reached by loads and stores (mapped
+    /// memory) and the kernels run on at most [`Self::AUTO_MAX_SMS`] SMs; else [`Self::Push`].
+    /// Every rank decides alike: the decision depends only on the config, the transport's
+    /// routes, the handle and graph recording, which are the same on every rank.
     #[default]
     Auto,
     /// The combine kernel's SMs push every received row of `y` into the combine region of the
@@ -38,13 +39,22 @@ pub enum CombineStaging {
     /// this rank's latest dispatch (BF16 or FP8; the region is sized for BF16 rows), then the
     /// kernel pulls every contribution from the peers' receive regions, as
     /// [`crate::Buffer::combine_in_place`] does. The push leaves the SMs, and the rows cross the
-    /// link once, as reads. Applies when `handle` is the latest dispatch's and the stream is not
-    /// capturing a graph; a combine where it does not apply fails naming `combine_staging`.
-    /// The receive rows of the latest dispatch are overwritten.
+    /// link once, as reads. Applies when `handle` is the latest dispatch's and that dispatch was
+    /// issued like the combine (both run, or both recorded in the same graph recording, since the
+    /// copy's destination is the receive region of that dispatch's parity); a combine where it
+    /// does not apply fails naming `combine_staging`. The receive rows of the latest dispatch
+    /// are overwritten.
     CopyEngine,
 }
 
 impl CombineStaging {
+    /// The most SMs at which [`Self::Auto`] stages. The copy moves every row of `y` through
+    /// this GPU's memory once more (about 100 us for 117 MB per rank with two ranks sharing one
+    /// H200), while the push it replaces gets cheaper with every SM that pushes: with two ranks
+    /// on one H200 under MPS, staging was 4–33 % faster at 4–12 SMs, even at 16, and slower
+    /// from 24 SMs up (docs/benchmarks.md, "Combine staging").
+    pub const AUTO_MAX_SMS: u32 = 16;
+
     /// Every way, in documentation order.
     pub const ALL: [Self; 3] = [Self::Auto, Self::Push, Self::CopyEngine];
 

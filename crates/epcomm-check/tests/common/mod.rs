@@ -279,16 +279,10 @@ pub fn configs(test: &str) -> Vec<TestConfig> {
                 {
                     continue;
                 }
-                // Automatic staging picks one way per transport; the other way runs once more,
-                // under Epoch: the kernel's push where every peer is mapped (ipc, one-node
-                // NVSHMEM), the copy-engine staging where peers are behind the transport.
-                let behind_transport = caps.kernel_family == epcomm_kernels::KernelFamily::CpuProxy
-                    || spec.to_string().contains("vnodes");
-                let other = if behind_transport {
-                    CombineStaging::CopyEngine
-                } else {
-                    CombineStaging::Push
-                };
+                // Automatic staging pushes at the SM counts the tests use (above
+                // CombineStaging::AUTO_MAX_SMS) and wherever a peer is behind the transport; the
+                // copy-engine staging runs once more, under Epoch, on every transport.
+                let other = CombineStaging::CopyEngine;
                 let extra =
                     (schedule == Schedule::Epoch && !put_signal_everywhere).then_some(TestConfig {
                         combine_staging: other,

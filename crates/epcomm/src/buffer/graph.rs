@@ -93,6 +93,7 @@ impl Buffer {
     {
         let real = self.seq;
         self.seq = at;
+        self.begin_recording();
         self.stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .context("beginning a graph capture")?;

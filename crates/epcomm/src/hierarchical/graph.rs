@@ -96,6 +96,8 @@ impl HierarchicalBuffer {
         let real = (self.rail.sequence(), self.node.sequence());
         self.rail.set_sequence(at.0);
         self.node.set_sequence(at.1);
+        self.rail.begin_recording();
+        self.node.begin_recording();
         let stream = self.rail.stream().clone();
         stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)

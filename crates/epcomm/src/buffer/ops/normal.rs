@@ -31,6 +31,22 @@ pub(in crate::buffer) struct LatestDispatch {
     pub(in crate::buffer) dtype: RowDtype,
     /// Top-k weights travelled (a non-cached dispatch with `topk_weights`).
     pub(in crate::buffer) weights: bool,
+    /// Whether it ran or was recorded into a graph (combine staging depends on it).
+    pub(in crate::buffer) issued: Issued,
+}
+
+/// How the latest dispatch was issued, for combine staging (`staging`): its copy targets the
+/// receive rows at the host's parity, right only when the dispatch and the combine are issued
+/// alike — both run, or both recorded in the same recording (a recording holding a dispatch is
+/// made once per parity, `graph`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(in crate::buffer) enum Issued {
+    /// Launched on the stream.
+    Run,
+    /// Recorded in the recording being made now.
+    InThisRecording,
+    /// Recorded in an earlier recording (it never ran as such).
+    InEarlierRecording,
 }
 
 /// What a combine reduces: `y` (and its weights) in caller memory, or in place.
@@ -221,10 +237,16 @@ impl Buffer {
             h.routing
                 .store(l.generation.load(Ordering::Relaxed), Ordering::Relaxed);
         }
+        let issued = if self.capturing()? {
+            Issued::InThisRecording
+        } else {
+            Issued::Run
+        };
         self.latest_dispatch = Some(LatestDispatch {
             handle: Arc::downgrade(&handle.inner),
             dtype: row.dtype(),
             weights,
+            issued,
         });
         Ok(())
     }

@@ -15,6 +15,7 @@
 use cudarc::driver::sys;
 use epcomm_topology::{Parity, RegionKind};
 
+use super::normal::Issued;
 use crate::buffer::Buffer;
 use crate::error::DriverContext;
 use crate::handle::HandleInner;
@@ -58,26 +59,45 @@ fn plan_copy(argument: &'static str, src: DeviceRange, dst: DeviceRange) -> Resu
 }
 
 impl Buffer {
+    /// Whether the buffer's stream is recording a graph.
+    pub(in crate::buffer) fn capturing(&self) -> Result<bool> {
+        let status = self
+            .stream
+            .capture_status()
+            .context("reading the stream's capture status")?;
+        Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    }
+
+    /// Marks the start of a graph recording: a dispatch recorded before it is not in it.
+    pub(crate) fn begin_recording(&mut self) {
+        if let Some(l) = &mut self.latest_dispatch
+            && l.issued == Issued::InThisRecording
+        {
+            l.issued = Issued::InEarlierRecording;
+        }
+    }
+
     /// Why the copy-engine staging cannot serve a combine with `h`, if it cannot.
     fn staging_obstacle(&self, h: &HandleInner) -> Result<Option<&'static str>> {
-        let latest = self
+        let Some(latest) = self
             .latest_dispatch
             .as_ref()
-            .is_some_and(|l| std::ptr::eq(l.handle.as_ptr(), h));
-        if !latest {
+            .filter(|l| std::ptr::eq(l.handle.as_ptr(), h))
+        else {
             return Ok(Some(
                 "stages y over the receive rows of this rank's latest dispatch, and the handle \
                  is not that dispatch's",
             ));
-        }
-        let capturing = self
-            .stream
-            .capture_status()
-            .context("reading the stream's capture status")?;
-        if capturing != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
+        };
+        let alike = match (self.capturing()?, latest.issued) {
+            (false, Issued::Run) | (true, Issued::InThisRecording) => true,
+            _ => false,
+        };
+        if !alike {
             return Ok(Some(
-                "cannot be captured in a graph: the copy's destination depends on the dispatch \
-                 parity a replay starts at",
+                "needs the latest dispatch issued like the combine (both run, or both in one \
+                 graph recording): the copy's destination is the receive region of the parity \
+                 that dispatch wrote",
             ));
         }
         Ok(None)
@@ -109,8 +129,13 @@ impl Buffer {
             }
             (_, Some(_)) => return Ok(false),
             // Auto stages only where every peer is mapped (a peer behind the transport would
-            // still be pushed to, from the receive rows, after the copy).
-            (CombineStaging::Auto, None) if self.remote_mask != 0 => return Ok(false),
+            // still be pushed to, from the receive rows, after the copy), and only at SM counts
+            // where the copy costs less than the push it saves.
+            (CombineStaging::Auto, None)
+                if self.remote_mask != 0 || self.cfg.num_sms > CombineStaging::AUTO_MAX_SMS =>
+            {
+                return Ok(false);
+            }
             _ => {}
         }
         let parity = Parity::of_epoch(self.seq.dispatch);
