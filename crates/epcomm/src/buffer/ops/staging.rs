@@ -89,10 +89,10 @@ impl Buffer {
                  is not that dispatch's",
             ));
         };
-        let alike = match (self.capturing()?, latest.issued) {
-            (false, Issued::Run) | (true, Issued::InThisRecording) => true,
-            _ => false,
-        };
+        let alike = matches!(
+            (self.capturing()?, latest.issued),
+            (false, Issued::Run) | (true, Issued::InThisRecording)
+        );
         if !alike {
             return Ok(Some(
                 "needs the latest dispatch issued like the combine (both run, or both in one \
