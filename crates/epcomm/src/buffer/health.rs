@@ -37,7 +37,11 @@ impl Buffer {
         }
         // The kernels record world ranks (group ranks mapped on the device).
         let mut e = Error::from_record(&record);
+        // A rank that learned of a peer's failure while it waited for the proxy reports that
+        // peer's failure (the proxy did not stall); a wait that expired there says what the
+        // proxy was doing.
         if record.wait_id == abi::wait::PROXY
+            && record.code != abi::code::PEER_FAILED
             && let Some(why) = self.mem.backend_failure()
         {
             e = Error::BackendStalled {
