@@ -22,7 +22,7 @@ namespace epcomm {
 
 /// Version of the kernel protocol and argument blocks; ranks compare it when a `Buffer` is
 /// built. Bump it with any change of this header or of the kernels' cross-rank protocol.
-constexpr uint64_t kAbiVersion = 8;
+constexpr uint64_t kAbiVersion = 9;
 
 /// Largest world size the intranode kernels support (shared-memory tables are this large).
 constexpr size_t kMaxWorld = 64;
@@ -140,7 +140,8 @@ struct OpArgs {
   // Failure reporting.
   uint64_t err_claim;    ///< Device u32, claimed by the first failing thread.
   uint64_t err_record;   ///< Host-mapped ErrorRecord.
-  uint64_t host_counts;  ///< Host-mapped: [0] tag, [1] recv rows, [2..] per local expert.
+  uint64_t host_counts;  ///< Host-mapped: [0] tag, [1] recv rows, [2, 2 + E) per local expert,
+                         ///< [2 + E] first row from this rank, [3 + E] rows from this rank.
   // Sequencing: read from device memory so that a captured CUDA graph replays correctly.
   uint64_t timeout_ns;     ///< Bound of every wait.
   uint64_t seq_state;      ///< SeqState (local device memory), advanced by each op's last block.

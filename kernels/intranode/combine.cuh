@@ -296,10 +296,13 @@ __device__ __forceinline__ void combine(const OpArgs& a, Shared& s) {
   const int n16 = static_cast<int>(row_bytes / 16);
   const bool has_w = (a.flags & kFlagHasWeights) != 0;
   const int32_t* src_idx = reinterpret_cast<const int32_t*>(a.recv_src_idx);
-  // y and its weights: the caller's (a.x, a.topk_weights), or in place my receive region.
-  const uint8_t* y = in_place ? local + off_y : reinterpret_cast<const uint8_t*>(a.x);
-  const float* y_w = in_place ? reinterpret_cast<const float*>(local + off_yw)
-                              : reinterpret_cast<const float*>(a.topk_weights);
+  // y and its weights: the caller's (a.x, a.topk_weights), or in place my receive region. A
+  // staged combine (the copy engine wrote y over the rows peers read) may pass y in place too:
+  // my own rows are then read from it and were not copied.
+  const bool own_from_y = in_place && a.x != 0;
+  const uint8_t* y = in_place && !own_from_y ? local + off_y : reinterpret_cast<const uint8_t*>(a.x);
+  const float* y_w = in_place && !own_from_y ? reinterpret_cast<const float*>(local + off_yw)
+                                             : reinterpret_cast<const float*>(a.topk_weights);
   const int gwarp = warp * gridDim.x + blockIdx.x, nwarps = gridDim.x * kWarps;
   bool ok = true;
 
@@ -463,7 +466,7 @@ __device__ __forceinline__ void combine(const OpArgs& a, Shared& s) {
       const unsigned have = __ballot_sync(0xffffffffu, row >= 0);
       if (row >= 0) {
         const int n = nsrc + __popc(have & ((1u << lane) - 1u));
-        const bool pulled = in_place && !Net::remote(a.remote_mask, r);
+        const bool pulled = in_place && !Net::remote(a.remote_mask, r) && !(r == me && own_from_y);
         const int64_t pushed = static_cast<int64_t>(r) * a.max_tokens + t;  // comb slot
         const uint8_t* p = pulled    ? s.bases[r] + off_y + row * row_bytes
                            : r == me ? y + static_cast<int64_t>(row) * row_bytes

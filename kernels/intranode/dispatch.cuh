@@ -110,6 +110,8 @@ __device__ __forceinline__ void dispatch(const OpArgs& a, Shared& s) {
         }
         recv_prefix[world] = acc;
         host[1] = static_cast<uint64_t>(acc);
+        host[2 + epr] = static_cast<uint64_t>(recv_prefix[me]);  // rows I sent myself
+        host[3 + epr] = static_cast<uint64_t>(s.counts[me * world + me]);
         stats[kStatCountsReady] = globaltimer_ns();
       }
       const uint64_t* ecounts = u64_at(local, off_expert_counts);

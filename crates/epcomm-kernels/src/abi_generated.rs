@@ -3,7 +3,7 @@
 
 /// Version of the kernel protocol and argument blocks; ranks compare it when a `Buffer` is
 /// built. Bump it with any change of this header or of the kernels' cross-rank protocol.
-pub const ABI_VERSION: u64 = 8;
+pub const ABI_VERSION: u64 = 9;
 
 /// Largest world size the intranode kernels support (shared-memory tables are this large).
 pub const MAX_WORLD: usize = 64;
@@ -196,7 +196,8 @@ pub struct OpArgs {
     pub err_claim: u64,
     /// Host-mapped ErrorRecord.
     pub err_record: u64,
-    /// Host-mapped: \[0\] tag, \[1\] recv rows, \[2..\] per local expert.
+    /// Host-mapped: \[0\] tag, \[1\] recv rows, \[2, 2 + E) per local expert,
+    /// \[2 + E\] first row from this rank, \[3 + E\] rows from this rank.
     pub host_counts: u64,
     // Sequencing: read from device memory so that a captured CUDA graph replays correctly.
     /// Bound of every wait.

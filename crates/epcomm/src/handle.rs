@@ -31,6 +31,8 @@ pub(crate) struct HandleInner {
     pub(crate) recv_expert_counts: CudaSlice<i32>,
     /// Rows received, when the host knows it (HostSync).
     pub(crate) num_recv: Option<usize>,
+    /// The received rows this rank sent itself, when the host knows them (HostSync).
+    pub(crate) own_rows: Option<std::ops::Range<usize>>,
     /// Upper bound of rows received (the capacity the dispatch ran with).
     pub(crate) max_rows: usize,
     pub(crate) buffer_id: u64,

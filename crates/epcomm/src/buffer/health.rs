@@ -19,6 +19,17 @@ use super::Buffer;
 use crate::stats::{LocalStats, OpStats};
 use crate::{Error, Result, WaitKind};
 
+/// What a HostSync dispatch publishes to mapped host memory once the counts are exchanged.
+#[derive(Debug)]
+pub(super) struct HostCounts {
+    /// Rows received.
+    pub(super) rows: usize,
+    /// Rows per local expert.
+    pub(super) per_expert: Vec<usize>,
+    /// The received rows this rank sent itself.
+    pub(super) own_rows: std::ops::Range<usize>,
+}
+
 impl Buffer {
     /// Reports a failure recorded by a kernel (cheap: one read of mapped host memory). After a
     /// failure the buffer refuses new ops: destroy it and create a new one.
@@ -109,16 +120,18 @@ impl Buffer {
     /// HostSync: waits (bounded by the config's timeout plus one second) for the counts the
     /// dispatch kernel publishes to mapped memory with notify tag `tag`; returns the rows
     /// received and the rows per local expert (`epr` of them).
-    pub(super) fn wait_host_counts(&mut self, tag: u64, epr: usize) -> Result<(usize, Vec<usize>)> {
+    pub(super) fn wait_host_counts(&mut self, tag: u64, epr: usize) -> Result<HostCounts> {
         let start = Instant::now();
         let limit = self.cfg.timeout + Duration::from_secs(1);
         loop {
             if self.host_counts.load_u64(0) == Some(tag) {
-                let n = self.host_counts.load_u64(1).unwrap_or(0) as usize;
-                let e = (0..epr)
-                    .map(|i| self.host_counts.load_u64(2 + i).unwrap_or(0) as usize)
-                    .collect();
-                return Ok((n, e));
+                let word = |i: usize| self.host_counts.load_u64(i).unwrap_or(0) as usize;
+                let own_first = word(2 + epr);
+                return Ok(HostCounts {
+                    rows: word(1),
+                    per_expert: (0..epr).map(|i| word(2 + i)).collect(),
+                    own_rows: own_first..own_first + word(3 + epr),
+                });
             }
             self.check()?;
             // SAFETY: querying a live stream has no preconditions.

@@ -184,7 +184,7 @@ impl Buffer {
                 Arc::new(MappedHostBuffer::zeroed(&ctx, size_of::<ErrorRecord>())?),
             ),
         };
-        let host_counts = MappedHostBuffer::zeroed(&ctx, (2 + cfg.num_experts / world) * 8)?;
+        let host_counts = MappedHostBuffer::zeroed(&ctx, (4 + cfg.num_experts / world) * 8)?;
         let seq_state = DeviceBuffer::zeroed(&ctx, size_of::<abi::SeqState>())?;
         let parity_stride = parity_stride(&plan)?;
         let buffer = Self {

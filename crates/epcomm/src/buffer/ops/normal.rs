@@ -94,6 +94,7 @@ impl Buffer {
                 recv_src_idx,
                 recv_expert_counts,
                 num_recv,
+                own_rows: None,
                 max_rows,
                 buffer_id: self.id,
                 routing: AtomicU64::new(HandleInner::NOT_DISPATCHED),
@@ -117,10 +118,12 @@ impl Buffer {
         self.launch_dispatch(&input.x, Some(input.topk_idx), input.topk_weights, &handle)?;
         let (handle, per_expert) = if mode == RecvMode::HostSync {
             let epr = self.cfg.num_experts / self.world;
-            let (n, e) = self.wait_host_counts(self.seq.notify, epr)?;
+            let counts = self.wait_host_counts(self.seq.notify, epr)?;
             let mut inner = Arc::try_unwrap(handle.inner)
                 .map_err(|_| Error::Failed("handle shared during dispatch".into()))?;
-            inner.num_recv = Some(n);
+            inner.num_recv = Some(counts.rows);
+            inner.own_rows = Some(counts.own_rows);
+            let e = counts.per_expert;
             let handle = Handle {
                 inner: Arc::new(inner),
             };
@@ -303,7 +306,6 @@ impl Buffer {
         let yw = y_weights.map(|w| w.device_ptr(&s));
         let staged = self.stage_combine_y(
             h,
-            h.rows_bound(),
             DeviceRange {
                 ptr: y_ptr,
                 bytes: (y.len() * 2) as u64,
@@ -313,19 +315,19 @@ impl Buffer {
                 bytes: (w.len() * 4) as u64,
             }),
         )?;
-        let inputs = if staged {
-            // y now lies over this rank's latest receive rows: pulled from there, as in place.
-            CombineInputs {
-                y: 0,
-                y_weights: 0,
+        let inputs = match staged {
+            // y now lies over this rank's latest receive rows (its own rows perhaps only in y):
+            // pulled from there, as in place.
+            Some(own) => CombineInputs {
+                y: own.y,
+                y_weights: own.y_weights,
                 in_place: true,
-            }
-        } else {
-            CombineInputs {
+            },
+            None => CombineInputs {
                 y: y_ptr,
                 y_weights: yw.as_ref().map_or(0, |p| p.0),
                 in_place: false,
-            }
+            },
         };
         // SAFETY: y holds at least the received rows (checked against the host count or the
         // capacity the dispatch enforced on the device), y_weights as many weight rows; staged,

@@ -105,20 +105,22 @@ impl Buffer {
 
     /// Decides how this combine moves `y` ([`crate::BufferConfig::combine_staging`]) and, when
     /// staged, issues the copies of `y` (and `y_weights`) over the latest dispatch's receive
-    /// rows. Returns whether the combine must run in place.
+    /// rows. Returns `None` to push, or what the in-place kernel reads this rank's own rows
+    /// from.
     ///
-    /// `rows` is the host's bound on the received rows (the exact count after a HostSync
-    /// dispatch, else the capacity): only that many rows are copied.
+    /// Only rows a peer reads are copied: up to the host's bound on the received rows (the
+    /// exact count after a HostSync dispatch, else the capacity), and, where every peer is
+    /// mapped and the host knows them (HostSync), not the rows this rank sent itself, which
+    /// the kernel then reads from `y` directly.
     pub(in crate::buffer) fn stage_combine_y(
         &mut self,
         h: &HandleInner,
-        rows: usize,
         y: DeviceRange,
         y_weights: Option<DeviceRange>,
-    ) -> Result<bool> {
+    ) -> Result<Option<StagedInputs>> {
         let staging = self.cfg.combine_staging;
         if staging == CombineStaging::Push {
-            return Ok(false);
+            return Ok(None);
         }
         match (staging, self.staging_obstacle(h)?) {
             (CombineStaging::CopyEngine, Some(rule)) => {
@@ -127,29 +129,30 @@ impl Buffer {
                     rule: format!("copy-engine {rule}"),
                 });
             }
-            (_, Some(_)) => return Ok(false),
+            (_, Some(_)) => return Ok(None),
             // Auto stages only where every peer is mapped (a peer behind the transport would
             // still be pushed to, from the receive rows, after the copy), and only at SM counts
             // where the copy costs less than the push it saves.
             (CombineStaging::Auto, None)
                 if self.remote_mask != 0 || self.cfg.num_sms > CombineStaging::AUTO_MAX_SMS =>
             {
-                return Ok(false);
+                return Ok(None);
             }
             _ => {}
         }
         let parity = Parity::of_epoch(self.seq.dispatch);
         let base = self.mem.local_base();
         let region = |k| base + self.plan.region(k, parity).offset;
-        let (hidden, top_k) = (self.cfg.hidden as u64, self.cfg.top_k as u64);
-        let rows = rows as u64;
+        let rows = h.rows_bound();
+        let x_row = self.cfg.hidden as u64 * 2;
+        let w_row = self.cfg.top_k as u64 * 4;
         let x = DeviceRange {
             ptr: region(RegionKind::DispatchX),
-            bytes: rows * hidden * 2,
+            bytes: rows as u64 * x_row,
         };
         let w = DeviceRange {
             ptr: region(RegionKind::DispatchTopkWeights),
-            bytes: rows * top_k * 4,
+            bytes: rows as u64 * w_row,
         };
         let y = DeviceRange {
             bytes: x.bytes,
@@ -164,26 +167,65 @@ impl Buffer {
             Some(yw) => plan_copy("y_weights", yw, w)?,
             None => false,
         };
+        // The rows a peer reads: all, or all but this rank's own when the kernel can read those
+        // from y (no peer behind the transport pushes from the region then).
+        let own = h.own_rows.clone().filter(|_| self.remote_mask == 0);
+        let ranges = match &own {
+            Some(o) => [0..o.start.min(rows), o.end.min(rows)..rows],
+            None => [0..rows, rows..rows],
+        };
         let s = self.stream.cu_stream();
-        if copy_x {
-            // SAFETY: the destination is this rank's receive region of the latest dispatch's
-            // parity, which holds `max_rows >= rows` rows of `hidden` bf16 values (the region is
-            // sized for BF16 rows whatever the dispatch's type); the source holds at least `rows`
-            // rows (check_combine_y) and does not overlap it (plan_copy). Stream-ordered after
-            // every earlier op of this rank, before the combine kernel.
-            unsafe { sys::cuMemcpyDtoDAsync_v2(x.ptr, y.ptr, x.bytes as usize, s) }
+        for r in ranges.iter().filter(|r| !r.is_empty()) {
+            let (first, n) = (r.start as u64, (r.end - r.start) as u64);
+            if copy_x {
+                // SAFETY: the destination rows lie in this rank's receive region of the latest
+                // dispatch's parity, which holds `max_rows >= rows` rows of `hidden` bf16 values
+                // (the region is sized for BF16 rows whatever the dispatch's type); the source
+                // holds at least `rows` rows (check_combine_y) and does not overlap it
+                // (plan_copy). Stream-ordered after every earlier op of this rank, before the
+                // combine kernel.
+                unsafe {
+                    sys::cuMemcpyDtoDAsync_v2(
+                        x.ptr + first * x_row,
+                        y.ptr + first * x_row,
+                        (n * x_row) as usize,
+                        s,
+                    )
+                }
                 .result()
                 .context("staging y over the receive rows")?;
-        }
-        if let (true, Some(yw)) = (copy_w, y_weights) {
-            // SAFETY: as above, for the `[rows][top_k]` f32 weights region and `y_weights`
-            // (which holds at least `rows * top_k` values, check_combine_y).
-            unsafe { sys::cuMemcpyDtoDAsync_v2(w.ptr, yw.ptr, w.bytes as usize, s) }
+            }
+            if let (true, Some(yw)) = (copy_w, y_weights) {
+                // SAFETY: as above, for the `[rows][top_k]` f32 weights region and `y_weights`
+                // (which holds at least `rows * top_k` values, check_combine_y).
+                unsafe {
+                    sys::cuMemcpyDtoDAsync_v2(
+                        w.ptr + first * w_row,
+                        yw.ptr + first * w_row,
+                        (n * w_row) as usize,
+                        s,
+                    )
+                }
                 .result()
                 .context("staging y_weights over the received weights")?;
+            }
         }
-        Ok(true)
+        Ok(Some(match own {
+            Some(_) => StagedInputs {
+                y: y.ptr,
+                y_weights: y_weights.map_or(0, |r| r.ptr),
+            },
+            None => StagedInputs::default(),
+        }))
     }
+}
+
+/// Where a staged combine's kernel reads this rank's own rows: `y` and its weights (the caller's,
+/// not copied), or 0: the receive region, like every peer's rows.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(in crate::buffer) struct StagedInputs {
+    pub(in crate::buffer) y: u64,
+    pub(in crate::buffer) y_weights: u64,
 }
 
 #[cfg(test)]
