@@ -48,12 +48,16 @@ pub enum CombineStaging {
 }
 
 impl CombineStaging {
-    /// The most SMs at which [`Self::Auto`] stages. The copy moves every row of `y` through
-    /// this GPU's memory once more (about 100 us for 117 MB per rank with two ranks sharing one
-    /// H200), while the push it replaces gets cheaper with every SM that pushes: with two ranks
-    /// on one H200 under MPS, staging was 4–33 % faster at 4–12 SMs, even at 16, and slower
-    /// from 24 SMs up (docs/benchmarks.md, "Combine staging").
-    pub const AUTO_MAX_SMS: u32 = 16;
+    /// The most SMs at which [`Self::Auto`] stages. The copy costs this GPU's memory time, the
+    /// push it replaces costs SM time, which gets cheaper with every SM. With two ranks on one
+    /// H200 under MPS (docs/benchmarks.md, "Combine staging"), after a HostSync dispatch (the
+    /// host knows which rows this rank sent itself, and copies only the rows peers read)
+    /// staging was 22–38 % faster at 4–8 SMs, 0–26 % at 24, 9–13 % at 32 and even at 64; when
+    /// every row is copied (WorstCase, Bounded, `dispatch_into`) it was faster up to 16 SMs and
+    /// 5–14 % slower at 24–32. One bound serves both, since every rank must decide alike and
+    /// ranks may dispatch in different receive modes; on a GPU per rank the copy has its memory
+    /// to itself and the push crosses the link, which favours staging further.
+    pub const AUTO_MAX_SMS: u32 = 32;
 
     /// Every way, in documentation order.
     pub const ALL: [Self; 3] = [Self::Auto, Self::Push, Self::CopyEngine];

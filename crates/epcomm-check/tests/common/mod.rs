@@ -279,15 +279,24 @@ pub fn configs(test: &str) -> Vec<TestConfig> {
                 {
                     continue;
                 }
-                // Automatic staging pushes at the SM counts the tests use (above
-                // CombineStaging::AUTO_MAX_SMS) and wherever a peer is behind the transport; the
-                // copy-engine staging runs once more, under Epoch, on every transport.
-                let other = CombineStaging::CopyEngine;
-                let extra =
-                    (schedule == Schedule::Epoch && !put_signal_everywhere).then_some(TestConfig {
-                        combine_staging: other,
-                        ..cfg
-                    });
+                // Automatic staging stages or pushes by the SM count and the routes, so both ways run once more on their own, under Epoch: the copy-engine
+                // staging on every transport, the push where automatic staging could stage
+                // (every peer mapped: not the CPU proxy, not virtual nodes).
+                let mapped = caps.kernel_family != epcomm_kernels::KernelFamily::CpuProxy
+                    && !spec.to_string().contains("vnodes");
+                let extras = if schedule == Schedule::Epoch && !put_signal_everywhere {
+                    let mut e = vec![CombineStaging::CopyEngine];
+                    if mapped {
+                        e.push(CombineStaging::Push);
+                    }
+                    e
+                } else {
+                    Vec::new()
+                };
+                let extra = extras.into_iter().map(|w| TestConfig {
+                    combine_staging: w,
+                    ..cfg
+                });
                 for c in std::iter::once(cfg).chain(extra) {
                     if keep(
                         "EPCOMM_TEST_COMBINE_STAGING",
