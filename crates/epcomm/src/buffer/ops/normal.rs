@@ -15,7 +15,7 @@ use cudarc::driver::{DevicePtr, DevicePtrMut};
 use epcomm_kernels::{Op, abi};
 use epcomm_topology::{Parity, RegionKind, RowDtype, RowFormat};
 
-use super::staging::DeviceRange;
+use super::staging::{DeviceRange, Issued};
 use super::{DispatchInput, XInput};
 use crate::buffer::Buffer;
 use crate::buffer::args::{combine_flags, dispatch_flags};
@@ -33,20 +33,6 @@ pub(in crate::buffer) struct LatestDispatch {
     pub(in crate::buffer) weights: bool,
     /// Whether it ran or was recorded into a graph (combine staging depends on it).
     pub(in crate::buffer) issued: Issued,
-}
-
-/// How the latest dispatch was issued, for combine staging (`staging`): its copy targets the
-/// receive rows at the host's parity, right only when the dispatch and the combine are issued
-/// alike — both run, or both recorded in the same recording (a recording holding a dispatch is
-/// made once per parity, `graph`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(in crate::buffer) enum Issued {
-    /// Launched on the stream.
-    Run,
-    /// Recorded in the recording being made now.
-    InThisRecording,
-    /// Recorded in an earlier recording (it never ran as such).
-    InEarlierRecording,
 }
 
 /// What a combine reduces: `y` (and its weights) in caller memory, or in place.

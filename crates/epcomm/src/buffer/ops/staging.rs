@@ -15,11 +15,24 @@
 use cudarc::driver::sys;
 use epcomm_topology::{Parity, RegionKind};
 
-use super::normal::Issued;
 use crate::buffer::Buffer;
 use crate::error::DriverContext;
 use crate::handle::HandleInner;
 use crate::{CombineStaging, Error, Result};
+
+/// How the latest dispatch was issued, for combine staging: its copy targets the
+/// receive rows at the host's parity, right only when the dispatch and the combine are issued
+/// alike — both run, or both recorded in the same recording (a recording holding a dispatch is
+/// made once per parity, `graph`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(in crate::buffer) enum Issued {
+    /// Launched on the stream.
+    Run,
+    /// Recorded in the recording being made now.
+    InThisRecording,
+    /// Recorded in an earlier recording (it never ran as such).
+    InEarlierRecording,
+}
 
 /// A device range `[ptr, ptr + bytes)`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -174,40 +187,39 @@ impl Buffer {
             Some(o) => [0..o.start.min(rows), o.end.min(rows)..rows],
             None => [0..rows, rows..rows],
         };
+        // (destination, source, row bytes, what) of every copy to issue per range.
+        let mut copies = Vec::with_capacity(2);
+        if copy_x {
+            copies.push((x.ptr, y.ptr, x_row, "staging y over the receive rows"));
+        }
+        if let (true, Some(yw)) = (copy_w, y_weights) {
+            copies.push((
+                w.ptr,
+                yw.ptr,
+                w_row,
+                "staging y_weights over the received weights",
+            ));
+        }
         let s = self.stream.cu_stream();
         for r in ranges.iter().filter(|r| !r.is_empty()) {
             let (first, n) = (r.start as u64, (r.end - r.start) as u64);
-            if copy_x {
+            for &(dst, src, row, what) in &copies {
                 // SAFETY: the destination rows lie in this rank's receive region of the latest
-                // dispatch's parity, which holds `max_rows >= rows` rows of `hidden` bf16 values
-                // (the region is sized for BF16 rows whatever the dispatch's type); the source
-                // holds at least `rows` rows (check_combine_y) and does not overlap it
-                // (plan_copy). Stream-ordered after every earlier op of this rank, before the
-                // combine kernel.
+                // dispatch's parity (rows of `hidden` bf16 values, sized for BF16 whatever the
+                // dispatch's type, or of `top_k` f32 weights), which holds `max_rows >= rows`
+                // rows; the source holds at least `rows` rows (check_combine_y) and does not
+                // overlap it (plan_copy). Stream-ordered after every earlier op of this rank,
+                // before the combine kernel.
                 unsafe {
                     sys::cuMemcpyDtoDAsync_v2(
-                        x.ptr + first * x_row,
-                        y.ptr + first * x_row,
-                        (n * x_row) as usize,
+                        dst + first * row,
+                        src + first * row,
+                        (n * row) as usize,
                         s,
                     )
                 }
                 .result()
-                .context("staging y over the receive rows")?;
-            }
-            if let (true, Some(yw)) = (copy_w, y_weights) {
-                // SAFETY: as above, for the `[rows][top_k]` f32 weights region and `y_weights`
-                // (which holds at least `rows * top_k` values, check_combine_y).
-                unsafe {
-                    sys::cuMemcpyDtoDAsync_v2(
-                        w.ptr + first * w_row,
-                        yw.ptr + first * w_row,
-                        (n * w_row) as usize,
-                        s,
-                    )
-                }
-                .result()
-                .context("staging y_weights over the received weights")?;
+                .context(what)?;
             }
         }
         Ok(Some(match own {
