@@ -85,6 +85,11 @@ pub struct Buffer {
     seq: Sequence,
     /// Routing, element type and weights of the latest (cached) dispatch (in-place combine).
     latest_dispatch: Option<LatestDispatch>,
+    /// `Buffer::capture` (or a hierarchical buffer's) is recording.
+    recording: bool,
+    /// A dispatch was captured outside `Buffer::capture`: the host no longer knows the
+    /// dispatch parity, so combines never stage (`ops/staging.rs`).
+    foreign_capture: bool,
     /// The low-latency op whose receive phase has not been launched yet.
     ll_pending: Option<ops::PendingReceive>,
     /// u32 words of dynamic shared memory of the low-latency kernels.

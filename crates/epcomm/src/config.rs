@@ -27,9 +27,12 @@ pub enum RecvMode {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum CombineStaging {
     /// [`Self::CopyEngine`] when it applies, every peer is reached by loads and stores (mapped
-    /// memory) and the kernels run on at most [`Self::AUTO_MAX_SMS`] SMs; else [`Self::Push`].
-    /// Every rank decides alike: the decision depends only on the config, the transport's
-    /// routes, the handle and graph recording, which are the same on every rank.
+    /// memory), the handle's dispatch was HostSync (so only the rows peers read are copied) and
+    /// the kernels run on at most [`Self::AUTO_MAX_SMS`] SMs; else [`Self::Push`]. Every rank
+    /// must decide alike: the decision depends on the config, the transport's routes, the
+    /// handle, graph recording and the receive mode, so every rank must dispatch in the same
+    /// receive mode (a rank that stages and one that pushes wait for each other until the
+    /// timeout, which names the peer).
     #[default]
     Auto,
     /// The combine kernel's SMs push every received row of `y` into the combine region of the
@@ -50,13 +53,10 @@ pub enum CombineStaging {
 impl CombineStaging {
     /// The most SMs at which [`Self::Auto`] stages. The copy costs this GPU's memory time, the
     /// push it replaces costs SM time, which gets cheaper with every SM. With two ranks on one
-    /// H200 under MPS (docs/benchmarks.md, "Combine staging"), after a HostSync dispatch (the
-    /// host knows which rows this rank sent itself, and copies only the rows peers read)
-    /// staging was 22–38 % faster at 4–8 SMs, 0–26 % at 24, 9–13 % at 32 and even at 64; when
-    /// every row is copied (WorstCase, Bounded, `dispatch_into`) it was faster up to 16 SMs and
-    /// 5–14 % slower at 24–32. One bound serves both, since every rank must decide alike and
-    /// ranks may dispatch in different receive modes; on a GPU per rank the copy has its memory
-    /// to itself and the push crosses the link, which favours staging further.
+    /// H200 under MPS (docs/benchmarks.md, "Combine staging"), after a HostSync dispatch
+    /// staging was 22–38 % faster at 4–8 SMs, 0–26 % at 24, 9–13 % at 32 and even at 64.
+    /// Copying every row (what [`Self::CopyEngine`] does after other receive modes, up to the
+    /// capacity) was faster only up to 16 SMs there, which is why `Auto` leaves those alone.
     pub const AUTO_MAX_SMS: u32 = 32;
 
     /// Every way, in documentation order.

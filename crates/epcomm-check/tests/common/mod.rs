@@ -253,6 +253,11 @@ pub fn configs(test: &str) -> Vec<TestConfig> {
         }
         usable.push(spec);
     }
+    if let Some(v) = only("EPCOMM_TEST_COMBINE_STAGING") {
+        v.parse::<CombineStaging>()
+            .unwrap_or_else(|e| panic!("{test}: EPCOMM_TEST_COMBINE_STAGING: {e}"));
+    }
+    let any_usable = !usable.is_empty();
     let mut out = Vec::new();
     for spec in usable {
         let caps = spec.capabilities().expect("compiled in");
@@ -308,6 +313,12 @@ pub fn configs(test: &str) -> Vec<TestConfig> {
             }
         }
     }
+    // Filters that leave nothing would let the test pass without running.
+    assert!(
+        !out.is_empty() || !any_usable,
+        "{test}: EPCOMM_TEST_SCHEDULE, EPCOMM_TEST_ROUTES and EPCOMM_TEST_COMBINE_STAGING leave no \
+         configuration to run"
+    );
     out
 }
 

@@ -92,11 +92,11 @@ impl Buffer {
         F: FnMut(&mut Self) -> Result<()>,
     {
         let real = self.seq;
-        self.seq = at;
-        self.begin_recording();
         self.stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .context("beginning a graph capture")?;
+        self.seq = at;
+        self.begin_recording();
         let captured = ops(self);
         let graph = self
             .stream
@@ -104,6 +104,7 @@ impl Buffer {
                 sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
             )
             .context("ending a graph capture");
+        self.end_recording();
         let delta = self.seq.minus(&at);
         self.seq = real;
         // Nothing ran on the device: a receive left pending inside is not pending now, also

@@ -208,6 +208,8 @@ impl Buffer {
             parity_stride,
             seq: Sequence::default(),
             latest_dispatch: None,
+            recording: false,
+            foreign_capture: false,
             ll_pending: None,
             ll_smem_words,
             last_op: None,

@@ -94,20 +94,22 @@ impl HierarchicalBuffer {
         F: FnMut(&mut Self) -> Result<()>,
     {
         let real = (self.rail.sequence(), self.node.sequence());
-        self.rail.set_sequence(at.0);
-        self.node.set_sequence(at.1);
-        self.rail.begin_recording();
-        self.node.begin_recording();
         let stream = self.rail.stream().clone();
         stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .context("beginning a graph capture")?;
+        self.rail.set_sequence(at.0);
+        self.node.set_sequence(at.1);
+        self.rail.begin_recording();
+        self.node.begin_recording();
         let captured = ops(self);
         let graph = stream
             .end_capture(
                 sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
             )
             .context("ending a graph capture");
+        self.rail.end_recording();
+        self.node.end_recording();
         let delta = (
             self.rail.sequence().minus(&at.0),
             self.node.sequence().minus(&at.1),

@@ -160,6 +160,7 @@ impl Buffer {
         handle: &Handle,
     ) -> Result<()> {
         let cached = topk_idx.is_none();
+        let issued = self.issued_now()?;
         let h = &handle.inner;
         let l = &h.layout;
         if l.generation.load(Ordering::Relaxed) == 0 {
@@ -226,11 +227,6 @@ impl Buffer {
             h.routing
                 .store(l.generation.load(Ordering::Relaxed), Ordering::Relaxed);
         }
-        let issued = if self.capturing()? {
-            Issued::InThisRecording
-        } else {
-            Issued::Run
-        };
         self.latest_dispatch = Some(LatestDispatch {
             handle: Arc::downgrade(&handle.inner),
             dtype: row.dtype(),
@@ -286,6 +282,12 @@ impl Buffer {
             y.len(),
             y_weights.map(|w| w.len()),
             out_weights.is_some(),
+        )?;
+        // Every argument is checked before a staging copy may overwrite the receive rows.
+        self.check_combine_out(
+            h.layout.num_tokens,
+            out.len(),
+            out_weights.as_ref().map(|o| o.len()),
         )?;
         let s = self.stream.clone();
         let (y_ptr, _gy) = y.device_ptr(&s);

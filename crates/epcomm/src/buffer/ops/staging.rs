@@ -16,6 +16,7 @@ use cudarc::driver::sys;
 use epcomm_topology::{Parity, RegionKind};
 
 use crate::buffer::Buffer;
+use crate::buffer::pointers::{ROW_ALIGN, check_device_ptr};
 use crate::error::DriverContext;
 use crate::handle::HandleInner;
 use crate::{CombineStaging, Error, Result};
@@ -46,6 +47,24 @@ impl DeviceRange {
         self.ptr < other.ptr.saturating_add(other.bytes)
             && other.ptr < self.ptr.saturating_add(self.bytes)
     }
+}
+
+/// Refuses a source that overlaps a destination it is not copied to.
+fn refuse_overlap(argument: &'static str, src: DeviceRange, dst: DeviceRange) -> Result<()> {
+    if src.bytes > 0 && src.overlaps(dst) {
+        return Err(Error::InvalidArgument {
+            argument,
+            rule: format!(
+                "overlaps the receive region another staged copy writes ({:#x}..{:#x} against \
+                 {:#x}..{:#x}): pass it elsewhere, or set combine_staging to push",
+                src.ptr,
+                src.ptr + src.bytes,
+                dst.ptr,
+                dst.ptr + dst.bytes
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// How one copy of a staged combine goes: skipped when the source already is the destination
@@ -81,8 +100,10 @@ impl Buffer {
         Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
     }
 
-    /// Marks the start of a graph recording: a dispatch recorded before it is not in it.
+    /// Marks the start of a recording by [`Buffer::capture`] (or a hierarchical buffer's): a
+    /// dispatch recorded before it is not in it.
     pub(crate) fn begin_recording(&mut self) {
+        self.recording = true;
         if let Some(l) = &mut self.latest_dispatch
             && l.issued == Issued::InThisRecording
         {
@@ -90,8 +111,36 @@ impl Buffer {
         }
     }
 
+    /// Marks the end of a recording that [`Self::begin_recording`] started.
+    pub(crate) fn end_recording(&mut self) {
+        self.recording = false;
+    }
+
+    /// How an op issued now is issued. A dispatch captured by someone else than
+    /// [`Buffer::capture`] (a framework's graph) is replayed without the host's op counts
+    /// following, so from then on the host does not know the dispatch parity and the buffer
+    /// never stages again (every rank captures alike, so every rank stops alike).
+    pub(in crate::buffer) fn issued_now(&mut self) -> Result<Issued> {
+        Ok(match (self.capturing()?, self.recording) {
+            (false, _) => Issued::Run,
+            (true, true) => Issued::InThisRecording,
+            (true, false) => {
+                self.foreign_capture = true;
+                Issued::InEarlierRecording
+            }
+        })
+    }
+
     /// Why the copy-engine staging cannot serve a combine with `h`, if it cannot.
-    fn staging_obstacle(&self, h: &HandleInner) -> Result<Option<&'static str>> {
+    fn staging_obstacle(&mut self, h: &HandleInner) -> Result<Option<&'static str>> {
+        let now = self.issued_now()?;
+        if self.foreign_capture {
+            return Ok(Some(
+                "needs the host to know the dispatch parity, and a dispatch of this buffer was \
+                 captured into a graph outside Buffer::capture, whose replays the host does not \
+                 count",
+            ));
+        }
         let Some(latest) = self
             .latest_dispatch
             .as_ref()
@@ -103,8 +152,8 @@ impl Buffer {
             ));
         };
         let alike = matches!(
-            (self.capturing()?, latest.issued),
-            (false, Issued::Run) | (true, Issued::InThisRecording)
+            (now, latest.issued),
+            (Issued::Run, Issued::Run) | (Issued::InThisRecording, Issued::InThisRecording)
         );
         if !alike {
             return Ok(Some(
@@ -144,10 +193,13 @@ impl Buffer {
             }
             (_, Some(_)) => return Ok(None),
             // Auto stages only where every peer is mapped (a peer behind the transport would
-            // still be pushed to, from the receive rows, after the copy), and only at SM counts
-            // where the copy costs less than the push it saves.
+            // still be pushed to, from the receive rows, after the copy), after a HostSync
+            // dispatch (only the rows peers read are copied; otherwise every row up to the
+            // capacity would be), and at SM counts where the copy costs less than the push.
             (CombineStaging::Auto, None)
-                if self.remote_mask != 0 || self.cfg.num_sms > CombineStaging::AUTO_MAX_SMS =>
+                if self.remote_mask != 0
+                    || h.own_rows.is_none()
+                    || self.cfg.num_sms > CombineStaging::AUTO_MAX_SMS =>
             {
                 return Ok(None);
             }
@@ -175,11 +227,23 @@ impl Buffer {
             bytes: w.bytes,
             ..r
         });
+        let dev = self.ctx.ordinal();
+        check_device_ptr("y", y.ptr, y.bytes as usize, ROW_ALIGN, dev)?;
+        if let Some(yw) = y_weights {
+            check_device_ptr("y_weights", yw.ptr, yw.bytes as usize, 4, dev)?;
+        }
         let copy_x = plan_copy("y", y, x)?;
         let copy_w = match y_weights {
             Some(yw) => plan_copy("y_weights", yw, w)?,
             None => false,
         };
+        // Neither source may lie under the other copy's destination either.
+        if copy_w {
+            refuse_overlap("y", y, w)?;
+        }
+        if let Some(yw) = y_weights.filter(|_| copy_x) {
+            refuse_overlap("y_weights", yw, x)?;
+        }
         // The rows a peer reads: all, or all but this rank's own when the kernel can read those
         // from y (no peer behind the transport pushes from the region then).
         let own = h.own_rows.clone().filter(|_| self.remote_mask == 0);
@@ -262,5 +326,9 @@ mod tests {
             "{err}"
         );
         assert!(plan_copy("y", r(0x0fc0, 65), r(0x1000, 64)).is_err());
+        // A source under the other copy's destination is refused even at its very start.
+        assert!(refuse_overlap("y", r(0x1000, 64), r(0x1000, 8)).is_err());
+        assert!(refuse_overlap("y", r(0x2000, 64), r(0x1000, 64)).is_ok());
+        assert!(refuse_overlap("y", r(0x1000, 0), r(0x1000, 64)).is_ok());
     }
 }
