@@ -178,13 +178,15 @@ mod tests {
                     let err = bs.barrier("frozen").expect_err("rank 2 is silent");
                     let waited = start.elapsed();
                     let again = bs.all_gather("later", b"x").expect_err("rank 2 is dead");
-                    (err, waited, again)
+                    // Kept open until every rank has its errors: a rank that closed early
+                    // would be what its peer's all_gather reports instead of rank 2.
+                    (err, waited, again, bs)
                 })
             })
             .collect();
         let _silent = silent_rank(port, 2, 3, 1000);
-        for h in ranks {
-            let (err, waited, again) = h.join().unwrap();
+        let results: Vec<_> = ranks.into_iter().map(|h| h.join().unwrap()).collect();
+        for (err, waited, again, _bs) in results {
             match err {
                 BootstrapError::PeerUnresponsive {
                     rank: 2,
