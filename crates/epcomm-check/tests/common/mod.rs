@@ -287,8 +287,12 @@ pub fn configs(test: &str) -> Vec<TestConfig> {
                 // Automatic staging stages or pushes by the SM count and the routes, so both ways run once more on their own, under Epoch: the copy-engine
                 // staging on every transport, the push where automatic staging could stage
                 // (every peer mapped: not the CPU proxy, not virtual nodes).
-                let mapped = caps.kernel_family != epcomm_kernels::KernelFamily::CpuProxy
-                    && !spec.to_string().contains("vnodes");
+                let split = matches!(
+                    spec,
+                    TransportSpec::Nvshmem { virtual_nodes, .. }
+                        if virtual_nodes != epcomm_backends::VirtualNodes::Count(1)
+                );
+                let mapped = caps.kernel_family != epcomm_kernels::KernelFamily::CpuProxy && !split;
                 let extras = if schedule == Schedule::Epoch && !put_signal_everywhere {
                     let mut e = vec![CombineStaging::CopyEngine];
                     if mapped {
