@@ -300,7 +300,8 @@ __device__ __forceinline__ void combine(const OpArgs& a, Shared& s) {
   // staged combine (the copy engine wrote y over the rows peers read) may pass y in place too:
   // my own rows are then read from it and were not copied.
   const bool own_from_y = in_place && a.x != 0;
-  const uint8_t* y = in_place && !own_from_y ? local + off_y : reinterpret_cast<const uint8_t*>(a.x);
+  const uint8_t* y =
+      in_place && !own_from_y ? local + off_y : reinterpret_cast<const uint8_t*>(a.x);
   const float* y_w = in_place && !own_from_y ? reinterpret_cast<const float*>(local + off_yw)
                                              : reinterpret_cast<const float*>(a.topk_weights);
   const int gwarp = warp * gridDim.x + blockIdx.x, nwarps = gridDim.x * kWarps;

@@ -162,22 +162,18 @@ mod tests {
 
     #[test]
     fn bus_ids_are_read_in_every_printed_form() {
-        assert_eq!(
-            normalize_bus_id("0000:1b:00.0").as_deref(),
-            Some("0000:1b:00.0")
-        );
-        assert_eq!(
-            normalize_bus_id("00000000:1B:00.0").as_deref(),
-            Some("0000:1b:00.0")
-        );
-        assert_eq!(
-            normalize_bus_id(" 0001:C1:1f.7\n").as_deref(),
-            Some("0001:c1:1f.7")
-        );
-        assert_eq!(
-            normalize_bus_id("10000:00:00.0").as_deref(),
-            Some("10000:00:00.0")
-        );
+        for (printed, want) in [
+            ("0000:1b:00.0", "0000:1b:00.0"),
+            ("00000000:1B:00.0", "0000:1b:00.0"),
+            (" 0001:C1:1f.7\n", "0001:c1:1f.7"),
+            ("10000:00:00.0", "10000:00:00.0"),
+        ] {
+            assert_eq!(
+                normalize_bus_id(printed).as_deref(),
+                Some(want),
+                "{printed:?}"
+            );
+        }
         for bad in [
             "",
             "1b:00.0",

@@ -82,15 +82,16 @@ impl std::str::FromStr for CombineStaging {
     type Err = Error;
 
     fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "auto" => Ok(Self::Auto),
-            "push" => Ok(Self::Push),
-            "copy-engine" => Ok(Self::CopyEngine),
-            other => Err(Error::InvalidArgument {
+        Self::ALL
+            .into_iter()
+            .find(|w| w.name() == s)
+            .ok_or_else(|| Error::InvalidArgument {
                 argument: "combine_staging",
-                rule: format!("must be auto, push or copy-engine (got {other:?})"),
-            }),
-        }
+                rule: format!(
+                    "must be one of {} (got {s:?})",
+                    Self::ALL.map(Self::name).join(", ")
+                ),
+            })
     }
 }
 

@@ -119,7 +119,7 @@ impl Buffer {
 
     /// HostSync: waits (bounded by the config's timeout plus one second) for the counts the
     /// dispatch kernel publishes to mapped memory with notify tag `tag`; returns the rows
-    /// received and the rows per local expert (`epr` of them).
+    /// received, the rows per local expert (`epr` of them) and the rows this rank sent itself.
     pub(super) fn wait_host_counts(&mut self, tag: u64, epr: usize) -> Result<HostCounts> {
         let start = Instant::now();
         let limit = self.cfg.timeout + Duration::from_secs(1);

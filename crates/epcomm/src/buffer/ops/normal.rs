@@ -5,8 +5,9 @@
 //! destination's receive region (current dispatch parity) and fills the handle's arrays; the
 //! rows stay valid until this rank's stream starts its next dispatch or a combine staged over
 //! them (`staging`). A combine reads `y` (or, in place, every rank's latest receive rows),
-//! writes `out`/`out_weights`, and reads the handle its dispatch wrote earlier on this stream. The host reads nothing of it, except the
-//! receive counts a HostSync dispatch publishes to mapped memory.
+//! writes `out`/`out_weights`, and reads the handle its dispatch wrote earlier on this stream.
+//! The host reads nothing of it, except the receive counts (and the rows a rank sent itself)
+//! a HostSync dispatch publishes to mapped memory.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};

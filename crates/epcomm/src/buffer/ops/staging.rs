@@ -49,14 +49,15 @@ impl DeviceRange {
     }
 }
 
-/// Refuses a source that overlaps a destination it is not copied to.
+/// Refuses a source that overlaps a receive range the staging writes.
 fn refuse_overlap(argument: &'static str, src: DeviceRange, dst: DeviceRange) -> Result<()> {
     if src.bytes > 0 && src.overlaps(dst) {
         return Err(Error::InvalidArgument {
             argument,
             rule: format!(
-                "overlaps the receive region another staged copy writes ({:#x}..{:#x} against \
-                 {:#x}..{:#x}): pass it elsewhere, or set combine_staging to push",
+                "overlaps receive rows the staging writes ({:#x}..{:#x} against {:#x}..{:#x}): \
+                 pass it elsewhere, exactly at its own receive rows, or set combine_staging to \
+                 push",
                 src.ptr,
                 src.ptr + src.bytes,
                 dst.ptr,
@@ -67,26 +68,13 @@ fn refuse_overlap(argument: &'static str, src: DeviceRange, dst: DeviceRange) ->
     Ok(())
 }
 
-/// How one copy of a staged combine goes: skipped when the source already is the destination
-/// (the caller wrote it in place), refused when the two overlap otherwise.
+/// Whether one copy of a staged combine is needed: not when the source already is the
+/// destination (the caller wrote it in place); refused when the two overlap otherwise.
 fn plan_copy(argument: &'static str, src: DeviceRange, dst: DeviceRange) -> Result<bool> {
     if src.bytes == 0 || src.ptr == dst.ptr {
         return Ok(false);
     }
-    if src.overlaps(dst) {
-        return Err(Error::InvalidArgument {
-            argument,
-            rule: format!(
-                "overlaps the receive rows it is staged over ({:#x}..{:#x} against {:#x}..{:#x}) \
-                 without starting at them: pass it elsewhere, at the receive rows exactly, or \
-                 set combine_staging to push",
-                src.ptr,
-                src.ptr + src.bytes,
-                dst.ptr,
-                dst.ptr + dst.bytes
-            ),
-        });
-    }
+    refuse_overlap(argument, src, dst)?;
     Ok(true)
 }
 
@@ -180,30 +168,29 @@ impl Buffer {
         y: DeviceRange,
         y_weights: Option<DeviceRange>,
     ) -> Result<Option<StagedInputs>> {
-        let staging = self.cfg.combine_staging;
-        if staging == CombineStaging::Push {
-            return Ok(None);
-        }
-        match (staging, self.staging_obstacle(h)?) {
-            (CombineStaging::CopyEngine, Some(rule)) => {
-                return Err(Error::InvalidArgument {
-                    argument: "combine_staging",
-                    rule: format!("copy-engine {rule}"),
-                });
-            }
-            (_, Some(_)) => return Ok(None),
+        match self.cfg.combine_staging {
+            CombineStaging::Push => return Ok(None),
             // Auto stages only where every peer is mapped (a peer behind the transport would
             // still be pushed to, from the receive rows, after the copy), after a HostSync
             // dispatch (only the rows peers read are copied; otherwise every row up to the
             // capacity would be), and at SM counts where the copy costs less than the push.
-            (CombineStaging::Auto, None)
+            CombineStaging::Auto
                 if self.remote_mask != 0
                     || h.own_rows.is_none()
                     || self.cfg.num_sms > CombineStaging::AUTO_MAX_SMS =>
             {
                 return Ok(None);
             }
-            _ => {}
+            staging => match self.staging_obstacle(h)? {
+                Some(rule) if staging == CombineStaging::CopyEngine => {
+                    return Err(Error::InvalidArgument {
+                        argument: "combine_staging",
+                        rule: format!("copy-engine {rule}"),
+                    });
+                }
+                Some(_) => return Ok(None),
+                None => {}
+            },
         }
         let parity = Parity::of_epoch(self.seq.dispatch);
         let base = self.mem.local_base();
