@@ -58,6 +58,9 @@ class _Hook:
 
     def __call__(self):
         b = self._buffer
+        # The receive phase writes the outputs (and reads the receive set) after whatever the
+        # caller queued on its current stream since the send phase: as if it ran there.
+        b._comm.wait_stream(torch.cuda.current_stream())
         b._session.ll_receive(self._op)
         keep = b._ll_keep
         b._ll_keep = None

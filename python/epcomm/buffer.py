@@ -240,6 +240,9 @@ class Buffer:
         self._layout_pool = {}
         self._pinned = []
         self._captured = False
+        # The latest dispatch returned zero-copy views of its receive rows: a combine then leaves
+        # them as they are; otherwise they were copied out and a combine may stage over them.
+        self._latest_zero_copy = False
         self._views = {}
         self._ll_views = {}
         self._ll_keep = None
@@ -686,6 +689,7 @@ class Buffer:
             self._flip_parity()
         if op.capturing:
             self._captured = True
+        self._latest_zero_copy = zero_copy
         x_dtype = torch.uint8 if fp8 else torch.bfloat16
         specs = [
             ("x", self.hidden, _FP8 if fp8 else torch.bfloat16, x_dtype, out.recv_x),
@@ -794,6 +798,9 @@ class Buffer:
             None if d_w is None else (d_w.ptr, d_w.numel),
             (out.data_ptr(), out.numel()),
             None if out_w is None else (out_w.data_ptr(), out_w.numel()),
+            # The receive rows were copied out (unless zero_copy): the combine may stage y over
+            # them. Every rank must dispatch with the same zero_copy.
+            not self._latest_zero_copy,
         )
         op.output(out, out_w)
         return out, out_w, op.finish()

@@ -411,6 +411,60 @@ def zero_copy(ctx):
     ctx.log("zero copy + in-place combine: ok")
 
 
+def outputs_kept(ctx):
+    """A combine leaves the dispatch's outputs as they are: zero-copy views of the receive rows
+    (and their weights) read after a combine still hold what the dispatch delivered, with the
+    default Buffer (host-synchronised counts, every peer mapped, the default SMs)."""
+    world, rank, dev = ctx.world, ctx.rank, ctx.device
+    hidden, top_k, experts, tokens = 512, 4, 8 * world, 200
+    buf = ctx.buffer(tokens, hidden, top_k, experts)
+    inputs = [ref.make_inputs(r, tokens, hidden, top_k, experts, world, 13, mask=0.2) for r in range(world)]
+    received = [ref.dispatch(inputs, r, experts) for r in range(world)]
+    mine, want = inputs[rank], received[rank]
+    for zero_copy in (True, False):
+        rx, ri, rw, _, h, _ = buf.dispatch(
+            mine.x.to(dev), topk_idx=mine.topk_idx.to(dev), topk_weights=mine.topk_weights.to(dev), zero_copy=zero_copy
+        )
+        y = ref.expert_output(rx, rank)
+        out, out_w, _ = buf.combine(y, h, topk_weights=rw * 0.5)
+        torch.cuda.synchronize()
+        same(f"recv_x after combine (zero_copy={zero_copy})", rx, want.x)
+        same(f"recv_topk_weights after combine (zero_copy={zero_copy})", rw, want.topk_weights)
+        ys = [ref.expert_output(rec.x, r) for r, rec in enumerate(received)]
+        yws = [rec.topk_weights * 0.5 for rec in received]
+        want_x, want_w = ref.combine(received, ys, yws, rank, tokens, hidden, top_k)
+        same(f"combine x (zero_copy={zero_copy})", out, want_x)
+        same(f"combine weights (zero_copy={zero_copy})", out_w, want_w)
+        dist.barrier()
+    buf.destroy()
+    ctx.log("dispatch outputs kept by combine: ok")
+
+
+def ll_hook_order(ctx):
+    """A low-latency receive hook runs after the work queued on the caller's current stream
+    since its send phase (as if on that stream): an ``out`` tensor the caller fills there before
+    calling the hook ends up holding the combine's result, not the fill."""
+    world, rank, dev = ctx.world, ctx.rank, ctx.device
+    hidden, top_k, epr, max_tokens, tokens = 2048, 8, 4, 32, 32
+    experts = epr * world
+    buf = ctx.buffer(64, hidden, top_k, experts, num_max_dispatch_tokens_per_rank=max_tokens)
+    rnd = LlRound(ctx, [tokens] * world, hidden, top_k, experts, max_tokens, 4242)
+    x, idx, w = rnd.x.to(dev), rnd.idx.to(dev), rnd.w.to(dev)
+    _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, max_tokens, experts)
+    given = torch.zeros((tokens, hidden), dtype=torch.bfloat16, device=dev)
+    out, _, hook = buf.low_latency_combine(rnd.y(ctx), idx, w, handle, return_recv_hook=True, out=given)
+    # Caller work on the current stream between the send phase and the hook: a long sleep, then
+    # a write of `out` that the receive phase must come after.
+    torch.cuda._sleep(200_000_000)
+    given.fill_(float("nan"))
+    hook()
+    torch.cuda.synchronize()
+    same("low-latency combine written after the caller's work", out, rnd.want_out)
+    dist.barrier()
+    buf.destroy()
+    ctx.log("low-latency hook ordered after the current stream: ok")
+
+
 def stats(ctx):
     """last_op_stats after a dispatch; with one GPU per rank, a delayed rank is named late."""
     world, rank, dev = ctx.world, ctx.rank, ctx.device
@@ -852,3 +906,5 @@ def low_latency_refusals(ctx):
 
 CASES["low_latency"] = low_latency
 CASES["low_latency_refusals"] = low_latency_refusals
+CASES["outputs_kept"] = outputs_kept
+CASES["ll_hook_order"] = ll_hook_order

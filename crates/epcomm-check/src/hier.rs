@@ -116,10 +116,15 @@ pub fn verified_hier_round(
         }
         let mut out = upload(&stream, &vec![bf16::from_f32(-7.0); t * cfg.hidden])?;
         let mut out_w = upload(&stream, &vec![-7.0f32; t * cfg.top_k])?;
-        if opts.weights {
-            buf.combine(&y, Some(&yw), &handle, &mut out, Some(&mut out_w))?;
-        } else {
-            buf.combine(&y, None, &handle, &mut out, None)?;
+        // The first combine gives the node stage's rows up (it may stage over them), a cached
+        // dispatch refills them, and the second leaves them: both ways every round.
+        match (opts.weights, round == 0) {
+            (true, true) => {
+                buf.combine_consuming(&y, Some(&yw), &handle, &mut out, Some(&mut out_w))?
+            }
+            (true, false) => buf.combine(&y, Some(&yw), &handle, &mut out, Some(&mut out_w))?,
+            (false, true) => buf.combine_consuming(&y, None, &handle, &mut out, None)?,
+            (false, false) => buf.combine(&y, None, &handle, &mut out, None)?,
         }
         buf.synchronize()?;
         let what = format!("hierarchical combine #{round} x");

@@ -276,7 +276,7 @@ impl HierTimer {
                 buf.cached_dispatch(&XInput::Bf16(&dev.x), &self.handle)?;
             }
             HierOp::Combine => {
-                buf.combine(&self.y, None, &self.handle, &mut self.out, None)?;
+                buf.combine_consuming(&self.y, None, &self.handle, &mut self.out, None)?;
             }
         }
         Ok(())

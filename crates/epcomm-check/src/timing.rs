@@ -192,7 +192,11 @@ impl Timer {
             BenchOp::CachedDispatchBf16 => {
                 buf.cached_dispatch(&XInput::Bf16(&dev.x), &self.handle)?;
             }
-            BenchOp::Combine => buf.combine(&self.y, None, &self.handle, &mut self.out, None)?,
+            // The bench never reads the dispatch's rows again: the consuming combine, which
+            // stages where `--combine-staging auto` finds it faster.
+            BenchOp::Combine => {
+                buf.combine_consuming(&self.y, None, &self.handle, &mut self.out, None)?
+            }
             BenchOp::CombineInPlace => buf.combine_in_place(&self.handle, &mut self.out, None)?,
             other => {
                 return Err(crate::CheckError::Other(format!(

@@ -239,10 +239,16 @@ pub fn verified_round(
                 let d = buf.cached_dispatch(&dev.x_input(opts.fp8), &handle)?;
                 check_dispatched(&d, want, rank, opts, false)?;
             }
-            if opts.weights {
-                buf.combine(&y, Some(&yw), &handle, &mut out, Some(&mut out_w))?;
-            } else {
-                buf.combine(&y, None, &handle, &mut out, None)?;
+            // The first combine gives the rows up (it may stage over them), a cached dispatch
+            // refills them, and the second leaves them (it pushes unless the config says
+            // copy-engine): both ways every round.
+            match (opts.weights, round == 0) {
+                (true, true) => {
+                    buf.combine_consuming(&y, Some(&yw), &handle, &mut out, Some(&mut out_w))?
+                }
+                (true, false) => buf.combine(&y, Some(&yw), &handle, &mut out, Some(&mut out_w))?,
+                (false, true) => buf.combine_consuming(&y, None, &handle, &mut out, None)?,
+                (false, false) => buf.combine(&y, None, &handle, &mut out, None)?,
             }
         }
         buf.synchronize()?;

@@ -439,7 +439,9 @@ impl Session {
         Ok((at(Parity::Even), at(Parity::Odd)))
     }
 
-    /// Sums every rank's rows of `y` back to this rank's tokens ([`Buffer::combine`]).
+    /// Sums every rank's rows of `y` back to this rank's tokens: [`Buffer::combine`], or with
+    /// `consuming` (the caller no longer reads the dispatch's receive rows)
+    /// [`Buffer::combine_consuming`].
     ///
     /// # Safety
     /// Every array as for [`Borrowed::new`] on the buffer's stream.
@@ -450,6 +452,7 @@ impl Session {
         y_weights: Option<RawArray>,
         out: RawArray,
         out_weights: Option<RawArray>,
+        consuming: bool,
     ) -> Result<()> {
         let s = self.stream.clone();
         // SAFETY: the caller's contract, for each array.
@@ -460,13 +463,13 @@ impl Session {
         let mut out = unsafe { Borrowed::<half::bf16>::new(out, &s) };
         // SAFETY: as above.
         let mut ow = out_weights.map(|w| unsafe { Borrowed::<f32>::new(w, &s) });
-        Ok(self.buf()?.combine(
-            &y,
-            yw.as_ref().map(|w| w as _),
-            handle,
-            &mut out,
-            ow.as_mut().map(|w| w as _),
-        )?)
+        let buf = self.buf()?;
+        let (yw, ow) = (yw.as_ref().map(|w| w as _), ow.as_mut().map(|w| w as _));
+        Ok(if consuming {
+            buf.combine_consuming(&y, yw, handle, &mut out, ow)
+        } else {
+            buf.combine(&y, yw, handle, &mut out, ow)
+        }?)
     }
 
     /// Combine pulling every rank's latest receive rows ([`Buffer::combine_in_place`]).

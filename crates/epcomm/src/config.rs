@@ -26,13 +26,15 @@ pub enum RecvMode {
 /// Both ways give the same bits (each token's contributions are summed in fp32, rank order).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum CombineStaging {
-    /// [`Self::CopyEngine`] when it applies, every peer is reached by loads and stores (mapped
-    /// memory), the handle's dispatch was HostSync (so only the rows peers read are copied) and
-    /// the kernels run on at most [`Self::AUTO_MAX_SMS`] SMs; else [`Self::Push`]. Every rank
-    /// must decide alike: the decision depends on the config, the transport's routes, the
-    /// handle, graph recording and the receive mode, so every rank must dispatch in the same
-    /// receive mode (a rank that stages and one that pushes wait for each other until the
-    /// timeout, which names the peer).
+    /// Push, unless the caller gives the receive rows up ([`crate::Buffer::combine_consuming`]):
+    /// then [`Self::CopyEngine`] when it applies, every peer is reached by loads and stores
+    /// (mapped memory), the handle's dispatch was HostSync (so only the rows peers read are
+    /// copied) and the kernels run on at most [`Self::AUTO_MAX_SMS`] SMs. A plain
+    /// [`crate::Buffer::combine`] never writes the dispatch's outputs under `Auto`. Every rank
+    /// must decide alike: the decision depends on the call, the config, the transport's routes,
+    /// the handle, graph recording and the receive mode, so every rank must call the same
+    /// combine after a dispatch in the same receive mode (ranks that decide differently fail
+    /// the op with a typed error naming the mismatch).
     #[default]
     Auto,
     /// The combine kernel's SMs push every received row of `y` into the combine region of the
@@ -46,7 +48,8 @@ pub enum CombineStaging {
     /// issued like the combine (both run, or both recorded in the same graph recording, since the
     /// copy's destination is the receive region of that dispatch's parity); a combine where it
     /// does not apply fails naming `combine_staging`. The receive rows of the latest dispatch
-    /// are overwritten.
+    /// are overwritten, by [`crate::Buffer::combine`] too: choosing this way says the caller
+    /// never reads a dispatch's outputs after its combine.
     CopyEngine,
 }
 

@@ -367,7 +367,8 @@ impl PySession {
     }
 
     /// Sums the rows of `y` back to this rank's tokens into `out` (and the weights).
-    #[pyo3(signature = (handle, y, y_weights, out, out_weights))]
+    #[pyo3(signature = (handle, y, y_weights, out, out_weights, consuming=false))]
+    #[allow(clippy::too_many_arguments)]
     fn combine(
         &self,
         py: Python<'_>,
@@ -376,11 +377,14 @@ impl PySession {
         y_weights: Option<Arr>,
         out: Arr,
         out_weights: Option<Arr>,
+        consuming: bool,
     ) -> PyResult<()> {
         let h = handle.inner.clone();
         let (y, yw, o, ow) = (raw(y), y_weights.map(raw), raw(out), out_weights.map(raw));
         // SAFETY: the module's contract (see the module docs), for every array.
-        detached(py, || unsafe { self.lock().combine(&h, y, yw, o, ow) })
+        detached(py, || unsafe {
+            self.lock().combine(&h, y, yw, o, ow, consuming)
+        })
     }
 
     /// Combine pulling every rank's latest receive rows (written over in place).

@@ -385,7 +385,9 @@ impl HierarchicalBuffer {
     /// this rank received (the node stage's order), `out` gets `[num_tokens][hidden]` bf16 per
     /// `epcomm_reference::hierarchical_combine_staged` (bf16 rail). `y_weights` /
     /// `out_weights` (`[rows][top_k]` / `[num_tokens][top_k]` f32) are summed the same way, in
-    /// f32 throughout. Collective.
+    /// f32 throughout. Collective. The dispatch's outputs stay as they are (as
+    /// [`Buffer::combine`]); the rail stage's receive rows, which only this buffer reads, may be
+    /// staged over.
     ///
     /// # Errors
     /// As [`Buffer::combine`], from either stage.
@@ -396,6 +398,35 @@ impl HierarchicalBuffer {
         handle: &HierHandle,
         out: &mut dyn DevicePtrMut<bf16>,
         out_weights: Option<&mut dyn DevicePtrMut<f32>>,
+    ) -> Result<()> {
+        self.combine_rows(y, y_weights, handle, out, out_weights, false)
+    }
+
+    /// [`Self::combine`] for a caller that no longer reads the dispatch's outputs (as
+    /// [`Buffer::combine_consuming`]): the node stage may stage `y` over them.
+    ///
+    /// # Errors
+    /// As [`Buffer::combine`], from either stage.
+    pub fn combine_consuming(
+        &mut self,
+        y: &dyn DevicePtr<bf16>,
+        y_weights: Option<&dyn DevicePtr<f32>>,
+        handle: &HierHandle,
+        out: &mut dyn DevicePtrMut<bf16>,
+        out_weights: Option<&mut dyn DevicePtrMut<f32>>,
+    ) -> Result<()> {
+        self.combine_rows(y, y_weights, handle, out, out_weights, true)
+    }
+
+    /// Both stages of a combine; `consume`: the caller gave the node stage's receive rows up.
+    fn combine_rows(
+        &mut self,
+        y: &dyn DevicePtr<bf16>,
+        y_weights: Option<&dyn DevicePtr<f32>>,
+        handle: &HierHandle,
+        out: &mut dyn DevicePtrMut<bf16>,
+        out_weights: Option<&mut dyn DevicePtrMut<f32>>,
+        consume: bool,
     ) -> Result<()> {
         let with_w = y_weights.is_some();
         if with_w != out_weights.is_some() {
@@ -409,12 +440,23 @@ impl HierarchicalBuffer {
         } else {
             None
         };
-        self.node
-            .combine(y, y_weights, &handle.node, &mut self.partial_x, partial_w)?;
+        if consume {
+            self.node.combine_consuming(
+                y,
+                y_weights,
+                &handle.node,
+                &mut self.partial_x,
+                partial_w,
+            )?;
+        } else {
+            self.node
+                .combine(y, y_weights, &handle.node, &mut self.partial_x, partial_w)?;
+        }
         let partial_w: Option<&dyn DevicePtr<f32>> =
             if with_w { Some(&self.partial_w) } else { None };
+        // The rail stage's receive rows were read only by the node dispatch, long done.
         self.rail
-            .combine(&self.partial_x, partial_w, &handle.rail, out, out_weights)
+            .combine_consuming(&self.partial_x, partial_w, &handle.rail, out, out_weights)
     }
 
     /// Reports a failure either stage's kernels recorded ([`Buffer::check`]).

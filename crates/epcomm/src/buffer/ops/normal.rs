@@ -3,8 +3,8 @@
 //!
 //! Memory contract: a dispatch writes this rank's rows straight into their final rows of every
 //! destination's receive region (current dispatch parity) and fills the handle's arrays; the
-//! rows stay valid until this rank's stream starts its next dispatch or a combine staged over
-//! them (`staging`). A combine reads `y` (or, in place, every rank's latest receive rows),
+//! rows stay valid until this rank's stream starts its next dispatch, or a combine staged over
+//! them (`staging`: an explicit copy-engine config, or a consuming combine). A combine reads `y` (or, in place, every rank's latest receive rows),
 //! writes `out`/`out_weights`, and reads the handle its dispatch wrote earlier on this stream.
 //! The host reads nothing of it, except the receive counts (and the rows a rank sent itself)
 //! a HostSync dispatch publishes to mapped memory.
@@ -16,7 +16,7 @@ use cudarc::driver::{DevicePtr, DevicePtrMut};
 use epcomm_kernels::{Op, abi};
 use epcomm_topology::{Parity, RegionKind, RowDtype, RowFormat};
 
-use super::staging::{DeviceRange, Issued};
+use super::staging::{DeviceRange, Issued, RecvRows};
 use super::{DispatchInput, XInput};
 use crate::buffer::Buffer;
 use crate::buffer::args::{combine_flags, dispatch_flags};
@@ -162,6 +162,8 @@ impl Buffer {
     ) -> Result<()> {
         let cached = topk_idx.is_none();
         let issued = self.issued_now()?;
+        // A recording replays into the handle's (and its layout's) arrays: the graph owns them.
+        self.keep_alive(handle.inner.clone());
         let h = &handle.inner;
         let l = &h.layout;
         if l.generation.load(Ordering::Relaxed) == 0 {
@@ -266,9 +268,11 @@ impl Buffer {
     /// `out` (`[T][hidden]` bf16). `y` holds one row per received row, in the dispatch's order;
     /// `y_weights` (`[rows][top_k]`) are summed into `out_weights` (`[T][top_k]`) the same way.
     ///
-    /// How `y` travels is [`crate::BufferConfig::combine_staging`]: pushed by the kernel, or
-    /// copied by the copy engine over the latest dispatch's receive rows (which it overwrites)
-    /// and pulled by the owners. `y` may be those receive rows themselves.
+    /// The dispatch's outputs (`recv_x`, its scales, `recv_topk_weights`) stay as they are,
+    /// unless the config asks for [`crate::CombineStaging::CopyEngine`], which copies `y` over
+    /// them. When the caller is done with them, [`Self::combine_consuming`] lets the default
+    /// [`crate::CombineStaging::Auto`] stage where that is faster. `y` may be those receive rows
+    /// themselves.
     pub fn combine(
         &mut self,
         y: &dyn DevicePtr<half::bf16>,
@@ -276,6 +280,38 @@ impl Buffer {
         handle: &Handle,
         out: &mut dyn DevicePtrMut<half::bf16>,
         out_weights: Option<&mut dyn DevicePtrMut<f32>>,
+    ) -> Result<()> {
+        self.combine_rows(y, y_weights, handle, out, out_weights, RecvRows::Keep)
+    }
+
+    /// [`Self::combine`] for a caller that no longer reads the dispatch's outputs: with the
+    /// default [`crate::CombineStaging::Auto`], where every peer is mapped, the handle's dispatch
+    /// was HostSync and the kernels run on at most [`crate::CombineStaging::AUTO_MAX_SMS`] SMs,
+    /// the copy engine copies `y` (and `y_weights`) over the latest dispatch's receive rows and
+    /// the owners pull it, which leaves the push off the SMs. After it, `recv_x` and
+    /// `recv_topk_weights` of that dispatch hold unspecified rows (today: parts of `y`). Every
+    /// rank must call the same one of the two (both decide from the same facts, and a rank that
+    /// stages and one that pushes cannot meet).
+    pub fn combine_consuming(
+        &mut self,
+        y: &dyn DevicePtr<half::bf16>,
+        y_weights: Option<&dyn DevicePtr<f32>>,
+        handle: &Handle,
+        out: &mut dyn DevicePtrMut<half::bf16>,
+        out_weights: Option<&mut dyn DevicePtrMut<f32>>,
+    ) -> Result<()> {
+        self.combine_rows(y, y_weights, handle, out, out_weights, RecvRows::Consume)
+    }
+
+    /// [`Self::combine`] or [`Self::combine_consuming`], by what may happen to the receive rows.
+    fn combine_rows(
+        &mut self,
+        y: &dyn DevicePtr<half::bf16>,
+        y_weights: Option<&dyn DevicePtr<f32>>,
+        handle: &Handle,
+        out: &mut dyn DevicePtrMut<half::bf16>,
+        out_weights: Option<&mut dyn DevicePtrMut<f32>>,
+        rows: RecvRows,
     ) -> Result<()> {
         let h = self.routed_handle(handle)?;
         self.check_combine_y(
@@ -303,6 +339,7 @@ impl Buffer {
                 ptr: p.0,
                 bytes: (w.len() * 4) as u64,
             }),
+            rows,
         )?;
         let inputs = match staged {
             // y now lies over this rank's latest receive rows (its own rows perhaps only in y):
@@ -359,6 +396,9 @@ impl Buffer {
         out: &mut dyn DevicePtrMut<half::bf16>,
         out_weights: Option<&mut dyn DevicePtrMut<f32>>,
     ) -> Result<()> {
+        // A recording replays reading the handle's (and its layout's) arrays: the graph owns
+        // them.
+        self.keep_alive(handle.inner.clone());
         let h = &handle.inner;
         let t = h.layout.num_tokens;
         self.check_combine_out(t, out.len(), out_weights.as_ref().map(|o| o.len()))?;

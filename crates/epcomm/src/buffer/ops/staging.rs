@@ -167,15 +167,19 @@ impl Buffer {
         h: &HandleInner,
         y: DeviceRange,
         y_weights: Option<DeviceRange>,
+        rows: RecvRows,
     ) -> Result<Option<StagedInputs>> {
         match self.cfg.combine_staging {
             CombineStaging::Push => return Ok(None),
-            // Auto stages only where every peer is mapped (a peer behind the transport would
-            // still be pushed to, from the receive rows, after the copy), after a HostSync
-            // dispatch (only the rows peers read are copied; otherwise every row up to the
-            // capacity would be), and at SM counts where the copy costs less than the push.
+            // Auto stages only where the caller gave the receive rows up (a plain combine
+            // leaves the dispatch outputs as they are), where every peer is mapped (a peer
+            // behind the transport would still be pushed to, from the receive rows, after the
+            // copy), after a HostSync dispatch (only the rows peers read are copied; otherwise
+            // every row up to the capacity would be), and at SM counts where the copy costs
+            // less than the push.
             CombineStaging::Auto
-                if self.remote_mask != 0
+                if rows == RecvRows::Keep
+                    || self.remote_mask != 0
                     || h.own_rows.is_none()
                     || self.cfg.num_sms > CombineStaging::AUTO_MAX_SMS =>
             {
@@ -281,6 +285,18 @@ impl Buffer {
             None => StagedInputs::default(),
         }))
     }
+}
+
+/// What a combine may do with the receive rows of the handle's dispatch (`recv_x`, its scales
+/// and `recv_topk_weights`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(in crate::buffer) enum RecvRows {
+    /// The caller may still read them ([`Buffer::combine`]): only an explicit
+    /// [`CombineStaging::CopyEngine`] config stages over them.
+    Keep,
+    /// The caller is done with them ([`Buffer::combine_consuming`]): [`CombineStaging::Auto`]
+    /// may stage over them where that is faster.
+    Consume,
 }
 
 /// Where a staged combine's kernel reads this rank's own rows: `y` and its weights (the caller's,
