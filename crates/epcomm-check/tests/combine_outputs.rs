@@ -65,7 +65,10 @@ fn run_outputs_kept(w: &Worker, mk: MakeTransport<'_>) {
             .stream()
             .clone_htod(&vec![bf16::from_f32(1.5 + round as f32); rows * hidden])
             .unwrap();
-        let yw = buf.stream().clone_htod(&vec![0.25f32; rows * top_k]).unwrap();
+        let yw = buf
+            .stream()
+            .clone_htod(&vec![0.25f32; rows * top_k])
+            .unwrap();
         let mut out = buf.stream().alloc_zeros::<bf16>(tokens * hidden).unwrap();
         let mut out_w = buf.stream().alloc_zeros::<f32>(tokens * top_k).unwrap();
         buf.combine(&y, Some(&yw), &handle, &mut out, Some(&mut out_w))
