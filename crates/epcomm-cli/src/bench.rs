@@ -213,7 +213,7 @@ fn run_bench(
     let (schedule, routes) = (plan.transport.schedule, plan.transport.routes);
     let shape = Shape::uniform(
         world,
-        args.tokens,
+        args.tokens(),
         args.hidden,
         args.top_k,
         args.experts,
@@ -226,18 +226,21 @@ fn run_bench(
     let progress = Progress::new(rank, (plan.sweep.len() * ops.len()) as u64, plan.is_sweep);
     progress.say(format_args!(
         "[1/4] generating DeepEP workload: {} tokens/rank, hidden {}, top-{} of {} experts",
-        args.tokens, args.hidden, args.top_k, args.experts
+        args.tokens(),
+        args.hidden,
+        args.top_k,
+        args.experts
     ));
     let inputs = host_inputs(&shape)?;
     let mut rows = Vec::new();
     let mut skew = None;
     for (i, &sms) in plan.sweep.iter().enumerate() {
-        let mut cfg = BufferConfig::new(args.tokens, args.hidden, args.top_k, args.experts);
+        let mut cfg = BufferConfig::new(args.tokens(), args.hidden, args.top_k, args.experts);
         cfg.num_sms = sms;
         (cfg.schedule, cfg.routes) = (schedule, routes);
         cfg.combine_staging = args.combine_staging;
         if args.low_latency {
-            cfg.ll_max_tokens_per_rank = args.tokens;
+            cfg.ll_max_tokens_per_rank = args.tokens();
         }
         let mut buf = Buffer::new(ctx.clone(), transport.clone(), cfg)?;
         let dev = device_inputs(buf.stream(), &inputs, rank)?;

@@ -145,15 +145,18 @@ pub fn run_hier_bench(
 
     progress.say(format_args!(
         "[1/5] generating DeepEP workload: {} tokens/rank, hidden {}, top-{} of {} experts",
-        args.tokens, args.hidden, args.top_k, args.experts
+        args.tokens(),
+        args.hidden,
+        args.top_k,
+        args.experts
     ));
     let mut buf = HierarchicalBuffer::new(
         ctx.clone(),
         transport.clone(),
-        config(args, args.tokens, choice),
+        config(args, args.tokens(), choice),
     )?;
     let tiers = buf.tiers();
-    let work = Workload::new(args, world, args.tokens, tiers)?;
+    let work = Workload::new(args, world, args.tokens(), tiers)?;
     let dev = device_inputs(buf.stream(), &work.inputs, rank)?;
     progress.say(format_args!(
         "[2/5] verifying hierarchical dispatch + combine + cached dispatch + combine (BF16{}) \
@@ -170,7 +173,7 @@ pub fn run_hier_bench(
         choice.schedule, choice.routes, args.warmup, args.iters
     ));
     let mut timer = HierTimer::new(&mut buf, &dev)?;
-    check_recv(rank, args.tokens, timer.num_recv, work.rows(rank)?)?;
+    check_recv(rank, args.tokens(), timer.num_recv, work.rows(rank)?)?;
     let mut results = Vec::new();
     for op in HierOp::ALL
         .into_iter()
@@ -181,7 +184,7 @@ pub fn run_hier_bench(
         let times = every_rank(boot, &format!("hier-bench-{}", op.id()), t)?;
         results.push(make_hier_row(
             op,
-            args.tokens,
+            args.tokens(),
             sms,
             times,
             work.rows(0)?,

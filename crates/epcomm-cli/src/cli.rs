@@ -199,22 +199,22 @@ impl TransportFlags {
 pub struct BenchArgs {
     /// Ranks to use, one process each; default: every local GPU. Above the GPU count ranks
     /// share GPUs round-robin (the times then include that sharing).
-    #[arg(long)]
+    #[arg(long, value_parser = count::<usize>)]
     pub world: Option<usize>,
-    /// Tokens per rank.
-    #[arg(long, default_value_t = 4096)]
-    pub tokens: usize,
+    /// Tokens per rank [default: 4096; with --low-latency 128, a decode batch].
+    #[arg(long, value_parser = count::<usize>)]
+    pub tokens: Option<usize>,
     /// Hidden size (a multiple of 8; FP8 dispatch is timed only when it is a multiple of 128).
-    #[arg(long, default_value_t = 7168)]
+    #[arg(long, default_value_t = 7168, value_parser = count::<usize>)]
     pub hidden: usize,
     /// Experts per token.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, value_parser = count::<usize>)]
     pub top_k: usize,
     /// Experts in total (a multiple of the world size).
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 256, value_parser = count::<usize>)]
     pub experts: usize,
     /// SMs (blocks) per op.
-    #[arg(long, default_value_t = 24)]
+    #[arg(long, default_value_t = 24, value_parser = count::<u32>)]
     pub sms: u32,
     #[command(flatten)]
     pub comm: TransportFlags,
@@ -224,20 +224,22 @@ pub struct BenchArgs {
           default_value_t = CombineStaging::Auto)]
     pub combine_staging: CombineStaging,
     /// Timed calls per op.
-    #[arg(long, default_value_t = 50)]
+    #[arg(long, default_value_t = 50, value_parser = count::<usize>)]
     pub iters: usize,
     /// Untimed calls per op first.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 5, value_parser = count::<usize>)]
     pub warmup: usize,
     /// Skew demo: delay this rank's GPU stream before each of five extra dispatches and report
     /// whom every rank names as late.
-    #[arg(long)]
+    #[arg(long, value_parser = count::<usize>)]
     pub delay_rank: Option<usize>,
     /// Skew demo delay in microseconds (default 200; needs --delay-rank).
-    #[arg(long)]
+    #[arg(long, value_parser = count::<u64>)]
     pub delay_us: Option<u64>,
     /// Also verify and time the low-latency ops (dispatch BF16 and FP8, combine, and their send
-    /// and receive phases apart) with --tokens tokens per rank (decode sizes: 1 to 256).
+    /// and receive phases apart) with --tokens tokens per rank (decode sizes: at most what the
+    /// kernels' routing bitmaps hold, 992 with 256 experts on up to 8 ranks; checked before
+    /// anything starts).
     #[arg(long)]
     pub low_latency: bool,
     /// Time the internode path instead of the flat one: a HierarchicalBuffer (rail dispatch
@@ -263,6 +265,42 @@ pub struct BenchArgs {
     /// Print the results as CSV on stdout (instead of the table).
     #[arg(long)]
     pub csv: bool,
+}
+
+/// Parses a count flag (`--tokens`, `--world`, ...): a whole number, 0 or more. The error
+/// is the rule in words (clap names the flag and the value), not the integer parser's
+/// ("invalid digit found in string").
+pub fn count<T: TryFrom<u64>>(s: &str) -> Result<T, String> {
+    let t = s.trim();
+    if t.strip_prefix('-')
+        .is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
+    {
+        return Err("must be a whole number, 0 or more (got a negative one)".into());
+    }
+    if t.is_empty() || !t.bytes().all(|b| b.is_ascii_digit()) {
+        return Err("must be a whole number, 0 or more".into());
+    }
+    let max = |bits: u32| format!("must be at most {}", u64::MAX >> (64 - bits));
+    let n: u64 = t.parse().map_err(|_| max(64))?;
+    T::try_from(n).map_err(|_| max(8 * size_of::<T>() as u32))
+}
+
+impl BenchArgs {
+    /// Tokens per rank when `--tokens` is not given (DeepEP's normal-mode benchmark size).
+    pub const DEFAULT_TOKENS: usize = 4096;
+    /// Tokens per rank when `--tokens` is not given under `--low-latency` (DeepEP's decode
+    /// benchmark size).
+    pub const DEFAULT_LL_TOKENS: usize = 128;
+
+    /// Tokens per rank in effect: `--tokens`, else [`Self::DEFAULT_LL_TOKENS`] under
+    /// `--low-latency`, else [`Self::DEFAULT_TOKENS`].
+    pub fn tokens(&self) -> usize {
+        self.tokens.unwrap_or(if self.low_latency {
+            Self::DEFAULT_LL_TOKENS
+        } else {
+            Self::DEFAULT_TOKENS
+        })
+    }
 }
 
 /// What goes to stdout.
@@ -335,7 +373,8 @@ pub struct PlotArgs {
     /// result's `op`, `sms`, `time_us` (and `gbps` for `--metric gbps`) and the config's
     /// `world`, `transport`, `schedule`, `tokens`, `hidden` are read.
     pub input: PathBuf,
-    /// The chart to write [default: INPUT with the extension .svg].
+    /// The chart to write [default: INPUT's file name with the extension .svg, in the
+    /// current directory].
     #[arg(long, short, value_name = "PATH")]
     pub out: Option<PathBuf>,
     /// What the vertical axis shows: `us` (rank 0's median time per op) or `gbps`

@@ -162,10 +162,13 @@ fn run_topo(args: &TopoArgs) -> Result<(), AppError> {
 }
 
 fn run_plot(args: &PlotArgs) -> Result<(), AppError> {
-    let out = args
-        .out
-        .clone()
-        .unwrap_or_else(|| args.input.with_extension("svg"));
+    // By default the chart goes to the current directory, not next to a document that may
+    // sit in a checkout's data directory.
+    let out = args.out.clone().unwrap_or_else(|| {
+        let name = args.input.with_extension("svg");
+        name.file_name()
+            .map_or(name.clone(), std::path::PathBuf::from)
+    });
     plot::Sweep::of_saved(&args.input, args.metric)
         .and_then(|sweep| sweep.write(&out))
         .map_err(|e| AppError::Run(e.into()))?;

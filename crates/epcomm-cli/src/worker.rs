@@ -38,7 +38,7 @@ pub(crate) fn run_config(
         transport: plan.transport.spec.to_string(),
         schedule: plan.transport.schedule.to_string(),
         routes: plan.transport.routes.to_string(),
-        tokens: args.tokens,
+        tokens: args.tokens(),
         hidden: args.hidden,
         top_k: args.top_k,
         experts: args.experts,

@@ -10,8 +10,14 @@ fn bin() -> String {
 
 /// Runs `epcomm args...` without the worker marker; returns the output and how long it took.
 fn run(args: &[&str]) -> (Output, Duration) {
+    run_in(std::path::Path::new("."), args)
+}
+
+/// [`run`] in directory `dir`.
+fn run_in(dir: &std::path::Path, args: &[&str]) -> (Output, Duration) {
     let start = Instant::now();
     let out = Command::new(bin())
+        .current_dir(dir)
         .args(args)
         .env_remove("EPCOMM_WORKER")
         .env_remove("EPCOMM_CLI_RESULTS")
@@ -66,6 +72,19 @@ fn bad_flags_fail_fast_naming_the_flag_without_spawning_workers() {
             2,
         ),
         (&["bench", "--schedule", "peer-signal"], "--schedule", 2),
+        // Low-latency tokens past the routing bitmaps of this shape: before any GPU check.
+        (
+            &["bench", "--low-latency", "--tokens", "4096"],
+            "--tokens 4096: must be at most 992",
+            2,
+        ),
+        (
+            &["bench", "--low-latency", "--world", "2", "--tokens", "993"],
+            "--tokens 993: must be at most 992",
+            2,
+        ),
+        // A negative count is a rule in words, not the integer parser's complaint.
+        (&["bench", "--tokens", "-1"], "whole number", 2),
         (
             &["bench", "--world", "2", "--delay-rank", "2"],
             "--delay-rank",
@@ -265,9 +284,13 @@ fn plot_draws_a_saved_sweep_and_names_a_bad_field() {
         )
     };
     std::fs::write(&run_json, doc("130.0")).expect("write");
-    let (out, _) = run(&["plot", run_json.to_str().expect("utf-8")]);
+    // By default the chart goes to the current directory, not next to the document.
+    let cwd = dir.join("cwd");
+    std::fs::create_dir_all(&cwd).expect("temp dir");
+    let (out, _) = run_in(&cwd, &["plot", run_json.to_str().expect("utf-8")]);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
-    let svg = std::fs::read_to_string(dir.join("run.svg")).expect("run.svg written");
+    assert!(!dir.join("run.svg").exists(), "written next to the input");
+    let svg = std::fs::read_to_string(cwd.join("run.svg")).expect("run.svg written");
     assert!(
         svg.starts_with("<svg") && svg.contains("dispatch BF16"),
         "{svg}"

@@ -92,6 +92,7 @@ mod error;
 mod handle;
 mod hierarchical;
 mod layout;
+pub mod rules;
 mod stats;
 mod view;
 

@@ -19,8 +19,9 @@ pub fn relevant_env(vars: impl Iterator<Item = (String, String)>) -> Vec<(String
     v
 }
 
-/// Warnings about the environment (pure).
-pub fn env_warnings(env: &[(String, String)]) -> Vec<String> {
+/// Warnings about the environment (pure). `gpus`: the GPUs this machine shows; the NVLink
+/// multicast warnings are about GPUs, so a machine without any gets none.
+pub fn env_warnings(env: &[(String, String)], gpus: usize) -> Vec<String> {
     let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
     let mut w = Vec::new();
     let shown = |v: Option<&str>| match v {
@@ -28,7 +29,7 @@ pub fn env_warnings(env: &[(String, String)]) -> Vec<String> {
         Some(v) => format!("{v:?}"),
     };
     let nvls = get("NVSHMEM_DISABLE_NVLS");
-    if nvls != Some("1") {
+    if gpus > 0 && nvls != Some("1") {
         w.push(format!(
             "NVSHMEM_DISABLE_NVLS is {}: NVSHMEM may use NVLink multicast (NVLS), which can take a \
              shared host down; export NVSHMEM_DISABLE_NVLS=1 (`epcomm bench` sets it for its own \
@@ -37,7 +38,7 @@ pub fn env_warnings(env: &[(String, String)]) -> Vec<String> {
         ));
     }
     let nccl = get("NCCL_NVLS_ENABLE");
-    if nccl != Some("0") {
+    if gpus > 0 && nccl != Some("0") {
         w.push(format!(
             "NCCL_NVLS_ENABLE is {}: NCCL may use NVLink multicast (NVLS); export \
              NCCL_NVLS_ENABLE=0",
@@ -85,13 +86,13 @@ mod tests {
     #[test]
     fn few_hardware_queues_are_named() {
         let env = |v: &str| vec![("CUDA_DEVICE_MAX_CONNECTIONS".to_string(), v.to_string())];
-        let w = env_warnings(&env("4"));
+        let w = env_warnings(&env("4"), 1);
         assert!(
             w.iter()
                 .any(|m| m.contains("CUDA_DEVICE_MAX_CONNECTIONS is \"4\"")),
             "{w:?}"
         );
-        let w = env_warnings(&env("32"));
+        let w = env_warnings(&env("32"), 1);
         assert!(
             !w.iter().any(|m| m.contains("CUDA_DEVICE_MAX_CONNECTIONS")),
             "{w:?}"
@@ -118,22 +119,27 @@ mod tests {
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect()
         };
-        let w = env_warnings(&env(&[]));
+        let w = env_warnings(&env(&[]), 1);
         assert!(
             w.iter()
                 .any(|w| w.starts_with("NVSHMEM_DISABLE_NVLS is unset"))
         );
         assert!(w.iter().any(|w| w.starts_with("NCCL_NVLS_ENABLE is unset")));
-        let w = env_warnings(&env(&[
-            ("NVSHMEM_DISABLE_NVLS", "1"),
-            ("NCCL_NVLS_ENABLE", "0"),
-        ]));
+        // No GPU: nothing to say about NVLink multicast.
+        assert!(env_warnings(&env(&[]), 0).is_empty());
+        let w = env_warnings(
+            &env(&[("NVSHMEM_DISABLE_NVLS", "1"), ("NCCL_NVLS_ENABLE", "0")]),
+            1,
+        );
         assert!(w.is_empty(), "{w:?}");
-        let w = env_warnings(&env(&[
-            ("NVSHMEM_DISABLE_NVLS", "0"),
-            ("NCCL_NVLS_ENABLE", "1"),
-            ("CUDA_VISIBLE_DEVICES", ""),
-        ]));
+        let w = env_warnings(
+            &env(&[
+                ("NVSHMEM_DISABLE_NVLS", "0"),
+                ("NCCL_NVLS_ENABLE", "1"),
+                ("CUDA_VISIBLE_DEVICES", ""),
+            ]),
+            1,
+        );
         assert_eq!(w.len(), 3, "{w:?}");
         let picked = relevant_env(
             env(&[

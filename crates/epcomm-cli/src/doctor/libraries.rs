@@ -40,9 +40,10 @@ fn stem(soname: &str) -> &str {
 pub fn probe_nvshmem() -> LibraryReport {
     use nvshmem_sys::loader;
     let how = format!(
-        "searched: ${} (directory or file), $NVSHMEM_HOME/lib, pip installs \
-         (nvidia/nvshmem/lib under site-/dist-packages), then the dynamic loader's path; set {} \
-         to the directory holding {} to choose one",
+        "searched, in order: ${} (directory or file), $NVSHMEM_HOME/lib, the system dynamic \
+         loader (LD_LIBRARY_PATH at process start, ld.so.cache, default directories), each \
+         $LD_LIBRARY_PATH entry, python3's site-packages (nvidia/nvshmem/lib), the workspace's \
+         CUDA toolchain; set {} to the directory holding {} to choose one",
         loader::ENV_EPCOMM_NVSHMEM_LIB,
         loader::ENV_EPCOMM_NVSHMEM_LIB,
         loader::LIBRARY_NAME

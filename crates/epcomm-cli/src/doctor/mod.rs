@@ -36,7 +36,8 @@ pub fn collect() -> DoctorReport {
     let kernels = KernelImage::locate_all();
     let nvshmem = libraries::probe_nvshmem();
     let env = environment::relevant_env(environment::process_vars());
-    let mut warnings = environment::env_warnings(&env);
+    let gpu_count = facts.as_ref().map_or(0, |f| f.gpus.len());
+    let mut warnings = environment::env_warnings(&env, gpu_count);
     if let Ok(l) = &links {
         warnings.extend(driver::link_warnings(l));
     }
@@ -140,7 +141,7 @@ mod fixtures {
             rdma: vec![],
             nearest_rdma: vec![],
             env: vec![],
-            warnings: environment::env_warnings(&[]),
+            warnings: environment::env_warnings(&[], 0),
             verdicts: verdict::verdicts(
                 &Err(NoDriver::Missing),
                 &Ok(vec![]),

@@ -136,7 +136,7 @@ pub(super) fn memory_errors(
     gpu_memory: Option<u64>,
     host_memory: Option<u64>,
 ) -> Vec<FlagError> {
-    let (t, h) = (args.tokens, args.hidden);
+    let (t, h) = (args.tokens(), args.hidden);
     let what = format!("--tokens {t} with --hidden {h} and --world {w}");
     let whose = if ranks_per_gpu > 1 {
         format!("GPU memory ({ranks_per_gpu} ranks share each GPU); the smallest GPU has")

@@ -73,6 +73,9 @@ pub fn validate_bench(
     let tokens_ok = shape::tokens(args, world, &mut errs);
     let (hidden_ok, fp8) = shape::hidden(args, &mut errs, &mut notes);
     let experts_ok = shape::experts(args, world, &mut errs);
+    if tokens_ok {
+        shape::low_latency_tokens(args, world, experts_ok, &mut errs);
+    }
     let top_k_ok = shape::top_k(args, &mut errs);
     let sm_limit = shape::sm_limit(machine, world, min_sms);
     let (sweep, is_sweep) = shape::sms(args, sm_limit, &mut errs);
@@ -100,7 +103,7 @@ pub fn validate_bench(
         && top_k_ok
         && hier_ok
     {
-        let (t, h, k, e) = (args.tokens, args.hidden, args.top_k, args.experts);
+        let (t, h, k, e) = (args.tokens(), args.hidden, args.top_k, args.experts);
         let per_rank = match tiers {
             Some(tiers) => machine::hier_device_bytes_estimate(tiers, t, h, k, e),
             None => machine::device_bytes_estimate(w, t, h, k, e),

@@ -100,11 +100,11 @@ pub(super) fn tokens(args: &BenchArgs, world: Option<usize>, errs: &mut Vec<Flag
     first_error(
         errs,
         [
-            FlagError::at_least("--tokens", args.tokens as u64, 1),
+            FlagError::at_least("--tokens", args.tokens() as u64, 1),
             world.and_then(|w| {
                 FlagError::at_most(
                     "--tokens",
-                    args.tokens as u64,
+                    args.tokens() as u64,
                     MAX_ROWS / w as u64,
                     format!(
                         "a rank receives up to --tokens x --world ({w}) rows, indexed with 32-bit \
@@ -114,6 +114,38 @@ pub(super) fn tokens(args: &BenchArgs, world: Option<usize>, errs: &mut Vec<Flag
             }),
         ],
     )
+}
+
+/// `--tokens` under `--low-latency` (skipped without it, or while `--experts` is broken): at
+/// most the library's limit for this shape ([`epcomm::rules::ll_max_tokens_limit`]: the
+/// routing bitmaps must fit in the kernels' shared memory). While the world is unknown, the
+/// limit of one rank (the largest of any world) is checked; the exact one once it is known.
+pub(super) fn low_latency_tokens(
+    args: &BenchArgs,
+    world: Option<usize>,
+    experts_ok: bool,
+    errs: &mut Vec<FlagError>,
+) {
+    if !args.low_latency || !experts_ok {
+        return;
+    }
+    let (e, t) = (args.experts, args.tokens());
+    let limit = epcomm::rules::ll_max_tokens_limit(e, world.unwrap_or(1));
+    let ranks = world.map_or_else(|| "any --world".into(), |w| format!("--world {w}"));
+    let bytes = epcomm_kernels::LL_MAX_SMEM_BYTES;
+    first_error(
+        errs,
+        [FlagError::at_most(
+            "--tokens",
+            t as u64,
+            limit as u64,
+            format!(
+                "the most for --low-latency with --experts {e} on {ranks}: the routing bitmaps, \
+                 (experts + ranks) x ceil(tokens / 32) words, must fit in {bytes} bytes of \
+                 shared memory; low-latency ops are for decode batches"
+            ),
+        )],
+    );
 }
 
 /// `--hidden`: the library's row rules, then 32-bit row bytes on the GPU. Returns (valid,
@@ -388,6 +420,36 @@ mod tests {
             ),
             "{e}"
         );
+    }
+
+    #[test]
+    fn low_latency_tokens_fit_the_routing_bitmaps() {
+        // The default under --low-latency is a decode batch, and it passes.
+        let plan = valid(&["--low-latency", "--world", "2"]);
+        assert_eq!(plan.world, Some(2));
+        assert_eq!(args(&["--low-latency"]).tokens(), 128);
+        assert_eq!(args(&[]).tokens(), 4096);
+        // Past the limit of this shape: one error naming --tokens and the maximum, with or
+        // without a world.
+        for extra in [
+            &["--tokens", "4096"][..],
+            &["--tokens", "993", "--world", "8"],
+        ] {
+            let e = error_about(&[&["--low-latency"], extra].concat(), "--tokens");
+            assert!(
+                matches!(e, FlagError::TooLarge { max: 992, .. }),
+                "{extra:?}: {e}"
+            );
+        }
+        valid(&["--low-latency", "--tokens", "992", "--world", "8"]);
+        // Larger worlds leave fewer tokens: (256 + 64) x 25 words fit, not 26.
+        let e = error_about(
+            &["--low-latency", "--tokens", "992", "--world", "64"],
+            "--tokens",
+        );
+        assert!(matches!(e, FlagError::TooLarge { max: 800, .. }), "{e}");
+        // Without --low-latency 4096 tokens are fine.
+        valid(&["--tokens", "4096", "--world", "2"]);
     }
 
     #[test]

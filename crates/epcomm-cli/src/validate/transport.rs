@@ -82,7 +82,8 @@ impl TransportChoice {
                 flag: "--virtual-nodes",
                 value: n.to_string(),
                 why: format!(
-                    "virtual nodes are an option of nvshmem, not of --transport {spec}; use                      --transport nvshmem:vnodes={n}"
+                    "virtual nodes are an option of nvshmem, not of --transport {spec}; use \
+                     --transport nvshmem:vnodes={n}"
                 ),
             }),
         }

@@ -86,26 +86,13 @@ impl Buffer {
             );
         }
         let (world, rank) = (group.size(), group.rank());
-        if world > abi::MAX_WORLD {
-            return invalid(
-                "world",
-                format!(
-                    "at most {} ranks per NVLink domain (got {world})",
-                    abi::MAX_WORLD
-                ),
-            );
-        }
-        if !cfg.num_experts.is_multiple_of(world) {
-            return invalid(
-                "num_experts",
-                format!(
-                    "must be a multiple of the world size {world} (got {})",
-                    cfg.num_experts
-                ),
-            );
-        }
-        caps.check_schedule(cfg.schedule)?;
-        let routes = RoutePlan::new(&layout, caps.routes, cfg.routes)?;
+        // Every rule that needs no device (crate::rules, shared with the tools that check a
+        // config without a GPU).
+        let crate::rules::Checked {
+            routes,
+            plan,
+            ll_smem_words,
+        } = crate::rules::check(&cfg, world, &layout, &caps)?;
         let sms = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .context("reading the SM count")? as u32;
@@ -115,15 +102,6 @@ impl Buffer {
                 format!("the device has {sms} SMs (asked for {})", cfg.num_sms),
             );
         }
-        let plan = BufferPlan::with_low_latency(
-            world,
-            cfg.max_tokens_per_rank,
-            cfg.hidden,
-            cfg.top_k,
-            cfg.num_experts,
-            cfg.ll_max_tokens_per_rank,
-        )?;
-        let ll_smem_words = ll_smem_words(&cfg, world)?;
         let stream = match stream {
             Some(s) => s,
             None => ctx.new_stream().context("creating the comm stream")?,
@@ -270,36 +248,6 @@ fn fingerprint(
         .with("combine_staging", cfg.combine_staging.name())
 }
 
-/// Dynamic shared memory of the low-latency kernels, in u32 words: the send phase's routing
-/// bitmaps (`(num_experts + world) * ceil(ll_max_tokens_per_rank / 32)`), the receive phase's
-/// first row per (local expert, source) (`num_experts`), the combine's per-expert prefix.
-///
-/// # Errors
-/// [`Error::InvalidArgument`] naming `ll_max_tokens_per_rank` when it exceeds
-/// [`epcomm_kernels::LL_MAX_SMEM_BYTES`].
-fn ll_smem_words(cfg: &BufferConfig, world: usize) -> Result<usize> {
-    let m = cfg.ll_max_tokens_per_rank;
-    if m == 0 {
-        return Ok(0);
-    }
-    let e = cfg.num_experts;
-    let words = ((e + world) * m.div_ceil(32)).max(e + 1);
-    let limit = epcomm_kernels::LL_MAX_SMEM_BYTES;
-    if words * 4 > limit {
-        return Err(Error::InvalidArgument {
-            argument: "ll_max_tokens_per_rank",
-            rule: format!(
-                "the low-latency routing bitmaps, (num_experts + world) * ceil({m} / 32) * 4 = {} \
-                 bytes, must fit in {limit} bytes of shared memory: at most {} tokens with {e} \
-                 experts on {world} ranks",
-                words * 4,
-                (limit / 4 / (e + world)) * 32
-            ),
-        });
-    }
-    Ok(words)
-}
-
 /// The distance between the two parity copies of every per-parity region. Kernels find a
 /// region's other copy at this one fixed distance, so the plan must agree for every region.
 ///
@@ -393,27 +341,6 @@ mod tests {
         fn peer_base(&self, peer: usize) -> Option<u64> {
             self.0.get(peer).copied().filter(|&b| b != 0)
         }
-    }
-
-    #[test]
-    fn low_latency_bitmaps_must_fit_in_shared_memory() {
-        let mut cfg = BufferConfig::new(64, 7168, 8, 256);
-        assert_eq!(ll_smem_words(&cfg, 2).unwrap(), 0);
-        cfg.ll_max_tokens_per_rank = 128;
-        // (256 + 2) experts and ranks, 4 words of 32 tokens each.
-        assert_eq!(ll_smem_words(&cfg, 2).unwrap(), 258 * 4);
-        cfg.ll_max_tokens_per_rank = 992;
-        assert_eq!(ll_smem_words(&cfg, 2).unwrap(), 258 * 31);
-        cfg.ll_max_tokens_per_rank = 993;
-        let e = ll_smem_words(&cfg, 2).unwrap_err().to_string();
-        assert!(
-            e.contains("ll_max_tokens_per_rank") && e.contains("at most 992 tokens"),
-            "{e}"
-        );
-        // Small batches with few experts: the receive phase's table sets the size.
-        let mut small = BufferConfig::new(8, 128, 1, 64);
-        small.ll_max_tokens_per_rank = 1;
-        assert_eq!(ll_smem_words(&small, 1).unwrap(), 65);
     }
 
     #[test]

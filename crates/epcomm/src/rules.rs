@@ -1,0 +1,335 @@
+//! The device-free rules of a [`crate::Buffer`]: everything [`crate::Buffer::new`] checks
+//! before it touches the GPU, as pure functions of the config, the world the transport sees
+//! and what the transport supports. `Buffer::new` runs [`check`]; tools that have no GPU (the
+//! Python `check_options`, the `epcomm` command's flag checks) run the same functions, so a
+//! config they accept is one `Buffer::new` accepts on any device with enough SMs and memory.
+//!
+//! # Example
+//!
+//! ```
+//! use epcomm::{BufferConfig, rules};
+//! use epcomm_topology::{Route, RoutePolicy, WorldLayout};
+//! use epcomm_transport::{Capabilities, KernelFamily, Schedule};
+//!
+//! // A store-only transport (like CUDA IPC) on one host of 2 GPUs.
+//! let caps = Capabilities {
+//!     name: "example",
+//!     kernel_family: KernelFamily::NvlinkStore,
+//!     schedules: &[Schedule::Global, Schedule::Epoch],
+//!     routes: &[Route::Store],
+//! };
+//! let layout = WorldLayout::new(2, 0, 2).unwrap();
+//! let mut cfg = BufferConfig::new(4096, 7168, 8, 256);
+//! assert!(rules::broken_rules(&cfg, 2, &layout, &caps).is_empty());
+//!
+//! // The decode-sized low-latency limit of this shape, and a config past it.
+//! assert_eq!(rules::ll_max_tokens_limit(256, 2), 992);
+//! cfg.ll_max_tokens_per_rank = 4096;
+//! cfg.routes = RoutePolicy::PutSignal;
+//! let broken = rules::broken_rules(&cfg, 2, &layout, &caps);
+//! assert_eq!(broken.len(), 2, "{broken:?}");
+//! ```
+
+use epcomm_kernels::abi;
+use epcomm_topology::{BufferPlan, RoutePlan, WorldLayout};
+use epcomm_transport::Capabilities;
+
+use crate::{BufferConfig, Error, Result};
+
+/// The most ranks one buffer spans (the kernels' tables are this large).
+pub const MAX_WORLD: usize = abi::MAX_WORLD;
+
+/// The most tokens per rank of a low-latency dispatch, whatever the shape
+/// ([`BufferConfig::ll_max_tokens_per_rank`] is a 16-bit count on the device).
+pub const LL_MAX_TOKENS: usize = 0xffff;
+
+/// What [`check`] computed on the way: the route plan, the buffer plan and the low-latency
+/// kernels' dynamic shared memory.
+#[derive(Clone, Debug)]
+pub struct Checked {
+    /// The route to every peer of the transport's world.
+    pub routes: RoutePlan,
+    /// The symmetric buffer's layout.
+    pub plan: BufferPlan,
+    /// Dynamic shared memory of the low-latency kernels, in u32 words ([`ll_smem_words`]).
+    pub ll_smem_words: usize,
+}
+
+/// The most tokens per rank a low-latency dispatch of `num_experts` experts over `world` ranks
+/// can take: the send phase's routing bitmaps, `(num_experts + world) * ceil(tokens / 32)`
+/// words, must fit in [`epcomm_kernels::LL_MAX_SMEM_BYTES`] of shared memory (and the count
+/// in [`LL_MAX_TOKENS`]). 0 when not even one token fits. For 256 experts on 2 to 8 ranks: 992.
+pub fn ll_max_tokens_limit(num_experts: usize, world: usize) -> usize {
+    let words = epcomm_kernels::LL_MAX_SMEM_BYTES / 4;
+    // The receive phase's table (num_experts + 1 words) must fit too.
+    if num_experts + 1 > words {
+        return 0;
+    }
+    let per_word_row = num_experts.saturating_add(world).max(1);
+    ((words / per_word_row) * 32).min(LL_MAX_TOKENS)
+}
+
+/// Dynamic shared memory of the low-latency kernels, in u32 words: the send phase's routing
+/// bitmaps (`(num_experts + world) * ceil(ll_max_tokens_per_rank / 32)`), the receive phase's
+/// first row per (local expert, source) (`num_experts`), the combine's per-expert prefix. 0
+/// when `cfg.ll_max_tokens_per_rank` is 0 (no low-latency ops).
+///
+/// # Errors
+/// [`Error::InvalidArgument`] naming `ll_max_tokens_per_rank` when the words exceed
+/// [`epcomm_kernels::LL_MAX_SMEM_BYTES`]; the rule names [`ll_max_tokens_limit`].
+pub fn ll_smem_words(cfg: &BufferConfig, world: usize) -> Result<usize> {
+    let m = cfg.ll_max_tokens_per_rank;
+    if m == 0 {
+        return Ok(0);
+    }
+    let e = cfg.num_experts;
+    let words = (e.saturating_add(world))
+        .saturating_mul(m.div_ceil(32))
+        .max(e.saturating_add(1));
+    let limit = epcomm_kernels::LL_MAX_SMEM_BYTES;
+    if words.saturating_mul(4) > limit {
+        return Err(Error::InvalidArgument {
+            argument: "ll_max_tokens_per_rank",
+            rule: format!(
+                "the low-latency routing bitmaps, (num_experts + world) * ceil({m} / 32) * 4 = {} \
+                 bytes, must fit in {limit} bytes of shared memory: at most {} tokens with {e} \
+                 experts on {world} ranks",
+                words.saturating_mul(4),
+                ll_max_tokens_limit(e, world)
+            ),
+        });
+    }
+    Ok(words)
+}
+
+/// Every rule of a buffer of `cfg` over `world` ranks (the buffer's ranks: the whole world, or
+/// one group of it) that `layout` (the world the transport sees) and `caps` (what it
+/// supports) break, in the order [`check`] tests them; empty when the buffer can be created on
+/// a device with enough SMs and memory. Each entry names its argument: a field of
+/// [`BufferConfig`], `world`, `schedule` or `routes` (through the transport's or the topology's
+/// error).
+pub fn broken_rules(
+    cfg: &BufferConfig,
+    world: usize,
+    layout: &WorldLayout,
+    caps: &Capabilities,
+) -> Vec<Error> {
+    rules(cfg, world, layout, caps).1
+}
+
+/// [`broken_rules`], stopping at none: the plans when no rule is broken, else the first broken
+/// rule. What [`crate::Buffer::new`] runs before it touches the GPU.
+///
+/// # Errors
+/// The first entry of [`broken_rules`].
+pub fn check(
+    cfg: &BufferConfig,
+    world: usize,
+    layout: &WorldLayout,
+    caps: &Capabilities,
+) -> Result<Checked> {
+    match rules(cfg, world, layout, caps) {
+        (Some(checked), errors) if errors.is_empty() => Ok(checked),
+        (_, errors) => Err(errors
+            .into_iter()
+            .next()
+            .unwrap_or_else(|| Error::InvalidArgument {
+                argument: "buffer plan",
+                rule: "no plan and no broken rule".into(),
+            })),
+    }
+}
+
+/// The plans (when every rule that shapes them holds) and every broken rule.
+fn rules(
+    cfg: &BufferConfig,
+    world: usize,
+    layout: &WorldLayout,
+    caps: &Capabilities,
+) -> (Option<Checked>, Vec<Error>) {
+    let mut errors = Vec::new();
+    let config_ok = match cfg.validate() {
+        Ok(()) => true,
+        Err(e) => {
+            errors.push(e);
+            false
+        }
+    };
+    let invalid = |argument, rule: String| Error::InvalidArgument { argument, rule };
+    let mut world_ok = true;
+    if world == 0 || world > MAX_WORLD {
+        world_ok = false;
+        errors.push(invalid(
+            "world",
+            format!("1 to {MAX_WORLD} ranks per buffer (got {world})"),
+        ));
+    } else if !cfg.num_experts.is_multiple_of(world) {
+        world_ok = false;
+        errors.push(invalid(
+            "num_experts",
+            format!(
+                "must be a multiple of the world size {world} (got {})",
+                cfg.num_experts
+            ),
+        ));
+    }
+    if let Err(e) = caps.check_schedule(cfg.schedule) {
+        errors.push(e.into());
+    }
+    let routes = RoutePlan::new(layout, caps.routes, cfg.routes)
+        .map_err(|e| errors.push(e.into()))
+        .ok();
+    let mut ll_words = None;
+    if config_ok && world_ok {
+        match ll_smem_words(cfg, world) {
+            Ok(w) => ll_words = Some(w),
+            Err(e) => errors.push(e),
+        }
+    }
+    let plan = (config_ok && world_ok && ll_words.is_some())
+        .then(|| {
+            BufferPlan::with_low_latency(
+                world,
+                cfg.max_tokens_per_rank,
+                cfg.hidden,
+                cfg.top_k,
+                cfg.num_experts,
+                cfg.ll_max_tokens_per_rank,
+            )
+            .map_err(|e| errors.push(e.into()))
+            .ok()
+        })
+        .flatten();
+    let checked = match (routes, plan, ll_words) {
+        (Some(routes), Some(plan), Some(ll_smem_words)) => Some(Checked {
+            routes,
+            plan,
+            ll_smem_words,
+        }),
+        _ => None,
+    };
+    (checked, errors)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    use epcomm_kernels::KernelFamily;
+    use epcomm_topology::{Route, RoutePolicy, Schedule};
+
+    const STORES: Capabilities = Capabilities {
+        name: "stores",
+        kernel_family: KernelFamily::NvlinkStore,
+        schedules: &[Schedule::Global, Schedule::Epoch],
+        routes: &[Route::Store],
+    };
+    const BOTH: Capabilities = Capabilities {
+        name: "both",
+        kernel_family: KernelFamily::NvshmemDevice,
+        schedules: &[Schedule::Global, Schedule::Epoch],
+        routes: &Route::ALL,
+    };
+
+    fn arguments(errors: &[Error]) -> Vec<String> {
+        errors
+            .iter()
+            .map(|e| match e {
+                Error::InvalidArgument { argument, .. } => (*argument).to_string(),
+                other => other.to_string(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn low_latency_bitmaps_must_fit_in_shared_memory() {
+        let mut cfg = BufferConfig::new(64, 7168, 8, 256);
+        assert_eq!(ll_smem_words(&cfg, 2).unwrap(), 0);
+        cfg.ll_max_tokens_per_rank = 128;
+        // (256 + 2) experts and ranks, 4 words of 32 tokens each.
+        assert_eq!(ll_smem_words(&cfg, 2).unwrap(), 258 * 4);
+        cfg.ll_max_tokens_per_rank = 992;
+        assert_eq!(ll_smem_words(&cfg, 2).unwrap(), 258 * 31);
+        cfg.ll_max_tokens_per_rank = 993;
+        let e = ll_smem_words(&cfg, 2).unwrap_err().to_string();
+        assert!(
+            e.contains("ll_max_tokens_per_rank") && e.contains("at most 992 tokens"),
+            "{e}"
+        );
+        // Small batches with few experts: the receive phase's table sets the size.
+        let mut small = BufferConfig::new(8, 128, 1, 64);
+        small.ll_max_tokens_per_rank = 1;
+        assert_eq!(ll_smem_words(&small, 1).unwrap(), 65);
+    }
+
+    #[test]
+    fn the_low_latency_limit_is_the_largest_count_that_fits() {
+        for (experts, world) in [(256, 2), (256, 8), (256, 64), (8, 1), (288, 3), (4096, 64)] {
+            let limit = ll_max_tokens_limit(experts, world);
+            let mut cfg = BufferConfig::new(limit.max(1), 128, 1, experts);
+            cfg.ll_max_tokens_per_rank = limit;
+            assert!(ll_smem_words(&cfg, world).is_ok(), "{experts} x {world}");
+            if limit < LL_MAX_TOKENS {
+                cfg.ll_max_tokens_per_rank = limit + 1;
+                assert!(ll_smem_words(&cfg, world).is_err(), "{experts} x {world}");
+            }
+        }
+        assert_eq!(ll_max_tokens_limit(256, 2), 992);
+        assert_eq!(ll_max_tokens_limit(256, 64), 800);
+        // Few experts: the 16-bit count is the limit.
+        assert_eq!(ll_max_tokens_limit(2, 1), LL_MAX_TOKENS);
+        // Too many experts for even the receive phase's table.
+        assert_eq!(ll_max_tokens_limit(8192, 1), 0);
+    }
+
+    #[test]
+    fn a_good_config_passes_with_its_plans() {
+        let layout = WorldLayout::new(8, 3, 8).unwrap();
+        let mut cfg = BufferConfig::new(4096, 7168, 8, 256);
+        cfg.ll_max_tokens_per_rank = 128;
+        assert!(broken_rules(&cfg, 8, &layout, &STORES).is_empty());
+        let c = check(&cfg, 8, &layout, &STORES).unwrap();
+        assert_eq!(c.plan.recv_rows(), 8 * 4096);
+        assert_eq!(c.ll_smem_words, 264 * 4);
+        assert_eq!(c.routes.peers().len(), 8);
+    }
+
+    #[test]
+    fn every_broken_rule_is_named() {
+        // A world past the kernels' tables.
+        let big = WorldLayout::new(128, 0, 128).unwrap();
+        let cfg = BufferConfig::new(128, 7168, 8, 256);
+        let e = broken_rules(&cfg, 128, &big, &STORES);
+        assert_eq!(arguments(&e), ["world"], "{e:?}");
+        assert!(e[0].to_string().contains("1 to 64 ranks"), "{}", e[0]);
+        assert!(check(&cfg, 128, &big, &STORES).is_err());
+        // Put/signal on a store-only transport.
+        let one = WorldLayout::new(2, 0, 2).unwrap();
+        let ps = BufferConfig {
+            routes: RoutePolicy::PutSignal,
+            ..cfg.clone()
+        };
+        let e = broken_rules(&ps, 2, &one, &STORES);
+        assert_eq!(e.len(), 1, "{e:?}");
+        assert!(e[0].to_string().contains("put-signal"), "{}", e[0]);
+        assert!(broken_rules(&ps, 2, &one, &BOTH).is_empty());
+        // Decode tokens past the shared-memory bitmaps, experts not split evenly, and a bad
+        // field: each one named, all at once.
+        let ll = BufferConfig {
+            ll_max_tokens_per_rank: 4096,
+            ..ps.clone()
+        };
+        let e = broken_rules(&ll, 2, &one, &STORES);
+        assert_eq!(arguments(&e)[1], "ll_max_tokens_per_rank", "{e:?}");
+        assert_eq!(e.len(), 2, "{e:?}");
+        let odd = WorldLayout::new(3, 0, 3).unwrap();
+        let e = broken_rules(&ll, 3, &odd, &STORES);
+        assert_eq!(arguments(&e)[0], "num_experts", "{e:?}");
+        let bad = BufferConfig { hidden: 7, ..ll };
+        let e = broken_rules(&bad, 2, &one, &STORES);
+        assert_eq!(arguments(&e)[0], "hidden", "{e:?}");
+        // check returns the first.
+        let first = check(&bad, 2, &one, &STORES).unwrap_err().to_string();
+        assert!(first.contains("hidden"), "{first}");
+    }
+}
