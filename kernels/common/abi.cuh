@@ -22,7 +22,7 @@ namespace epcomm {
 
 /// Version of the kernel protocol and argument blocks; ranks compare it when a `Buffer` is
 /// built. Bump it with any change of this header or of the kernels' cross-rank protocol.
-constexpr uint64_t kAbiVersion = 9;
+constexpr uint64_t kAbiVersion = 10;
 
 /// Largest world size the intranode kernels support (shared-memory tables are this large).
 constexpr size_t kMaxWorld = 64;
@@ -37,6 +37,11 @@ enum ErrorCode : uint32_t {  // rust: mod code, strip k
                        ///< `seen` = its op sequence number (low 32 bits).
   kDuplicateExpert = 5,  ///< Low-latency dispatch: a token names one expert twice (`peer` =
                          ///< token index, `seen` = the expert id).
+  kOpMismatch = 6,  ///< A peer issued another op, or this op with other arguments ([A2]): `peer`
+                    ///< = that peer, `expected` = this rank's intent word, `seen` = the peer's.
+                    ///< Its abort word's code carries the fields that differ in bits 8..15
+                    ///< (bit 0: op kind; bits 1..5: the `flags` bits of kIntentFlagMask; bit 6:
+                    ///< row bytes).
 };
 
 /// Which operation a kernel was running (`ErrorRecord::op`, stats kind).
@@ -63,10 +68,14 @@ enum WaitId : uint32_t {  // rust: mod wait, strip kWait
   kWaitLlDispatch = 7,    ///< [L5]/[L6] a peer's low-latency dispatch rows and counts.
   kWaitLlCombine = 8,     ///< [L5] before [L9]: a peer's low-latency combine rows.
   kWaitProxy = 9,         ///< [P2] the CPU proxy completing this rank's puts (or a free ring slot).
+  kWaitIntent = 10,       ///< [A2] a peer's intent word for this op (after the op's last wait).
 };
 
 /// Byte offset, inside the stats region, of the in-place combine's `[world]` ready words.
 constexpr uint64_t kStatsReadyOffset = 3072;
+/// Byte offset, inside the stats region, of the intent words ([A1]): [2][kMaxWorld] u64, by op
+/// sequence parity, [source rank] within a parity.
+constexpr uint64_t kStatsIntentOffset = 2048;
 /// Byte offset, inside the stats region, of the abort word failing peers write.
 constexpr uint64_t kStatsAbortOffset = 3584;
 
@@ -102,6 +111,18 @@ enum OpFlags : uint32_t {  // rust: mod flags, strip kFlag
   kFlagRoundScale = 1u << 5,  ///< Low-latency FP8 dispatch: scales rounded up to powers of two.
   kFlagFused = 1u << 6,       ///< Low-latency send kernel also runs the receive phase (no hook).
 };
+
+/// An op's intent word ([A1], docs/protocol.md "Op agreement"): (op sequence number, low 32
+/// bits) << 32 | op kind << kIntentKindShift | (`flags` & kIntentFlagMask) << kIntentFlagShift |
+/// row bytes folded to 20 bits (kIntentRowMask). Ranks compare it per peer and op.
+constexpr uint32_t kIntentKindShift = 28;
+/// Shift of the flag bits in an intent word.
+constexpr uint32_t kIntentFlagShift = 20;
+/// The `flags` bits ranks must agree on: scales (FP8), weights, top-k ids, in place (staged or
+/// pulled combine vs pushed), rounded scales.
+constexpr uint32_t kIntentFlagMask = 62;
+/// The row-bytes bits of an intent word.
+constexpr uint32_t kIntentRowMask = 1048575;
 
 /// Arguments of `epcomm_dispatch` and `epcomm_combine`. All addresses are device addresses.
 struct OpArgs {
@@ -266,7 +287,10 @@ struct LayoutArgs {
   int32_t num_experts;     ///< Experts in the world.
   int32_t world;           ///< Ranks.
   int32_t gpus_per_node;   ///< Ranks per node.
-  int32_t rank;            ///< This rank.
+  int32_t rank;            ///< This rank (of the group).
+  int32_t pe_base;         ///< World rank of group rank 0 (`OpArgs::pe_base`): records name
+                           ///< world ranks.
+  int32_t pe_stride;       ///< World-rank stride between group ranks (`OpArgs::pe_stride`).
 };
 
 }  // namespace epcomm

@@ -43,6 +43,25 @@ __device__ __forceinline__ uint64_t* u64_at(uint8_t* base, uint64_t off) {
   return reinterpret_cast<uint64_t*>(base + off);
 }
 
+// [A1] The intent word of op number `op` of `kind` (abi.cuh, kIntentKindShift): what every
+// peer must be running as the same op. A receive phase has its send phase's intent.
+__device__ __forceinline__ uint64_t op_intent(const OpArgs& a, uint32_t kind, uint64_t op) {
+  const uint32_t k = kind == kOpLlDispatchRecv  ? kOpLlDispatch
+                     : kind == kOpLlCombineRecv ? kOpLlCombine
+                                                : kind;
+  const uint32_t rb = static_cast<uint32_t>(a.row_bytes);
+  const uint32_t content = (k << kIntentKindShift) |
+                           ((a.flags & kIntentFlagMask) << kIntentFlagShift) |
+                           ((rb ^ (rb >> 20)) & kIntentRowMask);
+  return ((op & 0xffffffffull) << 32) | content;
+}
+
+// Byte offset, in every rank's buffer, of the intent slots of op number `op` ([world] by
+// source rank; two parities, so a peer one op ahead writes the other slots).
+__device__ __forceinline__ uint64_t intent_off(const OpArgs& a, uint64_t op) {
+  return a.off_stats + kStatsIntentOffset + (op & 1) * kMaxWorld * sizeof(uint64_t);
+}
+
 // Fills s.wait for an op of `kind` (one thread; s.seq is set, s.bases is the table the other
 // threads fill).
 __device__ __forceinline__ void make_wait(const OpArgs& a, OpState& s, uint32_t kind) {
@@ -60,6 +79,9 @@ __device__ __forceinline__ void make_wait(const OpArgs& a, OpState& s, uint32_t 
   w.world = a.world;
   w.pe_base = a.pe_base;
   w.pe_stride = a.pe_stride;
+  const uint64_t local = reinterpret_cast<const uint64_t*>(a.peer_bases)[a.rank];
+  w.intents = reinterpret_cast<const uint64_t*>(local + intent_off(a, s.seq.op));
+  w.intent = op_intent(a, kind, s.seq.op);
 }
 
 // Reads the sequence numbers, loads peer bases, fills the wait context, clears the abort flag.
@@ -67,6 +89,8 @@ __device__ __forceinline__ void make_wait(const OpArgs& a, OpState& s, uint32_t 
 // is set: the failure is sent to the peers again, in case the failing kernel could not) or a
 // peer's abort word arrived. Such an op writes nothing and publishes nothing, so no peer can
 // mistake it for progress. Ends with __syncthreads: s is then complete for every thread.
+// An op that runs then publishes its intent word ([A1]) to every peer (block 0, thread d for
+// peer d; not a receive phase, whose send phase did), before any other write of the op.
 template <class Net>
 __device__ __forceinline__ bool prologue(const OpArgs& a, OpState& s, uint32_t kind) {
   const int tid = threadIdx.x;
@@ -108,7 +132,8 @@ __device__ __forceinline__ bool prologue(const OpArgs& a, OpState& s, uint32_t k
         // record are shared by the tiers of a hierarchical buffer): an own failure, or one
         // learned from a peer with its origin (world rank), cause and op.
         if (code != kOk && code != kPeerFailed)
-          broadcast_abort<Net>(w, make_abort(code, peer_pe(w, a.rank), r->epoch));
+          broadcast_abort<Net>(w, make_abort(abort_code_of(code, r->expected, r->seen),
+                                             peer_pe(w, a.rank), r->epoch));
         else if (code == kPeerFailed)
           broadcast_abort<Net>(w, make_abort(static_cast<uint32_t>(r->expected), r->peer, r->seen));
       } else {
@@ -117,7 +142,29 @@ __device__ __forceinline__ bool prologue(const OpArgs& a, OpState& s, uint32_t k
     }
   }
   __syncthreads();
-  return s.abort == 0;
+  if (s.abort != 0) return false;
+  if (blockIdx.x == 0 && tid < a.world && tid != a.rank && kind != kOpLlDispatchRecv &&
+      kind != kOpLlCombineRecv)  // [A1]
+    Net::set_word(reinterpret_cast<uint64_t*>(s.bases[tid] + intent_off(a, s.seq.op)) + a.rank,
+                  s.wait.intent, peer_pe(s.wait, tid), Net::remote(a.remote_mask, tid));
+  return true;
+}
+
+// [A2] after the op's last wait for group rank `d` (block 0, thread d): d's intent word for this
+// op (bounded wait: d published it when its op started) must equal this rank's; otherwise
+// kOpMismatch is recorded (and sent to every peer) and false returned. Catches what no wait
+// does: ranks whose ops pass each other's waits (weights on one rank only, BF16 against FP8,
+// a dispatch against a combine that sends it nothing).
+template <class Net>
+__device__ __forceinline__ bool check_intent(const WaitCtx& w, int d) {
+  if (w.intents == nullptr || d == w.rank) return true;
+  uint32_t content = 0;
+  if (!wait_tag<Net>(w, w.intents + d, w.intent >> 32, kWaitIntent, d, &content, nullptr))
+    return false;
+  if (content == static_cast<uint32_t>(w.intent)) return true;
+  const uint64_t theirs = make_tagged(w.intent >> 32, content);
+  record_failure<Net>(w, kOpMismatch, kWaitIntent, d, w.intent, theirs, 0);
+  return false;
 }
 
 // Called once per block on the success path, after `barriers` all-rank barriers of this op

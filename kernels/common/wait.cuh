@@ -39,6 +39,11 @@ struct WaitCtx {
   // peers named in failures are group ranks.
   int32_t pe_base;
   int32_t pe_stride;
+  // Op agreement ([A2], docs/protocol.md "Op agreement"): this op's intent word and where the
+  // peers' intent words for this op land in this rank's buffer ([world], by source rank); null
+  // where there are no peers (the layout kernel).
+  const uint64_t* intents;
+  uint64_t intent;
 };
 
 // The transport PE of group rank `d`: what every Net call takes as its `pe`.
@@ -57,6 +62,22 @@ __device__ __forceinline__ int32_t abort_origin(uint64_t a) {
 }
 __device__ __forceinline__ uint32_t abort_code(uint64_t a) {
   return static_cast<uint32_t>(a >> 48);
+}
+
+// The fields two intent words disagree on, as the abort word carries them (kOpMismatch): bit 0
+// the op kind (then nothing else: the other fields mean nothing across kinds), bits 1..5 the
+// `flags` bits of kIntentFlagMask, bit 6 the row bytes.
+__device__ __forceinline__ uint32_t intent_fields(uint64_t mine, uint64_t theirs) {
+  const uint32_t d = static_cast<uint32_t>(mine ^ theirs);
+  if ((d >> kIntentKindShift) != 0) return 1u;
+  return ((d >> kIntentFlagShift) & kIntentFlagMask) | ((d & kIntentRowMask) != 0 ? 64u : 0u);
+}
+
+// The code an abort word carries for a failure recorded with (code, expected, seen): the code,
+// and for kOpMismatch the fields that differ in bits 8..15, so that the peers report them too.
+__device__ __forceinline__ uint32_t abort_code_of(uint32_t code, uint64_t expected,
+                                                  uint64_t seen) {
+  return code == kOpMismatch ? code | (intent_fields(expected, seen) << 8) : code;
 }
 
 // Tells every peer that this rank failed (one thread). Idempotent: peers only test for != 0.
@@ -96,7 +117,22 @@ __device__ __noinline__ void record_failure(const WaitCtx& w, uint32_t code, uin
   r->code = code;
   __threadfence_system();
   // A failure of this rank's own (not one learned from a peer) goes to every peer.
-  if (code != kPeerFailed) broadcast_abort<Net>(w, make_abort(code, peer_pe(w, w.rank), w.epoch));
+  if (code != kPeerFailed)
+    broadcast_abort<Net>(w, make_abort(abort_code_of(code, expected, seen), peer_pe(w, w.rank),
+                                       w.epoch));
+}
+
+// [A2] inside a wait for group rank `peer` (its slow path): true, with kOpMismatch recorded,
+// when that peer's intent word for this op has arrived and differs from this rank's. So ranks
+// that wait for signals the other never sends (one stages its combine, the other pushes; one
+// dispatches, the other combines) fail as soon as both started the op, not at the timeout.
+template <class Net>
+__device__ __noinline__ bool intent_differs(const WaitCtx& w, uint32_t wait_id, int32_t peer) {
+  if (w.intents == nullptr || peer < 0 || peer >= w.world || peer == w.rank) return false;
+  const uint64_t v = *reinterpret_cast<const volatile uint64_t*>(w.intents + peer);
+  if ((v >> 32) != (w.intent >> 32) || v == w.intent) return false;  // not yet, or agreed
+  record_failure<Net>(w, kOpMismatch, wait_id, peer, w.intent, v, 0);
+  return true;
 }
 
 // How often a spinning wait looks at the abort word (in spins): a peer's failure is seen
@@ -140,6 +176,7 @@ __device__ __forceinline__ bool wait_geq(const WaitCtx& w, const uint64_t* p, ui
         record_failure<Net>(w, kTimeout, wait_id, peer, target, v, now - t0);
         return false;
       }
+      if (intent_differs<Net>(w, wait_id, peer)) return false;
       if (should_stop<Net>(w, wait_id, spins)) return false;
     }
   }
@@ -169,6 +206,7 @@ __device__ __forceinline__ bool wait_tag(const WaitCtx& w, const uint64_t* p, ui
         record_failure<Net>(w, kTimeout, wait_id, peer, tag, v >> 32, now - t0);
         return false;
       }
+      if (intent_differs<Net>(w, wait_id, peer)) return false;
       if (should_stop<Net>(w, wait_id, spins)) return false;
     }
   }

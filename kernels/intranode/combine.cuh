@@ -517,6 +517,7 @@ __device__ __forceinline__ void combine(const OpArgs& a, Shared& s) {
     ok = wait_geq<Net>(w, u64_at(local, a.off_done) + tid, q.done_expected, kWaitCombineDone,
                        tid, nullptr);
     stats[kStatPeers + 2 * world + tid] = s_arrival[tid];
+    ok = ok && check_intent<Net>(w, tid);  // [A2]
   }
   if (!all_ok(s, ok)) return;
   finish_stats(a, s, t_start, kOpCombine);

@@ -323,6 +323,7 @@ __device__ __forceinline__ void dispatch(const OpArgs& a, Shared& s) {
     ok = wait_geq<Net>(w, u64_at(local, a.off_done) + tid, q.done_expected, kWaitDispatchDone,
                        tid, &arrived);
     if (ok) stats[kStatPeers + 2 * world + tid] = arrived;
+    ok = ok && check_intent<Net>(w, tid);  // [A2]
   }
   if (!all_ok(s, ok)) return;
   // [E7] the receive region is the output; keep the source indices with the handle.

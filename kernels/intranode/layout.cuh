@@ -84,8 +84,11 @@ __device__ __forceinline__ void layout(const LayoutArgs& a) {
     w.abort_off = 0;
     w.remote_mask = 0;
     w.world = 0;
-    w.pe_base = 0;
-    w.pe_stride = 1;
+    // World ranks in the record (the group's mapping, as in OpArgs).
+    w.pe_base = a.pe_base;
+    w.pe_stride = a.pe_stride;
+    w.intents = nullptr;
+    w.intent = 0;
   }
   __syncthreads();
   const int64_t total = static_cast<int64_t>(T) * K;

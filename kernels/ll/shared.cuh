@@ -67,6 +67,8 @@ __device__ __forceinline__ bool await_sends(const OpArgs& a, Shared& s, Schedule
     ok = wait_geq<Net>(s.wait, u64_at(local, a.off_done) + tid, s.seq.done_expected, wait_id,
                        tid, &arrived);
     if (ok && blockIdx.x == 0) u64_at(local, a.off_stats)[kStatPeers + 2 * a.world + tid] = arrived;
+    // [A2] once per op: in block 0 (every block waited for the same counters).
+    ok = ok && (blockIdx.x != 0 || check_intent<Net>(s.wait, tid));
   }
   return all_ok(s, ok);
 }

@@ -63,6 +63,8 @@ fn run_layout(
             world: world as i32,
             gpus_per_node: gpn as i32,
             rank: 0,
+            pe_base: 0,
+            pe_stride: 1,
         };
         // SAFETY: every array has the size the kernel expects for this shape.
         unsafe { kernels.launch_layout(stream, &args) }.unwrap();

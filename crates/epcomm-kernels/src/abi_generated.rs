@@ -3,7 +3,7 @@
 
 /// Version of the kernel protocol and argument blocks; ranks compare it when a `Buffer` is
 /// built. Bump it with any change of this header or of the kernels' cross-rank protocol.
-pub const ABI_VERSION: u64 = 9;
+pub const ABI_VERSION: u64 = 10;
 
 /// Largest world size the intranode kernels support (shared-memory tables are this large).
 pub const MAX_WORLD: usize = 64;
@@ -24,6 +24,12 @@ pub mod code {
     /// Low-latency dispatch: a token names one expert twice (`peer` =
     /// token index, `seen` = the expert id).
     pub const DUPLICATE_EXPERT: u32 = 5;
+    /// A peer issued another op, or this op with other arguments (\[A2\]): `peer`
+    /// = that peer, `expected` = this rank's intent word, `seen` = the peer's.
+    /// Its abort word's code carries the fields that differ in bits 8..15
+    /// (bit 0: op kind; bits 1..5: the [`flags`] bits of kIntentFlagMask; bit 6:
+    /// row bytes).
+    pub const OP_MISMATCH: u32 = 6;
 }
 
 /// Which operation a kernel was running ([`ErrorRecord::op`], stats kind).
@@ -68,10 +74,16 @@ pub mod wait {
     pub const LL_COMBINE: u32 = 8;
     /// \[P2\] the CPU proxy completing this rank's puts (or a free ring slot).
     pub const PROXY: u32 = 9;
+    /// \[A2\] a peer's intent word for this op (after the op's last wait).
+    pub const INTENT: u32 = 10;
 }
 
 /// Byte offset, inside the stats region, of the in-place combine's `[world]` ready words.
 pub const STATS_READY_OFFSET: u64 = 3072;
+
+/// Byte offset, inside the stats region, of the intent words (\[A1\]): \[2\]\[kMaxWorld\] u64, by op
+/// sequence parity, \[source rank\] within a parity.
+pub const STATS_INTENT_OFFSET: u64 = 2048;
 
 /// Byte offset, inside the stats region, of the abort word failing peers write.
 pub const STATS_ABORT_OFFSET: u64 = 3584;
@@ -127,6 +139,21 @@ pub mod flags {
     /// Low-latency send kernel also runs the receive phase (no hook).
     pub const FUSED: u32 = 1 << 6;
 }
+
+/// An op's intent word (\[A1\], docs/protocol.md "Op agreement"): (op sequence number, low 32
+/// bits) << 32 | op kind << kIntentKindShift | ([`flags`] & kIntentFlagMask) << kIntentFlagShift |
+/// row bytes folded to 20 bits (kIntentRowMask). Ranks compare it per peer and op.
+pub const INTENT_KIND_SHIFT: u32 = 28;
+
+/// Shift of the flag bits in an intent word.
+pub const INTENT_FLAG_SHIFT: u32 = 20;
+
+/// The [`flags`] bits ranks must agree on: scales (FP8), weights, top-k ids, in place (staged or
+/// pulled combine vs pushed), rounded scales.
+pub const INTENT_FLAG_MASK: u32 = 62;
+
+/// The row-bytes bits of an intent word.
+pub const INTENT_ROW_MASK: u32 = 1048575;
 
 /// Arguments of `epcomm_dispatch` and `epcomm_combine`. All addresses are device addresses.
 #[repr(C)]
@@ -406,13 +433,18 @@ pub struct LayoutArgs {
     pub world: i32,
     /// Ranks per node.
     pub gpus_per_node: i32,
-    /// This rank.
+    /// This rank (of the group).
     pub rank: i32,
+    /// World rank of group rank 0 ([`OpArgs::pe_base`]): records name
+    /// world ranks.
+    pub pe_base: i32,
+    /// World-rank stride between group ranks ([`OpArgs::pe_stride`]).
+    pub pe_stride: i32,
 }
 
 /// What `epcomm_abi_probe` writes, in its order: every constant, enumerator, struct size
 /// and field offset of the ABI, as the host sees it.
-pub(crate) const ABI_PROBE: [(&str, u64); 160] = [
+pub(crate) const ABI_PROBE: [(&str, u64); 169] = [
     ("kAbiVersion", ABI_VERSION),
     ("kMaxWorld", MAX_WORLD as u64),
     ("kOk", code::OK as u64),
@@ -421,6 +453,7 @@ pub(crate) const ABI_PROBE: [(&str, u64); 160] = [
     ("kInvalidExpert", code::INVALID_EXPERT as u64),
     ("kPeerFailed", code::PEER_FAILED as u64),
     ("kDuplicateExpert", code::DUPLICATE_EXPERT as u64),
+    ("kOpMismatch", code::OP_MISMATCH as u64),
     ("kOpLayout", op::LAYOUT as u64),
     ("kOpDispatch", op::DISPATCH as u64),
     ("kOpCachedDispatch", op::CACHED_DISPATCH as u64),
@@ -439,7 +472,9 @@ pub(crate) const ABI_PROBE: [(&str, u64); 160] = [
     ("kWaitLlDispatch", wait::LL_DISPATCH as u64),
     ("kWaitLlCombine", wait::LL_COMBINE as u64),
     ("kWaitProxy", wait::PROXY as u64),
+    ("kWaitIntent", wait::INTENT as u64),
     ("kStatsReadyOffset", STATS_READY_OFFSET),
+    ("kStatsIntentOffset", STATS_INTENT_OFFSET),
     ("kStatsAbortOffset", STATS_ABORT_OFFSET),
     ("kCombineStagingBytes", COMBINE_STAGING_BYTES),
     ("sizeof(ErrorRecord)", size_of::<ErrorRecord>() as u64),
@@ -460,6 +495,10 @@ pub(crate) const ABI_PROBE: [(&str, u64); 160] = [
     ("kFlagInPlace", flags::IN_PLACE as u64),
     ("kFlagRoundScale", flags::ROUND_SCALE as u64),
     ("kFlagFused", flags::FUSED as u64),
+    ("kIntentKindShift", INTENT_KIND_SHIFT as u64),
+    ("kIntentFlagShift", INTENT_FLAG_SHIFT as u64),
+    ("kIntentFlagMask", INTENT_FLAG_MASK as u64),
+    ("kIntentRowMask", INTENT_ROW_MASK as u64),
     ("sizeof(OpArgs)", size_of::<OpArgs>() as u64),
     ("offsetof(OpArgs, x)", offset_of!(OpArgs, x) as u64),
     ("offsetof(OpArgs, x_scales)", offset_of!(OpArgs, x_scales) as u64),
@@ -573,4 +612,6 @@ pub(crate) const ABI_PROBE: [(&str, u64); 160] = [
     ("offsetof(LayoutArgs, world)", offset_of!(LayoutArgs, world) as u64),
     ("offsetof(LayoutArgs, gpus_per_node)", offset_of!(LayoutArgs, gpus_per_node) as u64),
     ("offsetof(LayoutArgs, rank)", offset_of!(LayoutArgs, rank) as u64),
+    ("offsetof(LayoutArgs, pe_base)", offset_of!(LayoutArgs, pe_base) as u64),
+    ("offsetof(LayoutArgs, pe_stride)", offset_of!(LayoutArgs, pe_stride) as u64),
 ];

@@ -28,6 +28,8 @@ pub enum WaitKind {
     /// \[P2] this rank's CPU proxy completing its puts (or a free slot in its ring): the
     /// proxy thread stopped, failed or fell behind.
     ProxyCompletion,
+    /// \[A2] a peer's intent word for this op (docs/protocol.md, "Op agreement").
+    OpIntent,
     /// Unknown code (newer kernels).
     Other(u32),
 }
@@ -44,6 +46,7 @@ impl WaitKind {
             abi::wait::LL_DISPATCH => Self::LlDispatchData,
             abi::wait::LL_COMBINE => Self::LlCombineData,
             abi::wait::PROXY => Self::ProxyCompletion,
+            abi::wait::INTENT => Self::OpIntent,
             other => Self::Other(other),
         }
     }
@@ -135,6 +138,34 @@ pub enum Error {
         /// The origin's op sequence number (low 32 bits).
         origin_op_seq: u64,
     },
+    /// Ranks issued different ops at the same point of their sequence, or the same op with
+    /// arguments every rank must share (docs/protocol.md, "Op agreement"): another op kind
+    /// (a skipped or extra op), top-k weights on some ranks only, BF16 rows against FP8, a
+    /// staged or in-place combine against a pushed one (the ranks' receive modes or captures
+    /// differ). Each rank compares one word per peer and op, so every rank of the op fails
+    /// within microseconds of the last one starting it, instead of finishing with rows it
+    /// never received or waiting out the timeout. The buffer is failed on every rank.
+    #[error(
+        "{op} on rank {rank}: ranks {rank} and {peer} disagree on this op's {fields} \
+         (op #{op_seq}; {detail}); every rank must issue the same ops in the same order, with \
+         the same kind, dtype, weights and combine mode; destroy this Buffer on every rank and \
+         create a new one"
+    )]
+    OpMismatch {
+        /// The op this rank was running.
+        op: &'static str,
+        /// This rank (world rank).
+        rank: usize,
+        /// The peer that disagrees (world rank).
+        peer: usize,
+        /// What differs, e.g. "weights" or "dtype (FP8 scales), row bytes".
+        fields: String,
+        /// Both ranks' ops when this rank found the difference itself, e.g. "rank 0: combine
+        /// [weights, push], rank 1: combine [push]"; else that the peer found it.
+        detail: String,
+        /// The op's sequence number (low 32 bits when learned from the peer).
+        op_seq: u64,
+    },
     /// Ranks built a `Buffer` with different configurations (every rank gets this error).
     #[error(
         "ranks disagree on {field} ({values}); every rank must create its Buffer with the same value"
@@ -194,6 +225,31 @@ impl Error {
             _ => "unknown op",
         };
         match r.code {
+            abi::code::OP_MISMATCH => Self::OpMismatch {
+                op,
+                rank: r.rank as usize,
+                peer: r.peer.max(0) as usize,
+                fields: field_names(intent_fields(r.expected, r.seen)),
+                detail: format!(
+                    "rank {}: {}, rank {}: {}",
+                    r.rank,
+                    describe_intent(r.expected),
+                    r.peer,
+                    describe_intent(r.seen)
+                ),
+                op_seq: r.epoch,
+            },
+            // A peer found a mismatch first: its abort code carries the fields (bits 8..15).
+            abi::code::PEER_FAILED if r.expected as u32 & 0xff == abi::code::OP_MISMATCH => {
+                Self::OpMismatch {
+                    op,
+                    rank: r.rank as usize,
+                    peer: r.peer.max(0) as usize,
+                    fields: field_names((r.expected as u32 >> 8) & 0xff),
+                    detail: format!("rank {} found it first", r.peer),
+                    op_seq: r.seen,
+                }
+            }
             abi::code::OVERFLOW => Self::Overflow {
                 op,
                 dest: r.peer as i64,
@@ -214,7 +270,7 @@ impl Error {
                 rank: r.rank as usize,
                 wait: WaitKind::from_code(r.wait_id),
                 origin: r.peer.max(0) as usize,
-                cause: match r.expected as u32 {
+                cause: match r.expected as u32 & 0xff {
                     abi::code::TIMEOUT => "a timeout",
                     abi::code::OVERFLOW => "a receive overflow",
                     abi::code::INVALID_EXPERT => "an invalid expert id",
@@ -235,6 +291,79 @@ impl Error {
             },
         }
     }
+}
+
+/// The fields two intent words (`ErrorRecord::expected`/`seen` of `code::OP_MISMATCH`) differ
+/// in, as the kernels put them in an abort word: bit 0 the op kind (alone: nothing else compares
+/// across kinds), bits 1..5 the `abi::flags` bits of `INTENT_FLAG_MASK`, bit 6 the row bytes.
+fn intent_fields(mine: u64, theirs: u64) -> u32 {
+    let d = (mine ^ theirs) as u32;
+    if d >> abi::INTENT_KIND_SHIFT != 0 {
+        return 1;
+    }
+    let rows = if d & abi::INTENT_ROW_MASK != 0 { 64 } else { 0 };
+    ((d >> abi::INTENT_FLAG_SHIFT) & abi::INTENT_FLAG_MASK) | rows
+}
+
+/// The names of the fields in `fields` ([`intent_fields`]), e.g. "weights, row bytes".
+fn field_names(fields: u32) -> String {
+    let names: Vec<&str> = [
+        (1, "op kind"),
+        (abi::flags::HAS_SCALES, "dtype (FP8 scales)"),
+        (abi::flags::HAS_WEIGHTS, "weights"),
+        (abi::flags::HAS_TOPK, "top-k ids"),
+        (
+            abi::flags::IN_PLACE,
+            "combine mode (staged or in place against pushed)",
+        ),
+        (abi::flags::ROUND_SCALE, "scale rounding"),
+        (64, "row bytes (hidden size or dtype)"),
+    ]
+    .into_iter()
+    .filter(|&(bit, _)| fields & bit != 0)
+    .map(|(_, name)| name)
+    .collect();
+    if names.is_empty() {
+        "arguments".into()
+    } else {
+        names.join(", ")
+    }
+}
+
+/// An intent word in words: the op kind, its flags and its row bytes, e.g.
+/// "combine [weights, in place]" or "dispatch [fp8, top-k ids], 7168-byte rows".
+fn describe_intent(word: u64) -> String {
+    let c = word as u32;
+    let kind = match c >> abi::INTENT_KIND_SHIFT {
+        abi::op::DISPATCH => "dispatch",
+        abi::op::CACHED_DISPATCH => "cached dispatch",
+        abi::op::COMBINE => "combine",
+        abi::op::LL_DISPATCH => "low-latency dispatch",
+        abi::op::LL_COMBINE => "low-latency combine",
+        _ => "another op",
+    };
+    let flags = (c >> abi::INTENT_FLAG_SHIFT) & abi::INTENT_FLAG_MASK;
+    let mut parts: Vec<&str> = [
+        (abi::flags::HAS_SCALES, "fp8"),
+        (abi::flags::HAS_WEIGHTS, "weights"),
+        (abi::flags::HAS_TOPK, "top-k ids"),
+        (abi::flags::IN_PLACE, "in place"),
+        (abi::flags::ROUND_SCALE, "rounded scales"),
+    ]
+    .into_iter()
+    .filter(|&(bit, _)| flags & bit != 0)
+    .map(|(_, name)| name)
+    .collect();
+    if c >> abi::INTENT_KIND_SHIFT == abi::op::COMBINE && flags & abi::flags::IN_PLACE == 0 {
+        parts.push("push");
+    }
+    let rows = c & abi::INTENT_ROW_MASK;
+    let rows = if rows == 0 {
+        String::new()
+    } else {
+        format!(", {rows}-byte rows")
+    };
+    format!("{kind} [{}]{rows}", parts.join(", "))
 }
 
 pub(crate) trait DriverContext<T> {
@@ -327,6 +456,120 @@ mod tests {
         assert!(
             text.contains("rank 2 failed first") && text.contains("invalid expert id"),
             "{text}"
+        );
+    }
+
+    /// The intent word the kernels publish (kernels/common/seq.cuh, `op_intent`).
+    fn intent(op_seq: u64, kind: u32, flags: u32, row_bytes: u32) -> u64 {
+        let content = (kind << abi::INTENT_KIND_SHIFT)
+            | ((flags & abi::INTENT_FLAG_MASK) << abi::INTENT_FLAG_SHIFT)
+            | ((row_bytes ^ (row_bytes >> 20)) & abi::INTENT_ROW_MASK);
+        (op_seq & 0xffff_ffff) << 32 | u64::from(content)
+    }
+
+    #[test]
+    fn op_mismatch_records_name_the_fields_and_both_ranks() {
+        use abi::flags::{HAS_SCALES, HAS_TOPK, HAS_WEIGHTS, IN_PLACE};
+        let mismatch = |op, mine, theirs| {
+            let r = abi::ErrorRecord {
+                wait_id: abi::wait::INTENT,
+                rank: 1,
+                epoch: 5,
+                ..record(abi::code::OP_MISMATCH, op, 0, mine, theirs)
+            };
+            Error::from_record(&r)
+        };
+        let d = abi::op::DISPATCH;
+        let cases = [
+            // Weights on one rank only.
+            (
+                abi::op::COMBINE,
+                intent(5, abi::op::COMBINE, 0, 0),
+                intent(5, abi::op::COMBINE, HAS_WEIGHTS, 0),
+                "weights",
+            ),
+            // BF16 on one rank, FP8 on the other: the scales and the row size differ.
+            (
+                d,
+                intent(5, d, HAS_TOPK, 14336),
+                intent(5, d, HAS_TOPK | HAS_SCALES, 7168),
+                "dtype (FP8 scales), row bytes",
+            ),
+            // Staged (in place) against pushed.
+            (
+                abi::op::COMBINE,
+                intent(5, abi::op::COMBINE, IN_PLACE, 0),
+                intent(5, abi::op::COMBINE, 0, 0),
+                "combine mode",
+            ),
+            // Another op: only the kind is named.
+            (
+                abi::op::CACHED_DISPATCH,
+                intent(5, abi::op::CACHED_DISPATCH, 0, 14336),
+                intent(5, abi::op::COMBINE, IN_PLACE | HAS_WEIGHTS, 0),
+                "op kind",
+            ),
+        ];
+        for (op, mine, theirs, field) in cases {
+            let e = mismatch(op, mine, theirs);
+            let Error::OpMismatch {
+                rank: 1,
+                peer: 0,
+                op_seq: 5,
+                ref fields,
+                ..
+            } = e
+            else {
+                panic!("{e:?}");
+            };
+            assert!(fields.starts_with(field), "{fields} vs {field}");
+            let text = e.to_string();
+            assert!(
+                text.contains(field) && text.contains("ranks 1 and 0") && text.contains("rank 0:"),
+                "{text}"
+            );
+        }
+        // The kind alone when kinds differ.
+        let e = mismatch(
+            abi::op::DISPATCH,
+            intent(5, d, HAS_TOPK, 14336),
+            intent(5, abi::op::COMBINE, 0, 0),
+        );
+        assert!(
+            matches!(&e, Error::OpMismatch { fields, .. } if fields == "op kind"),
+            "{e:?}"
+        );
+        // Learned from the peer: its abort code carries the fields (bits 8..15).
+        let code = abi::code::OP_MISMATCH | (abi::flags::HAS_WEIGHTS << 8);
+        let r = abi::ErrorRecord {
+            wait_id: abi::wait::COMBINE_DONE,
+            rank: 0,
+            ..record(
+                abi::code::PEER_FAILED,
+                abi::op::COMBINE,
+                1,
+                u64::from(code),
+                5,
+            )
+        };
+        let e = Error::from_record(&r);
+        let text = e.to_string();
+        assert!(
+            matches!(&e, Error::OpMismatch { rank: 0, peer: 1, op_seq: 5, fields, .. } if fields == "weights")
+                && text.contains("rank 1 found it first"),
+            "{e:?}"
+        );
+        // Other causes keep their names with the upper bits clear.
+        let r = record(
+            abi::code::PEER_FAILED,
+            abi::op::COMBINE,
+            1,
+            u64::from(abi::code::TIMEOUT),
+            5,
+        );
+        assert!(
+            Error::from_record(&r).to_string().contains("a timeout"),
+            "{r:?}"
         );
     }
 }

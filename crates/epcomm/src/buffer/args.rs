@@ -83,6 +83,9 @@ impl Buffer {
             world: self.world as i32,
             gpus_per_node: self.world as i32,
             rank: self.rank as i32,
+            // Failure records name world ranks on a tier's buffer too.
+            pe_base: self.group.pe_base() as i32,
+            pe_stride: self.group.pe_stride() as i32,
         }
     }
 
