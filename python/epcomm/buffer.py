@@ -486,14 +486,24 @@ class Buffer:
             self._views[key] = v
         return v
 
-    def _recv(self, name, out, cols, parity, by_device):
+    def _recv(self, name, out, cols, parity, by_device, count_ptr):
         """Fills `out` (``[rows, cols]``) from region `name`: rows of the parity the dispatch
-        wrote (`parity`), or picked on the device by the parity word (`by_device`)."""
+        wrote (`parity`), or picked on the device by the parity word (`by_device`). With
+        `count_ptr` (the device address of the received-row count, when the host does not know
+        it) only the rows that arrived are copied, by one kernel that reads the count (and the
+        parity word) on the device; rows past it are left as they are."""
         rows = min(out.shape[0], self.capacity)
         if rows == 0:
             return
         dtype = torch.uint8 if out.dtype == _FP8 else out.dtype
         dst = out.view(dtype)[:rows]
+        if count_ptr is not None:
+            row_bytes = cols * dst.element_size()
+            parity_word = self._parity.data_ptr() if by_device else None
+            self._session.copy_received(
+                name, dst.data_ptr(), rows * row_bytes, row_bytes, count_ptr, parity_word, 1 if parity else 0
+            )
+            return
         if by_device:
             both = self._region(name, None, dtype, cols)[:, :rows]
             torch.index_select(both, 0, self._parity, out=dst.unsqueeze(0))
@@ -661,7 +671,8 @@ class Buffer:
             native_handle,
         )
         rows = out.num_recv if host_sync else num_worst_tokens
-        recv = self._outputs(op, out, rows, scales is not None, True, topk_weights is not None, zero_copy)
+        count_ptr = None if host_sync else self._count_ptr(out.handle)
+        recv = self._outputs(op, out, rows, scales is not None, True, topk_weights is not None, zero_copy, count_ptr)
         if not host_sync and not zero_copy:
             self._mask_padding(self._count(out.handle, handle_slot), recv[1], recv[2], rows)
         per_expert = aligned_counts(out.per_expert, expert_alignment) if host_sync else []
@@ -678,13 +689,16 @@ class Buffer:
         op.use(x, scales)
         op.begin()
         out = self._session.cached_dispatch(h._native, (dx.ptr, dx.numel), None if ds is None else (ds.ptr, ds.numel))
-        recv = self._outputs(op, out, h.num_rows, scales is not None, False, False, zero_copy)
+        count_ptr = None if h.num_recv_tokens is not None else self._count_ptr(h._native)
+        recv = self._outputs(op, out, h.num_rows, scales is not None, False, False, zero_copy, count_ptr)
         recv_x = recv[0] if scales is None else (recv[0], recv[3])
         return recv_x, None, None, None, None, op.finish()
 
-    def _outputs(self, op, out, rows, fp8, topk, weights, zero_copy):
+    def _outputs(self, op, out, rows, fp8, topk, weights, zero_copy, count_ptr):
         """``[recv_x, recv_topk_idx, recv_topk_weights, recv_scales]`` of a dispatch (None
-        where absent), as copies or (`zero_copy`) views. Flips the parity word first."""
+        where absent), as copies or (`zero_copy`) views. Flips the parity word first. With
+        `count_ptr` (the count is known only on the device) the copies move only the rows that
+        arrived."""
         with torch.cuda.stream(self._comm):
             self._flip_parity()
         if op.capturing:
@@ -715,17 +729,20 @@ class Buffer:
         with torch.cuda.stream(self._comm):
             for spec, t in zip(specs, results):
                 if spec is not None:
-                    self._recv(spec[0], t, spec[1], out.parity, by_device)
+                    self._recv(spec[0], t, spec[1], out.parity, by_device, count_ptr)
         op.output(*results)
         return results
+
+    def _count_ptr(self, native_handle):
+        """The device address of the int32 count of rows `native_handle`'s dispatch received."""
+        return native_handle.recv_prefix_ptr + 4 * self.group_size
 
     def _count(self, native_handle, slot):
         """A one-element int32 view of the rows `native_handle`'s dispatch received (on the
         device); kept with the handle slot when there is one (so that a capture reuses it)."""
         if slot is not None and getattr(slot, "count", None) is not None:
             return slot.count
-        ptr = native_handle.recv_prefix_ptr + 4 * self.group_size
-        count = view(ptr, (1,), torch.int32, self.device, native_handle)
+        count = view(self._count_ptr(native_handle), (1,), torch.int32, self.device, native_handle)
         if slot is not None:
             slot.count = count
         return count

@@ -194,12 +194,34 @@ impl OpKernel {
     }
 }
 
+/// Arguments of `epcomm_copy_counted_rows` (kernels/common/copy_rows.cuh): copies rows
+/// `[0, min(*count, max_rows))` of `row_bytes` each from `even` (or `odd` when `parity` is not 0
+/// and the `i64` there is odd) to `dst`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CopyCountedRows {
+    /// Destination, `max_rows * row_bytes` bytes.
+    pub dst: u64,
+    /// Source at even parity.
+    pub even: u64,
+    /// Source at odd parity.
+    pub odd: u64,
+    /// Device `i64` whose low bit picks the source, or 0 for `even`.
+    pub parity: u64,
+    /// Device `i32`: rows to copy (clamped to `0..=max_rows`).
+    pub count: u64,
+    /// Bytes per row, a multiple of 4.
+    pub row_bytes: u64,
+    /// Rows `dst` holds.
+    pub max_rows: u64,
+}
+
 /// The loaded intranode module of one CUDA context.
 #[derive(Debug)]
 pub struct IntranodeKernels {
     _module: Arc<CudaModule>,
     image_digest: u64,
     layout: CudaFunction,
+    copy_counted_rows: CudaFunction,
     /// In [`Op::ALL`] order.
     ops: Vec<OpKernel>,
     delay: CudaFunction,
@@ -225,6 +247,7 @@ impl IntranodeKernels {
         let probe = f("epcomm_abi_probe")?;
         let kernels = Self {
             layout: f("epcomm_layout")?,
+            copy_counted_rows: f("epcomm_copy_counted_rows")?,
             ops: Op::ALL
                 .iter()
                 .map(|&op| {
@@ -343,6 +366,40 @@ impl IntranodeKernels {
                 .launch(ONE_THREAD)
         }
         .context("launching epcomm_delay")?;
+        Ok(())
+    }
+
+    /// Launches the counted copy-out on `stream`: one block per SM, each thread striding over
+    /// the bytes to copy (the count is known only on the device).
+    ///
+    /// # Safety
+    /// `a.dst` must hold `a.max_rows * a.row_bytes` bytes of device memory, `a.even` and `a.odd`
+    /// as many readable bytes each, `a.count` an `i32` and `a.parity` (unless 0) an `i64` of
+    /// device memory, all valid until the kernel finishes; `a.row_bytes` a multiple of 4.
+    pub unsafe fn launch_copy_counted_rows(
+        &self,
+        stream: &Arc<CudaStream>,
+        a: CopyCountedRows,
+    ) -> Result<(), KernelError> {
+        let sms = stream
+            .context()
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .context("reading the SM count")?;
+        let cfg = grid(sms.max(1) as u32);
+        // SAFETY: upheld by the caller (see above); the kernel takes seven scalars.
+        unsafe {
+            stream
+                .launch_builder(&self.copy_counted_rows)
+                .arg(&a.dst)
+                .arg(&a.even)
+                .arg(&a.odd)
+                .arg(&a.parity)
+                .arg(&a.count)
+                .arg(&a.row_bytes)
+                .arg(&a.max_rows)
+                .launch(cfg)
+        }
+        .context("launching epcomm_copy_counted_rows")?;
         Ok(())
     }
 

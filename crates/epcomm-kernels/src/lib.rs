@@ -52,7 +52,7 @@ mod image;
 mod intranode;
 
 pub use image::{Image, ImageBuild, images};
-pub use intranode::{IntranodeKernels, KernelFamily, LL_MAX_SMEM_BYTES, Op};
+pub use intranode::{CopyCountedRows, IntranodeKernels, KernelFamily, LL_MAX_SMEM_BYTES, Op};
 
 /// Errors of loading or launching kernels.
 #[derive(Debug, thiserror::Error)]

@@ -439,6 +439,40 @@ impl Session {
         Ok((at(Parity::Even), at(Parity::Odd)))
     }
 
+    /// Copies the rows a dispatch received from `region` into `dst` (`dst_bytes` bytes), as many
+    /// as the device `i32` at `count` says ([`Buffer::copy_counted_rows`]): from the parity copy
+    /// the device `i64` at `parity_word` picks (a CUDA graph replayed at either parity), or else
+    /// from the copy of `parity` (0 or 1, known on the host).
+    ///
+    /// # Safety
+    /// `count` and `parity_word` must address live device words of those types, `dst` live
+    /// device memory of `dst_bytes` bytes, all until the copy ran on the buffer's stream.
+    pub unsafe fn copy_received(
+        &mut self,
+        region: RecvRegion,
+        dst: u64,
+        dst_bytes: usize,
+        row_bytes: usize,
+        count: u64,
+        parity_word: Option<u64>,
+        parity: u8,
+    ) -> Result<()> {
+        let (even, odd) = self.region_pair(region)?;
+        let region = match (parity_word, parity) {
+            (Some(_), _) => [even, odd],
+            (None, 0) => [even, even],
+            (None, _) => [odd, odd],
+        };
+        let src = epcomm::CountedRows {
+            region,
+            parity_word,
+            count,
+            row_bytes,
+        };
+        // SAFETY: the caller's contract.
+        Ok(unsafe { self.buf()?.copy_counted_rows(src, dst, dst_bytes) }?)
+    }
+
     /// Sums every rank's rows of `y` back to this rank's tokens: [`Buffer::combine`], or with
     /// `consuming` (the caller no longer reads the dispatch's receive rows)
     /// [`Buffer::combine_consuming`].

@@ -38,12 +38,14 @@ mod ops;
 mod pointers;
 mod sequence;
 mod setup;
+mod sharing;
 
 pub(crate) use setup::TierParts;
 mod validate;
 
 pub use graph::EpGraph;
-pub use ops::{DispatchInput, LlDispatchInput, LlFormat, LlPending, LlRecv, XInput};
+pub(crate) use graph::KeepAlive;
+pub use ops::{CountedRows, DispatchInput, LlDispatchInput, LlFormat, LlPending, LlRecv, XInput};
 
 use ops::LatestDispatch;
 pub(crate) use sequence::Sequence;
@@ -62,24 +64,29 @@ pub struct Buffer {
     group: RankGroup,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    /// Declared before `kernels`: dropped (unbound) before the module unloads.
-    _module_binding: Box<dyn std::fmt::Debug + Send + Sync>,
-    kernels: IntranodeKernels,
+    /// Dropped (unbound) before the module unloads, by `Drop` (or leaked with it: `leaked`).
+    _module_binding: ManuallyDrop<Box<dyn std::fmt::Debug + Send + Sync>>,
+    /// Unloaded by `Drop`, unless `leaked`.
+    kernels: ManuallyDrop<IntranodeKernels>,
     /// How every peer is reached (computed once, from the world layout and the transport).
     routes: RoutePlan,
     /// Bit d: rank d is reached with the transport's put/signal (`routes`' mask).
     remote_mask: u64,
     plan: BufferPlan,
-    /// `[world]` u64 base address the kernels use for every rank's buffer.
-    peer_bases: DeviceBuffer,
+    /// `[world]` u64 base address the kernels use for every rank's buffer (freed by `Drop`
+    /// unless `leaked`, as are `host_counts` and `seq_state`).
+    peer_bases: ManuallyDrop<DeviceBuffer>,
     /// Device u32 the first failing thread claims.
     err_claim: Arc<DeviceBuffer>,
     /// Mapped host `ErrorRecord`, written by the failing thread, read by [`Self::check`].
     err_record: Arc<MappedHostBuffer>,
     /// Mapped host `[tag, rows, per local expert...]` a HostSync dispatch publishes.
-    host_counts: MappedHostBuffer,
+    host_counts: ManuallyDrop<MappedHostBuffer>,
     /// The device `SeqState` (authoritative; `seq` mirrors it).
-    seq_state: DeviceBuffer,
+    seq_state: ManuallyDrop<DeviceBuffer>,
+    /// Recorded on the stream after every epcomm launch (`health::note_launch`): failure
+    /// handling and teardown wait for it, bounded, instead of for the whole stream.
+    last_launch: CudaEvent,
     /// Bytes between the two parity copies of every per-parity region.
     parity_stride: u64,
     seq: Sequence,
@@ -87,6 +94,9 @@ pub struct Buffer {
     latest_dispatch: Option<LatestDispatch>,
     /// `Buffer::capture` (or a hierarchical buffer's) is recording.
     recording: bool,
+    /// What the ops recorded since the capture began address (see `graph`): handed to the
+    /// graph made of the recordings.
+    graph_keep: graph::KeepAlive,
     /// A dispatch was captured outside `Buffer::capture`: the host no longer knows the
     /// dispatch parity, so combines never stage (`ops/staging.rs`).
     foreign_capture: bool,
@@ -101,6 +111,9 @@ pub struct Buffer {
     /// never by the field's own drop.
     mem: ManuallyDrop<Box<dyn SymmetricMemory>>,
     torn_down: bool,
+    /// Teardown could not see this rank's last kernel finish: the kernels, their module and
+    /// every block they address stay allocated until the process exits.
+    leaked: bool,
     transport: Arc<dyn DynTransport>,
 }
 
@@ -197,10 +210,17 @@ impl Buffer {
     /// the way (dropping does the same and prints a warning instead). **Collective**: every
     /// rank destroys (or drops) its buffer.
     ///
-    /// Order: wait for this rank's ops (bounded: every device wait is), release this rank's
-    /// mappings of the peers' memory, then a host barrier (bounded by the bootstrap timeout;
-    /// a dead peer is detected sooner), and only then free this rank's memory, so no peer can
+    /// Order: wait for this rank's own launched ops (bounded by the op timeout plus a second;
+    /// caller work queued on the stream after them is not waited for), release this rank's
+    /// mappings of the peers' memory, then a host barrier (bounded by the bootstrap timeout; a
+    /// dead peer is detected sooner), and only then free this rank's memory, so no peer can
     /// write into memory that is already freed and perhaps reused.
+    ///
+    /// What cannot be proven idle is leaked instead (it returns when the process exits): the
+    /// symmetric memory when the barrier failed and the peer is not known to be gone (a slow
+    /// peer's late kernel may still write through its mapping), or when freeing it is
+    /// collective; everything the kernels address when this rank's own last op did not finish
+    /// in time (reported as an error).
     pub fn destroy(mut self) -> Result<()> {
         self.teardown()
     }
@@ -211,24 +231,51 @@ impl Buffer {
             return Ok(());
         }
         self.torn_down = true;
+        let limit = self.launch_wait_limit();
+        let finished = self.wait_launched(limit);
         // A device failure was already reported by the op that hit it; destroying a failed
         // buffer is the way out, so only driver and transport errors surface here.
-        let synced = self.synchronize();
-        self.mem.release_peer_mappings();
+        let checked = if finished { self.check() } else { Ok(()) };
+        if finished {
+            self.mem.release_peer_mappings();
+        }
         let barrier = self.transport.bootstrap().barrier("epcomm-buffer-unmapped");
-        if barrier.is_err() && self.mem.free_is_collective() {
-            // The free would wait for the missing peers forever: leak this allocation instead
-            // (the process keeps running; the memory returns when it exits).
-        } else {
+        let free = finished
+            && match &barrier {
+                Ok(()) => true,
+                // A collective free would wait for the missing peers forever.
+                Err(_) if self.mem.free_is_collective() => false,
+                // A peer that may still run may still write through its mapping.
+                Err(e) => peer_is_gone(e),
+            };
+        if free {
             // SAFETY: `mem` is taken exactly once (guarded by `torn_down`) and never used after.
             unsafe { ManuallyDrop::drop(&mut self.mem) };
         }
+        if !finished {
+            self.leaked = true;
+            return Err(Error::Failed(format!(
+                "destroying the buffer: this rank's last {} did not finish within {limit:?} \
+                 (work queued on the stream before it, e.g. a wait on a caller's event, still \
+                 holds it); its memory, mappings and kernels are leaked so that no kernel can \
+                 touch freed memory",
+                self.last_op.unwrap_or("op")
+            )));
+        }
         barrier?;
-        match synced {
+        match checked {
             Err(e @ (Error::Driver { .. } | Error::Transport(_) | Error::Kernel(_))) => Err(e),
             _ => Ok(()),
         }
     }
+}
+
+/// Whether a failed teardown barrier proves that the missing peer runs no kernel any more:
+/// its process died, or it dropped its bootstrap (after its own teardown). A timeout or a
+/// silent peer proves nothing (it may be slow, or frozen with its kernels still queued).
+fn peer_is_gone(e: &epcomm_bootstrap::BootstrapError) -> bool {
+    use epcomm_bootstrap::BootstrapError as B;
+    matches!(e, B::PeerDied { .. } | B::PeerLeft { .. })
 }
 
 impl Drop for Buffer {
@@ -239,6 +286,22 @@ impl Drop for Buffer {
                 "epcomm: warning: rank {} dropped its Buffer without every peer: {e}",
                 self.rank
             );
+        }
+        if self.leaked {
+            // A kernel of this rank may still run (or not have started): it addresses these.
+            std::mem::forget(self.err_claim.clone());
+            std::mem::forget(self.err_record.clone());
+            return;
+        }
+        // SAFETY: each field is dropped exactly once, here, and never used after; the module
+        // binding goes before the module it binds, and this rank's kernels are finished
+        // (`teardown` saw its last launch complete).
+        unsafe {
+            ManuallyDrop::drop(&mut self._module_binding);
+            ManuallyDrop::drop(&mut self.kernels);
+            ManuallyDrop::drop(&mut self.peer_bases);
+            ManuallyDrop::drop(&mut self.host_counts);
+            ManuallyDrop::drop(&mut self.seq_state);
         }
     }
 }

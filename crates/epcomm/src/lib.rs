@@ -97,7 +97,8 @@ mod stats;
 mod view;
 
 pub use buffer::{
-    Buffer, DispatchInput, EpGraph, LlDispatchInput, LlFormat, LlPending, LlRecv, XInput,
+    Buffer, CountedRows, DispatchInput, EpGraph, LlDispatchInput, LlFormat, LlPending, LlRecv,
+    XInput,
 };
 pub use config::{BufferConfig, CombineStaging, RecvMode};
 pub use epcomm_topology::{

@@ -409,6 +409,33 @@ impl PySession {
             .map_err(|e| to_pyerr(py, e))
     }
 
+    /// Copies the rows a dispatch received from receive region `name` into `dst` (device
+    /// address, `dst_bytes` bytes, rows of `row_bytes`), as many as the device `i32` at `count`
+    /// says: from the parity copy the device `i64` at `parity_word` picks, or else from the copy
+    /// of `parity`. Stream-ordered on the buffer's stream.
+    #[pyo3(signature = (name, dst, dst_bytes, row_bytes, count, parity_word, parity))]
+    #[allow(clippy::too_many_arguments)]
+    fn copy_received(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        dst: u64,
+        dst_bytes: usize,
+        row_bytes: usize,
+        count: u64,
+        parity_word: Option<u64>,
+        parity: u8,
+    ) -> PyResult<()> {
+        let r = region(name).map_err(|e| to_pyerr(py, e))?;
+        // SAFETY: the module's contract (see the module docs): the Python layer passes the
+        // addresses of live tensors (the output, the handle's recv_prefix, the parity word) that
+        // it keeps alive on the buffer's stream.
+        detached(py, || unsafe {
+            self.lock()
+                .copy_received(r, dst, dst_bytes, row_bytes, count, parity_word, parity)
+        })
+    }
+
     /// A low-latency dispatch of `num_tokens` bf16 rows `x` routed by `topk_idx`; `fp8`:
     /// cast to e4m3 with per-128-channel scales (`round_scale`: power-of-two scales); `hook`:
     /// issue only the send phase. Returns `(op, LlDispatch)`: the op number for `ll_receive`

@@ -4,7 +4,9 @@
 //! * `normal`: dispatch, cached dispatch and combine through the symmetric buffer (the
 //!   throughput kernels);
 //! * `low_latency`: decode-sized dispatch/combine into fixed expert-major slots, each split
-//!   into a send and a receive phase.
+//!   into a send and a receive phase;
+//! * `copy_out`: the rows a dispatch received, copied into caller memory as many as the device
+//!   counted.
 //!
 //! Contract common to every op: it is **collective** (every rank issues the same ops in the same
 //! order, each with the same number of blocks), **stream-ordered** on [`crate::Buffer::stream`]
@@ -15,11 +17,13 @@
 use cudarc::driver::DevicePtr;
 use epcomm_topology::RowDtype;
 
+mod copy_out;
 mod layout;
 mod low_latency;
 mod normal;
 mod staging;
 
+pub use copy_out::CountedRows;
 pub(super) use low_latency::PendingReceive;
 pub use low_latency::{LlDispatchInput, LlFormat, LlPending, LlRecv};
 pub(super) use normal::LatestDispatch;

@@ -1,0 +1,100 @@
+//! Counted copy-out: the rows a dispatch received, copied from a receive region into caller
+//! memory, as many as the device says arrived.
+//!
+//! A dispatch whose host does not wait for the receive count (WorstCase, Bounded, or any
+//! dispatch inside a CUDA graph) only knows a bound on its rows. Copying the outputs out of the
+//! symmetric buffer up to that bound moves the whole capacity on every call; this copy reads the
+//! count (and, for a graph replayed at either parity, the parity) on the device and moves only
+//! what arrived.
+//!
+//! Memory contract: the copy is one kernel on the buffer's stream, so it starts after the
+//! dispatch that filled the rows and the work that wrote the count and parity words, and work
+//! queued after it sees `dst` written. It reads `min(count, max_rows)` rows of the region and
+//! writes as many rows of `dst`; rows of `dst` past the count are left as they were.
+
+use crate::buffer::Buffer;
+use crate::buffer::pointers::check_device_ptr;
+use crate::{Error, Result};
+
+/// Where a counted copy reads: the two parity copies of one receive region of this buffer, the
+/// device word that picks one, and the device count of rows to copy.
+#[derive(Clone, Copy, Debug)]
+pub struct CountedRows {
+    /// Device address of the region at even and at odd dispatch parity.
+    pub region: [u64; 2],
+    /// Device address of an `i64` whose low bit picks the parity copy, or `None` for the even
+    /// one (the caller passes the parity copy it wants as both addresses then).
+    pub parity_word: Option<u64>,
+    /// Device address of the `i32` count of received rows (e.g. the handle's
+    /// `recv_prefix[world]`, [`crate::Handle::recv_prefix_ptr`] + 4 × world).
+    pub count: u64,
+    /// Bytes per row (a multiple of 4).
+    pub row_bytes: usize,
+}
+
+impl Buffer {
+    /// Copies the first `min(count, dst_bytes / row_bytes)` rows of `src` into `dst`
+    /// (stream-ordered; no host wait). See the module's contract.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a row size that is not a positive multiple of 4, a region
+    /// outside this buffer's symmetric memory, or a `dst` that is not device memory of this
+    /// GPU; errors of the launch.
+    ///
+    /// # Safety
+    /// `src.parity_word` (when given) and `src.count` must address live device memory of an
+    /// `i64` and an `i32` that stay valid until the copy has run; `dst` must be `dst_bytes` bytes
+    /// of device memory the caller owns until then, not overlapping the region.
+    pub unsafe fn copy_counted_rows(
+        &mut self,
+        src: CountedRows,
+        dst: u64,
+        dst_bytes: usize,
+    ) -> Result<()> {
+        self.ensure_ready()?;
+        if src.row_bytes == 0 || src.row_bytes % 4 != 0 {
+            return Err(Error::InvalidArgument {
+                argument: "row_bytes",
+                rule: format!("must be a positive multiple of 4 (got {})", src.row_bytes),
+            });
+        }
+        let max_rows = dst_bytes / src.row_bytes;
+        if max_rows == 0 {
+            return Ok(());
+        }
+        let base = self.mem.local_base();
+        let end = base + self.mem.len() as u64;
+        let span = (max_rows * src.row_bytes) as u64;
+        for (p, at) in src.region.iter().zip(["even", "odd"]) {
+            if *p < base || p.saturating_add(span) > end {
+                return Err(Error::InvalidArgument {
+                    argument: "region",
+                    rule: format!(
+                        "the {at} copy ({p:#x}, {span} bytes) must lie in this buffer's \
+                         symmetric memory ({base:#x}..{end:#x})"
+                    ),
+                });
+            }
+        }
+        let dev = self.ctx.ordinal();
+        check_device_ptr("dst", dst, max_rows * src.row_bytes, 4, dev)?;
+        // SAFETY: both parity copies lie in this rank's symmetric memory (checked above), `dst`
+        // is device memory of this GPU holding max_rows rows (checked above; owned by the
+        // caller per the contract), and the count and parity words are live per the contract.
+        unsafe {
+            self.kernels.launch_copy_counted_rows(
+                &self.stream,
+                epcomm_kernels::CopyCountedRows {
+                    dst,
+                    even: src.region[0],
+                    odd: src.region[1],
+                    parity: src.parity_word.unwrap_or(0),
+                    count: src.count,
+                    row_bytes: src.row_bytes as u64,
+                    max_rows: max_rows as u64,
+                },
+            )
+        }?;
+        Ok(())
+    }
+}
