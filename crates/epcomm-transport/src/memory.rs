@@ -184,8 +184,9 @@ pub struct MappedHostBuffer {
     len: usize,
 }
 
-// SAFETY: the allocation is plain pinned memory; all host access goes through volatile reads
-// and writes of whole `u64`/`u32` words at bounds-checked offsets.
+// SAFETY: the allocation is plain pinned memory; all host access goes through volatile (or
+// atomic, `load_u64_acquire`) reads and writes of whole `u64`/`u32` words at bounds-checked
+// offsets.
 unsafe impl Send for MappedHostBuffer {}
 // SAFETY: as above.
 unsafe impl Sync for MappedHostBuffer {}
@@ -248,6 +249,22 @@ impl MappedHostBuffer {
         }
         // SAFETY: in bounds and 8-aligned (pinned allocations are page-aligned).
         Some(unsafe { std::ptr::read_volatile(self.host.cast::<u64>().add(index)) })
+    }
+
+    /// Acquire read of the `index`-th u64 word, or None past the end: no later read of this
+    /// memory by this thread (volatile or not) is satisfied before it, also on hosts whose loads
+    /// may pass each other (aarch64). Read a word the device stores last (after a system fence)
+    /// with it, then the words that word publishes: a plain volatile read gives no such order.
+    pub fn load_u64_acquire(&self, index: usize) -> Option<u64> {
+        if (index + 1) * 8 > self.len {
+            return None;
+        }
+        // SAFETY: in bounds and 8-aligned (pinned allocations are page-aligned), valid for the
+        // life of `self`; the host touches the word only through whole-word volatile or atomic
+        // accesses, and the device's stores are whole words too.
+        let word =
+            unsafe { std::sync::atomic::AtomicU64::from_ptr(self.host.cast::<u64>().add(index)) };
+        Some(word.load(std::sync::atomic::Ordering::Acquire))
     }
 
     /// Volatile write of the `index`-th u64 word; false past the end.

@@ -5,6 +5,16 @@
 //! receive-region parity a dispatch's returned pointers name depends on the dispatch count when
 //! the replay starts, so a graph holding a dispatch is recorded once per parity, and a replay
 //! advances the host mirror by what the graph holds.
+//!
+//! Memory contract: a recording bakes in the device addresses of the routing state its ops
+//! use (a [`crate::Layout`]'s and a [`crate::Handle`]'s arrays, an [`super::LlRecv`]), which
+//! the caller may drop right after the capture. While a recording is made, every op hands the
+//! shared state it addresses to [`Buffer::keep_alive`], and the graph owns what the recording
+//! collected: that memory is freed only after the graph is dropped (stream-ordered on the
+//! buffer's stream, after every replay launched on it).
+
+use std::any::Any;
+use std::sync::Arc;
 
 use cudarc::driver::{CudaGraph, sys};
 
@@ -19,12 +29,21 @@ use crate::{Error, Result};
 /// the recording whose returned receive pointers are right when the device's dispatch count is
 /// `p` modulo 2 at the replay's start (one recording serves both when the graph holds no
 /// dispatch).
+///
+/// The graph owns the device state its recordings write and read (layouts, handles,
+/// low-latency receive arrays): dropping those after the capture is safe, the replays keep
+/// using the graph's references.
 pub struct EpGraph {
     recordings: Vec<CudaGraph>,
     by_parity: [usize; 2],
     delta: Sequence,
     buffer_id: u64,
+    /// What the recordings address; declared after `recordings`, so dropped after them.
+    _keep_alive: KeepAlive,
 }
+
+/// Device state a recording addresses, owned by the graph made of it.
+pub(crate) type KeepAlive = Vec<Arc<dyn Any + Send + Sync>>;
 
 impl std::fmt::Debug for EpGraph {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -36,6 +55,25 @@ impl std::fmt::Debug for EpGraph {
 }
 
 impl Buffer {
+    /// While a recording is made ([`Self::begin_recording`]): keeps `state` (device memory the
+    /// op being recorded addresses) alive for as long as the graph made of the recording.
+    /// Outside a recording: nothing (a launched op is stream-ordered before any free).
+    pub(crate) fn keep_alive(&mut self, state: Arc<dyn Any + Send + Sync>) {
+        if !self.recording {
+            return;
+        }
+        // A handful of entries per graph: a linear scan keeps each object once.
+        if !self.graph_keep.iter().any(|k| Arc::ptr_eq(k, &state)) {
+            self.graph_keep.push(state);
+        }
+    }
+
+    /// Takes what the recordings made since the last call keep alive (for the graph made of
+    /// them; also called to drop what a failed capture collected).
+    pub(crate) fn take_keep_alive(&mut self) -> KeepAlive {
+        std::mem::take(&mut self.graph_keep)
+    }
+
     /// Records the ops `ops` issues on this buffer's stream into a CUDA graph instead of running
     /// them. Inside, use only allocation-free, host-wait-free calls: [`Self::layout_into`],
     /// [`Self::dispatch_into`], [`Self::cached_dispatch`], [`Self::combine`],
@@ -49,11 +87,25 @@ impl Buffer {
     /// Pointers a dispatch returns inside `ops` (e.g. [`crate::Dispatched::recv_x_ptr`] handed
     /// to an expert kernel captured in the same graph) are therefore right on every replay,
     /// whatever ran between replays. `ops` must issue the same epcomm ops both times.
-    pub fn capture<F>(&mut self, mut ops: F) -> Result<EpGraph>
+    pub fn capture<F>(&mut self, ops: F) -> Result<EpGraph>
     where
         F: FnMut(&mut Self) -> Result<()>,
     {
         self.ensure_ready()?;
+        self.take_keep_alive();
+        let graph = self.capture_recordings(ops);
+        let keep = self.take_keep_alive();
+        graph.map(|g| EpGraph {
+            _keep_alive: keep,
+            ..g
+        })
+    }
+
+    /// [`Self::capture`]'s recordings (the keep-alive list is filled by the ops meanwhile).
+    fn capture_recordings<F>(&mut self, mut ops: F) -> Result<EpGraph>
+    where
+        F: FnMut(&mut Self) -> Result<()>,
+    {
         let start = self.seq;
         let (first, delta) = self.record(&mut ops, start)?;
         let p = (start.dispatch % 2) as usize;
@@ -82,6 +134,7 @@ impl Buffer {
             by_parity,
             delta,
             buffer_id: self.id,
+            _keep_alive: Vec::new(),
         })
     }
 
@@ -137,6 +190,7 @@ impl Buffer {
         graph.recordings[graph.by_parity[p]]
             .launch()
             .context("launching a graph")?;
+        self.mark_launch();
         self.seq.add(&graph.delta);
         Ok(())
     }

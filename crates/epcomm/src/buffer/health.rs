@@ -9,7 +9,7 @@
 
 use std::time::{Duration, Instant};
 
-use cudarc::driver::sys;
+use cudarc::driver::{CudaEvent, CudaStream, sys};
 use epcomm_kernels::Op;
 use epcomm_kernels::abi::{self, ErrorRecord};
 use epcomm_topology::{Parity, RegionKind};
@@ -30,6 +30,17 @@ pub(super) struct HostCounts {
     pub(super) own_rows: std::ops::Range<usize>,
 }
 
+/// Records `mark` on `stream` right after an epcomm launch there, so the host can wait for
+/// epcomm's own work without waiting for what the caller queues later
+/// ([`Buffer::wait_launched`]). Not while a recording is made (nothing runs then; a replay
+/// marks its launch). Best effort: a mark that fails to record leaves the previous one, and
+/// the wait stays bounded either way.
+pub(in crate::buffer) fn note_launch(mark: &CudaEvent, stream: &CudaStream, recording: bool) {
+    if !recording {
+        let _ = mark.record(stream);
+    }
+}
+
 impl Buffer {
     /// Reports a failure recorded by a kernel (cheap: one read of mapped host memory). After a
     /// failure the buffer refuses new ops: destroy it and create a new one.
@@ -37,11 +48,12 @@ impl Buffer {
         if let Some(why) = &self.failed {
             return Err(Error::Failed(why.clone()));
         }
-        if self.err_record.load_u64(0).unwrap_or(0) as u32 == abi::code::OK {
+        if self.err_record.load_u64_acquire(0).unwrap_or(0) as u32 == abi::code::OK {
             return Ok(());
         }
-        // The record is complete once the failing kernel has exited.
-        let _ = self.stream.synchronize();
+        // The record is complete once the failing kernel has exited: wait for this rank's
+        // launches (bounded), not for caller work queued on the stream after them.
+        self.wait_launched(self.launch_wait_limit());
         let record: ErrorRecord = self.err_record.read_struct().unwrap_or_default();
         if record.code != abi::code::PEER_FAILED {
             self.announce_failure();
@@ -79,8 +91,51 @@ impl Buffer {
             self.kernels
                 .launch_op(Op::Dispatch, &self.stream, &args, self.cfg.num_sms)
         };
+        // Not waited for here: it is stream-ordered before every later op, and a wait could
+        // only wait for caller work queued ahead of it; teardown waits for it (bounded).
         if launched.is_ok() {
-            let _ = self.stream.synchronize();
+            note_launch(&self.last_launch, &self.stream, self.recording);
+        }
+    }
+
+    /// [`note_launch`] after a launch on the buffer's stream (or a graph replay there).
+    pub(crate) fn mark_launch(&self) {
+        note_launch(&self.last_launch, &self.stream, self.recording);
+    }
+
+    /// How long the host waits for this rank's own launched ops to finish after a failure or
+    /// at teardown: every device wait is bounded by the op timeout, and an op queued behind a
+    /// failure leaves at once, so the op timeout plus a second covers them.
+    pub(in crate::buffer) fn launch_wait_limit(&self) -> Duration {
+        self.cfg.timeout + Duration::from_secs(1)
+    }
+
+    /// Waits (at most `limit`) until every epcomm kernel launched on the stream so far has
+    /// finished; true when they have. Work the caller queued on the stream after them is not
+    /// waited for, so a caller's blocked work cannot hold the host here (work queued before
+    /// them can, up to `limit`).
+    pub(in crate::buffer) fn wait_launched(&self, limit: Duration) -> bool {
+        let start = Instant::now();
+        loop {
+            let done = match self.last_launch.try_is_complete() {
+                Ok(done) => done,
+                // Recorded while someone else's graph capture ran on the stream: not a point
+                // of the stream's work; wait for the stream itself instead (still bounded).
+                Err(e) if e.0 == sys::CUresult::CUDA_ERROR_CAPTURED_EVENT => {
+                    // SAFETY: querying a live stream has no preconditions.
+                    let q = unsafe { sys::cuStreamQuery(self.stream.cu_stream()) };
+                    q != sys::CUresult::CUDA_ERROR_NOT_READY
+                }
+                // A broken context: nothing of it runs any more.
+                Err(_) => true,
+            };
+            if done {
+                return true;
+            }
+            if start.elapsed() > limit {
+                return false;
+            }
+            std::thread::sleep(Duration::from_micros(20));
         }
     }
 
@@ -124,7 +179,9 @@ impl Buffer {
         let start = Instant::now();
         let limit = self.cfg.timeout + Duration::from_secs(1);
         loop {
-            if self.host_counts.load_u64(0) == Some(tag) {
+            // The kernel stores the counts, fences, then the tag: the acquire read keeps the
+            // count reads below from being satisfied before the tag's (Arm hosts reorder loads).
+            if self.host_counts.load_u64_acquire(0) == Some(tag) {
                 let word = |i: usize| self.host_counts.load_u64(i).unwrap_or(0) as usize;
                 let own_first = word(2 + epr);
                 return Ok(HostCounts {
@@ -218,6 +275,7 @@ impl Buffer {
         self.ensure_ready()?;
         self.kernels
             .launch_delay(&self.stream, delay.as_nanos() as u64)?;
+        note_launch(&self.last_launch, &self.stream, self.recording);
         Ok(())
     }
 

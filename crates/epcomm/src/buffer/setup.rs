@@ -16,6 +16,7 @@ use epcomm_kernels::abi::{self, ErrorRecord};
 use epcomm_topology::{BufferPlan, Parity, RankGroup, RegionKind, Route, RoutePlan};
 use epcomm_transport::{DeviceBuffer, DynTransport, MappedHostBuffer, SymmetricMemory};
 
+use super::sharing::{GpuPlacement, check_shared_gpus};
 use super::{Buffer, Sequence};
 use crate::agreement::Fingerprint;
 use crate::error::DriverContext;
@@ -131,6 +132,29 @@ impl Buffer {
             .bootstrap()
             .all_gather("epcomm-buffer-config", &fingerprint.encode())?;
         fingerprint.agree(&all)?;
+        // Ranks sharing a GPU under MPS must fit there together (`sharing`): checked over every
+        // rank's placement, so every rank refuses together, before any allocation.
+        let placement = GpuPlacement {
+            uuid: ctx
+                .uuid()
+                .context("reading the GPU's UUID")?
+                .bytes
+                .map(|b| b as u8),
+            mps: ctx
+                .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MPS_ENABLED)
+                .is_ok_and(|v| v != 0),
+            sms,
+            fit,
+            num_sms: cfg.num_sms,
+        };
+        let placements = transport
+            .bootstrap()
+            .all_gather("epcomm-buffer-gpus", &placement.encode())?
+            .iter()
+            .enumerate()
+            .map(|(r, b)| GpuPlacement::decode(r, b))
+            .collect::<Result<Vec<_>>>()?;
+        check_shared_gpus(&placements)?;
         // SAFETY: the module was loaded in `ctx` from the image of the transport's family and
         // `kernels` keeps it loaded; the binding is declared before `kernels` in `Buffer`, so it
         // is dropped first.
@@ -165,6 +189,9 @@ impl Buffer {
         let host_counts = MappedHostBuffer::zeroed(&ctx, (4 + cfg.num_experts / world) * 8)?;
         let seq_state = DeviceBuffer::zeroed(&ctx, size_of::<abi::SeqState>())?;
         let parity_stride = parity_stride(&plan)?;
+        let last_launch = ctx
+            .new_event(None)
+            .context("creating the launch-mark event")?;
         let buffer = Self {
             id: NEXT_BUFFER_ID.fetch_add(1, Ordering::Relaxed),
             cfg,
@@ -173,20 +200,22 @@ impl Buffer {
             group,
             ctx,
             stream,
-            _module_binding: module_binding,
-            kernels,
+            _module_binding: ManuallyDrop::new(module_binding),
+            kernels: ManuallyDrop::new(kernels),
             routes,
             remote_mask,
             plan,
-            peer_bases,
+            peer_bases: ManuallyDrop::new(peer_bases),
             err_claim,
             err_record,
-            host_counts,
-            seq_state,
+            host_counts: ManuallyDrop::new(host_counts),
+            seq_state: ManuallyDrop::new(seq_state),
+            last_launch,
             parity_stride,
             seq: Sequence::default(),
             latest_dispatch: None,
             recording: false,
+            graph_keep: Vec::new(),
             foreign_capture: false,
             ll_pending: None,
             ll_smem_words,
@@ -194,6 +223,7 @@ impl Buffer {
             failed: None,
             mem: ManuallyDrop::new(mem),
             torn_down: false,
+            leaked: false,
             transport,
         };
         // Nobody may write into a peer's buffer before that peer has zeroed and mapped it.

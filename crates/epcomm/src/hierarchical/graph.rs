@@ -5,11 +5,15 @@
 //! receive-region parity needs care: every hierarchical dispatch advances both tiers' dispatch
 //! counts by one, so a graph holding a dispatch is recorded twice, once per parity a replay can
 //! start at, and a replay checks that both tiers are at the parities a recording was made for.
+//!
+//! As for [`crate::EpGraph`], the graph owns the routing state its recordings address (both
+//! tiers' layouts and handles): each tier collects what its recorded ops use, and the graph
+//! takes both lists.
 
 use cudarc::driver::{CudaGraph, sys};
 
 use super::HierarchicalBuffer;
-use crate::buffer::Sequence;
+use crate::buffer::{KeepAlive, Sequence};
 use crate::error::DriverContext;
 use crate::{Error, Result};
 
@@ -21,6 +25,9 @@ pub struct HierGraph {
     /// Ops the graph holds on the rail and the node tier.
     delta: (Sequence, Sequence),
     buffer_ids: (u64, u64),
+    /// What the recordings address on the rail and the node tier; declared after
+    /// `recordings`, so dropped after them.
+    _keep_alive: (KeepAlive, KeepAlive),
 }
 
 impl std::fmt::Debug for HierGraph {
@@ -45,12 +52,27 @@ impl HierarchicalBuffer {
     /// # Errors
     /// [`Error::InvalidArgument`] naming `capture` when the two recordings differ or nothing
     /// was captured; driver errors.
-    pub fn capture<F>(&mut self, mut ops: F) -> Result<HierGraph>
+    pub fn capture<F>(&mut self, ops: F) -> Result<HierGraph>
     where
         F: FnMut(&mut Self) -> Result<()>,
     {
         self.rail.ensure_ready()?;
         self.node.ensure_ready()?;
+        self.rail.take_keep_alive();
+        self.node.take_keep_alive();
+        let graph = self.capture_recordings(ops);
+        let keep = (self.rail.take_keep_alive(), self.node.take_keep_alive());
+        graph.map(|g| HierGraph {
+            _keep_alive: keep,
+            ..g
+        })
+    }
+
+    /// [`Self::capture`]'s recordings (the tiers' keep-alive lists fill meanwhile).
+    fn capture_recordings<F>(&mut self, mut ops: F) -> Result<HierGraph>
+    where
+        F: FnMut(&mut Self) -> Result<()>,
+    {
         let start = (self.rail.sequence(), self.node.sequence());
         let (first, delta) = self.record(&mut ops, start)?;
         let parity = |s: (Sequence, Sequence)| (s.0.dispatch % 2, s.1.dispatch % 2);
@@ -80,6 +102,7 @@ impl HierarchicalBuffer {
             parities,
             delta,
             buffer_ids: (self.rail.id(), self.node.id()),
+            _keep_alive: (Vec::new(), Vec::new()),
         })
     }
 
@@ -155,6 +178,8 @@ impl HierarchicalBuffer {
             });
         };
         graph.recordings[i].launch().context("launching a graph")?;
+        self.rail.mark_launch();
+        self.node.mark_launch();
         let (mut rail, mut node) = (self.rail.sequence(), self.node.sequence());
         rail.add(&graph.delta.0);
         node.add(&graph.delta.1);

@@ -12,6 +12,7 @@ use cudarc::driver::DevicePtr;
 
 use crate::Result;
 use crate::buffer::Buffer;
+use crate::buffer::health::note_launch;
 use crate::buffer::validate::exact_len;
 use crate::error::DriverContext;
 use crate::layout::{DeviceTokens, Layout, LayoutInner};
@@ -74,6 +75,8 @@ impl Buffer {
     pub fn layout_into(&mut self, topk_idx: &dyn DevicePtr<i64>, layout: &Layout) -> Result<()> {
         self.ensure_ready()?;
         let l = self.own(&layout.inner)?;
+        // A recording replays into the layout's arrays: the graph owns them.
+        self.keep_alive(layout.inner.clone());
         let (num_tokens, k) = (l.num_tokens, self.cfg.top_k);
         exact_len(
             "topk_idx",
@@ -93,6 +96,7 @@ impl Buffer {
         // shape (counts: world + E + nodes, token_slot: T * world, status: 1, topk_idx: T * K);
         // the layout's arrays are owned by `layout`, which outlives the launch (stream order).
         unsafe { self.kernels.launch_layout(s, &args) }?;
+        note_launch(&self.last_launch, s, self.recording);
         l.generation.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }

@@ -78,20 +78,31 @@ impl std::fmt::Debug for LlDispatchInput<'_> {
 /// / 128]` f32 (FP8), and per local expert `l` the first `count[l]` rows are valid, ordered by
 /// source rank, then source token index. `src_info[l][i]` is the source token index of row `i`,
 /// `layout_range[l][r]` = `(first row, rows)` received from rank `r`.
+///
+/// A CUDA graph that captured an op with it shares its arrays ([`Buffer::capture`]): dropping
+/// the `LlRecv` after the capture leaves them allocated for the graph's replays.
 #[derive(Debug)]
 pub struct LlRecv {
-    x: CudaSlice<u8>,
-    scales: CudaSlice<f32>,
-    count: CudaSlice<i32>,
-    src_info: CudaSlice<i32>,
-    layout_range: CudaSlice<i64>,
-    route: CudaSlice<i32>,
+    arrays: Arc<LlArrays>,
     buffer_id: u64,
     experts: usize,
     capacity: usize,
     hidden: usize,
     /// Format and this rank's token count of the latest dispatch into it.
     dispatched: Option<(LlFormat, usize)>,
+}
+
+/// The device arrays of an [`LlRecv`], shared with the graphs that recorded an op on them.
+/// Allocated, written and read on the buffer's stream only (a graph replays there too), so the
+/// kernels name them through read guards ([`DevicePtr`]) even where they write them.
+#[derive(Debug)]
+struct LlArrays {
+    x: CudaSlice<u8>,
+    scales: CudaSlice<f32>,
+    count: CudaSlice<i32>,
+    src_info: CudaSlice<i32>,
+    layout_range: CudaSlice<i64>,
+    route: CudaSlice<i32>,
 }
 
 impl LlRecv {
@@ -120,66 +131,76 @@ impl LlRecv {
     }
     /// Device address of the rows (`[local_expert][capacity][row_bytes]`).
     pub fn x_ptr(&self) -> u64 {
-        let (p, _g) = self.x.device_ptr(self.x.stream());
+        let (p, _g) = self.arrays.x.device_ptr(self.arrays.x.stream());
         p
     }
     /// Device address of the scales (`[local_expert][capacity][hidden / 128]` f32).
     pub fn scales_ptr(&self) -> u64 {
-        let (p, _g) = self.scales.device_ptr(self.scales.stream());
+        let (p, _g) = self.arrays.scales.device_ptr(self.arrays.scales.stream());
         p
     }
     /// Device address of the per-expert counts (`[local_expert]` i32).
     pub fn count_ptr(&self) -> u64 {
-        let (p, _g) = self.count.device_ptr(self.count.stream());
+        let (p, _g) = self.arrays.count.device_ptr(self.arrays.count.stream());
         p
     }
     /// Device address of the source token index per row (`[local_expert][capacity]` i32).
     pub fn src_info_ptr(&self) -> u64 {
-        let (p, _g) = self.src_info.device_ptr(self.src_info.stream());
+        let (p, _g) = self
+            .arrays
+            .src_info
+            .device_ptr(self.arrays.src_info.stream());
         p
     }
     /// Device address of the `(first row << 32) | rows` ranges (`[local_expert][world]` i64).
     pub fn layout_range_ptr(&self) -> u64 {
-        let (p, _g) = self.layout_range.device_ptr(self.layout_range.stream());
+        let (p, _g) = self
+            .arrays
+            .layout_range
+            .device_ptr(self.arrays.layout_range.stream());
         p
     }
     /// Rows received per local expert (waits for the stream).
     pub fn count_to_host(&self) -> Result<Vec<i32>> {
-        self.count
+        self.arrays
+            .count
             .stream()
-            .clone_dtoh(&self.count)
+            .clone_dtoh(&self.arrays.count)
             .context("reading low-latency counts")
     }
     /// All row bytes (`[local_expert][capacity][row_bytes]`; rows past a count are stale).
     pub fn x_bytes_to_host(&self) -> Result<Vec<u8>> {
-        let mut v = self
-            .x
-            .stream()
-            .clone_dtoh(&self.x)
-            .context("reading low-latency rows")?;
+        let a = &self.arrays;
+        let mut v =
+            a.x.stream()
+                .clone_dtoh(&a.x)
+                .context("reading low-latency rows")?;
         v.truncate(self.experts * self.capacity * self.row_bytes());
         Ok(v)
     }
     /// All scales (`[local_expert][capacity][hidden / 128]`; FP8 only).
     pub fn scales_to_host(&self) -> Result<Vec<f32>> {
-        self.scales
+        self.arrays
+            .scales
             .stream()
-            .clone_dtoh(&self.scales)
+            .clone_dtoh(&self.arrays.scales)
             .context("reading low-latency scales")
     }
     /// Source token index per row (`[local_expert][capacity]`).
     pub fn src_info_to_host(&self) -> Result<Vec<i32>> {
-        self.src_info
+        self.arrays
+            .src_info
             .stream()
-            .clone_dtoh(&self.src_info)
+            .clone_dtoh(&self.arrays.src_info)
             .context("reading low-latency source indices")
     }
     /// `(first row, rows)` per local expert and source rank (`[local_expert][world]`).
     pub fn layout_range_to_host(&self) -> Result<Vec<(i32, i32)>> {
-        let v = self
+        let a = &self.arrays;
+        let v = a
             .layout_range
             .stream()
-            .clone_dtoh(&self.layout_range)
+            .clone_dtoh(&a.layout_range)
             .context("reading low-latency ranges")?;
         Ok(v.into_iter()
             .map(|r| ((r >> 32) as i32, r as i32))
@@ -292,7 +313,7 @@ impl Buffer {
         let scales = RowFormat::new(hidden, RowDtype::Fp8).map_or(0, |f| f.num_scales());
         let s = &self.stream;
         let ctx = "allocating low-latency receive arrays";
-        Ok(LlRecv {
+        let arrays = LlArrays {
             x: s.alloc_zeros::<u8>((rows * hidden * 2).max(16))
                 .context(ctx)?,
             scales: s.alloc_zeros::<f32>((rows * scales).max(1)).context(ctx)?,
@@ -302,6 +323,9 @@ impl Buffer {
                 .alloc_zeros::<i64>((epr * self.world).max(1))
                 .context(ctx)?,
             route: s.alloc_zeros::<i32>(rows.max(1)).context(ctx)?,
+        };
+        Ok(LlRecv {
+            arrays: Arc::new(arrays),
             buffer_id: self.id,
             experts: epr,
             capacity: cap,
@@ -390,12 +414,15 @@ impl Buffer {
                 flags |= abi::flags::ROUND_SCALE;
             }
         }
-        let (rx, _g1) = recv.x.device_ptr_mut(&s);
-        let (rs, _g2) = recv.scales.device_ptr_mut(&s);
-        let (rc, _g3) = recv.count.device_ptr_mut(&s);
-        let (ri, _g4) = recv.src_info.device_ptr_mut(&s);
-        let (rl, _g5) = recv.layout_range.device_ptr_mut(&s);
-        let (rr, _g6) = recv.route.device_ptr_mut(&s);
+        // A recording replays into these arrays: the graph owns them.
+        self.keep_alive(recv.arrays.clone());
+        let a = &recv.arrays;
+        let (rx, _g1) = a.x.device_ptr(&s);
+        let (rs, _g2) = a.scales.device_ptr(&s);
+        let (rc, _g3) = a.count.device_ptr(&s);
+        let (ri, _g4) = a.src_info.device_ptr(&s);
+        let (rl, _g5) = a.layout_range.device_ptr(&s);
+        let (rr, _g6) = a.route.device_ptr(&s);
         let args = OpArgs {
             x,
             topk_idx: idx,
@@ -436,6 +463,7 @@ impl Buffer {
         } else {
             ("combine", Op::LlCombineRecv, abi::op::LL_COMBINE_RECV)
         };
+        self.mark_launch();
         self.seq.advance(kind);
         self.last_op = Some(if kind == abi::op::LL_DISPATCH {
             "low-latency dispatch"
@@ -535,6 +563,8 @@ impl Buffer {
             t * hidden,
             "values",
         )?;
+        // A recording replays reading these arrays: the graph owns them.
+        self.keep_alive(recv.arrays.clone());
         let s = self.stream.clone();
         let args = {
             let (yp, _gy) = y.device_ptr(&s);
@@ -548,9 +578,9 @@ impl Buffer {
             check_device_ptr("out", o, t * hidden * 2, ROW_ALIGN, ordinal)?;
             // The send phase puts rows straight from `y`.
             self.prepare_put_source("y", yp, y.len() * 2)?;
-            let (rc, _g1) = recv.count.device_ptr(&s);
-            let (ri, _g2) = recv.src_info.device_ptr(&s);
-            let (rr, _g3) = recv.route.device_ptr(&s);
+            let (rc, _g1) = recv.arrays.count.device_ptr(&s);
+            let (ri, _g2) = recv.arrays.src_info.device_ptr(&s);
+            let (rr, _g3) = recv.arrays.route.device_ptr(&s);
             let args = OpArgs {
                 x: yp,
                 topk_idx: idx,
@@ -613,6 +643,7 @@ impl Buffer {
                 .launch_op(pending.op, &s, &pending.args, self.cfg.num_sms)
         }?;
         pending.armed = false;
+        self.mark_launch();
         self.seq.advance(pending.kind);
         self.ll_pending = None;
         Ok(())

@@ -20,6 +20,7 @@ use super::staging::{DeviceRange, Issued, RecvRows};
 use super::{DispatchInput, XInput};
 use crate::buffer::Buffer;
 use crate::buffer::args::{combine_flags, dispatch_flags};
+use crate::buffer::health::note_launch;
 use crate::error::DriverContext;
 use crate::handle::{Dispatched, Handle, HandleInner};
 use crate::layout::Layout;
@@ -220,6 +221,7 @@ impl Buffer {
         // blocks (the completion counters count blocks). A cached dispatch only reads the
         // handle, written by its dispatch earlier on this stream.
         unsafe { self.kernels.launch_op(Op::Dispatch, s, &a, blocks) }?;
+        note_launch(&self.last_launch, s, self.recording);
         self.seq.advance(kind);
         self.last_op = Some(if cached {
             "cached dispatch"
@@ -425,6 +427,7 @@ impl Buffer {
         // SAFETY: out/out_weights hold T rows (checked above); y per the caller's contract; the
         // handle's arrays were written by its dispatch earlier on this stream.
         unsafe { self.kernels.launch_op(Op::Combine, s, &a, blocks) }?;
+        note_launch(&self.last_launch, s, self.recording);
         self.seq.advance(abi::op::COMBINE);
         self.last_op = Some("combine");
         Ok(())
