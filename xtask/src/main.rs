@@ -75,9 +75,10 @@ enum Cmd {
         cargo_args: Vec<String>,
     },
     /// Build the kernels, then run the verified dispatch/combine benchmark on every local GPU
-    /// (`cargo run --release -p epcomm-cli -- bench [ARGS...]`).
+    /// (`cargo run --release -p epcomm-cli -- bench [ARGS...]`), exiting with its code. Without
+    /// a CUDA driver it builds nothing and exits 3 at once.
     Bench {
-        /// Arguments for `epcomm bench` (e.g. `--sms 32 --barrier global`).
+        /// Arguments for `epcomm bench` (e.g. `--sms 32 --schedule global`).
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         bench_args: Vec<String>,
     },
@@ -142,7 +143,13 @@ fn main() -> ExitCode {
             pack::pack(&layout, &env, &opts)
         }
         Cmd::Test { cargo_args } => test_cmd::run(&layout, &env, &cargo_args),
-        Cmd::Bench { bench_args } => test_cmd::bench(&layout, &env, &bench_args),
+        Cmd::Bench { bench_args } => {
+            // `epcomm bench`'s exit code is the command's (3: no usable GPU environment).
+            return match test_cmd::bench(&layout, &env, &bench_args) {
+                Ok(code) => ExitCode::from(code),
+                Err(e) => report::<&str, _>(Err(e)),
+            };
+        }
         Cmd::Codegen { check } => return report(codegen::run(&layout.workspace, check)),
         Cmd::BindgenNvshmem { check } => {
             let paths = bindgen_nvshmem::BindgenPaths::new(&layout.workspace, &layout.pip_root);

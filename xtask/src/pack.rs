@@ -298,6 +298,12 @@ tests=(
 {{
   echo "== GPUs (nvidia-smi -L)"
   nvidia-smi -L 2>&1 || echo "warning: nvidia-smi -L failed"
+  gpus="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')"
+  if [ "${{gpus:-0}}" -eq 1 ] && [ -z "${{EPCOMM_TEST_WORLD:-}}" ]; then
+    echo "note: one GPU and EPCOMM_TEST_WORLD unset: the multi-rank GPU tests need two ranks" \
+      "and fail saying so; run with EPCOMM_TEST_WORLD=2 (two ranks share the GPU; under MPS," \
+      "\`nvidia-cuda-mps-control -d\`, they run at the same time)"
+  fi
   echo "== logs in $logdir"
 }} 2>&1 | tee -a "$log"
 
@@ -599,25 +605,61 @@ mod tests {
         );
     }
 
-    /// Runs `script` with bash, a fake `nvidia-smi` first on PATH, and `args`.
+    /// Runs `script` with bash, a fake `nvidia-smi` (one GPU) first on PATH, and `args`.
     #[cfg(unix)]
     fn run_runner(t: &TempDir, script: &Path, args: &[&std::ffi::OsStr]) -> (bool, String) {
+        run_runner_env(t, script, args, None)
+    }
+
+    /// [`run_runner`] with `EPCOMM_TEST_WORLD` set to `world` (unset when `None`).
+    #[cfg(unix)]
+    fn run_runner_env(
+        t: &TempDir,
+        script: &Path,
+        args: &[&std::ffi::OsStr],
+        world: Option<&str>,
+    ) -> (bool, String) {
         t.write_script("bin/nvidia-smi", "echo 'GPU 0: fake'");
         let path = format!(
             "{}:{}",
             t.path().join("bin").display(),
             std::env::var("PATH").unwrap_or_default()
         );
-        let out = Command::new("bash")
-            .arg(script)
+        let mut cmd = Command::new("bash");
+        cmd.arg(script)
             .args(args)
             .env("PATH", path)
             .env_remove("EPCOMM_TEST_LOGDIR")
             .env_remove(RAN_ENV)
-            .output()
-            .expect("run bash");
+            .env_remove("EPCOMM_TEST_WORLD");
+        if let Some(w) = world {
+            cmd.env("EPCOMM_TEST_WORLD", w);
+        }
+        let out = cmd.output().expect("run bash");
         let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
         (out.status.success(), stdout)
+    }
+
+    /// On one GPU without `EPCOMM_TEST_WORLD` the script says up front that two ranks are
+    /// needed; with it set, it says nothing.
+    #[cfg(unix)]
+    #[test]
+    fn runner_script_on_one_gpu_asks_for_two_ranks_up_front() {
+        let t = TempDir::new("one-gpu");
+        t.write_script(
+            "pack/ok-test",
+            r#"echo "ok_gpu ipc/epoch" >> "$EPCOMM_GPU_TESTS_RAN_FILE""#,
+        );
+        let script = t.write("pack/run.sh", &runner_script(&["ok-test".into()]));
+        let logs = t.path().join("logs");
+        let (ok, stdout) = run_runner_env(&t, &script, &[logs.as_os_str()], None);
+        assert!(ok, "{stdout}");
+        let note = stdout.find("EPCOMM_TEST_WORLD=2").expect("the note");
+        let first_test = stdout.find("== ok-test").expect("the test ran");
+        assert!(note < first_test, "said before any test:\n{stdout}");
+        let (ok, stdout) = run_runner_env(&t, &script, &[logs.as_os_str()], Some("2"));
+        assert!(ok, "{stdout}");
+        assert!(!stdout.contains("EPCOMM_TEST_WORLD=2"), "{stdout}");
     }
 
     /// Runs the generated script with stand-in test executables: one passes (and records a

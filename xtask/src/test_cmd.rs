@@ -63,8 +63,48 @@ pub fn run(layout: &Layout, env: &ToolchainEnv, cargo_args: &[String]) -> Result
     util::run_inherited(&mut cmd)
 }
 
-/// Runs `build-kernels`, then `cargo run --release -p epcomm-cli -- bench [args...]`.
-pub fn bench(layout: &Layout, env: &ToolchainEnv, args: &[String]) -> Result<()> {
+/// `epcomm bench`'s exit code when the machine cannot run it (docs/cli.md): also what
+/// `cargo xtask bench` exits with when it finds no CUDA driver.
+pub const EXIT_ENVIRONMENT: u8 = 3;
+
+/// The driver library the CUDA driver API loads (what `epcomm` looks for).
+const CUDA_DRIVER_LIBRARY: &str = "libcuda.so.1";
+
+/// Whether the CUDA driver library loads here (the library is opened and closed; nothing of it
+/// is called).
+pub fn cuda_driver_present() -> bool {
+    // SAFETY: loading the driver library runs only its initialisers, which have no
+    // preconditions (the same load cudarc does); no symbol of it is used.
+    unsafe { libloading::Library::new(CUDA_DRIVER_LIBRARY) }.is_ok()
+}
+
+/// Why `cargo xtask bench` cannot run here, said before anything is built: `None` when the
+/// CUDA driver is present (`driver_present`), else the message and [`EXIT_ENVIRONMENT`].
+pub fn bench_preflight(driver_present: bool) -> Option<(String, u8)> {
+    (!driver_present).then(|| {
+        (
+            format!(
+                "bench: cannot run here: no CUDA driver: the driver library ({CUDA_DRIVER_LIBRARY}) \
+                 is not found by the dynamic loader; nothing was built (`epcomm bench` needs an \
+                 NVIDIA GPU and its driver)"
+            ),
+            EXIT_ENVIRONMENT,
+        )
+    })
+}
+
+/// Checks for the CUDA driver (exit [`EXIT_ENVIRONMENT`] without building anything when it is
+/// missing), runs `build-kernels`, then `cargo run --release -p epcomm-cli -- bench [args...]`.
+/// Returns the exit code of `epcomm bench` (0 success, 1 a run failed, 2 invalid flags, 3
+/// the machine cannot run it: docs/cli.md), so that `cargo xtask bench` exits with it.
+///
+/// # Errors
+/// The kernel build's, or `cargo` could not be started.
+pub fn bench(layout: &Layout, env: &ToolchainEnv, args: &[String]) -> Result<u8> {
+    if let Some((why, code)) = bench_preflight(cuda_driver_present()) {
+        eprintln!("{why}");
+        return Ok(code);
+    }
     kernels::build(layout, env, BuildOptions::default())?;
     let mut cmd = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
     cmd.current_dir(&layout.workspace)
@@ -73,8 +113,17 @@ pub fn bench(layout: &Layout, env: &ToolchainEnv, args: &[String]) -> Result<()>
         .env("EPCOMM_KERNEL_DIR", &layout.out_dir)
         .env("NVSHMEM_DISABLE_NVLS", "1")
         .env("NCCL_NVLS_ENABLE", "0");
-    println!("bench: $ {}", command_line(&cmd));
-    util::run_inherited(&mut cmd)
+    let line = command_line(&cmd);
+    println!("bench: $ {line}");
+    let status = cmd.status().map_err(|source| crate::error::Error::Spawn {
+        command: line,
+        source,
+    })?;
+    // epcomm's own codes pass through (a signal, or a code past u8, is a failed run).
+    Ok(status
+        .code()
+        .and_then(|c| u8::try_from(c).ok())
+        .unwrap_or(1))
 }
 
 #[cfg(all(test, unix))]
@@ -94,5 +143,16 @@ mod tests {
         assert_eq!(gpu_count("/nonexistent/nvidia-smi"), 0);
         let two = t.write_script("two", "echo 'GPU 0: a'; echo 'GPU 1: b'; echo 'MIG 1g: c'");
         assert_eq!(gpu_count(&two.to_string_lossy()), 2);
+    }
+
+    #[test]
+    fn bench_without_a_driver_stops_before_building_with_exit_3() {
+        let (why, code) = bench_preflight(false).expect("no driver: stop");
+        assert_eq!(code, 3);
+        assert!(
+            why.contains("no CUDA driver") && why.contains("nothing was built"),
+            "{why}"
+        );
+        assert!(bench_preflight(true).is_none());
     }
 }
