@@ -79,8 +79,9 @@ __device__ __forceinline__ void make_wait(const OpArgs& a, OpState& s, uint32_t 
   w.world = a.world;
   w.pe_base = a.pe_base;
   w.pe_stride = a.pe_stride;
-  const uint64_t local = reinterpret_cast<const uint64_t*>(a.peer_bases)[a.rank];
-  w.intents = reinterpret_cast<const uint64_t*>(local + intent_off(a, s.seq.op));
+  // (Read through bases[rank], which the prologue's closing barrier publishes, so that the
+  // prologue issues no extra load.)
+  w.intent_off = intent_off(a, s.seq.op);
   w.intent = op_intent(a, kind, s.seq.op);
 }
 
@@ -157,9 +158,9 @@ __device__ __forceinline__ bool prologue(const OpArgs& a, OpState& s, uint32_t k
 // a dispatch against a combine that sends it nothing).
 template <class Net>
 __device__ __forceinline__ bool check_intent(const WaitCtx& w, int d) {
-  if (w.intents == nullptr || d == w.rank) return true;
+  if (w.intent_off == 0 || d == w.rank) return true;
   uint32_t content = 0;
-  if (!wait_tag<Net>(w, w.intents + d, w.intent >> 32, kWaitIntent, d, &content, nullptr))
+  if (!wait_tag<Net>(w, intent_slot(w, d), w.intent >> 32, kWaitIntent, d, &content, nullptr))
     return false;
   if (content == static_cast<uint32_t>(w.intent)) return true;
   const uint64_t theirs = make_tagged(w.intent >> 32, content);

@@ -39,10 +39,10 @@ struct WaitCtx {
   // peers named in failures are group ranks.
   int32_t pe_base;
   int32_t pe_stride;
-  // Op agreement ([A2], docs/protocol.md "Op agreement"): this op's intent word and where the
-  // peers' intent words for this op land in this rank's buffer ([world], by source rank); null
-  // where there are no peers (the layout kernel).
-  const uint64_t* intents;
+  // Op agreement ([A2], docs/protocol.md "Op agreement"): this op's intent word, and the byte
+  // offset in this rank's buffer (bases[rank]) where the peers' intent words for this op land
+  // ([world], by source rank); 0 where there are no peers (the layout kernel).
+  uint64_t intent_off;
   uint64_t intent;
 };
 
@@ -122,14 +122,19 @@ __device__ __noinline__ void record_failure(const WaitCtx& w, uint32_t code, uin
                                        w.epoch));
 }
 
+// This op's intent slot of group rank `d` in this rank's buffer (w.intent_off != 0).
+__device__ __forceinline__ const uint64_t* intent_slot(const WaitCtx& w, int d) {
+  return reinterpret_cast<const uint64_t*>(w.bases[w.rank] + w.intent_off) + d;
+}
+
 // [A2] inside a wait for group rank `peer` (its slow path): true, with kOpMismatch recorded,
 // when that peer's intent word for this op has arrived and differs from this rank's. So ranks
 // that wait for signals the other never sends (one stages its combine, the other pushes; one
 // dispatches, the other combines) fail as soon as both started the op, not at the timeout.
 template <class Net>
 __device__ __noinline__ bool intent_differs(const WaitCtx& w, uint32_t wait_id, int32_t peer) {
-  if (w.intents == nullptr || peer < 0 || peer >= w.world || peer == w.rank) return false;
-  const uint64_t v = *reinterpret_cast<const volatile uint64_t*>(w.intents + peer);
+  if (w.intent_off == 0 || peer < 0 || peer >= w.world || peer == w.rank) return false;
+  const uint64_t v = *reinterpret_cast<const volatile uint64_t*>(intent_slot(w, peer));
   if ((v >> 32) != (w.intent >> 32) || v == w.intent) return false;  // not yet, or agreed
   record_failure<Net>(w, kOpMismatch, wait_id, peer, w.intent, v, 0);
   return true;

@@ -87,7 +87,7 @@ __device__ __forceinline__ void layout(const LayoutArgs& a) {
     // World ranks in the record (the group's mapping, as in OpArgs).
     w.pe_base = a.pe_base;
     w.pe_stride = a.pe_stride;
-    w.intents = nullptr;
+    w.intent_off = 0;  // no peers, no op agreement
     w.intent = 0;
   }
   __syncthreads();
