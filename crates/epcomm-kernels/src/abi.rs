@@ -32,8 +32,9 @@ mod tests {
         assert_eq!(offset_of!(OpArgs, pe_base), 424);
         assert_eq!(offset_of!(OpArgs, global_barriers), 444);
         assert_eq!(offset_of!(OpArgs, off_ll_meta_stage), 448);
-        assert_eq!(size_of::<LayoutArgs>(), 7 * 8 + 6 * 4);
+        assert_eq!(size_of::<LayoutArgs>(), 7 * 8 + 8 * 4);
         assert_eq!(offset_of!(LayoutArgs, num_tokens), 56);
+        assert_eq!(offset_of!(LayoutArgs, pe_base), 80);
         assert_eq!(size_of::<ErrorRecord>(), 56);
         assert_eq!(offset_of!(ErrorRecord, epoch), 24);
         assert_eq!(size_of::<SeqState>(), 72);
