@@ -466,6 +466,35 @@ pub fn single_host_env_defaults(
         .collect()
 }
 
+/// The most hardware queues (`CUDA_DEVICE_MAX_CONNECTIONS` summed over the ranks of one GPU)
+/// seen to work under MPS: eight ranks asking 9 each ran, sixteen asking 17 each failed to
+/// create their contexts (the local launchers stay within it, see
+/// `epcomm_transport_proxy::single_host_env`).
+const MPS_QUEUES_KNOWN_GOOD: usize = 72;
+
+/// What to tell a user whose CUDA context failed with `CUDA_ERROR_MPS_MAX_CONNECTIONS_REACHED`
+/// (`ranks_per_gpu` ranks sharing its GPU under MPS): the MPS server's pool of hardware queues
+/// is spent, so every rank must ask for fewer (`CUDA_DEVICE_MAX_CONNECTIONS`, the value named),
+/// or fewer ranks must share the GPU. `None` for any other error.
+pub fn context_error_hint(
+    error: &cudarc::driver::DriverError,
+    ranks_per_gpu: usize,
+) -> Option<String> {
+    if error.0 != cudarc::driver::sys::CUresult::CUDA_ERROR_MPS_MAX_CONNECTIONS_REACHED {
+        return None;
+    }
+    let n = ranks_per_gpu.max(1);
+    let each = (MPS_QUEUES_KNOWN_GOOD / n).clamp(1, 32);
+    let now = std::env::var("CUDA_DEVICE_MAX_CONNECTIONS")
+        .map_or_else(|_| "not set".to_string(), |v| format!("{v:?}"));
+    Some(format!(
+        "the MPS server has no hardware queues left for {n} rank(s) on this GPU \
+         (CUDA_DEVICE_MAX_CONNECTIONS is {now} here): set CUDA_DEVICE_MAX_CONNECTIONS={each} \
+         (at most {MPS_QUEUES_KNOWN_GOOD} / {n}) in every rank's environment before CUDA \
+         starts, or run fewer ranks per GPU"
+    ))
+}
+
 /// Sets [`single_host_env_defaults`] (`ranks_per_gpu` and `local_ranks` as there) in this
 /// process's environment.
 ///
@@ -482,6 +511,24 @@ pub unsafe fn apply_single_host_env_defaults(ranks_per_gpu: usize, local_ranks: 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_exhausted_mps_pool_names_the_connections_to_ask_for() {
+        use cudarc::driver::{DriverError, sys::CUresult};
+        let full = DriverError(CUresult::CUDA_ERROR_MPS_MAX_CONNECTIONS_REACHED);
+        let hint = context_error_hint(&full, 16).expect("a hint");
+        assert!(
+            hint.contains("CUDA_DEVICE_MAX_CONNECTIONS=4") && hint.contains("16 rank(s)"),
+            "{hint}"
+        );
+        assert!(
+            context_error_hint(&full, 1)
+                .unwrap()
+                .contains("CUDA_DEVICE_MAX_CONNECTIONS=32")
+        );
+        let other = DriverError(CUresult::CUDA_ERROR_OUT_OF_MEMORY);
+        assert_eq!(context_error_hint(&other, 16), None);
+    }
 
     #[test]
     fn specs_round_trip() {

@@ -192,7 +192,13 @@ pub fn worker(args: &BenchArgs) -> Res {
     let plan = validate_bench(args, Some(boot.world_size()), &Machine::default())?;
     // One rank per GPU; with a world above the GPU count ranks share GPUs, round-robin.
     let gpus = gpu_count()?;
-    let ctx = CudaContext::new(boot.local_rank() % gpus)?;
+    let ctx = CudaContext::new(boot.local_rank() % gpus).map_err(|e| {
+        let sharing = boot.local_world_size().div_ceil(gpus.max(1));
+        match epcomm_backends::context_error_hint(&e, sharing) {
+            Some(hint) => format!("creating the CUDA context: {e}: {hint}").into(),
+            None => Box::<dyn std::error::Error>::from(e),
+        }
+    })?;
     let transport = plan.transport.spec.build(ctx.clone(), boot.clone())?;
     let gpus_used = boot.world_size().min(gpus);
     if args.hierarchical {

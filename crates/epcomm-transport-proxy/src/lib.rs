@@ -307,21 +307,33 @@ impl ProxyTransport {
 /// ranks on this host and `ranks_per_gpu` of them sharing each GPU.
 ///
 /// 32 queues (the most the driver gives) while at most two ranks share a GPU. With more, 64
-/// divided among them (16 for four ranks), but never fewer than one buffer's streams
+/// divided among them (16 for four ranks), but not fewer than one buffer's streams
 /// (`local_ranks + 1`: a copy stream per other rank, the progress mirror's and the ops'), and
-/// at most 32. Under MPS the clients of a GPU draw their queues from one pool: four ranks on
-/// one GPU asking 32 each failed to create their CUDA contexts (`CUDA_ERROR_OUT_OF_MEMORY`),
-/// while four asking 16 and two asking 32 ran; eight asking 9 each has not been run.
+/// at most 32, as long as the ranks of a GPU then ask for at most [`MPS_POOL_KNOWN_GOOD`]
+/// queues together. Under MPS the clients of a GPU draw their queues from one pool: four ranks
+/// on one GPU asking 32 each failed to create their CUDA contexts
+/// (`CUDA_ERROR_OUT_OF_MEMORY`), sixteen asking 17 each failed with
+/// `CUDA_ERROR_MPS_MAX_CONNECTIONS_REACHED`, while four asking 16, two asking 32 and eight
+/// asking 9 ran. Beyond that pool the context of every rank comes first: each gets its share
+/// of 64 (at least 1), and a copy-engine proxy buffer that needs more queues is refused with
+/// its own error ([`check_copy_stream_queues`]) instead of every context failing.
 pub fn single_host_env(ranks_per_gpu: usize, local_ranks: usize) -> [(&'static str, String); 1] {
+    let share = (64 / ranks_per_gpu.max(1)).clamp(1, MAX_QUEUES);
+    let floor = local_ranks.saturating_add(1).min(MAX_QUEUES);
     let queues = if ranks_per_gpu <= 2 {
         MAX_QUEUES
+    } else if floor.saturating_mul(ranks_per_gpu) <= MPS_POOL_KNOWN_GOOD {
+        share.max(floor)
     } else {
-        (64 / ranks_per_gpu)
-            .max(local_ranks.saturating_add(1))
-            .clamp(1, MAX_QUEUES)
+        share
     };
     [("CUDA_DEVICE_MAX_CONNECTIONS", queues.to_string())]
 }
+
+/// The most hardware queues the ranks sharing one GPU under MPS were seen to get together
+/// (eight ranks asking 9 each): [`single_host_env`] keeps their sum at most this whenever one
+/// buffer's streams allow it.
+pub const MPS_POOL_KNOWN_GOOD: usize = 72;
 
 /// The most hardware queues the driver gives a process (`CUDA_DEVICE_MAX_CONNECTIONS`).
 const MAX_QUEUES: usize = 32;
@@ -622,15 +634,22 @@ mod tests {
         // Eight ranks on one GPU: 64 / 8 = 8 is fewer than one buffer's 9 streams.
         assert_eq!(queues(8, 8).1, "9");
         assert_eq!(queues(4, 16).1, "17");
-        assert_eq!(queues(64, 64).1, "32");
+        // Sixteen ranks asking 17 each exhaust an MPS server's pool: each gets 64 / 16.
+        assert_eq!(queues(16, 16).1, "4");
+        assert_eq!(queues(64, 64).1, "1");
         for n in 1..=128 {
             for local in n..=n + 64 {
                 let q: usize = queues(n, local).1.parse().unwrap();
                 assert!((1..=32).contains(&q), "{n} ranks per GPU: {q}");
-                // Enough for one buffer's streams whenever the driver allows that many.
-                assert!(q >= (local + 1).min(32), "{n}/{local}: {q}");
+                let floor = (local + 1).min(32);
+                // Enough for one buffer's streams whenever the pool allows that many.
                 assert!(
-                    n <= 2 || q * n <= 64 || q == (local + 1).min(32),
+                    q >= floor || floor * n > MPS_POOL_KNOWN_GOOD,
+                    "{n}/{local}: {q}"
+                );
+                // The ranks of a GPU stay within the pool seen to work.
+                assert!(
+                    n <= 2 || q * n <= MPS_POOL_KNOWN_GOOD || q == 1,
                     "{n}/{local}: {q}"
                 );
             }

@@ -85,8 +85,10 @@ pub struct Buffer {
     /// The device `SeqState` (authoritative; `seq` mirrors it).
     seq_state: ManuallyDrop<DeviceBuffer>,
     /// Recorded on the stream after every epcomm launch (`health::note_launch`): failure
-    /// handling and teardown wait for it, bounded, instead of for the whole stream.
-    last_launch: CudaEvent,
+    /// handling and teardown wait for it, bounded, instead of for the whole stream. The tiers
+    /// of a hierarchical buffer share it with their stream (the node tier's kernels read the
+    /// rail tier's memory, so either tier's teardown waits for both tiers' launches).
+    last_launch: Arc<CudaEvent>,
     /// Bytes between the two parity copies of every per-parity region.
     parity_stride: u64,
     seq: Sequence,

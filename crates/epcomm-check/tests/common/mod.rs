@@ -120,7 +120,14 @@ pub fn worker() -> Worker {
     let cfg = BootstrapConfig::from_env().expect("worker env");
     let boot = Arc::new(Bootstrap::connect(cfg).expect("bootstrap"));
     let gpus = gpu_count().expect("a GPU for the worker");
-    let ctx = CudaContext::new(boot.local_rank() % gpus).expect("CUDA context");
+    let ctx = CudaContext::new(boot.local_rank() % gpus).unwrap_or_else(|e| {
+        // Ranks sharing a GPU (round-robin), for the hint when MPS ran out of queues.
+        let sharing = boot.local_world_size().div_ceil(gpus.max(1));
+        match epcomm_backends::context_error_hint(&e, sharing) {
+            Some(hint) => panic!("CUDA context: {e}: {hint}"),
+            None => panic!("CUDA context: {e}"),
+        }
+    });
     Worker { boot, ctx }
 }
 

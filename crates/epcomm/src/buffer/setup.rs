@@ -2,7 +2,7 @@
 //!
 //! Order (every rank runs it with the same config): local checks (config, world, SMs, schedule,
 //! routes), kernel load and residency check, the config agreement over the bootstrap (before any
-//! peer memory is touched), module binding, symmetric allocation and peer bases, the small
+//! peer memory is touched), the check of ranks sharing a GPU (`sharing`), module binding, symmetric allocation and peer bases, the small
 //! device/mapped-host blocks, and a final barrier: nobody writes into a peer's buffer before
 //! that peer has zeroed and mapped it.
 
@@ -189,9 +189,13 @@ impl Buffer {
         let host_counts = MappedHostBuffer::zeroed(&ctx, (4 + cfg.num_experts / world) * 8)?;
         let seq_state = DeviceBuffer::zeroed(&ctx, size_of::<abi::SeqState>())?;
         let parity_stride = parity_stride(&plan)?;
-        let last_launch = ctx
-            .new_event(None)
-            .context("creating the launch-mark event")?;
+        let last_launch = match errors_of {
+            Some(b) => b.last_launch.clone(),
+            None => Arc::new(
+                ctx.new_event(None)
+                    .context("creating the launch-mark event")?,
+            ),
+        };
         let buffer = Self {
             id: NEXT_BUFFER_ID.fetch_add(1, Ordering::Relaxed),
             cfg,
@@ -245,7 +249,8 @@ pub(crate) struct TierParts<'a> {
     pub(crate) stream: Arc<CudaStream>,
     /// A buffer whose failure words it shares: a failure recorded by either one's kernels
     /// stops every later op of both (their prologues read the same claim word) and is
-    /// reported by both.
+    /// reported by both. It also shares that buffer's launch mark (they share the stream):
+    /// teardown of either waits for the launches of both.
     pub(crate) share_errors_with: Option<&'a Buffer>,
 }
 
