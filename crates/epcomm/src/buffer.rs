@@ -307,3 +307,44 @@ impl Drop for Buffer {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use epcomm_bootstrap::{BootstrapError as B, OpKind};
+
+    use super::peer_is_gone;
+
+    #[test]
+    fn only_a_dead_or_departed_peer_lets_teardown_free_after_a_failed_barrier() {
+        let (op, tag) = (OpKind::Barrier, "epcomm-buffer-unmapped".to_string());
+        let died = B::PeerDied {
+            rank: 1,
+            op,
+            tag: tag.clone(),
+        };
+        let left = B::PeerLeft {
+            rank: 1,
+            op,
+            tag: tag.clone(),
+        };
+        assert!(peer_is_gone(&died) && peer_is_gone(&left));
+        // A slow peer (timeout) or a frozen one may still have kernels writing through its
+        // mapping: leak.
+        let slow = B::Timeout {
+            op,
+            tag: tag.clone(),
+            round: 7,
+            missing_ranks: vec![1],
+            waited: Duration::from_secs(300),
+        };
+        let frozen = B::PeerUnresponsive {
+            rank: 1,
+            op,
+            tag,
+            silent_for: Duration::from_secs(30),
+        };
+        assert!(!peer_is_gone(&slow) && !peer_is_gone(&frozen));
+    }
+}

@@ -149,6 +149,9 @@ pub use epcomm_topology::RowDtype as RecvDtype;
 #[derive(Debug)]
 pub struct Dispatched<'b> {
     pub(crate) stream: &'b Arc<CudaStream>,
+    /// The buffer's launch mark (None while a graph is recorded): a copy into the receive rows
+    /// is epcomm's work on the stream, which failure handling and teardown wait for.
+    pub(crate) launch_mark: Option<&'b cudarc::driver::CudaEvent>,
     pub(crate) handle: Handle,
     /// Format of the received rows (hidden size and element type).
     pub(crate) row: RowFormat,
@@ -247,6 +250,10 @@ impl Dispatched<'_> {
         }
         .result()
         .context("copying y into the receive rows")?;
+        if let Some(mark) = self.launch_mark {
+            // Best effort, as for the kernels (`Buffer::wait_launched` stays bounded).
+            let _ = mark.record(self.stream);
+        }
         Ok(())
     }
 

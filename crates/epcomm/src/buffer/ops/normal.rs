@@ -255,6 +255,7 @@ impl Buffer {
         let r = |k| base + self.plan.region(k, parity).offset;
         Dispatched {
             stream: &self.stream,
+            launch_mark: (!self.recording).then_some(&*self.last_launch),
             handle,
             row,
             top_k: self.cfg.top_k,
