@@ -371,6 +371,39 @@ pub fn small_cfg_with(world: usize, timeout: Duration) -> BufferConfig {
 /// Sets the schedule and routes the launcher chose for this worker.
 pub fn apply_test_config(cfg: &mut BufferConfig) {
     TestConfig::from_env().apply(cfg);
+    cfg.num_sms = cfg.num_sms.min(shared_gpu_num_sms_limit());
+}
+
+/// The most `num_sms` a worker's buffers may use: under MPS the ranks sharing a GPU run their
+/// kernels side by side, and `Buffer::new` refuses grids that cannot all be resident together
+/// (SMs / ranks per GPU); unlimited when every rank has its own GPU or without MPS (the ranks
+/// take turns). The same on every rank (it counts the ranks of the busiest GPU), so the
+/// ranks' configs still agree.
+pub fn shared_gpu_num_sms_limit() -> u32 {
+    use cudarc::driver::{result, sys};
+    let world = std::env::var("WORLD_SIZE")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok());
+    let (Some(world), Ok(gpus)) = (world, gpu_count()) else {
+        return u32::MAX;
+    };
+    if world <= gpus || !epcomm_check::procs::under_mps() {
+        return u32::MAX;
+    }
+    let per_gpu = world.div_ceil(gpus.max(1));
+    let sms = result::device::get(0).and_then(|dev| {
+        // SAFETY: `dev` is a device handle the initialised driver just returned.
+        unsafe {
+            result::device::get_attribute(
+                dev,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+        }
+    });
+    match sms {
+        Ok(sms) => (sms as usize / per_gpu).max(1) as u32,
+        Err(_) => u32::MAX,
+    }
 }
 
 /// A small buffer with a short timeout, for failure tests.
