@@ -6,6 +6,8 @@ dispatch, ``combine``, :class:`EventOverlap`, :class:`Config`) and its low-laten
 and the error classes work anywhere); :class:`Buffer` needs PyTorch with CUDA.
 """
 
+import importlib.util
+
 from . import _native
 from .config import DEFAULT_NUM_SMS, Config, check_options, low_latency_size_hint, size_hint
 from .errors import (
@@ -60,6 +62,11 @@ __all__ = [
 
 _TORCH_NAMES = ("Buffer", "DispatchHandle", "EventOverlap", "LowLatencyHandle")
 
+# `from epcomm import *` imports every name of __all__: the torch classes only where torch is
+# installed (found without importing it), so that it works without torch too.
+if importlib.util.find_spec("torch") is None:
+    __all__ = [n for n in __all__ if n not in _TORCH_NAMES]
+
 
 def __getattr__(name):
     # The classes that need torch are imported on first use, so that `import epcomm` works
@@ -93,6 +100,7 @@ def kernels_embedded():
 
 def parse_transport(spec):
     """The canonical form of transport spec `spec` (``"ipc"``, ``"nvshmem"``,
-    ``"nvshmem:vnodes=N"``, ``"nvshmem:vnodes=max"``); raises :class:`InvalidArgumentError`
+    ``"nvshmem:vnodes=N"``, ``"nvshmem:vnodes=max"``, ``"proxy-ce[:vnodes=N]"``,
+    ``"proxy-verbs[:vnodes=N]"``); raises :class:`InvalidArgumentError`
     naming ``transport`` otherwise."""
     return _native.parse_transport(spec)

@@ -14,6 +14,10 @@ a GPU spin before each timed call keeps the host's Python work out of the measur
 Launch: one process per GPU is started here (``--world``, default every GPU); under torchrun
 (``RANK`` set) each process is one rank. Rank 0 prints the report on stdout; everything else
 goes to stderr.
+
+Exit status: 0 success; 1 a worker failed; 2 invalid flags; 3 the machine cannot run it (no
+PyTorch with CUDA, no CUDA driver, no GPU), said in one line before any worker starts, as
+``epcomm bench`` does.
 """
 
 import argparse
@@ -37,19 +41,36 @@ OPS = [
 RESULTS_ENV = "EPCOMM_BENCH_RESULTS"
 
 
+#: Exit status when the machine cannot run the benchmark (no torch, no CUDA driver, no GPU):
+#: the code ``epcomm bench`` uses for the same cases (docs/cli.md).
+EXIT_ENVIRONMENT = 3
+#: Exit status of invalid flags (argparse's, as ``epcomm bench``).
+EXIT_USAGE = 2
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m epcomm.bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m epcomm.bench",
+        description=__doc__.split("\n\n")[0],
+    )
     p.add_argument("--world", type=int, help="ranks (processes, round-robin over the GPUs); default: every GPU")
-    p.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--experts", type=int, default=256)
-    p.add_argument("--sms", type=int, default=24, help="SMs (blocks) per op")
-    p.add_argument("--transport", default="ipc", help="ipc, nvshmem, nvshmem:vnodes=N, nvshmem:vnodes=max")
-    p.add_argument("--schedule", default="epoch", help="epoch or global")
-    p.add_argument("--routes", default="auto", help="auto or put-signal")
-    p.add_argument("--iters", type=int, default=50, help="timed calls per op")
-    p.add_argument("--warmup", type=int, default=5, help="untimed calls per op first")
+    p.add_argument("--tokens", type=int, default=4096, help="tokens per rank (default: %(default)s)")
+    p.add_argument("--hidden", type=int, default=7168, help="elements per token row (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=8, help="experts per token (default: %(default)s)")
+    p.add_argument(
+        "--experts", type=int, default=256, help="experts in total, a multiple of the world size (default: %(default)s)"
+    )
+    p.add_argument("--sms", type=int, default=24, help="SMs (blocks) per op (default: %(default)s)")
+    p.add_argument(
+        "--transport",
+        default="ipc",
+        help="transport spec: ipc, nvshmem, nvshmem:vnodes=N, nvshmem:vnodes=max, proxy-ce[:vnodes=N], "
+        "proxy-verbs[:vnodes=N] (default: %(default)s)",
+    )
+    p.add_argument("--schedule", default="epoch", help="epoch or global (default: %(default)s)")
+    p.add_argument("--routes", default="auto", help="auto or put-signal (default: %(default)s)")
+    p.add_argument("--iters", type=int, default=50, help="timed calls per op (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed calls per op first (default: %(default)s)")
     p.add_argument("--no-verify", action="store_true", help="skip checking one round against a torch reference")
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -63,17 +84,45 @@ def parse_args(argv=None):
     return a
 
 
+def environment_problem():
+    """Why this machine cannot run the benchmark (one line), or None: PyTorch missing or
+    without CUDA, no CUDA driver, no GPU. Checked before any worker starts."""
+    from . import _native
+
+    try:
+        import torch
+    except ImportError as e:
+        return f"needs PyTorch with CUDA support, which does not import here ({e})"
+    if not _native.driver_present():
+        return "no CUDA driver: the driver library (libcuda.so.1) is not found by the dynamic loader"
+    try:
+        count = torch.cuda.device_count()
+    except Exception as e:  # a broken CUDA install: say so in one line
+        return f"torch cannot count the GPUs ({e})"
+    if count < 1:
+        return "no GPU: torch.cuda.device_count() is 0 (is CUDA_VISIBLE_DEVICES hiding them?)"
+    return None
+
+
+def cannot_run(why):
+    """Exits with :data:`EXIT_ENVIRONMENT` after one line on stderr, as ``epcomm bench``."""
+    print(f"python -m epcomm.bench: cannot run here: {why}", file=sys.stderr)
+    sys.exit(EXIT_ENVIRONMENT)
+
+
 # ----------------------------------------------------------------------------------------------
 # Launcher
 
 
 def launch(args, argv):
-    """Starts one worker per rank, waits, prints rank 0's report."""
+    """Starts one worker per rank, waits, prints rank 0's report. Exits with
+    :data:`EXIT_ENVIRONMENT` (one line) when the machine cannot run it, before any worker."""
+    why = environment_problem()
+    if why:
+        cannot_run(why)
     import torch
 
     world = args.world or torch.cuda.device_count()
-    if world < 1:
-        sys.exit("epcomm.bench: no GPU (torch.cuda.device_count() is 0)")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -197,6 +246,10 @@ def verify(buf, args, rank, world, mine):
 
 
 def worker(args):
+    # Under torchrun nothing checked the machine first.
+    why = environment_problem()
+    if why:
+        cannot_run(why)
     import torch
     import torch.distributed as dist
 

@@ -73,13 +73,22 @@ def check_options(
     local_world_size=None,
     num_max_dispatch_tokens_per_rank=0,
 ):
-    """Checks a Buffer's arguments for ``world_size`` ranks without a GPU (the same rules, and
-    the same errors, as creating it) and returns ``{"symmetric_bytes", "capacity",
+    """Checks a Buffer's arguments for ``world_size`` ranks without a GPU and returns ``{"symmetric_bytes", "capacity",
     "transport", "low_latency_bytes"}``: the symmetric memory each rank allocates, the most
     rows one dispatch can receive (``world_size * max_tokens_per_rank``), the canonical
     transport spec, and the part of ``symmetric_bytes`` the low-latency regions take (0 unless
     ``num_max_dispatch_tokens_per_rank > 0``). ``local_world_size`` (ranks per host) defaults
-    to ``world_size`` (one host)."""
+    to ``world_size`` (one host).
+
+    The rules are the library's device-free rules, the very ones creating a Buffer runs before
+    it touches the GPU (``epcomm::rules``): the argument types and ranges, at most 64 ranks,
+    ``num_experts`` a multiple of ``world_size``, a schedule and routes the transport supports
+    (``routes="put-signal"`` needs a transport with put/signal, not ``"ipc"``), a world layout
+    the transport can form, and the low-latency token limit (the routing bitmaps must fit in
+    shared memory: at most 992 ``num_max_dispatch_tokens_per_rank`` for 256 experts on up to
+    8 ranks). What it accepts, Buffer accepts on a GPU with enough SMs and memory. Raises
+    :class:`InvalidArgumentError` naming the first broken rule's argument; its message lists
+    every broken rule."""
     for name, value in (
         ("world_size", world_size),
         ("max_tokens_per_rank", max_tokens_per_rank),

@@ -12,6 +12,10 @@ mod session;
 
 use convert::to_pyerr;
 
+use epcomm_backends::{TransportError, TransportSpec};
+use epcomm_topology::{BufferPlan, RoutePolicy, TopologyError};
+
+use crate::error::BindError;
 use crate::options::BufferOptions;
 
 /// The package version (the workspace's).
@@ -70,8 +74,10 @@ fn route_policies() -> Vec<&'static str> {
 }
 
 /// Checks a Buffer's arguments for `world_size` ranks (`local_world_size` per host, seen
-/// from `rank`) without a GPU; returns `{symmetric_bytes, capacity, transport,
-/// low_latency_bytes}` or raises the error `Buffer` would.
+/// from `rank`) without a GPU, by the rules `Buffer::new` runs before it touches the device
+/// (`epcomm::rules`); returns `{symmetric_bytes, capacity, transport, low_latency_bytes}` or
+/// raises `InvalidArgumentError` naming the first broken rule's argument, its message listing
+/// every broken rule.
 #[pyfunction]
 #[pyo3(signature = (max_tokens_per_rank, hidden, top_k, num_experts, num_sms, transport,
                     schedule, routes, timeout, world_size, rank, local_world_size,
@@ -105,9 +111,8 @@ fn check_options<'py>(
         timeout_s: timeout,
         ll_max_tokens_per_rank,
     };
-    let (cfg, spec, plan) = options
-        .resolve(world_size, rank, local_world_size)
-        .map_err(|e| to_pyerr(py, e))?;
+    let (cfg, spec, plan) =
+        resolve(&options, world_size, rank, local_world_size).map_err(|e| to_pyerr(py, e))?;
     let ll_bytes =
         crate::options::low_latency_bytes(&cfg, world_size).map_err(|e| to_pyerr(py, e))?;
     let d = PyDict::new(py);
@@ -116,6 +121,81 @@ fn check_options<'py>(
     d.set_item("transport", spec.to_string())?;
     d.set_item("low_latency_bytes", ll_bytes)?;
     Ok(d)
+}
+
+/// The config, the spec and the buffer plan of `options`, every device-free rule of
+/// `Buffer::new` checked (`epcomm::rules::broken_rules`, the same function `Buffer::new`
+/// runs).
+///
+/// # Errors
+/// The options' own errors (a name, a field, the world layout: `transport` named for a
+/// transport option such as `vnodes`); else [`BindError::InvalidArgument`] naming the first
+/// broken rule's argument by its Python name, its rule followed by every other broken rule.
+fn resolve(
+    options: &BufferOptions,
+    world_size: usize,
+    rank: usize,
+    local_world_size: usize,
+) -> Result<(epcomm::BufferConfig, TransportSpec, BufferPlan), BindError> {
+    let cfg = options.config()?;
+    let spec = options.spec()?;
+    let caps = spec.capabilities()?;
+    let layout = spec
+        .world_layout(world_size, rank, local_world_size)
+        .map_err(|e| match e {
+            // A backend's option struct (`NvshmemOptions::virtual_nodes`) is no argument of
+            // Python's: the transport spec chose it.
+            TransportError::InvalidArgument { argument, rule } if argument.contains("::") => {
+                BindError::InvalidArgument {
+                    argument: "transport",
+                    rule: format!("{spec}: {rule}"),
+                }
+            }
+            other => other.into(),
+        })?;
+    let broken = epcomm::rules::broken_rules(&cfg, world_size, &layout, &caps);
+    if let Some(first) = broken.first() {
+        let (argument, first_rule) = python_rule(first, &cfg);
+        let others: Vec<String> = broken[1..]
+            .iter()
+            .map(|e| {
+                let (a, r) = python_rule(e, &cfg);
+                format!("invalid {a}: {r}")
+            })
+            .collect();
+        let rule = std::iter::once(first_rule)
+            .chain(others)
+            .collect::<Vec<_>>()
+            .join("; ");
+        return Err(BindError::InvalidArgument { argument, rule });
+    }
+    let plan = crate::options::plan(&cfg, world_size)?;
+    Ok((cfg, spec, plan))
+}
+
+/// A broken rule of `epcomm::rules` as Python names it: the argument (the low-latency token
+/// count by its DeepEP name; a route the transport cannot take by `routes`, or by `transport`
+/// under automatic routes) and the rule.
+fn python_rule(e: &epcomm::Error, cfg: &epcomm::BufferConfig) -> (&'static str, String) {
+    use epcomm::Error as E;
+    match e {
+        E::InvalidArgument {
+            argument: "ll_max_tokens_per_rank",
+            rule,
+        } => ("num_max_dispatch_tokens_per_rank", rule.clone()),
+        E::InvalidArgument { argument, rule } => (argument, rule.clone()),
+        E::Transport(TransportError::InvalidArgument { argument, rule }) => {
+            (argument, rule.clone())
+        }
+        E::Topology(t @ TopologyError::Unreachable { .. }) => {
+            let argument = match cfg.routes {
+                RoutePolicy::Auto => "transport",
+                _ => "routes",
+            };
+            (argument, t.to_string())
+        }
+        other => ("options", other.to_string()),
+    }
 }
 
 /// None when the NVSHMEM host library (for the `nvshmem` transports) loads here, else why not,
