@@ -95,6 +95,8 @@ impl Buffer {
                 },
             )
         }?;
+        // It reads this rank's symmetric memory: teardown waits for it (`Buffer::wait_launched`).
+        self.mark_launch();
         Ok(())
     }
 }
