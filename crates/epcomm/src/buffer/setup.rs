@@ -230,6 +230,9 @@ impl Buffer {
             leaked: false,
             transport,
         };
+        // The setup's own stream work (peer bases, proxy channel): what teardown waits for
+        // before the first op.
+        buffer.mark_launch();
         // Nobody may write into a peer's buffer before that peer has zeroed and mapped it.
         buffer
             .transport
