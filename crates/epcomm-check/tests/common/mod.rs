@@ -165,10 +165,12 @@ impl TestConfig {
         }
     }
 
-    /// Sets the schedule, routes and combine staging of this configuration on `cfg`.
+    /// Sets the schedule, routes and combine staging of this configuration on `cfg`, and caps
+    /// `num_sms` where ranks share a GPU under MPS ([`shared_gpu_num_sms_limit`]).
     pub fn apply(&self, cfg: &mut BufferConfig) {
         (cfg.schedule, cfg.routes) = (self.schedule, self.routes);
         cfg.combine_staging = self.combine_staging;
+        cfg.num_sms = cfg.num_sms.min(shared_gpu_num_sms_limit());
     }
 
     /// The workers' environment for this configuration (NVSHMEM's one-host defaults included).
@@ -371,7 +373,6 @@ pub fn small_cfg_with(world: usize, timeout: Duration) -> BufferConfig {
 /// Sets the schedule and routes the launcher chose for this worker.
 pub fn apply_test_config(cfg: &mut BufferConfig) {
     TestConfig::from_env().apply(cfg);
-    cfg.num_sms = cfg.num_sms.min(shared_gpu_num_sms_limit());
 }
 
 /// The most `num_sms` a worker's buffers may use: under MPS the ranks sharing a GPU run their
