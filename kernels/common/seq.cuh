@@ -151,16 +151,27 @@ __device__ __forceinline__ bool prologue(const OpArgs& a, OpState& s, uint32_t k
   return true;
 }
 
+// [A2] The intent word of group rank `d` as it is now (0 for this rank, or without peers): read
+// before the op's last wait for `d`, so that its latency overlaps that wait's. `d` published
+// it when its op started, so it is there by then in the common case.
+__device__ __forceinline__ uint64_t peek_intent(const WaitCtx& w, int d) {
+  if (w.intent_off == 0 || d == w.rank) return 0;
+  return *reinterpret_cast<const volatile uint64_t*>(intent_slot(w, d));
+}
+
 // [A2] after the op's last wait for group rank `d` (block 0, thread d): d's intent word for this
-// op (bounded wait: d published it when its op started) must equal this rank's; otherwise
-// kOpMismatch is recorded (and sent to every peer) and false returned. Catches what no wait
-// does: ranks whose ops pass each other's waits (weights on one rank only, BF16 against FP8,
-// a dispatch against a combine that sends it nothing).
+// op must equal this rank's; otherwise kOpMismatch is recorded (and sent to every peer) and
+// false returned. `early` is `peek_intent(w, d)` from before that wait: when it carries this
+// op's tag it is the word (no other op writes that tag), else the word is waited for (bounded:
+// d published it when its op started). Catches what no wait does: ranks whose ops pass each
+// other's waits (weights on one rank only, BF16 against FP8, a dispatch against a combine that
+// sends it nothing).
 template <class Net>
-__device__ __forceinline__ bool check_intent(const WaitCtx& w, int d) {
+__device__ __forceinline__ bool check_intent(const WaitCtx& w, int d, uint64_t early) {
   if (w.intent_off == 0 || d == w.rank) return true;
-  uint32_t content = 0;
-  if (!wait_tag<Net>(w, intent_slot(w, d), w.intent >> 32, kWaitIntent, d, &content, nullptr))
+  uint32_t content = static_cast<uint32_t>(early);
+  if ((early >> 32) != (w.intent >> 32) &&
+      !wait_tag<Net>(w, intent_slot(w, d), w.intent >> 32, kWaitIntent, d, &content, nullptr))
     return false;
   if (content == static_cast<uint32_t>(w.intent)) return true;
   const uint64_t theirs = make_tagged(w.intent >> 32, content);

@@ -514,10 +514,11 @@ __device__ __forceinline__ void combine(const OpArgs& a, Shared& s) {
   // it, which is what lets the next ops reuse the parity regions (docs/protocol.md).
   ok = true;
   if (tid < world) {
+    const uint64_t intent = peek_intent(w, tid);  // [A2], its load overlapping the wait
     ok = wait_geq<Net>(w, u64_at(local, a.off_done) + tid, q.done_expected, kWaitCombineDone,
                        tid, nullptr);
     stats[kStatPeers + 2 * world + tid] = s_arrival[tid];
-    ok = ok && check_intent<Net>(w, tid);  // [A2]
+    ok = ok && check_intent<Net>(w, tid, intent);  // [A2]
   }
   if (!all_ok(s, ok)) return;
   finish_stats(a, s, t_start, kOpCombine);

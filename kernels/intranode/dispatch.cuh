@@ -319,11 +319,12 @@ __device__ __forceinline__ void dispatch(const OpArgs& a, Shared& s) {
   // [E6] wait until every source's data landed here (monotonic counters, never reset).
   bool ok = true;
   if (tid < world) {
+    const uint64_t intent = peek_intent(w, tid);  // [A2], its load overlapping the wait
     uint64_t arrived = 0;
     ok = wait_geq<Net>(w, u64_at(local, a.off_done) + tid, q.done_expected, kWaitDispatchDone,
                        tid, &arrived);
     if (ok) stats[kStatPeers + 2 * world + tid] = arrived;
-    ok = ok && check_intent<Net>(w, tid);  // [A2]
+    ok = ok && check_intent<Net>(w, tid, intent);  // [A2]
   }
   if (!all_ok(s, ok)) return;
   // [E7] the receive region is the output; keep the source indices with the handle.

@@ -63,12 +63,15 @@ __device__ __forceinline__ bool await_sends(const OpArgs& a, Shared& s, Schedule
   const int tid = threadIdx.x;
   if (tid < a.world) {
     uint8_t* const local = s.bases[a.rank];
+    const bool block0 = blockIdx.x == 0;
+    // [A2] once per op, in block 0 (every block waits for the same counters); the intent
+    // word's load overlaps the wait.
+    const uint64_t intent = block0 ? peek_intent(s.wait, tid) : 0;
     uint64_t arrived = 0;
     ok = wait_geq<Net>(s.wait, u64_at(local, a.off_done) + tid, s.seq.done_expected, wait_id,
                        tid, &arrived);
-    if (ok && blockIdx.x == 0) u64_at(local, a.off_stats)[kStatPeers + 2 * a.world + tid] = arrived;
-    // [A2] once per op: in block 0 (every block waited for the same counters).
-    ok = ok && (blockIdx.x != 0 || check_intent<Net>(s.wait, tid));
+    if (ok && block0) u64_at(local, a.off_stats)[kStatPeers + 2 * a.world + tid] = arrived;
+    ok = ok && (!block0 || check_intent<Net>(s.wait, tid, intent));
   }
   return all_ok(s, ok);
 }
