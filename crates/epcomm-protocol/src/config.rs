@@ -161,11 +161,15 @@ pub enum Mutation {
     /// after that peer (or any rank) failed, the forwarder keeps waiting for rows that never
     /// come, until its bounded wait expires, instead of ending the op in an error.
     InterForwarderIgnoresAbort,
+    /// `[A1]`/`[A2]`: one intent slot per source instead of two (by agreed-op parity): a rank
+    /// that finished an op writes its next op's intent word over the one a slower peer is
+    /// still checking.
+    IntentOneSlot,
 }
 
 impl Mutation {
     /// Every mutation.
-    pub const ALL: [Mutation; 20] = [
+    pub const ALL: [Mutation; 21] = [
         Mutation::FlagStoreRelaxed,
         Mutation::FlagWaitRelaxed,
         Mutation::DoneAddRelaxed,
@@ -186,6 +190,7 @@ impl Mutation {
         Mutation::InterCombineSkipPartialWait,
         Mutation::InterCombineSkipCredit,
         Mutation::InterForwarderIgnoresAbort,
+        Mutation::IntentOneSlot,
     ];
 
     /// Whether the protocol stays correct under this mutation (the checker must accept it).
@@ -257,6 +262,7 @@ impl Failure {
             F1 | F2 => false,
             I1 | I2 | I3 | I4 | I5 | I6 | I7 | I8 | I9 | I10 | I11 | I12 => false,
             J1 | J2 | J3 | J4 | J5 | J6 | J7 | J8 | J9 => false,
+            A1 | A2 => false,
         }
     }
 }

@@ -125,11 +125,17 @@ pub enum Step {
     J8,
     /// `[J9]` source: per token, reduce my own contribution, `cdirect[q%2][d][t]` of my node's ranks and `cpart[q%2][k][t]` of the other nodes.
     J9,
+    /// `[A1]` op start, after `[F1]`: store my intent word `(a << 32) | kind` for agreed op `a`
+    /// into `intent[a%2][me]` of every peer (relaxed: the word carries its tag).
+    A1,
+    /// `[A2]` after the op's final wait (`[E6]`, `[C5]`, `[L5]`): wait until every peer's
+    /// `intent[a%2][s]` carries tag `a` (bounded) and compare it with mine.
+    A2,
 }
 
 impl Step {
     /// Every step, in label order.
-    pub const ALL: [Step; 50] = [
+    pub const ALL: [Step; 52] = [
         Step::Recheck,
         Step::E1,
         Step::E2,
@@ -180,6 +186,8 @@ impl Step {
         Step::J7,
         Step::J8,
         Step::J9,
+        Step::A1,
+        Step::A2,
     ];
 
     /// The bracketed label the CUDA code cites, e.g. `"[E3]"`.
@@ -235,6 +243,8 @@ impl Step {
             Step::J7 => "[J7]",
             Step::J8 => "[J8]",
             Step::J9 => "[J9]",
+            Step::A1 => "[A1]",
+            Step::A2 => "[A2]",
         }
     }
 
@@ -291,6 +301,8 @@ impl Step {
             Step::J7 => "signal partials",
             Step::J8 => "wait contributions and partials",
             Step::J9 => "reduce",
+            Step::A1 => "publish intent",
+            Step::A2 => "check intent",
         }
     }
 }

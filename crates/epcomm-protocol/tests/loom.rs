@@ -370,6 +370,10 @@ mutation_tests! {
     /// [L4] done add Release -> Relaxed: the receiver sees the done count but not the count word.
     ll_done_add_relaxed_is_caught:
         DoneAddRelaxed, cfg(2, 1, 1, Epoch, &[LD]), ["(LlDispatch), [L6] first rows"];
+    /// One intent slot: rank 0 finishes the dispatch (rank 1 signalled done before its [A2])
+    /// and writes the combine's intent word over the dispatch's, which rank 1 still checks.
+    intent_one_slot_is_caught:
+        IntentOneSlot, cfg(2, 1, 1, Epoch, &[D, C]), ["op 0 (Dispatch), [A2] check intent"];
 }
 
 /// [I4] without the tag wait: the forwarder takes a rail count word that is not written yet.

@@ -262,7 +262,8 @@ fn failure_after_done_lets_the_peer_finish_that_op_only() {
     assert_eq!(reports[0].outputs[2], Err(OpError::Refused { by: 0 }));
 }
 
-/// Without the prologue check the failed rank runs its next op and writes into its peer.
+/// Without the prologue check the failed rank runs its next op and writes into its peer: first
+/// its intent word (`[A1]`, the op's first write).
 #[test]
 fn without_prologue_check_a_failed_rank_writes_again() {
     use OpKind::*;
@@ -281,10 +282,10 @@ fn without_prologue_check_a_failed_rank_writes_again() {
         Violation::WriteAfterFailure {
             rank: 0,
             op: 1,
-            step: Step::E4,
+            step: Step::A1,
             ..
         } => {}
-        other => panic!("expected rank 0 to write at [E4] of op 1, got {other}"),
+        other => panic!("expected rank 0 to write at [A1] of op 1, got {other}"),
     }
 }
 

@@ -30,6 +30,8 @@
 //!   wait) and the barrier of `[G1]`/`[G3]`/`[G5]`;
 //! - `failure.rs`: failure propagation, `[F1]`, `[F2]` and the guard that a failed rank writes
 //!   nothing;
+//! - `agreement.rs`: op agreement, `[A1]` (publish the op's intent word) and `[A2]` (check every
+//!   peer's after the final wait): two slots suffice;
 //! - `violation.rs`: what the model reports ([`Violation`], [`OpError`], [`RunError`]) and the
 //!   checks behind it, `[R]` included.
 //!
@@ -39,6 +41,7 @@
 //! sequence number picks; the low-latency regions (`ll_x`, `ll_counts`, `ll_comb`) have
 //! [`ModelConfig::ll_regions`] copies, indexed by the parity of the LL op's own sequence number.
 
+mod agreement;
 mod combine;
 mod dispatch;
 mod failure;
@@ -148,6 +151,8 @@ struct RankBuffer {
     ccredit: Vec<AtomicU64>,
     /// The abort word: `1 + rank` of a failed rank, 0 while none failed. Never reset.
     abort: AtomicU64,
+    /// `intent[a%2][src]`: `src`'s intent word `(a << 32) | kind` for agreed op `a` (`[A1]`).
+    intent: Vec<AtomicU64>,
 }
 
 fn zeroed(n: usize) -> Vec<AtomicU64> {
@@ -200,6 +205,7 @@ impl World {
                 cpdone: zeroed(cfg.nodes()),
                 ccredit: zeroed(w),
                 abort: AtomicU64::new(0),
+                intent: zeroed(2 * w),
             })
             .collect();
         Self {
@@ -237,6 +243,11 @@ impl World {
     fn ll_x(&self, rank: usize, parity: usize, src: usize, slot: usize) -> &AtomicU64 {
         let (w, t) = (self.cfg.world(), self.cfg.tokens());
         &self.ranks[rank].ll_x[(parity * w + src) * t + slot]
+    }
+
+    /// `rank.intent[parity][src]`.
+    fn intent(&self, rank: usize, parity: usize, src: usize) -> &AtomicU64 {
+        &self.ranks[rank].intent[parity * self.cfg.world() + src]
     }
 
     fn ll_count(&self, rank: usize, parity: usize, src: usize) -> &AtomicU64 {
@@ -380,6 +391,9 @@ struct SeqState {
     inter_notify_seq: u64,
     /// Internode combines so far: the combine regions, done values and credits.
     inter_combine_seq: u64,
+    /// Agreed ops so far (every op but the internode ones, which the kernels do not run): the
+    /// intent words' tag and slot (the kernels' `op`).
+    agree_seq: u64,
 }
 
 /// One simulated rank: its place in the world, its op cursor and its private state.

@@ -51,6 +51,7 @@ pub fn run_rank(world: &World, rank: usize, hook: &dyn StepHook) -> Result<RankR
             inter_seq: 0,
             inter_notify_seq: 0,
             inter_combine_seq: 0,
+            agree_seq: 0,
         },
         claim: false,
         layout: Layout {
@@ -131,6 +132,7 @@ impl Rank<'_> {
             self.kind = kind;
             let before = self.seq;
             let result = self.prologue().and_then(|()| {
+                self.publish_intent()?;
                 self.recheck()?;
                 match kind {
                     OpKind::Dispatch => self.dispatch(false),

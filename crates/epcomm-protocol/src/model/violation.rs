@@ -215,6 +215,27 @@ pub enum Violation {
         /// The writing step.
         step: Step,
     },
+    /// `[A2]`: a peer's intent word for this op is another op's (a peer two agreed ops ahead
+    /// overwrote the slot: the two-slot argument is broken) or says another kind (the ranks
+    /// run the same ops in the model, so this is a protocol bug).
+    #[error(
+        "rank {rank}, op {op} ({kind:?}), [A2] check intent: peer {peer}'s intent word is \
+         {seen:#x}, expected {expected:#x}"
+    )]
+    Intent {
+        /// The rank.
+        rank: usize,
+        /// Op index.
+        op: usize,
+        /// Op kind.
+        kind: OpKind,
+        /// The peer whose word was read.
+        peer: usize,
+        /// This rank's word for the op.
+        expected: u64,
+        /// The word read.
+        seen: u64,
+    },
     /// The results of all ranks break a property of the outcome (see [`crate::check_outcome`]).
     #[error(transparent)]
     Outcome(#[from] OutcomeViolation),

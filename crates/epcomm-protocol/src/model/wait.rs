@@ -143,7 +143,7 @@ impl Rank<'_> {
         for s in 0..self.world_size() {
             self.wait_geq(step, s, &self.w.ranks[self.me].done[s], expected, order)?;
         }
-        Ok(())
+        self.check_intent()
     }
 
     /// `[E5]`/`[C2]`: one sender block is finished with all its data for every destination
