@@ -129,7 +129,8 @@ class Buffer:
     (:meth:`get_low_latency_rdma_size_hint`), and must be 0 without it.
 
     epcomm's own choices: ``transport`` (``"ipc"``, ``"nvshmem"``, ``"nvshmem:vnodes=N"``,
-    ``"nvshmem:vnodes=max"``), ``schedule`` (``"epoch"``, ``"global"``), ``routes``
+    ``"nvshmem:vnodes=max"``, and the CPU proxy's ``"proxy-ce"``, ``"proxy-verbs"``, each with
+    ``:vnodes=N`` too, where compiled in), ``schedule`` (``"epoch"``, ``"global"``), ``routes``
     (``"auto"``, ``"put-signal"``), ``num_sms`` (default :attr:`num_sms`), ``timeout``
     (seconds, bound of every device wait: :class:`epcomm.TimeoutError` names the late rank),
     ``enable_cuda_graphs`` (keeps the device parity word that graph replays need; costs one

@@ -24,7 +24,8 @@ pub struct BufferOptions {
     pub num_experts: usize,
     /// Blocks of the dispatch and combine kernels.
     pub num_sms: u32,
-    /// Transport spec (`ipc`, `nvshmem`, `nvshmem:vnodes=N|max`).
+    /// Transport spec (`ipc`, `nvshmem`, `nvshmem:vnodes=N|max`, `proxy-ce`, `proxy-verbs`, each
+    /// with `:vnodes=N|max` too, where compiled in).
     pub transport: String,
     /// Schedule name (`epoch`, `global`).
     pub schedule: String,

@@ -52,7 +52,7 @@ impl Buffer {
         dst_bytes: usize,
     ) -> Result<()> {
         self.ensure_ready()?;
-        if src.row_bytes == 0 || src.row_bytes % 4 != 0 {
+        if src.row_bytes == 0 || !src.row_bytes.is_multiple_of(4) {
             return Err(Error::InvalidArgument {
                 argument: "row_bytes",
                 rule: format!("must be a positive multiple of 4 (got {})", src.row_bytes),
