@@ -55,5 +55,5 @@ mod python;
 pub use borrowed::{Borrowed, RawArray};
 pub use error::{Attr, BindError, ErrorInfo, Result};
 pub use options::{BufferOptions, low_latency_bytes, plan, seconds};
-pub use session::{DispatchOut, LlDispatchOut, LlOp, RecvRegion, Rows, Session, XArrays};
+pub use session::{DispatchOut, LlDispatchOut, LlOp, RecvRegion, RowCount, Rows, Session, XArrays};
 pub use workload::{WorkloadBytes, deepep_workload, rank_seed};

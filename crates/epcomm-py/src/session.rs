@@ -48,6 +48,19 @@ pub enum Rows {
     Into(Handle),
 }
 
+/// Where a dispatch's receive count lies on the device and which parity copy of the receive
+/// region holds its rows.
+#[derive(Clone, Copy, Debug)]
+pub struct RowCount {
+    /// Address of the device `i32` holding how many rows arrived.
+    pub count: u64,
+    /// Address of the device `i64` whose parity picks the region copy (a CUDA graph replayed at
+    /// either parity); `None`: `parity` is known on the host.
+    pub parity_word: Option<u64>,
+    /// The region copy (0 or 1) when `parity_word` is `None`.
+    pub parity: u8,
+}
+
 /// Token rows of a dispatch: BF16 values, or e4m3 bytes with one f32 scale per 128 values.
 #[derive(Clone, Copy, Debug)]
 pub struct XArrays {
@@ -440,23 +453,25 @@ impl Session {
     }
 
     /// Copies the rows a dispatch received from `region` into `dst` (`dst_bytes` bytes), as many
-    /// as the device `i32` at `count` says ([`Buffer::copy_counted_rows`]): from the parity copy
-    /// the device `i64` at `parity_word` picks (a CUDA graph replayed at either parity), or else
-    /// from the copy of `parity` (0 or 1, known on the host).
+    /// as the device `i32` at `at.count` says ([`Buffer::copy_counted_rows`]), from the parity
+    /// copy [`RowCount`] names.
     ///
     /// # Safety
-    /// `count` and `parity_word` must address live device words of those types, `dst` live
-    /// device memory of `dst_bytes` bytes, all until the copy ran on the buffer's stream.
+    /// `at.count` and `at.parity_word` must address live device words of those types, `dst`
+    /// live device memory of `dst_bytes` bytes, all until the copy ran on the buffer's stream.
     pub unsafe fn copy_received(
         &mut self,
         region: RecvRegion,
         dst: u64,
         dst_bytes: usize,
         row_bytes: usize,
-        count: u64,
-        parity_word: Option<u64>,
-        parity: u8,
+        at: RowCount,
     ) -> Result<()> {
+        let RowCount {
+            count,
+            parity_word,
+            parity,
+        } = at;
         let (even, odd) = self.region_pair(region)?;
         let region = match (parity_word, parity) {
             (Some(_), _) => [even, odd],

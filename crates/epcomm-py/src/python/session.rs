@@ -21,7 +21,7 @@ use super::convert::{detached, to_pyerr};
 use crate::borrowed::RawArray;
 use crate::error::BindError;
 use crate::options::{BufferOptions, seconds};
-use crate::session::{DispatchOut, LlDispatchOut, RecvRegion, Rows, Session, XArrays};
+use crate::session::{DispatchOut, LlDispatchOut, RecvRegion, RowCount, Rows, Session, XArrays};
 
 /// An array argument: `(address, element count)`.
 type Arr = (u64, usize);
@@ -431,8 +431,17 @@ impl PySession {
         // addresses of live tensors (the output, the handle's recv_prefix, the parity word) that
         // it keeps alive on the buffer's stream.
         detached(py, || unsafe {
-            self.lock()
-                .copy_received(r, dst, dst_bytes, row_bytes, count, parity_word, parity)
+            self.lock().copy_received(
+                r,
+                dst,
+                dst_bytes,
+                row_bytes,
+                RowCount {
+                    count,
+                    parity_word,
+                    parity,
+                },
+            )
         })
     }
 
