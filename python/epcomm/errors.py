@@ -22,6 +22,7 @@ __all__ = [
     "PeerLostError",
     "ReceiveOverflowError",
     "ConfigMismatchError",
+    "OpMismatchError",
     "BufferFailedError",
     "TransportError",
     "BootstrapError",
@@ -93,6 +94,16 @@ class ReceiveOverflowError(EpcommError):
 class ConfigMismatchError(EpcommError, ValueError):
     """Ranks created their Buffer with different arguments. ``field``, ``values`` (every
     rank's value)."""
+
+
+class OpMismatchError(EpcommError):
+    """Ranks issued different ops at the same point of their sequence, or the same op with
+    arguments every rank must share: another op kind, top-k weights on some ranks only, BF16
+    against FP8, a staged or in-place combine against a pushed one. ``op``, ``rank`` (this
+    rank), ``peer`` (the rank that disagrees), ``fields`` (what differs), ``detail`` (both
+    ranks' ops), ``op_seq``. Every rank of the op gets it; the Buffer is failed."""
+
+    peer = None
 
 
 class BufferFailedError(EpcommError):

@@ -232,6 +232,20 @@ fn epcomm_info(e: &epcomm::Error, message: String) -> ErrorInfo {
             .with("wait", Attr::Str(format!("{wait:?}")))
             .with("cause", Attr::Str((*cause).into()))
             .with("origin_op_seq", int(*origin_op_seq)),
+        E::OpMismatch {
+            op,
+            rank,
+            peer,
+            fields,
+            detail,
+            op_seq,
+        } => ErrorInfo::new("OpMismatchError", message)
+            .with("op", Attr::Str((*op).into()))
+            .with("rank", int(*rank))
+            .with("peer", int(*peer))
+            .with("fields", Attr::Str(fields.clone()))
+            .with("detail", Attr::Str(detail.clone()))
+            .with("op_seq", int(*op_seq)),
         E::ConfigMismatch { field, values } => ErrorInfo::new("ConfigMismatchError", message)
             .with("field", Attr::Str((*field).into()))
             .with("values", Attr::Str(values.clone())),
@@ -445,6 +459,17 @@ mod tests {
                     values: "rank 0: 128, rank 1: 256".into(),
                 },
                 "ConfigMismatchError",
+            ),
+            (
+                epcomm::Error::OpMismatch {
+                    op: "combine",
+                    rank: 0,
+                    peer: 1,
+                    fields: "weights".into(),
+                    detail: "rank 0: combine [weights, push], rank 1: combine [push]".into(),
+                    op_seq: 7,
+                },
+                "OpMismatchError",
             ),
             (
                 epcomm::Error::Failed("an earlier timeout".into()),
