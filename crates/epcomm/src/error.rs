@@ -160,8 +160,8 @@ pub enum Error {
         peer: usize,
         /// What differs, e.g. "weights" or "dtype (FP8 scales), row bytes".
         fields: String,
-        /// Both ranks' ops when this rank found the difference itself, e.g. "rank 0: combine
-        /// [weights, push], rank 1: combine [push]"; else that the peer found it.
+        /// Both ranks' ops when this rank found the difference itself, e.g. `rank 0: combine
+        /// [weights, push], rank 1: combine [push]`; else that the peer found it.
         detail: String,
         /// The op's sequence number (low 32 bits when learned from the peer).
         op_seq: u64,
