@@ -1,6 +1,6 @@
 // The kernel ABI: every structure and number shared bit-for-bit with the Rust side. This header
 // is the single source: `cargo xtask codegen` parses it and writes the Rust mirror
-// (crates/epcomm-kernels/src/abi_generated.rs) and the device probe (common/abi_probe.cuh),
+// (crates/epcomm-abi/src/abi_generated.rs) and the device probe (common/abi_probe.cuh),
 // which the host runs at module load to compare every size, offset and constant below with its
 // own; `cargo xtask codegen --check` fails when either generated file is stale.
 //
@@ -40,7 +40,7 @@ enum ErrorCode : uint32_t {  // rust: mod code, strip k
   kOpMismatch = 6,  ///< A peer issued another op, or this op with other arguments ([A2]): `peer`
                     ///< = that peer, `expected` = this rank's intent word, `seen` = the peer's.
                     ///< Its abort word's code carries the fields that differ in bits 8..15
-                    ///< (bit 0: op kind; bits 1..5: the `flags` bits of kIntentFlagMask; bit 6:
+                    ///< (bit 0: op kind; bits 1..5: the op-flag bits of kIntentFlagMask; bit 6:
                     ///< row bytes).
 };
 

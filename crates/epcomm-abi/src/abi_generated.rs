@@ -27,7 +27,7 @@ pub mod code {
     /// A peer issued another op, or this op with other arguments (\[A2\]): `peer`
     /// = that peer, `expected` = this rank's intent word, `seen` = the peer's.
     /// Its abort word's code carries the fields that differ in bits 8..15
-    /// (bit 0: op kind; bits 1..5: the [`flags`] bits of kIntentFlagMask; bit 6:
+    /// (bit 0: op kind; bits 1..5: the op-flag bits of kIntentFlagMask; bit 6:
     /// row bytes).
     pub const OP_MISMATCH: u32 = 6;
 }

@@ -1,6 +1,7 @@
 //! The kernel images this crate knows: one per line of the image manifest
 //! (`kernels/images.txt`), each embedded at build time when its artifact was there.
 
+use crate::abi::KernelFamily;
 use crate::{KERNEL_DIR_ENV, KernelError};
 
 include!("images_generated.rs");
@@ -65,6 +66,15 @@ impl Image {
     pub const INTRANODE_PROXY: Image = Image {
         index: index_of("intranode_proxy"),
     };
+
+    /// The image a transport of `family` works with.
+    pub fn of(family: KernelFamily) -> Image {
+        match family {
+            KernelFamily::NvlinkStore => Self::INTRANODE,
+            KernelFamily::NvshmemDevice => Self::INTRANODE_NVSHMEM,
+            KernelFamily::CpuProxy => Self::INTRANODE_PROXY,
+        }
+    }
 
     /// The image called `name` in the manifest, if any.
     pub fn named(name: &str) -> Option<Image> {

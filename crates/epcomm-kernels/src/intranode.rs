@@ -14,7 +14,7 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 
-use crate::abi::{EXPECTED_PROBE, LayoutArgs, OpArgs};
+use crate::abi::{EXPECTED_PROBE, KernelFamily, LayoutArgs, OpArgs};
 use crate::{DriverContext, Image, KernelError};
 
 /// Threads per block of every intranode kernel (`kThreads` in kernels/intranode/shared.cuh).
@@ -36,46 +36,6 @@ const ONE_THREAD: LaunchConfig = LaunchConfig {
     block_dim: (1, 1, 1),
     shared_mem_bytes: 0,
 };
-
-/// Which kernel image a transport's device runtime works with (a backend declares it in its
-/// capabilities; the frontend loads that image).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum KernelFamily {
-    /// `intranode.fatbin` (`StoreNet`): plain stores and system-scope atomics through peer
-    /// mappings (NVLink P2P / CUDA IPC); the store route only.
-    NvlinkStore,
-    /// `intranode_nvshmem.cubin` (`NvshmemNet`): device-linked with `libnvshmem_device`; stores
-    /// through mappings and NVSHMEM put/signal for the peers whose route bit is set. The loaded
-    /// module must be bound to NVSHMEM (`nvshmemx_cumodule_init`) before the first launch.
-    NvshmemDevice,
-    /// `intranode_proxy.fatbin` (`ProxyNet`): stores through mappings, and descriptors in a CPU
-    /// proxy's ring for the peers whose route bit is set. The loaded module's proxy channel must
-    /// be written ([`IntranodeKernels::set_proxy_channel`]) before the first launch.
-    CpuProxy,
-}
-
-impl KernelFamily {
-    /// Whether this family's dispatch sends a token's scales, top-k ids and top-k weights to a
-    /// put/signal peer as whole rows read from the caller's arrays (its Net policy's
-    /// `kMetadataRows`: `ProxyNet`), which makes those arrays put sources like `x`. `NvshmemNet`
-    /// sends them element by element as values (`nvshmem_<type>_p`), reading no caller memory
-    /// on the transport's side; `StoreNet` has no put/signal peer.
-    pub fn puts_metadata_rows(self) -> bool {
-        match self {
-            Self::NvlinkStore | Self::NvshmemDevice => false,
-            Self::CpuProxy => true,
-        }
-    }
-
-    /// The image of this family.
-    pub fn image(self) -> Image {
-        match self {
-            Self::NvlinkStore => Image::INTRANODE,
-            Self::NvshmemDevice => Image::INTRANODE_NVSHMEM,
-            Self::CpuProxy => Image::INTRANODE_PROXY,
-        }
-    }
-}
 
 /// The op kernels of an image that take an [`OpArgs`] block.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -235,7 +195,7 @@ impl IntranodeKernels {
         stream: &Arc<CudaStream>,
         family: KernelFamily,
     ) -> Result<Self, KernelError> {
-        let image = family.image().bytes()?;
+        let image = Image::of(family).bytes()?;
         let module = ctx
             .load_module(Ptx::from_binary(image.to_vec()))
             .context(match family {
@@ -484,31 +444,4 @@ fn fnv1a64(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
         (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// `puts_metadata_rows` mirrors each policy's `kMetadataRows` in `kernels/common/`
-    /// (checked where the CUDA sources are: in the repository, not in a packaged crate).
-    #[test]
-    fn metadata_rows_mirror_the_net_policies() {
-        let common = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../kernels/common");
-        for (family, file) in [
-            (KernelFamily::NvlinkStore, "net.cuh"),
-            (KernelFamily::NvshmemDevice, "net_nvshmem.cuh"),
-            (KernelFamily::CpuProxy, "net_proxy.cuh"),
-        ] {
-            let Ok(src) = std::fs::read_to_string(common.join(file)) else {
-                eprintln!("skipped: no {file} (not built from the repository)");
-                return;
-            };
-            let line = format!(
-                "static constexpr bool kMetadataRows = {};",
-                family.puts_metadata_rows()
-            );
-            assert!(src.contains(&line), "{file} lacks `{line}`");
-        }
-    }
 }

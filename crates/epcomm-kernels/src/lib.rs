@@ -1,8 +1,8 @@
 //! epcomm's CUDA kernels: the fatbins built from `kernels/` by `cargo xtask build-kernels`,
 //! embedded at compile time, loaded lazily into a CUDA context, and launched through cudarc.
 //!
-//! Layers: [`abi`] mirrors the kernel ABI of `kernels/common/abi.cuh` (generated from it by
-//! `cargo xtask codegen`); [`images`] lists the kernel images of `kernels/images.txt`;
+//! Layers: [`abi`] (the `epcomm-abi` crate, re-exported) mirrors the kernel ABI of
+//! `kernels/common/abi.cuh` (generated from it by `cargo xtask codegen`); [`images`] lists the kernel images of `kernels/images.txt`;
 //! [`IntranodeKernels`] owns a loaded intranode module and launches layout / dispatch /
 //! combine.
 //! Launching is `unsafe`: the argument blocks carry raw device addresses whose validity the
@@ -47,12 +47,13 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
-pub mod abi;
 mod image;
 mod intranode;
 
+pub use epcomm_abi as abi;
+pub use epcomm_abi::KernelFamily;
 pub use image::{Image, ImageBuild, images};
-pub use intranode::{CopyCountedRows, IntranodeKernels, KernelFamily, LL_MAX_SMEM_BYTES, Op};
+pub use intranode::{CopyCountedRows, IntranodeKernels, LL_MAX_SMEM_BYTES, Op};
 
 /// Errors of loading or launching kernels.
 #[derive(Debug, thiserror::Error)]

@@ -11,7 +11,7 @@
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::CudaContext;
-use epcomm_kernels::abi::{self, ProxyChannel};
+use epcomm_abi::{self as abi, ProxyChannel};
 use epcomm_proxy::ring::Consumer;
 use epcomm_proxy::{
     Executor, Limits, Proxy, ProxyConfig, ProxyError, ProxyReport, RingMemory, ring,

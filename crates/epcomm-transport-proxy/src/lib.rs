@@ -48,7 +48,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use cudarc::driver::CudaContext;
-use epcomm_kernels::abi::{self, ProxyChannel};
+use epcomm_abi::{self as abi, ProxyChannel};
 use epcomm_proxy::{ProxyReport, ring};
 use epcomm_transport::{
     Bootstrap, Capabilities, DeviceRuntime, KernelFamily, Route, Schedule, SymmetricHeap,

@@ -50,8 +50,8 @@ pub mod sources;
 use std::fmt::Debug;
 use std::sync::Arc;
 
+pub use epcomm_abi::KernelFamily;
 pub use epcomm_bootstrap::Bootstrap;
-pub use epcomm_kernels::KernelFamily;
 pub use epcomm_topology::{Route, RoutePolicy, Schedule, TopologyError, WorldLayout};
 pub use memory::{DeviceBuffer, MappedHostBuffer};
 
@@ -207,7 +207,7 @@ pub trait SymmetricMemory: Send + Sync + Debug {
     /// The CPU-proxy channel the kernels of [`KernelFamily::CpuProxy`] need (the ring, its
     /// counters, the local base), written into the loaded module before the first launch;
     /// `None` for memories of other families (the default).
-    fn proxy_channel(&self) -> Option<epcomm_kernels::abi::ProxyChannel> {
+    fn proxy_channel(&self) -> Option<epcomm_abi::ProxyChannel> {
         None
     }
 

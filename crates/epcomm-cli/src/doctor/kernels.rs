@@ -53,7 +53,7 @@ impl KernelImage {
 
     /// The image of `family` among `images`.
     pub fn of_family(images: &[Self], family: KernelFamily) -> Option<&Self> {
-        let name = family.image().name();
+        let name = epcomm_kernels::Image::of(family).name();
         images.iter().find(|i| i.name == name)
     }
 

@@ -49,7 +49,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use cudarc::driver::{CudaContext, sys};
-use epcomm_kernels::abi::ProxyChannel;
+use epcomm_abi::ProxyChannel;
 use epcomm_proxy::verbs::{
     DeviceSelector, GidSelector, HeapMemory, LibrarySearch, PreparedVerbs, SourceKey,
     SourceRegistry, Verbs, VerbsConfig, VerbsError, select,
