@@ -22,7 +22,7 @@ namespace epcomm {
 
 /// Version of the kernel protocol and argument blocks; ranks compare it when a `Buffer` is
 /// built. Bump it with any change of this header or of the kernels' cross-rank protocol.
-constexpr uint64_t kAbiVersion = 10;
+constexpr uint64_t kAbiVersion = 11;
 
 /// Largest world size the intranode kernels support (shared-memory tables are this large).
 constexpr size_t kMaxWorld = 64;
@@ -78,12 +78,6 @@ constexpr uint64_t kStatsReadyOffset = 3072;
 constexpr uint64_t kStatsIntentOffset = 2048;
 /// Byte offset, inside the stats region, of the abort word failing peers write.
 constexpr uint64_t kStatsAbortOffset = 3584;
-
-/// Dynamic shared memory of the combine kernel, bytes: the stages of its bulk-copy push
-/// (kernels/intranode/combine.cuh, `kBulkPush`); 0 turns that push off (the default: it measured
-/// no faster than 16-byte stores, docs/benchmarks.md). 180224 (16 warps x 2 x 5632) turns it on.
-/// The host launches `epcomm_combine` with this many.
-constexpr uint64_t kCombineStagingBytes = 0;
 
 /// Failure record written by the first failing device thread into host-mapped memory. Kernels
 /// never trap: they record, then leave.

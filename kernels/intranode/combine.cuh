@@ -3,7 +3,6 @@
 #include <cuda_bf16.h>
 
 #include "common/abi.cuh"
-#include "common/bulk.cuh"
 #include "common/copy.cuh"
 #include "common/schedule.cuh"
 #include "common/seq.cuh"
@@ -22,18 +21,6 @@ namespace epcomm::intranode {
 constexpr int kReduceVectorsInFlight = 16;  // 16-byte vectors per lane in one step
 constexpr int kWeightSrcInFlight = 8;       // sources whose weight loads are in flight together
 constexpr int kPushUnroll = 16;             // 16-byte vectors per lane in flight in the push
-
-// [C1] by bulk copies: rows for mapped peers go y -> shared -> peer through the TMA engine
-// (push_rows_bulk), one lane per warp, in pieces of kBulkStageBytes through kBulkStages
-// shared buffers per warp (the kernel's dynamic shared memory, kCombineStagingBytes; 0: off).
-// Verified bit-exact on every transport; with two ranks on one GPU it measured the same as the
-// 16-byte store push at 8 and 24 SMs (docs/benchmarks.md), so it is off until a link shows
-// otherwise.
-constexpr bool kBulkPush = kCombineStagingBytes > 0;
-constexpr int kBulkStages = 2;
-constexpr int kBulkStageBytes =
-    kBulkPush ? static_cast<int>(kCombineStagingBytes) / (kWarps * kBulkStages) : 16;
-static_assert(kBulkStageBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
 
 __device__ __forceinline__ void add_bf16x8(float* acc, const int4& v) {
   const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
@@ -158,87 +145,6 @@ __device__ __forceinline__ int row_rank(const int* offsets, int world, int row) 
   return r;
 }
 
-// [C1] for the rows of mapped peers, by bulk copies (one thread: lane 0 of the warp). The
-// warp's rows are row = first, first + nwarps, ... whose source rank r is a mapped peer other
-// than me; each goes in pieces of kBulkStageBytes, y -> stage -> r's combine region, the load
-// of the next piece in flight while the current one is stored. A row's weights are written
-// with plain stores when its last piece is stored; its flag is released once its stores
-// completed, which is checked when the next row's last piece was stored (so one row's stores
-// overlap the previous row's completion) and after the last row.
-template <class Net>
-__device__ __forceinline__ void push_rows_bulk(const OpArgs& a, const Shared& s, uint8_t* stage,
-                                               uint64_t* bar, int first, int nwarps,
-                                               int num_rows, const uint8_t* y, const float* y_w,
-                                               int64_t row_bytes, uint64_t off_comb_x,
-                                               uint64_t off_comb_w, uint64_t epoch) {
-  const int world = a.world, me = a.rank, K = a.top_k;
-  const bool has_w = (a.flags & kFlagHasWeights) != 0;
-  const int32_t* src_idx = reinterpret_cast<const int32_t*>(a.recv_src_idx);
-  const int pieces = static_cast<int>((row_bytes + kBulkStageBytes - 1) / kBulkStageBytes);
-  auto next = [&](int row) {
-    for (; row < num_rows; row += nwarps) {
-      const int r = row_rank(s.offsets, world, row);
-      if (r != me && !Net::remote(a.remote_mask, r)) return row;
-    }
-    return num_rows;
-  };
-  auto piece_bytes = [&](int p) {
-    const int64_t left = row_bytes - static_cast<int64_t>(p) * kBulkStageBytes;
-    return static_cast<uint32_t>(left < kBulkStageBytes ? left : kBulkStageBytes);
-  };
-  auto advance = [&](int& row, int& p) {
-    if (++p == pieces) {
-      p = 0;
-      row = next(row + nwarps);
-    }
-  };
-  int lrow = next(first), lp = 0, srow = lrow, sp = 0;
-  uint32_t loaded = 0, stored = 0;
-  auto load = [&]() {
-    const int st = static_cast<int>(loaded % kBulkStages);
-    bulk_load(stage + st * kBulkStageBytes,
-              y + lrow * row_bytes + static_cast<int64_t>(lp) * kBulkStageBytes, piece_bytes(lp),
-              bar + st);
-    ++loaded;
-    advance(lrow, lp);
-  };
-  for (int i = 0; i < kBulkStages && lrow < num_rows; ++i) load();
-  uint64_t* pending_flag = nullptr;
-  while (srow < num_rows) {
-    const int st = static_cast<int>(stored % kBulkStages);
-    mbar_wait(bar + st, (stored / kBulkStages) & 1);
-    const int r = row_rank(s.offsets, world, srow);
-    const int64_t slot = static_cast<int64_t>(me) * a.max_tokens + src_idx[srow];
-    bulk_store(s.bases[r] + off_comb_x + slot * row_bytes +
-                   static_cast<int64_t>(sp) * kBulkStageBytes,
-               stage + st * kBulkStageBytes, piece_bytes(sp));
-    bulk_commit();
-    ++stored;
-    if (sp == pieces - 1) {
-      if (has_w)
-        for (int k = 0; k < K; ++k)
-          reinterpret_cast<float*>(s.bases[r] + off_comb_w)[slot * K + k] =
-              y_w[static_cast<int64_t>(srow) * K + k];
-      if (pending_flag != nullptr) {  // the previous row: every group but this row's is done
-        bulk_wait_all_but(pieces);
-        fence_proxy_async_global();
-        st_release_sys(pending_flag, epoch);
-      }
-      pending_flag = u64_at(s.bases[r], a.off_comb_flags) + slot;
-    }
-    advance(srow, sp);
-    if (lrow < num_rows) {
-      bulk_wait_read<0>();  // the store just issued has read the stage the next load refills
-      load();
-    }
-  }
-  if (pending_flag != nullptr) {
-    bulk_wait<0>();
-    fence_proxy_async_global();
-    st_release_sys(pending_flag, epoch);
-  }
-}
-
 // Combine: y rows (in this rank's receive order) go back to their source ranks and are summed
 // there in rank order (fp32 accumulate, one bf16 rounding).
 //
@@ -265,9 +171,6 @@ __device__ __forceinline__ void combine(const OpArgs& a, Shared& s) {
   // [C4] one token's contributions in rank order: rows (bit 0: non-coherent) and weight rows.
   __shared__ uintptr_t s_src[kWarps][kMaxWorld];
   __shared__ const float* s_wsrc[kWarps][kMaxWorld];
-  // [C1] by bulk copies: each warp's stages and their mbarriers.
-  extern __shared__ __align__(128) uint8_t combine_staging[];
-  __shared__ uint64_t s_bulk_bar[kWarps][kBulkStages];
   const uint64_t t_start = globaltimer_ns();
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int world = a.world, me = a.rank, K = a.top_k;
@@ -328,15 +231,6 @@ __device__ __forceinline__ void combine(const OpArgs& a, Shared& s) {
   // In place, rows of mapped peers are pulled below; rows of peers reached through the
   // transport (remote_mask) are still pushed, since a remote read would stall every token.
   const int num_rows = in_place && a.remote_mask == 0 ? 0 : s.offsets[world];
-  if (kBulkPush && !in_place) {  // mapped peers' rows: bulk copies (the loop below: the rest)
-    if (lane == 0) {
-      for (int i = 0; i < kBulkStages; ++i) mbar_init(&s_bulk_bar[warp][i]);
-      push_rows_bulk<Net>(a, s, combine_staging + warp * kBulkStages * kBulkStageBytes,
-                          s_bulk_bar[warp], gwarp, nwarps, num_rows, y, y_w, row_bytes,
-                          off_comb_x, off_comb_w, q.epoch);
-    }
-    __syncwarp();
-  }
   // Runs (Net::kCoalesceRuns, the CPU proxy): rows for proxied peers first, in their own pass,
   // so that their descriptors reach the proxy before this warp's stores to mapped peers. Each
   // warp takes a contiguous chunk of rows; rows row0 .. row0 + len - 1 of the chunk, all from
@@ -401,7 +295,6 @@ __device__ __forceinline__ void combine(const OpArgs& a, Shared& s) {
   for (int row = gwarp; row < num_rows; row += nwarps) {
     const int r = row_rank(s.offsets, world, row);
     if (r == me || (in_place && !Net::remote(a.remote_mask, r))) continue;
-    if (kBulkPush && !in_place && !Net::remote(a.remote_mask, r)) continue;  // sent above
     if (Net::kCoalesceRuns && Net::remote(a.remote_mask, r)) continue;       // sent above
     const int t = src_idx[row];
     const int64_t slot = static_cast<int64_t>(me) * a.max_tokens + t;

@@ -3,7 +3,7 @@
 
 /// Version of the kernel protocol and argument blocks; ranks compare it when a `Buffer` is
 /// built. Bump it with any change of this header or of the kernels' cross-rank protocol.
-pub const ABI_VERSION: u64 = 10;
+pub const ABI_VERSION: u64 = 11;
 
 /// Largest world size the intranode kernels support (shared-memory tables are this large).
 pub const MAX_WORLD: usize = 64;
@@ -87,12 +87,6 @@ pub const STATS_INTENT_OFFSET: u64 = 2048;
 
 /// Byte offset, inside the stats region, of the abort word failing peers write.
 pub const STATS_ABORT_OFFSET: u64 = 3584;
-
-/// Dynamic shared memory of the combine kernel, bytes: the stages of its bulk-copy push
-/// (kernels/intranode/combine.cuh, `kBulkPush`); 0 turns that push off (the default: it measured
-/// no faster than 16-byte stores, docs/benchmarks.md). 180224 (16 warps x 2 x 5632) turns it on.
-/// The host launches `epcomm_combine` with this many.
-pub const COMBINE_STAGING_BYTES: u64 = 0;
 
 /// Failure record written by the first failing device thread into host-mapped memory. Kernels
 /// never trap: they record, then leave.
@@ -444,7 +438,7 @@ pub struct LayoutArgs {
 
 /// What `epcomm_abi_probe` writes, in its order: every constant, enumerator, struct size
 /// and field offset of the ABI, as the host sees it.
-pub(crate) const ABI_PROBE: [(&str, u64); 169] = [
+pub(crate) const ABI_PROBE: [(&str, u64); 168] = [
     ("kAbiVersion", ABI_VERSION),
     ("kMaxWorld", MAX_WORLD as u64),
     ("kOk", code::OK as u64),
@@ -476,7 +470,6 @@ pub(crate) const ABI_PROBE: [(&str, u64); 169] = [
     ("kStatsReadyOffset", STATS_READY_OFFSET),
     ("kStatsIntentOffset", STATS_INTENT_OFFSET),
     ("kStatsAbortOffset", STATS_ABORT_OFFSET),
-    ("kCombineStagingBytes", COMBINE_STAGING_BYTES),
     ("sizeof(ErrorRecord)", size_of::<ErrorRecord>() as u64),
     ("offsetof(ErrorRecord, code)", offset_of!(ErrorRecord, code) as u64),
     ("offsetof(ErrorRecord, op)", offset_of!(ErrorRecord, op) as u64),

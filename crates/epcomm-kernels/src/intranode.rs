@@ -65,15 +65,6 @@ impl Op {
         Op::LlCombineRecv,
     ];
 
-    /// Dynamic shared memory the kernel needs besides any per-launch amount: the combine's
-    /// bulk-copy stages (`kCombineStagingBytes`; 0 while that push is off).
-    pub fn staging_bytes(self) -> u32 {
-        match self {
-            Op::Combine => crate::abi::COMBINE_STAGING_BYTES as u32,
-            _ => 0,
-        }
-    }
-
     /// The kernel's symbol in the image.
     pub fn symbol(self) -> &'static str {
         match self {
@@ -141,7 +132,6 @@ impl OpKernel {
             }
             cfg.shared_mem_bytes = bytes as u32;
         }
-        cfg.shared_mem_bytes += self.op.staging_bytes();
         // SAFETY: upheld by the caller (see above).
         unsafe {
             stream
@@ -211,18 +201,10 @@ impl IntranodeKernels {
             ops: Op::ALL
                 .iter()
                 .map(|&op| {
-                    let kernel = f(op.symbol())?;
-                    if op.staging_bytes() > 0 {
-                        // Above the 48 KiB a launch gets without asking (with its static
-                        // shared memory): the function must be allowed its staging.
-                        kernel
-                            .set_attribute(
-                                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                op.staging_bytes() as i32,
-                            )
-                            .context("allowing the combine kernel its bulk-copy staging")?;
-                    }
-                    Ok(OpKernel { f: kernel, op })
+                    Ok(OpKernel {
+                        f: f(op.symbol())?,
+                        op,
+                    })
                 })
                 .collect::<Result<_, KernelError>>()?,
             delay: f("epcomm_delay")?,
