@@ -41,18 +41,18 @@
 //! # Ok::<(), TopologyError>(())
 //! ```
 
-mod buffer;
 mod error;
 mod group;
 pub mod pci;
+mod plan;
 mod route;
 mod row;
 mod tiers;
 mod world;
 
-pub use buffer::{BufferPlan, Parity, REGION_ALIGN, Region, RegionKind, STATS_BYTES};
 pub use error::TopologyError;
 pub use group::RankGroup;
+pub use plan::{BufferPlan, Parity, REGION_ALIGN, Region, RegionKind, STATS_BYTES};
 pub use route::{PeerRoute, Route, RoutePlan, RoutePolicy, Schedule, Tier};
 pub use row::{RowDtype, RowFormat};
 pub use tiers::{

@@ -1,4 +1,4 @@
-//! Size and layout of the symmetric buffer used by the intranode kernels.
+//! The plan of the symmetric buffer the intranode kernels use: its regions, their sizes and offsets.
 
 use crate::{Result, RowDtype, RowFormat, TopologyError};
 
