@@ -53,6 +53,11 @@ template <class Net>
 __device__ __forceinline__ void dispatch_unpack(const OpArgs& a, Shared& s, uint32_t* dyn,
                                                 Schedule<Net>& sched);
 
+// Channels per send work item (a whole row when it goes through the transport): 256 per cast
+// step (8 per lane), kCastUnroll steps loaded together.
+constexpr int kCastUnroll = 8;
+constexpr int kSendChunk = 256 * kCastUnroll;
+
 // Send phase. Every block builds the routing bitmaps of all tokens in shared memory (the
 // batch is small), so slots and indices need no communication between blocks; warps are dealt
 // tokens block-first.
@@ -62,6 +67,22 @@ __device__ __forceinline__ void dispatch_send(const OpArgs& a, Shared& s, uint32
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int world = a.world, me = a.rank, K = a.top_k, E = a.num_experts, T = a.num_tokens;
   const int epr = E / world, M = a.ll_max_tokens;
+  {  // Inputs into L2 while the prologue reads the sequence state: the routing, and the
+     // first chunk of the row this warp casts first (the send loop below deals items alike).
+    const int64_t idx_lines = (static_cast<int64_t>(T) * K * 8 + 127) / 128;
+    for (int64_t i = tid; i < idx_lines; i += kThreads)
+      prefetch_l2(reinterpret_cast<const uint8_t*>(a.topk_idx) + i * 128);
+    const int nch = a.remote_mask != 0 ? 1 : (a.hidden + kSendChunk - 1) / kSendChunk;
+    const int item = warp * gridDim.x + blockIdx.x;
+    if (item < T * nch) {
+      const int span = nch == 1 ? a.hidden : kSendChunk;
+      const int64_t c_begin = static_cast<int64_t>(item % nch) * span;
+      const int64_t bytes = (min(static_cast<int64_t>(a.hidden), c_begin + span) - c_begin) * 2;
+      const uint8_t* row = reinterpret_cast<const uint8_t*>(a.x) +
+                           (static_cast<int64_t>(item / nch) * a.hidden + c_begin) * 2;
+      for (int64_t b = lane * 128; b < bytes; b += 32 * 128) prefetch_l2(row + b);
+    }
+  }
   if (!prologue<Net>(a, s, kOpLlDispatch)) return;
   const OpSeq q = s.seq;
   const WaitCtx& w = s.wait;
@@ -124,14 +145,22 @@ __device__ __forceinline__ void dispatch_send(const OpArgs& a, Shared& s, uint32
   int* rows = rows_tab[warp];
   const int gwarp = warp * gridDim.x + blockIdx.x, nwarps = gridDim.x * kWarps;
   const uint8_t* x = reinterpret_cast<const uint8_t*>(a.x);
-  for (int t = gwarp; t < T; t += nwarps) {
+  // Work items are (token, column chunk of kSendChunk channels): a warp keeps all of its
+  // chunk's loads in flight at once, so even one token is spread over several warps. Rows
+  // that travel through the transport go whole (one item per token: one put per row).
+  const int nch = a.remote_mask != 0 ? 1 : (H + kSendChunk - 1) / kSendChunk;
+  const int span = nch == 1 ? H : kSendChunk;  // channels per item
+  for (int item = gwarp; item < T * nch; item += nwarps) {
+    const int t = item / nch, c = item % nch;
+    const int c_begin = c * span, c_end = min(H, c_begin + span);
     for (int d = lane; d < world; d += 32)
       rows[d] = bit_of(dmask + d * W, t) ? rank_in_mask(dmask + d * W, t) : -1;
     __syncwarp();
     if (!fp8) {
       warp_copy_row_multi<Net>(
-          reinterpret_cast<const int4*>(x + static_cast<int64_t>(t) * H * 2), s.bases, rows,
-          off_x, row_bytes, world, row_bytes / 16, lane, a.remote_mask, 0, 1);
+          reinterpret_cast<const int4*>(x + (static_cast<int64_t>(t) * H + c_begin) * 2), s.bases,
+          rows, off_x + static_cast<uint64_t>(c_begin) * 2, row_bytes, world,
+          (c_end - c_begin) / 8, lane, a.remote_mask, 0, 1);
     } else {
       // Cast once, store to every mapped destination; stage for put/signal destinations.
       uint8_t* stage = s.bases[me] + a.off_ll_stage + static_cast<int64_t>(t) * H;
@@ -141,39 +170,38 @@ __device__ __forceinline__ void dispatch_send(const OpArgs& a, Shared& s, uint32
       const int4* src = reinterpret_cast<const int4*>(x + static_cast<int64_t>(t) * H * 2);
       // kCastUnroll chunks of 256 channels (8 per lane) loaded before any is cast, so the
       // loads of a row are in flight together.
-      constexpr int kCastUnroll = 8;
-      for (int c0 = 0; c0 < H; c0 += 256 * kCastUnroll) {
+      for (int c0 = c_begin; c0 < c_end; c0 += 256 * kCastUnroll) {
         int4 v[kCastUnroll];
 #pragma unroll
         for (int u = 0; u < kCastUnroll; ++u) {
-          const int c = c0 + u * 256 + lane * 8;
-          v[u] = c < H ? ld_nc_v4(src + c / 8) : make_int4(0, 0, 0, 0);
+          const int ch = c0 + u * 256 + lane * 8;
+          v[u] = ch < c_end ? ld_nc_v4(src + ch / 8) : make_int4(0, 0, 0, 0);
         }
 #pragma unroll
         for (int u = 0; u < kCastUnroll; ++u) {
-          if (c0 + u * 256 >= H) break;  // warp-uniform: the cast shuffles across the warp
-          const int c = c0 + u * 256 + lane * 8;
+          if (c0 + u * 256 >= c_end) break;  // warp-uniform: the cast shuffles across the warp
+          const int ch = c0 + u * 256 + lane * 8;
           float inv;
           const uint2 b = cast_fp8x8(v[u], round_scale, &inv);
-          if (c >= H) continue;
+          if (ch >= c_end) continue;
           const bool group_head = (lane % 16) == 0;
           for (int d = 0; d < world; ++d) {
             if (rows[d] < 0) continue;
             if (Net::remote(a.remote_mask, d)) continue;
             *reinterpret_cast<uint2*>(s.bases[d] + off_x +
-                                      static_cast<int64_t>(rows[d]) * row_bytes + c) = b;
+                                      static_cast<int64_t>(rows[d]) * row_bytes + ch) = b;
             if (group_head)
               reinterpret_cast<float*>(s.bases[d] + off_sc)[static_cast<int64_t>(rows[d]) * S +
-                                                           c / 128] = inv;
+                                                           ch / 128] = inv;
           }
           if (a.remote_mask != 0) {
-            *reinterpret_cast<uint2*>(stage + c) = b;
-            if (group_head) stage_sc[c / 128] = inv;
+            *reinterpret_cast<uint2*>(stage + ch) = b;
+            if (group_head) stage_sc[ch / 128] = inv;
           }
         }
       }
       if constexpr (Net::kTransport) {
-        if (a.remote_mask != 0) {
+        if (a.remote_mask != 0) {  // nch == 1: this warp cast the whole row
           __syncwarp();
           __threadfence();
           for (int d = 0; d < world; ++d)
@@ -185,6 +213,10 @@ __device__ __forceinline__ void dispatch_send(const OpArgs& a, Shared& s, uint32
             }
         }
       }
+    }
+    if (c != 0) {  // the token's first chunk writes its metadata
+      __syncwarp();
+      continue;
     }
     // Metadata: the token index, then per k its (local expert, index) where d holds it.
     for (int d = 0; d < world; ++d) {
@@ -269,38 +301,50 @@ __device__ __forceinline__ void dispatch_unpack(const OpArgs& a, Shared& s, uint
   uint64_t* const stats = u64_at(local, a.off_stats);
   const uint64_t t_start = stats[kStatStart];  // written by the send phase (stats span both)
   bool ok = true;
-  // [L6] first packed row of every (local expert, source); counts and ranges (block 0).
+  // [L6] first packed row of every (local expert, source); counts and ranges (block 0). Every
+  // count word has a thread of its own (the waits overlap), then prefixes in shared memory.
   const uint64_t* counts = u64_at(local, a.off_ll_counts + par);
-  int* first = reinterpret_cast<int*>(dyn);  // [epr][world]
-  for (int l = tid; ok && l < epr; l += kThreads) {
+  int* first = reinterpret_cast<int*>(dyn);  // [epr][world]: rows, then first packed row
+  for (int i = tid; ok && i < (epr + 1) * world; i += kThreads) {
+    const int r = i % world, l = i / world;  // l == epr: the source's row count
+    uint32_t n = 0;
+    ok = wait_tag<Net>(w, counts + r * (1 + epr) + (l == epr ? 0 : 1 + l), q.epoch,
+                       kWaitLlDispatch, r, &n, nullptr);
+    if (l == epr)
+      s.prefix[r] = static_cast<int>(n);
+    else
+      first[i] = static_cast<int>(n);
+  }
+  if (!all_ok(s, ok)) return;
+  for (int l = tid; l < epr; l += kThreads) {
     int acc = 0;
-    for (int r = 0; ok && r < world; ++r) {
-      uint32_t n = 0;
-      ok = wait_tag<Net>(w, counts + r * (1 + epr) + 1 + l, q.epoch, kWaitLlDispatch, r, &n,
-                         nullptr);
+    for (int r = 0; r < world; ++r) {
+      const int n = first[l * world + r];
       first[l * world + r] = acc;
       if (block0)
         reinterpret_cast<int64_t*>(a.ll_layout_range)[l * world + r] =
-            (static_cast<int64_t>(acc) << 32) | n;
-      acc += static_cast<int>(n);
+            (static_cast<int64_t>(acc) << 32) | static_cast<uint32_t>(n);
+      acc += n;
     }
     if (block0) reinterpret_cast<int*>(a.ll_recv_count)[l] = acc;
   }
   if (tid == 0) {
     int acc = 0;
-    for (int r = 0; ok && r < world; ++r) {
-      uint32_t n = 0;
-      ok = wait_tag<Net>(w, counts + r * (1 + epr), q.epoch, kWaitLlDispatch, r, &n, nullptr);
+    for (int r = 0; r < world; ++r) {
+      const int n = s.prefix[r];
       s.prefix[r] = acc;
-      acc += static_cast<int>(n);
+      acc += n;
     }
     s.prefix[world] = acc;
   }
-  if (!all_ok(s, ok)) return;
+  __syncthreads();
   if (block0 && tid == 0) stats[kStatCountsReady] = globaltimer_ns();
 
-  // [L7] every received row to the packed row of each of its local experts.
+  // [L7] every received row to the packed row of each of its local experts. Work items are
+  // (row, chunk of 32 * kCopyUnroll vectors): the chunk's loads are issued first, together,
+  // then the row's metadata names the destinations.
   const int row_bytes = a.row_bytes, S = a.num_scales, n16 = row_bytes / 16;
+  const int nch = (n16 + 32 * kCopyUnroll - 1) / (32 * kCopyUnroll);
   const bool fp8 = (a.flags & kFlagHasScales) != 0;
   const int64_t cap = static_cast<int64_t>(world) * M;  // rows per local expert
   const uint8_t* rx = local + a.off_ll_x + par;
@@ -313,10 +357,19 @@ __device__ __forceinline__ void dispatch_unpack(const OpArgs& a, Shared& s, uint
   __shared__ int64_t dst_tab[kWarps][32];
   const int gwarp = warp * gridDim.x + blockIdx.x, nwarps = gridDim.x * kWarps;
   const int total = s.prefix[world];
-  for (int row = gwarp; row < total; row += nwarps) {
+  for (int item = gwarp; item < total * nch; item += nwarps) {
+    const int row = item / nch, c = item % nch;
+    const int base = c * 32 * kCopyUnroll;
     int r = 0;
     while (r + 1 < world && s.prefix[r + 1] <= row) ++r;
     const int64_t slot = static_cast<int64_t>(r) * M + (row - s.prefix[r]);
+    int4 v[kCopyUnroll];
+    const int4* src = reinterpret_cast<const int4*>(rx + slot * row_bytes);
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const int i = base + u * 32 + lane;
+      if (i < n16) v[u] = ld_v4(src + i);
+    }
     const int32_t* meta = rmeta + slot * (K + 1);
     const int32_t t = meta[0];
     int64_t* dst = dst_tab[warp];
@@ -324,30 +377,23 @@ __device__ __forceinline__ void dispatch_unpack(const OpArgs& a, Shared& s, uint
       // dst[i]: the packed row of entry k0 + i (-1: not one of my experts).
       const int nk = min(32, K - k0);
       if (lane < nk) {
-        const int32_t v = meta[1 + k0 + lane];
+        const int32_t e = meta[1 + k0 + lane];
         int64_t d = -1;
-        if (v >= 0) {
-          const int l = v >> 16, i = v & 0xffff;
+        if (e >= 0) {
+          const int l = e >> 16, i = e & 0xffff;
           d = static_cast<int64_t>(l) * cap + first[l * world + r] + i;
-          src_info[d] = t;
-          route[d] = r * K + k0 + lane;
+          if (c == 0) {
+            src_info[d] = t;
+            route[d] = r * K + k0 + lane;
+          }
         }
         dst[lane] = d;
       }
       __syncwarp();
-      const int4* src = reinterpret_cast<const int4*>(rx + slot * row_bytes);
-      for (int base = 0; base < n16; base += 32 * kCopyUnroll) {
-        int4 v[kCopyUnroll];
-#pragma unroll
-        for (int u = 0; u < kCopyUnroll; ++u) {
-          const int i = base + u * 32 + lane;
-          if (i < n16) v[u] = ld_v4(src + i);
-        }
-        for (int k = 0; k < nk; ++k)
-          if (dst[k] >= 0)
-            store_step(reinterpret_cast<int4*>(out_x + dst[k] * row_bytes), v, base, n16, lane);
-      }
-      if (fp8)
+      for (int k = 0; k < nk; ++k)
+        if (dst[k] >= 0)
+          store_step(reinterpret_cast<int4*>(out_x + dst[k] * row_bytes), v, base, n16, lane);
+      if (fp8 && c == 0)
         for (int i = lane; i < S; i += 32) {
           const float sc = rsc[slot * S + i];
           for (int k = 0; k < nk; ++k)

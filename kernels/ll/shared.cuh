@@ -32,7 +32,40 @@ constexpr int kWarps = kThreads / 32;
 // dynamic shared memory (OpArgs::ll_smem_words u32 words).
 struct Shared : OpState {
   int prefix[kMaxWorld + 1];  // first received row of every source (dispatch receive)
+  int warp_sum[kWarps];       // block_prefix's per-warp totals
 };
+
+// out[i] = in[0] + ... + in[i - 1] for i <= n (out[n]: the total), `in` in global memory, `out`
+// in shared memory. Every thread of the block calls it; each loads its own few entries (all
+// loads of the block in flight together), then a warp scan and one across the warps. Ends with
+// __syncthreads: `out` is then complete for every thread.
+__device__ __forceinline__ void block_prefix(const int* in, int n, int* out, int* warp_sum) {
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int per = (n + kThreads - 1) / kThreads;
+  const int lo = min(n, tid * per), hi = min(n, lo + per);
+  int sum = 0;
+  for (int i = lo; i < hi; ++i) {
+    out[i] = in[i];
+    sum += out[i];
+  }
+  int incl = sum;  // inclusive scan of the threads' sums within the warp
+#pragma unroll
+  for (int o = 1; o < 32; o *= 2) {
+    const int v = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += v;
+  }
+  if (lane == 31) warp_sum[warp] = incl;
+  __syncthreads();
+  int acc = incl - sum;
+  for (int w = 0; w < warp; ++w) acc += warp_sum[w];
+  for (int i = lo; i < hi; ++i) {
+    const int c = out[i];
+    out[i] = acc;
+    acc += c;
+  }
+  if (tid == kThreads - 1) out[n] = acc;  // the last thread's running sum is the total
+  __syncthreads();
+}
 
 // Index of token t among the tokens whose bit is set in `mask` (bits below t).
 __device__ __forceinline__ int rank_in_mask(const uint32_t* mask, int t) {

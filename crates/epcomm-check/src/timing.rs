@@ -311,6 +311,10 @@ impl LlTimer {
                         .bootstrap()
                         .barrier(&format!("ll-bench-{i}"))?;
                     if !send {
+                        // The receive phase after its own L2 flush, which also keeps the
+                        // stream busy while the host issues the phase: the events then time
+                        // the GPU's work, not the host's.
+                        self.stream.memset_zeros(&mut self.flush)?;
                         start.record(&self.stream)?;
                     }
                     buf.ll_receive(pending)?;
@@ -332,6 +336,63 @@ impl LlTimer {
             .iter()
             .map(|(s, e)| Ok(f64::from(s.elapsed_ms(e)?) * 1e3))
             .collect()
+    }
+}
+
+/// Where the time of a low-latency op goes, on the GPU's own clock (block 0 of the kernel):
+/// medians over the calls of [`LlTimer::breakdown`], in microseconds.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LlBreakdown {
+    /// From the kernel's first instruction to its end (the event time less this is the launch
+    /// and the events themselves).
+    pub kernel_us: f64,
+    /// From the kernel's start until this rank's sends were published.
+    pub send_us: f64,
+}
+
+impl LlTimer {
+    /// Runs the one-kernel op `op` ([`BenchOp::LlDispatchBf16`], [`BenchOp::LlDispatchFp8`] or
+    /// [`BenchOp::LlCombine`]) `iters` times, each after an L2 flush and alone on the GPU, and
+    /// reads the kernel's own timestamps after each ([`Buffer::last_op_stats`]). Collective.
+    pub fn breakdown(
+        &mut self,
+        buf: &mut Buffer,
+        op: BenchOp,
+        iters: usize,
+    ) -> Result<LlBreakdown> {
+        let (mut kernel, mut send) = (Vec::new(), Vec::new());
+        for _ in 0..iters {
+            self.stream.memset_zeros(&mut self.flush)?;
+            let io = &mut self.io;
+            match op {
+                BenchOp::LlDispatchBf16 => {
+                    buf.ll_dispatch(&io.input(), LlFormat::Bf16, &mut self.recv)?
+                }
+                BenchOp::LlDispatchFp8 => buf.ll_dispatch(
+                    &io.input(),
+                    LlFormat::Fp8 { round_scale: false },
+                    &mut self.recv,
+                )?,
+                BenchOp::LlCombine => {
+                    buf.ll_combine(&io.y, &io.idx, &io.w, &self.recv, &mut io.out)?
+                }
+                other => {
+                    return Err(crate::CheckError::Other(format!(
+                        "{} has no one-kernel breakdown",
+                        other.name()
+                    )));
+                }
+            }
+            let stats = buf
+                .last_op_stats()?
+                .ok_or_else(|| crate::CheckError::Other(format!("no stats after {}", op.name())))?;
+            kernel.push(stats.total.as_secs_f64() * 1e6);
+            send.push(stats.sending.as_secs_f64() * 1e6);
+        }
+        Ok(LlBreakdown {
+            kernel_us: median(&kernel),
+            send_us: median(&send),
+        })
     }
 }
 

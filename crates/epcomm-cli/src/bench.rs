@@ -306,6 +306,20 @@ fn run_bench(
                 let t = median(&ll.time(&mut buf, op, args.iters)?);
                 let times = every_rank(boot, &format!("bench-{sms}-{}", op.name()), t)?;
                 rows.push(make_row(op, sms, times, ll.num_recv, args.hidden)?);
+                if matches!(
+                    op,
+                    BenchOp::LlDispatchBf16 | BenchOp::LlDispatchFp8 | BenchOp::LlCombine
+                ) {
+                    let b = ll.breakdown(&mut buf, op, args.iters.clamp(1, 10))?;
+                    progress.say(format_args!(
+                        "      {} at {sms} SMs on rank {rank}: {t:.1} us with events, {:.1} us \
+                         in the kernel (GPU clock), of which {:.1} us until its sends were \
+                         published",
+                        op.name(),
+                        b.kernel_us,
+                        b.send_us
+                    ));
+                }
             }
         }
         if let (Some((late, delay_us)), 0) = (plan.delay, i) {
