@@ -22,7 +22,7 @@ namespace epcomm {
 
 /// Version of the kernel protocol and argument blocks; ranks compare it when a `Buffer` is
 /// built. Bump it with any change of this header or of the kernels' cross-rank protocol.
-constexpr uint64_t kAbiVersion = 11;
+constexpr uint64_t kAbiVersion = 12;
 
 /// Largest world size the intranode kernels support (shared-memory tables are this large).
 constexpr size_t kMaxWorld = 64;
@@ -203,6 +203,11 @@ struct OpArgs {
   // Low-latency mode: staging for policies that send metadata rows (Net::kMetadataRows).
   uint64_t off_ll_meta_stage;  ///< LL metadata staging (shared): [world][ll_max_tokens][top_k + 1]
                                ///< i32, each destination's metadata rows as they land there.
+  uint64_t ll_self_row;  ///< [ll_max_tokens][top_k] i32, local device memory: for each of this
+                         ///< rank's own entries whose expert is local, its packed row (of
+                         ///< ll_recv_x, and of the combine's y). Written by the LL dispatch's
+                         ///< receive phase; a one-kernel LL combine reads those entries
+                         ///< straight from y instead of pushing them to itself.
 };
 
 /// Op sequence numbers kept on the device. Every rank issues the same ops, so every rank's copy

@@ -9,7 +9,7 @@
 
 namespace epcomm {
 
-constexpr int kAbiProbeWords = 168;
+constexpr int kAbiProbeWords = 169;
 
 // Writes kAbiProbeWords words to `out` (one thread).
 __device__ __forceinline__ void abi_probe(uint64_t* out) {
@@ -132,55 +132,56 @@ __device__ __forceinline__ void abi_probe(uint64_t* out) {
   out[116] = static_cast<uint64_t>(offsetof(OpArgs, flags));
   out[117] = static_cast<uint64_t>(offsetof(OpArgs, global_barriers));
   out[118] = static_cast<uint64_t>(offsetof(OpArgs, off_ll_meta_stage));
-  out[119] = static_cast<uint64_t>(sizeof(SeqState));
-  out[120] = static_cast<uint64_t>(offsetof(SeqState, op));
-  out[121] = static_cast<uint64_t>(offsetof(SeqState, notify));
-  out[122] = static_cast<uint64_t>(offsetof(SeqState, dispatch));
-  out[123] = static_cast<uint64_t>(offsetof(SeqState, combine));
-  out[124] = static_cast<uint64_t>(offsetof(SeqState, done));
-  out[125] = static_cast<uint64_t>(offsetof(SeqState, barriers));
-  out[126] = static_cast<uint64_t>(offsetof(SeqState, ll_dispatch));
-  out[127] = static_cast<uint64_t>(offsetof(SeqState, ll_combine));
-  out[128] = static_cast<uint64_t>(offsetof(SeqState, exits));
-  out[129] = static_cast<uint64_t>(offsetof(SeqState, pad));
-  out[130] = static_cast<uint64_t>(kRingHeaderBytes);
-  out[131] = static_cast<uint64_t>(kRingTailOffset);
-  out[132] = static_cast<uint64_t>(kRingCompletedOffset);
-  out[133] = static_cast<uint64_t>(kRingStatusOffset);
-  out[134] = static_cast<uint64_t>(kRingSlotBytes);
-  out[135] = static_cast<uint64_t>(kProxyKindTransfer);
-  out[136] = static_cast<uint64_t>(kProxyKindSignal);
-  out[137] = static_cast<uint64_t>(kProxyKindWrite);
-  out[138] = static_cast<uint64_t>(kProxyCounterWords);
-  out[139] = static_cast<uint64_t>(kProxyCounterHead);
-  out[140] = static_cast<uint64_t>(kProxyCounterTailSeen);
-  out[141] = static_cast<uint64_t>(kProxyCounterGaveUp);
-  out[142] = static_cast<uint64_t>(kProxyCounterTaken);
-  out[143] = static_cast<uint64_t>(kProxyCounterCompleted);
-  out[144] = static_cast<uint64_t>(kProxyFlagSrcAddress);
-  out[145] = static_cast<uint64_t>(kProxyFlagSignalAdd);
-  out[146] = static_cast<uint64_t>(sizeof(ProxyChannel));
-  out[147] = static_cast<uint64_t>(offsetof(ProxyChannel, ring));
-  out[148] = static_cast<uint64_t>(offsetof(ProxyChannel, counters));
-  out[149] = static_cast<uint64_t>(offsetof(ProxyChannel, capacity));
-  out[150] = static_cast<uint64_t>(offsetof(ProxyChannel, local_base));
-  out[151] = static_cast<uint64_t>(offsetof(ProxyChannel, timeout_ns));
-  out[152] = static_cast<uint64_t>(sizeof(LayoutArgs));
-  out[153] = static_cast<uint64_t>(offsetof(LayoutArgs, topk_idx));
-  out[154] = static_cast<uint64_t>(offsetof(LayoutArgs, counts));
-  out[155] = static_cast<uint64_t>(offsetof(LayoutArgs, token_slot));
-  out[156] = static_cast<uint64_t>(offsetof(LayoutArgs, status));
-  out[157] = static_cast<uint64_t>(offsetof(LayoutArgs, err_record));
-  out[158] = static_cast<uint64_t>(offsetof(LayoutArgs, err_claim));
-  out[159] = static_cast<uint64_t>(offsetof(LayoutArgs, num_tokens_ptr));
-  out[160] = static_cast<uint64_t>(offsetof(LayoutArgs, num_tokens));
-  out[161] = static_cast<uint64_t>(offsetof(LayoutArgs, top_k));
-  out[162] = static_cast<uint64_t>(offsetof(LayoutArgs, num_experts));
-  out[163] = static_cast<uint64_t>(offsetof(LayoutArgs, world));
-  out[164] = static_cast<uint64_t>(offsetof(LayoutArgs, gpus_per_node));
-  out[165] = static_cast<uint64_t>(offsetof(LayoutArgs, rank));
-  out[166] = static_cast<uint64_t>(offsetof(LayoutArgs, pe_base));
-  out[167] = static_cast<uint64_t>(offsetof(LayoutArgs, pe_stride));
+  out[119] = static_cast<uint64_t>(offsetof(OpArgs, ll_self_row));
+  out[120] = static_cast<uint64_t>(sizeof(SeqState));
+  out[121] = static_cast<uint64_t>(offsetof(SeqState, op));
+  out[122] = static_cast<uint64_t>(offsetof(SeqState, notify));
+  out[123] = static_cast<uint64_t>(offsetof(SeqState, dispatch));
+  out[124] = static_cast<uint64_t>(offsetof(SeqState, combine));
+  out[125] = static_cast<uint64_t>(offsetof(SeqState, done));
+  out[126] = static_cast<uint64_t>(offsetof(SeqState, barriers));
+  out[127] = static_cast<uint64_t>(offsetof(SeqState, ll_dispatch));
+  out[128] = static_cast<uint64_t>(offsetof(SeqState, ll_combine));
+  out[129] = static_cast<uint64_t>(offsetof(SeqState, exits));
+  out[130] = static_cast<uint64_t>(offsetof(SeqState, pad));
+  out[131] = static_cast<uint64_t>(kRingHeaderBytes);
+  out[132] = static_cast<uint64_t>(kRingTailOffset);
+  out[133] = static_cast<uint64_t>(kRingCompletedOffset);
+  out[134] = static_cast<uint64_t>(kRingStatusOffset);
+  out[135] = static_cast<uint64_t>(kRingSlotBytes);
+  out[136] = static_cast<uint64_t>(kProxyKindTransfer);
+  out[137] = static_cast<uint64_t>(kProxyKindSignal);
+  out[138] = static_cast<uint64_t>(kProxyKindWrite);
+  out[139] = static_cast<uint64_t>(kProxyCounterWords);
+  out[140] = static_cast<uint64_t>(kProxyCounterHead);
+  out[141] = static_cast<uint64_t>(kProxyCounterTailSeen);
+  out[142] = static_cast<uint64_t>(kProxyCounterGaveUp);
+  out[143] = static_cast<uint64_t>(kProxyCounterTaken);
+  out[144] = static_cast<uint64_t>(kProxyCounterCompleted);
+  out[145] = static_cast<uint64_t>(kProxyFlagSrcAddress);
+  out[146] = static_cast<uint64_t>(kProxyFlagSignalAdd);
+  out[147] = static_cast<uint64_t>(sizeof(ProxyChannel));
+  out[148] = static_cast<uint64_t>(offsetof(ProxyChannel, ring));
+  out[149] = static_cast<uint64_t>(offsetof(ProxyChannel, counters));
+  out[150] = static_cast<uint64_t>(offsetof(ProxyChannel, capacity));
+  out[151] = static_cast<uint64_t>(offsetof(ProxyChannel, local_base));
+  out[152] = static_cast<uint64_t>(offsetof(ProxyChannel, timeout_ns));
+  out[153] = static_cast<uint64_t>(sizeof(LayoutArgs));
+  out[154] = static_cast<uint64_t>(offsetof(LayoutArgs, topk_idx));
+  out[155] = static_cast<uint64_t>(offsetof(LayoutArgs, counts));
+  out[156] = static_cast<uint64_t>(offsetof(LayoutArgs, token_slot));
+  out[157] = static_cast<uint64_t>(offsetof(LayoutArgs, status));
+  out[158] = static_cast<uint64_t>(offsetof(LayoutArgs, err_record));
+  out[159] = static_cast<uint64_t>(offsetof(LayoutArgs, err_claim));
+  out[160] = static_cast<uint64_t>(offsetof(LayoutArgs, num_tokens_ptr));
+  out[161] = static_cast<uint64_t>(offsetof(LayoutArgs, num_tokens));
+  out[162] = static_cast<uint64_t>(offsetof(LayoutArgs, top_k));
+  out[163] = static_cast<uint64_t>(offsetof(LayoutArgs, num_experts));
+  out[164] = static_cast<uint64_t>(offsetof(LayoutArgs, world));
+  out[165] = static_cast<uint64_t>(offsetof(LayoutArgs, gpus_per_node));
+  out[166] = static_cast<uint64_t>(offsetof(LayoutArgs, rank));
+  out[167] = static_cast<uint64_t>(offsetof(LayoutArgs, pe_base));
+  out[168] = static_cast<uint64_t>(offsetof(LayoutArgs, pe_stride));
 }
 
 }  // namespace epcomm

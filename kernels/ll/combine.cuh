@@ -15,15 +15,17 @@ namespace epcomm::ll {
 template <class Net>
 __device__ __forceinline__ void combine_reduce(const OpArgs& a, Shared& s, Schedule<Net>& sched);
 
-// combine_reduce's work items: (token, column chunk of kReduceUnroll * 32 vectors).
-constexpr int kReduceUnroll = 2;
-__device__ __forceinline__ int reduce_chunks(const OpArgs& a) {
-  return (a.hidden * 2 / 16 + 32 * kReduceUnroll - 1) / (32 * kReduceUnroll);
+// combine_reduce's work items: (token, run of 32-vector column steps), at most
+// kReduceMaxSteps steps each (split_rows), kReduceUnroll steps' loads in flight at once.
+constexpr int kReduceUnroll = 1, kReduceMaxSteps = 8;
+__device__ __forceinline__ Split reduce_split(const OpArgs& a) {
+  return split_rows(a.num_tokens, (a.hidden * 2 / 16 + 31) / 32, gridDim.x * kWarps,
+                    kReduceMaxSteps, false);
 }
 
 // Brings the routing (ids and weights) of the token this warp reduces first into L2.
 __device__ __forceinline__ void prefetch_reduce_routing(const OpArgs& a) {
-  const int t = (threadIdx.x / 32 * gridDim.x + blockIdx.x) / reduce_chunks(a);
+  const int t = (threadIdx.x / 32 * gridDim.x + blockIdx.x) / reduce_split(a).nch;
   const int lane = threadIdx.x % 32;
   if (t >= a.num_tokens || lane >= 2) return;
   const int64_t k = static_cast<int64_t>(t) * a.top_k;
@@ -44,6 +46,9 @@ __device__ __forceinline__ void combine_send(const OpArgs& a, Shared& s, uint32_
   // hook the routing of the token this warp reduces first.
   for (int i = tid; i < (epr + 31) / 32; i += kThreads)
     prefetch_l2(reinterpret_cast<const int*>(a.ll_recv_count) + i * 32);
+  if ((a.flags & kFlagFused) != 0)
+    for (int i = tid; i < (epr * world + 15) / 16; i += kThreads)
+      prefetch_l2(reinterpret_cast<const int64_t*>(a.ll_layout_range) + i * 16);
   if ((a.flags & kFlagFused) != 0) prefetch_reduce_routing(a);
   if (!prologue<Net>(a, s, kOpLlCombine)) return;
   const OpSeq q = s.seq;
@@ -52,8 +57,18 @@ __device__ __forceinline__ void combine_send(const OpArgs& a, Shared& s, uint32_
   if (blockIdx.x == 0 && tid == 0) stats[kStatStart] = t_start;  // the op's start (stats)
   Schedule<Net> sched(a);
   if (!sched.barrier(a, s)) return;  // [G1]
-  // First packed row of every local expert in the flat order (prefix of the counts).
+  // First packed row of every local expert in the flat order (prefix of the counts), and
+  // without a hook this rank's own rows of each expert (reduced straight from y, not pushed).
+  const bool fused = (a.flags & kFlagFused) != 0;
   int* first = reinterpret_cast<int*>(dyn);  // [epr + 1]
+  int* own_first = first + epr + 1;           // [epr]
+  int* own_rows = own_first + epr;            // [epr]
+  if (fused)
+    for (int l = tid; l < epr; l += kThreads) {
+      const int64_t range = reinterpret_cast<const int64_t*>(a.ll_layout_range)[l * world + me];
+      own_first[l] = static_cast<int>(range >> 32);
+      own_rows[l] = static_cast<int>(range & 0xffffffff);
+    }
   block_prefix(reinterpret_cast<const int*>(a.ll_recv_count), epr, first, s.warp_sum);
   const int64_t row_bytes = static_cast<int64_t>(a.hidden) * 2;
   const int n16 = static_cast<int>(row_bytes / 16);
@@ -64,9 +79,10 @@ __device__ __forceinline__ void combine_send(const OpArgs& a, Shared& s, uint32_
   const uint64_t off_comb = a.off_ll_comb + par;
   const int gwarp = warp * gridDim.x + blockIdx.x, nwarps = gridDim.x * kWarps;
   const int total = first[epr];
-  // Work items are (packed row, chunk of 32 * kCopyUnroll vectors), the chunk's loads issued
+  // Work items are (packed row, run of 32-vector steps) (split_rows), the run's loads issued
   // before the row's routing is read; a row for a transport peer goes whole (one put).
-  const int nch = a.remote_mask != 0 ? 1 : (n16 + 32 * kCopyUnroll - 1) / (32 * kCopyUnroll);
+  const Split sp = split_rows(total, (n16 + 31) / 32, nwarps, kCopyUnroll, a.remote_mask != 0);
+  const int nch = sp.nch;
   for (int item = gwarp; item < total * nch; item += nwarps) {
     const int row = item / nch, c = item % nch;
     int lo = 0, hi = epr - 1;  // the expert whose range holds `row` (binary search)
@@ -74,7 +90,10 @@ __device__ __forceinline__ void combine_send(const OpArgs& a, Shared& s, uint32_
       const int mid = (lo + hi + 1) / 2;
       if (first[mid] <= row) lo = mid; else hi = mid - 1;
     }
-    const int64_t idx = static_cast<int64_t>(lo) * cap + (row - first[lo]);
+    const int j = row - first[lo];  // row of expert lo
+    if (fused && static_cast<unsigned>(j - own_first[lo]) < static_cast<unsigned>(own_rows[lo]))
+      continue;  // one of this rank's own tokens: the reduction reads it from y
+    const int64_t idx = static_cast<int64_t>(lo) * cap + j;
     const uint8_t* src = y + idx * row_bytes;
     if (nch == 1) {
       const int t = src_info[idx], rk = route[idx];
@@ -89,13 +108,13 @@ __device__ __forceinline__ void combine_send(const OpArgs& a, Shared& s, uint32_
       warp_copy_row(reinterpret_cast<const int4*>(src), reinterpret_cast<int4*>(dst), n16, lane);
       continue;
     }
-    const int base = c * 32 * kCopyUnroll;
+    const int base = c * 32 * sp.per_item, end = min(n16, base + 32 * sp.per_item);
     int4 v[kCopyUnroll];
-    load_step(v, reinterpret_cast<const int4*>(src), base, n16, lane);
+    load_step(v, reinterpret_cast<const int4*>(src), base, end, lane);
     const int t = src_info[idx], rk = route[idx];
     const int r = rk / K, k = rk % K;
     uint8_t* dst = s.bases[r] + off_comb + (static_cast<int64_t>(t) * K + k) * row_bytes;
-    store_step(reinterpret_cast<int4*>(dst), v, base, n16, lane);
+    store_step(reinterpret_cast<int4*>(dst), v, base, end, lane);
   }
   if (!all_ok(s, Net::quiet(s.wait, a.remote_mask))) return;
   if (blockIdx.x == 0 && tid == 0) stats[kStatSent] = globaltimer_ns();
@@ -136,64 +155,98 @@ __device__ __forceinline__ void combine_reduce(const OpArgs& a, Shared& s, Sched
   const int64_t* topk_idx = reinterpret_cast<const int64_t*>(a.topk_idx);
   const float* topk_w = reinterpret_cast<const float*>(a.topk_weights);
   const uint8_t* comb = local + a.off_ll_comb + par;
-  // Work items are (token, column chunk of 32 * kUnroll vectors). Per item the token's routing
-  // (lane k: entry k) and the rows of up to kBatch entries are loaded together, before any is
-  // added; a row of a -1 entry is loaded too (its slot exists) and never added.
+  // Without a hook the entries whose expert is on this rank come straight from y, at the
+  // packed row the dispatch recorded (ll_self_row; bounded, so a routing that differs from the
+  // dispatch's reads a wrong row of y, never outside it); every other entry from its combine
+  // row. (With a hook the send phase pushed every row, this rank's own included.)
+  const bool own_from_y = (a.flags & kFlagFused) != 0;
+  const int epr = a.num_experts / a.world;
+  const int64_t y_rows = static_cast<int64_t>(a.num_experts) * a.ll_max_tokens;  // epr * cap
+  const uint8_t* y = reinterpret_cast<const uint8_t*>(a.x);
+  const int32_t* self_row = reinterpret_cast<const int32_t*>(a.ll_self_row);
+  // Work items are (token, run of column steps) (reduce_split). Per item the token's routing
+  // (lane k: entry k) is loaded once, then per kUnroll steps the rows of up to kBatch entries
+  // together, before any is added; a row of a -1 entry is loaded too (its slot exists) and
+  // never added.
   constexpr int kUnroll = kReduceUnroll, kBatch = 8;
-  const int nch = reduce_chunks(a);
+  const Split sp = reduce_split(a);
+  const int steps = (n16 + 31) / 32;
   const int gwarp = warp * gridDim.x + blockIdx.x, nwarps = gridDim.x * kWarps;
-  for (int item = gwarp; item < a.num_tokens * nch; item += nwarps) {
-    const int t = item / nch, base = (item % nch) * 32 * kUnroll;
+  for (int item = gwarp; item < a.num_tokens * sp.nch; item += nwarps) {
+    const int t = item / sp.nch, s0 = (item % sp.nch) * sp.per_item;
+    const int s1 = min(steps, s0 + sp.per_item);
     int4* out = reinterpret_cast<int4*>(a.out + static_cast<int64_t>(t) * row_bytes);
     const uint8_t* rows_t = comb + static_cast<int64_t>(t) * K * row_bytes;
-    float acc[kUnroll][8];
+    // Lane k's entry k0 + k: its row and weight (null row: not added).
+    auto route = [&](int k0, const uint8_t** row, float* wt) {
+      const int kl = k0 + lane;
+      const int64_t entry = static_cast<int64_t>(t) * K + kl;
+      const int64_t e = kl < K ? topk_idx[entry] : -1;
+      const int32_t own = own_from_y && kl < K ? self_row[entry] : -1;
+      *wt = e != -1 ? topk_w[entry] : 0.f;
+      *row = nullptr;
+      if (e == -1) return;
+      *row = rows_t + static_cast<int64_t>(kl) * row_bytes;
+      if (own_from_y && e / epr == me && own >= 0 && own < y_rows)
+        *row = y + static_cast<int64_t>(own) * row_bytes;
+    };
+    const uint8_t* row0;
+    float w0;
+    route(0, &row0, &w0);
+    for (int step = s0; step < s1; step += kUnroll) {
+      const int base = step * 32;
+      float acc[kUnroll][8];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
+      for (int u = 0; u < kUnroll; ++u)
 #pragma unroll
-      for (int j = 0; j < 8; ++j) acc[u][j] = 0.f;
-    for (int k32 = 0; k32 < K; k32 += 32) {
-      const int kl = k32 + lane;
-      const bool use_l = kl < K && topk_idx[static_cast<int64_t>(t) * K + kl] != -1;
-      const float w_l = use_l ? topk_w[static_cast<int64_t>(t) * K + kl] : 0.f;
-      for (int k0 = k32; k0 < min(K, k32 + 32); k0 += kBatch) {
-        int4 v[kBatch][kUnroll];
+        for (int j = 0; j < 8; ++j) acc[u][j] = 0.f;
+      for (int k32 = 0; k32 < K; k32 += 32) {
+        const uint8_t* row_l = row0;
+        float w_l = w0;
+        if (k32 != 0) route(k32, &row_l, &w_l);
+        for (int k0 = k32; k0 < min(K, k32 + 32); k0 += kBatch) {
+          int4 v[kBatch][kUnroll];
 #pragma unroll
-        for (int b = 0; b < kBatch; ++b) {
-          const int4* p = reinterpret_cast<const int4*>(rows_t + (k0 + b) * row_bytes);
+          for (int b = 0; b < kBatch; ++b) {
+            const int4* p = reinterpret_cast<const int4*>(__shfl_sync(
+                0xffffffffu, reinterpret_cast<unsigned long long>(row_l), (k0 + b - k32) & 31));
 #pragma unroll
-          for (int u = 0; u < kUnroll; ++u) {
-            const int i = base + u * 32 + lane;
-            if (k0 + b < K && i < n16) v[b][u] = ld_v4(p + i);
+            for (int u = 0; u < kUnroll; ++u) {
+              const int i = base + u * 32 + lane;
+              if (p != nullptr && k0 + b < K && step + u < s1 && i < n16) v[b][u] = ld_v4(p + i);
+            }
           }
-        }
 #pragma unroll
-        for (int b = 0; b < kBatch; ++b) {
-          const bool use = __shfl_sync(0xffffffffu, use_l, (k0 + b - k32) & 31) && k0 + b < K;
-          const float wt = __shfl_sync(0xffffffffu, w_l, (k0 + b - k32) & 31);
-          if (!use) continue;
+          for (int b = 0; b < kBatch; ++b) {
+            const bool use =
+                __shfl_sync(0xffffffffu, row_l != nullptr, (k0 + b - k32) & 31) && k0 + b < K;
+            const float wt = __shfl_sync(0xffffffffu, w_l, (k0 + b - k32) & 31);
+            if (!use) continue;
 #pragma unroll
-          for (int u = 0; u < kUnroll; ++u) {
-            if (base + u * 32 + lane >= n16) continue;
-            const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[b][u]);
+            for (int u = 0; u < kUnroll; ++u) {
+              if (step + u >= s1 || base + u * 32 + lane >= n16) continue;
+              const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[b][u]);
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-              const float2 f = __bfloat1622float2(h[j]);
-              acc[u][2 * j] = __fadd_rn(acc[u][2 * j], __fmul_rn(wt, f.x));
-              acc[u][2 * j + 1] = __fadd_rn(acc[u][2 * j + 1], __fmul_rn(wt, f.y));
+              for (int j = 0; j < 4; ++j) {
+                const float2 f = __bfloat1622float2(h[j]);
+                acc[u][2 * j] = __fadd_rn(acc[u][2 * j], __fmul_rn(wt, f.x));
+                acc[u][2 * j + 1] = __fadd_rn(acc[u][2 * j + 1], __fmul_rn(wt, f.y));
+              }
             }
           }
         }
       }
-    }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int i = base + u * 32 + lane;
-      if (i >= n16) continue;
-      int4 o;
-      __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
+      for (int u = 0; u < kUnroll; ++u) {
+        const int i = base + u * 32 + lane;
+        if (step + u >= s1 || i >= n16) continue;
+        int4 o;
+        __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) h[j] = __floats2bfloat162_rn(acc[u][2 * j], acc[u][2 * j + 1]);
-      st_na_v4(out + i, o);
+        for (int j = 0; j < 4; ++j)
+          h[j] = __floats2bfloat162_rn(acc[u][2 * j], acc[u][2 * j + 1]);
+        st_na_v4(out + i, o);
+      }
     }
   }
   if (block0) finish_stats(a, s, t_start, kOpLlCombineRecv);

@@ -53,10 +53,13 @@ template <class Net>
 __device__ __forceinline__ void dispatch_unpack(const OpArgs& a, Shared& s, uint32_t* dyn,
                                                 Schedule<Net>& sched);
 
-// Channels per send work item (a whole row when it goes through the transport): 256 per cast
-// step (8 per lane), kCastUnroll steps loaded together.
+// Steps of a send work item: 256 channels each (8 per lane), at most kCastUnroll loaded
+// together; a row that goes through the transport is one item.
 constexpr int kCastUnroll = 8;
-constexpr int kSendChunk = 256 * kCastUnroll;
+__device__ __forceinline__ Split send_split(const OpArgs& a, int tokens) {
+  return split_rows(tokens, (a.hidden + 255) / 256, gridDim.x * kWarps, kCastUnroll,
+                    a.remote_mask != 0);
+}
 
 // Send phase. Every block builds the routing bitmaps of all tokens in shared memory (the
 // batch is small), so slots and indices need no communication between blocks; warps are dealt
@@ -72,10 +75,10 @@ __device__ __forceinline__ void dispatch_send(const OpArgs& a, Shared& s, uint32
     const int64_t idx_lines = (static_cast<int64_t>(T) * K * 8 + 127) / 128;
     for (int64_t i = tid; i < idx_lines; i += kThreads)
       prefetch_l2(reinterpret_cast<const uint8_t*>(a.topk_idx) + i * 128);
-    const int nch = a.remote_mask != 0 ? 1 : (a.hidden + kSendChunk - 1) / kSendChunk;
-    const int item = warp * gridDim.x + blockIdx.x;
+    const Split sp = send_split(a, T);
+    const int nch = sp.nch, item = warp * gridDim.x + blockIdx.x;
     if (item < T * nch) {
-      const int span = nch == 1 ? a.hidden : kSendChunk;
+      const int span = nch == 1 ? a.hidden : sp.per_item * 256;
       const int64_t c_begin = static_cast<int64_t>(item % nch) * span;
       const int64_t bytes = (min(static_cast<int64_t>(a.hidden), c_begin + span) - c_begin) * 2;
       const uint8_t* row = reinterpret_cast<const uint8_t*>(a.x) +
@@ -145,11 +148,12 @@ __device__ __forceinline__ void dispatch_send(const OpArgs& a, Shared& s, uint32
   int* rows = rows_tab[warp];
   const int gwarp = warp * gridDim.x + blockIdx.x, nwarps = gridDim.x * kWarps;
   const uint8_t* x = reinterpret_cast<const uint8_t*>(a.x);
-  // Work items are (token, column chunk of kSendChunk channels): a warp keeps all of its
-  // chunk's loads in flight at once, so even one token is spread over several warps. Rows
-  // that travel through the transport go whole (one item per token: one put per row).
-  const int nch = a.remote_mask != 0 ? 1 : (H + kSendChunk - 1) / kSendChunk;
-  const int span = nch == 1 ? H : kSendChunk;  // channels per item
+  // Work items are (token, run of 256-channel steps) (send_split): a warp keeps all of its
+  // item's loads in flight at once, and even one token spreads over several warps. Rows that
+  // travel through the transport go whole (one item per token: one put per row).
+  const Split sp = send_split(a, T);
+  const int nch = sp.nch;
+  const int span = nch == 1 ? H : sp.per_item * 256;  // channels per item
   for (int item = gwarp; item < T * nch; item += nwarps) {
     const int t = item / nch, c = item % nch;
     const int c_begin = c * span, c_end = min(H, c_begin + span);
@@ -341,10 +345,14 @@ __device__ __forceinline__ void dispatch_unpack(const OpArgs& a, Shared& s, uint
   if (block0 && tid == 0) stats[kStatCountsReady] = globaltimer_ns();
 
   // [L7] every received row to the packed row of each of its local experts. Work items are
-  // (row, chunk of 32 * kCopyUnroll vectors): the chunk's loads are issued first, together,
-  // then the row's metadata names the destinations.
+  // (row, run of 32-vector steps) (split_rows): the run's loads are issued first, together,
+  // then the row's metadata names the destinations. Own tokens also record, per local entry,
+  // their packed row (ll_self_row: a one-kernel combine reads those entries from y).
   const int row_bytes = a.row_bytes, S = a.num_scales, n16 = row_bytes / 16;
-  const int nch = (n16 + 32 * kCopyUnroll - 1) / (32 * kCopyUnroll);
+  const int total = s.prefix[world];
+  const Split sp = split_rows(total, (n16 + 31) / 32, gridDim.x * kWarps, kCopyUnroll, false);
+  const int nch = sp.nch;
+  int32_t* self_row = reinterpret_cast<int32_t*>(a.ll_self_row);
   const bool fp8 = (a.flags & kFlagHasScales) != 0;
   const int64_t cap = static_cast<int64_t>(world) * M;  // rows per local expert
   const uint8_t* rx = local + a.off_ll_x + par;
@@ -356,10 +364,9 @@ __device__ __forceinline__ void dispatch_unpack(const OpArgs& a, Shared& s, uint
   int32_t* route = reinterpret_cast<int32_t*>(a.ll_route);
   __shared__ int64_t dst_tab[kWarps][32];
   const int gwarp = warp * gridDim.x + blockIdx.x, nwarps = gridDim.x * kWarps;
-  const int total = s.prefix[world];
   for (int item = gwarp; item < total * nch; item += nwarps) {
     const int row = item / nch, c = item % nch;
-    const int base = c * 32 * kCopyUnroll;
+    const int base = c * 32 * sp.per_item, end = min(n16, base + 32 * sp.per_item);
     int r = 0;
     while (r + 1 < world && s.prefix[r + 1] <= row) ++r;
     const int64_t slot = static_cast<int64_t>(r) * M + (row - s.prefix[r]);
@@ -368,7 +375,7 @@ __device__ __forceinline__ void dispatch_unpack(const OpArgs& a, Shared& s, uint
 #pragma unroll
     for (int u = 0; u < kCopyUnroll; ++u) {
       const int i = base + u * 32 + lane;
-      if (i < n16) v[u] = ld_v4(src + i);
+      if (i < end) v[u] = ld_v4(src + i);
     }
     const int32_t* meta = rmeta + slot * (K + 1);
     const int32_t t = meta[0];
@@ -385,6 +392,7 @@ __device__ __forceinline__ void dispatch_unpack(const OpArgs& a, Shared& s, uint
           if (c == 0) {
             src_info[d] = t;
             route[d] = r * K + k0 + lane;
+            if (r == me) self_row[static_cast<int64_t>(t) * K + k0 + lane] = static_cast<int32_t>(d);
           }
         }
         dst[lane] = d;
@@ -392,7 +400,7 @@ __device__ __forceinline__ void dispatch_unpack(const OpArgs& a, Shared& s, uint
       __syncwarp();
       for (int k = 0; k < nk; ++k)
         if (dst[k] >= 0)
-          store_step(reinterpret_cast<int4*>(out_x + dst[k] * row_bytes), v, base, n16, lane);
+          store_step(reinterpret_cast<int4*>(out_x + dst[k] * row_bytes), v, base, end, lane);
       if (fp8 && c == 0)
         for (int i = lane; i < S; i += 32) {
           const float sc = rsc[slot * S + i];

@@ -67,6 +67,24 @@ __device__ __forceinline__ void block_prefix(const int* in, int n, int* out, int
   __syncthreads();
 }
 
+// How work of `rows` rows of `steps` steps each is cut into items for `nwarps` warps: every
+// item is a run of up to `max_per_item` steps of one row, as few steps per item as keep every
+// warp busy (a small batch spreads over all warps, a large one keeps `max_per_item` loads in
+// flight per lane). `whole` (rows that travel through the transport, one put each) makes every
+// row one item.
+struct Split {
+  int per_item;  // steps per item
+  int nch;       // items per row
+};
+__device__ __forceinline__ Split split_rows(int rows, int steps, int nwarps, int max_per_item,
+                                            bool whole) {
+  if (whole || steps <= 0) return {max(steps, 1), 1};
+  const int64_t total = static_cast<int64_t>(rows) * steps;
+  const int64_t want = (total + nwarps - 1) / nwarps;  // steps per warp
+  const int per = want < 1 ? 1 : want > max_per_item ? max_per_item : static_cast<int>(want);
+  return {per, (steps + per - 1) / per};
+}
+
 // Index of token t among the tokens whose bit is set in `mask` (bits below t).
 __device__ __forceinline__ int rank_in_mask(const uint32_t* mask, int t) {
   int n = 0;

@@ -3,7 +3,7 @@
 
 /// Version of the kernel protocol and argument blocks; ranks compare it when a `Buffer` is
 /// built. Bump it with any change of this header or of the kernels' cross-rank protocol.
-pub const ABI_VERSION: u64 = 11;
+pub const ABI_VERSION: u64 = 12;
 
 /// Largest world size the intranode kernels support (shared-memory tables are this large).
 pub const MAX_WORLD: usize = 64;
@@ -301,6 +301,12 @@ pub struct OpArgs {
     /// LL metadata staging (shared): \[world\]\[ll_max_tokens\]\[top_k + 1\]
     /// i32, each destination's metadata rows as they land there.
     pub off_ll_meta_stage: u64,
+    /// \[ll_max_tokens\]\[top_k\] i32, local device memory: for each of this
+    /// rank's own entries whose expert is local, its packed row (of
+    /// ll_recv_x, and of the combine's y). Written by the LL dispatch's
+    /// receive phase; a one-kernel LL combine reads those entries
+    /// straight from y instead of pushing them to itself.
+    pub ll_self_row: u64,
 }
 
 /// Op sequence numbers kept on the device. Every rank issues the same ops, so every rank's copy
@@ -438,7 +444,7 @@ pub struct LayoutArgs {
 
 /// What `epcomm_abi_probe` writes, in its order: every constant, enumerator, struct size
 /// and field offset of the ABI, as the host sees it.
-pub(crate) const ABI_PROBE: [(&str, u64); 168] = [
+pub(crate) const ABI_PROBE: [(&str, u64); 169] = [
     ("kAbiVersion", ABI_VERSION),
     ("kMaxWorld", MAX_WORLD as u64),
     ("kOk", code::OK as u64),
@@ -558,6 +564,7 @@ pub(crate) const ABI_PROBE: [(&str, u64); 168] = [
     ("offsetof(OpArgs, flags)", offset_of!(OpArgs, flags) as u64),
     ("offsetof(OpArgs, global_barriers)", offset_of!(OpArgs, global_barriers) as u64),
     ("offsetof(OpArgs, off_ll_meta_stage)", offset_of!(OpArgs, off_ll_meta_stage) as u64),
+    ("offsetof(OpArgs, ll_self_row)", offset_of!(OpArgs, ll_self_row) as u64),
     ("sizeof(SeqState)", size_of::<SeqState>() as u64),
     ("offsetof(SeqState, op)", offset_of!(SeqState, op) as u64),
     ("offsetof(SeqState, notify)", offset_of!(SeqState, notify) as u64),

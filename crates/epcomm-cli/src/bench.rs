@@ -247,6 +247,7 @@ fn run_bench(
         cfg.combine_staging = args.combine_staging;
         if args.low_latency {
             cfg.ll_max_tokens_per_rank = args.tokens();
+            cfg.ll_num_sms = args.ll_sms;
         }
         let mut buf = Buffer::new(ctx.clone(), transport.clone(), cfg)?;
         let dev = device_inputs(buf.stream(), &inputs, rank)?;
@@ -288,6 +289,7 @@ fn run_bench(
         if args.low_latency {
             progress.say("      low-latency ops: verifying BF16 and FP8 rounds, then timing");
             let mut ll = LlTimer::new(&mut buf, &inputs.bf16, plan.fp8)?;
+            let ll_sms = buf.ll_num_blocks();
             for op in BenchOp::LOW_LATENCY {
                 if !plan.fp8
                     && matches!(
@@ -301,18 +303,18 @@ fn run_bench(
                 }
                 progress
                     .bar
-                    .set_message(format!("{} at {sms} SMs", op.name()));
+                    .set_message(format!("{} at {ll_sms} SMs", op.name()));
                 ll.time(&mut buf, op, args.warmup)?;
                 let t = median(&ll.time(&mut buf, op, args.iters)?);
                 let times = every_rank(boot, &format!("bench-{sms}-{}", op.name()), t)?;
-                rows.push(make_row(op, sms, times, ll.num_recv, args.hidden)?);
+                rows.push(make_row(op, ll_sms, times, ll.num_recv, args.hidden)?);
                 if matches!(
                     op,
                     BenchOp::LlDispatchBf16 | BenchOp::LlDispatchFp8 | BenchOp::LlCombine
                 ) {
                     let b = ll.breakdown(&mut buf, op, args.iters.clamp(1, 10))?;
                     progress.say(format_args!(
-                        "      {} at {sms} SMs on rank {rank}: {t:.1} us with events, {:.1} us \
+                        "      {} at {ll_sms} SMs on rank {rank}: {t:.1} us with events, {:.1} us \
                          in the kernel (GPU clock), of which {:.1} us until its sends were \
                          published",
                         op.name(),

@@ -216,6 +216,10 @@ pub struct BenchArgs {
     /// SMs (blocks) per op.
     #[arg(long, default_value_t = 24, value_parser = count::<u32>)]
     pub sms: u32,
+    /// SMs (blocks) of the low-latency ops; 0: every SM a rank may use (the GPU's, divided
+    /// among the ranks sharing it under MPS). With --low-latency.
+    #[arg(long, default_value_t = 0, value_parser = count::<u32>, requires = "low_latency")]
+    pub ll_sms: u32,
     #[command(flatten)]
     pub comm: TransportFlags,
     /// How combine moves y to the token owners: auto, push (the kernel's SMs push every row)

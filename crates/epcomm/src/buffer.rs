@@ -106,6 +106,8 @@ pub struct Buffer {
     ll_pending: Option<ops::PendingReceive>,
     /// u32 words of dynamic shared memory of the low-latency kernels.
     ll_smem_words: usize,
+    /// Blocks of every low-latency kernel (`ll_num_sms`, or every SM this rank may use).
+    ll_blocks: u32,
     last_op: Option<&'static str>,
     /// Why the buffer refuses new ops (a device failure or an expired host wait).
     failed: Option<String>,
@@ -165,6 +167,12 @@ impl Buffer {
     /// The configuration.
     pub fn config(&self) -> &BufferConfig {
         &self.cfg
+    }
+
+    /// Blocks (SMs) every low-latency kernel of this buffer runs on: `ll_num_sms`, or when that
+    /// is 0 every SM this rank may use (the same on every rank).
+    pub fn ll_num_blocks(&self) -> u32 {
+        self.ll_blocks
     }
 
     /// The transport.

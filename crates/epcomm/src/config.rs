@@ -114,6 +114,13 @@ pub struct BufferConfig {
     pub ll_max_tokens_per_rank: usize,
     /// Blocks (one per SM) of the dispatch and combine kernels.
     pub num_sms: u32,
+    /// Blocks (one per SM) of the low-latency kernels; 0 (the default): every SM this rank may
+    /// use, the same on every rank (the GPU's SMs, divided among the ranks that share it under
+    /// MPS, and no more blocks than fit at once; `num_sms` on a CPU-proxy transport, whose
+    /// copies may need SMs beside the waiting kernels). A low-latency op is bound by latency,
+    /// not by bytes: more SMs spread a small batch wider, and its kernels hold them only for
+    /// the op.
+    pub ll_num_sms: u32,
     /// How ranks agree that memory may be reused (must be one the transport supports).
     pub schedule: Schedule,
     /// Which route reaches a peer where more than one would (the transport must support every
@@ -126,7 +133,8 @@ pub struct BufferConfig {
 }
 
 impl BufferConfig {
-    /// A config with 24 SMs, the Epoch schedule, automatic routes, automatic combine staging and
+    /// A config with 24 SMs (every SM this rank may use for the low-latency ops), the Epoch
+    /// schedule, automatic routes, automatic combine staging and
     /// a 100 s timeout.
     pub fn new(
         max_tokens_per_rank: usize,
@@ -141,6 +149,7 @@ impl BufferConfig {
             num_experts,
             ll_max_tokens_per_rank: 0,
             num_sms: 24,
+            ll_num_sms: 0,
             schedule: Schedule::Epoch,
             routes: RoutePolicy::Auto,
             combine_staging: CombineStaging::Auto,

@@ -55,14 +55,22 @@ pub struct Checked {
     pub ll_smem_words: usize,
 }
 
+/// Shared-memory words of the low-latency tables that do not grow with the token count: the
+/// dispatch receive phase's first row per (local expert, source), `num_experts` (+ 1), and the
+/// combine's per-expert prefix and this rank's own range per local expert, `3 * epr + 1`.
+fn tables_words(num_experts: usize, world: usize) -> usize {
+    let epr = num_experts / world.max(1);
+    (num_experts.saturating_add(1)).max(epr.saturating_mul(3).saturating_add(1))
+}
+
 /// The most tokens per rank a low-latency dispatch of `num_experts` experts over `world` ranks
 /// can take: the send phase's routing bitmaps, `(num_experts + world) * ceil(tokens / 32)`
 /// words, must fit in [`epcomm_kernels::LL_MAX_SMEM_BYTES`] of shared memory (and the count
 /// in [`LL_MAX_TOKENS`]). 0 when not even one token fits. For 256 experts on 2 to 8 ranks: 992.
 pub fn ll_max_tokens_limit(num_experts: usize, world: usize) -> usize {
     let words = epcomm_kernels::LL_MAX_SMEM_BYTES / 4;
-    // The receive phase's table (num_experts + 1 words) must fit too.
-    if num_experts + 1 > words {
+    // The receive phase's and the combine's tables must fit too.
+    if tables_words(num_experts, world) > words {
         return 0;
     }
     let per_word_row = num_experts.saturating_add(world).max(1);
@@ -71,7 +79,8 @@ pub fn ll_max_tokens_limit(num_experts: usize, world: usize) -> usize {
 
 /// Dynamic shared memory of the low-latency kernels, in u32 words: the send phase's routing
 /// bitmaps (`(num_experts + world) * ceil(ll_max_tokens_per_rank / 32)`), the receive phase's
-/// first row per (local expert, source) (`num_experts`), the combine's per-expert prefix. 0
+/// first row per (local expert, source) (`num_experts`), the combine's per-expert prefix and
+/// this rank's own range per local expert (`3 * num_experts / world + 1`). 0
 /// when `cfg.ll_max_tokens_per_rank` is 0 (no low-latency ops).
 ///
 /// # Errors
@@ -85,7 +94,7 @@ pub fn ll_smem_words(cfg: &BufferConfig, world: usize) -> Result<usize> {
     let e = cfg.num_experts;
     let words = (e.saturating_add(world))
         .saturating_mul(m.div_ceil(32))
-        .max(e.saturating_add(1));
+        .max(tables_words(e, world));
     let limit = epcomm_kernels::LL_MAX_SMEM_BYTES;
     if words.saturating_mul(4) > limit {
         return Err(Error::InvalidArgument {
@@ -256,10 +265,13 @@ mod tests {
             e.contains("ll_max_tokens_per_rank") && e.contains("at most 992 tokens"),
             "{e}"
         );
-        // Small batches with few experts: the receive phase's table sets the size.
+        // Small batches with few experts: the tables set the size, the combine's on one rank
+        // (prefix and own range of 64 local experts), the receive phase's on two.
         let mut small = BufferConfig::new(8, 128, 1, 64);
         small.ll_max_tokens_per_rank = 1;
-        assert_eq!(ll_smem_words(&small, 1).unwrap(), 65);
+        assert_eq!(ll_smem_words(&small, 1).unwrap(), 3 * 64 + 1);
+        assert_eq!(ll_smem_words(&small, 4).unwrap(), 68);
+        assert_eq!(ll_smem_words(&small, 2).unwrap(), 3 * 32 + 1);
     }
 
     #[test]

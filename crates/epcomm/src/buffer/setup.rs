@@ -16,7 +16,7 @@ use epcomm_kernels::abi::{self, ErrorRecord};
 use epcomm_topology::{BufferPlan, Parity, RankGroup, RegionKind, Route, RoutePlan};
 use epcomm_transport::{DeviceBuffer, DynTransport, MappedHostBuffer, SymmetricMemory};
 
-use super::sharing::{GpuPlacement, check_shared_gpus};
+use super::sharing::{GpuPlacement, check_shared_gpus, ll_blocks};
 use super::{Buffer, Sequence};
 use crate::agreement::Fingerprint;
 use crate::error::DriverContext;
@@ -111,6 +111,17 @@ impl Buffer {
         // Waits across blocks and ranks need every block resident (kernels also launch
         // cooperatively, so a grid that cannot be co-resident fails instead of hanging).
         let fit = kernels.max_coresident_blocks(sms, ll_smem_words * 4)?;
+        if cfg.ll_num_sms > sms.min(fit) {
+            return invalid(
+                "ll_num_sms",
+                format!(
+                    "at most {} blocks of the low-latency kernels fit on this GPU at once \
+                     (asked for {}; 0 takes every SM this rank may use)",
+                    sms.min(fit),
+                    cfg.ll_num_sms
+                ),
+            );
+        }
         if cfg.num_sms > fit {
             return invalid(
                 "num_sms",
@@ -146,6 +157,7 @@ impl Buffer {
             sms,
             fit,
             num_sms: cfg.num_sms,
+            ll_num_sms: cfg.ll_num_sms,
         };
         let placements = transport
             .bootstrap()
@@ -155,6 +167,15 @@ impl Buffer {
             .map(|(r, b)| GpuPlacement::decode(r, b))
             .collect::<Result<Vec<_>>>()?;
         check_shared_gpus(&placements)?;
+        // The CPU proxy's copies may need SMs of their own (a copy within one GPU can run as a
+        // kernel): its low-latency kernels, which wait for those copies, keep to num_sms.
+        let ll_blocks = if cfg.ll_num_sms == 0
+            && caps.kernel_family == epcomm_kernels::KernelFamily::CpuProxy
+        {
+            cfg.num_sms
+        } else {
+            ll_blocks(&placements, cfg.ll_num_sms)
+        };
         // SAFETY: the module was loaded in `ctx` from the image of the transport's family and
         // `kernels` keeps it loaded; the binding is declared before `kernels` in `Buffer`, so it
         // is dropped first.
@@ -223,6 +244,7 @@ impl Buffer {
             foreign_capture: false,
             ll_pending: None,
             ll_smem_words,
+            ll_blocks,
             last_op: None,
             failed: None,
             mem: ManuallyDrop::new(mem),
@@ -276,6 +298,7 @@ fn fingerprint(
         .with("world", world)
         .with("ranks_per_node", ranks_per_node)
         .with("num_sms", cfg.num_sms)
+        .with("ll_num_sms", cfg.ll_num_sms)
         .with("max_tokens_per_rank", cfg.max_tokens_per_rank)
         .with("hidden", cfg.hidden)
         .with("top_k", cfg.top_k)

@@ -28,10 +28,12 @@ pub(super) struct GpuPlacement {
     pub(super) fit: u32,
     /// The rank's `num_sms`.
     pub(super) num_sms: u32,
+    /// The rank's `ll_num_sms` (0: automatic, [`ll_blocks`]).
+    pub(super) ll_num_sms: u32,
 }
 
 /// Bytes of [`GpuPlacement::encode`].
-const ENCODED: usize = 16 + 1 + 4 + 4 + 4;
+const ENCODED: usize = 16 + 1 + 4 + 4 + 4 + 4;
 
 impl GpuPlacement {
     /// Bytes for the all-gather.
@@ -42,6 +44,7 @@ impl GpuPlacement {
         v.extend_from_slice(&self.sms.to_le_bytes());
         v.extend_from_slice(&self.fit.to_le_bytes());
         v.extend_from_slice(&self.num_sms.to_le_bytes());
+        v.extend_from_slice(&self.ll_num_sms.to_le_bytes());
         v
     }
 
@@ -70,6 +73,7 @@ impl GpuPlacement {
             sms: word(17),
             fit: word(21),
             num_sms: word(25),
+            ll_num_sms: word(29),
         })
     }
 
@@ -96,13 +100,51 @@ pub(super) fn largest_fitting_num_sms(blocks: u32, ranks: usize) -> u32 {
     u32::try_from(blocks as usize / ranks).unwrap_or(u32::MAX)
 }
 
+/// The ranks whose kernels run side by side with rank `r`'s, `r` included: those on its GPU
+/// when any of them runs under MPS, else `r` alone (time-sliced contexts each have the GPU to
+/// themselves).
+fn side_by_side(all: &[GpuPlacement], r: usize) -> usize {
+    let same: Vec<usize> = (0..all.len())
+        .filter(|&q| all[q].uuid == all[r].uuid)
+        .collect();
+    if same.iter().any(|&q| all[q].mps) {
+        same.len()
+    } else {
+        1
+    }
+}
+
+/// The low-latency kernels' blocks on every rank: `ll_num_sms` when the ranks set it, else the
+/// most every rank can have, its GPU's resident blocks divided among the ranks whose kernels
+/// run beside its own. The same on every rank (the kernels' counters count the peers' blocks).
+pub(super) fn ll_blocks(all: &[GpuPlacement], ll_num_sms: u32) -> u32 {
+    if ll_num_sms > 0 {
+        return ll_num_sms;
+    }
+    (0..all.len())
+        .map(|r| largest_fitting_num_sms(all[r].sms.min(all[r].fit), side_by_side(all, r)))
+        .min()
+        .unwrap_or(0)
+        .max(1)
+}
+
 /// Fails unless, on every GPU that ranks share under MPS, the ranks' grids fit at once:
-/// `Σ num_sms ≤ min(SMs, blocks that fit)`. `all[r]` is world rank `r`'s placement; the
-/// error names the GPU, its ranks, `num_sms` and the largest value that fits.
+/// `Σ num_sms ≤ min(SMs, blocks that fit)`, and the same for an `ll_num_sms` the ranks set.
+/// `all[r]` is world rank `r`'s placement; the error names the GPU, its ranks, the field and
+/// the largest value that fits.
 ///
 /// # Errors
-/// [`Error::InvalidArgument`] naming `num_sms`.
+/// [`Error::InvalidArgument`] naming `num_sms` or `ll_num_sms`.
 pub(super) fn check_shared_gpus(all: &[GpuPlacement]) -> Result<()> {
+    check_field(all, "num_sms", |p| p.num_sms)?;
+    check_field(all, "ll_num_sms", |p| p.ll_num_sms)
+}
+
+fn check_field(
+    all: &[GpuPlacement],
+    field: &'static str,
+    get: impl Fn(&GpuPlacement) -> u32,
+) -> Result<()> {
     let mut seen: Vec<[u8; 16]> = Vec::new();
     for p in all {
         if seen.contains(&p.uuid) {
@@ -119,25 +161,25 @@ pub(super) fn check_shared_gpus(all: &[GpuPlacement]) -> Result<()> {
             .map(|&r| all[r].sms.min(all[r].fit))
             .min()
             .unwrap_or(0);
-        let asked: u64 = ranks.iter().map(|&r| u64::from(all[r].num_sms)).sum();
+        let asked: u64 = ranks.iter().map(|&r| u64::from(get(&all[r]))).sum();
         if asked <= u64::from(blocks) {
             continue;
         }
         let n = ranks.len();
-        let num_sms = all[ranks[0]].num_sms;
+        let value = get(&all[ranks[0]]);
         let largest = largest_fitting_num_sms(blocks, n);
         let fix = if largest == 0 {
-            format!("no num_sms fits: run at most {blocks} ranks on one GPU")
+            format!("no {field} fits: run at most {blocks} ranks on one GPU")
         } else {
-            format!("set num_sms to at most {largest} = {blocks} / {n}")
+            format!("set {field} to at most {largest} = {blocks} / {n}")
         };
         return Err(Error::InvalidArgument {
-            argument: "num_sms",
+            argument: field,
             rule: format!(
                 "{n} ranks ({}) share {} under MPS, where their kernels run side by side: \
-                 {n} x num_sms = {asked} blocks cannot all be resident on its {blocks} \
+                 {n} x {field} = {asked} blocks cannot all be resident on its {blocks} \
                  (SMs, or fewer when fewer blocks of the op kernels fit), and the ops' \
-                 cross-rank waits would time out; {fix} (got num_sms = {num_sms})",
+                 cross-rank waits would time out; {fix} (got {field} = {value})",
                 list(&ranks),
                 p.gpu_name(),
             ),
@@ -166,7 +208,32 @@ mod tests {
             sms: 132,
             fit: 264,
             num_sms,
+            ll_num_sms: 0,
         }
+    }
+
+    #[test]
+    fn low_latency_blocks_default_to_every_sm_a_rank_may_use() {
+        // Alone on a GPU, or time-sliced without MPS: the whole GPU.
+        assert_eq!(ll_blocks(&[at(1, false, 24), at(2, false, 24)], 0), 132);
+        assert_eq!(ll_blocks(&[at(1, false, 24), at(1, false, 24)], 0), 132);
+        // Two ranks on one GPU under MPS, one alone on another: every rank gets 66.
+        assert_eq!(
+            ll_blocks(&[at(1, true, 24), at(1, true, 24), at(2, true, 24)], 0),
+            66
+        );
+        // Fewer resident blocks than SMs bound it too; a value the ranks set is kept.
+        let mut few = at(1, false, 24);
+        few.fit = 100;
+        assert_eq!(ll_blocks(&[few], 0), 100);
+        assert_eq!(ll_blocks(&[few], 8), 8);
+        // An explicit value that does not fit beside the other ranks is refused, naming it.
+        let mut big = vec![at(1, true, 16); 4];
+        for p in &mut big {
+            p.ll_num_sms = 40;
+        }
+        let e = check_shared_gpus(&big).unwrap_err().to_string();
+        assert!(e.contains("ll_num_sms") && e.contains("at most 33"), "{e}");
     }
 
     #[test]
@@ -177,6 +244,7 @@ mod tests {
             sms: 132,
             fit: 132,
             num_sms: 24,
+            ll_num_sms: 8,
         };
         assert_eq!(GpuPlacement::decode(3, &p.encode()).unwrap(), p);
         let e = GpuPlacement::decode(3, &p.encode()[..20])

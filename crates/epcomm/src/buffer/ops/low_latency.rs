@@ -103,6 +103,9 @@ struct LlArrays {
     src_info: CudaSlice<i32>,
     layout_range: CudaSlice<i64>,
     route: CudaSlice<i32>,
+    /// `[ll_max_tokens_per_rank][top_k]`: the packed row of each of this rank's own entries
+    /// whose expert is local (a one-kernel combine reduces those straight from `y`).
+    self_row: CudaSlice<i32>,
 }
 
 impl LlRecv {
@@ -323,6 +326,9 @@ impl Buffer {
                 .alloc_zeros::<i64>((epr * self.world).max(1))
                 .context(ctx)?,
             route: s.alloc_zeros::<i32>(rows.max(1)).context(ctx)?,
+            self_row: s
+                .alloc_zeros::<i32>((m * self.cfg.top_k).max(1))
+                .context(ctx)?,
         };
         Ok(LlRecv {
             arrays: Arc::new(arrays),
@@ -423,6 +429,7 @@ impl Buffer {
         let (ri, _g4) = a.src_info.device_ptr(&s);
         let (rl, _g5) = a.layout_range.device_ptr(&s);
         let (rr, _g6) = a.route.device_ptr(&s);
+        let (rself, _g7) = a.self_row.device_ptr(&s);
         let args = OpArgs {
             x,
             topk_idx: idx,
@@ -436,14 +443,15 @@ impl Buffer {
             ll_src_info: ri,
             ll_layout_range: rl,
             ll_route: rr,
+            ll_self_row: rself,
             ..self.base_args()
         };
         // SAFETY: x and topk_idx hold num_tokens rows (checked above) and stay borrowed by the
         // pending op; the kernel writes only the low-latency regions of the symmetric buffers,
-        // sized by the plan every rank shares, and every rank launches it with num_sms blocks.
+        // sized by the plan every rank shares, and every rank launches it with ll_blocks blocks.
         unsafe {
             self.kernels
-                .launch_op(Op::LlDispatchSend, &s, &args, self.cfg.num_sms)
+                .launch_op(Op::LlDispatchSend, &s, &args, self.ll_blocks)
         }?;
         recv.dispatched = Some((format, t));
         Ok(self.launched(abi::op::LL_DISPATCH, args, fused, None))
@@ -581,6 +589,8 @@ impl Buffer {
             let (rc, _g1) = recv.arrays.count.device_ptr(&s);
             let (ri, _g2) = recv.arrays.src_info.device_ptr(&s);
             let (rr, _g3) = recv.arrays.route.device_ptr(&s);
+            let (rl, _g4) = recv.arrays.layout_range.device_ptr(&s);
+            let (rself, _g5) = recv.arrays.self_row.device_ptr(&s);
             let args = OpArgs {
                 x: yp,
                 topk_idx: idx,
@@ -591,16 +601,18 @@ impl Buffer {
                 ll_recv_count: rc,
                 ll_src_info: ri,
                 ll_route: rr,
+                ll_layout_range: rl,
+                ll_self_row: rself,
                 ..self.base_args()
             };
             // SAFETY: y holds every packed row the counts of `recv` name (checked: its full
             // capacity), `recv`'s routing was written by its dispatch earlier on this stream,
             // and every destination row lies in the sources' combine regions ([token][k],
-            // token below the source's dispatch count); every rank launches with num_sms
+            // token below the source's dispatch count); every rank launches with ll_blocks
             // blocks. The guards record the arrays' events after this kernel.
             unsafe {
                 self.kernels
-                    .launch_op(Op::LlCombineSend, &s, &args, self.cfg.num_sms)
+                    .launch_op(Op::LlCombineSend, &s, &args, self.ll_blocks)
             }?;
             args
         };
@@ -640,7 +652,7 @@ impl Buffer {
         // still borrows; its send phase was the last op issued on this stream (checked above).
         unsafe {
             self.kernels
-                .launch_op(pending.op, &s, &pending.args, self.cfg.num_sms)
+                .launch_op(pending.op, &s, &pending.args, self.ll_blocks)
         }?;
         pending.armed = false;
         self.mark_launch();
