@@ -396,6 +396,42 @@ impl LlTimer {
     }
 }
 
+impl LlTimer {
+    /// The period of a decode step's communication replayed from a CUDA graph: an FP8
+    /// low-latency dispatch and the combine of the same rows, captured once
+    /// ([`Buffer::capture`]) and replayed `iters` times, each after an L2 flush, with events
+    /// around the replay. Median microseconds. Collective.
+    ///
+    /// Turns off cudarc's per-allocation event tracking on the buffer's context for good (a
+    /// capture must not record the tracking events): every array of the timer and the buffer
+    /// lives on the buffer's one stream, so no cross-stream ordering is lost.
+    pub fn graph_period(&mut self, buf: &mut Buffer, iters: usize) -> Result<f64> {
+        // SAFETY: the timer's arrays, the flush buffer and the buffer's ops all use the buffer's
+        // stream (see above), which orders them without the tracking events.
+        unsafe { self.ctx.disable_event_tracking() };
+        let fp8 = LlFormat::Fp8 { round_scale: false };
+        let graph = {
+            let (io, recv) = (&mut self.io, &mut self.recv);
+            buf.capture(|b| {
+                b.ll_dispatch(&io.input(), fp8, recv)?;
+                b.ll_combine(&io.y, &io.idx, &io.w, recv, &mut io.out)
+            })?
+        };
+        for _ in 0..3 {
+            buf.replay(&graph)?;
+        }
+        let mut events = Vec::with_capacity(iters);
+        for _ in 0..iters {
+            let (start, end) = flushed_events(&self.ctx, &self.stream, &mut self.flush)?;
+            buf.replay(&graph)?;
+            end.record(&self.stream)?;
+            events.push((start, end));
+        }
+        buf.synchronize()?;
+        Ok(median(&elapsed_us(&events)?))
+    }
+}
+
 /// One timed call's events: flushes L2 (zeroes `flush` on `stream`), then records and returns
 /// the start event; the caller issues the op and records the end event.
 ///

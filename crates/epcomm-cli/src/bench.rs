@@ -323,6 +323,16 @@ fn run_bench(
                     ));
                 }
             }
+            if plan.fp8 {
+                let t = ll.graph_period(&mut buf, args.iters)?;
+                let times = every_rank(boot, &format!("bench-{sms}-ll-graph"), t)?;
+                let slowest = times.iter().copied().fold(f64::NAN, f64::max);
+                progress.say(format_args!(
+                    "      decode step from a CUDA graph (LL dispatch FP8 + LL combine, replayed, \
+                     L2 flushed before each replay) at {ll_sms} SMs: {slowest:.1} us (slowest \
+                     rank's median)"
+                ));
+            }
         }
         if let (Some((late, delay_us)), 0) = (plan.delay, i) {
             skew = Some(skew_demo(&mut buf, &dev, boot, late, delay_us)?);
