@@ -159,6 +159,20 @@ fn without_final_wait_a_combine_overwrites_unreduced_contributions() {
             assert_eq!(expected, combine_word(1, 1, row));
             assert_eq!(found, combine_word(3, 1, row), "overwritten by combine 3");
         }
+        // The same bug seen one step earlier: when rank 0 is slower still (a loaded machine),
+        // rank 1, two ops ahead, has overwritten the intent slot rank 0 checks after its last
+        // wait of an earlier op ([A2]: two slots hold only while no rank is two ops ahead).
+        Violation::Intent {
+            rank: 0,
+            peer: 1,
+            expected,
+            seen,
+            ..
+        } => assert_eq!(
+            seen >> 32,
+            (expected >> 32) + 2,
+            "rank 1's intent of two ops later in rank 0's slot"
+        ),
         other => panic!("expected an overwritten comb slot, got {other}"),
     }
 }
