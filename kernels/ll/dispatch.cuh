@@ -51,7 +51,7 @@ __device__ __forceinline__ uint2 cast_fp8x8(const int4& v, bool round_scale, flo
 
 template <class Net>
 __device__ __forceinline__ void dispatch_unpack(const OpArgs& a, Shared& s, uint32_t* dyn,
-                                                Schedule<Net>& sched, bool ok);
+                                                Schedule<Net>& sched);
 
 // Steps of a send work item: 256 channels each (8 per lane), at most kCastUnroll loaded
 // together; a row that goes through the transport is one item.
@@ -273,8 +273,8 @@ __device__ __forceinline__ void dispatch_send(const OpArgs& a, Shared& s, uint32
     Net::publish_add(u64_at(s.bases[tid], a.off_done) + me, 1, tid,
                      Net::remote(a.remote_mask, tid));
   if ((a.flags & kFlagFused) != 0) {  // no hook: the receive phase in the same kernel
-    return dispatch_unpack<Net>(a, s, dyn, sched,
-                                await_sends_part<Net>(a, s, sched, kWaitLlDispatch));
+    if (!await_sends<Net>(a, s, sched, kWaitLlDispatch)) return;
+    return dispatch_unpack<Net>(a, s, dyn, sched);
   }
   epilogue(a, s, sched.count);
 }
@@ -286,15 +286,14 @@ template <class Net>
 __device__ __forceinline__ void dispatch_recv(const OpArgs& a, Shared& s, uint32_t* dyn) {
   Schedule<Net> sched(a);
   // [L5] every source finished its send phase.
-  if (!prologue<Net>(a, s, kOpLlDispatchRecv)) return;
-  dispatch_unpack<Net>(a, s, dyn, sched, await_sends_part<Net>(a, s, sched, kWaitLlDispatch));
+  if (!begin_receive<Net>(a, s, sched, kOpLlDispatchRecv, kWaitLlDispatch)) return;
+  dispatch_unpack<Net>(a, s, dyn, sched);
 }
 
-// [L6]-[L7] after this thread's part of [L5] (`ok`: await_sends_part, whose block barrier is
-// the count waits' below), then the op's epilogue.
+// [L6]-[L7] after [L5], then the op's epilogue.
 template <class Net>
 __device__ __forceinline__ void dispatch_unpack(const OpArgs& a, Shared& s, uint32_t* dyn,
-                                                Schedule<Net>& sched, bool ok) {
+                                                Schedule<Net>& sched) {
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int world = a.world, me = a.rank, K = a.top_k;
   const int epr = a.num_experts / world, M = a.ll_max_tokens;
@@ -305,10 +304,9 @@ __device__ __forceinline__ void dispatch_unpack(const OpArgs& a, Shared& s, uint
   uint8_t* const local = s.bases[me];
   uint64_t* const stats = u64_at(local, a.off_stats);
   const uint64_t t_start = stats[kStatStart];  // written by the send phase (stats span both)
+  bool ok = true;
   // [L6] first packed row of every (local expert, source); counts and ranges (block 0). Every
-  // count word has a thread of its own (the waits overlap, and overlap [L5]'s: a count is
-  // tagged with the op, so it needs no done counter; the rows are read only after the block
-  // barrier that closes both), then prefixes in shared memory.
+  // count word has a thread of its own (the waits overlap), then prefixes in shared memory.
   const uint64_t* counts = u64_at(local, a.off_ll_counts + par);
   int* first = reinterpret_cast<int*>(dyn);  // [epr][world]: rows, then first packed row
   for (int i = tid; ok && i < (epr + 1) * world; i += kThreads) {

@@ -104,12 +104,11 @@ __device__ __forceinline__ float pow2_ceil(float x) {
 }
 
 // [G2] then [L5]: every peer's send phase of this op is done (monotonic done counters; block
-// 0 records when each peer's arrived, for the stats), this thread's part: the return value is
-// this thread's `ok`, and the caller closes the step with `all_ok` (so it can fold more waits
-// into the same block barrier). `sched.barrier` is block-uniform.
+// 0 records when each peer's arrived, for the stats). False (block-uniform) when the op must
+// stop. A fused send kernel (kFlagFused) calls it right after its own [L4].
 template <class Net>
-__device__ __forceinline__ bool await_sends_part(const OpArgs& a, Shared& s, Schedule<Net>& sched,
-                                                 uint32_t wait_id) {
+__device__ __forceinline__ bool await_sends(const OpArgs& a, Shared& s, Schedule<Net>& sched,
+                                            uint32_t wait_id) {
   if (!sched.barrier(a, s)) return false;  // [G2]
   bool ok = true;
   const int tid = threadIdx.x;
@@ -125,15 +124,6 @@ __device__ __forceinline__ bool await_sends_part(const OpArgs& a, Shared& s, Sch
     if (ok && block0) u64_at(local, a.off_stats)[kStatPeers + 2 * a.world + tid] = arrived;
     ok = ok && (!block0 || check_intent<Net>(s.wait, tid, intent));
   }
-  return ok;
-}
-
-// await_sends_part closed by its block barrier: false (block-uniform) when the op must stop. A
-// fused send kernel (kFlagFused) calls it right after its own [L4].
-template <class Net>
-__device__ __forceinline__ bool await_sends(const OpArgs& a, Shared& s, Schedule<Net>& sched,
-                                            uint32_t wait_id) {
-  const bool ok = await_sends_part<Net>(a, s, sched, wait_id);
   return all_ok(s, ok);
 }
 

@@ -92,10 +92,25 @@ pub fn ll_smem_words(cfg: &BufferConfig, world: usize) -> Result<usize> {
         return Ok(0);
     }
     let e = cfg.num_experts;
+    let limit = epcomm_kernels::LL_MAX_SMEM_BYTES;
+    let tables = tables_words(e, world);
+    if tables.saturating_mul(4) > limit {
+        return Err(Error::InvalidArgument {
+            argument: "num_experts",
+            rule: format!(
+                "the low-latency kernels' per-expert tables of {e} experts on {world} ranks, {} \
+                 bytes, must fit in {limit} bytes of shared memory (3 words per expert of a rank \
+                 and one per expert of the world): at most {} experts per rank, {} in all; plan \
+                 no low-latency memory (ll_max_tokens_per_rank = 0) or use more ranks",
+                tables.saturating_mul(4),
+                (limit / 4 - 1) / 3,
+                limit / 4 - 1
+            ),
+        });
+    }
     let words = (e.saturating_add(world))
         .saturating_mul(m.div_ceil(32))
-        .max(tables_words(e, world));
-    let limit = epcomm_kernels::LL_MAX_SMEM_BYTES;
+        .max(tables);
     if words.saturating_mul(4) > limit {
         return Err(Error::InvalidArgument {
             argument: "ll_max_tokens_per_rank",
@@ -272,6 +287,15 @@ mod tests {
         assert_eq!(ll_smem_words(&small, 1).unwrap(), 3 * 64 + 1);
         assert_eq!(ll_smem_words(&small, 4).unwrap(), 68);
         assert_eq!(ll_smem_words(&small, 2).unwrap(), 3 * 32 + 1);
+        // Too many experts for the tables, whatever the token count: the experts are named.
+        let mut wide = BufferConfig::new(8, 128, 1, 4096);
+        wide.ll_max_tokens_per_rank = 1;
+        let e = ll_smem_words(&wide, 1).unwrap_err().to_string();
+        assert!(
+            e.contains("num_experts") && e.contains("at most 2730 experts per rank"),
+            "{e}"
+        );
+        assert!(ll_smem_words(&wide, 2).is_ok());
     }
 
     #[test]

@@ -281,7 +281,8 @@ impl Buffer {
 
     /// This rank's global-barrier counters (one per peer: barrier arrivals received). They stay
     /// 0 under the Epoch strategy, which issues no barrier; under Global each op adds
-    /// `barriers * num_sms` per peer. Waits for issued ops.
+    /// `barriers * blocks` per peer (`num_sms`, or [`Buffer::ll_num_blocks`] for the
+    /// low-latency ops). Waits for issued ops.
     pub fn barrier_counters(&mut self) -> Result<Vec<u64>> {
         self.synchronize()?;
         self.read_local_words(RegionKind::BarrierCounters, self.world)

@@ -111,14 +111,33 @@ impl Buffer {
         // Waits across blocks and ranks need every block resident (kernels also launch
         // cooperatively, so a grid that cannot be co-resident fails instead of hanging).
         let fit = kernels.max_coresident_blocks(sms, ll_smem_words * 4)?;
-        if cfg.ll_num_sms > sms.min(fit) {
+        // The low-latency SMs matter only where low-latency memory is planned.
+        let ll_num_sms = if cfg.ll_max_tokens_per_rank > 0 {
+            cfg.ll_num_sms
+        } else {
+            0
+        };
+        if ll_num_sms > 0
+            && caps.kernel_family == epcomm_kernels::KernelFamily::CpuProxy
+            && ll_num_sms > cfg.num_sms
+        {
+            return invalid(
+                "ll_num_sms",
+                format!(
+                    "at most num_sms = {} on a CPU-proxy transport (asked for {ll_num_sms}): \
+                     the proxy's copies may need SMs beside the kernels that wait for them",
+                    cfg.num_sms
+                ),
+            );
+        }
+        if ll_num_sms > sms.min(fit) {
             return invalid(
                 "ll_num_sms",
                 format!(
                     "at most {} blocks of the low-latency kernels fit on this GPU at once \
                      (asked for {}; 0 takes every SM this rank may use)",
                     sms.min(fit),
-                    cfg.ll_num_sms
+                    ll_num_sms
                 ),
             );
         }
@@ -157,7 +176,7 @@ impl Buffer {
             sms,
             fit,
             num_sms: cfg.num_sms,
-            ll_num_sms: cfg.ll_num_sms,
+            ll_num_sms,
         };
         let placements = transport
             .bootstrap()
@@ -169,13 +188,12 @@ impl Buffer {
         check_shared_gpus(&placements)?;
         // The CPU proxy's copies may need SMs of their own (a copy within one GPU can run as a
         // kernel): its low-latency kernels, which wait for those copies, keep to num_sms.
-        let ll_blocks = if cfg.ll_num_sms == 0
-            && caps.kernel_family == epcomm_kernels::KernelFamily::CpuProxy
-        {
-            cfg.num_sms
-        } else {
-            ll_blocks(&placements, cfg.ll_num_sms)
-        };
+        let ll_blocks =
+            if ll_num_sms == 0 && caps.kernel_family == epcomm_kernels::KernelFamily::CpuProxy {
+                cfg.num_sms
+            } else {
+                ll_blocks(&placements, ll_num_sms)
+            };
         // SAFETY: the module was loaded in `ctx` from the image of the transport's family and
         // `kernels` keeps it loaded; the binding is declared before `kernels` in `Buffer`, so it
         // is dropped first.

@@ -20,6 +20,7 @@ use epcomm_kernels::abi::{self, OpArgs};
 use epcomm_topology::{RowDtype, RowFormat};
 
 use crate::buffer::Buffer;
+use crate::buffer::ops::staging::DeviceRange;
 use crate::buffer::pointers::{ROW_ALIGN, check_device_ptr};
 use crate::buffer::validate::exact_len;
 use crate::error::DriverContext;
@@ -584,6 +585,29 @@ impl Buffer {
             check_device_ptr("topk_idx", idx, t * k * 8, 8, ordinal)?;
             check_device_ptr("topk_weights", w, t * k * 4, 4, ordinal)?;
             check_device_ptr("out", o, t * hidden * 2, ROW_ALIGN, ordinal)?;
+            // One kernel reads this rank's own rows from `y` while other warps write `out`.
+            let (y_range, out_range) = (
+                DeviceRange {
+                    ptr: yp,
+                    bytes: (y.len() * 2) as u64,
+                },
+                DeviceRange {
+                    ptr: o,
+                    bytes: (t * hidden * 2) as u64,
+                },
+            );
+            if fused && y_range.bytes > 0 && out_range.bytes > 0 && y_range.overlaps(out_range) {
+                return Err(Error::InvalidArgument {
+                    argument: "out",
+                    rule: format!(
+                        "overlaps y ({o:#x}..{:#x} against {yp:#x}..{:#x}): ll_combine reads y \
+                         while it writes out; pass out elsewhere, or use ll_combine_send and \
+                         ll_receive",
+                        o + out_range.bytes,
+                        yp + y_range.bytes
+                    ),
+                });
+            }
             // The send phase puts rows straight from `y`.
             self.prepare_put_source("y", yp, y.len() * 2)?;
             let (rc, _g1) = recv.arrays.count.device_ptr(&s);

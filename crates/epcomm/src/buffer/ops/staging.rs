@@ -43,7 +43,7 @@ pub(in crate::buffer) struct DeviceRange {
 }
 
 impl DeviceRange {
-    fn overlaps(self, other: DeviceRange) -> bool {
+    pub(in crate::buffer) fn overlaps(self, other: DeviceRange) -> bool {
         self.ptr < other.ptr.saturating_add(other.bytes)
             && other.ptr < self.ptr.saturating_add(self.bytes)
     }
