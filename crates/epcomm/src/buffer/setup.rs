@@ -316,7 +316,15 @@ fn fingerprint(
         .with("world", world)
         .with("ranks_per_node", ranks_per_node)
         .with("num_sms", cfg.num_sms)
-        .with("ll_num_sms", cfg.ll_num_sms)
+        // As Buffer::new uses it: without low-latency memory the value plays no part.
+        .with(
+            "ll_num_sms",
+            if cfg.ll_max_tokens_per_rank > 0 {
+                cfg.ll_num_sms
+            } else {
+                0
+            },
+        )
         .with("max_tokens_per_rank", cfg.max_tokens_per_rank)
         .with("hidden", cfg.hidden)
         .with("top_k", cfg.top_k)
