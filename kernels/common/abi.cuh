@@ -22,7 +22,7 @@ namespace epcomm {
 
 /// Version of the kernel protocol and argument blocks; ranks compare it when a `Buffer` is
 /// built. Bump it with any change of this header or of the kernels' cross-rank protocol.
-constexpr uint64_t kAbiVersion = 12;
+constexpr uint64_t kAbiVersion = 13;
 
 /// Largest world size the intranode kernels support (shared-memory tables are this large).
 constexpr size_t kMaxWorld = 64;
@@ -104,6 +104,7 @@ enum OpFlags : uint32_t {  // rust: mod flags, strip kFlag
   kFlagInPlace = 1u << 4,     ///< Combine pulls y from every rank's latest dispatch receive region.
   kFlagRoundScale = 1u << 5,  ///< Low-latency FP8 dispatch: scales rounded up to powers of two.
   kFlagFused = 1u << 6,       ///< Low-latency send kernel also runs the receive phase (no hook).
+  kFlagRecvPhase = 1u << 7,   ///< Low-latency kernel: run the receive phase only (the hook).
 };
 
 /// An op's intent word ([A1], docs/protocol.md "Op agreement"): (op sequence number, low 32
@@ -281,6 +282,10 @@ struct LayoutArgs {
   uint64_t err_record;     ///< Host-mapped ErrorRecord.
   uint64_t err_claim;      ///< Device u32.
   uint64_t num_tokens_ptr;  ///< 0, or a device i32: the token count (at most num_tokens).
+  uint64_t in_rank;        ///< 0 (route by topk_idx), or [T][world] u8 (nonzero: the token goes
+                           ///< to that rank): route by it, topk_idx unused.
+  uint64_t expert_counts;  ///< With in_rank: [E] i32 top-k entries per expert (copied into
+                           ///< `counts` as they are).
   int32_t num_tokens;      ///< Tokens of this rank.
   int32_t top_k;           ///< Experts per token.
   int32_t num_experts;     ///< Experts in the world.

@@ -13,6 +13,10 @@ constexpr int kHistChunk = 4096;  // experts per histogram block (HIST_CHUNK in 
 // there, deterministic), blocks [world, world + nodes) do the same per node, and the remaining
 // blocks build the per-expert histogram in chunks of kHistChunk experts. The first histogram
 // block also validates every top-k id and writes `status`.
+//
+// With `in_rank` the routing is given instead of computed: a token goes to rank g where
+// in_rank[t][g] is nonzero (to a node where it goes to one of its ranks), and the per-expert
+// counts are `expert_counts`, copied.
 __device__ __forceinline__ void layout(const LayoutArgs& a) {
   __shared__ int s_warp[kWarps];
   __shared__ uint32_t s_hist[kHistChunk];
@@ -25,6 +29,7 @@ __device__ __forceinline__ void layout(const LayoutArgs& a) {
                     : min(a.num_tokens, *reinterpret_cast<const int32_t*>(a.num_tokens_ptr));
   const int K = a.top_k, epr = E / world;
   const int64_t* idx = reinterpret_cast<const int64_t*>(a.topk_idx);
+  const uint8_t* in_rank = reinterpret_cast<const uint8_t*>(a.in_rank);
   uint32_t* counts = reinterpret_cast<uint32_t*>(a.counts);
   const int b = blockIdx.x;
 
@@ -38,7 +43,15 @@ __device__ __forceinline__ void layout(const LayoutArgs& a) {
     for (int t0 = 0; t0 < T; t0 += kThreads) {
       const int t = t0 + tid;
       int flag = 0;
-      if (t < T)
+      if (t < T && in_rank != nullptr) {
+        const int64_t row = static_cast<int64_t>(t) * world;
+        if (is_rank) {
+          flag = in_rank[row + g] != 0 ? 1 : 0;
+        } else {
+          for (int r = g * a.gpus_per_node; r < (g + 1) * a.gpus_per_node; ++r)
+            flag |= in_rank[row + r] != 0 ? 1 : 0;
+        }
+      } else if (t < T)
         for (int k = 0; k < K; ++k) {
           const int64_t v = idx[static_cast<int64_t>(t) * K + k];
           flag |= (v >= lo && v < hi) ? 1 : 0;
@@ -91,6 +104,14 @@ __device__ __forceinline__ void layout(const LayoutArgs& a) {
     w.intent = 0;
   }
   __syncthreads();
+  if (in_rank != nullptr) {
+    // Given counts are only reported back (the receivers' per-expert counts), never used as
+    // sizes or offsets: copied as they are.
+    const uint32_t* given = reinterpret_cast<const uint32_t*>(a.expert_counts);
+    for (int i = tid; i < n; i += kThreads) counts[world + lo + i] = given[lo + i];
+    if (chunk == 0 && tid == 0) *reinterpret_cast<uint32_t*>(a.status) = 0;
+    return;
+  }
   const int64_t total = static_cast<int64_t>(T) * K;
   for (int64_t i = tid; i < total; i += kThreads) {
     const int64_t v = idx[i];

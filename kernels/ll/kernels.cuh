@@ -9,16 +9,21 @@
 #include "ll/dispatch.cuh"
 #include "ll/shared.cuh"
 
-#define EPCOMM_LL_KERNEL(name, body, Net)                                                     \
-  extern "C" __global__ void __launch_bounds__(epcomm::ll::kThreads, 1)                      \
-      name(const epcomm::OpArgs a) {                                                          \
-    __shared__ epcomm::ll::Shared s;                                                          \
-    extern __shared__ uint32_t epcomm_ll_dyn[];                                               \
-    epcomm::ll::body<Net>(a, s, epcomm_ll_dyn);                                               \
+// One kernel per op, named epcomm::ll::dispatch and epcomm::ll::combine (profilers list them
+// under those names): the send phase, or with kFlagRecvPhase the receive phase (a hook's);
+// with kFlagFused the send phase runs the receive phase too.
+#define EPCOMM_LL_KERNEL(name, send, recv, Net)                                                \
+  namespace epcomm::ll {                                                                       \
+  __global__ void __launch_bounds__(kThreads, 1) name(const OpArgs a) {                       \
+    __shared__ Shared s;                                                                       \
+    extern __shared__ uint32_t epcomm_ll_dyn[];                                                \
+    if ((a.flags & kFlagRecvPhase) != 0)                                                       \
+      recv<Net>(a, s, epcomm_ll_dyn);                                                          \
+    else                                                                                       \
+      send<Net>(a, s, epcomm_ll_dyn);                                                          \
+  }                                                                                            \
   }
 
-#define EPCOMM_LL_KERNELS(Net)                                                                \
-  EPCOMM_LL_KERNEL(epcomm_ll_dispatch_send, dispatch_send, Net)                               \
-  EPCOMM_LL_KERNEL(epcomm_ll_dispatch_recv, dispatch_recv, Net)                               \
-  EPCOMM_LL_KERNEL(epcomm_ll_combine_send, combine_send, Net)                                 \
-  EPCOMM_LL_KERNEL(epcomm_ll_combine_recv, combine_recv, Net)
+#define EPCOMM_LL_KERNELS(Net)                                                                 \
+  EPCOMM_LL_KERNEL(dispatch, dispatch_send, dispatch_recv, Net)                                \
+  EPCOMM_LL_KERNEL(combine, combine_send, combine_recv, Net)

@@ -608,6 +608,12 @@ class Buffer:
         (a :class:`DispatchHandle`): cached dispatch along that routing (``topk_idx`` and
         ``topk_weights`` must be None).
 
+        Without ``topk_idx`` (and without ``handle``) the routing is given, as in DeepEP:
+        ``is_token_in_rank`` (``[num_tokens, num_ranks]`` bool) says where each token goes and
+        ``num_tokens_per_expert`` (``[num_experts]`` int32) is reported to the receivers as
+        their per-expert counts; only rows travel (``recv_topk_idx`` and
+        ``recv_topk_weights`` are None; ``topk_weights`` must be None).
+
         ``num_worst_tokens = 0``: the host waits for the receive count and the outputs have
         exactly the received rows. ``num_worst_tokens > 0``: no host wait (CUDA-graph
         capturable when ``>= num_ranks * max_tokens_per_rank``); outputs have
@@ -621,7 +627,7 @@ class Buffer:
         Returns ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list,
         handle, event)``; a cached dispatch returns ``(recv_x, None, None, None, None, event)``.
         """
-        del num_tokens_per_rank, num_tokens_per_expert  # the native layout holds them
+        del num_tokens_per_rank  # the native layout holds it
         if num_tokens_per_rdma_rank is not None:
             fail("num_tokens_per_rdma_rank", "must be None: epcomm's normal mode has no RDMA ranks")
         check_int("expert_alignment", expert_alignment, minimum=1)
@@ -632,14 +638,27 @@ class Buffer:
             if topk_idx is not None or topk_weights is not None:
                 fail("handle", "a cached dispatch (handle given) takes no topk_idx or topk_weights")
             return self._cached_dispatch(x, handle, previous_event, async_finish, allocate_on_comm_stream, zero_copy)
-        if topk_idx is None:
-            fail("topk_idx", "a dispatch without a handle needs topk_idx")
         x, scales, dx, ds = self._x(x)
         n = dx.shape[0]
-        d_idx = self._tensor("topk_idx", topk_idx, ("int64",), (n, self.num_topk), ("num_tokens", "num_topk"))
-        d_w = None
-        if topk_weights is not None:
-            d_w = self._tensor("topk_weights", topk_weights, ("float32",), (n, self.num_topk), ("num_tokens", "num_topk"))
+        d_idx = d_w = d_in = d_pe = None
+        if topk_idx is not None:
+            d_idx = self._tensor("topk_idx", topk_idx, ("int64",), (n, self.num_topk), ("num_tokens", "num_topk"))
+            if topk_weights is not None:
+                d_w = self._tensor(
+                    "topk_weights", topk_weights, ("float32",), (n, self.num_topk), ("num_tokens", "num_topk")
+                )
+        else:
+            if topk_weights is not None:
+                fail("topk_weights", "weights travel only with topk_idx: a dispatch without topk_idx takes none")
+            for name, value in (("is_token_in_rank", is_token_in_rank), ("num_tokens_per_expert", num_tokens_per_expert)):
+                if value is None:
+                    fail(name, "a dispatch without topk_idx (and without handle) routes by is_token_in_rank and num_tokens_per_expert: pass both")
+            d_in = self._tensor(
+                "is_token_in_rank", is_token_in_rank, ("bool",), (n, self.group_size), ("num_tokens", "num_ranks")
+            )
+            d_pe = self._tensor(
+                "num_tokens_per_expert", num_tokens_per_expert, ("int32",), (self.num_experts,), ("num_experts",)
+            )
         op = StreamOp(self._comm, previous_event, async_finish, allocate_on_comm_stream)
         host_sync = num_worst_tokens == 0
         self._check_graph_state(op, host_sync, zero_copy, "dispatch")
@@ -651,8 +670,15 @@ class Buffer:
                 f"(got {num_worst_tokens})",
             )
         op.use(x, scales, topk_idx, topk_weights)
+        if d_idx is None:
+            op.use(is_token_in_rank, num_tokens_per_expert)
         op.begin()
-        layout = self._layout_of(is_token_in_rank, d_idx, op)
+        if d_idx is None:
+            layout = self._layout(n, op)
+            self._session.layout_from_ranks_into((d_in.ptr, d_in.numel), (d_pe.ptr, d_pe.numel), layout.native)
+            layout.topk_ptr = None
+        else:
+            layout = self._layout_of(is_token_in_rank, d_idx, op)
         handle_slot = None
         if host_sync:
             mode, bound, native_handle = "host_sync", 0, None
@@ -665,7 +691,7 @@ class Buffer:
             layout.native,
             (dx.ptr, dx.numel),
             None if ds is None else (ds.ptr, ds.numel),
-            (d_idx.ptr, d_idx.numel),
+            None if d_idx is None else (d_idx.ptr, d_idx.numel),
             None if d_w is None else (d_w.ptr, d_w.numel),
             mode,
             bound,
@@ -673,7 +699,7 @@ class Buffer:
         )
         rows = out.num_recv if host_sync else num_worst_tokens
         count_ptr = None if host_sync else self._count_ptr(out.handle)
-        recv = self._outputs(op, out, rows, scales is not None, True, topk_weights is not None, zero_copy, count_ptr)
+        recv = self._outputs(op, out, rows, scales is not None, d_idx is not None, d_w is not None, zero_copy, count_ptr)
         if not host_sync and not zero_copy:
             self._mask_padding(self._count(out.handle, handle_slot), recv[1], recv[2], rows)
         per_expert = aligned_counts(out.per_expert, expert_alignment) if host_sync else []

@@ -411,6 +411,75 @@ def zero_copy(ctx):
     ctx.log("zero copy + in-place combine: ok")
 
 
+def rows_only(ctx):
+    """A dispatch without topk_idx routes by is_token_in_rank and num_tokens_per_expert
+    (DeepEP's form): the same rows, per-expert counts and combine as the dispatch with ids, no
+    ids or weights received; BF16 and FP8, host-synchronised and worst-case counts, cached
+    dispatch; missing routing or weights without ids raise naming them."""
+    world, rank, dev = ctx.world, ctx.rank, ctx.device
+    hidden, top_k, experts, tokens = 256, 3, 4 * world, 97
+    buf = ctx.buffer(tokens, hidden, top_k, experts)
+    bounded = sum(tokens - 13 * r for r in range(world))  # every token of round 3, below the capacity
+    for rnd, (fp8, worst) in enumerate([(False, None), (True, None), (False, world * tokens), (True, bounded)]):
+        inputs = [
+            ref.make_inputs(
+                r, tokens - 13 * r * (rnd % 2), hidden, top_k, experts, world, 40 + rnd, mask=0.25, skew_to=0 if rnd == 2 else None
+            )
+            for r in range(world)
+        ]
+        received = [ref.dispatch(inputs, r, experts) for r in range(world)]
+        mine, want = inputs[rank], received[rank]
+        want_rank, want_expert, want_in = ref.layout(mine.topk_idx, experts, world)
+        x = (mine.x_fp8.to(dev), mine.scales.to(dev)) if fp8 else mine.x.to(dev)
+        recv_x, ri, rw, lst, handle, _ = buf.dispatch(
+            x,
+            num_tokens_per_rank=want_rank.to(dev),
+            is_token_in_rank=want_in.to(dev),
+            num_tokens_per_expert=want_expert.to(dev),
+            num_worst_tokens=worst or 0,
+        )
+        assert ri is None and rw is None, (ri, rw)
+        n = want.topk_idx.shape[0]
+        if fp8:
+            same("rows-only recv_x (fp8)", recv_x[0][:n], want.x_fp8)
+            same("rows-only recv_x scales", recv_x[1][:n], want.scales)
+        else:
+            same("rows-only recv_x", recv_x[:n], want.x)
+        if worst is None:
+            assert lst == want.per_expert, (lst, want.per_expert)
+            assert handle.num_recv_tokens == n
+        else:
+            assert lst == [] and recv_x[0 if fp8 else slice(None)].shape[0] == worst
+        x2 = mine.x.neg()
+        got2, *_ = buf.dispatch(x2.to(dev), handle=handle)
+        want2 = ref.dispatch([ref.RankInputs(i.x.neg(), i.topk_idx, i.topk_weights) for i in inputs], rank, experts)
+        same("rows-only cached recv_x", got2[:n], want2.x)
+        ys = [ref.expert_output(rec.x, r) for r, rec in enumerate(received)]
+        rows = n if worst is None else worst
+        y = torch.zeros((rows, hidden), dtype=torch.bfloat16)
+        y[:n] = ys[rank]
+        out, out_w, _ = buf.combine(y.to(dev), handle)
+        want_x, _ = ref.combine(received, ys, None, rank, mine.x.shape[0], hidden, top_k)
+        same("rows-only combined x", out, want_x)
+        assert out_w is None
+        ctx.log(f"rows only fp8={fp8} worst={worst}: ok")
+    mine = inputs[rank]
+    _, want_expert, want_in = ref.layout(mine.topk_idx, experts, world)
+    x = mine.x.to(dev)
+    expect_raises(epcomm.InvalidArgumentError, lambda: buf.dispatch(x, is_token_in_rank=want_in.to(dev)), "num_tokens_per_expert")
+    expect_raises(
+        epcomm.InvalidArgumentError,
+        lambda: buf.dispatch(x, num_tokens_per_expert=want_expert.to(dev), is_token_in_rank=want_in.to(dev), topk_weights=mine.topk_weights.to(dev)),
+        "topk_weights",
+    )
+    expect_raises(
+        epcomm.InvalidArgumentError,
+        lambda: buf.dispatch(x, num_tokens_per_expert=want_expert.to(dev), is_token_in_rank=want_in.int().to(dev)),
+        "is_token_in_rank",
+    )
+    buf.destroy()
+
+
 def outputs_kept(ctx):
     """A combine leaves the dispatch's outputs as they are: zero-copy views of the receive rows
     (and their weights) read after a combine still hold what the dispatch delivered, with the
@@ -907,4 +976,5 @@ def low_latency_refusals(ctx):
 CASES["low_latency"] = low_latency
 CASES["low_latency_refusals"] = low_latency_refusals
 CASES["outputs_kept"] = outputs_kept
+CASES["rows_only"] = rows_only
 CASES["ll_hook_order"] = ll_hook_order

@@ -29,11 +29,14 @@ def test_suite_shapes(transport, schedule):
     h.launch("suite", n, transport, schedule)
 
 
-@pytest.mark.parametrize("case", ["events", "graphs", "zero_copy", "outputs_kept", "ll_hook_order", "stats", "bad_inputs"])
+@pytest.mark.parametrize(
+    "case", ["events", "graphs", "zero_copy", "outputs_kept", "rows_only", "ll_hook_order", "stats", "bad_inputs"]
+)
 def test_api(case):
     """Events and stream ordering, CUDA-graph capture and replay, zero-copy views and
-    in-place combine, dispatch outputs left alone by combine, low-latency hooks ordered after
-    the caller's stream, wait statistics, bad input -> exceptions."""
+    in-place combine, dispatch outputs left alone by combine, dispatch without top-k ids
+    (routing given by ranks), low-latency hooks ordered after the caller's stream, wait
+    statistics, bad input -> exceptions."""
     h.launch(case, h.world())
 
 

@@ -3,7 +3,7 @@
 
 /// Version of the kernel protocol and argument blocks; ranks compare it when a `Buffer` is
 /// built. Bump it with any change of this header or of the kernels' cross-rank protocol.
-pub const ABI_VERSION: u64 = 12;
+pub const ABI_VERSION: u64 = 13;
 
 /// Largest world size the intranode kernels support (shared-memory tables are this large).
 pub const MAX_WORLD: usize = 64;
@@ -132,6 +132,8 @@ pub mod flags {
     pub const ROUND_SCALE: u32 = 1 << 5;
     /// Low-latency send kernel also runs the receive phase (no hook).
     pub const FUSED: u32 = 1 << 6;
+    /// Low-latency kernel: run the receive phase only (the hook).
+    pub const RECV_PHASE: u32 = 1 << 7;
 }
 
 /// An op's intent word (\[A1\], docs/protocol.md "Op agreement"): (op sequence number, low 32
@@ -423,6 +425,12 @@ pub struct LayoutArgs {
     pub err_claim: u64,
     /// 0, or a device i32: the token count (at most num_tokens).
     pub num_tokens_ptr: u64,
+    /// 0 (route by topk_idx), or \[T\]\[world\] u8 (nonzero: the token goes
+    /// to that rank): route by it, topk_idx unused.
+    pub in_rank: u64,
+    /// With in_rank: \[E\] i32 top-k entries per expert (copied into
+    /// `counts` as they are).
+    pub expert_counts: u64,
     /// Tokens of this rank.
     pub num_tokens: i32,
     /// Experts per token.
@@ -444,7 +452,7 @@ pub struct LayoutArgs {
 
 /// What `epcomm_abi_probe` writes, in its order: every constant, enumerator, struct size
 /// and field offset of the ABI, as the host sees it.
-pub(crate) const ABI_PROBE: [(&str, u64); 169] = [
+pub(crate) const ABI_PROBE: [(&str, u64); 172] = [
     ("kAbiVersion", ABI_VERSION),
     ("kMaxWorld", MAX_WORLD as u64),
     ("kOk", code::OK as u64),
@@ -494,6 +502,7 @@ pub(crate) const ABI_PROBE: [(&str, u64); 169] = [
     ("kFlagInPlace", flags::IN_PLACE as u64),
     ("kFlagRoundScale", flags::ROUND_SCALE as u64),
     ("kFlagFused", flags::FUSED as u64),
+    ("kFlagRecvPhase", flags::RECV_PHASE as u64),
     ("kIntentKindShift", INTENT_KIND_SHIFT as u64),
     ("kIntentFlagShift", INTENT_FLAG_SHIFT as u64),
     ("kIntentFlagMask", INTENT_FLAG_MASK as u64),
@@ -606,6 +615,8 @@ pub(crate) const ABI_PROBE: [(&str, u64); 169] = [
     ("offsetof(LayoutArgs, err_record)", offset_of!(LayoutArgs, err_record) as u64),
     ("offsetof(LayoutArgs, err_claim)", offset_of!(LayoutArgs, err_claim) as u64),
     ("offsetof(LayoutArgs, num_tokens_ptr)", offset_of!(LayoutArgs, num_tokens_ptr) as u64),
+    ("offsetof(LayoutArgs, in_rank)", offset_of!(LayoutArgs, in_rank) as u64),
+    ("offsetof(LayoutArgs, expert_counts)", offset_of!(LayoutArgs, expert_counts) as u64),
     ("offsetof(LayoutArgs, num_tokens)", offset_of!(LayoutArgs, num_tokens) as u64),
     ("offsetof(LayoutArgs, top_k)", offset_of!(LayoutArgs, top_k) as u64),
     ("offsetof(LayoutArgs, num_experts)", offset_of!(LayoutArgs, num_experts) as u64),

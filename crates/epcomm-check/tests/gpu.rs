@@ -24,8 +24,9 @@ use common::{
 // ---------------------------------------------------------------------------------------------
 // Layout kernel: one process, many world sizes and shapes.
 
-/// Runs the layout kernel on `idx` for `[tokens, top_k, experts, world, gpus_per_node]` and
-/// returns (counts, token slots, status).
+/// Runs the layout kernel on `idx` for `[tokens, top_k, experts, world, gpus_per_node]` (or,
+/// with `given`, on a routing given by ranks: `[tokens][world]` flags and per-expert counts)
+/// and returns (counts, token slots, status).
 fn run_layout(
     kernels: &IntranodeKernels,
     stream: &Arc<cudarc::driver::CudaStream>,
@@ -35,8 +36,11 @@ fn run_layout(
     ),
     idx: &[i64],
     [tokens, top_k, experts, world, gpn]: [usize; 5],
+    given: Option<(&[u8], &[i32])>,
 ) -> (Vec<u32>, Vec<i32>, u32) {
     let idx = upload(stream, idx).unwrap();
+    let in_rank = given.map(|(f, _)| upload(stream, f).unwrap());
+    let per_expert = given.map(|(_, c)| upload(stream, c).unwrap());
     let mut counts = stream
         .alloc_zeros::<u32>(world + experts + world / gpn)
         .unwrap();
@@ -49,6 +53,8 @@ fn run_layout(
         let (st, _g3) = status.device_ptr_mut(stream);
         let (rec, _g4) = record.device_ptr(stream);
         let (cl, _g5) = claim.device_ptr(stream);
+        let ir = in_rank.as_ref().map(|a| a.device_ptr(stream));
+        let pe = per_expert.as_ref().map(|a| a.device_ptr(stream));
         let args = LayoutArgs {
             topk_idx: i,
             counts: c,
@@ -57,6 +63,8 @@ fn run_layout(
             err_record: rec,
             err_claim: cl,
             num_tokens_ptr: 0,
+            in_rank: ir.as_ref().map_or(0, |p| p.0),
+            expert_counts: pe.as_ref().map_or(0, |p| p.0),
             num_tokens: tokens as i32,
             top_k: top_k as i32,
             num_experts: experts as i32,
@@ -135,32 +143,43 @@ fn check_layout_variant(
                 let want =
                     epcomm_reference::layout(&w.topk_idx, tokens, top_k, experts, world, gpn)
                         .unwrap();
-                let (c, s, status) = run_layout(
-                    &kernels,
-                    stream,
-                    (&record, &claim),
-                    &w.topk_idx,
-                    [tokens, top_k, experts, world, gpn],
-                );
-                let what = format!("T={tokens} K={top_k} E={experts} world={world} gpn={gpn}");
-                assert_eq!(
-                    &c[..world],
-                    &want.tokens_per_rank[..],
-                    "tokens_per_rank {what}"
-                );
-                assert_eq!(
-                    &c[world..world + experts],
-                    &want.tokens_per_expert[..],
-                    "tokens_per_expert {what}"
-                );
-                assert_eq!(
-                    &c[world + experts..],
-                    &want.tokens_per_node[..],
-                    "tokens_per_node {what}"
-                );
-                assert_eq!(s, want.token_slot, "token_slot {what}");
-                assert_eq!(status, 0, "status {what}");
-                cases += 1;
+                // The same routing given by ranks (DeepEP's dispatch without topk_idx): the
+                // flags and per-expert counts of the reference give the same layout.
+                let in_rank: Vec<u8> = want.token_slot.iter().map(|&v| (v >= 0) as u8).collect();
+                let per_expert: Vec<i32> =
+                    want.tokens_per_expert.iter().map(|&v| v as i32).collect();
+                for given in [None, Some((&in_rank[..], &per_expert[..]))] {
+                    let (c, s, status) = run_layout(
+                        &kernels,
+                        stream,
+                        (&record, &claim),
+                        &w.topk_idx,
+                        [tokens, top_k, experts, world, gpn],
+                        given,
+                    );
+                    let what = format!(
+                        "T={tokens} K={top_k} E={experts} world={world} gpn={gpn} by ranks: {}",
+                        given.is_some()
+                    );
+                    assert_eq!(
+                        &c[..world],
+                        &want.tokens_per_rank[..],
+                        "tokens_per_rank {what}"
+                    );
+                    assert_eq!(
+                        &c[world..world + experts],
+                        &want.tokens_per_expert[..],
+                        "tokens_per_expert {what}"
+                    );
+                    assert_eq!(
+                        &c[world + experts..],
+                        &want.tokens_per_node[..],
+                        "tokens_per_node {what}"
+                    );
+                    assert_eq!(s, want.token_slot, "token_slot {what}");
+                    assert_eq!(status, 0, "status {what}");
+                    cases += 1;
+                }
             }
         }
     }
@@ -171,6 +190,7 @@ fn check_layout_variant(
         (&record, &claim),
         &[0i64, 5, -1, 2],
         [2, 2, 4, 2, 2],
+        None,
     );
     assert_eq!(status, 1);
     let rec = stream.clone_dtoh(&record).unwrap();

@@ -44,13 +44,15 @@ pub enum Op {
     Dispatch,
     /// `epcomm_combine` (also in-place combine, per `OpArgs::flags`).
     Combine,
-    /// `epcomm_ll_dispatch_send`: the send phase of a low-latency dispatch.
+    /// `epcomm::ll::dispatch`: the send phase of a low-latency dispatch.
     LlDispatchSend,
-    /// `epcomm_ll_dispatch_recv`: the receive phase of a low-latency dispatch.
+    /// `epcomm::ll::dispatch` with `flags::RECV_PHASE`: the receive phase of a low-latency
+    /// dispatch.
     LlDispatchRecv,
-    /// `epcomm_ll_combine_send`: the send phase of a low-latency combine.
+    /// `epcomm::ll::combine`: the send phase of a low-latency combine.
     LlCombineSend,
-    /// `epcomm_ll_combine_recv`: the receive phase of a low-latency combine.
+    /// `epcomm::ll::combine` with `flags::RECV_PHASE`: the receive phase of a low-latency
+    /// combine.
     LlCombineRecv,
 }
 
@@ -65,15 +67,15 @@ impl Op {
         Op::LlCombineRecv,
     ];
 
-    /// The kernel's symbol in the image.
+    /// The kernel's symbol in the image. The low-latency ops are one C++ kernel each, both
+    /// phases in one (`epcomm::ll::dispatch(epcomm::OpArgs)`, `epcomm::ll::combine(..)`), so
+    /// that profilers list one kernel per op under the op's name.
     pub fn symbol(self) -> &'static str {
         match self {
             Op::Dispatch => "epcomm_dispatch",
             Op::Combine => "epcomm_combine",
-            Op::LlDispatchSend => "epcomm_ll_dispatch_send",
-            Op::LlDispatchRecv => "epcomm_ll_dispatch_recv",
-            Op::LlCombineSend => "epcomm_ll_combine_send",
-            Op::LlCombineRecv => "epcomm_ll_combine_recv",
+            Op::LlDispatchSend | Op::LlDispatchRecv => "_ZN6epcomm2ll8dispatchENS_6OpArgsE",
+            Op::LlCombineSend | Op::LlCombineRecv => "_ZN6epcomm2ll7combineENS_6OpArgsE",
         }
     }
 
@@ -82,11 +84,16 @@ impl Op {
         match self {
             Op::Dispatch => "launching epcomm_dispatch",
             Op::Combine => "launching epcomm_combine",
-            Op::LlDispatchSend => "launching epcomm_ll_dispatch_send",
-            Op::LlDispatchRecv => "launching epcomm_ll_dispatch_recv",
-            Op::LlCombineSend => "launching epcomm_ll_combine_send",
-            Op::LlCombineRecv => "launching epcomm_ll_combine_recv",
+            Op::LlDispatchSend => "launching epcomm::ll::dispatch (send phase)",
+            Op::LlDispatchRecv => "launching epcomm::ll::dispatch (receive phase)",
+            Op::LlCombineSend => "launching epcomm::ll::combine (send phase)",
+            Op::LlCombineRecv => "launching epcomm::ll::combine (receive phase)",
         }
+    }
+
+    /// Whether it is a low-latency receive phase (its kernel runs with `flags::RECV_PHASE`).
+    fn is_receive_phase(self) -> bool {
+        matches!(self, Op::LlDispatchRecv | Op::LlCombineRecv)
     }
 
     /// Whether the kernel takes `OpArgs::ll_smem_words` words of dynamic shared memory.
@@ -120,6 +127,16 @@ impl OpKernel {
         blocks: u32,
     ) -> Result<(), KernelError> {
         let mut cfg = grid(blocks);
+        let phase;
+        let args = if self.op.is_receive_phase() {
+            phase = OpArgs {
+                flags: args.flags | crate::abi::flags::RECV_PHASE,
+                ..*args
+            };
+            &phase
+        } else {
+            args
+        };
         if self.op.is_low_latency() {
             let bytes = args.ll_smem_words.max(0) as usize * 4;
             if bytes > LL_MAX_SMEM_BYTES {

@@ -358,19 +358,41 @@ impl Session {
         Ok(self.buf()?.layout_into(&idx, layout)?)
     }
 
+    /// Computes `layout` from a routing given by ranks: `in_rank` (`[T][world]` bytes) and
+    /// `tokens_per_expert` (`[E]` i32) ([`Buffer::layout_from_ranks_into`]).
+    ///
+    /// # Safety
+    /// Both arrays as for [`Borrowed::new`] on the buffer's stream.
+    pub unsafe fn layout_from_ranks_into(
+        &mut self,
+        in_rank: RawArray,
+        tokens_per_expert: RawArray,
+        layout: &Layout,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract.
+        let flags = unsafe { Borrowed::<u8>::new(in_rank, &self.stream) };
+        // SAFETY: as above.
+        let counts = unsafe { Borrowed::<i32>::new(tokens_per_expert, &self.stream) };
+        Ok(self
+            .buf()?
+            .layout_from_ranks_into(&flags, &counts, layout)?)
+    }
+
     /// Allocates a capacity-sized handle for [`Rows::Into`] ([`Buffer::alloc_handle`]).
     pub fn alloc_handle(&mut self, layout: &Layout) -> Result<Handle> {
         Ok(self.buf()?.alloc_handle(layout)?)
     }
 
-    /// Dispatches `x` along `layout` (computed from `topk_idx`).
+    /// Dispatches `x` along `layout` with `topk_idx` (the array the layout was computed
+    /// from) and optional weights; without `topk_idx`, rows only ([`Buffer::dispatch_rows`],
+    /// for a layout given by ranks: weights must then be absent).
     ///
     /// # Safety
     /// Every array as for [`Borrowed::new`] on the buffer's stream.
     pub unsafe fn dispatch(
         &mut self,
         x: XArrays,
-        topk_idx: RawArray,
+        topk_idx: Option<RawArray>,
         topk_weights: Option<RawArray>,
         layout: &Layout,
         rows: Rows,
@@ -378,6 +400,25 @@ impl Session {
         let s = self.stream.clone();
         // SAFETY: the caller's contract, for each array.
         let xb = unsafe { XBorrow::new(x, &s) };
+        let buf = self.buf.as_mut().ok_or(BindError::Destroyed)?;
+        let Some(topk_idx) = topk_idx else {
+            if topk_weights.is_some() {
+                return Err(epcomm::Error::InvalidArgument {
+                    argument: "topk_weights",
+                    rule: "a dispatch without topk_idx sends no weights (pass None)".into(),
+                }
+                .into());
+            }
+            let x = xb.input();
+            let seen = match rows {
+                Rows::HostSync => Seen::of(&buf.dispatch_rows(&x, layout, RecvMode::HostSync)?),
+                Rows::Bounded(n) => {
+                    Seen::of(&buf.dispatch_rows(&x, layout, RecvMode::Bounded(n))?)
+                }
+                Rows::Into(h) => Seen::of(&buf.dispatch_rows_into(&x, &h)?),
+            };
+            return self.launched(seen);
+        };
         // SAFETY: as above.
         let idx = unsafe { Borrowed::<i64>::new(topk_idx, &s) };
         // SAFETY: as above.
@@ -387,7 +428,6 @@ impl Session {
             topk_idx: &idx,
             topk_weights: w.as_ref().map(|w| w as _),
         };
-        let buf = self.buf.as_mut().ok_or(BindError::Destroyed)?;
         let seen = match rows {
             Rows::HostSync => Seen::of(&buf.dispatch(&input, layout, RecvMode::HostSync)?),
             Rows::Bounded(n) => Seen::of(&buf.dispatch(&input, layout, RecvMode::Bounded(n))?),

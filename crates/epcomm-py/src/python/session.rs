@@ -311,6 +311,24 @@ impl PySession {
         })
     }
 
+    /// Computes `layout` from a routing given by ranks: `in_rank` (`[T][world]` bytes, a bool
+    /// tensor) and `tokens_per_expert` (`[E]` int32).
+    fn layout_from_ranks_into(
+        &self,
+        py: Python<'_>,
+        in_rank: Arr,
+        tokens_per_expert: Arr,
+        layout: &PyLayout,
+    ) -> PyResult<()> {
+        let layout = layout.inner.clone();
+        // SAFETY: the module's contract (see the module docs): live tensors' addresses and
+        // lengths, kept referenced until the stream work is done.
+        detached(py, || unsafe {
+            self.lock()
+                .layout_from_ranks_into(raw(in_rank), raw(tokens_per_expert), &layout)
+        })
+    }
+
     /// A capacity-sized handle for `dispatch(mode="into")`.
     fn alloc_handle(&self, py: Python<'_>, layout: &PyLayout) -> PyResult<PyHandle> {
         let layout = layout.inner.clone();
@@ -318,8 +336,9 @@ impl PySession {
         Ok(PyHandle { inner })
     }
 
-    /// Dispatches `x` (`scales` given: FP8 rows) along `layout`. `mode`: `host_sync`,
-    /// `bounded` (at most `bound` rows) or `into` (`handle` from `alloc_handle`).
+    /// Dispatches `x` (`scales` given: FP8 rows) along `layout`, with `topk_idx` (and
+    /// optional weights) or, `topk_idx` None, rows only. `mode`: `host_sync`, `bounded` (at
+    /// most `bound` rows) or `into` (`handle` from `alloc_handle`).
     #[pyo3(signature = (layout, x, scales, topk_idx, topk_weights, mode, bound=0, handle=None))]
     #[allow(clippy::too_many_arguments)]
     fn dispatch(
@@ -328,7 +347,7 @@ impl PySession {
         layout: &PyLayout,
         x: Arr,
         scales: Option<Arr>,
-        topk_idx: Arr,
+        topk_idx: Option<Arr>,
         topk_weights: Option<Arr>,
         mode: &str,
         bound: usize,
@@ -340,7 +359,7 @@ impl PySession {
             x: raw(x),
             scales: scales.map(raw),
         };
-        let (idx, w) = (raw(topk_idx), topk_weights.map(raw));
+        let (idx, w) = (topk_idx.map(raw), topk_weights.map(raw));
         // SAFETY: the module's contract (see the module docs), for every array.
         let out = detached(py, || unsafe {
             self.lock().dispatch(x, idx, w, &layout, rows)

@@ -20,11 +20,13 @@ fn region(plan: &BufferPlan, kind: RegionKind) -> u64 {
 
 /// Flags of a dispatch (`cached`: along a handle, no count exchange; `weights`: top-k weights
 /// travel, never on a cached dispatch).
-pub(super) fn dispatch_flags(cached: bool, weights: bool, dtype: RowDtype) -> u32 {
+pub(super) fn dispatch_flags(cached: bool, ids: bool, weights: bool, dtype: RowDtype) -> u32 {
     let kind = if cached {
         abi::flags::CACHED
-    } else {
+    } else if ids {
         abi::flags::HAS_TOPK
+    } else {
+        0
     };
     let weights = if !cached && weights {
         abi::flags::HAS_WEIGHTS
@@ -77,6 +79,8 @@ impl Buffer {
             err_record,
             err_claim,
             num_tokens_ptr: 0,
+            in_rank: 0,
+            expert_counts: 0,
             num_tokens: num_tokens as i32,
             top_k: self.cfg.top_k as i32,
             num_experts: self.cfg.num_experts as i32,
@@ -191,19 +195,22 @@ mod tests {
     #[test]
     fn dispatch_flags_by_kind_weights_and_type() {
         use RowDtype::{Bf16, Fp8};
-        for (cached, weights, dtype, want) in [
-            (false, false, Bf16, HAS_TOPK),
-            (false, true, Bf16, HAS_TOPK | HAS_WEIGHTS),
-            (false, true, Fp8, HAS_TOPK | HAS_WEIGHTS | HAS_SCALES),
-            (false, false, Fp8, HAS_TOPK | HAS_SCALES),
-            // A cached dispatch never sends weights, even when asked.
-            (true, true, Bf16, CACHED),
-            (true, false, Fp8, CACHED | HAS_SCALES),
+        for (cached, ids, weights, dtype, want) in [
+            (false, true, false, Bf16, HAS_TOPK),
+            (false, true, true, Bf16, HAS_TOPK | HAS_WEIGHTS),
+            (false, true, true, Fp8, HAS_TOPK | HAS_WEIGHTS | HAS_SCALES),
+            (false, true, false, Fp8, HAS_TOPK | HAS_SCALES),
+            // Rows only (a layout given by ranks): no ids travel.
+            (false, false, false, Bf16, 0),
+            (false, false, false, Fp8, HAS_SCALES),
+            // A cached dispatch never sends ids or weights, even when asked.
+            (true, true, true, Bf16, CACHED),
+            (true, false, false, Fp8, CACHED | HAS_SCALES),
         ] {
             assert_eq!(
-                dispatch_flags(cached, weights, dtype),
+                dispatch_flags(cached, ids, weights, dtype),
                 want,
-                "{cached} {weights} {dtype:?}"
+                "{cached} {ids} {weights} {dtype:?}"
             );
         }
     }

@@ -100,4 +100,55 @@ impl Buffer {
         l.generation.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
+
+    /// Computes `layout` in place from a routing given by ranks (DeepEP's dispatch without
+    /// `topk_idx`): `in_rank` (`[num_tokens][world]` bytes, nonzero: the token goes to that
+    /// rank; a torch bool tensor's bytes) and `tokens_per_expert` (`[num_experts]` i32, the
+    /// top-k entries per expert, reported to the receivers as they are: their per-expert
+    /// receive counts). Slots are assigned as [`Self::layout_into`] does (token order per
+    /// rank). Dispatch along it with [`Self::dispatch_rows`]. Stale handles as for
+    /// [`Self::layout_into`].
+    pub fn layout_from_ranks_into(
+        &mut self,
+        in_rank: &dyn DevicePtr<u8>,
+        tokens_per_expert: &dyn DevicePtr<i32>,
+        layout: &Layout,
+    ) -> Result<()> {
+        self.ensure_ready()?;
+        let l = self.own(&layout.inner)?;
+        self.keep_alive(layout.inner.clone());
+        let num_tokens = l.num_tokens;
+        exact_len(
+            "is_token_in_rank",
+            in_rank.len(),
+            "must hold num_tokens * world",
+            num_tokens * self.world,
+            "flags",
+        )?;
+        exact_len(
+            "num_tokens_per_expert",
+            tokens_per_expert.len(),
+            "must hold num_experts",
+            self.cfg.num_experts,
+            "counts",
+        )?;
+        let s = &self.stream;
+        let (in_ptr, _g0) = in_rank.device_ptr(s);
+        let (per_expert_ptr, _g1) = tokens_per_expert.device_ptr(s);
+        let (counts_ptr, _g2) = l.counts.device_ptr(s);
+        let (slot_ptr, _g3) = l.token_slot.device_ptr(s);
+        let (status_ptr, _g4) = l.status.device_ptr(s);
+        let mut args = self.layout_args(num_tokens, 0, counts_ptr, slot_ptr, status_ptr);
+        args.in_rank = in_ptr;
+        args.expert_counts = per_expert_ptr;
+        args.num_tokens_ptr = l.device_tokens.as_ref().map_or(0, |d| d.ptr);
+        // SAFETY: all addresses are live allocations of the sizes the kernel expects for this
+        // shape (counts: world + E + nodes, token_slot: T * world, status: 1, in_rank: T *
+        // world, expert_counts: E; checked above); with in_rank set the kernel never reads
+        // topk_idx. The layout's arrays are owned by `layout`, which outlives the launch.
+        unsafe { self.kernels.launch_layout(s, &args) }?;
+        note_launch(&self.last_launch, s, self.recording);
+        l.generation.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
 }

@@ -100,10 +100,46 @@ impl Buffer {
     ) -> Result<Dispatched<'_>> {
         self.ensure_ready()?;
         let l = self.own(&layout.inner)?;
-        let row = self.check_dispatch_input(input, l.num_tokens)?;
+        self.check_dispatch_input(input, l.num_tokens)?;
+        self.dispatch_with(
+            &input.x,
+            Some(input.topk_idx),
+            input.topk_weights,
+            layout,
+            mode,
+        )
+    }
+
+    /// Sends every token's row to the ranks `layout` names, without top-k ids or weights
+    /// (DeepEP's dispatch without `topk_idx`): for a layout from
+    /// [`Self::layout_from_ranks_into`], or any other. The receivers' per-expert counts are the
+    /// layout's; [`Dispatched`] has no received ids or weights. Collective, like [`Self::dispatch`]
+    /// (every rank sends ids, or none).
+    pub fn dispatch_rows(
+        &mut self,
+        x: &XInput<'_>,
+        layout: &Layout,
+        mode: RecvMode,
+    ) -> Result<Dispatched<'_>> {
+        self.ensure_ready()?;
+        self.own(&layout.inner)?;
+        self.dispatch_with(x, None, None, layout, mode)
+    }
+
+    /// [`Self::dispatch`] / [`Self::dispatch_rows`] after the input checks.
+    fn dispatch_with(
+        &mut self,
+        x: &XInput<'_>,
+        topk_idx: Option<&dyn DevicePtr<i64>>,
+        topk_weights: Option<&dyn DevicePtr<f32>>,
+        layout: &Layout,
+        mode: RecvMode,
+    ) -> Result<Dispatched<'_>> {
+        let l = self.own(&layout.inner)?;
+        let row = self.check_x(x, l.num_tokens)?;
         let max_rows = self.recv_capacity(mode)?;
         let handle = self.new_handle(layout, max_rows, None)?;
-        self.launch_dispatch(&input.x, Some(input.topk_idx), input.topk_weights, &handle)?;
+        self.launch_dispatch(x, Routing::Fresh(topk_idx), topk_weights, &handle)?;
         let (handle, per_expert) = if mode == RecvMode::HostSync {
             let epr = self.cfg.num_experts / self.world;
             let counts = self.wait_host_counts(self.seq.notify, epr)?;
@@ -122,7 +158,13 @@ impl Buffer {
         } else {
             (handle, None)
         };
-        Ok(self.dispatched(handle, row, true, input.topk_weights.is_some(), per_expert))
+        Ok(self.dispatched(
+            handle,
+            row,
+            topk_idx.is_some(),
+            topk_weights.is_some(),
+            per_expert,
+        ))
     }
 
     /// Dispatch into a handle from [`Self::alloc_handle`] (WorstCase sizes, no allocation, no
@@ -134,13 +176,37 @@ impl Buffer {
     ) -> Result<Dispatched<'_>> {
         self.ensure_ready()?;
         let h = self.own_handle(handle)?;
-        let row = self.check_dispatch_input(input, h.layout.num_tokens)?;
-        self.launch_dispatch(&input.x, Some(input.topk_idx), input.topk_weights, handle)?;
+        self.check_dispatch_input(input, h.layout.num_tokens)?;
+        self.dispatch_into_with(&input.x, Some(input.topk_idx), input.topk_weights, handle)
+    }
+
+    /// [`Self::dispatch_rows`] into a handle from [`Self::alloc_handle`] (no top-k ids or
+    /// weights; WorstCase sizes, no allocation, no host wait).
+    pub fn dispatch_rows_into(
+        &mut self,
+        x: &XInput<'_>,
+        handle: &Handle,
+    ) -> Result<Dispatched<'_>> {
+        self.ensure_ready()?;
+        self.own_handle(handle)?;
+        self.dispatch_into_with(x, None, None, handle)
+    }
+
+    fn dispatch_into_with(
+        &mut self,
+        x: &XInput<'_>,
+        topk_idx: Option<&dyn DevicePtr<i64>>,
+        topk_weights: Option<&dyn DevicePtr<f32>>,
+        handle: &Handle,
+    ) -> Result<Dispatched<'_>> {
+        let h = self.own_handle(handle)?;
+        let row = self.check_x(x, h.layout.num_tokens)?;
+        self.launch_dispatch(x, Routing::Fresh(topk_idx), topk_weights, handle)?;
         Ok(self.dispatched(
             handle.clone(),
             row,
-            true,
-            input.topk_weights.is_some(),
+            topk_idx.is_some(),
+            topk_weights.is_some(),
             None,
         ))
     }
@@ -149,19 +215,22 @@ impl Buffer {
     pub fn cached_dispatch(&mut self, x: &XInput<'_>, handle: &Handle) -> Result<Dispatched<'_>> {
         let h = self.routed_handle(handle)?;
         let row = self.check_x(x, h.layout.num_tokens)?;
-        self.launch_dispatch(x, None, None, handle)?;
+        self.launch_dispatch(x, Routing::Cached, None, handle)?;
         Ok(self.dispatched(handle.clone(), row, false, false, None))
     }
 
-    /// Launches a dispatch; `topk_idx: None` makes it a cached dispatch along `handle`.
+    /// Launches a dispatch (fresh along the handle's layout, or cached along its routing).
     fn launch_dispatch(
         &mut self,
         x: &XInput<'_>,
-        topk_idx: Option<&dyn DevicePtr<i64>>,
+        routing: Routing<'_>,
         topk_weights: Option<&dyn DevicePtr<f32>>,
         handle: &Handle,
     ) -> Result<()> {
-        let cached = topk_idx.is_none();
+        let (cached, topk_idx) = match routing {
+            Routing::Cached => (true, None),
+            Routing::Fresh(ids) => (false, ids),
+        };
         let issued = self.issued_now()?;
         // A recording replays into the handle's (and its layout's) arrays: the graph owns them.
         self.keep_alive(handle.inner.clone());
@@ -181,7 +250,12 @@ impl Buffer {
             abi::op::DISPATCH
         };
         let weights = !cached && topk_weights.is_some();
-        let flags = dispatch_flags(cached, topk_weights.is_some(), row.dtype());
+        let flags = dispatch_flags(
+            cached,
+            topk_idx.is_some(),
+            topk_weights.is_some(),
+            row.dtype(),
+        );
         let mut a = self.dispatch_args(l.num_tokens, row, h.max_rows, flags);
         let s = &self.stream;
         let (x_ptr, _gx) = match x {
@@ -433,4 +507,12 @@ impl Buffer {
         self.last_op = Some("combine");
         Ok(())
     }
+}
+
+/// How a dispatch launch routes its rows.
+enum Routing<'a> {
+    /// Along the handle's layout (a new count exchange), with the top-k ids when given.
+    Fresh(Option<&'a dyn DevicePtr<i64>>),
+    /// Along the routing an earlier dispatch wrote into the handle (no count exchange).
+    Cached,
 }
