@@ -35,8 +35,9 @@ __device__ __forceinline__ void prefetch_reduce_routing(const OpArgs& a) {
 
 // Send phase: every packed row y[l][pos] (pos < the dispatch's count of local expert l) goes
 // back to its source rank, into the combine row [token][k] of the entry it came from. Rows
-// are dealt to warps over the packed rows of all local experts together.
-template <class Net>
+// are dealt to warps over the packed rows of all local experts together. kOneKernel: as for
+// dispatch_send.
+template <class Net, bool kOneKernel>
 __device__ __forceinline__ void combine_send(const OpArgs& a, Shared& s, uint32_t* dyn) {
   const uint64_t t_start = globaltimer_ns();
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -122,9 +123,11 @@ __device__ __forceinline__ void combine_send(const OpArgs& a, Shared& s, uint32_
   if (tid < world)
     Net::publish_add(u64_at(s.bases[tid], a.off_done) + me, 1, tid,
                      Net::remote(a.remote_mask, tid));
-  if ((a.flags & kFlagFused) != 0) {  // no hook: the receive phase in the same kernel
-    if (!await_sends<Net>(a, s, sched, kWaitLlCombine)) return;
-    return combine_reduce<Net>(a, s, sched);
+  if constexpr (kOneKernel) {
+    if ((a.flags & kFlagFused) != 0) {  // no hook: the receive phase in the same kernel
+      if (!await_sends<Net>(a, s, sched, kWaitLlCombine)) return;
+      return combine_reduce<Net>(a, s, sched);
+    }
   }
   epilogue(a, s, sched.count);
 }

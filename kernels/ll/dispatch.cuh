@@ -63,8 +63,9 @@ __device__ __forceinline__ Split send_split(const OpArgs& a, int tokens) {
 
 // Send phase. Every block builds the routing bitmaps of all tokens in shared memory (the
 // batch is small), so slots and indices need no communication between blocks; warps are dealt
-// tokens block-first.
-template <class Net>
+// tokens block-first. kOneKernel: the kernel of an op without a hook, which runs the receive
+// phase's work after the send phase when kFlagFused says so (the hook's kernel has no such path).
+template <class Net, bool kOneKernel>
 __device__ __forceinline__ void dispatch_send(const OpArgs& a, Shared& s, uint32_t* dyn) {
   const uint64_t t_start = globaltimer_ns();
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -272,9 +273,11 @@ __device__ __forceinline__ void dispatch_send(const OpArgs& a, Shared& s, uint32
   if (tid < world)
     Net::publish_add(u64_at(s.bases[tid], a.off_done) + me, 1, tid,
                      Net::remote(a.remote_mask, tid));
-  if ((a.flags & kFlagFused) != 0) {  // no hook: the receive phase in the same kernel
-    if (!await_sends<Net>(a, s, sched, kWaitLlDispatch)) return;
-    return dispatch_unpack<Net>(a, s, dyn, sched);
+  if constexpr (kOneKernel) {
+    if ((a.flags & kFlagFused) != 0) {  // no hook: the receive phase in the same kernel
+      if (!await_sends<Net>(a, s, sched, kWaitLlDispatch)) return;
+      return dispatch_unpack<Net>(a, s, dyn, sched);
+    }
   }
   epilogue(a, s, sched.count);
 }

@@ -9,18 +9,29 @@
 #include "ll/dispatch.cuh"
 #include "ll/shared.cuh"
 
-// One kernel per op, named epcomm::ll::dispatch and epcomm::ll::combine (profilers list them
-// under those names): the send phase, or with kFlagRecvPhase the receive phase (a hook's);
-// with kFlagFused the send phase runs the receive phase too.
+// Two kernels per op, each listed by profilers under the op's name:
+// * epcomm::ll::dispatch / epcomm::ll::combine run an op without a hook: the send phase, then
+//   (kFlagFused) the receive phase's work once every peer's sends landed;
+// * epcomm::ll::hook::dispatch / epcomm::ll::hook::combine run the phases of an op with a hook:
+//   the send phase alone, or (kFlagRecvPhase, the hook) the receive phase.
+// A profile of either kind of op shows one kernel per op; each kernel holds one copy of the
+// receive phase's work.
 #define EPCOMM_LL_KERNEL(name, send, recv, Net)                                                \
   namespace epcomm::ll {                                                                       \
+  __global__ void __launch_bounds__(kThreads, 1) name(const OpArgs a) {                       \
+    __shared__ Shared s;                                                                       \
+    extern __shared__ uint32_t epcomm_ll_dyn[];                                                \
+    send<Net, true>(a, s, epcomm_ll_dyn);                                                      \
+  }                                                                                            \
+  namespace hook {                                                                             \
   __global__ void __launch_bounds__(kThreads, 1) name(const OpArgs a) {                       \
     __shared__ Shared s;                                                                       \
     extern __shared__ uint32_t epcomm_ll_dyn[];                                                \
     if ((a.flags & kFlagRecvPhase) != 0)                                                       \
       recv<Net>(a, s, epcomm_ll_dyn);                                                          \
     else                                                                                       \
-      send<Net>(a, s, epcomm_ll_dyn);                                                          \
+      send<Net, false>(a, s, epcomm_ll_dyn);                                                   \
+  }                                                                                            \
   }                                                                                            \
   }
 

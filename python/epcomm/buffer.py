@@ -478,7 +478,7 @@ class Buffer:
         v = self._views.get(key)
         if v is None:
             even, odd = self._session.region_pair(name)
-            item = torch.tensor([], dtype=dtype).element_size()
+            item = torch.empty(0, dtype=dtype, device="cpu").element_size()
             rows = self.capacity
             if parity is None:
                 v = view(even, (2, rows, cols), dtype, self.device, self, strides=(odd - even, cols * item, item))
@@ -650,6 +650,12 @@ class Buffer:
         else:
             if topk_weights is not None:
                 fail("topk_weights", "weights travel only with topk_idx: a dispatch without topk_idx takes none")
+            if is_token_in_rank is None and num_tokens_per_expert is None:
+                fail(
+                    "topk_idx",
+                    "a dispatch needs topk_idx, or the routing given by is_token_in_rank and num_tokens_per_expert, "
+                    "or (cached) a handle",
+                )
             for name, value in (("is_token_in_rank", is_token_in_rank), ("num_tokens_per_expert", num_tokens_per_expert)):
                 if value is None:
                     fail(name, "a dispatch without topk_idx (and without handle) routes by is_token_in_rank and num_tokens_per_expert: pass both")

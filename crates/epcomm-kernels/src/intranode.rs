@@ -44,15 +44,18 @@ pub enum Op {
     Dispatch,
     /// `epcomm_combine` (also in-place combine, per `OpArgs::flags`).
     Combine,
-    /// `epcomm::ll::dispatch`: the send phase of a low-latency dispatch.
+    /// The send phase of a low-latency dispatch: `epcomm::ll::dispatch` when
+    /// `flags::FUSED` (the receive phase follows in the same kernel), else
+    /// `epcomm::ll::hook::dispatch`.
     LlDispatchSend,
-    /// `epcomm::ll::dispatch` with `flags::RECV_PHASE`: the receive phase of a low-latency
-    /// dispatch.
+    /// `epcomm::ll::hook::dispatch` with `flags::RECV_PHASE`: the receive phase of a
+    /// low-latency dispatch (a hook's).
     LlDispatchRecv,
-    /// `epcomm::ll::combine`: the send phase of a low-latency combine.
+    /// The send phase of a low-latency combine: `epcomm::ll::combine` when `flags::FUSED`, else
+    /// `epcomm::ll::hook::combine`.
     LlCombineSend,
-    /// `epcomm::ll::combine` with `flags::RECV_PHASE`: the receive phase of a low-latency
-    /// combine.
+    /// `epcomm::ll::hook::combine` with `flags::RECV_PHASE`: the receive phase of a low-latency
+    /// combine (a hook's).
     LlCombineRecv,
 }
 
@@ -67,15 +70,26 @@ impl Op {
         Op::LlCombineRecv,
     ];
 
-    /// The kernel's symbol in the image. The low-latency ops are one C++ kernel each, both
-    /// phases in one (`epcomm::ll::dispatch(epcomm::OpArgs)`, `epcomm::ll::combine(..)`), so
-    /// that profilers list one kernel per op under the op's name.
+    /// The kernel's symbol in the image. A low-latency op has two kernels, each listed by
+    /// profilers under the op's name: the one-kernel form (`epcomm::ll::dispatch(epcomm::OpArgs)`,
+    /// `epcomm::ll::combine(..)`, [`Op::one_kernel_symbol`]) and the hook's, whose send and
+    /// receive phases are one kernel (`epcomm::ll::hook::dispatch(..)`, `..::combine(..)`).
     pub fn symbol(self) -> &'static str {
         match self {
             Op::Dispatch => "epcomm_dispatch",
             Op::Combine => "epcomm_combine",
-            Op::LlDispatchSend | Op::LlDispatchRecv => "_ZN6epcomm2ll8dispatchENS_6OpArgsE",
-            Op::LlCombineSend | Op::LlCombineRecv => "_ZN6epcomm2ll7combineENS_6OpArgsE",
+            Op::LlDispatchSend | Op::LlDispatchRecv => "_ZN6epcomm2ll4hook8dispatchENS_6OpArgsE",
+            Op::LlCombineSend | Op::LlCombineRecv => "_ZN6epcomm2ll4hook7combineENS_6OpArgsE",
+        }
+    }
+
+    /// The kernel a send phase with `flags::FUSED` launches instead (it runs the receive phase
+    /// too), for the low-latency send phases.
+    pub fn one_kernel_symbol(self) -> Option<&'static str> {
+        match self {
+            Op::LlDispatchSend => Some("_ZN6epcomm2ll8dispatchENS_6OpArgsE"),
+            Op::LlCombineSend => Some("_ZN6epcomm2ll7combineENS_6OpArgsE"),
+            _ => None,
         }
     }
 
@@ -85,9 +99,9 @@ impl Op {
             Op::Dispatch => "launching epcomm_dispatch",
             Op::Combine => "launching epcomm_combine",
             Op::LlDispatchSend => "launching epcomm::ll::dispatch (send phase)",
-            Op::LlDispatchRecv => "launching epcomm::ll::dispatch (receive phase)",
+            Op::LlDispatchRecv => "launching epcomm::ll::hook::dispatch (receive phase)",
             Op::LlCombineSend => "launching epcomm::ll::combine (send phase)",
-            Op::LlCombineRecv => "launching epcomm::ll::combine (receive phase)",
+            Op::LlCombineRecv => "launching epcomm::ll::hook::combine (receive phase)",
         }
     }
 
@@ -110,6 +124,8 @@ pub const LL_MAX_SMEM_BYTES: usize = 32 * 1024;
 #[derive(Debug)]
 struct OpKernel {
     f: CudaFunction,
+    /// The one-kernel form a send phase with `flags::FUSED` launches ([`Op::one_kernel_symbol`]).
+    one_kernel: Option<CudaFunction>,
     op: Op,
 }
 
@@ -149,14 +165,13 @@ impl OpKernel {
             }
             cfg.shared_mem_bytes = bytes as u32;
         }
+        let f = match &self.one_kernel {
+            Some(f) if args.flags & crate::abi::flags::FUSED != 0 => f,
+            _ => &self.f,
+        };
         // SAFETY: upheld by the caller (see above).
-        unsafe {
-            stream
-                .launch_builder(&self.f)
-                .arg(args)
-                .launch_cooperative(cfg)
-        }
-        .context(self.op.launching())?;
+        unsafe { stream.launch_builder(f).arg(args).launch_cooperative(cfg) }
+            .context(self.op.launching())?;
         Ok(())
     }
 }
@@ -220,6 +235,7 @@ impl IntranodeKernels {
                 .map(|&op| {
                     Ok(OpKernel {
                         f: f(op.symbol())?,
+                        one_kernel: op.one_kernel_symbol().map(&f).transpose()?,
                         op,
                     })
                 })
@@ -429,10 +445,12 @@ impl IntranodeKernels {
             } else {
                 0
             };
-            let per_sm =
-                op.f.occupancy_max_active_blocks_per_multiprocessor(THREADS, smem, None)
+            for f in std::iter::once(&op.f).chain(&op.one_kernel) {
+                let per_sm = f
+                    .occupancy_max_active_blocks_per_multiprocessor(THREADS, smem, None)
                     .context("querying kernel occupancy")?;
-            fit = fit.min(per_sm * sms);
+                fit = fit.min(per_sm * sms);
+            }
         }
         Ok(fit)
     }

@@ -1,0 +1,478 @@
+"""``deep_ep.Buffer`` on epcomm: DeepEP V1's ``Buffer`` API (signatures, tuple layouts,
+defaults) over :class:`epcomm.Buffer`.
+
+DeepEP's Buffer knows only byte budgets; an :class:`epcomm.Buffer` fixes its shape at creation.
+So this class creates its epcomm Buffers (its *cores*) lazily, at the first op that shows the
+shape (every rank issues the same ops in the same order, as DeepEP requires, so the collective
+creation there is safe):
+
+* the **normal core** at the first ``dispatch``: ``hidden`` from ``x``, ``num_topk`` from
+  ``topk_idx`` (or the latest ``get_dispatch_layout``), ``num_experts`` from
+  ``num_tokens_per_expert`` (or ``get_dispatch_layout``), the SMs from ``config.num_sms`` (or
+  :attr:`Buffer.num_sms`), and ``max_tokens_per_rank`` = the most tokens whose epcomm memory fits
+  ``num_nvl_bytes`` (:func:`epcomm.deep_ep.config.fit_tokens`);
+* the **low-latency core** at the first ``low_latency_dispatch``: its shape and
+  ``num_max_dispatch_tokens_per_rank``, checked against ``num_rdma_bytes``.
+
+Later ops whose shape differs from their core's raise :class:`epcomm.InvalidArgumentError`
+naming the argument and the fixed value. The two cores are separate epcomm Buffers (each with
+its own memory and communication stream), so normal and low-latency ops may use different
+shapes, as in DeepEP.
+
+Importing this module needs no torch; creating a Buffer does (``_impl``).
+"""
+
+from .._args import check_bool, check_int, fail
+from . import config as _config
+
+__all__ = ["Buffer", "IntranodeHandle", "LowLatencyHandle"]
+
+
+class IntranodeHandle(tuple):
+    """DeepEP's intranode dispatch handle: the 6-tuple ``(rank_prefix_matrix,
+    channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank,
+    send_head)``, carrying the :class:`epcomm.DispatchHandle` it stands for
+    (``epcomm_handle``), which ``dispatch(handle=...)`` and ``combine`` use.
+
+    * ``rank_prefix_matrix`` (``[num_ranks, num_ranks]`` int32): column ``rank`` (this rank) is
+      exact: ``[i][rank]`` is the end row (exclusive) of source rank ``i``'s rows in this rank's
+      receive order. The other columns (other ranks' receive prefixes, which epcomm does not
+      send back) are ``-1``.
+    * ``is_token_in_rank`` (``[num_tokens, num_ranks]`` bool): the one the dispatch was given,
+      else computed from its ``topk_idx``.
+    * ``channel_prefix_matrix``, ``recv_channel_prefix_matrix``, ``send_head`` (DeepEP's
+      per-channel staging state; epcomm has no channels) and ``recv_src_idx`` (kept on the
+      device by epcomm but not exposed to Python yet): None.
+    """
+
+    def __new__(cls, items, epcomm_handle):
+        self = super().__new__(cls, items)
+        self.epcomm_handle = epcomm_handle
+        return self
+
+
+class LowLatencyHandle(tuple):
+    """DeepEP's low-latency handle: the 5-tuple ``(src_info, layout_range,
+    num_max_dispatch_tokens_per_rank, hidden, num_experts)``, carrying the
+    :class:`epcomm.LowLatencyHandle` it stands for (``epcomm_handle``). ``src_info``
+    (``[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank]`` int32, source token
+    of every row) and ``layout_range`` (``[num_local_experts, num_ranks]`` int64, ``first row <<
+    32 | rows`` per source rank) have DeepEP's shapes and meaning; both are views valid until
+    the second-next low-latency dispatch."""
+
+    def __new__(cls, items, epcomm_handle):
+        self = super().__new__(cls, items)
+        self.epcomm_handle = epcomm_handle
+        return self
+
+
+def _impl():
+    try:
+        from . import _impl
+    except ImportError as e:
+        raise ImportError(f"deep_ep.Buffer needs PyTorch with CUDA support ({e})") from e
+    return _impl
+
+
+class Buffer:
+    """DeepEP's ``Buffer`` on epcomm (see the module docs for how it maps).
+
+    DeepEP's arguments: ``group`` (a ``torch.distributed`` group; None: the default group when
+    ``torch.distributed`` is initialised, else the launcher's variables ``RANK``,
+    ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``); every rank of it
+    must be on one host (the two-tier path is not reachable from Python yet: a group spanning
+    hosts raises naming ``group``). ``num_nvl_bytes``: the budget of the normal core (0: no
+    normal ops, as in DeepEP); ``num_rdma_bytes``: the budget of the low-latency core (see
+    :meth:`get_low_latency_rdma_size_hint`). ``low_latency_mode``, ``num_qps_per_rank``,
+    ``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl``, ``use_fabric``: accepted, no effect
+    (NVSHMEM/IBGDA settings; epcomm's transports set up their own). ``comm`` (mpi4py): accepted
+    and unused where a ``torch.distributed`` group exists, refused where it would be the only
+    rendezvous. ``explicitly_destroy``: as in DeepEP, :meth:`destroy` needs it.
+    ``enable_shrink=True`` is refused (rank masking is not implemented).
+
+    epcomm-only keywords: ``max_tokens_per_rank`` (fixes the normal core's token limit instead
+    of deriving it from ``num_nvl_bytes``; e.g. to keep CUDA-graph captures' ``num_worst_tokens
+    >= num_ranks * max_tokens_per_rank`` small), ``transport``, ``schedule``, ``routes``,
+    ``timeout`` (as :class:`epcomm.Buffer`).
+
+    Collective, like every op: all ranks create it and call its ops in the same order.
+    """
+
+    #: SMs of the normal core when its first dispatch has no ``config`` (DeepEP's default 20).
+    num_sms = _config.DEFAULT_NUM_SMS
+
+    def __init__(
+        self,
+        group,
+        num_nvl_bytes=0,
+        num_rdma_bytes=0,
+        low_latency_mode=False,
+        num_qps_per_rank=24,
+        allow_nvlink_for_low_latency_mode=True,
+        allow_mnnvl=False,
+        use_fabric=False,
+        explicitly_destroy=False,
+        enable_shrink=False,
+        comm=None,
+        *,
+        max_tokens_per_rank=None,
+        transport="ipc",
+        schedule="epoch",
+        routes="auto",
+        timeout=100.0,
+    ):
+        # Every torch-free rule first: a bad argument raises before anything is touched.
+        self._normal = None
+        self._ll = None
+        self._destroyed = False
+        check_int("num_nvl_bytes", num_nvl_bytes)
+        check_int("num_rdma_bytes", num_rdma_bytes)
+        check_int("num_qps_per_rank", num_qps_per_rank)
+        for name, value in (
+            ("low_latency_mode", low_latency_mode),
+            ("allow_nvlink_for_low_latency_mode", allow_nvlink_for_low_latency_mode),
+            ("allow_mnnvl", allow_mnnvl),
+            ("use_fabric", use_fabric),
+            ("explicitly_destroy", explicitly_destroy),
+            ("enable_shrink", enable_shrink),
+        ):
+            check_bool(name, value)
+        if enable_shrink:
+            fail(
+                "enable_shrink",
+                "rank masking (DeepEP's shrink mode: masking failed ranks out of the low-latency ops) is not "
+                "implemented in epcomm; pass enable_shrink=False",
+            )
+        if max_tokens_per_rank is not None:
+            check_int("max_tokens_per_rank", max_tokens_per_rank, minimum=1)
+        from .. import parse_transport
+
+        for name, value in (("transport", transport), ("schedule", schedule), ("routes", routes)):
+            if not isinstance(value, str):
+                fail(name, f"must be a str (got {value!r})")
+        transport = parse_transport(transport)
+        try:
+            timeout = float(timeout)
+        except (TypeError, ValueError):
+            fail("timeout", f"must be a number of seconds (got {timeout!r})")
+        self.num_nvl_bytes = num_nvl_bytes
+        self.num_rdma_bytes = num_rdma_bytes
+        self.low_latency_mode = low_latency_mode
+        self.explicitly_destroy = explicitly_destroy
+        self.enable_shrink = enable_shrink
+        self._max_tokens_per_rank = max_tokens_per_rank
+        self._options = dict(transport=transport, schedule=schedule, routes=routes, timeout=timeout)
+        self._layout_shape = None
+        self._combine_buffer = None
+        self._side = None
+        _impl().init(self, group, comm)
+
+    # ------------------------------------------------------------------------------------------
+    # Static helpers (no GPU needed)
+
+    @staticmethod
+    def is_sm90_compiled():
+        """True: epcomm's kernels are SM90 builds and its FP8 paths are in every build."""
+        return True
+
+    @staticmethod
+    def set_num_sms(new_num_sms):
+        """Sets :attr:`Buffer.num_sms`, the SMs of normal cores created from now on without a
+        ``config`` (a Buffer whose normal core exists keeps its count)."""
+        check_int("new_num_sms", new_num_sms, minimum=1)
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def capture():
+        """An :class:`EventOverlap` holding an event recorded on the current stream now."""
+        return _impl().capture()
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts):
+        """A ``num_rdma_bytes`` for the low-latency ops of this shape: epcomm's low-latency
+        memory planned for top-k 11, the most DeepEP's low-latency kernels take
+        (:func:`epcomm.deep_ep.config.ll_size_hint`; epcomm plans per (token, k))."""
+        return _config.ll_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+
+    @staticmethod
+    def get_dispatch_config(num_ranks):
+        """DeepEP's recommended dispatch :class:`Config` with :attr:`Buffer.num_sms` SMs (its
+        chunk sizes, which have no effect here; DeepEP's defaults for rank counts its table
+        lacks, such as 1)."""
+        return _config.dispatch_config(Buffer.num_sms, num_ranks)
+
+    @staticmethod
+    def get_combine_config(num_ranks):
+        """DeepEP's recommended combine :class:`Config` with :attr:`Buffer.num_sms` SMs (as
+        :meth:`get_dispatch_config`)."""
+        return _config.combine_config(Buffer.num_sms, num_ranks)
+
+    # ------------------------------------------------------------------------------------------
+    # Facts
+
+    @property
+    def runtime(self):
+        """The epcomm Buffer behind the ops: the normal core, else the low-latency core, else
+        None (before any op, and after :meth:`destroy`). Not DeepEP's C++ runtime."""
+        return self._normal if self._normal is not None else self._ll
+
+    def get_comm_stream(self):
+        """The stream the normal ops run on: the normal core's communication stream, else the
+        low-latency core's, else (before the first op creates a core) the layer's own stream,
+        on which ``get_dispatch_layout`` runs until then. The low-latency ops run on the
+        low-latency core's stream."""
+        return _impl().comm_stream(self)
+
+    def get_local_buffer_tensor(self, dtype, size=None, offset=0, use_rdma_buffer=False):
+        """Refused: epcomm's symmetric memory is laid out by the library (receive regions,
+        counters, flags) and is not exposed as a raw tensor."""
+        fail(
+            "get_local_buffer_tensor",
+            "epcomm's symmetric memory is laid out by the library (receive regions, counters) and is not exposed "
+            "as a raw tensor",
+        )
+
+    def destroy(self):
+        """Frees both cores (collective). Needs ``explicitly_destroy=True``, as in DeepEP; the
+        Buffer takes no op afterwards (:class:`epcomm.BufferFailedError`)."""
+        _impl().destroy(self)
+
+    # ------------------------------------------------------------------------------------------
+    # Normal mode
+
+    def get_dispatch_layout(
+        self, topk_idx, num_experts, previous_event=None, async_finish=False, allocate_on_comm_stream=False
+    ):
+        """``(num_tokens_per_rank [num_ranks] int32, None, num_tokens_per_expert [num_experts]
+        int32, is_token_in_rank [num_tokens, num_ranks] bool, event)`` of ``topk_idx``
+        (``[num_tokens, num_topk]`` int64; ``-1`` and ids outside ``[0, num_experts)`` count
+        nowhere). No communication; remembers ``num_topk`` and ``num_experts`` for the first
+        dispatch. Runs on the normal core's kernel when the core has this shape, else with torch
+        ops on :meth:`get_comm_stream`; the numbers are the same."""
+        return _impl().get_dispatch_layout(
+            self, topk_idx, num_experts, previous_event, async_finish, allocate_on_comm_stream
+        )
+
+    def dispatch(
+        self,
+        x,
+        handle=None,
+        num_tokens_per_rank=None,
+        num_tokens_per_rdma_rank=None,
+        is_token_in_rank=None,
+        num_tokens_per_expert=None,
+        topk_idx=None,
+        topk_weights=None,
+        expert_alignment=1,
+        num_worst_tokens=0,
+        config=None,
+        previous_event=None,
+        async_finish=False,
+        allocate_on_comm_stream=False,
+    ):
+        """DeepEP's intranode ``dispatch`` on the normal core (created by the first call).
+
+        ``x``: bf16 ``[num_tokens, hidden]`` or ``(e4m3 x, f32 scales [num_tokens, hidden /
+        128])`` (strided scales, e.g. DeepEP's column-major ones, are copied contiguous first).
+        With ``topk_idx``: routed by it (``is_token_in_rank`` from ``get_dispatch_layout`` lets
+        epcomm reuse its layout). Without ``topk_idx`` (and without ``handle``): routed by
+        ``is_token_in_rank`` and ``num_tokens_per_expert``; ``recv_topk_idx`` and
+        ``recv_topk_weights`` are None. With ``handle`` (an :class:`IntranodeHandle`): cached
+        dispatch along its routing. ``num_tokens_per_rdma_rank`` is accepted and unused (DeepEP's
+        intranode dispatch ignores it too).
+
+        Returns DeepEP's ``(recv_x, recv_topk_idx, recv_topk_weights,
+        num_recv_tokens_per_expert_list, handle, event)`` (cached: ``(recv_x, None, None, None,
+        None, event)``), with epcomm's receive order (by source rank, then source token)."""
+        return _impl().dispatch(
+            self,
+            x,
+            handle,
+            num_tokens_per_rank,
+            num_tokens_per_rdma_rank,
+            is_token_in_rank,
+            num_tokens_per_expert,
+            topk_idx,
+            topk_weights,
+            expert_alignment,
+            num_worst_tokens,
+            config,
+            previous_event,
+            async_finish,
+            allocate_on_comm_stream,
+        )
+
+    def combine(
+        self,
+        x,
+        handle,
+        topk_weights=None,
+        bias=None,
+        config=None,
+        previous_event=None,
+        async_finish=False,
+        allocate_on_comm_stream=False,
+    ):
+        """DeepEP's intranode ``combine``: ``(combined_x, combined_topk_weights or None,
+        event)``; sums in rank order in fp32, rounded to bf16 once (epcomm's contract).
+        ``bias``: a bf16 ``[num_tokens, hidden]`` tensor or a tuple of two (None allowed),
+        added after the sum: ``bf16((f32(bias_0) + f32(bias_1)) + f32(combined))``, one bf16
+        rounding more than DeepEP, which adds them before its single rounding."""
+        return _impl().combine(
+            self, x, handle, topk_weights, bias, config, previous_event, async_finish, allocate_on_comm_stream
+        )
+
+    def internode_dispatch(
+        self,
+        x,
+        handle=None,
+        num_tokens_per_rank=None,
+        num_tokens_per_rdma_rank=None,
+        is_token_in_rank=None,
+        num_tokens_per_expert=None,
+        topk_idx=None,
+        topk_weights=None,
+        expert_alignment=1,
+        num_worst_tokens=0,
+        config=None,
+        previous_event=None,
+        async_finish=False,
+        allocate_on_comm_stream=False,
+    ):
+        """Refused: groups spanning hosts are not reachable from Python yet (use
+        :meth:`dispatch`, which serves every single-host group)."""
+        _internode()
+
+    def internode_combine(
+        self,
+        x,
+        handle,
+        topk_weights=None,
+        bias=None,
+        config=None,
+        previous_event=None,
+        async_finish=False,
+        allocate_on_comm_stream=False,
+    ):
+        """Refused, as :meth:`internode_dispatch`."""
+        _internode()
+
+    # ------------------------------------------------------------------------------------------
+    # Low latency
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
+        """Nothing to clean: epcomm's low-latency counters carry each op's tag, so stale values
+        from earlier ops (normal or low-latency) are never mistaken for new ones. Checks the
+        arguments against the low-latency core when it exists."""
+        _impl().clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts)
+
+    def low_latency_dispatch(
+        self,
+        x,
+        topk_idx,
+        num_max_dispatch_tokens_per_rank,
+        num_experts,
+        cumulative_local_expert_recv_stats=None,
+        dispatch_wait_recv_cost_stats=None,
+        use_fp8=True,
+        round_scale=False,
+        use_ue8m0=False,
+        async_finish=False,
+        return_recv_hook=False,
+    ):
+        """DeepEP's ``low_latency_dispatch`` on the low-latency core (created by the first
+        call, checked against ``num_rdma_bytes``).
+
+        Returns ``(recv_x, recv_count, handle, event, hook)`` in DeepEP's layouts: ``recv_x``
+        bf16 ``[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]`` (a
+        view of the core's receive set, valid until the second-next low-latency dispatch), or
+        with ``use_fp8`` ``(e4m3 rows of that shape, scales)``: f32 ``[..., hidden // 128]``,
+        or with ``use_ue8m0`` int32 ``[..., hidden // 512]`` holding four UE8M0 exponent bytes
+        (little-endian, one per 128 channels), both column-major in their last two dimensions
+        as DeepEP's (a fresh tensor per call, filled from epcomm's row-major f32 scales by a
+        copy: on the current stream, on the comm stream before the returned event with
+        ``async_finish``, or inside ``hook()``). ``use_ue8m0`` needs ``round_scale=True`` and
+        ``hidden % 512 == 0``. ``dispatch_wait_recv_cost_stats`` must be None (epcomm's
+        ``last_op_stats`` reports waits instead)."""
+        return _impl().low_latency_dispatch(
+            self,
+            x,
+            topk_idx,
+            num_max_dispatch_tokens_per_rank,
+            num_experts,
+            cumulative_local_expert_recv_stats,
+            dispatch_wait_recv_cost_stats,
+            use_fp8,
+            round_scale,
+            use_ue8m0,
+            async_finish,
+            return_recv_hook,
+        )
+
+    def low_latency_combine(
+        self,
+        x,
+        topk_idx,
+        topk_weights,
+        handle,
+        use_logfmt=False,
+        zero_copy=False,
+        async_finish=False,
+        return_recv_hook=False,
+        out=None,
+        combine_wait_recv_cost_stats=None,
+    ):
+        """DeepEP's ``low_latency_combine``: ``(combined_x, event, hook)``. ``zero_copy=True``
+        reads the expert outputs from the tensor :meth:`get_next_low_latency_combine_buffer`
+        returned (``x`` is then unused). ``use_logfmt=True`` is refused (epcomm sends bf16
+        rows); ``combine_wait_recv_cost_stats`` must be None."""
+        return _impl().low_latency_combine(
+            self,
+            x,
+            topk_idx,
+            topk_weights,
+            handle,
+            use_logfmt,
+            zero_copy,
+            async_finish,
+            return_recv_hook,
+            out,
+            combine_wait_recv_cost_stats,
+        )
+
+    def get_next_low_latency_combine_buffer(self, handle):
+        """A bf16 ``[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]``
+        tensor owned by this Buffer (one per Buffer, allocated at the first call) for a
+        ``zero_copy=True`` combine to read. It saves no copy here (epcomm's combine reads its
+        input once either way); it exists so that DeepEP code runs. The current stream waits for
+        the low-latency core's stream first, so a write to it cannot overtake an earlier
+        combine still reading it."""
+        return _impl().next_combine_buffer(self, handle)
+
+    def low_latency_update_mask_buffer(self, rank_to_mask, mask=False):
+        """Refused: rank masking is not implemented (see ``enable_shrink``)."""
+        _no_masks()
+
+    def low_latency_query_mask_buffer(self, mask_status):
+        """Refused: rank masking is not implemented (see ``enable_shrink``)."""
+        _no_masks()
+
+    def low_latency_clean_mask_buffer(self):
+        """Refused: rank masking is not implemented (see ``enable_shrink``)."""
+        _no_masks()
+
+
+def _internode():
+    fail(
+        "group",
+        "the internode (two-tier) path is not reachable from Python yet: deep_ep.Buffer serves groups whose ranks "
+        "are all on one host, through dispatch/combine",
+    )
+
+
+def _no_masks():
+    fail(
+        "enable_shrink",
+        "rank masking (DeepEP's shrink mode) is not implemented in epcomm: there is no mask buffer to update, query "
+        "or clean",
+    )
