@@ -260,6 +260,7 @@ impl Session {
             None
         };
         let stream = buf.stream().clone();
+        keep_for_the_process(&stream);
         Ok(Self {
             buf: Some(buf),
             spec,
@@ -861,4 +862,15 @@ impl XBorrow {
             Self::Fp8(x, scales) => XInput::Fp8 { x, scales },
         }
     }
+}
+
+/// Every session's stream, kept until the process exits: PyTorch tensors that an op recorded on
+/// the stream (`record_stream`) may outlive their `Buffer`, and the caching allocator records an
+/// event on that stream when it frees them, which must then still be a live stream of a live
+/// context (as DeepEP's own comm stream is). One stream per `Buffer` created.
+fn keep_for_the_process(stream: &Arc<CudaStream>) {
+    static KEPT: std::sync::Mutex<Vec<Arc<CudaStream>>> = std::sync::Mutex::new(Vec::new());
+    KEPT.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .push(stream.clone());
 }
