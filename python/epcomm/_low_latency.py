@@ -7,7 +7,9 @@ How it maps:
   between them: the tensors a dispatch returns are **views** of one set, valid until the
   second-next low-latency dispatch (the next one writes the other set), as in DeepEP.
 * Without a hook both phases run on the comm stream, ordered against torch's current stream
-  like every other op (``async_finish`` returns an event instead of waiting).
+  like every other op (``async_finish`` returns an event instead of waiting). Such ops may be
+  captured into a CUDA graph (``torch.cuda.graph``): each replay is a new op (the kernels keep
+  their sequence on the device) writing the receive set the capture used.
 * ``return_recv_hook=True`` issues only the send phase; the current stream then waits for the
   comm stream (so work queued after it cannot overwrite the inputs while the send reads
   them), and the returned ``hook()`` issues the receive phase on the comm stream and makes the
@@ -80,12 +82,16 @@ def _tensor(buf, argument, t, dtypes, shape, names):
     return d
 
 
-def _no_capture(op):
-    if op.capturing:
+def _capturable(op, return_recv_hook):
+    """A low-latency op may be captured into a CUDA graph (``torch.cuda.graph``), without a hook:
+    its kernels read their sequence numbers and region parity on the device, so every replay
+    runs as a new op; the captured op writes (and its combine reads) the receive set it was
+    captured with at every replay."""
+    if op.capturing and return_recv_hook:
         fail(
-            "graph capture",
-            "the Python layer does not record low-latency ops into CUDA graphs (the Rust frontend's "
-            "Buffer::capture does): run them outside the capture",
+            "return_recv_hook",
+            "a low-latency op with a receive hook cannot be captured into a CUDA graph (the hook is a "
+            "host call): capture it without the hook",
         )
 
 
@@ -150,7 +156,7 @@ def dispatch(
             ("num_local_experts",),
         )
     op = StreamOp(buf._comm, None, async_finish, False)
-    _no_capture(op)
+    _capturable(op, return_recv_hook)
     op.use(x, topk_idx)
     op.begin()
     number, out = buf._session.ll_dispatch(
@@ -208,7 +214,7 @@ def combine(
     d_idx = _tensor(buf, "topk_idx", topk_idx, ("int64",), (n, buf.num_topk), ("num_tokens", "num_topk"))
     d_w = _tensor(buf, "topk_weights", topk_weights, ("float32",), (n, buf.num_topk), ("num_tokens", "num_topk"))
     op = StreamOp(buf._comm, None, async_finish, False)
-    _no_capture(op)
+    _capturable(op, return_recv_hook)
     if out is None:
         out = torch.empty((n, buf.hidden), dtype=torch.bfloat16, device=buf.device)
     else:

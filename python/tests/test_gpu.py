@@ -57,6 +57,12 @@ def test_low_latency(transport, schedule):
     h.launch("low_latency", n, transport, schedule)
 
 
+def test_low_latency_graph():
+    """Low-latency dispatch + combine captured into a torch CUDA graph and replayed with new
+    inputs, bit-exact every replay; a hook inside a capture refused."""
+    h.launch("ll_graph", h.world())
+
+
 def test_low_latency_refusals():
     """Bad low-latency arguments and DeepEP options epcomm lacks raise InvalidArgumentError
     naming them."""
