@@ -30,13 +30,28 @@ def fail(argument, rule):
     raise InvalidArgumentError(f"invalid {argument}: {rule}", argument=argument, rule=rule)
 
 
+_DTYPE_NAMES = {}
+
+
+def _dtype_name(dtype):
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
+    return name
+
+
 def describe(argument, t):
-    """The description of tensor `t` (anything else: an error naming `argument`)."""
+    """The description of tensor `t` (anything else: an error naming `argument`). On every
+    op's path: kept to a few attribute reads."""
     try:
-        shape = tuple(int(d) for d in t.shape)
-        dtype = str(t.dtype).replace("torch.", "")
-        device = t.device.index if t.device.type == "cuda" else None
-        return TensorDesc(shape, dtype, device, bool(t.is_contiguous()), int(t.data_ptr()))
+        device = t.get_device()  # -1 off the GPU
+        return TensorDesc(
+            tuple(t.shape),
+            _dtype_name(t.dtype),
+            None if device < 0 else device,
+            t.is_contiguous(),
+            t.data_ptr(),
+        )
     except AttributeError:
         fail(argument, f"must be a torch.Tensor (got {type(t).__name__})")
 

@@ -62,14 +62,14 @@ class _Hook:
         b = self._buffer
         # The receive phase writes the outputs (and reads the receive set) after whatever the
         # caller queued on its current stream since the send phase: as if it ran there.
-        b._comm.wait_stream(torch.cuda.current_stream())
+        b._comm.wait_stream(torch.cuda.current_stream(b._comm.device))
         b._session.ll_receive(self._op)
         keep = b._ll_keep
         b._ll_keep = None
         with torch.cuda.stream(b._comm):
             if self._after is not None:
                 self._after()
-        torch.cuda.current_stream().wait_stream(b._comm)
+        torch.cuda.current_stream(b._comm.device).wait_stream(b._comm)
         del keep
 
     def __repr__(self):
@@ -174,9 +174,10 @@ def dispatch(
         buf._ll_keep = (x, topk_idx, cumulative_local_expert_recv_stats)
         # The current stream waits for the send phase (async_finish is False here).
         return recv, count, handle, op.finish(), _Hook(buf, number, after)
-    with torch.cuda.stream(buf._comm):
-        after()
-    op.use(cumulative_local_expert_recv_stats)
+    if cumulative_local_expert_recv_stats is not None:
+        with torch.cuda.stream(buf._comm):
+            after()
+        op.use(cumulative_local_expert_recv_stats)
     return recv, count, handle, op.finish(), None
 
 

@@ -52,7 +52,8 @@ class StreamOp:
         if allocate_on_comm_stream and previous_event is None:
             fail("allocate_on_comm_stream", "needs a previous_event (as in DeepEP): the comm stream must know what to wait for")
         self.comm = comm
-        self.compute = torch.cuda.current_stream()
+        # The device given: torch's lookup of the current device costs more than the op's launch.
+        self.compute = torch.cuda.current_stream(comm.device)
         self.previous_event = previous_event
         self.async_finish = async_finish
         self.on_comm = allocate_on_comm_stream

@@ -202,6 +202,9 @@ def _intranode(ctx, fp8_modes, with_topk_modes, case):
                             dispatch_args.update({"topk_idx": topk_idx, "topk_weights": topk_weights})
                         if previous_mode:
                             dispatch_args.update({"previous_event": buffer.capture()})
+                            # The current stream runs on: only the event orders the op after its
+                            # inputs (and after the copy of column-major FP8 scales it needs).
+                            _busy(dev)
                         recv_x, recv_topk_idx, recv_topk_weights, recv_list, handle, event = buffer.dispatch(
                             **dispatch_args
                         )

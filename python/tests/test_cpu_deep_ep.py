@@ -200,13 +200,16 @@ def test_imports_without_torch():
         assert deep_ep.topk_idx_t is torch.int64
         assert deep_ep.EventOverlap is epcomm.EventOverlap
         assert {"EventOverlap", "topk_idx_t"} <= set(deep_ep.__all__)
+        # Megatron's import: `from deep_ep.utils import EventHandle, EventOverlap`.
+        assert issubclass(deep_ep.utils.EventHandle, torch.cuda.Event)
     else:
         for name in ("EventOverlap", "topk_idx_t"):
             with pytest.raises(ImportError, match="needs PyTorch"):
                 getattr(deep_ep, name)
         assert deep_ep.__all__ == ["Buffer", "Config"]
-        with pytest.raises(ImportError, match="needs PyTorch"):
-            deep_ep.utils.EventOverlap
+        for name in ("EventOverlap", "EventHandle"):
+            with pytest.raises(ImportError, match="needs PyTorch"):
+                getattr(deep_ep.utils, name)
     with pytest.raises(AttributeError):
         deep_ep.NoSuchThing
     assert deep_ep.utils.check_nvlink_connections(None) is None
@@ -389,16 +392,3 @@ def test_refused_methods_name_their_rule():
     for call in (lambda: b.internode_dispatch(None), lambda: b.internode_combine(None, None)):
         e = _raises("group", call)
         assert "internode" in e.rule
-
-
-def test_handles_are_deepeps_tuples():
-    core = object()
-    h = dbuffer.IntranodeHandle(("rpm", None, None, None, "in_rank", None), core)
-    assert isinstance(h, tuple) and len(h) == 6 and h[0] == "rpm" and h[4] == "in_rank"
-    assert h.epcomm_handle is core
-    rpm, _, _, _, in_rank, _ = h
-    assert (rpm, in_rank) == ("rpm", "in_rank")
-    ll = dbuffer.LowLatencyHandle(("src", "range", 128, 7168, 288), core)
-    src_info, layout_range, m, hidden, experts = ll
-    assert (src_info, layout_range, m, hidden, experts) == ("src", "range", 128, 7168, 288)
-    assert ll.epcomm_handle is core

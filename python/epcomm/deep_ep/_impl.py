@@ -13,6 +13,7 @@ import socket
 
 import torch
 
+from .. import _ll_args
 from .. import buffer as _core
 from .._args import check, check_bool, check_int, describe, fail
 from .._streams import EventOverlap, StreamOp
@@ -40,7 +41,25 @@ def init(buf, group, comm):
 
     buf.device = torch.cuda.current_device()
     if group is not None or (dist.is_available() and dist.is_initialized()):
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        if not (dist.is_available() and dist.is_initialized()):
+            fail("group", "is given but torch.distributed is not initialised (call init_process_group first)")
+        try:
+            rank, world = dist.get_rank(group), dist.get_world_size(group)
+        except (RuntimeError, ValueError, TypeError) as e:
+            fail("group", f"must be a torch.distributed process group this rank belongs to ({e})")
+        if rank < 0:
+            fail("group", "this rank is not a member of the group")
+        if comm is not None:
+            try:
+                same = comm.Get_size() == world and comm.Get_rank() == rank
+            except AttributeError:
+                fail("comm", f"must be an mpi4py communicator or None (got {type(comm).__name__})")
+            if not same:
+                fail(
+                    "comm",
+                    f"names rank {comm.Get_rank()} of {comm.Get_size()}, but the torch.distributed group (epcomm's "
+                    f"rendezvous) has this rank as {rank} of {world}: pass the group matching the communicator",
+                )
         hosts = [None] * world
         dist.all_gather_object(hosts, socket.gethostname(), group=group)
         one_host = len(set(hosts)) == 1
@@ -146,7 +165,9 @@ def _normal_core(buf, hidden, num_topk, num_experts, num_tokens, config):
     world = buf.group_size
     m = buf._max_tokens_per_rank
     if m is None:
-        m = _config.fit_tokens(buf.num_nvl_bytes, world, hidden, num_topk, num_experts, num_tokens)
+        # From the budget alone, the same on every rank (a rank-dependent refusal here would leave
+        # the others waiting in the collective creation); a dispatch over it is refused there.
+        m = _config.fit_tokens(buf.num_nvl_bytes, world, hidden, num_topk, num_experts, 1)
     with torch.cuda.device(buf.device):
         buf._normal = _core.Buffer(
             buf.group,
@@ -294,18 +315,35 @@ def get_dispatch_layout(buf, topk_idx, num_experts, previous_event, async_finish
 
 
 def _x(x):
-    """`x` for epcomm: a bf16 tensor as it is; ``(e4m3, scales)`` with contiguous scales (a copy
-    when strided, e.g. DeepEP's column-major scales)."""
+    """`x` checked to be a tensor or an ``(e4m3, scales)`` pair: ``(x, its rows)``."""
     if isinstance(x, (tuple, list)):
         if len(x) != 2:
             fail("x", f"an FP8 x is a tuple (x, scales) (got {len(x)} elements)")
         x8, scales = x
         describe("x", x8)
         describe("scales", scales)
-        if not scales.is_contiguous():
-            scales = scales.contiguous()
         return (x8, scales), x8
     return x, x
+
+
+def _contiguous_scales(core, x, previous_event):
+    """`x` with contiguous scales for epcomm (DeepEP takes strided ones, e.g. column-major): a
+    copy, made where the op will read it. Without `previous_event` the op's stream waits for the
+    current stream, so the copy is made there; with it, the op's stream waits only for that
+    event, so the copy is made on the op's stream after it (the source kept from reuse until
+    then)."""
+    if not isinstance(x, tuple) or x[1].is_contiguous():
+        return x
+    x8, scales = x
+    if previous_event is None or previous_event.event is None:
+        return x8, scales.contiguous()
+    comm = core.get_comm_stream()
+    comm.wait_event(previous_event.event)
+    with torch.cuda.stream(comm):
+        copy = scales.contiguous()
+    scales.record_stream(comm)
+    copy.record_stream(comm)
+    return x8, copy
 
 
 def _rank_prefix(core, handle):
@@ -360,7 +398,7 @@ def dispatch(
         d = _shape("x", rows, 2, ("num_tokens", "hidden"))
         _fixed("x", "hidden", core.hidden, d.shape[1], "dispatch")
         recv_x, _, _, _, _, event = core.dispatch(
-            x,
+            _contiguous_scales(core, x, previous_event),
             handle=h,
             topk_idx=topk_idx,
             topk_weights=topk_weights,
@@ -402,7 +440,7 @@ def dispatch(
     _check_config(buf, config)
     core = _normal_core(buf, hidden, num_topk, num_experts, num_tokens, config)
     recv_x, recv_idx, recv_w, per_expert, h, event = core.dispatch(
-        x,
+        _contiguous_scales(core, x, previous_event),
         num_tokens_per_rank=num_tokens_per_rank,
         is_token_in_rank=is_token_in_rank,
         num_tokens_per_expert=num_tokens_per_expert,
@@ -475,7 +513,8 @@ def combine(buf, x, handle, topk_weights, bias, config, previous_event, async_fi
         both = [t.float() for t in (b0, b1) if t is not None]
         acc = both[0] if len(both) == 1 else both[0] + both[1]
         out.copy_(acc + out.float())
-        return (out,)
+        # The biases are read here too: kept from reuse until this ran.
+        return (out, *(t for t in (b0, b1) if t is not None))
 
     return out, out_w, _then(core, event, add_bias)
 
@@ -561,6 +600,22 @@ def low_latency_dispatch(
                 f"hidden = {hidden})",
             )
     m = num_max_dispatch_tokens_per_rank
+    check_int("num_max_dispatch_tokens_per_rank", m, minimum=1)
+    # The core's tensor-free rules before its (collective) creation, which a refusal must not
+    # follow, nor fix the core's shape.
+    _ll_args.check_dispatch(
+        buffer_max=m,
+        given_max=m,
+        buffer_experts=num_experts,
+        num_experts=num_experts,
+        hidden=hidden,
+        use_fp8=use_fp8,
+        round_scale=round_scale,
+        use_ue8m0=False,
+        async_finish=async_finish,
+        return_recv_hook=return_recv_hook,
+        dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats,
+    )
     core = _ll_core(buf, hidden, num_topk, num_experts, m)
     out_scales = None
     if use_fp8 and hidden % _FP8_BLOCK == 0:

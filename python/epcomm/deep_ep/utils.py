@@ -1,7 +1,32 @@
-"""DeepEP's ``deep_ep.utils``: ``EventOverlap`` (epcomm's, loaded on first use: it needs torch)
-and ``check_nvlink_connections``."""
+"""DeepEP's ``deep_ep.utils``: ``EventOverlap`` (epcomm's), ``EventHandle`` (both loaded on
+first use: they need torch) and ``check_nvlink_connections``."""
 
-__all__ = ["EventOverlap", "check_nvlink_connections"]  # noqa: F822 (EventOverlap: module __getattr__)
+__all__ = ["EventHandle", "EventOverlap", "check_nvlink_connections"]  # noqa: F822 (module __getattr__)
+
+_EVENT_HANDLE = None
+
+
+def _event_handle():
+    """DeepEP's ``EventHandle``, made once: a CUDA event recorded on the current stream when
+    created; ``EventOverlap(EventHandle())`` is a ``previous_event`` (code such as Megatron's
+    builds it so)."""
+    global _EVENT_HANDLE
+    if _EVENT_HANDLE is None:
+        import torch
+
+        class EventHandle(torch.cuda.Event):
+            """A CUDA event recorded on the current stream at creation (DeepEP's ``EventHandle``)."""
+
+            def __init__(self):
+                super().__init__()
+                self.record(torch.cuda.current_stream())
+
+            def current_stream_wait(self):
+                """Makes the current stream wait for the event."""
+                torch.cuda.current_stream().wait_event(self)
+
+        _EVENT_HANDLE = EventHandle
+    return _EVENT_HANDLE
 
 
 def check_nvlink_connections(group):
@@ -11,6 +36,11 @@ def check_nvlink_connections(group):
 
 
 def __getattr__(name):
+    if name == "EventHandle":
+        try:
+            return _event_handle()
+        except ImportError as e:
+            raise ImportError(f"deep_ep.utils.EventHandle needs PyTorch ({e})") from e
     if name == "EventOverlap":
         try:
             from .._streams import EventOverlap
