@@ -601,7 +601,7 @@ def deep_ep_refusals(ctx):
             lambda: small.dispatch(x, topk_idx=idx, num_tokens_per_expert=per_expert),
             "num_nvl_bytes",
             "1000",
-            "64 tokens",
+            "1 token per rank",  # the limit comes from the budget alone, the same on every rank
         )
         refused(
             lambda: small.low_latency_dispatch(x, idx, tokens, experts),

@@ -177,7 +177,8 @@ def fit_tokens(num_nvl_bytes, world, hidden, num_topk, num_experts, num_tokens):
     if need > num_nvl_bytes:
         fail(
             "num_nvl_bytes",
-            f"{num_nvl_bytes} bytes cannot hold a dispatch of {num_tokens} tokens per rank: epcomm needs {need} bytes "
+            f"{num_nvl_bytes} bytes cannot hold a dispatch of {num_tokens} token{'' if num_tokens == 1 else 's'} "
+            f"per rank: epcomm needs {need} bytes "
             f"per rank for it ({shape}; its memory is sized per token, see epcomm.size_hint)",
         )
 
