@@ -136,7 +136,11 @@ def check_handle(ctx, what, handle, rnd, in_rank):
             rank_prefix_matrix[:, others],
             torch.full((ctx.world, len(others)), -1, dtype=torch.int32, device="cpu"),
         )
-    truth(f"{what}: handle[1], [2], [3], [5] are None", all(handle[i] is None for i in (1, 2, 3, 5)))
+    truth(f"{what}: handle[1], [2], [5] are None", all(handle[i] is None for i in (1, 2, 5)))
+    recv_src_idx = handle[3]
+    n = rnd.want.src_token.shape[0]
+    truth(f"{what}: handle[3] (recv_src_idx) int32, a row each", recv_src_idx.dtype == torch.int32 and recv_src_idx.shape[0] >= n)
+    check(f"{what} handle[3] (recv_src_idx)", recv_src_idx[:n], rnd.want.src_token.to(torch.int32))
     check(f"{what} handle[4] (is_token_in_rank)", handle[4], in_rank)
     # DeepEP's check_data: rows of source rank i end at rank_prefix_matrix[i][rank].
     start = 0

@@ -99,6 +99,14 @@ impl Handle {
         prefix.device_ptr(prefix.stream()).0
     }
 
+    /// Device address of the `[max_rows]` int32 source token index of each received row (the
+    /// dispatch writes the first `num_recv` of them on the buffer's stream): for bindings that
+    /// view it as an array of their own, stream-ordered after the dispatch.
+    pub fn recv_src_idx_ptr(&self) -> u64 {
+        let idx = &self.inner.recv_src_idx;
+        idx.device_ptr(idx.stream()).0
+    }
+
     /// Reads the number of received rows from the device (waits for the dispatch).
     pub fn num_recv_from_device(&self) -> Result<usize> {
         let s = self.inner.recv_prefix.stream().clone();

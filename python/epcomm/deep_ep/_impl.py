@@ -363,6 +363,17 @@ def _rank_prefix(core, handle):
     return rpm
 
 
+def _recv_src_idx(core, handle):
+    """DeepEP's ``recv_src_idx``: the source token index of each returned row (``[num_rows]``
+    int32; rows past the received ones, with ``num_worst_tokens``, hold no index), a copy of the
+    epcomm handle's array, which a later dispatch along a reused handle slot overwrites."""
+    native = handle._native
+    rows = handle.num_rows
+    if rows == 0:
+        return torch.empty((0,), dtype=torch.int32, device=core.device)
+    return view(native.recv_src_idx_ptr, (rows,), torch.int32, core.device, native).clone()
+
+
 def _normal_handle(buf, handle):
     if not isinstance(handle, IntranodeHandle):
         fail("handle", f"must be the handle of this Buffer's dispatch (got {type(handle).__name__})")
@@ -457,14 +468,15 @@ def dispatch(
 
     def tail():
         made["rpm"] = _rank_prefix(core, h)
+        made["src"] = _recv_src_idx(core, h)
         made["in_rank"] = is_token_in_rank
         if is_token_in_rank is None:
             made["in_rank"] = layout_tensors(topk_idx, core.num_experts, core.group_size)[2]
-            return (made["rpm"], made["in_rank"])
-        return (made["rpm"],)
+            return (made["rpm"], made["src"], made["in_rank"])
+        return (made["rpm"], made["src"])
 
     event = _then(core, event, tail)
-    items = (made["rpm"], None, None, None, made["in_rank"], None)
+    items = (made["rpm"], None, None, made["src"], made["in_rank"], None)
     return recv_x, recv_idx, recv_w, per_expert, IntranodeHandle(items, h), event
 
 

@@ -604,6 +604,13 @@ impl PyHandle {
     fn recv_prefix_ptr(&self) -> u64 {
         self.inner.recv_prefix_ptr()
     }
+
+    /// Address of the int32 source token index of each received row (the first `rows
+    /// received` of them are written by the dispatch).
+    #[getter]
+    fn recv_src_idx_ptr(&self) -> u64 {
+        self.inner.recv_src_idx_ptr()
+    }
 }
 
 #[pymethods]
