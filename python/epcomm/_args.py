@@ -44,11 +44,10 @@ def describe(argument, t):
     """The description of tensor `t` (anything else: an error naming `argument`). On every
     op's path: kept to a few attribute reads."""
     try:
-        device = t.get_device()  # -1 off the GPU
         return TensorDesc(
             tuple(t.shape),
             _dtype_name(t.dtype),
-            None if device < 0 else device,
+            t.get_device() if t.is_cuda else None,
             t.is_contiguous(),
             t.data_ptr(),
         )

@@ -69,9 +69,11 @@ mod tests {
         assert_eq!(offset_of!(OpArgs, global_barriers), 444);
         assert_eq!(offset_of!(OpArgs, off_ll_meta_stage), 448);
         assert_eq!(offset_of!(OpArgs, ll_self_row), 456);
-        assert_eq!(size_of::<LayoutArgs>(), 7 * 8 + 8 * 4);
-        assert_eq!(offset_of!(LayoutArgs, num_tokens), 56);
-        assert_eq!(offset_of!(LayoutArgs, pe_base), 80);
+        assert_eq!(size_of::<LayoutArgs>(), 9 * 8 + 8 * 4);
+        assert_eq!(offset_of!(LayoutArgs, in_rank), 56);
+        assert_eq!(offset_of!(LayoutArgs, expert_counts), 64);
+        assert_eq!(offset_of!(LayoutArgs, num_tokens), 72);
+        assert_eq!(offset_of!(LayoutArgs, pe_base), 96);
         assert_eq!(size_of::<ErrorRecord>(), 56);
         assert_eq!(offset_of!(ErrorRecord, epoch), 24);
         assert_eq!(size_of::<SeqState>(), 72);

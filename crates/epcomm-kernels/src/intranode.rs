@@ -98,10 +98,19 @@ impl Op {
         match self {
             Op::Dispatch => "launching epcomm_dispatch",
             Op::Combine => "launching epcomm_combine",
-            Op::LlDispatchSend => "launching epcomm::ll::dispatch (send phase)",
+            Op::LlDispatchSend => "launching epcomm::ll::dispatch (send and receive phase)",
             Op::LlDispatchRecv => "launching epcomm::ll::hook::dispatch (receive phase)",
-            Op::LlCombineSend => "launching epcomm::ll::combine (send phase)",
+            Op::LlCombineSend => "launching epcomm::ll::combine (send and receive phase)",
             Op::LlCombineRecv => "launching epcomm::ll::hook::combine (receive phase)",
+        }
+    }
+
+    /// What launching the hook's kernel for a send phase is called in errors.
+    fn launching_hook(self) -> &'static str {
+        match self {
+            Op::LlDispatchSend => "launching epcomm::ll::hook::dispatch (send phase)",
+            Op::LlCombineSend => "launching epcomm::ll::hook::combine (send phase)",
+            other => other.launching(),
         }
     }
 
@@ -143,6 +152,11 @@ impl OpKernel {
         blocks: u32,
     ) -> Result<(), KernelError> {
         let mut cfg = grid(blocks);
+        let (f, what) = match &self.one_kernel {
+            Some(f) if args.flags & crate::abi::flags::FUSED != 0 => (f, self.op.launching()),
+            Some(_) => (&self.f, self.op.launching_hook()),
+            None => (&self.f, self.op.launching()),
+        };
         let phase;
         let args = if self.op.is_receive_phase() {
             phase = OpArgs {
@@ -157,7 +171,7 @@ impl OpKernel {
             let bytes = args.ll_smem_words.max(0) as usize * 4;
             if bytes > LL_MAX_SMEM_BYTES {
                 return Err(KernelError::Launch {
-                    what: self.op.launching(),
+                    what,
                     reason: format!(
                         "{bytes} bytes of dynamic shared memory, more than {LL_MAX_SMEM_BYTES}"
                     ),
@@ -165,13 +179,8 @@ impl OpKernel {
             }
             cfg.shared_mem_bytes = bytes as u32;
         }
-        let f = match &self.one_kernel {
-            Some(f) if args.flags & crate::abi::flags::FUSED != 0 => f,
-            _ => &self.f,
-        };
         // SAFETY: upheld by the caller (see above).
-        unsafe { stream.launch_builder(f).arg(args).launch_cooperative(cfg) }
-            .context(self.op.launching())?;
+        unsafe { stream.launch_builder(f).arg(args).launch_cooperative(cfg) }.context(what)?;
         Ok(())
     }
 }

@@ -13,6 +13,7 @@ use cudarc::driver::DevicePtr;
 use crate::Result;
 use crate::buffer::Buffer;
 use crate::buffer::health::note_launch;
+use crate::buffer::pointers::check_device_ptr;
 use crate::buffer::validate::exact_len;
 use crate::error::DriverContext;
 use crate::layout::{DeviceTokens, Layout, LayoutInner};
@@ -138,14 +139,41 @@ impl Buffer {
         let (counts_ptr, _g2) = l.counts.device_ptr(s);
         let (slot_ptr, _g3) = l.token_slot.device_ptr(s);
         let (status_ptr, _g4) = l.status.device_ptr(s);
+        let dev = self.ctx.ordinal();
+        check_device_ptr("is_token_in_rank", in_ptr, num_tokens * self.world, 1, dev)?;
+        check_device_ptr(
+            "num_tokens_per_expert",
+            per_expert_ptr,
+            self.cfg.num_experts * 4,
+            4,
+            dev,
+        )?;
+        for (argument, ptr, len) in [
+            ("is_token_in_rank", in_ptr, num_tokens * self.world),
+            (
+                "num_tokens_per_expert",
+                per_expert_ptr,
+                self.cfg.num_experts,
+            ),
+        ] {
+            if ptr == 0 && len > 0 {
+                return Err(crate::Error::InvalidArgument {
+                    argument,
+                    rule: format!("holds {len} elements at the null device address"),
+                });
+            }
+        }
         let mut args = self.layout_args(num_tokens, 0, counts_ptr, slot_ptr, status_ptr);
-        args.in_rank = in_ptr;
+        // The kernel takes the given routing when `in_rank` is not null: with no tokens (an
+        // empty array may have no address) it gets the layout's own slots, never read.
+        args.in_rank = if in_ptr == 0 { slot_ptr } else { in_ptr };
         args.expert_counts = per_expert_ptr;
         args.num_tokens_ptr = l.device_tokens.as_ref().map_or(0, |d| d.ptr);
         // SAFETY: all addresses are live allocations of the sizes the kernel expects for this
         // shape (counts: world + E + nodes, token_slot: T * world, status: 1, in_rank: T *
-        // world, expert_counts: E; checked above); with in_rank set the kernel never reads
-        // topk_idx. The layout's arrays are owned by `layout`, which outlives the launch.
+        // world, expert_counts: E; lengths and addresses checked above, in_rank never null);
+        // with in_rank set the kernel never reads topk_idx. The layout's arrays are owned by
+        // `layout`, which outlives the launch.
         unsafe { self.kernels.launch_layout(s, &args) }?;
         note_launch(&self.last_launch, s, self.recording);
         l.generation.fetch_add(1, Ordering::Relaxed);
