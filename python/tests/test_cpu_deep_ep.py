@@ -304,6 +304,19 @@ def test_nvl_hint_holds_the_planned_tokens(world, hidden):
             assert m >= dconfig.PLAN_TOKENS_PER_RANK, (top_k, experts, m)
 
 
+def test_the_core_sizes_a_budget_like_the_size_hint():
+    """epcomm.rules::max_tokens_for_budget (native) against the size hint: the largest token
+    count whose memory fits, for several shapes and budgets."""
+    for world, hidden, top_k, experts in [(1, 7168, 8, 256), (2, 512, 4, 16), (8, 2048, 9, 288)]:
+        for m in (1, 3, 100, 4096):
+            budget = epcomm.size_hint(world, m, hidden, top_k, experts)
+            assert epcomm._native.max_tokens_for_budget(budget, world, hidden, top_k, experts) == m
+            assert epcomm._native.max_tokens_for_budget(budget + 1, world, hidden, top_k, experts) == m
+    with pytest.raises(epcomm.InvalidArgumentError) as e:
+        epcomm._native.max_tokens_for_budget(1000, 2, 7168, 8, 256)
+    assert e.value.argument == "budget_bytes"
+
+
 def test_fit_tokens_is_the_largest_that_fits():
     budget = int(2e9)
     m = dconfig.fit_tokens(budget, 1, 7168, 8, 256, 4096)

@@ -55,6 +55,59 @@ pub struct Checked {
     pub ll_smem_words: usize,
 }
 
+/// The most tokens per rank whose normal-mode symmetric memory fits `budget_bytes` per rank, for
+/// `world` ranks of this shape (what DeepEP's byte budget `num_nvl_bytes` becomes here: epcomm
+/// sizes its receive regions per token, so a budget is a per-rank token limit). Set it as
+/// [`BufferConfig::max_tokens_per_rank`].
+///
+/// # Errors
+/// [`Error::InvalidArgument`] naming `budget_bytes` (with the bytes one token per rank needs)
+/// when not even one token fits, or the shape's own rule (naming `hidden`, `num_experts`, ...).
+///
+/// ```
+/// use epcomm::rules::max_tokens_for_budget;
+/// let m = max_tokens_for_budget(2_000_000_000, 8, 7168, 8, 256).unwrap();
+/// assert!(m >= 4096);
+/// assert!(max_tokens_for_budget(1000, 8, 7168, 8, 256).is_err());
+/// ```
+pub fn max_tokens_for_budget(
+    budget_bytes: u64,
+    world: usize,
+    hidden: usize,
+    top_k: usize,
+    num_experts: usize,
+) -> Result<usize> {
+    let bytes = |m: usize| -> Result<u64> {
+        Ok(BufferPlan::with_low_latency(world, m, hidden, top_k, num_experts, 0)?.total_bytes())
+    };
+    let one = bytes(1)?;
+    if one > budget_bytes {
+        return Err(Error::InvalidArgument {
+            argument: "budget_bytes",
+            rule: format!(
+                "{budget_bytes} bytes per rank cannot hold one token per rank: {one} bytes are \
+                 needed ({world} ranks, hidden {hidden}, top-k {top_k}, {num_experts} experts)"
+            ),
+        });
+    }
+    // Fits(m) is monotone in m: double, then bisect (a plan past the library's limits fails).
+    let fits = |m: usize| bytes(m).is_ok_and(|b| b <= budget_bytes);
+    let (mut lo, mut hi) = (1usize, 2usize);
+    while hi < (1 << 40) && fits(hi) {
+        lo = hi;
+        hi *= 2;
+    }
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if fits(mid) {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    Ok(lo)
+}
+
 /// Shared-memory words of the low-latency tables that do not grow with the token count: the
 /// dispatch receive phase's first row per (local expert, source), `num_experts` (+ 1), and the
 /// combine's per-expert prefix and this rank's own range per local expert, `3 * epr + 1`.
@@ -316,6 +369,44 @@ mod tests {
         assert_eq!(ll_max_tokens_limit(2, 1), LL_MAX_TOKENS);
         // Too many experts for even the receive phase's table.
         assert_eq!(ll_max_tokens_limit(8192, 1), 0);
+    }
+
+    #[test]
+    fn a_budget_becomes_the_largest_token_count_that_fits() {
+        let plan = |m| {
+            BufferPlan::with_low_latency(4, m, 7168, 8, 256, 0)
+                .unwrap()
+                .total_bytes()
+        };
+        for m in [1usize, 7, 128, 4096] {
+            let budget = plan(m);
+            assert_eq!(max_tokens_for_budget(budget, 4, 7168, 8, 256).unwrap(), m);
+            assert_eq!(
+                max_tokens_for_budget(budget + 1, 4, 7168, 8, 256).unwrap(),
+                m
+            );
+            if m > 1 {
+                assert_eq!(
+                    max_tokens_for_budget(budget - 1, 4, 7168, 8, 256).unwrap(),
+                    m - 1
+                );
+            }
+        }
+        let e = max_tokens_for_budget(plan(1) - 1, 4, 7168, 8, 256).unwrap_err();
+        let text = e.to_string();
+        assert!(
+            matches!(
+                e,
+                Error::InvalidArgument {
+                    argument: "budget_bytes",
+                    ..
+                }
+            ) && text.contains(&plan(1).to_string()),
+            "{text}"
+        );
+        // The shape's own rules name their argument.
+        let e = max_tokens_for_budget(1 << 30, 4, 7168, 8, 255).unwrap_err();
+        assert!(e.to_string().contains("num_experts"), "{e}");
     }
 
     #[test]

@@ -5,6 +5,7 @@ regions), where DeepEP sizes a ring of staging chunks. A DeepEP byte budget ther
 token limit here: :func:`fit_tokens` finds the most tokens per rank whose epcomm memory fits
 ``num_nvl_bytes``, and the size hints below plan for a stated shape (see each one)."""
 
+from .. import _native
 from .._args import check_int, fail
 from ..config import Config as _CoreConfig
 from ..config import low_latency_size_hint, size_hint
@@ -182,19 +183,5 @@ def fit_tokens(num_nvl_bytes, world, hidden, num_topk, num_experts, num_tokens):
             f"per rank for it ({shape}; its memory is sized per token, see epcomm.size_hint)",
         )
 
-    def fits(m):
-        try:
-            return size_hint(world, m, hidden, num_topk, num_experts) <= num_nvl_bytes
-        except InvalidArgumentError:  # past the library's limits
-            return False
-
-    hi = lo * 2
-    while hi < (1 << 40) and fits(hi):
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    # The core's own sizing (epcomm.rules::max_tokens_for_budget): the largest count that fits.
+    return _native.max_tokens_for_budget(num_nvl_bytes, world, hidden, num_topk, num_experts)

@@ -55,6 +55,22 @@ fn parse_transport(py: Python<'_>, spec: &str) -> PyResult<String> {
         .map_err(|e| to_pyerr(py, e.into()))
 }
 
+/// The most tokens per rank whose normal-mode memory fits `budget_bytes` per rank
+/// ([`epcomm::rules::max_tokens_for_budget`]); raises `InvalidArgumentError` naming
+/// `budget_bytes` (or the shape's argument) otherwise.
+#[pyfunction]
+fn max_tokens_for_budget(
+    py: Python<'_>,
+    budget_bytes: u64,
+    world_size: usize,
+    hidden: usize,
+    top_k: usize,
+    num_experts: usize,
+) -> PyResult<usize> {
+    epcomm::rules::max_tokens_for_budget(budget_bytes, world_size, hidden, top_k, num_experts)
+        .map_err(|e| to_pyerr(py, e.into()))
+}
+
 /// The schedule names.
 #[pyfunction]
 fn schedules() -> Vec<&'static str> {
@@ -256,6 +272,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(schedules, m)?)?;
     m.add_function(wrap_pyfunction!(route_policies, m)?)?;
     m.add_function(wrap_pyfunction!(check_options, m)?)?;
+    m.add_function(wrap_pyfunction!(max_tokens_for_budget, m)?)?;
     m.add_function(wrap_pyfunction!(single_host_env_defaults, m)?)?;
     m.add_function(wrap_pyfunction!(nvshmem_status, m)?)?;
     m.add_function(wrap_pyfunction!(deepep_workload, m)?)?;
