@@ -22,7 +22,7 @@ from ..config import Config as _CoreConfig
 from ..config import low_latency_size_hint
 from ..errors import BufferFailedError
 from . import config as _config
-from .buffer import IntranodeHandle, LowLatencyHandle
+from .handles import IntranodeHandle, LowLatencyHandle
 
 _FP8_BLOCK = 128
 _UE8M0_BLOCK = 4 * _FP8_BLOCK
@@ -159,9 +159,7 @@ def _normal_core(buf, hidden, num_topk, num_experts, num_tokens, config):
         _fixed("topk_idx", "num_topk", core.num_topk, num_topk, "dispatch")
         _fixed("num_tokens_per_expert", "num_experts", core.num_experts, num_experts, "dispatch")
         return core
-    from .buffer import Buffer
-
-    num_sms = config.num_sms if config is not None else Buffer.num_sms
+    num_sms = config.num_sms if config is not None else type(buf).num_sms
     world = buf.group_size
     m = buf._max_tokens_per_rank
     if m is None:
