@@ -20,6 +20,24 @@ COMPAT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "compat"
 
 _ = inspect.Parameter.empty
 
+# DeepEP's dispatch parameters (the same for intranode and internode dispatch).
+_DISPATCH_PARAMS = [
+    ("x", _),
+    ("handle", None),
+    ("num_tokens_per_rank", None),
+    ("num_tokens_per_rdma_rank", None),
+    ("is_token_in_rank", None),
+    ("num_tokens_per_expert", None),
+    ("topk_idx", None),
+    ("topk_weights", None),
+    ("expert_alignment", 1),
+    ("num_worst_tokens", 0),
+    ("config", None),
+    ("previous_event", None),
+    ("async_finish", False),
+    ("allocate_on_comm_stream", False),
+]
+
 # DeepEP V1's Buffer: (method, [(parameter, default)]) without `self`; `_` = no default.
 DEEPEP_METHODS = [
     (
@@ -53,22 +71,7 @@ DEEPEP_METHODS = [
     ),
     (
         "dispatch",
-        [
-            ("x", _),
-            ("handle", None),
-            ("num_tokens_per_rank", None),
-            ("num_tokens_per_rdma_rank", None),
-            ("is_token_in_rank", None),
-            ("num_tokens_per_expert", None),
-            ("topk_idx", None),
-            ("topk_weights", None),
-            ("expert_alignment", 1),
-            ("num_worst_tokens", 0),
-            ("config", None),
-            ("previous_event", None),
-            ("async_finish", False),
-            ("allocate_on_comm_stream", False),
-        ],
+        _DISPATCH_PARAMS,
     ),
     (
         "combine",
@@ -85,22 +88,7 @@ DEEPEP_METHODS = [
     ),
     (
         "internode_dispatch",
-        [
-            ("x", _),
-            ("handle", None),
-            ("num_tokens_per_rank", None),
-            ("num_tokens_per_rdma_rank", None),
-            ("is_token_in_rank", None),
-            ("num_tokens_per_expert", None),
-            ("topk_idx", None),
-            ("topk_weights", None),
-            ("expert_alignment", 1),
-            ("num_worst_tokens", 0),
-            ("config", None),
-            ("previous_event", None),
-            ("async_finish", False),
-            ("allocate_on_comm_stream", False),
-        ],
+        _DISPATCH_PARAMS,
     ),
     (
         "internode_combine",

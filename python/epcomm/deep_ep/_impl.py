@@ -400,24 +400,24 @@ def dispatch(
     _alive(buf)
     del num_tokens_per_rdma_rank  # DeepEP's intranode dispatch ignores it too
     x, rows = _x(x)
+    # What the core's dispatch takes as it is, cached or not.
+    passed = dict(
+        topk_idx=topk_idx,
+        topk_weights=topk_weights,
+        expert_alignment=expert_alignment,
+        num_worst_tokens=num_worst_tokens,
+        config=config,
+        previous_event=previous_event,
+        async_finish=async_finish,
+        allocate_on_comm_stream=allocate_on_comm_stream,
+    )
     if handle is not None:
         h = _normal_handle(buf, handle)
         core = buf._normal
         _check_config(buf, config)
         d = _shape("x", rows, 2, ("num_tokens", "hidden"))
         _fixed("x", "hidden", core.hidden, d.shape[1], "dispatch")
-        recv_x, _, _, _, _, event = core.dispatch(
-            _contiguous_scales(core, x, previous_event),
-            handle=h,
-            topk_idx=topk_idx,
-            topk_weights=topk_weights,
-            expert_alignment=expert_alignment,
-            num_worst_tokens=num_worst_tokens,
-            config=config,
-            previous_event=previous_event,
-            async_finish=async_finish,
-            allocate_on_comm_stream=allocate_on_comm_stream,
-        )
+        recv_x, _, _, _, _, event = core.dispatch(_contiguous_scales(core, x, previous_event), handle=h, **passed)
         return recv_x, None, None, None, None, event
     d = _shape("x", rows, 2, ("num_tokens", "hidden"))
     num_tokens, hidden = d.shape
@@ -453,28 +453,21 @@ def dispatch(
         num_tokens_per_rank=num_tokens_per_rank,
         is_token_in_rank=is_token_in_rank,
         num_tokens_per_expert=num_tokens_per_expert,
-        topk_idx=topk_idx,
-        topk_weights=topk_weights,
-        expert_alignment=expert_alignment,
-        num_worst_tokens=num_worst_tokens,
-        config=config,
-        previous_event=previous_event,
-        async_finish=async_finish,
-        allocate_on_comm_stream=allocate_on_comm_stream,
+        **passed,
     )
-    made = {}
+    made = []
 
     def tail():
-        made["rpm"] = _rank_prefix(core, h)
-        made["src"] = _recv_src_idx(core, h)
-        made["in_rank"] = is_token_in_rank
+        # rank_prefix_matrix, recv_src_idx, is_token_in_rank (computed when not given).
+        made.extend((_rank_prefix(core, h), _recv_src_idx(core, h)))
         if is_token_in_rank is None:
-            made["in_rank"] = layout_tensors(topk_idx, core.num_experts, core.group_size)[2]
-            return (made["rpm"], made["src"], made["in_rank"])
-        return (made["rpm"], made["src"])
+            made.append(layout_tensors(topk_idx, core.num_experts, core.group_size)[2])
+        return tuple(made)
 
     event = _then(core, event, tail)
-    items = (made["rpm"], None, None, made["src"], made["in_rank"], None)
+    rpm, src = made[0], made[1]
+    in_rank = made[2] if is_token_in_rank is None else is_token_in_rank
+    items = (rpm, None, None, src, in_rank, None)
     return recv_x, recv_idx, recv_w, per_expert, IntranodeHandle(items, h), event
 
 
@@ -588,14 +581,7 @@ def low_latency_dispatch(
     return_recv_hook,
 ):
     _alive(buf)
-    for name, value in (
-        ("use_fp8", use_fp8),
-        ("round_scale", round_scale),
-        ("use_ue8m0", use_ue8m0),
-        ("async_finish", async_finish),
-        ("return_recv_hook", return_recv_hook),
-    ):
-        check_bool(name, value)
+    check_bool("use_ue8m0", use_ue8m0)  # the other flags: _ll_args.check_dispatch below
     hidden = _shape("x", x, 2, ("num_tokens", "hidden")).shape[1]
     num_topk = _shape("topk_idx", topk_idx, 2, ("num_tokens", "num_topk")).shape[1]
     if use_ue8m0:
