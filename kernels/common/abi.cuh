@@ -22,7 +22,7 @@ namespace epcomm {
 
 /// Version of the kernel protocol and argument blocks; ranks compare it when a `Buffer` is
 /// built. Bump it with any change of this header or of the kernels' cross-rank protocol.
-constexpr uint64_t kAbiVersion = 13;
+constexpr uint64_t kAbiVersion = 14;
 
 /// Largest world size the intranode kernels support (shared-memory tables are this large).
 constexpr size_t kMaxWorld = 64;
@@ -78,6 +78,10 @@ constexpr uint64_t kStatsReadyOffset = 3072;
 constexpr uint64_t kStatsIntentOffset = 2048;
 /// Byte offset, inside the stats region, of the abort word failing peers write.
 constexpr uint64_t kStatsAbortOffset = 3584;
+/// Byte offset, inside the stats region, of the rank mask of the low-latency ops
+/// ([kMaxWorld] u32 by group rank: 1 = masked, skipped by every op with kFlagMasking; set by
+/// such an op whose wait for that peer expired, and by the host).
+constexpr uint64_t kStatsMaskOffset = 3840;
 
 /// Failure record written by the first failing device thread into host-mapped memory. Kernels
 /// never trap: they record, then leave.
@@ -105,6 +109,8 @@ enum OpFlags : uint32_t {  // rust: mod flags, strip kFlag
   kFlagRoundScale = 1u << 5,  ///< Low-latency FP8 dispatch: scales rounded up to powers of two.
   kFlagFused = 1u << 6,       ///< Low-latency send kernel also runs the receive phase (no hook).
   kFlagRecvPhase = 1u << 7,   ///< Low-latency kernel: run the receive phase only (the hook).
+  kFlagMasking = 1u << 8,     ///< Low-latency op: masked peers are skipped, and a peer whose wait
+                              ///< expires is masked instead of failing the op (kStatsMaskOffset).
 };
 
 /// An op's intent word ([A1], docs/protocol.md "Op agreement"): (op sequence number, low 32

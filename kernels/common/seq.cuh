@@ -83,6 +83,35 @@ __device__ __forceinline__ void make_wait(const OpArgs& a, OpState& s, uint32_t 
   // prologue issues no extra load.)
   w.intent_off = intent_off(a, s.seq.op);
   w.intent = op_intent(a, kind, s.seq.op);
+  // The mask words (kFlagMasking): `masked` is written by warps 0 and 1 (load_mask).
+  if ((a.flags & kFlagMasking) != 0) {
+    const uint64_t local = reinterpret_cast<const uint64_t*>(a.peer_bases)[a.rank];
+    w.mask = reinterpret_cast<uint32_t*>(local + a.off_stats + kStatsMaskOffset);
+  } else {
+    w.mask = nullptr;
+    w.masked = 0;
+  }
+}
+
+// Masking (kFlagMasking): warps 0 and 1 read the mask words of peers 0..63 into the block's
+// `s.wait.masked` (one half each); every other thread does nothing. The caller's next
+// __syncthreads publishes it. `mask` is the op's mask words (this rank's stats region).
+__device__ __forceinline__ void load_mask(const OpArgs& a, OpState& s, const uint32_t* mask) {
+  const int tid = threadIdx.x;
+  if (tid >= 64) return;
+  const bool m = tid < a.world && tid != a.rank &&
+                 *reinterpret_cast<const volatile uint32_t*>(mask + tid) != 0u;
+  const uint32_t bits = __ballot_sync(0xffffffffu, m);
+  if (tid % 32 == 0) reinterpret_cast<uint32_t*>(&s.wait.masked)[tid / 32] = bits;
+}
+
+// Masking: every thread of the block calls it after a wait that may have masked peers; the
+// block's `masked` then holds every peer masked so far (ends with __syncthreads). Nothing
+// without kFlagMasking.
+__device__ __forceinline__ void refresh_mask(const OpArgs& a, OpState& s) {
+  if ((a.flags & kFlagMasking) == 0) return;
+  load_mask(a, s, s.wait.mask);
+  __syncthreads();
 }
 
 // Reads the sequence numbers, loads peer bases, fills the wait context, clears the abort flag.
@@ -97,6 +126,9 @@ __device__ __forceinline__ bool prologue(const OpArgs& a, OpState& s, uint32_t k
   const int tid = threadIdx.x;
   const uint64_t* peer_bases = reinterpret_cast<const uint64_t*>(a.peer_bases);
   if (tid < a.world) s.bases[tid] = reinterpret_cast<uint8_t*>(peer_bases[tid]);
+  if ((a.flags & kFlagMasking) != 0)
+    load_mask(a, s, reinterpret_cast<const uint32_t*>(peer_bases[a.rank] + a.off_stats +
+                                                      kStatsMaskOffset));
   if (tid == 0) {
     s.abort = 0;
     // Issue the failure-word loads with the SeqState loads so their latencies overlap.
@@ -168,11 +200,12 @@ __device__ __forceinline__ uint64_t peek_intent(const WaitCtx& w, int d) {
 // sends it nothing).
 template <class Net>
 __device__ __forceinline__ bool check_intent(const WaitCtx& w, int d, uint64_t early) {
-  if (w.intent_off == 0 || d == w.rank) return true;
+  if (w.intent_off == 0 || d == w.rank || peer_masked(w, d)) return true;
   uint32_t content = static_cast<uint32_t>(early);
   if ((early >> 32) != (w.intent >> 32) &&
       !wait_tag<Net>(w, intent_slot(w, d), w.intent >> 32, kWaitIntent, d, &content, nullptr))
     return false;
+  if (peer_masked(w, d)) return true;  // masked while waited for
   if (content == static_cast<uint32_t>(w.intent)) return true;
   const uint64_t theirs = make_tagged(w.intent >> 32, content);
   record_failure<Net>(w, kOpMismatch, kWaitIntent, d, w.intent, theirs, 0);

@@ -44,7 +44,29 @@ struct WaitCtx {
   // ([world], by source rank); 0 where there are no peers (the layout kernel).
   uint64_t intent_off;
   uint64_t intent;
+  // Rank masking (kFlagMasking, low-latency ops; docs/low-latency.md "Masking ranks"): this
+  // rank's mask words ([kMaxWorld] u32 by group rank, 1 = masked), null when the op does not
+  // mask; and bit d set when this block last saw peer d masked (refresh_mask).
+  uint32_t* mask;
+  uint64_t masked;
 };
+
+// Masking: true when group rank `peer` is masked, as this block last saw it or as the mask
+// words say now (another block, or a thread of this one, may have masked it since).
+__device__ __forceinline__ bool peer_masked(const WaitCtx& w, int32_t peer) {
+  if (w.mask == nullptr || peer < 0 || peer >= w.world || peer == w.rank) return false;
+  return ((w.masked >> peer) & 1u) != 0 ||
+         *reinterpret_cast<const volatile uint32_t*>(w.mask + peer) != 0u;
+}
+
+// Masking: a wait for group rank `peer` expired; masks the peer (true) instead of failing,
+// when the op masks and `peer` is a peer. Every later wait for it returns at once.
+__device__ __forceinline__ bool mask_on_timeout(const WaitCtx& w, int32_t peer) {
+  if (w.mask == nullptr || peer < 0 || peer >= w.world || peer == w.rank) return false;
+  *reinterpret_cast<volatile uint32_t*>(w.mask + peer) = 1u;
+  __threadfence();
+  return true;
+}
 
 // The transport PE of group rank `d`: what every Net call takes as its `pe`.
 __device__ __forceinline__ int peer_pe(const WaitCtx& w, int d) {
@@ -159,7 +181,8 @@ __device__ __noinline__ bool should_stop(const WaitCtx& w, uint32_t wait_id, uin
 }
 
 // Spin until *p >= target (acquire). Returns false on timeout, when another thread of this
-// rank failed, or when a peer reported a failure.
+// rank failed, or when a peer reported a failure. Under masking (w.mask), true at once when
+// `peer` is masked, and the peer masked instead of a timeout (*arrived_ns then unset).
 template <class Net>
 __device__ __forceinline__ bool wait_geq(const WaitCtx& w, const uint64_t* p, uint64_t target,
                                          uint32_t wait_id, int32_t peer, uint64_t* arrived_ns) {
@@ -177,7 +200,9 @@ __device__ __forceinline__ bool wait_geq(const WaitCtx& w, const uint64_t* p, ui
     }
     if ((spins & 63u) == 0u) {
       const uint64_t now = globaltimer_ns();
+      if (peer_masked(w, peer)) return true;  // masked: not waited for
       if (now - t0 > w.timeout_ns) {
+        if (mask_on_timeout(w, peer)) return true;
         record_failure<Net>(w, kTimeout, wait_id, peer, target, v, now - t0);
         return false;
       }
@@ -192,7 +217,8 @@ __device__ __forceinline__ uint64_t make_tagged(uint64_t tag, uint32_t value) {
   return (tag << 32) | value;
 }
 
-// Spin until the word's tag equals `tag` (acquire); returns the value through *value.
+// Spin until the word's tag equals `tag` (acquire); returns the value through *value. Under
+// masking, a masked `peer` (or one masked at the timeout) gives true and *value = 0.
 template <class Net>
 __device__ __forceinline__ bool wait_tag(const WaitCtx& w, const uint64_t* p, uint64_t tag,
                                          uint32_t wait_id, int32_t peer, uint32_t* value,
@@ -207,7 +233,15 @@ __device__ __forceinline__ bool wait_tag(const WaitCtx& w, const uint64_t* p, ui
     }
     if ((spins & 63u) == 63u) {
       const uint64_t now = globaltimer_ns();
+      if (peer_masked(w, peer)) {  // masked: nothing comes from it
+        *value = 0;
+        return true;
+      }
       if (now - t0 > w.timeout_ns) {
+        if (mask_on_timeout(w, peer)) {
+          *value = 0;
+          return true;
+        }
         record_failure<Net>(w, kTimeout, wait_id, peer, tag, v >> 32, now - t0);
         return false;
       }

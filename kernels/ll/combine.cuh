@@ -99,6 +99,7 @@ __device__ __forceinline__ void combine_send(const OpArgs& a, Shared& s, uint32_
     if (nch == 1) {
       const int t = src_info[idx], rk = route[idx];
       const int r = rk / K, k = rk % K;
+      if (masked(s, r)) continue;  // a masked rank is sent nothing
       uint8_t* dst = s.bases[r] + off_comb + (static_cast<int64_t>(t) * K + k) * row_bytes;
       if constexpr (Net::kTransport) {
         if (Net::remote(a.remote_mask, r)) {
@@ -114,12 +115,14 @@ __device__ __forceinline__ void combine_send(const OpArgs& a, Shared& s, uint32_
     load_step(v, reinterpret_cast<const int4*>(src), base, end, lane);
     const int t = src_info[idx], rk = route[idx];
     const int r = rk / K, k = rk % K;
+    if (masked(s, r)) continue;
     uint8_t* dst = s.bases[r] + off_comb + (static_cast<int64_t>(t) * K + k) * row_bytes;
     store_step(reinterpret_cast<int4*>(dst), v, base, end, lane);
   }
   if (!all_ok(s, Net::quiet(s.wait, a.remote_mask))) return;
   if (blockIdx.x == 0 && tid == 0) stats[kStatSent] = globaltimer_ns();
-  // This block's rows for every source are written: publish (release).
+  // This block's rows for every source are written: publish (release), to masked ranks too
+  // (as in the dispatch).
   if (tid < world)
     Net::publish_add(u64_at(s.bases[tid], a.off_done) + me, 1, tid,
                      Net::remote(a.remote_mask, tid));
@@ -132,8 +135,8 @@ __device__ __forceinline__ void combine_send(const OpArgs& a, Shared& s, uint32_
   epilogue(a, s, sched.count);
 }
 
-// Receive phase: out[t] = sum over k with topk_idx[t][k] != -1, in increasing k, of
-// w[t][k] * y[t][k] (f32: a product, then a sum, both IEEE-rounded, so the CPU reference gives
+// Receive phase: out[t] = sum over k with topk_idx[t][k] != -1 (and, under masking, the
+// expert's rank not masked), in increasing k, of w[t][k] * y[t][k] (f32: a product, then a sum, both IEEE-rounded, so the CPU reference gives
 // the same bits), rounded to bf16 once.
 template <class Net>
 __device__ __forceinline__ void combine_recv(const OpArgs& a, Shared& s, uint32_t*) {
@@ -188,7 +191,7 @@ __device__ __forceinline__ void combine_reduce(const OpArgs& a, Shared& s, Sched
       const int32_t own = own_from_y && kl < K ? self_row[entry] : -1;
       *wt = e != -1 ? topk_w[entry] : 0.f;
       *row = nullptr;
-      if (e == -1) return;
+      if (e == -1 || masked(s, static_cast<int>(e / epr))) return;  // masked: contributes 0
       *row = rows_t + static_cast<int64_t>(kl) * row_bytes;
       if (own_from_y && e / epr == me && own >= 0 && own < y_rows)
         *row = y + static_cast<int64_t>(own) * row_bytes;

@@ -130,6 +130,7 @@ __device__ __forceinline__ void dispatch_send(const OpArgs& a, Shared& s, uint32
   if (blockIdx.x == 0)
     for (int i = tid; i < world * (1 + epr); i += kThreads) {
       const int d = i / (1 + epr), l = i % (1 + epr);
+      if (masked(s, d)) continue;  // a masked rank is sent nothing
       const uint32_t* m = l == 0 ? dmask + d * W : emask + static_cast<int64_t>(d * epr + l - 1) * W;
       uint32_t n = 0;
       for (int j = 0; j < W; ++j) n += __popc(m[j]);
@@ -159,7 +160,7 @@ __device__ __forceinline__ void dispatch_send(const OpArgs& a, Shared& s, uint32
     const int t = item / nch, c = item % nch;
     const int c_begin = c * span, c_end = min(H, c_begin + span);
     for (int d = lane; d < world; d += 32)
-      rows[d] = bit_of(dmask + d * W, t) ? rank_in_mask(dmask + d * W, t) : -1;
+      rows[d] = bit_of(dmask + d * W, t) && !masked(s, d) ? rank_in_mask(dmask + d * W, t) : -1;
     __syncwarp();
     if (!fp8) {
       warp_copy_row_multi<Net>(
@@ -269,7 +270,9 @@ __device__ __forceinline__ void dispatch_send(const OpArgs& a, Shared& s, uint32
   }
   if (!all_ok(s, Net::quiet(s.wait, a.remote_mask))) return;
   if (blockIdx.x == 0 && tid == 0) stats[kStatSent] = globaltimer_ns();
-  // [L4] this block's rows for every destination are written: publish (release).
+  // [L4] this block's rows for every destination are written: publish (release). Masked ranks
+  // too: their done counters stay in step, so a rank masked while it kept running can be
+  // unmasked.
   if (tid < world)
     Net::publish_add(u64_at(s.bases[tid], a.off_done) + me, 1, tid,
                      Net::remote(a.remote_mask, tid));
@@ -323,6 +326,18 @@ __device__ __forceinline__ void dispatch_unpack(const OpArgs& a, Shared& s, uint
       first[i] = static_cast<int>(n);
   }
   if (!all_ok(s, ok)) return;
+  if ((a.flags & kFlagMasking) != 0) {  // a source masked by any block counts no rows here
+    refresh_mask(a, s);
+    for (int i = tid; i < (epr + 1) * world; i += kThreads) {
+      const int r = i % world, l = i / world;
+      if (!masked(s, r)) continue;
+      if (l == epr)
+        s.prefix[r] = 0;
+      else
+        first[i] = 0;
+    }
+    __syncthreads();
+  }
   for (int l = tid; l < epr; l += kThreads) {
     int acc = 0;
     for (int r = 0; r < world; ++r) {

@@ -124,7 +124,14 @@ __device__ __forceinline__ bool await_sends(const OpArgs& a, Shared& s, Schedule
     if (ok && block0) u64_at(local, a.off_stats)[kStatPeers + 2 * a.world + tid] = arrived;
     ok = ok && (!block0 || check_intent<Net>(s.wait, tid, intent));
   }
-  return all_ok(s, ok);
+  if (!all_ok(s, ok)) return false;
+  refresh_mask(a, s);  // peers masked by these waits (any block's)
+  return true;
+}
+
+// Masking: true when this block saw group rank `d` masked (s.wait.masked; 0 without masking).
+__device__ __forceinline__ bool masked(const OpState& s, int d) {
+  return static_cast<unsigned>(d) < kMaxWorld && ((s.wait.masked >> d) & 1u) != 0;
 }
 
 // The start of a receive-phase kernel of `kind`: the prologue, then await_sends.

@@ -134,7 +134,10 @@ class Buffer:
     (``"auto"``, ``"put-signal"``), ``num_sms`` (default :attr:`num_sms`), ``timeout``
     (seconds, bound of every device wait: :class:`epcomm.TimeoutError` names the late rank),
     ``enable_cuda_graphs`` (keeps the device parity word that graph replays need; costs one
-    tiny kernel per dispatch), ``bootstrap_timeout`` (seconds for the rendezvous).
+    tiny kernel per dispatch), ``bootstrap_timeout`` (seconds for the rendezvous),
+    ``ll_masking`` (DeepEP's shrink mode: a rank whose wait expires in a low-latency op is
+    masked instead of failing the op, and later low-latency ops skip it; see
+    :meth:`low_latency_query_mask_buffer`).
 
     Runs on the current CUDA device (``torch.cuda.current_device()``), on PyTorch's primary
     CUDA context. Creating, destroying and every op are collective: all ranks call them in the
@@ -164,6 +167,7 @@ class Buffer:
         bootstrap_timeout=300.0,
         explicitly_destroy=False,
         num_max_dispatch_tokens_per_rank=0,
+        ll_masking=False,
     ):
         check_int("num_nvl_bytes", num_nvl_bytes)
         check_int("num_rdma_bytes", num_rdma_bytes)
@@ -172,6 +176,7 @@ class Buffer:
         _ll_args.check_options(ll, low_latency_mode, num_rdma_bytes)
         check_bool("enable_cuda_graphs", enable_cuda_graphs)
         check_bool("explicitly_destroy", explicitly_destroy)
+        check_bool("ll_masking", ll_masking)
         num_sms = Buffer.num_sms if num_sms is None else num_sms
         if not torch.cuda.is_available():
             fail("device", "a Buffer needs a CUDA GPU, and torch.cuda.is_available() is False")
@@ -226,6 +231,7 @@ class Buffer:
             float(timeout),
             bootstrap,
             ll,
+            ll_masking,
         )
         self.rank = self._session.rank
         self.group_size = self._session.world_size
@@ -234,6 +240,7 @@ class Buffer:
         self.num_experts = num_experts
         self.max_tokens_per_rank = max_tokens_per_rank
         self.num_max_dispatch_tokens_per_rank = ll
+        self.ll_masking = ll_masking
         self.capacity = self._session.capacity
         self.explicitly_destroy = explicitly_destroy
         self._num_sms = num_sms
@@ -993,3 +1000,34 @@ class Buffer:
             out,
             combine_wait_recv_cost_stats,
         )
+
+    # ------------------------------------------------------------------------------------------
+    # Rank masking (ll_masking=True)
+
+    def low_latency_update_mask_buffer(self, rank_to_mask, mask=False):
+        """Masks (``mask=True``) or unmasks rank ``rank_to_mask`` for the low-latency ops issued
+        after this call (stream-ordered; no host wait). A masked rank is sent no rows and waited
+        for by nothing: a dispatch receives no rows from it, a combine adds nothing for the
+        entries whose expert it holds. Unmask only a rank that ran every low-latency op in step
+        with this one: a rank whose ops fell behind is masked again at the next timeout."""
+        check_int("rank_to_mask", rank_to_mask)
+        check_bool("mask", mask)
+        self._session.ll_set_masked(rank_to_mask, mask)
+
+    def low_latency_query_mask_buffer(self, mask_status):
+        """Writes the mask into ``mask_status`` (``[num_ranks]`` int32 on this GPU: 1 masked,
+        0 not), as the ops issued so far leave it; stream-ordered (the current stream waits
+        for it), no host wait. A rank is masked by the caller or by a low-latency op whose
+        wait for it expired (``timeout``)."""
+        d = describe("mask_status", mask_status)
+        check("mask_status", d, dtypes=("int32",), shape=(self.group_size,), device=self.device, shape_names=("num_ranks",))
+        op = StreamOp(self._comm, None, False, False)
+        op.begin()
+        self._session.ll_mask_into((d.ptr, d.numel))
+        op.use(mask_status)
+        op.finish()
+
+    def low_latency_clean_mask_buffer(self):
+        """Unmasks every rank (stream-ordered); the caveat of
+        :meth:`low_latency_update_mask_buffer` holds for each."""
+        self._session.ll_clear_mask()

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import epcomm
 import epcomm.deep_ep as deep_ep
 import reference as ref
-from gpu_cases import LlRound, _busy, expect_raises, ll_cast, same
+from gpu_cases import LlRound, _busy, expect_raises, ll_cast, ll_combined, ll_inputs, ll_reference, ll_y, same
 
 I = epcomm.InvalidArgumentError  # noqa: E741
 
@@ -705,7 +705,7 @@ def deep_ep_refusals(ctx):
             lambda: ll.low_latency_query_mask_buffer(count),
             ll.low_latency_clean_mask_buffer,
         ):
-            refused(fn, "enable_shrink", "not implemented")
+            refused(fn, "enable_shrink", "enable_shrink=True")
         refused(lambda: ll.internode_dispatch(x), "group", "internode")
         combined = ll.low_latency_combine(y, idx, w, ll_handle)[0]
         check(
@@ -719,6 +719,126 @@ def deep_ep_refusals(ctx):
     done(ctx, "deep_ep_refusals", 30)
 
 
+# Rank masking (tests/test_low_latency.py --shrink-test)
+
+
+def _survivors_round(ctx, tokens, hidden, top_k, experts, m, seed, silent, dead):
+    """An LlRound as the ranks still running see it: the tokens of `silent` ranks never sent,
+    and the entries whose expert lives on a `dead` rank adding nothing to a combine."""
+    world = ctx.world
+    epr = experts // world
+    rnd = LlRound(ctx, tokens, hidden, top_k, experts, m, seed)
+    ins = [ll_inputs(r, tokens[r], hidden, top_k, experts, world, seed)[1] for r in range(world)]
+    sent = [torch.empty((0, top_k), dtype=torch.int64) if r in silent else idx for r, idx in enumerate(ins)]
+    rnd.rows, rnd.where = ll_reference(sent, experts, world)
+    rnd.ys = [ll_y(rnd.all_x, rnd.rows[r], epr, rnd.cap, hidden) for r in range(world)]
+    owners = rnd.idx.clamp(min=0) // epr
+    gone = torch.tensor([r in dead for r in range(world)])[owners] & (rnd.idx >= 0)
+    rnd.want_out = ll_combined(ctx.rank, rnd.idx.masked_fill(gone, -1), rnd.w, rnd.where, rnd.ys, hidden)
+    return rnd
+
+
+def deep_ep_shrink(ctx):
+    """tests/test_low_latency.py --shrink-test's sequence: rank 1 stops at its first dispatch,
+    rank 3 at its first combine, rank 5 at its first clean (those that exist); they stay alive
+    but call nothing more. The others keep decoding: each stop is found by the op that waits for
+    the stopped rank (one timeout), the mask query names exactly the stopped ranks after every
+    stage, and every dispatch and combine is bit-exact against the reference without the stopped
+    ranks' tokens and with their experts' entries as -1. A first round that every rank runs
+    creates the layer's low-latency core (epcomm creates it at the first op, which shows the
+    shape)."""
+    world, rank, dev = ctx.world, ctx.rank, ctx.device
+    hidden, top_k, epr, m = 2048, 4, 4, 32
+    experts = epr * world
+    stop_at = {"dispatch": 1, "combine": 3, "clean": 5}
+    stop_at = {stage: r for stage, r in stop_at.items() if r < world}
+    timeout = 1.0
+    tokens = [m - 2 * r if r % 2 else m for r in range(world)]
+    stopped = set()  # ranks that stopped so far, as every rank still running knows
+    me_stopped = False
+    with deepep_defaults():
+        num_rdma_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(m, hidden, world, experts)
+        buffer = deep_ep.Buffer(
+            group(),
+            num_rdma_bytes=num_rdma_bytes,
+            low_latency_mode=True,
+            explicitly_destroy=True,
+            enable_shrink=True,
+            timeout=timeout,
+        )
+        mask_status = torch.zeros((world,), dtype=torch.int, device="cuda")
+
+        def expect_mask(what):
+            buffer.low_latency_query_mask_buffer(mask_status)
+            got = set(mask_status.nonzero().squeeze(-1).tolist())
+            truth(f"{what}: masked {sorted(got)} == stopped {sorted(stopped)}", got == stopped)
+
+        def stage(name):
+            """True when this rank stops here (and from now on)."""
+            nonlocal me_stopped
+            if stop_at.get(name) == rank:
+                me_stopped = True
+                return True
+            return False
+
+        formats = [(False, False), (True, False), (False, True), (True, True), (False, False)]
+        for i, (use_fp8, hook) in enumerate(formats):
+            fmt = "fp8" if use_fp8 else "bf16"
+            what = f"round {i} {fmt} hook={hook}"
+            first = i == 0  # every rank runs the first round whole: it creates the core
+            if not first and stage("dispatch"):
+                break
+            if not first:
+                stopped |= {r for s, r in stop_at.items() if s == "dispatch"}
+            silent = set(stopped)
+            rnd = _survivors_round(ctx, tokens, hidden, top_k, experts, m, 700 + i, silent, silent)
+            x, idx, w = rnd.x.to(dev), rnd.idx.to(dev), rnd.w.to(dev)
+            stats = torch.zeros((epr,), dtype=torch.int, device="cuda")
+            recv, count, handle, event, hook_fn = buffer.low_latency_dispatch(
+                x,
+                idx,
+                m,
+                experts,
+                use_fp8=use_fp8,
+                cumulative_local_expert_recv_stats=stats,
+                async_finish=not hook,
+                return_recv_hook=hook,
+            )
+            hook_fn() if hook else event.current_stream_wait()
+            expect_mask(f"{what} dispatch")
+            check_ll(ctx, f"{what} dispatch", rnd, recv, count, handle, fmt, m, stats)
+            if not first and stage("combine"):
+                break
+            if not first:
+                stopped |= {r for s, r in stop_at.items() if s == "combine"}
+            rnd = _survivors_round(ctx, tokens, hidden, top_k, experts, m, 700 + i, silent, set(stopped))
+            out, event, hook_fn = buffer.low_latency_combine(
+                rnd.y(ctx), idx, w, handle, async_finish=not hook, return_recv_hook=hook
+            )
+            hook_fn() if hook else event.current_stream_wait()
+            expect_mask(f"{what} combine")
+            check(f"{what} combine", out, rnd.want_out)
+            if not first and stage("clean"):
+                break
+            if not first:
+                stopped |= {r for s, r in stop_at.items() if s == "clean"}
+            buffer.clean_low_latency_buffer(m, hidden, experts)
+            expect_mask(f"{what} clean")
+            ctx.log(f"deep_ep_shrink {what}: ok, masked {sorted(stopped)}")
+        if not me_stopped:
+            truth("every stop was found", stopped == set(stop_at.values()))
+            # Cleared, the mask is empty again (and the stopped ranks would be waited for).
+            buffer.low_latency_clean_mask_buffer()
+            stopped = set()
+            expect_mask("after low_latency_clean_mask_buffer")
+        torch.cuda.synchronize()
+        dist.barrier()
+        buffer.destroy()
+    torch.cuda.synchronize()
+    dist.barrier()
+    done(ctx, "deep_ep_shrink", 10 if me_stopped else 40)
+
+
 CASES = {
     f.__name__: f
     for f in (
@@ -729,5 +849,6 @@ CASES = {
         deep_ep_ll_hook,
         deep_ep_ll_kernel_names,
         deep_ep_refusals,
+        deep_ep_shrink,
     )
 }

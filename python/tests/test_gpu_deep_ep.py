@@ -42,3 +42,10 @@ def test_deep_ep_refusals():
     """Budgets, fixed shapes and SMs, and the DeepEP features epcomm lacks: InvalidArgumentError
     naming the argument."""
     h.launch("deep_ep_refusals", h.world())
+
+
+def test_deep_ep_shrink():
+    """Rank masking (test_low_latency.py --shrink-test's sequence): ranks stop at a dispatch,
+    a combine and a clean; the others keep decoding, bit-exact without them, and the mask
+    names exactly the stopped ranks. At least 4 ranks (two stops and two survivors)."""
+    h.launch("deep_ep_shrink", max(4, h.world()))

@@ -3,7 +3,7 @@
 
 /// Version of the kernel protocol and argument blocks; ranks compare it when a `Buffer` is
 /// built. Bump it with any change of this header or of the kernels' cross-rank protocol.
-pub const ABI_VERSION: u64 = 13;
+pub const ABI_VERSION: u64 = 14;
 
 /// Largest world size the intranode kernels support (shared-memory tables are this large).
 pub const MAX_WORLD: usize = 64;
@@ -88,6 +88,11 @@ pub const STATS_INTENT_OFFSET: u64 = 2048;
 /// Byte offset, inside the stats region, of the abort word failing peers write.
 pub const STATS_ABORT_OFFSET: u64 = 3584;
 
+/// Byte offset, inside the stats region, of the rank mask of the low-latency ops
+/// (\[kMaxWorld\] u32 by group rank: 1 = masked, skipped by every op with kFlagMasking; set by
+/// such an op whose wait for that peer expired, and by the host).
+pub const STATS_MASK_OFFSET: u64 = 3840;
+
 /// Failure record written by the first failing device thread into host-mapped memory. Kernels
 /// never trap: they record, then leave.
 #[repr(C)]
@@ -134,6 +139,9 @@ pub mod flags {
     pub const FUSED: u32 = 1 << 6;
     /// Low-latency kernel: run the receive phase only (the hook).
     pub const RECV_PHASE: u32 = 1 << 7;
+    /// Low-latency op: masked peers are skipped, and a peer whose wait
+    /// expires is masked instead of failing the op (kStatsMaskOffset).
+    pub const MASKING: u32 = 1 << 8;
 }
 
 /// An op's intent word (\[A1\], docs/protocol.md "Op agreement"): (op sequence number, low 32
@@ -452,7 +460,7 @@ pub struct LayoutArgs {
 
 /// What `epcomm_abi_probe` writes, in its order: every constant, enumerator, struct size
 /// and field offset of the ABI, as the host sees it.
-pub(crate) const ABI_PROBE: [(&str, u64); 172] = [
+pub(crate) const ABI_PROBE: [(&str, u64); 174] = [
     ("kAbiVersion", ABI_VERSION),
     ("kMaxWorld", MAX_WORLD as u64),
     ("kOk", code::OK as u64),
@@ -484,6 +492,7 @@ pub(crate) const ABI_PROBE: [(&str, u64); 172] = [
     ("kStatsReadyOffset", STATS_READY_OFFSET),
     ("kStatsIntentOffset", STATS_INTENT_OFFSET),
     ("kStatsAbortOffset", STATS_ABORT_OFFSET),
+    ("kStatsMaskOffset", STATS_MASK_OFFSET),
     ("sizeof(ErrorRecord)", size_of::<ErrorRecord>() as u64),
     ("offsetof(ErrorRecord, code)", offset_of!(ErrorRecord, code) as u64),
     ("offsetof(ErrorRecord, op)", offset_of!(ErrorRecord, op) as u64),
@@ -503,6 +512,7 @@ pub(crate) const ABI_PROBE: [(&str, u64); 172] = [
     ("kFlagRoundScale", flags::ROUND_SCALE as u64),
     ("kFlagFused", flags::FUSED as u64),
     ("kFlagRecvPhase", flags::RECV_PHASE as u64),
+    ("kFlagMasking", flags::MASKING as u64),
     ("kIntentKindShift", INTENT_KIND_SHIFT as u64),
     ("kIntentFlagShift", INTENT_FLAG_SHIFT as u64),
     ("kIntentFlagMask", INTENT_FLAG_MASK as u64),

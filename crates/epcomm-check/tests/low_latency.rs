@@ -387,3 +387,244 @@ fn run_ll_late_rank(w: &Worker, mk: MakeTransport<'_>) {
 }
 
 gpu_test!(ll_late_rank_is_named, run_ll_late_rank);
+
+// ---------------------------------------------------------------------------------------------
+// Rank masking (`BufferConfig::ll_masking`): ranks stop mid-decode and the others keep decoding.
+// The last rank stops before a dispatch, the one before it (worlds of 4 or more) between a
+// dispatch and its combine; they stay alive (their memory mapped) but issue nothing more. Every
+// other rank masks each at its first wait for it, and from then on skips it at once; every round
+// is bit-exact against the reference without the stopped ranks' tokens and with their experts'
+// entries as -1.
+
+/// `inputs` as the survivors see them: the tokens of `silent` ranks gone, and every entry whose
+/// expert lives on a rank of `dead` set to -1 (it contributes nothing to a combine).
+fn survivors_view(
+    inputs: &[RankInput],
+    experts: usize,
+    silent: &[usize],
+    dead: &[usize],
+) -> Vec<RankInput> {
+    let epr = experts / inputs.len();
+    inputs
+        .iter()
+        .enumerate()
+        .map(|(r, inp)| {
+            let mut v = inp.clone();
+            if silent.contains(&r) {
+                v.x = epcomm_reference::XData::Bf16(Vec::new());
+                v.topk_idx.clear();
+                v.topk_weights.clear();
+                v.num_tokens = 0;
+            }
+            for e in &mut v.topk_idx {
+                if *e >= 0 && dead.contains(&(*e as usize / epr)) {
+                    *e = -1;
+                }
+            }
+            v
+        })
+        .collect()
+}
+
+fn run_ll_masking(w: &Worker, mk: MakeTransport<'_>) {
+    let (rank, world) = (w.boot.rank(), w.boot.world_size());
+    let (hidden, top_k, experts) = (1024, 4, 4 * world);
+    let timeout = Duration::from_millis(300);
+    let mut cfg = BufferConfig::new(1, hidden, top_k, experts);
+    cfg.ll_max_tokens_per_rank = MAX_TOKENS;
+    cfg.timeout = timeout;
+    cfg.ll_masking = true;
+    apply_test_config(&mut cfg);
+    let mut buf = Buffer::new(w.ctx.clone(), mk(), cfg).expect("Buffer::new");
+    let mut recv = buf.alloc_ll_recv().unwrap();
+    let stream = buf.stream().clone();
+    // Stops before round 1's dispatch; stops before round 2's combine (world >= 4).
+    let before_dispatch = world - 1;
+    let before_combine = (world >= 4).then(|| world - 2);
+    let mut status = stream.alloc_zeros::<i32>(world).unwrap();
+    for round in 0..5usize {
+        let shape = Shape::uniform(
+            world,
+            40 + 7 * round,
+            hidden,
+            top_k,
+            experts,
+            900 + round as u64,
+        );
+        let inputs = host_inputs(&shape).unwrap().bf16;
+        let io = LlIo::new(&stream, &inputs, rank, experts, recv.capacity()).unwrap();
+        let mut out = io.out;
+        let format = if round % 2 == 0 {
+            LlFormat::Bf16
+        } else {
+            LlFormat::Fp8 {
+                round_scale: round == 3,
+            }
+        };
+        let input = LlDispatchInput {
+            x: &io.x,
+            topk_idx: &io.idx,
+            num_tokens: shape.tokens[rank],
+        };
+        if round >= 1 && rank == before_dispatch {
+            break;
+        }
+        if round >= 2 && Some(rank) == before_combine {
+            if round == 2 {
+                buf.ll_dispatch(&input, format, &mut recv).unwrap();
+                buf.synchronize().unwrap();
+            }
+            break;
+        }
+        let t0 = Instant::now();
+        if round == 4 {
+            // The hook path: both phases skip the masked ranks too.
+            let p = buf.ll_dispatch_send(&input, format, &mut recv).unwrap();
+            buf.ll_receive(p).unwrap();
+            let p = buf
+                .ll_combine_send(&io.y, &io.idx, &io.w, &recv, &mut out)
+                .unwrap();
+            buf.ll_receive(p).unwrap();
+        } else {
+            buf.ll_dispatch(&input, format, &mut recv).unwrap();
+            buf.ll_combine(&io.y, &io.idx, &io.w, &recv, &mut out)
+                .unwrap();
+        }
+        buf.synchronize()
+            .unwrap_or_else(|e| panic!("round {round}: {e}"));
+        let took = t0.elapsed();
+        // Who is gone by this round, as every survivor sees it.
+        let mut silent = vec![];
+        let mut dead = vec![];
+        if round >= 1 {
+            silent.push(before_dispatch);
+            dead.push(before_dispatch);
+        }
+        if let Some(c) = before_combine.filter(|_| round >= 2) {
+            dead.push(c);
+            if round >= 3 {
+                silent.push(c);
+            }
+        }
+        let view = survivors_view(&inputs, experts, &silent, &dead);
+        verify_ll_round(
+            &buf,
+            &view,
+            &recv,
+            &out,
+            format,
+            &format!("masking round {round}"),
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let mut masked = buf.ll_masked_ranks().unwrap();
+        masked.sort_unstable();
+        dead.sort_unstable();
+        assert_eq!(masked, dead, "round {round}: the mask");
+        buf.ll_mask_into(&mut status).unwrap();
+        let on_device = stream.clone_dtoh(&status).unwrap();
+        let want: Vec<i32> = (0..world).map(|r| i32::from(dead.contains(&r))).collect();
+        assert_eq!(
+            on_device, want,
+            "round {round}: the mask copied on the stream"
+        );
+        // A round that meets a newly stopped rank waits out the timeout once; later rounds skip
+        // the masked ranks without waiting.
+        let newly = round == 1 || (round == 2 && before_combine.is_some());
+        if !newly {
+            assert!(
+                took < timeout,
+                "round {round} took {took:?}: a masked rank was waited for"
+            );
+        }
+        log(
+            rank,
+            format_args!("masking round {round}: bit-exact without ranks {dead:?} ({took:?})"),
+        );
+    }
+    // Bad mask calls are typed errors that change nothing.
+    if rank != before_dispatch && Some(rank) != before_combine {
+        assert!(matches!(
+            buf.ll_set_masked(rank, true),
+            Err(Error::InvalidArgument {
+                argument: "rank",
+                ..
+            })
+        ));
+        assert!(matches!(
+            buf.ll_set_masked(world, true),
+            Err(Error::InvalidArgument {
+                argument: "rank",
+                ..
+            })
+        ));
+    }
+    w.boot.barrier("ll-masking-end").unwrap();
+    drop(buf);
+    w.boot.barrier("ll-masking-dropped").unwrap();
+}
+
+gpu_test!(ll_masking_survivors_keep_decoding, run_ll_masking);
+
+// Masking set and cleared by the caller: a rank masked by hand is skipped (its tokens and its
+// experts' entries absent) while it keeps running; cleared, every round is whole again.
+fn run_ll_mask_by_hand(w: &Worker, mk: MakeTransport<'_>) {
+    let (rank, world) = (w.boot.rank(), w.boot.world_size());
+    let (hidden, top_k, experts) = (512, 3, 2 * world);
+    let mut cfg = BufferConfig::new(1, hidden, top_k, experts);
+    cfg.ll_max_tokens_per_rank = MAX_TOKENS;
+    cfg.timeout = Duration::from_secs(20);
+    cfg.ll_masking = true;
+    apply_test_config(&mut cfg);
+    let mut buf = Buffer::new(w.ctx.clone(), mk(), cfg).expect("Buffer::new");
+    let mut recv = buf.alloc_ll_recv().unwrap();
+    let stream = buf.stream().clone();
+    let hidden_rank = 0;
+    for round in 0..3usize {
+        let shape = Shape::uniform(world, 33, hidden, top_k, experts, 40 + round as u64);
+        let inputs = host_inputs(&shape).unwrap().bf16;
+        let io = LlIo::new(&stream, &inputs, rank, experts, recv.capacity()).unwrap();
+        let mut out = io.out;
+        // Round 1: every other rank masks rank 0, and rank 0 masks every other rank.
+        if round == 1 {
+            for r in 0..world {
+                if r != rank && (rank == hidden_rank || r == hidden_rank) {
+                    buf.ll_set_masked(r, true).unwrap();
+                }
+            }
+        }
+        if round == 2 {
+            buf.ll_clear_mask().unwrap();
+        }
+        let input = LlDispatchInput {
+            x: &io.x,
+            topk_idx: &io.idx,
+            num_tokens: 33,
+        };
+        buf.ll_dispatch(&input, LlFormat::Bf16, &mut recv).unwrap();
+        buf.ll_combine(&io.y, &io.idx, &io.w, &recv, &mut out)
+            .unwrap();
+        buf.synchronize().unwrap();
+        let view = if round == 1 {
+            // Rank 0 and the others see each other as gone.
+            let gone: Vec<usize> = (0..world)
+                .filter(|&r| r != rank && (rank == hidden_rank || r == hidden_rank))
+                .collect();
+            survivors_view(&inputs, experts, &gone, &gone)
+        } else {
+            inputs.clone()
+        };
+        verify_ll_round(
+            &buf,
+            &view,
+            &recv,
+            &out,
+            LlFormat::Bf16,
+            &format!("by hand {round}"),
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+    }
+    log(rank, "masking by hand: masked, then cleared, bit-exact");
+    buf.destroy().unwrap();
+}
+
+gpu_test!(ll_mask_by_hand_and_cleared, run_ll_mask_by_hand);

@@ -35,6 +35,7 @@
 //!     routes: "auto".into(),
 //!     timeout_s: 100.0,
 //!     ll_max_tokens_per_rank: 0,
+//!     ll_masking: false,
 //! };
 //! // Two ranks on one host, seen from rank 0.
 //! let (cfg, spec, plan) = options.resolve(2, 0, 2)?;

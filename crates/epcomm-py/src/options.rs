@@ -36,6 +36,8 @@ pub struct BufferOptions {
     /// Most tokens a rank passes to one low-latency dispatch (the frontend's
     /// `ll_max_tokens_per_rank`; 0: no low-latency memory).
     pub ll_max_tokens_per_rank: usize,
+    /// Rank masking for the low-latency ops (the frontend's `ll_masking`).
+    pub ll_masking: bool,
 }
 
 /// Checks a duration given in seconds: finite and > 0.
@@ -69,6 +71,7 @@ impl BufferOptions {
         cfg.routes = self.routes.trim().parse::<RoutePolicy>()?;
         cfg.timeout = seconds("timeout", self.timeout_s)?;
         cfg.ll_max_tokens_per_rank = self.ll_max_tokens_per_rank;
+        cfg.ll_masking = self.ll_masking;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -140,6 +143,7 @@ mod tests {
             routes: "auto".into(),
             timeout_s: 100.0,
             ll_max_tokens_per_rank: 0,
+            ll_masking: false,
         }
     }
 

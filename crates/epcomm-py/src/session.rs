@@ -779,6 +779,33 @@ impl Session {
         }
     }
 
+    /// Masks or unmasks peer `rank` for the low-latency ops issued next
+    /// ([`epcomm::Buffer::ll_set_masked`]).
+    pub fn ll_set_masked(&mut self, rank: usize, masked: bool) -> Result<()> {
+        Ok(self.buf()?.ll_set_masked(rank, masked)?)
+    }
+
+    /// Unmasks every rank ([`epcomm::Buffer::ll_clear_mask`]).
+    pub fn ll_clear_mask(&mut self) -> Result<()> {
+        Ok(self.buf()?.ll_clear_mask()?)
+    }
+
+    /// Copies the mask (`[world]` i32) into `status`, stream-ordered
+    /// ([`epcomm::Buffer::ll_mask_into`]).
+    ///
+    /// # Safety
+    /// `status` as for [`Borrowed::new`] on the buffer's stream.
+    pub unsafe fn ll_mask_into(&mut self, status: RawArray) -> Result<()> {
+        // SAFETY: the caller's contract.
+        let mut status = unsafe { Borrowed::<i32>::new(status, &self.stream) };
+        Ok(self.buf()?.ll_mask_into(&mut status)?)
+    }
+
+    /// The masked ranks after the issued ops ([`epcomm::Buffer::ll_masked_ranks`]).
+    pub fn ll_masked_ranks(&mut self) -> Result<Vec<usize>> {
+        Ok(self.buf()?.ll_masked_ranks()?)
+    }
+
     /// Waits for every issued op and reports a device failure.
     pub fn synchronize(&mut self) -> Result<()> {
         Ok(self.buf()?.synchronize()?)

@@ -130,12 +130,19 @@ pub struct BufferConfig {
     pub combine_staging: CombineStaging,
     /// Bound of every device wait.
     pub timeout: Duration,
+    /// Rank masking for the low-latency ops (DeepEP's shrink mode): a peer whose wait expires
+    /// in a low-latency op is masked instead of failing the op, and every later low-latency op
+    /// skips masked ranks (sends them no rows, waits for nothing from them, and counts their
+    /// tokens' and experts' contributions as absent). The mask is read and set with
+    /// [`crate::Buffer::ll_masked_ranks`], [`crate::Buffer::ll_set_masked`] and
+    /// [`crate::Buffer::ll_clear_mask`]. Off (the default): a late peer fails the op, naming it.
+    pub ll_masking: bool,
 }
 
 impl BufferConfig {
     /// A config with 24 SMs (every SM this rank may use for the low-latency ops), the Epoch
-    /// schedule, automatic routes, automatic combine staging and
-    /// a 100 s timeout.
+    /// schedule, automatic routes, automatic combine staging, a 100 s timeout and no rank
+    /// masking.
     pub fn new(
         max_tokens_per_rank: usize,
         hidden: usize,
@@ -154,6 +161,7 @@ impl BufferConfig {
             routes: RoutePolicy::Auto,
             combine_staging: CombineStaging::Auto,
             timeout: Duration::from_secs(100),
+            ll_masking: false,
         }
     }
 

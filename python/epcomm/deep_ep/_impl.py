@@ -223,8 +223,12 @@ def _ll_core(buf, hidden, num_topk, num_experts, m):
             num_experts=num_experts,
             explicitly_destroy=True,
             num_max_dispatch_tokens_per_rank=m,
+            ll_masking=buf.enable_shrink,
             **_core_kwargs(buf),
         )
+    for rank, masked in buf._mask_before_core.items():
+        buf._ll.low_latency_update_mask_buffer(rank, masked)
+    buf._mask_before_core.clear()
     return buf._ll
 
 
@@ -551,6 +555,52 @@ def clean_low_latency_buffer(buf, num_max_dispatch_tokens_per_rank, hidden, num_
         )
         _fixed("hidden", "hidden", core.hidden, hidden, first)
         _fixed("num_experts", "num_experts", core.num_experts, num_experts, first)
+        if buf.enable_shrink:
+            _check_in(core)
+
+
+def _check_in(core):
+    """Shrink mode's clean: an empty low-latency dispatch, which every rank joins; a rank that
+    does not arrive within the timeout is masked (its kernels do that)."""
+    dev = core.device
+    x = torch.empty((0, core.hidden), dtype=torch.bfloat16, device=dev)
+    idx = torch.empty((0, core.num_topk), dtype=torch.int64, device=dev)
+    core.low_latency_dispatch(x, idx, core.num_max_dispatch_tokens_per_rank, core.num_experts)
+
+
+# ----------------------------------------------------------------------------------------------
+# Rank masking (enable_shrink)
+
+
+def update_mask(buf, rank, mask):
+    _alive(buf)
+    check_int("rank_to_mask", rank)
+    check_bool("mask", mask)
+    if buf._ll is not None:
+        buf._ll.low_latency_update_mask_buffer(rank, mask)
+        return
+    if rank >= buf.group_size or rank == buf.rank:
+        fail("rank_to_mask", f"must be a peer: in 0..{buf.group_size} and not this rank ({buf.rank}) (got {rank})")
+    buf._mask_before_core[rank] = mask
+
+
+def query_mask(buf, mask_status):
+    _alive(buf)
+    if buf._ll is not None:
+        buf._ll.low_latency_query_mask_buffer(mask_status)
+        return
+    d = describe("mask_status", mask_status)
+    check("mask_status", d, dtypes=("int32",), shape=(buf.group_size,), device=buf.device, shape_names=("num_ranks",))
+    mask_status.zero_()
+    for rank, masked in buf._mask_before_core.items():
+        mask_status[rank] = int(masked)
+
+
+def clean_mask(buf):
+    _alive(buf)
+    if buf._ll is not None:
+        buf._ll.low_latency_clean_mask_buffer()
+    buf._mask_before_core.clear()
 
 
 def scales_into(scales, out, ue8m0):

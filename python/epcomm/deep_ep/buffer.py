@@ -51,7 +51,10 @@ class Buffer:
     (NVSHMEM/IBGDA settings; epcomm's transports set up their own). ``comm`` (mpi4py): accepted
     and unused where a ``torch.distributed`` group exists, refused where it would be the only
     rendezvous. ``explicitly_destroy``: as in DeepEP, :meth:`destroy` needs it.
-    ``enable_shrink=True`` is refused (rank masking is not implemented).
+    ``enable_shrink=True``: rank masking for the low-latency ops (a rank whose wait expires is
+    masked instead of failing the op; see :meth:`low_latency_query_mask_buffer`), and
+    :meth:`clean_low_latency_buffer` becomes a collective check-in that masks the ranks that do
+    not arrive.
 
     epcomm-only keywords: ``max_tokens_per_rank`` (fixes the normal core's token limit instead
     of deriving it from ``num_nvl_bytes``; e.g. to keep CUDA-graph captures' ``num_worst_tokens
@@ -100,12 +103,6 @@ class Buffer:
             ("enable_shrink", enable_shrink),
         ):
             check_bool(name, value)
-        if enable_shrink:
-            fail(
-                "enable_shrink",
-                "rank masking (DeepEP's shrink mode: masking failed ranks out of the low-latency ops) is not "
-                "implemented in epcomm; pass enable_shrink=False",
-            )
         if max_tokens_per_rank is not None:
             check_int("max_tokens_per_rank", max_tokens_per_rank, minimum=1)
         from .. import parse_transport
@@ -123,6 +120,9 @@ class Buffer:
         self.low_latency_mode = low_latency_mode
         self.explicitly_destroy = explicitly_destroy
         self.enable_shrink = enable_shrink
+        # Mask updates made before the low-latency core exists (it is created at the first
+        # low-latency op, which shows the shape): rank -> masked, applied at its creation.
+        self._mask_before_core = {}
         self._max_tokens_per_rank = max_tokens_per_rank
         self._options = dict(transport=transport, schedule=schedule, routes=routes, timeout=timeout)
         self._layout_shape = None
@@ -326,7 +326,10 @@ class Buffer:
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
         """Nothing to clean: epcomm's low-latency counters carry each op's tag, so stale values
         from earlier ops (normal or low-latency) are never mistaken for new ones. Checks the
-        arguments against the low-latency core when it exists."""
+        arguments against the low-latency core when it exists. With ``enable_shrink=True`` it is
+        a collective check-in (an empty low-latency dispatch): a rank that does not arrive
+        within ``timeout`` is masked, as DeepEP's clean does; it also ends the validity of
+        earlier low-latency handles, as any dispatch does."""
         _impl().clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
     def low_latency_dispatch(
@@ -413,16 +416,22 @@ class Buffer:
         return _impl().next_combine_buffer(self, handle)
 
     def low_latency_update_mask_buffer(self, rank_to_mask, mask=False):
-        """Refused: rank masking is not implemented (see ``enable_shrink``)."""
-        _no_masks()
+        """Masks (``mask=True``) or unmasks rank ``rank_to_mask`` for the low-latency ops issued
+        next (needs ``enable_shrink=True``): a masked rank is sent no rows and waited for by
+        nothing; its tokens and experts count as absent. Stream-ordered, no host wait."""
+        _needs_shrink(self)
+        _impl().update_mask(self, rank_to_mask, mask)
 
     def low_latency_query_mask_buffer(self, mask_status):
-        """Refused: rank masking is not implemented (see ``enable_shrink``)."""
-        _no_masks()
+        """Writes the mask into ``mask_status`` (``[num_ranks]`` ``torch.int``: 1 masked, 0 not),
+        as the ops issued so far leave it (needs ``enable_shrink=True``). Stream-ordered."""
+        _needs_shrink(self)
+        _impl().query_mask(self, mask_status)
 
     def low_latency_clean_mask_buffer(self):
-        """Refused: rank masking is not implemented (see ``enable_shrink``)."""
-        _no_masks()
+        """Unmasks every rank (needs ``enable_shrink=True``). Stream-ordered."""
+        _needs_shrink(self)
+        _impl().clean_mask(self)
 
 
 def _internode():
@@ -433,9 +442,6 @@ def _internode():
     )
 
 
-def _no_masks():
-    fail(
-        "enable_shrink",
-        "rank masking (DeepEP's shrink mode) is not implemented in epcomm: there is no mask buffer to update, query "
-        "or clean",
-    )
+def _needs_shrink(buf):
+    if not getattr(buf, "enable_shrink", False):
+        fail("enable_shrink", "is False for this Buffer: rank masking needs Buffer(..., enable_shrink=True)")

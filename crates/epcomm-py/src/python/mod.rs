@@ -97,7 +97,7 @@ fn route_policies() -> Vec<&'static str> {
 #[pyfunction]
 #[pyo3(signature = (max_tokens_per_rank, hidden, top_k, num_experts, num_sms, transport,
                     schedule, routes, timeout, world_size, rank, local_world_size,
-                    ll_max_tokens_per_rank=0))]
+                    ll_max_tokens_per_rank=0, ll_masking=false))]
 #[allow(clippy::too_many_arguments)]
 fn check_options<'py>(
     py: Python<'py>,
@@ -114,6 +114,7 @@ fn check_options<'py>(
     rank: usize,
     local_world_size: usize,
     ll_max_tokens_per_rank: usize,
+    ll_masking: bool,
 ) -> PyResult<Bound<'py, PyDict>> {
     let options = BufferOptions {
         max_tokens_per_rank,
@@ -126,6 +127,7 @@ fn check_options<'py>(
         routes,
         timeout_s: timeout,
         ll_max_tokens_per_rank,
+        ll_masking,
     };
     let (cfg, spec, plan) =
         resolve(&options, world_size, rank, local_world_size).map_err(|e| to_pyerr(py, e))?;

@@ -178,7 +178,7 @@ impl PySession {
     #[new]
     #[pyo3(signature = (device, max_tokens_per_rank, hidden, top_k, num_experts, num_sms,
                         transport, schedule, routes, timeout, bootstrap=None,
-                        ll_max_tokens_per_rank=0))]
+                        ll_max_tokens_per_rank=0, ll_masking=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -194,6 +194,7 @@ impl PySession {
         timeout: f64,
         bootstrap: Option<BootstrapArgs>,
         ll_max_tokens_per_rank: usize,
+        ll_masking: bool,
     ) -> PyResult<Self> {
         let options = BufferOptions {
             max_tokens_per_rank,
@@ -206,6 +207,7 @@ impl PySession {
             routes,
             timeout_s: timeout,
             ll_max_tokens_per_rank,
+            ll_masking,
         };
         let (session, facts) = detached(py, move || {
             let boot = bootstrap.map(bootstrap_config).transpose()?;
@@ -528,6 +530,31 @@ impl PySession {
     /// The hook: issues the receive phase of low-latency op `op`.
     fn ll_receive(&self, py: Python<'_>, op: u64) -> PyResult<()> {
         detached(py, || self.lock().ll_receive(op))
+    }
+
+    /// Masks (`masked`) or unmasks peer `rank` for the low-latency ops issued after this call
+    /// (stream-ordered; the buffer needs `ll_masking`).
+    fn ll_set_masked(&self, py: Python<'_>, rank: usize, masked: bool) -> PyResult<()> {
+        detached(py, || self.lock().ll_set_masked(rank, masked))
+    }
+
+    /// Unmasks every rank (stream-ordered).
+    fn ll_clear_mask(&self, py: Python<'_>) -> PyResult<()> {
+        detached(py, || self.lock().ll_clear_mask())
+    }
+
+    /// Copies the mask into `status` (`[world_size]` int32 on the device, 1 = masked), in
+    /// stream order.
+    fn ll_mask_into(&self, py: Python<'_>, status: Arr) -> PyResult<()> {
+        let status = raw(status);
+        // SAFETY: the module's contract: a live tensor, which the Python side keeps referenced
+        // until the copy has run on the stream.
+        detached(py, || unsafe { self.lock().ll_mask_into(status) })
+    }
+
+    /// The masked ranks once every issued op has finished (waits for the stream).
+    fn ll_masked_ranks(&self, py: Python<'_>) -> PyResult<Vec<usize>> {
+        detached(py, || self.lock().ll_masked_ranks())
     }
 
     /// Waits for every issued op; raises a device failure.

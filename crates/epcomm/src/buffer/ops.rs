@@ -5,6 +5,7 @@
 //!   throughput kernels);
 //! * `low_latency`: decode-sized dispatch/combine into fixed expert-major slots, each split
 //!   into a send and a receive phase;
+//! * `masking`: the low-latency ops' rank mask (read, set, cleared in stream order);
 //! * `copy_out`: the rows a dispatch received, copied into caller memory as many as the device
 //!   counted.
 //!
@@ -20,6 +21,7 @@ use epcomm_topology::RowDtype;
 mod copy_out;
 mod layout;
 mod low_latency;
+mod masking;
 mod normal;
 mod staging;
 

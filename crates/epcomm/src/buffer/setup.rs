@@ -333,6 +333,7 @@ fn fingerprint(
         .with("schedule", cfg.schedule.name())
         .with("routes", cfg.routes.name())
         .with("combine_staging", cfg.combine_staging.name())
+        .with("ll_masking", cfg.ll_masking)
 }
 
 /// The distance between the two parity copies of every per-parity region. Kernels find a

@@ -295,6 +295,18 @@ impl std::fmt::Debug for LlPending<'_> {
 
 impl Buffer {
     /// Fails unless the buffer has low-latency memory; returns `ll_max_tokens_per_rank`.
+    /// The flags every low-latency op of this buffer carries: `fused` (one kernel, no hook)
+    /// and rank masking ([`crate::BufferConfig::ll_masking`]).
+    fn ll_flags(&self, fused: bool) -> u32 {
+        let fused = if fused { abi::flags::FUSED } else { 0 };
+        let masking = if self.cfg.ll_masking {
+            abi::flags::MASKING
+        } else {
+            0
+        };
+        fused | masking
+    }
+
     fn ll_capacity(&self) -> Result<usize> {
         match self.cfg.ll_max_tokens_per_rank {
             0 => Err(Error::InvalidArgument {
@@ -414,7 +426,7 @@ impl Buffer {
         if format == LlFormat::Bf16 {
             self.prepare_put_source("x", x, t * hidden * 2)?;
         }
-        let mut flags = if fused { abi::flags::FUSED } else { 0 };
+        let mut flags = self.ll_flags(fused);
         if let LlFormat::Fp8 { round_scale } = format {
             flags |= abi::flags::HAS_SCALES;
             if round_scale {
@@ -621,7 +633,7 @@ impl Buffer {
                 topk_weights: w,
                 out: o,
                 num_tokens: t as i32,
-                flags: if fused { abi::flags::FUSED } else { 0 },
+                flags: self.ll_flags(fused),
                 ll_recv_count: rc,
                 ll_src_info: ri,
                 ll_route: rr,
