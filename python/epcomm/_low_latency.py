@@ -22,7 +22,7 @@ import torch
 from ._args import check, describe, fail
 from ._ll_args import FP8_BLOCK as _FP8_BLOCK
 from ._ll_args import check_combine, check_dispatch
-from ._streams import StreamOp
+from ._streams import EventOverlap, current_raw_stream, torch_function_off
 from ._views import view
 
 _FP8 = getattr(torch, "float8_e4m3fn", None)
@@ -60,17 +60,14 @@ class _Hook:
 
     def __call__(self):
         b = self._buffer
-        # The receive phase writes the outputs (and reads the receive set) after whatever the
-        # caller queued on its current stream since the send phase: as if it ran there.
-        b._comm.wait_stream(torch.cuda.current_stream(b._comm.device))
-        b._session.ll_receive(self._op)
-        keep = b._ll_keep
-        b._ll_keep = None
-        with torch.cuda.stream(b._comm):
+        with torch_function_off():
+            # The receive phase writes the outputs (and reads the receive set) after whatever
+            # the caller queued on its current stream since the send phase, as if it ran
+            # there: the comm stream waits for that stream, which then waits for the phase.
+            b._session.ll_receive(self._op, current_raw_stream(b.device), True)
+            b._ll_keep = None
             if self._after is not None:
                 self._after()
-        torch.cuda.current_stream(b._comm.device).wait_stream(b._comm)
-        del keep
 
     def __repr__(self):
         return f"<epcomm low-latency receive hook of op #{self._op}>"
@@ -82,17 +79,51 @@ def _tensor(buf, argument, t, dtypes, shape, names):
     return d
 
 
-def _capturable(op, return_recv_hook):
+def _array(buf, argument, t, dtype, shape, spec, names):
+    """``(address, numel)`` of tensor `t` of `dtype` (a torch dtype) and `shape` on the
+    Buffer's GPU, contiguous. The common case costs a few attribute reads; anything else goes
+    through :func:`check` against `spec` (`shape` with None for a free dimension), which
+    raises the error naming `argument` and the rule."""
+    try:
+        if t.dtype is dtype and t.shape == shape and t.get_device() == buf.device and t.is_contiguous():
+            return t.data_ptr(), t.numel()
+    except AttributeError:
+        pass
+    d = _tensor(buf, argument, t, (str(dtype).replace("torch.", ""),), spec, names)
+    return d.ptr, d.numel
+
+
+def _rows(t):
+    """The first dimension of `t` when it has two, else -1 (its checks then name the rule)."""
+    try:
+        s = t.shape
+        return s[0] if len(s) == 2 else -1
+    except AttributeError:
+        return -1
+
+
+def _capturable(return_recv_hook):
     """A low-latency op may be captured into a CUDA graph (``torch.cuda.graph``), without a hook:
     its kernels read their sequence numbers and region parity on the device, so every replay
     runs as a new op; the captured op writes (and its combine reads) the receive set it was
     captured with at every replay."""
-    if op.capturing and return_recv_hook:
+    if return_recv_hook and torch.cuda.is_current_stream_capturing():
         fail(
             "return_recv_hook",
             "a low-latency op with a receive hook cannot be captured into a CUDA graph (the hook is a "
             "host call): capture it without the hook",
         )
+
+
+def _asynchronous(buf, *tensors):
+    """The EventOverlap of an ``async_finish`` op: an event recorded on the comm stream; the
+    tensors the op read or wrote are kept from reuse until the comm stream is done with them."""
+    event = torch.cuda.Event()
+    event.record(buf._comm)
+    for t in tensors:
+        if t is not None:
+            t.record_stream(buf._comm)
+    return EventOverlap(event)
 
 
 def _views(buf, out, use_fp8):
@@ -112,7 +143,13 @@ def _views(buf, out, use_fp8):
     return v
 
 
-def dispatch(
+def dispatch(buf, *args):
+    """:meth:`Buffer.low_latency_dispatch` (its arguments in order)."""
+    with torch_function_off():
+        return _dispatch(buf, *args)
+
+
+def _dispatch(
     buf,
     x,
     topk_idx,
@@ -139,49 +176,49 @@ def dispatch(
         return_recv_hook=return_recv_hook,
         dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats,
     )
-    m = buf.num_max_dispatch_tokens_per_rank
-    dx = _tensor(buf, "x", x, ("bfloat16",), (None, buf.hidden), ("num_tokens", "hidden"))
-    n = dx.shape[0]
+    m, hidden, top_k = buf.num_max_dispatch_tokens_per_rank, buf.hidden, buf.num_topk
+    n = _rows(x)
+    xa = _array(buf, "x", x, torch.bfloat16, (n, hidden), (None, hidden), ("num_tokens", "hidden"))
+    n = xa[1] // hidden
     if n > m:
         fail("x", f"holds {n} tokens, more than num_max_dispatch_tokens_per_rank = {m}")
-    d_idx = _tensor(buf, "topk_idx", topk_idx, ("int64",), (n, buf.num_topk), ("num_tokens", "num_topk"))
-    epr = buf.num_experts // buf.group_size
-    if cumulative_local_expert_recv_stats is not None:
-        _tensor(
-            buf,
-            "cumulative_local_expert_recv_stats",
-            cumulative_local_expert_recv_stats,
-            ("int32",),
-            (epr,),
-            ("num_local_experts",),
-        )
-    op = StreamOp(buf._comm, None, async_finish, False)
-    _capturable(op, return_recv_hook)
-    op.use(x, topk_idx)
-    op.begin()
+    ia = _array(buf, "topk_idx", topk_idx, torch.int64, (n, top_k), (n, top_k), ("num_tokens", "num_topk"))
+    stats = cumulative_local_expert_recv_stats
+    if stats is not None:
+        epr = (buf.num_experts // buf.group_size,)
+        _array(buf, "cumulative_local_expert_recv_stats", stats, torch.int32, epr, epr, ("num_local_experts",))
+    _capturable(return_recv_hook)
+    # Ordered after the current stream; a synchronous op (and a hook's send phase) joined
+    # back into it.
     number, out = buf._session.ll_dispatch(
-        (dx.ptr, dx.numel), (d_idx.ptr, d_idx.numel), n, use_fp8, round_scale, return_recv_hook
+        xa, ia, n, use_fp8, round_scale, return_recv_hook, current_raw_stream(buf.device), not async_finish
     )
     recv_x, recv_scales, count, src, rng = _views(buf, out, use_fp8)
     handle = LowLatencyHandle(buf, out.seq, n, use_fp8, src, rng)
     recv = (recv_x, recv_scales) if use_fp8 else recv_x
-
-    def after():
-        if cumulative_local_expert_recv_stats is not None:
-            cumulative_local_expert_recv_stats.add_(count)
-
     if return_recv_hook:
-        buf._ll_keep = (x, topk_idx, cumulative_local_expert_recv_stats)
-        # The current stream waits for the send phase (async_finish is False here).
-        return recv, count, handle, op.finish(), _Hook(buf, number, after)
-    if cumulative_local_expert_recv_stats is not None:
-        with torch.cuda.stream(buf._comm):
-            after()
-        op.use(cumulative_local_expert_recv_stats)
-    return recv, count, handle, op.finish(), None
+        # The inputs stay referenced until the receive phase ran; the counts are added after
+        # it, on the stream the hook is called from.
+        buf._ll_keep = (x, topk_idx, stats)
+        after = None if stats is None else (lambda: stats.add_(count))
+        return recv, count, handle, EventOverlap(None), _Hook(buf, number, after)
+    if async_finish:
+        if stats is not None:
+            with torch.cuda.stream(buf._comm):
+                stats.add_(count)
+        return recv, count, handle, _asynchronous(buf, x, topk_idx, stats), None
+    if stats is not None:
+        stats.add_(count)  # on the current stream, which now waits for the dispatch
+    return recv, count, handle, EventOverlap(None), None
 
 
-def combine(
+def combine(buf, *args):
+    """:meth:`Buffer.low_latency_combine` (its arguments in order)."""
+    with torch_function_off():
+        return _combine(buf, *args)
+
+
+def _combine(
     buf,
     x,
     topk_idx,
@@ -206,33 +243,26 @@ def combine(
         fail("handle", f"must be the LowLatencyHandle of this Buffer's low_latency_dispatch (got {type(handle).__name__})")
     if handle._buffer_id != id(buf):
         fail("handle", "was produced by another Buffer")
-    epr = buf.num_experts // buf.group_size
-    cap = buf.group_size * buf.num_max_dispatch_tokens_per_rank
+    hidden, top_k = buf.hidden, buf.num_topk
+    shape = (buf.num_experts // buf.group_size, buf.group_size * buf.num_max_dispatch_tokens_per_rank, hidden)
     n = handle.num_tokens
-    dx = _tensor(
-        buf, "x", x, ("bfloat16",), (epr, cap, buf.hidden), ("num_local_experts", "num_ranks * num_max_dispatch_tokens_per_rank", "hidden")
+    ya = _array(
+        buf, "x", x, torch.bfloat16, shape, shape, ("num_local_experts", "num_ranks * num_max_dispatch_tokens_per_rank", "hidden")
     )
-    d_idx = _tensor(buf, "topk_idx", topk_idx, ("int64",), (n, buf.num_topk), ("num_tokens", "num_topk"))
-    d_w = _tensor(buf, "topk_weights", topk_weights, ("float32",), (n, buf.num_topk), ("num_tokens", "num_topk"))
-    op = StreamOp(buf._comm, None, async_finish, False)
-    _capturable(op, return_recv_hook)
+    ia = _array(buf, "topk_idx", topk_idx, torch.int64, (n, top_k), (n, top_k), ("num_tokens", "num_topk"))
+    wa = _array(buf, "topk_weights", topk_weights, torch.float32, (n, top_k), (n, top_k), ("num_tokens", "num_topk"))
+    _capturable(return_recv_hook)
     if out is None:
-        out = torch.empty((n, buf.hidden), dtype=torch.bfloat16, device=buf.device)
+        out = torch.empty((n, hidden), dtype=torch.bfloat16, device=buf.device)
+        oa = (out.data_ptr(), out.numel())
     else:
-        _tensor(buf, "out", out, ("bfloat16",), (n, buf.hidden), ("num_tokens", "hidden"))
-    op.use(x, topk_idx, topk_weights)
-    op.output(out)
-    op.begin()
+        oa = _array(buf, "out", out, torch.bfloat16, (n, hidden), (n, hidden), ("num_tokens", "hidden"))
     number = buf._session.ll_combine(
-        handle._seq,
-        (dx.ptr, dx.numel),
-        (d_idx.ptr, d_idx.numel),
-        (d_w.ptr, d_w.numel),
-        (out.data_ptr(), out.numel()),
-        return_recv_hook,
+        handle._seq, ya, ia, wa, oa, return_recv_hook, current_raw_stream(buf.device), not async_finish
     )
     if return_recv_hook:
         buf._ll_keep = (x, topk_idx, topk_weights, out)
-        # The current stream waits for the send phase (async_finish is False here).
-        return out, op.finish(), _Hook(buf, number, None)
-    return out, op.finish(), None
+        return out, EventOverlap(None), _Hook(buf, number, None)
+    if async_finish:
+        return out, _asynchronous(buf, x, topk_idx, topk_weights, out), None
+    return out, EventOverlap(None), None

@@ -11,9 +11,33 @@ stream, or on the comm stream with ``allocate_on_comm_stream=True`` (which needs
 joins the capture through the event waits.
 """
 
+import contextlib
+
 import torch
 
 from ._args import check_bool, fail
+
+
+def _raw_current_stream():
+    """``f(device_index)``: the raw ``CUstream`` handle of torch's current stream on that GPU.
+    torch's own accessor of the handle (what its compiled kernels use) where this torch has
+    it, else the public stream object's ``cuda_stream``."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw
+    return lambda device: torch.cuda.current_stream(device).cuda_stream
+
+
+#: The raw handle of torch's current stream on a GPU (an int), for the native layer's stream
+#: order (``Session.ll_dispatch(..., stream=, join=)``): one native call orders the comm
+#: stream after it and, for a synchronous op, joins it back, instead of two ``wait_stream``s.
+current_raw_stream = _raw_current_stream()
+
+#: The hot path of an op runs with torch's ``__torch_function__`` handling off (modes such as
+#: the one ``torch.set_default_device`` installs, and tensor subclasses' overrides): every
+#: torch call of the layer then costs what it costs without them, and the layer names device
+#: and dtype of everything it allocates, so no default applies. A no-op where torch lacks it.
+torch_function_off = getattr(torch._C, "DisableTorchFunction", contextlib.nullcontext)
 
 
 class EventOverlap:

@@ -71,6 +71,20 @@ def deepep_defaults():
         torch.set_default_device(device)
 
 
+@contextlib.contextmanager
+def plain_defaults():
+    """torch's own defaults (float32, CPU) for building references inside `deepep_defaults`
+    (seeded CPU generators refuse a CUDA default device)."""
+    dtype, device = torch.get_default_dtype(), torch.tensor([]).device
+    torch.set_default_dtype(torch.float32)
+    torch.set_default_device("cpu")
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(dtype)
+        torch.set_default_device(device)
+
+
 def group():
     return dist.group.WORLD
 
@@ -725,6 +739,11 @@ def deep_ep_refusals(ctx):
 def _survivors_round(ctx, tokens, hidden, top_k, experts, m, seed, silent, dead):
     """An LlRound as the ranks still running see it: the tokens of `silent` ranks never sent,
     and the entries whose expert lives on a `dead` rank adding nothing to a combine."""
+    with plain_defaults():
+        return _survivors_reference(ctx, tokens, hidden, top_k, experts, m, seed, silent, dead)
+
+
+def _survivors_reference(ctx, tokens, hidden, top_k, experts, m, seed, silent, dead):
     world = ctx.world
     epr = experts // world
     rnd = LlRound(ctx, tokens, hidden, top_k, experts, m, seed)

@@ -9,6 +9,7 @@
 //! |---|---|
 //! | `borrowed` | [`Borrowed`]: a caller's `(address, length)` as cudarc's `DevicePtr` |
 //! | `options` | [`BufferOptions`]: the Python arguments, checked, as the frontend's config and plan |
+//! | `fence` | [`Fence`]: the buffer's stream ordered after, and joined back into, a caller's stream |
 //! | `session` | [`Session`]: one rank's `Buffer` on the device's primary context (the one torch uses) |
 //! | `workload` | DeepEP's benchmark workload as `epcomm bench` generates it, as bytes |
 //! | `error` | [`BindError`] and the Python exception each becomes ([`ErrorInfo`]) |
@@ -46,6 +47,7 @@
 
 mod borrowed;
 mod error;
+mod fence;
 mod options;
 mod session;
 mod workload;
@@ -55,6 +57,7 @@ mod python;
 
 pub use borrowed::{Borrowed, RawArray};
 pub use error::{Attr, BindError, ErrorInfo, Result};
+pub use fence::Fence;
 pub use options::{BufferOptions, low_latency_bytes, plan, seconds};
 pub use session::{DispatchOut, LlDispatchOut, LlOp, RecvRegion, RowCount, Rows, Session, XArrays};
 pub use workload::{WorkloadBytes, deepep_workload, rank_seed};

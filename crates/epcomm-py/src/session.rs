@@ -34,6 +34,7 @@ use epcomm_topology::{BufferPlan, Parity, RegionKind};
 
 use crate::borrowed::{Borrowed, RawArray};
 use crate::error::{BindError, Result};
+use crate::fence::Fence;
 use crate::options::BufferOptions;
 
 /// How many rows a dispatch may receive and how the host learns the count.
@@ -202,6 +203,8 @@ pub struct Session {
     base: Option<u64>,
     /// Low-latency receive sets (None: the options asked for no low-latency memory).
     ll: Option<LlState>,
+    /// The stream order against a caller's stream ([`Self::ordered`]).
+    fence: Fence,
 }
 
 impl Session {
@@ -261,6 +264,7 @@ impl Session {
         };
         let stream = buf.stream().clone();
         keep_for_the_process(&stream);
+        let fence = Fence::new(&stream)?;
         Ok(Self {
             buf: Some(buf),
             spec,
@@ -270,7 +274,43 @@ impl Session {
             dispatches: 0,
             base: None,
             ll,
+            fence,
         })
+    }
+
+    /// Runs `op` (which queues work on the buffer's stream) in the stream order of `caller`, a
+    /// framework's stream given by its raw `CUstream` handle: the buffer's stream first waits
+    /// for the work queued on `caller` so far; then, with `join` and when `op` succeeded,
+    /// `caller` waits for the buffer's stream. `None`: no ordering (the caller orders the
+    /// streams itself). See [`Fence`].
+    ///
+    /// # Safety
+    /// `caller` is a live stream of the buffer's context (0: its legacy default stream).
+    pub unsafe fn ordered<T>(
+        &mut self,
+        caller: Option<u64>,
+        join: bool,
+        op: impl FnOnce(&mut Self) -> Result<T>,
+    ) -> Result<T> {
+        if let Some(c) = caller {
+            // SAFETY: the caller's contract.
+            unsafe { self.fence.after(c) }?;
+        }
+        let out = op(self)?;
+        if let (Some(c), true) = (caller, join) {
+            // SAFETY: the caller's contract.
+            unsafe { self.fence.join(c) }?;
+        }
+        Ok(out)
+    }
+
+    /// `caller` waits for the work queued on the buffer's stream so far.
+    ///
+    /// # Safety
+    /// As for [`Self::ordered`].
+    pub unsafe fn join(&self, caller: u64) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.fence.join(caller) }
     }
 
     fn buf(&mut self) -> Result<&mut Buffer> {

@@ -16,7 +16,7 @@ import torch
 from .. import _ll_args
 from .. import buffer as _core
 from .._args import check, check_bool, check_int, describe, fail
-from .._streams import EventOverlap, StreamOp
+from .._streams import EventOverlap, StreamOp, torch_function_off
 from .._views import view
 from ..config import Config as _CoreConfig
 from ..config import low_latency_size_hint
@@ -135,6 +135,18 @@ def _shape(argument, t, dims, names):
     if len(d.shape) != dims:
         fail(argument, f"must have {dims} dimensions [{', '.join(names)}] (got shape {list(d.shape)})")
     return d
+
+
+def _dim(argument, t, dims, names, i):
+    """Dimension `i` of tensor `t` (an error naming `argument` unless it has `dims`
+    dimensions), in a few attribute reads when it has them."""
+    try:
+        shape = t.shape
+        if len(shape) == dims:
+            return shape[i]
+    except AttributeError:
+        pass
+    return _shape(argument, t, dims, names).shape[i]
 
 
 def _fixed(argument, what, fixed, got, first):
@@ -616,7 +628,14 @@ def scales_into(scales, out, ue8m0):
         out.copy_(scales.transpose(1, 2))
 
 
-def low_latency_dispatch(
+def low_latency_dispatch(buf, *args):
+    """Buffer.low_latency_dispatch (its arguments in order), with torch's function handling
+    off (as the core's op: every allocation names its device and dtype)."""
+    with torch_function_off():
+        return _low_latency_dispatch(buf, *args)
+
+
+def _low_latency_dispatch(
     buf,
     x,
     topk_idx,
@@ -632,8 +651,8 @@ def low_latency_dispatch(
 ):
     _alive(buf)
     check_bool("use_ue8m0", use_ue8m0)  # the other flags: _ll_args.check_dispatch below
-    hidden = _shape("x", x, 2, ("num_tokens", "hidden")).shape[1]
-    num_topk = _shape("topk_idx", topk_idx, 2, ("num_tokens", "num_topk")).shape[1]
+    hidden = _dim("x", x, 2, ("num_tokens", "hidden"), 1)
+    num_topk = _dim("topk_idx", topk_idx, 2, ("num_tokens", "num_topk"), 1)
     if use_ue8m0:
         if not use_fp8:
             fail("use_ue8m0", "applies to FP8 dispatches only (use_fp8=True)")
@@ -714,7 +733,13 @@ class _Hook:
         return f"<deep_ep receive hook: {self._receive!r} + scale layout>"
 
 
-def low_latency_combine(
+def low_latency_combine(buf, *args):
+    """Buffer.low_latency_combine (its arguments in order), as low_latency_dispatch."""
+    with torch_function_off():
+        return _low_latency_combine(buf, *args)
+
+
+def _low_latency_combine(
     buf,
     x,
     topk_idx,

@@ -29,12 +29,18 @@ from .handles import IntranodeHandle, LowLatencyHandle
 __all__ = ["Buffer", "IntranodeHandle", "LowLatencyHandle"]
 
 
+_IMPL = []
+
+
 def _impl():
-    try:
-        from . import _impl
-    except ImportError as e:
-        raise ImportError(f"deep_ep.Buffer needs PyTorch with CUDA support ({e})") from e
-    return _impl
+    """The torch side of the layer (imported at the first call that needs it)."""
+    if not _IMPL:
+        try:
+            from . import _impl
+        except ImportError as e:
+            raise ImportError(f"deep_ep.Buffer needs PyTorch with CUDA support ({e})") from e
+        _IMPL.append(_impl)
+    return _IMPL[0]
 
 
 class Buffer:

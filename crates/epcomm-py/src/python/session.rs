@@ -470,7 +470,11 @@ impl PySession {
     /// cast to e4m3 with per-128-channel scales (`round_scale`: power-of-two scales); `hook`:
     /// issue only the send phase. Returns `(op, LlDispatch)`: the op number for `ll_receive`
     /// (the hook; None without `hook`) and where the receive arrays lie.
-    #[pyo3(signature = (x, topk_idx, num_tokens, fp8, round_scale, hook))]
+    ///
+    /// `stream` (a raw `CUstream` of the framework, or None): the buffer's stream first waits
+    /// for it, and with `join` it waits for the buffer's stream after the op (one native call
+    /// instead of the framework's two event round trips; see `Session::ordered`).
+    #[pyo3(signature = (x, topk_idx, num_tokens, fp8, round_scale, hook, stream=None, join=false))]
     #[allow(clippy::too_many_arguments)]
     fn ll_dispatch(
         &self,
@@ -481,6 +485,8 @@ impl PySession {
         fp8: bool,
         round_scale: bool,
         hook: bool,
+        stream: Option<u64>,
+        join: bool,
     ) -> PyResult<(Option<u64>, PyLlDispatch)> {
         let format = match (fp8, round_scale) {
             (true, round_scale) => LlFormat::Fp8 { round_scale },
@@ -498,8 +504,12 @@ impl PySession {
         let (x, idx) = (raw(x), raw(topk_idx));
         // SAFETY: the module's contract (see the module docs): live tensors, which the Python
         // side keeps referenced until the receive phase (the hook) has run on the stream.
+        // `stream`: a live stream of the framework on this GPU (the package passes torch's
+        // current stream).
         let (op, out) = detached(py, || unsafe {
-            self.lock().ll_dispatch(x, idx, num_tokens, format, hook)
+            self.lock().ordered(stream, join, |s| {
+                s.ll_dispatch(x, idx, num_tokens, format, hook)
+            })
         })?;
         Ok((op, PyLlDispatch { out }))
     }
@@ -507,7 +517,8 @@ impl PySession {
     /// A low-latency combine of `y` (expert outputs at the rows of low-latency dispatch
     /// `seq`) into `out`, reduced with this rank's `topk_idx` and `topk_weights` of that
     /// dispatch; `hook`: issue only the send phase. Returns the op number for `ll_receive`
-    /// (None without `hook`).
+    /// (None without `hook`). `stream`, `join`: as for `ll_dispatch`.
+    #[pyo3(signature = (seq, y, topk_idx, topk_weights, out, hook, stream=None, join=false))]
     #[allow(clippy::too_many_arguments)]
     fn ll_combine(
         &self,
@@ -518,18 +529,34 @@ impl PySession {
         topk_weights: Arr,
         out: Arr,
         hook: bool,
+        stream: Option<u64>,
+        join: bool,
     ) -> PyResult<Option<u64>> {
         let (y, idx, w, o) = (raw(y), raw(topk_idx), raw(topk_weights), raw(out));
         // SAFETY: the module's contract (see the module docs): live tensors, which the Python
         // side keeps referenced until the receive phase (the hook) has run on the stream.
+        // `stream`: as in `ll_dispatch`.
         detached(py, || unsafe {
-            self.lock().ll_combine(seq, y, idx, w, o, hook)
+            self.lock()
+                .ordered(stream, join, |s| s.ll_combine(seq, y, idx, w, o, hook))
         })
     }
 
-    /// The hook: issues the receive phase of low-latency op `op`.
-    fn ll_receive(&self, py: Python<'_>, op: u64) -> PyResult<()> {
-        detached(py, || self.lock().ll_receive(op))
+    /// The hook: issues the receive phase of low-latency op `op`. `stream`, `join`: as for
+    /// `ll_dispatch`.
+    #[pyo3(signature = (op, stream=None, join=false))]
+    fn ll_receive(&self, py: Python<'_>, op: u64, stream: Option<u64>, join: bool) -> PyResult<()> {
+        // SAFETY: `stream` as in `ll_dispatch`.
+        detached(py, || unsafe {
+            self.lock().ordered(stream, join, |s| s.ll_receive(op))
+        })
+    }
+
+    /// The framework's stream `stream` (a raw `CUstream` on this GPU) waits for the work
+    /// queued on the buffer's stream so far.
+    fn join(&self, py: Python<'_>, stream: u64) -> PyResult<()> {
+        // SAFETY: the package passes torch's current stream of this GPU.
+        detached(py, || unsafe { self.lock().join(stream) })
     }
 
     /// Masks (`masked`) or unmasks peer `rank` for the low-latency ops issued after this call
