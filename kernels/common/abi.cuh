@@ -22,7 +22,7 @@ namespace epcomm {
 
 /// Version of the kernel protocol and argument blocks; ranks compare it when a `Buffer` is
 /// built. Bump it with any change of this header or of the kernels' cross-rank protocol.
-constexpr uint64_t kAbiVersion = 14;
+constexpr uint64_t kAbiVersion = 15;
 
 /// Largest world size the intranode kernels support (shared-memory tables are this large).
 constexpr size_t kMaxWorld = 64;
@@ -111,6 +111,9 @@ enum OpFlags : uint32_t {  // rust: mod flags, strip kFlag
   kFlagRecvPhase = 1u << 7,   ///< Low-latency kernel: run the receive phase only (the hook).
   kFlagMasking = 1u << 8,     ///< Low-latency op: masked peers are skipped, and a peer whose wait
                               ///< expires is masked instead of failing the op (kStatsMaskOffset).
+  kFlagScalesColumnMajor = 1u << 9,  ///< Low-latency FP8 dispatch: ll_recv_scales is
+                                     ///< [epr][num_scales][world * ll_max_tokens] (each local
+                                     ///< expert's scales column-major, DeepEP's layout).
 };
 
 /// An op's intent word ([A1], docs/protocol.md "Op agreement"): (op sequence number, low 32
@@ -176,7 +179,8 @@ struct OpArgs {
                             ///< device (an earlier op's receive count); at most num_tokens.
   // Low-latency mode: caller outputs (LL dispatch) / inputs (LL combine), local device memory.
   uint64_t ll_recv_x;        ///< [epr][world * ll_max_tokens][row_bytes] received rows, packed.
-  uint64_t ll_recv_scales;   ///< [epr][world * ll_max_tokens][num_scales] f32 (FP8).
+  uint64_t ll_recv_scales;   ///< [epr][world * ll_max_tokens][num_scales] f32 (FP8; with
+                             ///< kFlagScalesColumnMajor [epr][num_scales][world * ll_max_tokens]).
   uint64_t ll_recv_count;    ///< [epr] i32 rows received per local expert.
   uint64_t ll_src_info;      ///< [epr][world * ll_max_tokens] i32 source token index of each row.
   uint64_t ll_layout_range;  ///< [epr][world] i64: (first row << 32) | rows, per source rank.

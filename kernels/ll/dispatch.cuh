@@ -372,6 +372,7 @@ __device__ __forceinline__ void dispatch_unpack(const OpArgs& a, Shared& s, uint
   const int nch = sp.nch;
   int32_t* self_row = reinterpret_cast<int32_t*>(a.ll_self_row);
   const bool fp8 = (a.flags & kFlagHasScales) != 0;
+  const bool scales_col = (a.flags & kFlagScalesColumnMajor) != 0;
   const int64_t cap = static_cast<int64_t>(world) * M;  // rows per local expert
   const uint8_t* rx = local + a.off_ll_x + par;
   const float* rsc = reinterpret_cast<const float*>(local + a.off_ll_scales + par);
@@ -422,8 +423,13 @@ __device__ __forceinline__ void dispatch_unpack(const OpArgs& a, Shared& s, uint
       if (fp8 && c == 0)
         for (int i = lane; i < S; i += 32) {
           const float sc = rsc[slot * S + i];
-          for (int k = 0; k < nk; ++k)
-            if (dst[k] >= 0) out_sc[dst[k] * S + i] = sc;
+          for (int k = 0; k < nk; ++k) {
+            const int64_t d = dst[k];
+            if (d < 0) continue;
+            // Row-major [l][row][S], or per expert column-major [l][S][row]
+            // (kFlagScalesColumnMajor): row d is (l = d / cap, row d % cap).
+            out_sc[scales_col ? ((d / cap) * S + i) * cap + d % cap : d * S + i] = sc;
+          }
         }
       __syncwarp();
     }

@@ -19,7 +19,7 @@ How it maps:
 
 import torch
 
-from ._args import check, describe, fail
+from ._args import check, check_bool, describe, fail
 from ._ll_args import FP8_BLOCK as _FP8_BLOCK
 from ._ll_args import check_combine, check_dispatch
 from ._streams import EventOverlap, current_raw_stream, torch_function_off
@@ -126,15 +126,18 @@ def _asynchronous(buf, *tensors):
     return EventOverlap(event)
 
 
-def _views(buf, out, use_fp8):
+def _views(buf, out, use_fp8, column_major):
     """``(recv_x, recv_scales or None, recv_count, src_info, layout_range)``: views of the
-    receive set `out` names (made once per set and format)."""
-    key = (out.set, use_fp8)
+    receive set `out` names (made once per set, format and scales layout)."""
+    key = (out.set, use_fp8, column_major)
     v = buf._ll_views.get(key)
     if v is None:
         e, cap, h = out.num_local_experts, out.capacity, buf.hidden
         x = view(out.x, (e, cap, h), _FP8 if use_fp8 else torch.bfloat16, buf.device, buf)
-        scales = view(out.scales, (e, cap, h // _FP8_BLOCK), torch.float32, buf.device, buf) if use_fp8 else None
+        s = h // _FP8_BLOCK
+        # Column-major: each expert's [cap, s] matrix stored [s][cap] (byte strides).
+        strides = (s * cap * 4, 4, cap * 4) if column_major else None
+        scales = view(out.scales, (e, cap, s), torch.float32, buf.device, buf, strides) if use_fp8 else None
         count = view(out.count, (e,), torch.int32, buf.device, buf)
         src = view(out.src_info, (e, cap), torch.int32, buf.device, buf)
         rng = view(out.layout_range, (e, buf.group_size), torch.int64, buf.device, buf)
@@ -162,7 +165,9 @@ def _dispatch(
     return_recv_hook,
     cumulative_local_expert_recv_stats,
     dispatch_wait_recv_cost_stats,
+    column_major_scales,
 ):
+    check_bool("column_major_scales", column_major_scales)
     check_dispatch(
         buffer_max=buf.num_max_dispatch_tokens_per_rank,
         given_max=num_max_dispatch_tokens_per_rank,
@@ -191,9 +196,17 @@ def _dispatch(
     # Ordered after the current stream; a synchronous op (and a hook's send phase) joined
     # back into it.
     number, out = buf._session.ll_dispatch(
-        xa, ia, n, use_fp8, round_scale, return_recv_hook, current_raw_stream(buf.device), not async_finish
+        xa,
+        ia,
+        n,
+        use_fp8,
+        round_scale,
+        return_recv_hook,
+        current_raw_stream(buf.device),
+        not async_finish,
+        column_major_scales,
     )
-    recv_x, recv_scales, count, src, rng = _views(buf, out, use_fp8)
+    recv_x, recv_scales, count, src, rng = _views(buf, out, use_fp8, column_major_scales)
     handle = LowLatencyHandle(buf, out.seq, n, use_fp8, src, rng)
     recv = (recv_x, recv_scales) if use_fp8 else recv_x
     if return_recv_hook:

@@ -909,6 +909,7 @@ class Buffer:
         *,
         cumulative_local_expert_recv_stats=None,
         dispatch_wait_recv_cost_stats=None,
+        column_major_scales=False,
     ):
         """Sends every token once to each rank holding one of its experts and packs what this
         rank received expert-major (DeepEP's ``low_latency_dispatch``). No host wait, no count
@@ -923,9 +924,10 @@ class Buffer:
         |x|, 1e-4)``, ``scale = amax / 448``, values ``e4m3(x * 448 / amax)``);
         ``round_scale``: scales rounded up to powers of two and the values cast with them.
         Scales are ``[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden
-        // 128]`` f32, **row-major** (DeepEP stores them column-major per expert: transpose
-        the last two dimensions where code expects DeepEP's layout). ``use_ue8m0=True``
-        (packed UE8M0 scale bytes) is refused: epcomm's rounded scales are f32.
+        // 128]`` f32, row-major; ``column_major_scales=True``: the same shape with each
+        expert's matrix stored column-major (strides ``(S * cap, 1, cap)``, DeepEP's layout,
+        written so by the kernel: no copy). ``use_ue8m0=True`` (packed UE8M0 scale bytes) is
+        refused: epcomm's rounded scales are f32.
 
         ``return_recv_hook=True``: returns after the send phase; ``hook()`` issues the receive
         phase (the outputs are filled once it ran). Until then no other op of this Buffer may
@@ -956,6 +958,7 @@ class Buffer:
             return_recv_hook,
             cumulative_local_expert_recv_stats,
             dispatch_wait_recv_cost_stats,
+            column_major_scales,
         )
 
     def low_latency_combine(

@@ -871,8 +871,15 @@ def low_latency(ctx):
             mode = ("sync", "hook", "async")[(c + gi) % 3]
             rnd = LlRound(ctx, tokens, hidden, top_k, experts, max_tokens, 1000 * gi + c)
             x, idx, w = rnd.x.to(dev), rnd.idx.to(dev), rnd.w.to(dev)
-            kw = dict(use_fp8=fmt != "bf16", round_scale=fmt == "fp8-round", cumulative_local_expert_recv_stats=stats)
-            what = f"H={hidden} K={top_k} call {c} ({fmt}, {mode}, tokens {tokens})"
+            # Every other FP8 pair of calls takes DeepEP's column-major scales.
+            col = fmt != "bf16" and (c // 2) % 2 == 1
+            kw = dict(
+                use_fp8=fmt != "bf16",
+                round_scale=fmt == "fp8-round",
+                cumulative_local_expert_recv_stats=stats,
+                column_major_scales=col,
+            )
+            what = f"H={hidden} K={top_k} call {c} ({fmt}, {mode}, tokens {tokens}, column-major scales {col})"
             if mode == "hook":
                 recv, count, handle, ev, hook = buf.low_latency_dispatch(x, idx, max_tokens, experts, return_recv_hook=True, **kw)
                 assert ev.event is None and callable(hook)
@@ -890,6 +897,10 @@ def low_latency(ctx):
                 recv, count, handle, ev, hook = buf.low_latency_dispatch(x, idx, max_tokens, experts, **kw)
                 assert hook is None and ev.event is None
             assert handle.num_tokens == rnd.x.shape[0]
+            if fmt != "bf16":
+                cap, ns = world * max_tokens, hidden // 128
+                want_strides = (ns * cap, 1, cap) if col else (cap * ns, ns, 1)
+                assert recv[1].stride() == want_strides, (what, recv[1].stride(), want_strides)
             want_stats += rnd.counts(rank)
             rnd.check_dispatch(ctx, what, recv, count, handle, fmt)
             same(f"{what} cumulative_local_expert_recv_stats", stats, want_stats)

@@ -3,7 +3,7 @@
 
 /// Version of the kernel protocol and argument blocks; ranks compare it when a `Buffer` is
 /// built. Bump it with any change of this header or of the kernels' cross-rank protocol.
-pub const ABI_VERSION: u64 = 14;
+pub const ABI_VERSION: u64 = 15;
 
 /// Largest world size the intranode kernels support (shared-memory tables are this large).
 pub const MAX_WORLD: usize = 64;
@@ -142,6 +142,10 @@ pub mod flags {
     /// Low-latency op: masked peers are skipped, and a peer whose wait
     /// expires is masked instead of failing the op (kStatsMaskOffset).
     pub const MASKING: u32 = 1 << 8;
+    /// Low-latency FP8 dispatch: ll_recv_scales is
+    /// \[epr\]\[num_scales\]\[world * ll_max_tokens\] (each local
+    /// expert's scales column-major, DeepEP's layout).
+    pub const SCALES_COLUMN_MAJOR: u32 = 1 << 9;
 }
 
 /// An op's intent word (\[A1\], docs/protocol.md "Op agreement"): (op sequence number, low 32
@@ -249,7 +253,8 @@ pub struct OpArgs {
     // Low-latency mode: caller outputs (LL dispatch) / inputs (LL combine), local device memory.
     /// \[epr\]\[world * ll_max_tokens\]\[row_bytes\] received rows, packed.
     pub ll_recv_x: u64,
-    /// \[epr\]\[world * ll_max_tokens\]\[num_scales\] f32 (FP8).
+    /// \[epr\]\[world * ll_max_tokens\]\[num_scales\] f32 (FP8; with
+    /// kFlagScalesColumnMajor \[epr\]\[num_scales\]\[world * ll_max_tokens\]).
     pub ll_recv_scales: u64,
     /// \[epr\] i32 rows received per local expert.
     pub ll_recv_count: u64,
@@ -460,7 +465,7 @@ pub struct LayoutArgs {
 
 /// What `epcomm_abi_probe` writes, in its order: every constant, enumerator, struct size
 /// and field offset of the ABI, as the host sees it.
-pub(crate) const ABI_PROBE: [(&str, u64); 174] = [
+pub(crate) const ABI_PROBE: [(&str, u64); 175] = [
     ("kAbiVersion", ABI_VERSION),
     ("kMaxWorld", MAX_WORLD as u64),
     ("kOk", code::OK as u64),
@@ -513,6 +518,7 @@ pub(crate) const ABI_PROBE: [(&str, u64); 174] = [
     ("kFlagFused", flags::FUSED as u64),
     ("kFlagRecvPhase", flags::RECV_PHASE as u64),
     ("kFlagMasking", flags::MASKING as u64),
+    ("kFlagScalesColumnMajor", flags::SCALES_COLUMN_MAJOR as u64),
     ("kIntentKindShift", INTENT_KIND_SHIFT as u64),
     ("kIntentFlagShift", INTENT_FLAG_SHIFT as u64),
     ("kIntentFlagMask", INTENT_FLAG_MASK as u64),

@@ -195,7 +195,7 @@ pub fn verify_ll_round(
         LlFormat::Fp8 { .. } => Some(recv.scales_to_host()?),
         LlFormat::Bf16 => None,
     };
-    let ns = hidden / 128;
+    let (ns, layout) = (hidden / 128, recv.scales_layout());
     for (l, entries) in mine.experts.iter().enumerate() {
         for (i, e) in entries.iter().enumerate() {
             let at = l * cap + i;
@@ -214,9 +214,13 @@ pub fn verify_ll_round(
                 return Err(mismatch(what("row"), rank, at_row));
             }
             if let Some(got) = &scales
-                && got[at * ns..(at + 1) * ns] != sc[t * ns..(t + 1) * ns]
+                && (0..ns).any(|s| got[layout.index(l, i, s, cap, ns)] != sc[t * ns + s])
             {
-                return Err(mismatch(what("FP8 scales"), rank, at_row));
+                return Err(mismatch(
+                    what(&format!("FP8 scales ({layout:?})")),
+                    rank,
+                    at_row,
+                ));
             }
         }
     }

@@ -7,7 +7,7 @@
 use std::time::{Duration, Instant};
 
 use cudarc::driver::DevicePtr;
-use epcomm::{Buffer, BufferConfig, Error, LlDispatchInput, LlFormat, WaitKind};
+use epcomm::{Buffer, BufferConfig, Error, LlDispatchInput, LlFormat, LlScalesLayout, WaitKind};
 use epcomm_check::inputs::{Shape, host_inputs};
 use epcomm_check::ll::{LlIo, bf16_rows, verify_ll_round};
 use epcomm_reference::{RankInput, bf16, combine_weighted_ll};
@@ -122,9 +122,16 @@ fn run_ll_suite(w: &Worker, mk: MakeTransport<'_>) {
             let cap = recv.capacity();
             let io = LlIo::new(&stream, &inputs, rank, experts, cap).unwrap();
             let mut out = io.out;
+            // Every other case writes FP8 scales per expert column-major (DeepEP's layout).
+            let layout = if ci % 2 == 1 {
+                LlScalesLayout::ColumnMajor
+            } else {
+                LlScalesLayout::RowMajor
+            };
+            recv.set_scales_layout(layout);
             for format in formats(hidden) {
                 let what = format!(
-                    "hidden {hidden} top-{top_k} of {experts}, tokens {tokens:?}, -1 p={mask_prob}, skew {skew_to:?}, {format:?}"
+                    "hidden {hidden} top-{top_k} of {experts}, tokens {tokens:?}, -1 p={mask_prob}, skew {skew_to:?}, {format:?}, scales {layout:?}"
                 );
                 let input = LlDispatchInput {
                     x: &io.x,

@@ -26,7 +26,7 @@ use std::time::Duration;
 use cudarc::driver::{CudaContext, CudaStream};
 use epcomm::{
     Buffer, DispatchInput, Dispatched, Handle, Layout, LlDispatchInput, LlFormat, LlPending,
-    LlRecv, OpStats, RecvMode, XInput,
+    LlRecv, LlScalesLayout, OpStats, RecvMode, XInput,
 };
 use epcomm_backends::TransportSpec;
 use epcomm_bootstrap::{Bootstrap, BootstrapConfig};
@@ -662,7 +662,8 @@ impl Session {
     /// `topk_idx` (`[T][top_k]` i64) into the next of the two receive sets. `hook`: only the
     /// send phase is issued, and the receive phase stays pending until [`Self::ll_receive`]
     /// with the returned op number; otherwise both phases are issued (the frontend's one
-    /// fused kernel) and no op number is returned.
+    /// fused kernel) and no op number is returned. `scales`: how the receive set stores the
+    /// FP8 scales (see [`LlScalesLayout`]).
     ///
     /// # Safety
     /// `x` and `topk_idx` as for [`Borrowed::new`] on the buffer's stream; with `hook` they
@@ -674,6 +675,7 @@ impl Session {
         topk_idx: RawArray,
         num_tokens: usize,
         format: LlFormat,
+        scales: LlScalesLayout,
         hook: bool,
     ) -> Result<(Option<u64>, LlDispatchOut)> {
         let s = self.stream.clone();
@@ -690,6 +692,7 @@ impl Session {
         };
         let set = (ll.dispatches % 2) as usize;
         let recv = &mut ll.recvs[set];
+        recv.set_scales_layout(scales);
         let n = if hook {
             let pending = buf.ll_dispatch_send(&input, format, recv)?;
             // SAFETY: the pending receive names `x`, `topk_idx` (kept alive by the caller until

@@ -45,7 +45,10 @@ mod validate;
 
 pub use graph::EpGraph;
 pub(crate) use graph::KeepAlive;
-pub use ops::{CountedRows, DispatchInput, LlDispatchInput, LlFormat, LlPending, LlRecv, XInput};
+pub use ops::{
+    CountedRows, DispatchInput, LlDispatchInput, LlFormat, LlPending, LlRecv, LlScalesLayout,
+    XInput,
+};
 
 use ops::LatestDispatch;
 pub(crate) use sequence::Sequence;

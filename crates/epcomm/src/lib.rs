@@ -98,7 +98,7 @@ mod view;
 
 pub use buffer::{
     Buffer, CountedRows, DispatchInput, EpGraph, LlDispatchInput, LlFormat, LlPending, LlRecv,
-    XInput,
+    LlScalesLayout, XInput,
 };
 pub use config::{BufferConfig, CombineStaging, RecvMode};
 pub use epcomm_topology::{

@@ -615,17 +615,14 @@ def clean_mask(buf):
     buf._mask_before_core.clear()
 
 
-def scales_into(scales, out, ue8m0):
-    """Fills `out` (``[E, S, cap]`` contiguous; returned to the caller as its ``transpose(1,
-    2)``: DeepEP's column-major scales) from epcomm's row-major f32 `scales` ``[E, cap, hidden /
-    128]``: the f32 values, or (`ue8m0`) their exponent bytes packed four per int32,
-    little-endian (channels ``[512 j, 512 j + 512)`` in int32 ``j``; the scales are powers of
-    two, so the byte is the whole value: ``f32(byte << 23)``)."""
-    if ue8m0:
-        exponents = ((scales.view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
-        out.copy_(exponents.view(torch.int32).transpose(1, 2))
-    else:
-        out.copy_(scales.transpose(1, 2))
+def ue8m0_into(scales, out):
+    """Fills `out` (``[E, S, cap]`` int32, contiguous; returned to the caller as its
+    ``transpose(1, 2)``: DeepEP's column-major packed scales) from epcomm's row-major f32
+    power-of-two `scales` ``[E, cap, hidden / 128]``: their exponent bytes packed four per
+    int32, little-endian (channels ``[512 j, 512 j + 512)`` in int32 ``j``; a power of two's
+    byte is its whole value: ``f32(byte << 23)``)."""
+    exponents = ((scales.view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+    out.copy_(exponents.view(torch.int32).transpose(1, 2))
 
 
 def low_latency_dispatch(buf, *args):
@@ -682,13 +679,14 @@ def _low_latency_dispatch(
         dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats,
     )
     core = _ll_core(buf, hidden, num_topk, num_experts, m)
+    # FP8 scales arrive in DeepEP's layout from the kernel itself (views of the receive set,
+    # as DeepEP's); packed UE8M0 bytes are made from the f32 scales by a copy.
+    column_major = use_fp8 and not use_ue8m0
     out_scales = None
-    if use_fp8 and hidden % _FP8_BLOCK == 0:
+    if use_ue8m0:
         # Allocated before the op, on the current stream (which the op's stream waits for).
         local, cap = num_experts // buf.group_size, buf.group_size * m
-        cols = hidden // _UE8M0_BLOCK if use_ue8m0 else hidden // _FP8_BLOCK
-        dtype = torch.int32 if use_ue8m0 else torch.float32
-        out_scales = torch.empty((local, cols, cap), dtype=dtype, device=core.device)
+        out_scales = torch.empty((local, hidden // _UE8M0_BLOCK, cap), dtype=torch.int32, device=core.device)
     recv, count, h, event, hook = core.low_latency_dispatch(
         x,
         topk_idx,
@@ -701,14 +699,15 @@ def _low_latency_dispatch(
         return_recv_hook=return_recv_hook,
         cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
         dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats,
+        column_major_scales=column_major,
     )
     handle = LowLatencyHandle((h.src_info, h.layout_range, m, hidden, num_experts), h)
-    if not use_fp8:
+    if not use_ue8m0:
         return recv, count, handle, event, hook
     rows, scales = recv
 
     def convert():
-        scales_into(scales, out_scales, use_ue8m0)
+        ue8m0_into(scales, out_scales)
         return (out_scales,)
 
     recv = (rows, out_scales.transpose(1, 2))

@@ -361,8 +361,10 @@ class Buffer:
         with ``use_fp8`` ``(e4m3 rows of that shape, scales)``: f32 ``[..., hidden // 128]``,
         or with ``use_ue8m0`` int32 ``[..., hidden // 512]`` holding four UE8M0 exponent bytes
         (little-endian, one per 128 channels), both column-major in their last two dimensions
-        as DeepEP's (a fresh tensor per call, filled from epcomm's row-major f32 scales by a
-        copy: on the current stream, on the comm stream before the returned event with
+        as DeepEP's. The f32 scales are written in that layout by the dispatch kernel, a view
+        of the receive set like the rows (valid until the second-next low-latency dispatch);
+        the UE8M0 ones are a fresh tensor per call, packed from the f32 scales by a copy (on
+        the current stream, on the comm stream before the returned event with
         ``async_finish``, or inside ``hook()``). ``use_ue8m0`` needs ``round_scale=True`` and
         ``hidden % 512 == 0``. ``dispatch_wait_recv_cost_stats`` must be None (epcomm's
         ``last_op_stats`` reports waits instead)."""

@@ -12,7 +12,7 @@
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use epcomm::{Handle, Layout, LlFormat, OpStats};
+use epcomm::{Handle, Layout, LlFormat, LlScalesLayout, OpStats};
 use epcomm_bootstrap::BootstrapConfig;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -474,7 +474,10 @@ impl PySession {
     /// `stream` (a raw `CUstream` of the framework, or None): the buffer's stream first waits
     /// for it, and with `join` it waits for the buffer's stream after the op (one native call
     /// instead of the framework's two event round trips; see `Session::ordered`).
-    #[pyo3(signature = (x, topk_idx, num_tokens, fp8, round_scale, hook, stream=None, join=false))]
+    /// `column_major_scales`: FP8 scales stored per local expert column-major
+    /// (`[local_expert][hidden / 128][capacity]`, DeepEP's layout) instead of row-major.
+    #[pyo3(signature = (x, topk_idx, num_tokens, fp8, round_scale, hook, stream=None, join=false,
+                        column_major_scales=false))]
     #[allow(clippy::too_many_arguments)]
     fn ll_dispatch(
         &self,
@@ -487,6 +490,7 @@ impl PySession {
         hook: bool,
         stream: Option<u64>,
         join: bool,
+        column_major_scales: bool,
     ) -> PyResult<(Option<u64>, PyLlDispatch)> {
         let format = match (fp8, round_scale) {
             (true, round_scale) => LlFormat::Fp8 { round_scale },
@@ -502,13 +506,18 @@ impl PySession {
             }
         };
         let (x, idx) = (raw(x), raw(topk_idx));
+        let scales = if column_major_scales {
+            LlScalesLayout::ColumnMajor
+        } else {
+            LlScalesLayout::RowMajor
+        };
         // SAFETY: the module's contract (see the module docs): live tensors, which the Python
         // side keeps referenced until the receive phase (the hook) has run on the stream.
         // `stream`: a live stream of the framework on this GPU (the package passes torch's
         // current stream).
         let (op, out) = detached(py, || unsafe {
             self.lock().ordered(stream, join, |s| {
-                s.ll_dispatch(x, idx, num_tokens, format, hook)
+                s.ll_dispatch(x, idx, num_tokens, format, scales, hook)
             })
         })?;
         Ok((op, PyLlDispatch { out }))

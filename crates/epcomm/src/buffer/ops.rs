@@ -27,7 +27,7 @@ mod staging;
 
 pub use copy_out::CountedRows;
 pub(super) use low_latency::PendingReceive;
-pub use low_latency::{LlDispatchInput, LlFormat, LlPending, LlRecv};
+pub use low_latency::{LlDispatchInput, LlFormat, LlPending, LlRecv, LlScalesLayout};
 pub(super) use normal::LatestDispatch;
 
 /// Token rows a dispatch sends.

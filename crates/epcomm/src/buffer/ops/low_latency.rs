@@ -49,6 +49,28 @@ impl LlFormat {
     }
 }
 
+/// How an [`LlRecv`] stores the FP8 scales of each local expert's rows
+/// (`cap = world * ll_max_tokens_per_rank` rows per local expert, `S = hidden / 128`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LlScalesLayout {
+    /// `[local_expert][cap][S]`: a row's scales together.
+    #[default]
+    RowMajor,
+    /// `[local_expert][S][cap]`: each local expert's `[cap][S]` matrix column-major (DeepEP's
+    /// layout, which scaled-GEMM kernels read), written so by the dispatch itself.
+    ColumnMajor,
+}
+
+impl LlScalesLayout {
+    /// Index of scale `s` of row `i` of local expert `l` in an array of this layout.
+    pub fn index(self, l: usize, i: usize, s: usize, cap: usize, num_scales: usize) -> usize {
+        match self {
+            Self::RowMajor => (l * cap + i) * num_scales + s,
+            Self::ColumnMajor => (l * num_scales + s) * cap + i,
+        }
+    }
+}
+
 /// Inputs of a low-latency dispatch.
 #[derive(Clone, Copy)]
 pub struct LlDispatchInput<'a> {
@@ -91,6 +113,8 @@ pub struct LlRecv {
     hidden: usize,
     /// Format and this rank's token count of the latest dispatch into it.
     dispatched: Option<(LlFormat, usize)>,
+    /// How the next FP8 dispatches into it store their scales.
+    scales_layout: LlScalesLayout,
 }
 
 /// The device arrays of an [`LlRecv`], shared with the graphs that recorded an op on them.
@@ -138,7 +162,16 @@ impl LlRecv {
         let (p, _g) = self.arrays.x.device_ptr(self.arrays.x.stream());
         p
     }
-    /// Device address of the scales (`[local_expert][capacity][hidden / 128]` f32).
+    /// How FP8 dispatches into it store their scales from now on (default
+    /// [`LlScalesLayout::RowMajor`]). A CUDA graph replays the layout it captured.
+    pub fn set_scales_layout(&mut self, layout: LlScalesLayout) {
+        self.scales_layout = layout;
+    }
+    /// The scales layout of the next FP8 dispatch into it ([`Self::set_scales_layout`]).
+    pub fn scales_layout(&self) -> LlScalesLayout {
+        self.scales_layout
+    }
+    /// Device address of the scales (`hidden / 128` f32 per row, in [`Self::scales_layout`]).
     pub fn scales_ptr(&self) -> u64 {
         let (p, _g) = self.arrays.scales.device_ptr(self.arrays.scales.stream());
         p
@@ -182,7 +215,8 @@ impl LlRecv {
         v.truncate(self.experts * self.capacity * self.row_bytes());
         Ok(v)
     }
-    /// All scales (`[local_expert][capacity][hidden / 128]`; FP8 only).
+    /// All scales (`hidden / 128` per row, in [`Self::scales_layout`] as it was when the
+    /// latest dispatch ran, see [`LlScalesLayout::index`]; FP8 only).
     pub fn scales_to_host(&self) -> Result<Vec<f32>> {
         self.arrays
             .scales
@@ -350,6 +384,7 @@ impl Buffer {
             capacity: cap,
             hidden,
             dispatched: None,
+            scales_layout: LlScalesLayout::RowMajor,
         })
     }
 
@@ -431,6 +466,9 @@ impl Buffer {
             flags |= abi::flags::HAS_SCALES;
             if round_scale {
                 flags |= abi::flags::ROUND_SCALE;
+            }
+            if recv.scales_layout == LlScalesLayout::ColumnMajor {
+                flags |= abi::flags::SCALES_COLUMN_MAJOR;
             }
         }
         // A recording replays into these arrays: the graph owns them.
