@@ -160,14 +160,14 @@ def _signature(method):
 
 
 def test_deepep_signatures():
-    """DeepEP's parameter names; the cost statistics (refused unless None) and
-    cumulative_local_expert_recv_stats are keyword-only here."""
+    """DeepEP's parameter names; the cost statistics (refused unless None),
+    cumulative_local_expert_recv_stats and epcomm's column_major_scales are keyword-only here."""
     positional, keyword = _signature("low_latency_dispatch")
     assert positional == [
         "self", "x", "topk_idx", "num_max_dispatch_tokens_per_rank", "num_experts", "use_fp8", "round_scale",
         "use_ue8m0", "async_finish", "return_recv_hook",
     ]
-    assert keyword == ["cumulative_local_expert_recv_stats", "dispatch_wait_recv_cost_stats"]
+    assert keyword == ["cumulative_local_expert_recv_stats", "dispatch_wait_recv_cost_stats", "column_major_scales"]
     positional, keyword = _signature("low_latency_combine")
     assert positional == [
         "self", "x", "topk_idx", "topk_weights", "handle", "use_logfmt", "zero_copy", "async_finish",
