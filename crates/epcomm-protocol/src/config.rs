@@ -165,11 +165,22 @@ pub enum Mutation {
     /// that finished an op writes its next op's intent word over the one a slower peer is
     /// still checking.
     IntentOneSlot,
+    /// `[L6]` under masking ([`ModelConfig::with_ll_masking`]): the receive phase keeps what the
+    /// count read gives for a masked source (its word, when it carries this op's tag: what the
+    /// kernels' tagged count wait returns) instead of counting no rows from it, as if it did not
+    /// re-read the mask after the count waits. A source masked by `[L5]` (its done signal never
+    /// came) may have stored its counts and rows before it stopped: they are packed, without the
+    /// done signal that would publish them.
+    LlMaskedCountsKept,
+    /// `[L9]` under masking: the reduction adds the entries whose expert's rank is masked
+    /// instead of skipping them: it reads a combine row that rank never wrote in this op (never
+    /// written, or a stale one of an earlier combine of the same parity).
+    LlMaskedEntriesReduced,
 }
 
 impl Mutation {
     /// Every mutation.
-    pub const ALL: [Mutation; 21] = [
+    pub const ALL: [Mutation; 23] = [
         Mutation::FlagStoreRelaxed,
         Mutation::FlagWaitRelaxed,
         Mutation::DoneAddRelaxed,
@@ -191,6 +202,8 @@ impl Mutation {
         Mutation::InterCombineSkipCredit,
         Mutation::InterForwarderIgnoresAbort,
         Mutation::IntentOneSlot,
+        Mutation::LlMaskedCountsKept,
+        Mutation::LlMaskedEntriesReduced,
     ];
 
     /// Whether the protocol stays correct under this mutation (the checker must accept it).
@@ -264,6 +277,58 @@ impl Failure {
             J1 | J2 | J3 | J4 | J5 | J6 | J7 | J8 | J9 => false,
             A1 | A2 => false,
         }
+    }
+}
+
+/// A rank that stops (a hung or killed process): rank `rank` runs ops `0..op` to completion,
+/// then stops right before it executes `at` in op `op` and runs nothing more, of that op or of
+/// a later one. Unlike a [`Failure`] it claims nothing and publishes no abort word; it stays
+/// alive in the sense that its memory stays mapped (peers may keep writing into it) and keeps
+/// what it stored before it stopped.
+///
+/// `at = `[`Step::F1`] stops the rank before op `op` starts (it stops calling ops); any other
+/// step the op executes ([`Failure::step_is_valid`]) stops it in the middle of the op (as
+/// for a failure, at the first time the rank announces `at`: the first sender block for
+/// per-block steps). Only intranode ops: a configuration with a stopped rank runs no internode
+/// op and injects no [`Failure`].
+///
+/// What the peers (the survivors) must do is [`crate::check_outcome`]'s stop rule: their waits
+/// for the stopped rank expire; with [`ModelConfig::with_ll_masking`] a low-latency op masks it
+/// and completes without it, every other op fails ([`crate::OpError::Expired`], then the
+/// abort word).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct StoppedRank {
+    /// The rank that stops.
+    pub rank: usize,
+    /// Index of the op in which it stops.
+    pub op: usize,
+    /// The step before which it stops ([`Step::F1`]: before the op starts).
+    pub at: Step,
+}
+
+impl StoppedRank {
+    /// Whether `at` is a stop point of an op of kind `kind` under `schedule`: [`Step::F1`]
+    /// (before the op), or a step the op executes ([`Failure::step_is_valid`]).
+    pub fn step_is_valid(schedule: Schedule, kind: OpKind, at: Step) -> bool {
+        at == Step::F1 || Failure::step_is_valid(schedule, kind, at)
+    }
+
+    /// Whether the stopped rank published every signal of the op it stops in before it stopped
+    /// (the same steps as [`Failure::after_done`]): its peers then complete that op with it, as
+    /// if it had not stopped; otherwise every wait of theirs for it in that op expires.
+    pub fn after_done(&self) -> bool {
+        Failure {
+            rank: self.rank,
+            op: self.op,
+            at: self.at,
+        }
+        .after_done()
+    }
+
+    /// Whether the peers of the stopped rank treat it as absent in op `op`: the op is the stop
+    /// op and the rank stopped before its last signal, or a later op.
+    pub fn absent_in(&self, op: usize) -> bool {
+        op > self.op || (op == self.op && !self.after_done())
     }
 }
 
@@ -371,6 +436,46 @@ pub enum ConfigError {
         /// The rejected step.
         at: Step,
     },
+    /// A stopped rank outside the world.
+    #[error("stopped.rank = {rank}: must be below the world size {world}")]
+    StopRank {
+        /// The rejected rank.
+        rank: usize,
+        /// The world size.
+        world: usize,
+    },
+    /// A stopped rank's op outside the op sequence.
+    #[error("stopped.op = {op}: the configuration has {len} ops")]
+    StopOp {
+        /// The rejected op index.
+        op: usize,
+        /// Number of ops.
+        len: usize,
+    },
+    /// A stop point the op does not execute ([`StoppedRank::step_is_valid`]).
+    #[error(
+        "stopped.at = {at}: ops[{op}] ({kind:?}) does not execute it under the {schedule} schedule"
+    )]
+    StopStep {
+        /// The op index.
+        op: usize,
+        /// Its kind.
+        kind: OpKind,
+        /// The schedule.
+        schedule: Schedule,
+        /// The rejected step.
+        at: Step,
+    },
+    /// A stopped rank together with an injected failure: the model judges one at a time.
+    #[error("a configuration injects a failure or stops a rank, not both")]
+    StopWithFailure,
+    /// A stopped rank in a configuration with internode ops (their rule is
+    /// [`crate::check_outcome_internode`]'s, for failures only).
+    #[error("ops[{index}] is an internode op: a stopped rank is modelled with intranode ops only")]
+    StopWithInternode {
+        /// Index of the first internode op.
+        index: usize,
+    },
 }
 
 /// A validated model configuration.
@@ -384,6 +489,8 @@ pub struct ModelConfig {
     nodes: usize,
     wait_timeout: Duration,
     failure: Option<Failure>,
+    stopped: Option<StoppedRank>,
+    ll_masking: bool,
     mutations: Vec<Mutation>,
 }
 
@@ -453,12 +560,18 @@ impl ModelConfig {
             nodes: 1,
             wait_timeout: Self::DEFAULT_WAIT_TIMEOUT,
             failure: None,
+            stopped: None,
+            ll_masking: false,
             mutations: Vec::new(),
         })
     }
 
-    /// Injects `failure` into the run (replacing any earlier one).
+    /// Injects `failure` into the run (replacing any earlier one). Rejected when a rank stops
+    /// ([`ModelConfig::with_stopped_rank`]).
     pub fn with_failure(mut self, failure: Failure) -> Result<Self, ConfigError> {
+        if self.stopped.is_some() {
+            return Err(ConfigError::StopWithFailure);
+        }
         if failure.rank >= self.world {
             return Err(ConfigError::FailureRank {
                 rank: failure.rank,
@@ -481,6 +594,52 @@ impl ModelConfig {
         }
         self.failure = Some(failure);
         Ok(self)
+    }
+
+    /// Stops rank `stopped.rank` in op `stopped.op` before `stopped.at` (replacing any earlier
+    /// stop). Rejected with an injected failure or with internode ops in the sequence.
+    pub fn with_stopped_rank(mut self, stopped: StoppedRank) -> Result<Self, ConfigError> {
+        if self.failure.is_some() {
+            return Err(ConfigError::StopWithFailure);
+        }
+        if let Some(index) = self.ops.iter().position(|k| k.is_internode_family()) {
+            return Err(ConfigError::StopWithInternode { index });
+        }
+        if stopped.rank >= self.world {
+            return Err(ConfigError::StopRank {
+                rank: stopped.rank,
+                world: self.world,
+            });
+        }
+        let Some(&kind) = self.ops.get(stopped.op) else {
+            return Err(ConfigError::StopOp {
+                op: stopped.op,
+                len: self.ops.len(),
+            });
+        };
+        if !StoppedRank::step_is_valid(self.schedule, kind, stopped.at) {
+            return Err(ConfigError::StopStep {
+                op: stopped.op,
+                kind,
+                schedule: self.schedule,
+                at: stopped.at,
+            });
+        }
+        self.stopped = Some(stopped);
+        Ok(self)
+    }
+
+    /// Turns rank masking of the low-latency ops on or off (the kernels' `kFlagMasking`,
+    /// `docs/low-latency.md` "Masking ranks"; default off). With masking, in an
+    /// [`OpKind::LlDispatch`] or [`OpKind::LlCombine`]: a wait for a masked peer ends at once
+    /// (as if satisfied); a wait that expires on a peer masks it instead of failing the op;
+    /// the send phase sends masked peers no counts (`[L2]`) and no rows (`[L3]`, `[L8]`), but
+    /// still its done signal (`[L4]`); the receive phase re-reads the mask after `[L5]` and
+    /// counts no rows from a masked source (`[L6]`, `[L7]`) and adds nothing for an entry whose
+    /// expert's rank is masked (`[L9]`); `[A2]` skips masked peers. The other ops never mask.
+    pub fn with_ll_masking(mut self, on: bool) -> Self {
+        self.ll_masking = on;
+        self
     }
 
     /// Applies `mutation` to the protocol every rank runs (mutations accumulate).
@@ -597,6 +756,14 @@ impl ModelConfig {
     /// The injected failure, if any.
     pub fn failure(&self) -> Option<Failure> {
         self.failure
+    }
+    /// The stopped rank, if any.
+    pub fn stopped_rank(&self) -> Option<StoppedRank> {
+        self.stopped
+    }
+    /// Whether the low-latency ops mask ranks ([`ModelConfig::with_ll_masking`]).
+    pub fn ll_masking(&self) -> bool {
+        self.ll_masking
     }
     /// The mutations applied to the protocol (empty: the protocol as the kernels run it).
     pub fn mutations(&self) -> &[Mutation] {
@@ -874,6 +1041,68 @@ mod tests {
             1,
             "only CountLoadsRelaxed is benign"
         );
+    }
+
+    #[test]
+    fn validates_stopped_ranks_and_masking() {
+        use OpKind::*;
+        let base = ModelConfig::new(3, 1, 1, Schedule::Epoch, vec![LlDispatch, LlCombine]).unwrap();
+        assert!(!base.ll_masking() && base.stopped_rank().is_none());
+        assert!(base.clone().with_ll_masking(true).ll_masking());
+        let stop = |rank, op, at| base.clone().with_stopped_rank(StoppedRank { rank, op, at });
+        assert_eq!(
+            stop(3, 0, Step::F1),
+            Err(ConfigError::StopRank { rank: 3, world: 3 })
+        );
+        assert_eq!(
+            stop(0, 2, Step::F1),
+            Err(ConfigError::StopOp { op: 2, len: 2 })
+        );
+        assert!(matches!(
+            stop(0, 1, Step::L2),
+            Err(ConfigError::StopStep { at: Step::L2, .. })
+        ));
+        let ok = stop(1, 1, Step::F1).unwrap();
+        assert_eq!(ok.stopped_rank().map(|s| (s.rank, s.op)), Some((1, 1)));
+        let failure = Failure {
+            rank: 0,
+            op: 0,
+            at: Step::L3,
+        };
+        assert_eq!(
+            ok.clone().with_failure(failure),
+            Err(ConfigError::StopWithFailure)
+        );
+        assert_eq!(
+            base.clone()
+                .with_failure(failure)
+                .unwrap()
+                .with_stopped_rank(StoppedRank {
+                    rank: 1,
+                    op: 0,
+                    at: Step::F1
+                }),
+            Err(ConfigError::StopWithFailure)
+        );
+        let inter = ModelConfig::new(
+            2,
+            1,
+            1,
+            Schedule::Epoch,
+            vec![LlDispatch, InternodeDispatch],
+        )
+        .unwrap()
+        .with_stopped_rank(StoppedRank {
+            rank: 0,
+            op: 0,
+            at: Step::F1,
+        });
+        assert_eq!(inter, Err(ConfigError::StopWithInternode { index: 1 }));
+        // Who is absent where: from the stop op, unless the rank stopped after its last signal.
+        let at = |at| StoppedRank { rank: 0, op: 2, at };
+        assert!(!at(Step::F1).absent_in(1) && at(Step::F1).absent_in(2));
+        assert!(at(Step::L4).absent_in(2) && !at(Step::L5).absent_in(2));
+        assert!(at(Step::L9).absent_in(3));
     }
 
     #[test]

@@ -20,7 +20,14 @@
 //! ([`Failure`]) every rank's later ops end in an error, not a hang, and a failed rank writes
 //! nothing more ([`check_outcome`], [`Violation::WriteAfterFailure`]); with internode ops, every
 //! op that depends on the failed rank, directly or through forwarders and credits, ends in an
-//! error naming it, and the others may complete ([`check_outcome_internode`]).
+//! error naming it, and the others may complete ([`check_outcome_internode`]); (f) with rank
+//! masking of the low-latency ops ([`ModelConfig::with_ll_masking`], the kernels'
+//! `kFlagMasking`) and a rank that stops ([`StoppedRank`]: it publishes nothing more, no abort
+//! word either), every survivor's waits for it expire once, mask it, and its later LL ops
+//! complete equal to [`survivor_reference`] (no rows from the stopped rank, nothing for the
+//! entries whose expert it holds); without masking, or in a normal op, the expiry fails the
+//! op ([`OpError::Expired`]) and every later op ends in an error ([`check_outcome`]'s stop
+//! rule).
 //!
 //! The model runs the kernels' two schedules ([`Schedule::Epoch`], [`Schedule::Global`]) with
 //! the kernels' region rule (the parity of the op's sequence number, under both schedules).
@@ -47,9 +54,10 @@ mod internode_outcome;
 pub mod model;
 pub mod reference;
 pub mod step;
+mod stopped_outcome;
 mod sync;
 
-pub use config::{ConfigError, Failure, ModelConfig, Mutation, OpKind};
+pub use config::{ConfigError, Failure, ModelConfig, Mutation, OpKind, StoppedRank};
 /// The schedules the model runs: the kernels' own type.
 pub use epcomm_topology::Schedule;
 #[cfg(not(loom))]
@@ -57,6 +65,6 @@ pub use model::{ModelFailure, run_model};
 pub use model::{NoHook, OpError, Region, RunError, StepHook, Violation, World, run_rank};
 pub use reference::{
     OpOutput, OpResult, OutcomeViolation, RankReport, check_outcome, check_outcome_internode,
-    failure_fires, sequential_reference,
+    failure_fires, sequential_reference, sequential_reference_masked, survivor_reference,
 };
 pub use step::Step;

@@ -1,6 +1,6 @@
 //! The sequential expectation, what every rank must output if the ops ran one at a time, and
 //! [`check_outcome`], which judges a run's results against it (with or without an injected
-//! failure).
+//! failure or a stopped rank).
 
 use crate::config::{
     ModelConfig, OpKind, combine_word, data_word, inter_combine_word, ll_combine_word,
@@ -10,6 +10,7 @@ use crate::model::OpError;
 use crate::step::Step;
 
 pub use crate::internode_outcome::{check_outcome_internode, failure_fires};
+pub use crate::stopped_outcome::survivor_reference;
 
 /// What one op produced on one rank.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -138,6 +139,40 @@ pub enum OutcomeViolation {
         /// The op it failed in.
         fail_op: usize,
     },
+    /// A run with a stopped rank: a survivor completed an op that waits for the stopped rank
+    /// without masking it (masking off, or not a low-latency op), at or after the op it
+    /// stopped in.
+    #[error(
+        "rank {rank}, op {op}: completed, but it waits for rank {stopped}, which stopped in op {stop_op}, without masking it"
+    )]
+    CompletedWithoutStoppedPeer {
+        /// The rank.
+        rank: usize,
+        /// The op.
+        op: usize,
+        /// The stopped rank.
+        stopped: usize,
+        /// The op it stopped in.
+        stop_op: usize,
+    },
+    /// A run with a stopped rank: the stopped rank's result of an op is not what its stop
+    /// makes it (completed before the stop op, [`OpError::Stopped`] from it on).
+    #[error(
+        "rank {rank} (stopped in op {stop_op}), op {op}: expected {}, found {found:?}",
+        expected.as_ref().map_or("a completed op".to_string(), |e| format!("{e:?}"))
+    )]
+    StoppedRankResult {
+        /// The stopped rank.
+        rank: usize,
+        /// The op it stopped in.
+        stop_op: usize,
+        /// The op.
+        op: usize,
+        /// The [`OpError::Stopped`] the op must report; `None`: it must complete.
+        expected: Option<OpError>,
+        /// What it reported.
+        found: OpResult,
+    },
     /// An internode-family run: an op completed although a signal one of its waits needs was
     /// never published (its writer failed, or gave up, before publishing it), directly or
     /// through a forwarder or a credit. Property (e), [`check_outcome_internode`].
@@ -173,10 +208,11 @@ pub(crate) fn expected_rows(cfg: &ModelConfig, layout_seq: u64, seq: u64, me: us
     rows
 }
 
-/// The packed rows rank `me` receives in the low-latency dispatch `ll_seq`: by source, then token.
-pub(crate) fn expected_ll_rows(cfg: &ModelConfig, ll_seq: u64, me: usize) -> Vec<u64> {
+/// The packed rows rank `me` receives in the low-latency dispatch `ll_seq`: by source, then
+/// token; none from the ranks of `absent` (bit `s`: source `s` masked).
+pub(crate) fn expected_ll_rows(cfg: &ModelConfig, ll_seq: u64, me: usize, absent: u64) -> Vec<u64> {
     let mut rows = Vec::new();
-    for s in 0..cfg.world() {
+    for s in (0..cfg.world()).filter(|&s| (absent >> s) & 1 == 0) {
         for t in 0..cfg.tokens() {
             if ll_routes_to(ll_seq, s, t, me) {
                 rows.push(ll_row_word(ll_seq, s, t));
@@ -187,17 +223,19 @@ pub(crate) fn expected_ll_rows(cfg: &ModelConfig, ll_seq: u64, me: usize) -> Vec
 }
 
 /// What rank `me` reduces for its token `token` in the LL combine `ll_combine_seq` that
-/// returns the rows of the LL dispatch `ll_seq`.
+/// returns the rows of the LL dispatch `ll_seq`; the entries whose expert is on a rank of
+/// `absent` (bit `k`: rank `k` masked) contribute nothing.
 pub(crate) fn expected_ll_reduction(
     cfg: &ModelConfig,
     ll_seq: u64,
     ll_combine_seq: u64,
     me: usize,
     token: usize,
+    absent: u64,
 ) -> u64 {
     let row = ll_row_word(ll_seq, me, token);
     (0..cfg.world())
-        .filter(|&k| ll_routes_to(ll_seq, me, token, k))
+        .filter(|&k| ll_routes_to(ll_seq, me, token, k) && (absent >> k) & 1 == 0)
         .fold(0u64, |acc, k| {
             acc.wrapping_add(ll_combine_word(ll_combine_seq, k, row))
         })
@@ -249,8 +287,22 @@ pub(crate) fn check_output(
 
 /// Computes the sequential expectation for every rank of `cfg`.
 pub fn sequential_reference(cfg: &ModelConfig) -> Vec<RankReport> {
-    // The reference ignores any injected failure: it is what every op must produce if it
-    // completes at all.
+    // The reference ignores any injected failure or stopped rank: it is what every op must
+    // produce if it completes at all, with every rank present.
+    sequential_reference_masked(cfg, |_| 0)
+}
+
+/// The sequential expectation of `cfg` when the low-latency ops treat some ranks as absent
+/// (masked): `absent(op)` is the set of op `op` (bit `r`: rank `r`), used only by
+/// [`OpKind::LlDispatch`] and [`OpKind::LlCombine`]. An LL dispatch receives no rows from an
+/// absent source; an LL combine adds nothing for an entry whose expert is on an absent rank
+/// (the rows it returns are those its last LL dispatch received, which that dispatch's own set
+/// decided). With `absent = |_| 0` this is [`sequential_reference`]. A rank's own entries mean
+/// something only for the ops in which it is not absent itself.
+pub fn sequential_reference_masked(
+    cfg: &ModelConfig,
+    absent: impl Fn(usize) -> u64,
+) -> Vec<RankReport> {
     (0..cfg.world())
         .map(|me| {
             let mut dispatch_seq = 0u64;
@@ -262,7 +314,7 @@ pub fn sequential_reference(cfg: &ModelConfig) -> Vec<RankReport> {
             let mut inter_layout_seq = 0u64;
             let mut inter_combine_seq = 0u64;
             let mut outputs = Vec::with_capacity(cfg.ops().len());
-            for op in cfg.ops() {
+            for (index, op) in cfg.ops().iter().enumerate() {
                 match op {
                     OpKind::InternodeDispatch | OpKind::InternodeCachedDispatch => {
                         // The hierarchical path delivers exactly the flat dispatch's rows.
@@ -325,13 +377,16 @@ pub fn sequential_reference(cfg: &ModelConfig) -> Vec<RankReport> {
                         ll_seq += 1;
                         outputs.push(Ok(OpOutput::LlDispatch {
                             seq: ll_seq,
-                            rows: expected_ll_rows(cfg, ll_seq, me),
+                            rows: expected_ll_rows(cfg, ll_seq, me, absent(index)),
                         }));
                     }
                     OpKind::LlCombine => {
                         ll_combine_seq += 1;
                         let reduced = (0..cfg.tokens())
-                            .map(|t| expected_ll_reduction(cfg, ll_seq, ll_combine_seq, me, t))
+                            .map(|t| {
+                                let absent = absent(index);
+                                expected_ll_reduction(cfg, ll_seq, ll_combine_seq, me, t, absent)
+                            })
                             .collect();
                         outputs.push(Ok(OpOutput::LlCombine {
                             seq: ll_combine_seq,
@@ -343,6 +398,31 @@ pub fn sequential_reference(cfg: &ModelConfig) -> Vec<RankReport> {
             RankReport { rank: me, outputs }
         })
         .collect()
+}
+
+/// Every rank has a report, in rank order, with one result per op.
+///
+/// # Errors
+/// [`OutcomeViolation::Length`] for the first rank whose report is missing or short.
+fn check_lengths(cfg: &ModelConfig, reports: &[RankReport]) -> Result<(), OutcomeViolation> {
+    let ops = cfg.ops().len();
+    if reports.len() != cfg.world() {
+        return Err(OutcomeViolation::Length {
+            rank: reports.len().min(cfg.world()),
+            expected: ops,
+            found: 0,
+        });
+    }
+    for (rank, report) in reports.iter().enumerate() {
+        if report.rank != rank || report.outputs.len() != ops {
+            return Err(OutcomeViolation::Length {
+                rank,
+                expected: ops,
+                found: report.outputs.len(),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Judges the results of a run of `cfg`, one report per rank in rank order.
@@ -362,28 +442,31 @@ pub fn sequential_reference(cfg: &ModelConfig) -> Vec<RankReport> {
 /// With a failure and internode ops ([`OpKind::is_internode_family`]) in the sequence, the
 /// rule above does not hold (with waits only on senders a peer can legitimately finish an op
 /// without the failed rank) and the run is judged by [`check_outcome_internode`] instead.
+///
+/// With a rank `s` that stops in op `k` ([`crate::config::StoppedRank`]), the stop rule:
+/// * `s` completes ops `0..k` with the sequential reference, and reports
+///   [`OpError::Stopped`] for op `k` (at its stop step) and for every later op (at `[F1]`);
+/// * let `m` be the first op from `k` on that a survivor cannot complete because it waits for
+///   `s` without masking it: not op `k` when `s` stopped after its last signal there
+///   ([`crate::config::StoppedRank::after_done`]), and, with masking, no low-latency op.
+///   Every survivor completes ops `0..m` (op `m - 1` may end in [`OpError::Aborted`] instead,
+///   as for a failure), each equal to [`survivor_reference`]: the low-latency ops with
+///   masking treat `s` as absent from op `k` on (from `k + 1` when it stopped after its last
+///   signal), every other op is the sequential reference;
+/// * no survivor completes op `m` or a later one: its first error is a wait that expired on
+///   `s` in op `m` ([`OpError::Expired`]) or an [`OpError::Aborted`] / [`OpError::Refused`]
+///   naming a survivor whose wait expired, and every later op is refused.
 pub fn check_outcome(cfg: &ModelConfig, reports: &[RankReport]) -> Result<(), OutcomeViolation> {
     if cfg.failure().is_some() && cfg.ops().iter().any(|k| k.is_internode_family()) {
         return check_outcome_internode(cfg, reports);
     }
-    let reference = sequential_reference(cfg);
-    let ops = cfg.ops().len();
-    if reports.len() != cfg.world() {
-        return Err(OutcomeViolation::Length {
-            rank: reports.len().min(cfg.world()),
-            expected: ops,
-            found: 0,
-        });
+    check_lengths(cfg, reports)?;
+    if let Some(stopped) = cfg.stopped_rank() {
+        return crate::stopped_outcome::check_outcome_stopped(cfg, stopped, reports);
     }
+    let reference = sequential_reference(cfg);
     let failure = cfg.failure();
     for (rank, report) in reports.iter().enumerate() {
-        if report.rank != rank || report.outputs.len() != ops {
-            return Err(OutcomeViolation::Length {
-                rank,
-                expected: ops,
-                found: report.outputs.len(),
-            });
-        }
         let mut failed: Option<usize> = None;
         for (op, result) in report.outputs.iter().enumerate() {
             if let Some(failed) = failed {
@@ -430,6 +513,8 @@ pub fn check_outcome(cfg: &ModelConfig, reports: &[RankReport]) -> Result<(), Ou
                         // earliest at the start of op n.
                         (Some(f), OpError::Aborted { .. }) => rank != f.rank && op + 1 >= f.op,
                         (Some(f), OpError::Refused { .. }) => rank != f.rank && op >= f.op,
+                        // Only a stopped rank (not configured here) causes these.
+                        (Some(_), OpError::Expired { .. } | OpError::Stopped { .. }) => false,
                     };
                     if injected && !allowed {
                         return Err(OutcomeViolation::MissingFailure {

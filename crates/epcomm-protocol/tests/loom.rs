@@ -1,5 +1,6 @@
 //! Exhaustive interleaving checks with loom (bounded preemptions): the protocol, its failure
-//! path, and mutations of it that the checker must catch.
+//! path, rank masking of the LL ops after a rank stops, and mutations of it that the checker
+//! must catch.
 //!
 //! Run with `RUSTFLAGS="--cfg loom" cargo test -p epcomm-protocol --release --test loom`.
 //! `LOOM_MAX_PREEMPTIONS` overrides the default bound (2); `EPCOMM_LOOM_BIG=1` adds the
@@ -12,7 +13,8 @@ use std::time::Instant;
 
 use epcomm_protocol::config::{ll_routes_to, routes_to};
 use epcomm_protocol::{
-    Failure, ModelConfig, Mutation, NoHook, OpKind, Schedule, Step, World, check_outcome, run_rank,
+    Failure, ModelConfig, Mutation, NoHook, OpKind, Schedule, Step, StoppedRank, World,
+    check_outcome, run_rank,
 };
 use loom::sync::Arc;
 
@@ -181,6 +183,30 @@ explore_tests! {
     ll_failure_in_receive_phase_ends_every_rank_in_error:
         failing(cfg(2, 1, 1, Epoch, &[LD, LD, LC]), 0, 1, Step::L6);
 
+    // ---- rank masking of the LL ops: a rank stops, its peer's wait expires -----------------
+
+    /// Rank 1 stops before the LL combine (it stops calling ops): rank 0's wait for it expires
+    /// (under loom: once it stopped), masks it, and rank 0 completes the combine and the next
+    /// dispatch without it, equal to the survivors' reference.
+    ll_masking_survivor_completes_after_a_stop:
+        stopped(cfg(2, 1, 1, Epoch, &[LD, LC, LD]).with_ll_masking(true), 1, 1, Step::F1);
+    /// Rank 1 stops before its done signal of LL dispatch 1, after storing its count and its
+    /// row for rank 0 (relaxed, never published): rank 0 masks it and reads neither.
+    ll_masking_stop_before_the_done_signal:
+        stopped(cfg(2, 1, 1, Epoch, &[LD, LC]).with_ll_masking(true), 1, 0, Step::L4);
+    /// Two tokens, two sender blocks, four ops: rank 1 stops in LL dispatch 2 before its
+    /// first done signal (its counts and block 0's rows stored, unpublished), so rank 0 masks
+    /// it there, receives none of it, and runs the combine after it alone.
+    ll_masking_stop_mid_sequence_two_blocks:
+        stopped(cfg(2, 2, 2, Epoch, &[LD, LC, LD, LC]).with_ll_masking(true), 1, 2, Step::L4);
+    /// Global: rank 1 stops before the LL combine; rank 0's `[G1]` barrier masks it.
+    ll_masking_global_stop_masks_at_the_barrier:
+        stopped(cfg(2, 1, 1, Global, &[LD, LC]).with_ll_masking(true), 1, 1, Step::F1);
+    /// Masking off: rank 1 stops before the LL combine; rank 0's wait expires and fails the
+    /// op, every later op is refused, nothing hangs.
+    ll_stop_without_masking_ends_the_survivor_in_error:
+        stopped(cfg(2, 1, 1, Epoch, &[LD, LC, LD]), 1, 1, Step::F1);
+
     // ---- the hierarchical internode dispatch (model only) ---------------------------------
 
     /// Two nodes of one rank: every row crosses the rail and the forwarder is its own final
@@ -201,6 +227,10 @@ explore_tests! {
 
 fn failing(c: ModelConfig, rank: usize, op: usize, at: Step) -> ModelConfig {
     c.with_failure(Failure { rank, op, at }).unwrap()
+}
+
+fn stopped(c: ModelConfig, rank: usize, op: usize, at: Step) -> ModelConfig {
+    c.with_stopped_rank(StoppedRank { rank, op, at }).unwrap()
 }
 
 /// Larger configurations, exhaustive within the bound (each takes minutes on one core).
@@ -374,6 +404,19 @@ mutation_tests! {
     /// and writes the combine's intent word over the dispatch's, which rank 1 still checks.
     intent_one_slot_is_caught:
         IntentOneSlot, cfg(2, 1, 1, Epoch, &[D, C]), ["op 0 (Dispatch), [A2] check intent"];
+    /// [L6] keeps a masked source's count: rank 1 stopped before its done signal, after its
+    /// count and its row for rank 0; rank 0 masks it but packs that row (the survivors'
+    /// reference has none).
+    ll_masked_counts_kept_is_caught:
+        LlMaskedCountsKept,
+        stopped(cfg(2, 1, 1, Epoch, &[LD]).with_ll_masking(true), 1, 0, Step::L4),
+        ["rank 0, op 0"];
+    /// [L9] adds a masked expert's entry: rank 1 stopped before the LL combine; rank 0 reads
+    /// the combine row of its token that rank 1 never wrote.
+    ll_masked_entries_reduced_is_caught:
+        LlMaskedEntriesReduced,
+        stopped(cfg(2, 1, 1, Epoch, &[LD, LC]).with_ll_masking(true), 1, 1, Step::F1),
+        ["rank 0, op 1 (LlCombine), [L9] reduce: ll_comb[1]"];
 }
 
 /// [I4] without the tag wait: the forwarder takes a rail count word that is not written yet.

@@ -6,7 +6,8 @@
 //! that slot overwritten by op `a + 2` (a peer two ops ahead), whatever the interleaving.
 //!
 //! Contract: internode ops (model only, not run by the kernels) neither publish nor check, and
-//! do not count as agreed ops.
+//! do not count as agreed ops. A low-latency op with masking publishes to every peer, masked
+//! ones included, and checks only the peers it has not masked.
 
 use super::violation::Violation;
 use super::wait::Poll;
@@ -65,16 +66,17 @@ impl Rank<'_> {
 
     /// `[A2]`: after the final wait, every peer's intent word for this op (bounded wait for its
     /// tag) must be this rank's. A tag beyond this op's is a [`Violation::Intent`]: a peer two
-    /// agreed ops ahead wrote the slot this rank still reads.
+    /// agreed ops ahead wrote the slot this rank still reads. Under masking a masked peer is
+    /// not checked (nor one masked while its word is waited for).
     pub(super) fn check_intent(&self) -> Result<(), Stop> {
         if !self.agrees() {
             return Ok(());
         }
         self.step(Step::A2)?;
         let (a, mine, parity) = (self.seq.agree_seq, self.intent_word(), self.intent_parity());
-        for s in (0..self.world_size()).filter(|&s| s != self.me) {
+        for s in (0..self.world_size()).filter(|&s| s != self.me && !self.is_masked(s)) {
             let word = self.w.intent(self.me, parity, s);
-            self.wait(Step::A2, s, a, || {
+            self.wait_or_masked(Step::A2, s, a, Some(()), || {
                 let seen = word.load(Ordering::Relaxed);
                 match (seen >> 32).cmp(&a) {
                     std::cmp::Ordering::Less => Ok(Poll::Pending(seen >> 32)),

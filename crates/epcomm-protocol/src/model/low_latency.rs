@@ -9,6 +9,12 @@
 //! receive phase must read exactly what this op's send phases wrote: the count word of every
 //! source tagged `l` with the routing's row count, and every row of this op.
 //!
+//! With masking ([`crate::ModelConfig::with_ll_masking`]) the send phase skips masked
+//! destinations (`[L2]`, `[L3]`, `[L8]`, not `[L4]`), and the receive phase re-reads the mask
+//! after `[L5]` and treats a masked rank as absent: no rows from it (`[L6]`, `[L7]`), nothing
+//! for an entry whose expert it holds (`[L9]`). The result is the sequential reference
+//! without the masked ranks ([`crate::reference::sequential_reference_masked`]).
+//!
 //! The kernels run the two phases as two kernels on one stream (the caller keeps a hook) or as
 //! one fused kernel (`kFlagFused`) that runs the receive steps right after `[L4]`. Within a
 //! rank both forms execute the same steps in the same order, and the model runs the blocks of
@@ -42,6 +48,10 @@ impl Rank<'_> {
         let parity = self.cfg.ll_parity(l);
 
         // ---- send phase --------------------------------------------------------------------
+        // Masking: the mask as the send phase sees it (the kernels' block copy, loaded in the
+        // prologue: a peer masked by the [G1] barrier below is still sent to, harmlessly).
+        let sent_mask = self.mask_bits();
+        let sends_to = |d: usize| (sent_mask >> d) & 1 == 0;
         if self.cfg.schedule() == Schedule::Global {
             // [G1] barrier: every rank finished its previous op, receive phase included.
             self.barrier(Step::G1)?;
@@ -62,9 +72,9 @@ impl Rank<'_> {
         for b in 0..blocks {
             if b == 0 {
                 // [L2] counts (block 0): (l << 32) | rows into every rank's ll_counts[l%2][me],
-                // relaxed (published by this block's [L4]).
+                // relaxed (published by this block's [L4]); a masked rank is sent nothing.
                 self.step(Step::L2)?;
-                for (d, &rows) in next.iter().enumerate() {
+                for (d, &rows) in next.iter().enumerate().filter(|&(d, _)| sends_to(d)) {
                     let word = if self.cfg.has(Mutation::LlUntaggedCount) {
                         rows as u64
                     } else {
@@ -77,29 +87,48 @@ impl Rank<'_> {
                     })?;
                 }
             }
-            // [L3] rows (relaxed): block b sends the tokens t with t % blocks == b.
+            // [L3] rows (relaxed): block b sends the tokens t with t % blocks == b (none to a
+            // masked rank).
             self.step(Step::L3)?;
-            for &(t, d, j) in sends.iter().filter(|(t, _, _)| t % blocks == b) {
+            for &(t, d, j) in sends
+                .iter()
+                .filter(|&&(t, d, _)| t % blocks == b && sends_to(d))
+            {
                 self.write(Step::L3, || {
                     self.w
                         .ll_x(d, parity, me, j)
                         .store(ll_row_word(l, me, t), Ordering::Relaxed);
                 })?;
             }
-            // [L4] signal done: release increment after this block's rows (and counts).
+            // [L4] signal done: release increment after this block's rows (and counts), to
+            // every rank, masked ones included.
             self.signal_done(Step::L4)?;
         }
         self.seq.done_expected += blocks as u64;
 
         // ---- receive phase (the fused kernel runs the same steps right here) ---------------
         self.ll_await_sends()?;
+        // Masking: the mask re-read after the waits, which may have masked sources.
+        let absent = self.mask_bits();
+        let keep_masked = self.cfg.has(Mutation::LlMaskedCountsKept);
         // [L6] first rows: the tagged counts (relaxed: [L5]'s acquire published them); the tag
-        // must be l and the count the routing's.
+        // must be l and the count the routing's. A masked source counts no rows (its count
+        // word is not read: it may be stale, or this op's without the done signal that
+        // publishes its rows).
         self.step(Step::L6)?;
         let mut counts = vec![0u64; wsz];
         for (s, count) in counts.iter_mut().enumerate() {
+            let masked = (absent >> s) & 1 == 1;
+            if masked && !keep_masked {
+                continue;
+            }
             let word = self.w.ll_count(me, parity, s).load(Ordering::Relaxed);
             let (tag, rows) = split_count_word(word);
+            if tag != l && masked {
+                // LlMaskedCountsKept: the kernels' count wait gives 0 for a masked source
+                // whose word is not this op's.
+                continue;
+            }
             if tag != l {
                 return Err(Violation::LlCountTag {
                     rank: me,
@@ -155,35 +184,48 @@ impl Rank<'_> {
         let live = self.ll_live.clone().unwrap_or_default();
 
         // ---- send phase --------------------------------------------------------------------
+        // Masking: the mask as the send phase sees it (the prologue's copy, as in dispatch).
+        let sent_mask = self.mask_bits();
         if self.cfg.schedule() == Schedule::Global {
             // [G1] barrier: every rank finished its previous op, receive phase included.
             self.barrier(Step::G1)?;
         }
         for b in 0..blocks {
             // [L8] combine rows: block b returns packed rows r with r % blocks == b to their
-            // source's ll_comb[c%2][token][k = me] (relaxed).
+            // source's ll_comb[c%2][token][k = me] (relaxed); none to a masked source.
             self.step(Step::L8)?;
             for &row in live.rows.iter().skip(b).step_by(blocks) {
                 let (_, owner, token) = split_data_word(row);
+                if (sent_mask >> owner) & 1 == 1 {
+                    continue;
+                }
                 self.write(Step::L8, || {
                     self.w
                         .ll_comb(owner, parity, token, me)
                         .store(ll_combine_word(c, me, row), Ordering::Relaxed);
                 })?;
             }
-            // [L4] signal done: release increment after this block's rows.
+            // [L4] signal done: release increment after this block's rows, to every rank.
             self.signal_done(Step::L4)?;
         }
         self.seq.done_expected += blocks as u64;
 
         // ---- receive phase ---------------------------------------------------------------
         self.ll_await_sends()?;
+        // Masking: the mask re-read after the waits; an entry whose expert's rank is masked
+        // contributes nothing (its combine row is not read).
+        let absent = if self.cfg.has(Mutation::LlMaskedEntriesReduced) {
+            0
+        } else {
+            self.mask_bits()
+        };
         // [L9] reduce: per token, its valid top-k slots (the ranks it went to) in increasing k.
         self.step(Step::L9)?;
         let mut reduced = vec![0u64; tokens];
         for (t, acc) in reduced.iter_mut().enumerate() {
             let row = ll_row_word(live.seq, me, t);
-            for k in (0..wsz).filter(|&k| ll_routes_to(live.seq, me, t, k)) {
+            let entries = (0..wsz).filter(|&k| ll_routes_to(live.seq, me, t, k));
+            for k in entries.filter(|&k| (absent >> k) & 1 == 0) {
                 let expected = ll_combine_word(c, k, row);
                 let found = self.w.ll_comb(me, parity, t, k).load(Ordering::Relaxed);
                 if found != expected {

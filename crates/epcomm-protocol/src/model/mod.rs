@@ -32,6 +32,8 @@
 //!   nothing;
 //! - `agreement.rs`: op agreement, `[A1]` (publish the op's intent word) and `[A2]` (check every
 //!   peer's after the final wait): two slots suffice;
+//! - `masking.rs`: rank masking of the low-latency ops (the mask words, the expiry of a wait
+//!   for a stopped rank);
 //! - `violation.rs`: what the model reports ([`Violation`], [`OpError`], [`RunError`]) and the
 //!   checks behind it, `[R]` included.
 //!
@@ -48,6 +50,7 @@ mod failure;
 mod internode;
 mod internode_combine;
 mod low_latency;
+mod masking;
 mod runner;
 mod violation;
 mod wait;
@@ -163,6 +166,12 @@ fn zeroed(n: usize) -> Vec<AtomicU64> {
 pub struct World {
     cfg: ModelConfig,
     ranks: Vec<RankBuffer>,
+    /// `stopped[r]`: 1 once rank `r` reached its configured stop point
+    /// ([`crate::config::StoppedRank`]); stored (release) after the last thing it did. Not a GPU
+    /// word: the model's stand-in for time, which says that a wait for `r` may expire (a rank
+    /// that stopped never answers; a live one always does within the timeout). Read only when
+    /// the configuration stops a rank.
+    stopped: Vec<AtomicU64>,
     /// First rank that reported a violation (`usize::MAX`: none), so std waits end early.
     #[cfg(not(loom))]
     failed: std::sync::atomic::AtomicUsize,
@@ -211,6 +220,7 @@ impl World {
         Self {
             cfg: cfg.clone(),
             ranks,
+            stopped: zeroed(w),
             #[cfg(not(loom))]
             failed: std::sync::atomic::AtomicUsize::new(usize::MAX),
         }
@@ -354,10 +364,12 @@ struct LlLive {
 }
 
 /// Why a rank stopped an op early: a protocol violation ends the rank's run, an [`OpError`]
-/// only the op.
+/// only the op, and the configured stop point ([`crate::config::StoppedRank`]) the rank's run
+/// (before the step it names).
 enum Stop {
     Violation(Violation),
     Failed(OpError),
+    Halt(Step),
 }
 
 impl From<Violation> for Stop {
@@ -407,6 +419,12 @@ struct Rank<'a> {
     seq: SeqState,
     /// This rank's failure claim: set when one of its ops failed.
     claim: bool,
+    /// This rank's mask words (the kernels' `[world]` u32 in its stats region, 1 = masked), as
+    /// a bit set: bit `d` = peer `d` masked. Only this rank's own waits write them (the host's
+    /// writes, `ll_set_masked` / `ll_clear_mask`, are not modelled), so they are private state;
+    /// like the kernels' words they survive failed ops. Used only by the low-latency ops with
+    /// masking ([`ModelConfig::ll_masking`]).
+    mask: std::cell::Cell<u64>,
     layout: Layout,
     live: Option<Live>,
     ll_live: Option<LlLive>,

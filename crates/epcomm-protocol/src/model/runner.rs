@@ -3,7 +3,9 @@
 //!
 //! Contract: an op that ends in an [`OpError`] leaves the sequence state as it was before the
 //! op (the kernels advance `SeqState` only on completion) and sets the rank's failure claim; a
-//! [`Violation`] ends the rank's run.
+//! [`Violation`] ends the rank's run; so does the configured stop point of a stopped rank
+//! ([`crate::config::StoppedRank`]), which reports [`OpError::Stopped`] for the op it stops
+//! in and every later one.
 
 use super::StepHook;
 #[cfg(not(loom))]
@@ -54,6 +56,7 @@ pub fn run_rank(world: &World, rank: usize, hook: &dyn StepHook) -> Result<RankR
             agree_seq: 0,
         },
         claim: false,
+        mask: std::cell::Cell::new(0),
         layout: Layout {
             seq: 0,
             counts: vec![0; cfg.world() * cfg.world()],
@@ -148,10 +151,21 @@ impl Rank<'_> {
             match result {
                 Ok(output) => self.outputs.push(Ok(output)),
                 Err(Stop::Violation(v)) => return Err(v),
+                Err(Stop::Halt(step)) => {
+                    // The configured stop: this op and every later one do not run.
+                    self.halt();
+                    self.outputs.push(Err(OpError::Stopped { step }));
+                    let later = self.cfg.ops().len() - op - 1;
+                    self.outputs.extend(std::iter::repeat_n(
+                        Err(OpError::Stopped { step: Step::F1 }),
+                        later,
+                    ));
+                    return Ok(());
+                }
                 Err(Stop::Failed(error)) => {
                     // The op exits without advancing the sequence state.
                     self.seq = before;
-                    if matches!(error, OpError::TimedOut { .. }) {
+                    if matches!(error, OpError::TimedOut { .. } | OpError::Expired { .. }) {
                         self.publish_abort();
                     }
                     self.claim = true;
@@ -162,9 +176,15 @@ impl Rank<'_> {
         Ok(())
     }
 
-    /// Announces `step` to the hook, then fails there if the configuration injects a failure.
+    /// Announces `step` to the hook, then fails there if the configuration injects a failure,
+    /// or stops there if it stops this rank.
     pub(super) fn step(&self, step: Step) -> Result<(), Stop> {
         self.hook.at(self.me, self.op, self.kind, step);
+        if let Some(s) = self.cfg.stopped_rank()
+            && (s.rank, s.op, s.at) == (self.me, self.op, step)
+        {
+            return Err(Stop::Halt(step));
+        }
         match self.cfg.failure() {
             Some(f) if (f.rank, f.op, f.at) == (self.me, self.op, step) => {
                 Err(Stop::Failed(OpError::TimedOut { step }))

@@ -294,6 +294,25 @@ pub enum OpError {
         /// The rank that failed.
         by: usize,
     },
+    /// A bounded wait for `peer` expired because `peer` stopped
+    /// ([`crate::config::StoppedRank`]), in an op that does not mask it (masking off, or not a
+    /// low-latency op): the kernels' `kTimeout`. This rank records the failure and publishes
+    /// the abort word (`[F2]`), as for [`OpError::TimedOut`].
+    #[error("wait {step}: expired on peer {peer}, which stopped")]
+    Expired {
+        /// The wait.
+        step: Step,
+        /// The stopped peer it waited for.
+        peer: usize,
+    },
+    /// This rank stopped ([`crate::config::StoppedRank`]) before `step` of this op, or (`step`
+    /// = [`Step::F1`]) before the op started: it ran no more of it. Not a failure: it claims
+    /// nothing and publishes nothing.
+    #[error("stopped before {step}")]
+    Stopped {
+        /// The step it stopped before.
+        step: Step,
+    },
 }
 
 /// Misuse of [`run_rank`](super::run_rank).

@@ -6,7 +6,10 @@
 //! failed (unless [`Mutation::SkipAbortPoll`] is applied); under std it also ends with
 //! [`Violation::Timeout`] after the configured timeout, or [`Violation::PeerFailed`] when
 //! another rank already reported a violation. Under loom a wait is a `yield_now` loop, so a
-//! schedule in which nobody can progress is reported as a deadlock.
+//! schedule in which nobody can progress is reported as a deadlock. A wait for a rank that
+//! stopped ([`crate::config::StoppedRank`]) expires instead: it masks the rank in a
+//! low-latency op with masking (the wait then ends as if satisfied, and so does every later
+//! wait of such ops for it), and fails the op with [`OpError::Expired`] otherwise.
 
 use super::violation::{OpError, Violation};
 use super::{Rank, Stop};
@@ -24,16 +27,39 @@ pub(super) enum Poll<T> {
 
 impl Rank<'_> {
     /// Bounded spin-wait on `peer`'s word; `poll` loads it and says whether it is ready. Gives
-    /// up ([`OpError::Aborted`]) when this rank or a peer failed.
+    /// up ([`OpError::Aborted`]) when this rank or a peer failed. Never ends masked: for the
+    /// waits of ops that do not mask.
     pub(super) fn wait<T>(
         &self,
         step: Step,
         peer: usize,
         expected: u64,
+        poll: impl FnMut() -> Result<Poll<T>, Violation>,
+    ) -> Result<T, Stop> {
+        self.wait_or_masked(step, peer, expected, None, poll)
+    }
+
+    /// [`Rank::wait`] for a wait that masking may end. When the op masks ([`Rank::masks`]),
+    /// `if_masked` is what the wait returns for a masked peer (the kernels' waits return
+    /// "reached", or the value 0): at once once `peer` is masked, and after masking `peer`
+    /// when the wait expires on it. `None`: the wait never ends masked.
+    ///
+    /// A wait expires only on a peer that stopped ([`Rank::peer_stopped`]; std: after the
+    /// configured timeout, loom: at once) and, after one more poll (the peer's last stores are
+    /// visible once it is seen stopped), finds the word still not ready: with masking it
+    /// masks the peer, otherwise the op fails with [`OpError::Expired`]. Under std a wait that
+    /// outlasts the timeout on a live peer is a [`Violation::Timeout`].
+    pub(super) fn wait_or_masked<T>(
+        &self,
+        step: Step,
+        peer: usize,
+        expected: u64,
+        if_masked: Option<T>,
         mut poll: impl FnMut() -> Result<Poll<T>, Violation>,
     ) -> Result<T, Stop> {
-        // Under loom a wait is bounded only by the abort word (loom reports a schedule where
-        // nobody can progress); std runs also time out.
+        let mut if_masked = if_masked.filter(|_| self.masks() && peer != self.me);
+        // Under loom a wait is bounded only by the abort word and a stopped peer (loom
+        // reports a schedule where nobody can progress); std runs also time out.
         #[cfg(loom)]
         let _ = expected;
         #[cfg(not(loom))]
@@ -41,50 +67,72 @@ impl Rank<'_> {
         #[cfg(not(loom))]
         let mut spins: u32 = 0;
         loop {
-            match poll()? {
+            let _seen = match poll()? {
                 Poll::Ready(value) => return Ok(value),
-                Poll::Pending(_seen) => {
-                    if !self.ignores_abort(step)
-                        && let Some(by) = self.failure_seen()
-                    {
-                        return Err(Stop::Failed(OpError::Aborted { step, peer, by }));
-                    }
-                    #[cfg(not(loom))]
-                    {
-                        let failed = self.w.failed.load(std::sync::atomic::Ordering::Acquire);
-                        if failed != usize::MAX {
-                            return Err(Violation::PeerFailed {
-                                rank: self.me,
-                                op: self.op,
-                                kind: self.kind,
-                                step,
-                                peer,
-                                failed,
-                            }
-                            .into());
-                        }
-                        spins = spins.wrapping_add(1);
-                        if spins.is_multiple_of(64) {
-                            let waited = start.elapsed();
-                            if waited > self.cfg.wait_timeout() {
-                                return Err(Violation::Timeout {
-                                    rank: self.me,
-                                    op: self.op,
-                                    kind: self.kind,
-                                    step,
-                                    peer,
-                                    expected,
-                                    seen: _seen,
-                                    waited_ms: u64::try_from(waited.as_millis())
-                                        .unwrap_or(u64::MAX),
-                                }
-                                .into());
-                            }
-                        }
-                    }
-                    spin_wait();
-                }
+                Poll::Pending(seen) => seen,
+            };
+            // Masking: a masked peer is not waited for (the kernels' `peer_masked`).
+            if self.is_masked(peer)
+                && let Some(value) = if_masked.take()
+            {
+                return Ok(value);
             }
+            if !self.ignores_abort(step)
+                && let Some(by) = self.failure_seen()
+            {
+                return Err(Stop::Failed(OpError::Aborted { step, peer, by }));
+            }
+            #[cfg(loom)]
+            let expired = self.peer_stopped(peer);
+            #[cfg(not(loom))]
+            let expired = {
+                let failed = self.w.failed.load(std::sync::atomic::Ordering::Acquire);
+                if failed != usize::MAX {
+                    return Err(Violation::PeerFailed {
+                        rank: self.me,
+                        op: self.op,
+                        kind: self.kind,
+                        step,
+                        peer,
+                        failed,
+                    }
+                    .into());
+                }
+                spins = spins.wrapping_add(1);
+                if spins.is_multiple_of(64) && start.elapsed() > self.cfg.wait_timeout() {
+                    if !self.peer_stopped(peer) {
+                        let waited = start.elapsed();
+                        return Err(Violation::Timeout {
+                            rank: self.me,
+                            op: self.op,
+                            kind: self.kind,
+                            step,
+                            peer,
+                            expected,
+                            seen: _seen,
+                            waited_ms: u64::try_from(waited.as_millis()).unwrap_or(u64::MAX),
+                        }
+                        .into());
+                    }
+                    true
+                } else {
+                    false
+                }
+            };
+            if expired {
+                if let Poll::Ready(value) = poll()? {
+                    return Ok(value);
+                }
+                return match if_masked.take() {
+                    // Masking: the expired peer is masked instead of failing the op.
+                    Some(value) => {
+                        self.mask_peer(peer);
+                        Ok(value)
+                    }
+                    None => Err(Stop::Failed(OpError::Expired { step, peer })),
+                };
+            }
+            spin_wait();
         }
     }
 
@@ -116,7 +164,8 @@ impl Rank<'_> {
         Ok(())
     }
 
-    /// Bounded wait until `word` (written by `peer`) reaches `target`, loading with `order`.
+    /// Bounded wait until `word` (written by `peer`) reaches `target`, loading with `order`;
+    /// under masking it also ends when `peer` is (or gets) masked.
     pub(super) fn wait_geq(
         &self,
         step: Step,
@@ -125,7 +174,7 @@ impl Rank<'_> {
         target: u64,
         order: Ordering,
     ) -> Result<(), Stop> {
-        self.wait(step, peer, target, || {
+        self.wait_or_masked(step, peer, target, Some(()), || {
             let seen = word.load(order);
             Ok(if seen >= target {
                 Poll::Ready(())
