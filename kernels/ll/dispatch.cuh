@@ -327,6 +327,9 @@ __device__ __forceinline__ void dispatch_unpack(const OpArgs& a, Shared& s, uint
   }
   if (!all_ok(s, ok)) return;
   if ((a.flags & kFlagMasking) != 0) {  // a source masked by any block counts no rows here
+    // Load-bearing: wait_tag accepts a count whose tag is this op's before it looks at the
+    // mask, so a source that stopped after [L2] but before [L4] may have left a current count;
+    // only this zeroing keeps its rows (never sent, or stale) out of the packing.
     refresh_mask(a, s);
     for (int i = tid; i < (epr + 1) * world; i += kThreads) {
       const int r = i % world, l = i / world;
