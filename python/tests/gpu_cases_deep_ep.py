@@ -59,30 +59,27 @@ def done(ctx, case, at_least):
 
 
 @contextlib.contextmanager
-def deepep_defaults():
-    """DeepEP's test defaults (tests/utils.py init_dist) around the layer's calls."""
-    dtype, device = torch.get_default_dtype(), torch.tensor([]).device
-    torch.set_default_dtype(torch.bfloat16)
-    torch.set_default_device("cuda")
+def torch_defaults(dtype, device):
+    """torch's default dtype and device set to these around the block, restored after it."""
+    old_dtype, old_device = torch.get_default_dtype(), torch.tensor([]).device
+    torch.set_default_dtype(dtype)
+    torch.set_default_device(device)
     try:
         yield
     finally:
-        torch.set_default_dtype(dtype)
-        torch.set_default_device(device)
+        torch.set_default_dtype(old_dtype)
+        torch.set_default_device(old_device)
 
 
-@contextlib.contextmanager
+def deepep_defaults():
+    """DeepEP's test defaults (tests/utils.py init_dist) around the layer's calls."""
+    return torch_defaults(torch.bfloat16, "cuda")
+
+
 def plain_defaults():
     """torch's own defaults (float32, CPU) for building references inside `deepep_defaults`
     (seeded CPU generators refuse a CUDA default device)."""
-    dtype, device = torch.get_default_dtype(), torch.tensor([]).device
-    torch.set_default_dtype(torch.float32)
-    torch.set_default_device("cpu")
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(dtype)
-        torch.set_default_device(device)
+    return torch_defaults(torch.float32, "cpu")
 
 
 def group():
