@@ -4,7 +4,11 @@
 //! schedule.
 
 fn main() {
-    if let Err(e) = epcomm_benches::run(epcomm_backends::TransportSpec::Ipc) {
+    let result = match "ipc".parse::<epcomm_backends::TransportSpec>() {
+        Ok(spec) => epcomm_benches::run(spec),
+        Err(e) => Err(e.into()),
+    };
+    if let Err(e) = result {
         eprintln!("nvlink_ipc bench failed: {e}");
         std::process::exit(1);
     }

@@ -13,9 +13,7 @@ fn main() {
     unsafe { epcomm_backends::apply_single_host_env_defaults(1, 1) };
     let spec = match std::env::var("EPCOMM_BENCH_VIRTUAL_NODES") {
         Ok(n) => format!("nvshmem:vnodes={n}").parse::<TransportSpec>(),
-        Err(_) => Ok(TransportSpec::Nvshmem {
-            virtual_nodes: epcomm_backends::VirtualNodes::Count(1),
-        }),
+        Err(_) => "nvshmem".parse::<TransportSpec>(),
     };
     let result = match spec {
         Ok(spec) => epcomm_benches::run(spec),

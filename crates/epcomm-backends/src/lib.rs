@@ -3,6 +3,10 @@
 //! frontend (`epcomm::Buffer`) and its callers (CLI, benches, tests, bindings) never name a
 //! backend crate and keep no registry of transport names of their own.
 //!
+//! Every backend crate exports one [`Backend`] entry (see `epcomm_transport::registry`);
+//! [`REGISTRY`] lists the entries, one line and one cargo feature per backend, and a spec is
+//! a pointer to an entry plus the options that entry parsed.
+//!
 //! | spec | backend | what it reaches peers by |
 //! |---|---|---|
 //! | `ipc` | CUDA IPC (feature `ipc`) | stores through NVLink mappings; every rank on one host |
@@ -55,415 +59,271 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaContext;
 pub use epcomm_transport::{
-    Bootstrap, Capabilities, DynTransport, KernelFamily, Route, Schedule, TransportError,
+    Backend, BackendOptions, Bootstrap, Capabilities, DynTransport, ExecutorLimits, KernelFamily,
+    Limits, OptionSchema, REGISTRY_VERSION, Route, Schedule, TransportError, VirtualNodes,
     WorldLayout,
 };
 
-/// How many logical nodes each host's GPUs are split into (NVSHMEM and the CPU proxies).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum VirtualNodes {
-    /// This many per host (1 = no split).
-    Count(usize),
-    /// One per GPU: every peer is in another logical node.
-    OnePerGpu,
+/// One line of the backend list: a backend this crate knows by name and cargo feature, with its
+/// entry when that feature is on.
+#[derive(Clone, Copy, Debug)]
+pub struct Registration {
+    /// The name specs use (the entry's [`Backend::name`]).
+    pub name: &'static str,
+    /// The cargo feature of this crate that compiles the backend in.
+    pub feature: &'static str,
+    /// The backend crate's entry; `None` when the feature is off in this build.
+    pub backend: Option<&'static Backend>,
 }
 
-impl VirtualNodes {
-    /// The count for hosts of `gpus_per_host` GPUs.
-    pub fn per_host(self, gpus_per_host: usize) -> usize {
-        match self {
-            Self::Count(n) => n,
-            Self::OnePerGpu => gpus_per_host,
+/// A [`Registration`] whose entry is compiled in only with the feature: one line per backend.
+macro_rules! register {
+    ($feature:literal, $name:literal, $entry:path) => {
+        Registration {
+            name: $name,
+            feature: $feature,
+            backend: {
+                #[cfg(feature = $feature)]
+                let entry = Some(&$entry);
+                #[cfg(not(feature = $feature))]
+                let entry = None;
+                entry
+            },
         }
+    };
+}
+
+/// Every backend this crate knows, in the order tools list them. Adding a backend: its crate
+/// exports a [`Backend`], this crate gains a feature and one line here.
+pub const REGISTRY: [Registration; 4] = [
+    register!("ipc", "ipc", epcomm_transport_ipc::BACKEND),
+    register!("nvshmem", "nvshmem", epcomm_transport_nvshmem::BACKEND),
+    register!("proxy", "proxy-ce", epcomm_transport_proxy::BACKEND),
+    register!(
+        "verbs",
+        "proxy-verbs",
+        epcomm_transport_proxy::verbs::BACKEND
+    ),
+];
+
+/// The entries compiled into this build, in [`REGISTRY`] order.
+pub fn backends() -> impl Iterator<Item = &'static Backend> {
+    REGISTRY.iter().filter_map(|r| r.backend)
+}
+
+/// The spec forms of every backend compiled in, for help texts (`ipc`, `nvshmem:vnodes=N`).
+pub fn forms() -> Vec<&'static str> {
+    backends().flat_map(|b| b.forms.iter().copied()).collect()
+}
+
+/// Which backend to build, with its options: parsed from `name[:key=value,...]` against the
+/// backends compiled in (see the crate docs for the forms).
+#[derive(Clone, Copy, Debug)]
+pub struct TransportSpec {
+    backend: &'static Backend,
+    options: BackendOptions,
+}
+
+impl PartialEq for TransportSpec {
+    fn eq(&self, other: &Self) -> bool {
+        self.backend.name == other.backend.name && self.options == other.options
     }
 }
 
-/// Which backend to build, with its options: parsed from `ipc`, `nvshmem`,
-/// `nvshmem:vnodes=N`, `nvshmem:vnodes=max`, `proxy-ce[:vnodes=N]` or
-/// `proxy-verbs[:vnodes=N]` (see the crate docs).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum TransportSpec {
-    /// CUDA IPC over one NVLink domain.
-    Ipc,
-    /// NVSHMEM, optionally with virtual nodes.
-    Nvshmem {
-        /// Logical nodes per host.
-        virtual_nodes: VirtualNodes,
-    },
-    /// The CPU proxy with the copy-engine executor (every rank on one host).
-    ProxyCe {
-        /// Logical nodes per host: peers in other logical nodes go through the proxy.
-        virtual_nodes: VirtualNodes,
-    },
-    /// The CPU proxy with the RDMA verbs executor (needs libibverbs and an RDMA device).
-    ProxyVerbs {
-        /// Logical nodes per host: peers in other logical nodes (and on other hosts) go through
-        /// the proxy and the NIC.
-        virtual_nodes: VirtualNodes,
-    },
+impl Eq for TransportSpec {}
+
+impl std::hash::Hash for TransportSpec {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.backend.name.hash(state);
+        self.options.hash(state);
+    }
 }
 
 impl TransportSpec {
-    /// The forms a spec can take, for help texts.
-    pub const FORMS: [&'static str; 8] = [
-        "ipc",
-        "nvshmem",
-        "nvshmem:vnodes=N",
-        "nvshmem:vnodes=max",
-        "proxy-ce",
-        "proxy-ce:vnodes=N",
-        "proxy-verbs",
-        "proxy-verbs:vnodes=N",
-    ];
+    /// The spec of `backend` with its default options.
+    pub fn of(backend: &'static Backend) -> Self {
+        Self {
+            backend,
+            options: backend.options.defaults(),
+        }
+    }
+
+    /// The backend's entry.
+    pub fn entry(&self) -> &'static Backend {
+        self.backend
+    }
 
     /// The backend's short name (`"ipc"`, `"nvshmem"`), without options.
     pub fn backend(&self) -> &'static str {
-        match self {
-            Self::Ipc => "ipc",
-            Self::Nvshmem { .. } => "nvshmem",
-            Self::ProxyCe { .. } => "proxy-ce",
-            Self::ProxyVerbs { .. } => "proxy-verbs",
+        self.backend.name
+    }
+
+    /// The options the spec carries.
+    pub fn options(&self) -> BackendOptions {
+        self.options
+    }
+
+    /// The logical nodes per host, for backends that take the option (`None` for the others).
+    pub fn virtual_nodes(&self) -> Option<VirtualNodes> {
+        match self.backend.options {
+            OptionSchema::None => None,
+            OptionSchema::VirtualNodes { .. } => Some(self.options.virtual_nodes),
         }
     }
 
-    /// The cargo feature that compiles this backend in.
-    pub fn feature(&self) -> &'static str {
-        match self {
-            Self::ProxyCe { .. } => "proxy",
-            Self::ProxyVerbs { .. } => "verbs",
-            _ => self.backend(),
+    /// This spec with `virtual_nodes` logical nodes per host.
+    ///
+    /// # Errors
+    /// [`TransportError::InvalidArgument`] naming `transport` when the backend takes no such
+    /// option.
+    pub fn with_virtual_nodes(self, virtual_nodes: VirtualNodes) -> Result<Self, TransportError> {
+        if self.virtual_nodes().is_none() {
+            return Err(TransportError::InvalidArgument {
+                argument: "transport",
+                rule: format!("{} takes no virtual nodes option", self.backend.name),
+            });
         }
+        Ok(Self {
+            options: BackendOptions { virtual_nodes },
+            ..self
+        })
     }
 
-    /// Whether this build carries the backend.
-    pub fn is_compiled(&self) -> bool {
-        match self {
-            Self::Ipc => cfg!(feature = "ipc"),
-            Self::Nvshmem { .. } => cfg!(feature = "nvshmem"),
-            Self::ProxyCe { .. } => cfg!(feature = "proxy"),
-            Self::ProxyVerbs { .. } => cfg!(feature = "verbs"),
-        }
-    }
-
-    /// True when the backend loads a library at run time that the machine may lack (NVSHMEM).
+    /// True when the backend loads a library at run time that the machine may lack
+    /// ([`Backend::runtime_library`]: NVSHMEM's host library).
     pub fn needs_runtime_library(&self) -> bool {
-        matches!(self, Self::Nvshmem { .. })
+        self.backend.runtime_library.is_some()
     }
 
     /// True when the backend needs an RDMA device with an active port, and libibverbs
     /// (`proxy-verbs`): [`Self::preflight`] checks both.
     pub fn needs_rdma_device(&self) -> bool {
-        matches!(self, Self::ProxyVerbs { .. })
+        self.backend.needs_rdma_device
     }
 
     /// What [`Self::build`] checks before it touches the GPU, on every rank of `bootstrap`
-    /// (collective for `proxy-verbs`; no GPU needed): for `proxy-verbs`, its options from the
-    /// environment, the layout, and libibverbs and the RDMA device
-    /// (`epcomm_transport_proxy::verbs::VerbsTransport::preflight`). The other backends have no
-    /// such step; their checks need the GPU and run in `build`.
+    /// (collective; no GPU needed): for `proxy-verbs`, its options from the environment, the
+    /// layout, and libibverbs and the RDMA device. The other backends have no such step; their
+    /// checks need the GPU and run in `build`.
     ///
     /// # Errors
-    /// [`TransportError::Unavailable`] (`what`: `"proxy-verbs"`) on a machine without
-    /// libibverbs or without an RDMA device with an active port, or when another rank is
-    /// such a machine; [`TransportError::InvalidArgument`] for a bad option or layout, or naming
-    /// `transport` when the backend is not compiled into this build.
+    /// The backend's: for `proxy-verbs`, [`TransportError::Unavailable`] (`what`:
+    /// `"proxy-verbs"`) on a machine without libibverbs or without an RDMA device with an
+    /// active port, or when another rank is such a machine; [`TransportError::InvalidArgument`]
+    /// for a bad option or layout.
     pub fn preflight(&self, bootstrap: &Bootstrap) -> Result<(), TransportError> {
-        match *self {
-            #[cfg(feature = "verbs")]
-            Self::ProxyVerbs { virtual_nodes } => {
-                self.verbs_preflight(virtual_nodes, bootstrap).map(|_| ())
-            }
-            _ if !self.is_compiled() => Err(self.not_compiled()),
-            _ => {
-                let _ = bootstrap;
-                Ok(())
-            }
-        }
+        (self.backend.preflight)(self.options, bootstrap)
     }
 
     /// [`Self::preflight`]'s machine check on this process alone (not collective; no GPU, no
-    /// bootstrap needed): for `proxy-verbs`, its options from the environment, libibverbs and
-    /// an RDMA device with an active port (`epcomm_transport_proxy::verbs::probe_rdma`);
-    /// nothing for the other backends. What a tool runs before it starts any rank.
+    /// bootstrap needed): what a tool runs before it starts any rank.
     ///
     /// # Errors
     /// As [`Self::preflight`], for this machine only.
     pub fn probe_here(&self) -> Result<(), TransportError> {
-        match *self {
-            #[cfg(feature = "verbs")]
-            Self::ProxyVerbs { .. } => {
-                let options = epcomm_transport_proxy::verbs::VerbsOptions::from_env(1)?;
-                options.validate()?;
-                epcomm_transport_proxy::verbs::probe_rdma(&options).map(|_| ())
-            }
-            _ if !self.is_compiled() => Err(self.not_compiled()),
-            _ => Ok(()),
-        }
-    }
-
-    /// `proxy-verbs`' options from the environment with `virtual_nodes`, checked on every rank.
-    #[cfg(feature = "verbs")]
-    fn verbs_preflight(
-        &self,
-        virtual_nodes: VirtualNodes,
-        bootstrap: &Bootstrap,
-    ) -> Result<epcomm_transport_proxy::verbs::Preflight, TransportError> {
-        let local = bootstrap.local_world_size();
-        let mut options = epcomm_transport_proxy::verbs::VerbsOptions::from_env(local)?;
-        options.proxy.virtual_nodes = virtual_nodes.per_host(local);
-        epcomm_transport_proxy::verbs::VerbsTransport::preflight(bootstrap, options)
+        (self.backend.probe)(self.options)
     }
 
     /// What the backend supports (no GPU needed).
-    ///
-    /// # Errors
-    /// [`TransportError::InvalidArgument`] naming `transport` when the backend is not compiled
-    /// into this build.
-    pub fn capabilities(&self) -> Result<Capabilities, TransportError> {
-        match self {
-            #[cfg(feature = "ipc")]
-            Self::Ipc => Ok(epcomm_transport_ipc::CAPABILITIES),
-            #[cfg(feature = "nvshmem")]
-            Self::Nvshmem { .. } => Ok(epcomm_transport_nvshmem::CAPABILITIES),
-            #[cfg(feature = "proxy")]
-            Self::ProxyCe { .. } => Ok(epcomm_transport_proxy::CAPABILITIES),
-            #[cfg(feature = "verbs")]
-            Self::ProxyVerbs { .. } => Ok(epcomm_transport_proxy::verbs::CAPABILITIES),
-            #[allow(unreachable_patterns)]
-            _ => Err(self.not_compiled()),
-        }
+    pub fn capabilities(&self) -> Capabilities {
+        self.backend.capabilities
+    }
+
+    /// What bounds the backend (no GPU needed).
+    pub fn limits(&self) -> Limits {
+        self.backend.limits
     }
 
     /// The world layout a transport of this spec sees for `world_size` ranks, `local_world_size`
     /// per host, seen from `rank` (no GPU needed): what `Transport::world` returns once built,
-    /// by the backend's own rule (`IpcTransport::world_layout`, `NvshmemTransport::world_layout`).
+    /// by the backend's own rule.
     ///
     /// # Errors
-    /// The backend's: [`TransportError::InvalidArgument`] naming `world` when CUDA IPC is asked
-    /// to span hosts, or `NvshmemOptions::virtual_nodes` when the virtual node count does not
-    /// divide the GPUs per host; [`TransportError::InvalidArgument`] naming `transport` when
-    /// the backend is not compiled into this build.
+    /// The backend's: [`TransportError::InvalidArgument`] naming `world` when a one-host backend
+    /// is asked to span hosts, or the options' field when the virtual node count does not
+    /// divide the GPUs per host.
     pub fn world_layout(
         &self,
         world_size: usize,
         rank: usize,
         local_world_size: usize,
     ) -> Result<WorldLayout, TransportError> {
-        match *self {
-            #[cfg(feature = "ipc")]
-            Self::Ipc => {
-                epcomm_transport_ipc::IpcTransport::world_layout(world_size, rank, local_world_size)
-            }
-            #[cfg(feature = "nvshmem")]
-            Self::Nvshmem { virtual_nodes } => {
-                epcomm_transport_nvshmem::NvshmemTransport::world_layout(
-                    world_size,
-                    rank,
-                    local_world_size,
-                    epcomm_transport_nvshmem::NvshmemOptions {
-                        virtual_nodes: virtual_nodes.per_host(local_world_size),
-                    },
-                )
-            }
-            #[cfg(feature = "proxy")]
-            Self::ProxyCe { virtual_nodes } => {
-                epcomm_transport_proxy::ProxyTransport::world_layout(
-                    world_size,
-                    rank,
-                    local_world_size,
-                    virtual_nodes.per_host(local_world_size),
-                )
-            }
-            #[cfg(feature = "verbs")]
-            Self::ProxyVerbs { virtual_nodes } => {
-                epcomm_transport_proxy::verbs::VerbsTransport::world_layout(
-                    world_size,
-                    rank,
-                    local_world_size,
-                    virtual_nodes.per_host(local_world_size),
-                )
-            }
-            #[allow(unreachable_patterns)]
-            _ => {
-                let _ = (world_size, rank, local_world_size);
-                Err(self.not_compiled())
-            }
-        }
+        (self.backend.world_layout)(self.options, world_size, rank, local_world_size)
     }
 
     /// Builds the transport of this rank over `bootstrap` (collective: every rank builds the
     /// same spec). NVSHMEM is loaded and initialised here.
     ///
     /// # Errors
-    /// As the backend's constructor; [`TransportError::InvalidArgument`] naming `transport` when
-    /// the backend is not compiled into this build.
+    /// As the backend's constructor.
     pub fn build(
         &self,
         ctx: Arc<CudaContext>,
         bootstrap: Arc<Bootstrap>,
     ) -> Result<Arc<dyn DynTransport>, TransportError> {
-        match *self {
-            #[cfg(feature = "ipc")]
-            Self::Ipc => Ok(Arc::new(epcomm_transport_ipc::IpcTransport::new(
-                ctx, bootstrap,
-            )?)),
-            #[cfg(feature = "nvshmem")]
-            Self::Nvshmem { virtual_nodes } => {
-                let options = epcomm_transport_nvshmem::NvshmemOptions {
-                    virtual_nodes: virtual_nodes.per_host(bootstrap.local_world_size()),
-                };
-                Ok(Arc::new(
-                    epcomm_transport_nvshmem::NvshmemTransport::with_options(
-                        ctx, bootstrap, options,
-                    )?,
-                ))
-            }
-            #[cfg(feature = "proxy")]
-            Self::ProxyCe { virtual_nodes } => {
-                let local = bootstrap.local_world_size();
-                let mut options = epcomm_transport_proxy::ProxyOptions::from_env(local)?;
-                options.virtual_nodes = virtual_nodes.per_host(local);
-                Ok(Arc::new(epcomm_transport_proxy::ProxyTransport::new(
-                    ctx, bootstrap, options,
-                )?))
-            }
-            #[cfg(feature = "verbs")]
-            Self::ProxyVerbs { virtual_nodes } => {
-                // The same checks `preflight` makes, first: a machine without an RDMA device
-                // fails here, on every rank, before anything is allocated.
-                let checked = self.verbs_preflight(virtual_nodes, &bootstrap)?;
-                Ok(Arc::new(
-                    epcomm_transport_proxy::verbs::VerbsTransport::with_preflight(
-                        ctx, bootstrap, checked,
-                    )?,
-                ))
-            }
-            #[allow(unreachable_patterns)]
-            _ => {
-                let _ = (ctx, bootstrap);
-                Err(self.not_compiled())
-            }
-        }
-    }
-
-    fn not_compiled(&self) -> TransportError {
-        TransportError::InvalidArgument {
-            argument: "transport",
-            rule: format!(
-                "{self} is not compiled into this build (enable the `{}` feature of \
-                 epcomm-backends)",
-                self.feature()
-            ),
-        }
+        (self.backend.build)(self.options, ctx, bootstrap)
     }
 }
 
 impl FromStr for TransportSpec {
     type Err = TransportError;
 
+    /// # Errors
+    /// [`TransportError::InvalidArgument`] naming `transport`: an unknown name (listing the
+    /// forms this build takes), a backend whose feature is off in this build (naming the
+    /// feature), an entry of another table version, or an option outside the backend's rule.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let bad = |rule: String| TransportError::InvalidArgument {
             argument: "transport",
             rule,
         };
-        let (backend, options) = s.split_once(':').unwrap_or((s, ""));
-        match backend {
-            "ipc" | "nvlink-ipc" if options.is_empty() => Ok(Self::Ipc),
-            "ipc" | "nvlink-ipc" => Err(bad(format!("ipc takes no options (got {options:?})"))),
-            "nvshmem" | "proxy-ce" | "proxy-verbs" => {
-                let mut virtual_nodes = if backend == "nvshmem" {
-                    VirtualNodes::Count(1)
-                } else {
-                    VirtualNodes::OnePerGpu
-                };
-                for option in options.split(',').filter(|o| !o.is_empty()) {
-                    virtual_nodes = match option.split_once('=') {
-                        Some(("vnodes", "max")) => VirtualNodes::OnePerGpu,
-                        Some(("vnodes", n)) => match n.parse::<usize>() {
-                            Ok(n) if n > 0 => VirtualNodes::Count(n),
-                            _ => {
-                                return Err(bad(format!(
-                                    "vnodes must be a positive number or `max` (got {n:?})"
-                                )));
-                            }
-                        },
-                        _ => {
-                            return Err(bad(format!(
-                                "unknown {backend} option {option:?} (known: vnodes=N, vnodes=max)"
-                            )));
-                        }
-                    };
-                }
-                Ok(match backend {
-                    "nvshmem" => Self::Nvshmem { virtual_nodes },
-                    "proxy-ce" => Self::ProxyCe { virtual_nodes },
-                    _ => Self::ProxyVerbs { virtual_nodes },
-                })
-            }
-            other => Err(bad(format!(
-                "unknown transport {other:?}: must be one of {}",
-                Self::FORMS.join(", ")
-            ))),
+        let (name, options) = s.split_once(':').unwrap_or((s, ""));
+        if let Some(backend) = backends().find(|b| b.answers_to(name)) {
+            backend.check_version()?;
+            return Ok(Self {
+                backend,
+                options: backend.parse_options(options)?,
+            });
         }
+        if let Some(off) = REGISTRY.iter().find(|r| r.name == name) {
+            return Err(bad(format!(
+                "{name} is not compiled into this build (enable the `{}` feature of \
+                 epcomm-backends)",
+                off.feature
+            )));
+        }
+        Err(bad(format!(
+            "unknown transport {name:?}: must be one of {}",
+            forms().join(", ")
+        )))
     }
 }
 
 impl fmt::Display for TransportSpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::Ipc => f.write_str("ipc"),
-            Self::Nvshmem {
-                virtual_nodes: VirtualNodes::Count(1),
-            } => f.write_str("nvshmem"),
-            Self::Nvshmem {
-                virtual_nodes: VirtualNodes::Count(n),
-            } => write!(f, "nvshmem:vnodes={n}"),
-            Self::Nvshmem {
-                virtual_nodes: VirtualNodes::OnePerGpu,
-            } => f.write_str("nvshmem:vnodes=max"),
-            Self::ProxyCe {
-                virtual_nodes: VirtualNodes::OnePerGpu,
-            } => f.write_str("proxy-ce"),
-            Self::ProxyCe {
-                virtual_nodes: VirtualNodes::Count(n),
-            } => write!(f, "proxy-ce:vnodes={n}"),
-            Self::ProxyVerbs {
-                virtual_nodes: VirtualNodes::OnePerGpu,
-            } => f.write_str("proxy-verbs"),
-            Self::ProxyVerbs {
-                virtual_nodes: VirtualNodes::Count(n),
-            } => write!(f, "proxy-verbs:vnodes={n}"),
-        }
+        f.write_str(&self.backend.spec_text(self.options))
     }
 }
 
 /// The variables a job on one host needs that the environment does not set yet: what a
 /// local launcher adds to its ranks' environment, `local_ranks` ranks on the host with
-/// `ranks_per_gpu` of them sharing each GPU (1 when every rank has its own). NVSHMEM's (no RDMA NIC, multicast off) when that backend is
-/// compiled in, and the copy-engine proxy's hardware queues
-/// (`CUDA_DEVICE_MAX_CONNECTIONS`, see `epcomm_transport_proxy::single_host_env`) when the
-/// proxy backend is.
+/// `ranks_per_gpu` of them sharing each GPU (1 when every rank has its own): every compiled-in
+/// backend's [`Backend::single_host_env`], the first value of a variable kept (NVSHMEM's: no
+/// RDMA NIC, multicast off; the CPU proxies': hardware queues, `CUDA_DEVICE_MAX_CONNECTIONS`,
+/// see `epcomm_transport_proxy::single_host_env`).
 pub fn single_host_env_defaults(
     ranks_per_gpu: usize,
     local_ranks: usize,
 ) -> Vec<(&'static str, String)> {
-    #[cfg(not(feature = "proxy"))]
-    let _ = (ranks_per_gpu, local_ranks);
     let mut all: Vec<(&'static str, String)> = Vec::new();
-    #[cfg(feature = "nvshmem")]
-    all.extend(
-        epcomm_transport_nvshmem::SINGLE_HOST_ENV
-            .iter()
-            .map(|&(k, v)| (k, v.to_string())),
-    );
-    #[cfg(feature = "proxy")]
-    all.extend(epcomm_transport_proxy::single_host_env(
-        ranks_per_gpu,
-        local_ranks,
-    ));
-    all.into_iter()
-        .filter(|(key, _)| std::env::var_os(key).is_none())
-        .collect()
+    for backend in backends() {
+        for (key, value) in (backend.single_host_env)(ranks_per_gpu, local_ranks) {
+            if !all.iter().any(|(k, _)| *k == key) && std::env::var_os(key).is_none() {
+                all.push((key, value));
+            }
+        }
+    }
+    all
 }
 
 /// The most hardware queues (`CUDA_DEVICE_MAX_CONNECTIONS` summed over the ranks of one GPU)
@@ -531,6 +391,37 @@ mod tests {
     }
 
     #[test]
+    fn every_entry_answers_to_its_line_and_its_forms_parse_back() {
+        assert_eq!(
+            backends().count(),
+            REGISTRY.len(),
+            "default features: all four"
+        );
+        for line in REGISTRY {
+            let entry = line.backend.expect("compiled in");
+            assert_eq!(entry.name, line.name);
+            entry.check_version().unwrap();
+            for form in entry.forms {
+                let text = form.replace('N', "2");
+                let spec: TransportSpec = text.parse().unwrap();
+                assert_eq!(spec.entry().name, entry.name, "{form}");
+            }
+            let bare = TransportSpec::of(entry);
+            assert_eq!(bare.to_string(), entry.name);
+            assert_eq!(bare, entry.name.parse().unwrap());
+        }
+        assert_eq!(forms().len(), 8);
+    }
+
+    #[test]
+    fn single_host_env_names_each_variable_once() {
+        let env = single_host_env_defaults(2, 2);
+        for (i, (key, _)) in env.iter().enumerate() {
+            assert!(!env[..i].iter().any(|(k, _)| k == key), "{key} twice");
+        }
+    }
+
+    #[test]
     fn specs_round_trip() {
         for text in [
             "ipc",
@@ -544,11 +435,11 @@ mod tests {
         ] {
             let spec: TransportSpec = text.parse().unwrap();
             assert_eq!(spec.to_string(), text);
-            assert!(spec.is_compiled());
+            assert_eq!(spec.entry().version, REGISTRY_VERSION);
         }
         assert_eq!(
             "nvlink-ipc".parse::<TransportSpec>().unwrap(),
-            TransportSpec::Ipc
+            "ipc".parse::<TransportSpec>().unwrap()
         );
         assert_eq!(
             "nvshmem:vnodes=1"
@@ -569,8 +460,14 @@ mod tests {
     #[test]
     fn proxy_layouts_put_other_logical_nodes_behind_the_proxy() {
         let spec: TransportSpec = "proxy-ce".parse().unwrap();
-        assert_eq!(spec.feature(), "proxy");
-        let caps = spec.capabilities().unwrap();
+        let executor = spec
+            .limits()
+            .executor
+            .expect("the proxy reports its executor");
+        assert_eq!(executor.moves_by, "copy engines");
+        assert!(executor.ring_slots <= executor.max_ring_slots);
+        assert!(!spec.limits().spans_hosts);
+        let caps = spec.capabilities();
         assert_eq!(caps.kernel_family, KernelFamily::CpuProxy);
         // Two ranks on one host, one logical node each: the peer is in another node.
         let w = spec.world_layout(2, 1, 2).unwrap();
@@ -597,12 +494,7 @@ mod tests {
     #[test]
     fn proxy_verbs_specs_parse_and_lay_out_across_hosts() {
         let spec: TransportSpec = "proxy-verbs".parse().unwrap();
-        assert_eq!(
-            spec,
-            TransportSpec::ProxyVerbs {
-                virtual_nodes: VirtualNodes::OnePerGpu
-            }
-        );
+        assert_eq!(spec.virtual_nodes(), Some(VirtualNodes::OnePerGpu));
         assert_eq!(
             "proxy-verbs:vnodes=max"
                 .parse::<TransportSpec>()
@@ -611,15 +503,15 @@ mod tests {
             "proxy-verbs"
         );
         assert_eq!(spec.backend(), "proxy-verbs");
-        assert_eq!(spec.feature(), "verbs");
         assert!(spec.needs_rdma_device() && !spec.needs_runtime_library());
+        assert!(spec.limits().spans_hosts);
         assert!(
-            !TransportSpec::ProxyCe {
-                virtual_nodes: VirtualNodes::OnePerGpu
-            }
-            .needs_rdma_device()
+            !"proxy-ce"
+                .parse::<TransportSpec>()
+                .unwrap()
+                .needs_rdma_device()
         );
-        let caps = spec.capabilities().unwrap();
+        let caps = spec.capabilities();
         assert_eq!(caps.name, "proxy-verbs");
         assert_eq!(caps.kernel_family, KernelFamily::CpuProxy);
         assert_eq!(caps.routes, &[Route::Store, Route::PutSignal]);
@@ -734,20 +626,16 @@ mod tests {
 
     #[test]
     fn layouts_and_capabilities_without_a_gpu() {
-        let ipc = TransportSpec::Ipc;
-        assert_eq!(ipc.capabilities().unwrap().routes, &[Route::Store]);
+        let ipc: TransportSpec = "ipc".parse().unwrap();
+        assert_eq!(ipc.capabilities().routes, &[Route::Store]);
+        assert_eq!(ipc.virtual_nodes(), None);
+        assert!(ipc.with_virtual_nodes(VirtualNodes::Count(2)).is_err());
         assert_eq!(ipc.world_layout(4, 2, 4).unwrap().nvlink_domain(), 0..4);
         let err = ipc.world_layout(4, 2, 2).unwrap_err().to_string();
         assert!(err.contains("one host"), "{err}");
 
         let every: TransportSpec = "nvshmem:vnodes=max".parse().unwrap();
-        assert!(
-            every
-                .capabilities()
-                .unwrap()
-                .routes
-                .contains(&Route::PutSignal)
-        );
+        assert!(every.capabilities().routes.contains(&Route::PutSignal));
         assert_eq!(every.world_layout(4, 2, 4).unwrap().nvlink_domain(), 2..3);
         let three: TransportSpec = "nvshmem:vnodes=3".parse().unwrap();
         let err = three.world_layout(4, 0, 4).unwrap_err().to_string();

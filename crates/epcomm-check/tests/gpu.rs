@@ -643,7 +643,9 @@ gpu_test!(failures_are_typed_bounded_and_recoverable, run_failures);
 fn run_killed() {
     let w = worker();
     let (rank, world) = (w.boot.rank(), w.boot.world_size());
-    let transport = epcomm_backends::TransportSpec::Ipc
+    let transport = "ipc"
+        .parse::<epcomm_backends::TransportSpec>()
+        .unwrap()
         .build(w.ctx.clone(), w.boot.clone())
         .unwrap();
     let mut buf = Buffer::new(w.ctx.clone(), transport, small_cfg(world)).unwrap();

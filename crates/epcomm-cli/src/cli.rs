@@ -82,7 +82,7 @@ pub fn parse_transport(s: &str) -> Result<TransportSpec, String> {
 fn transport_help() -> String {
     format!(
         "Transport spec: {} (N logical nodes per host; `max`: one per GPU)",
-        TransportSpec::FORMS.join(", ")
+        epcomm_backends::forms().join(", ")
     )
 }
 
@@ -123,7 +123,7 @@ impl BarrierArg {
 #[derive(Args, Debug, Clone)]
 pub struct TransportFlags {
     #[arg(long, value_name = "SPEC", value_parser = parse_transport,
-          default_value_t = TransportSpec::Ipc, help = transport_help())]
+          default_value = "ipc", help = transport_help())]
     pub transport: TransportSpec,
     /// How ranks agree that buffers may be reused: epoch (no barrier) or global (all-rank
     /// barriers, DeepEP V1's schedule).

@@ -38,8 +38,9 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, sys};
 use epcomm_transport::{
-    Bootstrap, Capabilities, DeviceBuffer, DeviceRuntime, KernelFamily, Route, Schedule,
-    SymmetricHeap, SymmetricMemory, Transport, TransportError, WorldLayout,
+    Backend, Bootstrap, Capabilities, DeviceBuffer, DeviceRuntime, KernelFamily, Limits,
+    OptionSchema, REGISTRY_VERSION, Route, Schedule, SymmetricHeap, SymmetricMemory, Transport,
+    TransportError, WorldLayout,
 };
 
 const IPC_HANDLE_BYTES: usize = 64;
@@ -117,6 +118,27 @@ pub const CAPABILITIES: Capabilities = Capabilities {
     kernel_family: KernelFamily::NvlinkStore,
     schedules: &Schedule::ALL,
     routes: &[Route::Store],
+};
+
+/// This backend's entry in the transport table (`ipc`, also `nvlink-ipc`; no options).
+pub const BACKEND: Backend = Backend {
+    version: REGISTRY_VERSION,
+    name: "ipc",
+    aliases: &["nvlink-ipc"],
+    forms: &["ipc"],
+    options: OptionSchema::None,
+    capabilities: CAPABILITIES,
+    limits: Limits {
+        spans_hosts: false,
+        executor: None,
+    },
+    runtime_library: None,
+    needs_rdma_device: false,
+    world_layout: |_, world_size, rank, local| IpcTransport::world_layout(world_size, rank, local),
+    probe: Backend::nothing_to_probe,
+    preflight: Backend::nothing_to_preflight,
+    build: |_, ctx, bootstrap| Ok(Arc::new(IpcTransport::new(ctx, bootstrap)?)),
+    single_host_env: Backend::no_env,
 };
 
 impl Transport for IpcTransport {

@@ -55,8 +55,9 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaContext;
 use epcomm_transport::{
-    Bootstrap, Capabilities, DeviceRuntime, KernelFamily, Route, Schedule, SymmetricHeap,
-    SymmetricMemory, Transport, TransportError, WorldLayout,
+    Backend, BackendOptions, Bootstrap, Capabilities, DeviceRuntime, KernelFamily, Limits,
+    OptionSchema, REGISTRY_VERSION, Route, Schedule, SymmetricHeap, SymmetricMemory, Transport,
+    TransportError, VirtualNodes, WorldLayout,
 };
 use nvshmem_sys::{ModuleRegistration, Nvshmem, SharedNvshmem, SymmetricAlloc};
 
@@ -226,6 +227,49 @@ pub const CAPABILITIES: Capabilities = Capabilities {
     schedules: &Schedule::ALL,
     routes: &Route::ALL,
 };
+
+/// This backend's entry in the transport table: `nvshmem`, `nvshmem:vnodes=N`,
+/// `nvshmem:vnodes=max` (no split by default).
+pub const BACKEND: Backend = Backend {
+    version: REGISTRY_VERSION,
+    name: "nvshmem",
+    aliases: &[],
+    forms: &["nvshmem", "nvshmem:vnodes=N", "nvshmem:vnodes=max"],
+    options: OptionSchema::VirtualNodes {
+        default: VirtualNodes::Count(1),
+    },
+    capabilities: CAPABILITIES,
+    limits: Limits {
+        spans_hosts: true,
+        executor: None,
+    },
+    runtime_library: Some("libnvshmem_host.so.3"),
+    needs_rdma_device: false,
+    world_layout: |options, world_size, rank, local| {
+        NvshmemTransport::world_layout(world_size, rank, local, options_of(options, local))
+    },
+    probe: Backend::nothing_to_probe,
+    preflight: Backend::nothing_to_preflight,
+    build: |options, ctx, bootstrap| {
+        let options = options_of(options, bootstrap.local_world_size());
+        Ok(Arc::new(NvshmemTransport::with_options(
+            ctx, bootstrap, options,
+        )?))
+    },
+    single_host_env: |_, _| {
+        SINGLE_HOST_ENV
+            .iter()
+            .map(|&(key, value)| (key, value.to_string()))
+            .collect()
+    },
+};
+
+/// The transport's options from a spec's, for hosts of `local` GPUs.
+fn options_of(options: BackendOptions, local: usize) -> NvshmemOptions {
+    NvshmemOptions {
+        virtual_nodes: options.virtual_nodes.per_host(local),
+    }
+}
 
 impl Transport for NvshmemTransport {
     fn capabilities(&self) -> Capabilities {

@@ -51,8 +51,9 @@ use cudarc::driver::CudaContext;
 use epcomm_abi::{self as abi, ProxyChannel};
 use epcomm_proxy::{ProxyReport, ring};
 use epcomm_transport::{
-    Bootstrap, Capabilities, DeviceRuntime, KernelFamily, Route, Schedule, SymmetricHeap,
-    SymmetricMemory, Transport, TransportError, WorldLayout,
+    Backend, BackendOptions, Bootstrap, Capabilities, DeviceRuntime, ExecutorLimits, KernelFamily,
+    Limits, OptionSchema, REGISTRY_VERSION, Route, Schedule, SymmetricHeap, SymmetricMemory,
+    Transport, TransportError, VirtualNodes, WorldLayout,
 };
 
 use crate::core::{ProxyCore, RingParts};
@@ -84,6 +85,72 @@ pub const CAPABILITIES: Capabilities = Capabilities {
     schedules: &Schedule::ALL,
     routes: &[Route::Store, Route::PutSignal],
 };
+
+/// The environment variables [`ProxyOptions::from_env`] reads.
+pub const PROXY_ENV: &[&str] = &[
+    "EPCOMM_PROXY_RING_SLOTS",
+    "EPCOMM_PROXY_MAX_IN_FLIGHT",
+    "EPCOMM_PROXY_MIRROR",
+    "EPCOMM_PROXY_BATCH",
+    "EPCOMM_PROXY_TRACE",
+];
+
+/// The proxy's executor bounds, by default, with `moves_by` saying what moves the bytes.
+pub(crate) const fn executor_limits(moves_by: &'static str) -> ExecutorLimits {
+    let defaults = ProxyOptions::one_node_per_rank(1);
+    ExecutorLimits {
+        moves_by,
+        ring_slots: defaults.ring_slots,
+        max_ring_slots: ring::MAX_CAPACITY,
+        max_in_flight: defaults.max_in_flight,
+        env: PROXY_ENV,
+    }
+}
+
+/// This backend's entry in the transport table: `proxy-ce` (every peer through the copy
+/// engines), `proxy-ce:vnodes=N` (stores inside each of `N` logical nodes per host).
+pub const BACKEND: Backend = Backend {
+    version: REGISTRY_VERSION,
+    name: "proxy-ce",
+    aliases: &[],
+    forms: &["proxy-ce", "proxy-ce:vnodes=N"],
+    options: OptionSchema::VirtualNodes {
+        default: VirtualNodes::OnePerGpu,
+    },
+    capabilities: CAPABILITIES,
+    limits: Limits {
+        spans_hosts: false,
+        executor: Some(executor_limits("copy engines")),
+    },
+    runtime_library: None,
+    needs_rdma_device: false,
+    world_layout: |options, world_size, rank, local| {
+        ProxyTransport::world_layout(
+            world_size,
+            rank,
+            local,
+            options.virtual_nodes.per_host(local),
+        )
+    },
+    probe: Backend::nothing_to_probe,
+    preflight: Backend::nothing_to_preflight,
+    build: build_copy_engine,
+    single_host_env: |ranks_per_gpu, local_ranks| {
+        single_host_env(ranks_per_gpu, local_ranks).into()
+    },
+};
+
+/// [`BACKEND`]'s build: the options from the environment, the spec's split.
+fn build_copy_engine(
+    options: BackendOptions,
+    ctx: Arc<CudaContext>,
+    bootstrap: Arc<Bootstrap>,
+) -> Result<Arc<dyn epcomm_transport::DynTransport>, TransportError> {
+    let local = bootstrap.local_world_size();
+    let mut proxy = ProxyOptions::from_env(local)?;
+    proxy.virtual_nodes = options.virtual_nodes.per_host(local);
+    Ok(Arc::new(ProxyTransport::new(ctx, bootstrap, proxy)?))
+}
 
 /// How the proxy transport is set up.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -166,9 +233,13 @@ fn parse_choice(
 impl ProxyOptions {
     /// Defaults for `local_world_size` ranks per host: one logical node per rank (every peer
     /// through the copy engines), 65536 ring slots, 16384 operations in flight, 10 s bounds.
-    pub fn one_node_per_rank(local_world_size: usize) -> Self {
+    pub const fn one_node_per_rank(local_world_size: usize) -> Self {
         Self {
-            virtual_nodes: local_world_size.max(1),
+            virtual_nodes: if local_world_size > 1 {
+                local_world_size
+            } else {
+                1
+            },
             ring_slots: 1 << 16,
             max_in_flight: 1 << 14,
             op_timeout: Duration::from_secs(10),

@@ -12,6 +12,10 @@
 //!   backend's business: they come from the [`Bootstrap`] every transport is built on
 //!   ([`Transport::bootstrap`]).
 //!
+//! * [`Backend`] ([`registry`]) — the table entry a backend crate exports so that a spec string
+//!   names it and tools describe, check and build it without naming the crate (NCCL's plugin
+//!   table, versioned by [`REGISTRY_VERSION`]).
+//!
 //! The traits are statically dispatched (associated types, like `wgpu-hal`'s `Api`);
 //! [`DynTransport`] is the object-safe mirror the frontend holds, so it never names a backend.
 //!
@@ -45,6 +49,7 @@
 //! ```
 
 pub mod memory;
+pub mod registry;
 pub mod sources;
 
 use std::fmt::Debug;
@@ -54,6 +59,9 @@ pub use epcomm_abi::KernelFamily;
 pub use epcomm_bootstrap::Bootstrap;
 pub use epcomm_topology::{Route, RoutePolicy, Schedule, TopologyError, WorldLayout};
 pub use memory::{DeviceBuffer, MappedHostBuffer};
+pub use registry::{
+    Backend, BackendOptions, ExecutorLimits, Limits, OptionSchema, REGISTRY_VERSION, VirtualNodes,
+};
 
 /// What a backend supports; a `Buffer` asking for anything else is a typed error.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -150,9 +150,10 @@ impl TestConfig {
     pub fn from_env() -> Self {
         let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
         Self {
-            spec: var("EPCOMM_TEST_TRANSPORT").map_or(TransportSpec::Ipc, |s| {
-                s.parse().expect("EPCOMM_TEST_TRANSPORT")
-            }),
+            spec: var("EPCOMM_TEST_TRANSPORT")
+                .unwrap_or_else(|| "ipc".into())
+                .parse()
+                .expect("EPCOMM_TEST_TRANSPORT"),
             schedule: var("EPCOMM_TEST_SCHEDULE").map_or(Schedule::Epoch, |s| {
                 s.parse().expect("EPCOMM_TEST_SCHEDULE")
             }),
@@ -269,7 +270,7 @@ pub fn configs(test: &str) -> Vec<TestConfig> {
     let any_usable = !usable.is_empty();
     let mut out = Vec::new();
     for spec in usable {
-        let caps = spec.capabilities().expect("compiled in");
+        let caps = spec.capabilities();
         for schedule in Schedule::ALL {
             for routes in RoutePolicy::ALL {
                 // Put/signal everywhere is one extra configuration (under Epoch), not a matrix.
@@ -296,11 +297,8 @@ pub fn configs(test: &str) -> Vec<TestConfig> {
                 // Automatic staging stages or pushes by the SM count and the routes, so both ways run once more on their own, under Epoch: the copy-engine
                 // staging on every transport, the push where automatic staging could stage
                 // (every peer mapped: not the CPU proxy, not virtual nodes).
-                let split = matches!(
-                    spec,
-                    TransportSpec::Nvshmem { virtual_nodes, .. }
-                        if virtual_nodes != epcomm_backends::VirtualNodes::Count(1)
-                );
+                let split = spec.backend() == "nvshmem"
+                    && spec.virtual_nodes() != Some(epcomm_backends::VirtualNodes::Count(1));
                 let mapped = caps.kernel_family != epcomm_kernels::KernelFamily::CpuProxy && !split;
                 let extras = if schedule == Schedule::Epoch && !put_signal_everywhere {
                     let mut e = vec![CombineStaging::CopyEngine];

@@ -9,18 +9,10 @@ use epcomm_backends::{Route, TransportSpec};
 use super::report::{KernelImage, LibraryReport, Verdict};
 use crate::gpu::{DriverFacts, NoDriver, PeerLink};
 
-/// One spec per backend, from the library's list of spec forms (`TransportSpec::FORMS`).
+/// One spec per compiled-in backend, with its default options, from the library's backend
+/// table (`epcomm_backends::backends`).
 pub fn backends() -> Vec<TransportSpec> {
-    let mut specs: Vec<TransportSpec> = Vec::new();
-    for spec in TransportSpec::FORMS
-        .iter()
-        .filter_map(|f| f.parse::<TransportSpec>().ok())
-    {
-        if !specs.iter().any(|s| s.backend() == spec.backend()) {
-            specs.push(spec);
-        }
-    }
-    specs
+    epcomm_backends::backends().map(TransportSpec::of).collect()
 }
 
 /// The verdicts, one per backend ([`backends`]), from the probes' results (pure). `rdma`:
@@ -62,12 +54,7 @@ fn verdict(
     nvshmem: &LibraryReport,
     rdma: &Result<(), String>,
 ) -> Result<(String, Option<String>), (String, String)> {
-    let caps = spec.capabilities().map_err(|e| {
-        (
-            format!("{spec} is not compiled into this build"),
-            format!("{e}"),
-        )
-    })?;
+    let caps = spec.capabilities();
     let facts = facts.as_ref().map_err(|e| (e.short(), driver_fix(e)))?;
     if spec.needs_rdma_device()
         && let Err(why) = rdma

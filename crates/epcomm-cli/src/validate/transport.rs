@@ -41,11 +41,7 @@ impl TransportChoice {
     /// Each broken rule, naming the flag as typed.
     pub fn from_flags(flags: &TransportFlags) -> Result<Self, FlagError> {
         let spec = Self::spec_of(flags)?;
-        let caps = spec.capabilities().map_err(|e| FlagError::Unsupported {
-            flag: "--transport",
-            value: spec.to_string(),
-            why: rule_of(e),
-        })?;
+        let caps = spec.capabilities();
         let (schedule, routes) = flags.schedule_and_routes();
         caps.check_schedule(schedule)
             .map_err(|e| FlagError::Unsupported {
@@ -71,12 +67,14 @@ impl TransportChoice {
         if let Some(e) = FlagError::at_least("--virtual-nodes", n as u64, 1) {
             return Err(e);
         }
-        match spec {
-            TransportSpec::Nvshmem {
-                virtual_nodes: VirtualNodes::Count(1),
-            } => Ok(TransportSpec::Nvshmem {
-                virtual_nodes: VirtualNodes::Count(n),
-            }),
+        match spec.virtual_nodes() {
+            Some(VirtualNodes::Count(1)) if spec.backend() == "nvshmem" => spec
+                .with_virtual_nodes(VirtualNodes::Count(n))
+                .map_err(|e| FlagError::Unsupported {
+                    flag: "--virtual-nodes",
+                    value: n.to_string(),
+                    why: rule_of(e),
+                }),
             _ if n == 1 => Ok(spec),
             _ => Err(FlagError::Unsupported {
                 flag: "--virtual-nodes",

@@ -42,7 +42,7 @@ fn driver_present() -> bool {
 /// The forms a transport spec can take.
 #[pyfunction]
 fn transport_forms() -> Vec<&'static str> {
-    epcomm_backends::TransportSpec::FORMS.to_vec()
+    epcomm_backends::forms()
 }
 
 /// The canonical form of transport spec `spec`; raises `InvalidArgumentError` naming
@@ -157,7 +157,7 @@ fn resolve(
 ) -> Result<(epcomm::BufferConfig, TransportSpec, BufferPlan), BindError> {
     let cfg = options.config()?;
     let spec = options.spec()?;
-    let caps = spec.capabilities()?;
+    let caps = spec.capabilities();
     let layout = spec
         .world_layout(world_size, rank, local_world_size)
         .map_err(|e| match e {

@@ -56,8 +56,9 @@ use epcomm_proxy::verbs::{
 };
 use epcomm_transport::sources::{self, Allocation};
 use epcomm_transport::{
-    Bootstrap, Capabilities, DeviceBuffer, DeviceRuntime, KernelFamily, Route, Schedule,
-    SymmetricHeap, SymmetricMemory, Transport, TransportError, WorldLayout,
+    Backend, BackendOptions, Bootstrap, Capabilities, DeviceBuffer, DeviceRuntime, KernelFamily,
+    Limits, OptionSchema, REGISTRY_VERSION, Route, Schedule, SymmetricHeap, SymmetricMemory,
+    Transport, TransportError, VirtualNodes, WorldLayout,
 };
 
 use crate::core::{ProxyCore, RingParts};
@@ -82,6 +83,63 @@ pub const CAPABILITIES: Capabilities = Capabilities {
     schedules: &Schedule::ALL,
     routes: &[Route::Store, Route::PutSignal],
 };
+
+/// This backend's entry in the transport table: `proxy-verbs` (every peer through the NIC),
+/// `proxy-verbs:vnodes=N` (stores inside each of `N` logical nodes per host). Its probe and
+/// preflight check libibverbs and an RDMA device with an active port.
+pub const BACKEND: Backend = Backend {
+    version: REGISTRY_VERSION,
+    name: NAME,
+    aliases: &[],
+    forms: &["proxy-verbs", "proxy-verbs:vnodes=N"],
+    options: OptionSchema::VirtualNodes {
+        default: VirtualNodes::OnePerGpu,
+    },
+    capabilities: CAPABILITIES,
+    limits: Limits {
+        spans_hosts: true,
+        executor: Some(crate::executor_limits("RDMA writes")),
+    },
+    // libibverbs is checked by the probe and the preflight (`needs_rdma_device`).
+    runtime_library: None,
+    needs_rdma_device: true,
+    world_layout: |options, world_size, rank, local| {
+        VerbsTransport::world_layout(
+            world_size,
+            rank,
+            local,
+            options.virtual_nodes.per_host(local),
+        )
+    },
+    probe: |_| {
+        let options = VerbsOptions::from_env(1)?;
+        options.validate()?;
+        probe_rdma(&options).map(|_| ())
+    },
+    preflight: |options, bootstrap| spec_preflight(options, bootstrap).map(|_| ()),
+    build: |options, ctx, bootstrap| {
+        // The same checks `preflight` makes, first: a machine without an RDMA device fails
+        // here, on every rank, before anything is allocated.
+        let checked = spec_preflight(options, &bootstrap)?;
+        Ok(Arc::new(VerbsTransport::with_preflight(
+            ctx, bootstrap, checked,
+        )?))
+    },
+    single_host_env: |ranks_per_gpu, local_ranks| {
+        crate::single_host_env(ranks_per_gpu, local_ranks).into()
+    },
+};
+
+/// The options from the environment with the spec's split, checked on every rank.
+fn spec_preflight(
+    options: BackendOptions,
+    bootstrap: &Bootstrap,
+) -> Result<Preflight, TransportError> {
+    let local = bootstrap.local_world_size();
+    let mut verbs = VerbsOptions::from_env(local)?;
+    verbs.proxy.virtual_nodes = options.virtual_nodes.per_host(local);
+    VerbsTransport::preflight(bootstrap, verbs)
+}
 
 /// Alignment of the symmetric buffer's size: `cuMemAlloc` hands out 2 MiB pages, so the
 /// buffer starts and ends on a host page, as a dma-buf export needs.
