@@ -21,6 +21,10 @@ unsafe impl cudarc::driver::DeviceRepr for OpArgs {}
 // SAFETY: as above.
 unsafe impl cudarc::driver::DeviceRepr for LayoutArgs {}
 
+/// The module global of a [`KernelFamily::CpuProxy`] image that holds its [`ProxyChannel`]
+/// (`kernels/common/net_proxy.cuh`), written by the transport once per buffer.
+pub const PROXY_CHANNEL_GLOBAL: &std::ffi::CStr = c"epcomm_proxy_channel";
+
 /// The ABI facts the device reports from `epcomm_abi_probe`, in its output order (what the
 /// host expects; a module whose probe differs is refused).
 pub const EXPECTED_PROBE: &[(&str, u64)] = &ABI_PROBE;

@@ -289,56 +289,6 @@ impl IntranodeKernels {
         Ok(module)
     }
 
-    /// Writes the module global `epcomm_proxy_channel` of a [`KernelFamily::CpuProxy`] module
-    /// (stream-ordered on `stream`, before any launch that reads it).
-    ///
-    /// # Errors
-    /// [`KernelError::Driver`] when the module has no such global (another family's image).
-    ///
-    /// # Safety
-    /// The channel's addresses must stay valid (the ring mapped, the counters allocated) for
-    /// every launch of this module's op kernels.
-    pub unsafe fn set_proxy_channel(
-        &self,
-        stream: &CudaStream,
-        channel: &crate::abi::ProxyChannel,
-    ) -> Result<(), KernelError> {
-        let module = self.cu_module()?;
-        let mut ptr: sys::CUdeviceptr = 0;
-        let mut bytes: usize = 0;
-        // SAFETY: `module` is live while `self` is; the name is a NUL-terminated C string and
-        // both out-pointers are valid.
-        unsafe {
-            sys::cuModuleGetGlobal_v2(
-                &mut ptr,
-                &mut bytes,
-                module,
-                c"epcomm_proxy_channel".as_ptr(),
-            )
-        }
-        .result()
-        .context("looking up epcomm_proxy_channel (cuModuleGetGlobal)")?;
-        if bytes != size_of::<crate::abi::ProxyChannel>() {
-            return Err(KernelError::AbiMismatch {
-                field: "sizeof(ProxyChannel) of the module global",
-                host: size_of::<crate::abi::ProxyChannel>() as u64,
-                device: bytes as u64,
-            });
-        }
-        let src = bytemuck::bytes_of(channel);
-        // SAFETY: `ptr` is the module global of exactly `src.len()` bytes (checked above), and
-        // `src` lives until the synchronize below.
-        unsafe {
-            sys::cuMemcpyHtoDAsync_v2(ptr, src.as_ptr().cast(), src.len(), stream.cu_stream())
-        }
-        .result()
-        .context("writing epcomm_proxy_channel")?;
-        stream
-            .synchronize()
-            .context("writing epcomm_proxy_channel")?;
-        Ok(())
-    }
-
     /// Holds `stream` for `ns` nanoseconds (a one-thread spin on the GPU clock): makes this
     /// rank late by an exact amount, for skew diagnostics.
     pub fn launch_delay(&self, stream: &CudaStream, ns: u64) -> Result<(), KernelError> {

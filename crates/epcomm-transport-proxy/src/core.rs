@@ -159,9 +159,27 @@ pub(crate) struct ProxyCore {
 }
 
 impl ProxyCore {
-    /// What the kernels need (written into the module before the first launch).
-    pub(crate) fn channel(&self) -> ProxyChannel {
-        self.channel
+    /// Writes the channel (what the kernels need) into `module`'s `epcomm_proxy_channel`: the memory's
+    /// `SymmetricMemory::bind_device_channel`.
+    ///
+    /// # Safety
+    /// As `SymmetricMemory::bind_device_channel`: `module` is a live proxy-family module of
+    /// `stream`'s context, launched only while this core's ring and counters are alive.
+    pub(crate) unsafe fn bind_channel(
+        &self,
+        module: cudarc::driver::sys::CUmodule,
+        stream: &cudarc::driver::CudaStream,
+    ) -> Result<(), TransportError> {
+        let bytes = bytemuck::bytes_of(&self.channel);
+        // SAFETY: the caller's contract is the helper's.
+        unsafe {
+            epcomm_transport::memory::write_module_global(
+                module,
+                abi::PROXY_CHANNEL_GLOBAL,
+                bytes,
+                stream,
+            )
+        }
     }
 
     /// Stops the proxy thread (what the kernels published is executed first) and keeps its

@@ -48,7 +48,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use cudarc::driver::CudaContext;
-use epcomm_abi::{self as abi, ProxyChannel};
+use epcomm_abi as abi;
 use epcomm_proxy::{ProxyReport, ring};
 use epcomm_transport::{
     Backend, BackendOptions, Bootstrap, Capabilities, DeviceRuntime, ExecutorLimits, KernelFamily,
@@ -521,7 +521,7 @@ impl DeviceRuntime for ProxyTransport {
         _module: cudarc::driver::sys::CUmodule,
     ) -> Result<(), TransportError> {
         // The proxy image needs no device runtime; its channel comes with the memory
-        // (`SymmetricMemory::proxy_channel`).
+        // (`SymmetricMemory::bind_device_channel`).
         Ok(())
     }
 }
@@ -674,8 +674,13 @@ impl SymmetricMemory for ProxyMemory {
         self.ipc.release_peer_mappings();
     }
 
-    fn proxy_channel(&self) -> Option<ProxyChannel> {
-        Some(self.core.channel())
+    unsafe fn bind_device_channel(
+        &self,
+        module: cudarc::driver::sys::CUmodule,
+        stream: &cudarc::driver::CudaStream,
+    ) -> Result<(), TransportError> {
+        // SAFETY: the caller upholds the trait's contract, which is the core's.
+        unsafe { self.core.bind_channel(module, stream) }
     }
 
     fn backend_failure(&self) -> Option<String> {

@@ -212,11 +212,28 @@ pub trait SymmetricMemory: Send + Sync + Debug {
     /// (so no rank frees memory a peer still maps). Default: nothing to close.
     fn release_peer_mappings(&mut self) {}
 
-    /// The CPU-proxy channel the kernels of [`KernelFamily::CpuProxy`] need (the ring, its
-    /// counters, the local base), written into the loaded module before the first launch;
-    /// `None` for memories of other families (the default).
-    fn proxy_channel(&self) -> Option<epcomm_abi::ProxyChannel> {
-        None
+    /// Role: binds a loaded kernel module to this memory's device channel, what the module's
+    /// kernels reach the backend's own machinery through (the CPU proxy: its ring, its counters
+    /// and this rank's base, in the module global `epcomm_proxy_channel`,
+    /// [`memory::write_module_global`]). The frontend calls it once per buffer, after the
+    /// allocation and before the first launch, whatever the family; the default binds nothing
+    /// (backends whose kernels need no channel, or bind through [`DeviceRuntime::bind_module`]).
+    ///
+    /// # Errors
+    /// The driver's, or [`TransportError::InvalidArgument`] naming `module` when its global
+    /// does not have the host's layout (an image of another ABI).
+    ///
+    /// # Safety
+    /// `module` is a live `CUmodule` loaded in this memory's CUDA context from the image of the
+    /// backend's [`KernelFamily`], and every launch of it that uses the channel happens while
+    /// this memory is alive; `stream` belongs to that context.
+    unsafe fn bind_device_channel(
+        &self,
+        module: cudarc::driver::sys::CUmodule,
+        stream: &cudarc::driver::CudaStream,
+    ) -> Result<(), TransportError> {
+        let _ = (module, stream);
+        Ok(())
     }
 
     /// Makes `[addr, addr + bytes)` of caller memory (an op's input, named `argument`) readable

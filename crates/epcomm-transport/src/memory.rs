@@ -308,3 +308,48 @@ impl Drop for MappedHostBuffer {
         let _ = unsafe { sys::cuMemFreeHost(self.host.cast()) };
     }
 }
+
+/// Writes `bytes` into the module global `symbol` of `module`, stream-ordered on `stream`, and
+/// waits for the copy: how a backend binds a loaded module to its device channel
+/// ([`crate::SymmetricMemory::bind_device_channel`]).
+///
+/// # Errors
+/// [`TransportError::Driver`] when the module has no such global (an image of another family)
+/// or the copy fails; [`TransportError::InvalidArgument`] naming `module` when the global's
+/// size is not `bytes.len()` (an image built from another ABI).
+///
+/// # Safety
+/// `module` is a live `CUmodule` of `stream`'s context.
+pub unsafe fn write_module_global(
+    module: sys::CUmodule,
+    symbol: &std::ffi::CStr,
+    bytes: &[u8],
+    stream: &CudaStream,
+) -> Result<(), TransportError> {
+    let name = symbol.to_string_lossy();
+    let mut ptr: sys::CUdeviceptr = 0;
+    let mut len: usize = 0;
+    // SAFETY: `module` is live (the caller's contract); the name is a NUL-terminated C string
+    // and both out-pointers are valid.
+    unsafe { sys::cuModuleGetGlobal_v2(&mut ptr, &mut len, module, symbol.as_ptr()) }
+        .result()
+        .context(format!("looking up the module global {name}"))?;
+    if len != bytes.len() {
+        return Err(TransportError::InvalidArgument {
+            argument: "module",
+            rule: format!(
+                "the global {name} is {len} bytes in the kernel image and {} on the host (an \
+                 image of another ABI)",
+                bytes.len()
+            ),
+        });
+    }
+    // SAFETY: `ptr` is the module global of exactly `bytes.len()` bytes (checked above), and
+    // `bytes` lives until the synchronize below.
+    unsafe { sys::cuMemcpyHtoDAsync_v2(ptr, bytes.as_ptr().cast(), len, stream.cu_stream()) }
+        .result()
+        .context(format!("writing the module global {name}"))?;
+    stream
+        .synchronize()
+        .context(format!("writing the module global {name}"))
+}

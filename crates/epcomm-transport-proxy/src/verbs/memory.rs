@@ -104,8 +104,13 @@ impl SymmetricMemory for VerbsMemory {
         self.mapped.close();
     }
 
-    fn proxy_channel(&self) -> Option<ProxyChannel> {
-        Some(self.core.channel())
+    unsafe fn bind_device_channel(
+        &self,
+        module: cudarc::driver::sys::CUmodule,
+        stream: &cudarc::driver::CudaStream,
+    ) -> Result<(), TransportError> {
+        // SAFETY: the caller upholds the trait's contract, which is the core's.
+        unsafe { self.core.bind_channel(module, stream) }
     }
 
     fn backend_failure(&self) -> Option<String> {

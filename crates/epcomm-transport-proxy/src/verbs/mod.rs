@@ -49,7 +49,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use cudarc::driver::{CudaContext, sys};
-use epcomm_abi::ProxyChannel;
 use epcomm_proxy::verbs::{
     DeviceSelector, GidSelector, HeapMemory, LibrarySearch, PreparedVerbs, SourceKey,
     SourceRegistry, Verbs, VerbsConfig, VerbsError, select,
@@ -446,7 +445,7 @@ impl DeviceRuntime for VerbsTransport {
         &self,
         _module: cudarc::driver::sys::CUmodule,
     ) -> Result<(), TransportError> {
-        // As proxy-ce: the channel comes with the memory (`SymmetricMemory::proxy_channel`).
+        // As proxy-ce: the channel comes with the memory (`SymmetricMemory::bind_device_channel`).
         Ok(())
     }
 }

@@ -199,21 +199,10 @@ impl Buffer {
         // is dropped first.
         let module_binding = unsafe { transport.bind_module_dyn(kernels.cu_module()?) }?;
         let mem = transport.alloc_symmetric_dyn(plan.total_bytes() as usize)?;
-        if caps.kernel_family == epcomm_kernels::KernelFamily::CpuProxy {
-            let Some(channel) = mem.proxy_channel() else {
-                return invalid(
-                    "transport",
-                    format!(
-                        "{} declares the CPU-proxy kernel family but its memory has no proxy \
-                         channel",
-                        caps.name
-                    ),
-                );
-            };
-            // SAFETY: the channel's ring and counters belong to `mem`, which the buffer keeps
-            // until its teardown, after the last launch.
-            unsafe { kernels.set_proxy_channel(&stream, &channel) }?;
-        }
+        // SAFETY: the module is live (as above) and was loaded in `ctx`, `stream`'s context;
+        // the channel's machinery belongs to `mem`, which the buffer keeps until its teardown,
+        // after the last launch.
+        unsafe { mem.bind_device_channel(kernels.cu_module()?, &stream) }?;
         let all_bases = peer_bases(&routes, mem.as_ref())?;
         let (bases, remote_mask) = group_view(&all_bases, routes.put_signal_mask(), &group)?;
         let peer_bases = DeviceBuffer::zeroed(&ctx, world * 8)?;
