@@ -22,7 +22,7 @@ namespace epcomm {
 
 /// Version of the kernel protocol and argument blocks; ranks compare it when a `Buffer` is
 /// built. Bump it with any change of this header or of the kernels' cross-rank protocol.
-constexpr uint64_t kAbiVersion = 15;
+constexpr uint64_t kAbiVersion = 16;
 
 /// Largest world size the intranode kernels support (shared-memory tables are this large).
 constexpr size_t kMaxWorld = 64;
@@ -219,6 +219,9 @@ struct OpArgs {
                          ///< ll_recv_x, and of the combine's y). Written by the LL dispatch's
                          ///< receive phase; a one-kernel LL combine reads those entries
                          ///< straight from y instead of pushing them to itself.
+  uint64_t ll_cumulative_stats;  ///< 0, or [epr] i32, local device memory: each LL dispatch's
+                                 ///< receive phase adds its rows per local expert (`ll_recv_count`)
+                                 ///< to it (DeepEP's cumulative_local_expert_recv_stats).
 };
 
 /// Op sequence numbers kept on the device. Every rank issues the same ops, so every rank's copy

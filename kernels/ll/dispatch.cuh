@@ -351,7 +351,11 @@ __device__ __forceinline__ void dispatch_unpack(const OpArgs& a, Shared& s, uint
             (static_cast<int64_t>(acc) << 32) | static_cast<uint32_t>(n);
       acc += n;
     }
-    if (block0) reinterpret_cast<int*>(a.ll_recv_count)[l] = acc;
+    if (block0) {
+      reinterpret_cast<int*>(a.ll_recv_count)[l] = acc;
+      // One thread per local expert, stream-ordered after the previous op: a plain add.
+      if (a.ll_cumulative_stats != 0) reinterpret_cast<int*>(a.ll_cumulative_stats)[l] += acc;
+    }
   }
   if (tid == 0) {
     int acc = 0;

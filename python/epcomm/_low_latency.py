@@ -53,10 +53,9 @@ class LowLatencyHandle:
 class _Hook:
     """The receive phase of a low-latency op whose send phase was issued (call it once)."""
 
-    def __init__(self, buffer, op, after):
+    def __init__(self, buffer, op):
         self._buffer = buffer
         self._op = op
-        self._after = after
 
     def __call__(self):
         b = self._buffer
@@ -66,8 +65,6 @@ class _Hook:
             # there: the comm stream waits for that stream, which then waits for the phase.
             b._session.ll_receive(self._op, current_raw_stream(b.device), True)
             b._ll_keep = None
-            if self._after is not None:
-                self._after()
 
     def __repr__(self):
         return f"<epcomm low-latency receive hook of op #{self._op}>"
@@ -189,12 +186,13 @@ def _dispatch(
         fail("x", f"holds {n} tokens, more than num_max_dispatch_tokens_per_rank = {m}")
     ia = _array(buf, "topk_idx", topk_idx, torch.int64, (n, top_k), (n, top_k), ("num_tokens", "num_topk"))
     stats = cumulative_local_expert_recv_stats
+    sa = None
     if stats is not None:
         epr = (buf.num_experts // buf.group_size,)
-        _array(buf, "cumulative_local_expert_recv_stats", stats, torch.int32, epr, epr, ("num_local_experts",))
+        sa = _array(buf, "cumulative_local_expert_recv_stats", stats, torch.int32, epr, epr, ("num_local_experts",))
     _capturable(return_recv_hook)
     # Ordered after the current stream; a synchronous op (and a hook's send phase) joined
-    # back into it.
+    # back into it. The receive phase adds to the cumulative stats on the device.
     number, out = buf._session.ll_dispatch(
         xa,
         ia,
@@ -205,23 +203,18 @@ def _dispatch(
         current_raw_stream(buf.device),
         not async_finish,
         column_major_scales,
+        sa,
     )
     recv_x, recv_scales, count, src, rng = _views(buf, out, use_fp8, column_major_scales)
     handle = LowLatencyHandle(buf, out.seq, n, use_fp8, src, rng)
     recv = (recv_x, recv_scales) if use_fp8 else recv_x
     if return_recv_hook:
-        # The inputs stay referenced until the receive phase ran; the counts are added after
-        # it, on the stream the hook is called from.
+        # The inputs (and the stats the receive phase adds to) stay referenced until the
+        # receive phase ran.
         buf._ll_keep = (x, topk_idx, stats)
-        after = None if stats is None else (lambda: stats.add_(count))
-        return recv, count, handle, EventOverlap(None), _Hook(buf, number, after)
+        return recv, count, handle, EventOverlap(None), _Hook(buf, number)
     if async_finish:
-        if stats is not None:
-            with torch.cuda.stream(buf._comm):
-                stats.add_(count)
         return recv, count, handle, _asynchronous(buf, x, topk_idx, stats), None
-    if stats is not None:
-        stats.add_(count)  # on the current stream, which now waits for the dispatch
     return recv, count, handle, EventOverlap(None), None
 
 
@@ -275,7 +268,7 @@ def _combine(
     )
     if return_recv_hook:
         buf._ll_keep = (x, topk_idx, topk_weights, out)
-        return out, EventOverlap(None), _Hook(buf, number, None)
+        return out, EventOverlap(None), _Hook(buf, number)
     if async_finish:
         return out, _asynchronous(buf, x, topk_idx, topk_weights, out), None
     return out, EventOverlap(None), None

@@ -3,7 +3,7 @@
 
 /// Version of the kernel protocol and argument blocks; ranks compare it when a `Buffer` is
 /// built. Bump it with any change of this header or of the kernels' cross-rank protocol.
-pub const ABI_VERSION: u64 = 15;
+pub const ABI_VERSION: u64 = 16;
 
 /// Largest world size the intranode kernels support (shared-memory tables are this large).
 pub const MAX_WORLD: usize = 64;
@@ -322,6 +322,10 @@ pub struct OpArgs {
     /// receive phase; a one-kernel LL combine reads those entries
     /// straight from y instead of pushing them to itself.
     pub ll_self_row: u64,
+    /// 0, or \[epr\] i32, local device memory: each LL dispatch's
+    /// receive phase adds its rows per local expert (`ll_recv_count`)
+    /// to it (DeepEP's cumulative_local_expert_recv_stats).
+    pub ll_cumulative_stats: u64,
 }
 
 /// Op sequence numbers kept on the device. Every rank issues the same ops, so every rank's copy
@@ -465,7 +469,7 @@ pub struct LayoutArgs {
 
 /// What `epcomm_abi_probe` writes, in its order: every constant, enumerator, struct size
 /// and field offset of the ABI, as the host sees it.
-pub(crate) const ABI_PROBE: [(&str, u64); 175] = [
+pub(crate) const ABI_PROBE: [(&str, u64); 176] = [
     ("kAbiVersion", ABI_VERSION),
     ("kMaxWorld", MAX_WORLD as u64),
     ("kOk", code::OK as u64),
@@ -590,6 +594,7 @@ pub(crate) const ABI_PROBE: [(&str, u64); 175] = [
     ("offsetof(OpArgs, global_barriers)", offset_of!(OpArgs, global_barriers) as u64),
     ("offsetof(OpArgs, off_ll_meta_stage)", offset_of!(OpArgs, off_ll_meta_stage) as u64),
     ("offsetof(OpArgs, ll_self_row)", offset_of!(OpArgs, ll_self_row) as u64),
+    ("offsetof(OpArgs, ll_cumulative_stats)", offset_of!(OpArgs, ll_cumulative_stats) as u64),
     ("sizeof(SeqState)", size_of::<SeqState>() as u64),
     ("offsetof(SeqState, op)", offset_of!(SeqState, op) as u64),
     ("offsetof(SeqState, notify)", offset_of!(SeqState, notify) as u64),

@@ -77,6 +77,9 @@ pub struct LlIo {
     pub y: CudaSlice<bf16>,
     /// `[T][hidden]` combine output.
     pub out: CudaSlice<bf16>,
+    /// `[local_experts]` cumulative receive stats, starting at [`Self::STATS_BASE`]` + l` (so a
+    /// kernel that overwrites instead of adding is caught).
+    pub stats: CudaSlice<i32>,
 }
 
 impl LlIo {
@@ -108,7 +111,9 @@ impl LlIo {
             }
         }
         let t = me.num_tokens;
+        let base: Vec<i32> = (0..epr as i32).map(|l| Self::STATS_BASE + l).collect();
         Ok(Self {
+            stats: upload(stream, &base)?,
             num_tokens: t,
             x: upload(stream, bf16_rows(me)?)?,
             idx: upload(stream, &me.topk_idx)?,
@@ -122,14 +127,59 @@ impl LlIo {
         })
     }
 
-    /// The dispatch input of these arrays.
+    /// What [`Self::stats`] holds for local expert `l` before any dispatch: `STATS_BASE + l`.
+    pub const STATS_BASE: i32 = 1000;
+
+    /// The dispatch input of these arrays (no cumulative stats).
     pub fn input(&self) -> epcomm::LlDispatchInput<'_> {
         epcomm::LlDispatchInput {
             x: &self.x,
             topk_idx: &self.idx,
             num_tokens: self.num_tokens,
+            cumulative_stats: None,
         }
     }
+
+    /// The dispatch input of these arrays, adding to [`Self::stats`].
+    pub fn input_with_stats(&mut self) -> epcomm::LlDispatchInput<'_> {
+        epcomm::LlDispatchInput {
+            x: &self.x,
+            topk_idx: &self.idx,
+            num_tokens: self.num_tokens,
+            cumulative_stats: Some(&mut self.stats),
+        }
+    }
+}
+
+/// Checks cumulative receive stats `stats` (an [`LlIo::stats`]) against
+/// `LlIo::STATS_BASE + l` plus `added[l]`, the rows of every dispatch that added to it, summed
+/// on the host.
+///
+/// # Errors
+/// [`CheckError::Mismatch`] naming `what` and `rank`; driver failures.
+pub fn verify_ll_stats(
+    stream: &Arc<CudaStream>,
+    stats: &CudaSlice<i32>,
+    added: &[i64],
+    rank: usize,
+    what: &str,
+) -> Result<()> {
+    let got = stream.clone_dtoh(stats)?;
+    stream.synchronize()?;
+    let want: Vec<i64> = added
+        .iter()
+        .enumerate()
+        .map(|(l, &a)| i64::from(LlIo::STATS_BASE) + l as i64 + a)
+        .collect();
+    let got: Vec<i64> = got.iter().map(|&v| i64::from(v)).collect();
+    if got != want {
+        return Err(mismatch(
+            format!("{what}: cumulative receive stats"),
+            rank,
+            format!("{got:?} != {want:?}"),
+        ));
+    }
+    Ok(())
 }
 
 fn mismatch(what: String, rank: usize, detail: impl Into<String>) -> CheckError {

@@ -237,7 +237,7 @@ impl LlTimer {
             formats.push(LlFormat::Fp8 { round_scale: false });
         }
         for format in formats {
-            buf.ll_dispatch(&io.input(), format, &mut recv)?;
+            buf.ll_dispatch(io.input(), format, &mut recv)?;
             buf.ll_combine(&io.y, &io.idx, &io.w, &recv, &mut io.out)?;
             buf.synchronize()?;
             verify_ll_round(
@@ -281,7 +281,7 @@ impl LlTimer {
                         LlFormat::Bf16
                     };
                     start.record(&self.stream)?;
-                    buf.ll_dispatch(&io.input(), format, &mut self.recv)?;
+                    buf.ll_dispatch(io.input(), format, &mut self.recv)?;
                     end.record(&self.stream)?;
                 }
                 BenchOp::LlCombine => {
@@ -299,7 +299,7 @@ impl LlTimer {
                     }
                     let pending =
                         if matches!(op, BenchOp::LlDispatchFp8Send | BenchOp::LlDispatchFp8Recv) {
-                            buf.ll_dispatch_send(&io.input(), fp8, &mut self.recv)?
+                            buf.ll_dispatch_send(io.input(), fp8, &mut self.recv)?
                         } else {
                             buf.ll_combine_send(&io.y, &io.idx, &io.w, &self.recv, &mut io.out)?
                         };
@@ -366,10 +366,10 @@ impl LlTimer {
             let io = &mut self.io;
             match op {
                 BenchOp::LlDispatchBf16 => {
-                    buf.ll_dispatch(&io.input(), LlFormat::Bf16, &mut self.recv)?
+                    buf.ll_dispatch(io.input(), LlFormat::Bf16, &mut self.recv)?
                 }
                 BenchOp::LlDispatchFp8 => buf.ll_dispatch(
-                    &io.input(),
+                    io.input(),
                     LlFormat::Fp8 { round_scale: false },
                     &mut self.recv,
                 )?,
@@ -413,7 +413,7 @@ impl LlTimer {
         let graph = {
             let (io, recv) = (&mut self.io, &mut self.recv);
             buf.capture(|b| {
-                b.ll_dispatch(&io.input(), fp8, recv)?;
+                b.ll_dispatch(io.input(), fp8, recv)?;
                 b.ll_combine(&io.y, &io.idx, &io.w, recv, &mut io.out)
             })?
         };

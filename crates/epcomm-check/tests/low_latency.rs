@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::DevicePtr;
 use epcomm::{Buffer, BufferConfig, Error, LlDispatchInput, LlFormat, LlScalesLayout, WaitKind};
 use epcomm_check::inputs::{Shape, host_inputs};
-use epcomm_check::ll::{LlIo, bf16_rows, verify_ll_round};
+use epcomm_check::ll::{LlIo, bf16_rows, verify_ll_round, verify_ll_stats};
 use epcomm_reference::{RankInput, bf16, combine_weighted_ll};
 
 mod common;
@@ -122,6 +122,8 @@ fn run_ll_suite(w: &Worker, mk: MakeTransport<'_>) {
             let cap = recv.capacity();
             let io = LlIo::new(&stream, &inputs, rank, experts, cap).unwrap();
             let mut out = io.out;
+            let mut stats = io.stats;
+            let mut added = vec![0i64; recv.num_local_experts()];
             // Every other case writes FP8 scales per expert column-major (DeepEP's layout).
             let layout = if ci % 2 == 1 {
                 LlScalesLayout::ColumnMajor
@@ -133,17 +135,24 @@ fn run_ll_suite(w: &Worker, mk: MakeTransport<'_>) {
                 let what = format!(
                     "hidden {hidden} top-{top_k} of {experts}, tokens {tokens:?}, -1 p={mask_prob}, skew {skew_to:?}, {format:?}, scales {layout:?}"
                 );
+                // Every round adds to the same cumulative stats.
                 let input = LlDispatchInput {
                     x: &io.x,
                     topk_idx: &io.idx,
                     num_tokens: io.num_tokens,
+                    cumulative_stats: Some(&mut stats),
                 };
-                buf.ll_dispatch(&input, format, &mut recv)
+                buf.ll_dispatch(input, format, &mut recv)
                     .unwrap_or_else(|e| panic!("{what}: dispatch: {e}"));
                 buf.ll_combine(&io.y, &io.idx, &io.w, &recv, &mut out)
                     .unwrap_or_else(|e| panic!("{what}: combine: {e}"));
                 buf.synchronize().unwrap_or_else(|e| panic!("{what}: {e}"));
                 verify_ll_round(&buf, &inputs, &recv, &out, format, &what)
+                    .unwrap_or_else(|e| panic!("{e}"));
+                for (a, c) in added.iter_mut().zip(recv.count_to_host().unwrap()) {
+                    *a += i64::from(c);
+                }
+                verify_ll_stats(&stream, &stats, &added, rank, &what)
                     .unwrap_or_else(|e| panic!("{e}"));
                 rounds += 1;
             }
@@ -191,8 +200,9 @@ fn run_ll_hooks(w: &Worker, mk: MakeTransport<'_>) {
             x: &io.x,
             topk_idx: &io.idx,
             num_tokens: shape.tokens[rank],
+            cumulative_stats: None,
         };
-        let pending = buf.ll_dispatch_send(&input, format, &mut recv).unwrap();
+        let pending = buf.ll_dispatch_send(input, format, &mut recv).unwrap();
         // Work between the phases: a 64 MiB memset on the comm stream and a host pause.
         // SAFETY: scratch is a live 64 MiB device allocation; the memset is stream-ordered.
         unsafe {
@@ -280,8 +290,9 @@ fn run_ll_graph(w: &Worker, mk: MakeTransport<'_>) {
                 x,
                 topk_idx: idx,
                 num_tokens: tokens,
+                cumulative_stats: None,
             };
-            b.ll_dispatch(&input, LlFormat::Bf16, recv)?;
+            b.ll_dispatch(input, LlFormat::Bf16, recv)?;
             // The identity expert: y = the received rows.
             // SAFETY: both hold local_experts * capacity * hidden bf16 values; stream-ordered.
             unsafe {
@@ -357,19 +368,20 @@ fn run_ll_late_rank(w: &Worker, mk: MakeTransport<'_>) {
     let shape = Shape::uniform(world, 16, hidden, top_k, experts, 5);
     let inputs = host_inputs(&shape).unwrap().bf16;
     let io = LlIo::new(&stream, &inputs, rank, experts, recv.capacity()).unwrap();
-    let input = LlDispatchInput {
+    let input = || LlDispatchInput {
         x: &io.x,
         topk_idx: &io.idx,
         num_tokens: 16,
+        cumulative_stats: None,
     };
-    buf.ll_dispatch(&input, LlFormat::Bf16, &mut recv).unwrap();
+    buf.ll_dispatch(input(), LlFormat::Bf16, &mut recv).unwrap();
     buf.synchronize().expect("warm-up dispatch");
     w.boot.barrier("ll-late-start").unwrap();
     if rank == late {
         buf.inject_delay(Duration::from_millis(1500)).unwrap();
     }
     let r = buf
-        .ll_dispatch(&input, LlFormat::Bf16, &mut recv)
+        .ll_dispatch(input(), LlFormat::Bf16, &mut recv)
         .and_then(|_| buf.synchronize());
     if rank == late {
         assert!(
@@ -386,7 +398,7 @@ fn run_ll_late_rank(w: &Worker, mk: MakeTransport<'_>) {
     log(rank, format_args!("late rank {late}: {}", r.unwrap_err()));
     // Nothing runs on a failed buffer.
     assert!(matches!(
-        buf.ll_dispatch(&input, LlFormat::Bf16, &mut recv),
+        buf.ll_dispatch(input(), LlFormat::Bf16, &mut recv),
         Err(Error::Failed(_))
     ));
     drop(buf);
@@ -472,13 +484,14 @@ fn run_ll_masking(w: &Worker, mk: MakeTransport<'_>) {
             x: &io.x,
             topk_idx: &io.idx,
             num_tokens: shape.tokens[rank],
+            cumulative_stats: None,
         };
         if round >= 1 && rank == before_dispatch {
             break;
         }
         if round >= 2 && Some(rank) == before_combine {
             if round == 2 {
-                buf.ll_dispatch(&input, format, &mut recv).unwrap();
+                buf.ll_dispatch(input, format, &mut recv).unwrap();
                 buf.synchronize().unwrap();
             }
             break;
@@ -486,14 +499,14 @@ fn run_ll_masking(w: &Worker, mk: MakeTransport<'_>) {
         let t0 = Instant::now();
         if round == 4 {
             // The hook path: both phases skip the masked ranks too.
-            let p = buf.ll_dispatch_send(&input, format, &mut recv).unwrap();
+            let p = buf.ll_dispatch_send(input, format, &mut recv).unwrap();
             buf.ll_receive(p).unwrap();
             let p = buf
                 .ll_combine_send(&io.y, &io.idx, &io.w, &recv, &mut out)
                 .unwrap();
             buf.ll_receive(p).unwrap();
         } else {
-            buf.ll_dispatch(&input, format, &mut recv).unwrap();
+            buf.ll_dispatch(input, format, &mut recv).unwrap();
             buf.ll_combine(&io.y, &io.idx, &io.w, &recv, &mut out)
                 .unwrap();
         }
@@ -606,8 +619,9 @@ fn run_ll_mask_by_hand(w: &Worker, mk: MakeTransport<'_>) {
             x: &io.x,
             topk_idx: &io.idx,
             num_tokens: 33,
+            cumulative_stats: None,
         };
-        buf.ll_dispatch(&input, LlFormat::Bf16, &mut recv).unwrap();
+        buf.ll_dispatch(input, LlFormat::Bf16, &mut recv).unwrap();
         buf.ll_combine(&io.y, &io.idx, &io.w, &recv, &mut out)
             .unwrap();
         buf.synchronize().unwrap();

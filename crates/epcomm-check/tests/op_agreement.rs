@@ -10,7 +10,7 @@
 use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaSlice;
-use epcomm::{Buffer, BufferConfig, CombineStaging, LlDispatchInput, LlFormat, RecvMode, Result};
+use epcomm::{Buffer, BufferConfig, CombineStaging, LlFormat, RecvMode, Result};
 use epcomm_check::inputs::{DeviceInputs, HostInputs, Shape, device_inputs, host_inputs};
 use epcomm_check::ll::LlIo;
 use epcomm_reference::bf16;
@@ -371,12 +371,8 @@ fn run_ll_dtype_mismatch(w: &Worker, mk: MakeTransport<'_>) {
     let shape = Shape::uniform(world, 16, hidden, top_k, experts, 5);
     let inputs = host_inputs(&shape).unwrap().bf16;
     let io = LlIo::new(&stream, &inputs, rank, experts, recv.capacity()).unwrap();
-    let input = LlDispatchInput {
-        x: &io.x,
-        topk_idx: &io.idx,
-        num_tokens: 16,
-    };
-    buf.ll_dispatch(&input, LlFormat::Bf16, &mut recv).unwrap();
+    buf.ll_dispatch(io.input(), LlFormat::Bf16, &mut recv)
+        .unwrap();
     buf.synchronize().expect("agreed low-latency dispatch");
     let format = if rank == 0 {
         LlFormat::Bf16
@@ -388,7 +384,7 @@ fn run_ll_dtype_mismatch(w: &Worker, mk: MakeTransport<'_>) {
         &mut buf,
         "low-latency BF16 against FP8",
         &["dtype"],
-        |b| b.ll_dispatch(&input, format, &mut recv),
+        |b| b.ll_dispatch(io.input(), format, &mut recv),
     );
     finish(w, buf, "ll-dtype");
 }

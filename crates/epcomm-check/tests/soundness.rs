@@ -190,8 +190,9 @@ fn run_ll_graph_keeps_recv(w: &Worker, mk: MakeTransport<'_>) {
                 x,
                 topk_idx: idx,
                 num_tokens: tokens,
+                cumulative_stats: None,
             };
-            b.ll_dispatch(&input, LlFormat::Bf16, recv)?;
+            b.ll_dispatch(input, LlFormat::Bf16, recv)?;
             // The identity expert: y = the received rows.
             // SAFETY: both hold local_experts * capacity * hidden bf16 values; stream-ordered.
             unsafe {

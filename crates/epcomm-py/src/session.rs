@@ -663,12 +663,15 @@ impl Session {
     /// send phase is issued, and the receive phase stays pending until [`Self::ll_receive`]
     /// with the returned op number; otherwise both phases are issued (the frontend's one
     /// fused kernel) and no op number is returned. `scales`: how the receive set stores the
-    /// FP8 scales (see [`LlScalesLayout`]).
+    /// FP8 scales (see [`LlScalesLayout`]). `stats` (`[local_experts]` i32): the receive phase
+    /// adds the rows per local expert to it.
     ///
     /// # Safety
-    /// `x` and `topk_idx` as for [`Borrowed::new`] on the buffer's stream; with `hook` they
-    /// must stay allocated and unwritten until the receive phase issued by
-    /// [`Self::ll_receive`] (or the destroy that drops it) has finished on the stream.
+    /// `x`, `topk_idx` and `stats` as for [`Borrowed::new`] on the buffer's stream; with `hook`
+    /// they must stay allocated (and `x`, `topk_idx` unwritten, `stats` untouched) until the
+    /// receive phase issued by [`Self::ll_receive`] (or the destroy that drops it) has
+    /// finished on the stream.
+    #[allow(clippy::too_many_arguments)]
     pub unsafe fn ll_dispatch(
         &mut self,
         x: RawArray,
@@ -676,6 +679,7 @@ impl Session {
         num_tokens: usize,
         format: LlFormat,
         scales: LlScalesLayout,
+        stats: Option<RawArray>,
         hook: bool,
     ) -> Result<(Option<u64>, LlDispatchOut)> {
         let s = self.stream.clone();
@@ -685,16 +689,21 @@ impl Session {
         let xb = unsafe { Borrowed::<half::bf16>::new(x, &s) };
         // SAFETY: as above.
         let idx = unsafe { Borrowed::<i64>::new(topk_idx, &s) };
+        // SAFETY: as above.
+        let mut stats = stats.map(|a| unsafe { Borrowed::<i32>::new(a, &s) });
         let input = LlDispatchInput {
             x: &xb,
             topk_idx: &idx,
             num_tokens,
+            cumulative_stats: stats
+                .as_mut()
+                .map(|b| b as &mut dyn cudarc::driver::DevicePtrMut<i32>),
         };
         let set = (ll.dispatches % 2) as usize;
         let recv = &mut ll.recvs[set];
         recv.set_scales_layout(scales);
         let n = if hook {
-            let pending = buf.ll_dispatch_send(&input, format, recv)?;
+            let pending = buf.ll_dispatch_send(input, format, recv)?;
             // SAFETY: the pending receive names `x`, `topk_idx` (kept alive by the caller until
             // the receive phase ran: this function's contract; the Python side holds the
             // tensors until the hook ran) and the receive set `set`, which the session owns and
@@ -705,7 +714,7 @@ impl Session {
             ll.pending = Some((ll.ops, LlOp::Dispatch, pending));
             Some(ll.ops)
         } else {
-            buf.ll_dispatch(&input, format, recv)?;
+            buf.ll_dispatch(input, format, recv)?;
             ll.ops += 1;
             None
         };

@@ -476,8 +476,10 @@ impl PySession {
     /// instead of the framework's two event round trips; see `Session::ordered`).
     /// `column_major_scales`: FP8 scales stored per local expert column-major
     /// (`[local_expert][hidden / 128][capacity]`, DeepEP's layout) instead of row-major.
+    /// `stats` (`[local_experts]` i32, or None): the receive phase adds the rows it received
+    /// per local expert to it (DeepEP's `cumulative_local_expert_recv_stats`).
     #[pyo3(signature = (x, topk_idx, num_tokens, fp8, round_scale, hook, stream=None, join=false,
-                        column_major_scales=false))]
+                        column_major_scales=false, stats=None))]
     #[allow(clippy::too_many_arguments)]
     fn ll_dispatch(
         &self,
@@ -491,6 +493,7 @@ impl PySession {
         stream: Option<u64>,
         join: bool,
         column_major_scales: bool,
+        stats: Option<Arr>,
     ) -> PyResult<(Option<u64>, PyLlDispatch)> {
         let format = match (fp8, round_scale) {
             (true, round_scale) => LlFormat::Fp8 { round_scale },
@@ -505,7 +508,7 @@ impl PySession {
                 ));
             }
         };
-        let (x, idx) = (raw(x), raw(topk_idx));
+        let (x, idx, stats) = (raw(x), raw(topk_idx), stats.map(raw));
         let scales = if column_major_scales {
             LlScalesLayout::ColumnMajor
         } else {
@@ -517,7 +520,7 @@ impl PySession {
         // current stream).
         let (op, out) = detached(py, || unsafe {
             self.lock().ordered(stream, join, |s| {
-                s.ll_dispatch(x, idx, num_tokens, format, scales, hook)
+                s.ll_dispatch(x, idx, num_tokens, format, scales, stats, hook)
             })
         })?;
         Ok((op, PyLlDispatch { out }))

@@ -72,7 +72,6 @@ impl LlScalesLayout {
 }
 
 /// Inputs of a low-latency dispatch.
-#[derive(Clone, Copy)]
 pub struct LlDispatchInput<'a> {
     /// `[num_tokens][hidden]` bf16 rows.
     pub x: &'a dyn DevicePtr<half::bf16>,
@@ -80,6 +79,10 @@ pub struct LlDispatchInput<'a> {
     pub topk_idx: &'a dyn DevicePtr<i64>,
     /// Tokens of this rank (at most `BufferConfig::ll_max_tokens_per_rank`; 0 is allowed).
     pub num_tokens: usize,
+    /// `[num_local_experts]` i32 the receive phase adds this dispatch's rows per local expert
+    /// to (DeepEP's `cumulative_local_expert_recv_stats`; a masked source adds nothing); `None`:
+    /// no such array. The kernel adds in stream order: nothing else may write it meanwhile.
+    pub cumulative_stats: Option<&'a mut (dyn DevicePtrMut<i32> + 'static)>,
 }
 
 impl std::fmt::Debug for LlDispatchInput<'_> {
@@ -88,6 +91,10 @@ impl std::fmt::Debug for LlDispatchInput<'_> {
             .field("x", &self.x.len())
             .field("topk_idx", &self.topk_idx.len())
             .field("num_tokens", &self.num_tokens)
+            .field(
+                "cumulative_stats",
+                &self.cumulative_stats.as_ref().map(|s| s.len()),
+            )
             .finish()
     }
 }
@@ -393,7 +400,7 @@ impl Buffer {
     /// no host wait; capturable in a CUDA graph.
     pub fn ll_dispatch(
         &mut self,
-        input: &LlDispatchInput<'_>,
+        input: LlDispatchInput<'_>,
         format: LlFormat,
         recv: &mut LlRecv,
     ) -> Result<()> {
@@ -405,7 +412,7 @@ impl Buffer {
     /// filled when the returned [`LlPending`] has gone to [`Self::ll_receive`].
     pub fn ll_dispatch_send<'a>(
         &mut self,
-        input: &LlDispatchInput<'a>,
+        input: LlDispatchInput<'a>,
         format: LlFormat,
         recv: &'a mut LlRecv,
     ) -> Result<LlPending<'a>> {
@@ -416,7 +423,7 @@ impl Buffer {
     /// the receive phase (nothing is left pending).
     fn ll_dispatch_launch<'a>(
         &mut self,
-        input: &LlDispatchInput<'a>,
+        input: LlDispatchInput<'a>,
         format: LlFormat,
         recv: &'a mut LlRecv,
         fused: bool,
@@ -450,12 +457,30 @@ impl Buffer {
             t * k,
             "ids",
         )?;
+        let epr = recv.experts;
+        if let Some(stats) = &input.cumulative_stats {
+            exact_len(
+                "cumulative_stats",
+                stats.len(),
+                "must hold one count per local expert",
+                epr,
+                "counts",
+            )?;
+        }
         let s = self.stream.clone();
         let (x, _gx) = input.x.device_ptr(&s);
         let (idx, _gi) = input.topk_idx.device_ptr(&s);
         let ordinal = self.ctx.ordinal();
         check_device_ptr("x", x, t * hidden * 2, ROW_ALIGN, ordinal)?;
         check_device_ptr("topk_idx", idx, t * k * 8, 8, ordinal)?;
+        let (stats, _gs) = match input.cumulative_stats {
+            Some(stats) => {
+                let (p, g) = stats.device_ptr_mut(&s);
+                check_device_ptr("cumulative_stats", p, epr * 4, 4, ordinal)?;
+                (p, Some(g))
+            }
+            None => (0, None),
+        };
         // BF16 rows are put straight from `x`; FP8 rows (and every metadata row) from staging
         // rows in the symmetric buffer.
         if format == LlFormat::Bf16 {
@@ -495,10 +520,11 @@ impl Buffer {
             ll_layout_range: rl,
             ll_route: rr,
             ll_self_row: rself,
+            ll_cumulative_stats: stats,
             ..self.base_args()
         };
-        // SAFETY: x and topk_idx hold num_tokens rows (checked above) and stay borrowed by the
-        // pending op; the kernel writes only the low-latency regions of the symmetric buffers,
+        // SAFETY: x and topk_idx hold num_tokens rows, cumulative_stats one i32 per local
+        // expert (checked above), and they stay borrowed by the pending op; the kernel writes only the low-latency regions of the symmetric buffers,
         // sized by the plan every rank shares, and every rank launches it with ll_blocks blocks.
         unsafe {
             self.kernels
