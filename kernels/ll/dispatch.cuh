@@ -389,6 +389,10 @@ __device__ __forceinline__ void dispatch_unpack(const OpArgs& a, Shared& s, uint
   int32_t* src_info = reinterpret_cast<int32_t*>(a.ll_src_info);
   int32_t* route = reinterpret_cast<int32_t*>(a.ll_route);
   __shared__ int64_t dst_tab[kWarps][32];
+  // FP8: the offset of entry k's first scale in out_sc (-1: not mine); scale i is at
+  // offset + i * scale_step (row-major: 1; per expert column-major: cap).
+  __shared__ int64_t sc_tab[kWarps][32];
+  const int64_t scale_step = scales_col ? cap : 1;
   const int gwarp = warp * gridDim.x + blockIdx.x, nwarps = gridDim.x * kWarps;
   for (int item = gwarp; item < total * nch; item += nwarps) {
     const int row = item / nch, c = item % nch;
@@ -406,15 +410,19 @@ __device__ __forceinline__ void dispatch_unpack(const OpArgs& a, Shared& s, uint
     const int32_t* meta = rmeta + slot * (K + 1);
     const int32_t t = meta[0];
     int64_t* dst = dst_tab[warp];
+    int64_t* sco = sc_tab[warp];
     for (int k0 = 0; k0 < K; k0 += 32) {
       // dst[i]: the packed row of entry k0 + i (-1: not one of my experts).
       const int nk = min(32, K - k0);
       if (lane < nk) {
         const int32_t e = meta[1 + k0 + lane];
-        int64_t d = -1;
+        int64_t d = -1, so = -1;
         if (e >= 0) {
           const int l = e >> 16, i = e & 0xffff;
-          d = static_cast<int64_t>(l) * cap + first[l * world + r] + i;
+          const int64_t prow = first[l * world + r] + i;  // row within expert l
+          d = static_cast<int64_t>(l) * cap + prow;
+          // Row-major [l][row][S], or per expert column-major [l][S][row].
+          so = scales_col ? static_cast<int64_t>(l) * S * cap + prow : d * S;
           if (c == 0) {
             src_info[d] = t;
             route[d] = r * K + k0 + lane;
@@ -422,6 +430,7 @@ __device__ __forceinline__ void dispatch_unpack(const OpArgs& a, Shared& s, uint
           }
         }
         dst[lane] = d;
+        sco[lane] = so;
       }
       __syncwarp();
       for (int k = 0; k < nk; ++k)
@@ -430,13 +439,8 @@ __device__ __forceinline__ void dispatch_unpack(const OpArgs& a, Shared& s, uint
       if (fp8 && c == 0)
         for (int i = lane; i < S; i += 32) {
           const float sc = rsc[slot * S + i];
-          for (int k = 0; k < nk; ++k) {
-            const int64_t d = dst[k];
-            if (d < 0) continue;
-            // Row-major [l][row][S], or per expert column-major [l][S][row]
-            // (kFlagScalesColumnMajor): row d is (l = d / cap, row d % cap).
-            out_sc[scales_col ? ((d / cap) * S + i) * cap + d % cap : d * S + i] = sc;
-          }
+          for (int k = 0; k < nk; ++k)
+            if (sco[k] >= 0) out_sc[sco[k] + i * scale_step] = sc;
         }
       __syncwarp();
     }
