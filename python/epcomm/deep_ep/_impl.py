@@ -662,22 +662,24 @@ def _low_latency_dispatch(
                 f"hidden = {hidden})",
             )
     m = num_max_dispatch_tokens_per_rank
-    check_int("num_max_dispatch_tokens_per_rank", m, minimum=1)
     # The core's tensor-free rules before its (collective) creation, which a refusal must not
-    # follow, nor fix the core's shape.
-    _ll_args.check_dispatch(
-        buffer_max=m,
-        given_max=m,
-        buffer_experts=num_experts,
-        num_experts=num_experts,
-        hidden=hidden,
-        use_fp8=use_fp8,
-        round_scale=round_scale,
-        use_ue8m0=False,
-        async_finish=async_finish,
-        return_recv_hook=return_recv_hook,
-        dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats,
-    )
+    # follow, nor fix the core's shape. Once the core exists it checks them itself (once per
+    # op, not twice).
+    if buf._ll is None:
+        check_int("num_max_dispatch_tokens_per_rank", m, minimum=1)
+        _ll_args.check_dispatch(
+            buffer_max=m,
+            given_max=m,
+            buffer_experts=num_experts,
+            num_experts=num_experts,
+            hidden=hidden,
+            use_fp8=use_fp8,
+            round_scale=round_scale,
+            use_ue8m0=False,
+            async_finish=async_finish,
+            return_recv_hook=return_recv_hook,
+            dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats,
+        )
     core = _ll_core(buf, hidden, num_topk, num_experts, m)
     # FP8 scales arrive in DeepEP's layout from the kernel itself (views of the receive set,
     # as DeepEP's); packed UE8M0 bytes are made from the f32 scales by a copy.
