@@ -12,7 +12,7 @@ use epcomm_check::inputs::{Shape, device_inputs, host_inputs, upload};
 use epcomm_check::procs::is_worker;
 use epcomm_check::verify::{RoundOptions, verified_round};
 use epcomm_kernels::abi::LayoutArgs;
-use epcomm_kernels::{IntranodeKernels, KernelFamily};
+use epcomm_kernels::{KernelFamily, OpModule};
 use epcomm_reference::bf16;
 
 mod common;
@@ -28,7 +28,7 @@ use common::{
 /// with `given`, on a routing given by ranks: `[tokens][world]` flags and per-expert counts)
 /// and returns (counts, token slots, status).
 fn run_layout(
-    kernels: &IntranodeKernels,
+    kernels: &OpModule,
     stream: &Arc<cudarc::driver::CudaStream>,
     (record, claim): (
         &cudarc::driver::CudaSlice<u64>,
@@ -111,7 +111,7 @@ fn check_layout_variant(
     stream: &Arc<cudarc::driver::CudaStream>,
     variant: KernelFamily,
 ) {
-    let kernels = IntranodeKernels::load(ctx, stream, variant).unwrap();
+    let kernels = OpModule::load(ctx, stream, variant).unwrap();
     let claim = stream.alloc_zeros::<u32>(2).unwrap();
     let record = stream.alloc_zeros::<u64>(8).unwrap();
     let mut cases = 0;

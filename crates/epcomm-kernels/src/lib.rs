@@ -3,8 +3,8 @@
 //!
 //! Layers: [`abi`] (the `epcomm-abi` crate, re-exported) mirrors the kernel ABI of
 //! `kernels/common/abi.cuh` (generated from it by `cargo xtask codegen`); [`images`] lists the kernel images of `kernels/images.txt`;
-//! [`IntranodeKernels`] owns a loaded intranode module and launches layout / dispatch /
-//! combine.
+//! [`OpModule`] owns one loaded kernel image (any family: every op's kernel of it) and
+//! launches the layout, normal and low-latency dispatch / combine kernels.
 //! Launching is `unsafe`: the argument blocks carry raw device addresses whose validity the
 //! caller (the `epcomm` frontend's `Buffer`) guarantees.
 //!
@@ -37,23 +37,23 @@
 //!
 //! ```no_run
 //! use cudarc::driver::CudaContext;
-//! use epcomm_kernels::{IntranodeKernels, KernelFamily};
+//! use epcomm_kernels::{OpModule, KernelFamily};
 //!
 //! let ctx = CudaContext::new(0)?;
 //! let stream = ctx.new_stream()?;
 //! // Loads the module and runs the ABI probe: host and device agree on every argument block.
-//! let kernels = IntranodeKernels::load(&ctx, &stream, KernelFamily::NvlinkStore)?;
+//! let kernels = OpModule::load(&ctx, &stream, KernelFamily::NvlinkStore)?;
 //! # let _ = kernels;
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
 mod image;
-mod intranode;
+mod op_module;
 
 pub use epcomm_abi as abi;
 pub use epcomm_abi::KernelFamily;
 pub use image::{Image, ImageBuild, images};
-pub use intranode::{CopyCountedRows, IntranodeKernels, LL_MAX_SMEM_BYTES, Op};
+pub use op_module::{CopyCountedRows, LL_MAX_SMEM_BYTES, Op, OpModule};
 
 /// Errors of loading or launching kernels.
 #[derive(Debug, thiserror::Error)]

@@ -24,7 +24,7 @@ use std::mem::ManuallyDrop;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
-use epcomm_kernels::IntranodeKernels;
+use epcomm_kernels::OpModule;
 use epcomm_topology::{BufferPlan, RankGroup, RoutePlan};
 use epcomm_transport::{DeviceBuffer, DynTransport, MappedHostBuffer, SymmetricMemory};
 
@@ -70,7 +70,7 @@ pub struct Buffer {
     /// Dropped (unbound) before the module unloads, by `Drop` (or leaked with it: `leaked`).
     _module_binding: ManuallyDrop<Box<dyn std::fmt::Debug + Send + Sync>>,
     /// Unloaded by `Drop`, unless `leaked`.
-    kernels: ManuallyDrop<IntranodeKernels>,
+    kernels: ManuallyDrop<OpModule>,
     /// How every peer is reached (computed once, from the world layout and the transport).
     routes: RoutePlan,
     /// Bit d: rank d is reached with the transport's put/signal (`routes`' mask).

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use cudarc::driver::{CudaContext, CudaStream, sys};
-use epcomm_kernels::IntranodeKernels;
+use epcomm_kernels::OpModule;
 use epcomm_kernels::abi::{self, ErrorRecord};
 use epcomm_topology::{BufferPlan, Parity, RankGroup, RegionKind, Route, RoutePlan};
 use epcomm_transport::{DeviceBuffer, DynTransport, MappedHostBuffer, SymmetricMemory};
@@ -107,7 +107,7 @@ impl Buffer {
             Some(s) => s,
             None => ctx.new_stream().context("creating the comm stream")?,
         };
-        let kernels = IntranodeKernels::load(&ctx, &stream, caps.kernel_family)?;
+        let kernels = OpModule::load(&ctx, &stream, caps.kernel_family)?;
         // Waits across blocks and ranks need every block resident (kernels also launch
         // cooperatively, so a grid that cannot be co-resident fails instead of hanging).
         let fit = kernels.max_coresident_blocks(sms, ll_smem_words * 4)?;
@@ -293,7 +293,7 @@ pub(crate) struct TierParts<'a> {
 /// metadata of its put/signal sources, docs/proxy.md).
 fn fingerprint(
     cfg: &BufferConfig,
-    kernels: &IntranodeKernels,
+    kernels: &OpModule,
     transport: &str,
     world: usize,
     ranks_per_node: usize,

@@ -4,7 +4,7 @@
 //! policy: [`KernelFamily::NvlinkStore`] reaches every peer through a mapping of its buffer;
 //! [`KernelFamily::NvshmemDevice`] is device-linked with `libnvshmem_device` and reaches the peers
 //! flagged in `OpArgs::remote_mask` with NVSHMEM put/signal. The NVSHMEM module must be bound to
-//! the NVSHMEM runtime (`nvshmemx_cumodule_init`, see [`IntranodeKernels::cu_module`]) before
+//! the NVSHMEM runtime (`nvshmemx_cumodule_init`, see [`OpModule::cu_module`]) before
 //! a dispatch or combine launch.
 
 use std::sync::Arc;
@@ -144,7 +144,7 @@ impl OpKernel {
     /// the launch.
     ///
     /// # Safety
-    /// As for [`IntranodeKernels::launch_dispatch`].
+    /// As for [`OpModule::launch_dispatch`].
     unsafe fn launch(
         &self,
         stream: &CudaStream,
@@ -206,9 +206,10 @@ pub struct CopyCountedRows {
     pub max_rows: u64,
 }
 
-/// The loaded intranode module of one CUDA context.
+/// One kernel image loaded into a CUDA context (the image of the transport's
+/// [`KernelFamily`](crate::KernelFamily)): every op's kernel, and their launches.
 #[derive(Debug)]
-pub struct IntranodeKernels {
+pub struct OpModule {
     _module: Arc<CudaModule>,
     image_digest: u64,
     layout: CudaFunction,
@@ -218,7 +219,7 @@ pub struct IntranodeKernels {
     delay: CudaFunction,
 }
 
-impl IntranodeKernels {
+impl OpModule {
     /// Loads the embedded image of `family` into `ctx` and checks the argument-block ABI on
     /// the device.
     pub fn load(
