@@ -14,11 +14,18 @@
 //! | `ops` | op families: `ops::layout`, `ops::normal` (dispatch, combine), `ops::low_latency` |
 //! | `graph` | CUDA-graph capture and replay ([`EpGraph`]) |
 //!
-//! Memory contract: the symmetric buffer (`mem`) is written by the kernels of every rank (peers
-//! through their mappings or put/signal) and read on the host only after a synchronize
-//! (diagnostics); `err_record` and `host_counts` are mapped host memory that kernels write and
-//! the host polls; `err_claim`, `seq_state` and `peer_bases` are device memory only the kernels
-//! touch after setup. Every op is stream-ordered on `stream`.
+//! The state is a handful of parts, each owning its data: [`Place`] (rank, group, routes,
+//! plan), [`Launcher`] (context, stream, loaded image and its binding), `health::Health`
+//! (failure state, error record, last launch, teardown outcome), the sequence mirror,
+//! `graph::CaptureState`, the latest dispatch, `ops::LowLatencyState` and [`Memory`] (the
+//! symmetric buffer, the device words, the transport, dropped last).
+//!
+//! Memory contract: the symmetric buffer (`memory.mem`) is written by the kernels of every rank
+//! (peers through their mappings or put/signal) and read on the host only after a synchronize
+//! (diagnostics); `health.err_record` and `memory.host_counts` are mapped host memory that
+//! kernels write and the host polls; `health.err_claim`, `memory.seq_state` and
+//! `memory.peer_bases` are device memory only the kernels touch after setup. Every op is
+//! stream-ordered on `launcher.stream`.
 
 use std::mem::ManuallyDrop;
 use std::sync::Arc;
@@ -53,82 +60,81 @@ pub use ops::{
 use ops::LatestDispatch;
 pub(crate) use sequence::Sequence;
 
-/// One rank's epcomm state: see the crate docs.
+/// One rank's epcomm state: see the crate docs. A handful of parts, each owning its data.
 #[derive(Debug)]
 pub struct Buffer {
     /// Process-unique: layouts, handles and graphs remember the buffer that made them.
     id: u64,
     cfg: BufferConfig,
-    /// This rank's index in `group` (the whole world unless the buffer is one tier's).
-    rank: usize,
-    /// Ranks in `group`.
-    world: usize,
-    /// The world ranks the buffer spans; kernels number them `0..world`.
-    group: RankGroup,
-    ctx: Arc<CudaContext>,
-    stream: Arc<CudaStream>,
-    /// Dropped (unbound) before the module unloads, by `Drop` (or leaked with it: `leaked`).
-    _module_binding: ManuallyDrop<Box<dyn std::fmt::Debug + Send + Sync>>,
-    /// Unloaded by `Drop`, unless `leaked`.
-    kernels: ManuallyDrop<OpModule>,
-    /// How every peer is reached (computed once, from the world layout and the transport).
-    routes: RoutePlan,
-    /// Bit d: rank d is reached with the transport's put/signal (`routes`' mask).
-    remote_mask: u64,
-    plan: BufferPlan,
-    /// `[world]` u64 base address the kernels use for every rank's buffer (freed by `Drop`
-    /// unless `leaked`, as are `host_counts` and `seq_state`).
-    peer_bases: ManuallyDrop<DeviceBuffer>,
-    /// Device u32 the first failing thread claims.
-    err_claim: Arc<DeviceBuffer>,
-    /// Mapped host `ErrorRecord`, written by the failing thread, read by [`Self::check`].
-    err_record: Arc<MappedHostBuffer>,
-    /// Mapped host `[tag, rows, per local expert...]` a HostSync dispatch publishes.
-    host_counts: ManuallyDrop<MappedHostBuffer>,
-    /// The device `SeqState` (authoritative; `seq` mirrors it).
-    seq_state: ManuallyDrop<DeviceBuffer>,
-    /// Recorded on the stream after every epcomm launch (`health::note_launch`): failure
-    /// handling and teardown wait for it, bounded, instead of for the whole stream. The tiers
-    /// of a hierarchical buffer share it with their stream (the node tier's kernels read the
-    /// rail tier's memory, so either tier's teardown waits for both tiers' launches).
-    last_launch: Arc<CudaEvent>,
-    /// Bytes between the two parity copies of every per-parity region.
-    parity_stride: u64,
+    /// Who this rank is among whom, how it reaches them, and where every region lies.
+    place: Place,
+    /// The stream, the loaded kernel image and what binds it to the transport.
+    launcher: Launcher,
+    /// Failure state, the device error record, the last launch, teardown's outcome.
+    health: health::Health,
+    /// The host mirror of the device `SeqState`.
     seq: Sequence,
+    /// CUDA-graph recording state.
+    capture: graph::CaptureState,
     /// Routing, element type and weights of the latest (cached) dispatch (in-place combine).
     latest_dispatch: Option<LatestDispatch>,
-    /// `Buffer::capture` (or a hierarchical buffer's) is recording.
-    recording: bool,
-    /// What the ops recorded since the capture began address (see `graph`): handed to the
-    /// graph made of the recordings.
-    graph_keep: graph::KeepAlive,
-    /// A dispatch was captured outside `Buffer::capture`: the host no longer knows the
-    /// dispatch parity, so combines never stage (`ops/staging.rs`).
-    foreign_capture: bool,
-    /// The low-latency op whose receive phase has not been launched yet.
-    ll_pending: Option<ops::PendingReceive>,
-    /// u32 words of dynamic shared memory of the low-latency kernels.
-    ll_smem_words: usize,
-    /// Blocks of every low-latency kernel (`ll_num_sms`, or every SM this rank may use).
-    ll_blocks: u32,
-    last_op: Option<&'static str>,
-    /// Why the buffer refuses new ops (a device failure or an expired host wait).
-    failed: Option<String>,
+    /// Low-latency state: the outstanding receive phase and the kernels' launch shape.
+    ll: ops::LowLatencyState,
+    /// The symmetric buffer, the device words the kernels keep, and the transport (dropped
+    /// last).
+    memory: Memory,
+}
+
+/// Who this rank is among whom and where the regions lie (fixed at creation).
+#[derive(Debug)]
+pub(crate) struct Place {
+    /// This rank's index in `group` (the whole world unless the buffer is one tier's).
+    pub(crate) rank: usize,
+    /// Ranks in `group`.
+    pub(crate) world: usize,
+    /// The world ranks the buffer spans; kernels number them `0..world`.
+    pub(crate) group: RankGroup,
+    /// How every peer is reached (computed once, from the world layout and the transport).
+    pub(crate) routes: RoutePlan,
+    /// Bit d: rank d is reached with the transport's put/signal (`routes`' mask).
+    pub(crate) remote_mask: u64,
+    pub(crate) plan: BufferPlan,
+    /// Bytes between the two parity copies of every per-parity region.
+    pub(crate) parity_stride: u64,
+}
+
+/// What launches: the context, the stream every op runs on, and the loaded kernel image.
+#[derive(Debug)]
+pub(crate) struct Launcher {
+    pub(crate) ctx: Arc<CudaContext>,
+    pub(crate) stream: Arc<CudaStream>,
+    /// Dropped (unbound) before the module unloads, by `Buffer`'s `Drop` (or leaked with it).
+    pub(crate) module_binding: ManuallyDrop<Box<dyn std::fmt::Debug + Send + Sync>>,
+    /// Unloaded by `Buffer`'s `Drop`, unless leaked.
+    pub(crate) kernels: ManuallyDrop<OpModule>,
+}
+
+/// The memory the kernels address, and the transport that made the symmetric part of it.
+#[derive(Debug)]
+pub(crate) struct Memory {
     /// Freed by `teardown` (or leaked there when the free is collective and a peer is gone),
     /// never by the field's own drop.
-    mem: ManuallyDrop<Box<dyn SymmetricMemory>>,
-    torn_down: bool,
-    /// Teardown could not see this rank's last kernel finish: the kernels, their module and
-    /// every block they address stay allocated until the process exits.
-    leaked: bool,
-    transport: Arc<dyn DynTransport>,
+    pub(crate) mem: ManuallyDrop<Box<dyn SymmetricMemory>>,
+    /// `[world]` u64 base address the kernels use for every rank's buffer (freed by `Drop`
+    /// unless leaked, as are `host_counts` and `seq_state`).
+    pub(crate) peer_bases: ManuallyDrop<DeviceBuffer>,
+    /// Mapped host `[tag, rows, per local expert...]` a HostSync dispatch publishes.
+    pub(crate) host_counts: ManuallyDrop<MappedHostBuffer>,
+    /// The device `SeqState` (authoritative; `Buffer::seq` mirrors it).
+    pub(crate) seq_state: ManuallyDrop<DeviceBuffer>,
+    pub(crate) transport: Arc<dyn DynTransport>,
 }
 
 impl Buffer {
     /// This rank (its index in [`Self::group`]: its world rank unless the buffer is one
     /// tier's).
     pub fn rank(&self) -> usize {
-        self.rank
+        self.place.rank
     }
 
     /// The host mirror of the op counts (for captures spanning several buffers).
@@ -149,22 +155,22 @@ impl Buffer {
 
     /// Rows the receive region holds (`world * max_tokens_per_rank`).
     pub(crate) fn recv_capacity_rows(&self) -> usize {
-        self.plan.recv_rows() as usize
+        self.place.plan.recv_rows() as usize
     }
 
     /// The world ranks this buffer spans.
     pub fn group(&self) -> &RankGroup {
-        &self.group
+        &self.place.group
     }
 
     /// Number of ranks.
     pub fn world_size(&self) -> usize {
-        self.world
+        self.place.world
     }
 
     /// The CUDA context of this rank's GPU.
     pub fn context(&self) -> &Arc<CudaContext> {
-        &self.ctx
+        &self.launcher.ctx
     }
 
     /// The configuration.
@@ -175,45 +181,50 @@ impl Buffer {
     /// Blocks (SMs) every low-latency kernel of this buffer runs on: `ll_num_sms`, or when that
     /// is 0 every SM this rank may use (the same on every rank).
     pub fn ll_num_blocks(&self) -> u32 {
-        self.ll_blocks
+        self.ll.blocks
     }
 
     /// The transport.
     pub fn transport(&self) -> &dyn DynTransport {
-        self.transport.as_ref()
+        self.memory.transport.as_ref()
     }
 
     /// How this rank reaches every peer (tier and route per rank).
     pub fn route_plan(&self) -> &RoutePlan {
-        &self.routes
+        &self.place.routes
     }
 
     /// The stream every op runs on. Make it wait for your producers ([`Self::wait_event`]) and
     /// make your consumers wait for it ([`Self::record_event`]).
     pub fn stream(&self) -> &Arc<CudaStream> {
-        &self.stream
+        &self.launcher.stream
     }
 
     /// Bytes of symmetric memory per rank.
     pub fn symmetric_bytes(&self) -> usize {
-        self.mem.len()
+        self.memory.mem.len()
     }
 
     /// Orders the next op after `event` (e.g. the end of the kernel producing `x`).
     pub fn wait_event(&self, event: &CudaEvent) -> Result<()> {
-        self.stream
+        self.launcher
+            .stream
             .wait(event)
             .context("waiting on a caller's event")
     }
 
     /// Records an event after the ops issued so far (async mode: wait on it instead of the host).
     pub fn record_event(&self) -> Result<CudaEvent> {
-        self.stream.record_event(None).context("recording an event")
+        self.launcher
+            .stream
+            .record_event(None)
+            .context("recording an event")
     }
 
     /// Waits for every issued op and reports any device failure.
     pub fn synchronize(&mut self) -> Result<()> {
-        self.stream
+        self.launcher
+            .stream
             .synchronize()
             .context("synchronizing the comm stream")?;
         self.check()
@@ -240,39 +251,43 @@ impl Buffer {
 
     /// [`Self::destroy`]'s work; runs once (later calls, e.g. from `Drop`, return `Ok`).
     fn teardown(&mut self) -> Result<()> {
-        if self.torn_down {
+        if self.health.torn_down {
             return Ok(());
         }
-        self.torn_down = true;
+        self.health.torn_down = true;
         let limit = self.launch_wait_limit();
         let finished = self.wait_launched(limit);
         // A device failure was already reported by the op that hit it; destroying a failed
         // buffer is the way out, so only driver and transport errors surface here.
         let checked = if finished { self.check() } else { Ok(()) };
         if finished {
-            self.mem.release_peer_mappings();
+            self.memory.mem.release_peer_mappings();
         }
-        let barrier = self.transport.bootstrap().barrier("epcomm-buffer-unmapped");
+        let barrier = self
+            .memory
+            .transport
+            .bootstrap()
+            .barrier("epcomm-buffer-unmapped");
         let free = finished
             && match &barrier {
                 Ok(()) => true,
                 // A collective free would wait for the missing peers forever.
-                Err(_) if self.mem.free_is_collective() => false,
+                Err(_) if self.memory.mem.free_is_collective() => false,
                 // A peer that may still run may still write through its mapping.
                 Err(e) => peer_is_gone(e),
             };
         if free {
             // SAFETY: `mem` is taken exactly once (guarded by `torn_down`) and never used after.
-            unsafe { ManuallyDrop::drop(&mut self.mem) };
+            unsafe { ManuallyDrop::drop(&mut self.memory.mem) };
         }
         if !finished {
-            self.leaked = true;
+            self.health.leaked = true;
             return Err(Error::Failed(format!(
                 "destroying the buffer: this rank's last {} did not finish within {limit:?} \
                  (work queued on the stream before it, e.g. a wait on a caller's event, still \
                  holds it); its memory, mappings and kernels are leaked so that no kernel can \
                  touch freed memory",
-                self.last_op.unwrap_or("op")
+                self.health.last_op.unwrap_or("op")
             )));
         }
         barrier?;
@@ -297,24 +312,24 @@ impl Drop for Buffer {
         if let Err(e) = self.teardown() {
             eprintln!(
                 "epcomm: warning: rank {} dropped its Buffer without every peer: {e}",
-                self.rank
+                self.place.rank
             );
         }
-        if self.leaked {
+        if self.health.leaked {
             // A kernel of this rank may still run (or not have started): it addresses these.
-            std::mem::forget(self.err_claim.clone());
-            std::mem::forget(self.err_record.clone());
+            std::mem::forget(self.health.err_claim.clone());
+            std::mem::forget(self.health.err_record.clone());
             return;
         }
         // SAFETY: each field is dropped exactly once, here, and never used after; the module
         // binding goes before the module it binds, and this rank's kernels are finished
         // (`teardown` saw its last launch complete).
         unsafe {
-            ManuallyDrop::drop(&mut self._module_binding);
-            ManuallyDrop::drop(&mut self.kernels);
-            ManuallyDrop::drop(&mut self.peer_bases);
-            ManuallyDrop::drop(&mut self.host_counts);
-            ManuallyDrop::drop(&mut self.seq_state);
+            ManuallyDrop::drop(&mut self.launcher.module_binding);
+            ManuallyDrop::drop(&mut self.launcher.kernels);
+            ManuallyDrop::drop(&mut self.memory.peer_bases);
+            ManuallyDrop::drop(&mut self.memory.host_counts);
+            ManuallyDrop::drop(&mut self.memory.seq_state);
         }
     }
 }

@@ -54,8 +54,8 @@ impl Buffer {
     /// timeout in nanoseconds.
     pub(super) fn wait_ctx_base(&self) -> (u64, u64, u64) {
         (
-            self.err_claim.ptr(),
-            self.err_record.device_ptr(),
+            self.health.err_claim.ptr(),
+            self.health.err_record.device_ptr(),
             self.cfg.timeout.as_nanos().min(u64::MAX as u128) as u64,
         )
     }
@@ -84,12 +84,12 @@ impl Buffer {
             num_tokens: num_tokens as i32,
             top_k: self.cfg.top_k as i32,
             num_experts: self.cfg.num_experts as i32,
-            world: self.world as i32,
-            gpus_per_node: self.world as i32,
-            rank: self.rank as i32,
+            world: self.place.world as i32,
+            gpus_per_node: self.place.world as i32,
+            rank: self.place.rank as i32,
             // Failure records name world ranks on a tier's buffer too.
-            pe_base: self.group.pe_base() as i32,
-            pe_stride: self.group.pe_stride() as i32,
+            pe_base: self.place.group.pe_base() as i32,
+            pe_stride: self.place.group.pe_stride() as i32,
         }
     }
 
@@ -98,32 +98,32 @@ impl Buffer {
     /// `SeqState`, so a captured graph replays correctly. The host mirror advances only once
     /// the kernel is launched (a check that fails before the launch leaves it in step).
     pub(super) fn base_args(&self) -> OpArgs {
-        let plan = &self.plan;
+        let plan = &self.place.plan;
         let stats = region(plan, RegionKind::Stats);
         let (err_claim, err_record, timeout_ns) = self.wait_ctx_base();
         OpArgs {
-            peer_bases: self.peer_bases.ptr(),
+            peer_bases: self.memory.peer_bases.ptr(),
             off_done: region(plan, RegionKind::DoneCounters),
             off_barrier: region(plan, RegionKind::BarrierCounters),
             off_comb_flags: region(plan, RegionKind::CombineFlags),
             off_stats: stats,
             err_claim,
             err_record,
-            host_counts: self.host_counts.device_ptr(),
+            host_counts: self.memory.host_counts.device_ptr(),
             timeout_ns,
-            seq_state: self.seq_state.ptr(),
-            parity_stride: self.parity_stride,
+            seq_state: self.memory.seq_state.ptr(),
+            parity_stride: self.place.parity_stride,
             hidden: self.cfg.hidden as i32,
             top_k: self.cfg.top_k as i32,
             num_experts: self.cfg.num_experts as i32,
-            world: self.world as i32,
-            rank: self.rank as i32,
-            pe_base: self.group.pe_base() as i32,
-            pe_stride: self.group.pe_stride() as i32,
+            world: self.place.world as i32,
+            rank: self.place.rank as i32,
+            pe_base: self.place.group.pe_base() as i32,
+            pe_stride: self.place.group.pe_stride() as i32,
             max_tokens: self.cfg.max_tokens_per_rank as i32,
             global_barriers: u32::from(self.cfg.schedule == Schedule::Global),
-            remote_mask: self.remote_mask,
-            abort_word: self.mem.local_base() + stats + abi::STATS_ABORT_OFFSET,
+            remote_mask: self.place.remote_mask,
+            abort_word: self.memory.mem.local_base() + stats + abi::STATS_ABORT_OFFSET,
             off_ll_x: region(plan, RegionKind::LlDispatchX),
             off_ll_scales: region(plan, RegionKind::LlDispatchScales),
             off_ll_meta: region(plan, RegionKind::LlMeta),
@@ -132,7 +132,7 @@ impl Buffer {
             off_ll_stage: region(plan, RegionKind::LlStage),
             off_ll_meta_stage: region(plan, RegionKind::LlMetaStage),
             ll_max_tokens: self.cfg.ll_max_tokens_per_rank as i32,
-            ll_smem_words: self.ll_smem_words as i32,
+            ll_smem_words: self.ll.smem_words as i32,
             ..OpArgs::default()
         }
     }
@@ -146,7 +146,7 @@ impl Buffer {
         max_recv_rows: usize,
         flags: u32,
     ) -> OpArgs {
-        let plan = &self.plan;
+        let plan = &self.place.plan;
         OpArgs {
             off_x: region(plan, RegionKind::DispatchX),
             off_scales: region(plan, RegionKind::DispatchScales),
@@ -172,7 +172,7 @@ impl Buffer {
         max_recv_rows: usize,
         flags: u32,
     ) -> OpArgs {
-        let plan = &self.plan;
+        let plan = &self.place.plan;
         OpArgs {
             off_comb_x: region(plan, RegionKind::CombineX),
             off_comb_w: region(plan, RegionKind::CombineWeights),

@@ -45,6 +45,19 @@ pub struct EpGraph {
 /// Device state a recording addresses, owned by the graph made of it.
 pub(crate) type KeepAlive = Vec<Arc<dyn Any + Send + Sync>>;
 
+/// A buffer's CUDA-graph recording state.
+#[derive(Debug, Default)]
+pub(crate) struct CaptureState {
+    /// `Buffer::capture` (or a hierarchical buffer's) is recording.
+    pub(crate) recording: bool,
+    /// What the ops recorded since the capture began address: handed to the graph made of the
+    /// recordings.
+    pub(crate) graph_keep: KeepAlive,
+    /// A dispatch was captured outside `Buffer::capture`: the host no longer knows the
+    /// dispatch parity, so combines never stage (`ops/staging.rs`).
+    pub(crate) foreign_capture: bool,
+}
+
 impl std::fmt::Debug for EpGraph {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("EpGraph")
@@ -59,19 +72,24 @@ impl Buffer {
     /// op being recorded addresses) alive for as long as the graph made of the recording.
     /// Outside a recording: nothing (a launched op is stream-ordered before any free).
     pub(crate) fn keep_alive(&mut self, state: Arc<dyn Any + Send + Sync>) {
-        if !self.recording {
+        if !self.capture.recording {
             return;
         }
         // A handful of entries per graph: a linear scan keeps each object once.
-        if !self.graph_keep.iter().any(|k| Arc::ptr_eq(k, &state)) {
-            self.graph_keep.push(state);
+        if !self
+            .capture
+            .graph_keep
+            .iter()
+            .any(|k| Arc::ptr_eq(k, &state))
+        {
+            self.capture.graph_keep.push(state);
         }
     }
 
     /// Takes what the recordings made since the last call keep alive (for the graph made of
     /// them; also called to drop what a failed capture collected).
     pub(crate) fn take_keep_alive(&mut self) -> KeepAlive {
-        std::mem::take(&mut self.graph_keep)
+        std::mem::take(&mut self.capture.graph_keep)
     }
 
     /// Records the ops `ops` issues on this buffer's stream into a CUDA graph instead of running
@@ -145,13 +163,15 @@ impl Buffer {
         F: FnMut(&mut Self) -> Result<()>,
     {
         let real = self.seq;
-        self.stream
+        self.launcher
+            .stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .context("beginning a graph capture")?;
         self.seq = at;
         self.begin_recording();
         let captured = ops(self);
         let graph = self
+            .launcher
             .stream
             .end_capture(
                 sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
@@ -162,7 +182,7 @@ impl Buffer {
         self.seq = real;
         // Nothing ran on the device: a receive left pending inside is not pending now, also
         // when the closure failed.
-        let pending = self.ll_pending.take();
+        let pending = self.ll.pending.take();
         captured?;
         if let Some(p) = pending {
             return Err(Error::InvalidArgument {

@@ -7,6 +7,7 @@
 //! typed [`Error`], and marks the buffer failed; from then on every op returns
 //! [`Error::Failed`] and the way out is a new `Buffer`.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaEvent, CudaStream, sys};
@@ -14,10 +15,36 @@ use epcomm_kernels::Op;
 use epcomm_kernels::abi::{self, ErrorRecord};
 use epcomm_topology::{Parity, RegionKind};
 use epcomm_transport::memory::copy_dtoh;
+use epcomm_transport::{DeviceBuffer, MappedHostBuffer};
 
 use super::Buffer;
 use crate::stats::{LocalStats, OpStats};
 use crate::{Error, Result, WaitKind};
+
+/// The buffer's health: why it refuses ops, the device error record every kernel of it may
+/// write, its last launch (what failure handling and teardown wait for), and how its teardown
+/// went.
+#[derive(Debug)]
+pub(crate) struct Health {
+    /// Device u32 the first failing thread claims.
+    pub(crate) err_claim: Arc<DeviceBuffer>,
+    /// Mapped host `ErrorRecord`, written by the failing thread, read by `Buffer::check`.
+    pub(crate) err_record: Arc<MappedHostBuffer>,
+    /// Why the buffer refuses new ops (a device failure or an expired host wait).
+    pub(crate) failed: Option<String>,
+    /// The name of the latest op issued (for teardown's error).
+    pub(crate) last_op: Option<&'static str>,
+    /// Recorded on the stream after every epcomm launch (`note_launch`): failure handling and
+    /// teardown wait for it, bounded, instead of for the whole stream. The tiers of a
+    /// hierarchical buffer share it with their stream (the node tier's kernels read the rail
+    /// tier's memory, so either tier's teardown waits for both tiers' launches).
+    pub(crate) last_launch: Arc<CudaEvent>,
+    /// `teardown` ran.
+    pub(crate) torn_down: bool,
+    /// Teardown could not see this rank's last kernel finish: the kernels, their module and
+    /// every block they address stay allocated until the process exits.
+    pub(crate) leaked: bool,
+}
 
 /// What a HostSync dispatch publishes to mapped host memory once the counts are exchanged.
 #[derive(Debug)]
@@ -45,16 +72,16 @@ impl Buffer {
     /// Reports a failure recorded by a kernel (cheap: one read of mapped host memory). After a
     /// failure the buffer refuses new ops: destroy it and create a new one.
     pub fn check(&mut self) -> Result<()> {
-        if let Some(why) = &self.failed {
+        if let Some(why) = &self.health.failed {
             return Err(Error::Failed(why.clone()));
         }
-        if self.err_record.load_u64_acquire(0).unwrap_or(0) as u32 == abi::code::OK {
+        if self.health.err_record.load_u64_acquire(0).unwrap_or(0) as u32 == abi::code::OK {
             return Ok(());
         }
         // The record is complete once the failing kernel has exited: wait for this rank's
         // launches (bounded), not for caller work queued on the stream after them.
         self.wait_launched(self.launch_wait_limit());
-        let record: ErrorRecord = self.err_record.read_struct().unwrap_or_default();
+        let record: ErrorRecord = self.health.err_record.read_struct().unwrap_or_default();
         if record.code != abi::code::PEER_FAILED {
             self.announce_failure();
         }
@@ -65,7 +92,7 @@ impl Buffer {
         // proxy was doing.
         if record.wait_id == abi::wait::PROXY
             && record.code != abi::code::PEER_FAILED
-            && let Some(why) = self.mem.backend_failure()
+            && let Some(why) = self.memory.mem.backend_failure()
         {
             e = Error::BackendStalled {
                 cause: Box::new(e),
@@ -88,19 +115,31 @@ impl Buffer {
         // offsets and sequence state; with the claim set the prologue touches nothing else and
         // every block returns before the body (so no completion counter is involved).
         let launched = unsafe {
-            self.kernels
-                .launch_op(Op::Dispatch, &self.stream, &args, self.cfg.num_sms)
+            self.launcher.kernels.launch_op(
+                Op::Dispatch,
+                &self.launcher.stream,
+                &args,
+                self.cfg.num_sms,
+            )
         };
         // Not waited for here: it is stream-ordered before every later op, and a wait could
         // only wait for caller work queued ahead of it; teardown waits for it (bounded).
         if launched.is_ok() {
-            note_launch(&self.last_launch, &self.stream, self.recording);
+            note_launch(
+                &self.health.last_launch,
+                &self.launcher.stream,
+                self.capture.recording,
+            );
         }
     }
 
     /// [`note_launch`] after a launch on the buffer's stream (or a graph replay there).
     pub(crate) fn mark_launch(&self) {
-        note_launch(&self.last_launch, &self.stream, self.recording);
+        note_launch(
+            &self.health.last_launch,
+            &self.launcher.stream,
+            self.capture.recording,
+        );
     }
 
     /// How long the host waits for this rank's own launched ops to finish after a failure or
@@ -117,13 +156,13 @@ impl Buffer {
     pub(in crate::buffer) fn wait_launched(&self, limit: Duration) -> bool {
         let start = Instant::now();
         loop {
-            let done = match self.last_launch.try_is_complete() {
+            let done = match self.health.last_launch.try_is_complete() {
                 Ok(done) => done,
                 // Recorded while someone else's graph capture ran on the stream: not a point
                 // of the stream's work; wait for the stream itself instead (still bounded).
                 Err(e) if e.0 == sys::CUresult::CUDA_ERROR_CAPTURED_EVENT => {
                     // SAFETY: querying a live stream has no preconditions.
-                    let q = unsafe { sys::cuStreamQuery(self.stream.cu_stream()) };
+                    let q = unsafe { sys::cuStreamQuery(self.launcher.stream.cu_stream()) };
                     q != sys::CUresult::CUDA_ERROR_NOT_READY
                 }
                 // A broken context: nothing of it runs any more.
@@ -141,13 +180,13 @@ impl Buffer {
 
     /// True after a device failure.
     pub fn is_failed(&self) -> bool {
-        self.failed.is_some()
+        self.health.failed.is_some()
     }
 
     /// The check every op makes before it issues anything.
     pub(crate) fn ensure_ready(&mut self) -> Result<()> {
         self.check()?;
-        let Some(p) = &self.ll_pending else {
+        let Some(p) = &self.ll.pending else {
             return Ok(());
         };
         let op = p.op;
@@ -168,7 +207,7 @@ impl Buffer {
 
     /// Marks the buffer failed because of `e` and returns `e`.
     fn fail(&mut self, e: Error) -> Error {
-        self.failed = Some(e.to_string());
+        self.health.failed = Some(e.to_string());
         e
     }
 
@@ -181,8 +220,8 @@ impl Buffer {
         loop {
             // The kernel stores the counts, fences, then the tag: the acquire read keeps the
             // count reads below from being satisfied before the tag's (Arm hosts reorder loads).
-            if self.host_counts.load_u64_acquire(0) == Some(tag) {
-                let word = |i: usize| self.host_counts.load_u64(i).unwrap_or(0) as usize;
+            if self.memory.host_counts.load_u64_acquire(0) == Some(tag) {
+                let word = |i: usize| self.memory.host_counts.load_u64(i).unwrap_or(0) as usize;
                 let own_first = word(2 + epr);
                 return Ok(HostCounts {
                     rows: word(1),
@@ -192,9 +231,9 @@ impl Buffer {
             }
             self.check()?;
             // SAFETY: querying a live stream has no preconditions.
-            let idle = unsafe { sys::cuStreamQuery(self.stream.cu_stream()) }
+            let idle = unsafe { sys::cuStreamQuery(self.launcher.stream.cu_stream()) }
                 == sys::CUresult::CUDA_SUCCESS;
-            if idle && self.host_counts.load_u64(0) != Some(tag) {
+            if idle && self.memory.host_counts.load_u64(0) != Some(tag) {
                 self.check()?;
                 return Err(Error::Failed(
                     "dispatch finished without publishing its receive count".into(),
@@ -203,12 +242,12 @@ impl Buffer {
             if start.elapsed() > limit {
                 let e = Error::Timeout {
                     op: "dispatch",
-                    rank: self.group.world_rank_or_self(self.rank),
+                    rank: self.place.group.world_rank_or_self(self.place.rank),
                     wait: WaitKind::HostRecvCount,
                     peer: -1,
                     op_seq: self.seq.op,
                     expected: tag,
-                    seen: self.host_counts.load_u64(0).unwrap_or(0),
+                    seen: self.memory.host_counts.load_u64(0).unwrap_or(0),
                     waited: start.elapsed(),
                 };
                 return Err(self.fail(e));
@@ -222,10 +261,10 @@ impl Buffer {
     /// host channel, since GPU clocks are not comparable across GPUs.
     pub fn last_op_stats(&mut self) -> Result<Option<OpStats>> {
         self.synchronize()?;
-        if self.last_op.is_none() {
+        if self.health.last_op.is_none() {
             return Ok(None);
         }
-        let words = self.read_local_words(RegionKind::Stats, 8 + 3 * self.world)?;
+        let words = self.read_local_words(RegionKind::Stats, 8 + 3 * self.place.world)?;
         let Some(local) = LocalStats::from_words(&words) else {
             return Ok(None);
         };
@@ -233,19 +272,20 @@ impl Buffer {
         let tag = format!(
             "epcomm-stats-{}-{}x{}",
             local.op_seq,
-            self.group.size(),
-            self.group.pe_stride()
+            self.place.group.size(),
+            self.place.group.pe_stride()
         );
         let all = self
+            .memory
             .transport
             .bootstrap()
             .all_gather(&tag, &local.encode())?;
         // Every rank of the world answers (for its own group's buffer); keep this group's.
-        let ranks: Vec<usize> = self.group.members().collect();
+        let ranks: Vec<usize> = self.place.group.members().collect();
         let mut waits = Vec::with_capacity(ranks.len());
         for &peer in &ranks {
             let bytes = all.get(peer).map_or(&[][..], |b| &b[..]);
-            let row = LocalStats::decode_waits(bytes, local.op_seq, self.world).ok_or_else(|| Error::InvalidArgument {
+            let row = LocalStats::decode_waits(bytes, local.op_seq, self.place.world).ok_or_else(|| Error::InvalidArgument {
                 argument: "last_op_stats",
                 rule: format!("rank {peer} reported stats of another op (call it on every rank after the same op)"),
             })?;
@@ -254,7 +294,7 @@ impl Buffer {
         Ok(Some(OpStats {
             op: local.op,
             op_seq: local.op_seq,
-            rank: self.rank,
+            rank: self.place.rank,
             total: local.total,
             sending: local.sending,
             counts_ready: local.counts_ready,
@@ -273,9 +313,14 @@ impl Buffer {
             });
         }
         self.ensure_ready()?;
-        self.kernels
-            .launch_delay(&self.stream, delay.as_nanos() as u64)?;
-        note_launch(&self.last_launch, &self.stream, self.recording);
+        self.launcher
+            .kernels
+            .launch_delay(&self.launcher.stream, delay.as_nanos() as u64)?;
+        note_launch(
+            &self.health.last_launch,
+            &self.launcher.stream,
+            self.capture.recording,
+        );
         Ok(())
     }
 
@@ -285,7 +330,7 @@ impl Buffer {
     /// low-latency ops). Waits for issued ops.
     pub fn barrier_counters(&mut self) -> Result<Vec<u64>> {
         self.synchronize()?;
-        self.read_local_words(RegionKind::BarrierCounters, self.world)
+        self.read_local_words(RegionKind::BarrierCounters, self.place.world)
     }
 
     /// Copies the first `n` u64 words of region `kind` (even parity) of this rank's symmetric
@@ -293,9 +338,11 @@ impl Buffer {
     /// is writing it; `n` words must fit the region (the stats block holds `8 + 3 * world`, the
     /// barrier counters `world`).
     fn read_local_words(&self, kind: RegionKind, n: usize) -> Result<Vec<u64>> {
-        let off = self.plan.region(kind, Parity::Even).offset;
+        let off = self.place.plan.region(kind, Parity::Even).offset;
         // SAFETY: the region lies inside this rank's live symmetric buffer (plan offsets) and
         // holds at least `n` words (see above).
-        Ok(unsafe { copy_dtoh::<u64>(&self.stream, self.mem.local_base() + off, n) }?)
+        Ok(unsafe {
+            copy_dtoh::<u64>(&self.launcher.stream, self.memory.mem.local_base() + off, n)
+        }?)
     }
 }

@@ -26,7 +26,7 @@ mod normal;
 mod staging;
 
 pub use copy_out::CountedRows;
-pub(super) use low_latency::PendingReceive;
+pub(super) use low_latency::LowLatencyState;
 pub use low_latency::{LlDispatchInput, LlFormat, LlPending, LlRecv, LlScalesLayout};
 pub(super) use normal::LatestDispatch;
 

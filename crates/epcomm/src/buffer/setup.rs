@@ -16,8 +16,11 @@ use epcomm_kernels::abi::{self, ErrorRecord};
 use epcomm_topology::{BufferPlan, Parity, RankGroup, RegionKind, Route, RoutePlan};
 use epcomm_transport::{DeviceBuffer, DynTransport, MappedHostBuffer, SymmetricMemory};
 
+use super::graph::CaptureState;
+use super::health::Health;
+use super::ops::LowLatencyState;
 use super::sharing::{GpuPlacement, check_shared_gpus, ll_blocks};
-use super::{Buffer, Sequence};
+use super::{Buffer, Launcher, Memory, Place, Sequence};
 use crate::agreement::Fingerprint;
 use crate::error::DriverContext;
 use crate::{BufferConfig, Error, Result};
@@ -208,7 +211,7 @@ impl Buffer {
         let peer_bases = DeviceBuffer::zeroed(&ctx, world * 8)?;
         peer_bases.write(&stream, 0, &bases)?;
         let (err_claim, err_record) = match errors_of {
-            Some(b) => (b.err_claim.clone(), b.err_record.clone()),
+            Some(b) => (b.health.err_claim.clone(), b.health.err_record.clone()),
             None => (
                 Arc::new(DeviceBuffer::zeroed(&ctx, 8)?),
                 Arc::new(MappedHostBuffer::zeroed(&ctx, size_of::<ErrorRecord>())?),
@@ -218,7 +221,7 @@ impl Buffer {
         let seq_state = DeviceBuffer::zeroed(&ctx, size_of::<abi::SeqState>())?;
         let parity_stride = parity_stride(&plan)?;
         let last_launch = match errors_of {
-            Some(b) => b.last_launch.clone(),
+            Some(b) => b.health.last_launch.clone(),
             None => Arc::new(
                 ctx.new_event(None)
                     .context("creating the launch-mark event")?,
@@ -227,43 +230,52 @@ impl Buffer {
         let buffer = Self {
             id: NEXT_BUFFER_ID.fetch_add(1, Ordering::Relaxed),
             cfg,
-            rank,
-            world,
-            group,
-            ctx,
-            stream,
-            _module_binding: ManuallyDrop::new(module_binding),
-            kernels: ManuallyDrop::new(kernels),
-            routes,
-            remote_mask,
-            plan,
-            peer_bases: ManuallyDrop::new(peer_bases),
-            err_claim,
-            err_record,
-            host_counts: ManuallyDrop::new(host_counts),
-            seq_state: ManuallyDrop::new(seq_state),
-            last_launch,
-            parity_stride,
+            place: Place {
+                rank,
+                world,
+                group,
+                routes,
+                remote_mask,
+                plan,
+                parity_stride,
+            },
+            launcher: Launcher {
+                ctx,
+                stream,
+                module_binding: ManuallyDrop::new(module_binding),
+                kernels: ManuallyDrop::new(kernels),
+            },
+            health: Health {
+                err_claim,
+                err_record,
+                failed: None,
+                last_op: None,
+                last_launch,
+                torn_down: false,
+                leaked: false,
+            },
             seq: Sequence::default(),
+            capture: CaptureState::default(),
             latest_dispatch: None,
-            recording: false,
-            graph_keep: Vec::new(),
-            foreign_capture: false,
-            ll_pending: None,
-            ll_smem_words,
-            ll_blocks,
-            last_op: None,
-            failed: None,
-            mem: ManuallyDrop::new(mem),
-            torn_down: false,
-            leaked: false,
-            transport,
+            ll: LowLatencyState {
+                pending: None,
+                smem_words: ll_smem_words,
+                blocks: ll_blocks,
+            },
+            memory: Memory {
+                mem: ManuallyDrop::new(mem),
+                peer_bases: ManuallyDrop::new(peer_bases),
+                host_counts: ManuallyDrop::new(host_counts),
+                seq_state: ManuallyDrop::new(seq_state),
+                transport,
+            },
         };
         // The setup's own stream work (peer bases, proxy channel): what teardown waits for
         // before the first op.
         buffer.mark_launch();
         // Nobody may write into a peer's buffer before that peer has zeroed and mapped it.
         buffer
+            .memory
             .transport
             .bootstrap()
             .barrier("epcomm-buffer-ready")?;

@@ -171,7 +171,7 @@ impl Buffer {
 
     /// The most rows a dispatch in `mode` may receive (the kernel enforces it on every rank).
     pub(super) fn recv_capacity(&self, mode: RecvMode) -> Result<usize> {
-        let cap = self.plan.recv_rows() as usize;
+        let cap = self.place.plan.recv_rows() as usize;
         match mode {
             RecvMode::Bounded(n) if n > cap => Err(Error::InvalidArgument {
                 argument: "RecvMode::Bounded",
@@ -284,7 +284,7 @@ impl Buffer {
     /// The caller addresses of a dispatch of `t` tokens as the kernel will read them (`a`
     /// filled in): alignment and device (see `pointers`). Absent arrays are 0 and pass.
     pub(super) fn check_dispatch_ptrs(&self, a: &OpArgs, t: usize) -> Result<()> {
-        let (dev, k) = (self.ctx.ordinal(), self.cfg.top_k);
+        let (dev, k) = (self.launcher.ctx.ordinal(), self.cfg.top_k);
         check_device_ptr("x", a.x, t * a.row_bytes as usize, ROW_ALIGN, dev)?;
         check_device_ptr("scales", a.x_scales, t * a.num_scales as usize * 4, 4, dev)?;
         check_device_ptr("topk_idx", a.topk_idx, t * k * 8, 8, dev)?;
@@ -293,6 +293,7 @@ impl Buffer {
         // values (NVSHMEM), or as rows read from the caller's arrays (the CPU proxy).
         self.prepare_put_source("x", a.x, t * a.row_bytes as usize)?;
         if self
+            .memory
             .transport
             .capabilities()
             .kernel_family
@@ -308,7 +309,7 @@ impl Buffer {
     /// The caller addresses of a combine of `t` tokens and up to `rows` received rows, as the
     /// kernel will read and write them (`a` filled in; `y` is 0 in place and passes).
     pub(super) fn check_combine_ptrs(&self, a: &OpArgs, rows: usize, t: usize) -> Result<()> {
-        let (dev, hd, k) = (self.ctx.ordinal(), self.cfg.hidden, self.cfg.top_k);
+        let (dev, hd, k) = (self.launcher.ctx.ordinal(), self.cfg.hidden, self.cfg.top_k);
         check_device_ptr("y", a.x, rows * hd * 2, ROW_ALIGN, dev)?;
         check_device_ptr("y_weights", a.topk_weights, rows * k * 4, 4, dev)?;
         check_device_ptr("out", a.out, t * hd * 2, ROW_ALIGN, dev)?;
@@ -327,10 +328,10 @@ impl Buffer {
         ptr: u64,
         bytes: usize,
     ) -> Result<()> {
-        if self.remote_mask == 0 || ptr == 0 || bytes == 0 {
+        if self.place.remote_mask == 0 || ptr == 0 || bytes == 0 {
             return Ok(());
         }
-        Ok(self.mem.prepare_put_source(argument, ptr, bytes)?)
+        Ok(self.memory.mem.prepare_put_source(argument, ptr, bytes)?)
     }
 }
 

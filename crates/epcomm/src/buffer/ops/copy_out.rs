@@ -62,8 +62,8 @@ impl Buffer {
         if max_rows == 0 {
             return Ok(());
         }
-        let base = self.mem.local_base();
-        let end = base + self.mem.len() as u64;
+        let base = self.memory.mem.local_base();
+        let end = base + self.memory.mem.len() as u64;
         let span = (max_rows * src.row_bytes) as u64;
         for (p, at) in src.region.iter().zip(["even", "odd"]) {
             if *p < base || p.saturating_add(span) > end {
@@ -76,14 +76,14 @@ impl Buffer {
                 });
             }
         }
-        let dev = self.ctx.ordinal();
+        let dev = self.launcher.ctx.ordinal();
         check_device_ptr("dst", dst, max_rows * src.row_bytes, 4, dev)?;
         // SAFETY: both parity copies lie in this rank's symmetric memory (checked above), `dst`
         // is device memory of this GPU holding max_rows rows (checked above; owned by the
         // caller per the contract), and the count and parity words are live per the contract.
         unsafe {
-            self.kernels.launch_copy_counted_rows(
-                &self.stream,
+            self.launcher.kernels.launch_copy_counted_rows(
+                &self.launcher.stream,
                 epcomm_kernels::CopyCountedRows {
                     dst,
                     even: src.region[0],

@@ -43,16 +43,21 @@ impl Buffer {
         device_tokens: Option<DeviceTokens>,
     ) -> Result<Layout> {
         self.check_tokens(num_tokens)?;
-        let (world, e) = (self.world, self.cfg.num_experts);
+        let (world, e) = (self.place.world, self.cfg.num_experts);
         let nodes = 1; // one NVLink domain
         // SAFETY: every element is written by the layout kernel before anything reads it.
-        let counts = unsafe { self.stream.alloc::<u32>(world + e + nodes) }
+        let counts = unsafe { self.launcher.stream.alloc::<u32>(world + e + nodes) }
             .context("allocating layout counts")?;
         // SAFETY: as above.
-        let token_slot = unsafe { self.stream.alloc::<i32>((num_tokens * world).max(1)) }
-            .context("allocating token slots")?;
+        let token_slot = unsafe {
+            self.launcher
+                .stream
+                .alloc::<i32>((num_tokens * world).max(1))
+        }
+        .context("allocating token slots")?;
         // SAFETY: as above.
-        let status = unsafe { self.stream.alloc::<u32>(1) }.context("allocating layout status")?;
+        let status =
+            unsafe { self.launcher.stream.alloc::<u32>(1) }.context("allocating layout status")?;
         Ok(Layout {
             inner: Arc::new(LayoutInner {
                 counts,
@@ -86,7 +91,7 @@ impl Buffer {
             num_tokens * k,
             "ids",
         )?;
-        let s = &self.stream;
+        let s = &self.launcher.stream;
         let (idx_ptr, _g0) = topk_idx.device_ptr(s);
         let (counts_ptr, _g1) = l.counts.device_ptr(s);
         let (slot_ptr, _g2) = l.token_slot.device_ptr(s);
@@ -96,8 +101,8 @@ impl Buffer {
         // SAFETY: all addresses are live allocations of the sizes the kernel expects for this
         // shape (counts: world + E + nodes, token_slot: T * world, status: 1, topk_idx: T * K);
         // the layout's arrays are owned by `layout`, which outlives the launch (stream order).
-        unsafe { self.kernels.launch_layout(s, &args) }?;
-        note_launch(&self.last_launch, s, self.recording);
+        unsafe { self.launcher.kernels.launch_layout(s, &args) }?;
+        note_launch(&self.health.last_launch, s, self.capture.recording);
         l.generation.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
@@ -123,7 +128,7 @@ impl Buffer {
             "is_token_in_rank",
             in_rank.len(),
             "must hold num_tokens * world",
-            num_tokens * self.world,
+            num_tokens * self.place.world,
             "flags",
         )?;
         exact_len(
@@ -133,14 +138,20 @@ impl Buffer {
             self.cfg.num_experts,
             "counts",
         )?;
-        let s = &self.stream;
+        let s = &self.launcher.stream;
         let (in_ptr, _g0) = in_rank.device_ptr(s);
         let (per_expert_ptr, _g1) = tokens_per_expert.device_ptr(s);
         let (counts_ptr, _g2) = l.counts.device_ptr(s);
         let (slot_ptr, _g3) = l.token_slot.device_ptr(s);
         let (status_ptr, _g4) = l.status.device_ptr(s);
-        let dev = self.ctx.ordinal();
-        check_device_ptr("is_token_in_rank", in_ptr, num_tokens * self.world, 1, dev)?;
+        let dev = self.launcher.ctx.ordinal();
+        check_device_ptr(
+            "is_token_in_rank",
+            in_ptr,
+            num_tokens * self.place.world,
+            1,
+            dev,
+        )?;
         check_device_ptr(
             "num_tokens_per_expert",
             per_expert_ptr,
@@ -149,7 +160,7 @@ impl Buffer {
             dev,
         )?;
         for (argument, ptr, len) in [
-            ("is_token_in_rank", in_ptr, num_tokens * self.world),
+            ("is_token_in_rank", in_ptr, num_tokens * self.place.world),
             (
                 "num_tokens_per_expert",
                 per_expert_ptr,
@@ -174,8 +185,8 @@ impl Buffer {
         // world, expert_counts: E; lengths and addresses checked above, in_rank never null);
         // with in_rank set the kernel never reads topk_idx. The layout's arrays are owned by
         // `layout`, which outlives the launch.
-        unsafe { self.kernels.launch_layout(s, &args) }?;
-        note_launch(&self.last_launch, s, self.recording);
+        unsafe { self.launcher.kernels.launch_layout(s, &args) }?;
+        note_launch(&self.health.last_launch, s, self.capture.recording);
         l.generation.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }

@@ -281,6 +281,17 @@ struct CombineArrays<'a> {
     out: &'a mut dyn DevicePtrMut<half::bf16>,
 }
 
+/// A buffer's low-latency state.
+#[derive(Debug)]
+pub(in crate::buffer) struct LowLatencyState {
+    /// The low-latency op whose receive phase has not been launched yet.
+    pub(in crate::buffer) pending: Option<PendingReceive>,
+    /// u32 words of dynamic shared memory of the low-latency kernels.
+    pub(in crate::buffer) smem_words: usize,
+    /// Blocks of every low-latency kernel (`ll_num_sms`, or every SM this rank may use).
+    pub(in crate::buffer) blocks: u32,
+}
+
 /// The low-latency op whose receive phase is outstanding on a [`Buffer`].
 #[derive(Debug)]
 pub(in crate::buffer) struct PendingReceive {
@@ -363,12 +374,12 @@ impl Buffer {
     /// Allocates the receive arrays of low-latency dispatches (see [`LlRecv`]).
     pub fn alloc_ll_recv(&mut self) -> Result<LlRecv> {
         let m = self.ll_capacity()?;
-        let epr = self.cfg.num_experts / self.world;
-        let cap = self.world * m;
+        let epr = self.cfg.num_experts / self.place.world;
+        let cap = self.place.world * m;
         let rows = epr * cap;
         let hidden = self.cfg.hidden;
         let scales = RowFormat::new(hidden, RowDtype::Fp8).map_or(0, |f| f.num_scales());
-        let s = &self.stream;
+        let s = &self.launcher.stream;
         let ctx = "allocating low-latency receive arrays";
         let arrays = LlArrays {
             x: s.alloc_zeros::<u8>((rows * hidden * 2).max(16))
@@ -377,7 +388,7 @@ impl Buffer {
             count: s.alloc_zeros::<i32>(epr.max(1)).context(ctx)?,
             src_info: s.alloc_zeros::<i32>(rows.max(1)).context(ctx)?,
             layout_range: s
-                .alloc_zeros::<i64>((epr * self.world).max(1))
+                .alloc_zeros::<i64>((epr * self.place.world).max(1))
                 .context(ctx)?,
             route: s.alloc_zeros::<i32>(rows.max(1)).context(ctx)?,
             self_row: s
@@ -467,10 +478,10 @@ impl Buffer {
                 "counts",
             )?;
         }
-        let s = self.stream.clone();
+        let s = self.launcher.stream.clone();
         let (x, _gx) = input.x.device_ptr(&s);
         let (idx, _gi) = input.topk_idx.device_ptr(&s);
-        let ordinal = self.ctx.ordinal();
+        let ordinal = self.launcher.ctx.ordinal();
         check_device_ptr("x", x, t * hidden * 2, ROW_ALIGN, ordinal)?;
         check_device_ptr("topk_idx", idx, t * k * 8, 8, ordinal)?;
         let (stats, _gs) = match input.cumulative_stats {
@@ -527,8 +538,9 @@ impl Buffer {
         // expert (checked above), and they stay borrowed by the pending op; the kernel writes only the low-latency regions of the symmetric buffers,
         // sized by the plan every rank shares, and every rank launches it with ll_blocks blocks.
         unsafe {
-            self.kernels
-                .launch_op(Op::LlDispatchSend, &s, &args, self.ll_blocks)
+            self.launcher
+                .kernels
+                .launch_op(Op::LlDispatchSend, &s, &args, self.ll.blocks)
         }?;
         recv.dispatched = Some((format, t));
         Ok(self.launched(abi::op::LL_DISPATCH, args, fused, None))
@@ -550,13 +562,13 @@ impl Buffer {
         };
         self.mark_launch();
         self.seq.advance(kind);
-        self.last_op = Some(if kind == abi::op::LL_DISPATCH {
+        self.health.last_op = Some(if kind == abi::op::LL_DISPATCH {
             "low-latency dispatch"
         } else {
             "low-latency combine"
         });
         let abandoned = Arc::new(AtomicBool::new(false));
-        self.ll_pending = (!fused).then(|| PendingReceive {
+        self.ll.pending = (!fused).then(|| PendingReceive {
             op: name,
             op_seq: self.seq.op,
             abandoned: abandoned.clone(),
@@ -650,13 +662,13 @@ impl Buffer {
         )?;
         // A recording replays reading these arrays: the graph owns them.
         self.keep_alive(recv.arrays.clone());
-        let s = self.stream.clone();
+        let s = self.launcher.stream.clone();
         let args = {
             let (yp, _gy) = y.device_ptr(&s);
             let (idx, _gi) = topk_idx.device_ptr(&s);
             let (w, _gw) = topk_weights.device_ptr(&s);
             let (o, _go) = out.device_ptr_mut(&s);
-            let ordinal = self.ctx.ordinal();
+            let ordinal = self.launcher.ctx.ordinal();
             check_device_ptr("y", yp, y.len() * 2, ROW_ALIGN, ordinal)?;
             check_device_ptr("topk_idx", idx, t * k * 8, 8, ordinal)?;
             check_device_ptr("topk_weights", w, t * k * 4, 4, ordinal)?;
@@ -711,8 +723,9 @@ impl Buffer {
             // token below the source's dispatch count); every rank launches with ll_blocks
             // blocks. The guards record the arrays' events after this kernel.
             unsafe {
-                self.kernels
-                    .launch_op(Op::LlCombineSend, &s, &args, self.ll_blocks)
+                self.launcher
+                    .kernels
+                    .launch_op(Op::LlCombineSend, &s, &args, self.ll.blocks)
             }?;
             args
         };
@@ -730,7 +743,7 @@ impl Buffer {
     pub fn ll_receive(&mut self, mut pending: LlPending<'_>) -> Result<()> {
         self.check()?;
         self.check_owner(pending.buffer_id, "pending", "was issued on another Buffer")?;
-        if self.ll_pending.as_ref().map(|p| p.op_seq) != Some(pending.op_seq) {
+        if self.ll.pending.as_ref().map(|p| p.op_seq) != Some(pending.op_seq) {
             return Err(Error::InvalidArgument {
                 argument: "pending",
                 rule: "is not the receive phase of this Buffer's latest low-latency send phase \
@@ -738,7 +751,7 @@ impl Buffer {
                     .into(),
             });
         }
-        let s = self.stream.clone();
+        let s = self.launcher.stream.clone();
         // A split combine's arrays: their guards record the stream events after the receive
         // kernel (a dispatch's receive phase writes only the LlRecv, which lives on this stream).
         let _guards = pending.combine.as_mut().map(|c| {
@@ -751,13 +764,14 @@ impl Buffer {
         // SAFETY: the arguments are those of the send phase, whose caller arrays `pending`
         // still borrows; its send phase was the last op issued on this stream (checked above).
         unsafe {
-            self.kernels
-                .launch_op(pending.op, &s, &pending.args, self.ll_blocks)
+            self.launcher
+                .kernels
+                .launch_op(pending.op, &s, &pending.args, self.ll.blocks)
         }?;
         pending.armed = false;
         self.mark_launch();
         self.seq.advance(pending.kind);
-        self.ll_pending = None;
+        self.ll.pending = None;
         Ok(())
     }
 }

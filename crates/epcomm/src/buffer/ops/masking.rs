@@ -32,8 +32,12 @@ impl Buffer {
                     .into(),
             });
         }
-        let stats = self.plan.region(RegionKind::Stats, Parity::Even).offset;
-        Ok(self.mem.local_base() + stats + abi::STATS_MASK_OFFSET)
+        let stats = self
+            .place
+            .plan
+            .region(RegionKind::Stats, Parity::Even)
+            .offset;
+        Ok(self.memory.mem.local_base() + stats + abi::STATS_MASK_OFFSET)
     }
 
     /// Masks (`masked`) or unmasks group rank `rank` for the low-latency ops queued after this
@@ -46,17 +50,18 @@ impl Buffer {
     /// not a peer (out of range, or this rank).
     pub fn ll_set_masked(&mut self, rank: usize, masked: bool) -> Result<()> {
         let words = self.ll_mask_words()?;
-        if rank >= self.world || rank == self.rank {
+        if rank >= self.place.world || rank == self.place.rank {
             return Err(Error::InvalidArgument {
                 argument: "rank",
                 rule: format!(
                     "must be a peer: in 0..{} and not this rank ({}) (got {rank})",
-                    self.world, self.rank
+                    self.place.world, self.place.rank
                 ),
             });
         }
         self.check()?;
-        self.ctx
+        self.launcher
+            .ctx
             .bind_to_thread()
             .context("binding the CUDA context")?;
         // SAFETY: the word lies in this rank's stats region (`ll_mask_words`, rank < world <=
@@ -66,7 +71,7 @@ impl Buffer {
                 words + 4 * rank as u64,
                 u32::from(masked),
                 1,
-                self.stream.cu_stream(),
+                self.launcher.stream.cu_stream(),
             )
         }
         .result()
@@ -83,14 +88,17 @@ impl Buffer {
     pub fn ll_clear_mask(&mut self) -> Result<()> {
         let words = self.ll_mask_words()?;
         self.check()?;
-        self.ctx
+        self.launcher
+            .ctx
             .bind_to_thread()
             .context("binding the CUDA context")?;
         // SAFETY: `world` words of this rank's stats region (world <= kMaxWorld), ordered on
         // the buffer's stream.
-        unsafe { sys::cuMemsetD32Async(words, 0, self.world, self.stream.cu_stream()) }
-            .result()
-            .context("clearing the mask words")?;
+        unsafe {
+            sys::cuMemsetD32Async(words, 0, self.place.world, self.launcher.stream.cu_stream())
+        }
+        .result()
+        .context("clearing the mask words")?;
         self.mark_launch();
         Ok(())
     }
@@ -104,24 +112,30 @@ impl Buffer {
     /// does not hold `world` values on this buffer's device.
     pub fn ll_mask_into(&mut self, status: &mut dyn DevicePtrMut<i32>) -> Result<()> {
         let words = self.ll_mask_words()?;
-        if status.len() != self.world {
+        if status.len() != self.place.world {
             return Err(Error::InvalidArgument {
                 argument: "status",
                 rule: format!(
                     "must hold world = {} values (got {})",
-                    self.world,
+                    self.place.world,
                     status.len()
                 ),
             });
         }
         self.check()?;
-        let s = self.stream.clone();
+        let s = self.launcher.stream.clone();
         let (dst, _guard) = status.device_ptr_mut(&s);
-        check_device_ptr("status", dst, self.world * 4, 4, self.ctx.ordinal())?;
+        check_device_ptr(
+            "status",
+            dst,
+            self.place.world * 4,
+            4,
+            self.launcher.ctx.ordinal(),
+        )?;
         // SAFETY: `dst` holds world i32 values on this device (checked above) and stays
         // borrowed until the guard records its event after the copy; the source is `world`
         // words of this rank's stats region.
-        unsafe { sys::cuMemcpyDtoDAsync_v2(dst, words, self.world * 4, s.cu_stream()) }
+        unsafe { sys::cuMemcpyDtoDAsync_v2(dst, words, self.place.world * 4, s.cu_stream()) }
             .result()
             .context("copying the mask words")?;
         self.mark_launch();
@@ -136,8 +150,9 @@ impl Buffer {
         let words = self.ll_mask_words()?;
         self.check()?;
         // SAFETY: `world` u32 words of this rank's stats region, which the buffer owns.
-        let mask: Vec<u32> =
-            unsafe { epcomm_transport::memory::copy_dtoh(&self.stream, words, self.world) }?;
-        Ok((0..self.world).filter(|&r| mask[r] != 0).collect())
+        let mask: Vec<u32> = unsafe {
+            epcomm_transport::memory::copy_dtoh(&self.launcher.stream, words, self.place.world)
+        }?;
+        Ok((0..self.place.world).filter(|&r| mask[r] != 0).collect())
     }
 }

@@ -49,7 +49,7 @@ impl Buffer {
     /// Allocates a handle for [`Self::dispatch_into`] sized for the buffer's capacity.
     pub fn alloc_handle(&mut self, layout: &Layout) -> Result<Handle> {
         self.own(&layout.inner)?;
-        let max_rows = self.plan.recv_rows() as usize;
+        let max_rows = self.place.plan.recv_rows() as usize;
         self.new_handle(layout, max_rows, None)
     }
 
@@ -60,20 +60,20 @@ impl Buffer {
         max_rows: usize,
         num_recv: Option<usize>,
     ) -> Result<Handle> {
-        let (world, epr) = (self.world, self.cfg.num_experts / self.world);
+        let (world, epr) = (self.place.world, self.cfg.num_experts / self.place.world);
         let send_offsets =
             // SAFETY: the dispatch kernel writes every element before anything reads it (rows
             // beyond the received count are never read; same for the three arrays below).
-            unsafe { self.stream.alloc::<i32>(world) }.context("allocating the handle")?;
+            unsafe { self.launcher.stream.alloc::<i32>(world) }.context("allocating the handle")?;
         // SAFETY: as above.
-        let recv_prefix =
-            unsafe { self.stream.alloc::<i32>(world + 1) }.context("allocating the handle")?;
-        // SAFETY: as above.
-        let recv_src_idx = unsafe { self.stream.alloc::<i32>(max_rows.max(1)) }
+        let recv_prefix = unsafe { self.launcher.stream.alloc::<i32>(world + 1) }
             .context("allocating the handle")?;
         // SAFETY: as above.
-        let recv_expert_counts =
-            unsafe { self.stream.alloc::<i32>(epr.max(1)) }.context("allocating the handle")?;
+        let recv_src_idx = unsafe { self.launcher.stream.alloc::<i32>(max_rows.max(1)) }
+            .context("allocating the handle")?;
+        // SAFETY: as above.
+        let recv_expert_counts = unsafe { self.launcher.stream.alloc::<i32>(epr.max(1)) }
+            .context("allocating the handle")?;
         Ok(Handle {
             inner: Arc::new(HandleInner {
                 layout: layout.inner.clone(),
@@ -141,7 +141,7 @@ impl Buffer {
         let handle = self.new_handle(layout, max_rows, None)?;
         self.launch_dispatch(x, Routing::Fresh(topk_idx), topk_weights, &handle)?;
         let (handle, per_expert) = if mode == RecvMode::HostSync {
-            let epr = self.cfg.num_experts / self.world;
+            let epr = self.cfg.num_experts / self.place.world;
             let counts = self.wait_host_counts(self.seq.notify, epr)?;
             let mut inner = Arc::try_unwrap(handle.inner)
                 .map_err(|_| Error::Failed("handle shared during dispatch".into()))?;
@@ -257,7 +257,7 @@ impl Buffer {
             row.dtype(),
         );
         let mut a = self.dispatch_args(l.num_tokens, row, h.max_rows, flags);
-        let s = &self.stream;
+        let s = &self.launcher.stream;
         let (x_ptr, _gx) = match x {
             XInput::Bf16(x) => x.device_ptr(s),
             XInput::Fp8 { x, .. } => x.device_ptr(s),
@@ -294,10 +294,10 @@ impl Buffer {
         // follows the same plan on every rank, and every rank launches this op with `blocks`
         // blocks (the completion counters count blocks). A cached dispatch only reads the
         // handle, written by its dispatch earlier on this stream.
-        unsafe { self.kernels.launch_op(Op::Dispatch, s, &a, blocks) }?;
-        note_launch(&self.last_launch, s, self.recording);
+        unsafe { self.launcher.kernels.launch_op(Op::Dispatch, s, &a, blocks) }?;
+        note_launch(&self.health.last_launch, s, self.capture.recording);
         self.seq.advance(kind);
-        self.last_op = Some(if cached {
+        self.health.last_op = Some(if cached {
             "cached dispatch"
         } else {
             "dispatch"
@@ -325,11 +325,11 @@ impl Buffer {
         per_expert: Option<Vec<usize>>,
     ) -> Dispatched<'_> {
         let parity = Parity::of_epoch(self.seq.dispatch);
-        let base = self.mem.local_base();
-        let r = |k| base + self.plan.region(k, parity).offset;
+        let base = self.memory.mem.local_base();
+        let r = |k| base + self.place.plan.region(k, parity).offset;
         Dispatched {
-            stream: &self.stream,
-            launch_mark: (!self.recording).then_some(&*self.last_launch),
+            stream: &self.launcher.stream,
+            launch_mark: (!self.capture.recording).then_some(&*self.health.last_launch),
             handle,
             row,
             top_k: self.cfg.top_k,
@@ -403,7 +403,7 @@ impl Buffer {
             out.len(),
             out_weights.as_ref().map(|o| o.len()),
         )?;
-        let s = self.stream.clone();
+        let s = self.launcher.stream.clone();
         let (y_ptr, _gy) = y.device_ptr(&s);
         let yw = y_weights.map(|w| w.device_ptr(&s));
         let staged = self.stage_combine_y(
@@ -482,7 +482,7 @@ impl Buffer {
         let blocks = self.cfg.num_sms;
         let flags = combine_flags(inputs.in_place, out_weights.is_some());
         let mut a = self.combine_args(t, h.max_rows, flags);
-        let s = &self.stream;
+        let s = &self.launcher.stream;
         let (out_ptr, _go) = out.device_ptr_mut(s);
         let ow = out_weights.map(|w| w.device_ptr_mut(s));
         let (slot_ptr, _g1) = h.layout.token_slot.device_ptr(s);
@@ -501,10 +501,10 @@ impl Buffer {
         self.check_combine_ptrs(&a, h.rows_bound(), t)?;
         // SAFETY: out/out_weights hold T rows (checked above); y per the caller's contract; the
         // handle's arrays were written by its dispatch earlier on this stream.
-        unsafe { self.kernels.launch_op(Op::Combine, s, &a, blocks) }?;
-        note_launch(&self.last_launch, s, self.recording);
+        unsafe { self.launcher.kernels.launch_op(Op::Combine, s, &a, blocks) }?;
+        note_launch(&self.health.last_launch, s, self.capture.recording);
         self.seq.advance(abi::op::COMBINE);
-        self.last_op = Some("combine");
+        self.health.last_op = Some("combine");
         Ok(())
     }
 }

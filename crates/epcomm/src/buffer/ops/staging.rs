@@ -82,6 +82,7 @@ impl Buffer {
     /// Whether the buffer's stream is recording a graph.
     pub(in crate::buffer) fn capturing(&self) -> Result<bool> {
         let status = self
+            .launcher
             .stream
             .capture_status()
             .context("reading the stream's capture status")?;
@@ -91,7 +92,7 @@ impl Buffer {
     /// Marks the start of a recording by [`Buffer::capture`] (or a hierarchical buffer's): a
     /// dispatch recorded before it is not in it.
     pub(crate) fn begin_recording(&mut self) {
-        self.recording = true;
+        self.capture.recording = true;
         if let Some(l) = &mut self.latest_dispatch
             && l.issued == Issued::InThisRecording
         {
@@ -101,7 +102,7 @@ impl Buffer {
 
     /// Marks the end of a recording that [`Self::begin_recording`] started.
     pub(crate) fn end_recording(&mut self) {
-        self.recording = false;
+        self.capture.recording = false;
     }
 
     /// How an op issued now is issued. A dispatch captured by someone else than
@@ -109,11 +110,11 @@ impl Buffer {
     /// following, so from then on the host does not know the dispatch parity and the buffer
     /// never stages again (every rank captures alike, so every rank stops alike).
     pub(in crate::buffer) fn issued_now(&mut self) -> Result<Issued> {
-        Ok(match (self.capturing()?, self.recording) {
+        Ok(match (self.capturing()?, self.capture.recording) {
             (false, _) => Issued::Run,
             (true, true) => Issued::InThisRecording,
             (true, false) => {
-                self.foreign_capture = true;
+                self.capture.foreign_capture = true;
                 Issued::InEarlierRecording
             }
         })
@@ -122,7 +123,7 @@ impl Buffer {
     /// Why the copy-engine staging cannot serve a combine with `h`, if it cannot.
     fn staging_obstacle(&mut self, h: &HandleInner) -> Result<Option<&'static str>> {
         let now = self.issued_now()?;
-        if self.foreign_capture {
+        if self.capture.foreign_capture {
             return Ok(Some(
                 "needs the host to know the dispatch parity, and a dispatch of this buffer was \
                  captured into a graph outside Buffer::capture, whose replays the host does not \
@@ -179,7 +180,7 @@ impl Buffer {
             // less than the push.
             CombineStaging::Auto
                 if rows == RecvRows::Keep
-                    || self.remote_mask != 0
+                    || self.place.remote_mask != 0
                     || h.own_rows.is_none()
                     || self.cfg.num_sms > CombineStaging::AUTO_MAX_SMS =>
             {
@@ -197,8 +198,8 @@ impl Buffer {
             },
         }
         let parity = Parity::of_epoch(self.seq.dispatch);
-        let base = self.mem.local_base();
-        let region = |k| base + self.plan.region(k, parity).offset;
+        let base = self.memory.mem.local_base();
+        let region = |k| base + self.place.plan.region(k, parity).offset;
         let rows = h.rows_bound();
         let x_row = self.cfg.hidden as u64 * 2;
         let w_row = self.cfg.top_k as u64 * 4;
@@ -218,7 +219,7 @@ impl Buffer {
             bytes: w.bytes,
             ..r
         });
-        let dev = self.ctx.ordinal();
+        let dev = self.launcher.ctx.ordinal();
         check_device_ptr("y", y.ptr, y.bytes as usize, ROW_ALIGN, dev)?;
         if let Some(yw) = y_weights {
             check_device_ptr("y_weights", yw.ptr, yw.bytes as usize, 4, dev)?;
@@ -237,7 +238,7 @@ impl Buffer {
         }
         // The rows a peer reads: all, or all but this rank's own when the kernel can read those
         // from y (no peer behind the transport pushes from the region then).
-        let own = h.own_rows.clone().filter(|_| self.remote_mask == 0);
+        let own = h.own_rows.clone().filter(|_| self.place.remote_mask == 0);
         let ranges = match &own {
             Some(o) => [0..o.start.min(rows), o.end.min(rows)..rows],
             None => [0..rows, rows..rows],
@@ -255,7 +256,7 @@ impl Buffer {
                 "staging y_weights over the received weights",
             ));
         }
-        let s = self.stream.cu_stream();
+        let s = self.launcher.stream.cu_stream();
         for r in ranges.iter().filter(|r| !r.is_empty()) {
             let (first, n) = (r.start as u64, (r.end - r.start) as u64);
             for &(dst, src, row, what) in &copies {
