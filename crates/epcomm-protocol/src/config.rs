@@ -221,8 +221,8 @@ impl Mutation {
 ///
 /// In an internode op (`[I*]`, `[J*]`, `[G1]`, `[R]`) the failure fires at the first time the
 /// rank announces `at`; a forwarder step (`[I8]`, `[I9]`, `[J5]`..`[J7]`) is announced only by
-/// a rank that forwards rows in that op ([`crate::reference::failure_fires`] says whether it
-/// does). The peers' rule is [`crate::reference::check_outcome_internode`].
+/// a rank that forwards rows in that op ([`crate::failure_fires`] says whether it
+/// does). The peers' rule is [`crate::check_outcome_internode`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Failure {
     /// The failing rank.

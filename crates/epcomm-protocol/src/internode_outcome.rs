@@ -12,9 +12,11 @@
 use std::collections::HashSet;
 
 use crate::config::{Failure, ModelConfig, OpKind, route_count, routes_to};
-use crate::model::OpError;
-use crate::reference::{OutcomeViolation, RankReport, check_output, sequential_reference};
+use crate::outcome::{OpError, OutcomeViolation, RankReport, check_lengths, check_output};
+use crate::reference::sequential_reference;
+use crate::sequential_outcome::check_outcome_sequential;
 use crate::step::Step;
+use crate::stopped_outcome::check_outcome_stopped;
 use epcomm_topology::Schedule;
 
 /// One signal a wait can need: a word with one writer, named by what it means.
@@ -319,25 +321,14 @@ pub fn check_outcome_internode(
     cfg: &ModelConfig,
     reports: &[RankReport],
 ) -> Result<(), OutcomeViolation> {
+    check_lengths(cfg, reports)?;
     let ops = cfg.ops().len();
-    if reports.len() != cfg.world() {
-        return Err(OutcomeViolation::Length {
-            rank: reports.len().min(cfg.world()),
-            expected: ops,
-            found: 0,
-        });
-    }
-    for (rank, report) in reports.iter().enumerate() {
-        if report.rank != rank || report.outputs.len() != ops {
-            return Err(OutcomeViolation::Length {
-                rank,
-                expected: ops,
-                found: report.outputs.len(),
-            });
-        }
-    }
     let Some(f) = cfg.failure() else {
-        return crate::reference::check_outcome(cfg, reports);
+        // No failure: the rules of `check_outcome` for runs without one.
+        return match cfg.stopped_rank() {
+            Some(s) => check_outcome_stopped(cfg, s, reports),
+            None => check_outcome_sequential(cfg, reports),
+        };
     };
     let reference = sequential_reference(cfg);
     let ev = events(cfg);
@@ -465,7 +456,7 @@ pub fn check_outcome_internode(
 mod tests {
     use super::*;
     use crate::config::OpKind::{InternodeCachedDispatch, InternodeDispatch};
-    use crate::reference::OpResult;
+    use crate::outcome::OpResult;
 
     /// 2x1 (rank 1 is rank 0's rail peer), tokens such that rank 1's rows cross to rank 0,
     /// `[ID, ICD]`, rank 1 fails in op 0 before `at`.

@@ -51,8 +51,11 @@
 
 pub mod config;
 mod internode_outcome;
+mod judge;
 pub mod model;
+pub mod outcome;
 pub mod reference;
+mod sequential_outcome;
 pub mod step;
 mod stopped_outcome;
 mod sync;
@@ -60,11 +63,12 @@ mod sync;
 pub use config::{ConfigError, Failure, ModelConfig, Mutation, OpKind, StoppedRank};
 /// The schedules the model runs: the kernels' own type.
 pub use epcomm_topology::Schedule;
+pub use internode_outcome::{check_outcome_internode, failure_fires};
+pub use judge::check_outcome;
 #[cfg(not(loom))]
 pub use model::{ModelFailure, run_model};
 pub use model::{NoHook, OpError, Region, RunError, StepHook, Violation, World, run_rank};
-pub use reference::{
-    OpOutput, OpResult, OutcomeViolation, RankReport, check_outcome, check_outcome_internode,
-    failure_fires, sequential_reference, sequential_reference_masked, survivor_reference,
-};
+pub use outcome::{OpOutput, OpResult, OutcomeViolation, RankReport};
+pub use reference::{sequential_reference, sequential_reference_masked};
 pub use step::Step;
+pub use stopped_outcome::survivor_reference;

@@ -9,10 +9,8 @@
 //! in an error.
 
 use crate::config::{ModelConfig, StoppedRank};
-use crate::model::OpError;
-use crate::reference::{
-    OutcomeViolation, RankReport, check_output, sequential_reference, sequential_reference_masked,
-};
+use crate::outcome::{OpError, OutcomeViolation, RankReport, check_output};
+use crate::reference::{sequential_reference, sequential_reference_masked};
 use crate::step::Step;
 
 /// What every op of every rank must produce if it completes, in a run of `cfg` with a stopped
@@ -154,8 +152,15 @@ mod tests {
     use super::*;
     use crate::config::OpKind::*;
     use crate::config::{ll_combine_word, ll_routes_to, ll_row_word};
-    use crate::reference::{OpOutput, check_outcome};
+    use crate::outcome::{OpOutput, check_lengths};
     use epcomm_topology::Schedule;
+
+    /// What `check_outcome` runs for a configuration with a stopped rank.
+    fn check_outcome(cfg: &ModelConfig, reports: &[RankReport]) -> Result<(), OutcomeViolation> {
+        check_lengths(cfg, reports)?;
+        let s = cfg.stopped_rank().expect("a stopped rank");
+        check_outcome_stopped(cfg, s, reports)
+    }
 
     fn stopped(masking: bool, at: Step, op: usize) -> ModelConfig {
         ModelConfig::new(

@@ -10,11 +10,10 @@
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::Sender;
-use std::sync::{Arc, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use super::handle::Registry;
 use super::{ConnId, Event, ms_since};
 use crate::config::Liveness;
 use crate::wire::{self, ClientMsg, FrameReader, MAX_FRAME, MAX_HANDSHAKE_FRAME, Progress};
@@ -23,6 +22,9 @@ use crate::wire::{self, ClientMsg, FrameReader, MAX_FRAME, MAX_HANDSHAKE_FRAME, 
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 /// Poll interval of the acceptor thread.
 const ACCEPT_POLL: Duration = Duration::from_millis(5);
+
+/// Every accepted connection's socket and reader thread, so shutdown can wake and join them.
+pub(super) type Registry = Arc<Mutex<Vec<(TcpStream, thread::JoinHandle<()>)>>>;
 
 pub(super) fn accept_loop(
     listener: TcpListener,

@@ -6,20 +6,17 @@
 //! per-connection readers included, and is idempotent.
 
 use std::io;
-use std::net::{Shutdown, TcpListener, TcpStream};
+use std::net::{Shutdown, TcpListener};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Sender};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::{self, JoinHandle};
 use std::time::Instant;
 
-use super::accept::accept_loop;
+use super::accept::{Registry, accept_loop};
 use super::liveness::{Beats, heartbeat_loop};
 use super::{Coordinator, Event};
 use crate::config::Liveness;
-
-/// Every accepted connection's socket and reader thread, so shutdown can wake and join them.
-pub(super) type Registry = Arc<Mutex<Vec<(TcpStream, JoinHandle<()>)>>>;
 
 /// Owner of the coordinator threads. Dropping it (or calling [`CoordinatorHandle::shutdown`])
 /// tells connected ranks the coordinator is going away and joins every thread it started.

@@ -9,7 +9,7 @@ use epcomm_topology::Schedule;
 use super::violation::Region;
 use super::{Rank, Stop};
 use crate::config::{Mutation, combine_word, data_word, routes_to, split_data_word};
-use crate::reference::OpOutput;
+use crate::outcome::OpOutput;
 use crate::step::Step;
 use crate::sync::Ordering;
 

@@ -11,7 +11,8 @@ use epcomm_topology::Schedule;
 use super::wait::Poll;
 use super::{Layout, Live, Rank, Stop};
 use crate::config::{Mutation, count_word, data_word, route_count, routes_to, split_count_word};
-use crate::reference::{OpOutput, expected_rows};
+use crate::outcome::OpOutput;
+use crate::reference::expected_rows;
 use crate::step::Step;
 use crate::sync::Ordering;
 

@@ -19,7 +19,7 @@ use super::violation::{Region, Violation};
 use super::wait::Poll;
 use super::{InterLayout, InterLive, Rank, Stop};
 use crate::config::{Mutation, count_word, data_word, route_count, routes_to, split_count_word};
-use crate::reference::OpOutput;
+use crate::outcome::OpOutput;
 use crate::step::Step;
 use crate::sync::{AtomicU64, Ordering};
 

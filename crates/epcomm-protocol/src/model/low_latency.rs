@@ -29,7 +29,7 @@ use crate::config::{
     Mutation, count_word, ll_combine_word, ll_route_count, ll_routes_to, ll_row_word,
     split_count_word, split_data_word,
 };
-use crate::reference::OpOutput;
+use crate::outcome::OpOutput;
 use crate::step::Step;
 use crate::sync::Ordering;
 

@@ -58,7 +58,7 @@ mod wait;
 use std::fmt;
 
 use crate::config::{ModelConfig, OpKind};
-use crate::reference::OpOutput;
+use crate::outcome::OpOutput;
 use crate::step::Step;
 use crate::sync::AtomicU64;
 

@@ -15,9 +15,9 @@ use super::{Layout, Rank, SeqState, Stop, World};
 #[cfg(not(loom))]
 use crate::config::ModelConfig;
 use crate::config::{Mutation, OpKind};
-use crate::reference::RankReport;
 #[cfg(not(loom))]
-use crate::reference::check_outcome;
+use crate::judge::check_outcome;
+use crate::outcome::RankReport;
 use crate::step::Step;
 use crate::sync::Ordering;
 

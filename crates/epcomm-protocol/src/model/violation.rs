@@ -9,7 +9,7 @@ use std::fmt;
 
 use super::{Live, Rank, Stop};
 use crate::config::{OpKind, route_count};
-use crate::reference::OutcomeViolation;
+use crate::outcome::OutcomeViolation;
 use crate::step::Step;
 use crate::sync::Ordering;
 
@@ -266,54 +266,7 @@ impl Violation {
     }
 }
 
-/// How an op ended when it did not complete: the protocol's failure path, not a violation.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, thiserror::Error)]
-pub enum OpError {
-    /// The injected failure ([`crate::config::Failure`]): this rank's wait before `step` timed
-    /// out; it recorded the failure and published the abort word (`[F2]`).
-    #[error("{step}: timed out (injected failure)")]
-    TimedOut {
-        /// The step the failure was injected before.
-        step: Step,
-    },
-    /// A bounded wait gave up because rank `by` failed: the abort word it published, or (when
-    /// `by` is this rank) this rank's own failure claim.
-    #[error("wait {step}: gave up on peer {peer}, rank {by} failed")]
-    Aborted {
-        /// The wait.
-        step: Step,
-        /// The peer it waited on.
-        peer: usize,
-        /// The rank that failed.
-        by: usize,
-    },
-    /// `[F1]`: the op exited at its prologue, before writing anything, because rank `by` failed
-    /// (this rank's failure claim, or the abort word).
-    #[error("[F1] refused: rank {by} failed")]
-    Refused {
-        /// The rank that failed.
-        by: usize,
-    },
-    /// A bounded wait for `peer` expired because `peer` stopped
-    /// ([`crate::config::StoppedRank`]), in an op that does not mask it (masking off, or not a
-    /// low-latency op): the kernels' `kTimeout`. This rank records the failure and publishes
-    /// the abort word (`[F2]`), as for [`OpError::TimedOut`].
-    #[error("wait {step}: expired on peer {peer}, which stopped")]
-    Expired {
-        /// The wait.
-        step: Step,
-        /// The stopped peer it waited for.
-        peer: usize,
-    },
-    /// This rank stopped ([`crate::config::StoppedRank`]) before `step` of this op, or (`step`
-    /// = [`Step::F1`]) before the op started: it ran no more of it. Not a failure: it claims
-    /// nothing and publishes nothing.
-    #[error("stopped before {step}")]
-    Stopped {
-        /// The step it stopped before.
-        step: Step,
-    },
-}
+pub use crate::outcome::OpError;
 
 /// Misuse of [`run_rank`](super::run_rank).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
