@@ -66,13 +66,14 @@ mod tests {
 
     #[test]
     fn layouts_are_the_documented_ones() {
-        assert_eq!(size_of::<OpArgs>(), 50 * 8 + 16 * 4);
+        assert_eq!(size_of::<OpArgs>(), 51 * 8 + 16 * 4);
         assert_eq!(offset_of!(OpArgs, ll_max_tokens), 384);
         assert_eq!(offset_of!(OpArgs, num_tokens), 392);
         assert_eq!(offset_of!(OpArgs, pe_base), 424);
         assert_eq!(offset_of!(OpArgs, global_barriers), 444);
         assert_eq!(offset_of!(OpArgs, off_ll_meta_stage), 448);
         assert_eq!(offset_of!(OpArgs, ll_self_row), 456);
+        assert_eq!(offset_of!(OpArgs, ll_cumulative_stats), 464);
         assert_eq!(size_of::<LayoutArgs>(), 9 * 8 + 8 * 4);
         assert_eq!(offset_of!(LayoutArgs, in_rank), 56);
         assert_eq!(offset_of!(LayoutArgs, expert_counts), 64);
