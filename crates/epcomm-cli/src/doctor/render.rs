@@ -186,6 +186,9 @@ pub fn render(r: &DoctorReport) -> String {
     let _ = writeln!(s, "\nVerdicts");
     for v in &r.verdicts {
         let _ = writeln!(s, "  {:<8} {}", v.transport, v.reason);
+        if !v.limits.is_empty() {
+            let _ = writeln!(s, "  {:<8} limits: {}", "", v.limits);
+        }
         if let Some(f) = &v.fix {
             let label = if v.usable { "note" } else { "fix" };
             let mut lines = f.lines();

@@ -167,6 +167,10 @@ pub struct Verdict {
     pub reason: String,
     /// How to fix it, when not usable (or a caution when usable).
     pub fix: Option<String>,
+    /// What bounds the backend, from its entry in the library's backend table (whether ranks
+    /// may span hosts; its CPU executor's ring and in-flight bounds).
+    #[serde(default)]
+    pub limits: String,
 }
 
 #[cfg(test)]

@@ -37,9 +37,32 @@ pub fn verdicts(
                 usable,
                 reason,
                 fix,
+                limits: limits_text(&spec),
             }
         })
         .collect()
+}
+
+/// What bounds `spec`'s backend, in words, from its entry (`TransportSpec::limits`).
+pub fn limits_text(spec: &TransportSpec) -> String {
+    let limits = spec.limits();
+    let mut text = if limits.spans_hosts {
+        "ranks may span hosts".to_string()
+    } else {
+        "every rank on one host".to_string()
+    };
+    if let Some(e) = limits.executor {
+        text.push_str(&format!(
+            "; CPU executor moving bytes by {}: {} ring slots by default (at most {}), {} \
+             transfers in flight ({})",
+            e.moves_by,
+            e.ring_slots,
+            e.max_ring_slots,
+            e.max_in_flight,
+            e.env.join(", ")
+        ));
+    }
+    text
 }
 
 /// `Ok((why, note))` when `spec` can run here, else `Err((why not, fix))`. What is required
@@ -179,6 +202,21 @@ mod tests {
             assert_eq!(v.reason, "not usable: no CUDA driver");
             assert!(v.fix.is_some());
         }
+    }
+
+    #[test]
+    fn limits_come_from_the_backend_table() {
+        let text = |s: &str| limits_text(&s.parse().unwrap());
+        assert_eq!(text("ipc"), "every rank on one host");
+        assert_eq!(text("nvshmem"), "ranks may span hosts");
+        let ce = text("proxy-ce");
+        assert!(
+            ce.starts_with("every rank on one host; CPU executor moving bytes by copy engines")
+                && ce.contains("65536 ring slots by default (at most 16777216)")
+                && ce.contains("EPCOMM_PROXY_RING_SLOTS"),
+            "{ce}"
+        );
+        assert!(text("proxy-verbs").contains("by RDMA writes"));
     }
 
     #[test]
