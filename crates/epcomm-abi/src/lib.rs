@@ -47,6 +47,13 @@ pub enum KernelFamily {
 }
 
 impl KernelFamily {
+    /// Whether a loaded module of this family must be bound to a device channel of the
+    /// transport's memory before its first launch (the CPU proxy's ring: `CpuProxy`); a
+    /// memory of such a backend that binds none is refused by the frontend.
+    pub fn needs_device_channel(self) -> bool {
+        matches!(self, Self::CpuProxy)
+    }
+
     /// Whether this family's dispatch sends a token's scales, top-k ids and top-k weights to a
     /// put/signal peer as whole rows read from the caller's arrays (its Net policy's
     /// `kMetadataRows`: `ProxyNet`), which makes those arrays put sources like `x`. `NvshmemNet`

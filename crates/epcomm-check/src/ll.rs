@@ -139,16 +139,6 @@ impl LlIo {
             cumulative_stats: None,
         }
     }
-
-    /// The dispatch input of these arrays, adding to [`Self::stats`].
-    pub fn input_with_stats(&mut self) -> epcomm::LlDispatchInput<'_> {
-        epcomm::LlDispatchInput {
-            x: &self.x,
-            topk_idx: &self.idx,
-            num_tokens: self.num_tokens,
-            cumulative_stats: Some(&mut self.stats),
-        }
-    }
 }
 
 /// Checks cumulative receive stats `stats` (an [`LlIo::stats`]) against

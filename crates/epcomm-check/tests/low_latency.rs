@@ -191,6 +191,7 @@ fn run_ll_hooks(w: &Worker, mk: MakeTransport<'_>) {
         let inputs = host_inputs(&shape).unwrap().bf16;
         let io = LlIo::new(&stream, &inputs, rank, experts, recv.capacity()).unwrap();
         let mut out = io.out;
+        let mut stats = io.stats;
         let format = if round % 2 == 0 {
             LlFormat::Bf16
         } else {
@@ -200,7 +201,8 @@ fn run_ll_hooks(w: &Worker, mk: MakeTransport<'_>) {
             x: &io.x,
             topk_idx: &io.idx,
             num_tokens: shape.tokens[rank],
-            cumulative_stats: None,
+            // Added to by the receive phase, after the work between the phases.
+            cumulative_stats: Some(&mut stats),
         };
         let pending = buf.ll_dispatch_send(input, format, &mut recv).unwrap();
         // Work between the phases: a 64 MiB memset on the comm stream and a host pause.
@@ -240,6 +242,20 @@ fn run_ll_hooks(w: &Worker, mk: MakeTransport<'_>) {
             &recv,
             &out,
             format,
+            &format!("hook round {round}"),
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let added: Vec<i64> = recv
+            .count_to_host()
+            .unwrap()
+            .into_iter()
+            .map(i64::from)
+            .collect();
+        verify_ll_stats(
+            &stream,
+            &stats,
+            &added,
+            rank,
             &format!("hook round {round}"),
         )
         .unwrap_or_else(|e| panic!("{e}"));

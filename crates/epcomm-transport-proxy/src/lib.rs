@@ -95,15 +95,19 @@ pub const PROXY_ENV: &[&str] = &[
     "EPCOMM_PROXY_TRACE",
 ];
 
-/// The proxy's executor bounds, by default, with `moves_by` saying what moves the bytes.
-pub(crate) const fn executor_limits(moves_by: &'static str) -> ExecutorLimits {
+/// The proxy's executor bounds, by default, with `moves_by` saying what moves the bytes and
+/// `env` the variables that tune it.
+pub(crate) const fn executor_limits(
+    moves_by: &'static str,
+    env: &'static [&'static str],
+) -> ExecutorLimits {
     let defaults = ProxyOptions::one_node_per_rank(1);
     ExecutorLimits {
         moves_by,
         ring_slots: defaults.ring_slots,
         max_ring_slots: ring::MAX_CAPACITY,
         max_in_flight: defaults.max_in_flight,
-        env: PROXY_ENV,
+        env,
     }
 }
 
@@ -120,7 +124,7 @@ pub const BACKEND: Backend = Backend {
     capabilities: CAPABILITIES,
     limits: Limits {
         spans_hosts: false,
-        executor: Some(executor_limits("copy engines")),
+        executor: Some(executor_limits("copy engines", PROXY_ENV)),
     },
     runtime_library: None,
     needs_rdma_device: false,
@@ -678,9 +682,9 @@ impl SymmetricMemory for ProxyMemory {
         &self,
         module: cudarc::driver::sys::CUmodule,
         stream: &cudarc::driver::CudaStream,
-    ) -> Result<(), TransportError> {
+    ) -> Result<bool, TransportError> {
         // SAFETY: the caller upholds the trait's contract, which is the core's.
-        unsafe { self.core.bind_channel(module, stream) }
+        unsafe { self.core.bind_channel(module, stream) }.map(|()| true)
     }
 
     fn backend_failure(&self) -> Option<String> {

@@ -218,6 +218,8 @@ pub trait SymmetricMemory: Send + Sync + Debug {
     /// [`memory::write_module_global`]). The frontend calls it once per buffer, after the
     /// allocation and before the first launch, whatever the family; the default binds nothing
     /// (backends whose kernels need no channel, or bind through [`DeviceRuntime::bind_module`]).
+    /// Returns whether a channel was bound: for a family that needs one
+    /// ([`KernelFamily::needs_device_channel`]) the frontend refuses a memory that bound none.
     ///
     /// # Errors
     /// The driver's, or [`TransportError::InvalidArgument`] naming `module` when its global
@@ -231,9 +233,9 @@ pub trait SymmetricMemory: Send + Sync + Debug {
         &self,
         module: cudarc::driver::sys::CUmodule,
         stream: &cudarc::driver::CudaStream,
-    ) -> Result<(), TransportError> {
+    ) -> Result<bool, TransportError> {
         let _ = (module, stream);
-        Ok(())
+        Ok(false)
     }
 
     /// Makes `[addr, addr + bytes)` of caller memory (an op's input, named `argument`) readable

@@ -15,9 +15,10 @@ pub fn backends() -> Vec<TransportSpec> {
     epcomm_backends::backends().map(TransportSpec::of).collect()
 }
 
-/// The verdicts, one per backend ([`backends`]), from the probes' results (pure). `rdma`:
-/// the RDMA check of the backends that need a device (`TransportSpec::probe_here`), its
-/// error as text.
+/// The verdicts, one per backend ([`backends`]), from the probes' results (pure), then one
+/// per backend of the library's list that this build does not carry (not usable, naming the
+/// feature). `rdma`: the RDMA check of the backends that need a device
+/// (`TransportSpec::probe_here`), its error as text.
 pub fn verdicts(
     facts: &Result<DriverFacts, NoDriver>,
     links: &Result<Vec<PeerLink>, String>,
@@ -40,6 +41,21 @@ pub fn verdicts(
                 limits: limits_text(&spec),
             }
         })
+        .chain(
+            epcomm_backends::REGISTRY
+                .iter()
+                .filter(|line| line.backend.is_none())
+                .map(|line| Verdict {
+                    transport: line.name.to_string(),
+                    usable: false,
+                    reason: "not usable: not compiled into this build".to_string(),
+                    fix: Some(format!(
+                        "rebuild with the `{}` feature of epcomm-backends",
+                        line.feature
+                    )),
+                    limits: String::new(),
+                }),
+        )
         .collect()
 }
 

@@ -108,9 +108,9 @@ impl SymmetricMemory for VerbsMemory {
         &self,
         module: cudarc::driver::sys::CUmodule,
         stream: &cudarc::driver::CudaStream,
-    ) -> Result<(), TransportError> {
+    ) -> Result<bool, TransportError> {
         // SAFETY: the caller upholds the trait's contract, which is the core's.
-        unsafe { self.core.bind_channel(module, stream) }
+        unsafe { self.core.bind_channel(module, stream) }.map(|()| true)
     }
 
     fn backend_failure(&self) -> Option<String> {

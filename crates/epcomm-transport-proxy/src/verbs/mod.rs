@@ -97,7 +97,7 @@ pub const BACKEND: Backend = Backend {
     capabilities: CAPABILITIES,
     limits: Limits {
         spans_hosts: true,
-        executor: Some(crate::executor_limits("RDMA writes")),
+        executor: Some(crate::executor_limits("RDMA writes", VERBS_ENV)),
     },
     // libibverbs is checked by the probe and the preflight (`needs_rdma_device`).
     runtime_library: None,
@@ -128,6 +128,21 @@ pub const BACKEND: Backend = Backend {
         crate::single_host_env(ranks_per_gpu, local_ranks).into()
     },
 };
+
+/// The environment variables the `proxy-verbs` transport reads ([`VerbsOptions::from_env`]:
+/// the proxy's, then its own; and where libibverbs is looked for).
+pub const VERBS_ENV: &[&str] = &[
+    "EPCOMM_PROXY_RING_SLOTS",
+    "EPCOMM_PROXY_MAX_IN_FLIGHT",
+    "EPCOMM_PROXY_MIRROR",
+    "EPCOMM_PROXY_BATCH",
+    "EPCOMM_PROXY_TRACE",
+    "EPCOMM_VERBS_DEVICE",
+    "EPCOMM_VERBS_PORT",
+    "EPCOMM_VERBS_GID_INDEX",
+    "EPCOMM_VERBS_REGISTRATION",
+    "EPCOMM_IBVERBS_LIB",
+];
 
 /// The options from the environment with the spec's split, checked on every rank.
 fn spec_preflight(

@@ -205,7 +205,17 @@ impl Buffer {
         // SAFETY: the module is live (as above) and was loaded in `ctx`, `stream`'s context;
         // the channel's machinery belongs to `mem`, which the buffer keeps until its teardown,
         // after the last launch.
-        unsafe { mem.bind_device_channel(kernels.cu_module()?, &stream) }?;
+        let bound = unsafe { mem.bind_device_channel(kernels.cu_module()?, &stream) }?;
+        if caps.kernel_family.needs_device_channel() && !bound {
+            return invalid(
+                "transport",
+                format!(
+                    "{} declares the {:?} kernel family, whose kernels need a device channel, but \
+                     its memory bound none (SymmetricMemory::bind_device_channel)",
+                    caps.name, caps.kernel_family
+                ),
+            );
+        }
         let all_bases = peer_bases(&routes, mem.as_ref())?;
         let (bases, remote_mask) = group_view(&all_bases, routes.put_signal_mask(), &group)?;
         let peer_bases = DeviceBuffer::zeroed(&ctx, world * 8)?;

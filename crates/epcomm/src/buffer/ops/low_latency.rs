@@ -272,6 +272,9 @@ pub struct LlPending<'a> {
     /// A split combine's arrays its receive phase reads and writes: their stream events are
     /// taken again around the receive kernel, so other streams are ordered after it.
     combine: Option<CombineArrays<'a>>,
+    /// A split dispatch's cumulative stats, which its receive phase adds to: their stream
+    /// event is taken again around the receive kernel.
+    stats: Option<&'a mut (dyn DevicePtrMut<i32> + 'static)>,
 }
 
 /// The caller arrays a combine's receive phase touches.
@@ -309,11 +312,12 @@ impl LlPending<'_> {
     /// holding the tensors until its hook runs).
     ///
     /// # Safety
-    /// Every array the op named (its inputs, `y`, `out`, the [`LlRecv`]) must stay allocated,
-    /// unmoved and untouched by other work until the receive phase this pending value issues
-    /// ([`Buffer::ll_receive`]) has finished on the stream; work on other streams that reads
-    /// `out` (or writes `topk_idx`, `topk_weights`) must be ordered after it by the caller (no
-    /// cudarc events are recorded for them).
+    /// Every array the op named (its inputs, `y`, `out`, a dispatch's cumulative stats, the
+    /// [`LlRecv`]) must stay allocated, unmoved and untouched by other work until the receive
+    /// phase this pending value issues ([`Buffer::ll_receive`]) has finished on the stream;
+    /// work on other streams that reads `out` or the stats (or writes `topk_idx`,
+    /// `topk_weights`) must be ordered after it by the caller (no cudarc events are recorded
+    /// for them).
     pub unsafe fn detach(mut self) -> LlPending<'static> {
         self.armed = false;
         LlPending {
@@ -325,6 +329,7 @@ impl LlPending<'_> {
             abandoned: self.abandoned.clone(),
             armed: true,
             combine: None,
+            stats: None,
         }
     }
 }
@@ -484,9 +489,10 @@ impl Buffer {
         let ordinal = self.launcher.ctx.ordinal();
         check_device_ptr("x", x, t * hidden * 2, ROW_ALIGN, ordinal)?;
         check_device_ptr("topk_idx", idx, t * k * 8, 8, ordinal)?;
-        let (stats, _gs) = match input.cumulative_stats {
-            Some(stats) => {
-                let (p, g) = stats.device_ptr_mut(&s);
+        let mut stats_array = input.cumulative_stats;
+        let (stats, stats_guard) = match stats_array.as_deref_mut() {
+            Some(array) => {
+                let (p, g) = array.device_ptr_mut(&s);
                 check_device_ptr("cumulative_stats", p, epr * 4, 4, ordinal)?;
                 (p, Some(g))
             }
@@ -543,7 +549,11 @@ impl Buffer {
                 .launch_op(Op::LlDispatchSend, &s, &args, self.ll.blocks)
         }?;
         recv.dispatched = Some((format, t));
-        Ok(self.launched(abi::op::LL_DISPATCH, args, fused, None))
+        // The fused kernel wrote the stats: their event is recorded now. A split dispatch's
+        // receive phase writes them: `ll_receive` records it again after that kernel.
+        drop(stats_guard);
+        let stats_array = if fused { None } else { stats_array };
+        Ok(self.launched(abi::op::LL_DISPATCH, args, fused, None, stats_array))
     }
 
     /// Book-keeping after a low-latency send kernel of `kind` was launched: the host sequence,
@@ -554,6 +564,7 @@ impl Buffer {
         args: OpArgs,
         fused: bool,
         combine: Option<CombineArrays<'a>>,
+        stats: Option<&'a mut (dyn DevicePtrMut<i32> + 'static)>,
     ) -> LlPending<'a> {
         let (name, op, recv_kind) = if kind == abi::op::LL_DISPATCH {
             ("dispatch", Op::LlDispatchRecv, abi::op::LL_DISPATCH_RECV)
@@ -582,6 +593,7 @@ impl Buffer {
             abandoned,
             armed: !fused,
             combine,
+            stats,
         }
     }
 
@@ -734,7 +746,7 @@ impl Buffer {
             topk_weights,
             out,
         });
-        Ok(self.launched(abi::op::LL_COMBINE, args, fused, arrays))
+        Ok(self.launched(abi::op::LL_COMBINE, args, fused, arrays, None))
     }
 
     /// The receive phase (the hook) of a low-latency op whose send phase returned `pending`:
@@ -752,8 +764,9 @@ impl Buffer {
             });
         }
         let s = self.launcher.stream.clone();
-        // A split combine's arrays: their guards record the stream events after the receive
-        // kernel (a dispatch's receive phase writes only the LlRecv, which lives on this stream).
+        // A split combine's arrays, and a split dispatch's cumulative stats: their guards
+        // record the stream events after the receive kernel (a dispatch's receive phase writes
+        // nothing else but the LlRecv, which lives on this stream).
         let _guards = pending.combine.as_mut().map(|c| {
             (
                 c.topk_idx.device_ptr(&s).1,
@@ -761,6 +774,7 @@ impl Buffer {
                 c.out.device_ptr_mut(&s).1,
             )
         });
+        let _stats_guard = pending.stats.as_mut().map(|a| a.device_ptr_mut(&s).1);
         // SAFETY: the arguments are those of the send phase, whose caller arrays `pending`
         // still borrows; its send phase was the last op issued on this stream (checked above).
         unsafe {
