@@ -1,6 +1,11 @@
 //! Local multi-process launcher: starts one child per rank on this machine with the
 //! torchrun-style variables [`crate::BootstrapConfig::from_env`] reads, and supervises them.
 //!
+//! The children do not outlive the launcher: dropping the [`LaunchedGroup`] kills them, and on
+//! Linux a launcher that dies without dropping it (killed, or `exit` without destructors) takes
+//! them with it (each child asks the kernel for `SIGKILL` when the thread that spawned it
+//! exits: spawn and wait from one thread that lives as long as the group).
+//!
 //! ```no_run
 //! use std::time::Duration;
 //! use epcomm_bootstrap::launch::{LocalLaunch, Output};
@@ -322,6 +327,7 @@ impl LocalLaunch {
                 Output::Null => (Stdio::null(), Stdio::null()),
             };
             cmd.stdin(Stdio::null()).stdout(out).stderr(err);
+            die_with_launcher(&mut cmd);
             let mut child = cmd.spawn().map_err(|source| LaunchError::Spawn {
                 rank,
                 program: self.program.clone(),
@@ -339,6 +345,34 @@ impl LocalLaunch {
         }
         Ok(group)
     }
+}
+
+/// Makes the child of `cmd` receive `SIGKILL` when the thread spawning it exits (Linux), so
+/// that a rank never outlives a launcher that was killed: it would keep a GPU busy, and its
+/// peers' waits would name a launcher that is gone. Elsewhere: nothing.
+fn die_with_launcher(cmd: &mut Command) {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::process::CommandExt;
+        let launcher = std::process::id();
+        // SAFETY: the closure runs in the child between fork and exec and only makes two
+        // async-signal-safe system calls (prctl, getppid); it allocates nothing (the errors
+        // are OS error codes).
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                // The launcher may have died before the request took effect.
+                if libc::getppid() as u32 != launcher {
+                    return Err(io::Error::from_raw_os_error(libc::ESRCH));
+                }
+                Ok(())
+            });
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = cmd;
 }
 
 /// A pipe drained by a background thread into a shared buffer.

@@ -368,3 +368,75 @@ fn frozen_coordinator_is_named_within_seconds() {
     );
     freeze_worker(0, Duration::from_secs(5));
 }
+
+/// Marks the helper process of [`ranks_die_with_a_launcher_that_dies`].
+const ORPHAN_HELPER_ENV: &str = "EPCOMM_BOOTSTRAP_TEST_ORPHAN_HELPER";
+
+/// The launcher of [`ranks_die_with_a_launcher_that_dies`]: starts two ranks that would sleep
+/// for a minute, prints their pids, and exits at once without dropping the group (as a killed
+/// launcher would). Outside that test it does nothing.
+#[test]
+fn orphan_helper() {
+    if std::env::var_os(ORPHAN_HELPER_ENV).is_none() {
+        return;
+    }
+    let group = LocalLaunch::new("sh", ["-c", "sleep 60"])
+        .world_size(2)
+        .output(Output::Null)
+        .spawn()
+        .expect("spawn ranks");
+    let pids: Vec<String> = group.pids().iter().map(u32::to_string).collect();
+    println!("PIDS {}", pids.join(" "));
+    std::process::exit(0);
+}
+
+/// Whether process `pid` is gone (or a zombie nobody reaped yet).
+#[cfg(target_os = "linux")]
+fn is_gone(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        // The state follows the parenthesised command name.
+        Ok(stat) => stat
+            .rsplit_once(") ")
+            .is_some_and(|(_, rest)| rest.starts_with('Z') || rest.starts_with('X')),
+    }
+}
+
+/// A launcher that dies without cleaning up takes its ranks with it (Linux): none keeps
+/// running, holding a GPU, after `epcomm bench` or a test harness was killed.
+#[cfg(target_os = "linux")]
+#[test]
+fn ranks_die_with_a_launcher_that_dies() {
+    if is_worker() || std::env::var_os(ORPHAN_HELPER_ENV).is_some() {
+        return;
+    }
+    let exe = std::env::current_exe().expect("current_exe");
+    let out = Command::new(exe)
+        .args([
+            "orphan_helper",
+            "--exact",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
+        .env(ORPHAN_HELPER_ENV, "1")
+        .output()
+        .expect("run the helper launcher");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let pids: Vec<u32> = stdout
+        .lines()
+        .find_map(|l| l.split_once("PIDS ").map(|(_, pids)| pids))
+        .unwrap_or_else(|| panic!("the helper printed no pids: {stdout}"))
+        .split_whitespace()
+        .map(|p| p.parse().expect("a pid"))
+        .collect();
+    assert_eq!(pids.len(), 2, "{stdout}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !pids.iter().all(|&p| is_gone(p)) {
+        assert!(
+            Instant::now() < deadline,
+            "ranks {pids:?} outlived their launcher by 10 s"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
