@@ -5,7 +5,9 @@
 //!
 //! Every backend crate exports one [`Backend`] entry (see `epcomm_transport::registry`);
 //! [`REGISTRY`] lists the entries, one line and one cargo feature per backend, and a spec is
-//! a pointer to an entry plus the options that entry parsed.
+//! a pointer to an entry plus the options that entry parsed. A backend outside this crate's
+//! list is used through its entry directly: [`TransportSpec::of`]`(&MY_BACKEND)`, then
+//! [`Backend::parse_options`] for its options, and `build` as for any other.
 //!
 //! | spec | backend | what it reaches peers by |
 //! |---|---|---|
@@ -140,7 +142,8 @@ impl std::hash::Hash for TransportSpec {
 }
 
 impl TransportSpec {
-    /// The spec of `backend` with its default options.
+    /// The spec of `backend` with its default options: also how a backend that is not in
+    /// [`REGISTRY`] (a crate of your own exporting a [`Backend`]) is used.
     pub fn of(backend: &'static Backend) -> Self {
         Self {
             backend,
@@ -169,6 +172,11 @@ impl TransportSpec {
             OptionSchema::None => None,
             OptionSchema::VirtualNodes { .. } => Some(self.options.virtual_nodes),
         }
+    }
+
+    /// This spec with `options` (parsed by its entry: [`Backend::parse_options`]).
+    pub fn with_options(self, options: BackendOptions) -> Self {
+        Self { options, ..self }
     }
 
     /// This spec with `virtual_nodes` logical nodes per host.
@@ -411,6 +419,26 @@ mod tests {
             assert_eq!(bare, entry.name.parse().unwrap());
         }
         assert_eq!(forms().len(), 8);
+    }
+
+    /// A backend outside the list: its entry is used directly.
+    #[test]
+    fn a_backend_of_your_own_is_used_through_its_entry() {
+        static MINE: Backend = Backend {
+            name: "mine",
+            aliases: &[],
+            forms: &["mine", "mine:vnodes=N"],
+            options: OptionSchema::VirtualNodes {
+                default: VirtualNodes::Count(1),
+            },
+            ..epcomm_transport_nvshmem::BACKEND
+        };
+        let spec = TransportSpec::of(&MINE).with_options(MINE.parse_options("vnodes=2").unwrap());
+        assert_eq!(spec.to_string(), "mine:vnodes=2");
+        assert_eq!(spec.world_layout(4, 3, 4).unwrap().nvlink_domain(), 2..4);
+        // Not in the list: a spec string does not name it.
+        let e = "mine".parse::<TransportSpec>().unwrap_err().to_string();
+        assert!(e.contains("unknown transport"), "{e}");
     }
 
     #[test]
