@@ -12,7 +12,9 @@
 use std::collections::HashSet;
 
 use crate::config::{Failure, ModelConfig, OpKind, route_count, routes_to};
-use crate::outcome::{OpError, OutcomeViolation, RankReport, check_lengths, check_output};
+use crate::outcome::{
+    OpError, OutcomeViolation, RankReport, check_lengths, check_output, check_refused,
+};
 use crate::reference::sequential_reference;
 use crate::sequential_outcome::check_outcome_sequential;
 use crate::step::Step;
@@ -340,16 +342,9 @@ pub fn check_outcome_internode(
             let injected = rank == f.rank && op == f.op;
             let events = &ev[rank][op];
             if let Some(failed) = failed {
-                let ok =
+                let refused =
                     matches!(result, Err(OpError::Refused { by }) if *by == rank || *by == f.rank);
-                if !ok {
-                    return Err(OutcomeViolation::NotRefused {
-                        rank,
-                        op,
-                        failed,
-                        found: result.clone(),
-                    });
-                }
+                check_refused(rank, op, failed, result, refused)?;
                 continue;
             }
             reached[rank][op] = match result {

@@ -290,3 +290,46 @@ pub(crate) fn check_lengths(
     }
     Ok(())
 }
+
+/// After op `failed` of `rank` failed, its op `op` ended in `result`: `refused` says whether
+/// the rule accepts that as the prologue's refusal (`[F1]`).
+///
+/// # Errors
+/// [`OutcomeViolation::NotRefused`] unless `refused`.
+pub(crate) fn check_refused(
+    rank: usize,
+    op: usize,
+    failed: usize,
+    result: &OpResult,
+    refused: bool,
+) -> Result<(), OutcomeViolation> {
+    if refused {
+        return Ok(());
+    }
+    Err(OutcomeViolation::NotRefused {
+        rank,
+        op,
+        failed,
+        found: result.clone(),
+    })
+}
+
+/// Op `op` of `rank` ended in `error`: `allowed` says whether the rule allows it there.
+///
+/// # Errors
+/// [`OutcomeViolation::UnexpectedError`] unless `allowed`.
+pub(crate) fn check_allowed(
+    rank: usize,
+    op: usize,
+    error: &OpError,
+    allowed: bool,
+) -> Result<(), OutcomeViolation> {
+    if allowed {
+        return Ok(());
+    }
+    Err(OutcomeViolation::UnexpectedError {
+        rank,
+        op,
+        error: error.clone(),
+    })
+}

@@ -3,7 +3,9 @@
 //! only as [`crate::check_outcome`] describes.
 
 use crate::config::ModelConfig;
-use crate::outcome::{OpError, OutcomeViolation, RankReport, check_output};
+use crate::outcome::{
+    OpError, OutcomeViolation, RankReport, check_allowed, check_output, check_refused,
+};
 use crate::reference::sequential_reference;
 
 /// [`crate::check_outcome`]'s rule without a stopped rank (the reports' lengths checked).
@@ -20,14 +22,8 @@ pub(crate) fn check_outcome_sequential(
         let mut failed: Option<usize> = None;
         for (op, result) in report.outputs.iter().enumerate() {
             if let Some(failed) = failed {
-                if !matches!(result, Err(OpError::Refused { .. })) {
-                    return Err(OutcomeViolation::NotRefused {
-                        rank,
-                        op,
-                        failed,
-                        found: result.clone(),
-                    });
-                }
+                let refused = matches!(result, Err(OpError::Refused { .. }));
+                check_refused(rank, op, failed, result, refused)?;
                 continue;
             }
             let injected = failure.is_some_and(|f| f.rank == rank && f.op == op);
@@ -73,13 +69,7 @@ pub(crate) fn check_outcome_sequential(
                             found: result.clone(),
                         });
                     }
-                    if !allowed {
-                        return Err(OutcomeViolation::UnexpectedError {
-                            rank,
-                            op,
-                            error: error.clone(),
-                        });
-                    }
+                    check_allowed(rank, op, error, allowed)?;
                     failed = Some(op);
                 }
             }

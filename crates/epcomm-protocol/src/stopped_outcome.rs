@@ -9,7 +9,9 @@
 //! in an error.
 
 use crate::config::{ModelConfig, StoppedRank};
-use crate::outcome::{OpError, OutcomeViolation, RankReport, check_output};
+use crate::outcome::{
+    OpError, OutcomeViolation, RankReport, check_allowed, check_output, check_refused,
+};
 use crate::reference::{sequential_reference, sequential_reference_masked};
 use crate::step::Step;
 
@@ -73,14 +75,7 @@ pub(crate) fn check_outcome_stopped(
             if let Some(failed) = failed {
                 let refused = matches!(result, Err(OpError::Refused { by })
                     if *by == rank || expired.contains(by));
-                if !refused {
-                    return Err(OutcomeViolation::NotRefused {
-                        rank,
-                        op,
-                        failed,
-                        found: result.clone(),
-                    });
-                }
+                check_refused(rank, op, failed, result, refused)?;
                 continue;
             }
             match result {
@@ -103,13 +98,7 @@ pub(crate) fn check_outcome_stopped(
                         OpError::Refused { by } => op >= cut && expired.contains(by),
                         OpError::TimedOut { .. } | OpError::Stopped { .. } => false,
                     };
-                    if !allowed {
-                        return Err(OutcomeViolation::UnexpectedError {
-                            rank,
-                            op,
-                            error: error.clone(),
-                        });
-                    }
+                    check_allowed(rank, op, error, allowed)?;
                     failed = Some(op);
                 }
             }
