@@ -8,22 +8,19 @@
 //! on GPU `r % GPUs`), which measures correctness and relative cost, not the speed of one GPU
 //! per rank.
 
-use std::time::Duration;
-
-use criterion::{Criterion, Throughput};
 use cudarc::driver::CudaContext;
 use epcomm::{BufferConfig, HierarchicalBuffer};
 use epcomm_backends::TransportSpec;
-use epcomm_check::hier::verified_hier_round;
-use epcomm_check::hier_bench::{HierOp, HierTimer, hier_rows};
+use epcomm_check::hier_bench::{HierOp, hier_rows};
 use epcomm_check::inputs::{Shape, device_inputs, host_inputs};
 use epcomm_check::procs::gpu_count;
-use epcomm_check::verify::RoundOptions;
+use epcomm_check::timing::Timer;
+use epcomm_check::verify::{RoundOptions, verified_round};
 use epcomm_topology::Tiers;
 
-use crate::{
-    Res, decode_step, encode_step, schedule_and_routes, start_ranks, timed_step, workload,
-};
+use crate::{Res, Timed, drive, schedule_and_routes, start_ranks, workload};
+#[cfg(test)]
+use crate::{decode_step, encode_step};
 
 /// The variable naming the transport spec.
 pub const TRANSPORT_ENV: &str = "EPCOMM_BENCH_TRANSPORT";
@@ -161,67 +158,47 @@ pub fn run_hierarchical(spec: TransportSpec) -> Res {
         check_layout: false,
         ..RoundOptions::default()
     };
-    verified_hier_round(&mut buf, &inputs, &dev, opts)?;
-    verified_hier_round(&mut buf, &inputs, &dev, RoundOptions { fp8: true, ..opts })?;
-    let mut timer = HierTimer::new(&mut buf, &dev)?;
-    if rank != 0 {
-        loop {
-            let msg = boot.broadcast("internode-step", 0, None)?;
-            let (op, iters) = decode_step(&msg, &HierOp::ALL)?;
-            let Some(op) = op else { break };
-            timer.time(&mut buf, &dev, op, iters)?;
-        }
-        drop(timer);
-        drop(buf);
-        return Ok(());
-    }
+    verified_round(&mut buf, &inputs, &dev, opts)?;
+    verified_round(&mut buf, &inputs, &dev, RoundOptions { fp8: true, ..opts })?;
+    let timer = Timer::new(&mut buf, &dev)?;
     let idx: Vec<&[i64]> = inputs.bf16.iter().map(|i| i.topk_idx.as_slice()).collect();
     let rows = hier_rows(&idx, top_k, experts, tiers)?;
     let mine = rows.first().copied().unwrap_or_default();
-    let mut c = Criterion::default()
-        .configure_from_args()
-        .sample_size(20)
-        .warm_up_time(Duration::from_millis(500))
-        .measurement_time(Duration::from_secs(3));
-    let mut group = c.benchmark_group(format!(
+    if rank == 0 {
+        eprintln!(
+            "internode bench: {world} ranks = {} node(s) x {} on {} GPU(s); criterion's \
+             throughput is rank 0's rail (\"RDMA\") bytes per op",
+            tiers.nodes(),
+            tiers.local_ranks(),
+            world.min(gpus)
+        );
+    }
+    let ops: Vec<Timed> = HierOp::ALL
+        .into_iter()
+        .map(|op| {
+            let bytes = mine.bytes(op, hidden);
+            if rank == 0 {
+                eprintln!(
+                    "  {}: rank 0 moves {:.0} rail, {:.0} NVLink bytes, receives {:.0} bytes",
+                    op.name(),
+                    bytes.rail,
+                    bytes.nvlink,
+                    bytes.flat
+                );
+            }
+            Timed {
+                name: op.name(),
+                op: op.flat(),
+                bytes: bytes.rail as u64,
+            }
+        })
+        .collect();
+    let group = format!(
         "{transport}/ep{world}/{}x{}/{sms}sms/{schedule}/{routes}",
         tiers.nodes(),
         tiers.local_ranks()
-    ));
-    eprintln!(
-        "internode bench: {world} ranks = {} node(s) x {} on {} GPU(s); criterion's throughput \
-         is rank 0's rail (\"RDMA\") bytes per op",
-        tiers.nodes(),
-        tiers.local_ranks(),
-        world.min(gpus)
     );
-    for (i, op) in HierOp::ALL.into_iter().enumerate() {
-        let bytes = mine.bytes(op, hidden);
-        eprintln!(
-            "  {}: rank 0 moves {:.0} rail, {:.0} NVLink bytes, receives {:.0} bytes",
-            op.name(),
-            bytes.rail,
-            bytes.nvlink,
-            bytes.flat
-        );
-        group.throughput(Throughput::Bytes(bytes.rail as u64));
-        group.bench_function(op.name(), |b| {
-            b.iter_custom(|iters| {
-                timed_step(&boot, "internode-step", i, iters, |n| {
-                    Ok(timer.time(&mut buf, &dev, op, n)?)
-                })
-            })
-        });
-    }
-    group.finish();
-    boot.broadcast("internode-step", 0, Some(&encode_step(u8::MAX, 0)))?;
-    drop(timer);
-    drop(buf);
-    if let Some(mut g) = followers {
-        g.wait(Duration::from_secs(60))?;
-    }
-    c.final_summary();
-    Ok(())
+    drive(buf, timer, &dev, &boot, followers, &group, &ops)
 }
 
 #[cfg(test)]

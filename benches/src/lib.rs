@@ -13,11 +13,11 @@ use std::time::Duration;
 
 use criterion::{Criterion, Throughput};
 use cudarc::driver::CudaContext;
-use epcomm::{Buffer, BufferConfig};
+use epcomm::{Buffer, BufferConfig, ExpertParallel};
 use epcomm_backends::TransportSpec;
 use epcomm_bootstrap::launch::{LaunchedGroup, LocalLaunch, free_port};
 use epcomm_bootstrap::{Bootstrap, BootstrapConfig};
-use epcomm_check::inputs::{Shape, device_inputs, host_inputs};
+use epcomm_check::inputs::{DeviceInputs, Shape, device_inputs, host_inputs};
 use epcomm_check::procs::{WORKER_ENV, gpu_count, is_worker};
 use epcomm_check::timing::{BenchOp, Timer};
 use epcomm_check::verify::{RoundOptions, verified_round};
@@ -197,18 +197,61 @@ pub fn run(spec: TransportSpec) -> Res {
     {
         cfg.combine_staging = v.parse()?;
     }
+    let (schedule, routes) = (cfg.schedule, cfg.routes);
     let mut buf = Buffer::new(ctx.clone(), spec.build(ctx, boot.clone())?, cfg)?;
     let inputs = host_inputs(&Shape::uniform(world, tokens, hidden, top_k, experts, 2025))?;
     let dev = device_inputs(buf.stream(), &inputs, rank)?;
     verified_round(&mut buf, &inputs, &dev, RoundOptions::default())?;
-    let mut timer = Timer::new(&mut buf, &dev)?;
-    if rank != 0 {
+    let timer = Timer::new(&mut buf, &dev)?;
+    if world > gpus && rank == 0 {
+        let how = if epcomm_check::procs::under_mps() {
+            "under MPS (concurrent; traffic between ranks of one GPU stays in its memory)"
+        } else {
+            "without MPS (the ranks of a GPU take turns on it)"
+        };
+        eprintln!("note: {world} ranks share {gpus} GPU(s) {how}");
+    }
+    let ops: Vec<Timed> = BenchOp::ALL
+        .into_iter()
+        .map(|op| Timed {
+            name: op.name(),
+            op,
+            bytes: op.metric_bytes(timer.num_recv, hidden) as u64,
+        })
+        .collect();
+    let group = format!("{transport}/ep{world}/{sms}sms/{schedule}/{routes}");
+    drive(buf, timer, &dev, &boot, followers, &group, &ops)
+}
+
+/// One op a criterion group times: its benchmark name, what the timer runs, the bytes its
+/// throughput counts.
+pub(crate) struct Timed {
+    pub(crate) name: &'static str,
+    pub(crate) op: BenchOp,
+    pub(crate) bytes: u64,
+}
+
+/// Times `ops` on `buf` (flat or two-tier) in lockstep: rank 0 runs criterion's group `group`
+/// and tells every rank each sample's op and calls; a follower runs what it is told until the
+/// stop message. Then the buffer is torn down and rank 0 waits for its followers.
+pub(crate) fn drive<E: ExpertParallel>(
+    mut buf: E,
+    mut timer: Timer,
+    dev: &DeviceInputs,
+    boot: &Bootstrap,
+    followers: Option<LaunchedGroup>,
+    group: &str,
+    ops: &[Timed],
+) -> Res {
+    let tag = "bench-step";
+    if boot.rank() != 0 {
         loop {
-            let msg = boot.broadcast("bench-step", 0, None)?;
-            let (op, iters) = decode_step(&msg, &BenchOp::ALL)?;
-            let Some(op) = op else { break };
-            timer.time(&mut buf, &dev, op, iters)?;
+            let msg = boot.broadcast(tag, 0, None)?;
+            let (i, iters) = decode_step(&msg, &(0..ops.len()).collect::<Vec<_>>())?;
+            let Some(i) = i else { break };
+            timer.time(&mut buf, dev, ops[i].op, iters)?;
         }
+        drop(timer);
         buf.destroy()?;
         return Ok(());
     }
@@ -217,35 +260,23 @@ pub fn run(spec: TransportSpec) -> Res {
         .sample_size(20)
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(3));
-    let (schedule, routes) = (buf.config().schedule, buf.config().routes);
-    if world > gpus {
-        let how = if epcomm_check::procs::under_mps() {
-            "under MPS (concurrent; traffic between ranks of one GPU stays in its memory)"
-        } else {
-            "without MPS (the ranks of a GPU take turns on it)"
-        };
-        eprintln!("note: {world} ranks share {gpus} GPU(s) {how}");
-    }
-    let mut group = c.benchmark_group(format!(
-        "{transport}/ep{world}/{sms}sms/{schedule}/{routes}"
-    ));
-    for (i, op) in BenchOp::ALL.into_iter().enumerate() {
-        group.throughput(Throughput::Bytes(
-            op.metric_bytes(timer.num_recv, hidden) as u64
-        ));
-        group.bench_function(op.name(), |b| {
+    let mut g = c.benchmark_group(group);
+    for (i, op) in ops.iter().enumerate() {
+        g.throughput(Throughput::Bytes(op.bytes));
+        g.bench_function(op.name, |b| {
             b.iter_custom(|iters| {
-                timed_step(&boot, "bench-step", i, iters, |n| {
-                    Ok(timer.time(&mut buf, &dev, op, n)?)
+                timed_step(boot, tag, i, iters, |n| {
+                    Ok(timer.time(&mut buf, dev, op.op, n)?)
                 })
             })
         });
     }
-    group.finish();
-    boot.broadcast("bench-step", 0, Some(&encode_step(u8::MAX, 0)))?;
+    g.finish();
+    boot.broadcast(tag, 0, Some(&encode_step(u8::MAX, 0)))?;
+    drop(timer);
     buf.destroy()?;
-    if let Some(mut g) = followers {
-        g.wait(Duration::from_secs(60))?;
+    if let Some(mut f) = followers {
+        f.wait(Duration::from_secs(60))?;
     }
     c.final_summary();
     Ok(())

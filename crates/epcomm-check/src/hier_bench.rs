@@ -1,5 +1,5 @@
-//! Timing of the hierarchical ops ([`epcomm::HierarchicalBuffer`]) and DeepEP's internode
-//! metrics.
+//! DeepEP's internode metrics for the two-tier ops ([`epcomm::HierarchicalBuffer`], timed by
+//! [`crate::timing::Timer`] as a flat buffer is).
 //!
 //! DeepEP's internode benchmark reports two bandwidths per op: **RDMA** (the bytes a rank
 //! puts on the inter-node network) and **NVL** (the bytes that move inside a node). Here:
@@ -18,15 +18,10 @@
 //! Row bytes are DeepEP's: `hidden * 2` for BF16 rows, `hidden * (1 + 4/128)` for FP8 rows
 //! ([`BenchOp::metric_bytes`]); top-k ids, weights and source indices are not counted.
 
-use std::sync::Arc;
+use epcomm_reference::{Tiers, layout, rail_traffic};
 
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
-use epcomm::{DispatchInput, HierHandle, HierarchicalBuffer, RecvMode, XInput};
-use epcomm_reference::{Tiers, bf16, layout, rail_traffic};
-
-use crate::inputs::{DeviceInputs, upload};
-use crate::timing::{BenchOp, FLUSH_BYTES, elapsed_us, flushed_events, median};
-use crate::{CheckError, Result};
+use crate::Result;
+use crate::timing::BenchOp;
 
 /// A hierarchical op to time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -185,157 +180,10 @@ pub fn hier_rows<I: AsRef<[i64]>>(
     Ok(out)
 }
 
-/// Timing state of one rank of a [`HierarchicalBuffer`]: a handle and expert outputs for
-/// cached dispatch and combine, the flush buffer.
-#[derive(Debug)]
-pub struct HierTimer {
-    stream: Arc<CudaStream>,
-    ctx: Arc<CudaContext>,
-    flush: CudaSlice<u8>,
-    handle: HierHandle,
-    y: CudaSlice<bf16>,
-    out: CudaSlice<bf16>,
-    /// Rows this rank receives (the node stage's receive count).
-    pub num_recv: usize,
-}
-
-impl HierTimer {
-    /// Prepares timing of `dev` on `buf`: one HostSync BF16 dispatch (with weights) gives the
-    /// handle and the receive count that sizes combine's input. Collective.
-    ///
-    /// # Errors
-    /// The dispatch's, an allocation's, or [`CheckError::Other`] when the HostSync dispatch
-    /// reported no receive count.
-    pub fn new(buf: &mut HierarchicalBuffer, dev: &DeviceInputs) -> Result<Self> {
-        let stream = buf.stream().clone();
-        let ctx = buf.rail().context().clone();
-        let hidden = buf.rail().config().hidden;
-        let flush = stream.alloc_zeros::<u8>(FLUSH_BYTES)?;
-        let input = dev.dispatch_input(false, true);
-        let handle = buf
-            .dispatch(&input, dev.num_tokens, RecvMode::HostSync)?
-            .handle;
-        let num_recv = handle.node().num_recv().ok_or_else(|| {
-            CheckError::Other("a HostSync hierarchical dispatch reported no receive count".into())
-        })?;
-        let y = upload(
-            &stream,
-            &vec![bf16::from_f32(0.5); num_recv.max(1) * hidden],
-        )?;
-        let out = if dev.num_tokens == 0 {
-            stream.null()?
-        } else {
-            upload(&stream, &vec![bf16::ZERO; dev.num_tokens * hidden])?
-        };
-        buf.synchronize()?;
-        Ok(Self {
-            stream,
-            ctx,
-            flush,
-            handle,
-            y,
-            out,
-            num_recv,
-        })
-    }
-
-    /// Runs `op` `iters` times (each call after an L2 flush) and returns each call's time in
-    /// microseconds (CUDA events on the buffer's stream around the op only). Collective.
-    ///
-    /// # Errors
-    /// The op's or the driver's.
-    pub fn time(
-        &mut self,
-        buf: &mut HierarchicalBuffer,
-        dev: &DeviceInputs,
-        op: HierOp,
-        iters: usize,
-    ) -> Result<Vec<f64>> {
-        let mut events = Vec::with_capacity(iters);
-        for _ in 0..iters {
-            let (start, end) = flushed_events(&self.ctx, &self.stream, &mut self.flush)?;
-            self.run(buf, dev, op)?;
-            end.record(&self.stream)?;
-            events.push((start, end));
-        }
-        buf.synchronize()?;
-        elapsed_us(&events)
-    }
-
-    fn run(&mut self, buf: &mut HierarchicalBuffer, dev: &DeviceInputs, op: HierOp) -> Result<()> {
-        match op {
-            HierOp::DispatchBf16 | HierOp::DispatchFp8 => {
-                let input = DispatchInput {
-                    x: dev.x_input(op.is_fp8()),
-                    topk_idx: &dev.topk_idx,
-                    topk_weights: Some(&dev.topk_weights),
-                };
-                buf.dispatch(&input, dev.num_tokens, RecvMode::WorstCase)?;
-            }
-            HierOp::CachedDispatchBf16 => {
-                buf.cached_dispatch(&XInput::Bf16(&dev.x), &self.handle)?;
-            }
-            HierOp::Combine => {
-                buf.combine_consuming(&self.y, None, &self.handle, &mut self.out, None)?;
-            }
-        }
-        Ok(())
-    }
-}
-
-/// One tier's count exchange in a hierarchical dispatch, on this rank's clock.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct TierNotify {
-    /// Median time from the tier's dispatch kernel start until its counts were ready, us
-    /// (`None` when a dispatch did not report it).
-    pub counts_ready_us: Option<f64>,
-    /// Median time of the tier's dispatch kernel, us.
-    pub kernel_us: f64,
-}
-
-/// Runs `iters` hierarchical BF16 dispatches (WorstCase, like the timed ones) and returns the
-/// rail tier's and the node tier's [`TierNotify`] from the stats blocks
-/// ([`HierarchicalBuffer::last_op_stats`] after each dispatch). Collective: every rank calls it
-/// with the same `iters`.
-///
-/// # Errors
-/// The ops', or [`CheckError::Other`] when a tier reported no statistics.
-pub fn notify_stats(
-    buf: &mut HierarchicalBuffer,
-    dev: &DeviceInputs,
-    iters: usize,
-) -> Result<(TierNotify, TierNotify)> {
-    let mut ready = [Vec::new(), Vec::new()];
-    let mut kernel = [Vec::new(), Vec::new()];
-    let mut missing = [false, false];
-    for _ in 0..iters {
-        let input = DispatchInput {
-            x: dev.x_input(false),
-            topk_idx: &dev.topk_idx,
-            topk_weights: Some(&dev.topk_weights),
-        };
-        buf.dispatch(&input, dev.num_tokens, RecvMode::WorstCase)?;
-        let stats = buf.last_op_stats()?.ok_or_else(|| {
-            CheckError::Other("a tier reported no statistics after a hierarchical dispatch".into())
-        })?;
-        for (i, stats) in [stats.rail, stats.node].into_iter().enumerate() {
-            kernel[i].push(stats.total.as_secs_f64() * 1e6);
-            match stats.counts_ready {
-                Some(d) => ready[i].push(d.as_secs_f64() * 1e6),
-                None => missing[i] = true,
-            }
-        }
-    }
-    let tier = |i: usize| TierNotify {
-        counts_ready_us: (!missing[i] && !ready[i].is_empty()).then(|| median(&ready[i])),
-        kernel_us: median(&kernel[i]),
-    };
-    Ok((tier(0), tier(1)))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::CheckError;
 
     /// The routing of epcomm-reference's rail-traffic test: 2 nodes x 2 local ranks, one
     /// expert per rank, top-3. Rank 0: token 0 -> ranks 0, 2, 3; token 1 -> rank 1; token 2 ->

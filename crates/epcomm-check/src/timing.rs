@@ -7,7 +7,10 @@
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, sys};
-use epcomm::{Buffer, DispatchInput, Handle, Layout, LlFormat, LlRecv, RecvMode, XInput};
+use epcomm::{
+    Buffer, DispatchInput, ExpertParallel, Handle, Layout, LlFormat, LlRecv, RecvMode, TierStats,
+    XInput,
+};
 use epcomm_reference::{RankInput, bf16};
 
 use crate::Result;
@@ -105,7 +108,9 @@ impl BenchOp {
     }
 }
 
-/// Timing state of one rank: inputs, a layout and handle for combine, the flush buffer.
+/// Timing state of one rank of a buffer, flat or two-tier ([`ExpertParallel`]): a layout and a
+/// handle for cached dispatch and combine, expert outputs, the flush buffer. Every op is timed
+/// the same way on either tiering: the layout is computed once, outside the timed calls.
 #[derive(Debug)]
 pub struct Timer {
     stream: Arc<CudaStream>,
@@ -120,8 +125,13 @@ pub struct Timer {
 }
 
 impl Timer {
-    /// Prepares timing of `dev` on `buf` (runs one HostSync dispatch to size combine's input).
-    pub fn new(buf: &mut Buffer, dev: &DeviceInputs) -> Result<Self> {
+    /// Prepares timing of `dev` on `buf` (runs one HostSync dispatch with weights to size
+    /// combine's input). Collective.
+    ///
+    /// # Errors
+    /// The dispatch's, an allocation's, or [`crate::CheckError::Other`] when the HostSync
+    /// dispatch reported no receive count.
+    pub fn new<E: ExpertParallel>(buf: &mut E, dev: &DeviceInputs) -> Result<Self> {
         let stream = buf.stream().clone();
         let ctx = buf.context().clone();
         let flush = stream.alloc_zeros::<u8>(FLUSH_BYTES)?;
@@ -130,7 +140,9 @@ impl Timer {
         let handle = buf
             .dispatch(&input, &layout, RecvMode::HostSync)?
             .into_handle();
-        let num_recv = handle.num_recv().unwrap_or(0);
+        let num_recv = handle.num_recv().ok_or_else(|| {
+            crate::CheckError::Other("a HostSync dispatch reported no receive count".into())
+        })?;
         let hidden = buf.config().hidden;
         let y = upload(
             &stream,
@@ -157,9 +169,13 @@ impl Timer {
 
     /// Runs `op` `iters` times (each call after an L2 flush) and returns each call's time in
     /// microseconds (CUDA events around the op only). Collective.
-    pub fn time(
+    ///
+    /// # Errors
+    /// The op's or the driver's; [`crate::CheckError::Other`] for an op this timer does not
+    /// run (a low-latency op, or the in-place combine on a two-tier buffer).
+    pub fn time<E: ExpertParallel>(
         &mut self,
-        buf: &mut Buffer,
+        buf: &mut E,
         dev: &DeviceInputs,
         op: BenchOp,
         iters: usize,
@@ -179,7 +195,12 @@ impl Timer {
         elapsed_us(&events)
     }
 
-    fn run(&mut self, buf: &mut Buffer, dev: &DeviceInputs, op: BenchOp) -> Result<()> {
+    fn run<E: ExpertParallel>(
+        &mut self,
+        buf: &mut E,
+        dev: &DeviceInputs,
+        op: BenchOp,
+    ) -> Result<()> {
         match op {
             BenchOp::DispatchBf16 | BenchOp::DispatchFp8 => {
                 let input = DispatchInput {
@@ -197,7 +218,12 @@ impl Timer {
             BenchOp::Combine => {
                 buf.combine_consuming(&self.y, None, &self.handle, &mut self.out, None)?
             }
-            BenchOp::CombineInPlace => buf.combine_in_place(&self.handle, &mut self.out, None)?,
+            BenchOp::CombineInPlace => buf
+                .as_flat()
+                .ok_or_else(|| {
+                    crate::CheckError::Other("the in-place combine runs on a flat buffer".into())
+                })?
+                .combine_in_place(&self.handle, &mut self.out, None)?,
             other => {
                 return Err(crate::CheckError::Other(format!(
                     "{} is timed by LlTimer",
@@ -430,6 +456,64 @@ impl LlTimer {
         buf.synchronize()?;
         Ok(median(&elapsed_us(&events)?))
     }
+}
+
+/// One tier's count exchange in a dispatch, on this rank's clock.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct TierNotify {
+    /// The tier (`"world"` flat; `"rail"`, `"node"` two-tier).
+    pub tier: &'static str,
+    /// Median time from the tier's dispatch kernel start until its counts were ready, us
+    /// (`None` when a dispatch did not report it).
+    pub counts_ready_us: Option<f64>,
+    /// Median time of the tier's dispatch kernel, us.
+    pub kernel_us: f64,
+}
+
+/// Runs `iters` BF16 dispatches along `timer`'s layout (WorstCase, like the timed ones) and
+/// returns each tier's [`TierNotify`] from the stats blocks
+/// ([`ExpertParallel::last_op_stats`] after each dispatch). Collective: every rank calls it
+/// with the same `iters`.
+///
+/// # Errors
+/// The ops', or [`crate::CheckError::Other`] when a dispatch reported no statistics.
+pub fn notify_stats<E: ExpertParallel>(
+    buf: &mut E,
+    timer: &Timer,
+    dev: &DeviceInputs,
+    iters: usize,
+) -> Result<Vec<TierNotify>> {
+    let mut tiers: Vec<(&'static str, Vec<f64>, Vec<f64>, bool)> = Vec::new();
+    for _ in 0..iters {
+        let input = DispatchInput {
+            x: dev.x_input(false),
+            topk_idx: &dev.topk_idx,
+            topk_weights: Some(&dev.topk_weights),
+        };
+        buf.dispatch(&input, &timer.layout, RecvMode::WorstCase)?;
+        let stats = buf
+            .last_op_stats()?
+            .ok_or_else(|| crate::CheckError::Other("a dispatch reported no statistics".into()))?;
+        for (i, (name, stats)) in stats.tiers().into_iter().enumerate() {
+            if tiers.len() <= i {
+                tiers.push((name, Vec::new(), Vec::new(), false));
+            }
+            let t = &mut tiers[i];
+            t.2.push(stats.total.as_secs_f64() * 1e6);
+            match stats.counts_ready {
+                Some(d) => t.1.push(d.as_secs_f64() * 1e6),
+                None => t.3 = true,
+            }
+        }
+    }
+    Ok(tiers
+        .into_iter()
+        .map(|(tier, ready, kernel, missing)| TierNotify {
+            tier,
+            counts_ready_us: (!missing && !ready.is_empty()).then(|| median(&ready)),
+            kernel_us: median(&kernel),
+        })
+        .collect())
 }
 
 /// One timed call's events: flushes L2 (zeroes `flush` on `stream`), then records and returns

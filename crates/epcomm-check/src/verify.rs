@@ -5,8 +5,11 @@ use std::fmt::Debug;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream};
-use epcomm::{Buffer, DispatchInput, RecvMode};
+use epcomm::{DispatchInput, ExpertParallel, RecvMode, Tiering};
 use epcomm_reference::{CombineOutput, RankInput, RankOutput, XData, bf16};
+use epcomm_topology::RailPrecision;
+
+use crate::hier::{permute, two_stage_order};
 
 use crate::inputs::{DeviceInputs, HostInputs, upload};
 use crate::{CheckError, Result};
@@ -112,57 +115,37 @@ pub(crate) fn combine_inputs(reference: &[RankOutput], ins: &[RankInput]) -> Res
     })
 }
 
-/// Runs one verified round on this rank. Every rank must call it with the same arguments
-/// (collective).
-pub fn verified_round(
-    buf: &mut Buffer,
+/// Runs one verified round on this rank of `buf` (flat or two-tier). Every rank must call it
+/// with the same arguments (collective).
+///
+/// The oracle follows the buffer's [`Tiering`]: the rows a rank receives are the flat
+/// reference's, in the buffer's order (flat: by source rank; two-tier:
+/// [`crate::hier::two_stage_order`]); combine is [`epcomm_reference::combine`] flat and
+/// [`epcomm_reference::hierarchical_combine_staged`] (bf16 rail) two-tier. The layout and the
+/// handle's source-side arrays are compared on a flat buffer (a two-tier layout is the rail
+/// tier's, its handle's sources the forwarders), the in-place combine run on a flat one.
+pub fn verified_round<E: ExpertParallel>(
+    buf: &mut E,
     inputs: &HostInputs,
     dev: &DeviceInputs,
     opts: RoundOptions,
 ) -> Result<()> {
-    let rank = buf.rank();
+    let rank = buf.world_rank();
     let world = buf.world_size();
+    let tiering = buf.tiering();
     let cfg = buf.config().clone();
     let ins = if opts.fp8 { &inputs.fp8 } else { &inputs.bf16 };
     let reference = epcomm_reference::dispatch(ins, cfg.num_experts)?;
     let want = &reference[rank];
+    let order = match tiering {
+        Tiering::Flat => (0..want.num_recv_tokens).collect(),
+        Tiering::TwoTier(tiers) => two_stage_order(want, tiers),
+    };
     let t = dev.num_tokens;
 
     let layout = buf.layout(&dev.topk_idx, t)?;
-    if opts.check_layout {
-        let got = layout.to_host()?;
-        let want_l = epcomm_reference::layout(
-            &ins[rank].topk_idx,
-            t,
-            cfg.top_k,
-            cfg.num_experts,
-            world,
-            world,
-        )?;
-        first_diff(
-            "layout.tokens_per_rank",
-            rank,
-            &got.tokens_per_rank,
-            &want_l.tokens_per_rank,
-        )?;
-        first_diff(
-            "layout.tokens_per_expert",
-            rank,
-            &got.tokens_per_expert,
-            &want_l.tokens_per_expert,
-        )?;
-        first_diff(
-            "layout.tokens_per_node",
-            rank,
-            &got.tokens_per_node,
-            &want_l.tokens_per_node,
-        )?;
-        first_diff(
-            "layout.token_slot",
-            rank,
-            &got.token_slot,
-            &want_l.token_slot,
-        )?;
+    if opts.check_layout && tiering == Tiering::Flat {
+        check_layout(&layout, &ins[rank].topk_idx, t, &cfg, rank, world)?;
     }
     let input = DispatchInput {
         x: dev.x_input(opts.fp8),
@@ -171,73 +154,83 @@ pub fn verified_round(
     };
     let handle = {
         let d = buf.dispatch(&input, &layout, opts.mode)?;
-        check_dispatched(&d, want, rank, opts, true)?;
+        check_dispatched(&d, want, &order, rank, opts, true)?;
         d.into_handle()
     };
     // A failure recorded by the dispatch kernel explains any mismatch below: report it first.
     buf.synchronize()?;
     let as_i32 = |v: &[u32]| v.iter().map(|&v| v as i32).collect::<Vec<i32>>();
-    for (what, got, want) in [
-        (
-            "handle.recv_prefix",
-            handle.recv_prefix_to_host()?,
-            as_i32(&want.rank_prefix),
-        ),
-        (
-            "handle.num_recv_per_local_expert",
-            handle.num_recv_per_local_expert()?,
-            as_i32(&want.num_recv_per_local_expert),
-        ),
-        (
-            "handle.recv_src_idx",
-            handle.recv_src_idx_to_host()?,
-            as_i32(&want.recv_src_idx),
-        ),
-    ] {
-        first_diff(what, rank, &got, &want)?;
+    first_diff(
+        "handle.num_recv_per_local_expert",
+        rank,
+        &handle.num_recv_per_local_expert()?,
+        &as_i32(&want.num_recv_per_local_expert),
+    )?;
+    if tiering == Tiering::Flat {
+        for (what, got, want) in [
+            (
+                "handle.recv_prefix",
+                handle.recv_prefix_to_host()?,
+                as_i32(&want.rank_prefix),
+            ),
+            (
+                "handle.recv_src_idx",
+                handle.recv_src_idx_to_host()?,
+                as_i32(&want.recv_src_idx),
+            ),
+        ] {
+            first_diff(what, rank, &got, &want)?;
+        }
     }
 
     // Combine: every rank's expert output is known to every rank (deterministic).
     let CombineInputs { ys, ws, tokens } = combine_inputs(&reference, ins)?;
-    let want_c = epcomm_reference::combine(
-        &ys,
-        opts.weights.then_some(ws.as_slice()),
-        &reference,
-        &tokens,
-    )?;
+    let weights = opts.weights.then_some(ws.as_slice());
+    let want_c = match tiering {
+        Tiering::Flat => epcomm_reference::combine(&ys, weights, &reference, &tokens)?,
+        Tiering::TwoTier(tiers) => epcomm_reference::hierarchical_combine_staged(
+            &ys,
+            weights,
+            &reference,
+            &tokens,
+            tiers,
+            RailPrecision::Bf16,
+        )?,
+    };
     let stream = buf.stream().clone();
-    let rows_alloc = handle
-        .num_recv()
-        .unwrap_or(buf.world_size() * cfg.max_tokens_per_rank);
-    let mut y_host = ys[rank].clone();
+    let rows_alloc = handle.num_recv().unwrap_or(handle.capacity());
+    let mut y_host = permute(&ys[rank], cfg.hidden, &order);
     y_host.resize(rows_alloc * cfg.hidden, bf16::ZERO);
     let y = upload(&stream, &y_host)?;
-    let mut yw_host = ws[rank].clone();
+    let mut yw_host = permute(&ws[rank], cfg.top_k, &order);
     yw_host.resize(rows_alloc * cfg.top_k, 0.0);
     let yw = upload(&stream, &yw_host)?;
     let rounds = if opts.cached { 2 } else { 1 };
-    let in_place = opts.in_place && !opts.fp8;
+    let in_place = opts.in_place && !opts.fp8 && buf.as_flat().is_some();
     for round in 0..rounds + usize::from(in_place) {
         let mut out = upload(&stream, &vec![bf16::from_f32(-7.0); t * cfg.hidden])?;
         let mut out_w = upload(&stream, &vec![-7.0f32; t * cfg.top_k])?;
         if round == rounds {
+            let flat = buf
+                .as_flat()
+                .ok_or_else(|| CheckError::Other("in-place combine needs a flat buffer".into()))?;
             // In place: a fresh BF16 dispatch, y written over its receive rows, then pulled.
             let h2 = {
-                let d = buf.dispatch(&input, &layout, opts.mode)?;
+                let d = flat.dispatch(&input, &layout, opts.mode)?;
                 if want.num_recv_tokens > 0 {
                     d.copy_into_recv_x(&y.slice(..want.num_recv_tokens * cfg.hidden))?;
                 }
                 d.into_handle()
             };
             if opts.weights {
-                buf.combine_in_place(&h2, &mut out, Some(&mut out_w))?;
+                flat.combine_in_place(&h2, &mut out, Some(&mut out_w))?;
             } else {
-                buf.combine_in_place(&h2, &mut out, None)?;
+                flat.combine_in_place(&h2, &mut out, None)?;
             }
         } else {
             if round == 1 {
                 let d = buf.cached_dispatch(&dev.x_input(opts.fp8), &handle)?;
-                check_dispatched(&d, want, rank, opts, false)?;
+                check_dispatched(&d, want, &order, rank, opts, false)?;
             }
             // The first combine gives the rows up (it may stage over them), a cached dispatch
             // refills them, and the second leaves them (it pushes unless the config says
@@ -253,12 +246,49 @@ pub fn verified_round(
         }
         buf.synchronize()?;
         let what = format!(
-            "combine #{round}{} x",
+            "{}combine #{round}{} x",
+            if tiering == Tiering::Flat {
+                ""
+            } else {
+                "two-tier "
+            },
             if round == rounds { " (in place)" } else { "" }
         );
         check_combined(&what, rank, &stream, t, &out, &out_w, &want_c[rank])?;
     }
     Ok(())
+}
+
+/// A flat layout against the reference's.
+fn check_layout(
+    layout: &epcomm::Layout,
+    topk_idx: &[i64],
+    t: usize,
+    cfg: &epcomm::BufferConfig,
+    rank: usize,
+    world: usize,
+) -> Result<()> {
+    let got = layout.to_host()?;
+    let want = epcomm_reference::layout(topk_idx, t, cfg.top_k, cfg.num_experts, world, world)?;
+    first_diff(
+        "layout.tokens_per_rank",
+        rank,
+        &got.tokens_per_rank,
+        &want.tokens_per_rank,
+    )?;
+    first_diff(
+        "layout.tokens_per_expert",
+        rank,
+        &got.tokens_per_expert,
+        &want.tokens_per_expert,
+    )?;
+    first_diff(
+        "layout.tokens_per_node",
+        rank,
+        &got.tokens_per_node,
+        &want.tokens_per_node,
+    )?;
+    first_diff("layout.token_slot", rank, &got.token_slot, &want.token_slot)
 }
 
 /// A combine's outputs (`t` tokens; the stream is synchronized) against the reference, bit for
@@ -290,9 +320,12 @@ pub(crate) fn check_combined(
     Ok(())
 }
 
+/// A dispatch's rows against the reference's, in `order` (row `i` is the reference's row
+/// `order[i]`).
 fn check_dispatched(
     d: &epcomm::Dispatched<'_>,
     want: &RankOutput,
+    order: &[usize],
     rank: usize,
     opts: RoundOptions,
     full: bool,
@@ -318,9 +351,22 @@ fn check_dispatched(
         )?;
     }
     let what = if full { "dispatch" } else { "cached dispatch" };
+    let h = want.hidden;
     let (label, want_bytes): (&str, Vec<u8>) = match &want.recv_x {
-        XData::Bf16(x) => ("recv_x", x.iter().flat_map(|v| v.to_le_bytes()).collect()),
-        XData::Fp8 { data, .. } => ("recv_x (fp8)", data.iter().map(|v| v.to_bits()).collect()),
+        XData::Bf16(x) => (
+            "recv_x",
+            permute(x, h, order)
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect(),
+        ),
+        XData::Fp8 { data, .. } => (
+            "recv_x (fp8)",
+            permute(data, h, order)
+                .iter()
+                .map(|v| v.to_bits())
+                .collect(),
+        ),
     };
     first_diff(
         &format!("{what} {label}"),
@@ -328,30 +374,28 @@ fn check_dispatched(
         &d.recv_x_bytes_to_host()?,
         &want_bytes,
     )?;
-    match &want.recv_x {
-        XData::Bf16(_) => {}
-        XData::Fp8 { scales, .. } => {
-            first_diff(
-                &format!("{what} recv_scales"),
-                rank,
-                &bits(&d.recv_scales_to_host()?),
-                &bits(scales),
-            )?;
-        }
+    if let XData::Fp8 { scales, .. } = &want.recv_x {
+        first_diff(
+            &format!("{what} recv_scales"),
+            rank,
+            &bits(&d.recv_scales_to_host()?),
+            &bits(&permute(scales, h / 128, order)),
+        )?;
     }
     if full {
+        let k = want.top_k;
         first_diff(
             "dispatch recv_topk_idx",
             rank,
             &d.recv_topk_idx_to_host()?,
-            &want.recv_topk_idx,
+            &permute(&want.recv_topk_idx, k, order),
         )?;
         if opts.weights {
             first_diff(
                 "dispatch recv_topk_weights",
                 rank,
                 &bits(&d.recv_topk_weights_to_host()?),
-                &bits(&want.recv_topk_weights),
+                &bits(&permute(&want.recv_topk_weights, k, order)),
             )?;
         }
     }

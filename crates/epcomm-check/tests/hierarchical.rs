@@ -11,12 +11,14 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use epcomm::{BufferConfig, DispatchInput, Error, HierarchicalBuffer, RecvMode, Schedule, XInput};
+use epcomm::{
+    BufferConfig, DispatchInput, Error, HierarchicalBuffer, RecvMode, Schedule, TierStats, XInput,
+};
 use epcomm_backends::TransportSpec;
-use epcomm_check::hier::{HierCase, hier_case, verified_hier_round};
+use epcomm_check::hier::{HierCase, hier_case};
 use epcomm_check::inputs::{Shape, device_inputs, host_inputs, upload};
 use epcomm_check::procs::is_worker;
-use epcomm_check::verify::RoundOptions;
+use epcomm_check::verify::{RoundOptions, verified_round};
 use epcomm_reference::bf16;
 
 use common::{MakeTransport, TestConfig, Worker, launch, log, world};
@@ -120,7 +122,7 @@ fn run_hier(w: &Worker, mk: MakeTransport<'_>, test: TestConfig) {
             let inputs = host_inputs(&shape).expect("inputs");
             let dev = device_inputs(buf.stream(), &inputs, rank).expect("upload");
             let t0 = Instant::now();
-            verified_hier_round(&mut buf, &inputs, &dev, opts).unwrap_or_else(|e| {
+            verified_round(&mut buf, &inputs, &dev, opts).unwrap_or_else(|e| {
                 panic!("{test} {tiers:?} group {gi} case {ci} ({shape:?}, {opts:?}): {e}")
             });
             log(
@@ -241,8 +243,9 @@ fn run_hier_graph(w: &Worker, mk: MakeTransport<'_>) {
     let mut buf = small_hier(w, mk, tokens, Duration::from_secs(20));
     let tiers = buf.tiers();
     let stream = buf.stream().clone();
-    let handle = buf.alloc_handle(tokens).expect("alloc_handle");
-    let cap = handle.node().capacity();
+    let layout = buf.alloc_layout(tokens).expect("alloc_layout");
+    let handle = buf.alloc_handle(&layout).expect("alloc_handle");
+    let cap = handle.capacity();
     let variants: Vec<HierCase> = (0..6)
         .map(|v| {
             let shape = Shape::uniform(world, tokens, 256, 4, 4 * world, 700 + v);
@@ -261,6 +264,7 @@ fn run_hier_graph(w: &Worker, mk: MakeTransport<'_>) {
                 topk_idx: &idx,
                 topk_weights: None,
             };
+            b.layout_into(&idx, &layout)?;
             b.dispatch_into(&input, &handle)?;
             b.combine(&y, None, &handle, &mut out, None)
         })
@@ -285,7 +289,7 @@ fn run_hier_graph(w: &Worker, mk: MakeTransport<'_>) {
     let shape = Shape::uniform(world, 50, 256, 4, 4 * world, 9);
     let h = host_inputs(&shape).unwrap();
     let d = device_inputs(&stream, &h, rank).unwrap();
-    verified_hier_round(&mut buf, &h, &d, RoundOptions::default()).expect("round after replays");
+    verified_round(&mut buf, &h, &d, RoundOptions::default()).expect("round after replays");
     log(
         rank,
         format_args!("hierarchical graph {tiers:?}: {replays} replays (6 routings) verified"),
@@ -319,13 +323,14 @@ fn run_hier_skew(w: &Worker, mk: MakeTransport<'_>) {
     let d = device_inputs(buf.stream(), &h, rank).unwrap();
     // Ranks share one GPU here (time-sliced): the hold must dwarf the slicing.
     let delay = Duration::from_millis(40);
+    let layout = buf.layout(&d.topk_idx, 256).unwrap();
     for i in 0..4 {
         w.boot.barrier("hier-skew").unwrap();
         if rank == late {
             buf.rail().inject_delay(delay).unwrap();
         }
         let input = d.dispatch_input(false, false);
-        drop(buf.dispatch(&input, 256, RecvMode::WorstCase).unwrap());
+        drop(buf.dispatch(&input, &layout, RecvMode::WorstCase).unwrap());
         let st = buf.last_op_stats().unwrap().expect("stats after dispatch");
         let (named, tier, skew) = st.late();
         if shares_tier(rank) {
@@ -366,8 +371,10 @@ fn run_hier_stall(w: &Worker, mk: MakeTransport<'_>) {
     let shape = Shape::uniform(world, 64, 256, 4, 4 * world, 11);
     let h = host_inputs(&shape).unwrap();
     let d = device_inputs(buf.stream(), &h, rank).unwrap();
-    verified_hier_round(&mut buf, &h, &d, RoundOptions::default()).expect("round before the stall");
+    verified_round(&mut buf, &h, &d, RoundOptions::default()).expect("round before the stall");
     let stalled = world - 1;
+    let layout = buf.layout(&d.topk_idx, 64).unwrap();
+    buf.synchronize().unwrap();
     w.boot.barrier("hier-stall").unwrap();
     if rank == stalled {
         // Alive but silent for longer than every peer's bound, then gone without a word.
@@ -377,7 +384,7 @@ fn run_hier_stall(w: &Worker, mk: MakeTransport<'_>) {
     let t0 = Instant::now();
     let input = d.dispatch_input(false, false);
     let r = buf
-        .dispatch(&input, 64, RecvMode::WorstCase)
+        .dispatch(&input, &layout, RecvMode::WorstCase)
         .map(|_| ())
         .and_then(|_| buf.synchronize());
     let took = t0.elapsed();
@@ -390,7 +397,9 @@ fn run_hier_stall(w: &Worker, mk: MakeTransport<'_>) {
     }
     assert!(took < timeout * 3, "rank {rank}: the failure took {took:?}");
     // A failed buffer refuses the next op on both tiers.
-    let again = buf.dispatch(&input, 64, RecvMode::WorstCase).map(|_| ());
+    let again = buf
+        .dispatch(&input, &layout, RecvMode::WorstCase)
+        .map(|_| ());
     assert!(
         again.is_err(),
         "rank {rank}: an op after the failure was accepted"
@@ -441,13 +450,16 @@ fn run_hier_soak(w: &Worker, mk: MakeTransport<'_>) {
             let h = host_inputs(&shape).unwrap();
             let t = tokens[rank];
             let d = device_inputs(&stream, &h, rank).unwrap();
-            let handle = {
-                let r = buf
-                    .dispatch(&d.dispatch_input(false, false), t, RecvMode::WorstCase)
-                    .unwrap();
-                r.handle
-            };
-            let case = hier_case(&h, tiers, 4 * world, rank, handle.node().capacity()).unwrap();
+            let layout = buf.layout(&d.topk_idx, t).unwrap();
+            let handle = buf
+                .dispatch(
+                    &d.dispatch_input(false, false),
+                    &layout,
+                    RecvMode::WorstCase,
+                )
+                .unwrap()
+                .into_handle();
+            let case = hier_case(&h, tiers, 4 * world, rank, handle.capacity()).unwrap();
             let y = upload(&stream, &case.y).unwrap();
             let mut out = stream.alloc_zeros::<bf16>((t * 256).max(1)).unwrap();
             let mut out_view = out.slice_mut(..t * 256);

@@ -15,11 +15,10 @@ use std::sync::Arc;
 use cudarc::driver::CudaContext;
 use epcomm::{BufferConfig, DynTransport, HierarchicalBuffer};
 use epcomm_bootstrap::Bootstrap;
-use epcomm_check::hier::verified_hier_round;
-use epcomm_check::hier_bench::{HierOp, HierRows, HierTimer, hier_rows, notify_stats};
+use epcomm_check::hier_bench::{HierOp, HierRows, hier_rows};
 use epcomm_check::inputs::{HostInputs, Shape, device_inputs, host_inputs};
-use epcomm_check::timing::median;
-use epcomm_check::verify::RoundOptions;
+use epcomm_check::timing::{TierNotify, Timer, median, notify_stats};
+use epcomm_check::verify::{RoundOptions, verified_round};
 use epcomm_topology::Tiers;
 
 use crate::cli::BenchArgs;
@@ -111,9 +110,9 @@ fn verify(
         check_layout: false,
         ..RoundOptions::default()
     };
-    verified_hier_round(buf, &w.inputs, dev, bf16)?;
+    verified_round(buf, &w.inputs, dev, bf16)?;
     if fp8 {
-        verified_hier_round(buf, &w.inputs, dev, RoundOptions { fp8: true, ..bf16 })?;
+        verified_round(buf, &w.inputs, dev, RoundOptions { fp8: true, ..bf16 })?;
     }
     Ok(())
 }
@@ -172,15 +171,15 @@ pub fn run_hier_bench(
          calls per op, L2 flushed between calls)",
         choice.schedule, choice.routes, args.warmup, args.iters
     ));
-    let mut timer = HierTimer::new(&mut buf, &dev)?;
+    let mut timer = Timer::new(&mut buf, &dev)?;
     check_recv(rank, args.tokens(), timer.num_recv, work.rows(rank)?)?;
     let mut results = Vec::new();
     for op in HierOp::ALL
         .into_iter()
         .filter(|op| plan.fp8 || !op.is_fp8())
     {
-        timer.time(&mut buf, &dev, op, args.warmup)?;
-        let t = median(&timer.time(&mut buf, &dev, op, args.iters)?);
+        timer.time(&mut buf, &dev, op.flat(), args.warmup)?;
+        let t = median(&timer.time(&mut buf, &dev, op.flat(), args.iters)?);
         let times = every_rank(boot, &format!("hier-bench-{}", op.id()), t)?;
         results.push(make_hier_row(
             op,
@@ -237,11 +236,11 @@ fn notify(
     let work = Workload::new(args, boot.world_size(), NOTIFY_TOKENS, tiers)?;
     let dev = device_inputs(buf.stream(), &work.inputs, rank)?;
     verify(&mut buf, &work, &dev, false)?;
-    let mut timer = HierTimer::new(&mut buf, &dev)?;
+    let mut timer = Timer::new(&mut buf, &dev)?;
     check_recv(rank, NOTIFY_TOKENS, timer.num_recv, work.rows(rank)?)?;
     let op = HierOp::DispatchBf16;
-    timer.time(&mut buf, &dev, op, args.warmup)?;
-    let t = median(&timer.time(&mut buf, &dev, op, args.iters)?);
+    timer.time(&mut buf, &dev, op.flat(), args.warmup)?;
+    let t = median(&timer.time(&mut buf, &dev, op.flat(), args.iters)?);
     let times = every_rank(boot, "hier-notify-dispatch", t)?;
     let dispatch: HierRow = make_hier_row(
         op,
@@ -251,8 +250,15 @@ fn notify(
         work.rows(0)?,
         args.hidden,
     )?;
-    let (rail, node) = notify_stats(&mut buf, &dev, args.iters)?;
-    let gather = |tier: &str, t: epcomm_check::hier_bench::TierNotify| -> Res<TierNotifyReport> {
+    let tiers = notify_stats(&mut buf, &timer, &dev, args.iters)?;
+    let tier = |name: &str| -> Res<TierNotify> {
+        Ok(*tiers
+            .iter()
+            .find(|t| t.tier == name)
+            .ok_or_else(|| format!("the two-tier dispatch reported no {name} tier statistics"))?)
+    };
+    let (rail, node) = (tier("rail")?, tier("node")?);
+    let gather = |tier: &str, t: TierNotify| -> Res<TierNotifyReport> {
         Ok(TierNotifyReport {
             counts_ready_us: every_rank_opt(
                 boot,

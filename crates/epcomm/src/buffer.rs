@@ -39,7 +39,7 @@ use crate::error::DriverContext;
 use crate::{BufferConfig, Error, Result};
 
 mod args;
-mod graph;
+pub(crate) mod graph;
 mod health;
 mod ops;
 mod pointers;
@@ -51,7 +51,6 @@ pub(crate) use setup::TierParts;
 mod validate;
 
 pub use graph::EpGraph;
-pub(crate) use graph::KeepAlive;
 pub use ops::{
     CountedRows, DispatchInput, LlDispatchInput, LlFormat, LlPending, LlRecv, LlScalesLayout,
     XInput,
@@ -135,22 +134,6 @@ impl Buffer {
     /// tier's).
     pub fn rank(&self) -> usize {
         self.place.rank
-    }
-
-    /// The host mirror of the op counts (for captures spanning several buffers).
-    pub(crate) fn sequence(&self) -> Sequence {
-        self.seq
-    }
-
-    /// Sets the host mirror (a capture records at a given state and restores the real one;
-    /// a replay adds what the graph holds).
-    pub(crate) fn set_sequence(&mut self, seq: Sequence) {
-        self.seq = seq;
-    }
-
-    /// Process-unique id (graphs and handles remember their buffer).
-    pub(crate) fn id(&self) -> u64 {
-        self.id
     }
 
     /// Rows the receive region holds (`world * max_tokens_per_rank`).

@@ -12,10 +12,19 @@ use crate::error::DriverContext;
 use crate::layout::LayoutInner;
 
 /// Routing of one dispatch, reused by combine and cached dispatch (device memory; cheap to
-/// clone). Valid only with the [`crate::Buffer`] that produced it.
+/// clone). Valid only with the buffer that produced it: a [`crate::Buffer`] (one tier) or a
+/// [`crate::HierarchicalBuffer`] (two tiers; the handle then holds both tiers' routings).
+///
+/// The receive side (`num_recv`, `capacity`, the receive prefix, the source indices, the rows
+/// per local expert) is always the tier that delivered this rank's rows: the only tier of a
+/// flat buffer, the node tier of a two-tier one (whose sources are the ranks of this node that
+/// forwarded the rows). [`Self::num_tokens`] is the batch the dispatch sent.
 #[derive(Clone, Debug)]
 pub struct Handle {
+    /// The routing of the tier that delivered this rank's rows.
     pub(crate) inner: Arc<HandleInner>,
+    /// A two-tier handle's first (rail) tier routing; `None` for a flat handle.
+    pub(crate) rail: Option<Arc<HandleInner>>,
 }
 
 #[derive(Debug)]
@@ -73,9 +82,33 @@ impl HandleInner {
 }
 
 impl Handle {
-    /// Tokens of the batch the handle routes.
+    /// A flat (one-tier) handle over `inner`.
+    pub(crate) fn flat(inner: Arc<HandleInner>) -> Self {
+        Self { inner, rail: None }
+    }
+
+    /// A two-tier handle: the rail tier's routing, then the node tier's.
+    pub(crate) fn two_tier(rail: &Handle, node: &Handle) -> Self {
+        Self {
+            inner: node.inner.clone(),
+            rail: Some(rail.inner.clone()),
+        }
+    }
+
+    /// A two-tier handle's tiers as flat handles (rail, node); `None` for a flat handle.
+    pub(crate) fn tiers(&self) -> Option<(Handle, Handle)> {
+        let rail = self.rail.clone()?;
+        Some((Self::flat(rail), Self::flat(self.inner.clone())))
+    }
+
+    /// Whether it holds two tiers' routings (it came from a [`crate::HierarchicalBuffer`]).
+    pub fn is_two_tier(&self) -> bool {
+        self.rail.is_some()
+    }
+
+    /// Tokens of the batch the handle routes (the batch the dispatch sent).
     pub fn num_tokens(&self) -> usize {
-        self.inner.layout.num_tokens
+        self.rail.as_ref().unwrap_or(&self.inner).layout.num_tokens
     }
 
     /// Rows received, if known on the host (HostSync dispatch).
@@ -90,8 +123,9 @@ impl Handle {
         self.inner.max_rows
     }
 
-    /// Device address of the `[world + 1]` i32 receive prefix (first received row per source
-    /// rank; element `world` is the number of rows received), written by the handle's dispatch
+    /// Device address of the `[group + 1]` i32 receive prefix (first received row per source
+    /// rank of the delivering tier; the last element is the number of rows received; a flat
+    /// buffer's group is its world), written by the handle's dispatch
     /// on the buffer's stream: for bindings that use the count on the device (e.g. to mask
     /// padding rows) without a host wait.
     pub fn recv_prefix_ptr(&self) -> u64 {

@@ -88,6 +88,7 @@
 mod agreement;
 mod buffer;
 mod config;
+mod ep;
 mod error;
 mod handle;
 mod hierarchical;
@@ -101,13 +102,14 @@ pub use buffer::{
     LlScalesLayout, XInput,
 };
 pub use config::{BufferConfig, CombineStaging, RecvMode};
+pub use ep::{ExpertParallel, TierStats, Tiering};
 pub use epcomm_topology::{
     PeerRoute, RankGroup, Route, RoutePlan, RoutePolicy, Schedule, Tier, Tiers,
 };
 pub use epcomm_transport::{DynTransport, Transport};
 pub use error::{Error, WaitKind};
 pub use handle::{Dispatched, Handle, RecvDtype};
-pub use hierarchical::{HierDispatched, HierGraph, HierHandle, HierStats, HierarchicalBuffer};
+pub use hierarchical::{HierStats, HierarchicalBuffer};
 pub use layout::{HostLayout, Layout};
 pub use stats::OpStats;
 

@@ -22,24 +22,49 @@ use super::{Buffer, Sequence};
 use crate::error::DriverContext;
 use crate::{Error, Result};
 
-/// A captured sequence of ops ([`Buffer::capture`]), replayed with [`Buffer::replay`].
+/// A captured sequence of ops ([`Buffer::capture`] or [`crate::HierarchicalBuffer::capture`]),
+/// replayed with the same buffer's `replay`.
 ///
 /// Receive rows alternate between two regions by dispatch parity, so a graph holding a
-/// dispatch is recorded twice, once per parity it can start at: `recordings[by_parity[p]]` is
-/// the recording whose returned receive pointers are right when the device's dispatch count is
-/// `p` modulo 2 at the replay's start (one recording serves both when the graph holds no
-/// dispatch).
+/// dispatch is recorded twice, once per parity it can start at: `recordings[i]` is right when
+/// every tier's dispatch count is `parities[i]` modulo 2 at the replay's start (one recording
+/// serves every parity when the graph holds no dispatch). A flat buffer has one tier; a
+/// two-tier buffer has two on one stream, and one stream capture records both.
 ///
 /// The graph owns the device state its recordings write and read (layouts, handles,
 /// low-latency receive arrays): dropping those after the capture is safe, the replays keep
 /// using the graph's references.
 pub struct EpGraph {
     recordings: Vec<CudaGraph>,
-    by_parity: [usize; 2],
-    delta: Sequence,
-    buffer_id: u64,
-    /// What the recordings address; declared after `recordings`, so dropped after them.
-    _keep_alive: KeepAlive,
+    /// Per recording, the dispatch parity of every tier it was made for.
+    parities: Vec<Vec<u64>>,
+    /// Ops the graph holds, per tier.
+    delta: Vec<Sequence>,
+    /// The tiers' buffers, in order.
+    buffer_ids: Vec<u64>,
+    /// What the recordings address, per tier; declared after `recordings`, so dropped after
+    /// them.
+    _keep_alive: Vec<KeepAlive>,
+}
+
+impl EpGraph {
+    /// Whether the graph holds a dispatch (then it has one recording per parity).
+    fn holds_dispatch(&self) -> bool {
+        self.delta.iter().any(|d| d.dispatch > 0)
+    }
+}
+
+/// A buffer made of tiers ([`Buffer`]s) that run on one stream: what capture and replay
+/// work on. A flat buffer is its own one tier.
+pub(crate) trait Tiers {
+    /// The tiers, in a fixed order.
+    fn tiers_mut(&mut self) -> Vec<&mut Buffer>;
+}
+
+impl Tiers for Buffer {
+    fn tiers_mut(&mut self) -> Vec<&mut Buffer> {
+        vec![self]
+    }
 }
 
 /// Device state a recording addresses, owned by the graph made of it.
@@ -61,8 +86,12 @@ pub(crate) struct CaptureState {
 impl std::fmt::Debug for EpGraph {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("EpGraph")
-            .field("ops", &self.delta.op)
-            .field("dispatches", &self.delta.dispatch)
+            .field("ops", &self.delta.iter().map(|d| d.op).collect::<Vec<_>>())
+            .field(
+                "dispatches",
+                &self.delta.iter().map(|d| d.dispatch).collect::<Vec<_>>(),
+            )
+            .field("recordings", &self.recordings.len())
             .finish()
     }
 }
@@ -105,113 +134,175 @@ impl Buffer {
     /// Pointers a dispatch returns inside `ops` (e.g. [`crate::Dispatched::recv_x_ptr`] handed
     /// to an expert kernel captured in the same graph) are therefore right on every replay,
     /// whatever ran between replays. `ops` must issue the same epcomm ops both times.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming `capture` when the two recordings differ, nothing was
+    /// captured, or a low-latency receive phase was left outside; driver errors.
     pub fn capture<F>(&mut self, ops: F) -> Result<EpGraph>
     where
         F: FnMut(&mut Self) -> Result<()>,
     {
-        self.ensure_ready()?;
-        self.take_keep_alive();
-        let graph = self.capture_recordings(ops);
-        let keep = self.take_keep_alive();
-        graph.map(|g| EpGraph {
-            _keep_alive: keep,
-            ..g
-        })
-    }
-
-    /// [`Self::capture`]'s recordings (the keep-alive list is filled by the ops meanwhile).
-    fn capture_recordings<F>(&mut self, mut ops: F) -> Result<EpGraph>
-    where
-        F: FnMut(&mut Self) -> Result<()>,
-    {
-        let start = self.seq;
-        let (first, delta) = self.record(&mut ops, start)?;
-        let p = (start.dispatch % 2) as usize;
-        let mut recordings = vec![first];
-        let mut by_parity = [0, 0];
-        if delta.dispatch > 0 {
-            let shifted = Sequence {
-                dispatch: start.dispatch + 1,
-                ..start
-            };
-            let (other, other_delta) = self.record(&mut ops, shifted)?;
-            if other_delta != delta {
-                return Err(Error::InvalidArgument {
-                    argument: "capture",
-                    rule: format!(
-                        "ops issued {other_delta:?} on the second recording and {delta:?} on the \
-                         first; they must issue the same ops every time"
-                    ),
-                });
-            }
-            recordings.push(other);
-            by_parity[1 - p] = 1;
-        }
-        Ok(EpGraph {
-            recordings,
-            by_parity,
-            delta,
-            buffer_id: self.id,
-            _keep_alive: Vec::new(),
-        })
-    }
-
-    /// One recording of `ops` with the host mirror at `at`; returns the graph and the ops it
-    /// holds. The device ran nothing, so the mirror goes back to where it was.
-    fn record<F>(&mut self, ops: &mut F, at: Sequence) -> Result<(CudaGraph, Sequence)>
-    where
-        F: FnMut(&mut Self) -> Result<()>,
-    {
-        let real = self.seq;
-        self.launcher
-            .stream
-            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .context("beginning a graph capture")?;
-        self.seq = at;
-        self.begin_recording();
-        let captured = ops(self);
-        let graph = self
-            .launcher
-            .stream
-            .end_capture(
-                sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
-            )
-            .context("ending a graph capture");
-        self.end_recording();
-        let delta = self.seq.minus(&at);
-        self.seq = real;
-        // Nothing ran on the device: a receive left pending inside is not pending now, also
-        // when the closure failed.
-        let pending = self.ll.pending.take();
-        captured?;
-        if let Some(p) = pending {
-            return Err(Error::InvalidArgument {
-                argument: "capture",
-                rule: format!(
-                    "the receive phase of a low-latency {} was not captured: call \
-                     Buffer::ll_receive inside the same capture",
-                    p.op
-                ),
-            });
-        }
-        let graph = graph?.ok_or(Error::InvalidArgument {
-            argument: "capture",
-            rule: "captured no work".into(),
-        })?;
-        Ok((graph, delta))
+        capture(self, ops)
     }
 
     /// Replays a graph from [`Self::capture`] (stream-ordered, no host wait): the recording
     /// made for the current receive-region parity.
+    ///
+    /// # Errors
+    /// As [`crate::HierarchicalBuffer::replay`].
     pub fn replay(&mut self, graph: &EpGraph) -> Result<()> {
-        self.ensure_ready()?;
-        self.check_owner(graph.buffer_id, "graph", "was captured on another Buffer")?;
-        let p = (self.seq.dispatch % 2) as usize;
-        graph.recordings[graph.by_parity[p]]
-            .launch()
-            .context("launching a graph")?;
-        self.mark_launch();
-        self.seq.add(&graph.delta);
-        Ok(())
+        replay(self, graph)
     }
+}
+
+/// [`Buffer::capture`] for any buffer of tiers: every tier's keep-alive list is collected
+/// into the graph.
+pub(crate) fn capture<T, F>(buf: &mut T, ops: F) -> Result<EpGraph>
+where
+    T: Tiers,
+    F: FnMut(&mut T) -> Result<()>,
+{
+    for tier in buf.tiers_mut() {
+        tier.ensure_ready()?;
+        tier.take_keep_alive();
+    }
+    let graph = capture_recordings(buf, ops);
+    let keep = buf
+        .tiers_mut()
+        .into_iter()
+        .map(Buffer::take_keep_alive)
+        .collect();
+    graph.map(|g| EpGraph {
+        _keep_alive: keep,
+        ..g
+    })
+}
+
+/// [`capture`]'s recordings (the keep-alive lists fill meanwhile).
+fn capture_recordings<T, F>(buf: &mut T, mut ops: F) -> Result<EpGraph>
+where
+    T: Tiers,
+    F: FnMut(&mut T) -> Result<()>,
+{
+    let start: Vec<Sequence> = buf.tiers_mut().iter().map(|t| t.seq).collect();
+    let parity = |s: &[Sequence]| s.iter().map(|s| s.dispatch % 2).collect::<Vec<_>>();
+    let (first, delta) = record(buf, &mut ops, &start)?;
+    let mut graph = EpGraph {
+        recordings: vec![first],
+        parities: vec![parity(&start)],
+        delta,
+        buffer_ids: buf.tiers_mut().iter().map(|t| t.id).collect(),
+        _keep_alive: Vec::new(),
+    };
+    if graph.holds_dispatch() {
+        let shifted: Vec<Sequence> = start
+            .iter()
+            .map(|s| Sequence {
+                dispatch: s.dispatch + 1,
+                ..*s
+            })
+            .collect();
+        let (other, other_delta) = record(buf, &mut ops, &shifted)?;
+        if other_delta != graph.delta {
+            return Err(Error::InvalidArgument {
+                argument: "capture",
+                rule: format!(
+                    "ops issued {other_delta:?} on the second recording and {:?} on the \
+                     first; they must issue the same ops every time",
+                    graph.delta
+                ),
+            });
+        }
+        graph.recordings.push(other);
+        graph.parities.push(parity(&shifted));
+    }
+    Ok(graph)
+}
+
+/// One recording of `ops` with the tiers' host mirrors at `at`; returns the graph and the ops
+/// it holds per tier. The device ran nothing, so the mirrors go back to where they were.
+fn record<T, F>(buf: &mut T, ops: &mut F, at: &[Sequence]) -> Result<(CudaGraph, Vec<Sequence>)>
+where
+    T: Tiers,
+    F: FnMut(&mut T) -> Result<()>,
+{
+    let (real, stream): (Vec<Sequence>, _) = {
+        let tiers = buf.tiers_mut();
+        let stream = tiers[0].launcher.stream.clone();
+        (tiers.iter().map(|t| t.seq).collect(), stream)
+    };
+    stream
+        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .context("beginning a graph capture")?;
+    for (tier, at) in buf.tiers_mut().into_iter().zip(at) {
+        tier.seq = *at;
+        tier.begin_recording();
+    }
+    let captured = ops(buf);
+    let graph = stream
+        .end_capture(sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
+        .context("ending a graph capture");
+    let mut delta = Vec::with_capacity(at.len());
+    let mut pending = None;
+    for ((tier, at), real) in buf.tiers_mut().into_iter().zip(at).zip(real) {
+        tier.end_recording();
+        delta.push(tier.seq.minus(at));
+        tier.seq = real;
+        // Nothing ran on the device: a receive left pending inside is not pending now, also
+        // when the closure failed.
+        pending = pending.or(tier.ll.pending.take());
+    }
+    captured?;
+    if let Some(p) = pending {
+        return Err(Error::InvalidArgument {
+            argument: "capture",
+            rule: format!(
+                "the receive phase of a low-latency {} was not captured: call \
+                 Buffer::ll_receive inside the same capture",
+                p.op
+            ),
+        });
+    }
+    let graph = graph?.ok_or(Error::InvalidArgument {
+        argument: "capture",
+        rule: "captured no work".into(),
+    })?;
+    Ok((graph, delta))
+}
+
+/// [`Buffer::replay`] for any buffer of tiers.
+pub(crate) fn replay<T: Tiers>(buf: &mut T, graph: &EpGraph) -> Result<()> {
+    let mut tiers = buf.tiers_mut();
+    for tier in tiers.iter_mut() {
+        tier.ensure_ready()?;
+    }
+    let ids: Vec<u64> = tiers.iter().map(|t| t.id).collect();
+    if ids != graph.buffer_ids {
+        return Err(Error::InvalidArgument {
+            argument: "graph",
+            rule: "was captured on another buffer".into(),
+        });
+    }
+    let now: Vec<u64> = tiers.iter().map(|t| t.seq.dispatch % 2).collect();
+    let i = if graph.holds_dispatch() {
+        graph.parities.iter().position(|p| *p == now)
+    } else {
+        Some(0)
+    };
+    let Some(i) = i else {
+        return Err(Error::InvalidArgument {
+            argument: "graph",
+            rule: format!(
+                "was recorded for tier parities {:?}, and the tiers are at {now:?}: a dispatch \
+                 ran on one tier alone since the capture",
+                graph.parities
+            ),
+        });
+    };
+    graph.recordings[i].launch().context("launching a graph")?;
+    for (tier, delta) in tiers.iter_mut().zip(&graph.delta) {
+        tier.mark_launch();
+        tier.seq.add(delta);
+    }
+    Ok(())
 }

@@ -66,6 +66,13 @@ impl Buffer {
 
     /// `handle`'s state, if this buffer made it.
     pub(super) fn own_handle<'h>(&self, handle: &'h Handle) -> Result<&'h HandleInner> {
+        if handle.is_two_tier() {
+            return Err(Error::InvalidArgument {
+                argument: "handle",
+                rule: "is a two-tier handle: pass it to the HierarchicalBuffer that produced it"
+                    .into(),
+            });
+        }
         self.check_owner(
             handle.inner.buffer_id,
             "handle",

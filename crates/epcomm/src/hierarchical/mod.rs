@@ -1,5 +1,10 @@
 //! [`HierarchicalBuffer`]: dispatch and combine across nodes, in two tiers.
 //!
+//! It has a flat [`Buffer`]'s surface ([`crate::ExpertParallel`]): the same inputs, a
+//! [`Layout`] from its own [`HierarchicalBuffer::layout`] (the rail tier's), the same
+//! [`Dispatched`] rows and [`Handle`]s (a two-tier handle holds both tiers' routings) and the
+//! same [`crate::EpGraph`]s.
+//!
 //! A world of `N` nodes × `L` local ranks ([`Tiers`]; virtual nodes count as nodes) runs two
 //! buffers on one stream:
 //!
@@ -51,10 +56,12 @@
 //! let x = stream.alloc_zeros::<bf16>(num_tokens * hidden)?;
 //! let topk_idx = stream.clone_htod(&vec![0_i64; num_tokens * top_k])?;
 //! let input = DispatchInput { x: XInput::Bf16(&x), topk_idx: &topk_idx, topk_weights: None };
+//! // The same calls as a flat Buffer's (both implement epcomm::ExpertParallel).
+//! let layout = buf.layout(&topk_idx, num_tokens)?;
 //! let (rows, handle) = {
-//!     let d = buf.dispatch(&input, num_tokens, RecvMode::HostSync)?;
-//!     // ... the experts read d.rows.recv_x_ptr() and write `y`, one row per received row ...
-//!     (d.rows.num_recv().expect("HostSync reports the count"), d.handle)
+//!     let d = buf.dispatch(&input, &layout, RecvMode::HostSync)?;
+//!     // ... the experts read d.recv_x_ptr() and write `y`, one row per received row ...
+//!     (d.num_recv().expect("HostSync reports the count"), d.into_handle())
 //! };
 //! let y = stream.alloc_zeros::<bf16>(rows.max(1) * hidden)?;
 //! let mut out = stream.alloc_zeros::<bf16>(num_tokens * hidden)?;
@@ -81,7 +88,6 @@ use crate::stats::OpStats;
 
 use crate::view::{DeviceArray, DeviceView};
 use crate::{Buffer, BufferConfig, Error, RecvMode, Result};
-pub use graph::HierGraph;
 
 /// Per-tier wait attribution of one hierarchical op ([`HierarchicalBuffer::last_op_stats`]).
 #[derive(Clone, Debug)]
@@ -92,27 +98,9 @@ pub struct HierStats {
     pub node: OpStats,
 }
 
-impl HierStats {
-    /// The world rank the others waited for longest in either tier, the tier (`"rail"` or
-    /// `"node"`), and how long.
-    pub fn late(&self) -> (usize, &'static str, std::time::Duration) {
-        let rail = (
-            self.rail.world_rank(self.rail.late_rank()),
-            "rail",
-            self.rail.skew(),
-        );
-        let node = (
-            self.node.world_rank(self.node.late_rank()),
-            "node",
-            self.node.skew(),
-        );
-        if rail.2 >= node.2 { rail } else { node }
-    }
-}
-
 impl std::fmt::Display for HierStats {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let (rank, tier, skew) = self.late();
+        let (rank, tier, skew) = crate::TierStats::late(self);
         writeln!(
             f,
             "late rank {rank} (on the {tier} tier, others waited up to {skew:?})"
@@ -134,36 +122,6 @@ pub struct HierarchicalBuffer {
     partial_x: DeviceArray<bf16>,
     /// `[rail receive rows][top_k]` f32: the same for the weights.
     partial_w: DeviceArray<f32>,
-}
-
-/// The routing of a hierarchical dispatch: both stages' handles and layouts.
-#[derive(Clone, Debug)]
-pub struct HierHandle {
-    rail: Handle,
-    node: Handle,
-}
-
-impl HierHandle {
-    /// The rail stage's handle (rows this rank forwards: `num_recv` of it).
-    pub fn rail(&self) -> &Handle {
-        &self.rail
-    }
-
-    /// The node stage's handle (the rows this rank holds for its experts).
-    pub fn node(&self) -> &Handle {
-        &self.node
-    }
-}
-
-/// A hierarchical dispatch's result: the node stage's views (this rank's rows, as
-/// [`Dispatched`]) and the routing of both stages.
-#[derive(Debug)]
-pub struct HierDispatched<'b> {
-    /// This rank's received rows, local top-k ids and weights (the node stage's receive
-    /// region).
-    pub rows: Dispatched<'b>,
-    /// Both stages' routing, for combine and cached dispatch.
-    pub handle: HierHandle,
 }
 
 impl HierarchicalBuffer {
@@ -234,6 +192,22 @@ impl HierarchicalBuffer {
         self.tiers
     }
 
+    /// This rank's world rank.
+    pub fn world_rank(&self) -> usize {
+        self.rail.transport().world().rank()
+    }
+
+    /// The configuration it was created with (`num_experts` over the whole world; the rail
+    /// tier runs with it as given).
+    pub fn config(&self) -> &BufferConfig {
+        self.rail.config()
+    }
+
+    /// The CUDA context both tiers run in.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        self.rail.context()
+    }
+
     /// The rail stage's buffer (its group: one rank per node).
     pub fn rail(&mut self) -> &mut Buffer {
         &mut self.rail
@@ -249,89 +223,107 @@ impl HierarchicalBuffer {
         self.rail.stream()
     }
 
-    /// Sends every token (`input` holds `num_tokens` of them, top-k ids over all experts) to
-    /// every rank holding one of its experts, through the rail and the node. `mode` is the
-    /// node stage's (the rail stage never waits on the host). Collective.
+    /// The routing of `num_tokens` tokens (`topk_idx`: `[num_tokens][top_k]`, ids over all
+    /// experts) for [`Self::dispatch`]: the rail tier's layout (which node gets each token); the
+    /// node tier's is computed on the device from the forwarded rows during the dispatch.
     ///
     /// # Errors
-    /// As [`Buffer::layout`] and [`Buffer::dispatch`], from either stage.
+    /// As [`Buffer::layout`].
+    pub fn layout(&mut self, topk_idx: &dyn DevicePtr<i64>, num_tokens: usize) -> Result<Layout> {
+        self.rail.layout(topk_idx, num_tokens)
+    }
+
+    /// A layout for [`Self::layout_into`] and [`Self::alloc_handle`], for batches of
+    /// `num_tokens` tokens (as [`Buffer::alloc_layout`]).
+    ///
+    /// # Errors
+    /// As [`Buffer::alloc_layout`].
+    pub fn alloc_layout(&mut self, num_tokens: usize) -> Result<Layout> {
+        self.rail.alloc_layout(num_tokens)
+    }
+
+    /// Recomputes `layout` (from [`Self::alloc_layout`]) in place from `topk_idx`, on the
+    /// stream (as [`Buffer::layout_into`]).
+    ///
+    /// # Errors
+    /// As [`Buffer::layout_into`].
+    pub fn layout_into(&mut self, topk_idx: &dyn DevicePtr<i64>, layout: &Layout) -> Result<()> {
+        self.rail.layout_into(topk_idx, layout)
+    }
+
+    /// Sends every token (`input`, routed by `layout` from [`Self::layout`]) to every rank
+    /// holding one of its experts, through the rail and the node. Returns this rank's rows (the
+    /// node stage's receive region) and a two-tier [`Handle`]. `mode` is the node stage's (the
+    /// rail stage never waits on the host). Collective.
+    ///
+    /// # Errors
+    /// As [`Buffer::dispatch`], from either stage.
     pub fn dispatch(
         &mut self,
         input: &DispatchInput<'_>,
-        num_tokens: usize,
+        layout: &Layout,
         mode: RecvMode,
-    ) -> Result<HierDispatched<'_>> {
-        let rail_layout = self.rail.layout(input.topk_idx, num_tokens)?;
+    ) -> Result<Dispatched<'_>> {
         let weights = input.topk_weights.is_some();
-        let rail_handle;
-        let forwarded;
-        {
-            let d = self
-                .rail
-                .dispatch(input, &rail_layout, RecvMode::WorstCase)?;
-            forwarded = Forwarded::of(&d, weights);
-            rail_handle = d.into_handle();
-        }
+        let (rail_handle, forwarded) = {
+            let d = self.rail.dispatch(input, layout, RecvMode::WorstCase)?;
+            let forwarded = Forwarded::of(&d, weights);
+            (d.into_handle(), forwarded)
+        };
         let count = self.count_of(&rail_handle);
         let rows = self.rail.recv_capacity_rows();
         let node_layout = self.node.alloc_layout_counted(rows, Some(count))?;
         let views = forwarded.views(rows, self.rail.config(), self.rail.stream());
         self.node.layout_into(&views.topk_idx, &node_layout)?;
         let input2 = views.input();
-        let d = self.node.dispatch(&input2, &node_layout, mode)?;
-        let handle = HierHandle {
-            rail: rail_handle,
-            node: d.handle().clone(),
-        };
-        Ok(HierDispatched { rows: d, handle })
+        let mut d = self.node.dispatch(&input2, &node_layout, mode)?;
+        d.handle = Handle::two_tier(&rail_handle, &d.handle);
+        Ok(d)
     }
 
-    /// Allocates a handle for [`Self::dispatch_into`] for batches of `num_tokens` tokens: both
-    /// tiers' layouts and handles, sized for the worst case (no allocation and no host wait
-    /// in the dispatch: what a CUDA-graph capture records).
+    /// Allocates a two-tier handle for [`Self::dispatch_into`] over `layout` (from
+    /// [`Self::alloc_layout`]): both tiers' handles and the node tier's layout, sized for the
+    /// worst case (no allocation and no host wait in the dispatch: what a CUDA-graph capture
+    /// records).
     ///
     /// # Errors
-    /// As [`Buffer::alloc_layout`] and [`Buffer::alloc_handle`].
-    pub fn alloc_handle(&mut self, num_tokens: usize) -> Result<HierHandle> {
-        let rail_layout = self.rail.alloc_layout(num_tokens)?;
-        let rail = self.rail.alloc_handle(&rail_layout)?;
+    /// As [`Buffer::alloc_handle`].
+    pub fn alloc_handle(&mut self, layout: &Layout) -> Result<Handle> {
+        let rail = self.rail.alloc_handle(layout)?;
         let node_layout = self
             .node
             .alloc_layout_counted(self.rail.recv_capacity_rows(), Some(self.count_of(&rail)))?;
         let node = self.node.alloc_handle(&node_layout)?;
-        Ok(HierHandle { rail, node })
+        Ok(Handle::two_tier(&rail, &node))
     }
 
-    /// Dispatch into a handle from [`Self::alloc_handle`]: both tiers' layouts recomputed in
-    /// place from `input.topk_idx`, then the two dispatches (WorstCase sizes). Collective.
+    /// Dispatch into a handle from [`Self::alloc_handle`] (WorstCase sizes), routed by its
+    /// layout as [`Self::layout_into`] last left it (as [`Buffer::dispatch_into`]); the node
+    /// tier's layout is recomputed in place from the forwarded rows. Collective.
     ///
     /// # Errors
-    /// As [`Buffer::layout_into`] and [`Buffer::dispatch_into`], from either tier.
+    /// [`Error::InvalidArgument`] naming `handle` for a flat handle; as
+    /// [`Buffer::dispatch_into`], from either tier.
     pub fn dispatch_into(
         &mut self,
         input: &DispatchInput<'_>,
-        handle: &HierHandle,
-    ) -> Result<HierDispatched<'_>> {
-        let rail_layout = Layout {
-            inner: handle.rail.inner.layout.clone(),
-        };
+        handle: &Handle,
+    ) -> Result<Dispatched<'_>> {
+        let (rail, node) = tiers_of(handle)?;
         let node_layout = Layout {
-            inner: handle.node.inner.layout.clone(),
+            inner: node.inner.layout.clone(),
         };
-        self.rail.layout_into(input.topk_idx, &rail_layout)?;
         let forwarded = {
-            let d = self.rail.dispatch_into(input, &handle.rail)?;
+            let d = self.rail.dispatch_into(input, &rail)?;
             Forwarded::of(&d, input.topk_weights.is_some())
         };
         let rows = self.rail.recv_capacity_rows();
         let views = forwarded.views(rows, self.rail.config(), self.rail.stream());
         self.node.layout_into(&views.topk_idx, &node_layout)?;
         let input2 = views.input();
-        let d = self.node.dispatch_into(&input2, &handle.node)?;
-        Ok(HierDispatched {
-            rows: d,
-            handle: handle.clone(),
-        })
+        let mut d = self.node.dispatch_into(&input2, &node)?;
+        d.handle = handle.clone();
+        Ok(d)
     }
 
     /// The node tier's token count: the rail handle's receive count, on the device.
@@ -362,23 +354,18 @@ impl HierarchicalBuffer {
     ///
     /// # Errors
     /// As [`Buffer::cached_dispatch`], from either stage.
-    pub fn cached_dispatch(
-        &mut self,
-        x: &XInput<'_>,
-        handle: &HierHandle,
-    ) -> Result<HierDispatched<'_>> {
+    pub fn cached_dispatch(&mut self, x: &XInput<'_>, handle: &Handle) -> Result<Dispatched<'_>> {
+        let (rail, node) = tiers_of(handle)?;
         let forwarded = {
-            let d = self.rail.cached_dispatch(x, &handle.rail)?;
+            let d = self.rail.cached_dispatch(x, &rail)?;
             Forwarded::of(&d, false)
         };
         let rows = self.rail.recv_capacity_rows();
         let views = forwarded.views(rows, self.rail.config(), self.rail.stream());
         let x2 = views.x();
-        let d = self.node.cached_dispatch(&x2, &handle.node)?;
-        Ok(HierDispatched {
-            rows: d,
-            handle: handle.clone(),
-        })
+        let mut d = self.node.cached_dispatch(&x2, &node)?;
+        d.handle = handle.clone();
+        Ok(d)
     }
 
     /// Sends expert outputs back and reduces them: `y` holds one `[hidden]` bf16 row per row
@@ -395,7 +382,7 @@ impl HierarchicalBuffer {
         &mut self,
         y: &dyn DevicePtr<bf16>,
         y_weights: Option<&dyn DevicePtr<f32>>,
-        handle: &HierHandle,
+        handle: &Handle,
         out: &mut dyn DevicePtrMut<bf16>,
         out_weights: Option<&mut dyn DevicePtrMut<f32>>,
     ) -> Result<()> {
@@ -411,7 +398,7 @@ impl HierarchicalBuffer {
         &mut self,
         y: &dyn DevicePtr<bf16>,
         y_weights: Option<&dyn DevicePtr<f32>>,
-        handle: &HierHandle,
+        handle: &Handle,
         out: &mut dyn DevicePtrMut<bf16>,
         out_weights: Option<&mut dyn DevicePtrMut<f32>>,
     ) -> Result<()> {
@@ -423,11 +410,12 @@ impl HierarchicalBuffer {
         &mut self,
         y: &dyn DevicePtr<bf16>,
         y_weights: Option<&dyn DevicePtr<f32>>,
-        handle: &HierHandle,
+        handle: &Handle,
         out: &mut dyn DevicePtrMut<bf16>,
         out_weights: Option<&mut dyn DevicePtrMut<f32>>,
         consume: bool,
     ) -> Result<()> {
+        let (rail, node) = tiers_of(handle)?;
         let with_w = y_weights.is_some();
         if with_w != out_weights.is_some() {
             return Err(Error::InvalidArgument {
@@ -441,22 +429,17 @@ impl HierarchicalBuffer {
             None
         };
         if consume {
-            self.node.combine_consuming(
-                y,
-                y_weights,
-                &handle.node,
-                &mut self.partial_x,
-                partial_w,
-            )?;
+            self.node
+                .combine_consuming(y, y_weights, &node, &mut self.partial_x, partial_w)?;
         } else {
             self.node
-                .combine(y, y_weights, &handle.node, &mut self.partial_x, partial_w)?;
+                .combine(y, y_weights, &node, &mut self.partial_x, partial_w)?;
         }
         let partial_w: Option<&dyn DevicePtr<f32>> =
             if with_w { Some(&self.partial_w) } else { None };
         // The rail stage's receive rows were read only by the node dispatch, long done.
         self.rail
-            .combine_consuming(&self.partial_x, partial_w, &handle.rail, out, out_weights)
+            .combine_consuming(&self.partial_x, partial_w, &rail, out, out_weights)
     }
 
     /// Reports a failure either stage's kernels recorded ([`Buffer::check`]).
@@ -487,6 +470,14 @@ impl HierarchicalBuffer {
         self.rail.synchronize()?;
         self.node.synchronize()
     }
+}
+
+/// A two-tier handle's tiers (rail, node), or the error naming a flat one.
+fn tiers_of(handle: &Handle) -> Result<(Handle, Handle)> {
+    handle.tiers().ok_or_else(|| Error::InvalidArgument {
+        argument: "handle",
+        rule: "is a flat handle (from a Buffer): pass a HierarchicalBuffer's own handle".into(),
+    })
 }
 
 /// Where the rail stage left this rank's forwarded rows (device addresses).
@@ -570,6 +561,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
+    use crate::TierStats;
 
     fn stats(rank: usize, waits: Vec<Vec<u64>>, ranks: Vec<usize>) -> OpStats {
         OpStats {

@@ -74,20 +74,18 @@ impl Buffer {
         // SAFETY: as above.
         let recv_expert_counts = unsafe { self.launcher.stream.alloc::<i32>(epr.max(1)) }
             .context("allocating the handle")?;
-        Ok(Handle {
-            inner: Arc::new(HandleInner {
-                layout: layout.inner.clone(),
-                send_offsets,
-                recv_prefix,
-                recv_src_idx,
-                recv_expert_counts,
-                num_recv,
-                own_rows: None,
-                max_rows,
-                buffer_id: self.id,
-                routing: AtomicU64::new(HandleInner::NOT_DISPATCHED),
-            }),
-        })
+        Ok(Handle::flat(Arc::new(HandleInner {
+            layout: layout.inner.clone(),
+            send_offsets,
+            recv_prefix,
+            recv_src_idx,
+            recv_expert_counts,
+            num_recv,
+            own_rows: None,
+            max_rows,
+            buffer_id: self.id,
+            routing: AtomicU64::new(HandleInner::NOT_DISPATCHED),
+        })))
     }
 
     /// Sends every token to each rank holding one of its experts. Collective: every rank calls
@@ -148,9 +146,7 @@ impl Buffer {
             inner.num_recv = Some(counts.rows);
             inner.own_rows = Some(counts.own_rows);
             let e = counts.per_expert;
-            let handle = Handle {
-                inner: Arc::new(inner),
-            };
+            let handle = Handle::flat(Arc::new(inner));
             if let Some(latest) = &mut self.latest_dispatch {
                 latest.handle = Arc::downgrade(&handle.inner);
             }

@@ -1,0 +1,274 @@
+//! [`ExpertParallel`]: the one surface of a flat [`Buffer`] and a two-tier
+//! [`HierarchicalBuffer`].
+//!
+//! Both take the same inputs ([`DispatchInput`], a [`Layout`] from their own `layout`), return
+//! the same [`Dispatched`] rows and [`Handle`]s, capture the same [`EpGraph`]s and fail with
+//! the same [`Error`]s; code written against the trait (a bench, a test, a binding) serves
+//! either tiering. What only one of them has stays on its type: the low-latency ops and the
+//! in-place combine on [`Buffer`] (reach them through [`ExpertParallel::as_flat`]), the tiers'
+//! own buffers on [`HierarchicalBuffer`].
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut};
+use epcomm_topology::Tiers;
+use half::bf16;
+
+use crate::{
+    Buffer, BufferConfig, DispatchInput, Dispatched, EpGraph, Handle, HierStats,
+    HierarchicalBuffer, Layout, OpStats, RecvMode, Result, XInput,
+};
+
+/// How a buffer spans the world: one tier, or a rail tier between nodes and a node tier inside
+/// each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tiering {
+    /// One all-to-all over the whole world ([`Buffer`]).
+    Flat,
+    /// Rail then node ([`HierarchicalBuffer`]), over this world of nodes × local ranks.
+    TwoTier(Tiers),
+}
+
+/// Who waited for whom in one op, per tier ([`ExpertParallel::last_op_stats`]).
+pub trait TierStats: std::fmt::Display + std::fmt::Debug {
+    /// Each tier's statistics, named (`"world"` for a flat buffer; `"rail"` then `"node"`).
+    fn tiers(&self) -> Vec<(&'static str, &OpStats)>;
+
+    /// The world rank the others waited for longest on any tier, the tier, and how long.
+    fn late(&self) -> (usize, &'static str, Duration) {
+        self.tiers()
+            .into_iter()
+            .map(|(tier, s)| (s.world_rank(s.late_rank()), tier, s.skew()))
+            .reduce(|a, b| if b.2 > a.2 { b } else { a })
+            .unwrap_or((0, "world", Duration::ZERO))
+    }
+}
+
+impl TierStats for OpStats {
+    fn tiers(&self) -> Vec<(&'static str, &OpStats)> {
+        vec![("world", self)]
+    }
+}
+
+impl TierStats for HierStats {
+    fn tiers(&self) -> Vec<(&'static str, &OpStats)> {
+        vec![("rail", &self.rail), ("node", &self.node)]
+    }
+}
+
+/// The expert-parallel all-to-all, flat or two-tier: see the module docs. Every method has the
+/// contract of the [`Buffer`] method of the same name; [`HierarchicalBuffer`] documents where
+/// its two stages add to it.
+pub trait ExpertParallel {
+    /// What [`Self::last_op_stats`] reports.
+    type Stats: TierStats;
+
+    /// The configuration (`num_experts` over the whole world).
+    fn config(&self) -> &BufferConfig;
+    /// The CUDA context.
+    fn context(&self) -> &Arc<CudaContext>;
+    /// The stream every op runs on.
+    fn stream(&self) -> &Arc<CudaStream>;
+    /// This rank's world rank.
+    fn world_rank(&self) -> usize;
+    /// The ranks of the world.
+    fn world_size(&self) -> usize;
+    /// How it spans the world (the order of the rows it delivers and of its reduction follow:
+    /// see [`HierarchicalBuffer`]).
+    fn tiering(&self) -> Tiering;
+    /// The flat buffer, when this is one (its low-latency and in-place ops).
+    fn as_flat(&mut self) -> Option<&mut Buffer>;
+
+    /// [`Buffer::layout`].
+    fn layout(&mut self, topk_idx: &dyn DevicePtr<i64>, num_tokens: usize) -> Result<Layout>;
+    /// [`Buffer::alloc_layout`].
+    fn alloc_layout(&mut self, num_tokens: usize) -> Result<Layout>;
+    /// [`Buffer::layout_into`].
+    fn layout_into(&mut self, topk_idx: &dyn DevicePtr<i64>, layout: &Layout) -> Result<()>;
+    /// [`Buffer::dispatch`].
+    fn dispatch(
+        &mut self,
+        input: &DispatchInput<'_>,
+        layout: &Layout,
+        mode: RecvMode,
+    ) -> Result<Dispatched<'_>>;
+    /// [`Buffer::alloc_handle`].
+    fn alloc_handle(&mut self, layout: &Layout) -> Result<Handle>;
+    /// [`Buffer::dispatch_into`].
+    fn dispatch_into(
+        &mut self,
+        input: &DispatchInput<'_>,
+        handle: &Handle,
+    ) -> Result<Dispatched<'_>>;
+    /// [`Buffer::cached_dispatch`].
+    fn cached_dispatch(&mut self, x: &XInput<'_>, handle: &Handle) -> Result<Dispatched<'_>>;
+    /// [`Buffer::combine`].
+    fn combine(
+        &mut self,
+        y: &dyn DevicePtr<bf16>,
+        y_weights: Option<&dyn DevicePtr<f32>>,
+        handle: &Handle,
+        out: &mut dyn DevicePtrMut<bf16>,
+        out_weights: Option<&mut dyn DevicePtrMut<f32>>,
+    ) -> Result<()>;
+    /// [`Buffer::combine_consuming`].
+    fn combine_consuming(
+        &mut self,
+        y: &dyn DevicePtr<bf16>,
+        y_weights: Option<&dyn DevicePtr<f32>>,
+        handle: &Handle,
+        out: &mut dyn DevicePtrMut<bf16>,
+        out_weights: Option<&mut dyn DevicePtrMut<f32>>,
+    ) -> Result<()>;
+    /// [`Buffer::capture`].
+    fn capture<F>(&mut self, ops: F) -> Result<EpGraph>
+    where
+        Self: Sized,
+        F: FnMut(&mut Self) -> Result<()>;
+    /// [`Buffer::replay`].
+    fn replay(&mut self, graph: &EpGraph) -> Result<()>;
+    /// [`Buffer::last_op_stats`], per tier.
+    fn last_op_stats(&mut self) -> Result<Option<Self::Stats>>;
+    /// [`Buffer::check`].
+    fn check(&mut self) -> Result<()>;
+    /// [`Buffer::synchronize`].
+    fn synchronize(&mut self) -> Result<()>;
+    /// [`Buffer::destroy`].
+    fn destroy(self) -> Result<()>
+    where
+        Self: Sized;
+}
+
+/// Forwards the trait's op methods to the inherent methods of the same name and contract.
+macro_rules! forward_ops {
+    () => {
+        fn layout(&mut self, topk_idx: &dyn DevicePtr<i64>, num_tokens: usize) -> Result<Layout> {
+            Self::layout(self, topk_idx, num_tokens)
+        }
+        fn alloc_layout(&mut self, num_tokens: usize) -> Result<Layout> {
+            Self::alloc_layout(self, num_tokens)
+        }
+        fn layout_into(&mut self, topk_idx: &dyn DevicePtr<i64>, layout: &Layout) -> Result<()> {
+            Self::layout_into(self, topk_idx, layout)
+        }
+        fn dispatch(
+            &mut self,
+            input: &DispatchInput<'_>,
+            layout: &Layout,
+            mode: RecvMode,
+        ) -> Result<Dispatched<'_>> {
+            Self::dispatch(self, input, layout, mode)
+        }
+        fn alloc_handle(&mut self, layout: &Layout) -> Result<Handle> {
+            Self::alloc_handle(self, layout)
+        }
+        fn dispatch_into(
+            &mut self,
+            input: &DispatchInput<'_>,
+            handle: &Handle,
+        ) -> Result<Dispatched<'_>> {
+            Self::dispatch_into(self, input, handle)
+        }
+        fn cached_dispatch(&mut self, x: &XInput<'_>, handle: &Handle) -> Result<Dispatched<'_>> {
+            Self::cached_dispatch(self, x, handle)
+        }
+        fn combine(
+            &mut self,
+            y: &dyn DevicePtr<bf16>,
+            y_weights: Option<&dyn DevicePtr<f32>>,
+            handle: &Handle,
+            out: &mut dyn DevicePtrMut<bf16>,
+            out_weights: Option<&mut dyn DevicePtrMut<f32>>,
+        ) -> Result<()> {
+            Self::combine(self, y, y_weights, handle, out, out_weights)
+        }
+        fn combine_consuming(
+            &mut self,
+            y: &dyn DevicePtr<bf16>,
+            y_weights: Option<&dyn DevicePtr<f32>>,
+            handle: &Handle,
+            out: &mut dyn DevicePtrMut<bf16>,
+            out_weights: Option<&mut dyn DevicePtrMut<f32>>,
+        ) -> Result<()> {
+            Self::combine_consuming(self, y, y_weights, handle, out, out_weights)
+        }
+        fn capture<F>(&mut self, ops: F) -> Result<EpGraph>
+        where
+            F: FnMut(&mut Self) -> Result<()>,
+        {
+            Self::capture(self, ops)
+        }
+        fn replay(&mut self, graph: &EpGraph) -> Result<()> {
+            Self::replay(self, graph)
+        }
+        fn last_op_stats(&mut self) -> Result<Option<Self::Stats>> {
+            Self::last_op_stats(self)
+        }
+        fn check(&mut self) -> Result<()> {
+            Self::check(self)
+        }
+        fn synchronize(&mut self) -> Result<()> {
+            Self::synchronize(self)
+        }
+        fn destroy(self) -> Result<()> {
+            Self::destroy(self)
+        }
+    };
+}
+
+impl ExpertParallel for Buffer {
+    type Stats = OpStats;
+
+    fn config(&self) -> &BufferConfig {
+        Buffer::config(self)
+    }
+    fn context(&self) -> &Arc<CudaContext> {
+        Buffer::context(self)
+    }
+    fn stream(&self) -> &Arc<CudaStream> {
+        Buffer::stream(self)
+    }
+    fn world_rank(&self) -> usize {
+        self.transport().world().rank()
+    }
+    fn world_size(&self) -> usize {
+        self.transport().world().world_size()
+    }
+    fn tiering(&self) -> Tiering {
+        Tiering::Flat
+    }
+    fn as_flat(&mut self) -> Option<&mut Buffer> {
+        Some(self)
+    }
+
+    forward_ops!();
+}
+
+impl ExpertParallel for HierarchicalBuffer {
+    type Stats = HierStats;
+
+    fn config(&self) -> &BufferConfig {
+        HierarchicalBuffer::config(self)
+    }
+    fn context(&self) -> &Arc<CudaContext> {
+        HierarchicalBuffer::context(self)
+    }
+    fn stream(&self) -> &Arc<CudaStream> {
+        HierarchicalBuffer::stream(self)
+    }
+    fn world_rank(&self) -> usize {
+        HierarchicalBuffer::world_rank(self)
+    }
+    fn world_size(&self) -> usize {
+        HierarchicalBuffer::tiers(self).world_size()
+    }
+    fn tiering(&self) -> Tiering {
+        Tiering::TwoTier(HierarchicalBuffer::tiers(self))
+    }
+    fn as_flat(&mut self) -> Option<&mut Buffer> {
+        None
+    }
+
+    forward_ops!();
+}
