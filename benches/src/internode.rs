@@ -9,7 +9,7 @@
 //! per rank.
 
 use cudarc::driver::CudaContext;
-use epcomm::{BufferConfig, HierarchicalBuffer};
+use epcomm::{BufferConfig, ExpertParallel, HierarchicalBuffer};
 use epcomm_backends::TransportSpec;
 use epcomm_check::hier_bench::{HierOp, hier_rows};
 use epcomm_check::inputs::{Shape, device_inputs, host_inputs};

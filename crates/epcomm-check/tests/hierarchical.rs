@@ -12,7 +12,8 @@ mod common;
 use std::time::{Duration, Instant};
 
 use epcomm::{
-    BufferConfig, DispatchInput, Error, HierarchicalBuffer, RecvMode, Schedule, TierStats, XInput,
+    BufferConfig, DispatchInput, Error, ExpertParallel, HierarchicalBuffer, RecvMode, Schedule,
+    TierStats, XInput,
 };
 use epcomm_backends::TransportSpec;
 use epcomm_check::hier::{HierCase, hier_case};

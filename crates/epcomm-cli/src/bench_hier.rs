@@ -13,7 +13,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::CudaContext;
-use epcomm::{BufferConfig, DynTransport, HierarchicalBuffer};
+use epcomm::{BufferConfig, DynTransport, ExpertParallel, HierarchicalBuffer};
 use epcomm_bootstrap::Bootstrap;
 use epcomm_check::hier_bench::{HierOp, HierRows, hier_rows};
 use epcomm_check::inputs::{HostInputs, Shape, device_inputs, host_inputs};

@@ -16,8 +16,8 @@ use epcomm_topology::Tiers;
 use half::bf16;
 
 use crate::{
-    Buffer, BufferConfig, DispatchInput, Dispatched, EpGraph, Handle, HierStats,
-    HierarchicalBuffer, Layout, OpStats, RecvMode, Result, XInput,
+    Buffer, BufferConfig, DispatchInput, Dispatched, EpGraph, Handle, HierStats, Layout, OpStats,
+    RecvMode, Result, XInput,
 };
 
 /// How a buffer spans the world: one tier, or a rail tier between nodes and a node tier inside
@@ -140,7 +140,8 @@ pub trait ExpertParallel {
         Self: Sized;
 }
 
-/// Forwards the trait's op methods to the inherent methods of the same name and contract.
+/// Forwards the trait's op methods to [`Buffer`]'s inherent methods of the same name and
+/// contract ([`HierarchicalBuffer`] implements them in the trait itself).
 macro_rules! forward_ops {
     () => {
         fn layout(&mut self, topk_idx: &dyn DevicePtr<i64>, num_tokens: usize) -> Result<Layout> {
@@ -240,34 +241,6 @@ impl ExpertParallel for Buffer {
     }
     fn as_flat(&mut self) -> Option<&mut Buffer> {
         Some(self)
-    }
-
-    forward_ops!();
-}
-
-impl ExpertParallel for HierarchicalBuffer {
-    type Stats = HierStats;
-
-    fn config(&self) -> &BufferConfig {
-        HierarchicalBuffer::config(self)
-    }
-    fn context(&self) -> &Arc<CudaContext> {
-        HierarchicalBuffer::context(self)
-    }
-    fn stream(&self) -> &Arc<CudaStream> {
-        HierarchicalBuffer::stream(self)
-    }
-    fn world_rank(&self) -> usize {
-        HierarchicalBuffer::world_rank(self)
-    }
-    fn world_size(&self) -> usize {
-        HierarchicalBuffer::tiers(self).world_size()
-    }
-    fn tiering(&self) -> Tiering {
-        Tiering::TwoTier(HierarchicalBuffer::tiers(self))
-    }
-    fn as_flat(&mut self) -> Option<&mut Buffer> {
-        None
     }
 
     forward_ops!();

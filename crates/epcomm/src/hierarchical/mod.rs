@@ -86,8 +86,9 @@ use crate::handle::{Dispatched, Handle};
 use crate::layout::{DeviceTokens, Layout};
 use crate::stats::OpStats;
 
+use crate::buffer::graph as capture;
 use crate::view::{DeviceArray, DeviceView};
-use crate::{Buffer, BufferConfig, Error, RecvMode, Result};
+use crate::{Buffer, BufferConfig, EpGraph, Error, ExpertParallel, RecvMode, Result, Tiering};
 
 /// Per-tier wait attribution of one hierarchical op ([`HierarchicalBuffer::last_op_stats`]).
 #[derive(Clone, Debug)]
@@ -192,22 +193,6 @@ impl HierarchicalBuffer {
         self.tiers
     }
 
-    /// This rank's world rank.
-    pub fn world_rank(&self) -> usize {
-        self.rail.transport().world().rank()
-    }
-
-    /// The configuration it was created with (`num_experts` over the whole world; the rail
-    /// tier runs with it as given).
-    pub fn config(&self) -> &BufferConfig {
-        self.rail.config()
-    }
-
-    /// The CUDA context both tiers run in.
-    pub fn context(&self) -> &Arc<CudaContext> {
-        self.rail.context()
-    }
-
     /// The rail stage's buffer (its group: one rank per node).
     pub fn rail(&mut self) -> &mut Buffer {
         &mut self.rail
@@ -218,191 +203,12 @@ impl HierarchicalBuffer {
         &mut self.node
     }
 
-    /// The stream both stages run on.
-    pub fn stream(&self) -> &Arc<CudaStream> {
-        self.rail.stream()
-    }
-
-    /// The routing of `num_tokens` tokens (`topk_idx`: `[num_tokens][top_k]`, ids over all
-    /// experts) for [`Self::dispatch`]: the rail tier's layout (which node gets each token); the
-    /// node tier's is computed on the device from the forwarded rows during the dispatch.
-    ///
-    /// # Errors
-    /// As [`Buffer::layout`].
-    pub fn layout(&mut self, topk_idx: &dyn DevicePtr<i64>, num_tokens: usize) -> Result<Layout> {
-        self.rail.layout(topk_idx, num_tokens)
-    }
-
-    /// A layout for [`Self::layout_into`] and [`Self::alloc_handle`], for batches of
-    /// `num_tokens` tokens (as [`Buffer::alloc_layout`]).
-    ///
-    /// # Errors
-    /// As [`Buffer::alloc_layout`].
-    pub fn alloc_layout(&mut self, num_tokens: usize) -> Result<Layout> {
-        self.rail.alloc_layout(num_tokens)
-    }
-
-    /// Recomputes `layout` (from [`Self::alloc_layout`]) in place from `topk_idx`, on the
-    /// stream (as [`Buffer::layout_into`]).
-    ///
-    /// # Errors
-    /// As [`Buffer::layout_into`].
-    pub fn layout_into(&mut self, topk_idx: &dyn DevicePtr<i64>, layout: &Layout) -> Result<()> {
-        self.rail.layout_into(topk_idx, layout)
-    }
-
-    /// Sends every token (`input`, routed by `layout` from [`Self::layout`]) to every rank
-    /// holding one of its experts, through the rail and the node. Returns this rank's rows (the
-    /// node stage's receive region) and a two-tier [`Handle`]. `mode` is the node stage's (the
-    /// rail stage never waits on the host). Collective.
-    ///
-    /// # Errors
-    /// As [`Buffer::dispatch`], from either stage.
-    pub fn dispatch(
-        &mut self,
-        input: &DispatchInput<'_>,
-        layout: &Layout,
-        mode: RecvMode,
-    ) -> Result<Dispatched<'_>> {
-        let weights = input.topk_weights.is_some();
-        let (rail_handle, forwarded) = {
-            let d = self.rail.dispatch(input, layout, RecvMode::WorstCase)?;
-            let forwarded = Forwarded::of(&d, weights);
-            (d.into_handle(), forwarded)
-        };
-        let count = self.count_of(&rail_handle);
-        let rows = self.rail.recv_capacity_rows();
-        let node_layout = self.node.alloc_layout_counted(rows, Some(count))?;
-        let views = forwarded.views(rows, self.rail.config(), self.rail.stream());
-        self.node.layout_into(&views.topk_idx, &node_layout)?;
-        let input2 = views.input();
-        let mut d = self.node.dispatch(&input2, &node_layout, mode)?;
-        d.handle = Handle::two_tier(&rail_handle, &d.handle);
-        Ok(d)
-    }
-
-    /// Allocates a two-tier handle for [`Self::dispatch_into`] over `layout` (from
-    /// [`Self::alloc_layout`]): both tiers' handles and the node tier's layout, sized for the
-    /// worst case (no allocation and no host wait in the dispatch: what a CUDA-graph capture
-    /// records).
-    ///
-    /// # Errors
-    /// As [`Buffer::alloc_handle`].
-    pub fn alloc_handle(&mut self, layout: &Layout) -> Result<Handle> {
-        let rail = self.rail.alloc_handle(layout)?;
-        let node_layout = self
-            .node
-            .alloc_layout_counted(self.rail.recv_capacity_rows(), Some(self.count_of(&rail)))?;
-        let node = self.node.alloc_handle(&node_layout)?;
-        Ok(Handle::two_tier(&rail, &node))
-    }
-
-    /// Dispatch into a handle from [`Self::alloc_handle`] (WorstCase sizes), routed by its
-    /// layout as [`Self::layout_into`] last left it (as [`Buffer::dispatch_into`]); the node
-    /// tier's layout is recomputed in place from the forwarded rows. Collective.
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] naming `handle` for a flat handle; as
-    /// [`Buffer::dispatch_into`], from either tier.
-    pub fn dispatch_into(
-        &mut self,
-        input: &DispatchInput<'_>,
-        handle: &Handle,
-    ) -> Result<Dispatched<'_>> {
-        let (rail, node) = tiers_of(handle)?;
-        let node_layout = Layout {
-            inner: node.inner.layout.clone(),
-        };
-        let forwarded = {
-            let d = self.rail.dispatch_into(input, &rail)?;
-            Forwarded::of(&d, input.topk_weights.is_some())
-        };
-        let rows = self.rail.recv_capacity_rows();
-        let views = forwarded.views(rows, self.rail.config(), self.rail.stream());
-        self.node.layout_into(&views.topk_idx, &node_layout)?;
-        let input2 = views.input();
-        let mut d = self.node.dispatch_into(&input2, &node)?;
-        d.handle = handle.clone();
-        Ok(d)
-    }
-
     /// The node tier's token count: the rail handle's receive count, on the device.
     fn count_of(&self, rail: &Handle) -> DeviceTokens {
         DeviceTokens {
             ptr: rail.recv_prefix_ptr() + 4 * self.tiers.nodes() as u64,
             _owner: rail.inner.clone(),
         }
-    }
-
-    /// Who waited for whom in the last hierarchical op, per tier: the rail tier's stats (its
-    /// group: one rank per node; waits there are rail waits) and the node tier's (NVLink
-    /// waits), both naming world ranks. **Collective**: every rank calls it after the same op.
-    ///
-    /// # Errors
-    /// As [`Buffer::last_op_stats`].
-    pub fn last_op_stats(&mut self) -> Result<Option<HierStats>> {
-        let rail = self.rail.last_op_stats()?;
-        let node = self.node.last_op_stats()?;
-        Ok(match (rail, node) {
-            (Some(rail), Some(node)) => Some(HierStats { rail, node }),
-            _ => None,
-        })
-    }
-
-    /// Sends new rows (`num_tokens` of them, as the handle's dispatch) along `handle`'s
-    /// routing: no count exchange in either stage, no host wait. Collective.
-    ///
-    /// # Errors
-    /// As [`Buffer::cached_dispatch`], from either stage.
-    pub fn cached_dispatch(&mut self, x: &XInput<'_>, handle: &Handle) -> Result<Dispatched<'_>> {
-        let (rail, node) = tiers_of(handle)?;
-        let forwarded = {
-            let d = self.rail.cached_dispatch(x, &rail)?;
-            Forwarded::of(&d, false)
-        };
-        let rows = self.rail.recv_capacity_rows();
-        let views = forwarded.views(rows, self.rail.config(), self.rail.stream());
-        let x2 = views.x();
-        let mut d = self.node.cached_dispatch(&x2, &node)?;
-        d.handle = handle.clone();
-        Ok(d)
-    }
-
-    /// Sends expert outputs back and reduces them: `y` holds one `[hidden]` bf16 row per row
-    /// this rank received (the node stage's order), `out` gets `[num_tokens][hidden]` bf16 per
-    /// `epcomm_reference::hierarchical_combine_staged` (bf16 rail). `y_weights` /
-    /// `out_weights` (`[rows][top_k]` / `[num_tokens][top_k]` f32) are summed the same way, in
-    /// f32 throughout. Collective. The dispatch's outputs stay as they are (as
-    /// [`Buffer::combine`]); the rail stage's receive rows, which only this buffer reads, may be
-    /// staged over.
-    ///
-    /// # Errors
-    /// As [`Buffer::combine`], from either stage.
-    pub fn combine(
-        &mut self,
-        y: &dyn DevicePtr<bf16>,
-        y_weights: Option<&dyn DevicePtr<f32>>,
-        handle: &Handle,
-        out: &mut dyn DevicePtrMut<bf16>,
-        out_weights: Option<&mut dyn DevicePtrMut<f32>>,
-    ) -> Result<()> {
-        self.combine_rows(y, y_weights, handle, out, out_weights, false)
-    }
-
-    /// [`Self::combine`] for a caller that no longer reads the dispatch's outputs (as
-    /// [`Buffer::combine_consuming`]): the node stage may stage `y` over them.
-    ///
-    /// # Errors
-    /// As [`Buffer::combine`], from either stage.
-    pub fn combine_consuming(
-        &mut self,
-        y: &dyn DevicePtr<bf16>,
-        y_weights: Option<&dyn DevicePtr<f32>>,
-        handle: &Handle,
-        out: &mut dyn DevicePtrMut<bf16>,
-        out_weights: Option<&mut dyn DevicePtrMut<f32>>,
-    ) -> Result<()> {
-        self.combine_rows(y, y_weights, handle, out, out_weights, true)
     }
 
     /// Both stages of a combine; `consume`: the caller gave the node stage's receive rows up.
@@ -441,12 +247,223 @@ impl HierarchicalBuffer {
         self.rail
             .combine_consuming(&self.partial_x, partial_w, &rail, out, out_weights)
     }
+}
+
+impl ExpertParallel for HierarchicalBuffer {
+    type Stats = HierStats;
+
+    fn world_size(&self) -> usize {
+        self.tiers.world_size()
+    }
+
+    fn tiering(&self) -> Tiering {
+        Tiering::TwoTier(self.tiers)
+    }
+
+    fn as_flat(&mut self) -> Option<&mut Buffer> {
+        None
+    }
+
+    /// This rank's world rank.
+    fn world_rank(&self) -> usize {
+        self.rail.transport().world().rank()
+    }
+
+    /// The configuration it was created with (`num_experts` over the whole world; the rail
+    /// tier runs with it as given).
+    fn config(&self) -> &BufferConfig {
+        self.rail.config()
+    }
+
+    /// The CUDA context both tiers run in.
+    fn context(&self) -> &Arc<CudaContext> {
+        self.rail.context()
+    }
+
+    /// The stream both stages run on.
+    fn stream(&self) -> &Arc<CudaStream> {
+        self.rail.stream()
+    }
+
+    /// The routing of `num_tokens` tokens (`topk_idx`: `[num_tokens][top_k]`, ids over all
+    /// experts) for [`Self::dispatch`]: the rail tier's layout (which node gets each token); the
+    /// node tier's is computed on the device from the forwarded rows during the dispatch.
+    ///
+    /// # Errors
+    /// As [`Buffer::layout`].
+    fn layout(&mut self, topk_idx: &dyn DevicePtr<i64>, num_tokens: usize) -> Result<Layout> {
+        self.rail.layout(topk_idx, num_tokens)
+    }
+
+    /// A layout for [`Self::layout_into`] and [`Self::alloc_handle`], for batches of
+    /// `num_tokens` tokens (as [`Buffer::alloc_layout`]).
+    ///
+    /// # Errors
+    /// As [`Buffer::alloc_layout`].
+    fn alloc_layout(&mut self, num_tokens: usize) -> Result<Layout> {
+        self.rail.alloc_layout(num_tokens)
+    }
+
+    /// Recomputes `layout` (from [`Self::alloc_layout`]) in place from `topk_idx`, on the
+    /// stream (as [`Buffer::layout_into`]).
+    ///
+    /// # Errors
+    /// As [`Buffer::layout_into`].
+    fn layout_into(&mut self, topk_idx: &dyn DevicePtr<i64>, layout: &Layout) -> Result<()> {
+        self.rail.layout_into(topk_idx, layout)
+    }
+
+    /// Sends every token (`input`, routed by `layout` from [`Self::layout`]) to every rank
+    /// holding one of its experts, through the rail and the node. Returns this rank's rows (the
+    /// node stage's receive region) and a two-tier [`Handle`]. `mode` is the node stage's (the
+    /// rail stage never waits on the host). Collective.
+    ///
+    /// # Errors
+    /// As [`Buffer::dispatch`], from either stage.
+    fn dispatch(
+        &mut self,
+        input: &DispatchInput<'_>,
+        layout: &Layout,
+        mode: RecvMode,
+    ) -> Result<Dispatched<'_>> {
+        let weights = input.topk_weights.is_some();
+        let (rail_handle, forwarded) = {
+            let d = self.rail.dispatch(input, layout, RecvMode::WorstCase)?;
+            let forwarded = Forwarded::of(&d, weights);
+            (d.into_handle(), forwarded)
+        };
+        let count = self.count_of(&rail_handle);
+        let rows = self.rail.recv_capacity_rows();
+        let node_layout = self.node.alloc_layout_counted(rows, Some(count))?;
+        let views = forwarded.views(rows, self.rail.config(), self.rail.stream());
+        self.node.layout_into(&views.topk_idx, &node_layout)?;
+        let input2 = views.input();
+        let mut d = self.node.dispatch(&input2, &node_layout, mode)?;
+        d.handle = Handle::two_tier(&rail_handle, &d.handle);
+        Ok(d)
+    }
+
+    /// Allocates a two-tier handle for [`Self::dispatch_into`] over `layout` (from
+    /// [`Self::alloc_layout`]): both tiers' handles and the node tier's layout, sized for the
+    /// worst case (no allocation and no host wait in the dispatch: what a CUDA-graph capture
+    /// records).
+    ///
+    /// # Errors
+    /// As [`Buffer::alloc_handle`].
+    fn alloc_handle(&mut self, layout: &Layout) -> Result<Handle> {
+        let rail = self.rail.alloc_handle(layout)?;
+        let node_layout = self
+            .node
+            .alloc_layout_counted(self.rail.recv_capacity_rows(), Some(self.count_of(&rail)))?;
+        let node = self.node.alloc_handle(&node_layout)?;
+        Ok(Handle::two_tier(&rail, &node))
+    }
+
+    /// Dispatch into a handle from [`Self::alloc_handle`] (WorstCase sizes), routed by its
+    /// layout as [`Self::layout_into`] last left it (as [`Buffer::dispatch_into`]); the node
+    /// tier's layout is recomputed in place from the forwarded rows. Collective.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming `handle` for a flat handle; as
+    /// [`Buffer::dispatch_into`], from either tier.
+    fn dispatch_into(
+        &mut self,
+        input: &DispatchInput<'_>,
+        handle: &Handle,
+    ) -> Result<Dispatched<'_>> {
+        let (rail, node) = tiers_of(handle)?;
+        let node_layout = Layout {
+            inner: node.inner.layout.clone(),
+        };
+        let forwarded = {
+            let d = self.rail.dispatch_into(input, &rail)?;
+            Forwarded::of(&d, input.topk_weights.is_some())
+        };
+        let rows = self.rail.recv_capacity_rows();
+        let views = forwarded.views(rows, self.rail.config(), self.rail.stream());
+        self.node.layout_into(&views.topk_idx, &node_layout)?;
+        let input2 = views.input();
+        let mut d = self.node.dispatch_into(&input2, &node)?;
+        d.handle = handle.clone();
+        Ok(d)
+    }
+
+    /// Who waited for whom in the last hierarchical op, per tier: the rail tier's stats (its
+    /// group: one rank per node; waits there are rail waits) and the node tier's (NVLink
+    /// waits), both naming world ranks. **Collective**: every rank calls it after the same op.
+    ///
+    /// # Errors
+    /// As [`Buffer::last_op_stats`].
+    fn last_op_stats(&mut self) -> Result<Option<HierStats>> {
+        let rail = self.rail.last_op_stats()?;
+        let node = self.node.last_op_stats()?;
+        Ok(match (rail, node) {
+            (Some(rail), Some(node)) => Some(HierStats { rail, node }),
+            _ => None,
+        })
+    }
+
+    /// Sends new rows (`num_tokens` of them, as the handle's dispatch) along `handle`'s
+    /// routing: no count exchange in either stage, no host wait. Collective.
+    ///
+    /// # Errors
+    /// As [`Buffer::cached_dispatch`], from either stage.
+    fn cached_dispatch(&mut self, x: &XInput<'_>, handle: &Handle) -> Result<Dispatched<'_>> {
+        let (rail, node) = tiers_of(handle)?;
+        let forwarded = {
+            let d = self.rail.cached_dispatch(x, &rail)?;
+            Forwarded::of(&d, false)
+        };
+        let rows = self.rail.recv_capacity_rows();
+        let views = forwarded.views(rows, self.rail.config(), self.rail.stream());
+        let x2 = views.x();
+        let mut d = self.node.cached_dispatch(&x2, &node)?;
+        d.handle = handle.clone();
+        Ok(d)
+    }
+
+    /// Sends expert outputs back and reduces them: `y` holds one `[hidden]` bf16 row per row
+    /// this rank received (the node stage's order), `out` gets `[num_tokens][hidden]` bf16 per
+    /// `epcomm_reference::hierarchical_combine_staged` (bf16 rail). `y_weights` /
+    /// `out_weights` (`[rows][top_k]` / `[num_tokens][top_k]` f32) are summed the same way, in
+    /// f32 throughout. Collective. The dispatch's outputs stay as they are (as
+    /// [`Buffer::combine`]); the rail stage's receive rows, which only this buffer reads, may be
+    /// staged over.
+    ///
+    /// # Errors
+    /// As [`Buffer::combine`], from either stage.
+    fn combine(
+        &mut self,
+        y: &dyn DevicePtr<bf16>,
+        y_weights: Option<&dyn DevicePtr<f32>>,
+        handle: &Handle,
+        out: &mut dyn DevicePtrMut<bf16>,
+        out_weights: Option<&mut dyn DevicePtrMut<f32>>,
+    ) -> Result<()> {
+        self.combine_rows(y, y_weights, handle, out, out_weights, false)
+    }
+
+    /// [`Self::combine`] for a caller that no longer reads the dispatch's outputs (as
+    /// [`Buffer::combine_consuming`]): the node stage may stage `y` over them.
+    ///
+    /// # Errors
+    /// As [`Buffer::combine`], from either stage.
+    fn combine_consuming(
+        &mut self,
+        y: &dyn DevicePtr<bf16>,
+        y_weights: Option<&dyn DevicePtr<f32>>,
+        handle: &Handle,
+        out: &mut dyn DevicePtrMut<bf16>,
+        out_weights: Option<&mut dyn DevicePtrMut<f32>>,
+    ) -> Result<()> {
+        self.combine_rows(y, y_weights, handle, out, out_weights, true)
+    }
 
     /// Reports a failure either stage's kernels recorded ([`Buffer::check`]).
     ///
     /// # Errors
     /// The first stage's failure found.
-    pub fn check(&mut self) -> Result<()> {
+    fn check(&mut self) -> Result<()> {
         self.rail.check()?;
         self.node.check()
     }
@@ -456,7 +473,7 @@ impl HierarchicalBuffer {
     ///
     /// # Errors
     /// As [`Buffer::destroy`].
-    pub fn destroy(self) -> Result<()> {
+    fn destroy(self) -> Result<()> {
         let rail = self.rail.destroy();
         let node = self.node.destroy();
         rail.and(node)
@@ -466,9 +483,20 @@ impl HierarchicalBuffer {
     ///
     /// # Errors
     /// As [`Buffer::synchronize`].
-    pub fn synchronize(&mut self) -> Result<()> {
+    fn synchronize(&mut self) -> Result<()> {
         self.rail.synchronize()?;
         self.node.synchronize()
+    }
+
+    fn capture<F>(&mut self, ops: F) -> Result<EpGraph>
+    where
+        F: FnMut(&mut Self) -> Result<()>,
+    {
+        capture::capture(self, ops)
+    }
+
+    fn replay(&mut self, graph: &EpGraph) -> Result<()> {
+        capture::replay(self, graph)
     }
 }
 
