@@ -17,8 +17,8 @@ use epcomm_reference::bf16;
 
 mod common;
 use common::{
-    MakeTransport, TestConfig, Worker, gpu_test, launch, launch_all, log, on_transport, record_ran,
-    small_cfg, worker, world,
+    MakeTransport, SuiteGroup, TestConfig, Worker, gpu_test, launch, launch_all, log, on_transport,
+    record_ran, small_cfg, worker, world,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -202,15 +202,7 @@ fn check_layout_variant(
 // ---------------------------------------------------------------------------------------------
 // The dispatch/combine suite.
 
-struct Group {
-    hidden: usize,
-    top_k: usize,
-    experts_per_rank: usize,
-    max_tokens: usize,
-    cases: Vec<(Vec<usize>, f64, Option<usize>, RoundOptions)>,
-}
-
-fn groups(world: usize) -> Vec<Group> {
+fn groups(world: usize) -> Vec<SuiteGroup> {
     let per = |f: &dyn Fn(usize) -> usize| (0..world).map(f).collect::<Vec<_>>();
     let hs = RoundOptions::default();
     let fp8 = RoundOptions { fp8: true, ..hs };
@@ -220,7 +212,7 @@ fn groups(world: usize) -> Vec<Group> {
         ..hs
     };
     vec![
-        Group {
+        SuiteGroup {
             hidden: 7168,
             top_k: 8,
             experts_per_rank: 256 / world.min(256),
@@ -233,7 +225,7 @@ fn groups(world: usize) -> Vec<Group> {
                 (per(&|_| 0), 0.0, None, hs),
             ],
         },
-        Group {
+        SuiteGroup {
             hidden: 128,
             top_k: 1,
             experts_per_rank: 1,
@@ -253,7 +245,7 @@ fn groups(world: usize) -> Vec<Group> {
                 ),
             ],
         },
-        Group {
+        SuiteGroup {
             hidden: 2056,
             top_k: 9,
             experts_per_rank: 144,
@@ -263,7 +255,7 @@ fn groups(world: usize) -> Vec<Group> {
                 (per(&|r| 511 - r), 0.0, None, wc),
             ],
         },
-        Group {
+        SuiteGroup {
             hidden: 512,
             top_k: 4,
             experts_per_rank: 8,
@@ -281,7 +273,7 @@ fn groups(world: usize) -> Vec<Group> {
                 ),
             ],
         },
-        Group {
+        SuiteGroup {
             hidden: 256,
             top_k: 3,
             experts_per_rank: 3,
@@ -295,70 +287,28 @@ fn groups(world: usize) -> Vec<Group> {
 }
 
 fn run_suite(w: &Worker, mk: MakeTransport<'_>, test: TestConfig) {
-    let (rank, world) = (w.boot.rank(), w.boot.world_size());
     // EPCOMM_TEST_SMALL=1 keeps the small groups (for compute-sanitizer runs).
     let small = std::env::var_os("EPCOMM_TEST_SMALL").is_some();
     // EPCOMM_TEST_GROUPS=i,j keeps those groups (to rerun one).
     let only: Option<Vec<usize>> = std::env::var("EPCOMM_TEST_GROUPS")
         .ok()
         .map(|v| v.split(',').filter_map(|g| g.trim().parse().ok()).collect());
-    for (gi, g) in groups(world).into_iter().enumerate() {
-        if small && g.hidden * g.max_tokens > 1 << 20 {
-            continue;
-        }
-        if only.as_ref().is_some_and(|o| !o.contains(&gi)) {
-            continue;
-        }
-        let experts = g.experts_per_rank * world;
-        let mut cfg = BufferConfig::new(g.max_tokens, g.hidden, g.top_k, experts);
-        test.apply(&mut cfg);
-        cfg.timeout = Duration::from_secs(20);
-        let mut buf = Buffer::new(w.ctx.clone(), mk(), cfg).expect("Buffer::new");
-        for (ci, (tokens, mask, skew, opts)) in g.cases.into_iter().enumerate() {
-            let shape = Shape {
-                tokens: tokens.clone(),
-                hidden: g.hidden,
-                top_k: g.top_k,
-                experts,
-                mask_prob: mask,
-                skew_to: skew,
-                seed: (gi * 100 + ci) as u64,
-            };
-            let opts = RoundOptions {
-                fp8: opts.fp8 && shape.fp8_capable(),
-                ..opts
-            };
-            let inputs = host_inputs(&shape).expect("inputs");
-            let dev = device_inputs(buf.stream(), &inputs, rank).expect("upload");
-            let t0 = Instant::now();
-            verified_round(&mut buf, &inputs, &dev, opts).unwrap_or_else(|e| {
-                panic!("{test} group {gi} case {ci} ({shape:?}, {opts:?}): {e}")
-            });
-            log(
-                rank,
-                format_args!(
-                    "{test} H={} K={} E={experts} tokens={tokens:?} mask={mask} skew={skew:?} {opts:?}: ok ({:?})",
-                    g.hidden,
-                    g.top_k,
-                    t0.elapsed()
-                ),
-            );
-        }
-        // Zero global barriers under Epoch: the barrier counters never moved.
-        let barriers = buf.barrier_counters().expect("barrier counters");
-        match test.schedule {
-            Schedule::Global => assert!(barriers.iter().all(|&b| b > 0), "{barriers:?}"),
-            _ => assert!(
-                barriers.iter().all(|&b| b == 0),
-                "Epoch issued barriers: {barriers:?}"
-            ),
-        }
-        log(
-            rank,
-            format_args!("{test}: barrier arrivals per peer after group {gi}: {barriers:?}"),
-        );
-        buf.destroy().expect("destroy");
-    }
+    let groups = groups(w.boot.world_size())
+        .into_iter()
+        .enumerate()
+        .filter(|(gi, g)| {
+            !(small && g.hidden * g.max_tokens > 1 << 20)
+                && only.as_ref().is_none_or(|o| o.contains(gi))
+        })
+        .collect();
+    common::run_suite_groups(
+        w,
+        &test,
+        groups,
+        "flat",
+        |cfg| Buffer::new(w.ctx.clone(), mk(), cfg).expect("Buffer::new"),
+        |buf| vec![("world", buf.barrier_counters().expect("barrier counters"))],
+    );
 }
 
 #[test]

@@ -22,13 +22,9 @@ use epcomm_check::procs::is_worker;
 use epcomm_check::verify::{RoundOptions, verified_round};
 use epcomm_reference::bf16;
 
-use common::{MakeTransport, TestConfig, Worker, launch, log, world};
+use common::{MakeTransport, SuiteGroup, TestConfig, Worker, launch, log, world};
 
-/// (hidden, top_k, experts per rank, max tokens, cases: tokens per rank, -1 probability,
-/// skew target, options).
-type Case = (Vec<usize>, f64, Option<usize>, RoundOptions);
-
-fn groups(world: usize) -> Vec<(usize, usize, usize, usize, Vec<Case>)> {
+fn groups(world: usize) -> Vec<SuiteGroup> {
     let per = |f: &dyn Fn(usize) -> usize| (0..world).map(f).collect::<Vec<_>>();
     let hs = RoundOptions {
         in_place: false,
@@ -40,25 +36,25 @@ fn groups(world: usize) -> Vec<(usize, usize, usize, usize, Vec<Case>)> {
         ..hs
     };
     vec![
-        (
-            7168,
-            8,
-            256 / world,
-            1024,
-            vec![
+        SuiteGroup {
+            hidden: 7168,
+            top_k: 8,
+            experts_per_rank: 256 / world,
+            max_tokens: 1024,
+            cases: vec![
                 (per(&|_| 1024), 0.0, None, hs),
                 (per(&|_| 1024), 0.0, None, fp8),
                 (per(&|r| 777 - 100 * (r % 2)), 0.1, None, wc),
                 (per(&|r| if r == 0 { 1 } else { 0 }), 0.0, None, hs),
                 (per(&|_| 0), 0.0, None, hs),
             ],
-        ),
-        (
-            128,
-            1,
-            1,
-            64,
-            vec![
+        },
+        SuiteGroup {
+            hidden: 128,
+            top_k: 1,
+            experts_per_rank: 1,
+            max_tokens: 64,
+            cases: vec![
                 (per(&|_| 1), 0.0, None, fp8),
                 (per(&|r| 3 + 14 * r), 0.3, None, hs),
                 (
@@ -71,97 +67,55 @@ fn groups(world: usize) -> Vec<(usize, usize, usize, usize, Vec<Case>)> {
                     },
                 ),
             ],
-        ),
-        (
-            2056,
-            9,
-            288 / world,
-            256,
-            vec![
+        },
+        SuiteGroup {
+            hidden: 2056,
+            top_k: 9,
+            experts_per_rank: 288 / world,
+            max_tokens: 256,
+            cases: vec![
                 (per(&|r| 201 + r), 0.2, None, hs),
                 (per(&|r| 255 - r), 0.0, None, wc),
             ],
-        ),
-        (
-            512,
-            4,
-            8,
-            512,
-            vec![
+        },
+        SuiteGroup {
+            hidden: 512,
+            top_k: 4,
+            experts_per_rank: 8,
+            max_tokens: 512,
+            cases: vec![
                 // Every token to the last rank (another node for rank 0).
                 (per(&|r| 500 + 3 * r), 0.0, Some(world - 1), hs),
                 (per(&|r| 400 - 7 * r), 0.05, Some(0), fp8),
             ],
-        ),
+        },
     ]
 }
 
 fn run_hier(w: &Worker, mk: MakeTransport<'_>, test: TestConfig) {
-    let (rank, world) = (w.boot.rank(), w.boot.world_size());
-    for (gi, (hidden, top_k, epr, max_tokens, cases)) in groups(world).into_iter().enumerate() {
-        let experts = epr * world;
-        let mut cfg = BufferConfig::new(max_tokens, hidden, top_k, experts);
-        test.apply(&mut cfg);
-        cfg.timeout = Duration::from_secs(20);
-        let mut buf =
-            HierarchicalBuffer::new(w.ctx.clone(), mk(), cfg).expect("HierarchicalBuffer::new");
-        let tiers = buf.tiers();
-        for (ci, (tokens, mask, skew, opts)) in cases.into_iter().enumerate() {
-            let shape = Shape {
-                tokens: tokens.clone(),
-                hidden,
-                top_k,
-                experts,
-                mask_prob: mask,
-                skew_to: skew,
-                seed: (gi * 100 + ci) as u64,
-            };
-            let opts = RoundOptions {
-                fp8: opts.fp8 && shape.fp8_capable(),
-                ..opts
-            };
-            let inputs = host_inputs(&shape).expect("inputs");
-            let dev = device_inputs(buf.stream(), &inputs, rank).expect("upload");
-            let t0 = Instant::now();
-            verified_round(&mut buf, &inputs, &dev, opts).unwrap_or_else(|e| {
-                panic!("{test} {tiers:?} group {gi} case {ci} ({shape:?}, {opts:?}): {e}")
-            });
-            log(
-                rank,
-                format_args!(
-                    "{test} {tiers:?} H={hidden} K={top_k} E={experts} tokens={tokens:?} mask={mask} skew={skew:?} {opts:?}: ok ({:?})",
-                    t0.elapsed()
+    let groups = groups(w.boot.world_size())
+        .into_iter()
+        .enumerate()
+        .collect();
+    common::run_suite_groups(
+        w,
+        &test,
+        groups,
+        "two-tier",
+        |cfg| HierarchicalBuffer::new(w.ctx.clone(), mk(), cfg).expect("HierarchicalBuffer::new"),
+        |buf| {
+            vec![
+                (
+                    "rail",
+                    buf.rail().barrier_counters().expect("rail barriers"),
                 ),
-            );
-        }
-        // Zero global barriers under Epoch in either tier: the counters never moved.
-        for (tier, counters) in [
-            (
-                "rail",
-                buf.rail().barrier_counters().expect("rail barriers"),
-            ),
-            (
-                "node",
-                buf.node().barrier_counters().expect("node barriers"),
-            ),
-        ] {
-            match test.schedule {
-                Schedule::Global => {
-                    assert!(counters.iter().all(|&b| b > 0), "{tier}: {counters:?}")
-                }
-                _ => assert!(
-                    counters.iter().all(|&b| b == 0),
-                    "Epoch issued {tier} barriers: {counters:?}"
+                (
+                    "node",
+                    buf.node().barrier_counters().expect("node barriers"),
                 ),
-            }
-            log(
-                rank,
-                format_args!(
-                    "{test}: {tier} barrier arrivals per peer after group {gi}: {counters:?}"
-                ),
-            );
-        }
-    }
+            ]
+        },
+    );
 }
 
 /// The specs to run: `EPCOMM_TEST_TRANSPORTS`, or NVSHMEM with two logical nodes.

@@ -585,3 +585,95 @@ pub fn verify_and_destroy(
     verified_round(&mut buf, h, d, RoundOptions::default()).unwrap();
     buf.destroy().unwrap();
 }
+
+/// One case of the dispatch/combine suite: tokens per rank, the `-1` probability, the skew
+/// target, and what the round exercises.
+pub type SuiteCase = (
+    Vec<usize>,
+    f64,
+    Option<usize>,
+    epcomm_check::verify::RoundOptions,
+);
+
+/// One group of the dispatch/combine suite: a buffer shape and the cases run on it.
+pub struct SuiteGroup {
+    pub hidden: usize,
+    pub top_k: usize,
+    pub experts_per_rank: usize,
+    pub max_tokens: usize,
+    pub cases: Vec<SuiteCase>,
+}
+
+/// Runs the suite's `groups` on buffers `make` builds from each group's config (flat or
+/// two-tier, any [`epcomm::ExpertParallel`]): every case one verified round
+/// ([`epcomm_check::verify::verified_round`]); after each group, every tier's barrier counters
+/// (`barriers`): all zero under the Epoch schedule, all moved under Global. `label` names the
+/// buffer in messages.
+pub fn run_suite_groups<E: epcomm::ExpertParallel>(
+    w: &Worker,
+    test: &TestConfig,
+    groups: Vec<(usize, SuiteGroup)>,
+    label: &str,
+    make: impl Fn(BufferConfig) -> E,
+    barriers: impl Fn(&mut E) -> Vec<(&'static str, Vec<u64>)>,
+) {
+    use epcomm_check::verify::{RoundOptions, verified_round};
+    let (rank, world) = (w.boot.rank(), w.boot.world_size());
+    for (gi, g) in groups {
+        let experts = g.experts_per_rank * world;
+        let mut cfg = BufferConfig::new(g.max_tokens, g.hidden, g.top_k, experts);
+        test.apply(&mut cfg);
+        cfg.timeout = Duration::from_secs(20);
+        let mut buf = make(cfg);
+        for (ci, (tokens, mask, skew, opts)) in g.cases.into_iter().enumerate() {
+            let shape = Shape {
+                tokens: tokens.clone(),
+                hidden: g.hidden,
+                top_k: g.top_k,
+                experts,
+                mask_prob: mask,
+                skew_to: skew,
+                seed: (gi * 100 + ci) as u64,
+            };
+            let opts = RoundOptions {
+                fp8: opts.fp8 && shape.fp8_capable(),
+                ..opts
+            };
+            let inputs = host_inputs(&shape).expect("inputs");
+            let dev = device_inputs(buf.stream(), &inputs, rank).expect("upload");
+            let t0 = std::time::Instant::now();
+            verified_round(&mut buf, &inputs, &dev, opts).unwrap_or_else(|e| {
+                panic!("{test} {label} group {gi} case {ci} ({shape:?}, {opts:?}): {e}")
+            });
+            log(
+                rank,
+                format_args!(
+                    "{test} {label} H={} K={} E={experts} tokens={tokens:?} mask={mask} \
+                     skew={skew:?} {opts:?}: ok ({:?})",
+                    g.hidden,
+                    g.top_k,
+                    t0.elapsed()
+                ),
+            );
+        }
+        // Zero global barriers under Epoch in every tier: the counters never moved.
+        for (tier, counters) in barriers(&mut buf) {
+            match test.schedule {
+                Schedule::Global => {
+                    assert!(counters.iter().all(|&b| b > 0), "{tier}: {counters:?}")
+                }
+                _ => assert!(
+                    counters.iter().all(|&b| b == 0),
+                    "Epoch issued {tier} barriers: {counters:?}"
+                ),
+            }
+            log(
+                rank,
+                format_args!(
+                    "{test}: {tier} barrier arrivals per peer after group {gi}: {counters:?}"
+                ),
+            );
+        }
+        buf.destroy().expect("destroy");
+    }
+}

@@ -39,7 +39,7 @@
 //! use std::sync::Arc;
 //!
 //! use cudarc::driver::CudaContext;
-//! use epcomm::{BufferConfig, DispatchInput, HierarchicalBuffer, RecvMode, XInput};
+//! use epcomm::{BufferConfig, DispatchInput, ExpertParallel, HierarchicalBuffer, RecvMode, XInput};
 //! use epcomm_backends::TransportSpec;
 //! use epcomm_bootstrap::{Bootstrap, BootstrapConfig};
 //! use half::bf16;
