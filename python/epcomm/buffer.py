@@ -9,10 +9,9 @@ How it maps onto the native layer (``epcomm._native``, torch-free):
 * the native layer writes received rows into this rank's symmetric memory; outputs are torch
   tensors allocated here and filled by copies on the comm stream (``zero_copy=True`` returns
   views of the receive rows instead);
-* receive rows alternate between two regions (by dispatch parity). Outside CUDA graphs the
-  native layer says which one a dispatch wrote; once a dispatch was captured into a graph,
-  the region is picked on the device by a parity word this class flips after every dispatch
-  (captured flips replay too), so a replay copies from the right region at either parity.
+* receive rows alternate between two regions (by dispatch parity); the native copy-out
+  (``copy_received``) reads the parity from the device's own dispatch count, so copies are
+  right at either parity, also when replayed from a CUDA graph: this class tracks no parity.
 
 Ordering of received rows (the contract tests check bit for bit): by source rank, then by
 source token index; ``recv_topk_idx`` holds local expert ids (``-1`` where the expert lives on
@@ -133,8 +132,8 @@ class Buffer:
     ``:vnodes=N`` too, where compiled in), ``schedule`` (``"epoch"``, ``"global"``), ``routes``
     (``"auto"``, ``"put-signal"``), ``num_sms`` (default :attr:`num_sms`), ``timeout``
     (seconds, bound of every device wait: :class:`epcomm.TimeoutError` names the late rank),
-    ``enable_cuda_graphs`` (keeps the device parity word that graph replays need; costs one
-    tiny kernel per dispatch), ``bootstrap_timeout`` (seconds for the rendezvous),
+    ``enable_cuda_graphs`` (``False`` refuses CUDA-graph captures of this Buffer's ops; it
+    costs nothing either way), ``bootstrap_timeout`` (seconds for the rendezvous),
     ``ll_masking`` (DeepEP's shrink mode: a rank whose wait expires in a low-latency op is
     masked instead of failing the op, and later low-latency ops skip it; see
     :meth:`low_latency_query_mask_buffer`).
@@ -254,11 +253,7 @@ class Buffer:
         self._views = {}
         self._ll_views = {}
         self._ll_keep = None
-        self._parity = None
-        if enable_cuda_graphs:
-            # Flipped on the comm stream after every dispatch: the device's dispatch parity.
-            self._parity = torch.zeros(1, dtype=torch.int64, device=self.device)
-            torch.cuda.synchronize(self.device)
+        self._graphs = enable_cuda_graphs
 
     # ------------------------------------------------------------------------------------------
     # Facts and DeepEP's helpers
@@ -478,56 +473,21 @@ class Buffer:
     # ------------------------------------------------------------------------------------------
     # Receive rows: views of the regions and copies out of them
 
-    def _region(self, name, parity, dtype, cols):
-        """A ``[capacity, cols]`` view of receive region `name` at `parity` (0/1), or of both
-        parities (``parity=None``: ``[2, capacity, cols]``)."""
-        key = (name, parity, dtype, cols)
-        v = self._views.get(key)
-        if v is None:
-            even, odd = self._session.region_pair(name)
-            item = torch.empty(0, dtype=dtype, device="cpu").element_size()
-            rows = self.capacity
-            if parity is None:
-                v = view(even, (2, rows, cols), dtype, self.device, self, strides=(odd - even, cols * item, item))
-            else:
-                v = view(odd if parity else even, (rows, cols), dtype, self.device, self)
-            self._views[key] = v
-        return v
-
-    def _recv(self, name, out, cols, parity, by_device, count_ptr):
-        """Fills `out` (``[rows, cols]``) from region `name`: rows of the parity the dispatch
-        wrote (`parity`), or picked on the device by the parity word (`by_device`). With
-        `count_ptr` (the device address of the received-row count, when the host does not know
-        it) only the rows that arrived are copied, by one kernel that reads the count (and the
-        parity word) on the device; rows past it are left as they are."""
+    def _recv(self, name, out, cols, native_handle):
+        """Fills `out` (``[rows, cols]``) from receive array `name` of the latest dispatch (its
+        handle: `native_handle`): one native kernel copies the rows the device counted, from
+        the region copy the device's dispatch count names; rows past the count are left as
+        they are."""
         rows = min(out.shape[0], self.capacity)
         if rows == 0:
             return
         dtype = torch.uint8 if out.dtype == _FP8 else out.dtype
         dst = out.view(dtype)[:rows]
-        if count_ptr is not None:
-            row_bytes = cols * dst.element_size()
-            parity_word = self._parity.data_ptr() if by_device else None
-            self._session.copy_received(
-                name, dst.data_ptr(), rows * row_bytes, row_bytes, count_ptr, parity_word, 1 if parity else 0
-            )
-            return
-        if by_device:
-            both = self._region(name, None, dtype, cols)[:, :rows]
-            torch.index_select(both, 0, self._parity, out=dst.unsqueeze(0))
-        else:
-            dst.copy_(self._region(name, parity, dtype, cols)[:rows])
-            if self._parity is not None:
-                # Made now, outside any capture, for the copies of captured dispatches.
-                self._region(name, None, dtype, cols)
-
-    def _flip_parity(self):
-        if self._parity is not None:
-            self._parity.bitwise_xor_(1)
+        self._session.copy_received(native_handle, name, dst.data_ptr(), rows * cols * dst.element_size())
 
     def _check_graph_state(self, op, mode_host_sync, zero_copy, what):
         if op.capturing:
-            if self._parity is None:
+            if not self._graphs:
                 fail("graph capture", f"this Buffer was created with enable_cuda_graphs=False: {what} cannot be captured")
             if mode_host_sync:
                 fail(
@@ -711,8 +671,7 @@ class Buffer:
             native_handle,
         )
         rows = out.num_recv if host_sync else num_worst_tokens
-        count_ptr = None if host_sync else self._count_ptr(out.handle)
-        recv = self._outputs(op, out, rows, scales is not None, d_idx is not None, d_w is not None, zero_copy, count_ptr)
+        recv = self._outputs(op, out, rows, scales is not None, d_idx is not None, d_w is not None, zero_copy)
         if not host_sync and not zero_copy:
             self._mask_padding(self._count(out.handle, handle_slot), recv[1], recv[2], rows)
         per_expert = aligned_counts(out.per_expert, expert_alignment) if host_sync else []
@@ -729,18 +688,14 @@ class Buffer:
         op.use(x, scales)
         op.begin()
         out = self._session.cached_dispatch(h._native, (dx.ptr, dx.numel), None if ds is None else (ds.ptr, ds.numel))
-        count_ptr = None if h.num_recv_tokens is not None else self._count_ptr(h._native)
-        recv = self._outputs(op, out, h.num_rows, scales is not None, False, False, zero_copy, count_ptr)
+        recv = self._outputs(op, out, h.num_rows, scales is not None, False, False, zero_copy)
         recv_x = recv[0] if scales is None else (recv[0], recv[3])
         return recv_x, None, None, None, None, op.finish()
 
-    def _outputs(self, op, out, rows, fp8, topk, weights, zero_copy, count_ptr):
+    def _outputs(self, op, out, rows, fp8, topk, weights, zero_copy):
         """``[recv_x, recv_topk_idx, recv_topk_weights, recv_scales]`` of a dispatch (None
-        where absent), as copies or (`zero_copy`) views. Flips the parity word first. With
-        `count_ptr` (the count is known only on the device) the copies move only the rows that
-        arrived."""
-        with torch.cuda.stream(self._comm):
-            self._flip_parity()
+        where absent), as copies or (`zero_copy`) views. The copies move the rows the device
+        counted."""
         if op.capturing:
             self._captured = True
         self._latest_zero_copy = zero_copy
@@ -761,7 +716,6 @@ class Buffer:
                 v = view(ptr, (min(rows, self.capacity), cols), raw_dtype, self.device, self)
                 views.append(v.view(dtype) if dtype != raw_dtype else v)
             return views
-        by_device = op.capturing or self._captured
         results = []
         with torch.cuda.stream(op.alloc_stream()):
             for spec in specs:
@@ -769,7 +723,7 @@ class Buffer:
         with torch.cuda.stream(self._comm):
             for spec, t in zip(specs, results):
                 if spec is not None:
-                    self._recv(spec[0], t, spec[1], out.parity, by_device, count_ptr)
+                    self._recv(spec[0], t, spec[1], out.handle)
         op.output(*results)
         return results
 

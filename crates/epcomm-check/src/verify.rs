@@ -4,8 +4,8 @@
 use std::fmt::Debug;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream};
-use epcomm::{DispatchInput, ExpertParallel, RecvMode, Tiering};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtrMut};
+use epcomm::{DispatchInput, ExpertParallel, RecvArray, RecvMode, Tiering};
 use epcomm_reference::{CombineOutput, RankInput, RankOutput, XData, bf16};
 use epcomm_topology::RailPrecision;
 
@@ -157,8 +157,19 @@ pub fn verified_round<E: ExpertParallel>(
         check_dispatched(&d, want, &order, rank, opts, true)?;
         d.into_handle()
     };
+    // The parity-following counted copy-out gives the same rows.
+    let copied = copy_received_x(buf, &handle, want.num_recv_tokens, opts.fp8)?;
     // A failure recorded by the dispatch kernel explains any mismatch below: report it first.
     buf.synchronize()?;
+    // One row more than arrived was offered: it stays zero.
+    let mut want_copy = recv_x_bytes(want, &order);
+    want_copy.resize(copied.1, 0);
+    first_diff(
+        "copy_received recv_x",
+        rank,
+        &copied.to_host(buf.stream())?,
+        &want_copy,
+    )?;
     let as_i32 = |v: &[u32]| v.iter().map(|&v| v as i32).collect::<Vec<i32>>();
     first_diff(
         "handle.num_recv_per_local_expert",
@@ -318,6 +329,53 @@ pub(crate) fn check_combined(
         first_diff(&format!("{what} weights"), rank, &bits(&got_w), &bits(w))?;
     }
     Ok(())
+}
+
+/// The device array the copy-out filled and its bytes, read after the stream is synchronized.
+struct Copied(CudaSlice<u8>, usize);
+
+impl Copied {
+    fn to_host(&self, stream: &Arc<CudaStream>) -> Result<Vec<u8>> {
+        Ok(stream.clone_dtoh(&self.0)?)
+    }
+}
+
+/// [`ExpertParallel::copy_received`] of the latest dispatch's rows into a fresh device array one
+/// row larger than `rows` (the copy must stop at the device's count).
+fn copy_received_x<E: ExpertParallel>(
+    buf: &mut E,
+    handle: &epcomm::Handle,
+    rows: usize,
+    fp8: bool,
+) -> Result<Copied> {
+    let hidden = buf.config().hidden;
+    let row_bytes = if fp8 { hidden } else { hidden * 2 };
+    let stream = buf.stream().clone();
+    let bytes = (rows + 1) * row_bytes;
+    let mut dst = stream.alloc_zeros::<u8>(bytes)?;
+    let ptr = {
+        let (p, _sync) = dst.device_ptr_mut(&stream);
+        p
+    };
+    // SAFETY: `dst` is `bytes` bytes of device memory on the buffer's stream, returned to the
+    // caller, which reads it only after synchronizing the stream.
+    unsafe { buf.copy_received(handle, RecvArray::X, ptr, bytes) }?;
+    Ok(Copied(dst, bytes))
+}
+
+/// The reference's received rows as bytes (bf16 little-endian or e4m3), in `order`.
+fn recv_x_bytes(want: &RankOutput, order: &[usize]) -> Vec<u8> {
+    let h = want.hidden;
+    match &want.recv_x {
+        XData::Bf16(x) => permute(x, h, order)
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect(),
+        XData::Fp8 { data, .. } => permute(data, h, order)
+            .iter()
+            .map(|v| v.to_bits())
+            .collect(),
+    }
 }
 
 /// A dispatch's rows against the reference's, in `order` (row `i` is the reference's row

@@ -59,5 +59,5 @@ pub use borrowed::{Borrowed, RawArray};
 pub use error::{Attr, BindError, ErrorInfo, Result};
 pub use fence::Fence;
 pub use options::{BufferOptions, low_latency_bytes, plan, seconds};
-pub use session::{DispatchOut, LlDispatchOut, LlOp, RecvRegion, RowCount, Rows, Session, XArrays};
+pub use session::{DispatchOut, LlDispatchOut, LlOp, Rows, Session, XArrays};
 pub use workload::{WorkloadBytes, deepep_workload, rank_seed};

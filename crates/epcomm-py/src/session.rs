@@ -3,11 +3,9 @@
 //!
 //! What it adds to the frontend is bookkeeping the Python side needs and cannot get from a
 //! `Dispatched` view that must not outlive the call: the rows a dispatch received (when the
-//! host knows them), and where the receive regions of **both** parities lie. The latter lets
-//! the Python side pick a region on the device (by a dispatch counter of its own), which a
-//! captured CUDA graph replayed at either parity needs. The region addresses come from the
-//! same [`BufferPlan`] the frontend allocates and are checked against every pointer a dispatch
-//! returns: a disagreement is an [`BindError::Internal`] error, never a wrong read.
+//! host knows them) and the addresses of its receive arrays. Copies out of the receive
+//! regions go through [`Session::copy_received`], which follows the device's own dispatch
+//! parity (also in CUDA-graph replays): the Python side tracks no parity.
 //!
 //! Memory contract: every op is stream-ordered on the buffer's stream ([`Session::stream_handle`]);
 //! caller arrays are [`Borrowed`] for the duration of that work (see [`Borrowed::new`]).
@@ -26,11 +24,11 @@ use std::time::Duration;
 use cudarc::driver::{CudaContext, CudaStream};
 use epcomm::{
     Buffer, DispatchInput, Dispatched, Handle, Layout, LlDispatchInput, LlFormat, LlPending,
-    LlRecv, LlScalesLayout, OpStats, RecvMode, XInput,
+    LlRecv, LlScalesLayout, OpStats, RecvArray, RecvMode, XInput,
 };
 use epcomm_backends::TransportSpec;
 use epcomm_bootstrap::{Bootstrap, BootstrapConfig};
-use epcomm_topology::{BufferPlan, Parity, RegionKind};
+use epcomm_topology::BufferPlan;
 
 use crate::borrowed::{Borrowed, RawArray};
 use crate::error::{BindError, Result};
@@ -49,19 +47,6 @@ pub enum Rows {
     Into(Handle),
 }
 
-/// Where a dispatch's receive count lies on the device and which parity copy of the receive
-/// region holds its rows.
-#[derive(Clone, Copy, Debug)]
-pub struct RowCount {
-    /// Address of the device `i32` holding how many rows arrived.
-    pub count: u64,
-    /// Address of the device `i64` whose parity picks the region copy (a CUDA graph replayed at
-    /// either parity); `None`: `parity` is known on the host.
-    pub parity_word: Option<u64>,
-    /// The region copy (0 or 1) when `parity_word` is `None`.
-    pub parity: u8,
-}
-
 /// Token rows of a dispatch: BF16 values, or e4m3 bytes with one f32 scale per 128 values.
 #[derive(Clone, Copy, Debug)]
 pub struct XArrays {
@@ -69,30 +54,6 @@ pub struct XArrays {
     pub x: RawArray,
     /// `[T][hidden / 128]` f32 scales: FP8 rows.
     pub scales: Option<RawArray>,
-}
-
-/// A receive region of the dispatch (per parity).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum RecvRegion {
-    /// Rows: `[rows][hidden]` bf16, or e4m3 bytes (dense) for an FP8 dispatch.
-    X,
-    /// `[rows][hidden / 128]` f32 scales (FP8).
-    Scales,
-    /// `[rows][top_k]` i64 local expert ids (-1 elsewhere).
-    TopkIdx,
-    /// `[rows][top_k]` f32 weights (0 elsewhere).
-    TopkWeights,
-}
-
-impl RecvRegion {
-    fn kind(self) -> RegionKind {
-        match self {
-            Self::X => RegionKind::DispatchX,
-            Self::Scales => RegionKind::DispatchScales,
-            Self::TopkIdx => RegionKind::DispatchTopkIdx,
-            Self::TopkWeights => RegionKind::DispatchTopkWeights,
-        }
-    }
 }
 
 /// What a dispatch left: its routing, the count when the host knows it, and the addresses of
@@ -105,8 +66,6 @@ pub struct DispatchOut {
     pub num_recv: Option<usize>,
     /// Rows per local expert (HostSync only).
     pub per_expert: Option<Vec<usize>>,
-    /// 0 or 1: the receive-region parity this dispatch wrote.
-    pub parity: usize,
     /// Received rows.
     pub recv_x: u64,
     /// Received scales (FP8).
@@ -199,8 +158,6 @@ pub struct Session {
     /// Dispatches (cached or not) launched so far: the frontend's and the device's count, so
     /// its parity names the region the latest dispatch wrote.
     dispatches: u64,
-    /// Base address of this rank's symmetric buffer, learned from the first dispatch.
-    base: Option<u64>,
     /// Low-latency receive sets (None: the options asked for no low-latency memory).
     ll: Option<LlState>,
     /// The stream order against a caller's stream ([`Self::ordered`]).
@@ -272,7 +229,6 @@ impl Session {
             device,
             stream,
             dispatches: 0,
-            base: None,
             ll,
             fence,
         })
@@ -490,32 +446,13 @@ impl Session {
         self.launched(seen)
     }
 
-    /// Counts a launched dispatch and checks its addresses against the plan.
+    /// Counts a launched dispatch.
     fn launched(&mut self, seen: Seen) -> Result<DispatchOut> {
         self.dispatches += 1;
-        let parity = Parity::of_epoch(self.dispatches);
-        let base = seen.recv_x - self.plan.region(RegionKind::DispatchX, parity).offset;
-        let expected = *self.base.get_or_insert(base);
-        let checks = [
-            (RecvRegion::X, Some(seen.recv_x)),
-            (RecvRegion::Scales, seen.recv_scales),
-            (RecvRegion::TopkIdx, seen.recv_topk_idx),
-            (RecvRegion::TopkWeights, seen.recv_topk_weights),
-        ];
-        for (region, ptr) in checks {
-            let want = expected + self.plan.region(region.kind(), parity).offset;
-            if let Some(ptr) = ptr.filter(|&p| p != want) {
-                return Err(BindError::Internal(format!(
-                    "dispatch #{} returned {region:?} rows at {ptr:#x}, the plan says {want:#x}",
-                    self.dispatches
-                )));
-            }
-        }
         Ok(DispatchOut {
             handle: seen.handle,
             num_recv: seen.num_recv,
             per_expert: seen.per_expert,
-            parity: parity.index(),
             recv_x: seen.recv_x,
             recv_scales: seen.recv_scales,
             recv_topk_idx: seen.recv_topk_idx,
@@ -523,50 +460,23 @@ impl Session {
         })
     }
 
-    /// `(even, odd)` addresses of `region`, known once a dispatch ran.
-    pub fn region_pair(&self, region: RecvRegion) -> Result<(u64, u64)> {
-        let base = self.base.ok_or_else(|| BindError::InvalidArgument {
-            argument: "region",
-            rule: "the receive regions are known once a dispatch has run".into(),
-        })?;
-        let at = |p| base + self.plan.region(region.kind(), p).offset;
-        Ok((at(Parity::Even), at(Parity::Odd)))
-    }
-
-    /// Copies the rows a dispatch received from `region` into `dst` (`dst_bytes` bytes), as many
-    /// as the device `i32` at `at.count` says ([`Buffer::copy_counted_rows`]), from the parity
-    /// copy [`RowCount`] names.
+    /// Copies `array` of the rows the latest dispatch received (its handle: `handle`) into
+    /// `dst` (`dst_bytes` bytes), as many rows as the device counted, from the region copy the
+    /// device's own dispatch count names ([`Buffer::copy_received`]): right at either parity,
+    /// also replayed from a CUDA graph; the Python side tracks no parity.
     ///
     /// # Safety
-    /// `at.count` and `at.parity_word` must address live device words of those types, `dst`
-    /// live device memory of `dst_bytes` bytes, all until the copy ran on the buffer's stream.
+    /// `dst` must be live device memory of `dst_bytes` bytes until the copy ran on the buffer's
+    /// stream.
     pub unsafe fn copy_received(
         &mut self,
-        region: RecvRegion,
+        handle: &Handle,
+        array: RecvArray,
         dst: u64,
         dst_bytes: usize,
-        row_bytes: usize,
-        at: RowCount,
     ) -> Result<()> {
-        let RowCount {
-            count,
-            parity_word,
-            parity,
-        } = at;
-        let (even, odd) = self.region_pair(region)?;
-        let region = match (parity_word, parity) {
-            (Some(_), _) => [even, odd],
-            (None, 0) => [even, even],
-            (None, _) => [odd, odd],
-        };
-        let src = epcomm::CountedRows {
-            region,
-            parity_word,
-            count,
-            row_bytes,
-        };
         // SAFETY: the caller's contract.
-        Ok(unsafe { self.buf()?.copy_counted_rows(src, dst, dst_bytes) }?)
+        Ok(unsafe { self.buf()?.copy_received(handle, array, dst, dst_bytes) }?)
     }
 
     /// Sums every rank's rows of `y` back to this rank's tokens: [`Buffer::combine`], or with

@@ -53,7 +53,7 @@ mod validate;
 pub use graph::EpGraph;
 pub use ops::{
     CountedRows, DispatchInput, LlDispatchInput, LlFormat, LlPending, LlRecv, LlScalesLayout,
-    XInput,
+    RecvArray, XInput,
 };
 
 use ops::LatestDispatch;

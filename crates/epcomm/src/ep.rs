@@ -17,7 +17,7 @@ use half::bf16;
 
 use crate::{
     Buffer, BufferConfig, DispatchInput, Dispatched, EpGraph, Handle, HierStats, Layout, OpStats,
-    RecvMode, Result, XInput,
+    RecvArray, RecvMode, Result, XInput,
 };
 
 /// How a buffer spans the world: one tier, or a rail tier between nodes and a node tier inside
@@ -121,6 +121,18 @@ pub trait ExpertParallel {
         out: &mut dyn DevicePtrMut<bf16>,
         out_weights: Option<&mut dyn DevicePtrMut<f32>>,
     ) -> Result<()>;
+    /// [`Buffer::copy_received`]: the latest dispatch's received `array` into `dst`, as many
+    /// rows as the device counted, from the region copy the device's dispatch count names.
+    ///
+    /// # Safety
+    /// As [`Buffer::copy_received`].
+    unsafe fn copy_received(
+        &mut self,
+        handle: &Handle,
+        array: RecvArray,
+        dst: u64,
+        dst_bytes: usize,
+    ) -> Result<()>;
     /// [`Buffer::capture`].
     fn capture<F>(&mut self, ops: F) -> Result<EpGraph>
     where
@@ -193,6 +205,16 @@ macro_rules! forward_ops {
             out_weights: Option<&mut dyn DevicePtrMut<f32>>,
         ) -> Result<()> {
             Self::combine_consuming(self, y, y_weights, handle, out, out_weights)
+        }
+        unsafe fn copy_received(
+            &mut self,
+            handle: &Handle,
+            array: RecvArray,
+            dst: u64,
+            dst_bytes: usize,
+        ) -> Result<()> {
+            // SAFETY: the trait method's contract is the inherent one's.
+            unsafe { Self::copy_received(self, handle, array, dst, dst_bytes) }
         }
         fn capture<F>(&mut self, ops: F) -> Result<EpGraph>
         where

@@ -99,7 +99,7 @@ mod view;
 
 pub use buffer::{
     Buffer, CountedRows, DispatchInput, EpGraph, LlDispatchInput, LlFormat, LlPending, LlRecv,
-    LlScalesLayout, XInput,
+    LlScalesLayout, RecvArray, XInput,
 };
 pub use config::{BufferConfig, CombineStaging, RecvMode};
 pub use ep::{ExpertParallel, TierStats, Tiering};

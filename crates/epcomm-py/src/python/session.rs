@@ -12,7 +12,7 @@
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use epcomm::{Handle, Layout, LlFormat, LlScalesLayout, OpStats};
+use epcomm::{Handle, Layout, LlFormat, LlScalesLayout, OpStats, RecvArray};
 use epcomm_bootstrap::BootstrapConfig;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -21,7 +21,7 @@ use super::convert::{detached, to_pyerr};
 use crate::borrowed::RawArray;
 use crate::error::BindError;
 use crate::options::{BufferOptions, seconds};
-use crate::session::{DispatchOut, LlDispatchOut, RecvRegion, RowCount, Rows, Session, XArrays};
+use crate::session::{DispatchOut, LlDispatchOut, Rows, Session, XArrays};
 
 /// An array argument: `(address, element count)`.
 type Arr = (u64, usize);
@@ -138,12 +138,12 @@ fn rows(mode: &str, bound: usize, handle: Option<&PyHandle>) -> Result<Rows, Bin
     }
 }
 
-fn region(name: &str) -> Result<RecvRegion, BindError> {
+fn region(name: &str) -> Result<RecvArray, BindError> {
     match name {
-        "x" => Ok(RecvRegion::X),
-        "scales" => Ok(RecvRegion::Scales),
-        "topk_idx" => Ok(RecvRegion::TopkIdx),
-        "topk_weights" => Ok(RecvRegion::TopkWeights),
+        "x" => Ok(RecvArray::X),
+        "scales" => Ok(RecvArray::Scales),
+        "topk_idx" => Ok(RecvArray::TopkIdx),
+        "topk_weights" => Ok(RecvArray::TopkWeights),
         other => Err(BindError::InvalidArgument {
             argument: "region",
             rule: format!("must be x, scales, topk_idx or topk_weights (got {other:?})"),
@@ -423,46 +423,24 @@ impl PySession {
         detached(py, || unsafe { self.lock().combine_in_place(&h, o, ow) })
     }
 
-    /// `(even, odd)` addresses of a receive region: `x`, `scales`, `topk_idx`, `topk_weights`.
-    fn region_pair(&self, py: Python<'_>, name: &str) -> PyResult<(u64, u64)> {
-        region(name)
-            .and_then(|r| self.lock().region_pair(r))
-            .map_err(|e| to_pyerr(py, e))
-    }
-
-    /// Copies the rows a dispatch received from receive region `name` into `dst` (device
-    /// address, `dst_bytes` bytes, rows of `row_bytes`), as many as the device `i32` at `count`
-    /// says: from the parity copy the device `i64` at `parity_word` picks, or else from the copy
-    /// of `parity`. Stream-ordered on the buffer's stream.
-    #[pyo3(signature = (name, dst, dst_bytes, row_bytes, count, parity_word, parity))]
-    #[allow(clippy::too_many_arguments)]
+    /// Copies receive array `name` (`x`, `scales`, `topk_idx`, `topk_weights`) of the latest
+    /// dispatch (its handle: `handle`) into `dst` (device address, `dst_bytes` bytes), as many
+    /// rows as the device counted, from the region copy the device's dispatch count names.
+    /// Stream-ordered on the buffer's stream.
     fn copy_received(
         &self,
         py: Python<'_>,
+        handle: &PyHandle,
         name: &str,
         dst: u64,
         dst_bytes: usize,
-        row_bytes: usize,
-        count: u64,
-        parity_word: Option<u64>,
-        parity: u8,
     ) -> PyResult<()> {
         let r = region(name).map_err(|e| to_pyerr(py, e))?;
+        let h = handle.inner.clone();
         // SAFETY: the module's contract (see the module docs): the Python layer passes the
-        // addresses of live tensors (the output, the handle's recv_prefix, the parity word) that
-        // it keeps alive on the buffer's stream.
+        // address of a live output tensor that it keeps alive on the buffer's stream.
         detached(py, || unsafe {
-            self.lock().copy_received(
-                r,
-                dst,
-                dst_bytes,
-                row_bytes,
-                RowCount {
-                    count,
-                    parity_word,
-                    parity,
-                },
-            )
+            self.lock().copy_received(&h, r, dst, dst_bytes)
         })
     }
 
@@ -699,12 +677,6 @@ impl PyDispatch {
     #[getter]
     fn per_expert(&self) -> Option<Vec<usize>> {
         self.out.per_expert.clone()
-    }
-
-    /// The receive-region parity this dispatch wrote (0 or 1).
-    #[getter]
-    fn parity(&self) -> usize {
-        self.out.parity
     }
 
     /// Address of the received rows.

@@ -25,7 +25,7 @@ mod masking;
 mod normal;
 mod staging;
 
-pub use copy_out::CountedRows;
+pub use copy_out::{CountedRows, RecvArray};
 pub(super) use low_latency::LowLatencyState;
 pub use low_latency::{LlDispatchInput, LlFormat, LlPending, LlRecv, LlScalesLayout};
 pub(super) use normal::LatestDispatch;

@@ -88,7 +88,9 @@ use crate::stats::OpStats;
 
 use crate::buffer::graph as capture;
 use crate::view::{DeviceArray, DeviceView};
-use crate::{Buffer, BufferConfig, EpGraph, Error, ExpertParallel, RecvMode, Result, Tiering};
+use crate::{
+    Buffer, BufferConfig, EpGraph, Error, ExpertParallel, RecvArray, RecvMode, Result, Tiering,
+};
 
 /// Per-tier wait attribution of one hierarchical op ([`HierarchicalBuffer::last_op_stats`]).
 #[derive(Clone, Debug)]
@@ -486,6 +488,19 @@ impl ExpertParallel for HierarchicalBuffer {
     fn synchronize(&mut self) -> Result<()> {
         self.rail.synchronize()?;
         self.node.synchronize()
+    }
+
+    /// The node tier's copy: it received this rank's rows.
+    unsafe fn copy_received(
+        &mut self,
+        handle: &Handle,
+        array: RecvArray,
+        dst: u64,
+        dst_bytes: usize,
+    ) -> Result<()> {
+        let (_, node) = tiers_of(handle)?;
+        // SAFETY: the caller's contract (the trait's).
+        unsafe { self.node.copy_received(&node, array, dst, dst_bytes) }
     }
 
     fn capture<F>(&mut self, ops: F) -> Result<EpGraph>

@@ -12,9 +12,38 @@
 //! queued after it sees `dst` written. It reads `min(count, max_rows)` rows of the region and
 //! writes as many rows of `dst`; rows of `dst` past the count are left as they were.
 
+use std::mem::offset_of;
+
+use epcomm_kernels::abi;
+use epcomm_topology::{Parity, RegionKind, RowDtype, RowFormat};
+
 use crate::buffer::Buffer;
 use crate::buffer::pointers::check_device_ptr;
-use crate::{Error, Result};
+use crate::{Error, Handle, Result};
+
+/// One array of the rows a dispatch received ([`Buffer::copy_received`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RecvArray {
+    /// `[rows][hidden]` bf16 values, or e4m3 bytes (dense) after an FP8 dispatch.
+    X,
+    /// `[rows][hidden / 128]` f32 scales (after an FP8 dispatch).
+    Scales,
+    /// `[rows][top_k]` i64 local expert ids (after a non-cached dispatch with top-k ids).
+    TopkIdx,
+    /// `[rows][top_k]` f32 weights (after a non-cached dispatch with weights).
+    TopkWeights,
+}
+
+impl RecvArray {
+    fn region(self) -> RegionKind {
+        match self {
+            Self::X => RegionKind::DispatchX,
+            Self::Scales => RegionKind::DispatchScales,
+            Self::TopkIdx => RegionKind::DispatchTopkIdx,
+            Self::TopkWeights => RegionKind::DispatchTopkWeights,
+        }
+    }
+}
 
 /// Where a counted copy reads: the two parity copies of one receive region of this buffer, the
 /// device word that picks one, and the device count of rows to copy.
@@ -97,6 +126,80 @@ impl Buffer {
         }?;
         // It reads this rank's symmetric memory: teardown waits for it (`Buffer::wait_launched`).
         self.mark_launch();
+        Ok(())
+    }
+
+    /// Copies `array` of the rows the **latest** dispatch (cached or not) received into `dst`
+    /// (`dst_bytes` bytes: at most `dst_bytes / row bytes` rows), as many rows as the device
+    /// counted for `handle` (that dispatch's handle), from the receive-region copy the device's
+    /// own dispatch count names. No host wait, and right at either parity, also when the
+    /// dispatch and the copy are replayed from a CUDA graph: the caller tracks no parity.
+    /// Stream-ordered: issue it after the dispatch and before the next one. Rows of `dst` past
+    /// the count are left as they were.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming `handle` (another buffer's, or not the latest
+    /// dispatch's) or `array` (what the latest dispatch did not carry: scales of a BF16
+    /// dispatch), or `dst` (not device memory of this GPU, or misaligned); launch errors.
+    ///
+    /// # Safety
+    /// `dst` must be `dst_bytes` bytes of device memory the caller owns until the copy has run
+    /// on the buffer's stream.
+    pub unsafe fn copy_received(
+        &mut self,
+        handle: &Handle,
+        array: RecvArray,
+        dst: u64,
+        dst_bytes: usize,
+    ) -> Result<()> {
+        let h = self.own_handle(handle)?;
+        let latest = match &self.latest_dispatch {
+            Some(l) if std::ptr::eq(l.handle.as_ptr(), h) => l,
+            _ => {
+                return Err(Error::InvalidArgument {
+                    argument: "handle",
+                    rule: "copy_received copies the rows of this buffer's latest dispatch: pass \
+                           that dispatch's handle, before the next dispatch"
+                        .into(),
+                });
+            }
+        };
+        let (hidden, top_k) = (self.cfg.hidden, self.cfg.top_k);
+        let row_bytes = match (array, latest.dtype) {
+            (RecvArray::X, dtype) => {
+                let row = RowFormat::new(hidden, dtype).map_err(|e| Error::InvalidArgument {
+                    argument: "array",
+                    rule: e.to_string(),
+                })?;
+                row.x_bytes()
+            }
+            (RecvArray::Scales, RowDtype::Fp8) => hidden / RowFormat::FP8_BLOCK * 4,
+            (RecvArray::Scales, RowDtype::Bf16) => {
+                return Err(Error::InvalidArgument {
+                    argument: "array",
+                    rule: "the latest dispatch sent BF16 rows, which have no scales".into(),
+                });
+            }
+            (RecvArray::TopkIdx, _) => top_k * 8,
+            (RecvArray::TopkWeights, _) => top_k * 4,
+        };
+        let base = self.memory.mem.local_base();
+        let at = |p| base + self.place.plan.region(array.region(), p).offset;
+        let src = CountedRows {
+            region: [at(Parity::Even), at(Parity::Odd)],
+            // A dispatch advances the device's dispatch count to its epoch, whose parity names
+            // the region copy it wrote (`Parity::of_epoch`): the copy follows it.
+            parity_word: Some(
+                self.memory.seq_state.ptr() + offset_of!(abi::SeqState, dispatch) as u64,
+            ),
+            count: handle.recv_prefix_ptr() + 4 * self.place.world as u64,
+            row_bytes,
+        };
+        // SAFETY: the parity word is this buffer's SeqState and the count the handle's receive
+        // prefix, both live while the buffer and the handle are (the handle is kept by
+        // `keep_alive` when the copy is recorded into a graph); `dst` per the caller's contract.
+        unsafe { self.copy_counted_rows(src, dst, dst_bytes) }?;
+        self.keep_alive(handle.inner.clone());
         Ok(())
     }
 }
