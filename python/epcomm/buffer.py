@@ -136,7 +136,13 @@ class Buffer:
     costs nothing either way), ``bootstrap_timeout`` (seconds for the rendezvous),
     ``ll_masking`` (DeepEP's shrink mode: a rank whose wait expires in a low-latency op is
     masked instead of failing the op, and later low-latency ops skip it; see
-    :meth:`low_latency_query_mask_buffer`).
+    :meth:`low_latency_query_mask_buffer`), ``two_tier`` (``True``: the same API over two
+    tiers, a rail between the transport's nodes then NVLink inside each, for a group spanning
+    hosts or a transport split into logical nodes such as ``"proxy-ce:vnodes=2"``; dispatch
+    routes by ``topk_idx`` only, received rows come grouped by forwarding rank then source
+    node, and combine reduces each node's rows first; the low-latency ops, routing by
+    ``is_token_in_rank``, :meth:`get_dispatch_layout`, :meth:`combine_in_place` and
+    :meth:`route_plan` are refused with ``InvalidArgumentError`` naming ``two_tier``).
 
     Runs on the current CUDA device (``torch.cuda.current_device()``), on PyTorch's primary
     CUDA context. Creating, destroying and every op are collective: all ranks call them in the
@@ -167,6 +173,7 @@ class Buffer:
         explicitly_destroy=False,
         num_max_dispatch_tokens_per_rank=0,
         ll_masking=False,
+        two_tier=False,
     ):
         check_int("num_nvl_bytes", num_nvl_bytes)
         check_int("num_rdma_bytes", num_rdma_bytes)
@@ -176,6 +183,7 @@ class Buffer:
         check_bool("enable_cuda_graphs", enable_cuda_graphs)
         check_bool("explicitly_destroy", explicitly_destroy)
         check_bool("ll_masking", ll_masking)
+        check_bool("two_tier", two_tier)
         num_sms = Buffer.num_sms if num_sms is None else num_sms
         if not torch.cuda.is_available():
             fail("device", "a Buffer needs a CUDA GPU, and torch.cuda.is_available() is False")
@@ -195,6 +203,7 @@ class Buffer:
             rank=rank,
             local_world_size=local_world,
             num_max_dispatch_tokens_per_rank=ll,
+            two_tier=two_tier,
         )
         ll_bytes = facts["low_latency_bytes"]
         if num_rdma_bytes and ll_bytes > num_rdma_bytes:
@@ -205,7 +214,7 @@ class Buffer:
                 "epcomm size it",
             )
         normal_bytes = facts["symmetric_bytes"] - ll_bytes
-        if num_nvl_bytes and normal_bytes > num_nvl_bytes:
+        if num_nvl_bytes and normal_bytes > num_nvl_bytes and not two_tier:
             fail(
                 "num_nvl_bytes",
                 f"this shape needs {normal_bytes} bytes per rank (max_tokens_per_rank="
@@ -231,7 +240,9 @@ class Buffer:
             bootstrap,
             ll,
             ll_masking,
+            two_tier,
         )
+        self.two_tier = two_tier
         self.rank = self._session.rank
         self.group_size = self._session.world_size
         self.hidden = hidden
@@ -520,6 +531,12 @@ class Buffer:
         [num_experts] int32, is_token_in_rank [num_tokens, num_ranks] bool, event)``."""
         if num_experts != self.num_experts:
             fail("num_experts", f"must be this Buffer's num_experts = {self.num_experts} (got {num_experts!r})")
+        if self.two_tier:
+            fail(
+                "two_tier",
+                "get_dispatch_layout reports the flat routing; a two-tier Buffer computes its tiers' layouts "
+                "inside dispatch: call dispatch with topk_idx",
+            )
         d_idx = self._tensor("topk_idx", topk_idx, ("int64",), (None, self.num_topk), ("num_tokens", "num_topk"))
         op = StreamOp(self._comm, previous_event, async_finish, allocate_on_comm_stream)
         op.use(topk_idx)
@@ -729,7 +746,7 @@ class Buffer:
 
     def _count_ptr(self, native_handle):
         """The device address of the int32 count of rows `native_handle`'s dispatch received."""
-        return native_handle.recv_prefix_ptr + 4 * self.group_size
+        return native_handle.recv_count_ptr
 
     def _count(self, native_handle, slot):
         """A one-element int32 view of the rows `native_handle`'s dispatch received (on the

@@ -72,6 +72,7 @@ def check_options(
     rank=0,
     local_world_size=None,
     num_max_dispatch_tokens_per_rank=0,
+    two_tier=False,
 ):
     """Checks a Buffer's arguments for ``world_size`` ranks without a GPU and returns ``{"symmetric_bytes", "capacity",
     "transport", "low_latency_bytes"}``: the symmetric memory each rank allocates, the most
@@ -88,7 +89,13 @@ def check_options(
     shared memory: at most 992 ``num_max_dispatch_tokens_per_rank`` for 256 experts on up to
     8 ranks). What it accepts, Buffer accepts on a GPU with enough SMs and memory. Raises
     :class:`InvalidArgumentError` naming the first broken rule's argument; its message lists
-    every broken rule."""
+    every broken rule. ``two_tier=True`` adds the two-tier rules (ranks on several nodes of the
+    transport, no low-latency memory); ``symmetric_bytes`` and ``capacity`` are then the flat
+    plan's (a two-tier Buffer reports its own once created)."""
+    if not isinstance(two_tier, bool):
+        raise InvalidArgumentError(
+            f"invalid two_tier: must be a bool (got {two_tier!r})", argument="two_tier", rule="must be a bool"
+        )
     for name, value in (
         ("world_size", world_size),
         ("max_tokens_per_rank", max_tokens_per_rank),
@@ -144,6 +151,7 @@ def check_options(
         rank,
         local,
         num_max_dispatch_tokens_per_rank,
+        two_tier=bool(two_tier),
     )
 
 

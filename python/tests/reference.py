@@ -145,3 +145,43 @@ def combine(received, ys, y_weights, s, num_tokens, hidden, top_k):
         if wacc is not None:
             wacc[tokens] += y_weights[r][mine]
     return acc.to(torch.bfloat16), wacc
+
+
+# ----------------------------------------------------------------------------------------------
+# Two tiers (a Buffer with two_tier=True): the world is `nodes` x `local` ranks, rank
+# `m * local + l`.
+
+
+def two_stage_order(rec, local):
+    """Row `i` of a two-tier dispatch's output is row ``order[i]`` of the flat one: rows
+    grouped by the forwarding local rank ``l`` (the source's local rank), then by source node,
+    each source's rows in token order."""
+    key = (rec.src_rank % local) * 1_000_000 + rec.src_rank // local
+    return torch.sort(key, stable=True).indices
+
+
+def two_tier_combine(received, ys, y_weights, s, num_tokens, hidden, top_k, local):
+    """Rank `s`'s combined tokens in two stages: each node sums its ranks' rows (fp32, local
+    rank order) into one partial rounded to bf16; the source sums the partials of every node
+    (fp32, node order) and rounds once. Weights: the same order, in fp32, never rounded.
+    ``ys[r]`` are rank r's rows in the flat order."""
+    world = len(received)
+    nodes = world // local
+    acc = torch.zeros((num_tokens, hidden), dtype=torch.float32)
+    wacc = torch.zeros((num_tokens, top_k), dtype=torch.float32) if y_weights is not None else None
+    for m in range(nodes):
+        part = torch.zeros((num_tokens, hidden), dtype=torch.float32)
+        wpart = torch.zeros((num_tokens, top_k), dtype=torch.float32) if wacc is not None else None
+        touched = torch.zeros(num_tokens, dtype=torch.bool)
+        for r in range(m * local, (m + 1) * local):
+            rec = received[r]
+            mine = rec.src_rank == s
+            tokens = rec.src_token[mine]
+            part[tokens] += ys[r][mine].float()
+            touched[tokens] = True
+            if wpart is not None:
+                wpart[tokens] += y_weights[r][mine]
+        acc[touched] += part[touched].to(torch.bfloat16).float()
+        if wacc is not None:
+            wacc[touched] += wpart[touched]
+    return acc.to(torch.bfloat16), wacc

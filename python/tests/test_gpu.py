@@ -67,3 +67,15 @@ def test_low_latency_refusals():
     """Bad low-latency arguments and DeepEP options epcomm lacks raise InvalidArgumentError
     naming them."""
     h.launch("low_latency_refusals", h.world())
+
+
+def test_two_tier():
+    """The same Buffer with two_tier=True: dispatch, cached dispatch, combine and a captured
+    graph bit-exact against the two-stage reference; flat-only calls refused. Transport:
+    ``EPCOMM_TEST_TWO_TIER_TRANSPORT`` (default ``proxy-ce:vnodes=2``); 4 ranks give 2 x 2."""
+    import os
+
+    n = h.world()
+    transport = os.environ.get("EPCOMM_TEST_TWO_TIER_TRANSPORT", "proxy-ce:vnodes=2")
+    _nvshmem_ok(transport)
+    h.launch("two_tier", n, transport, "epoch")

@@ -37,6 +37,7 @@
 //!     timeout_s: 100.0,
 //!     ll_max_tokens_per_rank: 0,
 //!     ll_masking: false,
+//!     two_tier: false,
 //! };
 //! // Two ranks on one host, seen from rank 0.
 //! let (cfg, spec, plan) = options.resolve(2, 0, 2)?;

@@ -38,6 +38,9 @@ pub struct BufferOptions {
     pub ll_max_tokens_per_rank: usize,
     /// Rank masking for the low-latency ops (the frontend's `ll_masking`).
     pub ll_masking: bool,
+    /// Two tiers (`epcomm::HierarchicalBuffer`: rail between the transport's nodes, then
+    /// NVLink inside each) instead of one flat all-to-all.
+    pub two_tier: bool,
 }
 
 /// Checks a duration given in seconds: finite and > 0.
@@ -87,7 +90,27 @@ impl BufferOptions {
         let cfg = self.config()?;
         let spec = self.spec()?;
         spec.capabilities().check_schedule(cfg.schedule)?;
-        spec.world_layout(world_size, rank, local_world_size)?;
+        let layout = spec.world_layout(world_size, rank, local_world_size)?;
+        if self.two_tier {
+            if cfg.ll_max_tokens_per_rank > 0 {
+                return Err(BindError::InvalidArgument {
+                    argument: "num_max_dispatch_tokens_per_rank",
+                    rule: "must be 0 with two_tier=True: the low-latency ops run on a flat Buffer"
+                        .into(),
+                });
+            }
+            let nodes = epcomm_topology::Tiers::from(&layout).nodes();
+            if nodes < 2 {
+                return Err(BindError::InvalidArgument {
+                    argument: "two_tier",
+                    rule: format!(
+                        "needs ranks on several nodes, and transport {spec} puts all \
+                         {world_size} ranks in one: run on several hosts, or split this one \
+                         with a spec such as proxy-ce:vnodes=2"
+                    ),
+                });
+            }
+        }
         let plan = plan(&cfg, world_size)?;
         Ok((cfg, spec, plan))
     }
@@ -144,6 +167,7 @@ mod tests {
             timeout_s: 100.0,
             ll_max_tokens_per_rank: 0,
             ll_masking: false,
+            two_tier: false,
         }
     }
 
@@ -166,6 +190,29 @@ mod tests {
         let (cfg, spec, _) = global.resolve(2, 1, 2).unwrap();
         assert_eq!(cfg.schedule, Schedule::Global);
         assert_eq!(spec.to_string(), "nvshmem:vnodes=max");
+    }
+
+    #[test]
+    fn two_tier_needs_several_nodes_and_no_low_latency_memory() {
+        let two = |transport: &str, ll: usize| BufferOptions {
+            transport: transport.into(),
+            ll_max_tokens_per_rank: ll,
+            two_tier: true,
+            ..opts()
+        };
+        assert!(two("nvshmem:vnodes=2", 0).resolve(4, 0, 4).is_ok());
+        let arg = |r: Result<(BufferConfig, TransportSpec, BufferPlan)>| match r {
+            Err(BindError::InvalidArgument { argument, rule }) => (argument, rule),
+            other => panic!("{other:?}"),
+        };
+        // One host, no logical nodes: one node.
+        let (argument, rule) = arg(two("ipc", 0).resolve(4, 0, 4));
+        assert_eq!(argument, "two_tier");
+        assert!(rule.contains("vnodes=2"), "{rule}");
+        // The same world over two hosts has two nodes.
+        assert!(two("nvshmem", 0).resolve(4, 0, 2).is_ok());
+        let (argument, _) = arg(two("nvshmem:vnodes=2", 128).resolve(4, 0, 4));
+        assert_eq!(argument, "num_max_dispatch_tokens_per_rank");
     }
 
     #[test]

@@ -23,8 +23,9 @@ use std::time::Duration;
 
 use cudarc::driver::{CudaContext, CudaStream};
 use epcomm::{
-    Buffer, DispatchInput, Dispatched, Handle, Layout, LlDispatchInput, LlFormat, LlPending,
-    LlRecv, LlScalesLayout, OpStats, RecvArray, RecvMode, XInput,
+    Buffer, DispatchInput, Dispatched, ExpertParallel, Handle, HierarchicalBuffer, Layout,
+    LlDispatchInput, LlFormat, LlPending, LlRecv, LlScalesLayout, OpStats, RecvArray, RecvMode,
+    TierStats, XInput,
 };
 use epcomm_backends::TransportSpec;
 use epcomm_bootstrap::{Bootstrap, BootstrapConfig};
@@ -150,7 +151,7 @@ struct LlState {
 #[derive(Debug)]
 pub struct Session {
     /// `None` once destroyed.
-    buf: Option<Buffer>,
+    buf: Option<Ep>,
     spec: TransportSpec,
     plan: BufferPlan,
     device: usize,
@@ -200,6 +201,22 @@ impl Session {
         unsafe { ctx.disable_event_tracking() };
         let boot = Arc::new(Bootstrap::connect(boot_cfg)?);
         let transport = spec.build(ctx.clone(), boot)?;
+        if options.two_tier {
+            let buf = HierarchicalBuffer::new(ctx, transport, cfg)?;
+            let stream = ExpertParallel::stream(&buf).clone();
+            keep_for_the_process(&stream);
+            let fence = Fence::new(&stream)?;
+            return Ok(Self {
+                buf: Some(Ep::TwoTier(Box::new(buf))),
+                spec,
+                plan,
+                device,
+                stream,
+                dispatches: 0,
+                ll: None,
+                fence,
+            });
+        }
         let mut buf = Buffer::new(ctx, transport, cfg)?;
         if buf.symmetric_bytes() as u64 != plan.total_bytes() {
             return Err(BindError::Internal(format!(
@@ -223,7 +240,7 @@ impl Session {
         keep_for_the_process(&stream);
         let fence = Fence::new(&stream)?;
         Ok(Self {
-            buf: Some(buf),
+            buf: Some(Ep::Flat(Box::new(buf))),
             spec,
             plan,
             device,
@@ -269,12 +286,17 @@ impl Session {
         unsafe { self.fence.join(caller) }
     }
 
-    fn buf(&mut self) -> Result<&mut Buffer> {
+    fn ep(&mut self) -> Result<&mut Ep> {
         self.buf.as_mut().ok_or(BindError::Destroyed)
     }
 
-    fn buf_ref(&self) -> Result<&Buffer> {
+    fn ep_ref(&self) -> Result<&Ep> {
         self.buf.as_ref().ok_or(BindError::Destroyed)
+    }
+
+    /// The flat buffer, for `what` (an op only a flat buffer has).
+    fn buf(&mut self, what: &str) -> Result<&mut Buffer> {
+        self.ep()?.flat(what)
     }
 
     /// The buffer's stream (`CUstream`) as an integer, for the framework's external-stream
@@ -290,17 +312,22 @@ impl Session {
 
     /// This rank.
     pub fn rank(&self) -> Result<usize> {
-        Ok(self.buf_ref()?.rank())
+        Ok(on_ep!(self.ep_ref()?, b => b.world_rank()))
     }
 
     /// Number of ranks.
     pub fn world_size(&self) -> Result<usize> {
-        Ok(self.buf_ref()?.world_size())
+        Ok(on_ep!(self.ep_ref()?, b => b.world_size()))
     }
 
     /// The configuration.
     pub fn config(&self) -> Result<&epcomm::BufferConfig> {
-        Ok(self.buf_ref()?.config())
+        Ok(on_ep!(self.ep_ref()?, b => b.config()))
+    }
+
+    /// Whether the buffer runs two tiers (rail, then node).
+    pub fn is_two_tier(&self) -> bool {
+        matches!(self.buf, Some(Ep::TwoTier(_)))
     }
 
     /// The transport spec.
@@ -308,20 +335,28 @@ impl Session {
         self.spec
     }
 
-    /// Rows a dispatch can receive at most (`max_tokens_per_rank * world`).
+    /// Rows a dispatch can receive at most (flat: `max_tokens_per_rank * world`).
     pub fn capacity(&self) -> usize {
-        self.plan.recv_rows() as usize
+        match &self.buf {
+            Some(ep) => on_ep!(ep, b => b.capacity()),
+            None => self.plan.recv_rows() as usize,
+        }
     }
 
-    /// Bytes of symmetric memory per rank.
+    /// Bytes of symmetric memory per rank (every tier's).
     pub fn symmetric_bytes(&self) -> usize {
-        self.plan.total_bytes() as usize
+        match &self.buf {
+            Some(ep) => on_ep!(ep, b => b.symmetric_bytes()),
+            None => self.plan.total_bytes() as usize,
+        }
     }
 
     /// `(peer, tier, route)` for every rank, as names.
     pub fn route_plan(&self) -> Result<Vec<(usize, String, String)>> {
-        Ok(self
-            .buf_ref()?
+        let Ep::Flat(buf) = self.ep_ref()? else {
+            return Err(two_tier_refusal("route_plan"));
+        };
+        Ok(buf
             .route_plan()
             .peers()
             .iter()
@@ -332,7 +367,9 @@ impl Session {
 
     /// Whether an earlier failure made the buffer unusable.
     pub fn is_failed(&self) -> bool {
-        self.buf.as_ref().is_none_or(Buffer::is_failed)
+        self.buf
+            .as_ref()
+            .is_none_or(|ep| on_ep!(ep, b => b.is_failed()))
     }
 
     /// Dispatches launched so far.
@@ -342,7 +379,7 @@ impl Session {
 
     /// Allocates a layout for `num_tokens` tokens ([`Buffer::alloc_layout`]).
     pub fn alloc_layout(&mut self, num_tokens: usize) -> Result<Layout> {
-        Ok(self.buf()?.alloc_layout(num_tokens)?)
+        Ok(on_ep!(self.ep()?, b => b.alloc_layout(num_tokens))?)
     }
 
     /// Computes `layout` from `topk_idx` (`[T][top_k]` i64) ([`Buffer::layout_into`]).
@@ -352,7 +389,7 @@ impl Session {
     pub unsafe fn layout_into(&mut self, topk_idx: RawArray, layout: &Layout) -> Result<()> {
         // SAFETY: the caller's contract.
         let idx = unsafe { Borrowed::<i64>::new(topk_idx, &self.stream) };
-        Ok(self.buf()?.layout_into(&idx, layout)?)
+        Ok(on_ep!(self.ep()?, b => b.layout_into(&idx, layout))?)
     }
 
     /// Computes `layout` from a routing given by ranks: `in_rank` (`[T][world]` bytes) and
@@ -371,13 +408,13 @@ impl Session {
         // SAFETY: as above.
         let counts = unsafe { Borrowed::<i32>::new(tokens_per_expert, &self.stream) };
         Ok(self
-            .buf()?
+            .buf("a routing given by ranks (is_token_in_rank)")?
             .layout_from_ranks_into(&flags, &counts, layout)?)
     }
 
     /// Allocates a capacity-sized handle for [`Rows::Into`] ([`Buffer::alloc_handle`]).
     pub fn alloc_handle(&mut self, layout: &Layout) -> Result<Handle> {
-        Ok(self.buf()?.alloc_handle(layout)?)
+        Ok(on_ep!(self.ep()?, b => b.alloc_handle(layout))?)
     }
 
     /// Dispatches `x` along `layout` with `topk_idx` (the array the layout was computed
@@ -397,8 +434,8 @@ impl Session {
         let s = self.stream.clone();
         // SAFETY: the caller's contract, for each array.
         let xb = unsafe { XBorrow::new(x, &s) };
-        let buf = self.buf.as_mut().ok_or(BindError::Destroyed)?;
         let Some(topk_idx) = topk_idx else {
+            let buf = self.buf("a dispatch without topk_idx (rows only)")?;
             if topk_weights.is_some() {
                 return Err(epcomm::Error::InvalidArgument {
                     argument: "topk_weights",
@@ -425,11 +462,11 @@ impl Session {
             topk_idx: &idx,
             topk_weights: w.as_ref().map(|w| w as _),
         };
-        let seen = match rows {
+        let seen = on_ep!(self.ep()?, buf => match rows {
             Rows::HostSync => Seen::of(&buf.dispatch(&input, layout, RecvMode::HostSync)?),
             Rows::Bounded(n) => Seen::of(&buf.dispatch(&input, layout, RecvMode::Bounded(n))?),
             Rows::Into(h) => Seen::of(&buf.dispatch_into(&input, &h)?),
-        };
+        });
         self.launched(seen)
     }
 
@@ -441,8 +478,7 @@ impl Session {
         let s = self.stream.clone();
         // SAFETY: the caller's contract.
         let xb = unsafe { XBorrow::new(x, &s) };
-        let buf = self.buf.as_mut().ok_or(BindError::Destroyed)?;
-        let seen = Seen::of(&buf.cached_dispatch(&xb.input(), handle)?);
+        let seen = on_ep!(self.ep()?, buf => Seen::of(&buf.cached_dispatch(&xb.input(), handle)?));
         self.launched(seen)
     }
 
@@ -476,7 +512,7 @@ impl Session {
         dst_bytes: usize,
     ) -> Result<()> {
         // SAFETY: the caller's contract.
-        Ok(unsafe { self.buf()?.copy_received(handle, array, dst, dst_bytes) }?)
+        Ok(on_ep!(self.ep()?, b => unsafe { b.copy_received(handle, array, dst, dst_bytes) })?)
     }
 
     /// Sums every rank's rows of `y` back to this rank's tokens: [`Buffer::combine`], or with
@@ -503,13 +539,12 @@ impl Session {
         let mut out = unsafe { Borrowed::<half::bf16>::new(out, &s) };
         // SAFETY: as above.
         let mut ow = out_weights.map(|w| unsafe { Borrowed::<f32>::new(w, &s) });
-        let buf = self.buf()?;
         let (yw, ow) = (yw.as_ref().map(|w| w as _), ow.as_mut().map(|w| w as _));
-        Ok(if consuming {
+        Ok(on_ep!(self.ep()?, buf => if consuming {
             buf.combine_consuming(&y, yw, handle, &mut out, ow)
         } else {
             buf.combine(&y, yw, handle, &mut out, ow)
-        }?)
+        })?)
     }
 
     /// Combine pulling every rank's latest receive rows ([`Buffer::combine_in_place`]).
@@ -527,15 +562,21 @@ impl Session {
         let mut out = unsafe { Borrowed::<half::bf16>::new(out, &s) };
         // SAFETY: as above.
         let mut ow = out_weights.map(|w| unsafe { Borrowed::<f32>::new(w, &s) });
-        Ok(self
-            .buf()?
-            .combine_in_place(handle, &mut out, ow.as_mut().map(|w| w as _))?)
+        Ok(self.buf("combine_in_place")?.combine_in_place(
+            handle,
+            &mut out,
+            ow.as_mut().map(|w| w as _),
+        )?)
     }
 
     /// The low-latency state, or an error naming `num_max_dispatch_tokens_per_rank` when the
     /// session has no low-latency memory.
     fn ll_state(&mut self) -> Result<(&mut Buffer, &mut LlState)> {
-        let buf = self.buf.as_mut().ok_or(BindError::Destroyed)?;
+        let buf = self
+            .buf
+            .as_mut()
+            .ok_or(BindError::Destroyed)?
+            .flat("the low-latency ops")?;
         let ll = self.ll.as_mut().ok_or_else(|| BindError::InvalidArgument {
             argument: "num_max_dispatch_tokens_per_rank",
             rule: "is 0 for this Buffer, so it has no low-latency memory: create the Buffer with \
@@ -744,12 +785,12 @@ impl Session {
     /// Masks or unmasks peer `rank` for the low-latency ops issued next
     /// ([`epcomm::Buffer::ll_set_masked`]).
     pub fn ll_set_masked(&mut self, rank: usize, masked: bool) -> Result<()> {
-        Ok(self.buf()?.ll_set_masked(rank, masked)?)
+        Ok(self.buf("rank masking")?.ll_set_masked(rank, masked)?)
     }
 
     /// Unmasks every rank ([`epcomm::Buffer::ll_clear_mask`]).
     pub fn ll_clear_mask(&mut self) -> Result<()> {
-        Ok(self.buf()?.ll_clear_mask()?)
+        Ok(self.buf("rank masking")?.ll_clear_mask()?)
     }
 
     /// Copies the mask (`[world]` i32) into `status`, stream-ordered
@@ -760,27 +801,39 @@ impl Session {
     pub unsafe fn ll_mask_into(&mut self, status: RawArray) -> Result<()> {
         // SAFETY: the caller's contract.
         let mut status = unsafe { Borrowed::<i32>::new(status, &self.stream) };
-        Ok(self.buf()?.ll_mask_into(&mut status)?)
+        Ok(self.buf("rank masking")?.ll_mask_into(&mut status)?)
     }
 
     /// The masked ranks after the issued ops ([`epcomm::Buffer::ll_masked_ranks`]).
     pub fn ll_masked_ranks(&mut self) -> Result<Vec<usize>> {
-        Ok(self.buf()?.ll_masked_ranks()?)
+        Ok(self.buf("rank masking")?.ll_masked_ranks()?)
     }
 
     /// Waits for every issued op and reports a device failure.
     pub fn synchronize(&mut self) -> Result<()> {
-        Ok(self.buf()?.synchronize()?)
+        Ok(on_ep!(self.ep()?, b => b.synchronize())?)
     }
 
     /// Who waited for whom in the last op (collective).
     pub fn last_op_stats(&mut self) -> Result<Option<OpStats>> {
-        Ok(self.buf()?.last_op_stats()?)
+        Ok(match self.ep()? {
+            Ep::Flat(b) => b.last_op_stats()?,
+            // The tier whose wait was longest: its stats name world ranks.
+            Ep::TwoTier(b) => b.last_op_stats()?.map(|s| {
+                let (_, tier, _) = s.late();
+                if tier == "rail" { s.rail } else { s.node }
+            }),
+        })
     }
 
     /// Delays the ops issued next on this rank's stream (diagnostics).
     pub fn inject_delay(&mut self, delay: Duration) -> Result<()> {
-        Ok(self.buf()?.inject_delay(delay)?)
+        match self.ep()? {
+            Ep::Flat(b) => b.inject_delay(delay)?,
+            // Before the first stage.
+            Ep::TwoTier(b) => b.rail().inject_delay(delay)?,
+        }
+        Ok(())
     }
 
     /// Frees the buffer after every rank stopped using it (collective); later calls fail
@@ -792,9 +845,49 @@ impl Session {
             ll.pending = None;
         }
         match self.buf.take() {
-            Some(buf) => Ok(buf.destroy()?),
+            Some(ep) => Ok(on_ep!(ep, b => b.destroy())?),
             None => Ok(()),
         }
+    }
+}
+
+/// The buffer of a session: flat, or two-tier (rail, then node).
+#[derive(Debug)]
+enum Ep {
+    Flat(Box<Buffer>),
+    TwoTier(Box<HierarchicalBuffer>),
+}
+
+/// `$body` with `$b` bound to the session's buffer of either tiering (the calls resolve to the
+/// same-named [`ExpertParallel`] methods).
+macro_rules! on_ep {
+    ($ep:expr, $b:ident => $body:expr) => {
+        match $ep {
+            Ep::Flat($b) => $body,
+            Ep::TwoTier($b) => $body,
+        }
+    };
+}
+use on_ep;
+
+impl Ep {
+    /// The flat buffer, for `what` (an op only a flat buffer has).
+    fn flat(&mut self, what: &str) -> Result<&mut Buffer> {
+        match self {
+            Self::Flat(b) => Ok(&mut **b),
+            Self::TwoTier(_) => Err(two_tier_refusal(what)),
+        }
+    }
+}
+
+/// The error of an op a two-tier buffer does not have.
+fn two_tier_refusal(what: &str) -> BindError {
+    BindError::InvalidArgument {
+        argument: "two_tier",
+        rule: format!(
+            "{what} runs on a flat Buffer (two_tier=False); this one is two-tier, which \
+             dispatches by topk_idx and combines"
+        ),
     }
 }
 

@@ -74,6 +74,13 @@ pub trait ExpertParallel {
     fn world_rank(&self) -> usize;
     /// The ranks of the world.
     fn world_size(&self) -> usize;
+    /// The most rows one dispatch can deliver to this rank (what a handle's
+    /// [`Handle::capacity`] is sized for).
+    fn capacity(&self) -> usize;
+    /// Bytes of symmetric memory this rank holds (every tier's).
+    fn symmetric_bytes(&self) -> usize;
+    /// Whether an earlier failure made it unusable (any tier's).
+    fn is_failed(&self) -> bool;
     /// How it spans the world (the order of the rows it delivers and of its reduction follow:
     /// see [`HierarchicalBuffer`]).
     fn tiering(&self) -> Tiering;
@@ -257,6 +264,15 @@ impl ExpertParallel for Buffer {
     }
     fn world_size(&self) -> usize {
         self.transport().world().world_size()
+    }
+    fn capacity(&self) -> usize {
+        self.recv_capacity_rows()
+    }
+    fn symmetric_bytes(&self) -> usize {
+        Buffer::symmetric_bytes(self)
+    }
+    fn is_failed(&self) -> bool {
+        Buffer::is_failed(self)
     }
     fn tiering(&self) -> Tiering {
         Tiering::Flat

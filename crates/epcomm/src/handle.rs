@@ -133,6 +133,13 @@ impl Handle {
         prefix.device_ptr(prefix.stream()).0
     }
 
+    /// Device address of the i32 count of rows the handle's dispatch received (the receive
+    /// prefix's last element), for bindings that read it on the device.
+    pub fn recv_count_ptr(&self) -> u64 {
+        let groups = self.inner.recv_prefix.len().saturating_sub(1);
+        self.recv_prefix_ptr() + 4 * groups as u64
+    }
+
     /// Device address of the `[max_rows]` int32 source token index of each received row (the
     /// dispatch writes the first `num_recv` of them on the buffer's stream): for bindings that
     /// view it as an array of their own, stream-ordered after the dispatch.

@@ -97,7 +97,7 @@ fn route_policies() -> Vec<&'static str> {
 #[pyfunction]
 #[pyo3(signature = (max_tokens_per_rank, hidden, top_k, num_experts, num_sms, transport,
                     schedule, routes, timeout, world_size, rank, local_world_size,
-                    ll_max_tokens_per_rank=0, ll_masking=false))]
+                    ll_max_tokens_per_rank=0, ll_masking=false, two_tier=false))]
 #[allow(clippy::too_many_arguments)]
 fn check_options<'py>(
     py: Python<'py>,
@@ -115,6 +115,7 @@ fn check_options<'py>(
     local_world_size: usize,
     ll_max_tokens_per_rank: usize,
     ll_masking: bool,
+    two_tier: bool,
 ) -> PyResult<Bound<'py, PyDict>> {
     let options = BufferOptions {
         max_tokens_per_rank,
@@ -128,6 +129,7 @@ fn check_options<'py>(
         timeout_s: timeout,
         ll_max_tokens_per_rank,
         ll_masking,
+        two_tier,
     };
     let (cfg, spec, plan) =
         resolve(&options, world_size, rank, local_world_size).map_err(|e| to_pyerr(py, e))?;

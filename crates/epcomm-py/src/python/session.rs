@@ -178,7 +178,7 @@ impl PySession {
     #[new]
     #[pyo3(signature = (device, max_tokens_per_rank, hidden, top_k, num_experts, num_sms,
                         transport, schedule, routes, timeout, bootstrap=None,
-                        ll_max_tokens_per_rank=0, ll_masking=false))]
+                        ll_max_tokens_per_rank=0, ll_masking=false, two_tier=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -195,6 +195,7 @@ impl PySession {
         bootstrap: Option<BootstrapArgs>,
         ll_max_tokens_per_rank: usize,
         ll_masking: bool,
+        two_tier: bool,
     ) -> PyResult<Self> {
         let options = BufferOptions {
             max_tokens_per_rank,
@@ -208,6 +209,7 @@ impl PySession {
             timeout_s: timeout,
             ll_max_tokens_per_rank,
             ll_masking,
+            two_tier,
         };
         let (session, facts) = detached(py, move || {
             let boot = bootstrap.map(bootstrap_config).transpose()?;
@@ -647,6 +649,12 @@ impl PyHandle {
     #[getter]
     fn recv_prefix_ptr(&self) -> u64 {
         self.inner.recv_prefix_ptr()
+    }
+
+    /// Address of the int32 count of rows the dispatch received (either tiering).
+    #[getter]
+    fn recv_count_ptr(&self) -> u64 {
+        self.inner.recv_count_ptr()
     }
 
     /// Address of the int32 source token index of each received row (the first `rows

@@ -258,6 +258,18 @@ impl ExpertParallel for HierarchicalBuffer {
         self.tiers.world_size()
     }
 
+    fn capacity(&self) -> usize {
+        self.node.recv_capacity_rows()
+    }
+
+    fn symmetric_bytes(&self) -> usize {
+        self.rail.symmetric_bytes() + self.node.symmetric_bytes()
+    }
+
+    fn is_failed(&self) -> bool {
+        self.rail.is_failed() || self.node.is_failed()
+    }
+
     fn tiering(&self) -> Tiering {
         Tiering::TwoTier(self.tiers)
     }

@@ -192,7 +192,7 @@ impl Buffer {
             parity_word: Some(
                 self.memory.seq_state.ptr() + offset_of!(abi::SeqState, dispatch) as u64,
             ),
-            count: handle.recv_prefix_ptr() + 4 * self.place.world as u64,
+            count: handle.recv_count_ptr(),
             row_bytes,
         };
         // SAFETY: the parity word is this buffer's SeqState and the count the handle's receive
