@@ -4,6 +4,7 @@
 
 #include "common/abi.cuh"
 #include "common/copy.cuh"
+#include "common/reduce.cuh"
 #include "common/schedule.cuh"
 #include "common/seq.cuh"
 #include "common/stats.cuh"
@@ -21,24 +22,6 @@ namespace epcomm::intranode {
 constexpr int kReduceVectorsInFlight = 16;  // 16-byte vectors per lane in one step
 constexpr int kWeightSrcInFlight = 8;       // sources whose weight loads are in flight together
 constexpr int kPushUnroll = 16;             // 16-byte vectors per lane in flight in the push
-
-__device__ __forceinline__ void add_bf16x8(float* acc, const int4& v) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float2 f = __bfloat1622float2(h[j]);
-    acc[2 * j] += f.x;
-    acc[2 * j + 1] += f.y;
-  }
-}
-
-__device__ __forceinline__ int4 pack_bf16x8(const float* acc) {
-  int4 v;
-  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) h[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
-  return v;
-}
 
 // Source list entry: the row's address, bit 0 set when the row never changes during the kernel
 // (non-coherent loads allowed).

@@ -4,6 +4,7 @@
 
 #include "common/abi.cuh"
 #include "common/copy.cuh"
+#include "common/reduce.cuh"
 #include "common/schedule.cuh"
 #include "common/seq.cuh"
 #include "common/stats.cuh"
@@ -231,13 +232,7 @@ __device__ __forceinline__ void combine_reduce(const OpArgs& a, Shared& s, Sched
 #pragma unroll
             for (int u = 0; u < kUnroll; ++u) {
               if (step + u >= s1 || base + u * 32 + lane >= n16) continue;
-              const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[b][u]);
-#pragma unroll
-              for (int j = 0; j < 4; ++j) {
-                const float2 f = __bfloat1622float2(h[j]);
-                acc[u][2 * j] = __fadd_rn(acc[u][2 * j], __fmul_rn(wt, f.x));
-                acc[u][2 * j + 1] = __fadd_rn(acc[u][2 * j + 1], __fmul_rn(wt, f.y));
-              }
+              add_weighted_bf16x8(acc[u], v[b][u], wt);
             }
           }
         }
@@ -246,12 +241,7 @@ __device__ __forceinline__ void combine_reduce(const OpArgs& a, Shared& s, Sched
       for (int u = 0; u < kUnroll; ++u) {
         const int i = base + u * 32 + lane;
         if (step + u >= s1 || i >= n16) continue;
-        int4 o;
-        __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-          h[j] = __floats2bfloat162_rn(acc[u][2 * j], acc[u][2 * j + 1]);
-        st_na_v4(out + i, o);
+        st_na_v4(out + i, pack_bf16x8(acc[u]));
       }
     }
   }
