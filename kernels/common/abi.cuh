@@ -193,8 +193,8 @@ struct OpArgs {
   uint64_t off_ll_counts;  ///< LL dispatch (per parity): [source][1 + epr] tagged u64: rows, then
                            ///< rows per local expert.
   uint64_t off_ll_comb;    ///< LL combine (per parity): rows, [token][top_k][hidden] bf16.
-  uint64_t off_ll_stage;   ///< LL staging (shared): [ll_max_tokens][row_bytes + scales] FP8 rows
-                           ///< cast for put/signal peers.
+  uint64_t off_ll_send_fp8;  ///< LL FP8 send rows (shared): [ll_max_tokens][row_bytes + scales]
+                             ///< FP8 rows cast for put/signal peers.
   int32_t ll_max_tokens;   ///< Low-latency per-rank token capacity (0: no low-latency regions).
   int32_t ll_smem_words;   ///< u32 words of dynamic shared memory of the low-latency kernels.
   int32_t num_tokens;      ///< Tokens of this rank.
@@ -211,9 +211,9 @@ struct OpArgs {
   int32_t max_recv_rows;   ///< Receive capacity (buffer or Bounded(n)).
   uint32_t flags;            ///< Bits of `flags`.
   uint32_t global_barriers;  ///< 1: Global schedule (DeepEP-equivalent barriers), 0: Epoch.
-  // Low-latency mode: staging for policies that send metadata rows (Net::kMetadataRows).
-  uint64_t off_ll_meta_stage;  ///< LL metadata staging (shared): [world][ll_max_tokens][top_k + 1]
-                               ///< i32, each destination's metadata rows as they land there.
+  // Low-latency mode: send rows for policies that send metadata rows (Net::kMetadataRows).
+  uint64_t off_ll_send_meta;  ///< LL metadata send rows (shared): [world][ll_max_tokens][top_k +
+                              ///< 1] i32, each destination's metadata rows as they land there.
   uint64_t ll_self_row;  ///< [ll_max_tokens][top_k] i32, local device memory: for each of this
                          ///< rank's own entries whose expert is local, its packed row (of
                          ///< ll_recv_x, and of the combine's y). Written by the LL dispatch's

@@ -118,7 +118,7 @@ __device__ __forceinline__ void abi_probe(uint64_t* out) {
   out[102] = static_cast<uint64_t>(offsetof(OpArgs, off_ll_meta));
   out[103] = static_cast<uint64_t>(offsetof(OpArgs, off_ll_counts));
   out[104] = static_cast<uint64_t>(offsetof(OpArgs, off_ll_comb));
-  out[105] = static_cast<uint64_t>(offsetof(OpArgs, off_ll_stage));
+  out[105] = static_cast<uint64_t>(offsetof(OpArgs, off_ll_send_fp8));
   out[106] = static_cast<uint64_t>(offsetof(OpArgs, ll_max_tokens));
   out[107] = static_cast<uint64_t>(offsetof(OpArgs, ll_smem_words));
   out[108] = static_cast<uint64_t>(offsetof(OpArgs, num_tokens));
@@ -135,7 +135,7 @@ __device__ __forceinline__ void abi_probe(uint64_t* out) {
   out[119] = static_cast<uint64_t>(offsetof(OpArgs, max_recv_rows));
   out[120] = static_cast<uint64_t>(offsetof(OpArgs, flags));
   out[121] = static_cast<uint64_t>(offsetof(OpArgs, global_barriers));
-  out[122] = static_cast<uint64_t>(offsetof(OpArgs, off_ll_meta_stage));
+  out[122] = static_cast<uint64_t>(offsetof(OpArgs, off_ll_send_meta));
   out[123] = static_cast<uint64_t>(offsetof(OpArgs, ll_self_row));
   out[124] = static_cast<uint64_t>(offsetof(OpArgs, ll_cumulative_stats));
   out[125] = static_cast<uint64_t>(sizeof(SeqState));

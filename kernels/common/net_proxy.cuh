@@ -14,7 +14,7 @@
 // proxy keeps ring order per peer and lands a signal after every earlier transfer and write to
 // that peer: publication after `__syncthreads` needs no fence. `quiet` [P2] waits (bounded)
 // until the proxy reports every claimed position complete, so the sources of this block's
-// transfers (caller memory, the LL staging rows) may be reused after it and the kernel may end.
+// transfers (caller memory, the LL FP8 send rows) may be reused after it and the kernel may end.
 //
 // Addresses: the kernels compute `bases[d] + offset` for every peer; for a proxied peer
 // `bases[d]` is this rank's own symmetric base (ProxyChannel::local_base, as under NVSHMEM), so
@@ -35,7 +35,7 @@ struct ProxyNet {
   // A descriptor per element is what made the transport slow: a dispatched token's metadata
   // travels to a proxied peer as whole-row transfers (`put_lanes`): the normal dispatch's
   // scales, top-k ids and weights from the caller's rows, untransformed (the receiver
-  // finishes them, [E8]); the low-latency dispatch's metadata row from a staging row ([L3]).
+  // finishes them, [E8]); the low-latency dispatch's metadata row from a metadata send row ([L3]).
   static constexpr bool kMetadataRows = true;
   // ... and a descriptor per token still was: the normal dispatch deals each warp a contiguous
   // chunk of tokens and sends a proxied peer each run of consecutive tokens bound for

@@ -169,8 +169,8 @@ __device__ __forceinline__ void dispatch_send(const OpArgs& a, Shared& s, uint32
           (c_end - c_begin) / 8, lane, a.remote_mask, 0, 1);
     } else {
       // Cast once, store to every mapped destination; stage for put/signal destinations.
-      uint8_t* stage = s.bases[me] + a.off_ll_stage + static_cast<int64_t>(t) * H;
-      float* stage_sc = reinterpret_cast<float*>(s.bases[me] + a.off_ll_stage +
+      uint8_t* stage = s.bases[me] + a.off_ll_send_fp8 + static_cast<int64_t>(t) * H;
+      float* stage_sc = reinterpret_cast<float*>(s.bases[me] + a.off_ll_send_fp8 +
                                                  static_cast<int64_t>(M) * H) +
                         static_cast<int64_t>(t) * S;
       const int4* src = reinterpret_cast<const int4*>(x + static_cast<int64_t>(t) * H * 2);
@@ -232,7 +232,7 @@ __device__ __forceinline__ void dispatch_send(const OpArgs& a, Shared& s, uint32
                       static_cast<int64_t>(rows[d]) * (K + 1);
       if constexpr (Net::kMetadataRows) {
         if (remote) {  // the row as it will land on d, staged here; one transfer below
-          meta = reinterpret_cast<int32_t*>(s.bases[me] + a.off_ll_meta_stage) +
+          meta = reinterpret_cast<int32_t*>(s.bases[me] + a.off_ll_send_meta) +
                  (static_cast<int64_t>(d) * M + rows[d]) * (K + 1);
           remote = false;
         }
@@ -259,7 +259,7 @@ __device__ __forceinline__ void dispatch_send(const OpArgs& a, Shared& s, uint32
           if (valid) {
             const int64_t j = rows[d];
             dst = s.bases[d] + off_meta + j * (K + 1) * 4;
-            src = reinterpret_cast<const int32_t*>(s.bases[me] + a.off_ll_meta_stage) +
+            src = reinterpret_cast<const int32_t*>(s.bases[me] + a.off_ll_send_meta) +
                   (static_cast<int64_t>(d) * M + j) * (K + 1);
           }
           Net::put_lanes(valid, dst, src, static_cast<size_t>(K + 1) * 4, d);

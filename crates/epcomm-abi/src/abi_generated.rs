@@ -277,9 +277,9 @@ pub struct OpArgs {
     pub off_ll_counts: u64,
     /// LL combine (per parity): rows, \[token\]\[top_k\]\[hidden\] bf16.
     pub off_ll_comb: u64,
-    /// LL staging (shared): \[ll_max_tokens\]\[row_bytes + scales\] FP8 rows
-    /// cast for put/signal peers.
-    pub off_ll_stage: u64,
+    /// LL FP8 send rows (shared): \[ll_max_tokens\]\[row_bytes + scales\]
+    /// FP8 rows cast for put/signal peers.
+    pub off_ll_send_fp8: u64,
     /// Low-latency per-rank token capacity (0: no low-latency regions).
     pub ll_max_tokens: i32,
     /// u32 words of dynamic shared memory of the low-latency kernels.
@@ -312,10 +312,10 @@ pub struct OpArgs {
     pub flags: u32,
     /// 1: Global schedule (DeepEP-equivalent barriers), 0: Epoch.
     pub global_barriers: u32,
-    // Low-latency mode: staging for policies that send metadata rows (Net::kMetadataRows).
-    /// LL metadata staging (shared): \[world\]\[ll_max_tokens\]\[top_k + 1\]
-    /// i32, each destination's metadata rows as they land there.
-    pub off_ll_meta_stage: u64,
+    // Low-latency mode: send rows for policies that send metadata rows (Net::kMetadataRows).
+    /// LL metadata send rows (shared): \[world\]\[ll_max_tokens\]\[top_k +
+    /// 1\] i32, each destination's metadata rows as they land there.
+    pub off_ll_send_meta: u64,
     /// \[ll_max_tokens\]\[top_k\] i32, local device memory: for each of this
     /// rank's own entries whose expert is local, its packed row (of
     /// ll_recv_x, and of the combine's y). Written by the LL dispatch's
@@ -575,7 +575,7 @@ pub(crate) const ABI_PROBE: [(&str, u64); 176] = [
     ("offsetof(OpArgs, off_ll_meta)", offset_of!(OpArgs, off_ll_meta) as u64),
     ("offsetof(OpArgs, off_ll_counts)", offset_of!(OpArgs, off_ll_counts) as u64),
     ("offsetof(OpArgs, off_ll_comb)", offset_of!(OpArgs, off_ll_comb) as u64),
-    ("offsetof(OpArgs, off_ll_stage)", offset_of!(OpArgs, off_ll_stage) as u64),
+    ("offsetof(OpArgs, off_ll_send_fp8)", offset_of!(OpArgs, off_ll_send_fp8) as u64),
     ("offsetof(OpArgs, ll_max_tokens)", offset_of!(OpArgs, ll_max_tokens) as u64),
     ("offsetof(OpArgs, ll_smem_words)", offset_of!(OpArgs, ll_smem_words) as u64),
     ("offsetof(OpArgs, num_tokens)", offset_of!(OpArgs, num_tokens) as u64),
@@ -592,7 +592,7 @@ pub(crate) const ABI_PROBE: [(&str, u64); 176] = [
     ("offsetof(OpArgs, max_recv_rows)", offset_of!(OpArgs, max_recv_rows) as u64),
     ("offsetof(OpArgs, flags)", offset_of!(OpArgs, flags) as u64),
     ("offsetof(OpArgs, global_barriers)", offset_of!(OpArgs, global_barriers) as u64),
-    ("offsetof(OpArgs, off_ll_meta_stage)", offset_of!(OpArgs, off_ll_meta_stage) as u64),
+    ("offsetof(OpArgs, off_ll_send_meta)", offset_of!(OpArgs, off_ll_send_meta) as u64),
     ("offsetof(OpArgs, ll_self_row)", offset_of!(OpArgs, ll_self_row) as u64),
     ("offsetof(OpArgs, ll_cumulative_stats)", offset_of!(OpArgs, ll_cumulative_stats) as u64),
     ("sizeof(SeqState)", size_of::<SeqState>() as u64),

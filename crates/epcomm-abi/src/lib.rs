@@ -78,7 +78,7 @@ mod tests {
         assert_eq!(offset_of!(OpArgs, num_tokens), 392);
         assert_eq!(offset_of!(OpArgs, pe_base), 424);
         assert_eq!(offset_of!(OpArgs, global_barriers), 444);
-        assert_eq!(offset_of!(OpArgs, off_ll_meta_stage), 448);
+        assert_eq!(offset_of!(OpArgs, off_ll_send_meta), 448);
         assert_eq!(offset_of!(OpArgs, ll_self_row), 456);
         assert_eq!(offset_of!(OpArgs, ll_cumulative_stats), 464);
         assert_eq!(size_of::<LayoutArgs>(), 9 * 8 + 8 * 4);

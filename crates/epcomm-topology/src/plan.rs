@@ -113,13 +113,14 @@ pub enum RegionKind {
     LlCounts,
     /// Low-latency combine receive rows, `[ll_max_tokens * top_k][hidden]` bf16.
     LlCombineX,
-    /// Low-latency fp8 staging for put/signal peers (shared): `[ll_max_tokens][hidden]` fp8
-    /// bytes, then `[ll_max_tokens][hidden / 128]` f32 (empty when not fp8-capable).
-    LlStage,
-    /// Low-latency metadata staging (shared): `[world][ll_max_tokens][top_k + 1]` i32, each
+    /// Low-latency FP8 send rows, the put source for put/signal peers (shared):
+    /// `[ll_max_tokens][hidden]` fp8 bytes, then `[ll_max_tokens][hidden / 128]` f32 (empty
+    /// when not fp8-capable).
+    LlSendFp8,
+    /// Low-latency metadata send rows (shared): `[world][ll_max_tokens][top_k + 1]` i32, each
     /// destination's metadata rows as they land there: the put source of kernel images that
     /// send a metadata row as one transfer (the CPU proxy's); unused by the others.
-    LlMetaStage,
+    LlSendMeta,
 }
 
 impl RegionKind {
@@ -147,8 +148,8 @@ impl RegionKind {
         RegionKind::BarrierCounters,
         RegionKind::Stats,
         RegionKind::CombineFlags,
-        RegionKind::LlStage,
-        RegionKind::LlMetaStage,
+        RegionKind::LlSendFp8,
+        RegionKind::LlSendMeta,
     ];
 
     /// Whether the region exists once per parity.
@@ -363,7 +364,7 @@ impl BufferPlan {
                 (self.ll_max_tokens_per_rank as u64) * self.top_k as u64,
                 self.combine_x_row_bytes(),
             ),
-            RegionKind::LlStage => (
+            RegionKind::LlSendFp8 => (
                 self.ll_max_tokens_per_rank as u64,
                 if self.fp8_capable {
                     self.hidden as u64 + self.scales_row_bytes()
@@ -371,7 +372,7 @@ impl BufferPlan {
                     0
                 },
             ),
-            RegionKind::LlMetaStage => (self.ll_recv_rows(), (self.top_k as u64 + 1) * 4),
+            RegionKind::LlSendMeta => (self.ll_recv_rows(), (self.top_k as u64 + 1) * 4),
         };
         a.checked_mul(b).ok_or(OVERFLOW)
     }
@@ -698,7 +699,7 @@ mod tests {
                 }
             }
             prop_assert_eq!(
-                p.region(RegionKind::LlMetaStage, Parity::Even).len,
+                p.region(RegionKind::LlSendMeta, Parity::Even).len,
                 ll_rows * (top_k as u64 + 1) * 4
             );
         }

@@ -129,8 +129,8 @@ impl Buffer {
             off_ll_meta: region(plan, RegionKind::LlMeta),
             off_ll_counts: region(plan, RegionKind::LlCounts),
             off_ll_comb: region(plan, RegionKind::LlCombineX),
-            off_ll_stage: region(plan, RegionKind::LlStage),
-            off_ll_meta_stage: region(plan, RegionKind::LlMetaStage),
+            off_ll_send_fp8: region(plan, RegionKind::LlSendFp8),
+            off_ll_send_meta: region(plan, RegionKind::LlSendMeta),
             ll_max_tokens: self.cfg.ll_max_tokens_per_rank as i32,
             ll_smem_words: self.ll.smem_words as i32,
             ..OpArgs::default()

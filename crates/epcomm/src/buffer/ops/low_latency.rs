@@ -498,8 +498,8 @@ impl Buffer {
             }
             None => (0, None),
         };
-        // BF16 rows are put straight from `x`; FP8 rows (and every metadata row) from staging
-        // rows in the symmetric buffer.
+        // BF16 rows are put straight from `x`; FP8 rows (and every metadata row) from send rows
+        // in the symmetric buffer.
         if format == LlFormat::Bf16 {
             self.prepare_put_source("x", x, t * hidden * 2)?;
         }
