@@ -147,7 +147,7 @@ impl HierRows {
 ///
 /// # Errors
 /// As [`rail_traffic`] (empty routing, `top_k == 0`, tiers not matching the world, a routing
-/// [`layout`] refuses), wrapped in [`CheckError::Reference`].
+/// [`layout`] refuses), wrapped in [`crate::CheckError::Reference`].
 pub fn hier_rows<I: AsRef<[i64]>>(
     topk_idx: &[I],
     top_k: usize,

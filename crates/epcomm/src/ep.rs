@@ -1,12 +1,12 @@
 //! [`ExpertParallel`]: the one surface of a flat [`Buffer`] and a two-tier
-//! [`HierarchicalBuffer`].
+//! [`crate::HierarchicalBuffer`].
 //!
 //! Both take the same inputs ([`DispatchInput`], a [`Layout`] from their own `layout`), return
 //! the same [`Dispatched`] rows and [`Handle`]s, capture the same [`EpGraph`]s and fail with
 //! the same [`Error`]s; code written against the trait (a bench, a test, a binding) serves
 //! either tiering. What only one of them has stays on its type: the low-latency ops and the
 //! in-place combine on [`Buffer`] (reach them through [`ExpertParallel::as_flat`]), the tiers'
-//! own buffers on [`HierarchicalBuffer`].
+//! own buffers on [`crate::HierarchicalBuffer`].
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -26,7 +26,7 @@ use crate::{
 pub enum Tiering {
     /// One all-to-all over the whole world ([`Buffer`]).
     Flat,
-    /// Rail then node ([`HierarchicalBuffer`]), over this world of nodes × local ranks.
+    /// Rail then node ([`crate::HierarchicalBuffer`]), over this world of nodes × local ranks.
     TwoTier(Tiers),
 }
 
@@ -58,7 +58,7 @@ impl TierStats for HierStats {
 }
 
 /// The expert-parallel all-to-all, flat or two-tier: see the module docs. Every method has the
-/// contract of the [`Buffer`] method of the same name; [`HierarchicalBuffer`] documents where
+/// contract of the [`Buffer`] method of the same name; [`crate::HierarchicalBuffer`] documents where
 /// its two stages add to it.
 pub trait ExpertParallel {
     /// What [`Self::last_op_stats`] reports.
@@ -82,7 +82,7 @@ pub trait ExpertParallel {
     /// Whether an earlier failure made it unusable (any tier's).
     fn is_failed(&self) -> bool;
     /// How it spans the world (the order of the rows it delivers and of its reduction follow:
-    /// see [`HierarchicalBuffer`]).
+    /// see [`crate::HierarchicalBuffer`]).
     fn tiering(&self) -> Tiering;
     /// The flat buffer, when this is one (its low-latency and in-place ops).
     fn as_flat(&mut self) -> Option<&mut Buffer>;
@@ -160,7 +160,7 @@ pub trait ExpertParallel {
 }
 
 /// Forwards the trait's op methods to [`Buffer`]'s inherent methods of the same name and
-/// contract ([`HierarchicalBuffer`] implements them in the trait itself).
+/// contract ([`crate::HierarchicalBuffer`] implements them in the trait itself).
 macro_rules! forward_ops {
     () => {
         fn layout(&mut self, topk_idx: &dyn DevicePtr<i64>, num_tokens: usize) -> Result<Layout> {

@@ -22,7 +22,7 @@ use super::{Buffer, Sequence};
 use crate::error::DriverContext;
 use crate::{Error, Result};
 
-/// A captured sequence of ops ([`Buffer::capture`] or [`crate::HierarchicalBuffer::capture`]),
+/// A captured sequence of ops ([`Buffer::capture`] or [`crate::ExpertParallel::capture`]),
 /// replayed with the same buffer's `replay`.
 ///
 /// Receive rows alternate between two regions by dispatch parity, so a graph holding a
@@ -149,7 +149,7 @@ impl Buffer {
     /// made for the current receive-region parity.
     ///
     /// # Errors
-    /// As [`crate::HierarchicalBuffer::replay`].
+    /// As [`crate::ExpertParallel::replay`] (a graph captured on another buffer, or tier parities that match no recording, name `graph`).
     pub fn replay(&mut self, graph: &EpGraph) -> Result<()> {
         replay(self, graph)
     }
