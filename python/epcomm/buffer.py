@@ -142,7 +142,9 @@ class Buffer:
     routes by ``topk_idx`` only, received rows come grouped by forwarding rank then source
     node, and combine reduces each node's rows first; the low-latency ops, routing by
     ``is_token_in_rank``, :meth:`get_dispatch_layout`, :meth:`combine_in_place` and
-    :meth:`route_plan` are refused with ``InvalidArgumentError`` naming ``two_tier``).
+    :meth:`route_plan` are refused with ``InvalidArgumentError`` naming ``two_tier``, and
+    ``num_worst_tokens`` must be 0: two-tier dispatches from Python wait on the host for the
+    receive count, so they cannot be captured into a CUDA graph yet).
 
     Runs on the current CUDA device (``torch.cuda.current_device()``), on PyTorch's primary
     CUDA context. Creating, destroying and every op are collective: all ranks call them in the
@@ -617,6 +619,13 @@ class Buffer:
         check_int("expert_alignment", expert_alignment, minimum=1)
         check_int("num_worst_tokens", num_worst_tokens)
         check_bool("zero_copy", zero_copy)
+        if self.two_tier and num_worst_tokens != 0:
+            fail(
+                "num_worst_tokens",
+                "must be 0 on a two-tier Buffer for now: its dispatches wait on the host for the receive count "
+                "(the dispatch without a host wait, and so CUDA-graph capture, is not available from Python "
+                "with two tiers yet)",
+            )
         self._check_config(config)
         if handle is not None:
             if topk_idx is not None or topk_weights is not None:

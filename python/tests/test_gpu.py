@@ -70,9 +70,10 @@ def test_low_latency_refusals():
 
 
 def test_two_tier():
-    """The same Buffer with two_tier=True: dispatch, cached dispatch, combine and a captured
-    graph bit-exact against the two-stage reference; flat-only calls refused. Transport:
-    ``EPCOMM_TEST_TWO_TIER_TRANSPORT`` (default ``proxy-ce:vnodes=2``); 4 ranks give 2 x 2."""
+    """The same Buffer with two_tier=True: dispatch, cached dispatch and combine bit-exact
+    against the two-stage reference; flat-only calls and num_worst_tokens refused. Transport:
+    ``EPCOMM_TEST_TWO_TIER_TRANSPORT`` (default ``proxy-ce:vnodes=2``, which needs
+    ``CUDA_DEVICE_MAX_CONNECTIONS=8`` under MPS); 4 ranks give 2 x 2."""
     import os
 
     n = h.world()

@@ -267,6 +267,60 @@ pub fn verified_round<E: ExpertParallel>(
         );
         check_combined(&what, rank, &stream, t, &out, &out_w, &want_c[rank])?;
     }
+
+    // The allocation-free path (what a CUDA graph records): a layout and a handle allocated
+    // up front, the layout recomputed in place, a dispatch into the handle, the rows copied out
+    // by the device count, and a combine along it.
+    let layout = buf.alloc_layout(t)?;
+    let handle = buf.alloc_handle(&layout)?;
+    buf.layout_into(&dev.topk_idx, &layout)?;
+    {
+        let d = buf.dispatch_into(&input, &handle)?;
+        check_dispatched(
+            &d,
+            want,
+            &order,
+            rank,
+            RoundOptions {
+                mode: RecvMode::WorstCase,
+                ..opts
+            },
+            true,
+        )?;
+    }
+    let copied = copy_received_x(buf, &handle, want.num_recv_tokens, opts.fp8)?;
+    let cap = handle.capacity();
+    let mut y_cap = permute(&ys[rank], cfg.hidden, &order);
+    y_cap.resize(cap.max(1) * cfg.hidden, bf16::ZERO);
+    let y_cap = upload(&stream, &y_cap)?;
+    let mut yw_cap = permute(&ws[rank], cfg.top_k, &order);
+    yw_cap.resize(cap.max(1) * cfg.top_k, 0.0);
+    let yw_cap = upload(&stream, &yw_cap)?;
+    let mut out = upload(&stream, &vec![bf16::from_f32(-7.0); t * cfg.hidden])?;
+    let mut out_w = upload(&stream, &vec![-7.0f32; t * cfg.top_k])?;
+    if opts.weights {
+        buf.combine(&y_cap, Some(&yw_cap), &handle, &mut out, Some(&mut out_w))?;
+    } else {
+        buf.combine(&y_cap, None, &handle, &mut out, None)?;
+    }
+    buf.synchronize()?;
+    let mut want_copy = recv_x_bytes(want, &order);
+    want_copy.resize(copied.1, 0);
+    first_diff(
+        "dispatch_into copy_received recv_x",
+        rank,
+        &copied.to_host(buf.stream())?,
+        &want_copy,
+    )?;
+    check_combined(
+        "combine after dispatch_into x",
+        rank,
+        &stream,
+        t,
+        &out,
+        &out_w,
+        &want_c[rank],
+    )?;
     Ok(())
 }
 

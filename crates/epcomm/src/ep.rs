@@ -55,6 +55,29 @@ impl TierStats for HierStats {
     fn tiers(&self) -> Vec<(&'static str, &OpStats)> {
         vec![("rail", &self.rail), ("node", &self.node)]
     }
+
+    /// The longest wait of either tier, followed back across the tiers: the node stage of a
+    /// rank starts when its rail stage ends, so a rank its node waited for while it waited (at
+    /// least half as long) for a rail peer is late because of that peer, and the rail's late
+    /// rank is named.
+    fn late(&self) -> (usize, &'static str, Duration) {
+        let of = |s: &OpStats| (s.world_rank(s.late_rank()), s.skew());
+        let ((rail_rank, rail_skew), (node_rank, node_skew)) = (of(&self.rail), of(&self.node));
+        if rail_skew >= node_skew {
+            return (rail_rank, "rail", rail_skew);
+        }
+        let rail = &self.rail;
+        let held_on_rail = (0..rail.ranks.len())
+            .find(|&i| rail.world_rank(i) == node_rank)
+            .and_then(|i| rail.waits.get(i))
+            .and_then(|row| row.iter().max().copied())
+            .unwrap_or_default();
+        if held_on_rail * 2 >= node_skew {
+            (rail_rank, "rail", node_skew)
+        } else {
+            (node_rank, "node", node_skew)
+        }
+    }
 }
 
 /// The expert-parallel all-to-all, flat or two-tier: see the module docs. Every method has the

@@ -651,5 +651,12 @@ mod tests {
             node: stats(1, vec![vec![0, 0], vec![700, 0]], vec![0, 1]),
         };
         assert_eq!(h.late(), (0, "node", Duration::from_micros(700)));
+        // Rank 0 waited 902 us in the node for rank 1, which spent 900 us of it waiting for
+        // its rail peer 3: rank 3 is named.
+        let h = HierStats {
+            rail: stats(0, vec![vec![0, 900], vec![0, 0]], vec![1, 3]),
+            node: stats(1, vec![vec![0, 902], vec![0, 0]], vec![0, 1]),
+        };
+        assert_eq!(h.late(), (3, "rail", Duration::from_micros(902)));
     }
 }
