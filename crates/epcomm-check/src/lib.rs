@@ -14,6 +14,7 @@ pub mod hier;
 pub mod hier_bench;
 pub mod inputs;
 pub mod ll;
+pub mod order;
 pub mod procs;
 pub mod timing;
 pub mod verify;

@@ -9,7 +9,7 @@ use epcomm::{DispatchInput, ExpertParallel, RecvArray, RecvMode, Tiering};
 use epcomm_reference::{CombineOutput, RankInput, RankOutput, XData, bf16};
 use epcomm_topology::RailPrecision;
 
-use crate::hier::{permute, two_stage_order};
+use crate::order::{permute, two_stage_order};
 
 use crate::inputs::{DeviceInputs, HostInputs, upload};
 use crate::{CheckError, Result};
@@ -120,7 +120,7 @@ pub(crate) fn combine_inputs(reference: &[RankOutput], ins: &[RankInput]) -> Res
 ///
 /// The oracle follows the buffer's [`Tiering`]: the rows a rank receives are the flat
 /// reference's, in the buffer's order (flat: by source rank; two-tier:
-/// [`crate::hier::two_stage_order`]); combine is [`epcomm_reference::combine`] flat and
+/// [`crate::order::two_stage_order`]); combine is [`epcomm_reference::combine`] flat and
 /// [`epcomm_reference::hierarchical_combine_staged`] (bf16 rail) two-tier. The layout and the
 /// handle's source-side arrays are compared on a flat buffer (a two-tier layout is the rail
 /// tier's, its handle's sources the forwarders), the in-place combine run on a flat one.
