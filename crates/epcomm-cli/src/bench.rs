@@ -23,7 +23,7 @@ use epcomm_check::verify::{RoundOptions, verified_round};
 use crate::cli::BenchArgs;
 use crate::doctor::KernelImage;
 use crate::hier_results::HierReport;
-use crate::results::{BenchReport, SCHEMA, SkewReport, make_row};
+use crate::results::{BenchReport, Report, SCHEMA, SkewReport, make_row};
 use crate::validate::{BenchPlan, FlagErrors, Machine, TransportChoice, validate_bench};
 use crate::worker::{Progress, RESULTS_ENV, Res, every_rank, hand_off, run_config};
 use crate::{AppError, gpu};
@@ -105,21 +105,11 @@ pub fn launch(args: &BenchArgs) -> Result<(), AppError> {
     let text = std::fs::read_to_string(&results.0).map_err(|e| {
         AppError::Run(format!("rank 0 left no results in {}: {e}", results.0.display()).into())
     })?;
-    let parse_err = |e: serde_json::Error| AppError::Run(format!("results: {e}").into());
     if args.hierarchical {
-        let report: HierReport = serde_json::from_str(&text).map_err(parse_err)?;
-        report.check().map_err(|e| AppError::Run(e.into()))?;
-        let out = report
-            .render(args.format())
-            .map_err(|e| AppError::Run(e.into()))?;
-        return write_stdout(&out);
+        print_report::<HierReport>(&text, args)?;
+        return Ok(());
     }
-    let report: BenchReport = serde_json::from_str(&text).map_err(parse_err)?;
-    report.check().map_err(|e| AppError::Run(e.into()))?;
-    let out = report
-        .render(args.format())
-        .map_err(|e| AppError::Run(e.into()))?;
-    write_stdout(&out)?;
+    let report = print_report::<BenchReport>(&text, args)?;
     if let Some(path) = &args.plot {
         crate::plot::Sweep::of_report(&report)
             .and_then(|sweep| sweep.write(path))
@@ -127,6 +117,22 @@ pub fn launch(args: &BenchArgs) -> Result<(), AppError> {
         eprintln!("epcomm bench: plot written to {}", path.display());
     }
     Ok(())
+}
+
+/// Parses rank 0's report (either tiering's), checks it and prints it in the format asked
+/// for; returns it.
+fn print_report<R>(text: &str, args: &BenchArgs) -> Result<R, AppError>
+where
+    R: Report + serde::de::DeserializeOwned,
+{
+    let report: R =
+        serde_json::from_str(text).map_err(|e| AppError::Run(format!("results: {e}").into()))?;
+    report.check().map_err(|e| AppError::Run(e.into()))?;
+    let out = report
+        .render(args.format())
+        .map_err(|e| AppError::Run(e.into()))?;
+    write_stdout(&out)?;
+    Ok(report)
 }
 
 /// The results on stdout.

@@ -26,6 +26,7 @@ use crate::hier_results::{
     HIER_SCHEMA, HierConfig, HierReport, HierRow, NOTIFY_TOKENS, NotifyReport, TierNotifyReport,
     make_hier_row,
 };
+use crate::results::Report;
 use crate::validate::{BenchPlan, TransportChoice};
 use crate::worker::{Progress, Res, every_rank, hand_off, run_config};
 

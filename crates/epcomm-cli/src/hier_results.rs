@@ -9,8 +9,7 @@ use std::fmt::Write as _;
 use epcomm_check::hier_bench::{HierOp, HierRows};
 use serde::{Deserialize, Serialize};
 
-use crate::cli::OutputFormat;
-use crate::results::{BenchConfig, ResultError};
+use crate::results::{BenchConfig, Report, ResultError, check_shape, usable};
 
 /// Value of [`HierReport::schema`]; bumped on incompatible changes.
 pub const HIER_SCHEMA: &str = "epcomm-bench-hier/1";
@@ -92,10 +91,6 @@ pub struct HierReport {
     pub results: Vec<HierRow>,
     /// The notify latency at [`NOTIFY_TOKENS`] tokens per rank.
     pub notify: NotifyReport,
-}
-
-fn usable(t: f64) -> bool {
-    t.is_finite() && t > 0.0
 }
 
 /// Builds a row from rank 0's view: `times[r]` is rank r's median (rank 0's is the row's
@@ -265,21 +260,13 @@ pub const HIER_CSV_HEADER: &str = "op,tokens,sms,time_us,rail_gbps,nvlink_gbps,g
      node_kernel_us,world,nodes,local_ranks,gpus,transport,schedule,routes,hidden,top_k,experts,\
      iters,warmup";
 
-impl HierReport {
+impl Report for HierReport {
     /// Checks what came back from the workers: schema, ops and finite numbers.
     ///
     /// # Errors
     /// [`ResultError`] naming the first problem.
-    pub fn check(&self) -> Result<(), ResultError> {
-        if self.schema != HIER_SCHEMA {
-            return Err(ResultError::Malformed(format!(
-                "schema {:?}, expected {HIER_SCHEMA:?}",
-                self.schema
-            )));
-        }
-        if self.results.is_empty() {
-            return Err(ResultError::Malformed("no result rows".into()));
-        }
+    fn check(&self) -> Result<(), ResultError> {
+        check_shape(&self.schema, HIER_SCHEMA, self.results.len())?;
         for r in self.results.iter().chain([&self.notify.dispatch]) {
             r.check()?;
         }
@@ -288,25 +275,9 @@ impl HierReport {
         self.notify.node.check("node", world)
     }
 
-    /// The text for stdout in `format`.
-    ///
-    /// # Errors
-    /// Only if JSON serialisation fails.
-    pub fn render(&self, format: OutputFormat) -> Result<String, serde_json::Error> {
-        Ok(match format {
-            OutputFormat::Table => self.table(),
-            OutputFormat::Json => {
-                let mut s = serde_json::to_string_pretty(self)?;
-                s.push('\n');
-                s
-            }
-            OutputFormat::Csv => self.csv(),
-        })
-    }
-
     /// CSV: one line per op, then the notify line (its `tokens` is 128 and it alone fills the
     /// counts-ready and kernel columns, rank 0's); the configuration repeated on every line.
-    pub fn csv(&self) -> String {
+    fn csv(&self) -> String {
         let c = &self.config;
         let r = &c.run;
         let config = format!(
@@ -340,7 +311,7 @@ impl HierReport {
     }
 
     /// The human-readable table.
-    pub fn table(&self) -> String {
+    fn table(&self) -> String {
         let c = &self.config;
         let r = &c.run;
         let mut s = String::new();
@@ -436,6 +407,7 @@ impl HierReport {
 mod tests {
     use super::*;
     use crate::results::SCHEMA;
+    use crate::results::tests::json_of;
 
     fn rows() -> HierRows {
         HierRows {
@@ -537,32 +509,8 @@ mod tests {
     #[test]
     fn json_shape() {
         let r = synthetic();
-        r.check().unwrap();
-        let text = r.render(OutputFormat::Json).unwrap();
-        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
-        assert_eq!(v["schema"], HIER_SCHEMA);
         assert_ne!(HIER_SCHEMA, SCHEMA);
-        for key in [
-            "world",
-            "transport",
-            "schedule",
-            "routes",
-            "tokens",
-            "hidden",
-            "top_k",
-            "experts",
-            "sms",
-            "iters",
-            "warmup",
-            "fp8",
-            "gpu_sms",
-            "gpu_name",
-            "nodes",
-            "local_ranks",
-            "gpus",
-        ] {
-            assert!(!v["config"][key].is_null(), "config.{key} missing: {text}");
-        }
+        let v = json_of(&r, HIER_SCHEMA, &["nodes", "local_ranks", "gpus"]);
         let rows = v["results"].as_array().unwrap();
         assert_eq!(rows.len(), 4);
         for row in rows.iter().chain([&v["notify"]["dispatch"]]) {
@@ -585,7 +533,7 @@ mod tests {
             2
         );
         // Round trip (serde_json may move a float by an ulp).
-        let back: HierReport = serde_json::from_str(&text).unwrap();
+        let back: HierReport = serde_json::from_value(v.clone()).unwrap();
         assert_eq!(
             (&back.config, &back.notify.rail),
             (&r.config, &r.notify.rail)

@@ -188,8 +188,58 @@ pub fn op_display(id: &str) -> &str {
         .map_or(id, |op| op.name())
 }
 
-fn usable(t: f64) -> bool {
+/// A time or rate a report may carry: positive and finite (no NaN is ever reported).
+pub(crate) fn usable(t: f64) -> bool {
     t.is_finite() && t > 0.0
+}
+
+/// A report's schema is `expected` and it has result rows.
+///
+/// # Errors
+/// [`ResultError::Malformed`] saying which.
+pub(crate) fn check_shape(schema: &str, expected: &str, rows: usize) -> Result<(), ResultError> {
+    if schema != expected {
+        return Err(ResultError::Malformed(format!(
+            "schema {schema:?}, expected {expected:?}"
+        )));
+    }
+    if rows == 0 {
+        return Err(ResultError::Malformed("no result rows".into()));
+    }
+    Ok(())
+}
+
+/// A bench report of either tiering ([`BenchReport`], [`crate::hier_results::HierReport`]):
+/// rank 0 checks it before handing it to the launcher, which checks it again after parsing and
+/// prints it in the format asked for.
+pub trait Report: Serialize {
+    /// Fails on any number that is not usable or a shape that does not add up.
+    ///
+    /// # Errors
+    /// The first [`ResultError`] found.
+    fn check(&self) -> Result<(), ResultError>;
+
+    /// The human table.
+    fn table(&self) -> String;
+
+    /// CSV: one line per row, the configuration repeated on every line.
+    fn csv(&self) -> String;
+
+    /// The text for stdout in `format`.
+    ///
+    /// # Errors
+    /// Only if JSON serialisation fails.
+    fn render(&self, format: OutputFormat) -> Result<String, serde_json::Error> {
+        Ok(match format {
+            OutputFormat::Table => self.table(),
+            OutputFormat::Json => {
+                let mut s = serde_json::to_string_pretty(self)?;
+                s.push('\n');
+                s
+            }
+            OutputFormat::Csv => self.csv(),
+        })
+    }
 }
 
 /// Builds a row from rank 0's view: `times[r]` is rank r's median (rank 0's is the row's
@@ -230,21 +280,13 @@ pub fn make_row(
     })
 }
 
-impl BenchReport {
+impl Report for BenchReport {
     /// Checks what came back from the workers: schema and finite numbers.
     ///
     /// # Errors
     /// [`ResultError`] naming the first problem.
-    pub fn check(&self) -> Result<(), ResultError> {
-        if self.schema != SCHEMA {
-            return Err(ResultError::Malformed(format!(
-                "schema {:?}, expected {SCHEMA:?}",
-                self.schema
-            )));
-        }
-        if self.results.is_empty() {
-            return Err(ResultError::Malformed("no result rows".into()));
-        }
+    fn check(&self) -> Result<(), ResultError> {
+        check_shape(&self.schema, SCHEMA, self.results.len())?;
         for r in &self.results {
             let bad = |rank, value| ResultError::BadTime {
                 op: r.op.clone(),
@@ -270,24 +312,8 @@ impl BenchReport {
         Ok(())
     }
 
-    /// The text for stdout in `format`.
-    ///
-    /// # Errors
-    /// Only if JSON serialisation fails.
-    pub fn render(&self, format: OutputFormat) -> Result<String, serde_json::Error> {
-        Ok(match format {
-            OutputFormat::Table => self.table(),
-            OutputFormat::Json => {
-                let mut s = serde_json::to_string_pretty(self)?;
-                s.push('\n');
-                s
-            }
-            OutputFormat::Csv => self.csv(),
-        })
-    }
-
     /// CSV: one line per row, the config repeated on every line.
-    pub fn csv(&self) -> String {
+    fn csv(&self) -> String {
         let c = &self.config;
         let mut s = String::from(
             "op,sms,time_us,gbps,recv_rows,world,transport,schedule,routes,tokens,hidden,top_k,\
@@ -318,7 +344,7 @@ impl BenchReport {
     }
 
     /// The human-readable table (and the skew demo's outcome, when present).
-    pub fn table(&self) -> String {
+    fn table(&self) -> String {
         let c = &self.config;
         let mut s = String::new();
         let _ = writeln!(
@@ -412,31 +438,41 @@ pub(crate) mod tests {
         }
     }
 
-    #[test]
-    fn json_schema() {
-        let r = synthetic();
+    /// The configuration keys every report's JSON carries.
+    pub(crate) const CONFIG_KEYS: [&str; 14] = [
+        "world",
+        "transport",
+        "schedule",
+        "routes",
+        "tokens",
+        "hidden",
+        "top_k",
+        "experts",
+        "sms",
+        "iters",
+        "warmup",
+        "fp8",
+        "gpu_sms",
+        "gpu_name",
+    ];
+
+    /// `r` checked, rendered as JSON and parsed back; its schema and the configuration keys
+    /// (and `extra` ones) asserted.
+    pub(crate) fn json_of<R: Report>(r: &R, schema: &str, extra: &[&str]) -> serde_json::Value {
         r.check().unwrap();
         let text = r.render(OutputFormat::Json).unwrap();
         let v: serde_json::Value = serde_json::from_str(&text).unwrap();
-        assert_eq!(v["schema"], SCHEMA);
-        for key in [
-            "world",
-            "transport",
-            "schedule",
-            "routes",
-            "tokens",
-            "hidden",
-            "top_k",
-            "experts",
-            "sms",
-            "iters",
-            "warmup",
-            "fp8",
-            "gpu_sms",
-            "gpu_name",
-        ] {
+        assert_eq!(v["schema"], schema);
+        for key in CONFIG_KEYS.iter().chain(extra) {
             assert!(!v["config"][key].is_null(), "config.{key} missing: {text}");
         }
+        v
+    }
+
+    #[test]
+    fn json_schema() {
+        let r = synthetic();
+        let v = json_of(&r, SCHEMA, &[]);
         let rows = v["results"].as_array().unwrap();
         assert_eq!(rows.len(), 4);
         for row in rows {
@@ -450,7 +486,7 @@ pub(crate) mod tests {
         assert_eq!(rows[0]["op"], "dispatch_bf16");
         assert!(v.get("skew").is_none());
         // Round trip.
-        let back: BenchReport = serde_json::from_str(&text).unwrap();
+        let back: BenchReport = serde_json::from_value(v.clone()).unwrap();
         assert_eq!(back, r);
     }
 
