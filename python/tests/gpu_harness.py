@@ -78,13 +78,15 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def launch(case, n, transport="ipc", schedule="epoch", timeout=1200):
+def launch(case, n, transport="ipc", schedule="epoch", timeout=1200, env_defaults=None):
     """Runs `case` of gpu_cases.py on `n` ranks; fails naming every rank that failed (with the
-    end of its output). When one rank fails, the others get 30 s to finish, then are ended."""
+    end of its output). When one rank fails, the others get 30 s to finish, then are ended.
+    `env_defaults`: variables the ranks get unless the environment sets them."""
     port = _free_port()
     procs = []
     for rank in range(n):
-        env = dict(os.environ)
+        env = dict(env_defaults or {})
+        env.update(os.environ)
         env.update(
             RANK=str(rank),
             WORLD_SIZE=str(n),
