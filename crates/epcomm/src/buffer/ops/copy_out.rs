@@ -140,7 +140,7 @@ impl Buffer {
     /// # Errors
     /// [`Error::InvalidArgument`] naming `handle` (another buffer's, or not the latest
     /// dispatch's) or `array` (what the latest dispatch did not carry: scales of a BF16
-    /// dispatch), or `dst` (not device memory of this GPU, or misaligned); launch errors.
+    /// dispatch, weights of a dispatch without them), or `dst` (not device memory of this GPU, or misaligned); launch errors.
     ///
     /// # Safety
     /// `dst` must be `dst_bytes` bytes of device memory the caller owns until the copy has run
@@ -181,7 +181,16 @@ impl Buffer {
                 });
             }
             (RecvArray::TopkIdx, _) => top_k * 8,
-            (RecvArray::TopkWeights, _) => top_k * 4,
+            (RecvArray::TopkWeights, _) if latest.weights => top_k * 4,
+            (RecvArray::TopkWeights, _) => {
+                return Err(Error::InvalidArgument {
+                    argument: "array",
+                    rule:
+                        "the latest dispatch carried no top-k weights (a cached dispatch, or one \
+                           without topk_weights): there are none to copy"
+                            .into(),
+                });
+            }
         };
         let base = self.memory.mem.local_base();
         let at = |p| base + self.place.plan.region(array.region(), p).offset;
