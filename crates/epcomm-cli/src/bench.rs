@@ -13,19 +13,22 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cudarc::driver::CudaContext;
-use epcomm::{Buffer, BufferConfig, DispatchInput, DynTransport, RecvMode, XInput};
+use epcomm::{Buffer, DispatchInput, RecvMode, XInput};
 use epcomm_bootstrap::{Bootstrap, BootstrapConfig};
 use epcomm_check::inputs::{Shape, device_inputs, host_inputs};
 use epcomm_check::procs::{gpu_count, run_workers};
 use epcomm_check::timing::{BenchOp, LlTimer, Timer, median};
-use epcomm_check::verify::{RoundOptions, verified_round};
+use epcomm_check::verify::RoundOptions;
 
 use crate::cli::BenchArgs;
 use crate::doctor::KernelImage;
 use crate::hier_results::HierReport;
 use crate::results::{BenchReport, Report, SCHEMA, SkewReport, make_row};
-use crate::validate::{BenchPlan, FlagErrors, Machine, TransportChoice, validate_bench};
-use crate::worker::{Progress, RESULTS_ENV, Res, every_rank, hand_off, run_config};
+use crate::validate::{FlagErrors, Machine, TransportChoice, validate_bench};
+use crate::worker::{
+    Progress, RESULTS_ENV, Res, WorkerRun, announce_workload, bench_config, every_rank, hand_off,
+    run_config, time_everywhere, verify_rounds,
+};
 use crate::{AppError, gpu};
 
 /// How long the workers may run in all.
@@ -207,20 +210,24 @@ pub fn worker(args: &BenchArgs) -> Res {
     })?;
     let transport = plan.transport.spec.build(ctx.clone(), boot.clone())?;
     let gpus_used = boot.world_size().min(gpus);
+    let run = WorkerRun {
+        args,
+        plan: &plan,
+        boot: &boot,
+        ctx: &ctx,
+        transport: &transport,
+        gpus: gpus_used,
+    };
     if args.hierarchical {
-        return crate::bench_hier::run_hier_bench(args, &plan, &boot, &ctx, &transport, gpus_used);
+        return crate::bench_hier::run_hier_bench(&run);
     }
-    run_bench(args, &plan, &boot, &ctx, &transport, gpus_used)
+    run_bench(&run)
 }
 
-fn run_bench(
-    args: &BenchArgs,
-    plan: &BenchPlan,
-    boot: &Arc<Bootstrap>,
-    ctx: &Arc<CudaContext>,
-    transport: &Arc<dyn DynTransport>,
-    gpus: usize,
-) -> Res {
+/// The flat bench on this rank (collective): every SM count of the sweep, the low-latency ops
+/// with `--low-latency`, the skew demo with `--delay-us`.
+fn run_bench(run: &WorkerRun<'_>) -> Res {
+    let (args, plan, boot, ctx) = (run.args, run.plan, run.boot, run.ctx);
     let (rank, world) = (boot.rank(), boot.world_size());
     let (schedule, routes) = (plan.transport.schedule, plan.transport.routes);
     let shape = Shape::uniform(
@@ -236,44 +243,23 @@ fn run_bench(
         .filter(|&op| op != BenchOp::DispatchFp8 || plan.fp8)
         .collect();
     let progress = Progress::new(rank, (plan.sweep.len() * ops.len()) as u64, plan.is_sweep);
-    progress.say(format_args!(
-        "[1/4] generating DeepEP workload: {} tokens/rank, hidden {}, top-{} of {} experts",
-        args.tokens(),
-        args.hidden,
-        args.top_k,
-        args.experts
-    ));
+    announce_workload(&progress, "[1/4]", args);
     let inputs = host_inputs(&shape)?;
     let mut rows = Vec::new();
     let mut skew = None;
     for (i, &sms) in plan.sweep.iter().enumerate() {
-        let mut cfg = BufferConfig::new(args.tokens(), args.hidden, args.top_k, args.experts);
-        cfg.num_sms = sms;
-        (cfg.schedule, cfg.routes) = (schedule, routes);
-        cfg.combine_staging = args.combine_staging;
+        let mut cfg = bench_config(args, args.tokens(), sms, &plan.transport);
         if args.low_latency {
             cfg.ll_max_tokens_per_rank = args.tokens();
             cfg.ll_num_sms = args.ll_sms;
         }
-        let mut buf = Buffer::new(ctx.clone(), transport.clone(), cfg)?;
+        let mut buf = Buffer::new(ctx.clone(), run.transport.clone(), cfg)?;
         let dev = device_inputs(buf.stream(), &inputs, rank)?;
         if i == 0 {
             progress.say(
                 "[2/4] verifying BF16 and FP8 dispatch + cached dispatch + combine against the CPU reference",
             );
-            verified_round(&mut buf, &inputs, &dev, RoundOptions::default())?;
-            if plan.fp8 {
-                verified_round(
-                    &mut buf,
-                    &inputs,
-                    &dev,
-                    RoundOptions {
-                        fp8: true,
-                        check_layout: false,
-                        ..RoundOptions::default()
-                    },
-                )?;
-            }
+            verify_rounds(&mut buf, &inputs, &dev, RoundOptions::default(), plan.fp8)?;
             progress.say("      verified: every output matches the reference bit for bit");
         }
         progress.say(format_args!(
@@ -286,9 +272,8 @@ fn run_bench(
             progress
                 .bar
                 .set_message(format!("{} at {sms} SMs", op.name()));
-            timer.time(&mut buf, &dev, op, args.warmup)?;
-            let t = median(&timer.time(&mut buf, &dev, op, args.iters)?);
-            let times = every_rank(boot, &format!("bench-{sms}-{}", op.name()), t)?;
+            let tag = format!("bench-{sms}-{}", op.name());
+            let times = time_everywhere(&mut timer, &mut buf, &dev, op, args, boot, &tag)?;
             rows.push(make_row(op, sms, times, timer.num_recv, args.hidden)?);
             progress.bar.inc(1);
         }
@@ -350,7 +335,7 @@ fn run_bench(
     if rank == 0 {
         let report = BenchReport {
             schema: SCHEMA.into(),
-            config: run_config(args, plan, world, plan.sweep.clone(), ctx, gpus)?,
+            config: run_config(args, plan, world, plan.sweep.clone(), ctx, run.gpus)?,
             results: rows,
             skew,
         };

@@ -10,15 +10,12 @@
 //! carries come from the CPU reference's routing ([`hier_rows`]); a rank whose device receive
 //! count differs from it stops the run. Rank 0 hands a [`HierReport`] to the launcher.
 
-use std::sync::Arc;
-
-use cudarc::driver::CudaContext;
-use epcomm::{BufferConfig, DynTransport, ExpertParallel, HierarchicalBuffer};
+use epcomm::{ExpertParallel, HierarchicalBuffer};
 use epcomm_bootstrap::Bootstrap;
 use epcomm_check::hier_bench::{HierOp, HierRows, hier_rows};
-use epcomm_check::inputs::{HostInputs, Shape, device_inputs, host_inputs};
-use epcomm_check::timing::{TierNotify, Timer, median, notify_stats};
-use epcomm_check::verify::{RoundOptions, verified_round};
+use epcomm_check::inputs::{DeviceInputs, HostInputs, Shape, device_inputs, host_inputs};
+use epcomm_check::timing::{TierNotify, Timer, notify_stats};
+use epcomm_check::verify::RoundOptions;
 use epcomm_topology::Tiers;
 
 use crate::cli::BenchArgs;
@@ -27,8 +24,10 @@ use crate::hier_results::{
     make_hier_row,
 };
 use crate::results::Report;
-use crate::validate::{BenchPlan, TransportChoice};
-use crate::worker::{Progress, Res, every_rank, hand_off, run_config};
+use crate::worker::{
+    Progress, Res, WorkerRun, announce_workload, bench_config, every_rank, hand_off, run_config,
+    time_everywhere, verify_rounds,
+};
 
 /// The seed of the flat bench's workload.
 const SEED: u64 = 2025;
@@ -76,15 +75,6 @@ impl Workload {
     }
 }
 
-/// The buffer configuration for `tokens` tokens per rank.
-fn config(args: &BenchArgs, tokens: usize, transport: &TransportChoice) -> BufferConfig {
-    let mut cfg = BufferConfig::new(tokens, args.hidden, args.top_k, args.experts);
-    cfg.num_sms = args.sms;
-    (cfg.schedule, cfg.routes) = (transport.schedule, transport.routes);
-    cfg.combine_staging = args.combine_staging;
-    cfg
-}
-
 /// Stops the run when the device's receive count is not the reference's.
 fn check_recv(rank: usize, tokens: usize, device: usize, rows: &HierRows) -> Res {
     if device as u64 == rows.recv {
@@ -99,23 +89,16 @@ fn check_recv(rank: usize, tokens: usize, device: usize, rows: &HierRows) -> Res
     .into())
 }
 
-/// The verification rounds: BF16, and FP8 when `fp8`.
-fn verify(
-    buf: &mut HierarchicalBuffer,
-    w: &Workload,
-    dev: &epcomm_check::inputs::DeviceInputs,
-    fp8: bool,
-) -> Res {
-    let bf16 = RoundOptions {
+/// The verification rounds (BF16, and FP8 when `fp8`): dispatch, combine, cached dispatch
+/// and combine; no in-place combine (a flat buffer's) and no layout check (the rail tier's
+/// layout is the flat one's, checked by the flat bench).
+fn verify(buf: &mut HierarchicalBuffer, w: &Workload, dev: &DeviceInputs, fp8: bool) -> Res {
+    let base = RoundOptions {
         in_place: false,
         check_layout: false,
         ..RoundOptions::default()
     };
-    verified_round(buf, &w.inputs, dev, bf16)?;
-    if fp8 {
-        verified_round(buf, &w.inputs, dev, RoundOptions { fp8: true, ..bf16 })?;
-    }
-    Ok(())
+    verify_rounds(buf, &w.inputs, dev, base, fp8)
 }
 
 /// Every rank's value of an optional time (`None` travels as NaN).
@@ -126,34 +109,22 @@ fn every_rank_opt(boot: &Bootstrap, tag: &str, v: Option<f64>) -> Res<Vec<Option
         .collect())
 }
 
-/// Runs the internode bench on this rank (collective). `gpus`: GPUs the world runs on.
+/// Runs the internode bench on this rank (collective).
 ///
 /// # Errors
 /// Any failure of the buffers, the verification, the timing or the results.
-pub fn run_hier_bench(
-    args: &BenchArgs,
-    plan: &BenchPlan,
-    boot: &Arc<Bootstrap>,
-    ctx: &Arc<CudaContext>,
-    transport: &Arc<dyn DynTransport>,
-    gpus: usize,
-) -> Res {
+pub(crate) fn run_hier_bench(run: &WorkerRun<'_>) -> Res {
+    let (args, plan, boot, ctx) = (run.args, run.plan, run.boot, run.ctx);
     let (rank, world) = (boot.rank(), boot.world_size());
     let choice = &plan.transport;
     let progress = Progress::new(rank, 0, false);
     let sms = args.sms;
 
-    progress.say(format_args!(
-        "[1/5] generating DeepEP workload: {} tokens/rank, hidden {}, top-{} of {} experts",
-        args.tokens(),
-        args.hidden,
-        args.top_k,
-        args.experts
-    ));
+    announce_workload(&progress, "[1/5]", args);
     let mut buf = HierarchicalBuffer::new(
         ctx.clone(),
-        transport.clone(),
-        config(args, args.tokens(), choice),
+        run.transport.clone(),
+        bench_config(args, args.tokens(), sms, choice),
     )?;
     let tiers = buf.tiers();
     let work = Workload::new(args, world, args.tokens(), tiers)?;
@@ -179,9 +150,8 @@ pub fn run_hier_bench(
         .into_iter()
         .filter(|op| plan.fp8 || !op.is_fp8())
     {
-        timer.time(&mut buf, &dev, op.flat(), args.warmup)?;
-        let t = median(&timer.time(&mut buf, &dev, op.flat(), args.iters)?);
-        let times = every_rank(boot, &format!("hier-bench-{}", op.id()), t)?;
+        let tag = format!("hier-bench-{}", op.id());
+        let times = time_everywhere(&mut timer, &mut buf, &dev, op.flat(), args, boot, &tag)?;
         results.push(make_hier_row(
             op,
             args.tokens(),
@@ -199,14 +169,14 @@ pub fn run_hier_bench(
         "[4/5] notify latency: hierarchical dispatch of {NOTIFY_TOKENS} tokens/rank (verified \
          first), then each tier's counts-ready time from the stats blocks"
     ));
-    let notify = notify(args, boot, ctx, transport, tiers, plan)?;
+    let notify = notify(run, tiers)?;
     progress.say("[5/5] done");
 
     if rank == 0 {
         let report = HierReport {
             schema: HIER_SCHEMA.into(),
             config: HierConfig {
-                run: run_config(args, plan, world, vec![sms], ctx, gpus)?,
+                run: run_config(args, plan, world, vec![sms], ctx, run.gpus)?,
                 nodes: tiers.nodes(),
                 local_ranks: tiers.local_ranks(),
             },
@@ -220,19 +190,13 @@ pub fn run_hier_bench(
 }
 
 /// The notify measurement on a buffer for [`NOTIFY_TOKENS`] tokens per rank (collective).
-fn notify(
-    args: &BenchArgs,
-    boot: &Arc<Bootstrap>,
-    ctx: &Arc<CudaContext>,
-    transport: &Arc<dyn DynTransport>,
-    tiers: Tiers,
-    plan: &BenchPlan,
-) -> Res<NotifyReport> {
+fn notify(run: &WorkerRun<'_>, tiers: Tiers) -> Res<NotifyReport> {
+    let (args, boot, plan) = (run.args, run.boot, run.plan);
     let rank = boot.rank();
     let mut buf = HierarchicalBuffer::new(
-        ctx.clone(),
-        transport.clone(),
-        config(args, NOTIFY_TOKENS, &plan.transport),
+        run.ctx.clone(),
+        run.transport.clone(),
+        bench_config(args, NOTIFY_TOKENS, args.sms, &plan.transport),
     )?;
     let work = Workload::new(args, boot.world_size(), NOTIFY_TOKENS, tiers)?;
     let dev = device_inputs(buf.stream(), &work.inputs, rank)?;
@@ -240,9 +204,15 @@ fn notify(
     let mut timer = Timer::new(&mut buf, &dev)?;
     check_recv(rank, NOTIFY_TOKENS, timer.num_recv, work.rows(rank)?)?;
     let op = HierOp::DispatchBf16;
-    timer.time(&mut buf, &dev, op.flat(), args.warmup)?;
-    let t = median(&timer.time(&mut buf, &dev, op.flat(), args.iters)?);
-    let times = every_rank(boot, "hier-notify-dispatch", t)?;
+    let times = time_everywhere(
+        &mut timer,
+        &mut buf,
+        &dev,
+        op.flat(),
+        args,
+        boot,
+        "hier-notify-dispatch",
+    )?;
     let dispatch: HierRow = make_hier_row(
         op,
         NOTIFY_TOKENS,

@@ -9,7 +9,9 @@ use std::fmt::Write as _;
 use epcomm_check::hier_bench::{HierOp, HierRows};
 use serde::{Deserialize, Serialize};
 
-use crate::results::{BenchConfig, Report, ResultError, check_shape, usable};
+use crate::results::{
+    BenchConfig, Report, ResultError, check_shape, check_times, row_time, usable,
+};
 
 /// Value of [`HierReport::schema`]; bumped on incompatible changes.
 pub const HIER_SCHEMA: &str = "epcomm-bench-hier/1";
@@ -106,17 +108,12 @@ pub fn make_hier_row(
     rows: &HierRows,
     hidden: usize,
 ) -> Result<HierRow, ResultError> {
+    let t = row_time(op.id(), sms, &times)?;
     let bad = |rank, value| ResultError::BadTime {
         op: op.id().into(),
         sms,
         rank,
         value,
-    };
-    if let Some((rank, &value)) = times.iter().enumerate().find(|(_, t)| !usable(**t)) {
-        return Err(bad(rank, value));
-    }
-    let Some(&t) = times.first() else {
-        return Err(bad(0, f64::NAN));
     };
     let bytes = rows.bytes(op, hidden);
     let rate = |b: f64| b / (t * 1e-6) / 1e9;
@@ -142,21 +139,8 @@ pub fn make_hier_row(
 
 impl HierRow {
     fn check(&self) -> Result<(), ResultError> {
-        let bad = |rank, value| ResultError::BadTime {
-            op: self.op.clone(),
-            sms: self.sms,
-            rank,
-            value,
-        };
         if HierOp::from_id(&self.op).is_none() {
             return Err(ResultError::Malformed(format!("unknown op {:?}", self.op)));
-        }
-        if !usable(self.time_us) {
-            return Err(bad(0, self.time_us));
-        }
-        let rates = [self.rail_gbps, self.nvlink_gbps, self.gbps];
-        if !rates.iter().all(|v| v.is_finite() && *v >= 0.0) {
-            return Err(bad(0, self.time_us));
         }
         if self.rank_time_us.is_empty() {
             return Err(ResultError::Malformed(format!(
@@ -164,15 +148,8 @@ impl HierRow {
                 self.op
             )));
         }
-        match self
-            .rank_time_us
-            .iter()
-            .enumerate()
-            .find(|(_, t)| !usable(**t))
-        {
-            Some((rank, &v)) => Err(bad(rank, v)),
-            None => Ok(()),
-        }
+        let rates = [self.rail_gbps, self.nvlink_gbps, self.gbps];
+        check_times(&self.op, self.sms, self.time_us, &rates, &self.rank_time_us)
     }
 
     fn csv_fields(&self) -> String {
@@ -438,25 +415,7 @@ mod tests {
         HierReport {
             schema: HIER_SCHEMA.into(),
             config: HierConfig {
-                run: BenchConfig {
-                    world: 2,
-                    transport: "nvshmem:vnodes=2".into(),
-                    schedule: "epoch".into(),
-                    routes: "auto".into(),
-                    tokens: 4096,
-                    hidden: 7168,
-                    top_k: 8,
-                    experts: 256,
-                    sms: vec![24],
-                    iters: 50,
-                    warmup: 5,
-                    fp8: true,
-                    gpu_sms: 132,
-                    gpu_name: "Synthetic GPU".into(),
-                    gpus: 1,
-                    mps: false,
-                    combine_staging: "auto".into(),
-                },
+                run: crate::results::tests::synthetic_config(vec![24], 1),
                 nodes: 2,
                 local_ranks: 1,
             },

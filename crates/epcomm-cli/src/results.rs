@@ -242,6 +242,53 @@ pub trait Report: Serialize {
     }
 }
 
+/// A row's time: rank 0's of `times` (every rank's median, in rank order), once every rank's is
+/// usable (positive and finite).
+///
+/// # Errors
+/// [`ResultError::BadTime`] naming op `op`, `sms` and the first rank whose time is not usable
+/// (rank 0 with NaN when there is none at all).
+pub fn row_time(op: &str, sms: u32, times: &[f64]) -> Result<f64, ResultError> {
+    let bad = |rank, value| ResultError::BadTime {
+        op: op.into(),
+        sms,
+        rank,
+        value,
+    };
+    if let Some((rank, &value)) = times.iter().enumerate().find(|(_, t)| !usable(**t)) {
+        return Err(bad(rank, value));
+    }
+    times.first().copied().ok_or_else(|| bad(0, f64::NAN))
+}
+
+/// Checks a parsed row's numbers: its time and every rank's usable, its rates finite and not
+/// negative.
+///
+/// # Errors
+/// [`ResultError::BadTime`] naming `op`, `sms` and the rank (0 for the row's own time or a
+/// rate).
+pub fn check_times(
+    op: &str,
+    sms: u32,
+    time_us: f64,
+    rates: &[f64],
+    rank_time_us: &[f64],
+) -> Result<(), ResultError> {
+    let bad = |rank, value| ResultError::BadTime {
+        op: op.into(),
+        sms,
+        rank,
+        value,
+    };
+    if !usable(time_us) || !rates.iter().all(|v| v.is_finite() && *v >= 0.0) {
+        return Err(bad(0, time_us));
+    }
+    match rank_time_us.iter().enumerate().find(|(_, t)| !usable(**t)) {
+        Some((rank, &v)) => Err(bad(rank, v)),
+        None => Ok(()),
+    }
+}
+
 /// Builds a row from rank 0's view: `times[r]` is rank r's median (rank 0's is the row's
 /// time), `recv_rows` rank 0's received rows.
 ///
@@ -254,21 +301,15 @@ pub fn make_row(
     recv_rows: usize,
     hidden: usize,
 ) -> Result<ResultRow, ResultError> {
-    let bad = |rank, value| ResultError::BadTime {
-        op: op_id(op).into(),
-        sms,
-        rank,
-        value,
-    };
-    if let Some((rank, &value)) = times.iter().enumerate().find(|(_, t)| !usable(**t)) {
-        return Err(bad(rank, value));
-    }
-    let Some(&t) = times.first() else {
-        return Err(bad(0, f64::NAN));
-    };
+    let t = row_time(op_id(op), sms, &times)?;
     let gbps = op.metric_bytes(recv_rows, hidden) / (t * 1e-6) / 1e9;
     if !gbps.is_finite() {
-        return Err(bad(0, t));
+        return Err(ResultError::BadTime {
+            op: op_id(op).into(),
+            sms,
+            rank: 0,
+            value: t,
+        });
     }
     Ok(ResultRow {
         op: op_id(op).into(),
@@ -288,26 +329,7 @@ impl Report for BenchReport {
     fn check(&self) -> Result<(), ResultError> {
         check_shape(&self.schema, SCHEMA, self.results.len())?;
         for r in &self.results {
-            let bad = |rank, value| ResultError::BadTime {
-                op: r.op.clone(),
-                sms: r.sms,
-                rank,
-                value,
-            };
-            if !usable(r.time_us) {
-                return Err(bad(0, r.time_us));
-            }
-            if !(r.gbps.is_finite() && r.gbps >= 0.0) {
-                return Err(bad(0, r.time_us));
-            }
-            if let Some((rank, &v)) = r
-                .rank_time_us
-                .iter()
-                .enumerate()
-                .find(|(_, t)| !usable(**t))
-            {
-                return Err(bad(rank, v));
-            }
+            check_times(&r.op, r.sms, r.time_us, &[r.gbps], &r.rank_time_us)?;
         }
         Ok(())
     }
@@ -404,6 +426,29 @@ impl Report for BenchReport {
 pub(crate) mod tests {
     use super::*;
 
+    /// The configuration of a synthetic 2-rank run at `sms` SMs on `gpus` GPUs.
+    pub(crate) fn synthetic_config(sms: Vec<u32>, gpus: usize) -> BenchConfig {
+        BenchConfig {
+            world: 2,
+            transport: "nvshmem:vnodes=2".into(),
+            schedule: "epoch".into(),
+            routes: "auto".into(),
+            tokens: 4096,
+            hidden: 7168,
+            top_k: 8,
+            experts: 256,
+            sms,
+            iters: 50,
+            warmup: 5,
+            fp8: true,
+            gpu_sms: 132,
+            gpu_name: "Synthetic GPU".into(),
+            gpus,
+            mps: false,
+            combine_staging: "auto".into(),
+        }
+    }
+
     /// A synthetic two-point sweep on 2 ranks.
     pub(crate) fn synthetic() -> BenchReport {
         let mut results = Vec::new();
@@ -414,25 +459,7 @@ pub(crate) mod tests {
         }
         BenchReport {
             schema: SCHEMA.into(),
-            config: BenchConfig {
-                world: 2,
-                transport: "nvshmem:vnodes=2".into(),
-                schedule: "epoch".into(),
-                routes: "auto".into(),
-                tokens: 4096,
-                hidden: 7168,
-                top_k: 8,
-                experts: 256,
-                sms: vec![16, 32],
-                iters: 50,
-                warmup: 5,
-                fp8: true,
-                gpu_sms: 132,
-                gpu_name: "Synthetic GPU".into(),
-                gpus: 2,
-                mps: false,
-                combine_staging: "auto".into(),
-            },
+            config: synthetic_config(vec![16, 32], 2),
             results,
             skew: None,
         }

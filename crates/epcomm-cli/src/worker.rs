@@ -1,15 +1,21 @@
 //! What the bench workers (flat and hierarchical) share: where rank 0's results go, the error
-//! type, rank 0's progress messages and the all-gather of each rank's median.
+//! type, rank 0's progress messages, the buffer configuration, the verification rounds and
+//! the timing of one op on every rank.
 
 use std::io::IsTerminal as _;
+use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, sys};
+use epcomm::{BufferConfig, DynTransport, ExpertParallel};
 use epcomm_bootstrap::Bootstrap;
+use epcomm_check::inputs::{DeviceInputs, HostInputs};
+use epcomm_check::timing::{BenchOp, Timer, median};
+use epcomm_check::verify::{RoundOptions, verified_round};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::cli::BenchArgs;
 use crate::results::BenchConfig;
-use crate::validate::BenchPlan;
+use crate::validate::{BenchPlan, TransportChoice};
 
 /// Environment variable (set by the launcher for its workers) naming the file rank 0 writes
 /// its results to.
@@ -17,6 +23,17 @@ pub const RESULTS_ENV: &str = "EPCOMM_CLI_RESULTS";
 
 /// A worker's result.
 pub(crate) type Res<T = ()> = Result<T, Box<dyn std::error::Error>>;
+
+/// What a bench worker runs with: the flags and their plan, the rendezvous, this rank's CUDA
+/// context and transport, and how many GPUs the world runs on.
+pub(crate) struct WorkerRun<'a> {
+    pub(crate) args: &'a BenchArgs,
+    pub(crate) plan: &'a BenchPlan,
+    pub(crate) boot: &'a Arc<Bootstrap>,
+    pub(crate) ctx: &'a Arc<CudaContext>,
+    pub(crate) transport: &'a Arc<dyn DynTransport>,
+    pub(crate) gpus: usize,
+}
 
 /// The run's configuration as both reports give it: the flags, the plan's transport, the SM
 /// counts timed, rank 0's GPU, and how the ranks shared `gpus` GPUs.
@@ -108,4 +125,74 @@ pub(crate) fn every_rank(boot: &Bootstrap, tag: &str, t: f64) -> Res<Vec<f64>> {
                 .map_or(f64::NAN, f64::from_le_bytes)
         })
         .collect())
+}
+
+/// Rank 0's first message: the workload both benches generate. `step` is the worker's
+/// "[1/N]" prefix.
+pub(crate) fn announce_workload(progress: &Progress, step: &str, args: &BenchArgs) {
+    progress.say(format_args!(
+        "{step} generating DeepEP workload: {} tokens/rank, hidden {}, top-{} of {} experts",
+        args.tokens(),
+        args.hidden,
+        args.top_k,
+        args.experts
+    ));
+}
+
+/// The buffer configuration both benches run: `tokens` per rank, the flags' shape, `sms`
+/// SMs, the plan's schedule, routes and combine staging.
+pub(crate) fn bench_config(
+    args: &BenchArgs,
+    tokens: usize,
+    sms: u32,
+    transport: &TransportChoice,
+) -> BufferConfig {
+    let mut cfg = BufferConfig::new(tokens, args.hidden, args.top_k, args.experts);
+    cfg.num_sms = sms;
+    (cfg.schedule, cfg.routes) = (transport.schedule, transport.routes);
+    cfg.combine_staging = args.combine_staging;
+    cfg
+}
+
+/// The verification rounds before any timing: `base` (BF16), then, when `fp8`, the same
+/// round with FP8 rows (the layout is checked once, in the first).
+///
+/// # Errors
+/// The first mismatch or failure.
+pub(crate) fn verify_rounds<E: ExpertParallel>(
+    buf: &mut E,
+    inputs: &HostInputs,
+    dev: &DeviceInputs,
+    base: RoundOptions,
+    fp8: bool,
+) -> Res {
+    verified_round(buf, inputs, dev, base)?;
+    if fp8 {
+        let fp8 = RoundOptions {
+            fp8: true,
+            check_layout: false,
+            ..base
+        };
+        verified_round(buf, inputs, dev, fp8)?;
+    }
+    Ok(())
+}
+
+/// Times `op` (warm-up calls, then `args.iters` timed ones) and gathers every rank's median
+/// under `tag` (collective: every rank times the same ops in the same order).
+///
+/// # Errors
+/// The op's, the driver's or the bootstrap's.
+pub(crate) fn time_everywhere<E: ExpertParallel>(
+    timer: &mut Timer,
+    buf: &mut E,
+    dev: &DeviceInputs,
+    op: BenchOp,
+    args: &BenchArgs,
+    boot: &Bootstrap,
+    tag: &str,
+) -> Res<Vec<f64>> {
+    timer.time(buf, dev, op, args.warmup)?;
+    let t = median(&timer.time(buf, dev, op, args.iters)?);
+    every_rank(boot, tag, t)
 }
