@@ -17,8 +17,8 @@ use epcomm_reference::bf16;
 
 mod common;
 use common::{
-    MakeTransport, SuiteGroup, TestConfig, Worker, gpu_test, launch, launch_all, log, on_transport,
-    record_ran, small_cfg, worker, world,
+    MakeTransport, SuiteTiering, TestConfig, Worker, gpu_test, launch, launch_all, log,
+    on_transport, record_ran, small_cfg, worker, world,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -202,105 +202,11 @@ fn check_layout_variant(
 // ---------------------------------------------------------------------------------------------
 // The dispatch/combine suite.
 
-fn groups(world: usize) -> Vec<SuiteGroup> {
-    let per = |f: &dyn Fn(usize) -> usize| (0..world).map(f).collect::<Vec<_>>();
-    let hs = RoundOptions::default();
-    let fp8 = RoundOptions { fp8: true, ..hs };
-    let wc = RoundOptions {
-        mode: RecvMode::WorstCase,
-        check_layout: false,
-        ..hs
-    };
-    vec![
-        SuiteGroup {
-            hidden: 7168,
-            top_k: 8,
-            experts_per_rank: 256 / world.min(256),
-            max_tokens: 4096,
-            cases: vec![
-                (per(&|_| 4096), 0.0, None, hs),
-                (per(&|_| 4096), 0.0, None, fp8),
-                (per(&|r| if r == 0 { 1 } else { 0 }), 0.0, None, hs),
-                (per(&|r| 777 + 100 * r), 0.1, None, wc),
-                (per(&|_| 0), 0.0, None, hs),
-            ],
-        },
-        SuiteGroup {
-            hidden: 128,
-            top_k: 1,
-            experts_per_rank: 1,
-            max_tokens: 64,
-            cases: vec![
-                (per(&|_| 0), 0.0, None, hs),
-                (per(&|_| 1), 0.0, None, fp8),
-                (per(&|r| 3 + 14 * r), 0.3, None, hs),
-                (
-                    per(&|_| 64),
-                    0.0,
-                    None,
-                    RoundOptions {
-                        weights: false,
-                        ..fp8
-                    },
-                ),
-            ],
-        },
-        SuiteGroup {
-            hidden: 2056,
-            top_k: 9,
-            experts_per_rank: 144,
-            max_tokens: 512,
-            cases: vec![
-                (per(&|r| 333 + r), 0.2, None, hs),
-                (per(&|r| 511 - r), 0.0, None, wc),
-            ],
-        },
-        SuiteGroup {
-            hidden: 512,
-            top_k: 4,
-            experts_per_rank: 8,
-            max_tokens: 1024,
-            cases: vec![
-                (per(&|r| 1000 + 7 * r), 0.0, Some(0), hs),
-                (
-                    per(&|r| 1000 - 3 * r),
-                    0.0,
-                    Some(world - 1),
-                    RoundOptions {
-                        mode: RecvMode::Bounded(1024 * world),
-                        ..fp8
-                    },
-                ),
-            ],
-        },
-        SuiteGroup {
-            hidden: 256,
-            top_k: 3,
-            experts_per_rank: 3,
-            max_tokens: 16384,
-            cases: vec![
-                (per(&|_| 16384), 0.05, None, hs),
-                (per(&|_| 16384), 0.0, None, RoundOptions { fp8: true, ..wc }),
-            ],
-        },
-    ]
-}
-
 fn run_suite(w: &Worker, mk: MakeTransport<'_>, test: TestConfig) {
-    // EPCOMM_TEST_SMALL=1 keeps the small groups (for compute-sanitizer runs).
-    let small = std::env::var_os("EPCOMM_TEST_SMALL").is_some();
-    // EPCOMM_TEST_GROUPS=i,j keeps those groups (to rerun one).
-    let only: Option<Vec<usize>> = std::env::var("EPCOMM_TEST_GROUPS")
-        .ok()
-        .map(|v| v.split(',').filter_map(|g| g.trim().parse().ok()).collect());
-    let groups = groups(w.boot.world_size())
-        .into_iter()
-        .enumerate()
-        .filter(|(gi, g)| {
-            !(small && g.hidden * g.max_tokens > 1 << 20)
-                && only.as_ref().is_none_or(|o| o.contains(gi))
-        })
-        .collect();
+    let groups = common::selected(common::suite_groups(
+        w.boot.world_size(),
+        SuiteTiering::Flat,
+    ));
     common::run_suite_groups(
         w,
         &test,

@@ -22,81 +22,11 @@ use epcomm_check::procs::is_worker;
 use epcomm_check::verify::{RoundOptions, verified_round};
 use epcomm_reference::bf16;
 
-use common::{MakeTransport, SuiteGroup, TestConfig, Worker, launch, log, world};
-
-fn groups(world: usize) -> Vec<SuiteGroup> {
-    let per = |f: &dyn Fn(usize) -> usize| (0..world).map(f).collect::<Vec<_>>();
-    let hs = RoundOptions {
-        in_place: false,
-        ..RoundOptions::default()
-    };
-    let fp8 = RoundOptions { fp8: true, ..hs };
-    let wc = RoundOptions {
-        mode: RecvMode::WorstCase,
-        ..hs
-    };
-    vec![
-        SuiteGroup {
-            hidden: 7168,
-            top_k: 8,
-            experts_per_rank: 256 / world,
-            max_tokens: 1024,
-            cases: vec![
-                (per(&|_| 1024), 0.0, None, hs),
-                (per(&|_| 1024), 0.0, None, fp8),
-                (per(&|r| 777 - 100 * (r % 2)), 0.1, None, wc),
-                (per(&|r| if r == 0 { 1 } else { 0 }), 0.0, None, hs),
-                (per(&|_| 0), 0.0, None, hs),
-            ],
-        },
-        SuiteGroup {
-            hidden: 128,
-            top_k: 1,
-            experts_per_rank: 1,
-            max_tokens: 64,
-            cases: vec![
-                (per(&|_| 1), 0.0, None, fp8),
-                (per(&|r| 3 + 14 * r), 0.3, None, hs),
-                (
-                    per(&|_| 64),
-                    0.0,
-                    None,
-                    RoundOptions {
-                        weights: false,
-                        ..fp8
-                    },
-                ),
-            ],
-        },
-        SuiteGroup {
-            hidden: 2056,
-            top_k: 9,
-            experts_per_rank: 288 / world,
-            max_tokens: 256,
-            cases: vec![
-                (per(&|r| 201 + r), 0.2, None, hs),
-                (per(&|r| 255 - r), 0.0, None, wc),
-            ],
-        },
-        SuiteGroup {
-            hidden: 512,
-            top_k: 4,
-            experts_per_rank: 8,
-            max_tokens: 512,
-            cases: vec![
-                // Every token to the last rank (another node for rank 0).
-                (per(&|r| 500 + 3 * r), 0.0, Some(world - 1), hs),
-                (per(&|r| 400 - 7 * r), 0.05, Some(0), fp8),
-            ],
-        },
-    ]
-}
+use common::{MakeTransport, SuiteTiering, TestConfig, Worker, launch, log, world};
 
 fn run_hier(w: &Worker, mk: MakeTransport<'_>, test: TestConfig) {
-    let groups = groups(w.boot.world_size())
-        .into_iter()
-        .enumerate()
-        .collect();
+    let world = w.boot.world_size();
+    let groups = common::selected(common::suite_groups(world, SuiteTiering::TwoTier));
     common::run_suite_groups(
         w,
         &test,

@@ -595,6 +595,154 @@ pub type SuiteCase = (
     epcomm_check::verify::RoundOptions,
 );
 
+/// Which buffer a suite's groups are for.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum SuiteTiering {
+    /// One [`epcomm::Buffer`]: every round also runs the in-place combine.
+    Flat,
+    /// A [`epcomm::HierarchicalBuffer`]: no in-place combine (a flat buffer's), and at most
+    /// [`TWO_TIER_MAX_TOKENS`] tokens per rank (its node tier is sized for the worst case, and
+    /// the tests run several ranks on one GPU).
+    TwoTier,
+}
+
+/// The largest batch per rank of the two-tier suite (every group's tokens are capped to it).
+pub const TWO_TIER_MAX_TOKENS: usize = 1024;
+
+/// The dispatch/combine suite, one list for both tierings: hidden 7168/128/2056/512/256,
+/// top-k 1..9, 0/1/odd token counts, `-1` entries, skew to the first and the last rank (for
+/// rank 0 another node under two tiers), BF16 and FP8, with and without weights, and every
+/// receive mode. `world` ranks; for [`SuiteTiering::TwoTier`] each group's batch is capped at
+/// [`TWO_TIER_MAX_TOKENS`] (token counts and bounds with it) and rounds skip the in-place
+/// combine.
+pub fn suite_groups(world: usize, tiering: SuiteTiering) -> Vec<SuiteGroup> {
+    use epcomm::RecvMode;
+    use epcomm_check::verify::RoundOptions;
+    let per = |f: &dyn Fn(usize) -> usize| (0..world).map(f).collect::<Vec<_>>();
+    let hs = RoundOptions {
+        in_place: tiering == SuiteTiering::Flat,
+        ..RoundOptions::default()
+    };
+    let fp8 = RoundOptions { fp8: true, ..hs };
+    let wc = RoundOptions {
+        mode: RecvMode::WorstCase,
+        check_layout: false,
+        ..hs
+    };
+    let groups = vec![
+        SuiteGroup {
+            hidden: 7168,
+            top_k: 8,
+            experts_per_rank: 256 / world.min(256),
+            max_tokens: 4096,
+            cases: vec![
+                (per(&|_| 4096), 0.0, None, hs),
+                (per(&|_| 4096), 0.0, None, fp8),
+                (per(&|r| if r == 0 { 1 } else { 0 }), 0.0, None, hs),
+                (per(&|r| 777 + 100 * r), 0.1, None, wc),
+                (per(&|_| 0), 0.0, None, hs),
+            ],
+        },
+        SuiteGroup {
+            hidden: 128,
+            top_k: 1,
+            experts_per_rank: 1,
+            max_tokens: 64,
+            cases: vec![
+                (per(&|_| 0), 0.0, None, hs),
+                (per(&|_| 1), 0.0, None, fp8),
+                (per(&|r| 3 + 14 * r), 0.3, None, hs),
+                (
+                    per(&|_| 64),
+                    0.0,
+                    None,
+                    RoundOptions {
+                        weights: false,
+                        ..fp8
+                    },
+                ),
+            ],
+        },
+        SuiteGroup {
+            hidden: 2056,
+            top_k: 9,
+            experts_per_rank: 144,
+            max_tokens: 512,
+            cases: vec![
+                (per(&|r| 333 + r), 0.2, None, hs),
+                (per(&|r| 511 - r), 0.0, None, wc),
+            ],
+        },
+        SuiteGroup {
+            hidden: 512,
+            top_k: 4,
+            experts_per_rank: 8,
+            max_tokens: 1024,
+            cases: vec![
+                (per(&|r| 1000 + 7 * r), 0.0, Some(0), hs),
+                (
+                    per(&|r| 1000 - 3 * r),
+                    0.0,
+                    Some(world - 1),
+                    RoundOptions {
+                        mode: RecvMode::Bounded(1024 * world),
+                        ..fp8
+                    },
+                ),
+            ],
+        },
+        SuiteGroup {
+            hidden: 256,
+            top_k: 3,
+            experts_per_rank: 3,
+            max_tokens: 16384,
+            cases: vec![
+                (per(&|_| 16384), 0.05, None, hs),
+                (per(&|_| 16384), 0.0, None, RoundOptions { fp8: true, ..wc }),
+            ],
+        },
+    ];
+    match tiering {
+        SuiteTiering::Flat => groups,
+        SuiteTiering::TwoTier => groups.into_iter().map(cap_tokens).collect(),
+    }
+}
+
+/// `g` with at most [`TWO_TIER_MAX_TOKENS`] tokens per rank: the batch, every case's counts
+/// and every bound on the received rows (the rows a rank can receive shrink with the batch).
+fn cap_tokens(mut g: SuiteGroup) -> SuiteGroup {
+    use epcomm::RecvMode;
+    let cap = g.max_tokens.min(TWO_TIER_MAX_TOKENS);
+    let scale = |n: usize| n * cap / g.max_tokens;
+    for (tokens, _, _, opts) in &mut g.cases {
+        for t in tokens.iter_mut() {
+            *t = (*t).min(cap);
+        }
+        if let RecvMode::Bounded(n) = opts.mode {
+            opts.mode = RecvMode::Bounded(scale(n));
+        }
+    }
+    g.max_tokens = cap;
+    g
+}
+
+/// `groups` numbered, narrowed by the environment: `EPCOMM_TEST_SMALL=1` keeps the small ones
+/// (for compute-sanitizer runs), `EPCOMM_TEST_GROUPS=i,j` those numbers (to rerun one).
+pub fn selected(groups: Vec<SuiteGroup>) -> Vec<(usize, SuiteGroup)> {
+    let small = std::env::var_os("EPCOMM_TEST_SMALL").is_some();
+    let only: Option<Vec<usize>> = std::env::var("EPCOMM_TEST_GROUPS")
+        .ok()
+        .map(|v| v.split(',').filter_map(|g| g.trim().parse().ok()).collect());
+    groups
+        .into_iter()
+        .enumerate()
+        .filter(|(gi, g)| {
+            !(small && g.hidden * g.max_tokens > 1 << 20)
+                && only.as_ref().is_none_or(|o| o.contains(gi))
+        })
+        .collect()
+}
+
 /// One group of the dispatch/combine suite: a buffer shape and the cases run on it.
 pub struct SuiteGroup {
     pub hidden: usize,
