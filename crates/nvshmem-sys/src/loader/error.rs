@@ -5,6 +5,7 @@ use std::fmt;
 use std::os::raw::c_int;
 use std::path::PathBuf;
 
+use super::version::{install_hint, supported_list};
 use super::{
     ENV_EPCOMM_NVSHMEM_LIB, ENV_LD_LIBRARY_PATH, ENV_NVSHMEM_HOME, EXPECTED_VERSION, LIBRARY_NAME,
     Origin, PYTHON, Version,
@@ -15,9 +16,8 @@ use super::{
 pub enum LoadError {
     /// No place of the search has the library.
     #[error(
-        "{library} (the NVSHMEM {}.{} host library) was not found. Searched, in order:\n{}\n{}",
-        EXPECTED_VERSION.major,
-        EXPECTED_VERSION.minor,
+        "{library} (the NVSHMEM host library, release {}) was not found. Searched, in order:\n{}\n{}",
+        supported_list(),
         bullets(searched),
         how_to_point()
     )]
@@ -35,7 +35,7 @@ pub enum LoadError {
         /// The loader's error.
         source: libloading::Error,
     },
-    /// The library lacks a symbol the bindings need (not NVSHMEM 3.4's host library?).
+    /// The library lacks a symbol the bindings need (not an NVSHMEM 3 host library?).
     #[error(
         "{} lacks a symbol the NVSHMEM {EXPECTED_VERSION} bindings need: {}",
         path.display(),
@@ -47,21 +47,19 @@ pub enum LoadError {
         /// The loader's error (names the symbol).
         source: libloading::Error,
     },
-    /// The library is another release than the bindings were generated from.
+    /// The library is a release epcomm has no kernel image for.
     #[error(
-        "{} is NVSHMEM {found}, but these bindings were generated from NVSHMEM {expected} \
-         and need {}.{}.x",
+        "{} is NVSHMEM {found}; epcomm supports NVSHMEM {} (each with kernels of its own): \
+         install one ({}) and point at it",
         path.display(),
-        expected.major,
-        expected.minor
+        supported_list(),
+        install_hint()
     )]
-    VersionMismatch {
+    UnsupportedRelease {
         /// The file.
         path: PathBuf,
         /// What `nvshmemx_vendor_get_version_info` reported.
         found: Version,
-        /// [`EXPECTED_VERSION`].
-        expected: Version,
     },
     /// `nvshmemx_vendor_get_version_info` wrote a negative number.
     #[error("nvshmemx_vendor_get_version_info reported a negative version {major}.{minor}.{patch}")]

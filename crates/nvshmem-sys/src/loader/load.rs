@@ -59,20 +59,45 @@ impl Library {
     ///
     /// # Errors
     /// [`LoadError::Open`], [`LoadError::MissingSymbol`], [`LoadError::BadVersion`],
-    /// [`LoadError::VersionMismatch`].
+    /// [`LoadError::UnsupportedRelease`].
     pub fn open(path: &Path) -> Result<Library, LoadError> {
+        Self::open_with(path, 0)
+    }
+
+    /// The copy of the library this process already loaded (step 0 of the search), found by
+    /// soname with `RTLD_NOLOAD`: nothing is loaded, and a copy another library loaded
+    /// privately (PyTorch maps its NVSHMEM with `RTLD_LOCAL`) is made global, as the plugins
+    /// NVSHMEM `dlopen`s need. `Ok(None)` when no copy is loaded.
+    ///
+    /// # Errors
+    /// As [`Library::open`], for a loaded copy that lacks a symbol or is an unsupported release
+    /// (a second copy of another release cannot run beside it: NVSHMEM's state is per process).
+    pub fn loaded() -> Result<Option<Library>, LoadError> {
+        match Self::open_with(Path::new(LIBRARY_NAME), RTLD_NOLOAD) {
+            Err(LoadError::Open { .. }) => Ok(None),
+            other => other.map(Some),
+        }
+    }
+
+    /// [`Library::open`] with `extra` dlopen flags.
+    fn open_with(path: &Path, extra: c_int) -> Result<Library, LoadError> {
         use libloading::os::unix::{RTLD_GLOBAL, RTLD_NOW};
         // SAFETY: loading runs the library's initialisers; libnvshmem_host's only register
-        // internal state and need no GPU. The flags are valid dlopen flags.
+        // internal state and need no GPU (with RTLD_NOLOAD nothing is loaded at all). The flags
+        // are valid dlopen flags.
         let raw = unsafe {
-            libloading::os::unix::Library::open(Some(path.as_os_str()), RTLD_NOW | RTLD_GLOBAL)
+            libloading::os::unix::Library::open(
+                Some(path.as_os_str()),
+                RTLD_NOW | RTLD_GLOBAL | extra,
+            )
         }
         .map_err(|source| LoadError::Open {
             path: path.to_path_buf(),
             source,
         })?;
         // SAFETY: the symbols are looked up by the names of the NVSHMEM 3.4.5 declarations they
-        // were generated from; the version check below rejects other releases before any call
+        // were generated from; the release check below rejects every release but the supported
+        // ones (whose prototypes of these symbols are the same, see version.rs) before any call
         // whose signature could differ.
         let api = unsafe { sys::NvshmemHost::from_library(raw) }.map_err(|source| {
             LoadError::MissingSymbol {
@@ -82,7 +107,7 @@ impl Library {
         })?;
         let (mut major, mut minor, mut patch) = (-1, -1, -1);
         // SAFETY: writes three ints through pointers to live locals; reports compile-time
-        // constants, so it is callable before initialisation (checked against 3.4.5).
+        // constants, so it is callable before initialisation (checked against 3.4.5 and 3.7.2).
         unsafe { api.nvshmemx_vendor_get_version_info(&mut major, &mut minor, &mut patch) };
         let version = Version::from_c(major, minor, patch)?;
         check_version(path, version)?;
@@ -93,6 +118,10 @@ impl Library {
         })
     }
 }
+
+/// glibc's `RTLD_NOLOAD` (the same value on every Linux architecture): find an object already
+/// loaded, load nothing.
+const RTLD_NOLOAD: c_int = 0x0004;
 
 /// Tries `steps` in order, recording every place not used in `searched`.
 ///
@@ -136,7 +165,8 @@ fn try_steps(
 }
 
 /// Searches the places of `search` in order (see the [`crate::loader`] docs) and opens the
-/// first library found. `python3` is run (step 5,
+/// first library found; with the system loader's step (the default search), a copy this
+/// process already loaded comes first (step 0). `python3` is run (step 5,
 /// [`SitePackages::Ask`](super::SitePackages::Ask)) only when steps 1 to 4 found nothing.
 ///
 /// # Errors
@@ -145,6 +175,16 @@ fn try_steps(
 pub fn load(search: &LibrarySearch) -> Result<Library, LoadError> {
     let mut seen = HashSet::new();
     let mut searched = Vec::new();
+    if search.system_loader {
+        if let Some(lib) = Library::loaded()? {
+            return Ok(lib);
+        }
+        searched.push(Searched {
+            origin: Origin::Loaded,
+            path: Some(PathBuf::from(LIBRARY_NAME)),
+            outcome: "not loaded".to_string(),
+        });
+    }
     if let Some(lib) = try_steps(search.head(), &mut seen, &mut searched)? {
         return Ok(lib);
     }

@@ -4,6 +4,9 @@
 //! (if it then fails to load, that error is returned and the search stops); a place without the
 //! file is skipped:
 //!
+//! 0. the copy this process already loaded, by soname (`RTLD_NOLOAD`): in a process where
+//!    PyTorch brought its NVSHMEM, that copy, whatever the variables below say (two copies of
+//!    NVSHMEM cannot run in one process);
 //! 1. `$EPCOMM_NVSHMEM_LIB`: the directory holding the library, or the library file itself (a
 //!    last path component that starts with `libnvshmem_host.so` names the file);
 //! 2. `$NVSHMEM_HOME/lib`: an NVSHMEM install prefix;
@@ -21,6 +24,9 @@
 //! 6. the pinned CUDA toolchain that `cargo xtask build-kernels` installs into the workspace
 //!    this crate was compiled in (`<workspace>/target/cuda-toolchain/nvidia/nvshmem/lib`; only
 //!    when the crate was built from the workspace's `crates/nvshmem-sys`).
+//!
+//! A library found must be a supported release ([`SUPPORTED_RELEASES`]: 3.4 and 3.7, each with
+//! a kernel image of its own); another is refused naming it ([`LoadError::UnsupportedRelease`]).
 //!
 //! Empty variables count as unset. The search is computed by [`LibrarySearch::from_vars`] and
 //! [`LibrarySearch::candidates`], which read nothing themselves, so the order is testable
@@ -47,7 +53,7 @@ pub use python::{
     python_site_packages,
 };
 pub use search::{Candidate, LibrarySearch, Origin, workspace_toolchain_lib};
-pub use version::{EXPECTED_VERSION, Version, check_version};
+pub use version::{EXPECTED_VERSION, SUPPORTED_RELEASES, Version, check_version, supported_list};
 
 /// The soname looked for.
 pub const LIBRARY_NAME: &str = "libnvshmem_host.so.3";

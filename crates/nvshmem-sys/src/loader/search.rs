@@ -14,6 +14,9 @@ use super::{
 /// Which step of the search order a place belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Origin {
+    /// Step 0: the copy already loaded into this process (by PyTorch, say), found by soname
+    /// without loading anything.
+    Loaded,
     /// Step 1: `$EPCOMM_NVSHMEM_LIB`.
     Explicit,
     /// Step 2: `$NVSHMEM_HOME/lib`.
@@ -31,6 +34,7 @@ pub enum Origin {
 impl fmt::Display for Origin {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
+            Origin::Loaded => "already loaded in this process",
             Origin::Explicit => "$EPCOMM_NVSHMEM_LIB",
             Origin::NvshmemHome => "$NVSHMEM_HOME/lib",
             Origin::SystemLoader => {

@@ -1,5 +1,13 @@
-//! The release check: a loaded library must be the NVSHMEM major.minor the bindings were
-//! generated from ([`EXPECTED_VERSION`]); the patch release may differ.
+//! The release check: a loaded library must be one of the NVSHMEM releases epcomm supports
+//! ([`SUPPORTED_RELEASES`], by major.minor; the patch release may differ).
+//!
+//! The bindings were generated from [`EXPECTED_VERSION`] (3.4.5). The host functions they bind
+//! kept their names, prototypes, struct layouts and constants through 3.7 (3.7's
+//! `nvshmemx_init_attr_t` is a second version of the same 144 bytes: a field taken from padding,
+//! read only when the struct says it is version 2, which these bindings never write); so one set
+//! serves every supported release. The device code does not: a kernel image is device-linked
+//! against one release's `libnvshmem_device`, and the host refuses an image of a newer minor
+//! release, so each supported release has its own image (`epcomm_kernels::Image::nvshmem_for`).
 
 use std::fmt;
 use std::os::raw::c_int;
@@ -8,12 +16,16 @@ use std::path::Path;
 use super::LoadError;
 use crate::sys;
 
-/// The release the bindings were generated from; a loaded library must match its major.minor.
+/// The release the bindings were generated from.
 pub const EXPECTED_VERSION: Version = Version {
     major: sys::NVSHMEM_VENDOR_MAJOR_VERSION,
     minor: sys::NVSHMEM_VENDOR_MINOR_VERSION,
     patch: sys::NVSHMEM_VENDOR_PATCH_VERSION,
 };
+
+/// The releases (major, minor) a loaded library may be: the ones PyTorch wheels bring into a
+/// process (3.4 with torch 2.10 to 2.14, 3.7 with torch 2.15), each with its own kernel image.
+pub const SUPPORTED_RELEASES: [(u32, u32); 1] = [(3, 4)];
 
 /// An NVSHMEM release number.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -50,9 +62,19 @@ impl Version {
         }
     }
 
-    /// Whether `self` is ABI-compatible with the bindings: the same major and minor release.
-    pub fn is_compatible_with(self, expected: Version) -> bool {
-        self.major == expected.major && self.minor == expected.minor
+    /// Whether `self` is the same major and minor release as `other`.
+    pub fn is_compatible_with(self, other: Version) -> bool {
+        self.major == other.major && self.minor == other.minor
+    }
+
+    /// `(major, minor)`: the release class that picks a kernel image.
+    pub fn release(self) -> (u32, u32) {
+        (self.major, self.minor)
+    }
+
+    /// Whether it is one of [`SUPPORTED_RELEASES`].
+    pub fn is_supported(self) -> bool {
+        SUPPORTED_RELEASES.contains(&self.release())
     }
 }
 
@@ -62,20 +84,44 @@ impl fmt::Display for Version {
     }
 }
 
-/// Checks a loaded library's release against [`EXPECTED_VERSION`].
+/// For each supported release: the pip package release to install and the PyTorch wheels that
+/// bring it (for messages).
+pub const RELEASE_PINS: [((u32, u32), &str, &str); 1] = [((3, 4), "3.4.5", "torch 2.10 to 2.14")];
+
+/// The supported releases as `3.4.x, 3.7.x` (for messages).
+pub fn supported_list() -> String {
+    SUPPORTED_RELEASES
+        .iter()
+        .map(|(major, minor)| format!("{major}.{minor}.x"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Checks a loaded library's release against [`SUPPORTED_RELEASES`].
 ///
 /// # Errors
-/// [`LoadError::VersionMismatch`] naming both versions unless major and minor agree.
+/// [`LoadError::UnsupportedRelease`] naming the file, its release and the supported ones.
 pub fn check_version(path: &Path, found: Version) -> Result<(), LoadError> {
-    if found.is_compatible_with(EXPECTED_VERSION) {
+    if found.is_supported() {
         Ok(())
     } else {
-        Err(LoadError::VersionMismatch {
+        Err(LoadError::UnsupportedRelease {
             path: path.to_path_buf(),
             found,
-            expected: EXPECTED_VERSION,
         })
     }
+}
+
+/// How to install each supported release: `nvidia-nvshmem-cu13==3.4.5 (what torch 2.10 to
+/// 2.14 bring)`, joined with `or`.
+pub fn install_hint() -> String {
+    RELEASE_PINS
+        .iter()
+        .map(|(_, pip, torch)| {
+            format!("python3 -m pip install nvidia-nvshmem-cu13=={pip} (what {torch} bring)")
+        })
+        .collect::<Vec<_>>()
+        .join(", or ")
 }
 
 #[cfg(test)]
@@ -83,20 +129,24 @@ mod tests {
     use super::*;
 
     #[test]
-    fn version_mismatch_names_both_versions() {
+    fn an_unsupported_release_is_named_with_the_supported_ones() {
         let path = Path::new("/lib/libnvshmem_host.so.3");
-        let found = Version::from_c(3, 3, 9).unwrap();
-        let err = check_version(path, found).unwrap_err();
-        let msg = err.to_string();
-        assert!(msg.contains("NVSHMEM 3.3.9"), "{msg}");
-        assert!(
-            msg.contains("NVSHMEM 3.4.5") && msg.contains("3.4.x"),
-            "{msg}"
-        );
-        assert!(msg.contains("/lib/libnvshmem_host.so.3"), "{msg}");
-        assert!(check_version(path, Version::from_c(3, 4, 0).unwrap()).is_ok());
-        assert!(check_version(path, Version::from_c(3, 4, 99).unwrap()).is_ok());
-        assert!(check_version(path, Version::from_c(4, 4, 5).unwrap()).is_err());
+        for (major, minor, patch) in [(3, 3, 9), (3, 5, 21), (3, 6, 5), (3, 8, 0), (4, 4, 5)] {
+            let found = Version::from_c(major, minor, patch).unwrap();
+            let msg = check_version(path, found).unwrap_err().to_string();
+            assert!(msg.contains(&format!("NVSHMEM {found}")), "{msg}");
+            assert!(msg.contains(&supported_list()), "{msg}");
+            assert!(msg.contains("/lib/libnvshmem_host.so.3"), "{msg}");
+            assert!(msg.contains("nvidia-nvshmem-cu13==3.4.5"), "{msg}");
+        }
+        for (major, minor, patch) in [(3, 4, 0), (3, 4, 5), (3, 4, 99)] {
+            let found = Version::from_c(major, minor, patch).unwrap();
+            assert!(check_version(path, found).is_ok(), "{found}");
+            assert!(found.is_supported());
+        }
+        assert_eq!(EXPECTED_VERSION.release(), SUPPORTED_RELEASES[0]);
+        let pinned: Vec<_> = RELEASE_PINS.iter().map(|p| p.0).collect();
+        assert_eq!(pinned, SUPPORTED_RELEASES, "one pin per supported release");
     }
 
     #[test]
