@@ -30,7 +30,7 @@ fn main() {
     let n = IMAGE_TABLE.len();
     let mut bytes = format!("pub(crate) static EMBEDDED: [Option<&[u8]>; {n}] = [\n");
     let mut paths = format!("pub(crate) const BUILD_PATHS: [&str; {n}] = [\n");
-    for (_, artifact, _, _) in IMAGE_TABLE {
+    for (_, artifact, _, _, _) in IMAGE_TABLE {
         let path = dir.join(artifact);
         println!("cargo:rerun-if-changed={}", path.display());
         match fs::canonicalize(&path) {

@@ -14,7 +14,7 @@ from epcomm import errors
 def test_imports_without_torch_and_reports_the_build():
     info = epcomm.build_info()
     assert info["version"] == epcomm.__version__
-    assert [k[0] for k in info["kernels"]] == ["intranode", "intranode_nvshmem", "intranode_proxy"]
+    assert [k[0] for k in info["kernels"]] == ["intranode", "intranode_nvshmem", "intranode_nvshmem_3_7", "intranode_proxy"]
     assert epcomm.kernels_embedded(), "the wheel must carry the kernels (cargo xtask wheel)"
     assert info["transports"] == ["ipc", "nvshmem", "nvshmem:vnodes=N", "nvshmem:vnodes=max", "proxy-ce", "proxy-ce:vnodes=N", "proxy-verbs", "proxy-verbs:vnodes=N"]
     assert set(info["schedules"]) == {"epoch", "global"}

@@ -553,17 +553,18 @@ fn abi_probe(items: &[Item]) -> String {
 
 fn images_rust(images: &[KernelSource]) -> String {
     let mut o = format!(
-        "{RUST_BANNER} {IMAGES_FILE}; do not edit.\n// Included by the build script (to embed each artifact) and by the library.\n\n/// Every kernel image: (name, artifact file, build, entry source), in manifest order.\npub(crate) const IMAGE_TABLE: [(&str, &str, &str, &str); {}] = [\n",
+        "{RUST_BANNER} {IMAGES_FILE}; do not edit.\n// Included by the build script (to embed each artifact) and by the library.\n\n/// Every kernel image: (name, artifact file, build, entry source, NVSHMEM release or \"\"), in\n/// manifest order.\npub(crate) const IMAGE_TABLE: [(&str, &str, &str, &str, &str); {}] = [\n",
         images.len()
     );
     for i in images {
         let _ = writeln!(
             o,
-            "    ({:?}, {:?}, {:?}, {:?}),",
+            "    ({:?}, {:?}, {:?}, {:?}, {:?}),",
             i.name,
             i.artifact,
             i.kind.word(),
-            i.rel
+            i.rel,
+            i.nvshmem_release.as_deref().unwrap_or("")
         );
     }
     o.push_str("];\n");

@@ -558,7 +558,7 @@ mod tests {
         );
         t.write(
             kernels::IMAGES_FILE,
-            "a a.fatbin fatbin kernels/a.cu\nb b.cubin nvshmem_cubin kernels/b.cu\n",
+            "a a.fatbin fatbin kernels/a.cu\nb b.cubin nvshmem_cubin kernels/b.cu 3.4.5\n",
         );
         assert_eq!(
             kernel_files(t.path()).expect("manifest"),

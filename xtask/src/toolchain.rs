@@ -35,6 +35,48 @@ pub fn pip_nvshmem(pip_root: &Path) -> PathBuf {
     pip_root.join("nvidia/nvshmem")
 }
 
+/// Where NVSHMEM `release` lives when it is not the pinned toolchain's own (each release its own
+/// pip target under the toolchain's root: the wheels all install to `nvidia/nvshmem`).
+pub fn pip_nvshmem_release(pip_root: &Path, release: &str) -> PathBuf {
+    pip_root.join(format!("nvshmem-{release}/nvidia/nvshmem"))
+}
+
+/// The NVSHMEM release of an install (`include/non_abi/nvshmem_version.h`'s vendor version),
+/// as `major.minor.patch`; `None` when the header is missing or says no version.
+pub fn nvshmem_release_at(root: &Path) -> Option<String> {
+    let text = std::fs::read_to_string(root.join("include/non_abi/nvshmem_version.h")).ok()?;
+    let part = |name: &str| -> Option<u32> {
+        text.lines().find_map(|l| {
+            let mut words = l.split_whitespace();
+            match (words.next(), words.next(), words.next()) {
+                (Some("#define"), Some(n), Some(v)) if n == name => v.parse().ok(),
+                _ => None,
+            }
+        })
+    };
+    Some(format!(
+        "{}.{}.{}",
+        part("NVSHMEM_VENDOR_MAJOR_VERSION")?,
+        part("NVSHMEM_VENDOR_MINOR_VERSION")?,
+        part("NVSHMEM_VENDOR_PATCH_VERSION")?
+    ))
+}
+
+/// Installs NVSHMEM `release` alone into [`pip_nvshmem_release`]'s target.
+pub fn install_pip_nvshmem(env: &ToolchainEnv, release: &str) -> Result<()> {
+    let target = env.pip_root.join(format!("nvshmem-{release}"));
+    let mut cmd = Command::new(&env.python);
+    cmd.args(["-m", "pip", "install", "--no-deps", "--upgrade"])
+        .args(["--disable-pip-version-check", "--no-input", "--target"])
+        .arg(&target)
+        .arg(format!("nvidia-nvshmem-cu13=={release}"));
+    eprintln!(
+        "build-kernels: installing NVSHMEM {release} for its kernel image:\n  $ {}",
+        command_line(&cmd)
+    );
+    util::run_inherited(&mut cmd)
+}
+
 /// The inputs of discovery, captured from the process environment (or built by tests).
 #[derive(Debug, Clone)]
 pub struct ToolchainEnv {
@@ -300,30 +342,52 @@ fn nvshmem_at(root: &Path) -> Option<(PathBuf, PathBuf)> {
         .then_some((include, lib))
 }
 
-/// Where NVSHMEM is, without installing: `$NVSHMEM_HOME`, then the pinned pip toolchain.
-pub fn locate_nvshmem(env: &ToolchainEnv) -> Result<PathBuf, Vec<String>> {
+/// Where NVSHMEM `release` is, without installing: `$NVSHMEM_HOME` when it is that release,
+/// the pinned pip toolchain's own when it is, else the release's own pip target.
+pub fn locate_nvshmem_release(env: &ToolchainEnv, release: &str) -> Result<PathBuf, Vec<String>> {
     let mut searched = Vec::new();
-    match &env.nvshmem_home {
-        Some(home) if nvshmem_at(home).is_some() => return Ok(home.clone()),
-        Some(home) => searched.push(format!(
-            "$NVSHMEM_HOME = {} (no include/nvshmem.h or lib/libnvshmem_device.a)",
-            home.display()
-        )),
-        None => searched.push("$NVSHMEM_HOME (not set)".to_string()),
+    let mut at = |what: &str, root: PathBuf| {
+        match (nvshmem_at(&root), nvshmem_release_at(&root)) {
+            (Some(_), Some(found)) if found == release => return Some(root),
+            (Some(_), found) => searched.push(format!(
+                "{what} = {} (NVSHMEM {}, not {release})",
+                root.display(),
+                found.as_deref().unwrap_or("of unknown release")
+            )),
+            (None, _) => searched.push(format!(
+                "{what} = {} (no include/nvshmem.h or lib/libnvshmem_device.a)",
+                root.display()
+            )),
+        }
+        None
+    };
+    if let Some(home) = &env.nvshmem_home
+        && let Some(root) = at("$NVSHMEM_HOME", home.clone())
+    {
+        return Ok(root);
     }
-    let pip = pip_nvshmem(&env.pip_root);
-    if nvshmem_at(&pip).is_some() {
-        return Ok(pip);
+    if let Some(root) = at("pinned pip toolchain", pip_nvshmem(&env.pip_root)) {
+        return Ok(root);
     }
-    searched.push(format!("pinned pip toolchain: {} (missing)", pip.display()));
+    if let Some(root) = at(
+        "its own pip target",
+        pip_nvshmem_release(&env.pip_root, release),
+    ) {
+        return Ok(root);
+    }
     Err(searched)
 }
 
 impl Nvshmem {
-    /// Finds NVSHMEM (installing the pinned toolchain when `allow_install` and it is missing)
-    /// and hashes its device library.
-    pub fn resolve(env: &ToolchainEnv, allow_install: bool) -> Result<Nvshmem> {
-        let root = match locate_nvshmem(env) {
+    /// NVSHMEM `release` (`major.minor.patch`, from the image manifest) for device linking:
+    /// [`locate_nvshmem_release`], installing it with pip into its own target when
+    /// `allow_install` and it is missing; its device library hashed.
+    pub fn resolve_release(
+        env: &ToolchainEnv,
+        release: &str,
+        allow_install: bool,
+    ) -> Result<Nvshmem> {
+        let root = match locate_nvshmem_release(env, release) {
             Ok(root) => root,
             Err(searched) if !allow_install => {
                 return Err(Error::NvshmemNotFound {
@@ -332,24 +396,31 @@ impl Nvshmem {
                 });
             }
             Err(searched) => {
-                let installed = install_pip_toolchain(env).and_then(|()| {
-                    let root = pip_nvshmem(&env.pip_root);
-                    match nvshmem_at(&root) {
-                        Some(_) => Ok(root),
-                        None => Err(Error::Io {
-                            action: "finding NVSHMEM after installing into",
-                            path: root,
-                            source: std::io::ErrorKind::NotFound.into(),
-                        }),
-                    }
-                });
-                installed.map_err(|e| Error::NvshmemNotFound {
-                    searched,
-                    install_error: Some(e.to_string()),
-                })?
+                // The pinned release comes with the pinned toolchain; another with its own
+                // pip target.
+                let pinned = PIP_PACKAGES
+                    .iter()
+                    .any(|p| *p == format!("nvidia-nvshmem-cu13=={release}"));
+                let installed = if pinned {
+                    install_pip_toolchain(env)
+                } else {
+                    install_pip_nvshmem(env, release)
+                };
+                installed
+                    .map_err(|e| e.to_string())
+                    .and_then(|()| locate_nvshmem_release(env, release).map_err(|s| s.join("; ")))
+                    .map_err(|e| Error::NvshmemNotFound {
+                        searched,
+                        install_error: Some(e),
+                    })?
             }
         };
-        let (include, lib) = nvshmem_at(&root).ok_or_else(|| Error::NvshmemNotFound {
+        Self::at_root(&root)
+    }
+
+    /// The install at `root`, its device library hashed.
+    fn at_root(root: &Path) -> Result<Nvshmem> {
+        let (include, lib) = nvshmem_at(root).ok_or_else(|| Error::NvshmemNotFound {
             searched: vec![root.display().to_string()],
             install_error: None,
         })?;
@@ -486,24 +557,60 @@ mod tests {
     }
 
     #[test]
-    fn nvshmem_home_then_pip() {
+    fn each_release_from_nvshmem_home_the_pinned_toolchain_or_its_own_target() {
         let t = TempDir::new("shmem");
         let mut e = env(&t, None, &[]);
-        assert_eq!(locate_nvshmem(&e).expect_err("none").len(), 2);
-        t.write(
-            "ws/target/cuda-toolchain/nvidia/nvshmem/include/nvshmem.h",
-            "",
+        let install = |root: &str, release: (u32, u32, u32), lib: &str| {
+            t.write(&format!("{root}/include/nvshmem.h"), "");
+            t.write(
+                &format!("{root}/include/non_abi/nvshmem_version.h"),
+                &format!(
+                    "#pragma once\n#define NVSHMEM_VENDOR_MAJOR_VERSION {}\n\
+                     #define NVSHMEM_VENDOR_MINOR_VERSION {}\n#define NVSHMEM_VENDOR_PATCH_VERSION {}\n",
+                    release.0, release.1, release.2
+                ),
+            );
+            t.write(&format!("{root}/lib/libnvshmem_device.a"), lib);
+        };
+        assert_eq!(
+            locate_nvshmem_release(&e, "3.4.5").expect_err("none").len(),
+            2
         );
-        t.write(
-            "ws/target/cuda-toolchain/nvidia/nvshmem/lib/libnvshmem_device.a",
-            "a",
+        install("ws/target/cuda-toolchain/nvidia/nvshmem", (3, 4, 5), "a");
+        assert_eq!(
+            nvshmem_release_at(&pip_nvshmem(&e.pip_root)).as_deref(),
+            Some("3.4.5")
         );
-        assert_eq!(locate_nvshmem(&e), Ok(pip_nvshmem(&e.pip_root)));
-        t.write("mine/include/nvshmem.h", "");
-        t.write("mine/lib/libnvshmem_device.a", "b");
+        assert_eq!(
+            locate_nvshmem_release(&e, "3.4.5"),
+            Ok(pip_nvshmem(&e.pip_root))
+        );
+        // Another release is not the pinned toolchain's: its own target, named when missing.
+        let missing = locate_nvshmem_release(&e, "3.7.2").expect_err("3.7.2 missing");
+        assert!(
+            missing[0].contains("NVSHMEM 3.4.5, not 3.7.2"),
+            "{missing:?}"
+        );
+        install(
+            "ws/target/cuda-toolchain/nvshmem-3.7.2/nvidia/nvshmem",
+            (3, 7, 2),
+            "c",
+        );
+        assert_eq!(
+            locate_nvshmem_release(&e, "3.7.2"),
+            Ok(pip_nvshmem_release(&e.pip_root, "3.7.2"))
+        );
+        // $NVSHMEM_HOME serves the release it is, and only that one.
+        install("mine", (3, 4, 5), "b");
         e.nvshmem_home = Some(t.path().join("mine"));
-        assert_eq!(locate_nvshmem(&e), Ok(t.path().join("mine")));
-        let n = Nvshmem::resolve(&e, false).expect("resolve");
+        assert_eq!(
+            locate_nvshmem_release(&e, "3.4.5"),
+            Ok(t.path().join("mine"))
+        );
+        let n = Nvshmem::resolve_release(&e, "3.4.5", false).expect("resolve");
         assert_eq!(n.device_lib_sha256, util::hex(&sha2::Sha256::digest(b"b")));
+        let n = Nvshmem::resolve_release(&e, "3.7.2", false).expect("resolve 3.7.2");
+        assert_eq!(n.device_lib_sha256, util::hex(&sha2::Sha256::digest(b"c")));
+        assert!(Nvshmem::resolve_release(&e, "3.6.5", false).is_err());
     }
 }

@@ -57,7 +57,8 @@ impl Image {
     pub const INTRANODE: Image = Image {
         index: index_of("intranode"),
     };
-    /// The intranode image device-linked with NVSHMEM (`intranode_nvshmem.cubin`).
+    /// The intranode image device-linked with NVSHMEM 3.4 (`intranode_nvshmem.cubin`): the
+    /// NVSHMEM family's image when no release is asked for ([`Image::of`]).
     pub const INTRANODE_NVSHMEM: Image = Image {
         index: index_of("intranode_nvshmem"),
     };
@@ -67,7 +68,46 @@ impl Image {
         index: index_of("intranode_proxy"),
     };
 
-    /// The image a transport of `family` works with.
+    /// The image a transport of `family` works with whose device runtime is `device_library`
+    /// (NVSHMEM's `(major, minor)` for [`KernelFamily::NvshmemDevice`], from the transport's
+    /// loaded host library; `None`: the family's default image, [`Image::of`]).
+    ///
+    /// # Errors
+    /// [`KernelError::NoNvshmemImage`] when no NVSHMEM image was built against that release.
+    pub fn for_runtime(
+        family: KernelFamily,
+        device_library: Option<(u32, u32)>,
+    ) -> Result<Image, KernelError> {
+        match (family, device_library) {
+            (KernelFamily::NvshmemDevice, Some(release)) => Self::nvshmem_for(release),
+            _ => Ok(Self::of(family)),
+        }
+    }
+
+    /// The NVSHMEM image device-linked against release `(major, minor)` (any patch): the host
+    /// library refuses an image of a newer minor release, and an older one lacks its device
+    /// state's newer fields, so only the same minor release is taken.
+    ///
+    /// # Errors
+    /// [`KernelError::NoNvshmemImage`] naming the release and the images there are.
+    pub fn nvshmem_for(release: (u32, u32)) -> Result<Image, KernelError> {
+        images()
+            .find(|i| {
+                i.nvshmem_release()
+                    .is_some_and(|(a, b, _)| (a, b) == release)
+            })
+            .ok_or_else(|| KernelError::NoNvshmemImage {
+                release,
+                available: images()
+                    .filter_map(|i| i.nvshmem_release())
+                    .map(|(a, b, c)| format!("{a}.{b}.{c}"))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            })
+    }
+
+    /// The image a transport of `family` works with (for NVSHMEM, the 3.4 image; see
+    /// [`Image::for_runtime`]).
     pub fn of(family: KernelFamily) -> Image {
         match family {
             KernelFamily::NvlinkStore => Self::INTRANODE,
@@ -96,6 +136,16 @@ impl Image {
         match IMAGE_TABLE[self.index].2 {
             "fatbin" => ImageBuild::Fatbin,
             _ => ImageBuild::NvshmemCubin,
+        }
+    }
+
+    /// The NVSHMEM release `(major, minor, patch)` it is device-linked against (`None` for an
+    /// image without NVSHMEM).
+    pub fn nvshmem_release(self) -> Option<(u32, u32, u32)> {
+        let mut parts = IMAGE_TABLE[self.index].4.split('.').map(str::parse::<u32>);
+        match (parts.next(), parts.next(), parts.next(), parts.next()) {
+            (Some(Ok(a)), Some(Ok(b)), Some(Ok(c)), None) => Some((a, b, c)),
+            _ => None,
         }
     }
 
@@ -143,9 +193,53 @@ mod tests {
             assert!(["fatbin", "nvshmem_cubin"].contains(&IMAGE_TABLE[image.index].2));
             assert!(image.source().starts_with("kernels/") && image.source().ends_with(".cu"));
             assert!(image.build_path().ends_with(image.artifact()));
+            // An NVSHMEM image names its release; no other image does.
+            assert_eq!(
+                image.nvshmem_release().is_some(),
+                image.build() == ImageBuild::NvshmemCubin,
+                "{image:?}"
+            );
         }
         assert_eq!(Image::INTRANODE.artifact(), "intranode.fatbin");
         assert_eq!(Image::INTRANODE_NVSHMEM.build(), ImageBuild::NvshmemCubin);
         assert_eq!(Image::named("nope"), None);
+    }
+
+    #[test]
+    fn the_nvshmem_image_is_picked_by_the_runtime_release() {
+        use KernelFamily::{CpuProxy, NvlinkStore, NvshmemDevice};
+        assert_eq!(Image::INTRANODE_NVSHMEM.nvshmem_release(), Some((3, 4, 5)));
+        for (release, name) in [
+            ((3, 4), "intranode_nvshmem"),
+            ((3, 7), "intranode_nvshmem_3_7"),
+        ] {
+            let image = Image::for_runtime(NvshmemDevice, Some(release)).unwrap();
+            assert_eq!(image.name(), name);
+            let (a, b, _) = image.nvshmem_release().unwrap();
+            assert_eq!((a, b), release);
+        }
+        assert_eq!(
+            Image::for_runtime(NvshmemDevice, None).unwrap(),
+            Image::INTRANODE_NVSHMEM
+        );
+        // Other families ignore a release.
+        assert_eq!(
+            Image::for_runtime(NvlinkStore, Some((3, 7))).unwrap(),
+            Image::INTRANODE
+        );
+        assert_eq!(
+            Image::for_runtime(CpuProxy, None).unwrap(),
+            Image::INTRANODE_PROXY
+        );
+        for release in [(3, 3), (3, 5), (3, 6), (3, 8), (4, 4)] {
+            let e = Image::for_runtime(NvshmemDevice, Some(release)).unwrap_err();
+            let msg = e.to_string();
+            assert!(matches!(e, KernelError::NoNvshmemImage { .. }), "{e:?}");
+            assert!(
+                msg.contains(&format!("NVSHMEM {}.{}", release.0, release.1)),
+                "{msg}"
+            );
+            assert!(msg.contains("3.4.5, 3.7.2"), "{msg}");
+        }
     }
 }

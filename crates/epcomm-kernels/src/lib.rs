@@ -86,6 +86,30 @@ pub enum KernelError {
         #[source]
         source: std::io::Error,
     },
+    /// No NVSHMEM kernel image was built against the release the process's NVSHMEM host
+    /// library is.
+    #[error(
+        "the NVSHMEM host library in this process is NVSHMEM {}.{}, and epcomm has NVSHMEM \
+         kernels for {available} only (an image must be device-linked against the host's \
+         release): load one of those releases, or use another transport",
+        release.0,
+        release.1
+    )]
+    NoNvshmemImage {
+        /// The host library's `(major, minor)`.
+        release: (u32, u32),
+        /// The releases there are images for, e.g. `3.4.5, 3.7.2`.
+        available: String,
+    },
+    /// The driver refused to load a kernel image.
+    #[error("CUDA driver error while loading {artifact}: {source}")]
+    Load {
+        /// The image's artifact, e.g. `intranode.fatbin`.
+        artifact: &'static str,
+        /// The driver's error.
+        #[source]
+        source: cudarc::driver::DriverError,
+    },
     /// A CUDA driver call failed.
     #[error("CUDA driver error while {context}: {source}")]
     Driver {

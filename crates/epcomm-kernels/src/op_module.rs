@@ -220,21 +220,28 @@ pub struct OpModule {
 }
 
 impl OpModule {
-    /// Loads the embedded image of `family` into `ctx` and checks the argument-block ABI on
-    /// the device.
+    /// Loads the embedded image of `family` ([`Image::of`]) into `ctx` and checks the
+    /// argument-block ABI on the device.
     pub fn load(
         ctx: &Arc<CudaContext>,
         stream: &Arc<CudaStream>,
         family: KernelFamily,
     ) -> Result<Self, KernelError> {
-        let image = Image::of(family).bytes()?;
+        Self::load_image(ctx, stream, Image::of(family))
+    }
+
+    /// Loads `image` (one of a kernel family's images, e.g. from [`Image::for_runtime`]) into
+    /// `ctx` and checks the argument-block ABI on the device.
+    pub fn load_image(
+        ctx: &Arc<CudaContext>,
+        stream: &Arc<CudaStream>,
+        image: Image,
+    ) -> Result<Self, KernelError> {
+        let artifact = image.artifact();
+        let image = image.bytes()?;
         let module = ctx
             .load_module(Ptx::from_binary(image.to_vec()))
-            .context(match family {
-                KernelFamily::NvlinkStore => "loading intranode.fatbin",
-                KernelFamily::NvshmemDevice => "loading intranode_nvshmem.cubin",
-                KernelFamily::CpuProxy => "loading intranode_proxy.fatbin",
-            })?;
+            .map_err(|source| KernelError::Load { artifact, source })?;
         let f = |name| module.load_function(name).context("looking up a kernel");
         let probe = f("epcomm_abi_probe")?;
         let kernels = Self {

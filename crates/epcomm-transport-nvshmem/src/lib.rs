@@ -59,7 +59,7 @@ use epcomm_transport::{
     OptionSchema, REGISTRY_VERSION, Route, Schedule, SymmetricHeap, SymmetricMemory, Transport,
     TransportError, VirtualNodes, WorldLayout,
 };
-use nvshmem_sys::{ModuleRegistration, Nvshmem, SharedNvshmem, SymmetricAlloc};
+use nvshmem_sys::{ModuleRegistration, Nvshmem, SharedNvshmem, SymmetricAlloc, Version};
 
 use crate::sources::PutSources;
 
@@ -86,6 +86,54 @@ fn boot_err(context: &str) -> impl FnOnce(epcomm_bootstrap::BootstrapError) -> T
         context: context.to_string(),
         source,
     }
+}
+
+/// A release as the bytes every rank gathers (three little-endian u32).
+fn release_bytes(v: Version) -> Vec<u8> {
+    [v.major, v.minor, v.patch]
+        .iter()
+        .flat_map(|p| p.to_le_bytes())
+        .collect()
+}
+
+/// `Ok` when every rank's release (`gathered`, in rank order, as [`release_bytes`]) has
+/// `mine`'s major.minor.
+///
+/// # Errors
+/// [`TransportError::InvalidArgument`] naming `NVSHMEM release`, the first rank that differs,
+/// both releases and the fix.
+fn same_release(mine: Version, gathered: &[Vec<u8>]) -> Result<(), TransportError> {
+    let word = |b: &[u8], i: usize| {
+        b.get(4 * i..4 * i + 4)
+            .and_then(|w| w.try_into().ok())
+            .map(u32::from_le_bytes)
+    };
+    for (rank, b) in gathered.iter().enumerate() {
+        let theirs = match (word(b, 0), word(b, 1), word(b, 2)) {
+            (Some(major), Some(minor), Some(patch)) => Version {
+                major,
+                minor,
+                patch,
+            },
+            _ => {
+                return Err(TransportError::InvalidArgument {
+                    argument: "NVSHMEM release",
+                    rule: format!("rank {rank} sent {} bytes for its release, not 12", b.len()),
+                });
+            }
+        };
+        if !theirs.is_compatible_with(mine) {
+            return Err(TransportError::InvalidArgument {
+                argument: "NVSHMEM release",
+                rule: format!(
+                    "every rank must load the same NVSHMEM release: this rank loaded {mine}, \
+                     rank {rank} loaded {theirs} (point every rank at one install, e.g. the \
+                     same EPCOMM_NVSHMEM_LIB, or the same torch wheel)"
+                ),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// NVSHMEM environment for a job on one host, which needs no RDMA NIC: no remote transport,
@@ -182,6 +230,13 @@ impl NvshmemTransport {
             source: Box::new(e),
         })?;
         let (rank, world) = (bootstrap.rank(), bootstrap.world_size());
+        // Every rank the same release: NVSHMEM's unique id and state are release-internal, and
+        // each release runs kernels of its own.
+        let mine = lib.version();
+        let releases = bootstrap
+            .all_gather("epcomm-nvshmem-release", &release_bytes(mine))
+            .map_err(boot_err("gathering every rank's NVSHMEM release"))?;
+        same_release(mine, &releases)?;
         let uid = if rank == 0 {
             Some(Nvshmem::get_uniqueid(&lib).map_err(backend("drawing a unique id"))?)
         } else {
@@ -325,11 +380,16 @@ impl DeviceRuntime for NvshmemTransport {
     ) -> Result<ModuleRegistration, TransportError> {
         bind_context(&self.ctx)?;
         // SAFETY: the caller guarantees the module is live, of the NvshmemDevice family (linked
-        // against the libnvshmem_device release xtask pins, matching the checked host library)
-        // and outlives the registration.
+        // against the libnvshmem_device of `device_library`'s release, the checked host
+        // library's) and outlives the registration.
         unsafe { ModuleRegistration::new(&self.rt, module.cast()) }.map_err(backend(
             "registering the kernel module (nvshmemx_cumodule_init)",
         ))
+    }
+
+    /// The loaded host library's release: its kernels must be device-linked against it.
+    fn device_library(&self) -> Option<(u32, u32)> {
+        Some(self.rt.with(|rt| rt.library().version().release()))
     }
 }
 
@@ -394,5 +454,36 @@ impl Drop for NvshmemMemory {
     fn drop(&mut self) {
         // Before the buffer is freed (the fields drop after this): this memory's ops are over.
         self.sources.release(self.user);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn v(major: u32, minor: u32, patch: u32) -> Version {
+        Version {
+            major,
+            minor,
+            patch,
+        }
+    }
+
+    #[test]
+    fn every_rank_must_load_the_same_release() {
+        let mine = v(3, 4, 5);
+        let same = vec![release_bytes(v(3, 4, 5)), release_bytes(v(3, 4, 0))];
+        assert!(
+            same_release(mine, &same).is_ok(),
+            "patch releases may differ"
+        );
+        let other = vec![release_bytes(mine), release_bytes(v(3, 7, 2))];
+        let msg = same_release(mine, &other).unwrap_err().to_string();
+        assert!(msg.contains("NVSHMEM release"), "{msg}");
+        assert!(msg.contains("rank 1 loaded 3.7.2"), "{msg}");
+        assert!(msg.contains("this rank loaded 3.4.5"), "{msg}");
+        let short = vec![release_bytes(mine), vec![3, 0, 0, 0]];
+        let msg = same_release(mine, &short).unwrap_err().to_string();
+        assert!(msg.contains("rank 1 sent 4 bytes"), "{msg}");
     }
 }

@@ -304,6 +304,13 @@ pub trait DeviceRuntime {
         &self,
         module: cudarc::driver::sys::CUmodule,
     ) -> Result<Self::ModuleBinding, TransportError>;
+
+    /// The `(major, minor)` release of the device library the kernel image must be linked
+    /// against, when the runtime's host library decides it (NVSHMEM: the loaded host library's
+    /// release; the frontend picks that release's image). `None`: the family's one image.
+    fn device_library(&self) -> Option<(u32, u32)> {
+        None
+    }
 }
 
 /// A communication backend (static dispatch): both roles, what it supports, and where it runs.
@@ -336,6 +343,8 @@ pub trait DynTransport: Send + Sync + Debug {
         &self,
         module: cudarc::driver::sys::CUmodule,
     ) -> Result<Box<dyn Debug + Send + Sync>, TransportError>;
+    /// See [`DeviceRuntime::device_library`].
+    fn device_library_dyn(&self) -> Option<(u32, u32)>;
 }
 
 impl<T: Transport> DynTransport for T {
@@ -360,6 +369,9 @@ impl<T: Transport> DynTransport for T {
     ) -> Result<Box<dyn Debug + Send + Sync>, TransportError> {
         // SAFETY: the caller upholds `bind_module`'s contract (same contract).
         Ok(Box::new(unsafe { self.bind_module(module) }?))
+    }
+    fn device_library_dyn(&self) -> Option<(u32, u32)> {
+        self.device_library()
     }
 }
 

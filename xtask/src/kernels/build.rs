@@ -2,7 +2,7 @@
 //! compiles that (or, with `--check`, only reports it), removes the artifacts whose image is
 //! gone, and saves the record.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 
 use super::Layout;
@@ -78,12 +78,15 @@ pub fn build(layout: &Layout, env: &ToolchainEnv, opts: BuildOptions) -> Result<
             tc.origin
         );
     }
-    let nvshmem = if sources.iter().any(|s| s.kind == KernelKind::NvshmemCubin) {
-        Some(Nvshmem::resolve(env, !opts.check)?)
-    } else {
-        None
-    };
-    let plans = plan(layout, &sources, &manifest, &tc, nvshmem.as_ref())?;
+    // One NVSHMEM install per release the images name.
+    let mut nvshmem = BTreeMap::new();
+    for release in sources.iter().filter_map(|s| s.nvshmem_release.as_deref()) {
+        if !nvshmem.contains_key(release) {
+            let found = Nvshmem::resolve_release(env, release, !opts.check)?;
+            nvshmem.insert(release.to_string(), found);
+        }
+    }
+    let plans = plan(layout, &sources, &manifest, &tc, &nvshmem)?;
 
     let wanted: BTreeSet<String> = plans.iter().map(|p| p.src.artifact.clone()).collect();
     if opts.check {
@@ -145,13 +148,14 @@ fn plan(
     sources: &[KernelSource],
     manifest: &Manifest,
     tc: &Toolchain,
-    nvshmem: Option<&Nvshmem>,
+    nvshmem: &BTreeMap<String, Nvshmem>,
 ) -> Result<Vec<Plan>> {
     let deps = read_deps(&layout.workspace, &layout.kernels_dir())?;
     let mut plans = Vec::new();
     for src in sources {
         let source_bytes = fs::read(layout.workspace.join(&src.rel))
             .map_err(Error::io("reading", &layout.workspace.join(&src.rel)))?;
+        let nvshmem = src.nvshmem_release.as_deref().and_then(|r| nvshmem.get(r));
         let (nvcc_flags, link_flags) = flags(src.kind, &layout.workspace, tc, nvshmem);
         let hash = inputs_hash(&HashInputs {
             kind: src.kind,
@@ -477,10 +481,10 @@ cat "$src" > "$out""#,
             "#include \"common/tiny.cuh\"\nextern \"C\" __global__ void tiny(float* x, int n) {\n\
              int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < n) x[i] += TINY_ADD; }\n",
         );
-        let with_nvshmem = crate::toolchain::locate_nvshmem(&env).is_ok();
+        let with_nvshmem = crate::toolchain::locate_nvshmem_release(&env, "3.4.5").is_ok();
         let mut images = "tiny tiny.fatbin fatbin kernels/tiny/tiny.cu\n".to_string();
         if with_nvshmem {
-            images.push_str("tiny_put tiny_put.cubin nvshmem_cubin kernels/tiny/put.cu\n");
+            images.push_str("tiny_put tiny_put.cubin nvshmem_cubin kernels/tiny/put.cu 3.4.5\n");
             t.write(
                 "kernels/tiny/put.cu",
                 "#include <nvshmem.h>\n#include <nvshmemx.h>\n\

@@ -60,13 +60,19 @@ pub struct KernelSource {
     pub kind: KernelKind,
     /// Workspace-relative path of its entry source, e.g. `kernels/intranode/store.cu`.
     pub rel: String,
+    /// For an NVSHMEM image, the NVSHMEM release (`major.minor.patch`) it is device-linked
+    /// against; `None` for the others.
+    pub nvshmem_release: Option<String>,
 }
 
 /// A line of the image manifest that does not follow its format.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ImagesError {
-    /// Not four fields.
-    #[error("{IMAGES_FILE}:{line}: expected 4 fields (name artifact build entry), found {found}")]
+    /// Not four fields (five for an NVSHMEM image).
+    #[error(
+        "{IMAGES_FILE}:{line}: expected 4 fields (name artifact build entry), 5 for nvshmem_cubin \
+         (... entry release), found {found}"
+    )]
     Fields {
         /// 1-based line number.
         line: usize,
@@ -111,6 +117,16 @@ pub enum ImagesError {
         /// The entry path.
         entry: String,
     },
+    /// An NVSHMEM release that is not `major.minor.patch`.
+    #[error(
+        "{IMAGES_FILE}:{line}: NVSHMEM release `{release}` must be major.minor.patch, e.g. 3.4.5"
+    )]
+    Release {
+        /// 1-based line number.
+        line: usize,
+        /// The field found.
+        release: String,
+    },
     /// A name or artifact listed twice.
     #[error("{IMAGES_FILE}:{line}: {what} `{value}` is already listed")]
     Duplicate {
@@ -124,7 +140,8 @@ pub enum ImagesError {
 }
 
 /// Parses the image manifest: `#` starts a comment, blank lines are skipped, and every other
-/// line is `name artifact build entry`, separated by whitespace. Names are unique lower-case
+/// line is `name artifact build entry`, separated by whitespace, with a fifth field, the
+/// NVSHMEM release (`major.minor.patch`), for an `nvshmem_cubin` image. Names are unique lower-case
 /// identifiers, artifacts unique file names whose extension matches the build (`fatbin` →
 /// `.fatbin`, `nvshmem_cubin` → `.cubin`), entries `.cu` files under `kernels/`. Images keep
 /// the manifest's order.
@@ -141,11 +158,17 @@ pub fn parse_images(text: &str) -> std::result::Result<Vec<KernelSource>, Images
         if fields.is_empty() {
             continue;
         }
-        let &[name, artifact, build, entry] = fields.as_slice() else {
-            return Err(ImagesError::Fields {
-                line,
-                found: fields.len(),
-            });
+        let (name, artifact, build, entry, release) = match *fields.as_slice() {
+            [name, artifact, build, entry] => (name, artifact, build, entry, None),
+            [name, artifact, build, entry, release] => {
+                (name, artifact, build, entry, Some(release))
+            }
+            _ => {
+                return Err(ImagesError::Fields {
+                    line,
+                    found: fields.len(),
+                });
+            }
         };
         let mut chars = name.chars();
         if !chars.next().is_some_and(|c| c.is_ascii_lowercase())
@@ -160,6 +183,21 @@ pub fn parse_images(text: &str) -> std::result::Result<Vec<KernelSource>, Images
             line,
             build: build.to_string(),
         })?;
+        // An NVSHMEM image names its release; no other image has one.
+        if (kind == KernelKind::NvshmemCubin) != release.is_some() {
+            return Err(ImagesError::Fields {
+                line,
+                found: fields.len(),
+            });
+        }
+        if let Some(r) = release
+            && parse_release(r).is_none()
+        {
+            return Err(ImagesError::Release {
+                line,
+                release: r.to_string(),
+            });
+        }
         let extension = kind.extension();
         let stem = artifact
             .strip_suffix(extension)
@@ -198,9 +236,19 @@ pub fn parse_images(text: &str) -> std::result::Result<Vec<KernelSource>, Images
             artifact: artifact.to_string(),
             kind,
             rel: entry.to_string(),
+            nvshmem_release: release.map(str::to_string),
         });
     }
     Ok(images)
+}
+
+/// `major.minor.patch` as three numbers.
+pub fn parse_release(text: &str) -> Option<(u32, u32, u32)> {
+    let mut parts = text.split('.').map(str::parse::<u32>);
+    match (parts.next(), parts.next(), parts.next(), parts.next()) {
+        (Some(Ok(a)), Some(Ok(b)), Some(Ok(c)), None) => Some((a, b, c)),
+        _ => None,
+    }
 }
 
 /// The images of the workspace's manifest ([`IMAGES_FILE`]); none when it does not exist.
@@ -225,7 +273,7 @@ mod tests {
     fn parses_the_image_manifest() {
         let images = parse_images(
             "# comment\n\na  a.fatbin  fatbin  kernels/x/a.cu  # trailing\n\
-             b_2 b.cubin nvshmem_cubin kernels/b.cu\n",
+             b_2 b.cubin nvshmem_cubin kernels/b.cu 3.4.5\n",
         )
         .expect("parse");
         assert_eq!(
@@ -236,12 +284,14 @@ mod tests {
                     artifact: "a.fatbin".into(),
                     kind: KernelKind::Fatbin,
                     rel: "kernels/x/a.cu".into(),
+                    nvshmem_release: None,
                 },
                 KernelSource {
                     name: "b_2".into(),
                     artifact: "b.cubin".into(),
                     kind: KernelKind::NvshmemCubin,
                     rel: "kernels/b.cu".into(),
+                    nvshmem_release: Some("3.4.5".into()),
                 },
             ]
         );
@@ -254,6 +304,16 @@ mod tests {
             ("b x/b.fatbin fatbin kernels/b.cu", "Artifact {"),
             ("b .fatbin fatbin kernels/b.cu", "Artifact {"),
             ("b b.fatbin fatbin src/b.cu", "Entry {"),
+            (
+                "b b.cubin nvshmem_cubin kernels/b.cu",
+                "Fields { line: 2, found: 4 }",
+            ),
+            (
+                "b b.fatbin fatbin kernels/b.cu 3.4.5",
+                "Fields { line: 2, found: 5 }",
+            ),
+            ("b b.cubin nvshmem_cubin kernels/b.cu 3.4", "Release {"),
+            ("b b.cubin nvshmem_cubin kernels/b.cu 3.x.5", "Release {"),
             ("b b.fatbin fatbin kernels/b.cuh", "Entry {"),
             (
                 "a b.fatbin fatbin kernels/b.cu",

@@ -67,3 +67,23 @@ impl KernelImage {
         )
     }
 }
+
+#[cfg(test)]
+mod tests {
+    /// The NVSHMEM loader accepts exactly the releases there are kernel images for: a release
+    /// it loads always finds its image, and no image is built for a release it refuses.
+    #[test]
+    fn every_supported_nvshmem_release_has_its_image() {
+        use nvshmem_sys::loader::SUPPORTED_RELEASES;
+        for release in SUPPORTED_RELEASES {
+            let image = epcomm_kernels::Image::nvshmem_for(release)
+                .unwrap_or_else(|e| panic!("{release:?}: {e}"));
+            assert!(image.artifact().ends_with(".cubin"), "{image:?}");
+        }
+        let built: Vec<(u32, u32)> = epcomm_kernels::images()
+            .filter_map(|i| i.nvshmem_release())
+            .map(|(a, b, _)| (a, b))
+            .collect();
+        assert_eq!(built, SUPPORTED_RELEASES);
+    }
+}

@@ -11,8 +11,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use cudarc::driver::{CudaContext, CudaStream, sys};
-use epcomm_kernels::OpModule;
 use epcomm_kernels::abi::{self, ErrorRecord};
+use epcomm_kernels::{Image, OpModule};
 use epcomm_topology::{BufferPlan, Parity, RankGroup, RegionKind, Route, RoutePlan};
 use epcomm_transport::{DeviceBuffer, DynTransport, MappedHostBuffer, SymmetricMemory};
 
@@ -110,7 +110,9 @@ impl Buffer {
             Some(s) => s,
             None => ctx.new_stream().context("creating the comm stream")?,
         };
-        let kernels = OpModule::load(&ctx, &stream, caps.kernel_family)?;
+        // The family's image; NVSHMEM's built against the release its host library is.
+        let image = Image::for_runtime(caps.kernel_family, transport.device_library_dyn())?;
+        let kernels = OpModule::load_image(&ctx, &stream, image)?;
         // Waits across blocks and ranks need every block resident (kernels also launch
         // cooperatively, so a grid that cannot be co-resident fails instead of hanging).
         let fit = kernels.max_coresident_blocks(sms, ll_smem_words * 4)?;

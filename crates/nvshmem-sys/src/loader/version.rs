@@ -25,7 +25,7 @@ pub const EXPECTED_VERSION: Version = Version {
 
 /// The releases (major, minor) a loaded library may be: the ones PyTorch wheels bring into a
 /// process (3.4 with torch 2.10 to 2.14, 3.7 with torch 2.15), each with its own kernel image.
-pub const SUPPORTED_RELEASES: [(u32, u32); 1] = [(3, 4)];
+pub const SUPPORTED_RELEASES: [(u32, u32); 2] = [(3, 4), (3, 7)];
 
 /// An NVSHMEM release number.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -86,7 +86,10 @@ impl fmt::Display for Version {
 
 /// For each supported release: the pip package release to install and the PyTorch wheels that
 /// bring it (for messages).
-pub const RELEASE_PINS: [((u32, u32), &str, &str); 1] = [((3, 4), "3.4.5", "torch 2.10 to 2.14")];
+pub const RELEASE_PINS: [((u32, u32), &str, &str); 2] = [
+    ((3, 4), "3.4.5", "torch 2.10 to 2.14"),
+    ((3, 7), "3.7.2", "torch 2.15"),
+];
 
 /// The supported releases as `3.4.x, 3.7.x` (for messages).
 pub fn supported_list() -> String {
@@ -139,7 +142,7 @@ mod tests {
             assert!(msg.contains("/lib/libnvshmem_host.so.3"), "{msg}");
             assert!(msg.contains("nvidia-nvshmem-cu13==3.4.5"), "{msg}");
         }
-        for (major, minor, patch) in [(3, 4, 0), (3, 4, 5), (3, 4, 99)] {
+        for (major, minor, patch) in [(3, 4, 0), (3, 4, 5), (3, 4, 99), (3, 7, 0), (3, 7, 2)] {
             let found = Version::from_c(major, minor, patch).unwrap();
             assert!(check_version(path, found).is_ok(), "{found}");
             assert!(found.is_supported());
