@@ -31,16 +31,14 @@ __device__ __forceinline__ void store_step(int4* out, const int4 (&v)[U], int ba
 }
 
 // Copies one row of `n16` 16-byte vectors from `src` to row `rows[d]` of the region at
-// `bases[d] + off` for every destination d with rows[d] >= 0 (both tables in shared memory).
-// One warp. Destinations reached through the transport (Net::remote) get one warp put of the
-// row instead, to transport PE pe_base + d * pe_stride; with `kRemotePuts` false they get
-// nothing here (the caller sends their rows itself: the proxy dispatch's runs).
-template <class Net, bool kRemotePuts = true>
+// `bases[d] + off` for every destination d with rows[d] >= 0 (both tables in shared memory)
+// that is a mapped rank: one reached through the transport (Net::remote) gets its row from the
+// policy's own send (common/net.cuh, `send_row`). One warp.
+template <class Net>
 __device__ __forceinline__ void warp_copy_row_multi(const int4* src, uint8_t* const* bases,
                                                     const int* rows, uint64_t off,
                                                     int64_t row_bytes, int ndst, int n16,
-                                                    int lane, uint64_t remote_mask, int pe_base,
-                                                    int pe_stride) {
+                                                    int lane, uint64_t remote_mask) {
   for (int base = 0; base < n16; base += 32 * kCopyUnroll) {
     int4 v[kCopyUnroll];
     load_step(v, src, base, n16, lane);
@@ -49,12 +47,6 @@ __device__ __forceinline__ void warp_copy_row_multi(const int4* src, uint8_t* co
       if (row < 0 || Net::remote(remote_mask, d)) continue;
       store_step(reinterpret_cast<int4*>(bases[d] + off + row * row_bytes), v, base, n16, lane);
     }
-  }
-  if constexpr (Net::kTransport && kRemotePuts) {
-    for (int d = 0; remote_mask != 0 && d < ndst; ++d)
-      if (rows[d] >= 0 && Net::remote(remote_mask, d))
-        Net::put_warp(bases[d] + off + rows[d] * row_bytes, src, static_cast<size_t>(n16) * 16,
-                      pe_base + d * pe_stride);
   }
 }
 

@@ -7,15 +7,14 @@
 #include <nvshmemx.h>
 
 #include "common/net.cuh"
+#include "common/seq.cuh"
+#include "common/wait.cuh"
 
 namespace epcomm {
 
 struct NvshmemNet {
-  static constexpr bool kTransport = true;
   // Metadata goes element by element (`nvshmem_<type>_p`), in its final form.
   static constexpr bool kMetadataRows = false;
-  // Every token is put on its own (the dispatch deals tokens block-first).
-  static constexpr bool kCoalesceRuns = false;
 
   __device__ static __forceinline__ bool remote(uint64_t remote_mask, int d) {
     return ((remote_mask >> d) & 1ull) != 0;
@@ -78,6 +77,58 @@ struct NvshmemNet {
   __device__ static __forceinline__ void put_signal_warp(void* dst, const void* src, size_t bytes,
                                                          uint64_t* sig, uint64_t v, int pe) {
     nvshmemx_putmem_signal_nbi_warp(dst, src, bytes, sig, v, NVSHMEM_SIGNAL_SET, pe);
+  }
+
+  // [E4] Tokens block-first, each on its own: its row by stores and one warp put per transport
+  // rank, its metadata and source index element by element (`put_elem`) to every rank.
+  struct DispatchSender {
+    __device__ __forceinline__ explicit DispatchSender(const DispatchSend&) {}
+    __device__ static __forceinline__ TokenDeal deal(int gwarp, int nwarps, int n) {
+      return deal_block_first(gwarp, nwarps, n);
+    }
+    __device__ __forceinline__ void token(const DispatchSend&, const int&, const int*) {}
+    __device__ __forceinline__ void send_row(const DispatchSend& op, const int4* src,
+                                             const int* rows, int n16) const {
+      warp_copy_put_row_multi<NvshmemNet>(src, op.bases, rows, op.off_x, op.a.row_bytes, op.world,
+                                          n16, op.lane, op.a.remote_mask, op.w.pe_base,
+                                          op.w.pe_stride);
+    }
+    __device__ __forceinline__ bool elements(const DispatchSend&, int) const { return true; }
+    __device__ __forceinline__ void flush(const DispatchSend&) const {}
+  };
+
+  // [E8] Every row arrived in its final form.
+  __device__ static __forceinline__ void finish_dispatch(const DispatchSend&, uint8_t*, int, int) {}
+
+  // [C1] A transport rank's row: its weights, then the row with its flag (put-with-signal,
+  // delivered after the row), ordered by a fence; block-first as the mapped ranks' rows.
+  struct CombinePusher {
+    __device__ __forceinline__ explicit CombinePusher(const CombinePush&) {}
+    __device__ __forceinline__ void push_runs(const CombinePush&, int, int, int) const {}
+    __device__ __forceinline__ bool sent(const CombinePush&, int) const { return false; }
+    __device__ __forceinline__ bool push(const CombinePush& op, int r, int row,
+                                         int64_t slot) const {
+      if (!remote(op.a.remote_mask, r)) return false;
+      if (op.has_w)
+        put_warp(op.bases[r] + op.off_comb_w + slot * op.top_k * 4,
+                 op.y_w + static_cast<int64_t>(row) * op.top_k,
+                 static_cast<size_t>(op.top_k) * 4, peer_pe(op.w, r));
+      fence();
+      put_signal_warp(op.bases[r] + op.off_comb_x + slot * op.row_bytes, op.y + row * op.row_bytes,
+                      static_cast<size_t>(op.row_bytes),
+                      u64_at(op.bases[r], op.a.off_comb_flags) + slot, op.epoch,
+                      peer_pe(op.w, r));
+      return true;
+    }
+  };
+
+  // [L3] Rows and FP8 rows by warp puts, metadata element by element.
+  using LlDispatchSender = PutLlDispatchSender<NvshmemNet>;
+
+  // [L8] A transport rank's row by one warp put.
+  __device__ static __forceinline__ bool put_row(bool is_remote, void* dst, const void* src,
+                                                 size_t bytes, int pe) {
+    return put_row_if_remote<NvshmemNet>(is_remote, dst, src, bytes, pe);
   }
 };
 

@@ -21,8 +21,10 @@
 // the destination offset is `address - local_base`.
 #pragma once
 #include "common/abi.cuh"
+#include "common/copy.cuh"
 #include "common/net.cuh"
 #include "common/ptx.cuh"
+#include "common/seq.cuh"
 #include "common/wait.cuh"
 
 // The module global the host writes once per buffer (cuModuleGetGlobal "epcomm_proxy_channel").
@@ -30,21 +32,41 @@ __device__ epcomm::ProxyChannel epcomm_proxy_channel;
 
 namespace epcomm {
 
+// The size of a run sent to a proxied peer as one transfer per record (the normal dispatch's
+// [E4] and the combine's [C1] runs, below): at most kMaxRows rows and at most kMaxBytes bytes
+// of rows (the proxy's own merge limit, ProxyConfig::max_run_bytes), so the proxy gets work
+// while a warp's chunk is still being sent; at least one row.
+struct PeerRunLimits {
+  static constexpr int kMaxRows = 256;
+  static constexpr int64_t kMaxBytes = 1 << 20;
+  __device__ static __forceinline__ int max_rows(int64_t row_bytes) {
+    if (row_bytes <= 0) return 1;
+    const int64_t by_bytes = kMaxBytes / row_bytes;
+    return static_cast<int>(by_bytes < 1 ? 1 : (by_bytes < kMaxRows ? by_bytes : kMaxRows));
+  }
+};
+
+// [E4] A lane's open runs, one per peer d = lane + 32 * i (i < kSlots), kept in registers
+// (every index is a compile-time constant). len 0: no open run. A run holds at most `max_len`
+// tokens (PeerRunLimits).
+struct PeerRuns {
+  static constexpr int kSlots = static_cast<int>((kMaxWorld + 31) / 32);
+  int t0[kSlots], row0[kSlots], len[kSlots];
+  int max_len;
+  __device__ __forceinline__ void init(int row_bytes) {
+#pragma unroll
+    for (int i = 0; i < kSlots; ++i) t0[i] = row0[i] = len[i] = 0;
+    max_len = PeerRunLimits::max_rows(row_bytes);
+  }
+};
+
 struct ProxyNet {
-  static constexpr bool kTransport = true;
   // A descriptor per element is what made the transport slow: a dispatched token's metadata
-  // travels to a proxied peer as whole-row transfers (`put_lanes`): the normal dispatch's
-  // scales, top-k ids and weights from the caller's rows, untransformed (the receiver
-  // finishes them, [E8]); the low-latency dispatch's metadata row from a metadata send row ([L3]).
+  // travels to a proxied peer in whole rows, never element by element: the normal dispatch's
+  // scales, top-k ids and weights as transfers of the caller's rows, untransformed (in runs,
+  // `DispatchSender`; the receiver finishes them, [E8]); the low-latency dispatch's metadata
+  // row from a metadata send row ([L3], `LlDispatchSender`).
   static constexpr bool kMetadataRows = true;
-  // ... and a descriptor per token still was: the normal dispatch deals each warp a contiguous
-  // chunk of tokens and sends a proxied peer each run of consecutive tokens bound for
-  // consecutive rows as one transfer per record (rows, scales, ids, weights) and one WRITE per
-  // source index, all on consecutive positions from one claim ([E4], `claim_fenced`,
-  // `emit_transfer`, `emit_write`). The combine's push does the same with its rows: a run of
-  // consecutive rows from one source, bound for consecutive slots, is one transfer of rows,
-  // one of weights and one SIGNAL per row ([C1], `emit_signal`).
-  static constexpr bool kCoalesceRuns = true;
 
   __device__ static __forceinline__ bool remote(uint64_t remote_mask, int d) {
     return ((remote_mask >> d) & 1ull) != 0;
@@ -275,6 +297,268 @@ struct ProxyNet {
       emit(p + 1, kProxyKindSignal, 0, pe, offset_of(sig), v, 0);
     }
     __syncwarp();
+  }
+
+  // [E4] A descriptor per token was slow as well: each warp takes a contiguous chunk of
+  // tokens (`deal`), so that its tokens bound for a proxied peer form runs. Lane `l` keeps, in
+  // registers, the open run of every proxied peer d = l + 32 * i: tokens t0 .. t0 + len - 1 of
+  // this warp's chunk, bound for rows row0 .. row0 + len - 1 of d. A token extends its peer's
+  // run when it continues it in both; otherwise (or when the run is full) the run is sent
+  // (`put_run`) and a new one starts. The lane sends every open run after the chunk (`flush`),
+  // before the block's `quiet`. Mapped ranks get the token by stores, as under StoreNet.
+  struct DispatchSender {
+    PeerRuns runs;
+
+    __device__ __forceinline__ explicit DispatchSender(const DispatchSend& op) {
+      runs.init(op.a.row_bytes);
+    }
+
+    __device__ static __forceinline__ TokenDeal deal(int gwarp, int nwarps, int n) {
+      return deal_chunks(gwarp, nwarps, n);
+    }
+
+    // Per lane, no warp collective: the lanes meet again at the body's next __syncwarp. (`t`,
+    // the body's loop counter, by reference, and op's fields in locals: the compiler then
+    // makes of this the code it made of the loop when it was the body's.)
+    __device__ __forceinline__ void token(const DispatchSend& op, const int& t, const int* rows) {
+      const int lane = op.lane, world = op.world;
+      const OpArgs& a = op.a;
+#pragma unroll
+      for (int i = 0; i < PeerRuns::kSlots; ++i) {
+        const int d = lane + 32 * i;
+        if (d >= world || !remote(a.remote_mask, d) || rows[d] < 0) continue;
+        const int row = rows[d], len = runs.len[i];
+        if (len > 0 && len < runs.max_len && t == runs.t0[i] + len && row == runs.row0[i] + len) {
+          runs.len[i] = len + 1;
+          continue;
+        }
+        if (len > 0) put_run(op, d, runs.t0[i], runs.row0[i], len);
+        runs.t0[i] = t;
+        runs.row0[i] = row;
+        runs.len[i] = 1;
+      }
+    }
+
+    // Stores to every mapped rank; a proxied rank's rows travel in its runs.
+    __device__ __forceinline__ void send_row(const DispatchSend& op, const int4* src,
+                                             const int* rows, int n16) const {
+      warp_copy_row_multi<ProxyNet>(src, op.bases, rows, op.off_x, op.a.row_bytes, op.world, n16,
+                                    op.lane, op.a.remote_mask);
+    }
+
+    __device__ __forceinline__ bool elements(const DispatchSend& op, int d) const {
+      return !remote(op.a.remote_mask, d);
+    }
+
+    __device__ __forceinline__ void flush(const DispatchSend& op) const {
+      const int lane = op.lane;
+#pragma unroll
+      for (int i = 0; i < PeerRuns::kSlots; ++i)
+        if (runs.len[i] > 0) put_run(op, lane + 32 * i, runs.t0[i], runs.row0[i], runs.len[i]);
+    }
+
+    // One thread sends run (t0, row0, len) to proxied peer d: ONE claim of consecutive ring
+    // positions (after a system fence, as every put), then the `len` x rows as one TRANSFER,
+    // the scales, top-k ids and top-k weights (those the op has) as one TRANSFER each of the
+    // `len` raw caller rows ([E8] finishes the ids and weights on the receiver), then the `len`
+    // source indices t0 .. t0 + len - 1 as WRITEs of consecutive words on consecutive
+    // positions (the copy-engine executor stages them as one copy). No warp collective: one
+    // lane calls it. A descriptor that could not be written (the proxy stopped, or the slot
+    // wait's bound passed) ends the run early: the proxy cannot pass that position, and the
+    // block's `quiet` records the failure, so the rest would only wait out the bound again,
+    // slot by slot. (Static, on the caller's description: a sender that kept the description
+    // next to its run state compiled to a different dispatch.)
+    __device__ static __forceinline__ void put_run(const DispatchSend& op, int d, int t0, int row0,
+                                                   int len) {
+      const OpArgs& a = op.a;
+      const int K = op.top_k;
+      const bool has_scales = op.has_scales, has_topk = op.has_topk, has_w = op.has_w;
+      const uint64_t off_x = op.off_x, off_scales = op.off_scales, off_topk_idx = op.off_topk_idx,
+                     off_topk_w = op.off_topk_w, off_src_idx = op.off_src_idx;
+      const float* scales = op.scales;
+      const int64_t* topk_idx = op.topk_idx;
+      const float* topk_w = op.topk_w;
+      uint8_t* const base = op.bases[d];
+      const int pe = peer_pe(op.w, d);
+      const bool sc = has_scales && a.num_scales > 0, ids = has_topk && K > 0;
+      const bool wts = ids && has_w;
+      const int64_t t = t0, row = row0, n = len;
+      uint64_t p = claim_fenced(static_cast<uint32_t>(1 + sc + ids + wts + len));
+      if (!emit_transfer(p++, base + off_x + row * a.row_bytes,
+                         reinterpret_cast<const uint8_t*>(a.x) + t * a.row_bytes,
+                         static_cast<size_t>(n * a.row_bytes), pe))
+        return;
+      if (sc && !emit_transfer(p++, base + off_scales + row * a.num_scales * 4,
+                               scales + t * a.num_scales,
+                               static_cast<size_t>(n * a.num_scales * 4), pe))
+        return;
+      if (ids && !emit_transfer(p++, base + off_topk_idx + row * K * 8, topk_idx + t * K,
+                                static_cast<size_t>(n * K * 8), pe))
+        return;
+      if (wts && !emit_transfer(p++, base + off_topk_w + row * K * 4, topk_w + t * K,
+                                static_cast<size_t>(n * K * 4), pe))
+        return;
+      int32_t* const src_idx = reinterpret_cast<int32_t*>(base + off_src_idx) + row;
+      for (int j = 0; j < len; ++j)
+        if (!emit_write(p++, src_idx + j, static_cast<int32_t>(t0 + j), pe)) return;
+    }
+  };
+
+  // [E8] Block 0, after [E6]: the rows of proxied sources carry the senders' raw top-k ids and
+  // weights; make them what a store sender writes (ids of my experts made local, every other
+  // id -1 with weight 0). Only those rows (recv_prefix[r] .. recv_prefix[r + 1] for r in
+  // remote_mask); every source's data landed ([E6]) and the op owns its receive region until
+  // it ends. `local`: this rank's buffer; thread `tid` of `nthreads`.
+  __device__ static __forceinline__ void finish_dispatch(const DispatchSend& op, uint8_t* local,
+                                                         int tid, int nthreads) {
+    const OpArgs& a = op.a;
+    const int K = op.top_k, epr = op.epr;
+    if (op.has_topk && a.remote_mask != 0) {
+      const int* prefix = reinterpret_cast<const int*>(a.recv_prefix);
+      const int64_t lo = static_cast<int64_t>(op.me) * epr;
+      int64_t* ids = reinterpret_cast<int64_t*>(local + op.off_topk_idx);
+      float* wts = reinterpret_cast<float*>(local + op.off_topk_w);
+      for (int r = 0; r < op.world; ++r) {
+        if (!remote(a.remote_mask, r)) continue;
+        const int64_t end = static_cast<int64_t>(prefix[r + 1]) * K;
+        for (int64_t i = static_cast<int64_t>(prefix[r]) * K + tid; i < end; i += nthreads) {
+          const int64_t e = ids[i];
+          const bool here = e >= lo && e < lo + epr;
+          ids[i] = here ? e - lo : int64_t{-1};
+          if (op.has_w && !here) wts[i] = 0.f;
+        }
+      }
+    }
+  }
+
+  // [C1] A descriptor per row was slow too: rows for proxied peers go first, in a pass of their
+  // own (`push_runs`), so that their descriptors reach the proxy before this warp's stores to
+  // mapped peers. Each warp takes a contiguous chunk of rows; rows row0 .. row0 + len - 1 of
+  // the chunk, all from proxied source r and holding its tokens t0 .. t0 + len - 1, go to r's
+  // consecutive slots (me, t0 .. t0 + len - 1). Rows of a source are contiguous in y and in
+  // token order, so a run ends at a source change (it is sent at once: it cannot grow again),
+  // at a token of r that does not come to this rank, at the chunk's end, or at PeerRunLimits'
+  // size. The run state is warp-uniform; one lane sends a run (`put_run`). Rows for mapped
+  // peers keep the body's block-first deal and stores.
+  struct CombinePusher {
+    __device__ __forceinline__ explicit CombinePusher(const CombinePush&) {}
+
+    // (op's fields in locals, as the body had them: the same code as when this pass was the
+    // body's.)
+    __device__ __forceinline__ void push_runs(const CombinePush& op, int gwarp, int nwarps,
+                                              int num_rows) const {
+      const OpArgs& a = op.a;
+      uint8_t* const* bases = op.bases;
+      const WaitCtx& w = op.w;
+      const int world = op.world, me = op.me, K = op.top_k, lane = op.lane;
+      const int64_t row_bytes = op.row_bytes;
+      const bool has_w = op.has_w;
+      const uint8_t* y = op.y;
+      const float* y_w = op.y_w;
+      const uint64_t off_comb_x = op.off_comb_x, off_comb_w = op.off_comb_w, epoch = op.epoch;
+      const TokenDeal chunk = deal_chunks(gwarp, nwarps, num_rows);
+      const int run_max = PeerRunLimits::max_rows(row_bytes);
+      int run_r = -1, run_t0 = 0, run_row0 = 0, run_len = 0;
+      // One lane sends the open run: ONE claim of consecutive ring positions (after a system
+      // fence, as every put), then the run's weights (when the op has them) and rows as one
+      // TRANSFER each, then one SIGNAL per row setting its flag (flags[me][t0 + j] = epoch),
+      // which the ring lands after both transfers. A descriptor that could not be written (the
+      // proxy stopped, or the slot wait's bound passed) ends the run early: the proxy cannot
+      // pass that position, and the block's `quiet` records the failure.
+      auto put_run = [&]() {
+        if (run_len > 0 && lane == 0) {
+          uint8_t* const base = bases[run_r];
+          const int pe = peer_pe(w, run_r);
+          const bool wts = has_w && K > 0;
+          const int64_t slot0 = static_cast<int64_t>(me) * a.max_tokens + run_t0, n = run_len;
+          uint64_t p = claim_fenced(static_cast<uint32_t>(1 + wts + run_len));
+          bool sent = !wts || emit_transfer(p++, base + off_comb_w + slot0 * K * 4,
+                                            y_w + static_cast<int64_t>(run_row0) * K,
+                                            static_cast<size_t>(n * K * 4), pe);
+          sent = sent && emit_transfer(p++, base + off_comb_x + slot0 * row_bytes,
+                                       y + static_cast<int64_t>(run_row0) * row_bytes,
+                                       static_cast<size_t>(n * row_bytes), pe);
+          uint64_t* const run_flags = u64_at(base, a.off_comb_flags) + slot0;
+          for (int j = 0; sent && j < run_len; ++j)
+            sent = emit_signal(p++, run_flags + j, epoch, pe);
+        }
+        run_len = 0;
+      };
+      for (int row = chunk.first; row < chunk.end; ++row) {
+        const int r = row_rank(op.offsets, world, row);
+        if (r != run_r) put_run();  // rows of run_r are over
+        if (r == me || !remote(a.remote_mask, r)) continue;
+        const int t = op.src_idx[row];
+        if (run_len > 0 && t == run_t0 + run_len && row == run_row0 + run_len &&
+            run_len < run_max) {
+          ++run_len;
+          continue;
+        }
+        put_run();
+        run_r = r;
+        run_t0 = t;
+        run_row0 = row;
+        run_len = 1;
+      }
+      put_run();  // the chunk's last run; every run is claimed before quiet's block barrier
+      __syncwarp();
+    }
+
+    __device__ __forceinline__ bool sent(const CombinePush& op, int r) const {
+      return remote(op.a.remote_mask, r);
+    }
+
+    // Rows of proxied sources went in `push_runs`.
+    __device__ __forceinline__ bool push(const CombinePush&, int, int, int64_t) const {
+      return false;
+    }
+  };
+
+  // [L3] Rows and FP8 rows by warp puts (TRANSFERs); a proxied rank's metadata row is staged
+  // in this rank's metadata send rows as it will land there (`meta_row`: the body writes it
+  // with stores), then sent as one transfer (`put_meta`).
+  struct LlDispatchSender : PutLlDispatchSender<ProxyNet> {
+    __device__ __forceinline__ explicit LlDispatchSender(const LlDispatchSend& op)
+        : PutLlDispatchSender<ProxyNet>(op) {}
+
+    __device__ __forceinline__ int32_t* meta_row(const LlDispatchSend& op, int d, int row,
+                                                 bool& is_remote) const {
+      int32_t* meta = reinterpret_cast<int32_t*>(op.bases[d] + op.off_meta) +
+                      static_cast<int64_t>(row) * (op.top_k + 1);
+      if (is_remote) {
+        meta = reinterpret_cast<int32_t*>(op.bases[op.me] + op.a.off_ll_send_meta) +
+               (static_cast<int64_t>(d) * op.max_tokens + row) * (op.top_k + 1);
+        is_remote = false;
+      }
+      return meta;
+    }
+
+    // Every staged row to its peer (lane i: the i-th rank), after a warp barrier and a fence.
+    __device__ __forceinline__ void put_meta(const LlDispatchSend& op, const int* rows) const {
+      if (op.a.remote_mask == 0) return;
+      const int K = op.top_k;
+      __syncwarp();
+      __threadfence();
+      for (int d0 = 0; d0 < op.world; d0 += 32) {
+        const int d = d0 + op.lane;
+        const bool valid = d < op.world && rows[d] >= 0 && remote(op.a.remote_mask, d);
+        void* dst = nullptr;
+        const void* src = nullptr;
+        if (valid) {
+          const int64_t j = rows[d];
+          dst = op.bases[d] + op.off_meta + j * (K + 1) * 4;
+          src = reinterpret_cast<const int32_t*>(op.bases[op.me] + op.a.off_ll_send_meta) +
+                (static_cast<int64_t>(d) * op.max_tokens + j) * (K + 1);
+        }
+        put_lanes(valid, dst, src, static_cast<size_t>(K + 1) * 4, d);
+      }
+    }
+  };
+
+  // [L8] A proxied rank's row by one TRANSFER.
+  __device__ static __forceinline__ bool put_row(bool is_remote, void* dst, const void* src,
+                                                 size_t bytes, int pe) {
+    return put_row_if_remote<ProxyNet>(is_remote, dst, src, bytes, pe);
   }
 };
 

@@ -121,18 +121,11 @@ __device__ __forceinline__ void reduce_row(const uintptr_t* src, int nsrc, int n
     reduce_row_shaped<4, 4, false>(src, nsrc, n16, lane, out);
 }
 
-// The source rank of receive row `row` (offsets: the receive prefix, world + 1 entries).
-__device__ __forceinline__ int row_rank(const int* offsets, int world, int row) {
-  int r = 0;
-  while (r + 1 < world && offsets[r + 1] <= row) ++r;
-  return r;
-}
-
 // Combine: y rows (in this rank's receive order) go back to their source ranks and are summed
 // there in rank order (fp32 accumulate, one bf16 rounding).
 //
-// Every warp first pushes its share of rows (dealt block-first; under Net::kCoalesceRuns the
-// rows for proxied peers first, in contiguous chunks sent as runs) and publishes each row with
+// Every warp first pushes its share of rows (dealt block-first; the Net policy's pusher may send
+// the rows of transport peers first, in a pass of its own) and publishes each row with
 // a monotonic per-token flag (the combine sequence number: flags[sender][token] on the owner),
 // then reduces tokens of this rank, each as soon as the flags of exactly the peers that hold a
 // contribution (known locally from the layout) arrived: warps that finish sending early reduce
@@ -214,87 +207,20 @@ __device__ __forceinline__ void combine(const OpArgs& a, Shared& s) {
   // In place, rows of mapped peers are pulled below; rows of peers reached through the
   // transport (remote_mask) are still pushed, since a remote read would stall every token.
   const int num_rows = in_place && a.remote_mask == 0 ? 0 : s.offsets[world];
-  // Runs (Net::kCoalesceRuns, the CPU proxy): rows for proxied peers first, in their own pass,
-  // so that their descriptors reach the proxy before this warp's stores to mapped peers. Each
-  // warp takes a contiguous chunk of rows; rows row0 .. row0 + len - 1 of the chunk, all from
-  // proxied source r and holding its tokens t0 .. t0 + len - 1, go to r's consecutive slots
-  // (me, t0 .. t0 + len - 1). Rows of a source are contiguous in y and in token order, so a run
-  // ends at a source change (it is sent at once: it cannot grow again), at a token of r that
-  // does not come to this rank, at the chunk's end, or at PeerRunLimits' size (the proxy's own
-  // merge limit, so it gets work while the chunk is still being sent). The run state is
-  // warp-uniform; one lane sends a run (`put_run`). Rows for mapped peers keep the block-first
-  // deal below.
-  if constexpr (Net::kCoalesceRuns) {
-    const int64_t chunk = (static_cast<int64_t>(num_rows) + nwarps - 1) / nwarps;
-    const int row_first = static_cast<int>(
-        min(static_cast<int64_t>(gwarp) * chunk, static_cast<int64_t>(num_rows)));
-    const int row_end = static_cast<int>(
-        min(static_cast<int64_t>(gwarp + 1) * chunk, static_cast<int64_t>(num_rows)));
-    const int run_max = PeerRunLimits::max_rows(row_bytes);
-    int run_r = -1, run_t0 = 0, run_row0 = 0, run_len = 0;
-    // One lane sends the open run: ONE claim of consecutive ring positions (after a system
-    // fence, as every put), then the run's weights (when the op has them) and rows as one
-    // TRANSFER each, then one SIGNAL per row setting its flag (flags[me][t0 + j] = epoch), which
-    // the ring lands after both transfers. A descriptor that could not be written (the proxy
-    // stopped, or the slot wait's bound passed) ends the run early: the proxy cannot pass that
-    // position, and the block's `quiet` records the failure.
-    auto put_run = [&]() {
-      if (run_len > 0 && lane == 0) {
-        uint8_t* const base = s.bases[run_r];
-        const int pe = peer_pe(w, run_r);
-        const bool wts = has_w && K > 0;
-        const int64_t slot0 = static_cast<int64_t>(me) * a.max_tokens + run_t0, n = run_len;
-        uint64_t p = Net::claim_fenced(static_cast<uint32_t>(1 + wts + run_len));
-        bool sent = !wts || Net::emit_transfer(p++, base + off_comb_w + slot0 * K * 4,
-                                               y_w + static_cast<int64_t>(run_row0) * K,
-                                               static_cast<size_t>(n * K * 4), pe);
-        sent = sent && Net::emit_transfer(p++, base + off_comb_x + slot0 * row_bytes,
-                                          y + static_cast<int64_t>(run_row0) * row_bytes,
-                                          static_cast<size_t>(n * row_bytes), pe);
-        uint64_t* const run_flags = u64_at(base, a.off_comb_flags) + slot0;
-        for (int j = 0; sent && j < run_len; ++j)
-          sent = Net::emit_signal(p++, run_flags + j, q.epoch, pe);
-      }
-      run_len = 0;
-    };
-    for (int row = row_first; row < row_end; ++row) {
-      const int r = row_rank(s.offsets, world, row);
-      if (r != run_r) put_run();  // rows of run_r are over
-      if (r == me || !Net::remote(a.remote_mask, r)) continue;
-      const int t = src_idx[row];
-      if (run_len > 0 && t == run_t0 + run_len && row == run_row0 + run_len && run_len < run_max) {
-        ++run_len;
-        continue;
-      }
-      put_run();
-      run_r = r;
-      run_t0 = t;
-      run_row0 = row;
-      run_len = 1;
-    }
-    put_run();  // the chunk's last run; every run is claimed before quiet's block barrier
-    __syncwarp();
-  }
+  // The Net policy's pusher (common/net.cuh, `CombinePusher`) sends the rows of transport
+  // peers: in a pass of its own first (`push_runs`: the CPU proxy's runs), or one by one in the
+  // block-first pass below (`push`: NVSHMEM put-with-signal). Every other row is stored.
+  const CombinePush op{a, s.bases, w, s.offsets, src_idx, y, y_w, off_comb_x, off_comb_w, q.epoch,
+                       row_bytes, world, me, K, lane, has_w};
+  const typename Net::CombinePusher tx(op);
+  tx.push_runs(op, gwarp, nwarps, num_rows);
   for (int row = gwarp; row < num_rows; row += nwarps) {
     const int r = row_rank(s.offsets, world, row);
     if (r == me || (in_place && !Net::remote(a.remote_mask, r))) continue;
-    if (Net::kCoalesceRuns && Net::remote(a.remote_mask, r)) continue;       // sent above
+    if (tx.sent(op, r)) continue;  // sent by push_runs
     const int t = src_idx[row];
     const int64_t slot = static_cast<int64_t>(me) * a.max_tokens + t;
-    if constexpr (Net::kTransport) {
-      if (Net::remote(a.remote_mask, r)) {  // weights, then the row with its flag (ordered)
-        if (has_w)
-          Net::put_warp(s.bases[r] + off_comb_w + slot * K * 4,
-                        y_w + static_cast<int64_t>(row) * K, static_cast<size_t>(K) * 4,
-                        peer_pe(w, r));
-        Net::fence();
-        Net::put_signal_warp(s.bases[r] + off_comb_x + slot * row_bytes, y + row * row_bytes,
-                             static_cast<size_t>(row_bytes),
-                             u64_at(s.bases[r], a.off_comb_flags) + slot, q.epoch,
-                             peer_pe(w, r));
-        continue;
-      }
-    }
+    if (tx.push(op, r, row, slot)) continue;  // weights, then the row with its flag (ordered)
     warp_copy_row<kPushUnroll>(reinterpret_cast<const int4*>(y + row * row_bytes),
                   reinterpret_cast<int4*>(s.bases[r] + off_comb_x + slot * row_bytes), n16, lane);
     if (has_w)

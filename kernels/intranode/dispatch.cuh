@@ -10,20 +10,6 @@
 
 namespace epcomm::intranode {
 
-// [E4] under Net::kCoalesceRuns: a lane's open runs, one per peer d = lane + 32 * i (i < kSlots),
-// kept in registers (every index is a compile-time constant). len 0: no open run. A run holds
-// at most `max_len` tokens (PeerRunLimits).
-struct PeerRuns {
-  static constexpr int kSlots = static_cast<int>((kMaxWorld + 31) / 32);
-  int t0[kSlots], row0[kSlots], len[kSlots];
-  int max_len;
-  __device__ __forceinline__ void init(int row_bytes) {
-#pragma unroll
-    for (int i = 0; i < kSlots; ++i) t0[i] = row0[i] = len[i] = 0;
-    max_len = PeerRunLimits::max_rows(row_bytes);
-  }
-};
-
 // The body of `epcomm_dispatch` over the image's Net policy; `s` is the block's shared state.
 template <class Net>
 __device__ __forceinline__ void dispatch(const OpArgs& a, Shared& s) {
@@ -138,10 +124,10 @@ __device__ __forceinline__ void dispatch(const OpArgs& a, Shared& s) {
     __syncthreads();
   }
 
-  // [E4] every token once to every destination rank, straight into its final row. Work is
-  // dealt block-first (consecutive tokens on different SMs) so small batches use every SM;
-  // under a policy with Net::kCoalesceRuns (the CPU proxy) each warp takes a contiguous chunk
-  // of tokens instead, so that its tokens bound for a proxied peer form runs (below).
+  // [E4] every token once to every destination rank, straight into its final row. The Net
+  // policy's sender deals this warp its tokens (block-first, so small batches use every SM, or
+  // in contiguous chunks) and sends what it sends itself; every other rank gets the row by
+  // stores and the metadata element by element (common/net.cuh, `DispatchSender`).
   const int gwarp = warp * gridDim.x + blockIdx.x, nwarps = gridDim.x * kWarps;
   const int32_t* token_slot = reinterpret_cast<const int32_t*>(a.token_slot);
   const int n16 = a.row_bytes / 16;
@@ -152,96 +138,28 @@ __device__ __forceinline__ void dispatch(const OpArgs& a, Shared& s) {
   const float* topk_w = reinterpret_cast<const float*>(a.topk_weights);
   const float* scales = reinterpret_cast<const float*>(a.x_scales);
   const int num_tokens = op_tokens(a);
-  // Whether rank d gets the token's metadata element by element, in its final form (stores,
-  // or the transport's single-element puts): every rank unless the policy sends transport
-  // peers whole raw rows (Net::kMetadataRows; then [E8] on the receiver finishes them).
-  auto per_elem = [&](int d) { return !Net::kMetadataRows || !Net::remote(a.remote_mask, d); };
-  // This warp's tokens: t_first, t_first + t_step, ... below t_end.
-  int t_first = gwarp, t_end = num_tokens, t_step = nwarps;
-  if constexpr (Net::kCoalesceRuns) {
-    const int64_t chunk = (static_cast<int64_t>(num_tokens) + nwarps - 1) / nwarps;
-    t_first = static_cast<int>(min(static_cast<int64_t>(gwarp) * chunk,
-                                   static_cast<int64_t>(num_tokens)));
-    t_end = static_cast<int>(min(static_cast<int64_t>(gwarp + 1) * chunk,
-                                 static_cast<int64_t>(num_tokens)));
-    t_step = 1;
-  }
-  // Runs (Net::kCoalesceRuns): lane `l` keeps, in registers, the open run of every proxied peer
-  // d = l + 32 * i: tokens t0 .. t0 + len - 1 of this warp's chunk, bound for rows
-  // row0 .. row0 + len - 1 of d. A token extends its peer's run when it continues it in both;
-  // otherwise (or when the run is full) the run is sent (`put_run`) and a new one starts. The
-  // lane sends every open run after the chunk, before `quiet` below.
-  PeerRuns runs;
-  if constexpr (Net::kCoalesceRuns) runs.init(a.row_bytes);
-  // One thread sends run (t0, row0, len) to proxied peer d: ONE claim of consecutive ring
-  // positions (after a system fence, as every put), then the `len` x rows as one TRANSFER, the
-  // scales, top-k ids and top-k weights (those the op has) as one TRANSFER each of the `len`
-  // raw caller rows ([E8] finishes the ids and weights on the receiver), then the `len` source
-  // indices t0 .. t0 + len - 1 as WRITEs of consecutive words on consecutive positions (the
-  // copy-engine executor stages them as one copy). No warp collective: one lane calls it. A
-  // descriptor that could not be written (the proxy stopped, or the slot wait's bound passed)
-  // ends the run early: the proxy cannot pass that position, and the block's `quiet` records
-  // the failure, so the rest would only wait out the bound again, slot by slot.
-  auto put_run = [&](int d, int t0, int row0, int len) {
-    if constexpr (Net::kCoalesceRuns) {
-      uint8_t* const base = s.bases[d];
-      const int pe = peer_pe(w, d);
-      const bool sc = has_scales && a.num_scales > 0, ids = has_topk && K > 0;
-      const bool wts = ids && has_w;
-      const int64_t t = t0, row = row0, n = len;
-      uint64_t p = Net::claim_fenced(static_cast<uint32_t>(1 + sc + ids + wts + len));
-      if (!Net::emit_transfer(p++, base + off_x + row * a.row_bytes,
-                              reinterpret_cast<const uint8_t*>(a.x) + t * a.row_bytes,
-                              static_cast<size_t>(n * a.row_bytes), pe))
-        return;
-      if (sc && !Net::emit_transfer(p++, base + off_scales + row * a.num_scales * 4,
-                                    scales + t * a.num_scales,
-                                    static_cast<size_t>(n * a.num_scales * 4), pe))
-        return;
-      if (ids && !Net::emit_transfer(p++, base + off_topk_idx + row * K * 8, topk_idx + t * K,
-                                     static_cast<size_t>(n * K * 8), pe))
-        return;
-      if (wts && !Net::emit_transfer(p++, base + off_topk_w + row * K * 4, topk_w + t * K,
-                                     static_cast<size_t>(n * K * 4), pe))
-        return;
-      int32_t* const src_idx = reinterpret_cast<int32_t*>(base + off_src_idx) + row;
-      for (int j = 0; j < len; ++j)
-        if (!Net::emit_write(p++, src_idx + j, static_cast<int32_t>(t0 + j), pe)) return;
-    }
-  };
+  const DispatchSend op{a, s.bases, w, scales, topk_idx, topk_w, off_x, off_scales, off_topk_idx,
+                        off_topk_w, off_src_idx, world, me, epr, K, lane, has_scales, has_topk,
+                        has_w};
+  const TokenDeal deal = Net::DispatchSender::deal(gwarp, nwarps, num_tokens);
+  typename Net::DispatchSender tx(op);
   int* rows = s.rows[warp];
-  for (int t = t_first; t < t_end; t += t_step) {
+  for (int t = deal.first; t < deal.end; t += deal.step) {
     for (int d = lane; d < world; d += 32) {
       const int slot = token_slot[static_cast<int64_t>(t) * world + d];
       rows[d] = slot >= 0 ? s.offsets[d] + slot : -1;
     }
     __syncwarp();
-    if constexpr (Net::kCoalesceRuns) {
-#pragma unroll
-      for (int i = 0; i < PeerRuns::kSlots; ++i) {
-        const int d = lane + 32 * i;
-        // Per lane, no warp collective: the lanes meet again at the __syncwarp below.
-        if (d >= world || !Net::remote(a.remote_mask, d) || rows[d] < 0) continue;
-        const int row = rows[d], len = runs.len[i];
-        if (len > 0 && len < runs.max_len && t == runs.t0[i] + len && row == runs.row0[i] + len) {
-          runs.len[i] = len + 1;
-          continue;
-        }
-        if (len > 0) put_run(d, runs.t0[i], runs.row0[i], len);
-        runs.t0[i] = t;
-        runs.row0[i] = row;
-        runs.len[i] = 1;
-      }
-    }
-    // Stores to every mapped rank; puts of the row to transport ranks unless they get runs.
-    warp_copy_row_multi<Net, !Net::kCoalesceRuns>(
-        reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(t) * a.row_bytes), s.bases, rows,
-        off_x, a.row_bytes, world, n16, lane, a.remote_mask, w.pe_base, w.pe_stride);
+    tx.token(op, t, rows);
+    tx.send_row(op, reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(t) * a.row_bytes),
+                rows, n16);
+    // The metadata of every rank the sender leaves to element writes (`put_elem`: stores, or
+    // the transport's single-element puts), in its final form.
     if (has_scales)
       for (int i = lane; i < a.num_scales; i += 32) {
         const float v = scales[static_cast<int64_t>(t) * a.num_scales + i];
         for (int d = 0; d < world; ++d)
-          if (rows[d] >= 0 && per_elem(d))
+          if (rows[d] >= 0 && tx.elements(op, d))
             Net::put_elem(reinterpret_cast<float*>(s.bases[d] + off_scales) +
                               static_cast<int64_t>(rows[d]) * a.num_scales + i,
                           v, peer_pe(w, d), Net::remote(a.remote_mask, d));
@@ -251,7 +169,7 @@ __device__ __forceinline__ void dispatch(const OpArgs& a, Shared& s) {
         const int64_t e = topk_idx[static_cast<int64_t>(t) * K + k];
         const float wt = has_w ? topk_w[static_cast<int64_t>(t) * K + k] : 0.f;
         for (int d = 0; d < world; ++d) {
-          if (rows[d] < 0 || !per_elem(d)) continue;
+          if (rows[d] < 0 || !tx.elements(op, d)) continue;
           const int64_t lo = static_cast<int64_t>(d) * epr;
           const bool here = e >= lo && e < lo + epr;
           const int64_t r = static_cast<int64_t>(rows[d]) * K + k;
@@ -263,52 +181,16 @@ __device__ __forceinline__ void dispatch(const OpArgs& a, Shared& s) {
                           peer_pe(w, d), remote);
         }
       }
-    if constexpr (Net::kMetadataRows && !Net::kCoalesceRuns) {
-      // Transport peers: the token's scales, top-k ids and top-k weights as they are in the
-      // caller's memory, one transfer each (lane i: peer i / 3, record i % 3).
-      const int64_t tt = t;
-      for (int j0 = 0; a.remote_mask != 0 && j0 < world * 3; j0 += 32) {
-        const int j = j0 + lane, d = j / 3, rec = j % 3;
-        bool valid = false;
-        void* dst = nullptr;
-        const void* src = nullptr;
-        size_t bytes = 0;
-        if (d < world && rows[d] >= 0 && Net::remote(a.remote_mask, d)) {
-          const int64_t row = rows[d];
-          if (rec == 0 && has_scales && a.num_scales > 0) {
-            valid = true;
-            dst = s.bases[d] + off_scales + row * a.num_scales * 4;
-            src = scales + tt * a.num_scales;
-            bytes = static_cast<size_t>(a.num_scales) * 4;
-          } else if (rec == 1 && has_topk && K > 0) {
-            valid = true;
-            dst = s.bases[d] + off_topk_idx + row * K * 8;
-            src = topk_idx + tt * K;
-            bytes = static_cast<size_t>(K) * 8;
-          } else if (rec == 2 && has_topk && has_w && K > 0) {
-            valid = true;
-            dst = s.bases[d] + off_topk_w + row * K * 4;
-            src = topk_w + tt * K;
-            bytes = static_cast<size_t>(K) * 4;
-          }
-        }
-        Net::put_lanes(valid, dst, src, bytes, peer_pe(w, d));
-      }
-    }
     if (lane == 0)
       for (int d = 0; d < world; ++d)
-        if (rows[d] >= 0 && !(Net::kCoalesceRuns && Net::remote(a.remote_mask, d)))
+        if (rows[d] >= 0 && tx.elements(op, d))
           Net::put_elem(reinterpret_cast<int32_t*>(s.bases[d] + off_src_idx) + rows[d],
                         static_cast<int32_t>(t), peer_pe(w, d), Net::remote(a.remote_mask, d));
     __syncwarp();
   }
-  if constexpr (Net::kCoalesceRuns) {
-#pragma unroll
-    for (int i = 0; i < PeerRuns::kSlots; ++i)
-      if (runs.len[i] > 0) put_run(lane + 32 * i, runs.t0[i], runs.row0[i], runs.len[i]);
-  }
-  // Every descriptor of this block (the runs' too) was claimed before quiet's block barrier,
-  // so quiet waits for all of them.
+  tx.flush(op);
+  // Every put and descriptor of this block (`flush`'s too) was issued before quiet's block
+  // barrier, so quiet waits for all of them.
   if (!all_ok(s, Net::quiet(s.wait, a.remote_mask))) return;
   if (block0 && tid == 0) stats[kStatSent] = globaltimer_ns();
   // [E5] this block's data for every destination is written: publish (release, system scope).
@@ -334,28 +216,8 @@ __device__ __forceinline__ void dispatch(const OpArgs& a, Shared& s) {
     int32_t* out = reinterpret_cast<int32_t*>(a.recv_src_idx);
     for (int i = tid; i < num_recv; i += kThreads) out[i] = src[i];
   }
-  if constexpr (Net::kMetadataRows) {
-    // [E8] the rows of transport sources carry the senders' raw top-k ids and weights: make
-    // them what a store sender writes (ids of my experts made local, every other id -1 with
-    // weight 0). Only those rows (recv_prefix[r]..recv_prefix[r + 1] for r in remote_mask);
-    // every source's data landed ([E6]) and the op owns its receive region until it ends.
-    if (has_topk && a.remote_mask != 0) {
-      const int* prefix = reinterpret_cast<const int*>(a.recv_prefix);
-      const int64_t lo = static_cast<int64_t>(me) * epr;
-      int64_t* ids = reinterpret_cast<int64_t*>(local + off_topk_idx);
-      float* wts = reinterpret_cast<float*>(local + off_topk_w);
-      for (int r = 0; r < world; ++r) {
-        if (!Net::remote(a.remote_mask, r)) continue;
-        const int64_t end = static_cast<int64_t>(prefix[r + 1]) * K;
-        for (int64_t i = static_cast<int64_t>(prefix[r]) * K + tid; i < end; i += kThreads) {
-          const int64_t e = ids[i];
-          const bool here = e >= lo && e < lo + epr;
-          ids[i] = here ? e - lo : int64_t{-1};
-          if (has_w && !here) wts[i] = 0.f;
-        }
-      }
-    }
-  }
+  // [E8] what transport sources sent raw, made final (the Net policy's `finish_dispatch`).
+  Net::finish_dispatch(op, local, tid, kThreads);
   finish_stats(a, s, t_start, kind);
   epilogue(a, s, sched.count);
 }

@@ -21,20 +21,6 @@ namespace epcomm::intranode {
 constexpr int kThreads = 512;  // every intranode kernel (IntranodeKernels::THREADS in Rust)
 constexpr int kWarps = kThreads / 32;
 
-// The size of a run sent to a proxied peer as one transfer per record (dispatch [E4], combine
-// [C1] under Net::kCoalesceRuns): at most kMaxRows rows and at most kMaxBytes bytes of rows
-// (the proxy's own merge limit, ProxyConfig::max_run_bytes), so the proxy gets work while a
-// warp's chunk is still being sent; at least one row.
-struct PeerRunLimits {
-  static constexpr int kMaxRows = 256;
-  static constexpr int64_t kMaxBytes = 1 << 20;
-  __device__ static __forceinline__ int max_rows(int64_t row_bytes) {
-    if (row_bytes <= 0) return 1;
-    const int64_t by_bytes = kMaxBytes / row_bytes;
-    return static_cast<int>(by_bytes < 1 ? 1 : (by_bytes < kMaxRows ? by_bytes : kMaxRows));
-  }
-};
-
 // One block's shared state: the op state (sequence, wait context, bases) and the tables of
 // dispatch and combine.
 struct Shared : OpState {

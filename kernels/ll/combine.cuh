@@ -102,12 +102,9 @@ __device__ __forceinline__ void combine_send(const OpArgs& a, Shared& s, uint32_
       const int r = rk / K, k = rk % K;
       if (masked(s, r)) continue;  // a masked rank is sent nothing
       uint8_t* dst = s.bases[r] + off_comb + (static_cast<int64_t>(t) * K + k) * row_bytes;
-      if constexpr (Net::kTransport) {
-        if (Net::remote(a.remote_mask, r)) {
-          Net::put_warp(dst, src, static_cast<size_t>(row_bytes), r);
-          continue;
-        }
-      }
+      // A transport peer's row: the Net policy's warp put (common/net.cuh, `put_row`).
+      if (Net::put_row(Net::remote(a.remote_mask, r), dst, src, static_cast<size_t>(row_bytes), r))
+        continue;
       warp_copy_row(reinterpret_cast<const int4*>(src), reinterpret_cast<int4*>(dst), n16, lane);
       continue;
     }

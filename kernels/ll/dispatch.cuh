@@ -148,6 +148,12 @@ __device__ __forceinline__ void dispatch_send(const OpArgs& a, Shared& s, uint32
   const uint64_t off_meta = a.off_ll_meta + par + mine * (K + 1) * 4;
   __shared__ int rows_tab[kWarps][kMaxWorld];
   int* rows = rows_tab[warp];
+  // What reaches transport peers, and how, is the Net policy's (common/net.cuh,
+  // `LlDispatchSender`): rows and staged FP8 rows by warp puts, metadata rows element by element
+  // or staged and sent whole.
+  const LlDispatchSend op{a, s.bases, off_x, off_sc, off_meta, world, me, K, M, H, S, row_bytes,
+                          lane};
+  const typename Net::LlDispatchSender tx(op);
   const int gwarp = warp * gridDim.x + blockIdx.x, nwarps = gridDim.x * kWarps;
   const uint8_t* x = reinterpret_cast<const uint8_t*>(a.x);
   // Work items are (token, run of 256-channel steps) (send_split): a warp keeps all of its
@@ -163,10 +169,9 @@ __device__ __forceinline__ void dispatch_send(const OpArgs& a, Shared& s, uint32
       rows[d] = bit_of(dmask + d * W, t) && !masked(s, d) ? rank_in_mask(dmask + d * W, t) : -1;
     __syncwarp();
     if (!fp8) {
-      warp_copy_row_multi<Net>(
-          reinterpret_cast<const int4*>(x + (static_cast<int64_t>(t) * H + c_begin) * 2), s.bases,
-          rows, off_x + static_cast<uint64_t>(c_begin) * 2, row_bytes, world,
-          (c_end - c_begin) / 8, lane, a.remote_mask, 0, 1);
+      tx.send_row(op,
+                  reinterpret_cast<const int4*>(x + (static_cast<int64_t>(t) * H + c_begin) * 2),
+                  rows, off_x + static_cast<uint64_t>(c_begin) * 2, (c_end - c_begin) / 8);
     } else {
       // Cast once, store to every mapped destination; stage for put/signal destinations.
       uint8_t* stage = s.bases[me] + a.off_ll_send_fp8 + static_cast<int64_t>(t) * H;
@@ -206,19 +211,7 @@ __device__ __forceinline__ void dispatch_send(const OpArgs& a, Shared& s, uint32
           }
         }
       }
-      if constexpr (Net::kTransport) {
-        if (a.remote_mask != 0) {  // nch == 1: this warp cast the whole row
-          __syncwarp();
-          __threadfence();
-          for (int d = 0; d < world; ++d)
-            if (rows[d] >= 0 && Net::remote(a.remote_mask, d)) {
-              Net::put_warp(s.bases[d] + off_x + static_cast<int64_t>(rows[d]) * row_bytes, stage,
-                            static_cast<size_t>(H), d);
-              Net::put_warp(s.bases[d] + off_sc + static_cast<int64_t>(rows[d]) * S * 4, stage_sc,
-                            static_cast<size_t>(S) * 4, d);
-            }
-        }
-      }
+      tx.send_fp8(op, rows, stage, stage_sc);  // nch == 1: this warp cast the whole row
     }
     if (c != 0) {  // the token's first chunk writes its metadata
       __syncwarp();
@@ -228,15 +221,7 @@ __device__ __forceinline__ void dispatch_send(const OpArgs& a, Shared& s, uint32
     for (int d = 0; d < world; ++d) {
       if (rows[d] < 0) continue;
       bool remote = Net::remote(a.remote_mask, d);
-      int32_t* meta = reinterpret_cast<int32_t*>(s.bases[d] + off_meta) +
-                      static_cast<int64_t>(rows[d]) * (K + 1);
-      if constexpr (Net::kMetadataRows) {
-        if (remote) {  // the row as it will land on d, staged here; one transfer below
-          meta = reinterpret_cast<int32_t*>(s.bases[me] + a.off_ll_send_meta) +
-                 (static_cast<int64_t>(d) * M + rows[d]) * (K + 1);
-          remote = false;
-        }
-      }
+      int32_t* meta = tx.meta_row(op, d, rows[d], remote);  // d's row, or one staged here
       if (lane == 0) Net::put_elem(meta, static_cast<int32_t>(t), d, remote);
       for (int k = lane; k < K; k += 32) {
         const int64_t e = topk_idx[static_cast<int64_t>(t) * K + k];
@@ -247,25 +232,7 @@ __device__ __forceinline__ void dispatch_send(const OpArgs& a, Shared& s, uint32
         Net::put_elem(meta + 1 + k, v, d, remote);
       }
     }
-    if constexpr (Net::kMetadataRows) {
-      if (a.remote_mask != 0) {  // every staged row to its peer (lane i: the i-th rank)
-        __syncwarp();
-        __threadfence();
-        for (int d0 = 0; d0 < world; d0 += 32) {
-          const int d = d0 + lane;
-          const bool valid = d < world && rows[d] >= 0 && Net::remote(a.remote_mask, d);
-          void* dst = nullptr;
-          const void* src = nullptr;
-          if (valid) {
-            const int64_t j = rows[d];
-            dst = s.bases[d] + off_meta + j * (K + 1) * 4;
-            src = reinterpret_cast<const int32_t*>(s.bases[me] + a.off_ll_send_meta) +
-                  (static_cast<int64_t>(d) * M + j) * (K + 1);
-          }
-          Net::put_lanes(valid, dst, src, static_cast<size_t>(K + 1) * 4, d);
-        }
-      }
-    }
+    tx.put_meta(op, rows);  // what meta_row staged
     __syncwarp();
   }
   if (!all_ok(s, Net::quiet(s.wait, a.remote_mask))) return;
