@@ -275,6 +275,21 @@ __device__ __forceinline__ void warp_copy_put_row_multi(const int4* src, uint8_t
                     pe_base + d * pe_stride);
 }
 
+// [E4] The dispatch sender of a policy with warp puts whose transport ranks get each token on
+// its own: StoreNet's (block-first, metadata element by element), with the row also put to
+// every transport rank.
+template <class Net>
+struct PutDispatchSender : StoreNet::DispatchSender {
+  __device__ __forceinline__ explicit PutDispatchSender(const DispatchSend& op)
+      : StoreNet::DispatchSender(op) {}
+
+  __device__ __forceinline__ void send_row(const DispatchSend& op, const int4* src,
+                                           const int* rows, int n16) const {
+    warp_copy_put_row_multi<Net>(src, op.bases, rows, op.off_x, op.a.row_bytes, op.world, n16,
+                                 op.lane, op.a.remote_mask, op.w.pe_base, op.w.pe_stride);
+  }
+};
+
 // [L8] `put_row` of a policy with warp puts: when `remote`, the row by one warp put (true).
 template <class Net>
 __device__ __forceinline__ bool put_row_if_remote(bool remote, void* dst, const void* src,

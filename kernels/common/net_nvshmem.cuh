@@ -81,21 +81,7 @@ struct NvshmemNet {
 
   // [E4] Tokens block-first, each on its own: its row by stores and one warp put per transport
   // rank, its metadata and source index element by element (`put_elem`) to every rank.
-  struct DispatchSender {
-    __device__ __forceinline__ explicit DispatchSender(const DispatchSend&) {}
-    __device__ static __forceinline__ TokenDeal deal(int gwarp, int nwarps, int n) {
-      return deal_block_first(gwarp, nwarps, n);
-    }
-    __device__ __forceinline__ void token(const DispatchSend&, const int&, const int*) {}
-    __device__ __forceinline__ void send_row(const DispatchSend& op, const int4* src,
-                                             const int* rows, int n16) const {
-      warp_copy_put_row_multi<NvshmemNet>(src, op.bases, rows, op.off_x, op.a.row_bytes, op.world,
-                                          n16, op.lane, op.a.remote_mask, op.w.pe_base,
-                                          op.w.pe_stride);
-    }
-    __device__ __forceinline__ bool elements(const DispatchSend&, int) const { return true; }
-    __device__ __forceinline__ void flush(const DispatchSend&) const {}
-  };
+  using DispatchSender = PutDispatchSender<NvshmemNet>;
 
   // [E8] Every row arrived in its final form.
   __device__ static __forceinline__ void finish_dispatch(const DispatchSend&, uint8_t*, int, int) {}
