@@ -370,6 +370,233 @@ def deep_ep_intranode_no_topk(ctx):
 
 
 # ----------------------------------------------------------------------------------------------
+# Internode (tests/test_internode.py) over logical nodes: EPCOMM_DEEP_EP_NODE_SIZE ranks per node
+
+
+def _node_size(ctx):
+    size = int(os.environ.get("EPCOMM_DEEP_EP_NODE_SIZE", "0") or "0")
+    if size < 1 or ctx.world % size or ctx.world // size < 2:
+        raise AssertionError(
+            f"deep_ep_internode needs EPCOMM_DEEP_EP_NODE_SIZE splitting the {ctx.world} ranks into at least two "
+            f"nodes (got {size})"
+        )
+    return size
+
+
+class Internode(Normal):
+    """A Normal round as a group of ``world / local`` nodes of ``local`` ranks sees it: the same
+    rows in the same (DeepEP's) order, combined in two stages (reference.two_tier_combine),
+    and DeepEP's per-node counts."""
+
+    def __init__(self, ctx, tokens, hidden, top_k, experts, seed, local):
+        super().__init__(ctx, tokens, hidden, top_k, experts, seed)
+        world, rank = ctx.world, ctx.rank
+        nodes = world // local
+        me = tokens[rank]
+        self.combined = ref.two_tier_combine(self.received, self.ys, self.yws, rank, me, hidden, top_k, local)
+        self.combined_no_w = ref.two_tier_combine(self.received, self.ys, None, rank, me, hidden, top_k, local)[0]
+        in_rank = self.layout[2]
+        self.per_node = in_rank.view(me, nodes, local).any(dim=2).sum(dim=0).to(torch.int32)
+        # Tokens of node m's rank with this rank's local rank that go to this rank's node.
+        rail = []
+        for m in range(nodes):
+            src = m * local + rank % local
+            theirs = ref.layout(self.inputs[src].topk_idx, experts, world)[2]
+            rail.append(int(theirs.view(tokens[src], nodes, local)[:, rank // local].any(dim=1).sum()))
+        self.rdma_prefix = torch.cumsum(torch.tensor(rail, dtype=torch.int64), 0).to(torch.int32)
+
+
+def check_internode_handle(ctx, what, handle, rnd, in_rank):
+    truth(
+        f"{what}: the handle is DeepEP's internode 10-tuple",
+        isinstance(handle, deep_ep.buffer.InternodeHandle) and len(handle) == 10,
+    )
+    check(f"{what} handle[0] (is_token_in_rank)", handle[0], in_rank)
+    check(f"{what} handle[4] (recv_rdma_rank_prefix_sum)", handle[4], rnd.rdma_prefix)
+    recv_gbl_rank_prefix_sum = handle[-4]
+    check(f"{what} handle[6] (recv_gbl_rank_prefix_sum)", recv_gbl_rank_prefix_sum, rnd.ends)
+    truth(f"{what}: handle[1, 2, 3, 5, 7, 8, 9] are None", all(handle[i] is None for i in (1, 2, 3, 5, 7, 8, 9)))
+    # test_internode.py's check_data: rows of source rank i end at recv_gbl_rank_prefix_sum[i].
+    start = 0
+    for i in range(ctx.world):
+        end = recv_gbl_rank_prefix_sum[i].item()
+        truth(f"{what}: rows [{start}, {end}) come from rank {i}", bool((rnd.want.src_rank[start:end] == i).all()))
+        start = end
+    truth(f"{what}: every row counted", start == rnd.n)
+
+
+def deep_ep_internode(ctx):
+    """tests/test_internode.py's sequence on 2+ logical nodes (EPCOMM_DEEP_EP_NODE_SIZE ranks
+    each; the two-tier core over EPCOMM_DEEP_EP_TRANSPORT): get_dispatch_layout with
+    num_tokens_per_rdma_rank, dispatch BF16 and FP8 (column-major input scales) with and
+    without top-k, previous events and async, rows in DeepEP's order checked through
+    recv_gbl_rank_prefix_sum, the ids, weights and per-expert counts, num_worst_tokens, cached
+    dispatch, combine with weights and both biases against the two-stage reference, bit for bit;
+    internode_dispatch / internode_combine called directly; refusals."""
+    world, rank, dev = ctx.world, ctx.rank, ctx.device
+    local = _node_size(ctx)
+    nodes = world // local
+    hidden, top_k, epr = 2048, 8, 16
+    experts = epr * world
+    tokens = [300 + 17 * r for r in range(world)]
+    worst_rows = max(tokens) * world
+    rnd = Internode(ctx, tokens, hidden, top_k, experts, 41, local)
+    rnd2 = Normal(ctx, tokens, hidden, top_k, experts, 42)  # rows for the cached dispatch
+    want_rank, want_expert, want_in = rnd.layout
+    cached_inputs = [
+        ref.RankInputs(i2.x, i.topk_idx, i.topk_weights, i2.x_fp8, i2.scales) for i, i2 in zip(rnd.inputs, rnd2.inputs)
+    ]
+    want_cached = ref.dispatch(cached_inputs, rank, experts)
+    g = torch.Generator(device="cpu").manual_seed(91 + rank)
+    b0 = torch.ones((tokens[rank], hidden), dtype=torch.bfloat16)
+    b1 = torch.randn((tokens[rank], hidden), generator=g, dtype=torch.float32).to(torch.bfloat16)
+    want_bias = b0.float() + b1.float()
+    with deepep_defaults():
+        buffer = deep_ep.Buffer(group(), int(2e9) // world, int(1e9) // world, num_qps_per_rank=24, explicitly_destroy=True)
+        truth("rank and group_size", (buffer.rank, buffer.group_size) == (rank, world))
+        topk_idx = rnd.mine.topk_idx.to(dev).to(deep_ep.topk_idx_t)
+        topk_weights = rnd.mine.topk_weights.to(dev)
+        num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank, _ = (
+            buffer.get_dispatch_layout(topk_idx, experts)
+        )
+        check("num_tokens_per_rank", num_tokens_per_rank, want_rank)
+        check("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, rnd.per_node)
+        check("num_tokens_per_expert", num_tokens_per_expert, want_expert)
+        check("is_token_in_rank", is_token_in_rank, want_in)
+        num_sms = 24
+        config = deep_ep.Config(num_sms, 8, 512, 16, 128)
+        for previous_mode in (False, True):
+            for async_mode in (False, True):
+                for fp8 in (False, True):
+                    for with_topk in (False, True):
+                        what = f"internode fp8={fp8} topk={with_topk} async={async_mode} previous={previous_mode}"
+                        dispatch_args = {
+                            "x": rnd.x(dev, fp8),
+                            "num_tokens_per_rank": num_tokens_per_rank,
+                            "num_tokens_per_rdma_rank": num_tokens_per_rdma_rank,
+                            "is_token_in_rank": is_token_in_rank,
+                            "num_tokens_per_expert": num_tokens_per_expert,
+                            "config": config,
+                            "async_finish": async_mode,
+                        }
+                        if with_topk:
+                            dispatch_args.update({"topk_idx": topk_idx, "topk_weights": topk_weights})
+                        if previous_mode:
+                            dispatch_args.update({"previous_event": buffer.capture()})
+                            _busy(dev)
+                        recv_x, recv_topk_idx, recv_topk_weights, recv_list, handle, event = buffer.dispatch(
+                            **dispatch_args
+                        )
+                        truth(f"{what}: event iff async", (event.event is not None) == async_mode)
+                        event.current_stream_wait() if async_mode else ()
+                        check_recv_x(what, recv_x, rnd.want, rnd.n, fp8, rnd.n)
+                        truth(f"{what}: per-expert list {recv_list}", recv_list == rnd.want.per_expert)
+                        check_internode_handle(ctx, what, handle, rnd, want_in)
+                        if with_topk:
+                            check(f"{what} recv_topk_idx", recv_topk_idx, rnd.want.topk_idx)
+                            check(f"{what} recv_topk_weights", recv_topk_weights, rnd.want.topk_weights)
+                            for i, count in enumerate(recv_list):
+                                truth(f"{what}: expert {i} count", recv_topk_idx.eq(i).sum().item() == count)
+                            dispatch_args.update({"num_worst_tokens": worst_rows})
+                            wx, wi, ww, empty_list, whandle, event = buffer.dispatch(**dispatch_args)
+                            event.current_stream_wait() if async_mode else ()
+                            truth(f"{what} worst: empty list", len(empty_list) == 0)
+                            check_recv_x(f"{what} worst", wx, rnd.want, rnd.n, fp8, worst_rows)
+                            check(f"{what} worst topk_idx", wi[: rnd.n], rnd.want.topk_idx)
+                            check(
+                                f"{what} worst topk_idx padding",
+                                wi[rnd.n :],
+                                torch.full((worst_rows - rnd.n, top_k), -1, dtype=torch.int64, device="cpu"),
+                            )
+                            check(f"{what} worst topk_weights", ww[: rnd.n], rnd.want.topk_weights)
+                            # A combine along the padded handle takes the padded rows.
+                            y = torch.zeros((worst_rows, hidden), dtype=torch.bfloat16, device="cuda")
+                            y[: rnd.n] = rnd.ys[rank].to(dev)
+                            got = buffer.combine(y, whandle, config=config)[0]
+                            check(f"{what} worst combine", got, rnd.combined_no_w)
+                        else:
+                            truth(
+                                f"{what}: no ids or weights without topk_idx",
+                                recv_topk_idx is None and recv_topk_weights is None,
+                            )
+                            cached_args = {
+                                "x": rnd2.x(dev, fp8),
+                                "handle": handle,
+                                "config": config,
+                                "async_finish": async_mode,
+                            }
+                            if previous_mode:
+                                cached_args.update({"previous_event": buffer.capture()})
+                            out = buffer.dispatch(**cached_args)
+                            truth(
+                                f"{what} cached: (recv_x, None, None, None, None, event)",
+                                out[1:5] == (None, None, None, None),
+                            )
+                            out[5].current_stream_wait() if async_mode else ()
+                            check_recv_x(f"{what} cached", out[0], want_cached, rnd.n, fp8, rnd.n)
+                        combine_args = {
+                            "x": rnd.ys[rank].to(dev),
+                            "bias": (b0.to(dev), b1.to(dev)),
+                            "handle": handle,
+                            "config": config,
+                            "async_finish": async_mode,
+                        }
+                        if with_topk:
+                            combine_args.update({"topk_weights": recv_topk_weights})
+                        if previous_mode:
+                            combine_args.update({"previous_event": buffer.capture()})
+                        combined_x, combined_topk_weights, event = buffer.combine(**combine_args)
+                        event.current_stream_wait() if async_mode else ()
+                        want_x = rnd.combined[0] if with_topk else rnd.combined_no_w
+                        check(f"{what} combined_x (with bias)", combined_x, (want_bias + want_x.float()).to(torch.bfloat16))
+                        if with_topk:
+                            check(f"{what} combined_topk_weights", combined_topk_weights, rnd.combined[1])
+                        else:
+                            truth(f"{what}: no combined weights", combined_topk_weights is None)
+                        ctx.log(f"deep_ep_internode ({nodes} x {local}) {what}: ok")
+        core = buffer.runtime
+        truth("the normal core is two-tier", core.two_tier and core.get_num_sms() == num_sms)
+        # The public internode ops, called directly (as DeepEP's dispatch does).
+        recv_x, _, recv_w, _, handle, _ = buffer.internode_dispatch(
+            rnd.x(dev, False),
+            None,
+            num_tokens_per_rank,
+            num_tokens_per_rdma_rank,
+            is_token_in_rank,
+            num_tokens_per_expert,
+            topk_idx,
+            topk_weights,
+            config=config,
+        )
+        check("internode_dispatch", recv_x, rnd.want.x)
+        got_x, got_w, _ = buffer.internode_combine(rnd.ys[rank].to(dev), handle, recv_w, config=config)
+        check("internode_combine", got_x, rnd.combined[0])
+        check("internode_combine weights", got_w, rnd.combined[1])
+        for fp8 in (False, True):
+            got = buffer.dispatch(rnd2.x(dev, fp8), handle=handle, config=config)[0]
+            check_recv_x(f"cached dispatch after a top-k dispatch (fp8={fp8})", got, want_cached, rnd.n, fp8, rnd.n)
+        # get_dispatch_layout again, now that the (two-tier) core exists: the same numbers.
+        layout = buffer.get_dispatch_layout(topk_idx, experts)
+        check("num_tokens_per_rdma_rank after the core", layout[1], rnd.per_node)
+        check("is_token_in_rank after the core", layout[3], want_in)
+        # Refusals, the same on every rank.
+        refused(lambda: buffer.dispatch(rnd.x(dev, False), handle=tuple(handle)), "handle")
+        refused(lambda: buffer.combine(rnd.ys[rank][:-1].to(dev), handle), "x", "num_recv_tokens")
+        refused(lambda: buffer.combine(rnd.ys[rank].to(dev), handle, topk_weights=recv_w[:, :2].contiguous()), "topk_weights")
+        refused(
+            lambda: buffer.dispatch(rnd.x(dev, False), topk_idx=topk_idx, config=deep_ep.Config(num_sms + 2)),
+            "config",
+            "SMs",
+        )
+        got = buffer.combine(rnd.ys[rank].to(dev), handle)[0]
+        check("combine after the refusals", got, rnd.combined_no_w)
+        buffer.destroy()
+    torch.cuda.synchronize()
+    dist.barrier()
+    done(ctx, "deep_ep_internode", 200)
+
+
+# ----------------------------------------------------------------------------------------------
 # Low latency (tests/test_low_latency.py)
 
 
@@ -861,6 +1088,7 @@ CASES = {
         deep_ep_intranode,
         deep_ep_intranode_fp8,
         deep_ep_intranode_no_topk,
+        deep_ep_internode,
         deep_ep_low_latency,
         deep_ep_ll_hook,
         deep_ep_ll_kernel_names,

@@ -1,7 +1,9 @@
 """The drop-in ``deep_ep`` layer (``epcomm.deep_ep``) without a GPU: import without torch, the
 companion ``deep_ep`` package, DeepEP V1's signatures (parameter names and defaults, written
 down here from DeepEP's deep_ep/buffer.py at commit 567632dd), the static helpers and sizing,
-and refusals as InvalidArgumentError naming their argument (never a TypeError)."""
+and refusals as InvalidArgumentError naming their argument (never a TypeError); the internode
+path's split into (logical) nodes and, where torch is installed, its row permutation against
+reference.py's two-tier order on CPU tensors."""
 
 import importlib.util
 import inspect
@@ -14,6 +16,8 @@ import epcomm
 import epcomm.deep_ep as deep_ep
 from epcomm.deep_ep import buffer as dbuffer
 from epcomm.deep_ep import config as dconfig
+from epcomm.deep_ep import handles as dhandles
+from epcomm.deep_ep import nodes as dnodes
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 COMPAT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "compat")
@@ -392,4 +396,213 @@ def test_refused_methods_name_their_rule():
         assert "enable_shrink=True" in e.rule
     for call in (lambda: b.internode_dispatch(None), lambda: b.internode_combine(None, None)):
         e = _raises("group", call)
-        assert "internode" in e.rule
+        assert "internode" in e.rule and "EPCOMM_DEEP_EP_NODE_SIZE" in e.rule
+
+
+# ----------------------------------------------------------------------------------------------
+# The internode path: how a group splits into nodes (torch-free), and the row order between the
+# two-tier core and DeepEP (torch on the CPU)
+
+NODE = dnodes.NODE_SIZE_ENV
+TRANSPORT = dnodes.TRANSPORT_ENV
+
+
+@pytest.mark.parametrize(
+    "world,per_host,transport,env,want",
+    [
+        # One host, no knob: one node, the intranode path as before (ipc unless named).
+        (4, 4, None, {}, (4, 1, "ipc", "ipc")),
+        (8, 8, "nvshmem:vnodes=2", {}, (8, 1, "nvshmem:vnodes=2", "nvshmem:vnodes=2")),
+        (4, 4, None, {NODE: "4"}, (4, 1, "ipc", "ipc")),
+        (4, 4, None, {NODE: ""}, (4, 1, "ipc", "ipc")),
+        # Logical nodes on one host: vnodes added to the internode transport (nvshmem by default).
+        (4, 4, None, {NODE: "2"}, (2, 2, "nvshmem:vnodes=2", "ipc")),
+        (4, 4, None, {NODE: "2", TRANSPORT: "proxy-ce"}, (2, 2, "proxy-ce:vnodes=2", "ipc")),
+        (4, 4, None, {NODE: "1", TRANSPORT: "proxy-ce"}, (1, 4, "proxy-ce:vnodes=4", "ipc")),
+        (4, 4, "proxy-ce:vnodes=2", {NODE: "2"}, (2, 2, "proxy-ce:vnodes=2", "proxy-ce:vnodes=2")),
+        (4, 4, "nvshmem:vnodes=max", {NODE: "1"}, (1, 4, "nvshmem:vnodes=max", "nvshmem:vnodes=max")),
+        (8, 8, "proxy-ce", {NODE: "4", TRANSPORT: "proxy-verbs"}, (4, 2, "proxy-ce:vnodes=2", "proxy-ce")),
+        # Several hosts: a node per host (DeepEP's 8 NVLink peers on 8-GPU hosts), or smaller.
+        (16, 8, None, {}, (8, 2, "nvshmem", "nvshmem")),
+        (16, 8, None, {TRANSPORT: "proxy-verbs"}, (8, 2, "proxy-verbs", "proxy-verbs")),
+        (16, 8, None, {NODE: "4", TRANSPORT: "proxy-verbs"}, (4, 4, "proxy-verbs:vnodes=2", "proxy-verbs")),
+        (16, 8, "nvshmem", {NODE: "8"}, (8, 2, "nvshmem", "nvshmem")),
+    ],
+)
+def test_node_plan(world, per_host, transport, env, want):
+    p = dnodes.plan(world, per_host, transport, env)
+    assert (p.node_size, p.num_nodes, p.transport, p.ll_transport) == want
+    assert p.internode == (want[1] > 1) and p.world == world
+    assert repr(p).startswith(f"NodePlan({want[1]} node(s) x {want[0]} rank(s)")
+
+
+@pytest.mark.parametrize(
+    "world,per_host,transport,env,argument,words",
+    [
+        (4, 4, None, {NODE: "3"}, NODE, ("dividing the 4 rank(s) per host", "never spans hosts")),
+        (4, 4, None, {NODE: "0"}, NODE, ("positive",)),
+        (4, 4, None, {NODE: "two"}, NODE, ("'two'",)),
+        (16, 8, None, {NODE: "16"}, NODE, ("8 rank(s) per host",)),
+        (4, 4, "ipc", {NODE: "2"}, "transport", ("ipc reaches the ranks of one node only", "2 nodes x 2 ranks")),
+        (16, 8, "ipc", {}, "transport", ("ipc",)),
+        (4, 4, None, {NODE: "2", TRANSPORT: "ipc"}, TRANSPORT, ("ipc",)),
+        (4, 4, None, {NODE: "2", TRANSPORT: "tcp"}, TRANSPORT, ("tcp",)),
+        (4, 4, "nvshmem:vnodes=max", {NODE: "2"}, "transport", ("vnodes=2", "4 logical node(s)")),
+        (4, 4, None, {NODE: "2", TRANSPORT: "proxy-ce:vnodes=4"}, TRANSPORT, ("vnodes=2",)),
+        (16, 8, "nvshmem:vnodes=2", {}, "transport", ("vnodes=1", NODE)),
+    ],
+)
+def test_node_plan_refusals(world, per_host, transport, env, argument, words):
+    e = _raises(argument, lambda: dnodes.plan(world, per_host, transport, env))
+    for w in words:
+        assert w in e.rule, (w, e.rule)
+
+
+def test_split_spec():
+    assert dnodes.split_spec("nvshmem") == ("nvshmem", None)
+    assert dnodes.split_spec("proxy-ce:vnodes=2") == ("proxy-ce", 2)
+    assert dnodes.split_spec("nvshmem:vnodes=max") == ("nvshmem", "max")
+
+
+def test_transport_default_is_decided_by_the_plan():
+    """transport=None (the default) is accepted before anything starts; a bad spec is refused."""
+    params = inspect.signature(deep_ep.Buffer.__init__).parameters
+    assert params["transport"].default is None
+    _raises("transport", lambda: deep_ep.Buffer(None, transport="tcp"))
+
+
+def test_internode_handle_is_deepeps_ten_tuple():
+    order = dhandles.ReceiveOrder("perm", "inv", 3, 5)
+    items = ("in_rank", None, None, None, "rdma", None, "gbl", None, None, None)
+    h = dhandles.InternodeHandle(items, "core handle", order)
+    assert isinstance(h, tuple) and len(h) == 10 and tuple(h) == items
+    assert h[-4] == "gbl" and h.epcomm_handle == "core handle" and h.order is order
+    assert (order.num_recv, order.num_rows) == (3, 5) and "num_rows=5" in repr(order)
+    assert deep_ep.buffer.InternodeHandle is dhandles.InternodeHandle
+
+
+def _torch():
+    return pytest.importorskip("torch")
+
+
+def _internode():
+    _torch()
+    from epcomm.deep_ep import _internode
+
+    return _internode
+
+
+@pytest.mark.parametrize("world,local", [(4, 2), (8, 2), (8, 4), (6, 3), (4, 1), (2, 1)])
+def test_receive_order_matches_the_two_tier_reference(world, local):
+    """perm / inv against reference.two_stage_order (rows grouped by the source's local rank,
+    then source node): DeepEP row i is core row perm[i], core row k is DeepEP row inv[k]."""
+    torch = _torch()
+    import reference as ref
+
+    I = _internode()  # noqa: E741
+    g = torch.Generator().manual_seed(world * 10 + local)
+    for trial in range(5):
+        counts = torch.randint(0, 7, (world,), generator=g, dtype=torch.int64)
+        if trial == 0:
+            counts.zero_()
+        src = torch.repeat_interleave(torch.arange(world), counts)
+
+        class Rec:
+            src_rank = src
+
+        order = ref.two_stage_order(Rec, local)
+        gbl, perm, inv = I.receive_order(counts, local, "cpu")
+        n = int(counts.sum())
+        assert gbl.dtype == torch.int32 and gbl.tolist() == torch.cumsum(counts, 0).tolist()
+        assert perm.dtype == torch.int64 and perm.shape == (n,) and inv.shape == (n,)
+        assert torch.equal(inv, order)
+        assert torch.equal(perm[inv], torch.arange(n)) and torch.equal(inv[perm], torch.arange(n))
+        # Source of every DeepEP row, through the core's rows: in rank order, token order kept.
+        core_src = src[order]
+        assert torch.equal(core_src[perm], src)
+
+
+def test_receive_order_round_trip_of_a_dispatch_and_combine():
+    """A two-tier receive (rows in two_stage_order) put in DeepEP's order by perm is the flat
+    reference's receive; expert outputs in DeepEP's order taken back by inv are the rows in the
+    core's order, so the two-stage combine reference sees the same rows."""
+    torch = _torch()
+    import reference as ref
+
+    I = _internode()  # noqa: E741
+    world, local, experts, hidden, top_k = 4, 2, 16, 128, 4
+    inputs = [ref.make_inputs(r, 20 + 3 * r, hidden, top_k, experts, world, 5, mask=0.1) for r in range(world)]
+    for r in range(world):
+        flat = ref.dispatch(inputs, r, experts)
+        order = ref.two_stage_order(flat, local)
+        core_rows, core_ids = flat.x[order], flat.topk_idx[order]
+        counts = torch.bincount(flat.src_rank, minlength=world)
+        gbl, perm, inv = I.receive_order(counts, local, "cpu")
+        assert torch.equal(I.reorder(core_rows, perm, core_rows.shape[0], 0), flat.x)
+        assert torch.equal(I.reorder(core_ids, perm, core_ids.shape[0], -1), flat.topk_idx)
+        y = ref.expert_output(flat.x, r)
+        assert torch.equal(y.index_select(0, inv), y[order])
+        # DeepEP's check_data: rows of source i end at recv_gbl_rank_prefix_sum[i].
+        start = 0
+        for i, end in enumerate(gbl.tolist()):
+            assert bool((flat.src_rank[start:end] == i).all())
+            start = end
+
+
+def test_reorder_pads_and_keeps_fp8():
+    torch = _torch()
+    I = _internode()  # noqa: E741
+    t = torch.arange(12, dtype=torch.float32).view(6, 2)
+    perm = torch.tensor([2, 0, 1])
+    out = I.reorder(t[:3], perm, 5, -1)
+    assert out.tolist() == [[4, 5], [0, 1], [2, 3], [-1, -1], [-1, -1]]
+    assert torch.equal(I.reorder(t[:3], perm, 3, 0), t[:3][perm])
+    x8 = torch.randn(3, 8).to(torch.float8_e4m3fn)
+    got = I.reorder(x8, perm, 4, 0)
+    assert got.dtype == torch.float8_e4m3fn and got.shape == (4, 8)
+    assert torch.equal(got[:3].view(torch.uint8), x8[perm].view(torch.uint8))
+    assert not got[3].view(torch.uint8).any()
+    assert I.reorder(None, perm, 3, 0) is None
+
+
+def test_route_ids_send_each_token_to_its_ranks():
+    torch = _torch()
+    I = _internode()  # noqa: E741
+    g = torch.Generator().manual_seed(3)
+    world, epr = 6, 4
+    in_rank = torch.rand((50, world), generator=g) < 0.4
+    in_rank[0] = False
+    in_rank[1] = True
+    for k in (world, world + 2):
+        ids = I.route_ids(in_rank, epr, k)
+        assert ids.shape == (50, k) and ids.dtype == torch.int64
+        ranks = torch.where(ids >= 0, ids // epr, -1)
+        for t in range(50):
+            got = [r for r in ranks[t].tolist() if r >= 0]
+            assert got == torch.nonzero(in_rank[t]).flatten().tolist()  # each rank once, in order
+            assert all(i % epr == 0 for i in ids[t].tolist() if i >= 0)
+    narrow = I.route_ids(in_rank, epr, 2)
+    assert narrow.shape == (50, 2) and narrow[1].tolist() == [0, epr]
+
+
+def test_node_counts_and_rdma_prefix():
+    torch = _torch()
+    import reference as ref
+
+    I = _internode()  # noqa: E741
+    world, local, experts = 8, 2, 32
+    nodes = world // local
+    inputs = [ref.make_inputs(r, 30 + r, 128, 4, experts, world, 9, mask=0.2) for r in range(world)]
+    per_node = []
+    for r in range(world):
+        in_rank = ref.layout(inputs[r].topk_idx, experts, world)[2]
+        got = I.node_counts(in_rank, local)
+        want = [int(in_rank[:, m * local : (m + 1) * local].any(dim=1).sum()) for m in range(nodes)]
+        assert got.dtype == torch.int32 and got.tolist() == want
+        per_node.append(want)
+    gathered = torch.tensor(per_node, dtype=torch.int64)
+    for r in range(world):
+        # Tokens crossing the rail to r: from the rank of each node with r's local rank.
+        rail = [per_node[m * local + r % local][r // local] for m in range(nodes)]
+        got = I.rdma_prefix(gathered, r, local)
+        assert got.dtype == torch.int32 and got.tolist() == torch.cumsum(torch.tensor(rail), 0).tolist()

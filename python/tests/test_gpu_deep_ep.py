@@ -24,6 +24,34 @@ def test_deep_ep_intranode_without_topk():
     h.launch("deep_ep_intranode_no_topk", h.world())
 
 
+def test_deep_ep_internode():
+    """tests/test_internode.py's calls on a group split into two logical nodes (at least 4
+    ranks: 2 x 2 on one GPU; ``EPCOMM_DEEP_EP_NODE_SIZE`` = half the ranks): layout with
+    num_tokens_per_rdma_rank, dispatch BF16 and FP8 with and without top-k (previous events,
+    async), rows in DeepEP's order through recv_gbl_rank_prefix_sum, the 10-tuple handle,
+    num_worst_tokens, cached dispatch, combine with weights and biases against the two-stage
+    reference, bit for bit. Transport: ``EPCOMM_DEEP_EP_TRANSPORT`` (default ``proxy-ce``, whose
+    ranks get ``CUDA_DEVICE_MAX_CONNECTIONS=8`` unless the environment sets it, as in
+    test_gpu.py's test_two_tier)."""
+    import os
+
+    n = max(4, h.world())
+    n -= n % 2
+    transport = os.environ.get("EPCOMM_DEEP_EP_TRANSPORT", "proxy-ce")
+    if transport.startswith("nvshmem"):
+        import epcomm
+
+        why = epcomm._native.nvshmem_status()
+        if why is not None:
+            h.skip(f"transport {transport}: the NVSHMEM host library does not load here: {why}")
+    env = {
+        "CUDA_DEVICE_MAX_CONNECTIONS": "8",
+        "EPCOMM_DEEP_EP_NODE_SIZE": str(n // 2),
+        "EPCOMM_DEEP_EP_TRANSPORT": transport,
+    }
+    h.launch("deep_ep_internode", n, transport, "epoch", env_defaults=env)
+
+
 @pytest.mark.parametrize("case", ["deep_ep_low_latency", "deep_ep_ll_hook"])
 def test_deep_ep_low_latency(case):
     """tests/test_low_latency.py's loop: BF16, FP8, power-of-two and packed UE8M0 scales in

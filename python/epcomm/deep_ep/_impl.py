@@ -22,6 +22,7 @@ from ..config import Config as _CoreConfig
 from ..config import low_latency_size_hint
 from ..errors import BufferFailedError
 from . import config as _config
+from . import nodes as _nodes
 from .handles import IntranodeHandle, LowLatencyHandle
 
 _FP8_BLOCK = 128
@@ -33,14 +34,17 @@ _UE8M0_BLOCK = 4 * _FP8_BLOCK
 
 
 def init(buf, group, comm):
-    """Rank, world and device of `buf`; refuses groups spanning hosts (collective over the group:
-    every rank's hostname)."""
+    """Rank, world and device of `buf`, and its split into nodes (:mod:`.nodes`; collective over
+    the group: every rank's hostname)."""
     if not torch.cuda.is_available():
         fail("device", "deep_ep.Buffer needs a CUDA GPU, and torch.cuda.is_available() is False")
     import torch.distributed as dist
 
+    from .._rendezvous import local_ranks
+
     buf.device = torch.cuda.current_device()
-    if group is not None or (dist.is_available() and dist.is_initialized()):
+    distributed = group is not None or (dist.is_available() and dist.is_initialized())
+    if distributed:
         if not (dist.is_available() and dist.is_initialized()):
             fail("group", "is given but torch.distributed is not initialised (call init_process_group first)")
         try:
@@ -62,8 +66,7 @@ def init(buf, group, comm):
                 )
         hosts = [None] * world
         dist.all_gather_object(hosts, socket.gethostname(), group=group)
-        one_host = len(set(hosts)) == 1
-        where = f"hosts of the group: {sorted(set(hosts))}"
+        per_host = local_ranks(hosts, rank)[1]
     else:
         if comm is not None:
             fail(
@@ -74,23 +77,25 @@ def init(buf, group, comm):
         env = os.environ
         try:
             rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-            local = int(env.get("LOCAL_WORLD_SIZE", world))
+            per_host = int(env.get("LOCAL_WORLD_SIZE", world))
         except (KeyError, ValueError) as e:
             fail(
                 "group",
                 f"is None, torch.distributed is not initialised, and the launcher variables are incomplete ({e})",
             )
-        one_host = local == world
-        where = f"LOCAL_WORLD_SIZE={local}, WORLD_SIZE={world}"
-    if not one_host:
+        if per_host < 1 or world % per_host != 0:
+            fail("group", f"LOCAL_WORLD_SIZE={per_host} must divide WORLD_SIZE={world} (as many ranks on every host)")
+    plan = _nodes.plan(world, per_host, buf._options["transport"], os.environ)
+    if plan.internode and not distributed:
         fail(
             "group",
-            f"spans several hosts ({where}): the internode (two-tier) path is not reachable from Python yet; "
-            "deep_ep.Buffer serves groups whose ranks are all on one host",
+            f"spans {plan.num_nodes} nodes of {plan.node_size} ranks, and the internode path exchanges each "
+            "dispatch's counts through a torch.distributed group: initialise torch.distributed (or pass its group)",
         )
     buf.group = group
     buf.rank = rank
     buf.group_size = world
+    buf._plan = plan
 
 
 def capture():
@@ -158,9 +163,9 @@ def _fixed(argument, what, fixed, got, first):
 # The cores
 
 
-def _core_kwargs(buf):
+def _core_kwargs(buf, transport):
     o = buf._options
-    return dict(transport=o["transport"], schedule=o["schedule"], routes=o["routes"], timeout=o["timeout"])
+    return dict(transport=transport, schedule=o["schedule"], routes=o["routes"], timeout=o["timeout"])
 
 
 def _normal_core(buf, hidden, num_topk, num_experts, num_tokens, config):
@@ -190,7 +195,9 @@ def _normal_core(buf, hidden, num_topk, num_experts, num_tokens, config):
             num_experts=num_experts,
             num_sms=num_sms,
             explicitly_destroy=True,
-            **_core_kwargs(buf),
+            # A group of several nodes: two tiers (a rail between nodes, then NVLink inside one).
+            two_tier=buf._plan.internode,
+            **_core_kwargs(buf, buf._plan.transport),
         )
     return buf._normal
 
@@ -236,7 +243,7 @@ def _ll_core(buf, hidden, num_topk, num_experts, m):
             explicitly_destroy=True,
             num_max_dispatch_tokens_per_rank=m,
             ll_masking=buf.enable_shrink,
-            **_core_kwargs(buf),
+            **_core_kwargs(buf, buf._plan.ll_transport),
         )
     for rank, masked in buf._mask_before_core.items():
         buf._ll.low_latency_update_mask_buffer(rank, masked)
@@ -314,6 +321,8 @@ def get_dispatch_layout(buf, topk_idx, num_experts, previous_event, async_finish
         fail("topk_idx", "must have at least one column (num_topk >= 1)")
     buf._layout_shape = (k, num_experts)
     core = buf._normal
+    if buf._plan.internode:
+        return _internode.layout(buf, topk_idx, num_experts, previous_event, async_finish, allocate_on_comm_stream)
     if core is not None and (core.num_topk, core.num_experts) == (k, num_experts) and n <= core.max_tokens_per_rank:
         # epcomm's own kernel; its is_token_in_rank lets the next dispatch reuse the layout.
         return core.get_dispatch_layout(topk_idx, num_experts, previous_event, async_finish, allocate_on_comm_stream)
@@ -388,6 +397,36 @@ def _recv_src_idx(core, handle):
     return view(native.recv_src_idx_ptr, (rows,), torch.int32, core.device, native).clone()
 
 
+def first_shape(buf, topk_idx, num_tokens_per_expert):
+    """``(num_topk, num_experts)`` of a non-cached dispatch: from its tensors, else the latest
+    ``get_dispatch_layout``, else the normal core; a first dispatch without them is refused."""
+    known = buf._normal
+    if topk_idx is not None:
+        num_topk = _shape("topk_idx", topk_idx, 2, ("num_tokens", "num_topk")).shape[1]
+    elif buf._layout_shape is not None:
+        num_topk = buf._layout_shape[0]
+    elif known is not None:
+        num_topk = known.num_topk
+    else:
+        fail(
+            "topk_idx",
+            "the first dispatch of a Buffer fixes num_topk: pass topk_idx, or call get_dispatch_layout before it",
+        )
+    if num_tokens_per_expert is not None:
+        num_experts = _shape("num_tokens_per_expert", num_tokens_per_expert, 1, ("num_experts",)).shape[0]
+    elif buf._layout_shape is not None:
+        num_experts = buf._layout_shape[1]
+    elif known is not None:
+        num_experts = known.num_experts
+    else:
+        fail(
+            "num_tokens_per_expert",
+            "the first dispatch of a Buffer fixes num_experts: pass num_tokens_per_expert, or call "
+            "get_dispatch_layout before it",
+        )
+    return num_topk, num_experts
+
+
 def _normal_handle(buf, handle):
     if not isinstance(handle, IntranodeHandle):
         fail("handle", f"must be the handle of this Buffer's dispatch (got {type(handle).__name__})")
@@ -414,6 +453,24 @@ def dispatch(
     allocate_on_comm_stream,
 ):
     _alive(buf)
+    if buf._plan.internode:
+        return _internode.dispatch(
+            buf,
+            x,
+            handle,
+            num_tokens_per_rank,
+            num_tokens_per_rdma_rank,
+            is_token_in_rank,
+            num_tokens_per_expert,
+            topk_idx,
+            topk_weights,
+            expert_alignment,
+            num_worst_tokens,
+            config,
+            previous_event,
+            async_finish,
+            allocate_on_comm_stream,
+        )
     del num_tokens_per_rdma_rank  # DeepEP's intranode dispatch ignores it too
     x, rows = _x(x)
     # What the core's dispatch takes as it is, cached or not.
@@ -437,30 +494,7 @@ def dispatch(
         return recv_x, None, None, None, None, event
     d = _shape("x", rows, 2, ("num_tokens", "hidden"))
     num_tokens, hidden = d.shape
-    known = buf._normal
-    if topk_idx is not None:
-        num_topk = _shape("topk_idx", topk_idx, 2, ("num_tokens", "num_topk")).shape[1]
-    elif buf._layout_shape is not None:
-        num_topk = buf._layout_shape[0]
-    elif known is not None:
-        num_topk = known.num_topk
-    else:
-        fail(
-            "topk_idx",
-            "the first dispatch of a Buffer fixes num_topk: pass topk_idx, or call get_dispatch_layout before it",
-        )
-    if num_tokens_per_expert is not None:
-        num_experts = _shape("num_tokens_per_expert", num_tokens_per_expert, 1, ("num_experts",)).shape[0]
-    elif buf._layout_shape is not None:
-        num_experts = buf._layout_shape[1]
-    elif known is not None:
-        num_experts = known.num_experts
-    else:
-        fail(
-            "num_tokens_per_expert",
-            "the first dispatch of a Buffer fixes num_experts: pass num_tokens_per_expert, or call "
-            "get_dispatch_layout before it",
-        )
+    num_topk, num_experts = first_shape(buf, topk_idx, num_tokens_per_expert)
     # Before the creation: the type (the creation reads config.num_sms), or the core's SMs.
     _check_config(buf, config)
     core = _normal_core(buf, hidden, num_topk, num_experts, num_tokens, config)
@@ -512,6 +546,10 @@ def _bias(core, bias, num_tokens):
 
 def combine(buf, x, handle, topk_weights, bias, config, previous_event, async_finish, allocate_on_comm_stream):
     _alive(buf)
+    if buf._plan.internode:
+        return _internode.combine(
+            buf, x, handle, topk_weights, bias, config, previous_event, async_finish, allocate_on_comm_stream
+        )
     h = _normal_handle(buf, handle)
     core = buf._normal
     b0, b1 = _bias(core, bias, h.num_tokens)
@@ -525,17 +563,23 @@ def combine(buf, x, handle, topk_weights, bias, config, previous_event, async_fi
         async_finish=async_finish,
         allocate_on_comm_stream=allocate_on_comm_stream,
     )
+    return add_bias(core, out, out_w, event, b0, b1)
+
+
+def add_bias(core, out, out_w, event, b0, b1):
+    """``(out, out_w, event)`` of a combine with the biases (None allowed) added to ``out``
+    after the op: ``bf16((f32(b0) + f32(b1)) + f32(out))``."""
     if b0 is None and b1 is None:
         return out, out_w, event
 
-    def add_bias():
+    def add():
         both = [t.float() for t in (b0, b1) if t is not None]
         acc = both[0] if len(both) == 1 else both[0] + both[1]
         out.copy_(acc + out.float())
         # The biases are read here too: kept from reuse until this ran.
         return (out, *(t for t in (b0, b1) if t is not None))
 
-    return out, out_w, _then(core, event, add_bias)
+    return out, out_w, _then(core, event, add)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -793,3 +837,6 @@ def next_combine_buffer(buf, handle):
     # An earlier zero-copy combine may still read it on the comm stream.
     torch.cuda.current_stream().wait_stream(core.get_comm_stream())
     return buf._combine_buffer
+
+
+from . import _internode  # noqa: E402 (it uses this module's helpers)

@@ -14,6 +14,11 @@ creation there is safe):
 * the **low-latency core** at the first ``low_latency_dispatch``: its shape and
   ``num_max_dispatch_tokens_per_rank``, checked against ``num_rdma_bytes``.
 
+On a group of several nodes (:mod:`epcomm.deep_ep.nodes`: hosts, or logical nodes of
+``EPCOMM_DEEP_EP_NODE_SIZE`` ranks) the normal core is a two-tier epcomm Buffer and the normal
+ops return DeepEP's internode results (:mod:`epcomm.deep_ep._internode`: rows in DeepEP's order,
+the 10-tuple :class:`InternodeHandle`).
+
 Later ops whose shape differs from their core's raise :class:`epcomm.InvalidArgumentError`
 naming the argument and the fixed value. The two cores are separate epcomm Buffers (each with
 its own memory and communication stream), so normal and low-latency ops may use different
@@ -24,9 +29,9 @@ Importing this module needs no torch; creating a Buffer does (``_impl``).
 
 from .._args import check_bool, check_int, fail
 from . import config as _config
-from .handles import IntranodeHandle, LowLatencyHandle
+from .handles import InternodeHandle, IntranodeHandle, LowLatencyHandle
 
-__all__ = ["Buffer", "IntranodeHandle", "LowLatencyHandle"]
+__all__ = ["Buffer", "InternodeHandle", "IntranodeHandle", "LowLatencyHandle"]
 
 
 _IMPL = []
@@ -48,11 +53,12 @@ class Buffer:
 
     DeepEP's arguments: ``group`` (a ``torch.distributed`` group; None: the default group when
     ``torch.distributed`` is initialised, else the launcher's variables ``RANK``,
-    ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``); every rank of it
-    must be on one host (the two-tier path is not reachable from Python yet: a group spanning
-    hosts raises naming ``group``). ``num_nvl_bytes``: the budget of the normal core (0: no
-    normal ops, as in DeepEP); ``num_rdma_bytes``: the budget of the low-latency core (see
-    :meth:`get_low_latency_rdma_size_hint`). ``low_latency_mode``, ``num_qps_per_rank``,
+    ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``). A group of several
+    nodes (hosts, or logical nodes of ``EPCOMM_DEEP_EP_NODE_SIZE`` ranks: :mod:`.nodes`) runs
+    DeepEP's internode path (a two-tier normal core, :mod:`._internode`; it needs a
+    ``torch.distributed`` group); a group of one node, the intranode path. ``num_nvl_bytes``:
+    the budget of the normal core (0: no normal ops, as in DeepEP); ``num_rdma_bytes``: the
+    budget of the low-latency core (see :meth:`get_low_latency_rdma_size_hint`). ``low_latency_mode``, ``num_qps_per_rank``,
     ``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl``, ``use_fabric``: accepted, no effect
     (NVSHMEM/IBGDA settings; epcomm's transports set up their own). ``comm`` (mpi4py): accepted
     and unused where a ``torch.distributed`` group exists, refused where it would be the only
@@ -64,8 +70,9 @@ class Buffer:
 
     epcomm-only keywords: ``max_tokens_per_rank`` (fixes the normal core's token limit instead
     of deriving it from ``num_nvl_bytes``; e.g. to keep CUDA-graph captures' ``num_worst_tokens
-    >= num_ranks * max_tokens_per_rank`` small), ``transport``, ``schedule``, ``routes``,
-    ``timeout`` (as :class:`epcomm.Buffer`).
+    >= num_ranks * max_tokens_per_rank`` small), ``transport`` (None: ``ipc`` on one node, the
+    internode transport of :mod:`.nodes` on several), ``schedule``, ``routes``, ``timeout`` (as
+    :class:`epcomm.Buffer`).
 
     Collective, like every op: all ranks create it and call its ops in the same order.
     """
@@ -88,7 +95,7 @@ class Buffer:
         comm=None,
         *,
         max_tokens_per_rank=None,
-        transport="ipc",
+        transport=None,
         schedule="epoch",
         routes="auto",
         timeout=100.0,
@@ -114,9 +121,10 @@ class Buffer:
         from .. import parse_transport
 
         for name, value in (("transport", transport), ("schedule", schedule), ("routes", routes)):
-            if not isinstance(value, str):
+            if not isinstance(value, str) and not (name == "transport" and value is None):
                 fail(name, f"must be a str (got {value!r})")
-        transport = parse_transport(transport)
+        if transport is not None:
+            transport = parse_transport(transport)
         try:
             timeout = float(timeout)
         except (TypeError, ValueError):
@@ -134,6 +142,7 @@ class Buffer:
         self._layout_shape = None
         self._combine_buffer = None
         self._side = None
+        self._plan = None
         _impl().init(self, group, comm)
 
     # ------------------------------------------------------------------------------------------
@@ -212,12 +221,14 @@ class Buffer:
     def get_dispatch_layout(
         self, topk_idx, num_experts, previous_event=None, async_finish=False, allocate_on_comm_stream=False
     ):
-        """``(num_tokens_per_rank [num_ranks] int32, None, num_tokens_per_expert [num_experts]
-        int32, is_token_in_rank [num_tokens, num_ranks] bool, event)`` of ``topk_idx``
-        (``[num_tokens, num_topk]`` int64; ``-1`` and ids outside ``[0, num_experts)`` count
-        nowhere). No communication; remembers ``num_topk`` and ``num_experts`` for the first
-        dispatch. Runs on the normal core's kernel when the core has this shape, else with torch
-        ops on :meth:`get_comm_stream`; the numbers are the same."""
+        """``(num_tokens_per_rank [num_ranks] int32, num_tokens_per_rdma_rank, num_tokens_per_expert
+        [num_experts] int32, is_token_in_rank [num_tokens, num_ranks] bool, event)`` of
+        ``topk_idx`` (``[num_tokens, num_topk]`` int64; ``-1`` and ids outside ``[0,
+        num_experts)`` count nowhere); ``num_tokens_per_rdma_rank``: None on one node, else
+        ``[num_nodes]`` int32, the tokens going to at least one rank of each node. No
+        communication; remembers ``num_topk`` and ``num_experts`` for the first dispatch. Runs on
+        the normal core's kernel when the core is flat and has this shape, else with torch ops
+        on :meth:`get_comm_stream`; the numbers are the same."""
         return _impl().get_dispatch_layout(
             self, topk_idx, num_experts, previous_event, async_finish, allocate_on_comm_stream
         )
@@ -239,7 +250,8 @@ class Buffer:
         async_finish=False,
         allocate_on_comm_stream=False,
     ):
-        """DeepEP's intranode ``dispatch`` on the normal core (created by the first call).
+        """DeepEP's ``dispatch`` on the normal core (created by the first call): the intranode
+        one on a group of one node, the internode one (:meth:`internode_dispatch`) on several.
 
         ``x``: bf16 ``[num_tokens, hidden]`` or ``(e4m3 x, f32 scales [num_tokens, hidden /
         128])`` (strided scales, e.g. DeepEP's column-major ones, are copied contiguous first).
@@ -282,8 +294,9 @@ class Buffer:
         async_finish=False,
         allocate_on_comm_stream=False,
     ):
-        """DeepEP's intranode ``combine``: ``(combined_x, combined_topk_weights or None,
-        event)``; sums in rank order in fp32, rounded to bf16 once (epcomm's contract).
+        """DeepEP's ``combine``: ``(combined_x, combined_topk_weights or None, event)``; on one
+        node the sums run in rank order in fp32, rounded to bf16 once (epcomm's contract); on
+        several, :meth:`internode_combine`.
         ``bias``: a bf16 ``[num_tokens, hidden]`` tensor or a tuple of two (None allowed),
         added after the sum: ``bf16((f32(bias_0) + f32(bias_1)) + f32(combined))``, one bf16
         rounding more than DeepEP, which adds them before its single rounding."""
@@ -308,9 +321,41 @@ class Buffer:
         async_finish=False,
         allocate_on_comm_stream=False,
     ):
-        """Refused: groups spanning hosts are not reachable from Python yet (use
-        :meth:`dispatch`, which serves every single-host group)."""
-        _internode()
+        """DeepEP's internode dispatch (what :meth:`dispatch` runs on a group of several
+        nodes), on the two-tier normal core; refused naming ``group`` on a group of one node.
+
+        Routed by ``topk_idx`` (``topk_weights`` optional), or without it by
+        ``is_token_in_rank`` + ``num_tokens_per_expert`` (each token then goes to at most
+        ``num_topk`` ranks; ids and weights are not returned), or along ``handle`` (cached).
+        ``num_tokens_per_rank`` and ``num_tokens_per_rdma_rank`` are accepted and recomputed
+        from the routing. Received rows come in DeepEP's order (by global source rank, each
+        source's rows in token order), permuted from the core's on the GPU. Each non-cached
+        dispatch exchanges every rank's counts over the group (a host wait, as the receive
+        count is); ``num_worst_tokens > 0`` pads the outputs to that many rows (ids ``-1``,
+        weights and rows 0) and returns an empty per-expert list, but still waits on the host:
+        no internode op can be captured into a CUDA graph.
+
+        Returns ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list,
+        handle, event)`` (cached: ``(recv_x, None, None, None, None, event)``); ``handle`` is an
+        :class:`InternodeHandle`."""
+        if not getattr(self, "_plan", None) or not self._plan.internode:
+            _internode()
+        return self.dispatch(
+            x,
+            handle,
+            num_tokens_per_rank,
+            num_tokens_per_rdma_rank,
+            is_token_in_rank,
+            num_tokens_per_expert,
+            topk_idx,
+            topk_weights,
+            expert_alignment,
+            num_worst_tokens,
+            config,
+            previous_event,
+            async_finish,
+            allocate_on_comm_stream,
+        )
 
     def internode_combine(
         self,
@@ -323,8 +368,17 @@ class Buffer:
         async_finish=False,
         allocate_on_comm_stream=False,
     ):
-        """Refused, as :meth:`internode_dispatch`."""
-        _internode()
+        """DeepEP's internode combine (what :meth:`combine` runs on a group of several nodes):
+        ``x`` (and ``topk_weights``) in the dispatch's returned order and row count, reordered
+        for the two-tier core on the GPU; each node sums its ranks' rows in fp32 (local-rank
+        order) into one bf16 partial, the source sums the partials in fp32 in node order and
+        rounds once (weights: the same order, fp32, no rounding). ``bias`` as in
+        :meth:`combine`. Refused naming ``group`` on a group of one node."""
+        if not getattr(self, "_plan", None) or not self._plan.internode:
+            _internode()
+        return self.combine(
+            x, handle, topk_weights, bias, config, previous_event, async_finish, allocate_on_comm_stream
+        )
 
     # ------------------------------------------------------------------------------------------
     # Low latency
@@ -445,8 +499,8 @@ class Buffer:
 def _internode():
     fail(
         "group",
-        "the internode (two-tier) path is not reachable from Python yet: deep_ep.Buffer serves groups whose ranks "
-        "are all on one host, through dispatch/combine",
+        "is one node, and the internode ops need several: a group spanning hosts, or logical nodes of "
+        "EPCOMM_DEEP_EP_NODE_SIZE ranks (dispatch and combine serve a group of one node)",
     )
 
 

@@ -2,7 +2,7 @@
 handle it stands for (``epcomm_handle``), which the ops that take a handle use. No torch needed
 to import."""
 
-__all__ = ["IntranodeHandle", "LowLatencyHandle"]
+__all__ = ["InternodeHandle", "IntranodeHandle", "LowLatencyHandle"]
 
 
 class _Handle(tuple):
@@ -32,6 +32,52 @@ class IntranodeHandle(_Handle):
     * ``channel_prefix_matrix``, ``recv_channel_prefix_matrix``, ``send_head`` (DeepEP's
       per-channel staging state; epcomm has no channels): None.
     """
+
+
+class InternodeHandle(_Handle):
+    """DeepEP's internode dispatch handle (a group of several nodes): the 10-tuple
+    ``(is_token_in_rank, rdma_channel_prefix_matrix, gbl_channel_prefix_matrix,
+    recv_rdma_channel_prefix_matrix, recv_rdma_rank_prefix_sum, recv_gbl_channel_prefix_matrix,
+    recv_gbl_rank_prefix_sum, recv_src_meta, send_rdma_head, send_nvl_head)``, carrying the
+    two-tier :class:`epcomm.DispatchHandle` it stands for (``epcomm_handle``) and the row order
+    between the two (``order``: a :class:`ReceiveOrder`), which ``dispatch(handle=...)`` and
+    ``combine`` use.
+
+    * ``is_token_in_rank`` (``[num_tokens, num_ranks]`` bool): the one the dispatch was given,
+      else computed from its ``topk_idx``.
+    * ``recv_rdma_rank_prefix_sum`` (``[num_nodes]`` int32): exact; element ``m`` is the number
+      of tokens of nodes ``0..m`` that crossed the rail to this rank (the tokens of the ranks
+      with this rank's local rank that go to any rank of this node), inclusive prefix sums.
+    * ``recv_gbl_rank_prefix_sum`` (``[num_ranks]`` int32): exact; element ``i`` is the end
+      row (exclusive) of source rank ``i``'s rows in the returned order (DeepEP's: by global
+      source rank, each source's rows in token order).
+    * ``rdma_channel_prefix_matrix``, ``gbl_channel_prefix_matrix``,
+      ``recv_rdma_channel_prefix_matrix``, ``recv_gbl_channel_prefix_matrix``,
+      ``recv_src_meta``, ``send_rdma_head``, ``send_nvl_head`` (DeepEP's per-channel staging
+      and forwarding state; epcomm has no channels, and which ranks of this node a row also
+      went to is not known here): None.
+    """
+
+    def __new__(cls, items, epcomm_handle, order):
+        self = super().__new__(cls, items, epcomm_handle)
+        self.order = order
+        return self
+
+
+class ReceiveOrder:
+    """How an internode dispatch's rows map between the two-tier core's order and DeepEP's:
+    ``perm`` (int64 ``[num_recv]`` on the GPU): DeepEP row ``i`` is core row ``perm[i]``;
+    ``inv``: its inverse (core row ``k`` is DeepEP row ``inv[k]``); ``num_recv``: rows
+    received; ``num_rows``: rows the dispatch returned (``num_worst_tokens`` when it padded)."""
+
+    def __init__(self, perm, inv, num_recv, num_rows):
+        self.perm = perm
+        self.inv = inv
+        self.num_recv = num_recv
+        self.num_rows = num_rows
+
+    def __repr__(self):
+        return f"ReceiveOrder(num_recv={self.num_recv}, num_rows={self.num_rows})"
 
 
 class LowLatencyHandle(_Handle):
