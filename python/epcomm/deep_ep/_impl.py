@@ -306,7 +306,9 @@ def layout_tensors(topk_idx, num_experts, world):
     return per_rank, per_expert[:num_experts], in_rank
 
 
-def get_dispatch_layout(buf, topk_idx, num_experts, previous_event, async_finish, allocate_on_comm_stream):
+def check_layout(buf, topk_idx, num_experts):
+    """The checks of ``get_dispatch_layout`` on any number of nodes; remembers ``num_topk``
+    and ``num_experts`` for the first dispatch. Returns ``(num_tokens, num_topk)``."""
     _alive(buf)
     world = buf.group_size
     check_int("num_experts", num_experts, minimum=1)
@@ -320,9 +322,12 @@ def get_dispatch_layout(buf, topk_idx, num_experts, previous_event, async_finish
     if k < 1:
         fail("topk_idx", "must have at least one column (num_topk >= 1)")
     buf._layout_shape = (k, num_experts)
+    return n, k
+
+
+def get_dispatch_layout(buf, topk_idx, num_experts, previous_event, async_finish, allocate_on_comm_stream):
+    n, k = check_layout(buf, topk_idx, num_experts)
     core = buf._normal
-    if buf._plan.internode:
-        return _internode.layout(buf, topk_idx, num_experts, previous_event, async_finish, allocate_on_comm_stream)
     if core is not None and (core.num_topk, core.num_experts) == (k, num_experts) and n <= core.max_tokens_per_rank:
         # epcomm's own kernel; its is_token_in_rank lets the next dispatch reuse the layout.
         return core.get_dispatch_layout(topk_idx, num_experts, previous_event, async_finish, allocate_on_comm_stream)
@@ -453,24 +458,6 @@ def dispatch(
     allocate_on_comm_stream,
 ):
     _alive(buf)
-    if buf._plan.internode:
-        return _internode.dispatch(
-            buf,
-            x,
-            handle,
-            num_tokens_per_rank,
-            num_tokens_per_rdma_rank,
-            is_token_in_rank,
-            num_tokens_per_expert,
-            topk_idx,
-            topk_weights,
-            expert_alignment,
-            num_worst_tokens,
-            config,
-            previous_event,
-            async_finish,
-            allocate_on_comm_stream,
-        )
     del num_tokens_per_rdma_rank  # DeepEP's intranode dispatch ignores it too
     x, rows = _x(x)
     # What the core's dispatch takes as it is, cached or not.
@@ -546,10 +533,6 @@ def _bias(core, bias, num_tokens):
 
 def combine(buf, x, handle, topk_weights, bias, config, previous_event, async_finish, allocate_on_comm_stream):
     _alive(buf)
-    if buf._plan.internode:
-        return _internode.combine(
-            buf, x, handle, topk_weights, bias, config, previous_event, async_finish, allocate_on_comm_stream
-        )
     h = _normal_handle(buf, handle)
     core = buf._normal
     b0, b1 = _bias(core, bias, h.num_tokens)
@@ -837,6 +820,3 @@ def next_combine_buffer(buf, handle):
     # An earlier zero-copy combine may still read it on the comm stream.
     torch.cuda.current_stream().wait_stream(core.get_comm_stream())
     return buf._combine_buffer
-
-
-from . import _internode  # noqa: E402 (it uses this module's helpers)

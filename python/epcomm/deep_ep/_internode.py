@@ -158,9 +158,10 @@ def _not_captured(what):
         )
 
 
-def layout(buf, topk_idx, num_experts, previous_event, async_finish, allocate_on_comm_stream):
-    """get_dispatch_layout of a group of several nodes (checked by the caller): torch ops on
-    the comm stream, with ``num_tokens_per_rdma_rank``."""
+def get_dispatch_layout(buf, topk_idx, num_experts, previous_event, async_finish, allocate_on_comm_stream):
+    """get_dispatch_layout of a group of several nodes: the checks of the one-node form, then
+    torch ops on the comm stream, with ``num_tokens_per_rdma_rank``."""
+    _impl.check_layout(buf, topk_idx, num_experts)
     with torch_function_off():
         op = StreamOp(_impl.comm_stream(buf), previous_event, async_finish, allocate_on_comm_stream)
         op.use(topk_idx)
@@ -201,6 +202,7 @@ def dispatch(
     async_finish,
     allocate_on_comm_stream,
 ):
+    _impl._alive(buf)
     del num_tokens_per_rank, num_tokens_per_rdma_rank  # recomputed from the routing (module docs)
     check_int("expert_alignment", expert_alignment, minimum=1)
     check_int("num_worst_tokens", num_worst_tokens)
@@ -408,6 +410,7 @@ def _dispatch(
 
 
 def combine(buf, x, handle, topk_weights, bias, config, previous_event, async_finish, allocate_on_comm_stream):
+    _impl._alive(buf)
     handle = _handle(buf, handle)
     core = buf._normal
     h, order = handle.epcomm_handle, handle.order

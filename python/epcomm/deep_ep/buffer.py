@@ -37,6 +37,18 @@ __all__ = ["Buffer", "InternodeHandle", "IntranodeHandle", "LowLatencyHandle"]
 _IMPL = []
 
 
+def _ops(buf):
+    """The module serving `buf`'s normal ops: the several-node one for a group spanning
+    (logical) nodes, else the one-node one (which also reports a Buffer not yet set up)."""
+    impl = _impl()
+    plan = getattr(buf, "_plan", None)
+    if plan is not None and plan.internode:
+        from . import _internode as several_nodes
+
+        return several_nodes
+    return impl
+
+
 def _impl():
     """The torch side of the layer (imported at the first call that needs it)."""
     if not _IMPL:
@@ -229,7 +241,7 @@ class Buffer:
         communication; remembers ``num_topk`` and ``num_experts`` for the first dispatch. Runs on
         the normal core's kernel when the core is flat and has this shape, else with torch ops
         on :meth:`get_comm_stream`; the numbers are the same."""
-        return _impl().get_dispatch_layout(
+        return _ops(self).get_dispatch_layout(
             self, topk_idx, num_experts, previous_event, async_finish, allocate_on_comm_stream
         )
 
@@ -265,7 +277,7 @@ class Buffer:
         Returns DeepEP's ``(recv_x, recv_topk_idx, recv_topk_weights,
         num_recv_tokens_per_expert_list, handle, event)`` (cached: ``(recv_x, None, None, None,
         None, event)``), with epcomm's receive order (by source rank, then source token)."""
-        return _impl().dispatch(
+        return _ops(self).dispatch(
             self,
             x,
             handle,
@@ -300,7 +312,7 @@ class Buffer:
         ``bias``: a bf16 ``[num_tokens, hidden]`` tensor or a tuple of two (None allowed),
         added after the sum: ``bf16((f32(bias_0) + f32(bias_1)) + f32(combined))``, one bf16
         rounding more than DeepEP, which adds them before its single rounding."""
-        return _impl().combine(
+        return _ops(self).combine(
             self, x, handle, topk_weights, bias, config, previous_event, async_finish, allocate_on_comm_stream
         )
 
