@@ -211,20 +211,144 @@ def dispatch(
         if handle is not None:
             return _cached(buf, x, _handle(buf, handle), topk_idx, topk_weights, config, previous_event,
                            async_finish, allocate_on_comm_stream)
-        return _dispatch(
-            buf,
-            x,
-            is_token_in_rank,
-            num_tokens_per_expert,
-            topk_idx,
-            topk_weights,
-            expert_alignment,
-            num_worst_tokens,
-            config,
-            previous_event,
-            async_finish,
-            allocate_on_comm_stream,
+        world, rank, dev = buf.group_size, buf.rank, buf.device
+        node_size, nodes = buf._plan.node_size, buf._plan.num_nodes
+        x, rows = _impl._x(x)
+        d = _impl._shape("x", rows, 2, ("num_tokens", "hidden"))
+        num_tokens, hidden = d.shape
+        num_topk, num_experts = _impl.first_shape(buf, topk_idx, num_tokens_per_expert)
+        if topk_idx is None:
+            if topk_weights is not None:
+                fail("topk_weights", "weights travel only with topk_idx: a dispatch without topk_idx takes none")
+            for name, value in (("is_token_in_rank", is_token_in_rank), ("num_tokens_per_expert", num_tokens_per_expert)):
+                if value is None:
+                    fail(
+                        name,
+                        "a dispatch without topk_idx (and without handle) routes by is_token_in_rank and "
+                        "num_tokens_per_expert: pass both",
+                    )
+            check(
+                "is_token_in_rank",
+                describe("is_token_in_rank", is_token_in_rank),
+                dtypes=("bool",),
+                shape=(num_tokens, world),
+                device=dev,
+                shape_names=("num_tokens", "num_ranks"),
+            )
+            check(
+                "num_tokens_per_expert",
+                describe("num_tokens_per_expert", num_tokens_per_expert),
+                dtypes=("int32",),
+                shape=(num_experts,),
+                device=dev,
+                shape_names=("num_experts",),
+            )
+        else:
+            check(
+                "topk_idx",
+                describe("topk_idx", topk_idx),
+                dtypes=("int64",),
+                shape=(num_tokens, num_topk),
+                device=dev,
+                shape_names=("num_tokens", "num_topk"),
+            )
+        if num_experts % world != 0:
+            fail("num_experts", f"must be a multiple of the {world} ranks (got {num_experts})")
+        # Before the creation: the type (the creation reads config.num_sms), or the core's SMs.
+        _impl._check_config(buf, config)
+        core = _impl._normal_core(buf, hidden, num_topk, num_experts, num_tokens, config)
+        epr = num_experts // world
+
+        # This rank's counts, on the comm stream after the op's inputs, then exchanged.
+        op = StreamOp(core.get_comm_stream(), previous_event, async_finish, allocate_on_comm_stream)
+        op.begin()
+        with torch.cuda.stream(op.comm):
+            if topk_idx is not None:
+                per_rank, per_expert, in_rank = _impl.layout_tensors(topk_idx, num_experts, world)
+                route = topk_idx
+                most = torch.zeros((1,), dtype=torch.int64, device=dev)
+            else:
+                in_rank = is_token_in_rank
+                per_rank = in_rank.sum(dim=0, dtype=torch.int64)
+                per_expert = num_tokens_per_expert
+                if num_tokens:
+                    most = in_rank.sum(dim=1, dtype=torch.int64).amax().view(1)
+                else:
+                    most = torch.zeros((1,), dtype=torch.int64, device=dev)
+                route = route_ids(in_rank, epr, num_topk)
+            per_node = node_counts(in_rank, node_size)
+            mine = torch.cat((per_rank.long(), per_node.long(), per_expert.long(), most)).cpu()
+        if topk_idx is not None and is_token_in_rank is None:
+            in_rank.record_stream(op.compute)  # returned in the handle, made on the comm stream
+        gathered = gather(buf, mine)
+        to_me = gathered[:, rank].clone()
+        gathered_nodes = gathered[:, world : world + nodes]
+        if topk_idx is None:
+            widest = int(gathered[:, -1].max())
+            if widest > num_topk:
+                fail(
+                    "is_token_in_rank",
+                    f"a token goes to {widest} ranks, more than num_topk = {num_topk}: an internode dispatch without "
+                    "topk_idx sends each token with one id per destination rank, at most num_topk of them (num_topk "
+                    "is fixed by the first dispatch or get_dispatch_layout)",
+                )
+
+        recv_x, recv_idx, recv_w, per_expert_list, h, event = core.dispatch(
+            _impl._contiguous_scales(core, x, previous_event),
+            topk_idx=route,
+            topk_weights=topk_weights,
+            expert_alignment=expert_alignment,
+            num_worst_tokens=0,
+            config=config,
+            previous_event=previous_event,
+            async_finish=async_finish,
+            allocate_on_comm_stream=allocate_on_comm_stream,
         )
+        n = h.num_recv_tokens
+        if n != int(to_me.sum()):
+            raise EpcommError(
+                f"internode dispatch: the two-tier core received {n} rows on rank {rank}, but the exchanged counts say "
+                f"{int(to_me.sum())} ({to_me.tolist()}): the ranks' routing and counts disagree"
+            )
+        rows_out = n
+        if num_worst_tokens:
+            if num_worst_tokens < n:
+                fail(
+                    "num_worst_tokens",
+                    f"rank {rank} received {n} rows, more than num_worst_tokens = {num_worst_tokens} (it must bound "
+                    "every rank's received rows)",
+                )
+            rows_out = num_worst_tokens
+        if topk_idx is None:
+            first = world + nodes + rank * epr
+            counts = gathered[:, first : first + epr].sum(dim=0).tolist()
+            per_expert_list = aligned_counts(counts, expert_alignment)
+            recv_idx = recv_w = None
+        if num_worst_tokens:
+            per_expert_list = []
+        rdma = rdma_prefix(gathered_nodes, rank, node_size)
+        made = {}
+
+        def tail():
+            cuda = torch.device("cuda", dev)
+            gbl, perm, inv = receive_order(to_me, node_size, cuda)
+            made["order"] = ReceiveOrder(perm, inv, n, rows_out)
+            made["gbl"] = gbl.to(cuda)
+            made["rdma"] = rdma.to(cuda)
+            parts = recv_x if isinstance(recv_x, tuple) else (recv_x,)
+            made["x"] = [reorder(t, perm, rows_out, 0) for t in parts]
+            made["idx"] = reorder(recv_idx, perm, rows_out, -1)
+            made["w"] = reorder(recv_w, perm, rows_out, 0)
+            return tuple(
+                t for t in (perm, inv, made["gbl"], made["rdma"], *made["x"], made["idx"], made["w"]) if t is not None
+            )
+
+        event = _impl._then(core, event, tail)
+        out_x = tuple(made["x"]) if isinstance(recv_x, tuple) else made["x"][0]
+        handle_in_rank = in_rank if is_token_in_rank is None else is_token_in_rank
+        items = (handle_in_rank, None, None, None, made["rdma"], None, made["gbl"], None, None, None)
+        handle = InternodeHandle(items, h, made["order"])
+        return out_x, made["idx"], made["w"], per_expert_list, handle, event
 
 
 def _cached(buf, x, handle, topk_idx, topk_weights, config, previous_event, async_finish, allocate_on_comm_stream):
@@ -254,159 +378,6 @@ def _cached(buf, x, handle, topk_idx, topk_weights, config, previous_event, asyn
     event = _impl._then(core, event, tail)
     out = tuple(made) if isinstance(recv_x, tuple) else made[0]
     return out, None, None, None, None, event
-
-
-def _dispatch(
-    buf,
-    x,
-    is_token_in_rank,
-    num_tokens_per_expert,
-    topk_idx,
-    topk_weights,
-    expert_alignment,
-    num_worst_tokens,
-    config,
-    previous_event,
-    async_finish,
-    allocate_on_comm_stream,
-):
-    world, rank, dev = buf.group_size, buf.rank, buf.device
-    node_size, nodes = buf._plan.node_size, buf._plan.num_nodes
-    x, rows = _impl._x(x)
-    d = _impl._shape("x", rows, 2, ("num_tokens", "hidden"))
-    num_tokens, hidden = d.shape
-    num_topk, num_experts = _impl.first_shape(buf, topk_idx, num_tokens_per_expert)
-    if topk_idx is None:
-        if topk_weights is not None:
-            fail("topk_weights", "weights travel only with topk_idx: a dispatch without topk_idx takes none")
-        for name, value in (("is_token_in_rank", is_token_in_rank), ("num_tokens_per_expert", num_tokens_per_expert)):
-            if value is None:
-                fail(
-                    name,
-                    "a dispatch without topk_idx (and without handle) routes by is_token_in_rank and "
-                    "num_tokens_per_expert: pass both",
-                )
-        check(
-            "is_token_in_rank",
-            describe("is_token_in_rank", is_token_in_rank),
-            dtypes=("bool",),
-            shape=(num_tokens, world),
-            device=dev,
-            shape_names=("num_tokens", "num_ranks"),
-        )
-        check(
-            "num_tokens_per_expert",
-            describe("num_tokens_per_expert", num_tokens_per_expert),
-            dtypes=("int32",),
-            shape=(num_experts,),
-            device=dev,
-            shape_names=("num_experts",),
-        )
-    else:
-        check(
-            "topk_idx",
-            describe("topk_idx", topk_idx),
-            dtypes=("int64",),
-            shape=(num_tokens, num_topk),
-            device=dev,
-            shape_names=("num_tokens", "num_topk"),
-        )
-    if num_experts % world != 0:
-        fail("num_experts", f"must be a multiple of the {world} ranks (got {num_experts})")
-    # Before the creation: the type (the creation reads config.num_sms), or the core's SMs.
-    _impl._check_config(buf, config)
-    core = _impl._normal_core(buf, hidden, num_topk, num_experts, num_tokens, config)
-    epr = num_experts // world
-
-    # This rank's counts, on the comm stream after the op's inputs, then exchanged.
-    op = StreamOp(core.get_comm_stream(), previous_event, async_finish, allocate_on_comm_stream)
-    op.begin()
-    with torch.cuda.stream(op.comm):
-        if topk_idx is not None:
-            per_rank, per_expert, in_rank = _impl.layout_tensors(topk_idx, num_experts, world)
-            route = topk_idx
-            most = torch.zeros((1,), dtype=torch.int64, device=dev)
-        else:
-            in_rank = is_token_in_rank
-            per_rank = in_rank.sum(dim=0, dtype=torch.int64)
-            per_expert = num_tokens_per_expert
-            most = in_rank.sum(dim=1, dtype=torch.int64).amax().view(1) if num_tokens else None
-            if most is None:
-                most = torch.zeros((1,), dtype=torch.int64, device=dev)
-            route = route_ids(in_rank, epr, num_topk)
-        per_node = node_counts(in_rank, node_size)
-        mine = torch.cat((per_rank.long(), per_node.long(), per_expert.long(), most)).cpu()
-    if topk_idx is not None and is_token_in_rank is None:
-        in_rank.record_stream(op.compute)  # returned in the handle, made on the comm stream
-    gathered = gather(buf, mine)
-    to_me = gathered[:, rank].clone()
-    gathered_nodes = gathered[:, world : world + nodes]
-    if topk_idx is None:
-        widest = int(gathered[:, -1].max())
-        if widest > num_topk:
-            fail(
-                "is_token_in_rank",
-                f"a token goes to {widest} ranks, more than num_topk = {num_topk}: an internode dispatch without "
-                "topk_idx sends each token with one id per destination rank, at most num_topk of them (num_topk "
-                "is fixed by the first dispatch or get_dispatch_layout)",
-            )
-
-    recv_x, recv_idx, recv_w, per_expert_list, h, event = core.dispatch(
-        _impl._contiguous_scales(core, x, previous_event),
-        topk_idx=route,
-        topk_weights=topk_weights,
-        expert_alignment=expert_alignment,
-        num_worst_tokens=0,
-        config=config,
-        previous_event=previous_event,
-        async_finish=async_finish,
-        allocate_on_comm_stream=allocate_on_comm_stream,
-    )
-    n = h.num_recv_tokens
-    if n != int(to_me.sum()):
-        raise EpcommError(
-            f"internode dispatch: the two-tier core received {n} rows on rank {rank}, but the exchanged counts say "
-            f"{int(to_me.sum())} ({to_me.tolist()}): the ranks' routing and counts disagree"
-        )
-    rows_out = n
-    if num_worst_tokens:
-        if num_worst_tokens < n:
-            fail(
-                "num_worst_tokens",
-                f"rank {rank} received {n} rows, more than num_worst_tokens = {num_worst_tokens} (it must bound "
-                "every rank's received rows)",
-            )
-        rows_out = num_worst_tokens
-    if topk_idx is None:
-        first = world + nodes + rank * epr
-        counts = gathered[:, first : first + epr].sum(dim=0).tolist()
-        per_expert_list = aligned_counts(counts, expert_alignment)
-        recv_idx = recv_w = None
-    if num_worst_tokens:
-        per_expert_list = []
-    rdma = rdma_prefix(gathered_nodes, rank, node_size)
-    made = {}
-
-    def tail():
-        cuda = torch.device("cuda", dev)
-        gbl, perm, inv = receive_order(to_me, node_size, cuda)
-        made["order"] = ReceiveOrder(perm, inv, n, rows_out)
-        made["gbl"] = gbl.to(cuda)
-        made["rdma"] = rdma.to(cuda)
-        parts = recv_x if isinstance(recv_x, tuple) else (recv_x,)
-        made["x"] = [reorder(t, perm, rows_out, 0) for t in parts]
-        made["idx"] = reorder(recv_idx, perm, rows_out, -1)
-        made["w"] = reorder(recv_w, perm, rows_out, 0)
-        return tuple(
-            t for t in (perm, inv, made["gbl"], made["rdma"], *made["x"], made["idx"], made["w"]) if t is not None
-        )
-
-    event = _impl._then(core, event, tail)
-    out_x = tuple(made["x"]) if isinstance(recv_x, tuple) else made["x"][0]
-    handle_in_rank = in_rank if is_token_in_rank is None else is_token_in_rank
-    items = (handle_in_rank, None, None, None, made["rdma"], None, made["gbl"], None, None, None)
-    handle = InternodeHandle(items, h, made["order"])
-    return out_x, made["idx"], made["w"], per_expert_list, handle, event
 
 
 def combine(buf, x, handle, topk_weights, bias, config, previous_event, async_finish, allocate_on_comm_stream):
