@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, sys};
 use epcomm::{
-    Buffer, DispatchInput, ExpertParallel, Handle, Layout, LlFormat, LlRecv, RecvMode, TierStats,
-    XInput,
+    Buffer, CombineInput, CombineOutput, DispatchInput, ExpertParallel, Handle, Layout, LlFormat,
+    LlRecv, RecvMode, TierStats, XInput,
 };
 use epcomm_reference::{RankInput, bf16};
 
@@ -215,9 +215,11 @@ impl Timer {
             }
             // The bench never reads the dispatch's rows again: the consuming combine, which
             // stages where `--combine-staging auto` finds it faster.
-            BenchOp::Combine => {
-                buf.combine_consuming(&self.y, None, &self.handle, &mut self.out, None)?
-            }
+            BenchOp::Combine => buf.combine(
+                &CombineInput::new(&self.y).consuming(),
+                &self.handle,
+                CombineOutput::new(&mut self.out),
+            )?,
             BenchOp::CombineInPlace => buf
                 .as_flat()
                 .ok_or_else(|| {

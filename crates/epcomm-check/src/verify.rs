@@ -5,7 +5,9 @@ use std::fmt::Debug;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtrMut};
-use epcomm::{DispatchInput, ExpertParallel, RecvArray, RecvMode, Tiering};
+use epcomm::{
+    CombineInput, DeviceBytes, DispatchInput, ExpertParallel, RecvArray, RecvMode, Tiering,
+};
 use epcomm_reference::{CombineOutput, RankInput, RankOutput, XData, bf16};
 use epcomm_topology::RailPrecision;
 
@@ -247,12 +249,26 @@ pub fn verified_round<E: ExpertParallel>(
             // refills them, and the second leaves them (it pushes unless the config says
             // copy-engine): both ways every round.
             match (opts.weights, round == 0) {
-                (true, true) => {
-                    buf.combine_consuming(&y, Some(&yw), &handle, &mut out, Some(&mut out_w))?
-                }
-                (true, false) => buf.combine(&y, Some(&yw), &handle, &mut out, Some(&mut out_w))?,
-                (false, true) => buf.combine_consuming(&y, None, &handle, &mut out, None)?,
-                (false, false) => buf.combine(&y, None, &handle, &mut out, None)?,
+                (true, true) => buf.combine(
+                    &CombineInput::new(&y).with_weights(&yw).consuming(),
+                    &handle,
+                    epcomm::CombineOutput::new(&mut out).with_weights(&mut out_w),
+                )?,
+                (true, false) => buf.combine(
+                    &CombineInput::new(&y).with_weights(&yw),
+                    &handle,
+                    epcomm::CombineOutput::new(&mut out).with_weights(&mut out_w),
+                )?,
+                (false, true) => buf.combine(
+                    &CombineInput::new(&y).consuming(),
+                    &handle,
+                    epcomm::CombineOutput::new(&mut out),
+                )?,
+                (false, false) => buf.combine(
+                    &CombineInput::new(&y),
+                    &handle,
+                    epcomm::CombineOutput::new(&mut out),
+                )?,
             }
         }
         buf.synchronize()?;
@@ -299,9 +315,17 @@ pub fn verified_round<E: ExpertParallel>(
     let mut out = upload(&stream, &vec![bf16::from_f32(-7.0); t * cfg.hidden])?;
     let mut out_w = upload(&stream, &vec![-7.0f32; t * cfg.top_k])?;
     if opts.weights {
-        buf.combine(&y_cap, Some(&yw_cap), &handle, &mut out, Some(&mut out_w))?;
+        buf.combine(
+            &CombineInput::new(&y_cap).with_weights(&yw_cap),
+            &handle,
+            epcomm::CombineOutput::new(&mut out).with_weights(&mut out_w),
+        )?;
     } else {
-        buf.combine(&y_cap, None, &handle, &mut out, None)?;
+        buf.combine(
+            &CombineInput::new(&y_cap),
+            &handle,
+            epcomm::CombineOutput::new(&mut out),
+        )?;
     }
     buf.synchronize()?;
     let mut want_copy = recv_x_bytes(want, &order);
@@ -413,7 +437,7 @@ fn copy_received_x<E: ExpertParallel>(
     };
     // SAFETY: `dst` is `bytes` bytes of device memory on the buffer's stream, returned to the
     // caller, which reads it only after synchronizing the stream.
-    unsafe { buf.copy_received(handle, RecvArray::X, ptr, bytes) }?;
+    unsafe { buf.copy_received(handle, RecvArray::X, DeviceBytes { ptr, len: bytes }) }?;
     Ok(Copied(dst, bytes))
 }
 

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use epcomm::{Buffer, CombineStaging, RecvMode};
+use epcomm::{Buffer, CombineInput, CombineOutput, CombineStaging, RecvMode};
 use epcomm_check::inputs::{Shape, device_inputs, host_inputs};
 use epcomm_reference::bf16;
 
@@ -71,8 +71,12 @@ fn run_outputs_kept(w: &Worker, mk: MakeTransport<'_>) {
             .unwrap();
         let mut out = buf.stream().alloc_zeros::<bf16>(tokens * hidden).unwrap();
         let mut out_w = buf.stream().alloc_zeros::<f32>(tokens * top_k).unwrap();
-        buf.combine(&y, Some(&yw), &handle, &mut out, Some(&mut out_w))
-            .unwrap();
+        buf.combine(
+            &CombineInput::new(&y).with_weights(&yw),
+            &handle,
+            CombineOutput::new(&mut out).with_weights(&mut out_w),
+        )
+        .unwrap();
         buf.synchronize().unwrap();
         let x_after: Vec<bf16> = read_back(&buf, x_ptr, rows * hidden);
         let w_after: Vec<f32> = read_back(&buf, w_ptr, rows * top_k);

@@ -5,7 +5,9 @@
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaSlice, DevicePtr};
-use epcomm::{Buffer, BufferConfig, DispatchInput, Error, RecvMode, XInput};
+use epcomm::{
+    Buffer, BufferConfig, CombineInput, CombineOutput, DispatchInput, Error, RecvMode, XInput,
+};
 use epcomm_check::inputs::{Shape, device_inputs, host_inputs, upload};
 use epcomm_check::verify::{RoundOptions, verified_round};
 use epcomm_reference::bf16;
@@ -86,7 +88,11 @@ fn run_graph_rows(w: &Worker, mk: MakeTransport<'_>) {
                     };
                     consume(b, from, *to)?;
                 }
-                b.combine(&io.y, None, &handle, &mut io.out, None)
+                b.combine(
+                    &CombineInput::new(&io.y),
+                    &handle,
+                    CombineOutput::new(&mut io.out),
+                )
             })
             .expect("capture");
         let replays = 12;
@@ -402,7 +408,14 @@ fn run_input_checks(w: &Worker, mk: MakeTransport<'_>) {
     common::assert_invalid(buf.cached_dispatch(&XInput::Bf16(&d.x), &handle), "handle");
     let y = buf.stream().alloc_zeros::<bf16>(world * 64 * 128).unwrap();
     let mut out = buf.stream().alloc_zeros::<bf16>(40 * 128).unwrap();
-    common::assert_invalid(buf.combine(&y, None, &handle, &mut out, None), "handle");
+    common::assert_invalid(
+        buf.combine(
+            &CombineInput::new(&y),
+            &handle,
+            CombineOutput::new(&mut out),
+        ),
+        "handle",
+    );
     common::verify_and_destroy(buf, &h, &d);
     log(
         rank,

@@ -7,7 +7,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, DevicePtr, DevicePtrMut};
-use epcomm::{Buffer, BufferConfig, DispatchInput, Error, RecvMode, Schedule, WaitKind, XInput};
+use epcomm::{
+    Buffer, BufferConfig, CombineInput, CombineOutput, DispatchInput, Error, RecvMode, Schedule,
+    WaitKind, XInput,
+};
 use epcomm_check::inputs::{Shape, device_inputs, host_inputs, upload};
 use epcomm_check::procs::is_worker;
 use epcomm_check::verify::{RoundOptions, verified_round};
@@ -321,8 +324,12 @@ fn run_soak(w: &Worker, mk: MakeTransport<'_>) {
                 .alloc_zeros::<bf16>(d.num_tokens * hidden)
                 .unwrap()
         };
-        buf.combine(&ys[k].0, None, &handle, &mut out, None)
-            .unwrap();
+        buf.combine(
+            &CombineInput::new(&ys[k].0),
+            &handle,
+            CombineOutput::new(&mut out),
+        )
+        .unwrap();
         outs.push(out);
         expected.push(k);
     }
@@ -568,7 +575,11 @@ fn run_graph(w: &Worker, mk: MakeTransport<'_>) {
                 topk_weights: None,
             };
             b.dispatch_into(&input, &handle)?;
-            b.combine(&io.y, None, &handle, &mut io.out, None)
+            b.combine(
+                &CombineInput::new(&io.y),
+                &handle,
+                CombineOutput::new(&mut io.out),
+            )
         })
         .expect("capture");
     let replays: usize = std::env::var("EPCOMM_GRAPH_REPLAYS")
@@ -659,7 +670,12 @@ fn run_skew(w: &Worker, mk: MakeTransport<'_>) {
         if rank == late {
             buf.inject_delay(delay).unwrap();
         }
-        buf.combine(&y, None, &handle, &mut out, None).unwrap();
+        buf.combine(
+            &CombineInput::new(&y),
+            &handle,
+            CombineOutput::new(&mut out),
+        )
+        .unwrap();
         let st = buf.last_op_stats().unwrap().expect("stats after combine");
         assert_eq!(
             st.late_rank(),

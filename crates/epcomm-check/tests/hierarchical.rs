@@ -12,8 +12,8 @@ mod common;
 use std::time::{Duration, Instant};
 
 use epcomm::{
-    BufferConfig, DispatchInput, Error, ExpertParallel, HierarchicalBuffer, RecvMode, Schedule,
-    TierStats, XInput,
+    BufferConfig, CombineInput, CombineOutput, DispatchInput, Error, ExpertParallel,
+    HierarchicalBuffer, RecvMode, Schedule, TierStats, XInput,
 };
 use epcomm_backends::TransportSpec;
 use epcomm_check::hier::{HierCase, hier_case};
@@ -151,7 +151,11 @@ fn run_hier_graph(w: &Worker, mk: MakeTransport<'_>) {
             };
             b.layout_into(&idx, &layout)?;
             b.dispatch_into(&input, &handle)?;
-            b.combine(&y, None, &handle, &mut out, None)
+            b.combine(
+                &CombineInput::new(&y),
+                &handle,
+                CombineOutput::new(&mut out),
+            )
         })
         .expect("capture");
     let replays = 60;
@@ -348,7 +352,12 @@ fn run_hier_soak(w: &Worker, mk: MakeTransport<'_>) {
             let y = upload(&stream, &case.y).unwrap();
             let mut out = stream.alloc_zeros::<bf16>((t * 256).max(1)).unwrap();
             let mut out_view = out.slice_mut(..t * 256);
-            buf.combine(&y, None, &handle, &mut out_view, None).unwrap();
+            buf.combine(
+                &CombineInput::new(&y),
+                &handle,
+                CombineOutput::new(&mut out_view),
+            )
+            .unwrap();
             pending.push((seed, d, y, out, case, t));
         }
         buf.synchronize()

@@ -10,7 +10,9 @@
 use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaSlice;
-use epcomm::{Buffer, BufferConfig, CombineStaging, LlFormat, RecvMode, Result};
+use epcomm::{
+    Buffer, BufferConfig, CombineInput, CombineOutput, CombineStaging, LlFormat, RecvMode, Result,
+};
 use epcomm_check::inputs::{DeviceInputs, HostInputs, Shape, device_inputs, host_inputs};
 use epcomm_check::ll::LlIo;
 use epcomm_reference::bf16;
@@ -70,14 +72,16 @@ impl CombineIo {
     fn combine(&mut self, buf: &mut Buffer, handle: &epcomm::Handle, weights: bool) -> Result<()> {
         if weights {
             buf.combine(
-                &self.y,
-                Some(&self.y_w),
+                &CombineInput::new(&self.y).with_weights(&self.y_w),
                 handle,
-                &mut self.out,
-                Some(&mut self.out_w),
+                CombineOutput::new(&mut self.out).with_weights(&mut self.out_w),
             )
         } else {
-            buf.combine(&self.y, None, handle, &mut self.out, None)
+            buf.combine(
+                &CombineInput::new(&self.y),
+                handle,
+                CombineOutput::new(&mut self.out),
+            )
         }
     }
 }

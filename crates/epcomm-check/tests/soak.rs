@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaSlice, CudaStream, CudaViewMut, DevicePtr};
-use epcomm::{DispatchInput, RecvMode, XInput};
+use epcomm::{CombineInput, CombineOutput, DispatchInput, RecvMode, XInput};
 use epcomm_check::inputs::Shape;
 use epcomm_reference::bf16;
 
@@ -107,7 +107,11 @@ fn run_soak(w: &Worker, mk: MakeTransport<'_>) {
             };
             let from = b.dispatch_into(&input, &handle_g)?.recv_x_ptr();
             copy_aside(b.stream(), from, &rows_g, cap * hidden);
-            b.combine(&gcase.y, None, &handle_g, &mut out_g, None)
+            b.combine(
+                &CombineInput::new(&gcase.y),
+                &handle_g,
+                CombineOutput::new(&mut out_g),
+            )
         })
         .expect("capture");
     let out_g_ptr = out_g.device_ptr(&stream).0;
@@ -161,7 +165,7 @@ fn run_soak(w: &Worker, mk: MakeTransport<'_>) {
                     t * hidden,
                     check,
                     &mut samples,
-                    |out| buf.combine(&c.y, None, &handle, out, None),
+                    |out| buf.combine(&CombineInput::new(&c.y), &handle, CombineOutput::new(out)),
                 );
                 ops += 3;
                 last = Some((k, handle));

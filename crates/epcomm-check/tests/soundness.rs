@@ -9,7 +9,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
-use epcomm::{Buffer, BufferConfig, DispatchInput, Error, LlDispatchInput, LlFormat, XInput};
+use epcomm::{
+    Buffer, BufferConfig, CombineInput, CombineOutput, DispatchInput, Error, LlDispatchInput,
+    LlFormat, XInput,
+};
 use epcomm_check::inputs::{Shape, host_inputs};
 use epcomm_check::ll::bf16_rows;
 use epcomm_reference::{bf16, combine_weighted_ll};
@@ -99,7 +102,11 @@ fn run_graph_keeps_routing(w: &Worker, mk: MakeTransport<'_>) {
                 topk_weights: None,
             };
             b.dispatch_into(&input, &handle)?;
-            b.combine(&io.y, None, &handle, &mut io.out, None)
+            b.combine(
+                &CombineInput::new(&io.y),
+                &handle,
+                CombineOutput::new(&mut io.out),
+            )
         })
         .expect("capture");
     drop(handle);

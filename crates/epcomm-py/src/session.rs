@@ -23,9 +23,9 @@ use std::time::Duration;
 
 use cudarc::driver::{CudaContext, CudaStream};
 use epcomm::{
-    Buffer, DispatchInput, Dispatched, ExpertParallel, Handle, HierarchicalBuffer, Layout,
-    LlDispatchInput, LlFormat, LlPending, LlRecv, LlScalesLayout, OpStats, RecvArray, RecvMode,
-    TierStats, XInput,
+    Buffer, CombineInput, CombineOutput, DeviceBytes, DispatchInput, Dispatched, ExpertParallel,
+    Handle, HierarchicalBuffer, Layout, LlDispatchInput, LlFormat, LlPending, LlRecv,
+    LlScalesLayout, OpStats, RecvArray, RecvMode, TierStats, XInput,
 };
 use epcomm_backends::TransportSpec;
 use epcomm_bootstrap::{Bootstrap, BootstrapConfig};
@@ -496,28 +496,26 @@ impl Session {
         })
     }
 
-    /// Copies `array` of the rows the latest dispatch received (its handle: `handle`) into
-    /// `dst` (`dst_bytes` bytes), as many rows as the device counted, from the region copy the
+    /// Copies `array` of the rows the latest dispatch received (its handle: `h`) into `dst`,
+    /// as many rows as the device counted, from the region copy the
     /// device's own dispatch count names ([`Buffer::copy_received`]): right at either parity,
     /// also replayed from a CUDA graph; the Python side tracks no parity.
     ///
     /// # Safety
-    /// `dst` must be live device memory of `dst_bytes` bytes until the copy ran on the buffer's
-    /// stream.
+    /// `dst` must be live device memory until the copy ran on the buffer's stream.
     pub unsafe fn copy_received(
         &mut self,
-        handle: &Handle,
+        h: &Handle,
         array: RecvArray,
-        dst: u64,
-        dst_bytes: usize,
+        dst: DeviceBytes,
     ) -> Result<()> {
         // SAFETY: the caller's contract.
-        Ok(on_ep!(self.ep()?, b => unsafe { b.copy_received(handle, array, dst, dst_bytes) })?)
+        Ok(on_ep!(self.ep()?, b => unsafe { b.copy_received(h, array, dst) })?)
     }
 
-    /// Sums every rank's rows of `y` back to this rank's tokens: [`Buffer::combine`], or with
-    /// `consuming` (the caller no longer reads the dispatch's receive rows)
-    /// [`Buffer::combine_consuming`].
+    /// Sums every rank's rows of `y` back to this rank's tokens ([`Buffer::combine`]);
+    /// `consuming`: the caller no longer reads the dispatch's receive rows
+    /// ([`CombineInput::consuming`]).
     ///
     /// # Safety
     /// Every array as for [`Borrowed::new`] on the buffer's stream.
@@ -539,12 +537,16 @@ impl Session {
         let mut out = unsafe { Borrowed::<half::bf16>::new(out, &s) };
         // SAFETY: as above.
         let mut ow = out_weights.map(|w| unsafe { Borrowed::<f32>::new(w, &s) });
-        let (yw, ow) = (yw.as_ref().map(|w| w as _), ow.as_mut().map(|w| w as _));
-        Ok(on_ep!(self.ep()?, buf => if consuming {
-            buf.combine_consuming(&y, yw, handle, &mut out, ow)
-        } else {
-            buf.combine(&y, yw, handle, &mut out, ow)
-        })?)
+        let input = CombineInput {
+            y: &y,
+            y_weights: yw.as_ref().map(|w| w as _),
+            consume_recv: consuming,
+        };
+        let output = CombineOutput {
+            out: &mut out,
+            out_weights: ow.as_mut().map(|w| w as _),
+        };
+        Ok(on_ep!(self.ep()?, buf => buf.combine(&input, handle, output))?)
     }
 
     /// Combine pulling every rank's latest receive rows ([`Buffer::combine_in_place`]).

@@ -52,8 +52,8 @@ mod validate;
 
 pub use graph::EpGraph;
 pub use ops::{
-    CountedRows, DispatchInput, LlDispatchInput, LlFormat, LlPending, LlRecv, LlScalesLayout,
-    RecvArray, XInput,
+    CombineInput, CombineOutput, CountedRows, DeviceBytes, DispatchInput, LlDispatchInput,
+    LlFormat, LlPending, LlRecv, LlScalesLayout, RecvArray, XInput,
 };
 
 use ops::LatestDispatch;

@@ -26,7 +26,7 @@ pub enum RecvMode {
 /// Both ways give the same bits (each token's contributions are summed in fp32, rank order).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum CombineStaging {
-    /// Push, unless the caller gives the receive rows up ([`crate::Buffer::combine_consuming`]):
+    /// Push, unless the caller gives the receive rows up ([`crate::CombineInput::consuming`]):
     /// then [`Self::CopyEngine`] when it applies, every peer is reached by loads and stores
     /// (mapped memory), the handle's dispatch was HostSync (so only the rows peers read are
     /// copied) and the kernels run on at most [`Self::AUTO_MAX_SMS`] SMs. A plain

@@ -11,13 +11,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaContext, CudaStream, DevicePtr};
 use epcomm_topology::Tiers;
-use half::bf16;
 
+use crate::buffer::graph;
 use crate::{
-    Buffer, BufferConfig, DispatchInput, Dispatched, EpGraph, Handle, HierStats, Layout, OpStats,
-    RecvArray, RecvMode, Result, XInput,
+    Buffer, BufferConfig, CombineInput, CombineOutput, DeviceBytes, DispatchInput, Dispatched,
+    EpGraph, Handle, HierStats, Layout, OpStats, RecvArray, RecvMode, Result, XInput,
 };
 
 /// How a buffer spans the world: one tier, or a rail tier between nodes and a node tier inside
@@ -83,7 +83,7 @@ impl TierStats for HierStats {
 /// The expert-parallel all-to-all, flat or two-tier: see the module docs. Every method has the
 /// contract of the [`Buffer`] method of the same name; [`crate::HierarchicalBuffer`] documents where
 /// its two stages add to it.
-pub trait ExpertParallel {
+pub trait ExpertParallel: graph::Tiers {
     /// What [`Self::last_op_stats`] reports.
     type Stats: TierStats;
 
@@ -134,23 +134,7 @@ pub trait ExpertParallel {
     /// [`Buffer::cached_dispatch`].
     fn cached_dispatch(&mut self, x: &XInput<'_>, handle: &Handle) -> Result<Dispatched<'_>>;
     /// [`Buffer::combine`].
-    fn combine(
-        &mut self,
-        y: &dyn DevicePtr<bf16>,
-        y_weights: Option<&dyn DevicePtr<f32>>,
-        handle: &Handle,
-        out: &mut dyn DevicePtrMut<bf16>,
-        out_weights: Option<&mut dyn DevicePtrMut<f32>>,
-    ) -> Result<()>;
-    /// [`Buffer::combine_consuming`].
-    fn combine_consuming(
-        &mut self,
-        y: &dyn DevicePtr<bf16>,
-        y_weights: Option<&dyn DevicePtr<f32>>,
-        handle: &Handle,
-        out: &mut dyn DevicePtrMut<bf16>,
-        out_weights: Option<&mut dyn DevicePtrMut<f32>>,
-    ) -> Result<()>;
+    fn combine(&mut self, y: &CombineInput<'_>, h: &Handle, out: CombineOutput<'_>) -> Result<()>;
     /// [`Buffer::copy_received`]: the latest dispatch's received `array` into `dst`, as many
     /// rows as the device counted, from the region copy the device's dispatch count names.
     ///
@@ -158,18 +142,29 @@ pub trait ExpertParallel {
     /// As [`Buffer::copy_received`].
     unsafe fn copy_received(
         &mut self,
-        handle: &Handle,
+        h: &Handle,
         array: RecvArray,
-        dst: u64,
-        dst_bytes: usize,
-    ) -> Result<()>;
-    /// [`Buffer::capture`].
+        dst: DeviceBytes,
+    ) -> Result<()> {
+        let (tier, h) = self.receiving_tier(h)?;
+        // SAFETY: the caller's contract is the tier's.
+        unsafe { tier.copy_received(&h, array, dst) }
+    }
+    /// [`Buffer::capture`]: one graph of every tier's ops.
     fn capture<F>(&mut self, ops: F) -> Result<EpGraph>
     where
         Self: Sized,
-        F: FnMut(&mut Self) -> Result<()>;
+        F: FnMut(&mut Self) -> Result<()>,
+    {
+        graph::capture(self, ops)
+    }
     /// [`Buffer::replay`].
-    fn replay(&mut self, graph: &EpGraph) -> Result<()>;
+    fn replay(&mut self, graph: &EpGraph) -> Result<()>
+    where
+        Self: Sized,
+    {
+        graph::replay(self, graph)
+    }
     /// [`Buffer::last_op_stats`], per tier.
     fn last_op_stats(&mut self) -> Result<Option<Self::Stats>>;
     /// [`Buffer::check`].
@@ -216,45 +211,7 @@ macro_rules! forward_ops {
         fn cached_dispatch(&mut self, x: &XInput<'_>, handle: &Handle) -> Result<Dispatched<'_>> {
             Self::cached_dispatch(self, x, handle)
         }
-        fn combine(
-            &mut self,
-            y: &dyn DevicePtr<bf16>,
-            y_weights: Option<&dyn DevicePtr<f32>>,
-            handle: &Handle,
-            out: &mut dyn DevicePtrMut<bf16>,
-            out_weights: Option<&mut dyn DevicePtrMut<f32>>,
-        ) -> Result<()> {
-            Self::combine(self, y, y_weights, handle, out, out_weights)
-        }
-        fn combine_consuming(
-            &mut self,
-            y: &dyn DevicePtr<bf16>,
-            y_weights: Option<&dyn DevicePtr<f32>>,
-            handle: &Handle,
-            out: &mut dyn DevicePtrMut<bf16>,
-            out_weights: Option<&mut dyn DevicePtrMut<f32>>,
-        ) -> Result<()> {
-            Self::combine_consuming(self, y, y_weights, handle, out, out_weights)
-        }
-        unsafe fn copy_received(
-            &mut self,
-            handle: &Handle,
-            array: RecvArray,
-            dst: u64,
-            dst_bytes: usize,
-        ) -> Result<()> {
-            // SAFETY: the trait method's contract is the inherent one's.
-            unsafe { Self::copy_received(self, handle, array, dst, dst_bytes) }
-        }
-        fn capture<F>(&mut self, ops: F) -> Result<EpGraph>
-        where
-            F: FnMut(&mut Self) -> Result<()>,
-        {
-            Self::capture(self, ops)
-        }
-        fn replay(&mut self, graph: &EpGraph) -> Result<()> {
-            Self::replay(self, graph)
-        }
+
         fn last_op_stats(&mut self) -> Result<Option<Self::Stats>> {
             Self::last_op_stats(self)
         }
@@ -305,4 +262,7 @@ impl ExpertParallel for Buffer {
     }
 
     forward_ops!();
+    fn combine(&mut self, y: &CombineInput<'_>, h: &Handle, out: CombineOutput<'_>) -> Result<()> {
+        Buffer::combine(self, y, h, out)
+    }
 }

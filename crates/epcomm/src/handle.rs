@@ -191,7 +191,7 @@ pub use epcomm_topology::RowDtype as RecvDtype;
 /// the [`Handle`]. It borrows the `Buffer`, so no other op can be issued while it lives; copy
 /// what must outlive it, or keep only the handle ([`Dispatched::into_handle`]). The rows stay
 /// until the next dispatch, or until a combine that stages `y` over them: a
-/// [`crate::Buffer::combine_consuming`], or any combine under an explicit
+/// [`crate::CombineInput::consuming`] combine, or any combine under an explicit
 /// [`crate::CombineStaging::CopyEngine`] config.
 ///
 /// Row order: by source rank, then source token index (deterministic).

@@ -48,7 +48,7 @@
 //! use std::sync::Arc;
 //!
 //! use cudarc::driver::CudaContext;
-//! use epcomm::{Buffer, BufferConfig, DispatchInput, RecvMode, XInput};
+//! use epcomm::{Buffer, BufferConfig, CombineInput, CombineOutput, DispatchInput, RecvMode, XInput};
 //! use epcomm_backends::TransportSpec;
 //! use epcomm_bootstrap::{Bootstrap, BootstrapConfig};
 //! use half::bf16;
@@ -79,7 +79,7 @@
 //! let handle = dispatched.into_handle();
 //! let y = stream.alloc_zeros::<bf16>(rows.max(1) * hidden)?;
 //! let mut out = stream.alloc_zeros::<bf16>(num_tokens * hidden)?;
-//! buf.combine(&y, None, &handle, &mut out, None)?;
+//! buf.combine(&CombineInput::new(&y), &handle, CombineOutput::new(&mut out))?;
 //! buf.synchronize()?;
 //! # Ok(())
 //! # }
@@ -98,8 +98,8 @@ mod stats;
 mod view;
 
 pub use buffer::{
-    Buffer, CountedRows, DispatchInput, EpGraph, LlDispatchInput, LlFormat, LlPending, LlRecv,
-    LlScalesLayout, RecvArray, XInput,
+    Buffer, CombineInput, CombineOutput, CountedRows, DeviceBytes, DispatchInput, EpGraph,
+    LlDispatchInput, LlFormat, LlPending, LlRecv, LlScalesLayout, RecvArray, XInput,
 };
 pub use config::{BufferConfig, CombineStaging, RecvMode};
 pub use ep::{ExpertParallel, TierStats, Tiering};

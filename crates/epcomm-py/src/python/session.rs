@@ -12,7 +12,7 @@
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use epcomm::{Handle, Layout, LlFormat, LlScalesLayout, OpStats, RecvArray};
+use epcomm::{DeviceBytes, Handle, Layout, LlFormat, LlScalesLayout, OpStats, RecvArray};
 use epcomm_bootstrap::BootstrapConfig;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -442,7 +442,14 @@ impl PySession {
         // SAFETY: the module's contract (see the module docs): the Python layer passes the
         // address of a live output tensor that it keeps alive on the buffer's stream.
         detached(py, || unsafe {
-            self.lock().copy_received(&h, r, dst, dst_bytes)
+            self.lock().copy_received(
+                &h,
+                r,
+                DeviceBytes {
+                    ptr: dst,
+                    len: dst_bytes,
+                },
+            )
         })
     }
 

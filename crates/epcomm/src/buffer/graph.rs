@@ -19,6 +19,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaGraph, sys};
 
 use super::{Buffer, Sequence};
+use crate::Handle;
 use crate::error::DriverContext;
 use crate::{Error, Result};
 
@@ -55,15 +56,21 @@ impl EpGraph {
 }
 
 /// A buffer made of tiers ([`Buffer`]s) that run on one stream: what capture and replay
-/// work on. A flat buffer is its own one tier.
-pub(crate) trait Tiers {
+/// work on. A flat buffer is its own one tier. Public in a crate-private module: it seals
+/// [`crate::ExpertParallel`] (only this crate's buffers have tiers).
+pub trait Tiers {
     /// The tiers, in a fixed order.
     fn tiers_mut(&mut self) -> Vec<&mut Buffer>;
+    /// The tier that received this rank's rows in `handle`'s dispatch, and its handle there.
+    fn receiving_tier(&mut self, handle: &Handle) -> Result<(&mut Buffer, Handle)>;
 }
 
 impl Tiers for Buffer {
     fn tiers_mut(&mut self) -> Vec<&mut Buffer> {
         vec![self]
+    }
+    fn receiving_tier(&mut self, handle: &Handle) -> Result<(&mut Buffer, Handle)> {
+        Ok((self, handle.clone()))
     }
 }
 

@@ -7,11 +7,16 @@
 //! parities a recording was made for (`buffer/graph.rs` does the work for any tiers).
 
 use super::HierarchicalBuffer;
-use crate::Buffer;
 use crate::buffer::graph::Tiers;
+use crate::{Buffer, Handle, Result};
 
 impl Tiers for HierarchicalBuffer {
     fn tiers_mut(&mut self) -> Vec<&mut Buffer> {
         vec![&mut self.rail, &mut self.node]
+    }
+    /// The node tier: it received this rank's rows.
+    fn receiving_tier(&mut self, handle: &Handle) -> Result<(&mut Buffer, Handle)> {
+        let (_, node) = super::tiers_of(handle)?;
+        Ok((&mut self.node, node))
     }
 }

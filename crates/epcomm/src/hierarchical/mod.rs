@@ -39,7 +39,10 @@
 //! use std::sync::Arc;
 //!
 //! use cudarc::driver::CudaContext;
-//! use epcomm::{BufferConfig, DispatchInput, ExpertParallel, HierarchicalBuffer, RecvMode, XInput};
+//! use epcomm::{
+//!     BufferConfig, CombineInput, CombineOutput, DispatchInput, ExpertParallel, HierarchicalBuffer,
+//!     RecvMode, XInput,
+//! };
 //! use epcomm_backends::TransportSpec;
 //! use epcomm_bootstrap::{Bootstrap, BootstrapConfig};
 //! use half::bf16;
@@ -65,7 +68,7 @@
 //! };
 //! let y = stream.alloc_zeros::<bf16>(rows.max(1) * hidden)?;
 //! let mut out = stream.alloc_zeros::<bf16>(num_tokens * hidden)?;
-//! buf.combine(&y, None, &handle, &mut out, None)?;
+//! buf.combine(&CombineInput::new(&y), &handle, CombineOutput::new(&mut out))?;
 //! buf.synchronize()?;
 //! # Ok(())
 //! # }
@@ -80,17 +83,14 @@ use epcomm_topology::{RankGroup, Tiers};
 use epcomm_transport::DynTransport;
 use half::bf16;
 
-use crate::buffer::{DispatchInput, TierParts, XInput};
+use crate::buffer::{CombineInput, CombineOutput, DispatchInput, TierParts, XInput};
 use crate::error::DriverContext;
 use crate::handle::{Dispatched, Handle};
 use crate::layout::{DeviceTokens, Layout};
 use crate::stats::OpStats;
 
-use crate::buffer::graph as capture;
 use crate::view::{DeviceArray, DeviceView};
-use crate::{
-    Buffer, BufferConfig, EpGraph, Error, ExpertParallel, RecvArray, RecvMode, Result, Tiering,
-};
+use crate::{Buffer, BufferConfig, Error, ExpertParallel, RecvMode, Result, Tiering};
 
 /// Per-tier wait attribution of one hierarchical op ([`HierarchicalBuffer::last_op_stats`]).
 #[derive(Clone, Debug)]
@@ -211,43 +211,6 @@ impl HierarchicalBuffer {
             ptr: rail.recv_prefix_ptr() + 4 * self.tiers.nodes() as u64,
             _owner: rail.inner.clone(),
         }
-    }
-
-    /// Both stages of a combine; `consume`: the caller gave the node stage's receive rows up.
-    fn combine_rows(
-        &mut self,
-        y: &dyn DevicePtr<bf16>,
-        y_weights: Option<&dyn DevicePtr<f32>>,
-        handle: &Handle,
-        out: &mut dyn DevicePtrMut<bf16>,
-        out_weights: Option<&mut dyn DevicePtrMut<f32>>,
-        consume: bool,
-    ) -> Result<()> {
-        let (rail, node) = tiers_of(handle)?;
-        let with_w = y_weights.is_some();
-        if with_w != out_weights.is_some() {
-            return Err(Error::InvalidArgument {
-                argument: "out_weights",
-                rule: "must be given exactly when y_weights is".into(),
-            });
-        }
-        let partial_w: Option<&mut dyn DevicePtrMut<f32>> = if with_w {
-            Some(&mut self.partial_w)
-        } else {
-            None
-        };
-        if consume {
-            self.node
-                .combine_consuming(y, y_weights, &node, &mut self.partial_x, partial_w)?;
-        } else {
-            self.node
-                .combine(y, y_weights, &node, &mut self.partial_x, partial_w)?;
-        }
-        let partial_w: Option<&dyn DevicePtr<f32>> =
-            if with_w { Some(&self.partial_w) } else { None };
-        // The rail stage's receive rows were read only by the node dispatch, long done.
-        self.rail
-            .combine_consuming(&self.partial_x, partial_w, &rail, out, out_weights)
     }
 }
 
@@ -436,41 +399,38 @@ impl ExpertParallel for HierarchicalBuffer {
         Ok(d)
     }
 
-    /// Sends expert outputs back and reduces them: `y` holds one `[hidden]` bf16 row per row
-    /// this rank received (the node stage's order), `out` gets `[num_tokens][hidden]` bf16 per
-    /// `epcomm_reference::hierarchical_combine_staged` (bf16 rail). `y_weights` /
+    /// Sends expert outputs back and reduces them: `y.y` holds one `[hidden]` bf16 row per row
+    /// this rank received (the node stage's order), `out.out` gets `[num_tokens][hidden]` bf16
+    /// per `epcomm_reference::hierarchical_combine_staged` (bf16 rail). `y_weights` /
     /// `out_weights` (`[rows][top_k]` / `[num_tokens][top_k]` f32) are summed the same way, in
-    /// f32 throughout. Collective. The dispatch's outputs stay as they are (as
-    /// [`Buffer::combine`]); the rail stage's receive rows, which only this buffer reads, may be
-    /// staged over.
+    /// f32 throughout. Collective. The dispatch's outputs stay as they are unless `y` is
+    /// [`CombineInput::consuming`] (as [`Buffer::combine`]: then the node stage may stage `y`
+    /// over them); the rail stage's receive rows, which only this buffer reads, may be staged
+    /// over.
     ///
     /// # Errors
     /// As [`Buffer::combine`], from either stage.
-    fn combine(
-        &mut self,
-        y: &dyn DevicePtr<bf16>,
-        y_weights: Option<&dyn DevicePtr<f32>>,
-        handle: &Handle,
-        out: &mut dyn DevicePtrMut<bf16>,
-        out_weights: Option<&mut dyn DevicePtrMut<f32>>,
-    ) -> Result<()> {
-        self.combine_rows(y, y_weights, handle, out, out_weights, false)
-    }
-
-    /// [`Self::combine`] for a caller that no longer reads the dispatch's outputs (as
-    /// [`Buffer::combine_consuming`]): the node stage may stage `y` over them.
-    ///
-    /// # Errors
-    /// As [`Buffer::combine`], from either stage.
-    fn combine_consuming(
-        &mut self,
-        y: &dyn DevicePtr<bf16>,
-        y_weights: Option<&dyn DevicePtr<f32>>,
-        handle: &Handle,
-        out: &mut dyn DevicePtrMut<bf16>,
-        out_weights: Option<&mut dyn DevicePtrMut<f32>>,
-    ) -> Result<()> {
-        self.combine_rows(y, y_weights, handle, out, out_weights, true)
+    fn combine(&mut self, y: &CombineInput<'_>, h: &Handle, out: CombineOutput<'_>) -> Result<()> {
+        let (rail, node) = tiers_of(h)?;
+        let with_w = y.y_weights.is_some();
+        if with_w != out.out_weights.is_some() {
+            return Err(Error::InvalidArgument {
+                argument: "out_weights",
+                rule: "must be given exactly when y_weights is".into(),
+            });
+        }
+        let partial = CombineOutput {
+            out: &mut self.partial_x,
+            out_weights: with_w.then_some(&mut self.partial_w as &mut dyn DevicePtrMut<f32>),
+        };
+        self.node.combine(y, &node, partial)?;
+        let partial = CombineInput {
+            y: &self.partial_x,
+            y_weights: with_w.then_some(&self.partial_w as &dyn DevicePtr<f32>),
+            // The rail stage's receive rows were read only by the node dispatch, long done.
+            consume_recv: true,
+        };
+        self.rail.combine(&partial, &rail, out)
     }
 
     /// Reports a failure either stage's kernels recorded ([`Buffer::check`]).
@@ -500,30 +460,6 @@ impl ExpertParallel for HierarchicalBuffer {
     fn synchronize(&mut self) -> Result<()> {
         self.rail.synchronize()?;
         self.node.synchronize()
-    }
-
-    /// The node tier's copy: it received this rank's rows.
-    unsafe fn copy_received(
-        &mut self,
-        handle: &Handle,
-        array: RecvArray,
-        dst: u64,
-        dst_bytes: usize,
-    ) -> Result<()> {
-        let (_, node) = tiers_of(handle)?;
-        // SAFETY: the caller's contract (the trait's).
-        unsafe { self.node.copy_received(&node, array, dst, dst_bytes) }
-    }
-
-    fn capture<F>(&mut self, ops: F) -> Result<EpGraph>
-    where
-        F: FnMut(&mut Self) -> Result<()>,
-    {
-        capture::capture(self, ops)
-    }
-
-    fn replay(&mut self, graph: &EpGraph) -> Result<()> {
-        capture::replay(self, graph)
     }
 }
 

@@ -45,6 +45,17 @@ impl RecvArray {
     }
 }
 
+/// Caller-owned device memory, by address and length in bytes, that an op writes
+/// ([`Buffer::copy_received`]). Nothing checks it can be written: the unsafe op that takes it
+/// states what the caller promises.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceBytes {
+    /// Device address.
+    pub ptr: u64,
+    /// Length in bytes.
+    pub len: usize,
+}
+
 /// Where a counted copy reads: the two parity copies of one receive region of this buffer, the
 /// device word that picks one, and the device count of rows to copy.
 #[derive(Clone, Copy, Debug)]
@@ -130,7 +141,7 @@ impl Buffer {
     }
 
     /// Copies `array` of the rows the **latest** dispatch (cached or not) received into `dst`
-    /// (`dst_bytes` bytes: at most `dst_bytes / row bytes` rows), as many rows as the device
+    /// (at most `dst.len / row bytes` rows), as many rows as the device
     /// counted for `handle` (that dispatch's handle), from the receive-region copy the device's
     /// own dispatch count names. No host wait, and right at either parity, also when the
     /// dispatch and the copy are replayed from a CUDA graph: the caller tracks no parity.
@@ -143,15 +154,15 @@ impl Buffer {
     /// dispatch, weights of a dispatch without them), or `dst` (not device memory of this GPU, or misaligned); launch errors.
     ///
     /// # Safety
-    /// `dst` must be `dst_bytes` bytes of device memory the caller owns until the copy has run
-    /// on the buffer's stream.
+    /// `dst` must be device memory the caller owns until the copy has run on the buffer's
+    /// stream.
     pub unsafe fn copy_received(
         &mut self,
         handle: &Handle,
         array: RecvArray,
-        dst: u64,
-        dst_bytes: usize,
+        dst: DeviceBytes,
     ) -> Result<()> {
+        let (dst, dst_bytes) = (dst.ptr, dst.len);
         let h = self.own_handle(handle)?;
         let latest = match &self.latest_dispatch {
             Some(l) if std::ptr::eq(l.handle.as_ptr(), h) => l,

@@ -17,7 +17,7 @@ use epcomm_kernels::{Op, abi};
 use epcomm_topology::{Parity, RegionKind, RowDtype, RowFormat};
 
 use super::staging::{DeviceRange, Issued, RecvRows};
-use super::{DispatchInput, XInput};
+use super::{CombineInput, CombineOutput, DispatchInput, XInput};
 use crate::buffer::Buffer;
 use crate::buffer::args::{combine_flags, dispatch_flags};
 use crate::buffer::health::note_launch;
@@ -39,7 +39,7 @@ pub(in crate::buffer) struct LatestDispatch {
 
 /// What a combine reduces: `y` (and its weights) in caller memory, or in place.
 #[derive(Clone, Copy, Debug)]
-struct CombineInputs {
+struct CombineSources {
     y: u64,
     y_weights: u64,
     in_place: bool,
@@ -338,54 +338,33 @@ impl Buffer {
     }
 
     /// Sends expert outputs back and sums each token's contributions (fp32, rank order) into
-    /// `out` (`[T][hidden]` bf16). `y` holds one row per received row, in the dispatch's order;
-    /// `y_weights` (`[rows][top_k]`) are summed into `out_weights` (`[T][top_k]`) the same way.
+    /// `output.out` (`[T][hidden]` bf16). `input.y` holds one row per received row, in the dispatch's
+    /// order; `input.y_weights` (`[rows][top_k]`) are summed into `output.out_weights` (`[T][top_k]`)
+    /// the same way.
     ///
     /// The dispatch's outputs (`recv_x`, its scales, `recv_topk_weights`) stay as they are,
     /// unless the config asks for [`crate::CombineStaging::CopyEngine`], which copies `y` over
-    /// them. When the caller is done with them, [`Self::combine_consuming`] lets the default
-    /// [`crate::CombineStaging::Auto`] stage where that is faster. `y` may be those receive rows
-    /// themselves.
+    /// them, or the input is [`CombineInput::consuming`]: then, with the default
+    /// [`crate::CombineStaging::Auto`], where every peer is mapped, the handle's dispatch was
+    /// HostSync and the kernels run on at most [`crate::CombineStaging::AUTO_MAX_SMS`] SMs, the
+    /// copy engine copies `y` (and `y_weights`) over the latest dispatch's receive rows and the
+    /// owners pull it, which leaves the push off the SMs; after it, `recv_x` and
+    /// `recv_topk_weights` of that dispatch hold unspecified rows (today: parts of `y`). Every
+    /// rank must pass the same `consume_recv` (each decides from the same facts, and a rank that
+    /// stages and one that pushes cannot meet). `y` may be those receive rows themselves.
     pub fn combine(
         &mut self,
-        y: &dyn DevicePtr<half::bf16>,
-        y_weights: Option<&dyn DevicePtr<f32>>,
+        input: &CombineInput<'_>,
         handle: &Handle,
-        out: &mut dyn DevicePtrMut<half::bf16>,
-        out_weights: Option<&mut dyn DevicePtrMut<f32>>,
+        output: CombineOutput<'_>,
     ) -> Result<()> {
-        self.combine_rows(y, y_weights, handle, out, out_weights, RecvRows::Keep)
-    }
-
-    /// [`Self::combine`] for a caller that no longer reads the dispatch's outputs: with the
-    /// default [`crate::CombineStaging::Auto`], where every peer is mapped, the handle's dispatch
-    /// was HostSync and the kernels run on at most [`crate::CombineStaging::AUTO_MAX_SMS`] SMs,
-    /// the copy engine copies `y` (and `y_weights`) over the latest dispatch's receive rows and
-    /// the owners pull it, which leaves the push off the SMs. After it, `recv_x` and
-    /// `recv_topk_weights` of that dispatch hold unspecified rows (today: parts of `y`). Every
-    /// rank must call the same one of the two (both decide from the same facts, and a rank that
-    /// stages and one that pushes cannot meet).
-    pub fn combine_consuming(
-        &mut self,
-        y: &dyn DevicePtr<half::bf16>,
-        y_weights: Option<&dyn DevicePtr<f32>>,
-        handle: &Handle,
-        out: &mut dyn DevicePtrMut<half::bf16>,
-        out_weights: Option<&mut dyn DevicePtrMut<f32>>,
-    ) -> Result<()> {
-        self.combine_rows(y, y_weights, handle, out, out_weights, RecvRows::Consume)
-    }
-
-    /// [`Self::combine`] or [`Self::combine_consuming`], by what may happen to the receive rows.
-    fn combine_rows(
-        &mut self,
-        y: &dyn DevicePtr<half::bf16>,
-        y_weights: Option<&dyn DevicePtr<f32>>,
-        handle: &Handle,
-        out: &mut dyn DevicePtrMut<half::bf16>,
-        out_weights: Option<&mut dyn DevicePtrMut<f32>>,
-        rows: RecvRows,
-    ) -> Result<()> {
+        let rows = if input.consume_recv {
+            RecvRows::Consume
+        } else {
+            RecvRows::Keep
+        };
+        let CombineInput { y, y_weights, .. } = *input;
+        let CombineOutput { out, out_weights } = output;
         let h = self.routed_handle(handle)?;
         self.check_combine_y(
             h,
@@ -417,12 +396,12 @@ impl Buffer {
         let inputs = match staged {
             // y now lies over this rank's latest receive rows (its own rows perhaps only in y):
             // pulled from there, as in place.
-            Some(own) => CombineInputs {
+            Some(own) => CombineSources {
                 y: own.y,
                 y_weights: own.y_weights,
                 in_place: true,
             },
-            None => CombineInputs {
+            None => CombineSources {
                 y: y_ptr,
                 y_weights: yw.as_ref().map_or(0, |p| p.0),
                 in_place: false,
@@ -448,7 +427,7 @@ impl Buffer {
     ) -> Result<()> {
         let h = self.routed_handle(handle)?;
         self.check_in_place(h, out_weights.is_some())?;
-        let inputs = CombineInputs {
+        let inputs = CombineSources {
             y: 0,
             y_weights: 0,
             in_place: true,
@@ -465,7 +444,7 @@ impl Buffer {
     unsafe fn launch_combine(
         &mut self,
         handle: &Handle,
-        inputs: CombineInputs,
+        inputs: CombineSources,
         out: &mut dyn DevicePtrMut<half::bf16>,
         out_weights: Option<&mut dyn DevicePtrMut<f32>>,
     ) -> Result<()> {

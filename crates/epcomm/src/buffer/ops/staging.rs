@@ -295,7 +295,7 @@ pub(in crate::buffer) enum RecvRows {
     /// The caller may still read them ([`Buffer::combine`]): only an explicit
     /// [`CombineStaging::CopyEngine`] config stages over them.
     Keep,
-    /// The caller is done with them ([`Buffer::combine_consuming`]): [`CombineStaging::Auto`]
+    /// The caller is done with them ([`crate::CombineInput::consuming`]): [`CombineStaging::Auto`]
     /// may stage over them where that is faster.
     Consume,
 }
