@@ -23,7 +23,7 @@ use crate::toolchain::ToolchainEnv;
 use crate::util::{self, command_line};
 
 /// The PyPI tools the build and the tests use, pinned.
-pub const TOOLS: [&str; 2] = ["maturin==1.16.0", "pytest==9.2.0"];
+pub const TOOLS: [&str; 3] = ["maturin==1.16.0", "pytest==9.2.0", "pyflakes==4.1.0"];
 
 /// The virtual environment of the tools, inside the workspace.
 pub const VENV_DIR: &str = "target/python-venv";

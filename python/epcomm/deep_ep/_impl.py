@@ -335,7 +335,7 @@ def get_dispatch_layout(buf, topk_idx, num_experts, previous_event, async_finish
     op.use(topk_idx)
     op.begin()
     with torch.cuda.stream(op.comm):
-        per_rank, per_expert, in_rank = layout_tensors(topk_idx, num_experts, world)
+        per_rank, per_expert, in_rank = layout_tensors(topk_idx, num_experts, buf.group_size)
     # Made on the comm stream; the caller's stream uses them (and frees them) after the event.
     for t in (per_rank, per_expert, in_rank):
         t.record_stream(op.compute)
