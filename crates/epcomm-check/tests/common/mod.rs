@@ -701,6 +701,37 @@ pub fn suite_groups(world: usize, tiering: SuiteTiering) -> Vec<SuiteGroup> {
                 (per(&|_| 16384), 0.0, None, RoundOptions { fp8: true, ..wc }),
             ],
         },
+        // The Python package's two-tier test shape (python/tests/gpu_cases.py `two_tier`):
+        // small batches, one token on one rank without weights (its cached dispatch returned a
+        // wrong row over the CPU proxy's two tiers there), skew without weights.
+        SuiteGroup {
+            hidden: 256,
+            top_k: 4,
+            experts_per_rank: 4,
+            max_tokens: 96,
+            cases: vec![
+                (per(&|_| 96), 0.0, None, hs),
+                (per(&|r| 17 + 5 * r), 0.2, None, hs),
+                (
+                    per(&|r| if r == 0 { 1 } else { 0 }),
+                    0.0,
+                    None,
+                    RoundOptions {
+                        weights: false,
+                        ..hs
+                    },
+                ),
+                (
+                    per(&|r| 90 - r),
+                    0.05,
+                    Some(world - 1),
+                    RoundOptions {
+                        weights: false,
+                        ..fp8
+                    },
+                ),
+            ],
+        },
     ];
     match tiering {
         SuiteTiering::Flat => groups,
