@@ -1110,6 +1110,11 @@ def two_tier(ctx):
         if weights:
             same(f"{what} recv_topk_weights", recv_w, want.topk_weights[order])
         got2 = buf.dispatch((mine.x.neg()).to(dev), handle=handle)[0]
+        # A cached dispatch has no host wait: an op that failed on the device (a proxy wait that
+        # timed out, a peer's abort) is not raised by the call, and its copy-out then reads the
+        # receive rows of the other parity (the first dispatch's). Raise the device failure
+        # itself before comparing rows.
+        buf.synchronize()
         want2 = ref.dispatch([ref.RankInputs(i.x.neg(), i.topk_idx, i.topk_weights) for i in inputs], rank, experts)
         same(f"{what} cached recv_x", got2, want2.x[order])
         ys = [ref.expert_output(rec.x, r) for r, rec in enumerate(received)]

@@ -64,6 +64,19 @@ def world(min_ranks=2):
     return n
 
 
+def one_host_env(n):
+    """What the package's own one-host launchers give `n` ranks on this machine's GPUs (round
+    robin, so ranks share a GPU when there are fewer): ``epcomm._native.single_host_env_defaults``
+    (e.g. the hardware queues the copy-engine proxy's streams need, fewer per rank the more
+    ranks share a GPU under MPS). Variables the environment sets are left out."""
+    import torch
+
+    import epcomm
+
+    gpus = max(1, torch.cuda.device_count())
+    return dict(epcomm._native.single_host_env_defaults(-(-n // gpus), n))
+
+
 def configs():
     """``[(transport, schedule)]`` to run under; NVSHMEM specs only where NVSHMEM loads (a
     failure under ``EPCOMM_GPU_TESTS=1`` unless the list leaves them out)."""

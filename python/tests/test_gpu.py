@@ -73,11 +73,12 @@ def test_two_tier():
     """The same Buffer with two_tier=True: dispatch, cached dispatch and combine bit-exact
     against the two-stage reference; flat-only calls and num_worst_tokens refused. Transport:
     ``EPCOMM_TEST_TWO_TIER_TRANSPORT`` (default ``proxy-ce:vnodes=2``; its ranks get
-    ``CUDA_DEVICE_MAX_CONNECTIONS=8``, what the copy-engine proxy needs under MPS, unless the
-    environment sets it); 4 ranks give 2 x 2."""
+    what the package's launchers give its ranks, ``gpu_harness.one_host_env``: e.g.
+    ``CUDA_DEVICE_MAX_CONNECTIONS=16`` for four ranks of one GPU, unless the environment sets
+    it); 4 ranks give 2 x 2."""
     import os
 
     n = h.world()
     transport = os.environ.get("EPCOMM_TEST_TWO_TIER_TRANSPORT", "proxy-ce:vnodes=2")
     _nvshmem_ok(transport)
-    h.launch("two_tier", n, transport, "epoch", env_defaults={"CUDA_DEVICE_MAX_CONNECTIONS": "8"})
+    h.launch("two_tier", n, transport, "epoch", env_defaults=h.one_host_env(n))

@@ -31,8 +31,9 @@ def test_deep_ep_internode():
     async), rows in DeepEP's order through recv_gbl_rank_prefix_sum, the 10-tuple handle,
     num_worst_tokens, cached dispatch, combine with weights and biases against the two-stage
     reference, bit for bit. Transport: ``EPCOMM_DEEP_EP_TRANSPORT`` (default ``proxy-ce``, whose
-    ranks get ``CUDA_DEVICE_MAX_CONNECTIONS=8`` unless the environment sets it, as in
-    test_gpu.py's test_two_tier)."""
+    ranks get what the package's launchers give them, ``gpu_harness.one_host_env``, e.g.
+    ``CUDA_DEVICE_MAX_CONNECTIONS=16`` for four ranks of one GPU, unless the environment sets
+    it, as in test_gpu.py's test_two_tier)."""
     import os
 
     n = max(4, h.world())
@@ -45,7 +46,7 @@ def test_deep_ep_internode():
         if why is not None:
             h.skip(f"transport {transport}: the NVSHMEM host library does not load here: {why}")
     env = {
-        "CUDA_DEVICE_MAX_CONNECTIONS": "8",
+        **h.one_host_env(n),
         "EPCOMM_DEEP_EP_NODE_SIZE": str(n // 2),
         "EPCOMM_DEEP_EP_TRANSPORT": transport,
     }

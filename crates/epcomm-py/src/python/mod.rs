@@ -229,11 +229,15 @@ fn nvshmem_status(py: Python<'_>) -> Option<String> {
     })
 }
 
-/// Variables a one-host job needs that the environment does not set yet, every rank on its
-/// own GPU.
+/// Variables a one-host job needs that the environment does not set yet: `local_ranks` ranks
+/// on this host, `ranks_per_gpu` of them sharing each GPU (default: one rank, its own GPU).
 #[pyfunction]
-fn single_host_env_defaults() -> Vec<(&'static str, String)> {
-    epcomm_backends::single_host_env_defaults(1, 1)
+#[pyo3(signature = (ranks_per_gpu = 1, local_ranks = 1))]
+fn single_host_env_defaults(
+    ranks_per_gpu: usize,
+    local_ranks: usize,
+) -> Vec<(&'static str, String)> {
+    epcomm_backends::single_host_env_defaults(ranks_per_gpu, local_ranks)
 }
 
 /// Rank `rank`'s DeepEP workload exactly as `epcomm bench` makes it (`seed`, the run's seed),
