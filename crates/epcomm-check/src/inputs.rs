@@ -95,6 +95,11 @@ pub struct DeviceInputs {
     pub x_fp8: CudaSlice<u8>,
     /// FP8 scales.
     pub scales: CudaSlice<f32>,
+    /// `x` with every element's sign flipped (`-x`, bit for bit): rows a cached dispatch sends,
+    /// so that rows of an earlier dispatch left in place cannot pass for them.
+    pub x_neg: CudaSlice<bf16>,
+    /// `x_fp8` with every element's sign flipped (the same scales).
+    pub x_fp8_neg: CudaSlice<u8>,
     /// Top-k ids.
     pub topk_idx: CudaSlice<i64>,
     /// Top-k weights.
@@ -122,7 +127,24 @@ impl DeviceInputs {
             epcomm::XInput::Bf16(&self.x)
         }
     }
+
+    /// [`Self::x_input`] with every element's sign flipped ([`Self::x_neg`]).
+    pub fn x_neg_input(&self, fp8: bool) -> epcomm::XInput<'_> {
+        if fp8 {
+            epcomm::XInput::Fp8 {
+                x: &self.x_fp8_neg,
+                scales: &self.scales,
+            }
+        } else {
+            epcomm::XInput::Bf16(&self.x_neg)
+        }
+    }
 }
+
+/// The sign bit of a bf16 element.
+pub const BF16_SIGN: u16 = 0x8000;
+/// The sign bit of an e4m3 element.
+pub const FP8_SIGN: u8 = 0x80;
 
 /// Copies `data` to a new device slice (a null slice when empty).
 pub fn upload<T: cudarc::driver::DeviceRepr + Copy>(
@@ -145,18 +167,29 @@ pub fn device_inputs(
     let XData::Bf16(x) = &b.x else {
         return Err(crate::CheckError::Other("bf16 input expected".into()));
     };
-    let (x_fp8, scales) = match inputs.fp8.get(rank).map(|i| &i.x) {
+    let (x_fp8, x_fp8_neg, scales) = match inputs.fp8.get(rank).map(|i| &i.x) {
         Some(XData::Fp8 { data, scales }) => {
             let bytes: Vec<u8> = data.iter().map(|v| v.to_bits()).collect();
-            (upload(stream, &bytes)?, upload(stream, scales)?)
+            let neg: Vec<u8> = bytes.iter().map(|&b| b ^ FP8_SIGN).collect();
+            (
+                upload(stream, &bytes)?,
+                upload(stream, &neg)?,
+                upload(stream, scales)?,
+            )
         }
-        _ => (stream.null()?, stream.null()?),
+        _ => (stream.null()?, stream.null()?, stream.null()?),
     };
+    let x_neg: Vec<bf16> = x
+        .iter()
+        .map(|v| bf16::from_bits(v.to_bits() ^ BF16_SIGN))
+        .collect();
     Ok(DeviceInputs {
         num_tokens: b.num_tokens,
         x: upload(stream, x)?,
         x_fp8,
         scales,
+        x_neg: upload(stream, &x_neg)?,
+        x_fp8_neg,
         topk_idx: upload(stream, &b.topk_idx)?,
         topk_weights: upload(stream, &b.topk_weights)?,
     })

@@ -13,7 +13,7 @@ use epcomm_topology::RailPrecision;
 
 use crate::order::{permute, two_stage_order};
 
-use crate::inputs::{DeviceInputs, HostInputs, upload};
+use crate::inputs::{BF16_SIGN, DeviceInputs, FP8_SIGN, HostInputs, upload};
 use crate::{CheckError, Result};
 
 /// What a round exercises.
@@ -242,7 +242,9 @@ pub fn verified_round<E: ExpertParallel>(
             }
         } else {
             if round == 1 {
-                let d = buf.cached_dispatch(&dev.x_input(opts.fp8), &handle)?;
+                // Other rows (-x) along the same routing: rows a dispatch left in place
+                // cannot pass for them.
+                let d = buf.cached_dispatch(&dev.x_neg_input(opts.fp8), &handle)?;
                 check_dispatched(&d, want, &order, rank, opts, false)?;
             }
             // The first combine gives the rows up (it may stage over them), a cached dispatch
@@ -486,21 +488,23 @@ fn check_dispatched(
             &e,
         )?;
     }
+    // A cached dispatch sends -x (`DeviceInputs::x_neg_input`): the same rows, signs flipped.
     let what = if full { "dispatch" } else { "cached dispatch" };
+    let (bf16_sign, fp8_sign) = if full { (0, 0) } else { (BF16_SIGN, FP8_SIGN) };
     let h = want.hidden;
     let (label, want_bytes): (&str, Vec<u8>) = match &want.recv_x {
         XData::Bf16(x) => (
             "recv_x",
             permute(x, h, order)
                 .iter()
-                .flat_map(|v| v.to_le_bytes())
+                .flat_map(|v| (v.to_bits() ^ bf16_sign).to_le_bytes())
                 .collect(),
         ),
         XData::Fp8 { data, .. } => (
             "recv_x (fp8)",
             permute(data, h, order)
                 .iter()
-                .map(|v| v.to_bits())
+                .map(|v| v.to_bits() ^ fp8_sign)
                 .collect(),
         ),
     };
