@@ -118,25 +118,22 @@ impl DeviceInputs {
 
     /// The token rows as a dispatch input: FP8 (with scales) or BF16.
     pub fn x_input(&self, fp8: bool) -> epcomm::XInput<'_> {
-        if fp8 {
-            epcomm::XInput::Fp8 {
-                x: &self.x_fp8,
-                scales: &self.scales,
-            }
-        } else {
-            epcomm::XInput::Bf16(&self.x)
-        }
+        self.rows(fp8, false)
     }
 
     /// [`Self::x_input`] with every element's sign flipped ([`Self::x_neg`]).
     pub fn x_neg_input(&self, fp8: bool) -> epcomm::XInput<'_> {
-        if fp8 {
-            epcomm::XInput::Fp8 {
-                x: &self.x_fp8_neg,
+        self.rows(fp8, true)
+    }
+
+    fn rows(&self, fp8: bool, neg: bool) -> epcomm::XInput<'_> {
+        match (fp8, neg) {
+            (true, neg) => epcomm::XInput::Fp8 {
+                x: if neg { &self.x_fp8_neg } else { &self.x_fp8 },
                 scales: &self.scales,
-            }
-        } else {
-            epcomm::XInput::Bf16(&self.x_neg)
+            },
+            (false, false) => epcomm::XInput::Bf16(&self.x),
+            (false, true) => epcomm::XInput::Bf16(&self.x_neg),
         }
     }
 }
