@@ -452,7 +452,11 @@ def deep_ep_internode(ctx):
     b1 = torch.randn((tokens[rank], hidden), generator=g, dtype=torch.float32).to(torch.bfloat16)
     want_bias = b0.float() + b1.float()
     with deepep_defaults():
-        buffer = deep_ep.Buffer(group(), int(2e9) // world, int(1e9) // world, num_qps_per_rank=24, explicitly_destroy=True)
+        # epcomm's own keyword: a stalled wait fails in 20 s naming op, wait and peer (the
+        # default 100 s outlasts a time-limited run).
+        buffer = deep_ep.Buffer(
+            group(), int(2e9) // world, int(1e9) // world, num_qps_per_rank=24, explicitly_destroy=True, timeout=20.0
+        )
         truth("rank and group_size", (buffer.rank, buffer.group_size) == (rank, world))
         topk_idx = rnd.mine.topk_idx.to(dev).to(deep_ep.topk_idx_t)
         topk_weights = rnd.mine.topk_weights.to(dev)
