@@ -72,7 +72,9 @@ class StreamOp:
         if previous_event is not None and not isinstance(previous_event, EventOverlap):
             fail("previous_event", f"must be an EventOverlap or None (got {type(previous_event).__name__})")
         if previous_event is not None and previous_event.event is None:
-            fail("previous_event", "holds no event (it came from a synchronous op)")
+            # A synchronous op's (empty) event: nothing to wait for beyond stream order, as in
+            # DeepEP (SGLang passes get_dispatch_layout's on to dispatch).
+            previous_event = None
         if allocate_on_comm_stream and previous_event is None:
             fail("allocate_on_comm_stream", "needs a previous_event (as in DeepEP): the comm stream must know what to wait for")
         self.comm = comm

@@ -166,6 +166,34 @@ DEEPEP_CONFIG = [
 ]
 
 
+#: Keyword-only parameters beyond DeepEP V1's: epcomm's own options of the constructor, and
+#: the keywords of DeepEP branches that vLLM and SGLang pass (accepted, refused when used).
+KEYWORD_ONLY = {
+    "__init__": ["max_tokens_per_rank", "transport", "schedule", "routes", "timeout"],
+    "low_latency_dispatch": ["use_nvfp4", "x_global_scale"],
+    "low_latency_combine": [
+        "overlap",
+        "packed_recv_count",
+        "comp_signal",
+        "block_m",
+        "threshold",
+        "num_sms",
+        "src_signals",
+        "src_signal_expect_value",
+    ],
+}
+
+
+def test_branch_keywords_are_refused_typed():
+    """NVFP4 dispatch and single-batch overlap (DeepEP branches' keywords, passed by vLLM and
+    SGLang for some models) fail naming the keyword, before anything else is looked at."""
+    nobody = object()
+    _raises("use_nvfp4", lambda: deep_ep.Buffer.low_latency_dispatch(nobody, None, None, 128, 256, use_nvfp4=True))
+    _raises("x_global_scale", lambda: deep_ep.Buffer.low_latency_dispatch(nobody, None, None, 128, 256, x_global_scale=1.0))
+    _raises("overlap", lambda: deep_ep.Buffer.low_latency_combine(nobody, None, None, None, None, overlap=True, block_m=64))
+    _raises("src_signals", lambda: deep_ep.Buffer.low_latency_combine(nobody, None, None, None, None, src_signals=[1]))
+
+
 def _positional(fn, skip_self):
     params = list(inspect.signature(fn).parameters.values())
     if skip_self:
@@ -237,10 +265,7 @@ def test_main_wheel_leaves_compat_out():
 def test_deepep_method_signatures(method, params):
     got, keyword_only = _positional(getattr(deep_ep.Buffer, method), skip_self=True)
     assert got == params
-    if method == "__init__":
-        assert keyword_only == ["max_tokens_per_rank", "transport", "schedule", "routes", "timeout"]
-    else:
-        assert keyword_only == []
+    assert keyword_only == KEYWORD_ONLY.get(method, [])
     assert not isinstance(inspect.getattr_static(deep_ep.Buffer, method), staticmethod)
 
 

@@ -417,6 +417,9 @@ class Buffer:
         use_ue8m0=False,
         async_finish=False,
         return_recv_hook=False,
+        *,
+        use_nvfp4=False,
+        x_global_scale=None,
     ):
         """DeepEP's ``low_latency_dispatch`` on the low-latency core (created by the first
         call, checked against ``num_rdma_bytes``).
@@ -433,7 +436,15 @@ class Buffer:
         the current stream, on the comm stream before the returned event with
         ``async_finish``, or inside ``hook()``). ``use_ue8m0`` needs ``round_scale=True`` and
         ``hidden % 512 == 0``. ``dispatch_wait_recv_cost_stats`` must be None (epcomm's
-        ``last_op_stats`` reports waits instead)."""
+        ``last_op_stats`` reports waits instead). ``use_nvfp4`` and ``x_global_scale`` (NVFP4
+        rows, from a DeepEP branch; vLLM and SGLang pass them for NVFP4 models) are accepted as
+        keywords and refused when used: epcomm sends BF16 or FP8 rows."""
+        if use_nvfp4 or x_global_scale is not None:
+            fail(
+                "use_nvfp4" if use_nvfp4 else "x_global_scale",
+                "NVFP4 low-latency dispatch (a DeepEP branch's) is not supported: epcomm sends BF16 or FP8 "
+                "(e4m3, one scale per 128 channels) rows; pass use_fp8=True instead",
+            )
         return _impl().low_latency_dispatch(
             self,
             x,
@@ -461,11 +472,42 @@ class Buffer:
         return_recv_hook=False,
         out=None,
         combine_wait_recv_cost_stats=None,
+        *,
+        overlap=None,
+        packed_recv_count=None,
+        comp_signal=None,
+        block_m=None,
+        threshold=None,
+        num_sms=None,
+        src_signals=None,
+        src_signal_expect_value=None,
     ):
         """DeepEP's ``low_latency_combine``: ``(combined_x, event, hook)``. ``zero_copy=True``
         reads the expert outputs from the tensor :meth:`get_next_low_latency_combine_buffer`
         returned (``x`` is then unused). ``use_logfmt=True`` is refused (epcomm sends bf16
-        rows); ``combine_wait_recv_cost_stats`` must be None."""
+        rows); ``combine_wait_recv_cost_stats`` must be None. The single-batch-overlap keywords
+        of a DeepEP branch (``overlap``, ``packed_recv_count``, ``comp_signal``, ``block_m``,
+        ``threshold``, ``num_sms``, ``src_signals``, ``src_signal_expect_value``; SGLang passes
+        them when its single-batch overlap is on) are accepted and refused when given: epcomm's
+        combine starts sending when it is called, not on a signal of the expert kernel."""
+        overlap_args = dict(
+            overlap=overlap,
+            packed_recv_count=packed_recv_count,
+            comp_signal=comp_signal,
+            block_m=block_m,
+            threshold=threshold,
+            num_sms=num_sms,
+            src_signals=src_signals,
+            src_signal_expect_value=src_signal_expect_value,
+        )
+        given = [name for name, value in overlap_args.items() if value is not None and value is not False]
+        if given:
+            fail(
+                given[0],
+                "single-batch overlap (a DeepEP branch's: the combine waiting on the expert kernel's signals) is "
+                "not supported: call low_latency_combine once the expert outputs are complete, without "
+                + ", ".join(given),
+            )
         return _impl().low_latency_combine(
             self,
             x,
