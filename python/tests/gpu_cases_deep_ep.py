@@ -220,6 +220,10 @@ def _intranode(ctx, fp8_modes, with_topk_modes, case):
                             # The current stream runs on: only the event orders the op after its
                             # inputs (and after the copy of column-major FP8 scales it needs).
                             _busy(dev)
+                        elif not async_mode:
+                            # SGLang passes the layout's event on, also the empty one of a
+                            # synchronous layout (DeepEP waits for nothing then).
+                            dispatch_args.update({"previous_event": layout[4]})
                         recv_x, recv_topk_idx, recv_topk_weights, recv_list, handle, event = buffer.dispatch(
                             **dispatch_args
                         )
