@@ -211,7 +211,6 @@ macro_rules! forward_ops {
         fn cached_dispatch(&mut self, x: &XInput<'_>, handle: &Handle) -> Result<Dispatched<'_>> {
             Self::cached_dispatch(self, x, handle)
         }
-
         fn last_op_stats(&mut self) -> Result<Option<Self::Stats>> {
             Self::last_op_stats(self)
         }
