@@ -490,16 +490,9 @@ class Buffer:
         ``threshold``, ``num_sms``, ``src_signals``, ``src_signal_expect_value``; SGLang passes
         them when its single-batch overlap is on) are accepted and refused when given: epcomm's
         combine starts sending when it is called, not on a signal of the expert kernel."""
-        overlap_args = dict(
-            overlap=overlap,
-            packed_recv_count=packed_recv_count,
-            comp_signal=comp_signal,
-            block_m=block_m,
-            threshold=threshold,
-            num_sms=num_sms,
-            src_signals=src_signals,
-            src_signal_expect_value=src_signal_expect_value,
-        )
+        overlap_args = {"overlap": overlap, "packed_recv_count": packed_recv_count, "comp_signal": comp_signal}
+        overlap_args.update(block_m=block_m, threshold=threshold, num_sms=num_sms, src_signals=src_signals)
+        overlap_args.update(src_signal_expect_value=src_signal_expect_value)
         given = [name for name, value in overlap_args.items() if value is not None and value is not False]
         if given:
             fail(
