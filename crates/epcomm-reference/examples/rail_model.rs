@@ -1,9 +1,10 @@
-//! Rail traffic of DeepEP's normal-mode workload on EP16 / EP32 / EP64 (8 GPUs per node),
-//! computed on the CPU: rows and bytes per rank over the rail, NVLink forwarding, and the
-//! lower-bound time and DeepEP-style "RDMA GB/s" at a given NIC bandwidth.
+//! Rail traffic of DeepEP's normal-mode workload on EP16 / EP32 / EP64 (and with `--max-nodes
+//! 32` EP128 / EP256; 8 GPUs per node), computed on the CPU: rows and bytes per rank over the
+//! rail, NVLink forwarding, and the lower-bound time and DeepEP-style "RDMA GB/s" at a given NIC
+//! bandwidth.
 //!
 //! `cargo run --release -p epcomm-reference --example rail_model -- [--nic-gbps 50]
-//! [--overhead-us 0] [--nvlink-gbps 275]`
+//! [--overhead-us 0] [--nvlink-gbps 275] [--max-nodes 8]`
 
 use std::time::Instant;
 
@@ -17,7 +18,8 @@ const EXPERTS: usize = 256;
 const LOCAL: usize = 8;
 /// `epcomm bench`'s seed; rank `r` uses `SEED + r * 7919`, as `epcomm-check`'s inputs do.
 const SEED: u64 = 2025;
-const MAX_WORLD: usize = 64;
+/// The node counts modelled (EP = nodes × [`LOCAL`]), up to `--max-nodes`.
+const NODES: [usize; 5] = [2, 4, 8, 16, 32];
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut link = RailLink {
@@ -25,6 +27,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         overhead_us: 0.0,
         nvlink_gbps: 275.0,
     };
+    let mut max_nodes: usize = 8;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let value = |v: Option<String>| -> Result<f64, Box<dyn std::error::Error>> {
@@ -34,21 +37,25 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "--nic-gbps" => link.nic_gbps = value(args.next())?,
             "--overhead-us" => link.overhead_us = value(args.next())?,
             "--nvlink-gbps" => link.nvlink_gbps = value(args.next())?,
+            "--max-nodes" => max_nodes = args.next().ok_or("--max-nodes needs a value")?.parse()?,
             _ => {
                 return Err(format!(
-                    "unknown argument {a} (--nic-gbps, --overhead-us, --nvlink-gbps)"
+                    "unknown argument {a} (--nic-gbps, --overhead-us, --nvlink-gbps, --max-nodes)"
                 )
                 .into());
             }
         }
     }
 
-    // Rank r's routing does not depend on the world size: generate the 64 ranks once.
+    let nodes_list: Vec<usize> = NODES.into_iter().filter(|&n| n <= max_nodes).collect();
+    let max_world = nodes_list.last().ok_or("--max-nodes must be at least 2")? * LOCAL;
+
+    // Rank r's routing does not depend on the world size: generate the largest world once.
     let start = Instant::now();
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let mut routing: Vec<Vec<i64>> = vec![Vec::new(); MAX_WORLD];
+    let mut routing: Vec<Vec<i64>> = vec![Vec::new(); max_world];
     std::thread::scope(|s| {
-        let chunk = MAX_WORLD.div_ceil(threads);
+        let chunk = max_world.div_ceil(threads);
         for (c, out) in routing.chunks_mut(chunk).enumerate() {
             s.spawn(move || {
                 for (i, idx) in out.iter_mut().enumerate() {
@@ -63,7 +70,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     });
     println!(
         "DeepEP workload: {TOKENS} tokens/rank, hidden {HIDDEN}, top-{TOP_K} of {EXPERTS} \
-         experts, seed {SEED} + rank * 7919, {LOCAL} GPUs/node; generated {MAX_WORLD} ranks \
+         experts, seed {SEED} + rank * 7919, {LOCAL} GPUs/node; generated {max_world} ranks \
          in {:.1} s on {threads} threads",
         start.elapsed().as_secs_f64()
     );
@@ -74,7 +81,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
 
     let mut models = Vec::new();
-    for nodes in [2, 4, 8] {
+    for &nodes in &nodes_list {
         let tiers = Tiers::new(nodes, LOCAL)?;
         let world = tiers.world_size();
         models.push(summarize(
