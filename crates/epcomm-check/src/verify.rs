@@ -250,28 +250,16 @@ pub fn verified_round<E: ExpertParallel>(
             // The first combine gives the rows up (it may stage over them), a cached dispatch
             // refills them, and the second leaves them (it pushes unless the config says
             // copy-engine): both ways every round.
-            match (opts.weights, round == 0) {
-                (true, true) => buf.combine(
-                    &CombineInput::new(&y).with_weights(&yw).consuming(),
-                    &handle,
-                    epcomm::CombineOutput::new(&mut out).with_weights(&mut out_w),
-                )?,
-                (true, false) => buf.combine(
-                    &CombineInput::new(&y).with_weights(&yw),
-                    &handle,
-                    epcomm::CombineOutput::new(&mut out).with_weights(&mut out_w),
-                )?,
-                (false, true) => buf.combine(
-                    &CombineInput::new(&y).consuming(),
-                    &handle,
-                    epcomm::CombineOutput::new(&mut out),
-                )?,
-                (false, false) => buf.combine(
-                    &CombineInput::new(&y),
-                    &handle,
-                    epcomm::CombineOutput::new(&mut out),
-                )?,
+            let mut input = CombineInput::new(&y);
+            let mut output = epcomm::CombineOutput::new(&mut out);
+            if opts.weights {
+                input = input.with_weights(&yw);
+                output = output.with_weights(&mut out_w);
             }
+            if round == 0 {
+                input = input.consuming();
+            }
+            buf.combine(&input, &handle, output)?;
         }
         buf.synchronize()?;
         let what = format!(
@@ -316,19 +304,15 @@ pub fn verified_round<E: ExpertParallel>(
     let yw_cap = upload(&stream, &yw_cap)?;
     let mut out = upload(&stream, &vec![bf16::from_f32(-7.0); t * cfg.hidden])?;
     let mut out_w = upload(&stream, &vec![-7.0f32; t * cfg.top_k])?;
+    let (mut input, mut output) = (
+        CombineInput::new(&y_cap),
+        epcomm::CombineOutput::new(&mut out),
+    );
     if opts.weights {
-        buf.combine(
-            &CombineInput::new(&y_cap).with_weights(&yw_cap),
-            &handle,
-            epcomm::CombineOutput::new(&mut out).with_weights(&mut out_w),
-        )?;
-    } else {
-        buf.combine(
-            &CombineInput::new(&y_cap),
-            &handle,
-            epcomm::CombineOutput::new(&mut out),
-        )?;
+        input = input.with_weights(&yw_cap);
+        output = output.with_weights(&mut out_w);
     }
+    buf.combine(&input, &handle, output)?;
     buf.synchronize()?;
     let mut want_copy = recv_x_bytes(want, &order);
     want_copy.resize(copied.1, 0);

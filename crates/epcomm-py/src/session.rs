@@ -497,8 +497,8 @@ impl Session {
     }
 
     /// Copies `array` of the rows the latest dispatch received (its handle: `h`) into `dst`,
-    /// as many rows as the device counted, from the region copy the
-    /// device's own dispatch count names ([`Buffer::copy_received`]): right at either parity,
+    /// as many rows as the device counted, from the region copy the device's own dispatch
+    /// count names ([`Buffer::copy_received`]): right at either parity,
     /// also replayed from a CUDA graph; the Python side tracks no parity.
     ///
     /// # Safety

@@ -490,16 +490,26 @@ class Buffer:
         ``threshold``, ``num_sms``, ``src_signals``, ``src_signal_expect_value``; SGLang passes
         them when its single-batch overlap is on) are accepted and refused when given: epcomm's
         combine starts sending when it is called, not on a signal of the expert kernel."""
-        overlap_args = {"overlap": overlap, "packed_recv_count": packed_recv_count, "comp_signal": comp_signal}
-        overlap_args.update(block_m=block_m, threshold=threshold, num_sms=num_sms, src_signals=src_signals)
-        overlap_args.update(src_signal_expect_value=src_signal_expect_value)
-        given = [name for name, value in overlap_args.items() if value is not None and value is not False]
-        if given:
-            fail(
-                given[0],
-                "single-batch overlap (a DeepEP branch's: the combine waiting on the expert kernel's signals) is "
-                "not supported: call low_latency_combine once the expert outputs are complete, without "
-                + ", ".join(given),
+        # One cheap test on the decode path; the message is built only for a refusal.
+        if (
+            (overlap is not None and overlap is not False)
+            or packed_recv_count is not None
+            or comp_signal is not None
+            or block_m is not None
+            or threshold is not None
+            or num_sms is not None
+            or src_signals is not None
+            or src_signal_expect_value is not None
+        ):
+            _refuse_overlap(
+                overlap=overlap,
+                packed_recv_count=packed_recv_count,
+                comp_signal=comp_signal,
+                block_m=block_m,
+                threshold=threshold,
+                num_sms=num_sms,
+                src_signals=src_signals,
+                src_signal_expect_value=src_signal_expect_value,
             )
         return _impl().low_latency_combine(
             self,
@@ -554,3 +564,13 @@ def _internode():
 def _needs_shrink(buf):
     if not getattr(buf, "enable_shrink", False):
         fail("enable_shrink", "is False for this Buffer: rank masking needs Buffer(..., enable_shrink=True)")
+
+
+def _refuse_overlap(**given):
+    """Refuses the single-batch-overlap keywords of a DeepEP branch, naming the first given."""
+    names = [name for name, value in given.items() if value is not None and value is not False]
+    fail(
+        names[0],
+        "single-batch overlap (a DeepEP branch's: the combine waiting on the expert kernel's signals) is "
+        "not supported: call low_latency_combine once the expert outputs are complete, without " + ", ".join(names),
+    )

@@ -141,10 +141,10 @@ impl Buffer {
     }
 
     /// Copies `array` of the rows the **latest** dispatch (cached or not) received into `dst`
-    /// (at most `dst.len / row bytes` rows), as many rows as the device
-    /// counted for `handle` (that dispatch's handle), from the receive-region copy the device's
-    /// own dispatch count names. No host wait, and right at either parity, also when the
-    /// dispatch and the copy are replayed from a CUDA graph: the caller tracks no parity.
+    /// (at most `dst.len / row bytes` rows), as many rows as the device counted for `handle`
+    /// (that dispatch's handle), from the receive-region copy the device's own dispatch count
+    /// names. No host wait, and right at either parity, also when the dispatch and the copy
+    /// are replayed from a CUDA graph: the caller tracks no parity.
     /// Stream-ordered: issue it after the dispatch and before the next one. Rows of `dst` past
     /// the count are left as they were.
     ///

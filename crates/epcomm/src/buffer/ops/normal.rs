@@ -338,9 +338,9 @@ impl Buffer {
     }
 
     /// Sends expert outputs back and sums each token's contributions (fp32, rank order) into
-    /// `output.out` (`[T][hidden]` bf16). `input.y` holds one row per received row, in the dispatch's
-    /// order; `input.y_weights` (`[rows][top_k]`) are summed into `output.out_weights` (`[T][top_k]`)
-    /// the same way.
+    /// `output.out` (`[T][hidden]` bf16). `input.y` holds one row per received row, in the
+    /// dispatch's order; `input.y_weights` (`[rows][top_k]`) are summed into
+    /// `output.out_weights` (`[T][top_k]`) the same way.
     ///
     /// The dispatch's outputs (`recv_x`, its scales, `recv_topk_weights`) stay as they are,
     /// unless the config asks for [`crate::CombineStaging::CopyEngine`], which copies `y` over
