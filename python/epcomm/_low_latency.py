@@ -22,7 +22,7 @@ import torch
 from ._args import check, check_bool, describe, fail
 from ._ll_args import FP8_BLOCK as _FP8_BLOCK
 from ._ll_args import check_combine, check_dispatch
-from ._streams import EventOverlap, current_raw_stream, torch_function_off
+from ._streams import EventOverlap, current_raw_stream, host_wait, torch_function_off
 from ._views import view
 
 _FP8 = getattr(torch, "float8_e4m3fn", None)
@@ -215,6 +215,7 @@ def _dispatch(
         return recv, count, handle, EventOverlap(None), _Hook(buf, number)
     if async_finish:
         return recv, count, handle, _asynchronous(buf, x, topk_idx, stats), None
+    host_wait(buf._session.stream_handle)
     return recv, count, handle, EventOverlap(None), None
 
 
@@ -271,4 +272,5 @@ def _combine(
         return out, EventOverlap(None), _Hook(buf, number)
     if async_finish:
         return out, _asynchronous(buf, x, topk_idx, topk_weights, out), None
+    host_wait(buf._session.stream_handle)
     return out, EventOverlap(None), None

@@ -63,6 +63,34 @@ class EventOverlap:
             self.current_stream_wait()
 
 
+#: Comm streams (raw handles) of Buffers whose ops a host proxy completes with driver copies
+#: (``proxy-ce``), each with its Buffer's host wait. Such an op must not be in flight when a
+#: thread of the process enters a synchronous CUDA copy that waits for it (``tensor.cpu()``,
+#: ``.item()``, ``.tolist()`` on the current stream after the op): the copy holds the driver
+#: while it waits, and the proxy's next ``cuMemcpy*Async`` then waits for the copy, so neither
+#: moves until the op times out. A synchronous op on such a Buffer therefore returns only once
+#: the comm stream has finished it (see docs/proxy.md, "The host wait of proxy-ce Buffers").
+_host_waits = {}
+
+
+def register_host_wait(comm_handle, wait):
+    """Synchronous ops on the comm stream `comm_handle` end with `wait()` (see
+    ``_host_waits``)."""
+    _host_waits[comm_handle] = wait
+
+
+def unregister_host_wait(comm_handle):
+    _host_waits.pop(comm_handle, None)
+
+
+def host_wait(comm_handle):
+    """Runs the host wait registered for `comm_handle`, if any (never inside a capture)."""
+    if _host_waits:
+        wait = _host_waits.get(comm_handle)
+        if wait is not None and not torch.cuda.is_current_stream_capturing():
+            wait()
+
+
 class StreamOp:
     """One op's stream bracket (see the module docs)."""
 
@@ -121,4 +149,8 @@ class StreamOp:
         if self.on_comm:
             for t in self.outputs:
                 t.record_stream(self.compute)
+        if _host_waits and not self.capturing:
+            wait = _host_waits.get(self.comm.cuda_stream)
+            if wait is not None:
+                wait()
         return EventOverlap(None)

@@ -19,6 +19,7 @@ another rank), ``recv_topk_weights`` the weights there (``0`` elsewhere). ``comb
 token's rows in rank order in fp32 and rounds to bf16 once.
 """
 
+import time
 import weakref
 
 import torch
@@ -26,7 +27,7 @@ import torch
 from . import _ll_args, _low_latency, _native
 from ._args import aligned_counts, check, check_bool, check_int, describe, fail
 from ._rendezvous import from_group
-from ._streams import EventOverlap, StreamOp
+from ._streams import EventOverlap, StreamOp, register_host_wait, unregister_host_wait
 from ._views import view
 from .config import DEFAULT_NUM_SMS, Config, check_options, low_latency_size_hint, size_hint
 from .stats import OpStats
@@ -257,6 +258,8 @@ class Buffer:
         self.explicitly_destroy = explicitly_destroy
         self._num_sms = num_sms
         self._comm = torch.cuda.ExternalStream(self._session.stream_handle, device=torch.device("cuda", self.device))
+        if self._session.transport.split(":")[0] == "proxy-ce":
+            register_host_wait(self._session.stream_handle, self._wait_on_host)
         self._layout_pool = {}
         self._pinned = []
         self._captured = False
@@ -376,11 +379,24 @@ class Buffer:
         10), to see skew attribution and timeouts at work."""
         self._session.inject_delay(float(seconds))
 
+    def _wait_on_host(self):
+        """A ``proxy-ce`` Buffer's synchronous op returns once the comm stream finished it
+        (``_streams._host_waits`` says why). Waits by polling an event, never by a blocking CUDA
+        call, which would stop this Buffer's proxy thread the same way; bounded by twice the
+        op timeout (the op's own waits end by then), then raises what failed on the device."""
+        done = torch.cuda.Event()
+        done.record(self._comm)
+        deadline = time.monotonic() + 2 * self.timeout + 1
+        while not done.query() and time.monotonic() < deadline:
+            time.sleep(0)
+        self._session.synchronize()
+
     def destroy(self):
         """Frees the buffer after every rank stopped using it (collective). Tensors returned
         with ``zero_copy=True`` are invalid afterwards."""
         self._views.clear()
         self._ll_views.clear()
+        unregister_host_wait(self._session.stream_handle)
         self._session.destroy()
         self._ll_keep = None
 

@@ -23,6 +23,16 @@
 //! * Peers' buffers: the kernels (store route) and this rank's proxy thread (proxy route), as
 //!   the protocol allows; the proxy thread is stopped before the mappings are closed.
 //!
+//! # The caller's part: no blocking copy while an op is in flight
+//!
+//! The proxy thread issues its copies through the process's CUDA driver. While another thread
+//! of the process is inside a synchronous copy that waits for an op of this transport (a
+//! `cuMemcpyDtoH` into pageable memory, or a copy on a stream ordered after the op), the proxy's
+//! next copy call waits for that copy, so the op, and the copy, stop until the op's timeout
+//! (measured: docs/proxy.md, "a blocking copy in another thread stalls the proxy"). Finish the
+//! op first: synchronize the buffer, or poll an event recorded after it. The Python package does
+//! this for its synchronous ops.
+//!
 //! # Example
 //!
 //! What it declares needs no GPU:
