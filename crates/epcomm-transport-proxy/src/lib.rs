@@ -387,6 +387,19 @@ impl ProxyTransport {
     }
 }
 
+/// Which ranks of a `world` a buffer of rank `me` copies to (one copy stream each): those among
+/// `peers` (the ranks its ops reach) outside `me`'s NVLink domain, which stores reach.
+fn copy_lanes(
+    world: usize,
+    me: usize,
+    domain: &std::ops::Range<usize>,
+    peers: &[usize],
+) -> Vec<bool> {
+    (0..world)
+        .map(|p| p != me && !domain.contains(&p) && peers.contains(&p))
+        .collect()
+}
+
 /// What a local launcher sets for the copy-engine proxy's ranks unless the environment does:
 /// enough hardware queues for its streams ([`check_copy_stream_queues`]), with `local_ranks`
 /// ranks on this host and `ranks_per_gpu` of them sharing each GPU.
@@ -546,8 +559,7 @@ impl ProxyTransport {
     /// ([`check_copy_stream_queues`]). Collective, like the allocation it precedes: every rank
     /// learns every rank's verdict, so a refusal on one rank is an error on all of them, not a
     /// wait in the allocation's exchange.
-    fn count_copy_streams(&self) -> Result<CopyStreams, TransportError> {
-        let lanes = self.world.world_size() - self.world.nvlink_domain().len();
+    fn count_copy_streams(&self, lanes: usize) -> Result<CopyStreams, TransportError> {
         let added = if lanes == 0 {
             0
         } else {
@@ -598,16 +610,28 @@ impl SymmetricHeap for ProxyTransport {
     type Memory = ProxyMemory;
 
     fn alloc_symmetric(&self, bytes: usize) -> Result<ProxyMemory, TransportError> {
+        let all: Vec<usize> = (0..self.world.world_size()).collect();
+        self.alloc_symmetric_for(bytes, &all)
+    }
+
+    /// Copy streams only for the proxied ranks among `peers` (a two-tier buffer's node tier,
+    /// whose peers are all reached by stores, gets none).
+    fn alloc_symmetric_for(
+        &self,
+        bytes: usize,
+        peers: &[usize],
+    ) -> Result<ProxyMemory, TransportError> {
         let ctx = self.ipc.context();
-        let counted = self.count_copy_streams()?;
-        let ipc = self.ipc.alloc_symmetric(bytes)?;
         let world = self.world.world_size();
         let me = self.world.rank();
         let domain = self.world.nvlink_domain();
+        let lanes = copy_lanes(world, me, &domain, peers);
+        let counted = self.count_copy_streams(lanes.iter().filter(|&&l| l).count())?;
+        let ipc = self.ipc.alloc_symmetric(bytes)?;
         let mapped: Vec<u64> = (0..world).map(|p| ipc.peer_base(p).unwrap_or(0)).collect();
         // The executor reaches every proxied peer through its IPC mapping.
         let proxied: Vec<u64> = (0..world)
-            .map(|p| if domain.contains(&p) { 0 } else { mapped[p] })
+            .map(|p| if lanes[p] { mapped[p] } else { 0 })
             .collect();
         let parts = RingParts::new(ctx, &self.options, CAPABILITIES.name)?;
         let mut executor = CopyEngineExecutor::new(
@@ -710,6 +734,21 @@ impl Drop for ProxyMemory {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_group_gets_copy_streams_for_its_proxied_members_only() {
+        // 4 ranks as 2 logical nodes of 2, seen from rank 0 (domain 0..2).
+        let all = [0, 1, 2, 3];
+        let lanes = |peers: &[usize]| copy_lanes(4, 0, &(0..2), peers);
+        // A flat buffer: every rank of the other node.
+        assert_eq!(lanes(&all), [false, false, true, true]);
+        // The rail tier (ranks 0 and 2): the other node's rank with the same local rank.
+        assert_eq!(lanes(&[0, 2]), [false, false, true, false]);
+        // The node tier (ranks 0 and 1): all reached by stores, no copy stream.
+        assert_eq!(lanes(&[0, 1]), [false; 4]);
+        // One node: nothing to copy to.
+        assert_eq!(copy_lanes(4, 2, &(0..4), &all), [false; 4]);
+    }
 
     #[test]
     fn launchers_divide_the_queues_among_ranks_sharing_a_gpu() {

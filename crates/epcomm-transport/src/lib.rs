@@ -285,6 +285,20 @@ pub trait SymmetricHeap {
     /// with the same size, in the same order; it returns once every peer's memory that this
     /// rank maps is zeroed and mapped here.
     fn alloc_symmetric(&self, bytes: usize) -> Result<Self::Memory, TransportError>;
+
+    /// [`Self::alloc_symmetric`] for a buffer whose ops reach only the world ranks `peers`
+    /// (a buffer over a group of the world: its members). The memory is the same world-wide
+    /// symmetric allocation (every rank calls it, in the same order, with the same size); a
+    /// backend may leave out what it would set up for the other ranks (the CPU proxy: their
+    /// copy streams). Default: [`Self::alloc_symmetric`].
+    fn alloc_symmetric_for(
+        &self,
+        bytes: usize,
+        peers: &[usize],
+    ) -> Result<Self::Memory, TransportError> {
+        let _ = peers;
+        self.alloc_symmetric(bytes)
+    }
 }
 
 /// Role: the device runtime a backend's kernels need.
@@ -335,6 +349,12 @@ pub trait DynTransport: Send + Sync + Debug {
     /// See [`SymmetricHeap::alloc_symmetric`].
     fn alloc_symmetric_dyn(&self, bytes: usize)
     -> Result<Box<dyn SymmetricMemory>, TransportError>;
+    /// See [`SymmetricHeap::alloc_symmetric_for`].
+    fn alloc_symmetric_for_dyn(
+        &self,
+        bytes: usize,
+        peers: &[usize],
+    ) -> Result<Box<dyn SymmetricMemory>, TransportError>;
     /// See [`DeviceRuntime::bind_module`].
     ///
     /// # Safety
@@ -362,6 +382,13 @@ impl<T: Transport> DynTransport for T {
         bytes: usize,
     ) -> Result<Box<dyn SymmetricMemory>, TransportError> {
         Ok(Box::new(self.alloc_symmetric(bytes)?))
+    }
+    fn alloc_symmetric_for_dyn(
+        &self,
+        bytes: usize,
+        peers: &[usize],
+    ) -> Result<Box<dyn SymmetricMemory>, TransportError> {
+        Ok(Box::new(self.alloc_symmetric_for(bytes, peers)?))
     }
     unsafe fn bind_module_dyn(
         &self,

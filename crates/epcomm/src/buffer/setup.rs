@@ -203,7 +203,10 @@ impl Buffer {
         // `kernels` keeps it loaded; the binding is declared before `kernels` in `Buffer`, so it
         // is dropped first.
         let module_binding = unsafe { transport.bind_module_dyn(kernels.cu_module()?) }?;
-        let mem = transport.alloc_symmetric_dyn(plan.total_bytes() as usize)?;
+        // World-wide symmetric memory; the backend sets up its machinery (the CPU proxy's copy
+        // streams) only for the ranks this buffer's ops reach.
+        let members: Vec<usize> = group.members().collect();
+        let mem = transport.alloc_symmetric_for_dyn(plan.total_bytes() as usize, &members)?;
         // SAFETY: the module is live (as above) and was loaded in `ctx`, `stream`'s context;
         // the channel's machinery belongs to `mem`, which the buffer keeps until its teardown,
         // after the last launch.
