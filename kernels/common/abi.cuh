@@ -9,7 +9,8 @@
 //  * `///< text` documents the member on the same line; a `///<` line of its own continues it;
 //  * `constexpr <type> kName = <integer>;` becomes `pub const NAME: <type>`;
 //  * `enum Name : uint32_t {  // rust: mod <module>, strip <prefix>` becomes `pub mod <module>`
-//    with one `pub const` per `kPrefixName = <integer or 1u << n>,` (the prefix dropped);
+//    with one `pub const` per `kPrefixName = <integer or 1u << n>,` (the prefix dropped) and
+//    `ALL`, every value in header order;
 //  * `struct Name {` holds one `<type> <name>;` per line; a plain `//` line inside it is a
 //    group heading, kept as a comment in Rust;
 //  * types: uint64_t (u64), uint32_t (u32), int32_t (i32), size_t (usize); other `//` comments
@@ -22,7 +23,7 @@ namespace epcomm {
 
 /// Version of the kernel protocol and argument blocks; ranks compare it when a `Buffer` is
 /// built. Bump it with any change of this header or of the kernels' cross-rank protocol.
-constexpr uint64_t kAbiVersion = 16;
+constexpr uint64_t kAbiVersion = 17;
 
 /// Largest world size the intranode kernels support (shared-memory tables are this large).
 constexpr size_t kMaxWorld = 64;
@@ -82,6 +83,28 @@ constexpr uint64_t kStatsAbortOffset = 3584;
 /// ([kMaxWorld] u32 by group rank: 1 = masked, skipped by every op with kFlagMasking; set by
 /// such an op whose wait for that peer expired, and by the host).
 constexpr uint64_t kStatsMaskOffset = 3840;
+
+/// Stats word: the op's sequence number (`SeqState::op`). The stats block is u64 words at
+/// `OpArgs::off_stats`, local to this rank, indexed by the kStat* constants: the op kernels
+/// fill it (common/stats.cuh), `Buffer::last_op_stats` reads it; times are this GPU's
+/// %globaltimer.
+constexpr int32_t kStatOpSeq = 0;
+/// Stats word: when the op started.
+constexpr int32_t kStatStart = 1;
+/// Stats word: when the count exchange was done (dispatch; also stamped by the low-latency
+/// dispatch's receive phase).
+constexpr int32_t kStatCountsReady = 2;
+/// Stats word: when this rank's sends were done.
+constexpr int32_t kStatSent = 3;
+/// Stats word: when the op ended.
+constexpr int32_t kStatEnd = 4;
+/// Stats word: the op's kind (one of `op`).
+constexpr int32_t kStatKind = 5;
+/// Stats word: the ranks of the op (the buffer's group).
+constexpr int32_t kStatWorld = 6;
+/// First of the stats block's [3][world] per-peer words: [world] unused, [world] count-row (or
+/// barrier) arrivals, [world] data-landed arrivals (this GPU's clock only). Word 7 is unused.
+constexpr int32_t kStatPeers = 8;
 
 /// Failure record written by the first failing device thread into host-mapped memory. Kernels
 /// never trap: they record, then leave.

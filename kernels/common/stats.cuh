@@ -5,15 +5,8 @@
 
 namespace epcomm {
 
-constexpr int kStatOpSeq = 0;
-constexpr int kStatStart = 1;
-constexpr int kStatCountsReady = 2;
-constexpr int kStatSent = 3;
-constexpr int kStatEnd = 4;
-constexpr int kStatKind = 5;
-constexpr int kStatWorld = 6;
-constexpr int kStatPeers = 8;  // [world] unused, [world] count-row (or barrier) arrivals,
-                               // [world] data-landed arrivals (this GPU's clock only)
+// The word indices (kStat*) are part of the ABI: common/abi.cuh (mirrored in Rust as
+// `epcomm_abi::STAT_*`).
 
 // Block 0 of an op that succeeded: which op, when it started and ended.
 __device__ __forceinline__ void finish_stats(const OpArgs& a, OpState& s, uint64_t t_start,

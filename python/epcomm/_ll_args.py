@@ -4,10 +4,12 @@ DeepEP's API has and epcomm refuses, and the flag combinations. Torch-free, so t
 tested without a GPU. Every rule that fails raises
 :class:`~epcomm.errors.InvalidArgumentError` naming the argument."""
 
+from . import _native
 from ._args import check_bool, fail
 
-#: Channels per FP8 scale.
-FP8_BLOCK = 128
+#: Channels per FP8 scale: the native layer's row format (``RowFormat::FP8_BLOCK`` of
+#: epcomm-topology, the block the buffer plans and kernels use), not a copy of it.
+FP8_BLOCK = _native.FP8_BLOCK
 
 
 def check_ready(buffer_max, given=None):

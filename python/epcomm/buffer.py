@@ -37,7 +37,7 @@ __all__ = ["Buffer", "DispatchHandle", "EventOverlap", "LowLatencyHandle"]
 LowLatencyHandle = _low_latency.LowLatencyHandle
 
 _FP8 = getattr(torch, "float8_e4m3fn", None)
-_FP8_BLOCK = 128
+_FP8_BLOCK = _native.FP8_BLOCK
 
 
 class _LayoutSlot:

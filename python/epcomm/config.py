@@ -5,6 +5,8 @@ from .errors import InvalidArgumentError
 
 __all__ = ["Config", "DEFAULT_NUM_SMS", "size_hint", "low_latency_size_hint", "check_options"]
 
+# The Rust default, epcomm::BufferConfig::DEFAULT_NUM_SMS, written out (the native module does
+# not export it); a test of the epcomm-cli crate fails when the two differ.
 #: SMs (blocks) per op when neither the Buffer nor :meth:`Buffer.set_num_sms` says otherwise.
 DEFAULT_NUM_SMS = 24
 

@@ -2,9 +2,9 @@
 //!
 //! * `kernels/common/abi.cuh` (the kernel ABI, in the constrained format its header comment
 //!   describes) → `crates/epcomm-abi/src/abi_generated.rs` (the Rust mirror: constants,
-//!   one module per enum, `repr(C)` structs, and the expected ABI probe) and
-//!   `kernels/common/abi_probe.cuh` (the device side of the probe: every constant, enumerator,
-//!   struct size and field offset, in the same order).
+//!   one module per enum with `ALL`, its every value, `repr(C)` structs, and the expected ABI
+//!   probe) and `kernels/common/abi_probe.cuh` (the device side of the probe: every constant,
+//!   enumerator, struct size and field offset, in the same order).
 //! * `kernels/images.txt` (the image manifest) → `crates/epcomm-kernels/src/images_generated.rs`
 //!   (the table the crate's build script embeds from).
 //!
@@ -301,6 +301,11 @@ fn parse_abi(text: &str) -> Result<Vec<Item>, CodegenError> {
                             "enumerator `{name}` lacks the prefix `{prefix}`"
                         )));
                     }
+                    if screaming(name, &prefix) == "ALL" {
+                        return Err(err(format!(
+                            "enumerator `{name}` would be named `ALL`, the list of every value"
+                        )));
+                    }
                     let value = integer(value)
                         .ok_or_else(|| err(format!("`{value}` is not an integer literal")))?;
                     members.push(Member {
@@ -469,6 +474,7 @@ fn abi_rust(items: &[Item]) -> String {
             } => {
                 docs(&mut o, doc, "");
                 let _ = writeln!(o, "pub mod {module} {{");
+                let mut all = Vec::new();
                 for m in members {
                     docs(&mut o, &m.doc, "    ");
                     let rust = screaming(&m.name, prefix);
@@ -477,7 +483,14 @@ fn abi_rust(items: &[Item]) -> String {
                         m.name.clone(),
                         Scalar::U32.to_u64(&format!("{module}::{rust}")),
                     ));
+                    all.push(rust);
                 }
+                let _ = writeln!(
+                    o,
+                    "    /// Every value above, in header order.\n    pub const ALL: [u32; {}] = [{}];",
+                    all.len(),
+                    all.join(", ")
+                );
                 o.push_str("}\n");
             }
             Item::Struct { name, doc, members } => {
@@ -618,7 +631,7 @@ mod tests {
                 "pub const MAX_WORLD: usize = 64;",
                 "/// Bits of [`Args::flags`].\npub mod flags {",
                 "    /// First \\[bit\\].\n    pub const A: u32 = 1 << 0;",
-                "    pub const BIG_ONE: u32 = 2;",
+                "    pub const BIG_ONE: u32 = 2;\n    /// Every value above, in header order.\n    pub const ALL: [u32; 2] = [A, BIG_ONE];\n}",
                 "    // Group.\n    /// X.\n    pub x: u64,\n    pub n: i32,",
                 "(\"offsetof(Args, flags)\", offset_of!(Args, flags) as u64),",
                 "ABI_PROBE: [(&str, u64); 8]",
@@ -643,6 +656,10 @@ mod tests {
         assert!(
             bad("enum E : uint32_t {  // rust: mod e, strip kE\n  kA = 1,\n};\n")
                 .contains("lacks the prefix")
+        );
+        assert!(
+            bad("enum E : uint32_t {  // rust: mod e, strip kE\n  kEAll = 1,\n};\n")
+                .contains("would be named `ALL`")
         );
         assert!(bad("constexpr uint64_t kA = 1 + 2;\n").contains("not an integer literal"));
         assert!(bad("int x = 3;\n").contains("not part of the ABI format"));

@@ -3,7 +3,7 @@
 
 /// Version of the kernel protocol and argument blocks; ranks compare it when a `Buffer` is
 /// built. Bump it with any change of this header or of the kernels' cross-rank protocol.
-pub const ABI_VERSION: u64 = 16;
+pub const ABI_VERSION: u64 = 17;
 
 /// Largest world size the intranode kernels support (shared-memory tables are this large).
 pub const MAX_WORLD: usize = 64;
@@ -30,6 +30,8 @@ pub mod code {
     /// (bit 0: op kind; bits 1..5: the op-flag bits of kIntentFlagMask; bit 6:
     /// row bytes).
     pub const OP_MISMATCH: u32 = 6;
+    /// Every value above, in header order.
+    pub const ALL: [u32; 7] = [OK, TIMEOUT, OVERFLOW, INVALID_EXPERT, PEER_FAILED, DUPLICATE_EXPERT, OP_MISMATCH];
 }
 
 /// Which operation a kernel was running ([`ErrorRecord::op`], stats kind).
@@ -50,6 +52,8 @@ pub mod op {
     pub const LL_COMBINE: u32 = 7;
     /// Low-latency combine, receive phase.
     pub const LL_COMBINE_RECV: u32 = 8;
+    /// Every value above, in header order.
+    pub const ALL: [u32; 8] = [LAYOUT, DISPATCH, CACHED_DISPATCH, COMBINE, LL_DISPATCH, LL_DISPATCH_RECV, LL_COMBINE, LL_COMBINE_RECV];
 }
 
 /// Which wait expired ([`ErrorRecord::wait_id`]); labels refer to docs/protocol.md.
@@ -76,6 +80,8 @@ pub mod wait {
     pub const PROXY: u32 = 9;
     /// \[A2\] a peer's intent word for this op (after the op's last wait).
     pub const INTENT: u32 = 10;
+    /// Every value above, in header order.
+    pub const ALL: [u32; 11] = [NONE, COUNT_ROW, EXPERT_COUNTS, DISPATCH_DONE, COMBINE_DONE, BARRIER, OP_START, LL_DISPATCH, LL_COMBINE, PROXY, INTENT];
 }
 
 /// Byte offset, inside the stats region, of the in-place combine's `[world]` ready words.
@@ -92,6 +98,35 @@ pub const STATS_ABORT_OFFSET: u64 = 3584;
 /// (\[kMaxWorld\] u32 by group rank: 1 = masked, skipped by every op with kFlagMasking; set by
 /// such an op whose wait for that peer expired, and by the host).
 pub const STATS_MASK_OFFSET: u64 = 3840;
+
+/// Stats word: the op's sequence number ([`SeqState::op`]). The stats block is u64 words at
+/// [`OpArgs::off_stats`], local to this rank, indexed by the kStat* constants: the op kernels
+/// fill it (common/stats.cuh), `Buffer::last_op_stats` reads it; times are this GPU's
+/// %globaltimer.
+pub const STAT_OP_SEQ: i32 = 0;
+
+/// Stats word: when the op started.
+pub const STAT_START: i32 = 1;
+
+/// Stats word: when the count exchange was done (dispatch; also stamped by the low-latency
+/// dispatch's receive phase).
+pub const STAT_COUNTS_READY: i32 = 2;
+
+/// Stats word: when this rank's sends were done.
+pub const STAT_SENT: i32 = 3;
+
+/// Stats word: when the op ended.
+pub const STAT_END: i32 = 4;
+
+/// Stats word: the op's kind (one of [`op`]).
+pub const STAT_KIND: i32 = 5;
+
+/// Stats word: the ranks of the op (the buffer's group).
+pub const STAT_WORLD: i32 = 6;
+
+/// First of the stats block's \[3\]\[world\] per-peer words: \[world\] unused, \[world\] count-row (or
+/// barrier) arrivals, \[world\] data-landed arrivals (this GPU's clock only). Word 7 is unused.
+pub const STAT_PEERS: i32 = 8;
 
 /// Failure record written by the first failing device thread into host-mapped memory. Kernels
 /// never trap: they record, then leave.
@@ -146,6 +181,8 @@ pub mod flags {
     /// \[epr\]\[num_scales\]\[world * ll_max_tokens\] (each local
     /// expert's scales column-major, DeepEP's layout).
     pub const SCALES_COLUMN_MAJOR: u32 = 1 << 9;
+    /// Every value above, in header order.
+    pub const ALL: [u32; 10] = [CACHED, HAS_SCALES, HAS_WEIGHTS, HAS_TOPK, IN_PLACE, ROUND_SCALE, FUSED, RECV_PHASE, MASKING, SCALES_COLUMN_MAJOR];
 }
 
 /// An op's intent word (\[A1\], docs/protocol.md "Op agreement"): (op sequence number, low 32
@@ -469,7 +506,7 @@ pub struct LayoutArgs {
 
 /// What `epcomm_abi_probe` writes, in its order: every constant, enumerator, struct size
 /// and field offset of the ABI, as the host sees it.
-pub(crate) const ABI_PROBE: [(&str, u64); 176] = [
+pub(crate) const ABI_PROBE: [(&str, u64); 184] = [
     ("kAbiVersion", ABI_VERSION),
     ("kMaxWorld", MAX_WORLD as u64),
     ("kOk", code::OK as u64),
@@ -502,6 +539,14 @@ pub(crate) const ABI_PROBE: [(&str, u64); 176] = [
     ("kStatsIntentOffset", STATS_INTENT_OFFSET),
     ("kStatsAbortOffset", STATS_ABORT_OFFSET),
     ("kStatsMaskOffset", STATS_MASK_OFFSET),
+    ("kStatOpSeq", STAT_OP_SEQ as u64),
+    ("kStatStart", STAT_START as u64),
+    ("kStatCountsReady", STAT_COUNTS_READY as u64),
+    ("kStatSent", STAT_SENT as u64),
+    ("kStatEnd", STAT_END as u64),
+    ("kStatKind", STAT_KIND as u64),
+    ("kStatWorld", STAT_WORLD as u64),
+    ("kStatPeers", STAT_PEERS as u64),
     ("sizeof(ErrorRecord)", size_of::<ErrorRecord>() as u64),
     ("offsetof(ErrorRecord, code)", offset_of!(ErrorRecord, code) as u64),
     ("offsetof(ErrorRecord, op)", offset_of!(ErrorRecord, op) as u64),

@@ -7,7 +7,7 @@ use std::str::FromStr;
 
 use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use epcomm::{CombineStaging, RoutePolicy, Schedule};
+use epcomm::{BufferConfig, CombineStaging, RoutePolicy, Schedule};
 use epcomm_backends::{TransportError, TransportSpec};
 
 #[derive(Parser, Debug)]
@@ -214,7 +214,7 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 256, value_parser = count::<usize>)]
     pub experts: usize,
     /// SMs (blocks) per op.
-    #[arg(long, default_value_t = 24, value_parser = count::<u32>)]
+    #[arg(long, default_value_t = BufferConfig::DEFAULT_NUM_SMS, value_parser = count::<u32>)]
     pub sms: u32,
     /// SMs (blocks) of the low-latency ops; 0: every SM a rank may use (the GPU's, divided
     /// among the ranks sharing it under MPS). With --low-latency.
@@ -367,6 +367,42 @@ pub(crate) mod tests {
             Ok(cli) => cli.command,
             Err(e) => panic!("{argv:?}: {e}"),
         }
+    }
+
+    /// `--sms` defaults to the library's default SM count.
+    #[test]
+    fn bench_sms_defaults_to_the_library_default() {
+        let Command::Bench(args) = parse(&["bench"]) else {
+            panic!("not a bench command")
+        };
+        assert_eq!(args.sms, BufferConfig::DEFAULT_NUM_SMS);
+        assert_eq!(BufferConfig::new(1, 8, 1, 1).num_sms, args.sms);
+    }
+
+    /// Python's `epcomm.DEFAULT_NUM_SMS` (a literal in python/epcomm/config.py: the native
+    /// module does not export the Rust constant) is the library's default SM count.
+    #[test]
+    fn python_default_num_sms_is_the_library_default() {
+        let path =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../python/epcomm/config.py");
+        let text = std::fs::read_to_string(&path)
+            .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+        let values: Vec<&str> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("DEFAULT_NUM_SMS = "))
+            .collect();
+        let [value] = values[..] else {
+            panic!(
+                "{}: expected one `DEFAULT_NUM_SMS = <n>` line, found {values:?}",
+                path.display()
+            )
+        };
+        assert_eq!(
+            value.trim().parse::<u32>().ok(),
+            Some(BufferConfig::DEFAULT_NUM_SMS),
+            "{}: DEFAULT_NUM_SMS = {value} differs from epcomm::BufferConfig::DEFAULT_NUM_SMS",
+            path.display()
+        );
     }
 }
 

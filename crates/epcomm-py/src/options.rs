@@ -1,7 +1,8 @@
 //! What a Python `Buffer` is built from, as plain values ([`BufferOptions`]), turned into the
-//! frontend's [`BufferConfig`], the transport spec and the buffer plan. Nothing here needs a
-//! GPU: every rule that can be checked before the rendezvous is checked here, with the error
-//! naming the argument.
+//! frontend's [`BufferConfig`], the transport spec and the buffer plan (the frontend's own,
+//! [`epcomm::rules::plan`]: the binding computes no plan of its own). Nothing here needs a GPU:
+//! every rule that can be checked before the rendezvous is checked here, with the error naming
+//! the argument.
 
 use std::time::Duration;
 
@@ -10,6 +11,11 @@ use epcomm_backends::TransportSpec;
 use epcomm_topology::{BufferPlan, RoutePolicy, Schedule};
 
 use crate::error::{BindError, Result};
+
+/// The symmetric buffer plan of a config on `world` ranks: the library's own
+/// [`epcomm::rules::plan`], whose plan `Buffer::new` allocates (re-exported, so that the
+/// binding has no plan of its own).
+pub use epcomm::rules::plan;
 
 /// The arguments of a Python `Buffer` (every rank passes the same values).
 #[derive(Clone, Debug, PartialEq)]
@@ -116,37 +122,16 @@ impl BufferOptions {
     }
 }
 
-/// The symmetric buffer plan of `cfg` on `world_size` ranks: the layout the frontend allocates
-/// (the normal op family, and the low-latency regions when `cfg.ll_max_tokens_per_rank > 0`).
-pub fn plan(cfg: &BufferConfig, world_size: usize) -> Result<BufferPlan> {
-    if world_size == 0 {
-        return Err(BindError::InvalidArgument {
-            argument: "world_size",
-            rule: "must be at least 1".into(),
-        });
-    }
-    Ok(BufferPlan::with_low_latency(
-        world_size,
-        cfg.max_tokens_per_rank,
-        cfg.hidden,
-        cfg.top_k,
-        cfg.num_experts,
-        cfg.ll_max_tokens_per_rank,
-    )?)
-}
-
 /// Bytes of symmetric memory per rank that the low-latency regions of `cfg` add (0 when
-/// `cfg.ll_max_tokens_per_rank == 0`): the plan's total minus the same plan without them.
+/// `cfg.ll_max_tokens_per_rank == 0`): the plan's total minus the plan of the same config
+/// without low-latency memory, both [`epcomm::rules::plan`]'s.
 pub fn low_latency_bytes(cfg: &BufferConfig, world_size: usize) -> Result<u64> {
     let with = plan(cfg, world_size)?.total_bytes();
-    let without = BufferPlan::new(
-        world_size,
-        cfg.max_tokens_per_rank,
-        cfg.hidden,
-        cfg.top_k,
-        cfg.num_experts,
-    )?
-    .total_bytes();
+    let normal_only = BufferConfig {
+        ll_max_tokens_per_rank: 0,
+        ..cfg.clone()
+    };
+    let without = plan(&normal_only, world_size)?.total_bytes();
     Ok(with.saturating_sub(without))
 }
 
@@ -231,6 +216,56 @@ mod tests {
         // Per parity at least the receive rows (world * M rows of hidden * 2 bytes) and the
         // combine rows (M * top_k rows of hidden * 2 bytes).
         assert!(extra >= 2 * (2 * 128 + 128 * 8) * 7168 * 2, "{extra}");
+    }
+
+    #[test]
+    fn the_reported_sizes_are_the_ones_buffer_new_allocates() {
+        // Over a grid of shapes, with and without low-latency memory: the plan the binding
+        // reports (resolve: Buffer.symmetric_bytes/capacity; low_latency_bytes) is the plan
+        // of the library's own rules::check, which Buffer::new runs and allocates.
+        let mut n = 0;
+        for world in [1usize, 2, 4, 8] {
+            for hidden in [128usize, 2056, 7168] {
+                for (top_k, num_experts) in [(1usize, 8usize), (6, 64), (8, 256)] {
+                    for tokens in [1usize, 128, 4096] {
+                        for ll in [0usize, 1, 128] {
+                            let o = BufferOptions {
+                                max_tokens_per_rank: tokens,
+                                hidden,
+                                top_k,
+                                num_experts,
+                                ll_max_tokens_per_rank: ll,
+                                ..opts()
+                            };
+                            let at = format!("{o:?} x {world}");
+                            let (cfg, spec, reported) = o.resolve(world, 0, world).expect(&at);
+                            let layout = spec.world_layout(world, 0, world).unwrap();
+                            let caps = spec.capabilities();
+                            let library = |ll| {
+                                let cfg = BufferConfig {
+                                    ll_max_tokens_per_rank: ll,
+                                    ..cfg.clone()
+                                };
+                                epcomm::rules::check(&cfg, world, &layout, &caps)
+                                    .expect(&at)
+                                    .plan
+                            };
+                            let allocated = library(ll);
+                            assert_eq!(reported, allocated, "{at}");
+                            assert_eq!(plan(&cfg, world).unwrap(), allocated, "{at}");
+                            assert_eq!(reported.recv_rows(), (world * tokens) as u64, "{at}");
+                            assert_eq!(
+                                low_latency_bytes(&cfg, world).unwrap(),
+                                allocated.total_bytes() - library(0).total_bytes(),
+                                "{at}"
+                            );
+                            n += 1;
+                        }
+                    }
+                }
+            }
+        }
+        assert_eq!(n, 4 * 3 * 3 * 3 * 3);
     }
 
     #[test]

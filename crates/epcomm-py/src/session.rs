@@ -153,6 +153,8 @@ pub struct Session {
     /// `None` once destroyed.
     buf: Option<Ep>,
     spec: TransportSpec,
+    /// The flat buffer plan of the config (`epcomm::rules::plan`): the sizes reported after
+    /// `destroy`.
     plan: BufferPlan,
     device: usize,
     stream: Arc<CudaStream>,
@@ -218,10 +220,12 @@ impl Session {
             });
         }
         let mut buf = Buffer::new(ctx, transport, cfg)?;
+        // `plan` is `epcomm::rules::plan`'s, the function `Buffer::new` sizes the buffer by:
+        // they can only disagree if `Buffer::new` stopped allocating that plan.
         if buf.symmetric_bytes() as u64 != plan.total_bytes() {
             return Err(BindError::Internal(format!(
-                "the buffer holds {} bytes but its plan says {}: the binding's buffer plan is \
-                 not the frontend's",
+                "the buffer holds {} bytes but epcomm::rules::plan says {}: Buffer::new no \
+                 longer allocates the plan the binding reports",
                 buf.symmetric_bytes(),
                 plan.total_bytes()
             )));

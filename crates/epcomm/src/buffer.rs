@@ -41,6 +41,7 @@ use crate::{BufferConfig, Error, Result};
 mod args;
 pub(crate) mod graph;
 mod health;
+mod inputs;
 mod ops;
 mod pointers;
 mod sequence;

@@ -140,9 +140,14 @@ pub struct BufferConfig {
 }
 
 impl BufferConfig {
-    /// A config with 24 SMs (every SM this rank may use for the low-latency ops), the Epoch
-    /// schedule, automatic routes, automatic combine staging, a 100 s timeout and no rank
-    /// masking.
+    /// The default [`Self::num_sms`]: blocks (one per SM) of the dispatch and combine kernels
+    /// when the caller does not say (the `epcomm` CLI's `--sms` and Python's
+    /// `epcomm.DEFAULT_NUM_SMS` default to it too).
+    pub const DEFAULT_NUM_SMS: u32 = 24;
+
+    /// A config with [`Self::DEFAULT_NUM_SMS`] SMs (every SM this rank may use for the
+    /// low-latency ops), the Epoch schedule, automatic routes, automatic combine staging, a
+    /// 100 s timeout and no rank masking.
     pub fn new(
         max_tokens_per_rank: usize,
         hidden: usize,
@@ -155,7 +160,7 @@ impl BufferConfig {
             top_k,
             num_experts,
             ll_max_tokens_per_rank: 0,
-            num_sms: 24,
+            num_sms: Self::DEFAULT_NUM_SMS,
             ll_num_sms: 0,
             schedule: Schedule::Epoch,
             routes: RoutePolicy::Auto,

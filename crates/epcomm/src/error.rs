@@ -4,6 +4,8 @@ use std::time::Duration;
 
 use epcomm_kernels::abi;
 
+use crate::stats::OpKind;
+
 /// Which device wait expired (docs/protocol.md step labels).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WaitKind {
@@ -215,15 +217,7 @@ pub enum Error {
 impl Error {
     /// Translates a device failure record.
     pub(crate) fn from_record(r: &abi::ErrorRecord) -> Self {
-        let op = match r.op {
-            abi::op::LAYOUT => "layout",
-            abi::op::DISPATCH => "dispatch",
-            abi::op::CACHED_DISPATCH => "cached dispatch",
-            abi::op::COMBINE => "combine",
-            abi::op::LL_DISPATCH | abi::op::LL_DISPATCH_RECV => "low-latency dispatch",
-            abi::op::LL_COMBINE | abi::op::LL_COMBINE_RECV => "low-latency combine",
-            _ => "unknown op",
-        };
+        let op = OpKind::of(r.op).map_or("unknown op", |o| o.name);
         match r.code {
             abi::code::OP_MISMATCH => Self::OpMismatch {
                 op,
@@ -334,14 +328,9 @@ fn field_names(fields: u32) -> String {
 /// "combine [weights, in place]" or "dispatch [fp8, top-k ids], 7168-byte rows".
 fn describe_intent(word: u64) -> String {
     let c = word as u32;
-    let kind = match c >> abi::INTENT_KIND_SHIFT {
-        abi::op::DISPATCH => "dispatch",
-        abi::op::CACHED_DISPATCH => "cached dispatch",
-        abi::op::COMBINE => "combine",
-        abi::op::LL_DISPATCH => "low-latency dispatch",
-        abi::op::LL_COMBINE => "low-latency combine",
-        _ => "another op",
-    };
+    let kind = OpKind::of(c >> abi::INTENT_KIND_SHIFT)
+        .filter(|o| o.in_intent)
+        .map_or("another op", |o| o.name);
     let flags = (c >> abi::INTENT_FLAG_SHIFT) & abi::INTENT_FLAG_MASK;
     let mut parts: Vec<&str> = [
         (abi::flags::HAS_SCALES, "fp8"),
@@ -379,6 +368,7 @@ impl<T> DriverContext<T> for Result<T, cudarc::driver::DriverError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::stats::OP_KINDS;
 
     /// A record of `code` in `op` naming `peer`, with the values `expected` and `seen`.
     fn record(code: u32, op: u32, peer: i32, expected: u64, seen: u64) -> abi::ErrorRecord {
@@ -570,6 +560,57 @@ mod tests {
         assert!(
             Error::from_record(&r).to_string().contains("a timeout"),
             "{r:?}"
+        );
+    }
+
+    /// Every op kind the ABI defines (`abi::op::ALL`) is named in errors and, where an intent
+    /// word can carry it, in intent words; the names are the ones these messages always used.
+    #[test]
+    fn every_abi_op_kind_is_named_in_errors() {
+        let timeout_op = |op| match Error::from_record(&record(abi::code::TIMEOUT, op, 0, 1, 0)) {
+            Error::Timeout { op, .. } => op,
+            e => panic!("{e:?}"),
+        };
+        for kind in abi::op::ALL {
+            let entry = OpKind::of(kind).unwrap_or_else(|| panic!("op kind {kind} has no name"));
+            assert_eq!(timeout_op(kind), entry.name, "op kind {kind}");
+            let described = describe_intent(intent(3, kind, 0, 256));
+            let name = if entry.in_intent {
+                entry.name
+            } else {
+                "another op"
+            };
+            assert!(described.starts_with(name), "op kind {kind}: {described}");
+        }
+        assert_eq!(timeout_op(0), "unknown op");
+        let names: Vec<&str> = abi::op::ALL.into_iter().map(timeout_op).collect();
+        assert_eq!(
+            names,
+            [
+                "layout",
+                "dispatch",
+                "cached dispatch",
+                "combine",
+                "low-latency dispatch",
+                "low-latency dispatch",
+                "low-latency combine",
+                "low-latency combine"
+            ]
+        );
+        let intents: Vec<u32> = OP_KINDS
+            .iter()
+            .filter(|o| o.in_intent)
+            .map(|o| o.kind)
+            .collect();
+        assert_eq!(
+            intents,
+            [
+                abi::op::DISPATCH,
+                abi::op::CACHED_DISPATCH,
+                abi::op::COMBINE,
+                abi::op::LL_DISPATCH,
+                abi::op::LL_COMBINE
+            ]
         );
     }
 }

@@ -49,7 +49,7 @@ pub const LL_MAX_TOKENS: usize = 0xffff;
 pub struct Checked {
     /// The route to every peer of the transport's world.
     pub routes: RoutePlan,
-    /// The symmetric buffer's layout.
+    /// The symmetric buffer's layout ([`plan`]).
     pub plan: BufferPlan,
     /// Dynamic shared memory of the low-latency kernels, in u32 words ([`ll_smem_words`]).
     pub ll_smem_words: usize,
@@ -179,6 +179,45 @@ pub fn ll_smem_words(cfg: &BufferConfig, world: usize) -> Result<usize> {
     Ok(words)
 }
 
+/// The symmetric buffer plan of `cfg` over `world` ranks: the byte layout (regions, offsets,
+/// [`BufferPlan::total_bytes`]) that [`crate::Buffer::new`] allocates on every rank of a
+/// buffer over `world` ranks, the normal op family's regions and, when
+/// `cfg.ll_max_tokens_per_rank > 0`, the low-latency ones. It is the plan [`check`] returns in
+/// [`Checked::plan`] (`check` calls this function): the one place a [`BufferConfig`] becomes a
+/// [`BufferPlan`], also for tools that report sizes without a GPU (the Python binding).
+///
+/// Contract: a pure function of `cfg.max_tokens_per_rank`, `hidden`, `top_k`, `num_experts`,
+/// `ll_max_tokens_per_rank` and `world` (the same arguments give the same plan on every rank);
+/// no other field of `cfg` and no device matters. It checks only what the plan itself needs
+/// ([`BufferPlan::with_low_latency`]'s rules), not every rule of [`check`]: a config that
+/// `check` refuses (the shared-memory limit of the low-latency kernels, more than
+/// [`MAX_WORLD`] ranks, a route the transport lacks) may still have a plan.
+///
+/// # Errors
+/// [`Error::Topology`] naming the argument whose plan rule is broken (`world_size` 0,
+/// `hidden`, `num_experts` not a multiple of `world`, `top_k`, a token count past its bound),
+/// or naming `buffer plan` when the sizes overflow `u64`.
+///
+/// ```
+/// use epcomm::{BufferConfig, rules};
+///
+/// let mut cfg = BufferConfig::new(4096, 7168, 8, 256);
+/// let normal = rules::plan(&cfg, 8).unwrap();
+/// assert_eq!(normal.recv_rows(), 8 * 4096);
+/// cfg.ll_max_tokens_per_rank = 128;
+/// assert!(rules::plan(&cfg, 8).unwrap().total_bytes() > normal.total_bytes());
+/// ```
+pub fn plan(cfg: &BufferConfig, world: usize) -> Result<BufferPlan> {
+    Ok(BufferPlan::with_low_latency(
+        world,
+        cfg.max_tokens_per_rank,
+        cfg.hidden,
+        cfg.top_k,
+        cfg.num_experts,
+        cfg.ll_max_tokens_per_rank,
+    )?)
+}
+
 /// Every rule of a buffer of `cfg` over `world` ranks (the buffer's ranks: the whole world, or
 /// one group of it) that `layout` (the world the transport sees) and `caps` (what it
 /// supports) break, in the order [`check`] tests them; empty when the buffer can be created on
@@ -264,18 +303,7 @@ fn rules(
         }
     }
     let plan = (config_ok && world_ok && ll_words.is_some())
-        .then(|| {
-            BufferPlan::with_low_latency(
-                world,
-                cfg.max_tokens_per_rank,
-                cfg.hidden,
-                cfg.top_k,
-                cfg.num_experts,
-                cfg.ll_max_tokens_per_rank,
-            )
-            .map_err(|e| errors.push(e.into()))
-            .ok()
-        })
+        .then(|| self::plan(cfg, world).map_err(|e| errors.push(e)).ok())
         .flatten();
     let checked = match (routes, plan, ll_words) {
         (Some(routes), Some(plan), Some(ll_smem_words)) => Some(Checked {
@@ -419,6 +447,42 @@ mod tests {
         assert_eq!(c.plan.recv_rows(), 8 * 4096);
         assert_eq!(c.ll_smem_words, 264 * 4);
         assert_eq!(c.routes.peers().len(), 8);
+    }
+
+    #[test]
+    fn check_returns_the_plan_function_s_plan() {
+        // What Buffer::new allocates (check's plan) is `plan`'s, which is the topology's plan
+        // of the config's fields, over a grid of shapes with and without low-latency memory.
+        let mut checked = 0;
+        for world in [1usize, 2, 3, 4, 8] {
+            let layout = WorldLayout::new(world, 0, world).unwrap();
+            for hidden in [8usize, 200, 2048, 2056, 7168] {
+                for (top_k, experts) in [(1usize, 24usize), (8, 48), (6, 96), (8, 288)] {
+                    for tokens in [1usize, 7, 128, 4096] {
+                        for ll in [0usize, 1, 64, 256] {
+                            let mut cfg = BufferConfig::new(tokens, hidden, top_k, experts);
+                            cfg.ll_max_tokens_per_rank = ll;
+                            let direct = BufferPlan::with_low_latency(
+                                world, tokens, hidden, top_k, experts, ll,
+                            );
+                            let p = plan(&cfg, world);
+                            assert_eq!(p.as_ref().ok(), direct.as_ref().ok(), "{cfg:?} x {world}");
+                            if let Ok(c) = check(&cfg, world, &layout, &STORES) {
+                                assert_eq!(Some(&c.plan), p.as_ref().ok(), "{cfg:?}");
+                                checked += 1;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert!(checked > 1000, "{checked}");
+        // The plan's own rules name their argument.
+        let e = plan(&BufferConfig::new(8, 7168, 8, 256), 3).unwrap_err();
+        assert!(
+            matches!(&e, Error::Topology(_)) && e.to_string().contains("num_experts"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -9,16 +9,74 @@
 use std::fmt;
 use std::time::Duration;
 
-/// Word indices of the stats block (mirrors `kStat*` in intranode.cu).
+use epcomm_kernels::abi;
+
+/// Word indices of the stats block: the ABI's `kStat*` (`abi::STAT_*`, from
+/// `kernels/common/abi.cuh`), as indices.
 pub(crate) mod word {
-    pub const OP_SEQ: usize = 0;
-    pub const START: usize = 1;
-    pub const COUNTS_READY: usize = 2;
-    pub const SENT: usize = 3;
-    pub const END: usize = 4;
-    pub const KIND: usize = 5;
-    pub const WORLD: usize = 6;
-    pub const PEERS: usize = 8;
+    use epcomm_kernels::abi;
+
+    /// An ABI word index as a slice index (a negative one fails to compile).
+    const fn index(word: i32) -> usize {
+        assert!(word >= 0, "a stats word index is not negative");
+        word as usize
+    }
+
+    pub const OP_SEQ: usize = index(abi::STAT_OP_SEQ);
+    pub const START: usize = index(abi::STAT_START);
+    pub const COUNTS_READY: usize = index(abi::STAT_COUNTS_READY);
+    pub const SENT: usize = index(abi::STAT_SENT);
+    pub const END: usize = index(abi::STAT_END);
+    pub const KIND: usize = index(abi::STAT_KIND);
+    pub const WORLD: usize = index(abi::STAT_WORLD);
+    pub const PEERS: usize = index(abi::STAT_PEERS);
+}
+
+/// One op kind of the ABI (`abi::op`): its name in errors and stats, and which words can hold
+/// it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct OpKind {
+    /// The `abi::op` value.
+    pub kind: u32,
+    /// The op's name (the two phases of a low-latency op share their op's).
+    pub name: &'static str,
+    /// Its kernel ends by writing the stats block (`finish_stats` in
+    /// `kernels/common/stats.cuh`), so the stats word [`word::KIND`] can hold it.
+    pub in_stats: bool,
+    /// An intent word (\[A1\]) can carry it: a receive phase publishes its send phase's kind,
+    /// the layout kernel none.
+    pub in_intent: bool,
+}
+
+/// Every op kind of the ABI. Its length is `abi::op::ALL`'s, so a kind added to the ABI does not
+/// compile until it is named here (and the tests check each ABI kind has its entry).
+pub(crate) const OP_KINDS: [OpKind; abi::op::ALL.len()] = {
+    use abi::op;
+    const fn named(kind: u32, name: &'static str, in_stats: bool, in_intent: bool) -> OpKind {
+        OpKind {
+            kind,
+            name,
+            in_stats,
+            in_intent,
+        }
+    }
+    [
+        named(op::LAYOUT, "layout", false, false),
+        named(op::DISPATCH, "dispatch", true, true),
+        named(op::CACHED_DISPATCH, "cached dispatch", true, true),
+        named(op::COMBINE, "combine", true, true),
+        named(op::LL_DISPATCH, "low-latency dispatch", false, true),
+        named(op::LL_DISPATCH_RECV, "low-latency dispatch", true, false),
+        named(op::LL_COMBINE, "low-latency combine", false, true),
+        named(op::LL_COMBINE_RECV, "low-latency combine", true, false),
+    ]
+};
+
+impl OpKind {
+    /// The entry of `kind`; `None` for a value the ABI does not define.
+    pub(crate) fn of(kind: u32) -> Option<Self> {
+        OP_KINDS.iter().copied().find(|o| o.kind == kind)
+    }
 }
 
 /// Timing of the last op, as seen by every rank.
@@ -61,14 +119,11 @@ impl LocalStats {
         let world = usize::try_from(*w.get(word::WORLD)?).ok()?;
         let peers = w.get(word::PEERS..word::PEERS + 3 * world)?;
         let kind = w[word::KIND];
-        let op = match kind {
-            2 => "dispatch",
-            3 => "cached dispatch",
-            4 => "combine",
-            6 => "low-latency dispatch",
-            8 => "low-latency combine",
-            _ => return None,
-        };
+        let op = u32::try_from(kind)
+            .ok()
+            .and_then(OpKind::of)
+            .filter(|o| o.in_stats)?
+            .name;
         let start = w[word::START];
         let since = |t: u64| Duration::from_nanos(t.saturating_sub(start));
         let waits = (0..world)
@@ -78,7 +133,8 @@ impl LocalStats {
         // after this end) is not this op's.
         let ready = w[word::COUNTS_READY];
         let counts_ready =
-            (kind == 2 && ready >= start && ready <= w[word::END]).then(|| since(ready));
+            (kind == u64::from(abi::op::DISPATCH) && ready >= start && ready <= w[word::END])
+                .then(|| since(ready));
         Some(Self {
             op,
             op_seq: w[word::OP_SEQ],
@@ -178,15 +234,15 @@ mod tests {
     use super::*;
 
     fn words(world: usize, count: &[u64], data: &[u64]) -> Vec<u64> {
-        let mut w = vec![0u64; 8 + 3 * world];
+        let mut w = vec![0u64; word::PEERS + 3 * world];
         w[word::OP_SEQ] = 5;
         w[word::START] = 1_000;
         w[word::SENT] = 2_000;
         w[word::END] = 300_000;
-        w[word::KIND] = 2;
+        w[word::KIND] = abi::op::DISPATCH.into();
         w[word::WORLD] = world as u64;
-        w[8 + world..8 + 2 * world].copy_from_slice(count);
-        w[8 + 2 * world..].copy_from_slice(data);
+        w[word::PEERS + world..word::PEERS + 2 * world].copy_from_slice(count);
+        w[word::PEERS + 2 * world..].copy_from_slice(data);
         w
     }
 
@@ -213,7 +269,7 @@ mod tests {
         w[word::COUNTS_READY] = 300_001;
         assert_eq!(LocalStats::from_words(&w).unwrap().counts_ready, None);
         w[word::COUNTS_READY] = 51_000;
-        w[word::KIND] = 4;
+        w[word::KIND] = abi::op::COMBINE.into();
         assert_eq!(LocalStats::from_words(&w).unwrap().counts_ready, None);
         let wire = l.encode();
         assert_eq!(LocalStats::decode_waits(&wire, 5, 3), Some(l.waits.clone()));
@@ -226,6 +282,75 @@ mod tests {
         let mut w = words(3, &[0; 3], &[0; 3]);
         w[word::KIND] = 99;
         assert!(LocalStats::from_words(&w).is_none());
+    }
+
+    /// Every op kind the ABI defines has exactly one entry (a name, and whether the stats and
+    /// intent words can hold it), and the stats block decodes by it: a kind added to
+    /// `kernels/common/abi.cuh` without an entry here fails (to compile, or here).
+    #[test]
+    fn every_abi_op_kind_is_named_and_decoded() {
+        let kinds: Vec<u32> = OP_KINDS.iter().map(|o| o.kind).collect();
+        assert_eq!(
+            kinds,
+            abi::op::ALL,
+            "one entry per ABI op kind, in ABI order"
+        );
+        for kind in abi::op::ALL {
+            let entry = OpKind::of(kind).unwrap_or_else(|| panic!("op kind {kind} has no name"));
+            assert!(!entry.name.is_empty(), "op kind {kind}");
+            let mut w = words(2, &[0; 2], &[0; 2]);
+            w[word::KIND] = kind.into();
+            let decoded = LocalStats::from_words(&w).map(|l| l.op);
+            assert_eq!(
+                decoded,
+                entry.in_stats.then_some(entry.name),
+                "stats of op kind {kind}"
+            );
+        }
+        // A value no ABI kind has: no entry, no stats.
+        let unknown = (0..).find(|k| !abi::op::ALL.contains(k)).unwrap_or(0);
+        assert_eq!(OpKind::of(unknown), None);
+        // The kinds the kernels write into the stats block (`finish_stats`) keep their names.
+        let stats: Vec<(u32, &str)> = OP_KINDS
+            .iter()
+            .filter(|o| o.in_stats)
+            .map(|o| (o.kind, o.name))
+            .collect();
+        assert_eq!(
+            stats,
+            [
+                (abi::op::DISPATCH, "dispatch"),
+                (abi::op::CACHED_DISPATCH, "cached dispatch"),
+                (abi::op::COMBINE, "combine"),
+                (abi::op::LL_DISPATCH_RECV, "low-latency dispatch"),
+                (abi::op::LL_COMBINE_RECV, "low-latency combine")
+            ]
+        );
+    }
+
+    /// The word indices are the kernels' (`kStat*` of `kernels/common/abi.cuh`).
+    #[test]
+    fn stats_words_are_the_abi_ones() {
+        let probe = |name: &str| {
+            abi::EXPECTED_PROBE
+                .iter()
+                .find(|(n, _)| *n == name)
+                .map(|&(_, v)| v as usize)
+        };
+        for (name, index) in [
+            ("kStatOpSeq", word::OP_SEQ),
+            ("kStatStart", word::START),
+            ("kStatCountsReady", word::COUNTS_READY),
+            ("kStatSent", word::SENT),
+            ("kStatEnd", word::END),
+            ("kStatKind", word::KIND),
+            ("kStatWorld", word::WORLD),
+            ("kStatPeers", word::PEERS),
+        ] {
+            assert_eq!(probe(name), Some(index), "{name}");
+        }
+        // The per-peer words fit below the intent words of the stats region.
+        assert!(8 * (word::PEERS + 3 * abi::MAX_WORLD) <= abi::STATS_INTENT_OFFSET as usize);
     }
 
     #[test]

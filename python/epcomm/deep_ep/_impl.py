@@ -25,7 +25,7 @@ from . import config as _config
 from . import nodes as _nodes
 from .handles import IntranodeHandle, LowLatencyHandle
 
-_FP8_BLOCK = 128
+_FP8_BLOCK = _ll_args.FP8_BLOCK
 _UE8M0_BLOCK = 4 * _FP8_BLOCK
 
 

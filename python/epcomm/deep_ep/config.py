@@ -25,7 +25,7 @@ __all__ = [
     "fit_tokens",
 ]
 
-#: DeepEP's ``Buffer.num_sms`` default (epcomm's own :data:`epcomm.DEFAULT_NUM_SMS` is 24).
+#: DeepEP's ``Buffer.num_sms`` default (epcomm's own is :data:`epcomm.DEFAULT_NUM_SMS`).
 DEFAULT_NUM_SMS = 20
 
 #: The most top-k entries DeepEP's low-latency kernels take (its ``kNumMaxTopK`` of both

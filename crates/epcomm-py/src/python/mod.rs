@@ -1,6 +1,7 @@
 //! The PyO3 module `epcomm._native`: the [`Session`](crate::Session) classes (`session`), the
 //! error conversion (`convert`) and the functions below, which need no GPU: build facts,
-//! option checks, transport specs and the benchmark workload.
+//! option checks, transport specs and the benchmark workload; and the row-format constant
+//! `FP8_BLOCK` (values per FP8 scale).
 //!
 //! The module is private to the `epcomm` package; its Python API is `epcomm` (python/).
 
@@ -189,7 +190,8 @@ fn resolve(
             .join("; ");
         return Err(BindError::InvalidArgument { argument, rule });
     }
-    let plan = crate::options::plan(&cfg, world_size)?;
+    // The plan `Buffer::new` allocates: the library's own function, not a copy.
+    let plan = epcomm::rules::plan(&cfg, world_size)?;
     Ok((cfg, spec, plan))
 }
 
@@ -284,5 +286,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(single_host_env_defaults, m)?)?;
     m.add_function(wrap_pyfunction!(nvshmem_status, m)?)?;
     m.add_function(wrap_pyfunction!(deepep_workload, m)?)?;
+    // Values per FP8 scale of a token row (`epcomm_topology::RowFormat::FP8_BLOCK`, the block
+    // of the buffer plans and kernels): the Python argument rules use this one.
+    m.add("FP8_BLOCK", epcomm_topology::RowFormat::FP8_BLOCK)?;
     Ok(())
 }

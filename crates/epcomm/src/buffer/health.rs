@@ -264,7 +264,10 @@ impl Buffer {
         if self.health.last_op.is_none() {
             return Ok(None);
         }
-        let words = self.read_local_words(RegionKind::Stats, 8 + 3 * self.place.world)?;
+        let words = self.read_local_words(
+            RegionKind::Stats,
+            crate::stats::word::PEERS + 3 * self.place.world,
+        )?;
         let Some(local) = LocalStats::from_words(&words) else {
             return Ok(None);
         };

@@ -12,7 +12,7 @@ use std::fmt::Display;
 use epcomm_kernels::abi::OpArgs;
 use epcomm_topology::{RowDtype, RowFormat};
 
-use super::ops::{DispatchInput, XInput};
+use super::inputs::{DispatchInput, XInput};
 use super::pointers::{ROW_ALIGN, check_device_ptr};
 use super::{Buffer, LatestDispatch};
 use crate::handle::{Handle, HandleInner};

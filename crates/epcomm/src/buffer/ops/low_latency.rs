@@ -117,7 +117,9 @@ pub struct LlRecv {
     buffer_id: u64,
     experts: usize,
     capacity: usize,
-    hidden: usize,
+    /// The format of the received rows of the latest dispatch into it (the buffer's BF16 rows
+    /// before the first).
+    row: RowFormat,
     /// Format and this rank's token count of the latest dispatch into it.
     dispatched: Option<(LlFormat, usize)>,
     /// How the next FP8 dispatches into it store their scales.
@@ -157,12 +159,10 @@ impl LlRecv {
     pub fn num_tokens(&self) -> Option<usize> {
         self.dispatched.map(|(_, t)| t)
     }
-    /// Bytes per received row of the latest dispatch (`hidden * 2` bf16, `hidden` fp8).
+    /// Bytes per received row of the latest dispatch (`hidden * 2` bf16, `hidden` fp8: its
+    /// [`RowFormat::x_bytes`]; bf16 before the first dispatch).
     pub fn row_bytes(&self) -> usize {
-        match self.format() {
-            Some(LlFormat::Fp8 { .. }) => self.hidden,
-            _ => self.hidden * 2,
-        }
+        self.row.x_bytes()
     }
     /// Device address of the rows (`[local_expert][capacity][row_bytes]`).
     pub fn x_ptr(&self) -> u64 {
@@ -382,12 +382,14 @@ impl Buffer {
         let epr = self.cfg.num_experts / self.place.world;
         let cap = self.place.world * m;
         let rows = epr * cap;
-        let hidden = self.cfg.hidden;
-        let scales = RowFormat::new(hidden, RowDtype::Fp8).map_or(0, |f| f.num_scales());
+        // The buffer's BF16 rows; the arrays hold rows of either format, so each row gets the
+        // widest one's bytes (the pitch).
+        let bf16 = self.place.plan.row();
+        let scales = RowFormat::new(bf16.hidden(), RowDtype::Fp8).map_or(0, |f| f.num_scales());
         let s = &self.launcher.stream;
         let ctx = "allocating low-latency receive arrays";
         let arrays = LlArrays {
-            x: s.alloc_zeros::<u8>((rows * hidden * 2).max(16))
+            x: s.alloc_zeros::<u8>((rows * bf16.pitch()).max(16))
                 .context(ctx)?,
             scales: s.alloc_zeros::<f32>((rows * scales).max(1)).context(ctx)?,
             count: s.alloc_zeros::<i32>(epr.max(1)).context(ctx)?,
@@ -405,7 +407,7 @@ impl Buffer {
             buffer_id: self.id,
             experts: epr,
             capacity: cap,
-            hidden,
+            row: bf16,
             dispatched: None,
             scales_layout: LlScalesLayout::RowMajor,
         })
@@ -459,6 +461,8 @@ impl Buffer {
             argument: "format",
             rule: e.to_string(),
         })?;
+        // `x` is bf16 whatever the format (FP8 casts on the device).
+        let x_row = self.place.plan.row();
         exact_len(
             "x",
             input.x.len(),
@@ -487,7 +491,7 @@ impl Buffer {
         let (x, _gx) = input.x.device_ptr(&s);
         let (idx, _gi) = input.topk_idx.device_ptr(&s);
         let ordinal = self.launcher.ctx.ordinal();
-        check_device_ptr("x", x, t * hidden * 2, ROW_ALIGN, ordinal)?;
+        check_device_ptr("x", x, t * x_row.x_bytes(), ROW_ALIGN, ordinal)?;
         check_device_ptr("topk_idx", idx, t * k * 8, 8, ordinal)?;
         let mut stats_array = input.cumulative_stats;
         let (stats, stats_guard) = match stats_array.as_deref_mut() {
@@ -501,7 +505,7 @@ impl Buffer {
         // BF16 rows are put straight from `x`; FP8 rows (and every metadata row) from send rows
         // in the symmetric buffer.
         if format == LlFormat::Bf16 {
-            self.prepare_put_source("x", x, t * hidden * 2)?;
+            self.prepare_put_source("x", x, t * x_row.x_bytes())?;
         }
         let mut flags = self.ll_flags(fused);
         if let LlFormat::Fp8 { round_scale } = format {
@@ -549,6 +553,7 @@ impl Buffer {
                 .launch_op(Op::LlDispatchSend, &s, &args, self.ll.blocks)
         }?;
         recv.dispatched = Some((format, t));
+        recv.row = row;
         // The fused kernel wrote the stats: their event is recorded now. A split dispatch's
         // receive phase writes them: `ll_receive` records it again after that kernel.
         drop(stats_guard);
@@ -674,6 +679,8 @@ impl Buffer {
         )?;
         // A recording replays reading these arrays: the graph owns them.
         self.keep_alive(recv.arrays.clone());
+        // `y` and `out` are bf16 rows.
+        let bf16 = self.place.plan.row();
         let s = self.launcher.stream.clone();
         let args = {
             let (yp, _gy) = y.device_ptr(&s);
@@ -681,19 +688,19 @@ impl Buffer {
             let (w, _gw) = topk_weights.device_ptr(&s);
             let (o, _go) = out.device_ptr_mut(&s);
             let ordinal = self.launcher.ctx.ordinal();
-            check_device_ptr("y", yp, y.len() * 2, ROW_ALIGN, ordinal)?;
+            check_device_ptr("y", yp, y.len() * bf16.value_bytes(), ROW_ALIGN, ordinal)?;
             check_device_ptr("topk_idx", idx, t * k * 8, 8, ordinal)?;
             check_device_ptr("topk_weights", w, t * k * 4, 4, ordinal)?;
-            check_device_ptr("out", o, t * hidden * 2, ROW_ALIGN, ordinal)?;
+            check_device_ptr("out", o, t * bf16.x_bytes(), ROW_ALIGN, ordinal)?;
             // One kernel reads this rank's own rows from `y` while other warps write `out`.
             let (y_range, out_range) = (
                 DeviceRange {
                     ptr: yp,
-                    bytes: (y.len() * 2) as u64,
+                    bytes: (y.len() * bf16.value_bytes()) as u64,
                 },
                 DeviceRange {
                     ptr: o,
-                    bytes: (t * hidden * 2) as u64,
+                    bytes: (t * bf16.x_bytes()) as u64,
                 },
             );
             if fused && y_range.bytes > 0 && out_range.bytes > 0 && y_range.overlaps(out_range) {
@@ -709,7 +716,7 @@ impl Buffer {
                 });
             }
             // The send phase puts rows straight from `y`.
-            self.prepare_put_source("y", yp, y.len() * 2)?;
+            self.prepare_put_source("y", yp, y.len() * bf16.value_bytes())?;
             let (rc, _g1) = recv.arrays.count.device_ptr(&s);
             let (ri, _g2) = recv.arrays.src_info.device_ptr(&s);
             let (rr, _g3) = recv.arrays.route.device_ptr(&s);
@@ -787,5 +794,41 @@ impl Buffer {
         self.seq.advance(pending.kind);
         self.ll.pending = None;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    use crate::BufferConfig;
+
+    /// The byte sizes above come from `RowFormat` (the buffer plan's BF16 row, or the
+    /// dispatch's format); each equals the `hidden * 2` / `hidden` byte math it replaced.
+    #[test]
+    fn row_format_sizes_equal_the_old_byte_math() {
+        let fp8 = LlFormat::Fp8 { round_scale: false };
+        for hidden in (8..=16384).step_by(8).chain([18432, 65536]) {
+            // What `self.place.plan.row()` is: the plan `Buffer::new` allocates.
+            let bf16 = crate::rules::plan(&BufferConfig::new(1, hidden, 1, 1), 1)
+                .unwrap()
+                .row();
+            assert_eq!((bf16.hidden(), bf16.dtype()), (hidden, RowDtype::Bf16));
+            // LlRecv::row_bytes: BF16 before a dispatch and after a BF16 one, FP8 after an FP8
+            // one (which only FP8-capable hidden sizes admit).
+            assert_eq!(bf16.x_bytes(), hidden * 2, "{hidden}");
+            let bf16_dispatch = RowFormat::new(hidden, LlFormat::Bf16.dtype()).unwrap();
+            assert_eq!(bf16_dispatch.x_bytes(), hidden * 2, "{hidden}");
+            match RowFormat::new(hidden, fp8.dtype()) {
+                Ok(row) => assert_eq!(row.x_bytes(), hidden, "{hidden}"),
+                Err(_) => assert!(!hidden.is_multiple_of(128), "{hidden}"),
+            }
+            // The receive arrays' rows, the caller's `x`, `y` and `out`.
+            for n in [0usize, 1, 7, 128, 4096, 3 * 8 * 1024] {
+                assert_eq!(n * bf16.pitch(), n * hidden * 2, "{hidden} x {n}");
+                assert_eq!(n * bf16.x_bytes(), n * hidden * 2, "{hidden} x {n}");
+                assert_eq!(n * bf16.value_bytes(), n * 2, "{hidden} x {n}");
+            }
+        }
     }
 }
