@@ -225,11 +225,17 @@ impl ProxyCore {
             }
             (n, None) => out += &format!("{n} operations in the copy engines; "),
         }
-        if let Some((call, waited)) = watch.in_call() {
+        let in_call = watch.in_call();
+        let longest = watch.longest();
+        if let Some((call, waited)) = in_call {
             out += &format!("its thread has been inside {call} for {waited:?}; ");
         }
-        if let Some((call, took)) = watch.longest() {
+        if let Some((call, took)) = longest {
             out += &format!("its longest driver call was {call} ({took:?})");
+        }
+        if let Some(hint) = blocked_copy_hint(in_call.into_iter().chain(longest)) {
+            out += "; ";
+            out += hint;
         }
         for (call, n, total) in watch.totals() {
             out += &format!("; {n} x {call} in {total:?}");
@@ -272,8 +278,50 @@ impl ProxyCore {
     }
 }
 
+/// What a copy call of the proxy thread lasting over a second means (`calls`: the call in
+/// progress and the longest one, with their durations), or None. A copy call returns in
+/// microseconds unless another thread of the process holds the driver in a synchronous copy
+/// that waits for the very op this proxy serves (measured: docs/proxy.md, "a blocking copy in
+/// another thread stalls the proxy").
+fn blocked_copy_hint(
+    calls: impl IntoIterator<Item = (&'static str, std::time::Duration)>,
+) -> Option<&'static str> {
+    calls
+        .into_iter()
+        .any(|(call, took)| {
+            call.starts_with("cuMemcpy") && took > std::time::Duration::from_secs(1)
+        })
+        .then_some(
+            "a copy call this long waited inside the driver for another thread of this process, \
+             one in a synchronous CUDA copy (to pageable host memory: tensor.cpu(), .item(), \
+             cudaMemcpy) that waits for this op; let the op finish first (synchronize the \
+             buffer or poll an event after it) before such a copy",
+        )
+}
+
 impl Drop for ProxyCore {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::blocked_copy_hint;
+
+    #[test]
+    fn a_copy_call_over_a_second_names_the_blocking_copy_of_another_thread() {
+        let ms = Duration::from_millis;
+        // The measured stall: one cuMemcpyAsync as long as the op timeout.
+        let hint = blocked_copy_hint([("cuMemcpyAsync", ms(20_000))]).unwrap();
+        assert!(hint.contains("another thread") && hint.contains("tensor.cpu()"));
+        // The batch call too, in progress rather than finished.
+        assert!(blocked_copy_hint([("cuMemcpyBatchAsync", ms(1_500))]).is_some());
+        // Copies of normal length, and other long calls (their own causes), say nothing.
+        assert!(blocked_copy_hint([("cuMemcpyAsync", ms(3))]).is_none());
+        assert!(blocked_copy_hint([("cuEventQuery", ms(5_000))]).is_none());
+        assert!(blocked_copy_hint([]).is_none());
     }
 }
