@@ -168,16 +168,9 @@ fn check_transport(t: &TransportChoice) -> Result<(), AppError> {
             )));
         }
     }
-    if spec.needs_runtime_library() {
-        nvshmem_sys::loader::load_default()
-            .map(drop)
-            .map_err(|e| AppError::Environment(format!("--transport {spec}: {e}")))?;
-    }
-    if spec.needs_rdma_device() {
-        spec.probe_here()
-            .map_err(|e| AppError::Environment(format!("--transport {spec}: {e}")))?;
-    }
-    Ok(())
+    // The backend's own check: NVSHMEM's library loads, an RDMA device is there.
+    spec.probe_here()
+        .map_err(|e| AppError::Environment(format!("--transport {spec}: {e}")))
 }
 
 /// Points this process's stdout at its stderr (workers never write results to stdout).

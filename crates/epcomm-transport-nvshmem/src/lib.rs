@@ -303,7 +303,7 @@ pub const BACKEND: Backend = Backend {
     world_layout: |options, world_size, rank, local| {
         NvshmemTransport::world_layout(world_size, rank, local, options_of(options, local))
     },
-    probe: Backend::nothing_to_probe,
+    probe: probe_library,
     preflight: Backend::nothing_to_preflight,
     build: |options, ctx, bootstrap| {
         let options = options_of(options, bootstrap.local_world_size());
@@ -318,6 +318,20 @@ pub const BACKEND: Backend = Backend {
             .collect()
     },
 };
+
+/// This machine's check: the NVSHMEM host library loads (the loader's search, cached for the
+/// process: what `build` uses later).
+///
+/// # Errors
+/// [`TransportError::Unavailable`] with every place the loader tried.
+fn probe_library(_: BackendOptions) -> Result<(), TransportError> {
+    nvshmem_sys::loader::load_default()
+        .map(drop)
+        .map_err(|e| TransportError::Unavailable {
+            what: "nvshmem",
+            why: e.to_string(),
+        })
+}
 
 /// The transport's options from a spec's, for hosts of `local` GPUs.
 fn options_of(options: BackendOptions, local: usize) -> NvshmemOptions {
@@ -460,6 +474,27 @@ impl Drop for NvshmemMemory {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_probe_is_the_loaders_verdict() {
+        let options = BackendOptions {
+            virtual_nodes: VirtualNodes::Count(1),
+        };
+        match (
+            (BACKEND.probe)(options),
+            nvshmem_sys::loader::load_default(),
+        ) {
+            (Ok(()), Ok(_)) => {}
+            (Err(TransportError::Unavailable { what, why }), Err(e)) => {
+                assert_eq!(what, "nvshmem");
+                assert_eq!(why, e.to_string());
+            }
+            (probe, loader) => panic!(
+                "the probe ({probe:?}) disagrees with the loader ({:?})",
+                loader.map(drop)
+            ),
+        }
+    }
 
     fn v(major: u32, minor: u32, patch: u32) -> Version {
         Version {
