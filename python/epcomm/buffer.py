@@ -259,7 +259,15 @@ class Buffer:
         self._num_sms = num_sms
         self._comm = torch.cuda.ExternalStream(self._session.stream_handle, device=torch.device("cuda", self.device))
         if self._session.transport.split(":")[0] == "proxy-ce":
-            register_host_wait(self._session.stream_handle, self._wait_on_host)
+            # Held weakly: the registry must not keep a Buffer (and its memory) alive.
+            me = weakref.ref(self)
+
+            def wait():
+                buffer = me()
+                if buffer is not None:
+                    buffer._wait_on_host()
+
+            register_host_wait(self._session.stream_handle, wait)
         self._layout_pool = {}
         self._pinned = []
         self._captured = False
