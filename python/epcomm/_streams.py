@@ -69,7 +69,8 @@ class EventOverlap:
 #: ``.item()``, ``.tolist()`` on the current stream after the op): the copy holds the driver
 #: while it waits, and the proxy's next ``cuMemcpy*Async`` then waits for the copy, so neither
 #: moves until the op times out. A synchronous op on such a Buffer therefore returns only once
-#: the comm stream has finished it (see docs/proxy.md, "The host wait of proxy-ce Buffers").
+#: the comm stream has finished it (docs/proxy.md, "a blocking copy in another thread stalls the
+#: proxy").
 _host_waits = {}
 
 
