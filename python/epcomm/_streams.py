@@ -151,7 +151,5 @@ class StreamOp:
             for t in self.outputs:
                 t.record_stream(self.compute)
         if _host_waits and not self.capturing:
-            wait = _host_waits.get(self.comm.cuda_stream)
-            if wait is not None:
-                wait()
+            host_wait(self.comm.cuda_stream)
         return EventOverlap(None)
