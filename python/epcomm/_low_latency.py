@@ -22,7 +22,7 @@ import torch
 from ._args import check, check_bool, describe, fail
 from ._ll_args import FP8_BLOCK as _FP8_BLOCK
 from ._ll_args import check_combine, check_dispatch
-from ._streams import EventOverlap, current_raw_stream, host_wait, torch_function_off
+from ._streams import EventOverlap, async_event, current_raw_stream, host_wait, torch_function_off
 from ._views import view
 
 _FP8 = getattr(torch, "float8_e4m3fn", None)
@@ -120,7 +120,7 @@ def _asynchronous(buf, *tensors):
     for t in tensors:
         if t is not None:
             t.record_stream(buf._comm)
-    return EventOverlap(event)
+    return async_event(event, buf._comm)
 
 
 def _views(buf, out, use_fp8, column_major):

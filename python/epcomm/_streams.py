@@ -43,17 +43,25 @@ torch_function_off = getattr(torch._C, "DisableTorchFunction", contextlib.nullco
 class EventOverlap:
     """An event of an asynchronous op (``async_finish=True``), or None inside for a
     synchronous one. ``current_stream_wait()`` makes the current stream wait for it; as a
-    context manager, the wait happens on exit."""
+    context manager, the wait happens on exit. The event of a ``proxy-ce`` Buffer's op (made by
+    :func:`async_event`) also waits on the host there, outside a capture (``_host_waits`` says
+    why)."""
 
     def __init__(self, event=None, extra_tensors=None):
         self.event = event
         self.extra_tensors = extra_tensors
+        # The raw comm stream whose host wait `current_stream_wait` runs (None: no host wait).
+        self._host_wait_stream = None
 
     def current_stream_wait(self):
-        """Makes torch's current stream wait for the op."""
+        """Makes torch's current stream wait for the op (and, for a ``proxy-ce`` Buffer's op, the
+        host too: the caller's next synchronous copy on the current stream would otherwise wait
+        for the op while holding up the proxy that completes it)."""
         if self.event is None:
             fail("event", "this op was synchronous (async_finish=False): there is nothing to wait for")
         torch.cuda.current_stream().wait_event(self.event)
+        if self._host_wait_stream is not None:
+            host_wait(self._host_wait_stream)
 
     def __enter__(self):
         return self
@@ -69,7 +77,9 @@ class EventOverlap:
 #: ``.item()``, ``.tolist()`` on the current stream after the op): the copy holds the driver
 #: while it waits, and the proxy's next ``cuMemcpy*Async`` then waits for the copy, so neither
 #: moves until the op times out. A synchronous op on such a Buffer therefore returns only once
-#: the comm stream has finished it (docs/proxy.md, "a blocking copy in another thread stalls the
+#: the comm stream has finished it, and an asynchronous op's ``EventOverlap.current_stream_wait()``
+#: (the point after which the caller reads the outputs) returns only once the comm stream has
+#: finished what it held then (docs/proxy.md, "a blocking copy in another thread stalls the
 #: proxy").
 _host_waits = {}
 
@@ -82,6 +92,16 @@ def register_host_wait(comm_handle, wait):
 
 def unregister_host_wait(comm_handle):
     _host_waits.pop(comm_handle, None)
+
+
+def async_event(event, comm):
+    """The :class:`EventOverlap` of an asynchronous op: `event`, recorded on the comm stream
+    `comm` after the op; its ``current_stream_wait()`` runs `comm`'s host wait when one is
+    registered."""
+    overlap = EventOverlap(event)
+    if comm.cuda_stream in _host_waits:
+        overlap._host_wait_stream = comm.cuda_stream
+    return overlap
 
 
 def host_wait(comm_handle):
@@ -145,7 +165,7 @@ class StreamOp:
             if self.on_comm:
                 for t in self.outputs:
                     t.record_stream(self.compute)
-            return EventOverlap(event)
+            return async_event(event, self.comm)
         self.compute.wait_stream(self.comm)
         if self.on_comm:
             for t in self.outputs:

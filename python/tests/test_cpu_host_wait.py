@@ -1,6 +1,6 @@
 """The host wait of proxy-ce Buffers (``epcomm._streams``): a synchronous op on a registered
-comm stream ends with the Buffer's wait; an asynchronous one, one inside a capture, and one
-on another stream do not. Runs without torch: the module is imported over a stand-in torch
+comm stream ends with the Buffer's wait, an asynchronous one waits at its event's
+``current_stream_wait()``; one inside a capture, and one on another stream do not. Runs without torch: the module is imported over a stand-in torch
 that records what the op asked of it (the real one is restored afterwards)."""
 
 import importlib
@@ -100,3 +100,33 @@ def test_other_streams_and_unregistered_buffers_do_not_wait(streams):
     module.host_wait(7)
     assert waits == []
     module.unregister_host_wait(7)  # twice: harmless
+
+
+def test_an_asynchronous_op_waits_at_current_stream_wait(streams):
+    module, state = streams
+    waits = []
+    module.register_host_wait(42, lambda: waits.append("waited"))
+    try:
+        ev = _op(module, state, async_finish=True)
+        assert waits == []  # returned at once: the caller overlaps
+        ev.current_stream_wait()
+        # The current stream waits for the event, then the host for the comm stream.
+        assert state.log[-1] == ("wait_event", 1)
+        assert waits == ["waited"]
+        with ev:
+            pass
+        assert waits == ["waited", "waited"]
+        # Events made for other paths of the layer (deep_ep's reorders, the low-latency ops).
+        module.async_event(_Event(), state.comm).current_stream_wait()
+        assert waits == ["waited"] * 3
+        # Inside a capture: the stream wait only.
+        state.capturing = True
+        ev.current_stream_wait()
+        assert waits == ["waited"] * 3
+    finally:
+        module.unregister_host_wait(42)
+    # Made on an unregistered stream (or after the Buffer is gone): no host wait.
+    state.capturing = False
+    _op(module, state, async_finish=True).current_stream_wait()
+    module.async_event(_Event(), state.comm).current_stream_wait()
+    assert waits == ["waited"] * 3

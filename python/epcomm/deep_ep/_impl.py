@@ -16,7 +16,7 @@ import torch
 from .. import _ll_args
 from .. import buffer as _core
 from .._args import check, check_bool, check_int, describe, fail
-from .._streams import EventOverlap, StreamOp, torch_function_off
+from .._streams import EventOverlap, StreamOp, async_event, torch_function_off
 from .._views import view
 from ..config import Config as _CoreConfig
 from ..config import low_latency_size_hint
@@ -282,7 +282,7 @@ def _then(core, event, fn):
         t.record_stream(compute)
     done = torch.cuda.Event()
     done.record(comm)
-    return EventOverlap(done)
+    return async_event(done, comm)
 
 
 # ----------------------------------------------------------------------------------------------
