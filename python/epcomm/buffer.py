@@ -28,7 +28,7 @@ from . import _ll_args, _low_latency, _native
 from ._args import aligned_counts, check, check_bool, check_int, describe, fail
 from ._rendezvous import from_group
 from ._streams import EventOverlap, StreamOp, register_host_wait, unregister_host_wait
-from ._views import view
+from ._views import ViewGuard, refuse_destroy, view
 from .config import DEFAULT_NUM_SMS, Config, check_options, low_latency_size_hint, size_hint
 from .stats import OpStats
 
@@ -79,6 +79,16 @@ class _HandleSlot:
     def release(self):
         if not self.pinned:
             self._home.append(self)
+
+
+def check_no_live_views(buffers):
+    """Refuses (:class:`~epcomm.InvalidArgumentError` naming ``destroy``) a destroy of
+    `buffers` while a tensor still views memory one of them frees; all are checked before any
+    is destroyed, so a refusal changes nothing."""
+    live = []
+    for b in buffers:
+        live.extend(b._live_views())
+    refuse_destroy(live)
 
 
 class DispatchHandle:
@@ -276,6 +286,10 @@ class Buffer:
         self._latest_zero_copy = False
         self._views = {}
         self._ll_views = {}
+        # The views of this Buffer's own memory (owner=self: the receive regions), which
+        # destroy() frees: it refuses while one is alive. Those made without a kind are the
+        # low-latency receive sets' (_low_latency._views).
+        self._view_guard = ViewGuard("low-latency receive")
         self._ll_keep = None
         self._graphs = enable_cuda_graphs
 
@@ -400,13 +414,36 @@ class Buffer:
         self._session.synchronize()
 
     def destroy(self):
-        """Frees the buffer after every rank stopped using it (collective). Tensors returned
-        with ``zero_copy=True`` are invalid afterwards."""
+        """Frees the buffer after every rank stopped using it (collective).
+
+        Refused (:class:`~epcomm.InvalidArgumentError` naming ``destroy``, on this rank alone,
+        before any collective step: nothing is freed or waited for) while a tensor still views
+        the memory it frees: the outputs of a ``zero_copy=True`` dispatch, those of
+        :meth:`low_latency_dispatch` (``recv_x``, its scales, ``recv_count``) and its
+        :class:`LowLatencyHandle` (``src_info``, ``layout_range``), or any slice or ``.view()``
+        of them. Drop them (``del``) or keep ``.clone()``s, then call it again (a rank whose
+        destroy went ahead waits for it at its barrier, up to the bootstrap timeout)."""
+        check_no_live_views((self,))
         self._views.clear()
         self._ll_views.clear()
         unregister_host_wait(self._session.stream_handle)
         self._session.destroy()
         self._ll_keep = None
+
+    def _live_views(self):
+        """``[(kind, what)]`` of the views of this Buffer's memory that someone other than the
+        Buffer still holds. The low-latency views are cached per receive set (made once); the
+        cache itself reads nothing, so it is set aside while counting, then put back with the
+        entries whose tensors are still held (a refused destroy changes nothing)."""
+        cache, self._ll_views = self._ll_views, {}
+        held = {key: tuple(None if t is None else weakref.ref(t) for t in v) for key, v in cache.items()}
+        del cache
+        live = self._view_guard.live()
+        for key, refs in held.items():
+            v = tuple(None if r is None else r() for r in refs)
+            if all((t is not None) == (r is not None) for t, r in zip(v, refs)):
+                self._ll_views.setdefault(key, v)
+        return live
 
     # ------------------------------------------------------------------------------------------
     # Argument checks
@@ -763,7 +800,8 @@ class Buffer:
                     views.append(None)
                     continue
                 name, cols, dtype, raw_dtype, ptr = spec
-                v = view(ptr, (min(rows, self.capacity), cols), raw_dtype, self.device, self)
+                kind = f"zero-copy dispatch recv_{name}"
+                v = view(ptr, (min(rows, self.capacity), cols), raw_dtype, self.device, self, kind=kind)
                 views.append(v.view(dtype) if dtype != raw_dtype else v)
             return views
         results = []

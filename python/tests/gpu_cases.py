@@ -383,7 +383,9 @@ def graphs(ctx):
 
 
 def zero_copy(ctx):
-    """zero_copy views equal the copies; combine_in_place over the views matches combine."""
+    """zero_copy views equal the copies; combine_in_place over the views matches combine;
+    destroy() refuses while a view (or a slice of one) is alive, and works once they are
+    dropped."""
     world, rank, dev = ctx.world, ctx.rank, ctx.device
     hidden, top_k, experts, tokens = 512, 4, 8 * world, 200
     buf = ctx.buffer(tokens, hidden, top_k, experts)
@@ -407,8 +409,18 @@ def zero_copy(ctx):
     want_x, want_w = ref.combine(received, ys, yws, rank, tokens, hidden, top_k)
     same("combine_in_place x", out, want_x)
     same("combine_in_place weights", out_w, want_w)
+    # destroy() frees the receive rows the views read: refused on each rank (before any
+    # collective step, so nothing is freed or waited for) while a tensor made from them lives.
+    part = rx[:1]
+    e = expect_raises(epcomm.InvalidArgumentError, buf.destroy, "destroy")
+    assert "3 views" in str(e) and "zero-copy dispatch recv_topk_weights" in str(e) and ".clone()" in str(e), e
+    del e, rx, ri, rw
+    e = expect_raises(epcomm.InvalidArgumentError, buf.destroy, "destroy")
+    assert "1 view of" in str(e) and "zero-copy dispatch recv_x" in str(e), e
+    del e, part
+    assert not buf.is_failed()
     buf.destroy()
-    ctx.log("zero copy + in-place combine: ok")
+    ctx.log("zero copy + in-place combine: ok; destroy refused while a view lived")
 
 
 def rows_only(ctx):
@@ -530,6 +542,7 @@ def ll_hook_order(ctx):
     torch.cuda.synchronize()
     same("low-latency combine written after the caller's work", out, rnd.want_out)
     dist.barrier()
+    del handle  # its src_info / layout_range view the receive set that destroy() frees
     buf.destroy()
     ctx.log("low-latency hook ordered after the current stream: ok")
 
@@ -940,6 +953,9 @@ def low_latency(ctx):
         ins = [ref.make_inputs(r, 64, hidden, top_k, experts, world, 77) for r in range(world)]
         got = buf.dispatch(ins[rank].x.to(dev), topk_idx=ins[rank].topk_idx.to(dev))[0]
         same(f"H={hidden} K={top_k} normal dispatch after low-latency ops", got, ref.dispatch(ins, rank, experts).x)
+        # The outputs and handles view the receive sets, which destroy() frees (it refuses while
+        # they live).
+        del history, recv, count, handle, p_recv, p_count, p_handle, o_handle
         buf.destroy()
     low_latency_refusals(ctx)
 
@@ -1002,6 +1018,8 @@ def ll_graph(ctx):
         pass  # torch may reject the empty capture; the refusal above is what counts
     torch.cuda.synchronize()
     dist.barrier()
+    # The captured and eager outputs and handles view the receive sets destroy() frees.
+    del recv, count, handle, erecv, ecount, ehandle
     buf.destroy()
 
 
@@ -1041,6 +1059,7 @@ def low_latency_refusals(ctx):
     assert not hasattr(buf, "get_next_low_latency_combine_buffer")
     out = buf.low_latency_combine(y, idx, w, handle)[0]
     same("combine of zero rows", out, torch.zeros((m, hidden), dtype=torch.bfloat16))
+    del recv, count, handle  # views of the receive set destroy() frees
     buf.destroy()
     ctx.log("low-latency refusals: every one named its argument")
 

@@ -748,6 +748,10 @@ def _low_latency(ctx, hidden, top_k, epr, m, hooks, case):
                 truth(f"{what}: combine wrote out", combined_x is out)
                 check(f"{what} combine (zero_copy={zero_copy})", combined_x, rnd.want_out)
             ctx.log(f"{case} {what}: ok")
+        # The last dispatch's rows, counts and handle (src_info, layout_range) view the receive
+        # set that destroy() frees (it refuses while they live); DeepEP's test drops them when
+        # its test_main returns.
+        del packed_recv_x, packed_recv_count, handle
         buffer.destroy()
     torch.cuda.synchronize()
     dist.barrier()
@@ -959,6 +963,7 @@ def deep_ep_refusals(ctx):
             combined,
             torch.zeros((tokens, hidden), dtype=torch.bfloat16, device="cpu"),
         )
+        del recv, count, ll_handle  # views of the receive set destroy() frees
         ll.destroy()
     torch.cuda.synchronize()
     dist.barrier()
@@ -1084,6 +1089,7 @@ def deep_ep_shrink(ctx):
             expect_mask("after low_latency_clean_mask_buffer")
         torch.cuda.synchronize()
         dist.barrier()
+        del recv, count, handle  # views of the receive set destroy() frees
         buffer.destroy()
     torch.cuda.synchronize()
     dist.barrier()

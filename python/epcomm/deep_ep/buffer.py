@@ -224,7 +224,11 @@ class Buffer:
 
     def destroy(self):
         """Frees both cores (collective). Needs ``explicitly_destroy=True``, as in DeepEP; the
-        Buffer takes no op afterwards (:class:`epcomm.BufferFailedError`)."""
+        Buffer takes no op afterwards (:class:`epcomm.BufferFailedError`). Refused
+        (:class:`epcomm.InvalidArgumentError` naming ``destroy``, before either core is touched)
+        while a tensor still views memory it frees: a low-latency dispatch's ``recv_x``, scales,
+        ``recv_count`` or handle (``src_info``, ``layout_range``), or a slice or view of them;
+        drop them or keep ``.clone()``s, then call it again."""
         _impl().destroy(self)
 
     # ------------------------------------------------------------------------------------------
