@@ -130,14 +130,18 @@ def _views(buf, out, use_fp8, column_major):
     v = buf._ll_views.get(key)
     if v is None:
         e, cap, h = out.num_local_experts, out.capacity, buf.hidden
-        x = view(out.x, (e, cap, h), _FP8 if use_fp8 else torch.bfloat16, buf.device, buf)
+        x = view(out.x, (e, cap, h), _FP8 if use_fp8 else torch.bfloat16, buf.device, buf, kind="low-latency recv_x")
         s = h // _FP8_BLOCK
         # Column-major: each expert's [cap, s] matrix stored [s][cap] (byte strides).
         strides = (s * cap * 4, 4, cap * 4) if column_major else None
-        scales = view(out.scales, (e, cap, s), torch.float32, buf.device, buf, strides) if use_fp8 else None
-        count = view(out.count, (e,), torch.int32, buf.device, buf)
-        src = view(out.src_info, (e, cap), torch.int32, buf.device, buf)
-        rng = view(out.layout_range, (e, buf.group_size), torch.int64, buf.device, buf)
+        scales = (
+            view(out.scales, (e, cap, s), torch.float32, buf.device, buf, strides, kind="low-latency recv_x scales")
+            if use_fp8
+            else None
+        )
+        count = view(out.count, (e,), torch.int32, buf.device, buf, kind="low-latency recv_count")
+        src = view(out.src_info, (e, cap), torch.int32, buf.device, buf, kind="low-latency handle src_info")
+        rng = view(out.layout_range, (e, buf.group_size), torch.int64, buf.device, buf, kind="low-latency handle layout_range")
         v = (x, scales, count, src, rng)
         buf._ll_views[key] = v
     return v

@@ -287,9 +287,8 @@ class Buffer:
         self._views = {}
         self._ll_views = {}
         # The views of this Buffer's own memory (owner=self: the receive regions), which
-        # destroy() frees: it refuses while one is alive. Those made without a kind are the
-        # low-latency receive sets' (_low_latency._views).
-        self._view_guard = ViewGuard("low-latency receive")
+        # destroy() frees: it refuses while one is alive (each view names its kind).
+        self._view_guard = ViewGuard("receive-region view")
         self._ll_keep = None
         self._graphs = enable_cuda_graphs
 
