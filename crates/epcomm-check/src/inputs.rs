@@ -116,6 +116,21 @@ impl DeviceInputs {
         }
     }
 
+    /// Dispatches these tokens (BF16, weights as `weights` says) along `layout` into the
+    /// worst-case receive rows of `buf` (flat or two-tier) and keeps only the routing: the
+    /// handle a test then combines or dispatches along. Collective, as the dispatch.
+    pub fn worst_case_handle<E: epcomm::ExpertParallel>(
+        &self,
+        buf: &mut E,
+        layout: &epcomm::Layout,
+        weights: bool,
+    ) -> epcomm::Result<epcomm::Handle> {
+        let input = self.dispatch_input(false, weights);
+        Ok(buf
+            .dispatch(&input, layout, epcomm::RecvMode::WorstCase)?
+            .into_handle())
+    }
+
     /// The token rows as a dispatch input: FP8 (with scales) or BF16.
     pub fn x_input(&self, fp8: bool) -> epcomm::XInput<'_> {
         self.rows(fp8, false)

@@ -312,11 +312,7 @@ fn run_soak(w: &Worker, mk: MakeTransport<'_>) {
         let k = (i * 7) % prepared.len();
         let (_, d) = &prepared[k];
         let layout = buf.layout(&d.topk_idx, d.num_tokens).unwrap();
-        let input = d.dispatch_input(false, false);
-        let handle = buf
-            .dispatch(&input, &layout, RecvMode::WorstCase)
-            .unwrap()
-            .into_handle();
+        let handle = d.worst_case_handle(&mut buf, &layout, false).unwrap();
         let mut out = if d.num_tokens == 0 {
             buf.stream().null().unwrap()
         } else {
@@ -641,11 +637,7 @@ fn run_skew(w: &Worker, mk: MakeTransport<'_>) {
         if rank == late {
             buf.inject_delay(delay).unwrap();
         }
-        let input = d.dispatch_input(false, false);
-        let handle = buf
-            .dispatch(&input, &layout, RecvMode::WorstCase)
-            .unwrap()
-            .into_handle();
+        let handle = d.worst_case_handle(&mut buf, &layout, false).unwrap();
         let st = buf.last_op_stats().unwrap().expect("stats after dispatch");
         assert_eq!(
             st.late_rank(),

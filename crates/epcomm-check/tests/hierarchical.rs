@@ -340,14 +340,7 @@ fn run_hier_soak(w: &Worker, mk: MakeTransport<'_>) {
             let t = tokens[rank];
             let d = device_inputs(&stream, &h, rank).unwrap();
             let layout = buf.layout(&d.topk_idx, t).unwrap();
-            let handle = buf
-                .dispatch(
-                    &d.dispatch_input(false, false),
-                    &layout,
-                    RecvMode::WorstCase,
-                )
-                .unwrap()
-                .into_handle();
+            let handle = d.worst_case_handle(&mut buf, &layout, false).unwrap();
             let case = hier_case(&h, tiers, 4 * world, rank, handle.capacity()).unwrap();
             let y = upload(&stream, &case.y).unwrap();
             let mut out = stream.alloc_zeros::<bf16>((t * 256).max(1)).unwrap();

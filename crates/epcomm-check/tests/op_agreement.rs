@@ -133,10 +133,7 @@ fn run_combine_weights_one_rank(w: &Worker, mk: MakeTransport<'_>) {
     let (mut buf, _h, d) = setup(w, mk, CombineStaging::Push);
     let mut io = CombineIo::new(&buf, world);
     let layout = buf.layout(&d.topk_idx, TOKENS).unwrap();
-    let handle = buf
-        .dispatch(&d.dispatch_input(false, true), &layout, RecvMode::WorstCase)
-        .unwrap()
-        .into_handle();
+    let handle = d.worst_case_handle(&mut buf, &layout, true).unwrap();
     // Two agreed combines with weights (both parities hold weights), then the mismatch.
     for _ in 0..2 {
         io.combine(&mut buf, &handle, true).unwrap();
@@ -229,14 +226,7 @@ fn run_op_kind_mismatch(w: &Worker, mk: MakeTransport<'_>) {
     let (mut buf, _h, d) = setup(w, mk, CombineStaging::Push);
     let mut io = CombineIo::new(&buf, world);
     let layout = buf.layout(&d.topk_idx, TOKENS).unwrap();
-    let handle = buf
-        .dispatch(
-            &d.dispatch_input(false, false),
-            &layout,
-            RecvMode::WorstCase,
-        )
-        .unwrap()
-        .into_handle();
+    let handle = d.worst_case_handle(&mut buf, &layout, false).unwrap();
     io.combine(&mut buf, &handle, false).unwrap();
     buf.synchronize().expect("agreed dispatch and combine");
     expect_mismatch(
