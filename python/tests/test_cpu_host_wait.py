@@ -4,12 +4,12 @@ comm stream ends with the Buffer's wait, an asynchronous one waits at its event'
 that records what the op asked of it (the real one is restored afterwards)."""
 
 import importlib
-import sys
 import types
 
 import pytest
 
 import epcomm  # noqa: F401  (the package first, as it is: its own torch check sees the real state)
+from stand_in import over_fake_torch
 
 
 class _Stream:
@@ -43,19 +43,10 @@ def streams():
         is_current_stream_capturing=lambda: state.capturing,
         Event=_Event,
     )
-    saved = {name: sys.modules.get(name) for name in ("torch", "epcomm._streams")}
-    sys.modules["torch"] = fake
-    sys.modules.pop("epcomm._streams", None)
-    try:
+    with over_fake_torch(fake, ("epcomm._streams",)):
         module = importlib.import_module("epcomm._streams")
         state.comm = _Stream(42, state.log)
         yield module, state
-    finally:
-        for name, mod in saved.items():
-            if mod is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = mod
 
 
 def _op(module, state, async_finish=False):

@@ -16,6 +16,7 @@ import pytest
 
 import epcomm  # noqa: F401  (the package first, as it is)
 import epcomm.deep_ep  # noqa: F401
+from stand_in import over_fake_torch
 
 _MODULES = ("epcomm._views", "epcomm._streams", "epcomm._low_latency", "epcomm.buffer", "epcomm.deep_ep._impl")
 _MISSING = object()
@@ -64,24 +65,17 @@ def mods():
     """``(views, buffer, impl)``: epcomm._views, epcomm.buffer and epcomm.deep_ep._impl
     imported over a stand-in torch."""
     packages = {"epcomm": sys.modules["epcomm"], "epcomm.deep_ep": sys.modules["epcomm.deep_ep"]}
-    saved = {name: sys.modules.get(name) for name in ("torch",) + _MODULES}
     attrs = {
         name: vars(packages[name.rpartition(".")[0]]).get(name.rpartition(".")[2], _MISSING) for name in _MODULES
     }
-    sys.modules["torch"] = _fake_torch()
-    for name in _MODULES:
-        sys.modules.pop(name, None)
     try:
-        views = importlib.import_module("epcomm._views")
-        buffer = importlib.import_module("epcomm.buffer")
-        impl = importlib.import_module("epcomm.deep_ep._impl")
-        yield views, buffer, impl
+        with over_fake_torch(_fake_torch(), _MODULES):
+            views = importlib.import_module("epcomm._views")
+            buffer = importlib.import_module("epcomm.buffer")
+            impl = importlib.import_module("epcomm.deep_ep._impl")
+            yield views, buffer, impl
     finally:
-        for name, mod in saved.items():
-            if mod is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = mod
+        # The package attributes the fresh imports set (epcomm.buffer, ...) go back too.
         for name, value in attrs.items():
             package, _, attr = name.rpartition(".")
             if value is _MISSING:
