@@ -286,6 +286,19 @@ fn check_tiers(tiers: Tiers, world_size: usize) -> Result<()> {
     Ok(())
 }
 
+/// A routing small enough to follow by hand, which the rail-traffic tests of this crate and of
+/// its users work through: 2 nodes × 2 local ranks, one expert per rank (expert `e` on rank
+/// `e`), top-3, `-1` for an unused slot. Rank 0: token 0 → ranks 0, 2, 3; token 1 → rank 1;
+/// token 2 → ranks 0, 2, 3. Rank 3: token 0 → ranks 0, 1, 3. Ranks 1 and 2: no tokens.
+pub fn two_node_example_routing() -> Vec<Vec<i64>> {
+    vec![
+        vec![0, 2, 3, 1, -1, -1, 0, 2, 3],
+        vec![],
+        vec![],
+        vec![0, 1, 3],
+    ]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -293,16 +306,8 @@ mod tests {
 
     const H: usize = 8;
 
-    /// 2 nodes x 2 local ranks, one expert per rank, top-3.
-    /// Rank 0: token 0 -> ranks 0, 2, 3; token 1 -> rank 1; token 2 -> ranks 0, 2, 3.
-    /// Rank 3: token 0 -> ranks 0, 1, 3. Ranks 1 and 2: no tokens.
     fn routing() -> Vec<Vec<i64>> {
-        vec![
-            vec![0, 2, 3, 1, -1, -1, 0, 2, 3],
-            vec![],
-            vec![],
-            vec![0, 1, 3],
-        ]
+        two_node_example_routing()
     }
 
     fn dispatched() -> Vec<RankOutput> {

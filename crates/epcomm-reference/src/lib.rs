@@ -79,6 +79,7 @@ pub use fp8::{
 };
 pub use hierarchical::{
     RailTraffic, across_rail, hierarchical_combine, hierarchical_combine_staged, rail_traffic,
+    two_node_example_routing,
 };
 pub use layout::{Layout, layout};
 pub use low_latency::{LlEntry, LlReceived, ll_dispatch};

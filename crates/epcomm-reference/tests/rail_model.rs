@@ -1,20 +1,7 @@
 //! `rail_model::summarize` on a hand-checked routing.
 
 use epcomm_reference::rail_model::{OpEstimate, RailLink, Spread, summarize};
-use epcomm_reference::{RefError, Tiers};
-
-/// 2 nodes of 2 ranks, 4 experts (expert `e` on rank `e`; experts 0, 1 on node 0 and 2, 3 on
-/// node 1), top-3.
-fn routing() -> Vec<Vec<i64>> {
-    vec![
-        // Rank 0 (node 0): tokens 0 and 2 go to ranks 0, 2, 3; token 1 to rank 1 only.
-        vec![0, 2, 3, 1, -1, -1, 0, 2, 3],
-        vec![],
-        vec![],
-        // Rank 3 (node 1): one token to ranks 0, 1, 3.
-        vec![0, 1, 3],
-    ]
-}
+use epcomm_reference::{RefError, Tiers, two_node_example_routing as routing};
 
 const LINK: RailLink = RailLink {
     nic_gbps: 1.0,
