@@ -44,31 +44,40 @@ class EventOverlap:
     """An event of an asynchronous op (``async_finish=True``), or None inside for a
     synchronous one. ``current_stream_wait()`` makes the current stream wait for it; as a
     context manager, the wait happens on exit. The event of a ``proxy-ce`` Buffer's op (made by
-    :func:`async_event`) also waits on the host there, outside a capture (``_host_waits`` says
-    why)."""
+    :func:`async_event`) also waits on the host there, for this event only, outside a capture
+    (``_host_waits`` says why)."""
 
     def __init__(self, event=None, extra_tensors=None):
         self.event = event
         self.extra_tensors = extra_tensors
-        # The raw comm stream whose host wait `current_stream_wait` runs (None: no host wait).
-        self._host_wait_stream = None
+        # (raw comm stream, its registered wait) whose wait `current_stream_wait` runs for this
+        # event, while that registration stands (None: no host wait).
+        self._host_wait = None
 
     def current_stream_wait(self):
         """Makes torch's current stream wait for the op (and, for a ``proxy-ce`` Buffer's op, the
-        host too: the caller's next synchronous copy on the current stream would otherwise wait
-        for the op while holding up the proxy that completes it)."""
+        host too, until this event completes: the caller's next synchronous copy on the current
+        stream would otherwise wait for the op while holding up the proxy that completes it)."""
         if self.event is None:
             fail("event", "this op was synchronous (async_finish=False): there is nothing to wait for")
         torch.cuda.current_stream().wait_event(self.event)
-        if self._host_wait_stream is not None:
-            host_wait(self._host_wait_stream)
+        if self._host_wait is not None:
+            handle, wait = self._host_wait
+            # The same registration only: a Buffer made later may reuse a destroyed one's stream.
+            if _host_waits.get(handle) is wait and not torch.cuda.is_current_stream_capturing():
+                wait(self.event)
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, *exc):
         if self.event is not None:
-            self.current_stream_wait()
+            if exc_type is None:
+                self.current_stream_wait()
+            else:
+                # Unwinding: order the stream as usual, but no host wait that could replace the
+                # block's exception with its own.
+                torch.cuda.current_stream().wait_event(self.event)
 
 
 #: Comm streams (raw handles) of Buffers whose ops a host proxy completes with driver copies
@@ -78,15 +87,14 @@ class EventOverlap:
 #: while it waits, and the proxy's next ``cuMemcpy*Async`` then waits for the copy, so neither
 #: moves until the op times out. A synchronous op on such a Buffer therefore returns only once
 #: the comm stream has finished it, and an asynchronous op's ``EventOverlap.current_stream_wait()``
-#: (the point after which the caller reads the outputs) returns only once the comm stream has
-#: finished what it held then (docs/proxy.md, "a blocking copy in another thread stalls the
-#: proxy").
+#: (the point after which the caller reads the outputs) returns only once its event has
+#: completed (docs/proxy.md, "a blocking copy in another thread stalls the proxy").
 _host_waits = {}
 
 
 def register_host_wait(comm_handle, wait):
-    """Synchronous ops on the comm stream `comm_handle` end with `wait()` (see
-    ``_host_waits``)."""
+    """Synchronous ops on the comm stream `comm_handle` end with `wait()`; an asynchronous
+    op's ``current_stream_wait()`` calls `wait(event)` (see ``_host_waits``)."""
     _host_waits[comm_handle] = wait
 
 
@@ -96,11 +104,12 @@ def unregister_host_wait(comm_handle):
 
 def async_event(event, comm):
     """The :class:`EventOverlap` of an asynchronous op: `event`, recorded on the comm stream
-    `comm` after the op; its ``current_stream_wait()`` runs `comm`'s host wait when one is
-    registered."""
+    `comm` after the op; its ``current_stream_wait()`` runs `comm`'s host wait for `event` when
+    one is registered (and still is then)."""
     overlap = EventOverlap(event)
-    if comm.cuda_stream in _host_waits:
-        overlap._host_wait_stream = comm.cuda_stream
+    wait = _host_waits.get(comm.cuda_stream) if _host_waits else None
+    if wait is not None:
+        overlap._host_wait = (comm.cuda_stream, wait)
     return overlap
 
 

@@ -77,12 +77,13 @@ class ViewGuard:
         return [a.describe(self.default_kind) for a in list(self._arrays)]
 
 
-def view(ptr, shape, dtype, device, owner, strides=None, kind=None):
+def view(ptr, shape, dtype, device, owner, strides=None, kind=None, shown_dtype=None):
     """A tensor of `dtype` and `shape` over the device memory at `ptr` (byte `strides`).
     When `owner` has a ``_view_guard`` (it frees this memory itself, e.g. at ``destroy()``)
-    the view is registered there, as `kind` (e.g. ``"zero-copy dispatch recv_x"``)."""
+    the view is registered there, as `kind` (e.g. ``"zero-copy dispatch recv_x"``) of
+    `shown_dtype` (default `dtype`: the dtype the caller gets, where it views this one)."""
     typestr, reinterpret = _TYPESTR[dtype]
-    array = _DeviceArray(ptr, shape, typestr, strides, owner, kind, dtype)
+    array = _DeviceArray(ptr, shape, typestr, strides, owner, kind, shown_dtype or dtype)
     guard = getattr(owner, "_view_guard", None)
     if guard is not None:
         guard.add(array)
@@ -94,10 +95,11 @@ def view(ptr, shape, dtype, device, owner, strides=None, kind=None):
 _LISTED = 8
 
 
-def refuse_destroy(live):
+def refuse_destroy(live, note=None):
     """Raises :class:`~epcomm.errors.InvalidArgumentError` naming ``destroy`` when `live`
     (``[(kind, what)]``, :meth:`ViewGuard.live`) is not empty: a destroy would free memory
-    those tensors still read. Says which views and what to do; returns otherwise."""
+    those tensors still read. Says which views and what to do (and `note`, when given);
+    returns otherwise."""
     if not live:
         return
     groups = {}
@@ -113,7 +115,8 @@ def refuse_destroy(live):
         f"{views} of memory that destroy() frees {'is' if n == 1 else 'are'} still alive: {'; '.join(parts)} "
         "(a view lives while any tensor sharing its memory does, slices and .view()s included; a low-latency "
         "handle holds two: src_info and layout_range). Reading one after destroy() would read freed memory: drop "
-        "them (del) or "
-        "keep .clone()s of what you need, then call destroy() again. Nothing was destroyed on this rank; "
-        "a rank whose destroy() went ahead waits for this one's at its barrier (up to the bootstrap timeout)",
+        "them (del) or keep .clone()s of what you need, then call destroy() again"
+        + (f" ({note})" if note else "")
+        + ". Nothing was destroyed on this rank; a rank whose destroy() went ahead waits for this one's at its "
+        "barrier (up to the bootstrap timeout)",
     )

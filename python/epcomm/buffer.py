@@ -86,9 +86,16 @@ def check_no_live_views(buffers):
     `buffers` while a tensor still views memory one of them frees; all are checked before any
     is destroyed, so a refusal changes nothing."""
     live = []
+    pending_hook = False
     for b in buffers:
         live.extend(b._live_views())
-    refuse_destroy(live)
+        pending_hook = pending_hook or b._ll_keep is not None
+    refuse_destroy(
+        live,
+        "a low-latency hook not yet called also keeps its op's inputs (e.g. a combine of recv_x): call it first"
+        if pending_hook
+        else None,
+    )
 
 
 class DispatchHandle:
@@ -272,10 +279,10 @@ class Buffer:
             # Held weakly: the registry must not keep a Buffer (and its memory) alive.
             me = weakref.ref(self)
 
-            def wait():
+            def wait(event=None):
                 buffer = me()
                 if buffer is not None:
-                    buffer._wait_on_host()
+                    buffer._wait_on_host(event)
 
             register_host_wait(self._session.stream_handle, wait)
         self._layout_pool = {}
@@ -400,17 +407,23 @@ class Buffer:
         10), to see skew attribution and timeouts at work."""
         self._session.inject_delay(float(seconds))
 
-    def _wait_on_host(self):
+    def _wait_on_host(self, event=None):
         """A ``proxy-ce`` Buffer's synchronous op returns once the comm stream finished it
-        (``_streams._host_waits`` says why). Waits by polling an event, never by a blocking CUDA
-        call, which would stop this Buffer's proxy thread the same way; bounded by twice the
-        op timeout (the op's own waits end by then), then raises what failed on the device."""
-        done = torch.cuda.Event()
-        done.record(self._comm)
+        (``_streams._host_waits`` says why): waits for an event recorded now, then raises what
+        failed on the device. With `event` (an asynchronous op's, at its
+        ``current_stream_wait()``): waits for that event only, so ops issued after it keep
+        running, and leaves failures to the next synchronous op, as on the other transports.
+        Waits by polling, never by a blocking CUDA call, which would stop this Buffer's proxy
+        thread the same way; bounded by twice the op timeout (the op's own waits end by then)."""
+        done = event
+        if done is None:
+            done = torch.cuda.Event()
+            done.record(self._comm)
         deadline = time.monotonic() + 2 * self.timeout + 1
         while not done.query() and time.monotonic() < deadline:
             time.sleep(0)
-        self._session.synchronize()
+        if event is None:
+            self._session.synchronize()
 
     def destroy(self):
         """Frees the buffer after every rank stopped using it (collective).
@@ -437,12 +450,13 @@ class Buffer:
         cache, self._ll_views = self._ll_views, {}
         held = {key: tuple(None if t is None else weakref.ref(t) for t in v) for key, v in cache.items()}
         del cache
-        live = self._view_guard.live()
-        for key, refs in held.items():
-            v = tuple(None if r is None else r() for r in refs)
-            if all((t is not None) == (r is not None) for t, r in zip(v, refs)):
-                self._ll_views.setdefault(key, v)
-        return live
+        try:
+            return self._view_guard.live()
+        finally:
+            for key, refs in held.items():
+                v = tuple(None if r is None else r() for r in refs)
+                if all((t is not None) == (r is not None) for t, r in zip(v, refs)):
+                    self._ll_views.setdefault(key, v)
 
     # ------------------------------------------------------------------------------------------
     # Argument checks
@@ -800,7 +814,9 @@ class Buffer:
                     continue
                 name, cols, dtype, raw_dtype, ptr = spec
                 kind = f"zero-copy dispatch recv_{name}"
-                v = view(ptr, (min(rows, self.capacity), cols), raw_dtype, self.device, self, kind=kind)
+                v = view(
+                    ptr, (min(rows, self.capacity), cols), raw_dtype, self.device, self, kind=kind, shown_dtype=dtype
+                )
                 views.append(v.view(dtype) if dtype != raw_dtype else v)
             return views
         results = []

@@ -58,7 +58,7 @@ def _op(module, state, async_finish=False):
 def test_a_synchronous_op_on_a_registered_stream_ends_with_its_wait(streams):
     module, state = streams
     waits = []
-    module.register_host_wait(42, lambda: waits.append("waited"))
+    module.register_host_wait(42, lambda event=None: waits.append("waited"))
     try:
         ev = _op(module, state)
         assert ev.event is None
@@ -83,7 +83,7 @@ def test_a_synchronous_op_on_a_registered_stream_ends_with_its_wait(streams):
 def test_other_streams_and_unregistered_buffers_do_not_wait(streams):
     module, state = streams
     waits = []
-    module.register_host_wait(7, lambda: waits.append(7))
+    module.register_host_wait(7, lambda event=None: waits.append(7))
     _op(module, state)  # comm stream 42: not registered
     module.host_wait(42)
     assert waits == []
@@ -96,28 +96,49 @@ def test_other_streams_and_unregistered_buffers_do_not_wait(streams):
 def test_an_asynchronous_op_waits_at_current_stream_wait(streams):
     module, state = streams
     waits = []
-    module.register_host_wait(42, lambda: waits.append("waited"))
+
+    def wait(event=None):
+        # Logged with the stream calls: the order of the two waits is checked.
+        state.log.append(("host_wait", event))
+        waits.append(event)
+
+    module.register_host_wait(42, wait)
     try:
         ev = _op(module, state, async_finish=True)
         assert waits == []  # returned at once: the caller overlaps
         ev.current_stream_wait()
-        # The current stream waits for the event, then the host for the comm stream.
-        assert state.log[-1] == ("wait_event", 1)
-        assert waits == ["waited"]
+        # The current stream waits for the event, then the host for that event only (not for
+        # ops issued on the comm stream after it).
+        assert state.log[-2:] == [("wait_event", 1), ("host_wait", ev.event)]
         with ev:
             pass
-        assert waits == ["waited", "waited"]
+        assert waits == [ev.event, ev.event]
+        # Leaving the block by an exception: the stream wait only (no host wait whose own
+        # error could replace the block's).
+        with pytest.raises(KeyError):
+            with ev:
+                raise KeyError("the block's")
+        assert waits == [ev.event, ev.event] and state.log[-1] == ("wait_event", 1)
         # Events made for other paths of the layer (deep_ep's reorders, the low-latency ops).
-        module.async_event(_Event(), state.comm).current_stream_wait()
-        assert waits == ["waited"] * 3
+        other = module.async_event(_Event(), state.comm)
+        other.current_stream_wait()
+        assert waits[-1] is other.event
         # Inside a capture: the stream wait only.
         state.capturing = True
         ev.current_stream_wait()
-        assert waits == ["waited"] * 3
+        assert len(waits) == 3
+        state.capturing = False
     finally:
         module.unregister_host_wait(42)
-    # Made on an unregistered stream (or after the Buffer is gone): no host wait.
-    state.capturing = False
+    # Made before its Buffer was destroyed, waited on after: no host wait, not even when a new
+    # Buffer registered the same stream handle since.
+    module.register_host_wait(42, lambda event=None: waits.append("new buffer"))
+    try:
+        ev.current_stream_wait()
+        assert len(waits) == 3
+    finally:
+        module.unregister_host_wait(42)
+    # Made on an unregistered stream: no host wait.
     _op(module, state, async_finish=True).current_stream_wait()
     module.async_event(_Event(), state.comm).current_stream_wait()
-    assert waits == ["waited"] * 3
+    assert len(waits) == 3

@@ -19,7 +19,6 @@ import epcomm.deep_ep  # noqa: F401
 from stand_in import over_fake_torch
 
 _MODULES = ("epcomm._views", "epcomm._streams", "epcomm._low_latency", "epcomm.buffer", "epcomm.deep_ep._impl")
-_MISSING = object()
 
 
 class _Dtype:
@@ -64,24 +63,11 @@ def _fake_torch():
 def mods():
     """``(views, buffer, impl)``: epcomm._views, epcomm.buffer and epcomm.deep_ep._impl
     imported over a stand-in torch."""
-    packages = {"epcomm": sys.modules["epcomm"], "epcomm.deep_ep": sys.modules["epcomm.deep_ep"]}
-    attrs = {
-        name: vars(packages[name.rpartition(".")[0]]).get(name.rpartition(".")[2], _MISSING) for name in _MODULES
-    }
-    try:
-        with over_fake_torch(_fake_torch(), _MODULES):
-            views = importlib.import_module("epcomm._views")
-            buffer = importlib.import_module("epcomm.buffer")
-            impl = importlib.import_module("epcomm.deep_ep._impl")
-            yield views, buffer, impl
-    finally:
-        # The package attributes the fresh imports set (epcomm.buffer, ...) go back too.
-        for name, value in attrs.items():
-            package, _, attr = name.rpartition(".")
-            if value is _MISSING:
-                vars(packages[package]).pop(attr, None)
-            else:
-                setattr(packages[package], attr, value)
+    with over_fake_torch(_fake_torch(), _MODULES):
+        views = importlib.import_module("epcomm._views")
+        buffer = importlib.import_module("epcomm.buffer")
+        impl = importlib.import_module("epcomm.deep_ep._impl")
+        yield views, buffer, impl
 
 
 class _Owner:
@@ -274,3 +260,20 @@ def test_deep_ep_destroy_checks_both_cores_before_destroying_either(mods):
     impl.destroy(buf)
     assert log == [("destroy", "normal"), ("destroy", "ll")] and buf._destroyed
     assert buf._normal is None and buf._ll is None
+
+
+def test_a_pending_hook_is_named_in_the_refusal(mods):
+    views, buffer, _ = mods
+    torch = sys.modules["torch"]
+    log = []
+    b = _core(views, buffer, log, "core", 9)
+    rx = views.view(0x1000, (3, 4), torch.bfloat16, 0, b, kind="low-latency recv_x")
+    b._ll_keep = (rx,)  # a hook combine of recv_x, its hook not called yet
+    del rx
+    with pytest.raises(epcomm.InvalidArgumentError) as e:
+        b.destroy()
+    assert "low-latency recv_x" in str(e.value) and "hook not yet called" in str(e.value), e.value
+    del e
+    b._ll_keep = None  # what calling the hook does
+    b.destroy()
+    assert log == [("destroy", "core")]
