@@ -121,20 +121,15 @@ def destroy(buf):
             "Buffers are freed when this Buffer is garbage-collected",
         )
     _alive(buf)
-    _no_live_views(buf)
+    # Both cores checked before either is destroyed: a refusal (a tensor still views memory one
+    # of them frees) destroys nothing.
+    _core.check_no_live_views([core for core in (buf._normal, buf._ll) if core is not None])
     for core in (buf._normal, buf._ll):
         if core is not None:
             core.destroy()
     buf._normal = buf._ll = None
     buf._combine_buffer = None
     buf._destroyed = True
-
-
-def _no_live_views(buf):
-    """Refuses the destroy while a tensor still views memory either core frees (the
-    low-latency dispatch outputs and handles, zero-copy views): both cores are checked before
-    either is destroyed, so a refusal destroys nothing."""
-    _core.check_no_live_views([core for core in (buf._normal, buf._ll) if core is not None])
 
 
 def _alive(buf):
