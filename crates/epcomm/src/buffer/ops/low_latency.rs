@@ -14,7 +14,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use epcomm_kernels::Op;
 use epcomm_kernels::abi::{self, OpArgs};
 use epcomm_topology::{RowDtype, RowFormat};
@@ -127,10 +127,14 @@ pub struct LlRecv {
 }
 
 /// The device arrays of an [`LlRecv`], shared with the graphs that recorded an op on them.
-/// Allocated, written and read on the buffer's stream only (a graph replays there too), so the
-/// kernels name them through read guards ([`DevicePtr`]) even where they write them.
+/// Allocated, written and read on the buffer's stream only (a graph replays there too), and
+/// reached by callers only through raw addresses or stream-ordered copies, so the kernels name
+/// them by the addresses taken once at allocation ([`LlAddrs`]): an op adds no per-array
+/// stream waits or event records (cudarc's event tracking), which would otherwise lie on the
+/// GPU's path between two ops.
 #[derive(Debug)]
 struct LlArrays {
+    addrs: LlAddrs,
     x: CudaSlice<u8>,
     scales: CudaSlice<f32>,
     count: CudaSlice<i32>,
@@ -140,6 +144,34 @@ struct LlArrays {
     /// `[ll_max_tokens_per_rank][top_k]`: the packed row of each of this rank's own entries
     /// whose expert is local (a one-kernel combine reduces those straight from `y`).
     self_row: CudaSlice<i32>,
+}
+
+/// Device addresses of an [`LlArrays`]' arrays (valid while it lives).
+#[derive(Clone, Copy, Debug, Default)]
+struct LlAddrs {
+    x: u64,
+    scales: u64,
+    count: u64,
+    src_info: u64,
+    layout_range: u64,
+    route: u64,
+    self_row: u64,
+}
+
+impl LlAddrs {
+    /// The arrays' addresses, each read once through its guard on `stream`, the stream that
+    /// allocated them and that every op on them uses.
+    fn of(a: &LlArrays, stream: &CudaStream) -> Self {
+        Self {
+            x: a.x.device_ptr(stream).0,
+            scales: a.scales.device_ptr(stream).0,
+            count: a.count.device_ptr(stream).0,
+            src_info: a.src_info.device_ptr(stream).0,
+            layout_range: a.layout_range.device_ptr(stream).0,
+            route: a.route.device_ptr(stream).0,
+            self_row: a.self_row.device_ptr(stream).0,
+        }
+    }
 }
 
 impl LlRecv {
@@ -166,8 +198,7 @@ impl LlRecv {
     }
     /// Device address of the rows (`[local_expert][capacity][row_bytes]`).
     pub fn x_ptr(&self) -> u64 {
-        let (p, _g) = self.arrays.x.device_ptr(self.arrays.x.stream());
-        p
+        self.arrays.addrs.x
     }
     /// How FP8 dispatches into it store their scales from now on (default
     /// [`LlScalesLayout::RowMajor`]). A CUDA graph replays the layout it captured.
@@ -180,29 +211,19 @@ impl LlRecv {
     }
     /// Device address of the scales (`hidden / 128` f32 per row, in [`Self::scales_layout`]).
     pub fn scales_ptr(&self) -> u64 {
-        let (p, _g) = self.arrays.scales.device_ptr(self.arrays.scales.stream());
-        p
+        self.arrays.addrs.scales
     }
     /// Device address of the per-expert counts (`[local_expert]` i32).
     pub fn count_ptr(&self) -> u64 {
-        let (p, _g) = self.arrays.count.device_ptr(self.arrays.count.stream());
-        p
+        self.arrays.addrs.count
     }
     /// Device address of the source token index per row (`[local_expert][capacity]` i32).
     pub fn src_info_ptr(&self) -> u64 {
-        let (p, _g) = self
-            .arrays
-            .src_info
-            .device_ptr(self.arrays.src_info.stream());
-        p
+        self.arrays.addrs.src_info
     }
     /// Device address of the `(first row << 32) | rows` ranges (`[local_expert][world]` i64).
     pub fn layout_range_ptr(&self) -> u64 {
-        let (p, _g) = self
-            .arrays
-            .layout_range
-            .device_ptr(self.arrays.layout_range.stream());
-        p
+        self.arrays.addrs.layout_range
     }
     /// Rows received per local expert (waits for the stream).
     pub fn count_to_host(&self) -> Result<Vec<i32>> {
@@ -388,7 +409,8 @@ impl Buffer {
         let scales = RowFormat::new(bf16.hidden(), RowDtype::Fp8).map_or(0, |f| f.num_scales());
         let s = &self.launcher.stream;
         let ctx = "allocating low-latency receive arrays";
-        let arrays = LlArrays {
+        let mut arrays = LlArrays {
+            addrs: LlAddrs::default(),
             x: s.alloc_zeros::<u8>((rows * bf16.pitch()).max(16))
                 .context(ctx)?,
             scales: s.alloc_zeros::<f32>((rows * scales).max(1)).context(ctx)?,
@@ -402,6 +424,7 @@ impl Buffer {
                 .alloc_zeros::<i32>((m * self.cfg.top_k).max(1))
                 .context(ctx)?,
         };
+        arrays.addrs = LlAddrs::of(&arrays, s);
         Ok(LlRecv {
             arrays: Arc::new(arrays),
             buffer_id: self.id,
@@ -519,14 +542,7 @@ impl Buffer {
         }
         // A recording replays into these arrays: the graph owns them.
         self.keep_alive(recv.arrays.clone());
-        let a = &recv.arrays;
-        let (rx, _g1) = a.x.device_ptr(&s);
-        let (rs, _g2) = a.scales.device_ptr(&s);
-        let (rc, _g3) = a.count.device_ptr(&s);
-        let (ri, _g4) = a.src_info.device_ptr(&s);
-        let (rl, _g5) = a.layout_range.device_ptr(&s);
-        let (rr, _g6) = a.route.device_ptr(&s);
-        let (rself, _g7) = a.self_row.device_ptr(&s);
+        let a = recv.arrays.addrs;
         let args = OpArgs {
             x,
             topk_idx: idx,
@@ -534,13 +550,13 @@ impl Buffer {
             row_bytes: row.x_bytes() as i32,
             num_scales: row.num_scales() as i32,
             flags,
-            ll_recv_x: rx,
-            ll_recv_scales: rs,
-            ll_recv_count: rc,
-            ll_src_info: ri,
-            ll_layout_range: rl,
-            ll_route: rr,
-            ll_self_row: rself,
+            ll_recv_x: a.x,
+            ll_recv_scales: a.scales,
+            ll_recv_count: a.count,
+            ll_src_info: a.src_info,
+            ll_layout_range: a.layout_range,
+            ll_route: a.route,
+            ll_self_row: a.self_row,
             ll_cumulative_stats: stats,
             ..self.base_args()
         };
@@ -717,11 +733,7 @@ impl Buffer {
             }
             // The send phase puts rows straight from `y`.
             self.prepare_put_source("y", yp, y.len() * bf16.value_bytes())?;
-            let (rc, _g1) = recv.arrays.count.device_ptr(&s);
-            let (ri, _g2) = recv.arrays.src_info.device_ptr(&s);
-            let (rr, _g3) = recv.arrays.route.device_ptr(&s);
-            let (rl, _g4) = recv.arrays.layout_range.device_ptr(&s);
-            let (rself, _g5) = recv.arrays.self_row.device_ptr(&s);
+            let r = recv.arrays.addrs;
             let args = OpArgs {
                 x: yp,
                 topk_idx: idx,
@@ -729,11 +741,11 @@ impl Buffer {
                 out: o,
                 num_tokens: t as i32,
                 flags: self.ll_flags(fused),
-                ll_recv_count: rc,
-                ll_src_info: ri,
-                ll_route: rr,
-                ll_layout_range: rl,
-                ll_self_row: rself,
+                ll_recv_count: r.count,
+                ll_src_info: r.src_info,
+                ll_route: r.route,
+                ll_layout_range: r.layout_range,
+                ll_self_row: r.self_row,
                 ..self.base_args()
             };
             // SAFETY: y holds every packed row the counts of `recv` name (checked: its full
