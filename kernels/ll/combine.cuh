@@ -24,14 +24,17 @@ __device__ __forceinline__ Split reduce_split(const OpArgs& a) {
                     kReduceMaxSteps, false);
 }
 
-// Brings the routing (ids and weights) of the token this warp reduces first into L2.
+// Brings the routing (ids, weights and, without a hook, the packed rows of its own entries)
+// of the token this warp reduces first into L2.
 __device__ __forceinline__ void prefetch_reduce_routing(const OpArgs& a) {
   const int t = (threadIdx.x / 32 * gridDim.x + blockIdx.x) / reduce_split(a).nch;
   const int lane = threadIdx.x % 32;
-  if (t >= a.num_tokens || lane >= 2) return;
+  if (t >= a.num_tokens || lane >= 3) return;
+  if (lane == 2 && (a.flags & kFlagFused) == 0) return;
   const int64_t k = static_cast<int64_t>(t) * a.top_k;
-  prefetch_l2(lane == 0 ? reinterpret_cast<const uint8_t*>(a.topk_idx) + k * 8
-                        : reinterpret_cast<const uint8_t*>(a.topk_weights) + k * 4);
+  prefetch_l2(lane == 0   ? reinterpret_cast<const uint8_t*>(a.topk_idx) + k * 8
+              : lane == 1 ? reinterpret_cast<const uint8_t*>(a.topk_weights) + k * 4
+                          : reinterpret_cast<const uint8_t*>(a.ll_self_row) + k * 4);
 }
 
 // Send phase: every packed row y[l][pos] (pos < the dispatch's count of local expert l) goes

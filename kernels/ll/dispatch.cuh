@@ -53,6 +53,34 @@ template <class Net>
 __device__ __forceinline__ void dispatch_unpack(const OpArgs& a, Shared& s, uint32_t* dyn,
                                                 Schedule<Net>& sched);
 
+// [L6]'s waits, as await_sends' side wait: every source's tagged counts (its rows; its rows per
+// local expert of this rank) into s.prefix[source] and first[l * world + source]. A count
+// carries this op's epoch, so it is valid once its tag matches, whatever the done counters
+// say: reading the counts while the done counters are awaited saves a round trip after them.
+template <class Net>
+struct CountWaits {
+  const OpArgs& a;
+  Shared& s;
+  int* first;  // [epr][world] (dynamic shared memory)
+  __device__ __forceinline__ bool operator()(int i0, int stride) const {
+    const int world = a.world, epr = a.num_experts / world;
+    const uint64_t par = (s.seq.ll_dispatch & 1) * a.parity_stride;
+    const uint64_t* counts = u64_at(s.bases[a.rank], a.off_ll_counts + par);
+    bool ok = true;
+    for (int i = i0; ok && i < (epr + 1) * world; i += stride) {
+      const int r = i % world, l = i / world;  // l == epr: the source's row count
+      uint32_t n = 0;
+      ok = wait_tag<Net>(s.wait, counts + r * (1 + epr) + (l == epr ? 0 : 1 + l), s.seq.epoch,
+                         kWaitLlDispatch, r, &n, nullptr);
+      if (l == epr)
+        s.prefix[r] = static_cast<int>(n);
+      else
+        first[i] = static_cast<int>(n);
+    }
+    return ok;
+  }
+};
+
 // Steps of a send work item: 256 channels each (8 per lane), at most kCastUnroll loaded
 // together; a row that goes through the transport is one item.
 constexpr int kCastUnroll = 8;
@@ -245,7 +273,11 @@ __device__ __forceinline__ void dispatch_send(const OpArgs& a, Shared& s, uint32
                      Net::remote(a.remote_mask, tid));
   if constexpr (kOneKernel) {
     if ((a.flags & kFlagFused) != 0) {  // no hook: the receive phase in the same kernel
-      if (!await_sends<Net>(a, s, sched, kWaitLlDispatch)) return;
+      // The routing bitmaps in `dyn` are done with (the block barrier above): the counts go
+      // there.
+      if (!await_sends<Net>(a, s, sched, kWaitLlDispatch,
+                            CountWaits<Net>{a, s, reinterpret_cast<int*>(dyn)}))
+        return;
       return dispatch_unpack<Net>(a, s, dyn, sched);
     }
   }
@@ -258,12 +290,14 @@ __device__ __forceinline__ void dispatch_send(const OpArgs& a, Shared& s, uint32
 template <class Net>
 __device__ __forceinline__ void dispatch_recv(const OpArgs& a, Shared& s, uint32_t* dyn) {
   Schedule<Net> sched(a);
-  // [L5] every source finished its send phase.
-  if (!begin_receive<Net>(a, s, sched, kOpLlDispatchRecv, kWaitLlDispatch)) return;
+  // [L5] every source finished its send phase; meanwhile its counts ([L6]).
+  if (!begin_receive<Net>(a, s, sched, kOpLlDispatchRecv, kWaitLlDispatch,
+                          CountWaits<Net>{a, s, reinterpret_cast<int*>(dyn)}))
+    return;
   dispatch_unpack<Net>(a, s, dyn, sched);
 }
 
-// [L6]-[L7] after [L5], then the op's epilogue.
+// [L6]-[L7] after [L5] and [L6]'s waits (CountWaits), then the op's epilogue.
 template <class Net>
 __device__ __forceinline__ void dispatch_unpack(const OpArgs& a, Shared& s, uint32_t* dyn,
                                                 Schedule<Net>& sched) {
@@ -272,27 +306,13 @@ __device__ __forceinline__ void dispatch_unpack(const OpArgs& a, Shared& s, uint
   const int epr = a.num_experts / world, M = a.ll_max_tokens;
   const bool block0 = blockIdx.x == 0;
   const OpSeq q = s.seq;
-  const WaitCtx& w = s.wait;
   const uint64_t par = (q.ll_dispatch & 1) * a.parity_stride;
   uint8_t* const local = s.bases[me];
   uint64_t* const stats = u64_at(local, a.off_stats);
   const uint64_t t_start = stats[kStatStart];  // written by the send phase (stats span both)
-  bool ok = true;
-  // [L6] first packed row of every (local expert, source); counts and ranges (block 0). Every
-  // count word has a thread of its own (the waits overlap), then prefixes in shared memory.
-  const uint64_t* counts = u64_at(local, a.off_ll_counts + par);
+  // [L6] first packed row of every (local expert, source); counts and ranges (block 0), from
+  // the counts CountWaits left in shared memory: prefixes there.
   int* first = reinterpret_cast<int*>(dyn);  // [epr][world]: rows, then first packed row
-  for (int i = tid; ok && i < (epr + 1) * world; i += kThreads) {
-    const int r = i % world, l = i / world;  // l == epr: the source's row count
-    uint32_t n = 0;
-    ok = wait_tag<Net>(w, counts + r * (1 + epr) + (l == epr ? 0 : 1 + l), q.epoch,
-                       kWaitLlDispatch, r, &n, nullptr);
-    if (l == epr)
-      s.prefix[r] = static_cast<int>(n);
-    else
-      first[i] = static_cast<int>(n);
-  }
-  if (!all_ok(s, ok)) return;
   if ((a.flags & kFlagMasking) != 0) {  // a source masked by any block counts no rows here
     // Load-bearing: wait_tag accepts a count whose tag is this op's before it looks at the
     // mask, so a source that stopped after [L2] but before [L4] may have left a current count;

@@ -103,15 +103,26 @@ __device__ __forceinline__ float pow2_ceil(float x) {
   return __uint_as_float(b);
 }
 
+// No wait of its own beside await_sends' (see there).
+struct NoSideWait {
+  __device__ __forceinline__ bool operator()(int, int) const { return true; }
+};
+
 // [G2] then [L5]: every peer's send phase of this op is done (monotonic done counters; block
 // 0 records when each peer's arrived, for the stats). False (block-uniform) when the op must
 // stop. A fused send kernel (kFlagFused) calls it right after its own [L4].
-template <class Net>
+// `side(i, stride)` runs meanwhile on the threads of the warps past the first
+// ceil(world / 32) (thread i of `stride`), for waits whose words are self-validating (tagged)
+// and so need not follow the done counters: their latency then overlaps the done waits
+// instead of following them. It returns false when the op must stop; its writes to shared
+// memory are complete for every thread on return.
+template <class Net, class Side = NoSideWait>
 __device__ __forceinline__ bool await_sends(const OpArgs& a, Shared& s, Schedule<Net>& sched,
-                                            uint32_t wait_id) {
+                                            uint32_t wait_id, Side side = Side{}) {
   if (!sched.barrier(a, s)) return false;  // [G2]
   bool ok = true;
   const int tid = threadIdx.x;
+  const int side_base = (a.world + 31) / 32 * 32;
   if (tid < a.world) {
     uint8_t* const local = s.bases[a.rank];
     const bool block0 = blockIdx.x == 0;
@@ -123,6 +134,8 @@ __device__ __forceinline__ bool await_sends(const OpArgs& a, Shared& s, Schedule
                        tid, &arrived);
     if (ok && block0) u64_at(local, a.off_stats)[kStatPeers + 2 * a.world + tid] = arrived;
     ok = ok && (!block0 || check_intent<Net>(s.wait, tid, intent));
+  } else if (tid >= side_base) {
+    ok = side(tid - side_base, kThreads - side_base);
   }
   if (!all_ok(s, ok)) return false;
   refresh_mask(a, s);  // peers masked by these waits (any block's)
@@ -134,11 +147,12 @@ __device__ __forceinline__ bool masked(const OpState& s, int d) {
   return static_cast<unsigned>(d) < kMaxWorld && ((s.wait.masked >> d) & 1u) != 0;
 }
 
-// The start of a receive-phase kernel of `kind`: the prologue, then await_sends.
-template <class Net>
+// The start of a receive-phase kernel of `kind`: the prologue, then await_sends (with `side`).
+template <class Net, class Side = NoSideWait>
 __device__ __forceinline__ bool begin_receive(const OpArgs& a, Shared& s, Schedule<Net>& sched,
-                                              uint32_t kind, uint32_t wait_id) {
-  return prologue<Net>(a, s, kind) && await_sends<Net>(a, s, sched, wait_id);
+                                              uint32_t kind, uint32_t wait_id,
+                                              Side side = Side{}) {
+  return prologue<Net>(a, s, kind) && await_sends<Net>(a, s, sched, wait_id, side);
 }
 
 }  // namespace epcomm::ll
