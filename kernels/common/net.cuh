@@ -34,6 +34,10 @@
 //                                   top-k ids and weights as put sources (raw rows a transport
 //                                   peer's receiver finishes in [E8]); the host mirrors it
 //                                   (KernelFamily::puts_metadata_rows) to register those arrays
+//   kWholeWords                     whether every set_word reaches its peer as one 8-byte
+//                                   single-copy-atomic write (a reader never sees its tag
+//                                   without its value), so a tagged word is valid the moment
+//                                   its tag matches, before any publication that follows it
 // and, in a policy with a transport, what its operations use: the warp-collective puts
 // `put_warp(dst, src, bytes, pe)`, `put_signal_warp(dst, src, bytes, sig, v, pe)` and the
 // ordering point `fence()` (ProxyNet adds `put_lanes` and its descriptor writers); the
@@ -177,6 +181,7 @@ struct LlDispatchSend {
 // Every peer through its mapping: plain stores and system-scope release operations.
 struct StoreNet {
   static constexpr bool kMetadataRows = false;
+  static constexpr bool kWholeWords = true;  // aligned st.relaxed.sys
 
   __device__ static __forceinline__ bool remote(uint64_t, int) { return false; }
 

@@ -15,6 +15,7 @@ namespace epcomm {
 struct NvshmemNet {
   // Metadata goes element by element (`nvshmem_<type>_p`), in its final form.
   static constexpr bool kMetadataRows = false;
+  static constexpr bool kWholeWords = true;  // stores, or nvshmemx_signal_op (an atomic)
 
   __device__ static __forceinline__ bool remote(uint64_t remote_mask, int d) {
     return ((remote_mask >> d) & 1ull) != 0;

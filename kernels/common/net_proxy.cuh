@@ -67,6 +67,9 @@ struct ProxyNet {
   // `DispatchSender`; the receiver finishes them, [E8]); the low-latency dispatch's metadata
   // row from a metadata send row ([L3], `LlDispatchSender`).
   static constexpr bool kMetadataRows = true;
+  // A signal is a copy-engine copy or an RDMA write, and the executor merges signals to
+  // consecutive words into one copy: neither promises a reader the 8 bytes at once.
+  static constexpr bool kWholeWords = false;
 
   __device__ static __forceinline__ bool remote(uint64_t remote_mask, int d) {
     return ((remote_mask >> d) & 1ull) != 0;

@@ -214,10 +214,11 @@ __device__ __forceinline__ bool check_intent(const WaitCtx& w, int d, uint64_t e
 
 // Called once per block on the success path, after `barriers` all-rank barriers of this op
 // (Global schedule; 0 under Epoch); the last block to finish advances SeqState.
-// The exit count needs no fence before it: what it orders is the blocks' prologue reads of
-// SeqState (complete: their values went to shared memory before the barrier above) before
-// the last block's writes; the op's other writes reach the next kernel by stream order, and a
-// fence here would only hold the last block until they are acknowledged.
+// The exit count needs no fence before it. What it must order is every block's prologue reads
+// of SeqState before the last block's writes: those loads returned their values, which went to
+// shared memory before the barrier above, before this add is issued, and a load that has
+// returned cannot see a later store. The op's other writes reach the next kernel by stream
+// order; a fence here only held every block until its writes were acknowledged.
 __device__ __forceinline__ void epilogue(const OpArgs& a, const OpState& s, uint64_t barriers) {
   __syncthreads();
   if (threadIdx.x != 0) return;

@@ -24,8 +24,8 @@ __device__ __forceinline__ Split reduce_split(const OpArgs& a) {
                     kReduceMaxSteps, false);
 }
 
-// Brings the routing (ids, weights and, without a hook, the packed rows of its own entries)
-// of the token this warp reduces first into L2.
+// Brings the routing (ids, weights and, without a hook, the packed-row indices of its own
+// entries, ll_self_row) of the token this warp reduces first into L2.
 __device__ __forceinline__ void prefetch_reduce_routing(const OpArgs& a) {
   const int t = (threadIdx.x / 32 * gridDim.x + blockIdx.x) / reduce_split(a).nch;
   const int lane = threadIdx.x % 32;

@@ -53,10 +53,8 @@ template <class Net>
 __device__ __forceinline__ void dispatch_unpack(const OpArgs& a, Shared& s, uint32_t* dyn,
                                                 Schedule<Net>& sched);
 
-// [L6]'s waits, as await_sends' side wait: every source's tagged counts (its rows; its rows per
-// local expert of this rank) into s.prefix[source] and first[l * world + source]. A count
-// carries this op's epoch, so it is valid once its tag matches, whatever the done counters
-// say: reading the counts while the done counters are awaited saves a round trip after them.
+// [L6]'s waits: every source's tagged counts (its rows; its rows per local expert of this rank)
+// into s.prefix[source] and first[l * world + source] (see await_sends_and_counts).
 template <class Net>
 struct CountWaits {
   const OpArgs& a;
@@ -80,6 +78,24 @@ struct CountWaits {
     return ok;
   }
 };
+
+// [L5] and [L6]'s waits. A count carries this op's epoch, so where it lands whole
+// (Net::kWholeWords) it is valid once its tag matches, whatever the done counters say: its
+// wait then runs beside the done waits (await_sends' side wait), a round trip less after
+// them. Otherwise (the CPU proxy's signals) a count is read only after the done counter that
+// follows it, as the protocol orders them. `dyn` holds the counts (its routing bitmaps, in a
+// send kernel, are done with).
+template <class Net>
+__device__ __forceinline__ bool await_sends_and_counts(const OpArgs& a, Shared& s,
+                                                       Schedule<Net>& sched, uint32_t* dyn) {
+  const CountWaits<Net> counts{a, s, reinterpret_cast<int*>(dyn)};
+  if constexpr (Net::kWholeWords) {
+    return await_sends<Net>(a, s, sched, kWaitLlDispatch, counts);
+  } else {
+    if (!await_sends<Net>(a, s, sched, kWaitLlDispatch)) return false;
+    return all_ok(s, counts(threadIdx.x, kThreads));
+  }
+}
 
 // Steps of a send work item: 256 channels each (8 per lane), at most kCastUnroll loaded
 // together; a row that goes through the transport is one item.
@@ -273,11 +289,8 @@ __device__ __forceinline__ void dispatch_send(const OpArgs& a, Shared& s, uint32
                      Net::remote(a.remote_mask, tid));
   if constexpr (kOneKernel) {
     if ((a.flags & kFlagFused) != 0) {  // no hook: the receive phase in the same kernel
-      // The routing bitmaps in `dyn` are done with (the block barrier above): the counts go
-      // there.
-      if (!await_sends<Net>(a, s, sched, kWaitLlDispatch,
-                            CountWaits<Net>{a, s, reinterpret_cast<int*>(dyn)}))
-        return;
+      // The routing bitmaps in `dyn` are done with (the block barrier above).
+      if (!await_sends_and_counts<Net>(a, s, sched, dyn)) return;
       return dispatch_unpack<Net>(a, s, dyn, sched);
     }
   }
@@ -290,14 +303,13 @@ __device__ __forceinline__ void dispatch_send(const OpArgs& a, Shared& s, uint32
 template <class Net>
 __device__ __forceinline__ void dispatch_recv(const OpArgs& a, Shared& s, uint32_t* dyn) {
   Schedule<Net> sched(a);
-  // [L5] every source finished its send phase; meanwhile its counts ([L6]).
-  if (!begin_receive<Net>(a, s, sched, kOpLlDispatchRecv, kWaitLlDispatch,
-                          CountWaits<Net>{a, s, reinterpret_cast<int*>(dyn)}))
+  // [L5] every source finished its send phase, and [L6]'s counts.
+  if (!prologue<Net>(a, s, kOpLlDispatchRecv) || !await_sends_and_counts<Net>(a, s, sched, dyn))
     return;
   dispatch_unpack<Net>(a, s, dyn, sched);
 }
 
-// [L6]-[L7] after [L5] and [L6]'s waits (CountWaits), then the op's epilogue.
+// [L6]-[L7] after [L5] and [L6]'s waits (await_sends_and_counts), then the op's epilogue.
 template <class Net>
 __device__ __forceinline__ void dispatch_unpack(const OpArgs& a, Shared& s, uint32_t* dyn,
                                                 Schedule<Net>& sched) {

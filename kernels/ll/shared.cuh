@@ -112,10 +112,10 @@ struct NoSideWait {
 // 0 records when each peer's arrived, for the stats). False (block-uniform) when the op must
 // stop. A fused send kernel (kFlagFused) calls it right after its own [L4].
 // `side(i, stride)` runs meanwhile on the threads of the warps past the first
-// ceil(world / 32) (thread i of `stride`), for waits whose words are self-validating (tagged)
-// and so need not follow the done counters: their latency then overlaps the done waits
-// instead of following them. It returns false when the op must stop; its writes to shared
-// memory are complete for every thread on return.
+// ceil(world / 32) (thread i of `stride`), for waits whose words are self-validating (tagged,
+// and landing whole: Net::kWholeWords) and so need not follow the done counters: their
+// latency then overlaps the done waits instead of following them. It returns false when the
+// op must stop; its writes to shared memory are complete for every thread on return.
 template <class Net, class Side = NoSideWait>
 __device__ __forceinline__ bool await_sends(const OpArgs& a, Shared& s, Schedule<Net>& sched,
                                             uint32_t wait_id, Side side = Side{}) {
@@ -147,12 +147,11 @@ __device__ __forceinline__ bool masked(const OpState& s, int d) {
   return static_cast<unsigned>(d) < kMaxWorld && ((s.wait.masked >> d) & 1u) != 0;
 }
 
-// The start of a receive-phase kernel of `kind`: the prologue, then await_sends (with `side`).
-template <class Net, class Side = NoSideWait>
+// The start of a receive-phase kernel of `kind`: the prologue, then await_sends.
+template <class Net>
 __device__ __forceinline__ bool begin_receive(const OpArgs& a, Shared& s, Schedule<Net>& sched,
-                                              uint32_t kind, uint32_t wait_id,
-                                              Side side = Side{}) {
-  return prologue<Net>(a, s, kind) && await_sends<Net>(a, s, sched, wait_id, side);
+                                              uint32_t kind, uint32_t wait_id) {
+  return prologue<Net>(a, s, kind) && await_sends<Net>(a, s, sched, wait_id);
 }
 
 }  // namespace epcomm::ll
