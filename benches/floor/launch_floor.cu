@@ -40,12 +40,20 @@
 
 __global__ void empty_kernel(unsigned long long*, unsigned int*, int) {}
 
-// Every block's thread 0 adds 1 to `*count` and waits until it reads `target` (epoch-based:
-// the counter is never reset, the caller passes the running target).
+// Every block's thread 0 adds 1 to `count[0]` and waits until it reads `target` (epoch-based:
+// the counter is never reset, the caller passes the running target). The wait gives up after
+// one second of the GPU clock and sets `count[1]`, which the host checks.
 __global__ void barrier_kernel(unsigned long long*, unsigned int* count, int target) {
   if (threadIdx.x == 0) {
     atomicAdd(count, 1u);
+    unsigned long long t0, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
     while (*reinterpret_cast<volatile unsigned int*>(count) < static_cast<unsigned>(target)) {
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+      if (now - t0 > 1000000000ull) {
+        atomicExch(count + 1, 1u);
+        break;
+      }
     }
   }
   __syncthreads();
@@ -87,9 +95,9 @@ int main(int argc, char** argv) {
   unsigned long long* word = nullptr;
   CHECK(cudaMalloc(&word, sizeof(unsigned long long) * (1 + blocks)));
   CHECK(cudaMemset(word, 0, sizeof(unsigned long long) * (1 + blocks)));
-  unsigned int* count = nullptr;
-  CHECK(cudaMalloc(&count, sizeof(unsigned int)));
-  CHECK(cudaMemset(count, 0, sizeof(unsigned int)));
+  unsigned int* count = nullptr;  // [0]: the barrier's arrivals, [1]: set when a wait expired
+  CHECK(cudaMalloc(&count, 2 * sizeof(unsigned int)));
+  CHECK(cudaMemset(count, 0, 2 * sizeof(unsigned int)));
   CHECK(cudaFuncSetAttribute(empty_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
 
   // Tracking events: recorded once on the stream (complete), then waited on before the kernel;
@@ -143,6 +151,13 @@ int main(int argc, char** argv) {
       CHECK(cudaEventRecord(ev[2 * i + 1], s));
     }
     CHECK(cudaStreamSynchronize(s));
+    unsigned int expired = 0;
+    CHECK(cudaMemcpy(&expired, count + 1, sizeof(expired), cudaMemcpyDeviceToHost));
+    if (expired != 0) {
+      std::fprintf(stderr, "%s: a block waited over 1 s for the others (not co-resident?)\n",
+                   names[ci]);
+      return 1;
+    }
     std::vector<float> us(iters);
     for (int i = 0; i < iters; ++i) {
       float ms = 0.f;
