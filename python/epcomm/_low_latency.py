@@ -125,23 +125,29 @@ def _asynchronous(buf, *tensors):
 
 def _views(buf, out, use_fp8, column_major):
     """``(recv_x, recv_scales or None, recv_count, src_info, layout_range)``: views of the
-    receive set `out` names (made once per set, format and scales layout)."""
+    receive set `out` names (made once per set, format and scales layout, and cached in
+    `buf`). Each keeps `buf`'s session (the memory's owner) alive, not `buf`: a cached view
+    holding `buf` would make a cycle the garbage collector cannot see, and `buf` would never
+    be freed without ``destroy()``."""
     key = (out.set, use_fp8, column_major)
     v = buf._ll_views.get(key)
     if v is None:
         e, cap, h = out.num_local_experts, out.capacity, buf.hidden
-        x = view(out.x, (e, cap, h), _FP8 if use_fp8 else torch.bfloat16, buf.device, buf, kind="low-latency recv_x")
+        dev, keep = buf.device, buf._session
+        x = view(out.x, (e, cap, h), _FP8 if use_fp8 else torch.bfloat16, dev, buf, kind="low-latency recv_x", keep=keep)
         s = h // _FP8_BLOCK
         # Column-major: each expert's [cap, s] matrix stored [s][cap] (byte strides).
         strides = (s * cap * 4, 4, cap * 4) if column_major else None
         scales = (
-            view(out.scales, (e, cap, s), torch.float32, buf.device, buf, strides, kind="low-latency recv_x scales")
+            view(out.scales, (e, cap, s), torch.float32, dev, buf, strides, kind="low-latency recv_x scales", keep=keep)
             if use_fp8
             else None
         )
-        count = view(out.count, (e,), torch.int32, buf.device, buf, kind="low-latency recv_count")
-        src = view(out.src_info, (e, cap), torch.int32, buf.device, buf, kind="low-latency handle src_info")
-        rng = view(out.layout_range, (e, buf.group_size), torch.int64, buf.device, buf, kind="low-latency handle layout_range")
+        count = view(out.count, (e,), torch.int32, dev, buf, kind="low-latency recv_count", keep=keep)
+        src = view(out.src_info, (e, cap), torch.int32, dev, buf, kind="low-latency handle src_info", keep=keep)
+        rng = view(
+            out.layout_range, (e, buf.group_size), torch.int64, dev, buf, kind="low-latency handle layout_range", keep=keep
+        )
         v = (x, scales, count, src, rng)
         buf._ll_views[key] = v
     return v

@@ -77,13 +77,16 @@ class ViewGuard:
         return [a.describe(self.default_kind) for a in list(self._arrays)]
 
 
-def view(ptr, shape, dtype, device, owner, strides=None, kind=None, shown_dtype=None):
+def view(ptr, shape, dtype, device, owner, strides=None, kind=None, shown_dtype=None, keep=None):
     """A tensor of `dtype` and `shape` over the device memory at `ptr` (byte `strides`).
     When `owner` has a ``_view_guard`` (it frees this memory itself, e.g. at ``destroy()``)
     the view is registered there, as `kind` (e.g. ``"zero-copy dispatch recv_x"``) of
-    `shown_dtype` (default `dtype`: the dtype the caller gets, where it views this one)."""
+    `shown_dtype` (default `dtype`: the dtype the caller gets, where it views this one).
+    The view keeps `keep` alive (default `owner`): the object whose lifetime is the memory's.
+    A view that `owner` itself caches must not keep `owner`: torch's storage holds its array
+    where the garbage collector cannot see it, so the cycle would keep both forever."""
     typestr, reinterpret = _TYPESTR[dtype]
-    array = _DeviceArray(ptr, shape, typestr, strides, owner, kind, shown_dtype or dtype)
+    array = _DeviceArray(ptr, shape, typestr, strides, owner if keep is None else keep, kind, shown_dtype or dtype)
     guard = getattr(owner, "_view_guard", None)
     if guard is not None:
         guard.add(array)

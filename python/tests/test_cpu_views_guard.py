@@ -11,6 +11,7 @@ import gc
 import importlib
 import sys
 import types
+import weakref
 
 import pytest
 
@@ -234,6 +235,35 @@ def test_the_low_latency_cache_alone_does_not_block_destroy_and_survives_a_refus
     del recv_x
     b.destroy()
     assert log == [("destroy", "core")] and b._ll_views == {}
+
+
+def test_a_buffer_caching_low_latency_views_is_freed_without_destroy(mods):
+    """The low-latency views a Buffer caches keep its session (the memory's owner) alive, not
+    the Buffer: dropped without ``destroy()``, the Buffer goes by reference counting alone (a
+    cycle through the cache would need the collector, which cannot see into torch's storage),
+    and a view the caller still holds keeps the session until it goes."""
+    views, buffer, _ = mods
+    low_latency = importlib.import_module("epcomm._low_latency")
+    log = []
+    b = _core(views, buffer, log, "core", 7)
+    b.hidden, b.device, b.group_size = 256, 0, 2
+    out = types.SimpleNamespace(
+        set=0, num_local_experts=2, capacity=8, x=0x1000, scales=0x2000, count=0x3000, src_info=0x4000, layout_range=0x5000
+    )
+    recv_x, scales, count, src_info, layout_range = low_latency._views(b, out, True, False)
+    assert b._ll_views[(0, True, False)][0] is recv_x and scales is not None
+    session, buf = weakref.ref(b._session), weakref.ref(b)
+    gc.collect()
+    gc.disable()
+    try:
+        del scales, count, src_info, layout_range, b
+        assert buf() is None, "the Buffer outlived its last reference: a cycle through its view cache"
+        assert session() is not None, "recv_x still reads the session's memory"
+        del recv_x
+        assert session() is None
+    finally:
+        gc.enable()
+    assert log == []  # released, not destroyed (destroy() is the collective step)
 
 
 def test_deep_ep_destroy_checks_both_cores_before_destroying_either(mods):
