@@ -4,6 +4,13 @@
 //! ([`DEFAULT_PACKAGES`] plus the `-p` ones, stripped of debug info), the kernel artifacts under
 //! `kernels/`, and `run-gpu-tests.sh`, which runs all the test executables with the GPU tests
 //! enabled, logs to one folder, and fails when no GPU test recorded a run.
+//!
+//! The packed executables embed no kernels: they are built in a target dir of their own
+//! ([`BUILD_DIR`]) with `EPCOMM_KERNEL_DIR` naming an empty folder, so they load the images
+//! from `$EPCOMM_KERNEL_DIR` at run time, which the runner points at the pack's `kernels/`.
+//! Another build's kernels are then just another folder, chosen when a run starts (an A/B of
+//! two kernel builds in one session on the GPU machine, with the same executables), and each
+//! executable is a few MiB instead of carrying every image.
 
 use std::collections::BTreeSet;
 use std::fs;
@@ -20,6 +27,13 @@ use crate::util::{self, command_line, human_size};
 /// The most a pack may hold: it is copied to the GPU machine on every run, so it stays small
 /// (stripped release executables, one per test target, are about 9 MiB each).
 pub const PACK_LIMIT_BYTES: u64 = 128 * 1024 * 1024;
+/// Where the pack's executables are built (workspace-relative): a target dir of their own,
+/// so that building them without embedded kernels leaves the workspace's builds as they are.
+pub const BUILD_DIR: &str = "target/device-build";
+/// The empty folder (inside [`BUILD_DIR`]) that `EPCOMM_KERNEL_DIR` names while the pack's
+/// executables build: the kernels crate then embeds nothing and reads its images at run time.
+pub const NO_KERNELS_DIR: &str = "no-kernels";
+
 /// File that marks a folder as made by pack-device (so it may be cleared on the next pack).
 pub const MARKER: &str = ".epcomm-device-pack";
 /// Name of the generated runner script.
@@ -155,8 +169,13 @@ fn cargo() -> Command {
 /// Runs a cargo command with `--message-format=json-render-diagnostics` (diagnostics go to
 /// the terminal) and returns the executables it reported.
 fn cargo_executables(workspace: &Path, args: &[&str]) -> Result<Vec<CargoExecutable>> {
+    let build_dir = workspace.join(BUILD_DIR);
+    let no_kernels = build_dir.join(NO_KERNELS_DIR);
+    fs::create_dir_all(&no_kernels).map_err(Error::io("creating", &no_kernels))?;
     let mut cmd = cargo();
     cmd.current_dir(workspace)
+        .env("CARGO_TARGET_DIR", &build_dir)
+        .env("EPCOMM_KERNEL_DIR", &no_kernels)
         .args(args)
         .arg("--message-format=json-render-diagnostics")
         .stderr(Stdio::inherit());
