@@ -247,6 +247,8 @@ pub struct LlTimer {
     io: LlIo,
     /// Rows (token, expert pairs) this rank receives.
     pub num_recv: usize,
+    /// Line-ups so far ([`LlTimer::flush_and_line_up`]): names each one's barrier.
+    line_ups: u64,
 }
 
 impl LlTimer {
@@ -285,20 +287,22 @@ impl LlTimer {
             recv,
             io,
             num_recv,
+            line_ups: 0,
         })
     }
 
-    /// Runs `op` (a low-latency op) `iters` times, each after an L2 flush, and returns each
-    /// call's time in microseconds. A phase op times its phase alone: the receive phase is
-    /// issued after every rank's send phase finished (a host synchronize and barrier between).
-    /// Collective.
+    /// Runs `op` (a low-latency op) `iters` times, each after an L2 flush with every rank lined
+    /// up ([`LlTimer::flush_and_line_up`]), and returns each call's time in microseconds. A
+    /// phase op times its phase alone: the receive phase is issued after every rank's send
+    /// phase finished (a host synchronize and barrier between). Collective.
     pub fn time(&mut self, buf: &mut Buffer, op: BenchOp, iters: usize) -> Result<Vec<f64>> {
-        let event =
-            |ctx: &Arc<CudaContext>| ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT));
         let mut times = Vec::with_capacity(iters);
         for i in 0..iters {
-            self.stream.memset_zeros(&mut self.flush)?;
-            let (start, end) = (event(&self.ctx)?, event(&self.ctx)?);
+            let recv_phase = matches!(op, BenchOp::LlDispatchFp8Recv | BenchOp::LlCombineRecv);
+            if !recv_phase {
+                self.flush_and_line_up(buf)?;
+            }
+            let (start, end) = (timing_event(&self.ctx)?, timing_event(&self.ctx)?);
             let fp8 = LlFormat::Fp8 { round_scale: false };
             let io = &mut self.io;
             match op {
@@ -339,10 +343,8 @@ impl LlTimer {
                         .bootstrap()
                         .barrier(&format!("ll-bench-{i}"))?;
                     if !send {
-                        // The receive phase after its own L2 flush, which also keeps the
-                        // stream busy while the host issues the phase: the events then time
-                        // the GPU's work, not the host's.
-                        self.stream.memset_zeros(&mut self.flush)?;
+                        // The receive phase after its own L2 flush, every rank lined up.
+                        line_up(&self.stream, &mut self.flush, &mut self.line_ups, buf)?;
                         start.record(&self.stream)?;
                     }
                     buf.ll_receive(pending)?;
@@ -365,6 +367,40 @@ impl LlTimer {
             .map(|(s, e)| Ok(f64::from(s.elapsed_ms(e)?) * 1e3))
             .collect()
     }
+}
+
+/// How long the GPU spins after the ranks lined up ([`LlTimer::flush_and_line_up`]): longer
+/// than the host takes to issue an op, so the events time the GPU's work, not the host's.
+pub const LINE_UP_SPIN: std::time::Duration = std::time::Duration::from_micros(50);
+
+impl LlTimer {
+    /// Flushes L2, then lines every rank up before its op: the flush finished on every rank (a
+    /// host synchronize and barrier), then a GPU spin of [`LINE_UP_SPIN`] keeps the stream busy
+    /// while the host issues the op. Without it, ranks sharing a GPU start their op while a
+    /// peer still flushes: a kernel that needs all of its SMs at once (every op launches
+    /// cooperatively) waits until the peer's 256 MiB flush leaves them, and its events time
+    /// that flush. Collective.
+    fn flush_and_line_up(&mut self, buf: &mut Buffer) -> Result<()> {
+        line_up(&self.stream, &mut self.flush, &mut self.line_ups, buf)
+    }
+}
+
+/// [`LlTimer::flush_and_line_up`] over the timer's fields (so that a caller holding another
+/// field may call it).
+fn line_up(
+    stream: &Arc<CudaStream>,
+    flush: &mut CudaSlice<u8>,
+    line_ups: &mut u64,
+    buf: &mut Buffer,
+) -> Result<()> {
+    stream.memset_zeros(flush)?;
+    stream.synchronize()?;
+    *line_ups += 1;
+    buf.transport()
+        .bootstrap()
+        .barrier(&format!("ll-line-up-{line_ups}"))?;
+    buf.inject_delay(LINE_UP_SPIN)?;
+    Ok(())
 }
 
 /// Where the time of a low-latency op goes, on the GPU's own clock (block 0 of the kernel):
@@ -390,7 +426,7 @@ impl LlTimer {
     ) -> Result<LlBreakdown> {
         let (mut kernel, mut send) = (Vec::new(), Vec::new());
         for _ in 0..iters {
-            self.stream.memset_zeros(&mut self.flush)?;
+            self.flush_and_line_up(buf)?;
             let io = &mut self.io;
             match op {
                 BenchOp::LlDispatchBf16 => {
@@ -427,8 +463,9 @@ impl LlTimer {
 impl LlTimer {
     /// The period of a decode step's communication replayed from a CUDA graph: an FP8
     /// low-latency dispatch and the combine of the same rows, captured once
-    /// ([`Buffer::capture`]) and replayed `iters` times, each after an L2 flush, with events
-    /// around the replay. Median microseconds. Collective.
+    /// ([`Buffer::capture`]) and replayed `iters` times, each after an L2 flush with every rank
+    /// lined up ([`LlTimer::flush_and_line_up`]), with events around the replay. Median
+    /// microseconds. Collective.
     ///
     /// Turns off cudarc's per-allocation event tracking on the buffer's context for good (a
     /// capture must not record the tracking events): every array of the timer and the buffer
@@ -450,7 +487,9 @@ impl LlTimer {
         }
         let mut events = Vec::with_capacity(iters);
         for _ in 0..iters {
-            let (start, end) = flushed_events(&self.ctx, &self.stream, &mut self.flush)?;
+            self.flush_and_line_up(buf)?;
+            let (start, end) = (timing_event(&self.ctx)?, timing_event(&self.ctx)?);
+            start.record(&self.stream)?;
             buf.replay(&graph)?;
             end.record(&self.stream)?;
             events.push((start, end));
@@ -518,6 +557,11 @@ pub fn notify_stats<E: ExpertParallel>(
         .collect())
 }
 
+/// A new event with timing on (the default flags), for a (start, end) pair around an op.
+fn timing_event(ctx: &Arc<CudaContext>) -> Result<CudaEvent> {
+    Ok(ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?)
+}
+
 /// One timed call's events: flushes L2 (zeroes `flush` on `stream`), then records and returns
 /// the start event; the caller issues the op and records the end event.
 ///
@@ -529,8 +573,7 @@ pub(crate) fn flushed_events(
     flush: &mut CudaSlice<u8>,
 ) -> Result<(CudaEvent, CudaEvent)> {
     stream.memset_zeros(flush)?;
-    let start = ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
-    let end = ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+    let (start, end) = (timing_event(ctx)?, timing_event(ctx)?);
     start.record(stream)?;
     Ok((start, end))
 }
