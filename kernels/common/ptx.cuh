@@ -87,6 +87,14 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
+// Brings `bytes` bytes from `p` into L2 without waiting for them (sm_90's bulk prefetch; a
+// hint, no result). `p` and `bytes` multiples of 16, the range inside one allocation. L2 is
+// where every writer's stores land (this GPU's, a peer's over NVLink, a copy engine's), so a
+// line prefetched before its last write is updated there, never stale.
+__device__ __forceinline__ void prefetch_l2_bulk(const void* p, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+
 // 16-byte store that does not allocate in L1 (peer or local destination).
 __device__ __forceinline__ void st_na_v4(int4* p, const int4& v) {
   asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x),

@@ -180,6 +180,31 @@ __device__ __noinline__ bool should_stop(const WaitCtx& w, uint32_t wait_id, uin
   return true;
 }
 
+// What a spinning wait's periodic check (wait_verdict) decides.
+constexpr int kWaitGoOn = 0;  // keep spinning
+constexpr int kWaitDone = 1;  // stop, waited for: `peer` is masked (or was, at its timeout)
+constexpr int kWaitFail = 2;  // stop, failed: recorded (timeout, op mismatch) or a peer failed
+
+// The periodic check of the spin loops (every 64 spins), out of line so that the loops, which
+// every op inlines several times, stay small: `peer` masked; the wait past its timeout (then
+// masked, or kTimeout recorded with `expected` and `seen`); the peer's intent word for another
+// op; this rank or a peer failed.
+template <class Net>
+__device__ __noinline__ int wait_verdict(const WaitCtx& w, uint64_t t0, uint32_t wait_id,
+                                         int32_t peer, uint64_t expected, uint64_t seen,
+                                         uint32_t spins) {
+  const uint64_t now = globaltimer_ns();
+  if (peer_masked(w, peer)) return kWaitDone;
+  if (now - t0 > w.timeout_ns) {
+    if (mask_on_timeout(w, peer)) return kWaitDone;
+    record_failure<Net>(w, kTimeout, wait_id, peer, expected, seen, now - t0);
+    return kWaitFail;
+  }
+  if (intent_differs<Net>(w, wait_id, peer)) return kWaitFail;
+  if (should_stop<Net>(w, wait_id, spins)) return kWaitFail;
+  return kWaitGoOn;
+}
+
 // Spin until *p >= target (acquire). Returns false on timeout, when another thread of this
 // rank failed, or when a peer reported a failure. Under masking (w.mask), true at once when
 // `peer` is masked, and the peer masked instead of a timeout (*arrived_ns then unset).
@@ -199,15 +224,8 @@ __device__ __forceinline__ bool wait_geq(const WaitCtx& w, const uint64_t* p, ui
       return true;
     }
     if ((spins & 63u) == 0u) {
-      const uint64_t now = globaltimer_ns();
-      if (peer_masked(w, peer)) return true;  // masked: not waited for
-      if (now - t0 > w.timeout_ns) {
-        if (mask_on_timeout(w, peer)) return true;
-        record_failure<Net>(w, kTimeout, wait_id, peer, target, v, now - t0);
-        return false;
-      }
-      if (intent_differs<Net>(w, wait_id, peer)) return false;
-      if (should_stop<Net>(w, wait_id, spins)) return false;
+      const int verdict = wait_verdict<Net>(w, t0, wait_id, peer, target, v, spins);
+      if (verdict != kWaitGoOn) return verdict == kWaitDone;  // kWaitDone: masked
     }
   }
 }
@@ -232,21 +250,9 @@ __device__ __forceinline__ bool wait_tag(const WaitCtx& w, const uint64_t* p, ui
       return true;
     }
     if ((spins & 63u) == 63u) {
-      const uint64_t now = globaltimer_ns();
-      if (peer_masked(w, peer)) {  // masked: nothing comes from it
-        *value = 0;
-        return true;
-      }
-      if (now - t0 > w.timeout_ns) {
-        if (mask_on_timeout(w, peer)) {
-          *value = 0;
-          return true;
-        }
-        record_failure<Net>(w, kTimeout, wait_id, peer, tag, v >> 32, now - t0);
-        return false;
-      }
-      if (intent_differs<Net>(w, wait_id, peer)) return false;
-      if (should_stop<Net>(w, wait_id, spins)) return false;
+      const int verdict = wait_verdict<Net>(w, t0, wait_id, peer, tag, v >> 32, spins);
+      if (verdict == kWaitDone) *value = 0;  // masked: nothing comes from it
+      if (verdict != kWaitGoOn) return verdict == kWaitDone;
     }
   }
 }

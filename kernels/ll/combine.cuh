@@ -37,6 +37,60 @@ __device__ __forceinline__ void prefetch_reduce_routing(const OpArgs& a) {
                           : reinterpret_cast<const uint8_t*>(a.ll_self_row) + k * 4);
 }
 
+// This warp's first reduction item (reduce_split): its token and the byte range [lo, lo +
+// bytes) of each of its rows. False when the warp has none.
+__device__ __forceinline__ bool first_reduce_item(const OpArgs& a, int* t, int* lo, int* bytes) {
+  const Split sp = reduce_split(a);
+  const int item = threadIdx.x / 32 * gridDim.x + blockIdx.x;
+  if (item >= a.num_tokens * sp.nch) return false;
+  const int n16 = a.hidden * 2 / 16, steps = (n16 + 31) / 32;
+  const int s0 = item % sp.nch * sp.per_item, s1 = min(steps, s0 + sp.per_item);
+  *t = item / sp.nch;
+  *lo = s0 * 32 * 16;
+  *bytes = (min(n16, s1 * 32) - s0 * 32) * 16;
+  return true;
+}
+
+// The one-kernel op's own rows (entries whose expert is on this rank, read from y) of the
+// warp's first reduction item, brought into L2 once the send loop is done, so that their DRAM
+// latency overlaps the publication and the done wait (y is final when the kernel starts). `load` (lane
+// k: entry k) before the send loop, `issue` after it, so the routing's round trip is hidden
+// behind the loop.
+struct OwnRowsPrefetch {
+  int64_t e = -1;
+  int32_t own = -1;
+  int t = 0, lo = 0, bytes = 0;
+  __device__ __forceinline__ void load(const OpArgs& a) {
+    const int lane = threadIdx.x % 32;
+    if (lane >= a.top_k || !first_reduce_item(a, &t, &lo, &bytes)) return;
+    const int64_t entry = static_cast<int64_t>(t) * a.top_k + lane;
+    e = reinterpret_cast<const int64_t*>(a.topk_idx)[entry];
+    own = reinterpret_cast<const int32_t*>(a.ll_self_row)[entry];
+  }
+  __device__ __forceinline__ void issue(const OpArgs& a) const {
+    const int epr = a.num_experts / a.world;
+    const int64_t y_rows = static_cast<int64_t>(a.num_experts) * a.ll_max_tokens;
+    if (e == -1 || e / epr != a.rank || own < 0 || own >= y_rows) return;
+    prefetch_l2_bulk(reinterpret_cast<const uint8_t*>(a.x) +
+                         static_cast<int64_t>(own) * a.hidden * 2 + lo,
+                     static_cast<uint32_t>(bytes));
+  }
+};
+
+// The hook's receive phase: every combine row of the warp's first reduction item into L2,
+// right after the prologue (which gives the parity), so that its DRAM latency overlaps the
+// done wait (a row still being written is updated in L2, so the prefetch is never stale).
+__device__ __forceinline__ void prefetch_comb_rows(const OpArgs& a, const Shared& s) {
+  int t, lo, bytes;
+  const int lane = threadIdx.x % 32;
+  if (lane >= a.top_k || !first_reduce_item(a, &t, &lo, &bytes)) return;
+  const int64_t row_bytes = static_cast<int64_t>(a.hidden) * 2;
+  const uint64_t par = (s.seq.ll_combine & 1) * a.parity_stride;
+  prefetch_l2_bulk(s.bases[a.rank] + a.off_ll_comb + par +
+                       (static_cast<int64_t>(t) * a.top_k + lane) * row_bytes + lo,
+                   static_cast<uint32_t>(bytes));
+}
+
 // Send phase: every packed row y[l][pos] (pos < the dispatch's count of local expert l) goes
 // back to its source rank, into the combine row [token][k] of the entry it came from. Rows
 // are dealt to warps over the packed rows of all local experts together. kOneKernel: as for
@@ -84,6 +138,8 @@ __device__ __forceinline__ void combine_send(const OpArgs& a, Shared& s, uint32_
   const uint64_t off_comb = a.off_ll_comb + par;
   const int gwarp = warp * gridDim.x + blockIdx.x, nwarps = gridDim.x * kWarps;
   const int total = first[epr];
+  OwnRowsPrefetch own_rows_pf;
+  if (kOneKernel && fused) own_rows_pf.load(a);
   // Work items are (packed row, run of 32-vector steps) (split_rows), the run's loads issued
   // before the row's routing is read; a row for a transport peer goes whole (one put).
   const Split sp = split_rows(total, (n16 + 31) / 32, nwarps, kCopyUnroll, a.remote_mask != 0);
@@ -120,6 +176,7 @@ __device__ __forceinline__ void combine_send(const OpArgs& a, Shared& s, uint32_
     uint8_t* dst = s.bases[r] + off_comb + (static_cast<int64_t>(t) * K + k) * row_bytes;
     store_step(reinterpret_cast<int4*>(dst), v, base, end, lane);
   }
+  if (kOneKernel && fused) own_rows_pf.issue(a);
   if (!all_ok(s, Net::quiet(s.wait, a.remote_mask))) return;
   if (blockIdx.x == 0 && tid == 0) stats[kStatSent] = globaltimer_ns();
   // This block's rows for every source are written: publish (release), to masked ranks too
@@ -142,9 +199,11 @@ __device__ __forceinline__ void combine_send(const OpArgs& a, Shared& s, uint32_
 template <class Net>
 __device__ __forceinline__ void combine_recv(const OpArgs& a, Shared& s, uint32_t*) {
   Schedule<Net> sched(a);
-  prefetch_reduce_routing(a);  // while the wait runs
+  prefetch_reduce_routing(a);  // while the prologue and the wait run
   // [L9] every peer finished its send phase, then reduce.
-  if (!begin_receive<Net>(a, s, sched, kOpLlCombineRecv, kWaitLlCombine)) return;
+  if (!prologue<Net>(a, s, kOpLlCombineRecv)) return;
+  prefetch_comb_rows(a, s);
+  if (!await_sends<Net>(a, s, sched, kWaitLlCombine)) return;
   combine_reduce<Net>(a, s, sched);
 }
 

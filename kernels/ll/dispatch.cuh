@@ -105,6 +105,17 @@ __device__ __forceinline__ Split send_split(const OpArgs& a, int tokens) {
                     a.remote_mask != 0);
 }
 
+// kCastUnroll chunks of 256 channels from channel c0 of a BF16 row (8 per lane; zeros past
+// c_end), all loads in flight together.
+__device__ __forceinline__ void load_cast_chunk(int4 (&v)[kCastUnroll], const int4* row, int c0,
+                                                int c_end, int lane) {
+#pragma unroll
+  for (int u = 0; u < kCastUnroll; ++u) {
+    const int ch = c0 + u * 256 + lane * 8;
+    v[u] = ch < c_end ? ld_nc_v4(row + ch / 8) : make_int4(0, 0, 0, 0);
+  }
+}
+
 // Send phase. Every block builds the routing bitmaps of all tokens in shared memory (the
 // batch is small), so slots and indices need no communication between blocks; warps are dealt
 // tokens block-first. kOneKernel: the kernel of an op without a hook, which runs the receive
@@ -115,21 +126,34 @@ __device__ __forceinline__ void dispatch_send(const OpArgs& a, Shared& s, uint32
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int world = a.world, me = a.rank, K = a.top_k, E = a.num_experts, T = a.num_tokens;
   const int epr = E / world, M = a.ll_max_tokens;
-  {  // Inputs into L2 while the prologue reads the sequence state: the routing, and the
-     // first chunk of the row this warp casts first (the send loop below deals items alike).
-    const int64_t idx_lines = (static_cast<int64_t>(T) * K * 8 + 127) / 128;
-    for (int64_t i = tid; i < idx_lines; i += kThreads)
-      prefetch_l2(reinterpret_cast<const uint8_t*>(a.topk_idx) + i * 128);
-    const Split sp = send_split(a, T);
-    const int nch = sp.nch, item = warp * gridDim.x + blockIdx.x;
-    if (item < T * nch) {
-      const int span = nch == 1 ? a.hidden : sp.per_item * 256;
-      const int64_t c_begin = static_cast<int64_t>(item % nch) * span;
-      const int64_t bytes = (min(static_cast<int64_t>(a.hidden), c_begin + span) - c_begin) * 2;
-      const uint8_t* row = reinterpret_cast<const uint8_t*>(a.x) +
-                           (static_cast<int64_t>(item / nch) * a.hidden + c_begin) * 2;
-      for (int64_t b = lane * 128; b < bytes; b += 32 * 128) prefetch_l2(row + b);
+  const bool fp8 = (a.flags & kFlagHasScales) != 0;
+  const int gwarp = warp * gridDim.x + blockIdx.x, nwarps = gridDim.x * kWarps;
+  // Work items are (token, run of 256-channel steps) (send_split): a warp keeps all of its
+  // item's loads in flight at once, and even one token spreads over several warps. Rows that
+  // travel through the transport go whole (one item per token: one put per row).
+  const Split sp = send_split(a, T);
+  const int nch = sp.nch;
+  const int span = nch == 1 ? a.hidden : sp.per_item * 256;  // channels per item
+  // Inputs, issued before the prologue's round trip so that their latency overlaps it and the
+  // bitmaps: the routing into L2, and the first chunk of this warp's first item (x is final
+  // when the kernel starts): FP8 straight into registers (`v`, cast in the send loop), BF16
+  // into L2 (the Net's send_row loads it).
+  const int64_t idx_lines = (static_cast<int64_t>(T) * K * 8 + 127) / 128;
+  for (int64_t i = tid; i < idx_lines; i += kThreads)
+    prefetch_l2(reinterpret_cast<const uint8_t*>(a.topk_idx) + i * 128);
+  int4 v[kCastUnroll];
+  bool preloaded = false;
+  if (gwarp < T * nch) {
+    const int c_begin = gwarp % nch * span, c_end = min(a.hidden, c_begin + span);
+    const int64_t first = static_cast<int64_t>(gwarp / nch) * a.hidden;  // the row's channel 0
+    // Past the registers' chunk (FP8, a whole row through the transport), into L2.
+    const int l2_from = fp8 ? min(c_end, c_begin + 256 * kCastUnroll) : c_begin;
+    if (fp8) {
+      load_cast_chunk(v, reinterpret_cast<const int4*>(a.x) + first / 8, c_begin, c_end, lane);
+      preloaded = true;
     }
+    const uint8_t* row = reinterpret_cast<const uint8_t*>(a.x) + (first + l2_from) * 2;
+    for (int b = lane * 128; b < (c_end - l2_from) * 2; b += 32 * 128) prefetch_l2(row + b);
   }
   if (!prologue<Net>(a, s, kOpLlDispatch)) return;
   const OpSeq q = s.seq;
@@ -183,7 +207,6 @@ __device__ __forceinline__ void dispatch_send(const OpArgs& a, Shared& s, uint32
     }
 
   // [L3] every token once to every rank holding one of its experts: row, scales, metadata.
-  const bool fp8 = (a.flags & kFlagHasScales) != 0;
   const bool round_scale = (a.flags & kFlagRoundScale) != 0;
   const int H = a.hidden, S = a.num_scales, row_bytes = a.row_bytes;
   const int64_t mine = static_cast<int64_t>(me) * M;  // my first slot in every destination
@@ -198,14 +221,7 @@ __device__ __forceinline__ void dispatch_send(const OpArgs& a, Shared& s, uint32
   const LlDispatchSend op{a, s.bases, off_x, off_sc, off_meta, world, me, K, M, H, S, row_bytes,
                           lane};
   const typename Net::LlDispatchSender tx(op);
-  const int gwarp = warp * gridDim.x + blockIdx.x, nwarps = gridDim.x * kWarps;
   const uint8_t* x = reinterpret_cast<const uint8_t*>(a.x);
-  // Work items are (token, run of 256-channel steps) (send_split): a warp keeps all of its
-  // item's loads in flight at once, and even one token spreads over several warps. Rows that
-  // travel through the transport go whole (one item per token: one put per row).
-  const Split sp = send_split(a, T);
-  const int nch = sp.nch;
-  const int span = nch == 1 ? H : sp.per_item * 256;  // channels per item
   for (int item = gwarp; item < T * nch; item += nwarps) {
     const int t = item / nch, c = item % nch;
     const int c_begin = c * span, c_end = min(H, c_begin + span);
@@ -226,33 +242,35 @@ __device__ __forceinline__ void dispatch_send(const OpArgs& a, Shared& s, uint32
       // kCastUnroll chunks of 256 channels (8 per lane) loaded before any is cast, so the
       // loads of a row are in flight together.
       for (int c0 = c_begin; c0 < c_end; c0 += 256 * kCastUnroll) {
-        int4 v[kCastUnroll];
-#pragma unroll
-        for (int u = 0; u < kCastUnroll; ++u) {
-          const int ch = c0 + u * 256 + lane * 8;
-          v[u] = ch < c_end ? ld_nc_v4(src + ch / 8) : make_int4(0, 0, 0, 0);
-        }
-#pragma unroll
+        if (!preloaded) load_cast_chunk(v, src, c0, c_end, lane);
+        preloaded = false;
+        // One copy of the cast and its stores (after an L2 flush every SM fetches the code
+        // again; unrolled 8 times it made the kernel 3,000 instructions longer): each pass
+        // casts v[0], then the next chunk's vector moves to the front (register moves).
+#pragma unroll 1
         for (int u = 0; u < kCastUnroll; ++u) {
           if (c0 + u * 256 >= c_end) break;  // warp-uniform: the cast shuffles across the warp
           const int ch = c0 + u * 256 + lane * 8;
           float inv;
-          const uint2 b = cast_fp8x8(v[u], round_scale, &inv);
-          if (ch >= c_end) continue;
-          const bool group_head = (lane % 16) == 0;
-          for (int d = 0; d < world; ++d) {
-            if (rows[d] < 0) continue;
-            if (Net::remote(a.remote_mask, d)) continue;
-            *reinterpret_cast<uint2*>(s.bases[d] + off_x +
-                                      static_cast<int64_t>(rows[d]) * row_bytes + ch) = b;
-            if (group_head)
-              reinterpret_cast<float*>(s.bases[d] + off_sc)[static_cast<int64_t>(rows[d]) * S +
-                                                           ch / 128] = inv;
+          const uint2 b = cast_fp8x8(v[0], round_scale, &inv);
+          if (ch < c_end) {
+            const bool group_head = (lane % 16) == 0;
+            for (int d = 0; d < world; ++d) {
+              if (rows[d] < 0) continue;
+              if (Net::remote(a.remote_mask, d)) continue;
+              *reinterpret_cast<uint2*>(s.bases[d] + off_x +
+                                        static_cast<int64_t>(rows[d]) * row_bytes + ch) = b;
+              if (group_head)
+                reinterpret_cast<float*>(s.bases[d] + off_sc)[static_cast<int64_t>(rows[d]) * S +
+                                                             ch / 128] = inv;
+            }
+            if (a.remote_mask != 0) {
+              *reinterpret_cast<uint2*>(stage + ch) = b;
+              if (group_head) stage_sc[ch / 128] = inv;
+            }
           }
-          if (a.remote_mask != 0) {
-            *reinterpret_cast<uint2*>(stage + ch) = b;
-            if (group_head) stage_sc[ch / 128] = inv;
-          }
+#pragma unroll
+          for (int j = 0; j + 1 < kCastUnroll; ++j) v[j] = v[j + 1];
         }
       }
       tx.send_fp8(op, rows, stage, stage_sc);  // nch == 1: this warp cast the whole row
@@ -269,11 +287,11 @@ __device__ __forceinline__ void dispatch_send(const OpArgs& a, Shared& s, uint32
       if (lane == 0) Net::put_elem(meta, static_cast<int32_t>(t), d, remote);
       for (int k = lane; k < K; k += 32) {
         const int64_t e = topk_idx[static_cast<int64_t>(t) * K + k];
-        int32_t v = -1;
+        int32_t entry = -1;
         if (e >= 0 && e / epr == d)
-          v = static_cast<int32_t>(((e % epr) << 16) |
-                                   rank_in_mask(emask + static_cast<int64_t>(e) * W, t));
-        Net::put_elem(meta + 1 + k, v, d, remote);
+          entry = static_cast<int32_t>(((e % epr) << 16) |
+                                       rank_in_mask(emask + static_cast<int64_t>(e) * W, t));
+        Net::put_elem(meta + 1 + k, entry, d, remote);
       }
     }
     tx.put_meta(op, rows);  // what meta_row staged

@@ -147,11 +147,4 @@ __device__ __forceinline__ bool masked(const OpState& s, int d) {
   return static_cast<unsigned>(d) < kMaxWorld && ((s.wait.masked >> d) & 1u) != 0;
 }
 
-// The start of a receive-phase kernel of `kind`: the prologue, then await_sends.
-template <class Net>
-__device__ __forceinline__ bool begin_receive(const OpArgs& a, Shared& s, Schedule<Net>& sched,
-                                              uint32_t kind, uint32_t wait_id) {
-  return prologue<Net>(a, s, kind) && await_sends<Net>(a, s, sched, wait_id);
-}
-
 }  // namespace epcomm::ll
