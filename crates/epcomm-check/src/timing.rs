@@ -292,7 +292,7 @@ impl LlTimer {
     }
 
     /// Runs `op` (a low-latency op) `iters` times, each after an L2 flush with every rank lined
-    /// up ([`LlTimer::flush_and_line_up`]), and returns each call's time in microseconds. A
+    /// up (see [`LINE_UP_SPIN`]), and returns each call's time in microseconds. A
     /// phase op times its phase alone: the receive phase is issued after every rank's send
     /// phase finished (a host synchronize and barrier between). Collective.
     pub fn time(&mut self, buf: &mut Buffer, op: BenchOp, iters: usize) -> Result<Vec<f64>> {
@@ -369,8 +369,9 @@ impl LlTimer {
     }
 }
 
-/// How long the GPU spins after the ranks lined up ([`LlTimer::flush_and_line_up`]): longer
-/// than the host takes to issue an op, so the events time the GPU's work, not the host's.
+/// How long the GPU spins once the ranks lined up before a timed low-latency call (each
+/// rank's L2 flush finished, a host barrier): longer than the host takes to issue an op, so
+/// the events time the GPU's work, not the host's.
 pub const LINE_UP_SPIN: std::time::Duration = std::time::Duration::from_micros(50);
 
 impl LlTimer {
@@ -464,7 +465,7 @@ impl LlTimer {
     /// The period of a decode step's communication replayed from a CUDA graph: an FP8
     /// low-latency dispatch and the combine of the same rows, captured once
     /// ([`Buffer::capture`]) and replayed `iters` times, each after an L2 flush with every rank
-    /// lined up ([`LlTimer::flush_and_line_up`]), with events around the replay. Median
+    /// lined up (see [`LINE_UP_SPIN`]), with events around the replay. Median
     /// microseconds. Collective.
     ///
     /// Turns off cudarc's per-allocation event tracking on the buffer's context for good (a
