@@ -23,7 +23,7 @@ namespace epcomm {
 
 /// Version of the kernel protocol and argument blocks; ranks compare it when a `Buffer` is
 /// built. Bump it with any change of this header or of the kernels' cross-rank protocol.
-constexpr uint64_t kAbiVersion = 17;
+constexpr uint64_t kAbiVersion = 18;
 
 /// Largest world size the intranode kernels support (shared-memory tables are this large).
 constexpr size_t kMaxWorld = 64;
@@ -275,9 +275,12 @@ constexpr uint64_t kRingStatusOffset = 256;
 constexpr uint64_t kRingSlotBytes = 64;
 /// Descriptor kind: move bytes (arg0 source, arg1 destination offset, arg2 bytes).
 constexpr uint64_t kProxyKindTransfer = 1;
-/// Descriptor kind: set or add a peer's 64-bit word (arg0 offset, arg1 value).
+/// Descriptor kind: set or add a peer's 64-bit word (arg0 offset, arg1 value; arg2 the number of
+/// consecutive words a set stores the value into, 0 read as 1; an add has one word).
 constexpr uint64_t kProxyKindSignal = 2;
-/// Descriptor kind: store a 4- or 8-byte value (arg0 offset, arg1 value, arg2 width).
+/// Descriptor kind: store a 4- or 8-byte value (arg0 offset, arg1 value, arg2 width; with
+/// kProxyFlagWriteSequence arg2's bits 32..63 hold a count n >= 1 of consecutive elements
+/// value, value + 1, ..., value + n - 1).
 constexpr uint64_t kProxyKindWrite = 3;
 /// Words of `ProxyChannel::counters` (device memory, zeroed).
 constexpr uint64_t kProxyCounterWords = 5;
@@ -295,6 +298,8 @@ constexpr uint64_t kProxyCounterCompleted = 4;
 constexpr uint64_t kProxyFlagSrcAddress = 1;
 /// Signal flag: add the value (else store it).
 constexpr uint64_t kProxyFlagSignalAdd = 1;
+/// Write flag: a sequence of elements (the count in arg2's bits 32..63), not one.
+constexpr uint64_t kProxyFlagWriteSequence = 1;
 
 /// The CPU-proxy channel of a module of the proxy image: the module global
 /// `epcomm_proxy_channel`, written by the host once per buffer before the first launch. Kernels

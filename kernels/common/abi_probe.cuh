@@ -9,7 +9,7 @@
 
 namespace epcomm {
 
-constexpr int kAbiProbeWords = 184;
+constexpr int kAbiProbeWords = 185;
 
 // Writes kAbiProbeWords words to `out` (one thread).
 __device__ __forceinline__ void abi_probe(uint64_t* out) {
@@ -173,30 +173,31 @@ __device__ __forceinline__ void abi_probe(uint64_t* out) {
   out[157] = static_cast<uint64_t>(kProxyCounterCompleted);
   out[158] = static_cast<uint64_t>(kProxyFlagSrcAddress);
   out[159] = static_cast<uint64_t>(kProxyFlagSignalAdd);
-  out[160] = static_cast<uint64_t>(sizeof(ProxyChannel));
-  out[161] = static_cast<uint64_t>(offsetof(ProxyChannel, ring));
-  out[162] = static_cast<uint64_t>(offsetof(ProxyChannel, counters));
-  out[163] = static_cast<uint64_t>(offsetof(ProxyChannel, capacity));
-  out[164] = static_cast<uint64_t>(offsetof(ProxyChannel, local_base));
-  out[165] = static_cast<uint64_t>(offsetof(ProxyChannel, timeout_ns));
-  out[166] = static_cast<uint64_t>(sizeof(LayoutArgs));
-  out[167] = static_cast<uint64_t>(offsetof(LayoutArgs, topk_idx));
-  out[168] = static_cast<uint64_t>(offsetof(LayoutArgs, counts));
-  out[169] = static_cast<uint64_t>(offsetof(LayoutArgs, token_slot));
-  out[170] = static_cast<uint64_t>(offsetof(LayoutArgs, status));
-  out[171] = static_cast<uint64_t>(offsetof(LayoutArgs, err_record));
-  out[172] = static_cast<uint64_t>(offsetof(LayoutArgs, err_claim));
-  out[173] = static_cast<uint64_t>(offsetof(LayoutArgs, num_tokens_ptr));
-  out[174] = static_cast<uint64_t>(offsetof(LayoutArgs, in_rank));
-  out[175] = static_cast<uint64_t>(offsetof(LayoutArgs, expert_counts));
-  out[176] = static_cast<uint64_t>(offsetof(LayoutArgs, num_tokens));
-  out[177] = static_cast<uint64_t>(offsetof(LayoutArgs, top_k));
-  out[178] = static_cast<uint64_t>(offsetof(LayoutArgs, num_experts));
-  out[179] = static_cast<uint64_t>(offsetof(LayoutArgs, world));
-  out[180] = static_cast<uint64_t>(offsetof(LayoutArgs, gpus_per_node));
-  out[181] = static_cast<uint64_t>(offsetof(LayoutArgs, rank));
-  out[182] = static_cast<uint64_t>(offsetof(LayoutArgs, pe_base));
-  out[183] = static_cast<uint64_t>(offsetof(LayoutArgs, pe_stride));
+  out[160] = static_cast<uint64_t>(kProxyFlagWriteSequence);
+  out[161] = static_cast<uint64_t>(sizeof(ProxyChannel));
+  out[162] = static_cast<uint64_t>(offsetof(ProxyChannel, ring));
+  out[163] = static_cast<uint64_t>(offsetof(ProxyChannel, counters));
+  out[164] = static_cast<uint64_t>(offsetof(ProxyChannel, capacity));
+  out[165] = static_cast<uint64_t>(offsetof(ProxyChannel, local_base));
+  out[166] = static_cast<uint64_t>(offsetof(ProxyChannel, timeout_ns));
+  out[167] = static_cast<uint64_t>(sizeof(LayoutArgs));
+  out[168] = static_cast<uint64_t>(offsetof(LayoutArgs, topk_idx));
+  out[169] = static_cast<uint64_t>(offsetof(LayoutArgs, counts));
+  out[170] = static_cast<uint64_t>(offsetof(LayoutArgs, token_slot));
+  out[171] = static_cast<uint64_t>(offsetof(LayoutArgs, status));
+  out[172] = static_cast<uint64_t>(offsetof(LayoutArgs, err_record));
+  out[173] = static_cast<uint64_t>(offsetof(LayoutArgs, err_claim));
+  out[174] = static_cast<uint64_t>(offsetof(LayoutArgs, num_tokens_ptr));
+  out[175] = static_cast<uint64_t>(offsetof(LayoutArgs, in_rank));
+  out[176] = static_cast<uint64_t>(offsetof(LayoutArgs, expert_counts));
+  out[177] = static_cast<uint64_t>(offsetof(LayoutArgs, num_tokens));
+  out[178] = static_cast<uint64_t>(offsetof(LayoutArgs, top_k));
+  out[179] = static_cast<uint64_t>(offsetof(LayoutArgs, num_experts));
+  out[180] = static_cast<uint64_t>(offsetof(LayoutArgs, world));
+  out[181] = static_cast<uint64_t>(offsetof(LayoutArgs, gpus_per_node));
+  out[182] = static_cast<uint64_t>(offsetof(LayoutArgs, rank));
+  out[183] = static_cast<uint64_t>(offsetof(LayoutArgs, pe_base));
+  out[184] = static_cast<uint64_t>(offsetof(LayoutArgs, pe_stride));
 }
 
 }  // namespace epcomm

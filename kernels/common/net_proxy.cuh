@@ -171,11 +171,22 @@ struct ProxyNet {
     return emit(p, kProxyKindWrite, 0, pe, offset_of(dst), bits, sizeof(T));
   }
 
-  // [P1] One thread: descriptor `p` (claimed) is a SIGNAL setting rank `pe`'s copy of `sig` to
-  // `v`, which lands after every descriptor to `pe` of lower position; false as `emit`.
+  // [P1] One thread: descriptor `p` (claimed) is a WRITE of the `n` (>= 1) consecutive int32
+  // values v0, v0 + 1, ..., v0 + n - 1 into rank `pe`'s copy of dst[0 .. n) (a sequence write:
+  // a run's token indices in one descriptor); false as `emit`.
+  __device__ static __forceinline__ bool emit_write_seq(uint64_t p, int32_t* dst, int32_t v0,
+                                                        uint32_t n, int pe) {
+    return emit(p, kProxyKindWrite, n > 1 ? kProxyFlagWriteSequence : 0, pe, offset_of(dst),
+                static_cast<uint32_t>(v0),
+                sizeof(int32_t) | (n > 1 ? static_cast<uint64_t>(n) << 32 : 0));
+  }
+
+  // [P1] One thread: descriptor `p` (claimed) is a SIGNAL setting rank `pe`'s copies of the
+  // `words` (>= 1) consecutive words sig[0 .. words) to `v`, which lands after every descriptor
+  // to `pe` of lower position; false as `emit`.
   __device__ static __forceinline__ bool emit_signal(uint64_t p, uint64_t* sig, uint64_t v,
-                                                     int pe) {
-    return emit(p, kProxyKindSignal, 0, pe, offset_of(sig), v, 0);
+                                                     int pe, uint32_t words = 1) {
+    return emit(p, kProxyKindSignal, 0, pe, offset_of(sig), v, words > 1 ? words : 0);
   }
 
   __device__ static __forceinline__ void signal(uint64_t* p, uint64_t v, int pe, bool add) {
@@ -364,9 +375,8 @@ struct ProxyNet {
     // positions (after a system fence, as every put), then the `len` x rows as one TRANSFER,
     // the scales, top-k ids and top-k weights (those the op has) as one TRANSFER each of the
     // `len` raw caller rows ([E8] finishes the ids and weights on the receiver), then the `len`
-    // source indices t0 .. t0 + len - 1 as WRITEs of consecutive words on consecutive
-    // positions (the copy-engine executor stages them as one copy). No warp collective: one
-    // lane calls it. A descriptor that could not be written (the proxy stopped, or the slot
+    // source indices t0 .. t0 + len - 1 as ONE sequence WRITE: a run costs 2 to 5 descriptors
+    // whatever its length (it cost one more per token). No warp collective: one lane calls it. A descriptor that could not be written (the proxy stopped, or the slot
     // wait's bound passed) ends the run early: the proxy cannot pass that position, and the
     // block's `quiet` records the failure, so the rest would only wait out the bound again,
     // slot by slot. (Static, on the caller's description: a sender that kept the description
@@ -386,7 +396,7 @@ struct ProxyNet {
       const bool sc = has_scales && a.num_scales > 0, ids = has_topk && K > 0;
       const bool wts = ids && has_w;
       const int64_t t = t0, row = row0, n = len;
-      uint64_t p = claim_fenced(static_cast<uint32_t>(1 + sc + ids + wts + len));
+      uint64_t p = claim_fenced(static_cast<uint32_t>(1 + sc + ids + wts + 1));
       if (!emit_transfer(p++, base + off_x + row * a.row_bytes,
                          reinterpret_cast<const uint8_t*>(a.x) + t * a.row_bytes,
                          static_cast<size_t>(n * a.row_bytes), pe))
@@ -402,8 +412,7 @@ struct ProxyNet {
                                 static_cast<size_t>(n * K * 4), pe))
         return;
       int32_t* const src_idx = reinterpret_cast<int32_t*>(base + off_src_idx) + row;
-      for (int j = 0; j < len; ++j)
-        if (!emit_write(p++, src_idx + j, static_cast<int32_t>(t0 + j), pe)) return;
+      emit_write_seq(p, src_idx, static_cast<int32_t>(t0), static_cast<uint32_t>(len), pe);
     }
   };
 
@@ -464,8 +473,8 @@ struct ProxyNet {
       int run_r = -1, run_t0 = 0, run_row0 = 0, run_len = 0;
       // One lane sends the open run: ONE claim of consecutive ring positions (after a system
       // fence, as every put), then the run's weights (when the op has them) and rows as one
-      // TRANSFER each, then one SIGNAL per row setting its flag (flags[me][t0 + j] = epoch),
-      // which the ring lands after both transfers. A descriptor that could not be written (the
+      // TRANSFER each, then ONE SIGNAL over the run's flag words (flags[me][t0 .. t0 + len) =
+      // epoch), which the ring lands after both transfers: 2 or 3 descriptors per run. A descriptor that could not be written (the
       // proxy stopped, or the slot wait's bound passed) ends the run early: the proxy cannot
       // pass that position, and the block's `quiet` records the failure.
       auto put_run = [&]() {
@@ -474,7 +483,7 @@ struct ProxyNet {
           const int pe = peer_pe(w, run_r);
           const bool wts = has_w && K > 0;
           const int64_t slot0 = static_cast<int64_t>(me) * a.max_tokens + run_t0, n = run_len;
-          uint64_t p = claim_fenced(static_cast<uint32_t>(1 + wts + run_len));
+          uint64_t p = claim_fenced(static_cast<uint32_t>(1 + wts + 1));
           bool sent = !wts || emit_transfer(p++, base + off_comb_w + slot0 * K * 4,
                                             y_w + static_cast<int64_t>(run_row0) * K,
                                             static_cast<size_t>(n * K * 4), pe);
@@ -482,8 +491,7 @@ struct ProxyNet {
                                        y + static_cast<int64_t>(run_row0) * row_bytes,
                                        static_cast<size_t>(n * row_bytes), pe);
           uint64_t* const run_flags = u64_at(base, a.off_comb_flags) + slot0;
-          for (int j = 0; sent && j < run_len; ++j)
-            sent = emit_signal(p++, run_flags + j, epoch, pe);
+          if (sent) emit_signal(p, run_flags, epoch, pe, static_cast<uint32_t>(run_len));
         }
         run_len = 0;
       };

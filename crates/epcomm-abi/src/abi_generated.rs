@@ -3,7 +3,7 @@
 
 /// Version of the kernel protocol and argument blocks; ranks compare it when a `Buffer` is
 /// built. Bump it with any change of this header or of the kernels' cross-rank protocol.
-pub const ABI_VERSION: u64 = 17;
+pub const ABI_VERSION: u64 = 18;
 
 /// Largest world size the intranode kernels support (shared-memory tables are this large).
 pub const MAX_WORLD: usize = 64;
@@ -411,10 +411,13 @@ pub const RING_SLOT_BYTES: u64 = 64;
 /// Descriptor kind: move bytes (arg0 source, arg1 destination offset, arg2 bytes).
 pub const PROXY_KIND_TRANSFER: u64 = 1;
 
-/// Descriptor kind: set or add a peer's 64-bit word (arg0 offset, arg1 value).
+/// Descriptor kind: set or add a peer's 64-bit word (arg0 offset, arg1 value; arg2 the number of
+/// consecutive words a set stores the value into, 0 read as 1; an add has one word).
 pub const PROXY_KIND_SIGNAL: u64 = 2;
 
-/// Descriptor kind: store a 4- or 8-byte value (arg0 offset, arg1 value, arg2 width).
+/// Descriptor kind: store a 4- or 8-byte value (arg0 offset, arg1 value, arg2 width; with
+/// kProxyFlagWriteSequence arg2's bits 32..63 hold a count n >= 1 of consecutive elements
+/// value, value + 1, ..., value + n - 1).
 pub const PROXY_KIND_WRITE: u64 = 3;
 
 /// Words of [`ProxyChannel::counters`] (device memory, zeroed).
@@ -440,6 +443,9 @@ pub const PROXY_FLAG_SRC_ADDRESS: u64 = 1;
 
 /// Signal flag: add the value (else store it).
 pub const PROXY_FLAG_SIGNAL_ADD: u64 = 1;
+
+/// Write flag: a sequence of elements (the count in arg2's bits 32..63), not one.
+pub const PROXY_FLAG_WRITE_SEQUENCE: u64 = 1;
 
 /// The CPU-proxy channel of a module of the proxy image: the module global
 /// `epcomm_proxy_channel`, written by the host once per buffer before the first launch. Kernels
@@ -506,7 +512,7 @@ pub struct LayoutArgs {
 
 /// What `epcomm_abi_probe` writes, in its order: every constant, enumerator, struct size
 /// and field offset of the ABI, as the host sees it.
-pub(crate) const ABI_PROBE: [(&str, u64); 184] = [
+pub(crate) const ABI_PROBE: [(&str, u64); 185] = [
     ("kAbiVersion", ABI_VERSION),
     ("kMaxWorld", MAX_WORLD as u64),
     ("kOk", code::OK as u64),
@@ -667,6 +673,7 @@ pub(crate) const ABI_PROBE: [(&str, u64); 184] = [
     ("kProxyCounterCompleted", PROXY_COUNTER_COMPLETED),
     ("kProxyFlagSrcAddress", PROXY_FLAG_SRC_ADDRESS),
     ("kProxyFlagSignalAdd", PROXY_FLAG_SIGNAL_ADD),
+    ("kProxyFlagWriteSequence", PROXY_FLAG_WRITE_SEQUENCE),
     ("sizeof(ProxyChannel)", size_of::<ProxyChannel>() as u64),
     ("offsetof(ProxyChannel, ring)", offset_of!(ProxyChannel, ring) as u64),
     ("offsetof(ProxyChannel, counters)", offset_of!(ProxyChannel, counters) as u64),

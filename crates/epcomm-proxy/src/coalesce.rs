@@ -136,6 +136,7 @@ mod tests {
             offset,
             value: 1,
             width: WriteWidth::Four,
+            count: 1,
         })
     }
 
@@ -145,6 +146,7 @@ mod tests {
             offset: 0,
             value: 1,
             op: SignalOp::Add,
+            words: 1,
         })
     }
 

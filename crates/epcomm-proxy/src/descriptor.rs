@@ -6,16 +6,21 @@
 //! | bytes  | field   | bits | transfer ([`KIND_TRANSFER`] = 1) | signal ([`KIND_SIGNAL`] = 2) | write ([`KIND_WRITE`] = 3) |
 //! |--------|---------|------|----------------------------------|------------------------------|----------------------------|
 //! | 0..2   | `kind`  | 16   | 1 | 2 | 3 (0 and every other value are invalid) |
-//! | 2..4   | `flags` | 16   | bit 0 = [`TRANSFER_FLAG_SRC_ADDRESS`]; bits 1..15 must be 0 | bit 0 = [`SIGNAL_FLAG_ADD`] (0 = set, 1 = add); bits 1..15 must be 0 | must be 0 |
+//! | 2..4   | `flags` | 16   | bit 0 = [`TRANSFER_FLAG_SRC_ADDRESS`]; bits 1..15 must be 0 | bit 0 = [`SIGNAL_FLAG_ADD`] (0 = set, 1 = add); bits 1..15 must be 0 | bit 0 = [`WRITE_FLAG_SEQUENCE`]; bits 1..15 must be 0 |
 //! | 4..8   | `peer`  | 32   | destination rank, `< world` | destination rank, `< world` | destination rank, `< world` |
 //! | 8..16  | `arg0`  | 64   | source: an offset in this rank's symmetric buffer, or (flag set) a device address, non-zero | offset of the peer's 64-bit signal word (multiple of 8) | destination offset in the peer's buffer (multiple of the width) |
-//! | 16..24 | `arg1`  | 64   | destination offset in the peer's symmetric buffer | the value (stored, or added) | the value, zero-extended (width 4: bits 32..63 must be 0) |
-//! | 24..32 | `arg2`  | 64   | bytes to move (> 0) | must be 0 | width in bytes: 4 or 8 |
+//! | 16..24 | `arg1`  | 64   | destination offset in the peer's symmetric buffer | the value (stored, or added) | the (first) value, zero-extended (width 4: bits 32..63 must be 0) |
+//! | 24..32 | `arg2`  | 64   | bytes to move (> 0) | words the value is stored into: 0 or 1 = one word, `n` = `n` consecutive words (a set only; an add has one word) | bits 0..31: width in bytes, 4 or 8; bits 32..63: with the sequence flag the element count `n` >= 1, else 0 |
 //!
 //! Offsets are byte offsets into the symmetric buffer (the same [`Limits::heap_bytes`] on every
 //! rank); a range `[offset, offset + bytes)` must fit in it. As 64-bit words (what the ring
 //! stores, [`RawDescriptor::to_words`]): word 0 = `kind | flags << 16 | peer << 32`, words 1..3 =
 //! `arg0..arg2`.
+//!
+//! A **write with the sequence flag** stores `n` consecutive elements `value, value + 1, ...,
+//! value + n - 1` (the last must fit in the width): a run of consecutive token indices in one
+//! descriptor. A **signal over `n` words** stores the value into each of them, after everything
+//! before it in the ring: the per-row flags of a run in one descriptor.
 //!
 //! A transfer's source is [`Source::Heap`] (flag clear: an offset, bounds-checked like every
 //! other offset) or [`Source::Address`] (flag set: a device virtual address valid in the
@@ -49,6 +54,9 @@ pub const KIND_WRITE: u16 = 3;
 pub const TRANSFER_FLAG_SRC_ADDRESS: u16 = 1;
 /// Bit of `flags` that selects [`SignalOp::Add`] in a signal descriptor.
 pub const SIGNAL_FLAG_ADD: u16 = 1;
+/// Bit of `flags` that makes a write a sequence: `arg2`'s bits 32..63 hold the element count
+/// ([`Write::count`]).
+pub const WRITE_FLAG_SEQUENCE: u16 = 1;
 /// Size of a signal word in bytes; signal offsets are multiples of it.
 pub const SIGNAL_WORD_BYTES: u64 = 8;
 /// Size of [`RawDescriptor`] in bytes.
@@ -63,7 +71,8 @@ pub const DESCRIPTOR_BYTES: usize = 32;
 pub struct RawDescriptor {
     /// [`KIND_TRANSFER`], [`KIND_SIGNAL`] or [`KIND_WRITE`].
     pub kind: u16,
-    /// Kind-specific flags ([`TRANSFER_FLAG_SRC_ADDRESS`], [`SIGNAL_FLAG_ADD`]).
+    /// Kind-specific flags ([`TRANSFER_FLAG_SRC_ADDRESS`], [`SIGNAL_FLAG_ADD`],
+    /// [`WRITE_FLAG_SEQUENCE`]).
     pub flags: u16,
     /// Destination rank.
     pub peer: u32,
@@ -72,7 +81,8 @@ pub struct RawDescriptor {
     pub arg0: u64,
     /// Transfer: destination offset. Signal, write: value.
     pub arg1: u64,
-    /// Transfer: bytes. Signal: 0. Write: width (4 or 8).
+    /// Transfer: bytes. Signal: words (0 or 1: one). Write: width (4 or 8), and a sequence's
+    /// count in bits 32..63.
     pub arg2: u64,
 }
 
@@ -98,14 +108,16 @@ pub enum Field {
     Bytes,
     /// `arg0` of a signal.
     SignalOffset,
-    /// `arg2` of a signal (reserved).
-    SignalReserved,
+    /// `arg2` of a signal (its word count).
+    SignalWords,
     /// `arg0` of a write.
     WriteOffset,
     /// `arg1` of a write.
     WriteValue,
-    /// `arg2` of a write.
+    /// `arg2` of a write, bits 0..31 (its width).
     WriteWidth,
+    /// `arg2` of a write, bits 32..63 (a sequence's element count).
+    WriteCount,
 }
 
 impl fmt::Display for Field {
@@ -119,10 +131,11 @@ impl fmt::Display for Field {
             Field::DstOffset => "arg1 (transfer destination offset)",
             Field::Bytes => "arg2 (transfer bytes)",
             Field::SignalOffset => "arg0 (signal word offset)",
-            Field::SignalReserved => "arg2 (reserved in a signal)",
+            Field::SignalWords => "arg2 (signal words)",
             Field::WriteOffset => "arg0 (write destination offset)",
             Field::WriteValue => "arg1 (write value)",
-            Field::WriteWidth => "arg2 (write width)",
+            Field::WriteWidth => "arg2 bits 0..31 (write width)",
+            Field::WriteCount => "arg2 bits 32..63 (write sequence count)",
         })
     }
 }
@@ -185,6 +198,9 @@ pub enum DescriptorError {
         /// The transfer's length.
         bytes: u64,
     },
+    /// A signal over zero words ([`Signal::words`] 0; in the record, 0 means one word).
+    #[error("a signal changes at least one word (`words` is 0)")]
+    EmptySignal,
     /// A write's width is neither 4 nor 8.
     #[error(
         "descriptor field `{}` is {value}: a write stores 4 or 8 bytes",
@@ -193,6 +209,35 @@ pub enum DescriptorError {
     InvalidWidth {
         /// The value found.
         value: u64,
+    },
+    /// A signal that adds names more than one word.
+    #[error(
+        "descriptor field `{}` is {words}: a signal that adds changes one word (0 or 1)",
+        Field::SignalWords
+    )]
+    AddToWords {
+        /// The value found.
+        words: u64,
+    },
+    /// A write with the sequence flag has a count of 0.
+    #[error(
+        "descriptor field `{}` is 0: a sequence write stores at least one element",
+        Field::WriteCount
+    )]
+    EmptySequence,
+    /// A write's last element (`value + count - 1`) does not fit in its width.
+    #[error(
+        "descriptor field `{}` is {value:#x} with {count} elements: the last, value + {count} - 1, \
+         must fit in {width} bytes",
+        Field::WriteValue
+    )]
+    SequenceTooWide {
+        /// The first value.
+        value: u64,
+        /// The element count.
+        count: u32,
+        /// The write's width in bytes.
+        width: u64,
     },
     /// A 4-byte write's value has bits set above bit 31.
     #[error(
@@ -290,18 +335,38 @@ pub enum SignalOp {
     Add,
 }
 
-/// Change a 64-bit word of `peer`'s symmetric buffer, after every transfer and write to `peer`
-/// that came before it in the ring.
+/// Change a 64-bit word of `peer`'s symmetric buffer (a set: `words` consecutive words), after
+/// every transfer and write to `peer` that came before it in the ring.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Signal {
     /// Destination rank.
     pub peer: u32,
-    /// Offset of the word (multiple of [`SIGNAL_WORD_BYTES`]).
+    /// Offset of the (first) word (multiple of [`SIGNAL_WORD_BYTES`]).
     pub offset: u64,
     /// The value.
     pub value: u64,
     /// Set or add.
     pub op: SignalOp,
+    /// Words from `offset` on that a set stores `value` into (>= 1; an add: 1).
+    pub words: u32,
+}
+
+impl Signal {
+    /// One word at `offset` of `peer`'s buffer.
+    pub fn word(peer: u32, offset: u64, value: u64, op: SignalOp) -> Signal {
+        Signal {
+            peer,
+            offset,
+            value,
+            op,
+            words: 1,
+        }
+    }
+
+    /// Bytes the signal changes: `8 * words`.
+    pub fn bytes(&self) -> u64 {
+        SIGNAL_WORD_BYTES * u64::from(self.words)
+    }
 }
 
 /// The width of a [`Write`].
@@ -332,18 +397,52 @@ impl WriteWidth {
     }
 }
 
-/// Store a small value (its low [`WriteWidth::bytes`] bytes, little-endian) into `peer`'s
-/// symmetric buffer at `offset`: a kernel's single-element put.
+/// Store small values into `peer`'s symmetric buffer from `offset` on: `count` consecutive
+/// elements `value, value + 1, ...` (each its low [`WriteWidth::bytes`] bytes, little-endian).
+/// A kernel's single-element put (`count` 1), or a run of consecutive indices.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Write {
     /// Destination rank.
     pub peer: u32,
     /// Destination offset in the peer's symmetric buffer (multiple of the width).
     pub offset: u64,
-    /// The value, zero-extended: for [`WriteWidth::Four`] bits 32..63 are 0.
+    /// The first value, zero-extended; `value + count - 1` fits in the width.
     pub value: u64,
     /// 4 or 8 bytes.
     pub width: WriteWidth,
+    /// Elements (>= 1).
+    pub count: u32,
+}
+
+impl Write {
+    /// One element.
+    pub fn one(peer: u32, offset: u64, value: u64, width: WriteWidth) -> Write {
+        Write {
+            peer,
+            offset,
+            value,
+            width,
+            count: 1,
+        }
+    }
+
+    /// Bytes stored: `width * count`.
+    pub fn bytes(&self) -> u64 {
+        self.width.bytes() * u64::from(self.count)
+    }
+
+    /// Element `j`'s value (`value + j`, wrapping: in a valid write it never wraps).
+    pub fn element(&self, j: u32) -> u64 {
+        self.value.wrapping_add(u64::from(j))
+    }
+
+    /// The stored bytes, little-endian, element after element.
+    pub fn to_le_bytes(&self) -> Vec<u8> {
+        let w = self.width.bytes() as usize;
+        (0..self.count)
+            .flat_map(|j| self.element(j).to_le_bytes().into_iter().take(w))
+            .collect()
+    }
 }
 
 /// A decoded, validated descriptor.
@@ -393,15 +492,25 @@ impl Descriptor {
                 peer: s.peer,
                 arg0: s.offset,
                 arg1: s.value,
-                arg2: 0,
+                // One word as the kernels write it (0); `words` 0 is refused below.
+                arg2: match s.words {
+                    1 => 0,
+                    0 => return Err(DescriptorError::EmptySignal),
+                    n => u64::from(n),
+                },
             },
             Descriptor::Write(w) => RawDescriptor {
                 kind: KIND_WRITE,
-                flags: 0,
+                flags: if w.count == 1 { 0 } else { WRITE_FLAG_SEQUENCE },
                 peer: w.peer,
                 arg0: w.offset,
                 arg1: w.value,
-                arg2: w.width.bytes(),
+                arg2: w.width.bytes()
+                    | if w.count == 1 {
+                        0
+                    } else {
+                        u64::from(w.count) << 32
+                    },
             },
         };
         raw.decode(limits)?;
@@ -447,7 +556,7 @@ impl RawDescriptor {
         let allowed_flags = match self.kind {
             KIND_TRANSFER => TRANSFER_FLAG_SRC_ADDRESS,
             KIND_SIGNAL => SIGNAL_FLAG_ADD,
-            KIND_WRITE => 0,
+            KIND_WRITE => WRITE_FLAG_SEQUENCE,
             value => return Err(DescriptorError::UnknownKind { value }),
         };
         if self.flags & !allowed_flags != 0 {
@@ -498,36 +607,74 @@ impl RawDescriptor {
     }
 
     fn decode_signal(&self, heap: u64) -> Result<Descriptor, DescriptorError> {
-        check_aligned(Field::SignalOffset, self.arg0, SIGNAL_WORD_BYTES)?;
-        check_range(Field::SignalOffset, self.arg0, SIGNAL_WORD_BYTES, heap)?;
-        if self.arg2 != 0 {
+        let add = self.flags & SIGNAL_FLAG_ADD != 0;
+        if add && self.arg2 > 1 {
+            return Err(DescriptorError::AddToWords { words: self.arg2 });
+        }
+        let Ok(words) = u32::try_from(self.arg2.max(1)) else {
             return Err(DescriptorError::Reserved {
-                field: Field::SignalReserved,
+                field: Field::SignalWords,
                 value: self.arg2,
             });
-        }
+        };
+        check_aligned(Field::SignalOffset, self.arg0, SIGNAL_WORD_BYTES)?;
+        check_range(
+            Field::SignalOffset,
+            self.arg0,
+            SIGNAL_WORD_BYTES * u64::from(words),
+            heap,
+        )?;
         Ok(Descriptor::Signal(Signal {
             peer: self.peer,
             offset: self.arg0,
             value: self.arg1,
-            op: if self.flags & SIGNAL_FLAG_ADD != 0 {
-                SignalOp::Add
-            } else {
-                SignalOp::Set
-            },
+            op: if add { SignalOp::Add } else { SignalOp::Set },
+            words,
         }))
     }
 
     fn decode_write(&self, heap: u64) -> Result<Descriptor, DescriptorError> {
-        let Some(width) = WriteWidth::from_bytes(self.arg2) else {
-            return Err(DescriptorError::InvalidWidth { value: self.arg2 });
+        let Some(width) = WriteWidth::from_bytes(self.arg2 & 0xffff_ffff) else {
+            return Err(DescriptorError::InvalidWidth {
+                value: self.arg2 & 0xffff_ffff,
+            });
+        };
+        let count = (self.arg2 >> 32) as u32;
+        let count = if self.flags & WRITE_FLAG_SEQUENCE != 0 {
+            if count == 0 {
+                return Err(DescriptorError::EmptySequence);
+            }
+            count
+        } else if count != 0 {
+            return Err(DescriptorError::Reserved {
+                field: Field::WriteCount,
+                value: u64::from(count),
+            });
+        } else {
+            1
         };
         let bytes = width.bytes();
         check_aligned(Field::WriteOffset, self.arg0, bytes)?;
-        check_range(Field::WriteOffset, self.arg0, bytes, heap)?;
-        if width == WriteWidth::Four && self.arg1 > u64::from(u32::MAX) {
+        check_range(
+            Field::WriteOffset,
+            self.arg0,
+            bytes * u64::from(count),
+            heap,
+        )?;
+        let max = match width {
+            WriteWidth::Four => u64::from(u32::MAX),
+            WriteWidth::Eight => u64::MAX,
+        };
+        if self.arg1 > max {
             return Err(DescriptorError::ValueTooWide {
                 value: self.arg1,
+                width: bytes,
+            });
+        }
+        if max - self.arg1 < u64::from(count - 1) {
+            return Err(DescriptorError::SequenceTooWide {
+                value: self.arg1,
+                count,
                 width: bytes,
             });
         }
@@ -536,6 +683,7 @@ impl RawDescriptor {
             offset: self.arg0,
             value: self.arg1,
             width,
+            count,
         }))
     }
 
@@ -590,20 +738,24 @@ mod tests {
     }
 
     fn signal(peer: u32, offset: u64, value: u64, op: SignalOp) -> Descriptor {
+        Descriptor::Signal(Signal::word(peer, offset, value, op))
+    }
+
+    fn signal_words(peer: u32, offset: u64, value: u64, words: u32) -> Descriptor {
         Descriptor::Signal(Signal {
-            peer,
-            offset,
-            value,
-            op,
+            words,
+            ..Signal::word(peer, offset, value, SignalOp::Set)
         })
     }
 
     fn write(peer: u32, offset: u64, value: u64, width: WriteWidth) -> Descriptor {
+        Descriptor::Write(Write::one(peer, offset, value, width))
+    }
+
+    fn sequence(peer: u32, offset: u64, value: u64, width: WriteWidth, count: u32) -> Descriptor {
         Descriptor::Write(Write {
-            peer,
-            offset,
-            value,
-            width,
+            count,
+            ..Write::one(peer, offset, value, width)
         })
     }
 
@@ -646,6 +798,17 @@ mod tests {
             write(3, (1 << 20) - 4, 0, WriteWidth::Four),
             write(2, 16, u64::MAX, WriteWidth::Eight),
             write(0, (1 << 20) - 8, 42, WriteWidth::Eight),
+            signal_words(1, 64, 7, 2),
+            signal_words(3, (1 << 20) - 8 * 300, u64::MAX, 300),
+            sequence(2, 8, 100, WriteWidth::Four, 2),
+            sequence(
+                1,
+                (1 << 20) - 4 * 256,
+                u64::from(u32::MAX) - 255,
+                WriteWidth::Four,
+                256,
+            ),
+            sequence(0, 16, u64::MAX - 2, WriteWidth::Eight, 3),
         ] {
             let raw = d.encode(&LIMITS).expect("valid");
             assert_eq!(raw.decode(&LIMITS), Ok(d));
@@ -674,6 +837,54 @@ mod tests {
             (raw.kind, raw.flags, raw.peer, raw.arg0, raw.arg1, raw.arg2),
             (KIND_WRITE, 0, 2, 12, 0xabcd, 4)
         );
+        // A sequence of one is a plain write; a longer one carries the flag and its count.
+        assert_eq!(
+            sequence(2, 12, 0xabcd, WriteWidth::Four, 1).encode(&LIMITS),
+            Ok(raw)
+        );
+        let raw = sequence(2, 12, 7, WriteWidth::Four, 5)
+            .encode(&LIMITS)
+            .expect("valid");
+        assert_eq!(
+            (raw.flags, raw.arg1, raw.arg2),
+            (WRITE_FLAG_SEQUENCE, 7, 4 | 5 << 32)
+        );
+        // One signal word is recorded as the kernels write it (arg2 0), and 1 reads the same.
+        let one = signal(1, 8, 9, SignalOp::Set)
+            .encode(&LIMITS)
+            .expect("valid");
+        assert_eq!(one.arg2, 0);
+        assert_eq!(
+            RawDescriptor { arg2: 1, ..one }.decode(&LIMITS),
+            one.decode(&LIMITS)
+        );
+        let raw = signal_words(1, 8, 9, 4).encode(&LIMITS).expect("valid");
+        assert_eq!((raw.flags, raw.arg2), (0, 4));
+    }
+
+    #[test]
+    fn sequences_and_signal_words_store_what_they_say() {
+        let Descriptor::Write(w) = sequence(0, 0, 0xffff_fffe, WriteWidth::Four, 2) else {
+            unreachable!()
+        };
+        assert_eq!(w.bytes(), 8);
+        assert_eq!(
+            w.to_le_bytes(),
+            [0xfe, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff]
+        );
+        let Descriptor::Write(w) = sequence(0, 0, 5, WriteWidth::Eight, 3) else {
+            unreachable!()
+        };
+        let want: Vec<u8> = [5u64, 6, 7].iter().flat_map(|v| v.to_le_bytes()).collect();
+        assert_eq!(w.to_le_bytes(), want);
+        assert_eq!(
+            Write::one(0, 0, 9, WriteWidth::Four).to_le_bytes(),
+            9u32.to_le_bytes()
+        );
+        let Descriptor::Signal(s) = signal_words(0, 8, 1, 3) else {
+            unreachable!()
+        };
+        assert_eq!(s.bytes(), 24);
     }
 
     #[test]
@@ -712,10 +923,10 @@ mod tests {
                 },
             ),
             (
-                raw(KIND_WRITE, 1, 0, 0, 0, 4),
+                raw(KIND_WRITE, 2, 0, 0, 0, 4),
                 DescriptorError::Reserved {
                     field: Field::Flags,
-                    value: 1,
+                    value: 2,
                 },
             ),
             (
@@ -790,10 +1001,66 @@ mod tests {
                 },
             ),
             (
-                raw(KIND_SIGNAL, 0, 0, 0, 0, 7),
+                raw(KIND_SIGNAL, SIGNAL_FLAG_ADD, 0, 0, 0, 2),
+                DescriptorError::AddToWords { words: 2 },
+            ),
+            (
+                raw(KIND_SIGNAL, 0, 0, 0, 0, 1 << 32),
                 DescriptorError::Reserved {
-                    field: Field::SignalReserved,
-                    value: 7,
+                    field: Field::SignalWords,
+                    value: 1 << 32,
+                },
+            ),
+            (
+                raw(KIND_SIGNAL, 0, 0, heap - 16, 0, 3),
+                DescriptorError::OutOfBounds {
+                    field: Field::SignalOffset,
+                    offset: heap - 16,
+                    bytes: 24,
+                    heap_bytes: heap,
+                },
+            ),
+            (
+                raw(KIND_WRITE, 0, 0, 0, 0, 4 | 2 << 32),
+                DescriptorError::Reserved {
+                    field: Field::WriteCount,
+                    value: 2,
+                },
+            ),
+            (
+                raw(KIND_WRITE, WRITE_FLAG_SEQUENCE, 0, 0, 0, 4),
+                DescriptorError::EmptySequence,
+            ),
+            (
+                raw(KIND_WRITE, WRITE_FLAG_SEQUENCE, 0, heap - 8, 0, 4 | 3 << 32),
+                DescriptorError::OutOfBounds {
+                    field: Field::WriteOffset,
+                    offset: heap - 8,
+                    bytes: 12,
+                    heap_bytes: heap,
+                },
+            ),
+            (
+                raw(
+                    KIND_WRITE,
+                    WRITE_FLAG_SEQUENCE,
+                    0,
+                    0,
+                    u64::from(u32::MAX) - 1,
+                    4 | 3 << 32,
+                ),
+                DescriptorError::SequenceTooWide {
+                    value: u64::from(u32::MAX) - 1,
+                    count: 3,
+                    width: 4,
+                },
+            ),
+            (
+                raw(KIND_WRITE, WRITE_FLAG_SEQUENCE, 0, 0, u64::MAX, 8 | 2 << 32),
+                DescriptorError::SequenceTooWide {
+                    value: u64::MAX,
+                    count: 2,
+                    width: 8,
                 },
             ),
             (
@@ -873,6 +1140,22 @@ mod tests {
                 ..
             })
         ));
+        assert_eq!(
+            sequence(1, 0, 0, WriteWidth::Four, 0).encode(&LIMITS),
+            Err(DescriptorError::EmptySequence)
+        );
+        assert_eq!(
+            signal_words(1, 0, 0, 0).encode(&LIMITS),
+            Err(DescriptorError::EmptySignal)
+        );
+        assert_eq!(
+            Descriptor::Signal(Signal {
+                words: 2,
+                ..Signal::word(1, 0, 1, SignalOp::Add)
+            })
+            .encode(&LIMITS),
+            Err(DescriptorError::AddToWords { words: 2 })
+        );
     }
 
     #[test]
@@ -892,7 +1175,15 @@ mod tests {
             ),
             (
                 DescriptorError::InvalidWidth { value: 3 },
-                "arg2 (write width)",
+                "arg2 bits 0..31 (write width)",
+            ),
+            (
+                DescriptorError::EmptySequence,
+                "arg2 bits 32..63 (write sequence count)",
+            ),
+            (
+                DescriptorError::AddToWords { words: 2 },
+                "arg2 (signal words)",
             ),
             (
                 DescriptorError::ValueTooWide {

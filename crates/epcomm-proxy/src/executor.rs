@@ -68,15 +68,17 @@ pub trait Executor: Send + 'static {
     /// read the source space refuses it here).
     fn submit_transfer(&mut self, op: OpId, transfer: &Transfer) -> Result<Submit, OpFailure>;
 
-    /// Starts storing `write.value` (its low `write.width` bytes, little-endian) into
-    /// `write.peer`'s symmetric buffer at `write.offset`.
+    /// Starts storing `write`'s `count` elements (`value`, `value + 1`, ...; each its low
+    /// `width` bytes, little-endian) into `write.peer`'s symmetric buffer from `write.offset`
+    /// on ([`Write::to_le_bytes`](crate::descriptor::Write::to_le_bytes)). One operation,
+    /// reported complete once every element is stored.
     ///
     /// # Errors
     /// [`OpFailure`] naming `op` when the operation cannot be started.
     fn submit_write(&mut self, op: OpId, write: &Write) -> Result<Submit, OpFailure>;
 
-    /// Starts delivering `signal` after every transfer and write to the same peer submitted
-    /// before it.
+    /// Starts delivering `signal` (a set: its value into each of its `words` words) after
+    /// every transfer and write to the same peer submitted before it.
     ///
     /// # Errors
     /// [`OpFailure`] naming `op` when the operation cannot be started.

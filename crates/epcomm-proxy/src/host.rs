@@ -152,27 +152,27 @@ impl HostHeap {
         Ok(())
     }
 
-    /// Applies `s` to its word.
+    /// Applies `s` to its words (an add: its one word).
     fn signal(&self, s: &Signal) -> Result<(), HostError> {
-        let r = self.range(s.peer, s.offset, 8)?;
+        let r = self.range(s.peer, s.offset, s.bytes())?;
         let mut g = self.lock(s.peer)?;
-        let mut b = [0u8; 8];
-        b.copy_from_slice(&g[r.clone()]);
-        let new = match s.op {
-            SignalOp::Set => s.value,
-            SignalOp::Add => u64::from_le_bytes(b).wrapping_add(s.value),
-        };
-        g[r].copy_from_slice(&new.to_le_bytes());
+        for word in g[r].chunks_exact_mut(8) {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(word);
+            let new = match s.op {
+                SignalOp::Set => s.value,
+                SignalOp::Add => u64::from_le_bytes(b).wrapping_add(s.value),
+            };
+            word.copy_from_slice(&new.to_le_bytes());
+        }
         Ok(())
     }
 
-    /// Stores the low `w.width` bytes of `w.value`, little-endian, at `w.offset` of `w.peer`'s
-    /// buffer.
+    /// Stores `w`'s elements (each the low `w.width` bytes of its value, little-endian) from
+    /// `w.offset` of `w.peer`'s buffer on.
     fn store(&self, w: &Write) -> Result<(), HostError> {
-        let bytes = w.width.bytes();
-        let r = self.range(w.peer, w.offset, bytes)?;
-        let le = w.value.to_le_bytes();
-        self.lock(w.peer)?[r].copy_from_slice(&le[..bytes as usize]);
+        let r = self.range(w.peer, w.offset, w.bytes())?;
+        self.lock(w.peer)?[r].copy_from_slice(&w.to_le_bytes());
         Ok(())
     }
 }
@@ -271,6 +271,7 @@ mod tests {
             offset: 16,
             value: 5,
             op: SignalOp::Add,
+            words: 1,
         };
         assert_eq!(ex.submit_transfer(1, &t).ok(), Some(Submit::Accepted));
         assert_eq!(ex.submit_signal(2, &s).ok(), Some(Submit::Accepted));
@@ -327,12 +328,14 @@ mod tests {
             offset: 4,
             value: 0x1122_3344,
             width: WriteWidth::Four,
+            count: 1,
         };
         let eight = Write {
             peer: 1,
             offset: 8,
             value: 0x0102_0304_0506_0708,
             width: WriteWidth::Eight,
+            count: 1,
         };
         assert_eq!(ex.submit_write(1, &four).ok(), Some(Submit::Accepted));
         assert_eq!(ex.submit_write(2, &eight).ok(), Some(Submit::Accepted));
@@ -352,6 +355,51 @@ mod tests {
             err.reason.to_string(),
             "rank 1: [62, 62 + 4) is outside its 64-byte buffer"
         );
+    }
+
+    #[test]
+    fn a_sequence_stores_consecutive_values_and_a_signal_sets_its_words() {
+        use crate::descriptor::WriteWidth;
+        let heap = HostHeap::new(2, 128);
+        heap.write(1, 0, &[0xEE; 128]).expect("fill");
+        let mut ex = HostExecutor::new(Arc::clone(&heap), 0, 4);
+        let seq = Write {
+            count: 5,
+            ..Write::one(1, 4, 40, WriteWidth::Four)
+        };
+        let flags = Signal {
+            words: 3,
+            ..Signal::word(1, 64, 0x77, SignalOp::Set)
+        };
+        assert_eq!(ex.submit_write(1, &seq).ok(), Some(Submit::Accepted));
+        assert_eq!(ex.submit_signal(2, &flags).ok(), Some(Submit::Accepted));
+        let mut done = Vec::new();
+        ex.poll(&mut done).expect("poll");
+        assert_eq!(done, [1, 2]);
+        let mut want = vec![0xEE; 4];
+        for v in 40u32..45 {
+            want.extend_from_slice(&v.to_le_bytes());
+        }
+        want.extend_from_slice(&[0xEE; 4]);
+        assert_eq!(heap.read(1, 0, 28), Ok(want));
+        for k in 0..3 {
+            assert_eq!(heap.word(1, 64 + 8 * k), Ok(0x77));
+        }
+        // The word after the signal's is untouched.
+        assert_eq!(heap.read(1, 88, 8), Ok(vec![0xEE; 8]));
+        // A sequence that runs past the buffer fails as a whole, naming its range.
+        let long = Write {
+            count: 4,
+            ..Write::one(1, 116, 0, WriteWidth::Four)
+        };
+        assert!(ex.submit_write(3, &long).is_ok());
+        let err = ex.poll(&mut done).expect_err("out of bounds");
+        assert_eq!(err.op, 3);
+        assert_eq!(
+            err.reason.to_string(),
+            "rank 1: [116, 116 + 16) is outside its 128-byte buffer"
+        );
+        assert_eq!(heap.read(1, 116, 12), Ok(vec![0xEE; 12]));
     }
 
     #[test]

@@ -37,8 +37,8 @@
 //! let (mut producer, consumer) = ring::split(RingMemory::allocate(8)?);
 //! let proxy = Proxy::spawn(consumer, HostExecutor::new(heap.clone(), 0, 16), ProxyConfig::new(limits))?;
 //! let t = Descriptor::Transfer(Transfer { peer: 1, src: Source::Heap(0), dst_offset: 64, bytes: 5 });
-//! let w = Descriptor::Write(Write { peer: 1, offset: 72, value: 7, width: WriteWidth::Four });
-//! let s = Descriptor::Signal(Signal { peer: 1, offset: 8, value: 1, op: SignalOp::Add });
+//! let w = Descriptor::Write(Write::one(1, 72, 7, WriteWidth::Four));
+//! let s = Descriptor::Signal(Signal::word(1, 8, 1, SignalOp::Add));
 //! for d in [t, w, s] {
 //!     producer.push(&d, &limits, Duration::from_secs(5))?;
 //! }

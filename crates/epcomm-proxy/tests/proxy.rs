@@ -45,6 +45,7 @@ fn write(peer: u32, offset: u64, value: u64, width: WriteWidth) -> Descriptor {
         offset,
         value,
         width,
+        count: 1,
     })
 }
 
@@ -54,6 +55,7 @@ fn add(peer: u32, offset: u64, value: u64) -> Descriptor {
         offset,
         value,
         op: SignalOp::Add,
+        words: 1,
     })
 }
 

@@ -256,6 +256,7 @@ fn verbs_loopback_transfer_write_signal() {
         offset: 4096,
         value: 0xdead_beef,
         width: WriteWidth::Four,
+        count: 1,
     };
     assert_eq!(e0.submit_write(2, &w).expect("write"), Submit::Accepted);
     let from_extra = Transfer {
@@ -273,6 +274,7 @@ fn verbs_loopback_transfer_write_signal() {
         offset: 8,
         value: 5,
         op: SignalOp::Add,
+        words: 1,
     };
     assert_eq!(e0.submit_signal(4, &add).expect("signal"), Submit::Accepted);
     assert_eq!(e0.submit_signal(5, &add).expect("signal"), Submit::Accepted);
@@ -330,6 +332,7 @@ fn verbs_loopback_full_send_queue_is_busy_then_drains() {
             offset: op * 8,
             value: op + 1,
             width: WriteWidth::Eight,
+            count: 1,
         };
         match e0.submit_write(op, &w).expect("write") {
             Submit::Accepted => accepted.push(op),
@@ -347,6 +350,7 @@ fn verbs_loopback_full_send_queue_is_busy_then_drains() {
         offset: 0,
         value: 7,
         width: WriteWidth::Eight,
+        count: 1,
     };
     assert_eq!(e0.submit_write(100, &w).expect("self"), Submit::Accepted);
     wait_for(&mut e0, &[100]);

@@ -86,6 +86,7 @@ const _: () = {
         abi::PROXY_FLAG_SRC_ADDRESS == epcomm_proxy::descriptor::TRANSFER_FLAG_SRC_ADDRESS as u64
     );
     assert!(abi::PROXY_FLAG_SIGNAL_ADD == epcomm_proxy::descriptor::SIGNAL_FLAG_ADD as u64);
+    assert!(abi::PROXY_FLAG_WRITE_SEQUENCE == epcomm_proxy::descriptor::WRITE_FLAG_SEQUENCE as u64);
 };
 
 /// The capabilities of [`ProxyTransport`].

@@ -625,58 +625,85 @@ impl VerbsExecutor {
         Ok(Submit::Accepted)
     }
 
+    /// Posts `values.len()` inline RDMA WRITEs of `len` bytes each to consecutive places from
+    /// `offset` on (element `j` at `offset + j * len`), all or none: `Busy` when the send
+    /// queue has no room for all of them. Only the last names `op`: its completion is the
+    /// operation's (an RC queue pair completes its work requests in order).
     fn inline(
         &mut self,
         op: OpId,
         peer: u32,
         offset: u64,
-        value: u64,
+        values: &[u64],
         len: u8,
         kind: WrKind,
     ) -> Result<Submit, VerbsOpError> {
         let p = self.peer(peer)?;
-        if !p.queue.has_room(1) {
+        let n = values.len();
+        if n > p.queue.depth() {
+            return Err(VerbsOpError::TooLarge {
+                peer,
+                bytes: n as u64 * u64::from(len),
+                needed: n as u64,
+                chunk: u64::from(len),
+                depth: p.queue.depth(),
+            });
+        }
+        if !p.queue.has_room(n) {
             return Ok(Submit::Busy);
         }
-        let payload = Payload::Inline {
-            bytes: value.to_le_bytes(),
-            len,
-        };
-        p.queue
-            .push(
-                p.remote_base + offset,
-                p.rkey,
-                payload,
-                Some(op),
-                kind,
-                &mut p.qp,
-            )
-            .map_err(|(_, message)| VerbsOpError::PostSend { peer, message })?;
+        for (j, &value) in values.iter().enumerate() {
+            let payload = Payload::Inline {
+                bytes: value.to_le_bytes(),
+                len,
+            };
+            p.queue
+                .push(
+                    p.remote_base + offset + j as u64 * u64::from(len),
+                    p.rkey,
+                    payload,
+                    (j + 1 == n).then_some(op),
+                    kind,
+                    &mut p.qp,
+                )
+                .map_err(|(_, message)| VerbsOpError::PostSend { peer, message })?;
+        }
         Ok(Submit::Accepted)
     }
 
     fn write(&mut self, op: OpId, w: &Write) -> Result<Submit, VerbsOpError> {
         let len = w.width.bytes();
-        self.check_range("write", w.peer, w.offset, len)?;
-        let submitted = self.inline(op, w.peer, w.offset, w.value, len as u8, WrKind::Write)?;
-        if submitted == Submit::Accepted && len == 8 && self.shadow.tracks(w.peer, w.offset) {
-            self.shadow.commit(w.peer, w.offset, w.value);
+        self.check_range("write", w.peer, w.offset, w.bytes())?;
+        let values: Vec<u64> = (0..w.count).map(|j| w.element(j)).collect();
+        let submitted = self.inline(op, w.peer, w.offset, &values, len as u8, WrKind::Write)?;
+        if submitted == Submit::Accepted && len == 8 {
+            for (j, &v) in values.iter().enumerate() {
+                let at = w.offset + 8 * j as u64;
+                if self.shadow.tracks(w.peer, at) {
+                    self.shadow.commit(w.peer, at, v);
+                }
+            }
         }
         Ok(submitted)
     }
 
     fn signal(&mut self, op: OpId, s: &Signal) -> Result<Submit, VerbsOpError> {
-        self.check_range("signal", s.peer, s.offset, 8)?;
+        self.check_range("signal", s.peer, s.offset, s.bytes())?;
         let add = s.op == SignalOp::Add;
-        let value = self.shadow.next(s.peer, s.offset, s.value, add);
+        // An add has one word (the decoder refuses more); a set stores the value in each.
+        let values: Vec<u64> = (0..u64::from(s.words))
+            .map(|k| self.shadow.next(s.peer, s.offset + 8 * k, s.value, add))
+            .collect();
         let kind = if add {
             WrKind::SignalAdd
         } else {
             WrKind::SignalSet
         };
-        let submitted = self.inline(op, s.peer, s.offset, value, 8, kind)?;
+        let submitted = self.inline(op, s.peer, s.offset, &values, 8, kind)?;
         if submitted == Submit::Accepted {
-            self.shadow.commit(s.peer, s.offset, value);
+            for (k, &v) in values.iter().enumerate() {
+                self.shadow.commit(s.peer, s.offset + 8 * k as u64, v);
+            }
         }
         Ok(submitted)
     }

@@ -99,6 +99,16 @@ pub enum CopyEngineError {
         /// Whether the rank is in range but unmapped.
         mapped: bool,
     },
+    /// A write or signal whose staged bytes exceed the lane's whole staging arena.
+    #[error("a {what} of {bytes} bytes does not fit in the {arena}-byte staging arena")]
+    TooLarge {
+        /// `write` or `signal`.
+        what: &'static str,
+        /// Bytes it stores.
+        bytes: usize,
+        /// The arena's capacity.
+        arena: usize,
+    },
 }
 
 /// An open run of staged write bytes: `len` bytes at arena offset `at`, bound for destination
@@ -379,8 +389,8 @@ impl CopyEngineExecutor {
         Ok(())
     }
 
-    /// Adds the 8-byte copy of a signal (from the arena at `src` to `dst`) to lane `i`'s batch,
-    /// after everything pending there: merged into the lane's open signal copy when it
+    /// Adds the copy of a signal's `bytes` (from the arena at `src` to `dst`) to lane `i`'s
+    /// batch, after everything pending there: merged into the lane's open signal copy when it
     /// continues it ([`open_signal_continued`]); otherwise a new copy (with batched copies, in
     /// a new batch: a batch runs its copies in no particular order).
     fn push_signal_copy(
@@ -389,17 +399,18 @@ impl CopyEngineExecutor {
         op: OpId,
         dst: u64,
         src: u64,
+        bytes: usize,
     ) -> Result<(), OpFailure> {
         let lane = &mut self.lanes[i];
         if let Some(k) = open_signal_continued(&lane.batch, lane.open_signal, dst, src) {
-            lane.batch[k].2 += 8;
+            lane.batch[k].2 += bytes;
             return Ok(());
         }
         if self.batched {
             self.flush_batch(i)?;
         }
         let lane = &mut self.lanes[i];
-        lane.batch.push((dst, src, 8, op));
+        lane.batch.push((dst, src, bytes, op));
         lane.open_signal = Some(lane.batch.len() - 1);
         if lane.batch.len() >= MAX_BATCH {
             self.flush_batch(i)?;
@@ -426,26 +437,30 @@ impl CopyEngineExecutor {
         Submit::Accepted
     }
 
-    /// Stores `value` at the peer's `offset`, ordered after everything before it on the lane;
-    /// `Ok(false)` when the arena is full (retry later).
-    fn write_word(
+    /// Stores `value` into `words` consecutive words from the peer's `offset` on, ordered after
+    /// everything before it on the lane; `Ok(false)` when the arena has no room now (retry
+    /// later).
+    fn write_words(
         &mut self,
         i: usize,
         op: OpId,
         offset: u64,
         value: u64,
+        words: usize,
     ) -> Result<bool, OpFailure> {
         self.flush_run(i, op)?;
-        let Some(at) = self.lanes[i].fifo.reserve(8) else {
+        let bytes = 8 * words;
+        let Some(at) = self.lanes[i].fifo.reserve(bytes) else {
             return Ok(false);
         };
         let lane = &self.lanes[i];
-        for (k, b) in value.to_le_bytes().iter().enumerate() {
-            // SAFETY: `at + k < at + 8`, inside the arena just reserved.
-            unsafe { std::ptr::write_volatile(lane.arena.host_ptr().add(at + k), *b) };
+        for k in 0..bytes {
+            let b = value.to_le_bytes()[k % 8];
+            // SAFETY: `at + k < at + bytes`, inside the arena just reserved.
+            unsafe { std::ptr::write_volatile(lane.arena.host_ptr().add(at + k), b) };
         }
         let (dst, src) = (lane.base + offset, lane.arena.host_ptr() as u64 + at as u64);
-        self.push_signal_copy(i, op, dst, src)?;
+        self.push_signal_copy(i, op, dst, src, bytes)?;
         Ok(true)
     }
 }
@@ -475,7 +490,17 @@ impl Executor for CopyEngineExecutor {
             return Ok(Submit::Busy);
         }
         let i = self.lane(op, w.peer)?;
-        let len = w.width.bytes() as usize;
+        let len = w.bytes() as usize;
+        if len > self.lanes[i].fifo.capacity() {
+            return Err(OpFailure::new(
+                op,
+                CopyEngineError::TooLarge {
+                    what: "write",
+                    bytes: len,
+                    arena: self.lanes[i].fifo.capacity(),
+                },
+            ));
+        }
         let lane = &mut self.lanes[i];
         let extends = lane.run.is_some_and(|r| {
             r.dst + r.len as u64 == w.offset
@@ -490,8 +515,8 @@ impl Executor for CopyEngineExecutor {
             self.flush_run(i, op)?;
             return Ok(Submit::Busy);
         };
-        let bytes = w.value.to_le_bytes();
-        for (k, b) in bytes[..len].iter().enumerate() {
+        let bytes = w.to_le_bytes();
+        for (k, b) in bytes.iter().enumerate() {
             // SAFETY: `at + k < at + len`, inside the arena just reserved.
             unsafe { std::ptr::write_volatile(lane.arena.host_ptr().add(at + k), *b) };
         }
@@ -525,7 +550,19 @@ impl Executor for CopyEngineExecutor {
                 .unwrap_or(0)
                 .wrapping_add(s.value),
         };
-        if !self.write_word(i, op, s.offset, value)? {
+        let words = s.words as usize;
+        if 8 * words > self.lanes[i].fifo.capacity() {
+            return Err(OpFailure::new(
+                op,
+                CopyEngineError::TooLarge {
+                    what: "signal",
+                    bytes: 8 * words,
+                    arena: self.lanes[i].fifo.capacity(),
+                },
+            ));
+        }
+        // An add has one word (the decoder refuses more).
+        if !self.write_words(i, op, s.offset, value, words)? {
             return Ok(Submit::Busy);
         }
         // Only an accepted add moves the running sum (a Busy answer is retried).
