@@ -114,6 +114,54 @@ fn a_dispatch_lands_in_order_and_coalesces() {
 }
 
 #[test]
+fn a_run_lands_with_one_sequence_write_and_one_signal_over_its_flags() {
+    // As a dispatch run and a combine run send them: the rows as one transfer, the source
+    // indices t0 .. t0 + len - 1 as one sequence write, the per-row flags as one set over
+    // `len` words, which lands after both.
+    const LEN: u32 = 40;
+    const T0: u64 = 1_000;
+    let heap = HostHeap::new(WORLD, HEAP);
+    let rows: Vec<u8> = (0..u64::from(LEN) * ROW).map(|i| (i * 3) as u8).collect();
+    heap.write(0, 0, &rows).expect("rows");
+    let work = [
+        transfer(2, 0, 20_000, u64::from(LEN) * ROW),
+        Descriptor::Write(Write {
+            count: LEN,
+            ..Write::one(2, 40_000, T0, WriteWidth::Four)
+        }),
+        Descriptor::Signal(Signal {
+            words: LEN,
+            ..Signal::word(2, 50_000, 9, SignalOp::Set)
+        }),
+    ];
+    let (mut producer, consumer) = ring::split(RingMemory::allocate(8).expect("ring"));
+    let proxy = Proxy::spawn(
+        consumer,
+        HostExecutor::new(Arc::clone(&heap), 0, 4),
+        ProxyConfig::new(limits()),
+    )
+    .expect("spawn");
+    for d in &work {
+        producer.push(d, &limits(), LONG).expect("push");
+    }
+    producer.wait_completed(3, LONG).expect("completed");
+    assert_eq!(heap.read(2, 20_000, u64::from(LEN) * ROW), Ok(rows));
+    let want: Vec<u8> = (T0..T0 + u64::from(LEN))
+        .flat_map(|t| (t as u32).to_le_bytes())
+        .collect();
+    assert_eq!(heap.read(2, 40_000, u64::from(LEN) * 4), Ok(want));
+    for j in 0..u64::from(LEN) {
+        assert_eq!(heap.word(2, 50_000 + 8 * j), Ok(9), "flag {j}");
+    }
+    assert_eq!(heap.word(2, 50_000 + 8 * u64::from(LEN)), Ok(0));
+    let report = proxy.shutdown().expect("clean");
+    assert_eq!(
+        (report.descriptors, report.writes, report.signals),
+        (3, 1, 1)
+    );
+}
+
+#[test]
 fn a_signal_is_seen_only_after_its_rows() {
     // The reader polls rank 1's `done` word; once it is 1, every row must be there.
     let heap = HostHeap::new(WORLD, HEAP);
