@@ -198,8 +198,12 @@ pub enum DescriptorError {
         /// The transfer's length.
         bytes: u64,
     },
-    /// A signal over zero words ([`Signal::words`] 0; in the record, 0 means one word).
-    #[error("a signal changes at least one word (`words` is 0)")]
+    /// A signal over zero words ([`Signal::words`] 0; in the record, 0 means one word): from
+    /// [`Descriptor::encode`] only.
+    #[error(
+        "descriptor field `{}` (Signal::words) is 0: a signal changes at least one word",
+        Field::SignalWords
+    )]
     EmptySignal,
     /// A write's width is neither 4 nor 8.
     #[error(
@@ -550,8 +554,9 @@ impl RawDescriptor {
     ///
     /// # Errors
     /// The first rule broken, naming the field. Checked in field order (`kind`, `flags`,
-    /// `peer`, then the arguments), except that a transfer's `arg2` (bytes) and a write's `arg2`
-    /// (width) come before the ranges and alignment they determine.
+    /// `peer`, then the arguments), except that a transfer's `arg2` (bytes), a signal's `arg2`
+    /// (words) and a write's `arg2` (width and count) come before the ranges and alignment
+    /// they determine.
     pub fn decode(&self, limits: &Limits) -> Result<Descriptor, DescriptorError> {
         let allowed_flags = match self.kind {
             KIND_TRANSFER => TRANSFER_FLAG_SRC_ADDRESS,

@@ -23,8 +23,14 @@ impl Fifo {
 
     /// Reserves `len` contiguous bytes and returns their region offset, or `None` when they do
     /// not fit now (or ever: `len > capacity`). A reservation that would cross the end starts
-    /// at offset 0 instead; the skipped bytes stay allocated until freed in order.
+    /// at offset 0 instead; the skipped bytes stay allocated until freed in order. An empty
+    /// FIFO starts over at offset 0, so anything up to `capacity` fits once everything is
+    /// freed.
     pub(crate) fn reserve(&mut self, len: usize) -> Option<usize> {
+        if self.head == self.tail && !self.head.is_multiple_of(self.capacity) {
+            self.head += self.capacity - self.head % self.capacity;
+            self.tail = self.head;
+        }
         let offset = self.head % self.capacity;
         let skip = if offset + len > self.capacity {
             self.capacity - offset
@@ -96,6 +102,20 @@ mod tests {
         // Stale or impossible totals change nothing.
         f.free_to(3);
         f.free_to(1000);
+        assert_eq!(f.reserve(1), None);
+    }
+
+    #[test]
+    fn an_empty_fifo_fits_its_whole_capacity_wherever_it_stood() {
+        let mut f = Fifo::new(16);
+        assert_eq!(f.reserve(10), Some(0));
+        let mark = f.allocated();
+        f.free_to(mark);
+        // Without starting over, 12 bytes at offset 10 would skip to 0 and never fit.
+        assert_eq!(f.reserve(12), Some(0));
+        assert_eq!(f.reserve(4), Some(12));
+        // A total from before the restart frees nothing now.
+        f.free_to(mark);
         assert_eq!(f.reserve(1), None);
     }
 

@@ -269,10 +269,11 @@ pub enum VerbsOpError {
         /// The world size.
         world: u32,
     },
-    /// A transfer needs more work requests than the send queue holds.
+    /// An operation (a transfer; a write's elements or a signal's words, inline) needs more
+    /// work requests than the send queue holds.
     #[error(
-        "transfer of {bytes} bytes to peer {peer} needs {needed} work requests of at most \
-         {chunk} bytes; the send queue holds {depth}"
+        "an operation of {bytes} bytes to peer {peer} needs {needed} work requests of at most \
+         {chunk} bytes; the send queue holds {depth} (raise `send_queue_depth`)"
     )]
     TooLarge {
         /// The peer.

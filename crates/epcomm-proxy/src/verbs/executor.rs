@@ -38,7 +38,7 @@ use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use super::endpoint::{QpEndpoint, RankEndpoints};
-use super::flow::{self, Payload, SendQueue, ShadowWords, WrKind};
+use super::flow::{self, INLINE_MAX, Payload, SendQueue, ShadowWords, WrKind};
 use super::qp_state::{self, PSN_MASK, PathParams};
 use super::resources::{CompletionQueue, MemoryRegion, ProtectionDomain, QueuePair};
 use super::select::{self, DeviceSelector, GidSelector, Selected};
@@ -374,6 +374,13 @@ impl PreparedVerbs {
         let depth = config.send_queue_depth as usize;
         let mut peers = Vec::with_capacity(qps.len());
         let mut qpn_to_peer = HashMap::new();
+        // Every queue pair was checked to grant at least 8 inline bytes when it was made.
+        let granted = qps
+            .iter()
+            .map(|qp| qp.cap().max_inline_data as usize)
+            .min()
+            .unwrap_or(8);
+        let inline = granted.clamp(8, INLINE_MAX) / 8 * 8;
         for (peer, (mut qp, psn)) in qps.drain(..).zip(psns).enumerate() {
             let peer = peer as u32;
             let remote = all[peer as usize].endpoints[config.rank as usize];
@@ -417,6 +424,7 @@ impl PreparedVerbs {
             world: config.world,
             heap_bytes: config.heap.bytes(),
             chunk,
+            inline,
             shadow: ShadowWords::default(),
             wcs: vec![IbvWc::default(); 64],
             device: selected.context.name().to_string(),
@@ -453,6 +461,9 @@ pub struct VerbsExecutor {
     world: u32,
     heap_bytes: u64,
     chunk: u64,
+    /// Bytes per inline work request: the queue pairs' `max_inline_data` (at least 8), at most
+    /// [`INLINE_MAX`], a multiple of 8.
+    inline: usize,
     shadow: ShadowWords,
     wcs: Vec<IbvWc>,
     device: String,
@@ -625,41 +636,45 @@ impl VerbsExecutor {
         Ok(Submit::Accepted)
     }
 
-    /// Posts `values.len()` inline RDMA WRITEs of `len` bytes each to consecutive places from
-    /// `offset` on (element `j` at `offset + j * len`), all or none: `Busy` when the send
-    /// queue has no room for all of them. Only the last names `op`: its completion is the
-    /// operation's (an RC queue pair completes its work requests in order).
+    /// Posts `bytes` (little-endian elements of `width` bytes, to consecutive places from
+    /// `offset` on) as inline RDMA WRITEs of at most `inline` bytes each (whole elements), all
+    /// or none: `Busy` when the send queue has no room for all of them. Only the last names
+    /// `op`: its completion is the operation's (an RC queue pair completes its work requests
+    /// in order).
     fn inline(
         &mut self,
         op: OpId,
         peer: u32,
         offset: u64,
-        values: &[u64],
-        len: u8,
+        bytes: &[u8],
+        width: usize,
         kind: WrKind,
     ) -> Result<Submit, VerbsOpError> {
+        let per_wr = self.inline / width * width;
         let p = self.peer(peer)?;
-        let n = values.len();
+        let n = bytes.len().div_ceil(per_wr);
         if n > p.queue.depth() {
             return Err(VerbsOpError::TooLarge {
                 peer,
-                bytes: n as u64 * u64::from(len),
+                bytes: bytes.len() as u64,
                 needed: n as u64,
-                chunk: u64::from(len),
+                chunk: per_wr as u64,
                 depth: p.queue.depth(),
             });
         }
         if !p.queue.has_room(n) {
             return Ok(Submit::Busy);
         }
-        for (j, &value) in values.iter().enumerate() {
+        for (j, part) in bytes.chunks(per_wr).enumerate() {
+            let mut inline = [0u8; INLINE_MAX];
+            inline[..part.len()].copy_from_slice(part);
             let payload = Payload::Inline {
-                bytes: value.to_le_bytes(),
-                len,
+                bytes: inline,
+                len: part.len() as u8,
             };
             p.queue
                 .push(
-                    p.remote_base + offset + j as u64 * u64::from(len),
+                    p.remote_base + offset + (j * per_wr) as u64,
                     p.rkey,
                     payload,
                     (j + 1 == n).then_some(op),
@@ -674,13 +689,13 @@ impl VerbsExecutor {
     fn write(&mut self, op: OpId, w: &Write) -> Result<Submit, VerbsOpError> {
         let len = w.width.bytes();
         self.check_range("write", w.peer, w.offset, w.bytes())?;
-        let values: Vec<u64> = (0..w.count).map(|j| w.element(j)).collect();
-        let submitted = self.inline(op, w.peer, w.offset, &values, len as u8, WrKind::Write)?;
+        let bytes = w.to_le_bytes();
+        let submitted = self.inline(op, w.peer, w.offset, &bytes, len as usize, WrKind::Write)?;
         if submitted == Submit::Accepted && len == 8 {
-            for (j, &v) in values.iter().enumerate() {
-                let at = w.offset + 8 * j as u64;
+            for j in 0..w.count {
+                let at = w.offset + 8 * u64::from(j);
                 if self.shadow.tracks(w.peer, at) {
-                    self.shadow.commit(w.peer, at, v);
+                    self.shadow.commit(w.peer, at, w.element(j));
                 }
             }
         }
@@ -699,7 +714,8 @@ impl VerbsExecutor {
         } else {
             WrKind::SignalSet
         };
-        let submitted = self.inline(op, s.peer, s.offset, &values, 8, kind)?;
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let submitted = self.inline(op, s.peer, s.offset, &bytes, 8, kind)?;
         if submitted == Submit::Accepted {
             for (k, &v) in values.iter().enumerate() {
                 self.shadow.commit(s.peer, s.offset + 8 * k as u64, v);

@@ -64,6 +64,10 @@ impl WrKind {
     }
 }
 
+/// The most bytes one inline work request carries here (a write's elements or a signal's words
+/// are packed into as few requests as this and the queue pair's `max_inline_data` allow).
+pub const INLINE_MAX: usize = 64;
+
 /// Where the bytes of a work request come from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Payload {
@@ -78,9 +82,9 @@ pub enum Payload {
     },
     /// Bytes copied into the work queue entry at post time (`IBV_SEND_INLINE`).
     Inline {
-        /// The value, little-endian; the first `len` bytes are sent.
-        bytes: [u8; 8],
-        /// 4 or 8.
+        /// The bytes, little-endian; the first `len` are sent.
+        bytes: [u8; INLINE_MAX],
+        /// 1 ..= [`INLINE_MAX`] (and at most what the queue pair grants).
         len: u8,
     },
 }
@@ -332,10 +336,9 @@ mod tests {
     }
 
     fn inline(v: u64) -> Payload {
-        Payload::Inline {
-            bytes: v.to_le_bytes(),
-            len: 8,
-        }
+        let mut bytes = [0; INLINE_MAX];
+        bytes[..8].copy_from_slice(&v.to_le_bytes());
+        Payload::Inline { bytes, len: 8 }
     }
 
     fn push(q: &mut SendQueue, op: OpId, sink: &mut Recorder) {

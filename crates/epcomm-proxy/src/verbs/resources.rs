@@ -13,7 +13,7 @@ use std::os::raw::c_int;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use super::flow::{Payload, PostSink, WorkRequest};
+use super::flow::{INLINE_MAX, Payload, PostSink, WorkRequest};
 use super::qp_state::Transition;
 use super::sys::{self, IbvContext, IbvCq, IbvGid, IbvMr, IbvPd, IbvPortAttr, IbvQp, IbvWc};
 use super::{DeviceInfo, Verbs, VerbsError};
@@ -419,7 +419,7 @@ pub struct QueuePair {
     cap: sys::IbvQpCap,
     wrs: Vec<sys::IbvSendWr>,
     sges: Vec<sys::IbvSge>,
-    inline: Vec<[u8; 8]>,
+    inline: Vec<[u8; INLINE_MAX]>,
 }
 
 impl std::fmt::Debug for QueuePair {
@@ -514,7 +514,7 @@ impl PostSink for QueuePair {
         self.inline.clear();
         self.inline.extend(chain.iter().map(|w| match w.payload {
             Payload::Inline { bytes, .. } => bytes,
-            Payload::Gather { .. } => [0; 8],
+            Payload::Gather { .. } => [0; INLINE_MAX],
         }));
         self.sges.clear();
         for (i, w) in chain.iter().enumerate() {

@@ -4,8 +4,8 @@
 //! | operation | driver work on the peer's stream |
 //! |---|---|
 //! | transfer | a copy from the source (caller memory or this rank's buffer) to the peer's buffer through its CUDA-IPC mapping |
-//! | write (4/8 bytes) | the value staged in the peer lane's pinned host arena; writes to contiguous destination bytes merge into one copy |
-//! | signal set | the value staged in the arena, then an 8-byte copy after every earlier copy of the lane; signals to consecutive words with nothing between them merge into one copy |
+//! | write (4/8-byte elements, one or a sequence) | the elements staged in the peer lane's pinned host arena; writes to contiguous destination bytes merge into one copy |
+//! | signal set (one word or several) | the value staged in the arena once per word, then one copy of them after every earlier copy of the lane; signals to consecutive words with nothing between them merge into one copy |
 //! | signal add | the same, writing a running sum kept here (see below) |
 //!
 //! **Copies**: a lane collects its copies and hands them to its stream when 1024 are pending
