@@ -59,6 +59,19 @@ fn add(peer: u32, offset: u64, value: u64) -> Descriptor {
     })
 }
 
+/// A ring of `slots` and a proxy for rank 0 on `heap` whose executor queues at most `depth`
+/// operations, with the default configuration.
+fn host_proxy(heap: Arc<HostHeap>, slots: u64, depth: usize) -> (ring::Producer, Proxy) {
+    let (producer, consumer) = ring::split(RingMemory::allocate(slots).expect("ring"));
+    let proxy = Proxy::spawn(
+        consumer,
+        HostExecutor::new(heap, 0, depth),
+        ProxyConfig::new(limits()),
+    )
+    .expect("spawn");
+    (producer, proxy)
+}
+
 /// Rank 0's token rows (token `t`, byte `i` = `t * 7 + i`), and the descriptors of a dispatch:
 /// every token to every other rank, row-interleaved across peers, then one `done` add each.
 fn dispatch(heap: &HostHeap) -> Vec<Descriptor> {
@@ -134,13 +147,7 @@ fn a_run_lands_with_one_sequence_write_and_one_signal_over_its_flags() {
             ..Signal::word(2, 50_000, 9, SignalOp::Set)
         }),
     ];
-    let (mut producer, consumer) = ring::split(RingMemory::allocate(8).expect("ring"));
-    let proxy = Proxy::spawn(
-        consumer,
-        HostExecutor::new(Arc::clone(&heap), 0, 4),
-        ProxyConfig::new(limits()),
-    )
-    .expect("spawn");
+    let (mut producer, proxy) = host_proxy(Arc::clone(&heap), 8, 4);
     for d in &work {
         producer.push(d, &limits(), LONG).expect("push");
     }
@@ -166,13 +173,7 @@ fn a_signal_is_seen_only_after_its_rows() {
     // The reader polls rank 1's `done` word; once it is 1, every row must be there.
     let heap = HostHeap::new(WORLD, HEAP);
     let work = dispatch(&heap);
-    let (mut producer, consumer) = ring::split(RingMemory::allocate(64).expect("ring"));
-    let proxy = Proxy::spawn(
-        consumer,
-        HostExecutor::new(Arc::clone(&heap), 0, 8),
-        ProxyConfig::new(limits()),
-    )
-    .expect("spawn");
+    let (mut producer, proxy) = host_proxy(Arc::clone(&heap), 64, 8);
     let watcher = {
         let heap = Arc::clone(&heap);
         thread::spawn(move || {
@@ -193,13 +194,7 @@ fn a_signal_is_seen_only_after_its_rows() {
 #[test]
 fn shutdown_while_busy_executes_what_was_published_and_closes_the_ring() {
     let heap = HostHeap::new(WORLD, HEAP);
-    let (mut producer, consumer) = ring::split(RingMemory::allocate(8).expect("ring"));
-    let proxy = Proxy::spawn(
-        consumer,
-        HostExecutor::new(Arc::clone(&heap), 0, 1),
-        ProxyConfig::new(limits()),
-    )
-    .expect("spawn");
+    let (mut producer, proxy) = host_proxy(Arc::clone(&heap), 8, 1);
     let writer = thread::spawn(move || {
         let mut pushed = 0u64;
         loop {
@@ -228,13 +223,7 @@ fn shutdown_while_busy_executes_what_was_published_and_closes_the_ring() {
 #[test]
 fn an_invalid_descriptor_fails_the_proxy_naming_it() {
     let heap = HostHeap::new(WORLD, HEAP);
-    let (mut producer, consumer) = ring::split(RingMemory::allocate(8).expect("ring"));
-    let proxy = Proxy::spawn(
-        consumer,
-        HostExecutor::new(heap, 0, 4),
-        ProxyConfig::new(limits()),
-    )
-    .expect("spawn");
+    let (mut producer, proxy) = host_proxy(heap, 8, 4);
     let bad = RawDescriptor {
         kind: 1,
         flags: 0,
@@ -262,13 +251,7 @@ fn an_invalid_descriptor_fails_the_proxy_naming_it() {
 fn an_executor_failure_names_the_peer_and_the_descriptors() {
     // The proxy believes the buffers are 64 KiB; rank 2's host buffer is smaller.
     let heap = HostHeap::new(WORLD, 1024);
-    let (mut producer, consumer) = ring::split(RingMemory::allocate(8).expect("ring"));
-    let proxy = Proxy::spawn(
-        consumer,
-        HostExecutor::new(heap, 0, 4),
-        ProxyConfig::new(limits()),
-    )
-    .expect("spawn");
+    let (mut producer, proxy) = host_proxy(heap, 8, 4);
     producer
         .push(&transfer(1, 0, 0, 8), &limits(), LONG)
         .expect("push");
@@ -422,13 +405,7 @@ fn pinning_to_a_cpu_and_a_cpu_that_does_not_exist() {
 #[test]
 fn dropping_the_proxy_stops_it_cleanly() {
     let heap = HostHeap::new(WORLD, HEAP);
-    let (mut producer, consumer) = ring::split(RingMemory::allocate(8).expect("ring"));
-    let proxy = Proxy::spawn(
-        consumer,
-        HostExecutor::new(Arc::clone(&heap), 0, 4),
-        ProxyConfig::new(limits()),
-    )
-    .expect("spawn");
+    let (mut producer, proxy) = host_proxy(Arc::clone(&heap), 8, 4);
     producer.push(&add(2, 8, 1), &limits(), LONG).expect("push");
     drop(proxy);
     assert_eq!(heap.word(2, 8), Ok(1));
@@ -487,13 +464,7 @@ fn check_writes(heap: &HostHeap, peer: u32) {
 fn writes_between_rows_land_before_the_signal_and_rows_still_merge() {
     let heap = HostHeap::new(WORLD, HEAP);
     let work = dispatch_with_writes(&heap);
-    let (mut producer, consumer) = ring::split(RingMemory::allocate(64).expect("ring"));
-    let proxy = Proxy::spawn(
-        consumer,
-        HostExecutor::new(Arc::clone(&heap), 0, 8),
-        ProxyConfig::new(limits()),
-    )
-    .expect("spawn");
+    let (mut producer, proxy) = host_proxy(Arc::clone(&heap), 64, 8);
     // Once rank 2's `done` is 1, its rows, scales and ids must all be there.
     let watcher = {
         let heap = Arc::clone(&heap);
@@ -529,13 +500,7 @@ fn writes_between_rows_land_before_the_signal_and_rows_still_merge() {
 #[test]
 fn an_address_source_fails_the_host_proxy_naming_the_peer_and_descriptor() {
     let heap = HostHeap::new(WORLD, HEAP);
-    let (mut producer, consumer) = ring::split(RingMemory::allocate(8).expect("ring"));
-    let proxy = Proxy::spawn(
-        consumer,
-        HostExecutor::new(heap, 0, 4),
-        ProxyConfig::new(limits()),
-    )
-    .expect("spawn");
+    let (mut producer, proxy) = host_proxy(heap, 8, 4);
     producer.push(&add(1, 0, 1), &limits(), LONG).expect("push");
     let from_device = Descriptor::Transfer(Transfer {
         peer: 3,
