@@ -122,6 +122,7 @@ pub struct Timer {
     out: CudaSlice<bf16>,
     /// Rows this rank receives.
     pub num_recv: usize,
+    line_ups: u64,
 }
 
 impl Timer {
@@ -164,10 +165,12 @@ impl Timer {
             y,
             out,
             num_recv,
+            line_ups: 0,
         })
     }
 
-    /// Runs `op` `iters` times (each call after an L2 flush) and returns each call's time in
+    /// Runs `op` `iters` times (each call after an L2 flush; on a flat buffer with every rank
+    /// lined up, as [`LlTimer`] does, see [`LINE_UP_SPIN`]) and returns each call's time in
     /// microseconds (CUDA events around the op only). Collective.
     ///
     /// # Errors
@@ -186,7 +189,23 @@ impl Timer {
         }
         let mut events = Vec::with_capacity(iters);
         for _ in 0..iters {
-            let (start, end) = flushed_events(&self.ctx, &self.stream, &mut self.flush)?;
+            // Lined up like the low-latency ops, so both modes are timed the same way where
+            // ranks share a GPU (a two-tier buffer has no single bootstrap to line up on).
+            let (start, end) = match buf.as_flat() {
+                Some(flat) => {
+                    line_up(
+                        &self.stream,
+                        &mut self.flush,
+                        "normal",
+                        &mut self.line_ups,
+                        flat,
+                    )?;
+                    let (start, end) = (timing_event(&self.ctx)?, timing_event(&self.ctx)?);
+                    start.record(&self.stream)?;
+                    (start, end)
+                }
+                None => flushed_events(&self.ctx, &self.stream, &mut self.flush)?,
+            };
             self.run(buf, dev, op)?;
             end.record(&self.stream)?;
             events.push((start, end));
@@ -344,7 +363,7 @@ impl LlTimer {
                         .barrier(&format!("ll-bench-{i}"))?;
                     if !send {
                         // The receive phase after its own L2 flush, every rank lined up.
-                        line_up(&self.stream, &mut self.flush, &mut self.line_ups, buf)?;
+                        line_up(&self.stream, &mut self.flush, "ll", &mut self.line_ups, buf)?;
                         start.record(&self.stream)?;
                     }
                     buf.ll_receive(pending)?;
@@ -382,7 +401,7 @@ impl LlTimer {
     /// cooperatively) waits until the peer's 256 MiB flush leaves them, and its events time
     /// that flush. Collective.
     fn flush_and_line_up(&mut self, buf: &mut Buffer) -> Result<()> {
-        line_up(&self.stream, &mut self.flush, &mut self.line_ups, buf)
+        line_up(&self.stream, &mut self.flush, "ll", &mut self.line_ups, buf)
     }
 }
 
@@ -391,6 +410,7 @@ impl LlTimer {
 fn line_up(
     stream: &Arc<CudaStream>,
     flush: &mut CudaSlice<u8>,
+    tag: &str,
     line_ups: &mut u64,
     buf: &mut Buffer,
 ) -> Result<()> {
@@ -399,7 +419,7 @@ fn line_up(
     *line_ups += 1;
     buf.transport()
         .bootstrap()
-        .barrier(&format!("ll-line-up-{line_ups}"))?;
+        .barrier(&format!("{tag}-line-up-{line_ups}"))?;
     buf.inject_delay(LINE_UP_SPIN)?;
     Ok(())
 }
