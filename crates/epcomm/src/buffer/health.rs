@@ -307,7 +307,9 @@ impl Buffer {
     }
 
     /// Diagnostics: delays the ops issued after this call by `delay` on this rank's stream (a
-    /// GPU spin, so the delay is exact), to see skew attribution at work ([`OpStats`]).
+    /// GPU spin, so the delay is exact), to see skew attribution at work ([`OpStats`]). Allowed
+    /// between a low-latency send phase and its [`Buffer::ll_receive`] (it touches no state of
+    /// the buffer, only its stream: what other work between the phases does).
     pub fn inject_delay(&mut self, delay: Duration) -> Result<()> {
         if delay > Duration::from_secs(10) {
             return Err(Error::InvalidArgument {
@@ -315,7 +317,7 @@ impl Buffer {
                 rule: format!("at most 10 s (got {delay:?})"),
             });
         }
-        self.ensure_ready()?;
+        self.check()?;
         self.launcher
             .kernels
             .launch_delay(&self.launcher.stream, delay.as_nanos() as u64)?;
