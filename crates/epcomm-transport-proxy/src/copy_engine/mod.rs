@@ -27,8 +27,9 @@
 //! **Ordering.** One stream per peer and submission order kept on it: a signal's copy starts
 //! after every earlier copy and write to that peer has completed — the contract of
 //! [`epcomm_proxy::Executor`]. A pending run of writes is handed to its stream before any later
-//! copy or signal on that stream. A copy may merge into an earlier pending copy (it then lands
-//! sooner, never later than the signals after it); a signal merges only into the lane's last
+//! copy or signal on that stream. A copy may merge into an earlier pending copy that it
+//! continues or that continues it (it then lands sooner, never later than the signals after
+//! it); a signal merges only into the lane's last
 //! pending copy, and only when that copy holds nothing but signals, so it never lands before
 //! anything that came before it. (A signal used to be a `cuStreamWriteValue64` each: one
 //! driver call per word, which made a combine over this executor take one call per row.)
@@ -374,7 +375,11 @@ impl CopyEngineExecutor {
             self.flush_batch(i)?;
         }
         let lane = &mut self.lanes[i];
-        if let Some(k) = continued_copy(&lane.batch, dst, src, bytes) {
+        if let Some((k, side)) = joined_copy(&lane.batch, dst, src, bytes) {
+            if side == Join::Before {
+                lane.batch[k].0 = dst;
+                lane.batch[k].1 = src;
+            }
             lane.batch[k].2 += bytes;
             if lane.open_signal == Some(k) {
                 lane.open_signal = None;
@@ -677,23 +682,39 @@ fn open_signal_continued(
     .then_some(k)
 }
 
+/// Where a new copy joins a pending one ([`joined_copy`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Join {
+    /// The new copy continues the pending one (both its source and its destination start
+    /// where the pending copy's end).
+    After,
+    /// The new copy precedes the pending one (both end where the pending copy's start): the
+    /// merged copy starts at the new one's addresses.
+    Before,
+}
+
 /// The index of the pending copy in `batch` that the copy of `bytes` bytes from `src` to `dst`
-/// continues (both its source and its destination start where that copy's end), when merging
-/// them leaves the stream's result unchanged: no copy issued between the two reads or writes
-/// the new destination or writes the new source, and the merged copy's source and destination
-/// do not overlap. Looks back at most [`MERGE_WINDOW`] copies.
-fn continued_copy(
+/// joins (continues it, or ends where it starts, in both its source and its destination), when
+/// merging them leaves the stream's result unchanged: no copy issued between the two reads or
+/// writes the new destination or writes the new source, and the merged copy's source and
+/// destination do not overlap. Looks back at most [`MERGE_WINDOW`] copies. Both sides matter
+/// because warps hand the proxy adjacent runs in no particular order: a run arriving before
+/// its neighbour to the left must still merge with it.
+fn joined_copy(
     batch: &[(u64, u64, usize, OpId)],
     dst: u64,
     src: u64,
     bytes: usize,
-) -> Option<usize> {
+) -> Option<(usize, Join)> {
     let lo = batch.len().saturating_sub(MERGE_WINDOW);
     for k in (lo..batch.len()).rev() {
         let (d, s, n, _) = batch[k];
+        let merged = n + bytes;
         if d.checked_add(n as u64) == Some(dst) && s.checked_add(n as u64) == Some(src) {
-            let merged = n + bytes;
-            return (!overlaps(d, merged, s, merged)).then_some(k);
+            return (!overlaps(d, merged, s, merged)).then_some((k, Join::After));
+        }
+        if dst.checked_add(bytes as u64) == Some(d) && src.checked_add(bytes as u64) == Some(s) {
+            return (!overlaps(dst, merged, src, merged)).then_some((k, Join::Before));
         }
         if overlaps(d, n, dst, bytes) || overlaps(s, n, dst, bytes) || overlaps(d, n, src, bytes) {
             return None;
@@ -713,49 +734,61 @@ mod tests {
     #[test]
     fn consecutive_rows_to_consecutive_slots_merge() {
         let mut b = vec![(1000, 50_000, 64, op())];
-        assert_eq!(continued_copy(&b, 1064, 50_064, 64), Some(0));
+        assert_eq!(joined_copy(&b, 1064, 50_064, 64), Some((0, Join::After)));
         // Interleaved copies of other kinds (metadata rows elsewhere) do not stop it.
         b.push((9000, 70_000, 8, op()));
         b.push((9100, 71_000, 8, op()));
-        assert_eq!(continued_copy(&b, 1064, 50_064, 64), Some(0));
-        assert_eq!(continued_copy(&b, 9008, 70_008, 8), Some(1));
+        assert_eq!(joined_copy(&b, 1064, 50_064, 64), Some((0, Join::After)));
+        assert_eq!(joined_copy(&b, 9008, 70_008, 8), Some((1, Join::After)));
     }
 
     #[test]
     fn only_both_sides_continuing_merge() {
         let b = vec![(1000, 50_000, 64, op())];
-        assert_eq!(continued_copy(&b, 1064, 60_000, 64), None, "source jumps");
+        assert_eq!(joined_copy(&b, 1064, 60_000, 64), None, "source jumps");
+        assert_eq!(joined_copy(&b, 2000, 50_064, 64), None, "destination jumps");
         assert_eq!(
-            continued_copy(&b, 2000, 50_064, 64),
-            None,
-            "destination jumps"
-        );
-        assert_eq!(
-            continued_copy(&b, 1000, 50_000, 64),
+            joined_copy(&b, 1000, 50_000, 64),
             None,
             "the same copy again"
         );
-        assert_eq!(continued_copy(&[], 1064, 50_064, 64), None);
+        assert_eq!(joined_copy(&[], 1064, 50_064, 64), None);
+    }
+
+    #[test]
+    fn a_run_that_arrives_before_its_left_neighbour_joins_it_from_the_front() {
+        // Rows 64..128 came first; rows 0..64 (ending where they start) join in front.
+        let mut b = vec![(1064, 50_064, 64, op()), (9000, 70_000, 8, op())];
+        assert_eq!(joined_copy(&b, 1000, 50_000, 64), Some((0, Join::Before)));
+        // Only when both sides end there.
+        assert_eq!(joined_copy(&b, 1000, 40_000, 64), None);
+        assert_eq!(joined_copy(&b, 900, 50_000, 64), None);
+        // A copy in between that writes the new destination blocks it.
+        b.push((1010, 80_000, 8, op()));
+        assert_eq!(joined_copy(&b, 1000, 50_000, 64), None);
+        // The merged copy must not overlap itself: destination just before the source.
+        let b = vec![(1064, 1128, 64, op())];
+        assert_eq!(joined_copy(&b, 1000, 1064, 64), None);
     }
 
     #[test]
     fn a_copy_in_between_that_touches_the_bytes_blocks_the_merge() {
         // Writes the new destination.
         let b = vec![(1000, 50_000, 64, op()), (1070, 80_000, 8, op())];
-        assert_eq!(continued_copy(&b, 1064, 50_064, 64), None);
+        assert_eq!(joined_copy(&b, 1064, 50_064, 64), None);
         // Reads the new destination.
         let b = vec![(1000, 50_000, 64, op()), (5000, 1100, 8, op())];
-        assert_eq!(continued_copy(&b, 1064, 50_064, 64), None);
+        assert_eq!(joined_copy(&b, 1064, 50_064, 64), None);
         // Writes the new source.
         let b = vec![(1000, 50_000, 64, op()), (50_100, 90_000, 8, op())];
-        assert_eq!(continued_copy(&b, 1064, 50_064, 64), None);
+        assert_eq!(joined_copy(&b, 1064, 50_064, 64), None);
     }
 
     #[test]
     fn merged_ranges_that_would_overlap_do_not_merge() {
         // Source and destination 64 bytes apart: the merged copy would overlap itself.
         let b = vec![(1064, 1000, 64, op())];
-        assert_eq!(continued_copy(&b, 1128, 1064, 64), None);
+        assert_eq!(joined_copy(&b, 1128, 1064, 64), None);
     }
 
     #[test]
@@ -796,6 +829,6 @@ mod tests {
         for k in 0..MERGE_WINDOW as u64 {
             b.push((100_000 + 16 * k, 200_000 + 16 * k, 8, op()));
         }
-        assert_eq!(continued_copy(&b, 1064, 50_064, 64), None);
+        assert_eq!(joined_copy(&b, 1064, 50_064, 64), None);
     }
 }
