@@ -200,9 +200,7 @@ impl Timer {
                         &mut self.line_ups,
                         flat,
                     )?;
-                    let (start, end) = (timing_event(&self.ctx)?, timing_event(&self.ctx)?);
-                    start.record(&self.stream)?;
-                    (start, end)
+                    started_events(&self.ctx, &self.stream)?
                 }
                 None => flushed_events(&self.ctx, &self.stream, &mut self.flush)?,
             };
@@ -509,8 +507,7 @@ impl LlTimer {
         let mut events = Vec::with_capacity(iters);
         for _ in 0..iters {
             self.flush_and_line_up(buf)?;
-            let (start, end) = (timing_event(&self.ctx)?, timing_event(&self.ctx)?);
-            start.record(&self.stream)?;
+            let (start, end) = started_events(&self.ctx, &self.stream)?;
             buf.replay(&graph)?;
             end.record(&self.stream)?;
             events.push((start, end));
@@ -594,6 +591,14 @@ pub(crate) fn flushed_events(
     flush: &mut CudaSlice<u8>,
 ) -> Result<(CudaEvent, CudaEvent)> {
     stream.memset_zeros(flush)?;
+    started_events(ctx, stream)
+}
+
+/// A (start, end) pair of timing events, the start recorded on `stream` now.
+fn started_events(
+    ctx: &Arc<CudaContext>,
+    stream: &Arc<CudaStream>,
+) -> Result<(CudaEvent, CudaEvent)> {
     let (start, end) = (timing_event(ctx)?, timing_event(ctx)?);
     start.record(stream)?;
     Ok((start, end))

@@ -440,12 +440,11 @@ impl Write {
         self.value.wrapping_add(u64::from(j))
     }
 
-    /// The stored bytes, little-endian, element after element.
-    pub fn to_le_bytes(&self) -> Vec<u8> {
+    /// The stored bytes ([`Write::bytes`] of them), little-endian, element after element;
+    /// an iterator, so that an executor writes them where they go without a copy between.
+    pub fn le_bytes(&self) -> impl Iterator<Item = u8> + '_ {
         let w = self.width.bytes() as usize;
-        (0..self.count)
-            .flat_map(|j| self.element(j).to_le_bytes().into_iter().take(w))
-            .collect()
+        (0..self.count).flat_map(move |j| self.element(j).to_le_bytes().into_iter().take(w))
     }
 }
 
@@ -874,16 +873,18 @@ mod tests {
         };
         assert_eq!(w.bytes(), 8);
         assert_eq!(
-            w.to_le_bytes(),
+            w.le_bytes().collect::<Vec<_>>(),
             [0xfe, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff]
         );
         let Descriptor::Write(w) = sequence(0, 0, 5, WriteWidth::Eight, 3) else {
             unreachable!()
         };
         let want: Vec<u8> = [5u64, 6, 7].iter().flat_map(|v| v.to_le_bytes()).collect();
-        assert_eq!(w.to_le_bytes(), want);
+        assert_eq!(w.le_bytes().collect::<Vec<_>>(), want);
         assert_eq!(
-            Write::one(0, 0, 9, WriteWidth::Four).to_le_bytes(),
+            Write::one(0, 0, 9, WriteWidth::Four)
+                .le_bytes()
+                .collect::<Vec<_>>(),
             9u32.to_le_bytes()
         );
         let Descriptor::Signal(s) = signal_words(0, 8, 1, 3) else {

@@ -70,7 +70,7 @@ pub trait Executor: Send + 'static {
 
     /// Starts storing `write`'s `count` elements (`value`, `value + 1`, ...; each its low
     /// `width` bytes, little-endian) into `write.peer`'s symmetric buffer from `write.offset`
-    /// on ([`Write::to_le_bytes`](crate::descriptor::Write::to_le_bytes)). One operation,
+    /// on ([`Write::le_bytes`](crate::descriptor::Write::le_bytes)). One operation,
     /// reported complete once every element is stored.
     ///
     /// # Errors

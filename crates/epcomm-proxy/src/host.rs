@@ -172,7 +172,9 @@ impl HostHeap {
     /// `w.offset` of `w.peer`'s buffer on.
     fn store(&self, w: &Write) -> Result<(), HostError> {
         let r = self.range(w.peer, w.offset, w.bytes())?;
-        self.lock(w.peer)?[r].copy_from_slice(&w.to_le_bytes());
+        for (to, b) in self.lock(w.peer)?[r].iter_mut().zip(w.le_bytes()) {
+            *to = b;
+        }
         Ok(())
     }
 }

@@ -689,7 +689,7 @@ impl VerbsExecutor {
     fn write(&mut self, op: OpId, w: &Write) -> Result<Submit, VerbsOpError> {
         let len = w.width.bytes();
         self.check_range("write", w.peer, w.offset, w.bytes())?;
-        let bytes = w.to_le_bytes();
+        let bytes: Vec<u8> = w.le_bytes().collect();
         let submitted = self.inline(op, w.peer, w.offset, &bytes, len as usize, WrKind::Write)?;
         if submitted == Submit::Accepted && len == 8 {
             for j in 0..w.count {

@@ -442,6 +442,25 @@ impl CopyEngineExecutor {
         Submit::Accepted
     }
 
+    /// `TooLarge` when `bytes` staged bytes could never fit in lane `i`'s arena (anything up to
+    /// its capacity fits once the arena is empty, so a smaller one only waits: `Busy`).
+    fn fits_arena(
+        &self,
+        i: usize,
+        op: OpId,
+        what: &'static str,
+        bytes: usize,
+    ) -> Result<(), OpFailure> {
+        let arena = self.lanes[i].fifo.capacity();
+        if bytes > arena {
+            return Err(OpFailure::new(
+                op,
+                CopyEngineError::TooLarge { what, bytes, arena },
+            ));
+        }
+        Ok(())
+    }
+
     /// Stores `value` into `words` consecutive words from the peer's `offset` on, ordered after
     /// everything before it on the lane; `Ok(false)` when the arena has no room now (retry
     /// later).
@@ -459,8 +478,9 @@ impl CopyEngineExecutor {
             return Ok(false);
         };
         let lane = &self.lanes[i];
+        let le = value.to_le_bytes();
         for k in 0..bytes {
-            let b = value.to_le_bytes()[k % 8];
+            let b = le[k % 8];
             // SAFETY: `at + k < at + bytes`, inside the arena just reserved.
             unsafe { std::ptr::write_volatile(lane.arena.host_ptr().add(at + k), b) };
         }
@@ -496,16 +516,7 @@ impl Executor for CopyEngineExecutor {
         }
         let i = self.lane(op, w.peer)?;
         let len = w.bytes() as usize;
-        if len > self.lanes[i].fifo.capacity() {
-            return Err(OpFailure::new(
-                op,
-                CopyEngineError::TooLarge {
-                    what: "write",
-                    bytes: len,
-                    arena: self.lanes[i].fifo.capacity(),
-                },
-            ));
-        }
+        self.fits_arena(i, op, "write", len)?;
         let lane = &mut self.lanes[i];
         let extends = lane.run.is_some_and(|r| {
             r.dst + r.len as u64 == w.offset
@@ -520,10 +531,10 @@ impl Executor for CopyEngineExecutor {
             self.flush_run(i, op)?;
             return Ok(Submit::Busy);
         };
-        let bytes = w.to_le_bytes();
-        for (k, b) in bytes.iter().enumerate() {
-            // SAFETY: `at + k < at + len`, inside the arena just reserved.
-            unsafe { std::ptr::write_volatile(lane.arena.host_ptr().add(at + k), *b) };
+        for (k, b) in w.le_bytes().enumerate() {
+            // SAFETY: `at + k < at + len` (`le_bytes` yields `w.bytes()` = `len` bytes), inside
+            // the arena just reserved.
+            unsafe { std::ptr::write_volatile(lane.arena.host_ptr().add(at + k), b) };
         }
         lane.run = Some(match lane.run {
             Some(r) if extends => Run {
@@ -556,16 +567,7 @@ impl Executor for CopyEngineExecutor {
                 .wrapping_add(s.value),
         };
         let words = s.words as usize;
-        if 8 * words > self.lanes[i].fifo.capacity() {
-            return Err(OpFailure::new(
-                op,
-                CopyEngineError::TooLarge {
-                    what: "signal",
-                    bytes: 8 * words,
-                    arena: self.lanes[i].fifo.capacity(),
-                },
-            ));
-        }
+        self.fits_arena(i, op, "signal", 8 * words)?;
         // An add has one word (the decoder refuses more).
         if !self.write_words(i, op, s.offset, value, words)? {
             return Ok(Submit::Busy);
