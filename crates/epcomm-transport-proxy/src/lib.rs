@@ -69,7 +69,7 @@ use epcomm_transport::{
 use crate::core::{ProxyCore, RingParts};
 use epcomm_transport_ipc::{IpcMemory, IpcTransport};
 
-pub use copy_engine::{CopyEngineError, CopyEngineExecutor};
+pub use copy_engine::{CopyEngineError, CopyEngineExecutor, DEFAULT_QUEUE_DEPTH, MAX_QUEUE_DEPTH};
 pub use watch::CallWatch;
 
 // The kernel side (abi.cuh) and the proxy crate must agree on the ring layout.
@@ -103,6 +103,7 @@ pub const PROXY_ENV: &[&str] = &[
     "EPCOMM_PROXY_MAX_IN_FLIGHT",
     "EPCOMM_PROXY_MIRROR",
     "EPCOMM_PROXY_BATCH",
+    "EPCOMM_PROXY_COPY_DEPTH",
     "EPCOMM_PROXY_TRACE",
 ];
 
@@ -192,6 +193,11 @@ pub struct ProxyOptions {
     /// zero rows where data was due with batches, and passed bit for bit with one call per
     /// copy (docs/proxy.md, "Status"). For diagnosis only until that is understood.
     pub batch_copies: bool,
+    /// Batches of copies each peer's stream may hold in the copy engines before the proxy
+    /// keeps new copies back to merge them ([`CopyEngineExecutor::set_queue_depth`]), in
+    /// `1..=`[`MAX_QUEUE_DEPTH`]; default [`DEFAULT_QUEUE_DEPTH`]. [`MAX_QUEUE_DEPTH`] hands
+    /// copies over at every poll (the behaviour before the depth existed).
+    pub copy_queue_depth: usize,
     /// Diagnostics on stderr: 0 none, 1 the proxy's report when a buffer's proxy stops, 2 also
     /// a live trace of the ring several times a second (docs/proxy.md, "Diagnostics").
     pub trace: u8,
@@ -262,6 +268,7 @@ impl ProxyOptions {
             cpu: None,
             mirror_progress: true,
             batch_copies: false,
+            copy_queue_depth: DEFAULT_QUEUE_DEPTH,
             trace: 0,
         }
     }
@@ -269,7 +276,8 @@ impl ProxyOptions {
     /// [`Self::one_node_per_rank`], with `EPCOMM_PROXY_RING_SLOTS` and
     /// `EPCOMM_PROXY_MAX_IN_FLIGHT` overriding the two sizes when set,
     /// `EPCOMM_PROXY_MIRROR=0` turning the progress mirror off, `EPCOMM_PROXY_BATCH=1` the
-    /// batched copies on (a diagnostic: see [`Self::batch_copies`]), and `EPCOMM_PROXY_TRACE=1|2` the diagnostics on.
+    /// batched copies on (a diagnostic: see [`Self::batch_copies`]), `EPCOMM_PROXY_COPY_DEPTH`
+    /// setting [`Self::copy_queue_depth`], and `EPCOMM_PROXY_TRACE=1|2` the diagnostics on.
     ///
     /// # Errors
     /// [`TransportError::InvalidArgument`] naming the variable when its value is not a
@@ -300,6 +308,9 @@ impl ProxyOptions {
         if let Some(on) = env_choice("EPCOMM_PROXY_BATCH", &["0", "1"])? {
             options.batch_copies = on == 1;
         }
+        if let Some(n) = var("EPCOMM_PROXY_COPY_DEPTH")? {
+            options.copy_queue_depth = usize::try_from(n).unwrap_or(usize::MAX);
+        }
         if let Some(level) = env_choice("EPCOMM_PROXY_TRACE", &["0", "1", "2"])? {
             options.trace = level;
         }
@@ -310,7 +321,8 @@ impl ProxyOptions {
     ///
     /// # Errors
     /// [`TransportError::InvalidArgument`] naming the field: `ring_slots` a power of two in
-    /// `2..=2^24`, `max_in_flight` and both bounds above zero, `virtual_nodes` above zero.
+    /// `2..=2^24`, `max_in_flight` and both bounds above zero, `virtual_nodes` above zero,
+    /// `copy_queue_depth` in `1..=`[`MAX_QUEUE_DEPTH`].
     pub fn validate(&self) -> Result<(), TransportError> {
         let bad = |argument, rule: String| Err(TransportError::InvalidArgument { argument, rule });
         if let Err(e) = ring::region_bytes(self.ring_slots) {
@@ -327,6 +339,15 @@ impl ProxyOptions {
         }
         if self.virtual_nodes == 0 {
             return bad("ProxyOptions::virtual_nodes", "must be > 0".into());
+        }
+        if !(1..=MAX_QUEUE_DEPTH).contains(&self.copy_queue_depth) {
+            return bad(
+                "ProxyOptions::copy_queue_depth",
+                format!(
+                    "must be in 1..={MAX_QUEUE_DEPTH} (got {})",
+                    self.copy_queue_depth
+                ),
+            );
         }
         if self.trace > 2 {
             return bad(
@@ -642,6 +663,7 @@ impl SymmetricHeap for ProxyTransport {
             self.options.max_in_flight,
         )?;
         executor.set_batch_copies(self.options.batch_copies);
+        executor.set_queue_depth(self.options.copy_queue_depth);
         if self.options.mirror_progress {
             executor.mirror_progress(
                 parts.counter(abi::PROXY_COUNTER_TAKEN),
@@ -829,7 +851,7 @@ mod tests {
     fn options_name_the_broken_rule() {
         let ok = ProxyOptions::one_node_per_rank(2);
         assert!(ok.validate().is_ok());
-        let cases: [(ProxyOptions, &str); 6] = [
+        let cases: [(ProxyOptions, &str); 8] = [
             (ProxyOptions { trace: 3, ..ok }, "trace"),
             (
                 ProxyOptions {
@@ -865,6 +887,20 @@ mod tests {
                     ..ok
                 },
                 "virtual_nodes",
+            ),
+            (
+                ProxyOptions {
+                    copy_queue_depth: 0,
+                    ..ok
+                },
+                "copy_queue_depth",
+            ),
+            (
+                ProxyOptions {
+                    copy_queue_depth: MAX_QUEUE_DEPTH + 1,
+                    ..ok
+                },
+                "copy_queue_depth",
             ),
         ];
         for (options, field) in cases {

@@ -8,11 +8,16 @@
 //! | signal set (one word or several) | the value staged in the arena once per word, then one copy of them after every earlier copy of the lane; signals to consecutive words with nothing between them merge into one copy |
 //! | signal add | the same, writing a running sum kept here (see below) |
 //!
-//! **Copies**: a lane collects its copies and hands them to its stream when 1024 are pending
-//! and at each poll. A copy whose source and destination both continue
-//! where a pending copy of the lane ends is merged into it (consecutive rows to consecutive
-//! slots become one copy), when no copy between the two touches its bytes, so the stream's
-//! result is unchanged. Then one `cuMemcpyAsync` each (the default), or, with
+//! **Copies**: a lane collects its copies and hands them to its stream when 1024 are pending,
+//! and at a poll when fewer than [`CopyEngineExecutor::set_queue_depth`] of its handed-over
+//! batches are still running (default [`DEFAULT_QUEUE_DEPTH`]): while the copy engines are busy
+//! with earlier batches, new copies wait here, where they merge, instead of queueing behind
+//! them on the stream one driver call each. A copy whose source and destination both continue
+//! where a pending copy of the lane ends, or end where one starts, is merged into it
+//! (consecutive rows to consecutive slots become one copy), when no copy between the two
+//! touches its bytes, so the stream's result is unchanged; before a batch goes out, one more
+//! pass merges the copies that earlier merges made adjacent ([`compact`]). Then one
+//! `cuMemcpyAsync` each (the default), or, with
 //! [`CopyEngineExecutor::set_batch_copies`], one `cuMemcpyBatchAsync` (source read in stream
 //! order, with the hint to use the copy engines rather than SMs; a copy that depends on a
 //! pending one starts a new batch, since a batch runs in no particular order), falling back to
@@ -74,6 +79,16 @@ const MAX_BATCH: usize = 1024;
 /// How far back in a lane's pending copies a new copy looks for one it continues.
 const MERGE_WINDOW: usize = 32;
 
+/// How far back [`compact`] looks, once per batch.
+const COMPACT_WINDOW: usize = 256;
+
+/// Batches a lane keeps in the copy engines before it holds new copies back
+/// ([`CopyEngineExecutor::set_queue_depth`]).
+pub const DEFAULT_QUEUE_DEPTH: usize = 2;
+
+/// The largest queue depth: a lane never has more batches running than it has events.
+pub const MAX_QUEUE_DEPTH: usize = EVENTS_PER_LANE;
+
 /// Why a copy-engine operation failed.
 #[derive(Debug, thiserror::Error)]
 pub enum CopyEngineError {
@@ -121,6 +136,38 @@ struct Run {
     len: usize,
 }
 
+/// A copy not yet handed to its lane's stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Pending {
+    dst: u64,
+    src: u64,
+    bytes: usize,
+    /// The first operation it carries (named when the driver refuses the copy).
+    op: OpId,
+    /// It carries signal words only: it lands after every copy before it, so it never moves
+    /// ahead of one, and copies of data never merge into it.
+    signal: bool,
+}
+
+impl Pending {
+    fn data(dst: u64, src: u64, bytes: usize, op: OpId) -> Self {
+        Self {
+            dst,
+            src,
+            bytes,
+            op,
+            signal: false,
+        }
+    }
+
+    fn signal(dst: u64, src: u64, bytes: usize, op: OpId) -> Self {
+        Self {
+            signal: true,
+            ..Self::data(dst, src, bytes, op)
+        }
+    }
+}
+
 /// One peer's lane: its stream, its mapping, its arena, and what was submitted since the last
 /// poll.
 struct Lane {
@@ -133,12 +180,9 @@ struct Lane {
     fifo: Fifo,
     /// The writes not yet added to the batch.
     run: Option<Run>,
-    /// Copies not yet handed to the stream — (destination, source, bytes, operation) — issued
-    /// together by `flush_batch` (one `cuMemcpyBatchAsync` call).
-    batch: Vec<(u64, u64, usize, OpId)>,
-    /// The index in `batch` of its last copy when that copy holds signals only (later signals
-    /// to the next words merge into it: [`open_signal_continued`]).
-    open_signal: Option<usize>,
+    /// Copies not yet handed to the stream, issued together by `flush_batch` (one
+    /// `cuMemcpyBatchAsync` call with batched copies).
+    batch: Vec<Pending>,
     /// Operations submitted since the last event.
     unmarked: Vec<OpId>,
     /// Events in record order, each with the operations it completes, the arena total it
@@ -159,6 +203,8 @@ pub struct CopyEngineExecutor {
     /// Copies go out as batches (`cuMemcpyBatchAsync`, preferring the copy engines); cleared
     /// when the driver refuses a batch (then one `cuMemcpyAsync` per copy).
     batched: bool,
+    /// A lane hands its pending copies over only while fewer of its batches are running.
+    queue_depth: usize,
     /// Where the ring's progress is mirrored in device memory ([`Self::mirror_progress`]).
     mirror: Option<Mirror>,
     watch: Arc<CallWatch>,
@@ -204,7 +250,6 @@ impl CopyEngineExecutor {
                     fifo: Fifo::new(if base == 0 { 8 } else { ARENA_BYTES }),
                     run: None,
                     batch: Vec::new(),
-                    open_signal: None,
                     unmarked: Vec::new(),
                     marks: VecDeque::new(),
                 })
@@ -227,6 +272,7 @@ impl CopyEngineExecutor {
             in_flight: 0,
             max_in_flight: max_in_flight.max(1),
             batched: false,
+            queue_depth: DEFAULT_QUEUE_DEPTH,
             mirror: None,
             watch: Arc::new(CallWatch::default()),
         })
@@ -236,6 +282,15 @@ impl CopyEngineExecutor {
     /// batches lost copies in a measured case, see `ProxyOptions::batch_copies`).
     pub fn set_batch_copies(&mut self, on: bool) {
         self.batched = on;
+    }
+
+    /// How many of a lane's handed-over batches may run in the copy engines before the lane
+    /// holds its new copies back until one completes (clamped to `1..=`[`MAX_QUEUE_DEPTH`]).
+    /// Held copies merge with the ones that follow; a small depth trades a short gap in the
+    /// copy engines between batches for fewer, larger copies. Holding never stalls: the
+    /// running batches complete on their own.
+    pub fn set_queue_depth(&mut self, depth: usize) {
+        self.queue_depth = depth.clamp(1, MAX_QUEUE_DEPTH);
     }
 
     /// The executor's driver-call watch (shared: readable while the proxy thread runs).
@@ -291,14 +346,15 @@ impl CopyEngineExecutor {
         if self.lanes[i].batch.is_empty() {
             return Ok(());
         }
-        let first = self.lanes[i].batch[0].3;
+        compact(&mut self.lanes[i].batch, COMPACT_WINDOW);
+        let first = self.lanes[i].batch[0].op;
         self.bind(first, i as u32)?;
         let stream = self.stream(i, first)?.cu_stream();
         if self.batched {
             let batch = &self.lanes[i].batch;
-            let mut dsts: Vec<u64> = batch.iter().map(|c| c.0).collect();
-            let mut srcs: Vec<u64> = batch.iter().map(|c| c.1).collect();
-            let mut sizes: Vec<usize> = batch.iter().map(|c| c.2).collect();
+            let mut dsts: Vec<u64> = batch.iter().map(|c| c.dst).collect();
+            let mut srcs: Vec<u64> = batch.iter().map(|c| c.src).collect();
+            let mut sizes: Vec<usize> = batch.iter().map(|c| c.bytes).collect();
             // SAFETY: an all-zero CUmemcpyAttributes is a valid value (no location hints);
             // the fields that matter are set below.
             let mut attrs: sys::CUmemcpyAttributes = unsafe { std::mem::zeroed() };
@@ -328,7 +384,6 @@ impl CopyEngineExecutor {
             match res {
                 sys::CUresult::CUDA_SUCCESS => {
                     self.lanes[i].batch.clear();
-                    self.lanes[i].open_signal = None;
                     return Ok(());
                 }
                 sys::CUresult::CUDA_ERROR_NOT_SUPPORTED
@@ -344,7 +399,13 @@ impl CopyEngineExecutor {
             }
         }
         for k in 0..self.lanes[i].batch.len() {
-            let (dst, src, bytes, op) = self.lanes[i].batch[k];
+            let Pending {
+                dst,
+                src,
+                bytes,
+                op,
+                ..
+            } = self.lanes[i].batch[k];
             self.watch
                 .call("cuMemcpyAsync", || {
                     // SAFETY: as for the batch above: the destination lies in the peer's mapped
@@ -355,7 +416,6 @@ impl CopyEngineExecutor {
                 .map_err(Self::driver(op, i as u32, "cuMemcpyAsync"))?;
         }
         self.lanes[i].batch.clear();
-        self.lanes[i].open_signal = None;
         Ok(())
     }
 
@@ -375,19 +435,12 @@ impl CopyEngineExecutor {
             self.flush_batch(i)?;
         }
         let lane = &mut self.lanes[i];
-        if let Some((k, side)) = joined_copy(&lane.batch, dst, src, bytes) {
-            if side == Join::Before {
-                lane.batch[k].0 = dst;
-                lane.batch[k].1 = src;
-            }
-            lane.batch[k].2 += bytes;
-            if lane.open_signal == Some(k) {
-                lane.open_signal = None;
-            }
+        let copy = Pending::data(dst, src, bytes, op);
+        if let Some((k, side)) = joined_copy(&lane.batch, &copy, MERGE_WINDOW) {
+            join(&mut lane.batch[k], &copy, side);
             return Ok(());
         }
-        lane.batch.push((dst, src, bytes, op));
-        lane.open_signal = None;
+        lane.batch.push(copy);
         if lane.batch.len() >= MAX_BATCH {
             self.flush_batch(i)?;
         }
@@ -395,8 +448,8 @@ impl CopyEngineExecutor {
     }
 
     /// Adds the copy of a signal's `bytes` (from the arena at `src` to `dst`) to lane `i`'s
-    /// batch, after everything pending there: merged into the lane's open signal copy when it
-    /// continues it ([`open_signal_continued`]); otherwise a new copy (with batched copies, in
+    /// batch, after everything pending there: merged into the lane's last copy when that one
+    /// holds signals only and this continues it ([`signal_continued`]); otherwise a new copy (with batched copies, in
     /// a new batch: a batch runs its copies in no particular order).
     fn push_signal_copy(
         &mut self,
@@ -407,16 +460,15 @@ impl CopyEngineExecutor {
         bytes: usize,
     ) -> Result<(), OpFailure> {
         let lane = &mut self.lanes[i];
-        if let Some(k) = open_signal_continued(&lane.batch, lane.open_signal, dst, src) {
-            lane.batch[k].2 += bytes;
+        if let Some(k) = signal_continued(&lane.batch, dst, src) {
+            lane.batch[k].bytes += bytes;
             return Ok(());
         }
         if self.batched {
             self.flush_batch(i)?;
         }
         let lane = &mut self.lanes[i];
-        lane.batch.push((dst, src, bytes, op));
-        lane.open_signal = Some(lane.batch.len() - 1);
+        lane.batch.push(Pending::signal(dst, src, bytes, op));
         if lane.batch.len() >= MAX_BATCH {
             self.flush_batch(i)?;
         }
@@ -589,29 +641,7 @@ impl Executor for CopyEngineExecutor {
             return Ok(());
         }
         self.bind(0, 0)?;
-        for i in 0..self.lanes.len() {
-            if self.lanes[i].unmarked.is_empty() {
-                continue;
-            }
-            let first = self.lanes[i].unmarked[0];
-            self.flush_run(i, first)?;
-            self.flush_batch(i)?;
-            // Events come only from the pool made at construction: creating one here can
-            // block until this context's running kernels end (measured: `cuEventCreate` waited
-            // for the whole kernel while the kernel waited for these very copies). Without a
-            // free event the operations stay unmarked until a later poll frees one.
-            let stream = Arc::clone(self.stream(i, first)?);
-            let Some(event) = self.free_events.pop() else {
-                continue;
-            };
-            let lane = &mut self.lanes[i];
-            self.watch
-                .call("cuEventRecord", || event.record(&stream))
-                .map_err(Self::driver(first, i as u32, "cuEventRecord"))?;
-            let ops = std::mem::take(&mut lane.unmarked);
-            lane.marks
-                .push_back((event, ops, lane.fifo.allocated(), std::time::Instant::now()));
-        }
+        // Completions first: a lane whose batches completed may hand over its held copies below.
         for i in 0..self.lanes.len() {
             while let Some((event, ops, _, _)) = self.lanes[i].marks.front() {
                 // SAFETY: the event is live (owned here) and was recorded on this context.
@@ -642,6 +672,31 @@ impl Executor for CopyEngineExecutor {
                 self.free_events.push(event);
             }
         }
+        for i in 0..self.lanes.len() {
+            // Nothing new, or `queue_depth` batches still running: the copies wait here, where
+            // the next ones merge with them (the running batches complete on their own).
+            if self.lanes[i].unmarked.is_empty() || self.lanes[i].marks.len() >= self.queue_depth {
+                continue;
+            }
+            let first = self.lanes[i].unmarked[0];
+            self.flush_run(i, first)?;
+            self.flush_batch(i)?;
+            // Events come only from the pool made at construction: creating one here can
+            // block until this context's running kernels end (measured: `cuEventCreate` waited
+            // for the whole kernel while the kernel waited for these very copies). Without a
+            // free event the operations stay unmarked until a later poll frees one.
+            let stream = Arc::clone(self.stream(i, first)?);
+            let Some(event) = self.free_events.pop() else {
+                continue;
+            };
+            let lane = &mut self.lanes[i];
+            self.watch
+                .call("cuEventRecord", || event.record(&stream))
+                .map_err(Self::driver(first, i as u32, "cuEventRecord"))?;
+            let ops = std::mem::take(&mut lane.unmarked);
+            lane.marks
+                .push_back((event, ops, lane.fifo.allocated(), std::time::Instant::now()));
+        }
         let oldest = self
             .lanes
             .iter()
@@ -660,27 +715,27 @@ fn overlaps(a: u64, a_len: usize, b: u64, b_len: usize) -> bool {
 /// Whether the copy of `bytes` bytes from `src` to `dst` depends on a copy in `batch` or one
 /// of them on it: it writes what one reads or writes, or reads what one writes. Such copies
 /// may not share a `cuMemcpyBatchAsync` (it runs them in no particular order).
-fn depends_on_any(batch: &[(u64, u64, usize, OpId)], dst: u64, src: u64, bytes: usize) -> bool {
-    batch.iter().any(|&(d, s, n, _)| {
-        overlaps(d, n, dst, bytes) || overlaps(s, n, dst, bytes) || overlaps(d, n, src, bytes)
-    })
+fn depends_on_any(batch: &[Pending], dst: u64, src: u64, bytes: usize) -> bool {
+    batch.iter().any(|c| touches(c, dst, src, bytes))
 }
 
-/// The index of the lane's open signal copy (`open`: the index of `batch`'s last copy when it
-/// holds signals only) when a signal's 8-byte copy from `src` to `dst` continues it: both its
-/// source and its destination start where that copy ends. Only the last copy qualifies, so the
-/// merged signal still lands after every copy before it.
-fn open_signal_continued(
-    batch: &[(u64, u64, usize, OpId)],
-    open: Option<usize>,
-    dst: u64,
-    src: u64,
-) -> Option<usize> {
-    let k = open?;
-    let (d, s, n, _) = *batch.get(k)?;
-    (k + 1 == batch.len()
-        && d.checked_add(n as u64) == Some(dst)
-        && s.checked_add(n as u64) == Some(src))
+/// Whether pending copy `c` and the copy of `bytes` bytes from `src` to `dst` conflict: one
+/// writes what the other reads or writes.
+fn touches(c: &Pending, dst: u64, src: u64, bytes: usize) -> bool {
+    overlaps(c.dst, c.bytes, dst, bytes)
+        || overlaps(c.src, c.bytes, dst, bytes)
+        || overlaps(c.dst, c.bytes, src, bytes)
+}
+
+/// The index of `batch`'s last copy when it holds signals only and a signal's copy from `src`
+/// to `dst` continues it: both its source and its destination start where that copy ends.
+/// Only the last copy qualifies, so the merged signal still lands after every copy before it.
+fn signal_continued(batch: &[Pending], dst: u64, src: u64) -> Option<usize> {
+    let k = batch.len().checked_sub(1)?;
+    let c = batch[k];
+    (c.signal
+        && c.dst.checked_add(c.bytes as u64) == Some(dst)
+        && c.src.checked_add(c.bytes as u64) == Some(src))
     .then_some(k)
 }
 
@@ -695,107 +750,163 @@ enum Join {
     Before,
 }
 
-/// The index of the pending copy in `batch` that the copy of `bytes` bytes from `src` to `dst`
-/// joins (continues it, or ends where it starts, in both its source and its destination), when
-/// merging them leaves the stream's result unchanged: no copy issued between the two reads or
-/// writes the new destination or writes the new source, and the merged copy's source and
-/// destination do not overlap. Looks back at most [`MERGE_WINDOW`] copies. Both sides matter
-/// because warps hand the proxy adjacent runs in no particular order: a run arriving before
-/// its neighbour to the left must still merge with it.
-fn joined_copy(
-    batch: &[(u64, u64, usize, OpId)],
-    dst: u64,
-    src: u64,
-    bytes: usize,
-) -> Option<(usize, Join)> {
-    let lo = batch.len().saturating_sub(MERGE_WINDOW);
+/// Merges `copy` into `into` on `side` (as [`joined_copy`] found it).
+fn join(into: &mut Pending, copy: &Pending, side: Join) {
+    if side == Join::Before {
+        into.dst = copy.dst;
+        into.src = copy.src;
+    }
+    into.bytes += copy.bytes;
+}
+
+/// The index of the pending copy of data in `batch` that data copy `copy` joins (continues
+/// it, or ends where it starts, in both its source and its destination), when merging them
+/// leaves the stream's result unchanged: no copy issued between the two reads or writes the
+/// new destination or writes the new source, and the merged copy's source and destination do
+/// not overlap. A signal's copy is never joined (data merged into it could land with it, and
+/// it must not move), though the copies between are checked against it too. Looks back at
+/// most `window` copies. Both sides matter because warps hand the proxy adjacent runs in no
+/// particular order: a run arriving before its neighbour to the left must still merge with it.
+fn joined_copy(batch: &[Pending], copy: &Pending, window: usize) -> Option<(usize, Join)> {
+    let (dst, src, bytes) = (copy.dst, copy.src, copy.bytes);
+    let lo = batch.len().saturating_sub(window);
     for k in (lo..batch.len()).rev() {
-        let (d, s, n, _) = batch[k];
-        let merged = n + bytes;
-        if d.checked_add(n as u64) == Some(dst) && s.checked_add(n as u64) == Some(src) {
-            return (!overlaps(d, merged, s, merged)).then_some((k, Join::After));
+        let c = &batch[k];
+        if !c.signal {
+            let (d, s, n) = (c.dst, c.src, c.bytes);
+            let merged = n + bytes;
+            if d.checked_add(n as u64) == Some(dst) && s.checked_add(n as u64) == Some(src) {
+                return (!overlaps(d, merged, s, merged)).then_some((k, Join::After));
+            }
+            if dst.checked_add(bytes as u64) == Some(d) && src.checked_add(bytes as u64) == Some(s)
+            {
+                return (!overlaps(dst, merged, src, merged)).then_some((k, Join::Before));
+            }
         }
-        if dst.checked_add(bytes as u64) == Some(d) && src.checked_add(bytes as u64) == Some(s) {
-            return (!overlaps(dst, merged, src, merged)).then_some((k, Join::Before));
-        }
-        if overlaps(d, n, dst, bytes) || overlaps(s, n, dst, bytes) || overlaps(d, n, src, bytes) {
+        if touches(c, dst, src, bytes) {
             return None;
         }
     }
     None
 }
 
+/// Merges the copies of `batch` that earlier merges made adjacent, in one pass, under the rules
+/// a new copy merges by: a copy of data joins an earlier one ([`joined_copy`], looking back
+/// `window` copies), a signal's copy only the copy just before it when that is a signal's
+/// ([`signal_continued`]). A batch `A, C, B` where `B` joined `A` leaves `AB, C` at push time
+/// (`C` came first); here `C` joins `AB`.
+fn compact(batch: &mut Vec<Pending>, window: usize) {
+    if batch.len() < 2 {
+        return;
+    }
+    let mut out: Vec<Pending> = Vec::with_capacity(batch.len());
+    for c in batch.drain(..) {
+        if c.signal {
+            if let Some(k) = signal_continued(&out, c.dst, c.src) {
+                out[k].bytes += c.bytes;
+                continue;
+            }
+        } else if let Some((k, side)) = joined_copy(&out, &c, window) {
+            join(&mut out[k], &c, side);
+            continue;
+        }
+        out.push(c);
+    }
+    *batch = out;
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn op() -> OpId {
-        0
+    /// A pending copy of data.
+    fn d(dst: u64, src: u64, bytes: usize) -> Pending {
+        Pending::data(dst, src, bytes, 0)
+    }
+
+    /// A pending copy of signal words.
+    fn sg(dst: u64, src: u64, bytes: usize) -> Pending {
+        Pending::signal(dst, src, bytes, 0)
+    }
+
+    fn joined(b: &[Pending], dst: u64, src: u64, bytes: usize) -> Option<(usize, Join)> {
+        joined_copy(b, &d(dst, src, bytes), MERGE_WINDOW)
     }
 
     #[test]
     fn consecutive_rows_to_consecutive_slots_merge() {
-        let mut b = vec![(1000, 50_000, 64, op())];
-        assert_eq!(joined_copy(&b, 1064, 50_064, 64), Some((0, Join::After)));
+        let mut b = vec![d(1000, 50_000, 64)];
+        assert_eq!(joined(&b, 1064, 50_064, 64), Some((0, Join::After)));
         // Interleaved copies of other kinds (metadata rows elsewhere) do not stop it.
-        b.push((9000, 70_000, 8, op()));
-        b.push((9100, 71_000, 8, op()));
-        assert_eq!(joined_copy(&b, 1064, 50_064, 64), Some((0, Join::After)));
-        assert_eq!(joined_copy(&b, 9008, 70_008, 8), Some((1, Join::After)));
+        b.push(d(9000, 70_000, 8));
+        b.push(d(9100, 71_000, 8));
+        assert_eq!(joined(&b, 1064, 50_064, 64), Some((0, Join::After)));
+        assert_eq!(joined(&b, 9008, 70_008, 8), Some((1, Join::After)));
     }
 
     #[test]
     fn only_both_sides_continuing_merge() {
-        let b = vec![(1000, 50_000, 64, op())];
-        assert_eq!(joined_copy(&b, 1064, 60_000, 64), None, "source jumps");
-        assert_eq!(joined_copy(&b, 2000, 50_064, 64), None, "destination jumps");
-        assert_eq!(
-            joined_copy(&b, 1000, 50_000, 64),
-            None,
-            "the same copy again"
-        );
-        assert_eq!(joined_copy(&[], 1064, 50_064, 64), None);
+        let b = vec![d(1000, 50_000, 64)];
+        assert_eq!(joined(&b, 1064, 60_000, 64), None, "source jumps");
+        assert_eq!(joined(&b, 2000, 50_064, 64), None, "destination jumps");
+        assert_eq!(joined(&b, 1000, 50_000, 64), None, "the same copy again");
+        assert_eq!(joined(&[], 1064, 50_064, 64), None);
     }
 
     #[test]
     fn a_run_that_arrives_before_its_left_neighbour_joins_it_from_the_front() {
         // Rows 64..128 came first; rows 0..64 (ending where they start) join in front.
-        let mut b = vec![(1064, 50_064, 64, op()), (9000, 70_000, 8, op())];
-        assert_eq!(joined_copy(&b, 1000, 50_000, 64), Some((0, Join::Before)));
+        let mut b = vec![d(1064, 50_064, 64), d(9000, 70_000, 8)];
+        assert_eq!(joined(&b, 1000, 50_000, 64), Some((0, Join::Before)));
         // Only when both sides end there.
-        assert_eq!(joined_copy(&b, 1000, 40_000, 64), None);
-        assert_eq!(joined_copy(&b, 900, 50_000, 64), None);
+        assert_eq!(joined(&b, 1000, 40_000, 64), None);
+        assert_eq!(joined(&b, 900, 50_000, 64), None);
         // A copy in between that writes the new destination blocks it.
-        b.push((1010, 80_000, 8, op()));
-        assert_eq!(joined_copy(&b, 1000, 50_000, 64), None);
+        b.push(d(1010, 80_000, 8));
+        assert_eq!(joined(&b, 1000, 50_000, 64), None);
         // The merged copy must not overlap itself: destination just before the source.
-        let b = vec![(1064, 1128, 64, op())];
-        assert_eq!(joined_copy(&b, 1000, 1064, 64), None);
+        let b = vec![d(1064, 1128, 64)];
+        assert_eq!(joined(&b, 1000, 1064, 64), None);
     }
 
     #[test]
     fn a_copy_in_between_that_touches_the_bytes_blocks_the_merge() {
         // Writes the new destination.
-        let b = vec![(1000, 50_000, 64, op()), (1070, 80_000, 8, op())];
-        assert_eq!(joined_copy(&b, 1064, 50_064, 64), None);
+        let b = vec![d(1000, 50_000, 64), d(1070, 80_000, 8)];
+        assert_eq!(joined(&b, 1064, 50_064, 64), None);
         // Reads the new destination.
-        let b = vec![(1000, 50_000, 64, op()), (5000, 1100, 8, op())];
-        assert_eq!(joined_copy(&b, 1064, 50_064, 64), None);
+        let b = vec![d(1000, 50_000, 64), d(5000, 1100, 8)];
+        assert_eq!(joined(&b, 1064, 50_064, 64), None);
         // Writes the new source.
-        let b = vec![(1000, 50_000, 64, op()), (50_100, 90_000, 8, op())];
-        assert_eq!(joined_copy(&b, 1064, 50_064, 64), None);
+        let b = vec![d(1000, 50_000, 64), d(50_100, 90_000, 8)];
+        assert_eq!(joined(&b, 1064, 50_064, 64), None);
+        // A signal's copy in between counts as well.
+        let b = vec![d(1000, 50_000, 64), sg(1070, 80_000, 8)];
+        assert_eq!(joined(&b, 1064, 50_064, 64), None);
+    }
+
+    #[test]
+    fn data_never_joins_a_signal_copy() {
+        // Arena-staged words continuing a signal's words, on both sides: still two copies
+        // (merged, the data could land with the signal instead of after the copies before).
+        let b = vec![sg(9000, 70_000, 8)];
+        assert_eq!(joined(&b, 9008, 70_008, 8), None);
+        assert_eq!(joined(&b, 8992, 69_992, 8), None);
+        // It may still move ahead of one to join data before it.
+        let b = vec![d(1000, 50_000, 64), sg(9000, 70_000, 8)];
+        assert_eq!(joined(&b, 1064, 50_064, 64), Some((0, Join::After)));
     }
 
     #[test]
     fn merged_ranges_that_would_overlap_do_not_merge() {
         // Source and destination 64 bytes apart: the merged copy would overlap itself.
-        let b = vec![(1064, 1000, 64, op())];
-        assert_eq!(joined_copy(&b, 1128, 1064, 64), None);
+        let b = vec![d(1064, 1000, 64)];
+        assert_eq!(joined(&b, 1128, 1064, 64), None);
     }
 
     #[test]
     fn dependent_copies_do_not_share_a_batch() {
-        let b = vec![(1000, 50_000, 64, op()), (9000, 70_000, 8, op())];
+        let b = vec![d(1000, 50_000, 64), d(9000, 70_000, 8)];
         // Independent: other bytes everywhere, or only a source shared (reads commute).
         assert!(!depends_on_any(&b, 2000, 60_000, 64));
         assert!(!depends_on_any(&b, 2000, 50_000, 64));
@@ -810,27 +921,127 @@ mod tests {
 
     #[test]
     fn signals_merge_only_into_the_last_copy_when_it_holds_signals() {
-        // A row, then the flag of that row (open signal at index 1).
-        let b = vec![(1000, 50_000, 64, op()), (9000, 70_000, 8, op())];
-        assert_eq!(open_signal_continued(&b, Some(1), 9008, 70_008), Some(1));
+        // A row, then the flag of that row.
+        let b = vec![d(1000, 50_000, 64), sg(9000, 70_000, 8)];
+        assert_eq!(signal_continued(&b, 9008, 70_008), Some(1));
         // Not continuing: another word, or another arena place.
-        assert_eq!(open_signal_continued(&b, Some(1), 9016, 70_008), None);
-        assert_eq!(open_signal_continued(&b, Some(1), 9008, 70_016), None);
-        // No open signal copy (the last copy carries data), or a stale index.
-        assert_eq!(open_signal_continued(&b, None, 9008, 70_008), None);
-        assert_eq!(open_signal_continued(&b, Some(0), 1064, 50_064), None);
+        assert_eq!(signal_continued(&b, 9016, 70_008), None);
+        assert_eq!(signal_continued(&b, 9008, 70_016), None);
+        // The last copy carries data.
+        let b = vec![d(9000, 70_000, 8)];
+        assert_eq!(signal_continued(&b, 9008, 70_008), None);
         // A copy after the signal copy: merging would land the new signal before it.
-        let b = vec![(9000, 70_000, 8, op()), (1000, 50_000, 64, op())];
-        assert_eq!(open_signal_continued(&b, Some(0), 9008, 70_008), None);
-        assert_eq!(open_signal_continued(&[], Some(0), 9008, 70_008), None);
+        let b = vec![sg(9000, 70_000, 8), d(1000, 50_000, 64)];
+        assert_eq!(signal_continued(&b, 9008, 70_008), None);
+        assert_eq!(signal_continued(&[], 9008, 70_008), None);
     }
 
     #[test]
     fn the_window_is_bounded() {
-        let mut b = vec![(1000, 50_000, 64, op())];
+        let mut b = vec![d(1000, 50_000, 64)];
         for k in 0..MERGE_WINDOW as u64 {
-            b.push((100_000 + 16 * k, 200_000 + 16 * k, 8, op()));
+            b.push(d(100_000 + 16 * k, 200_000 + 16 * k, 8));
         }
-        assert_eq!(joined_copy(&b, 1064, 50_064, 64), None);
+        assert_eq!(joined(&b, 1064, 50_064, 64), None);
+        // The compaction pass looks further back.
+        b.push(d(1064, 50_064, 64));
+        compact(&mut b, COMPACT_WINDOW);
+        assert_eq!(b.len(), MERGE_WINDOW + 1);
+        assert_eq!(b[0], d(1000, 50_000, 128));
+    }
+
+    /// Runs of four warps, each `rows` (row, weights, flag) as a combine sends them, arriving
+    /// in the order `order`: what the push-time merge leaves, and what the compaction leaves.
+    fn combine_runs(order: &[u64]) -> (usize, Vec<Pending>) {
+        const ROW: u64 = 1024;
+        let mut b: Vec<Pending> = Vec::new();
+        let mut push = |c: Pending| {
+            if c.signal {
+                if let Some(k) = signal_continued(&b, c.dst, c.src) {
+                    b[k].bytes += c.bytes;
+                    return;
+                }
+            } else if let Some((k, side)) = joined_copy(&b, &c, MERGE_WINDOW) {
+                join(&mut b[k], &c, side);
+                return;
+            }
+            b.push(c);
+        };
+        for (a, &w) in order.iter().enumerate() {
+            let rows = 16;
+            push(d(
+                1_000_000 + w * rows * 32,
+                5_000_000 + w * rows * 32,
+                (rows * 32) as usize,
+            ));
+            push(d(
+                2_000_000 + w * rows * ROW,
+                6_000_000 + w * rows * ROW,
+                (rows * ROW) as usize,
+            ));
+            // Flags of the run staged in the arena in arrival order.
+            push(sg(
+                3_000_000 + w * rows * 8,
+                7_000_000 + a as u64 * rows * 8,
+                (rows * 8) as usize,
+            ));
+        }
+        let pushed = b.len();
+        compact(&mut b, COMPACT_WINDOW);
+        (pushed, b)
+    }
+
+    #[test]
+    fn compaction_merges_what_earlier_merges_made_adjacent() {
+        // In order, everything merges at push time: weights and rows join the first run's
+        // (ahead of its flags), so the flags copy is last again when the next flags continue it.
+        let (pushed, b) = combine_runs(&[0, 1, 2, 3]);
+        assert_eq!(pushed, 3);
+        assert_eq!(b.len(), 3, "{b:?}");
+        // Out of order: run 2 first, then 0, then 3 (continues 2), then 1 (between 0 and 2).
+        let (pushed, b) = combine_runs(&[2, 0, 3, 1]);
+        assert!(
+            pushed > b.len(),
+            "{pushed} pushed, {} after: {b:?}",
+            b.len()
+        );
+        let data: Vec<_> = b.iter().filter(|c| !c.signal).collect();
+        assert_eq!(data.len(), 2, "weights and rows, one copy each: {b:?}");
+        assert_eq!(data[0], &d(1_000_000, 5_000_000, 4 * 16 * 32));
+        assert_eq!(data[1], &d(2_000_000, 6_000_000, 4 * 16 * 1024));
+        // Every signal stays after the data copies that came before it in arrival order.
+        let first_signal = b.iter().position(|c| c.signal).unwrap();
+        assert!(b[..first_signal].iter().all(|c| !c.signal));
+        assert_eq!(
+            b.iter()
+                .filter(|c| c.signal)
+                .map(|c| c.bytes)
+                .sum::<usize>(),
+            4 * 16 * 8
+        );
+    }
+
+    #[test]
+    fn compaction_keeps_each_signal_behind_the_copies_before_it() {
+        // data A, signal S, data B that overlaps A's destination: B cannot move ahead of S's
+        // predecessor (it touches A), so the order A, S, B stays.
+        let mut b = vec![
+            d(1000, 50_000, 64),
+            sg(9000, 70_000, 8),
+            d(1032, 60_000, 64),
+        ];
+        let before = b.clone();
+        compact(&mut b, COMPACT_WINDOW);
+        assert_eq!(b, before);
+        // Two signals with data between that moves ahead: the signals then merge, still after
+        // every data copy.
+        let mut b = vec![
+            d(1000, 50_000, 64),
+            sg(9000, 70_000, 8),
+            d(1064, 50_064, 64),
+            sg(9008, 70_008, 8),
+        ];
+        compact(&mut b, COMPACT_WINDOW);
+        assert_eq!(b, vec![d(1000, 50_000, 128), sg(9000, 70_000, 16)]);
     }
 }
