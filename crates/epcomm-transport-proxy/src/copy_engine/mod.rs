@@ -4,7 +4,7 @@
 //! | operation | driver work on the peer's stream |
 //! |---|---|
 //! | transfer | a copy from the source (caller memory or this rank's buffer) to the peer's buffer through its CUDA-IPC mapping |
-//! | write (4/8-byte elements, one or a sequence) | the elements staged in the peer lane's pinned host arena; writes to contiguous destination bytes merge into one copy |
+//! | write (4/8-byte elements, one or a sequence) | 4-byte values below 2^18: a copy from the counting table (pinned, holding 0, 1, 2, ...), so consecutive sequences merge like rows; others: the elements staged in the peer lane's pinned host arena, writes to contiguous destination bytes merging into one copy |
 //! | signal set (one word or several) | the value staged in the arena once per word, then one copy of them after every earlier copy of the lane; signals to consecutive words with nothing between them merge into one copy |
 //! | signal add | the same, writing a running sum kept here (see below) |
 //!
@@ -57,7 +57,7 @@ use std::sync::Arc;
 
 use cudarc::driver::sys;
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DriverError};
-use epcomm_proxy::descriptor::{Signal, SignalOp, Source, Transfer, Write};
+use epcomm_proxy::descriptor::{Signal, SignalOp, Source, Transfer, Write, WriteWidth};
 use epcomm_proxy::{Executor, OpFailure, OpId, Submit};
 use epcomm_transport::{MappedHostBuffer, TransportError};
 
@@ -72,6 +72,10 @@ const ARENA_BYTES: usize = 4 << 20;
 
 /// Events made per mapped peer when the executor is created (the only events it uses).
 const EVENTS_PER_LANE: usize = 64;
+
+/// Elements of the counting table (`u32` 0, 1, 2, ...): a 4-byte write whose values all lie
+/// below it is a copy from the table instead of staged bytes.
+const COUNTING_ELEMS: u64 = 1 << 18;
 
 /// Most copies handed to the driver in one batch.
 const MAX_BATCH: usize = 1024;
@@ -207,6 +211,9 @@ pub struct CopyEngineExecutor {
     queue_depth: usize,
     /// Where the ring's progress is mirrored in device memory ([`Self::mirror_progress`]).
     mirror: Option<Mirror>,
+    /// Pinned, `COUNTING_ELEMS` little-endian `u32`s holding their own index; never written
+    /// after construction, so a copy may read it at any time ([`counted_source`]).
+    counting: MappedHostBuffer,
     watch: Arc<CallWatch>,
 }
 
@@ -256,6 +263,11 @@ impl CopyEngineExecutor {
             })
             .collect::<Result<_, TransportError>>()?;
         let mapped = peer_bases.iter().filter(|&&b| b != 0).count();
+        let counting = MappedHostBuffer::zeroed(&ctx, 4 * COUNTING_ELEMS as usize)?;
+        for j in 0..COUNTING_ELEMS / 2 {
+            // Elements 2j and 2j + 1 of the table, little-endian.
+            counting.store_u64(j as usize, (2 * j) | ((2 * j + 1) << 32));
+        }
         let free_events = (0..EVENTS_PER_LANE * mapped)
             .map(|_| ctx.new_event(None))
             .collect::<Result<Vec<_>, _>>()
@@ -274,6 +286,7 @@ impl CopyEngineExecutor {
             batched: false,
             queue_depth: DEFAULT_QUEUE_DEPTH,
             mirror: None,
+            counting,
             watch: Arc::new(CallWatch::default()),
         })
     }
@@ -567,6 +580,14 @@ impl Executor for CopyEngineExecutor {
             return Ok(Submit::Busy);
         }
         let i = self.lane(op, w.peer)?;
+        if let Some(src) = counted_source(self.counting.host_ptr() as u64, w) {
+            // After the open run of staged writes, in case they share bytes (the merge keeps
+            // the order of copies that do).
+            self.flush_run(i, op)?;
+            let dst = self.lanes[i].base + w.offset;
+            self.push_copy(i, op, dst, src, w.bytes() as usize)?;
+            return Ok(self.accept(i, op));
+        }
         let len = w.bytes() as usize;
         self.fits_arena(i, op, "write", len)?;
         let lane = &mut self.lanes[i];
@@ -705,6 +726,15 @@ impl Executor for CopyEngineExecutor {
         self.watch.set_in_flight(self.in_flight, oldest);
         Ok(())
     }
+}
+
+/// Where in the counting table at `table` (holding `u32` 0, 1, 2, ... up to
+/// `COUNTING_ELEMS`) the bytes of write `w` already lie: 4-byte elements whose values all lie
+/// below the table's end. Consecutive sequences (a dispatch's source indices, run after run)
+/// then continue each other in source and destination alike, and merge as rows do.
+fn counted_source(table: u64, w: &Write) -> Option<u64> {
+    let end = w.value.checked_add(u64::from(w.count))?;
+    (w.width == WriteWidth::Four && end <= COUNTING_ELEMS).then(|| table + 4 * w.value)
 }
 
 /// Whether `[a, a + a_len)` and `[b, b + b_len)` share a byte.
@@ -895,6 +925,40 @@ mod tests {
         // It may still move ahead of one to join data before it.
         let b = vec![d(1000, 50_000, 64), sg(9000, 70_000, 8)];
         assert_eq!(joined(&b, 1064, 50_064, 64), Some((0, Join::After)));
+    }
+
+    #[test]
+    fn four_byte_values_below_the_table_are_copied_from_it() {
+        let w = |value: u64, count: u32, width| Write {
+            peer: 1,
+            offset: 4096,
+            value,
+            width,
+            count,
+        };
+        assert_eq!(
+            counted_source(1 << 20, &w(0, 1, WriteWidth::Four)),
+            Some(1 << 20)
+        );
+        assert_eq!(
+            counted_source(1 << 20, &w(100, 28, WriteWidth::Four)),
+            Some((1 << 20) + 400)
+        );
+        // The last element is the table's last.
+        let last = COUNTING_ELEMS - 5;
+        assert!(counted_source(0, &w(last, 5, WriteWidth::Four)).is_some());
+        // Past the table, 8-byte elements: staged instead.
+        assert_eq!(counted_source(0, &w(last, 6, WriteWidth::Four)), None);
+        assert_eq!(counted_source(0, &w(0, 1, WriteWidth::Eight)), None);
+        assert_eq!(counted_source(0, &w(u64::MAX, 2, WriteWidth::Four)), None);
+        // Two consecutive runs' source indices continue each other on both sides: one copy.
+        let (a, b) = (w(0, 16, WriteWidth::Four), w(16, 16, WriteWidth::Four));
+        let batch = vec![d(9000, counted_source(5000, &a).unwrap(), 64)];
+        let next = d(9064, counted_source(5000, &b).unwrap(), 64);
+        assert_eq!(
+            joined_copy(&batch, &next, MERGE_WINDOW),
+            Some((0, Join::After))
+        );
     }
 
     #[test]
