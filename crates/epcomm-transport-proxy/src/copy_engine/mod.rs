@@ -36,7 +36,10 @@
 //! continues or that continues it (it then lands sooner, never later than the signals after
 //! it); a signal merges only into the lane's last
 //! pending copy, and only when that copy holds nothing but signals, so it never lands before
-//! anything that came before it. (A signal used to be a `cuStreamWriteValue64` each: one
+//! anything that came before it. Consecutive signal copies that set words to one value (a
+//! combine's runs of flags, staged in arrival order) are laid out anew by destination before
+//! a batch goes out ([`regroup_fills`]): they stay after everything before them, only their
+//! order among themselves changes. (A signal used to be a `cuStreamWriteValue64` each: one
 //! driver call per word, which made a combine over this executor take one call per row.)
 //!
 //! **Arena.** Each lane stages write values in its own pinned host arena, used first in, first
@@ -151,6 +154,9 @@ struct Pending {
     /// It carries signal words only: it lands after every copy before it, so it never moves
     /// ahead of one, and copies of data never merge into it.
     signal: bool,
+    /// A signal copy of set words that all hold this value (`None`: data, an add's running
+    /// sum, or words of several values): such copies may be laid out anew ([`regroup_fills`]).
+    fill: Option<u64>,
 }
 
 impl Pending {
@@ -161,13 +167,23 @@ impl Pending {
             bytes,
             op,
             signal: false,
+            fill: None,
         }
     }
 
-    fn signal(dst: u64, src: u64, bytes: usize, op: OpId) -> Self {
+    fn signal(dst: u64, src: u64, bytes: usize, op: OpId, fill: Option<u64>) -> Self {
         Self {
             signal: true,
+            fill,
             ..Self::data(dst, src, bytes, op)
+        }
+    }
+
+    /// Appends signal copy `next` (which continues this one) to it.
+    fn extend_signal(&mut self, next: &Pending) {
+        self.bytes += next.bytes;
+        if self.fill != next.fill {
+            self.fill = None;
         }
     }
 }
@@ -471,17 +487,19 @@ impl CopyEngineExecutor {
         dst: u64,
         src: u64,
         bytes: usize,
+        fill: Option<u64>,
     ) -> Result<(), OpFailure> {
         let lane = &mut self.lanes[i];
+        let copy = Pending::signal(dst, src, bytes, op, fill);
         if let Some(k) = signal_continued(&lane.batch, dst, src) {
-            lane.batch[k].bytes += bytes;
+            lane.batch[k].extend_signal(&copy);
             return Ok(());
         }
         if self.batched {
             self.flush_batch(i)?;
         }
         let lane = &mut self.lanes[i];
-        lane.batch.push(Pending::signal(dst, src, bytes, op));
+        lane.batch.push(copy);
         if lane.batch.len() >= MAX_BATCH {
             self.flush_batch(i)?;
         }
@@ -527,8 +545,9 @@ impl CopyEngineExecutor {
     }
 
     /// Stores `value` into `words` consecutive words from the peer's `offset` on, ordered after
-    /// everything before it on the lane; `Ok(false)` when the arena has no room now (retry
-    /// later).
+    /// everything before it on the lane (`set`: a signal set, whose copy may be laid out anew
+    /// with others of its value, [`regroup_fills`]); `Ok(false)` when the arena has no room
+    /// now (retry later).
     fn write_words(
         &mut self,
         i: usize,
@@ -536,6 +555,7 @@ impl CopyEngineExecutor {
         offset: u64,
         value: u64,
         words: usize,
+        set: bool,
     ) -> Result<bool, OpFailure> {
         self.flush_run(i, op)?;
         let bytes = 8 * words;
@@ -550,7 +570,7 @@ impl CopyEngineExecutor {
             unsafe { std::ptr::write_volatile(lane.arena.host_ptr().add(at + k), b) };
         }
         let (dst, src) = (lane.base + offset, lane.arena.host_ptr() as u64 + at as u64);
-        self.push_signal_copy(i, op, dst, src, bytes)?;
+        self.push_signal_copy(i, op, dst, src, bytes, set.then_some(value))?;
         Ok(true)
     }
 }
@@ -642,7 +662,7 @@ impl Executor for CopyEngineExecutor {
         let words = s.words as usize;
         self.fits_arena(i, op, "signal", 8 * words)?;
         // An add has one word (the decoder refuses more).
-        if !self.write_words(i, op, s.offset, value, words)? {
+        if !self.write_words(i, op, s.offset, value, words, s.op == SignalOp::Set)? {
             return Ok(Submit::Busy);
         }
         // Only an accepted add moves the running sum (a Busy answer is retried).
@@ -833,7 +853,7 @@ fn compact(batch: &mut Vec<Pending>, window: usize) {
     for c in batch.drain(..) {
         if c.signal {
             if let Some(k) = signal_continued(&out, c.dst, c.src) {
-                out[k].bytes += c.bytes;
+                out[k].extend_signal(&c);
                 continue;
             }
         } else if let Some((k, side)) = joined_copy(&out, &c, window) {
@@ -842,7 +862,66 @@ fn compact(batch: &mut Vec<Pending>, window: usize) {
         }
         out.push(c);
     }
+    regroup_fills(&mut out);
     *batch = out;
+}
+
+/// Lays out anew each group of consecutive signal copies in `batch` that set words to one
+/// value and read one contiguous stretch of staged bytes (a combine's runs of flags, staged
+/// in arrival order, bound for slots in token order): sorted by destination, the copies whose
+/// destinations touch become one, each reading its bytes from the stretch in turn (every word
+/// of it holds the value). The group stays where it was, after every copy before it, so each
+/// signal still lands after everything that came before it in the ring; only the order among
+/// the group's words changes, and those are set words of one value at distinct places (a
+/// group whose destinations overlap is left alone).
+fn regroup_fills(batch: &mut Vec<Pending>) {
+    let mut k = 0;
+    while k < batch.len() {
+        let Some(value) = batch[k].fill else {
+            k += 1;
+            continue;
+        };
+        let end = (k..batch.len())
+            .find(|&j| batch[j].fill != Some(value))
+            .unwrap_or(batch.len());
+        match (end - k >= 2).then(|| regrouped(&batch[k..end])).flatten() {
+            Some(merged) => {
+                let n = merged.len();
+                batch.splice(k..end, merged);
+                k += n;
+            }
+            None => k = end,
+        }
+    }
+}
+
+/// The group `group` (set copies of one value, see [`regroup_fills`]) as fewer copies, or
+/// `None` when its staged bytes are not one stretch, its destinations overlap, or nothing
+/// would merge.
+fn regrouped(group: &[Pending]) -> Option<Vec<Pending>> {
+    let mut by_src: Vec<&Pending> = group.iter().collect();
+    by_src.sort_by_key(|c| c.src);
+    if by_src
+        .windows(2)
+        .any(|w| w[0].src.checked_add(w[0].bytes as u64) != Some(w[1].src))
+    {
+        return None;
+    }
+    let mut src = by_src[0].src;
+    let mut by_dst: Vec<&Pending> = group.iter().collect();
+    by_dst.sort_by_key(|c| c.dst);
+    let mut out: Vec<Pending> = Vec::with_capacity(group.len());
+    for c in by_dst {
+        match out.last_mut() {
+            Some(last) if last.dst.saturating_add(last.bytes as u64) > c.dst => return None,
+            Some(last) if last.dst.saturating_add(last.bytes as u64) == c.dst => {
+                last.bytes += c.bytes
+            }
+            _ => out.push(Pending { src, ..*c }),
+        }
+        src += c.bytes as u64;
+    }
+    (out.len() < group.len()).then_some(out)
 }
 
 #[cfg(test)]
@@ -854,9 +933,14 @@ mod tests {
         Pending::data(dst, src, bytes, 0)
     }
 
-    /// A pending copy of signal words.
+    /// A pending copy of signal words (not a set of one value).
     fn sg(dst: u64, src: u64, bytes: usize) -> Pending {
-        Pending::signal(dst, src, bytes, 0)
+        Pending::signal(dst, src, bytes, 0, None)
+    }
+
+    /// A pending copy of set words holding `value`.
+    fn set(dst: u64, src: u64, bytes: usize, value: u64) -> Pending {
+        Pending::signal(dst, src, bytes, 0, Some(value))
     }
 
     fn joined(b: &[Pending], dst: u64, src: u64, bytes: usize) -> Option<(usize, Join)> {
@@ -1016,13 +1100,13 @@ mod tests {
 
     /// Runs of four warps, each `rows` (row, weights, flag) as a combine sends them, arriving
     /// in the order `order`: what the push-time merge leaves, and what the compaction leaves.
-    fn combine_runs(order: &[u64]) -> (usize, Vec<Pending>) {
+    fn combine_runs(order: &[u64], flags: fn(u64, u64, usize) -> Pending) -> (usize, Vec<Pending>) {
         const ROW: u64 = 1024;
         let mut b: Vec<Pending> = Vec::new();
         let mut push = |c: Pending| {
             if c.signal {
                 if let Some(k) = signal_continued(&b, c.dst, c.src) {
-                    b[k].bytes += c.bytes;
+                    b[k].extend_signal(&c);
                     return;
                 }
             } else if let Some((k, side)) = joined_copy(&b, &c, MERGE_WINDOW) {
@@ -1044,7 +1128,7 @@ mod tests {
                 (rows * ROW) as usize,
             ));
             // Flags of the run staged in the arena in arrival order.
-            push(sg(
+            push(flags(
                 3_000_000 + w * rows * 8,
                 7_000_000 + a as u64 * rows * 8,
                 (rows * 8) as usize,
@@ -1059,11 +1143,11 @@ mod tests {
     fn compaction_merges_what_earlier_merges_made_adjacent() {
         // In order, everything merges at push time: weights and rows join the first run's
         // (ahead of its flags), so the flags copy is last again when the next flags continue it.
-        let (pushed, b) = combine_runs(&[0, 1, 2, 3]);
+        let (pushed, b) = combine_runs(&[0, 1, 2, 3], sg);
         assert_eq!(pushed, 3);
         assert_eq!(b.len(), 3, "{b:?}");
         // Out of order: run 2 first, then 0, then 3 (continues 2), then 1 (between 0 and 2).
-        let (pushed, b) = combine_runs(&[2, 0, 3, 1]);
+        let (pushed, b) = combine_runs(&[2, 0, 3, 1], sg);
         assert!(
             pushed > b.len(),
             "{pushed} pushed, {} after: {b:?}",
@@ -1083,6 +1167,69 @@ mod tests {
                 .sum::<usize>(),
             4 * 16 * 8
         );
+    }
+
+    #[test]
+    fn set_flags_of_one_value_become_one_copy_whatever_the_arrival_order() {
+        let epoch = |dst, src, bytes| set(dst, src, bytes, 7);
+        for order in [[0, 1, 2, 3], [2, 0, 3, 1], [3, 2, 1, 0]] {
+            let (_, b) = combine_runs(&order, epoch);
+            assert_eq!(b.len(), 3, "{order:?}: {b:?}");
+            // Data first, then the flags of every run as one copy from the staged stretch.
+            assert!(!b[0].signal && !b[1].signal);
+            assert_eq!(b[2], set(3_000_000, 7_000_000, 4 * 16 * 8, 7), "{order:?}");
+        }
+    }
+
+    #[test]
+    fn only_set_copies_of_one_value_over_one_staged_stretch_are_regrouped() {
+        // Out of order, one value, one stretch: merged.
+        let mut b = vec![
+            set(1016, 508, 8, 3),
+            set(1000, 500, 8, 3),
+            set(1008, 516, 8, 3),
+        ];
+        regroup_fills(&mut b);
+        assert_eq!(b, vec![set(1000, 500, 24, 3)]);
+        // Two values: two groups, each left as it is (nothing touches within a group).
+        let mut b = vec![set(1016, 500, 8, 3), set(1000, 508, 8, 4)];
+        let before = b.clone();
+        regroup_fills(&mut b);
+        assert_eq!(b, before);
+        // A gap in the staged bytes (something else staged between): left alone.
+        let mut b = vec![set(1008, 500, 8, 3), set(1000, 516, 8, 3)];
+        let before = b.clone();
+        regroup_fills(&mut b);
+        assert_eq!(b, before);
+        // Overlapping destinations (one word set twice): left alone.
+        let mut b = vec![set(1000, 500, 16, 3), set(1008, 516, 8, 3)];
+        let before = b.clone();
+        regroup_fills(&mut b);
+        assert_eq!(b, before);
+        // An add (no fill) or data between splits the groups; each keeps its place.
+        let mut b = vec![
+            set(1008, 500, 8, 3),
+            sg(2000, 508, 8),
+            set(1000, 516, 8, 3),
+            d(5000, 9000, 64),
+            set(1024, 524, 8, 3),
+            set(1016, 532, 8, 3),
+        ];
+        regroup_fills(&mut b);
+        assert_eq!(
+            b,
+            vec![
+                set(1008, 500, 8, 3),
+                sg(2000, 508, 8),
+                set(1000, 516, 8, 3),
+                d(5000, 9000, 64),
+                set(1016, 524, 16, 3),
+            ]
+        );
+        // Words merged at push time from different values lose their fill.
+        let mut a = set(1000, 500, 8, 3);
+        a.extend_signal(&set(1008, 508, 8, 4));
+        assert_eq!(a.fill, None);
     }
 
     #[test]
