@@ -222,8 +222,9 @@ fn run_ll_hooks(w: &Worker, mk: MakeTransport<'_>) {
         let pending = buf
             .ll_combine_send(&io.y, &io.idx, &io.w, &recv, &mut out)
             .unwrap();
-        // Another op while a receive is pending is refused, and changes nothing.
-        let refused = buf.inject_delay(Duration::from_micros(1));
+        // Another op while a receive is pending is refused, and changes nothing (only
+        // `inject_delay`, which touches nothing but the stream, is allowed between phases).
+        let refused = buf.layout(&io.idx, shape.tokens[rank]).map(|_| ());
         assert!(
             matches!(
                 &refused,
