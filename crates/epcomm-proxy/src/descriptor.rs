@@ -39,7 +39,10 @@
 //! never target overlapping bytes with them within one operation (dispatch, combine), so the
 //! coalescer may hold a transfer run open while later writes pass it. Executors still keep
 //! per-peer submission order ([`crate::executor`]), which is the simplest way to honour the
-//! signal rule.
+//! signal rule. Signals need no order among themselves where they **set** distinct words to
+//! one value (each such word is waited for on its own: a count word, a run's flags): the
+//! copy-engine executor lays such signals out anew by destination when they are pending
+//! together. Adds, and sets of other values, keep their ring order among signals.
 
 use std::fmt;
 

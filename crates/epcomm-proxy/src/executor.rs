@@ -8,9 +8,11 @@
 //!   emits them, which keeps every transfer and write ahead of the signals that follow it in
 //!   the ring (the ordering contract of [`crate::descriptor`]).
 //! * Transfers and writes to one peer need no order among themselves (they never target
-//!   overlapping bytes within one kernel operation), but executors keep **per-peer submission
-//!   order** for every operation anyway: it is the simplest way to honour the signal rule (a
-//!   CUDA stream per peer, an RC queue pair per peer, a FIFO in memory).
+//!   overlapping bytes within one kernel operation), and neither do signals that set distinct
+//!   words to one value. Executors keep **per-peer submission order** as the simplest way to
+//!   honour the signal rule (a CUDA stream per peer, an RC queue pair per peer, a FIFO in
+//!   memory); the copy-engine executor merges pending copies where that leaves every signal
+//!   behind what came before it and every two copies of shared bytes in order.
 //! * [`Submit::Busy`] means nothing was queued (a full queue: send-queue depth, stream slots);
 //!   the proxy polls completions and submits the same operation again later.
 //! * Every accepted operation is reported exactly once by [`Executor::poll`], or named by an

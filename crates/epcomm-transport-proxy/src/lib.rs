@@ -196,7 +196,7 @@ pub struct ProxyOptions {
     /// Batches of copies each peer's stream may hold in the copy engines before the proxy
     /// keeps new copies back to merge them ([`CopyEngineExecutor::set_queue_depth`]), in
     /// `1..=`[`MAX_QUEUE_DEPTH`]; default [`DEFAULT_QUEUE_DEPTH`]. [`MAX_QUEUE_DEPTH`] hands
-    /// copies over at every poll (the behaviour before the depth existed).
+    /// copies over at almost every poll (as before the depth existed, unless 64 batches run).
     pub copy_queue_depth: usize,
     /// Diagnostics on stderr: 0 none, 1 the proxy's report when a buffer's proxy stops, 2 also
     /// a live trace of the ring several times a second (docs/proxy.md, "Diagnostics").

@@ -86,8 +86,9 @@ const MAX_BATCH: usize = 1024;
 /// How far back in a lane's pending copies a new copy looks for one it continues.
 const MERGE_WINDOW: usize = 32;
 
-/// How far back [`compact`] looks, once per batch.
-const COMPACT_WINDOW: usize = 256;
+/// How far back [`compact`] looks, once per batch (each copy of a batch that merges with
+/// nothing costs that many comparisons: about 5% of its `cuMemcpyAsync` at 64).
+const COMPACT_WINDOW: usize = 64;
 
 /// Batches a lane keeps in the copy engines before it holds new copies back
 /// ([`CopyEngineExecutor::set_queue_depth`]).
@@ -1158,8 +1159,8 @@ mod tests {
         assert_eq!(data[0], &d(1_000_000, 5_000_000, 4 * 16 * 32));
         assert_eq!(data[1], &d(2_000_000, 6_000_000, 4 * 16 * 1024));
         // Every signal stays after the data copies that came before it in arrival order.
-        let first_signal = b.iter().position(|c| c.signal).unwrap();
-        assert!(b[..first_signal].iter().all(|c| !c.signal));
+        // (Both data copies hold data from before some flags: they must come first.)
+        assert!(b[..2].iter().all(|c| !c.signal), "{b:?}");
         assert_eq!(
             b.iter()
                 .filter(|c| c.signal)
