@@ -51,16 +51,17 @@
 //     deal(gwarp, nwarps, n)        static: the warp's tokens (TokenDeal), block-first
 //                                   (`deal_block_first`: consecutive tokens on different SMs)
 //                                   or one contiguous chunk per warp (`deal_chunks`)
-//     token(op, t, rows)            first (per lane, no warp collective): what the policy sends
-//                                   of token t itself
+//     first(op, deal, token_slot, offsets, rows)  before the body's loop over the warp's
+//                                   tokens (warp-collective): what the policy sends of them
+//                                   itself, ahead of the body's stores (rows: the warp's
+//                                   scratch, free again after it)
 //     send_row(op, src, rows, n16)  the token's row (warp-collective): stores to every mapped
 //                                   rank (warp_copy_row_multi), and to transport ranks what
 //                                   the policy sends row by row
 //     elements(op, d)               whether rank d gets the token's scales, top-k ids and
 //                                   weights and its source index from the body, every element
 //                                   in its final form by `put_elem`; false: the policy sends
-//                                   them (`token`, `flush`)
-//     flush(op)                     after the warp's last token: what `token` left open
+//                                   them (`first`)
 //   finish_dispatch(op, local, tid, nthreads)  static, [E8]: block 0 after [E6] (every
 //                                   source's data landed) makes final what transport sources
 //                                   sent raw
@@ -213,14 +214,14 @@ struct StoreNet {
     __device__ static __forceinline__ TokenDeal deal(int gwarp, int nwarps, int n) {
       return deal_block_first(gwarp, nwarps, n);
     }
-    __device__ __forceinline__ void token(const DispatchSend&, const int&, const int*) {}
+    __device__ __forceinline__ void first(const DispatchSend&, const TokenDeal&, const int32_t*,
+                                          const int*, int*) {}
     __device__ __forceinline__ void send_row(const DispatchSend& op, const int4* src,
                                              const int* rows, int n16) const {
       warp_copy_row_multi<StoreNet>(src, op.bases, rows, op.off_x, op.a.row_bytes, op.world, n16,
                                     op.lane, op.a.remote_mask);
     }
     __device__ __forceinline__ bool elements(const DispatchSend&, int) const { return true; }
-    __device__ __forceinline__ void flush(const DispatchSend&) const {}
   };
 
   // [E8] Every row arrived in its final form.

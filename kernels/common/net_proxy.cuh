@@ -318,8 +318,11 @@ struct ProxyNet {
   // registers, the open run of every proxied peer d = l + 32 * i: tokens t0 .. t0 + len - 1 of
   // this warp's chunk, bound for rows row0 .. row0 + len - 1 of d. A token extends its peer's
   // run when it continues it in both; otherwise (or when the run is full) the run is sent
-  // (`put_run`) and a new one starts. The lane sends every open run after the chunk (`flush`),
-  // before the block's `quiet`. Mapped ranks get the token by stores, as under StoreNet.
+  // (`put_run`) and a new one starts; the open runs go after the chunk. All of it in `first`,
+  // before the body's stores: the copy engines move these rows while the SMs store the mapped
+  // ranks' (sent along with the stores, the last runs, most of the rows, left only when the
+  // warp's stores had ended, and the copies waited for them). Mapped ranks get the token by
+  // stores, as under StoreNet.
   struct DispatchSender {
     PeerRuns runs;
 
@@ -331,26 +334,37 @@ struct ProxyNet {
       return deal_chunks(gwarp, nwarps, n);
     }
 
-    // Per lane, no warp collective: the lanes meet again at the body's next __syncwarp. (`t`,
-    // the body's loop counter, by reference, and op's fields in locals: the compiler then
-    // makes of this the code it made of the loop when it was the body's.)
-    __device__ __forceinline__ void token(const DispatchSend& op, const int& t, const int* rows) {
+    // Lane by lane (each lane its own peers' runs, every row read from the routing here, no
+    // scratch), the warp meeting again at the end.
+    __device__ __forceinline__ void first(const DispatchSend& op, const TokenDeal& deal,
+                                          const int32_t* token_slot, const int* offsets, int*) {
       const int lane = op.lane, world = op.world;
       const OpArgs& a = op.a;
+      if (a.remote_mask != 0) {
+        for (int t = deal.first; t < deal.end; t += deal.step) {
 #pragma unroll
-      for (int i = 0; i < PeerRuns::kSlots; ++i) {
-        const int d = lane + 32 * i;
-        if (d >= world || !remote(a.remote_mask, d) || rows[d] < 0) continue;
-        const int row = rows[d], len = runs.len[i];
-        if (len > 0 && len < runs.max_len && t == runs.t0[i] + len && row == runs.row0[i] + len) {
-          runs.len[i] = len + 1;
-          continue;
+          for (int i = 0; i < PeerRuns::kSlots; ++i) {
+            const int d = lane + 32 * i;
+            if (d >= world || !remote(a.remote_mask, d)) continue;
+            const int slot = token_slot[static_cast<int64_t>(t) * world + d];
+            if (slot < 0) continue;
+            const int row = offsets[d] + slot, len = runs.len[i];
+            if (len > 0 && len < runs.max_len && t == runs.t0[i] + len &&
+                row == runs.row0[i] + len) {
+              runs.len[i] = len + 1;
+              continue;
+            }
+            if (len > 0) put_run(op, d, runs.t0[i], runs.row0[i], len);
+            runs.t0[i] = t;
+            runs.row0[i] = row;
+            runs.len[i] = 1;
+          }
         }
-        if (len > 0) put_run(op, d, runs.t0[i], runs.row0[i], len);
-        runs.t0[i] = t;
-        runs.row0[i] = row;
-        runs.len[i] = 1;
+#pragma unroll
+        for (int i = 0; i < PeerRuns::kSlots; ++i)
+          if (runs.len[i] > 0) put_run(op, lane + 32 * i, runs.t0[i], runs.row0[i], runs.len[i]);
       }
+      __syncwarp();
     }
 
     // Stores to every mapped rank; a proxied rank's rows travel in its runs.
@@ -362,13 +376,6 @@ struct ProxyNet {
 
     __device__ __forceinline__ bool elements(const DispatchSend& op, int d) const {
       return !remote(op.a.remote_mask, d);
-    }
-
-    __device__ __forceinline__ void flush(const DispatchSend& op) const {
-      const int lane = op.lane;
-#pragma unroll
-      for (int i = 0; i < PeerRuns::kSlots; ++i)
-        if (runs.len[i] > 0) put_run(op, lane + 32 * i, runs.t0[i], runs.row0[i], runs.len[i]);
     }
 
     // One thread sends run (t0, row0, len) to proxied peer d: ONE claim of consecutive ring

@@ -144,13 +144,13 @@ __device__ __forceinline__ void dispatch(const OpArgs& a, Shared& s) {
   const TokenDeal deal = Net::DispatchSender::deal(gwarp, nwarps, num_tokens);
   typename Net::DispatchSender tx(op);
   int* rows = s.rows[warp];
+  tx.first(op, deal, token_slot, s.offsets, rows);
   for (int t = deal.first; t < deal.end; t += deal.step) {
     for (int d = lane; d < world; d += 32) {
       const int slot = token_slot[static_cast<int64_t>(t) * world + d];
       rows[d] = slot >= 0 ? s.offsets[d] + slot : -1;
     }
     __syncwarp();
-    tx.token(op, t, rows);
     tx.send_row(op, reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(t) * a.row_bytes),
                 rows, n16);
     // The metadata of every rank the sender leaves to element writes (`put_elem`: stores, or
@@ -188,8 +188,7 @@ __device__ __forceinline__ void dispatch(const OpArgs& a, Shared& s) {
                         static_cast<int32_t>(t), peer_pe(w, d), Net::remote(a.remote_mask, d));
     __syncwarp();
   }
-  tx.flush(op);
-  // Every put and descriptor of this block (`flush`'s too) was issued before quiet's block
+  // Every put and descriptor of this block (`first`'s too) was issued before quiet's block
   // barrier, so quiet waits for all of them.
   if (!all_ok(s, Net::quiet(s.wait, a.remote_mask))) return;
   if (block0 && tid == 0) stats[kStatSent] = globaltimer_ns();
