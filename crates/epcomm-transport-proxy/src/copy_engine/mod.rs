@@ -1233,6 +1233,130 @@ mod tests {
         assert_eq!(a.fill, None);
     }
 
+    /// Random mixes of data copies (continuing, random, staged, overlapping) and signal copies
+    /// (sets of two values, adds), pushed by the executor's rules and issued in batches
+    /// (compacted), leave memory exactly as the copies one by one in ring order do; with
+    /// batched copies also when every batch runs backwards, and no batch holds two copies
+    /// that touch the same bytes.
+    #[test]
+    fn merged_batches_leave_memory_as_the_copies_in_order() {
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        let mut rand = |m: u64| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state % m
+        };
+        let run = |mem: &mut Vec<u8>, c: &Pending| {
+            let (d, s, n) = (c.dst as usize, c.src as usize, c.bytes);
+            let bytes = mem[s..s + n].to_vec();
+            mem[d..d + n].copy_from_slice(&bytes);
+        };
+        for case in 0..3000 {
+            let mut mem = vec![0u8; 1 << 18];
+            for b in mem[100_000..110_000].iter_mut() {
+                *b = rand(256) as u8;
+            }
+            let batched = case % 2 == 0;
+            let max = [4, 16, MAX_BATCH][rand(3) as usize];
+            let (mut batch, mut issued): (Vec<Pending>, Vec<Vec<Pending>>) = (vec![], vec![]);
+            let issue = |batch: &mut Vec<Pending>, issued: &mut Vec<Vec<Pending>>| {
+                if !batch.is_empty() {
+                    compact(batch, COMPACT_WINDOW);
+                    issued.push(std::mem::take(batch));
+                }
+            };
+            let (mut arena, mut cursor, span) =
+                (200_000u64, 0u64, [16u64, 64, 256][rand(3) as usize]);
+            let mut ops = vec![];
+            for _ in 0..1 + rand(100) {
+                let c = if rand(10) < 6 {
+                    let slot = if rand(3) == 0 {
+                        rand(span)
+                    } else {
+                        cursor = (cursor + 1 + rand(2)) % span;
+                        cursor
+                    };
+                    let (dst, bytes) = (8 * slot, 8 * (1 + rand(3)));
+                    let src = match rand(6) {
+                        0 => {
+                            let at = arena;
+                            arena += bytes;
+                            for k in at..at + bytes {
+                                mem[k as usize] = rand(256) as u8;
+                            }
+                            at
+                        }
+                        1 => 8 * rand(span + 8),
+                        _ => 100_000 + dst,
+                    };
+                    if src < dst + bytes && dst < src + bytes {
+                        continue;
+                    }
+                    d(dst, src, bytes as usize)
+                } else {
+                    let words = 1 + rand(2);
+                    let set_value = (rand(4) != 0).then(|| 1 + rand(2));
+                    let value = set_value.unwrap_or(1000 + rand(1000));
+                    arena += 8 * rand(2); // sometimes other staging between
+                    let at = arena;
+                    for w in 0..words {
+                        let k = (at + 8 * w) as usize;
+                        mem[k..k + 8].copy_from_slice(&value.to_le_bytes());
+                    }
+                    arena += 8 * words;
+                    let dst = 4096 + 8 * rand(24);
+                    Pending::signal(dst, at, 8 * words as usize, 0, set_value)
+                };
+                ops.push(c);
+                if c.signal {
+                    if let Some(k) = signal_continued(&batch, c.dst, c.src) {
+                        batch[k].extend_signal(&c);
+                        continue;
+                    }
+                    if batched {
+                        issue(&mut batch, &mut issued);
+                    }
+                    batch.push(c);
+                } else {
+                    if batched && depends_on_any(&batch, c.dst, c.src, c.bytes) {
+                        issue(&mut batch, &mut issued);
+                    }
+                    if let Some((k, side)) = joined_copy(&batch, &c, MERGE_WINDOW) {
+                        join(&mut batch[k], &c, side);
+                        continue;
+                    }
+                    batch.push(c);
+                }
+                if batch.len() >= max || rand(8) == 0 {
+                    issue(&mut batch, &mut issued);
+                }
+            }
+            issue(&mut batch, &mut issued);
+            let mut expected = mem.clone();
+            ops.iter().for_each(|c| run(&mut expected, c));
+            let mut got = mem.clone();
+            issued.iter().flatten().for_each(|c| run(&mut got, c));
+            assert!(got == expected, "case {case}: {ops:?} issued as {issued:?}");
+            if batched {
+                let mut backwards = mem.clone();
+                for b in &issued {
+                    b.iter().rev().for_each(|c| run(&mut backwards, c));
+                    for (x, c) in b.iter().enumerate() {
+                        assert!(
+                            !b[x + 1..].iter().any(|e| touches(c, e.dst, e.src, e.bytes)),
+                            "case {case}: dependent copies in one batch {b:?}"
+                        );
+                    }
+                }
+                assert!(
+                    backwards == expected,
+                    "case {case}: {ops:?} issued as {issued:?}"
+                );
+            }
+        }
+    }
+
     #[test]
     fn compaction_keeps_each_signal_behind_the_copies_before_it() {
         // data A, signal S, data B that overlaps A's destination: B cannot move ahead of S's
