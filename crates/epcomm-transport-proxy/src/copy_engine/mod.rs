@@ -852,19 +852,28 @@ fn compact(batch: &mut Vec<Pending>, window: usize) {
     }
     let mut out: Vec<Pending> = Vec::with_capacity(batch.len());
     for c in batch.drain(..) {
-        if c.signal {
-            if let Some(k) = signal_continued(&out, c.dst, c.src) {
-                out[k].extend_signal(&c);
-                continue;
-            }
-        } else if let Some((k, side)) = joined_copy(&out, &c, window) {
-            join(&mut out[k], &c, side);
-            continue;
+        if !merged_into(&mut out, &c, window) {
+            out.push(c);
         }
-        out.push(c);
     }
     regroup_fills(&mut out);
     *batch = out;
+}
+
+/// Merges copy `c` into a copy of `batch` by the rules of a new copy (data joins an earlier
+/// copy of data within `window`, [`joined_copy`]; a signal's copy only the last copy when
+/// that holds signals, [`signal_continued`]); false when it merged into none.
+fn merged_into(batch: &mut [Pending], c: &Pending, window: usize) -> bool {
+    if c.signal {
+        if let Some(k) = signal_continued(batch, c.dst, c.src) {
+            batch[k].extend_signal(c);
+            return true;
+        }
+    } else if let Some((k, side)) = joined_copy(batch, c, window) {
+        join(&mut batch[k], c, side);
+        return true;
+    }
+    false
 }
 
 /// Lays out anew each group of consecutive signal copies in `batch` that set words to one
@@ -1105,16 +1114,9 @@ mod tests {
         const ROW: u64 = 1024;
         let mut b: Vec<Pending> = Vec::new();
         let mut push = |c: Pending| {
-            if c.signal {
-                if let Some(k) = signal_continued(&b, c.dst, c.src) {
-                    b[k].extend_signal(&c);
-                    return;
-                }
-            } else if let Some((k, side)) = joined_copy(&b, &c, MERGE_WINDOW) {
-                join(&mut b[k], &c, side);
-                return;
+            if !merged_into(&mut b, &c, MERGE_WINDOW) {
+                b.push(c);
             }
-            b.push(c);
         };
         for (a, &w) in order.iter().enumerate() {
             let rows = 16;
