@@ -51,7 +51,7 @@ impl CopyEngineExecutor {
         Ok(())
     }
 
-    /// The executor's [`Executor::progress`]: writes the values that changed.
+    /// The executor's [`epcomm_proxy::Executor::progress`]: writes the values that changed.
     pub(super) fn write_mirror(
         &mut self,
         taken: u64,
