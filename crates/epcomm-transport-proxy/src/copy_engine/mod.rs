@@ -231,8 +231,7 @@ impl CopyEngineExecutor {
         let mapped = peer_bases.iter().filter(|&&b| b != 0).count();
         let counting = MappedHostBuffer::zeroed(&ctx, 4 * COUNTING_ELEMS as usize)?;
         for j in 0..COUNTING_ELEMS / 2 {
-            // Elements 2j and 2j + 1 of the table, little-endian.
-            counting.store_u64(j as usize, (2 * j) | ((2 * j + 1) << 32));
+            counting.store_u64(j as usize, counting_word(j));
         }
         let free_events = (0..EVENTS_PER_LANE * mapped)
             .map(|_| ctx.new_event(None))
@@ -666,7 +665,12 @@ impl Executor for CopyEngineExecutor {
         for i in 0..self.lanes.len() {
             // Nothing new, or `queue_depth` batches still running: the copies wait here, where
             // the next ones merge with them (the running batches complete on their own).
-            if self.lanes[i].unmarked.is_empty() || self.lanes[i].marks.len() >= self.queue_depth {
+            let lane = &self.lanes[i];
+            if !hands_over(
+                !lane.unmarked.is_empty(),
+                lane.marks.len(),
+                self.queue_depth,
+            ) {
                 continue;
             }
             let first = self.lanes[i].unmarked[0];
@@ -695,5 +699,45 @@ impl Executor for CopyEngineExecutor {
             .min();
         self.watch.set_in_flight(self.in_flight, oldest);
         Ok(())
+    }
+}
+
+/// Word `j` of the counting table: its elements 2j and 2j + 1 (`u32`, little-endian).
+fn counting_word(j: u64) -> u64 {
+    (2 * j) | ((2 * j + 1) << 32)
+}
+
+/// Whether a lane hands its pending copies to the driver at this poll: it has some, and fewer
+/// than `depth` of its batches are still running.
+fn hands_over(pending: bool, running: usize, depth: usize) -> bool {
+    pending && running < depth
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_counting_table_holds_each_index_at_its_place() {
+        // The table's bytes, as the copy engines read them: element k is k.
+        let bytes: Vec<u8> = (0..8)
+            .flat_map(|j| counting_word(j).to_le_bytes())
+            .collect();
+        for k in 0..16u32 {
+            let at = 4 * k as usize;
+            assert_eq!(u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap()), k);
+        }
+        let last = counting_word(COUNTING_ELEMS / 2 - 1);
+        assert_eq!(last >> 32, COUNTING_ELEMS - 1);
+    }
+
+    #[test]
+    fn a_lane_holds_its_copies_while_depth_batches_run() {
+        assert!(hands_over(true, 0, 2));
+        assert!(hands_over(true, 1, 2));
+        assert!(!hands_over(true, 2, 2), "two running at depth 2: hold");
+        assert!(!hands_over(false, 0, 2), "nothing pending");
+        assert!(hands_over(true, 0, 1));
+        assert!(!hands_over(true, 1, 1));
     }
 }
