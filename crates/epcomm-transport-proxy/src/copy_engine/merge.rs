@@ -55,7 +55,7 @@ impl Pending {
     }
 
     /// Appends signal copy `next` (which continues this one) to it.
-    pub(super) fn extend_signal(&mut self, next: &Pending) {
+    fn extend_signal(&mut self, next: &Pending) {
         self.bytes += next.bytes;
         if self.fill != next.fill {
             self.fill = None;
@@ -95,7 +95,7 @@ fn touches(c: &Pending, dst: u64, src: u64, bytes: usize) -> bool {
 /// The index of `batch`'s last copy when it holds signals only and a signal's copy from `src`
 /// to `dst` continues it: both its source and its destination start where that copy ends.
 /// Only the last copy qualifies, so the merged signal still lands after every copy before it.
-pub(super) fn signal_continued(batch: &[Pending], dst: u64, src: u64) -> Option<usize> {
+fn signal_continued(batch: &[Pending], dst: u64, src: u64) -> Option<usize> {
     let k = batch.len().checked_sub(1)?;
     let c = batch[k];
     (c.signal
@@ -106,7 +106,7 @@ pub(super) fn signal_continued(batch: &[Pending], dst: u64, src: u64) -> Option<
 
 /// Where a new copy joins a pending one ([`joined_copy`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Join {
+enum Join {
     /// The new copy continues the pending one (both its source and its destination start
     /// where the pending copy's end).
     After,
@@ -116,7 +116,7 @@ pub(super) enum Join {
 }
 
 /// Merges `copy` into `into` on `side` (as [`joined_copy`] found it).
-pub(super) fn join(into: &mut Pending, copy: &Pending, side: Join) {
+fn join(into: &mut Pending, copy: &Pending, side: Join) {
     if side == Join::Before {
         into.dst = copy.dst;
         into.src = copy.src;
@@ -132,11 +132,7 @@ pub(super) fn join(into: &mut Pending, copy: &Pending, side: Join) {
 /// it must not move), though the copies between are checked against it too. Looks back at
 /// most `window` copies. Both sides matter because warps hand the proxy adjacent runs in no
 /// particular order: a run arriving before its neighbour to the left must still merge with it.
-pub(super) fn joined_copy(
-    batch: &[Pending],
-    copy: &Pending,
-    window: usize,
-) -> Option<(usize, Join)> {
+fn joined_copy(batch: &[Pending], copy: &Pending, window: usize) -> Option<(usize, Join)> {
     let (dst, src, bytes) = (copy.dst, copy.src, copy.bytes);
     let lo = batch.len().saturating_sub(window);
     for k in (lo..batch.len()).rev() {
@@ -181,7 +177,7 @@ pub(super) fn compact(batch: &mut Vec<Pending>, window: usize) {
 /// Merges copy `c` into a copy of `batch` by the rules of a new copy (data joins an earlier
 /// copy of data within `window`, [`joined_copy`]; a signal's copy only the last copy when
 /// that holds signals, [`signal_continued`]); false when it merged into none.
-fn merged_into(batch: &mut [Pending], c: &Pending, window: usize) -> bool {
+pub(super) fn merged_into(batch: &mut [Pending], c: &Pending, window: usize) -> bool {
     if c.signal {
         if let Some(k) = signal_continued(batch, c.dst, c.src) {
             batch[k].extend_signal(c);
@@ -629,25 +625,17 @@ mod tests {
                     Pending::signal(dst, at, 8 * words as usize, 0, set_value)
                 };
                 ops.push(c);
-                if c.signal {
-                    if let Some(k) = signal_continued(&batch, c.dst, c.src) {
-                        batch[k].extend_signal(&c);
-                        continue;
-                    }
-                    if batched {
-                        issue(&mut batch, &mut issued);
-                    }
-                    batch.push(c);
-                } else {
-                    if batched && depends_on_any(&batch, c.dst, c.src, c.bytes) {
-                        issue(&mut batch, &mut issued);
-                    }
-                    if let Some((k, side)) = joined_copy(&batch, &c, MERGE_WINDOW) {
-                        join(&mut batch[k], &c, side);
-                        continue;
-                    }
-                    batch.push(c);
+                // As `push_copy` and `push_signal_copy` do.
+                if batched && !c.signal && depends_on_any(&batch, c.dst, c.src, c.bytes) {
+                    issue(&mut batch, &mut issued);
                 }
+                if merged_into(&mut batch, &c, MERGE_WINDOW) {
+                    continue;
+                }
+                if batched && c.signal {
+                    issue(&mut batch, &mut issued);
+                }
+                batch.push(c);
                 if batch.len() >= max || rand(8) == 0 {
                     issue(&mut batch, &mut issued);
                 }

@@ -71,7 +71,7 @@ mod merge;
 mod mirror;
 use merge::{
     COMPACT_WINDOW, COUNTING_ELEMS, MERGE_WINDOW, Pending, compact, counted_source, depends_on_any,
-    join, joined_copy, signal_continued,
+    merged_into,
 };
 use mirror::Mirror;
 
@@ -414,8 +414,7 @@ impl CopyEngineExecutor {
         }
         let lane = &mut self.lanes[i];
         let copy = Pending::data(dst, src, bytes, op);
-        if let Some((k, side)) = joined_copy(&lane.batch, &copy, MERGE_WINDOW) {
-            join(&mut lane.batch[k], &copy, side);
+        if merged_into(&mut lane.batch, &copy, MERGE_WINDOW) {
             return Ok(());
         }
         lane.batch.push(copy);
@@ -427,7 +426,7 @@ impl CopyEngineExecutor {
 
     /// Adds the copy of a signal's `bytes` (from the arena at `src` to `dst`) to lane `i`'s
     /// batch, after everything pending there: merged into the lane's last copy when that one
-    /// holds signals only and this continues it ([`signal_continued`]); otherwise a new copy (with batched copies, in
+    /// holds signals only and this continues it ([`merge::merged_into`]); otherwise a new copy (with batched copies, in
     /// a new batch: a batch runs its copies in no particular order).
     fn push_signal_copy(
         &mut self,
@@ -440,8 +439,7 @@ impl CopyEngineExecutor {
     ) -> Result<(), OpFailure> {
         let lane = &mut self.lanes[i];
         let copy = Pending::signal(dst, src, bytes, op, fill);
-        if let Some(k) = signal_continued(&lane.batch, dst, src) {
-            lane.batch[k].extend_signal(&copy);
+        if merged_into(&mut lane.batch, &copy, MERGE_WINDOW) {
             return Ok(());
         }
         if self.batched {
