@@ -83,6 +83,14 @@ pub struct ProxyReport {
     pub bytes: u64,
     /// Times the executor answered [`Submit::Busy`].
     pub busy: u64,
+    /// Rounds of the loop (take, submit, poll) that moved something: took a descriptor,
+    /// submitted an operation or completed one.
+    pub working_rounds: u64,
+    /// Rounds that moved nothing (each followed by a spin or a yield).
+    pub idle_rounds: u64,
+    /// Nanoseconds spent in working rounds: how busy the proxy thread was. Close to the
+    /// thread's lifetime under load means the proxy, not the GPU, sets the pace.
+    pub working_ns: u64,
 }
 
 /// Everything a proxy can fail with; each names the descriptor (ring number) and, where there
@@ -359,10 +367,17 @@ fn drive<E: Executor>(
             state.consumer.close();
             closed = true;
         }
+        let round = Instant::now();
         let (taken, empty) = state.take()?;
         let submitted = state.submit()?;
         let completed = state.poll()?;
         state.check_timeouts()?;
+        if taken + submitted + completed == 0 {
+            state.report.idle_rounds += 1;
+        } else {
+            state.report.working_rounds += 1;
+            state.report.working_ns += round.elapsed().as_nanos() as u64;
+        }
         if closed && empty && state.pending.is_empty() && state.in_flight.is_empty() {
             return Ok(state.report);
         }

@@ -120,6 +120,15 @@ fn a_dispatch_lands_in_order_and_coalesces() {
     assert_eq!(report.signals, 3);
     assert_eq!(report.bytes, TOKENS * ROW * 3);
     assert!(report.ops < report.descriptors, "{report:?}");
+    // Every descriptor was taken in a working round, each of which is timed.
+    assert!(
+        report.working_rounds > 0 && report.working_ns > 0,
+        "no working round counted: {report:?}"
+    );
+    assert!(
+        report.working_rounds <= report.descriptors + 2 * report.ops,
+        "a working round takes a descriptor, submits an operation or completes one: {report:?}"
+    );
     assert!(
         report.busy > 0,
         "the executor's queue of 2 never filled: {report:?}"
