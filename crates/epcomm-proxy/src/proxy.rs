@@ -89,8 +89,11 @@ pub struct ProxyReport {
     /// Rounds that moved nothing (each followed by a spin or a yield).
     pub idle_rounds: u64,
     /// Nanoseconds spent in working rounds: how busy the proxy thread was. Close to the
-    /// thread's lifetime under load means the proxy, not the GPU, sets the pace.
+    /// loop's time under load ([`ProxyReport::loop_ns`]) means the proxy, not the GPU, sets
+    /// the pace.
     pub working_ns: u64,
+    /// Nanoseconds from the loop's start to its end.
+    pub loop_ns: u64,
 }
 
 /// Everything a proxy can fail with; each names the descriptor (ring number) and, where there
@@ -360,6 +363,7 @@ fn drive<E: Executor>(
 ) -> Result<ProxyReport, ProxyError> {
     let mut closed = false;
     let mut idle: u32 = 0;
+    let start = Instant::now();
     loop {
         if !closed && stop.load(Ordering::Acquire) {
             // From here on the producer's waits end with `Closed`; what it already published
@@ -379,6 +383,7 @@ fn drive<E: Executor>(
             state.report.working_ns += round.elapsed().as_nanos() as u64;
         }
         if closed && empty && state.pending.is_empty() && state.in_flight.is_empty() {
+            state.report.loop_ns = start.elapsed().as_nanos() as u64;
             return Ok(state.report);
         }
         if taken + submitted + completed == 0 {
