@@ -240,6 +240,18 @@ impl ProxyCore {
         for (call, n, total) in watch.totals() {
             out += &format!("; {n} x {call} in {total:?}");
         }
+        let (hand_overs, copies) = watch.hand_overs();
+        if hand_overs > 0 {
+            out += &format!("; {copies} copies handed to the driver in {hand_overs} hand-overs");
+        }
+        let (seen, total, longest) = watch.completions();
+        if seen > 0 {
+            out += &format!(
+                "; {seen} events seen complete {:?} after their record on average (longest \
+                 {longest:?})",
+                total / seen.min(u32::MAX as u64) as u32
+            );
+        }
         out
     }
 

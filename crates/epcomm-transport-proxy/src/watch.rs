@@ -19,6 +19,11 @@ struct WatchState {
     in_flight: (usize, Option<std::time::Instant>),
     /// Calls of `poll` so far (the proxy's rounds).
     polls: u64,
+    /// Hand-overs of pending copies to the driver, and the copies they held.
+    handed: (u64, u64),
+    /// Events seen complete, the total and the longest time from an event's record to the
+    /// poll that saw it complete (copy-engine time plus the proxy's polling delay).
+    completed: (u64, std::time::Duration, std::time::Duration),
 }
 
 impl CallWatch {
@@ -74,6 +79,33 @@ impl CallWatch {
         }
     }
 
+    /// One hand-over of `copies` pending copies to the driver.
+    pub(crate) fn handed(&self, copies: usize) {
+        if let Ok(mut w) = self.state.lock() {
+            w.handed.0 += 1;
+            w.handed.1 += copies as u64;
+        }
+    }
+
+    /// An event seen complete `after` its record.
+    pub(crate) fn completed(&self, after: std::time::Duration) {
+        if let Ok(mut w) = self.state.lock() {
+            w.completed.0 += 1;
+            w.completed.1 += after;
+            w.completed.2 = w.completed.2.max(after);
+        }
+    }
+
+    /// Hand-overs of copies so far and the copies they held.
+    pub fn hand_overs(&self) -> (u64, u64) {
+        self.state.lock().map(|w| w.handed).unwrap_or_default()
+    }
+
+    /// Events seen complete so far, their total and longest time from record to seen.
+    pub fn completions(&self) -> (u64, std::time::Duration, std::time::Duration) {
+        self.state.lock().map(|w| w.completed).unwrap_or_default()
+    }
+
     /// Rounds of the proxy so far (calls of the executor's `poll`).
     pub fn polls(&self) -> u64 {
         self.state.lock().map(|w| w.polls).unwrap_or(0)
@@ -83,5 +115,26 @@ impl CallWatch {
     pub fn in_call(&self) -> Option<(&'static str, std::time::Duration)> {
         let w = self.state.lock().ok()?;
         w.current.map(|(name, since)| (name, since.elapsed()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn hand_overs_and_completions_add_up() {
+        let w = CallWatch::default();
+        assert_eq!(w.hand_overs(), (0, 0));
+        w.handed(3);
+        w.handed(5);
+        assert_eq!(w.hand_overs(), (2, 8));
+        w.completed(Duration::from_micros(10));
+        w.completed(Duration::from_micros(30));
+        assert_eq!(
+            w.completions(),
+            (2, Duration::from_micros(40), Duration::from_micros(30))
+        );
     }
 }

@@ -361,6 +361,7 @@ impl CopyEngineExecutor {
             });
             match res {
                 sys::CUresult::CUDA_SUCCESS => {
+                    self.watch.handed(count);
                     self.lanes[i].batch.clear();
                     return Ok(());
                 }
@@ -393,6 +394,7 @@ impl CopyEngineExecutor {
                 .result()
                 .map_err(Self::driver(op, i as u32, "cuMemcpyAsync"))?;
         }
+        self.watch.handed(self.lanes[i].batch.len());
         self.lanes[i].batch.clear();
         Ok(())
     }
@@ -651,9 +653,10 @@ impl Executor for CopyEngineExecutor {
                         ));
                     }
                 }
-                let Some((event, ops, freed, _)) = self.lanes[i].marks.pop_front() else {
+                let Some((event, ops, freed, recorded)) = self.lanes[i].marks.pop_front() else {
                     break;
                 };
+                self.watch.completed(recorded.elapsed());
                 self.lanes[i].fifo.free_to(freed);
                 self.in_flight -= ops.len();
                 done.extend(ops);
