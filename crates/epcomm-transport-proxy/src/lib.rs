@@ -69,7 +69,9 @@ use epcomm_transport::{
 use crate::core::{ProxyCore, RingParts};
 use epcomm_transport_ipc::{IpcMemory, IpcTransport};
 
-pub use copy_engine::{CopyEngineError, CopyEngineExecutor, DEFAULT_QUEUE_DEPTH, MAX_QUEUE_DEPTH};
+pub use copy_engine::{
+    CopyEngineError, CopyEngineExecutor, DEFAULT_QUEUE_DEPTH, MAX_LINGER, MAX_QUEUE_DEPTH,
+};
 pub use watch::CallWatch;
 
 // The kernel side (abi.cuh) and the proxy crate must agree on the ring layout.
@@ -104,6 +106,7 @@ pub const PROXY_ENV: &[&str] = &[
     "EPCOMM_PROXY_MIRROR",
     "EPCOMM_PROXY_BATCH",
     "EPCOMM_PROXY_COPY_DEPTH",
+    "EPCOMM_PROXY_COPY_LINGER_US",
     "EPCOMM_PROXY_TRACE",
 ];
 
@@ -198,6 +201,11 @@ pub struct ProxyOptions {
     /// `1..=`[`MAX_QUEUE_DEPTH`]; default [`DEFAULT_QUEUE_DEPTH`]. [`MAX_QUEUE_DEPTH`] hands
     /// copies over at almost every poll (as before the depth existed, unless 64 batches run).
     pub copy_queue_depth: usize,
+    /// How long each peer's lane keeps its first pending copy before handing copies to the
+    /// driver, so the runs other warps post meanwhile merge with it
+    /// ([`CopyEngineExecutor::set_linger`]); at most [`MAX_LINGER`], default zero (hand over
+    /// at the first poll).
+    pub copy_linger: Duration,
     /// Diagnostics on stderr: 0 none, 1 the proxy's report when a buffer's proxy stops, 2 also
     /// a live trace of the ring several times a second (docs/proxy.md, "Diagnostics").
     pub trace: u8,
@@ -236,6 +244,21 @@ fn env_choice(name: &'static str, allowed: &[&str]) -> Result<Option<u8>, Transp
     }
 }
 
+/// `value` of `name` as a whole number of microseconds (zero allowed).
+///
+/// # Errors
+/// [`TransportError::InvalidArgument`] naming the variable when it is not one.
+fn parse_micros(name: &'static str, value: &str) -> Result<Duration, TransportError> {
+    value
+        .trim()
+        .parse::<u64>()
+        .map(Duration::from_micros)
+        .map_err(|_| TransportError::InvalidArgument {
+            argument: name,
+            rule: format!("must be a whole number of microseconds (got {value:?})"),
+        })
+}
+
 /// `value` of `name` as its index in `allowed`.
 fn parse_choice(
     name: &'static str,
@@ -269,6 +292,7 @@ impl ProxyOptions {
             mirror_progress: true,
             batch_copies: false,
             copy_queue_depth: DEFAULT_QUEUE_DEPTH,
+            copy_linger: Duration::ZERO,
             trace: 0,
         }
     }
@@ -277,7 +301,8 @@ impl ProxyOptions {
     /// `EPCOMM_PROXY_MAX_IN_FLIGHT` overriding the two sizes when set,
     /// `EPCOMM_PROXY_MIRROR=0` turning the progress mirror off, `EPCOMM_PROXY_BATCH=1` the
     /// batched copies on (a diagnostic: see [`Self::batch_copies`]), `EPCOMM_PROXY_COPY_DEPTH`
-    /// setting [`Self::copy_queue_depth`], and `EPCOMM_PROXY_TRACE=1|2` the diagnostics on.
+    /// setting [`Self::copy_queue_depth`], `EPCOMM_PROXY_COPY_LINGER_US` [`Self::copy_linger`]
+    /// in microseconds (0 allowed), and `EPCOMM_PROXY_TRACE=1|2` the diagnostics on.
     ///
     /// # Errors
     /// [`TransportError::InvalidArgument`] naming the variable when its value is not a
@@ -311,6 +336,9 @@ impl ProxyOptions {
         if let Some(n) = var("EPCOMM_PROXY_COPY_DEPTH")? {
             options.copy_queue_depth = usize::try_from(n).unwrap_or(usize::MAX);
         }
+        if let Ok(v) = std::env::var("EPCOMM_PROXY_COPY_LINGER_US") {
+            options.copy_linger = parse_micros("EPCOMM_PROXY_COPY_LINGER_US", &v)?;
+        }
         if let Some(level) = env_choice("EPCOMM_PROXY_TRACE", &["0", "1", "2"])? {
             options.trace = level;
         }
@@ -322,7 +350,7 @@ impl ProxyOptions {
     /// # Errors
     /// [`TransportError::InvalidArgument`] naming the field: `ring_slots` a power of two in
     /// `2..=2^24`, `max_in_flight` and both bounds above zero, `virtual_nodes` above zero,
-    /// `copy_queue_depth` in `1..=`[`MAX_QUEUE_DEPTH`].
+    /// `copy_queue_depth` in `1..=`[`MAX_QUEUE_DEPTH`], `copy_linger` at most [`MAX_LINGER`].
     pub fn validate(&self) -> Result<(), TransportError> {
         let bad = |argument, rule: String| Err(TransportError::InvalidArgument { argument, rule });
         if let Err(e) = ring::region_bytes(self.ring_slots) {
@@ -346,6 +374,15 @@ impl ProxyOptions {
                 format!(
                     "must be in 1..={MAX_QUEUE_DEPTH} (got {})",
                     self.copy_queue_depth
+                ),
+            );
+        }
+        if self.copy_linger > MAX_LINGER {
+            return bad(
+                "ProxyOptions::copy_linger",
+                format!(
+                    "must be at most {MAX_LINGER:?} (got {:?})",
+                    self.copy_linger
                 ),
             );
         }
@@ -664,6 +701,7 @@ impl SymmetricHeap for ProxyTransport {
         )?;
         executor.set_batch_copies(self.options.batch_copies);
         executor.set_queue_depth(self.options.copy_queue_depth);
+        executor.set_linger(self.options.copy_linger);
         if self.options.mirror_progress {
             executor.mirror_progress(
                 parts.counter(abi::PROXY_COUNTER_TAKEN),
@@ -848,10 +886,29 @@ mod tests {
     }
 
     #[test]
+    fn linger_is_read_in_microseconds() {
+        assert_eq!(
+            parse_micros("EPCOMM_PROXY_COPY_LINGER_US", " 20 ").unwrap(),
+            Duration::from_micros(20)
+        );
+        assert_eq!(
+            parse_micros("EPCOMM_PROXY_COPY_LINGER_US", "0").unwrap(),
+            Duration::ZERO
+        );
+        let err = parse_micros("EPCOMM_PROXY_COPY_LINGER_US", "5us")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("EPCOMM_PROXY_COPY_LINGER_US") && err.contains("5us"),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn options_name_the_broken_rule() {
         let ok = ProxyOptions::one_node_per_rank(2);
         assert!(ok.validate().is_ok());
-        let cases: [(ProxyOptions, &str); 8] = [
+        let cases: [(ProxyOptions, &str); 9] = [
             (ProxyOptions { trace: 3, ..ok }, "trace"),
             (
                 ProxyOptions {
@@ -902,7 +959,19 @@ mod tests {
                 },
                 "copy_queue_depth",
             ),
+            (
+                ProxyOptions {
+                    copy_linger: MAX_LINGER + Duration::from_nanos(1),
+                    ..ok
+                },
+                "copy_linger",
+            ),
         ];
+        let longest = ProxyOptions {
+            copy_linger: MAX_LINGER,
+            ..ok
+        };
+        assert!(longest.validate().is_ok());
         for (options, field) in cases {
             let err = options.validate().unwrap_err().to_string();
             assert!(err.contains(field), "{field}: {err}");

@@ -91,6 +91,9 @@ pub const DEFAULT_QUEUE_DEPTH: usize = 2;
 /// The largest queue depth: a lane never has more batches running than it has events.
 pub const MAX_QUEUE_DEPTH: usize = EVENTS_PER_LANE;
 
+/// The longest a lane keeps its pending copies back ([`CopyEngineExecutor::set_linger`]).
+pub const MAX_LINGER: std::time::Duration = std::time::Duration::from_millis(1);
+
 /// Why a copy-engine operation failed.
 #[derive(Debug, thiserror::Error)]
 pub enum CopyEngineError {
@@ -155,6 +158,8 @@ struct Lane {
     batch: Vec<Pending>,
     /// Operations submitted since the last event.
     unmarked: Vec<OpId>,
+    /// When the first of `unmarked` was submitted (the linger counts from it).
+    unmarked_since: Option<std::time::Instant>,
     /// Events in record order, each with the operations it completes, the arena total it
     /// frees up to, and when it was recorded.
     marks: VecDeque<(CudaEvent, Vec<OpId>, usize, std::time::Instant)>,
@@ -175,6 +180,8 @@ pub struct CopyEngineExecutor {
     batched: bool,
     /// A lane hands its pending copies over only while fewer of its batches are running.
     queue_depth: usize,
+    /// ... and only once its oldest pending operation has waited this long.
+    linger: std::time::Duration,
     /// Where the ring's progress is mirrored in device memory ([`Self::mirror_progress`]).
     mirror: Option<Mirror>,
     /// Pinned, `COUNTING_ELEMS` little-endian `u32`s holding their own index; never written
@@ -224,6 +231,7 @@ impl CopyEngineExecutor {
                     run: None,
                     batch: Vec::new(),
                     unmarked: Vec::new(),
+                    unmarked_since: None,
                     marks: VecDeque::new(),
                 })
             })
@@ -250,6 +258,7 @@ impl CopyEngineExecutor {
             max_in_flight: max_in_flight.max(1),
             batched: false,
             queue_depth: DEFAULT_QUEUE_DEPTH,
+            linger: std::time::Duration::ZERO,
             mirror: None,
             counting,
             watch: Arc::new(CallWatch::default()),
@@ -269,6 +278,16 @@ impl CopyEngineExecutor {
     /// running batches complete on their own.
     pub fn set_queue_depth(&mut self, depth: usize) {
         self.queue_depth = depth.clamp(1, MAX_QUEUE_DEPTH);
+    }
+
+    /// How long a lane keeps its first pending operation before handing copies over (at most
+    /// [`MAX_LINGER`]; default zero): the descriptors that arrive meanwhile merge with it
+    /// (the warps of one kernel post their runs within microseconds of each other, which
+    /// a lane with idle copy engines would otherwise hand over one round at a time). A full
+    /// batch goes out at once whatever the linger. Holding never stalls: the proxy polls
+    /// every round, and the copies go out once the time has passed.
+    pub fn set_linger(&mut self, linger: std::time::Duration) {
+        self.linger = linger.min(MAX_LINGER);
     }
 
     /// The executor's driver-call watch (shared: readable while the proxy thread runs).
@@ -469,6 +488,9 @@ impl CopyEngineExecutor {
     }
 
     fn accept(&mut self, i: usize, op: OpId) -> Submit {
+        if self.lanes[i].unmarked.is_empty() {
+            self.lanes[i].unmarked_since = Some(std::time::Instant::now());
+        }
         self.lanes[i].unmarked.push(op);
         self.in_flight += 1;
         Submit::Accepted
@@ -667,10 +689,15 @@ impl Executor for CopyEngineExecutor {
             // Nothing new, or `queue_depth` batches still running: the copies wait here, where
             // the next ones merge with them (the running batches complete on their own).
             let lane = &self.lanes[i];
+            let waited = lane
+                .unmarked_since
+                .map_or(std::time::Duration::ZERO, |t| t.elapsed());
             if !hands_over(
                 !lane.unmarked.is_empty(),
                 lane.marks.len(),
                 self.queue_depth,
+                waited,
+                self.linger,
             ) {
                 continue;
             }
@@ -690,6 +717,7 @@ impl Executor for CopyEngineExecutor {
                 .call("cuEventRecord", || event.record(&stream))
                 .map_err(Self::driver(first, i as u32, "cuEventRecord"))?;
             let ops = std::mem::take(&mut lane.unmarked);
+            lane.unmarked_since = None;
             lane.marks
                 .push_back((event, ops, lane.fifo.allocated(), std::time::Instant::now()));
         }
@@ -708,15 +736,23 @@ fn counting_word(j: u64) -> u64 {
     (2 * j) | ((2 * j + 1) << 32)
 }
 
-/// Whether a lane hands its pending copies to the driver at this poll: it has some, and fewer
-/// than `depth` of its batches are still running.
-fn hands_over(pending: bool, running: usize, depth: usize) -> bool {
-    pending && running < depth
+/// Whether a lane hands its pending copies to the driver at this poll: it has some, fewer
+/// than `depth` of its batches are still running, and its oldest pending operation `waited`
+/// at least `linger`.
+fn hands_over(
+    pending: bool,
+    running: usize,
+    depth: usize,
+    waited: std::time::Duration,
+    linger: std::time::Duration,
+) -> bool {
+    pending && running < depth && waited >= linger
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     #[test]
     fn the_counting_table_holds_each_index_at_its_place() {
@@ -734,11 +770,31 @@ mod tests {
 
     #[test]
     fn a_lane_holds_its_copies_while_depth_batches_run() {
-        assert!(hands_over(true, 0, 2));
-        assert!(hands_over(true, 1, 2));
-        assert!(!hands_over(true, 2, 2), "two running at depth 2: hold");
-        assert!(!hands_over(false, 0, 2), "nothing pending");
-        assert!(hands_over(true, 0, 1));
-        assert!(!hands_over(true, 1, 1));
+        let zero = Duration::ZERO;
+        assert!(hands_over(true, 0, 2, zero, zero));
+        assert!(hands_over(true, 1, 2, zero, zero));
+        assert!(
+            !hands_over(true, 2, 2, zero, zero),
+            "two running at depth 2: hold"
+        );
+        assert!(!hands_over(false, 0, 2, zero, zero), "nothing pending");
+        assert!(hands_over(true, 0, 1, zero, zero));
+        assert!(!hands_over(true, 1, 1, zero, zero));
+    }
+
+    #[test]
+    fn a_lane_holds_its_copies_until_the_linger_has_passed() {
+        let us = Duration::from_micros;
+        assert!(
+            !hands_over(true, 0, 2, us(3), us(10)),
+            "waited 3 of 10 us: hold"
+        );
+        assert!(hands_over(true, 0, 2, us(10), us(10)));
+        assert!(hands_over(true, 0, 2, us(50), us(10)));
+        assert!(
+            !hands_over(true, 2, 2, us(50), us(10)),
+            "lingered, but depth batches run: hold"
+        );
+        assert!(!hands_over(false, 0, 2, us(50), us(10)), "nothing pending");
     }
 }
