@@ -34,8 +34,9 @@ enum ErrorCode : uint32_t {  // rust: mod code, strip k
   kTimeout = 1,        ///< A bounded wait expired.
   kOverflow = 2,       ///< The receive count exceeds the capacity (buffer or `Bounded(n)`).
   kInvalidExpert = 3,  ///< A top-k id outside `[-1, num_experts)`.
-  kPeerFailed = 4,     ///< A peer failed first: `peer` = origin rank, `expected` = its code,
-                       ///< `seen` = its op sequence number (low 32 bits).
+  kPeerFailed = 4,     ///< A peer failed first: `peer` = origin rank, `expected` = its code
+                       ///< (low 32 bits) and the rank it waited for + 1 (high 32 bits; 0:
+                       ///< none), `seen` = its op sequence number (low 16 bits).
   kDuplicateExpert = 5,  ///< Low-latency dispatch: a token names one expert twice (`peer` =
                          ///< token index, `seen` = the expert id).
   kOpMismatch = 6,  ///< A peer issued another op, or this op with other arguments ([A2]): `peer`

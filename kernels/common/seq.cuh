@@ -164,11 +164,15 @@ __device__ __forceinline__ bool prologue(const OpArgs& a, OpState& s, uint32_t k
         // Sent again to this op's peers, which may be another tier's (the claim word and the
         // record are shared by the tiers of a hierarchical buffer): an own failure, or one
         // learned from a peer with its origin (world rank), cause and op.
+        // The record's `peer` is a world rank already (record_failure).
         if (code != kOk && code != kPeerFailed)
           broadcast_abort<Net>(w, make_abort(abort_code_of(code, r->expected, r->seen),
-                                             peer_pe(w, a.rank), r->epoch));
+                                             peer_pe(w, a.rank), late_of(code, r->peer),
+                                             r->epoch));
         else if (code == kPeerFailed)
-          broadcast_abort<Net>(w, make_abort(static_cast<uint32_t>(r->expected), r->peer, r->seen));
+          broadcast_abort<Net>(w, make_abort(static_cast<uint32_t>(r->expected), r->peer,
+                                             static_cast<int32_t>(r->expected >> 32) - 1,
+                                             r->seen));
       } else {
         should_stop<Net>(w, kWaitOpStart, 0);  // records PeerFailed naming the origin
       }

@@ -73,17 +73,38 @@ __device__ __forceinline__ int peer_pe(const WaitCtx& w, int d) {
   return w.pe_base + d * w.pe_stride;
 }
 
-// Abort word: code (16 bits) | origin world rank + 1 (16 bits) | origin's op sequence (low 32 bits).
-// Never 0 once written (origin + 1 >= 1).
-__device__ __forceinline__ uint64_t make_abort(uint32_t code, int32_t origin, uint64_t op) {
+// Abort word: code (16 bits) | origin world rank + 1 (16 bits) | late world rank + 1 (16 bits;
+// 0: none) | origin's op sequence (low 16 bits). Never 0 once written (origin + 1 >= 1). The
+// late rank is the one the origin waited for when it timed out (or the peer whose op disagreed
+// with its own), so that every rank that stops on the failure names it, not only the ranks
+// whose own wait expired.
+__device__ __forceinline__ uint64_t make_abort(uint32_t code, int32_t origin, int32_t late,
+                                               uint64_t op) {
   return (static_cast<uint64_t>(code & 0xffffu) << 48) |
-         (static_cast<uint64_t>((origin + 1) & 0xffff) << 32) | (op & 0xffffffffull);
+         (static_cast<uint64_t>((origin + 1) & 0xffff) << 32) |
+         (static_cast<uint64_t>((late + 1) & 0xffff) << 16) | (op & 0xffffull);
 }
 __device__ __forceinline__ int32_t abort_origin(uint64_t a) {
   return static_cast<int32_t>((a >> 32) & 0xffffu) - 1;
 }
+__device__ __forceinline__ int32_t abort_late(uint64_t a) {
+  return static_cast<int32_t>((a >> 16) & 0xffffu) - 1;
+}
 __device__ __forceinline__ uint32_t abort_code(uint64_t a) {
   return static_cast<uint32_t>(a >> 48);
+}
+
+// The late world rank of a failure recorded with `code` and world rank `peer` (-1: none): the
+// rank a timeout waited for, or the peer of an op mismatch; other failures have none (their
+// `peer` is a destination or a token index).
+__device__ __forceinline__ int32_t late_of(uint32_t code, int32_t peer) {
+  return code == kTimeout || code == kOpMismatch ? peer : -1;
+}
+
+// kPeerFailed's `expected`: the origin's code (low 32 bits) and its late world rank + 1 (high
+// 32 bits, 0: none), as the abort word carries them.
+__device__ __forceinline__ uint64_t peer_failed_expected(uint64_t a) {
+  return static_cast<uint64_t>(abort_code(a)) | (static_cast<uint64_t>(abort_late(a) + 1) << 32);
 }
 
 // The fields two intent words disagree on, as the abort word carries them (kOpMismatch): bit 0
@@ -128,7 +149,9 @@ __device__ __noinline__ void record_failure(const WaitCtx& w, uint32_t code, uin
   r->wait_id = wait_id;
   // A peer index is a group rank (made a world rank here); kPeerFailed's `peer` (the origin,
   // from an abort word) is a world rank already; other values (a token index) stay as they are.
-  r->peer = code != kPeerFailed && peer >= 0 && peer < w.world ? peer_pe(w, peer) : peer;
+  const int32_t world_peer =
+      code != kPeerFailed && peer >= 0 && peer < w.world ? peer_pe(w, peer) : peer;
+  r->peer = world_peer;
   r->block = blockIdx.x;
   r->rank = static_cast<uint32_t>(peer_pe(w, w.rank));
   r->epoch = w.epoch;
@@ -141,6 +164,7 @@ __device__ __noinline__ void record_failure(const WaitCtx& w, uint32_t code, uin
   // A failure of this rank's own (not one learned from a peer) goes to every peer.
   if (code != kPeerFailed)
     broadcast_abort<Net>(w, make_abort(abort_code_of(code, expected, seen), peer_pe(w, w.rank),
+                                       peer >= 0 && peer < w.world ? late_of(code, world_peer) : -1,
                                        w.epoch));
 }
 
@@ -175,8 +199,8 @@ __device__ __noinline__ bool should_stop(const WaitCtx& w, uint32_t wait_id, uin
   if (w.abort_word == nullptr || ((spins >> 6) & (kAbortPollMask >> 6)) != 0) return false;
   const uint64_t a = *reinterpret_cast<const volatile uint64_t*>(w.abort_word);
   if (a == 0) return false;
-  record_failure<Net>(w, kPeerFailed, wait_id, abort_origin(a), abort_code(a), a & 0xffffffffull,
-                      0);
+  record_failure<Net>(w, kPeerFailed, wait_id, abort_origin(a), peer_failed_expected(a),
+                      a & 0xffffull, 0);
   return true;
 }
 

@@ -75,9 +75,12 @@ class BootstrapTimeoutError(TimeoutError):
 
 class PeerFailedError(EpcommError):
     """Another rank failed first; this rank's op stopped when it learned of it. ``origin``:
-    the rank that failed, ``cause``: what happened there. The Buffer is failed."""
+    the rank that failed, ``cause``: what happened there, ``late_rank``: the rank the origin
+    waited for when it timed out (None when the failure was the origin's own). The Buffer is
+    failed."""
 
     origin = None
+    late_rank = None
 
 
 class PeerLostError(EpcommError):

@@ -18,8 +18,9 @@ pub mod code {
     pub const OVERFLOW: u32 = 2;
     /// A top-k id outside `[-1, num_experts)`.
     pub const INVALID_EXPERT: u32 = 3;
-    /// A peer failed first: `peer` = origin rank, `expected` = its code,
-    /// `seen` = its op sequence number (low 32 bits).
+    /// A peer failed first: `peer` = origin rank, `expected` = its code
+    /// (low 32 bits) and the rank it waited for + 1 (high 32 bits; 0:
+    /// none), `seen` = its op sequence number (low 16 bits).
     pub const PEER_FAILED: u32 = 4;
     /// Low-latency dispatch: a token names one expert twice (`peer` =
     /// token index, `seen` = the expert id).

@@ -203,9 +203,10 @@ fn run_queued_after_failure(w: &Worker, mk: MakeTransport<'_>) {
             "{r:?}"
         );
     } else {
-        // The late rank learns that rank 0 gave up, before it writes anything.
+        // The late rank learns that another rank gave up waiting for it, before it writes
+        // anything.
         assert!(
-            matches!(r, Err(Error::PeerFailed { origin, .. }) if origin != late),
+            matches!(r, Err(Error::PeerFailed { origin, late: Some(l), .. }) if origin != late && l == late),
             "{r:?}"
         );
     }
@@ -270,6 +271,7 @@ fn run_fail_fast(w: &Worker, mk: MakeTransport<'_>) {
                 Error::PeerFailed {
                     origin: 0,
                     cause: "an invalid expert id",
+                    late: None,
                     ..
                 }
             ),

@@ -437,6 +437,13 @@ fn run_failures(w: &Worker, mk: MakeTransport<'_>) {
                 };
                 assert_eq!(wait, first_wait);
             }
+            // From three ranks on, another rank's timeout may arrive first: it names the
+            // late rank as the one it waited for.
+            Err(Error::PeerFailed {
+                late: Some(l),
+                cause: "a timeout",
+                ..
+            }) if world > 2 && l == late => {}
             other => panic!("expected a timeout naming rank {late}, got {other:?}"),
         }
         assert!(

@@ -401,18 +401,20 @@ fn run_ll_late_rank(w: &Worker, mk: MakeTransport<'_>) {
         .ll_dispatch(input(), LlFormat::Bf16, &mut recv)
         .and_then(|_| buf.synchronize());
     if rank == late {
+        // It learns that another rank timed out waiting for it.
         assert!(
-            matches!(&r, Err(Error::PeerFailed { .. })),
+            matches!(&r, Err(Error::PeerFailed { late: Some(l), cause: "a timeout", .. }) if *l == late),
             "the late rank: {r:?}"
         );
     } else {
         // Every other rank waits for the late one. With three or more ranks, one of them may
         // learn of another's timeout before its own wait expires: it then stops with
-        // PeerFailed naming that rank and its timeout, never the late rank as the origin.
+        // PeerFailed naming that rank and its timeout as the origin, and the late rank as the
+        // one the origin waited for.
         let own_timeout = matches!(&r, Err(Error::Timeout { peer, wait: WaitKind::LlDispatchData | WaitKind::Barrier, .. })
                     if *peer as usize == late);
-        let peer_timeout = matches!(&r, Err(Error::PeerFailed { origin, cause: "a timeout", .. })
-                    if *origin != late && *origin != rank);
+        let peer_timeout = matches!(&r, Err(Error::PeerFailed { origin, late: Some(l), cause: "a timeout", .. })
+                    if *origin != late && *origin != rank && *l == late);
         assert!(own_timeout || (world > 2 && peer_timeout), "{r:?}");
     }
     log(rank, format_args!("late rank {late}: {}", r.unwrap_err()));

@@ -223,10 +223,12 @@ fn epcomm_info(e: &epcomm::Error, message: String) -> ErrorInfo {
             rank,
             wait,
             origin,
+            late,
             cause,
             origin_op_seq,
         } => ErrorInfo::new("PeerFailedError", message)
             .with("origin", int(*origin))
+            .with("late_rank", late.map_or(Attr::None, int))
             .with("op", Attr::Str((*op).into()))
             .with("rank", int(*rank))
             .with("wait", Attr::Str(format!("{wait:?}")))
@@ -448,6 +450,7 @@ mod tests {
                     rank: 0,
                     wait: epcomm::WaitKind::OpStart,
                     origin: 1,
+                    late: None,
                     cause: "a timeout",
                     origin_op_seq: 3,
                 },
@@ -495,10 +498,12 @@ mod tests {
             rank: 0,
             wait: epcomm::WaitKind::OpStart,
             origin: 1,
+            late: Some(2),
             cause: "a timeout",
             origin_op_seq: 3,
         });
         assert_eq!(peer.info().attr("origin"), Some(&Attr::Int(1)));
+        assert_eq!(peer.info().attr("late_rank"), Some(&Attr::Int(2)));
     }
 
     #[test]

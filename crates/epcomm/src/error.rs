@@ -123,8 +123,9 @@ pub enum Error {
     /// Another rank failed first (its own error names the cause); this rank's op stopped
     /// within microseconds of learning it. The buffer is failed on every rank.
     #[error(
-        "{op} on rank {rank} stopped during {wait:?}: rank {origin} failed first ({cause} in \
-         its op #{origin_op_seq}); destroy this Buffer on every rank and create a new one"
+        "{op} on rank {rank} stopped during {wait:?}: rank {origin} failed first ({cause}{} in \
+         its op #{origin_op_seq}); destroy this Buffer on every rank and create a new one",
+        late_text(*.late)
     )]
     PeerFailed {
         /// The op that stopped here.
@@ -137,7 +138,11 @@ pub enum Error {
         origin: usize,
         /// What happened there (timeout, overflow, invalid expert id).
         cause: &'static str,
-        /// The origin's op sequence number (low 32 bits).
+        /// The rank the origin waited for when it timed out (the late rank), or the peer
+        /// whose op disagreed with its own; `None` for failures of the origin's own (an
+        /// overflow, an invalid expert id).
+        late: Option<usize>,
+        /// The origin's op sequence number (low 16 bits).
         origin_op_seq: u64,
     },
     /// Ranks issued different ops at the same point of their sequence, or the same op with
@@ -240,7 +245,10 @@ impl Error {
                     rank: r.rank as usize,
                     peer: r.peer.max(0) as usize,
                     fields: field_names((r.expected as u32 >> 8) & 0xff),
-                    detail: format!("rank {} found it first", r.peer),
+                    detail: match r.expected >> 32 {
+                        0 => format!("rank {} found it first", r.peer),
+                        l => format!("rank {} found it first, against rank {}", r.peer, l - 1),
+                    },
                     op_seq: r.seen,
                 }
             }
@@ -264,6 +272,10 @@ impl Error {
                 rank: r.rank as usize,
                 wait: WaitKind::from_code(r.wait_id),
                 origin: r.peer.max(0) as usize,
+                late: match r.expected >> 32 {
+                    0 => None,
+                    l => Some(l as usize - 1),
+                },
                 cause: match r.expected as u32 & 0xff {
                     abi::code::TIMEOUT => "a timeout",
                     abi::code::OVERFLOW => "a receive overflow",
@@ -285,6 +297,11 @@ impl Error {
             },
         }
     }
+}
+
+/// `PeerFailed`'s words on the late rank, when the origin named one.
+fn late_text(late: Option<usize>) -> String {
+    late.map_or(String::new(), |l| format!(" waiting for rank {l}"))
 }
 
 /// The fields two intent words (`ErrorRecord::expected`/`seen` of `code::OP_MISMATCH`) differ
@@ -445,6 +462,42 @@ mod tests {
         let text = e.to_string();
         assert!(
             text.contains("rank 2 failed first") && text.contains("invalid expert id"),
+            "{text}"
+        );
+        assert!(
+            matches!(e, Error::PeerFailed { late: None, .. }),
+            "an invalid expert id has no late rank: {e:?}"
+        );
+        // A timeout relayed with the rank its origin waited for (high 32 bits: late + 1).
+        let r = abi::ErrorRecord {
+            wait_id: abi::wait::DISPATCH_DONE,
+            rank: 0,
+            ..record(
+                abi::code::PEER_FAILED,
+                abi::op::DISPATCH,
+                2,
+                abi::code::TIMEOUT as u64 | (4 << 32),
+                9,
+            )
+        };
+        let e = Error::from_record(&r);
+        assert!(
+            matches!(
+                e,
+                Error::PeerFailed {
+                    rank: 0,
+                    origin: 2,
+                    late: Some(3),
+                    cause: "a timeout",
+                    origin_op_seq: 9,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        let text = e.to_string();
+        assert!(
+            text.contains("rank 2 failed first (a timeout waiting for rank 3 in its op #9)"),
             "{text}"
         );
     }
