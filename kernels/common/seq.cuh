@@ -167,7 +167,8 @@ __device__ __forceinline__ bool prologue(const OpArgs& a, OpState& s, uint32_t k
         // The record's `peer` is a world rank already (record_failure).
         if (code != kOk && code != kPeerFailed)
           broadcast_abort<Net>(w, make_abort(abort_code_of(code, r->expected, r->seen),
-                                             peer_pe(w, a.rank), late_of(code, r->peer),
+                                             peer_pe(w, a.rank),
+                                             late_of(code, r->peer, peer_pe(w, a.rank)),
                                              r->epoch));
         else if (code == kPeerFailed)
           broadcast_abort<Net>(w, make_abort(static_cast<uint32_t>(r->expected), r->peer,

@@ -94,11 +94,12 @@ __device__ __forceinline__ uint32_t abort_code(uint64_t a) {
   return static_cast<uint32_t>(a >> 48);
 }
 
-// The late world rank of a failure recorded with `code` and world rank `peer` (-1: none): the
-// rank a timeout waited for, or the peer of an op mismatch; other failures have none (their
-// `peer` is a destination or a token index).
-__device__ __forceinline__ int32_t late_of(uint32_t code, int32_t peer) {
-  return code == kTimeout || code == kOpMismatch ? peer : -1;
+// The late world rank of a failure this rank (world rank `self`) recorded with `code` and world
+// rank `peer` (-1: none): the rank a timeout waited for, or the peer of an op mismatch. Other
+// failures have none (their `peer` is a destination or a token index), nor has a wait for this
+// rank's own progress (the proxy's completions: `peer` is `self`).
+__device__ __forceinline__ int32_t late_of(uint32_t code, int32_t peer, int32_t self) {
+  return (code == kTimeout || code == kOpMismatch) && peer != self ? peer : -1;
 }
 
 // kPeerFailed's `expected`: the origin's code (low 32 bits) and its late world rank + 1 (high
@@ -164,7 +165,9 @@ __device__ __noinline__ void record_failure(const WaitCtx& w, uint32_t code, uin
   // A failure of this rank's own (not one learned from a peer) goes to every peer.
   if (code != kPeerFailed)
     broadcast_abort<Net>(w, make_abort(abort_code_of(code, expected, seen), peer_pe(w, w.rank),
-                                       peer >= 0 && peer < w.world ? late_of(code, world_peer) : -1,
+                                       peer >= 0 && peer < w.world
+                                           ? late_of(code, world_peer, peer_pe(w, w.rank))
+                                           : -1,
                                        w.epoch));
 }
 

@@ -170,7 +170,7 @@ pub enum Error {
         /// Both ranks' ops when this rank found the difference itself, e.g. `rank 0: combine
         /// [weights, push], rank 1: combine [push]`; else that the peer found it.
         detail: String,
-        /// The op's sequence number (low 32 bits when learned from the peer).
+        /// The op's sequence number (low 16 bits when learned from the peer).
         op_seq: u64,
     },
     /// Ranks built a `Buffer` with different configurations (every rank gets this error).
