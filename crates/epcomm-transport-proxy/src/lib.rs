@@ -70,7 +70,8 @@ use crate::core::{ProxyCore, RingParts};
 use epcomm_transport_ipc::{IpcMemory, IpcTransport};
 
 pub use copy_engine::{
-    CopyEngineError, CopyEngineExecutor, DEFAULT_QUEUE_DEPTH, MAX_LINGER, MAX_QUEUE_DEPTH,
+    CopyEngineError, CopyEngineExecutor, DEFAULT_QUEUE_DEPTH, MAX_LINGER, MAX_QUERY_INTERVAL,
+    MAX_QUEUE_DEPTH,
 };
 pub use watch::CallWatch;
 
@@ -107,6 +108,7 @@ pub const PROXY_ENV: &[&str] = &[
     "EPCOMM_PROXY_BATCH",
     "EPCOMM_PROXY_COPY_DEPTH",
     "EPCOMM_PROXY_COPY_LINGER_US",
+    "EPCOMM_PROXY_QUERY_US",
     "EPCOMM_PROXY_TRACE",
 ];
 
@@ -206,6 +208,11 @@ pub struct ProxyOptions {
     /// ([`CopyEngineExecutor::set_linger`]); at most [`MAX_LINGER`], default zero (hand over
     /// at the first poll).
     pub copy_linger: Duration,
+    /// While descriptors keep arriving, how often at most the copy-engine executor looks for
+    /// completed copies ([`CopyEngineExecutor::set_query_interval`]); at most
+    /// [`MAX_QUERY_INTERVAL`], default zero (at every poll). A poll after which nothing new
+    /// arrived always looks.
+    pub copy_query_interval: Duration,
     /// Diagnostics on stderr: 0 none, 1 the proxy's report when a buffer's proxy stops, 2 also
     /// a live trace of the ring several times a second (docs/proxy.md, "Diagnostics").
     pub trace: u8,
@@ -293,6 +300,7 @@ impl ProxyOptions {
             batch_copies: false,
             copy_queue_depth: DEFAULT_QUEUE_DEPTH,
             copy_linger: Duration::ZERO,
+            copy_query_interval: Duration::ZERO,
             trace: 0,
         }
     }
@@ -302,7 +310,8 @@ impl ProxyOptions {
     /// `EPCOMM_PROXY_MIRROR=0` turning the progress mirror off, `EPCOMM_PROXY_BATCH=1` the
     /// batched copies on (a diagnostic: see [`Self::batch_copies`]), `EPCOMM_PROXY_COPY_DEPTH`
     /// setting [`Self::copy_queue_depth`], `EPCOMM_PROXY_COPY_LINGER_US` [`Self::copy_linger`]
-    /// in microseconds (0 allowed), and `EPCOMM_PROXY_TRACE=1|2` the diagnostics on.
+    /// in microseconds (0 allowed), `EPCOMM_PROXY_QUERY_US` [`Self::copy_query_interval`]
+    /// likewise, and `EPCOMM_PROXY_TRACE=1|2` the diagnostics on.
     ///
     /// # Errors
     /// [`TransportError::InvalidArgument`] naming the variable when its value is not a
@@ -339,6 +348,9 @@ impl ProxyOptions {
         if let Ok(v) = std::env::var("EPCOMM_PROXY_COPY_LINGER_US") {
             options.copy_linger = parse_micros("EPCOMM_PROXY_COPY_LINGER_US", &v)?;
         }
+        if let Ok(v) = std::env::var("EPCOMM_PROXY_QUERY_US") {
+            options.copy_query_interval = parse_micros("EPCOMM_PROXY_QUERY_US", &v)?;
+        }
         if let Some(level) = env_choice("EPCOMM_PROXY_TRACE", &["0", "1", "2"])? {
             options.trace = level;
         }
@@ -350,7 +362,8 @@ impl ProxyOptions {
     /// # Errors
     /// [`TransportError::InvalidArgument`] naming the field: `ring_slots` a power of two in
     /// `2..=2^24`, `max_in_flight` and both bounds above zero, `virtual_nodes` above zero,
-    /// `copy_queue_depth` in `1..=`[`MAX_QUEUE_DEPTH`], `copy_linger` at most [`MAX_LINGER`].
+    /// `copy_queue_depth` in `1..=`[`MAX_QUEUE_DEPTH`], `copy_linger` at most [`MAX_LINGER`],
+    /// `copy_query_interval` at most [`MAX_QUERY_INTERVAL`].
     pub fn validate(&self) -> Result<(), TransportError> {
         let bad = |argument, rule: String| Err(TransportError::InvalidArgument { argument, rule });
         if let Err(e) = ring::region_bytes(self.ring_slots) {
@@ -383,6 +396,15 @@ impl ProxyOptions {
                 format!(
                     "must be at most {MAX_LINGER:?} (got {:?})",
                     self.copy_linger
+                ),
+            );
+        }
+        if self.copy_query_interval > MAX_QUERY_INTERVAL {
+            return bad(
+                "ProxyOptions::copy_query_interval",
+                format!(
+                    "must be at most {MAX_QUERY_INTERVAL:?} (got {:?})",
+                    self.copy_query_interval
                 ),
             );
         }
@@ -702,6 +724,7 @@ impl SymmetricHeap for ProxyTransport {
         executor.set_batch_copies(self.options.batch_copies);
         executor.set_queue_depth(self.options.copy_queue_depth);
         executor.set_linger(self.options.copy_linger);
+        executor.set_query_interval(self.options.copy_query_interval);
         if self.options.mirror_progress {
             executor.mirror_progress(
                 parts.counter(abi::PROXY_COUNTER_TAKEN),
@@ -908,7 +931,7 @@ mod tests {
     fn options_name_the_broken_rule() {
         let ok = ProxyOptions::one_node_per_rank(2);
         assert!(ok.validate().is_ok());
-        let cases: [(ProxyOptions, &str); 9] = [
+        let cases: [(ProxyOptions, &str); 10] = [
             (ProxyOptions { trace: 3, ..ok }, "trace"),
             (
                 ProxyOptions {
@@ -965,6 +988,13 @@ mod tests {
                     ..ok
                 },
                 "copy_linger",
+            ),
+            (
+                ProxyOptions {
+                    copy_query_interval: MAX_QUERY_INTERVAL + Duration::from_nanos(1),
+                    ..ok
+                },
+                "copy_query_interval",
             ),
         ];
         let longest = ProxyOptions {

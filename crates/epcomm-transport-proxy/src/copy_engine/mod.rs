@@ -91,6 +91,10 @@ pub const DEFAULT_QUEUE_DEPTH: usize = 2;
 /// The largest queue depth: a lane never has more batches running than it has events.
 pub const MAX_QUEUE_DEPTH: usize = EVENTS_PER_LANE;
 
+/// The longest interval between looks for completions while work arrives
+/// ([`CopyEngineExecutor::set_query_interval`]).
+pub const MAX_QUERY_INTERVAL: std::time::Duration = std::time::Duration::from_millis(1);
+
 /// The longest a lane keeps its pending copies back ([`CopyEngineExecutor::set_linger`]).
 pub const MAX_LINGER: std::time::Duration = std::time::Duration::from_millis(1);
 
@@ -182,6 +186,12 @@ pub struct CopyEngineExecutor {
     queue_depth: usize,
     /// ... and only once its oldest pending operation has waited this long.
     linger: std::time::Duration,
+    /// While operations keep arriving, completions are looked for at most this often.
+    query_interval: std::time::Duration,
+    /// When completions were last looked for.
+    last_query: std::time::Instant,
+    /// Operations accepted since the last poll (a round that took work).
+    accepted_since_poll: usize,
     /// Where the ring's progress is mirrored in device memory ([`Self::mirror_progress`]).
     mirror: Option<Mirror>,
     /// Pinned, `COUNTING_ELEMS` little-endian `u32`s holding their own index; never written
@@ -259,6 +269,9 @@ impl CopyEngineExecutor {
             batched: false,
             queue_depth: DEFAULT_QUEUE_DEPTH,
             linger: std::time::Duration::ZERO,
+            query_interval: std::time::Duration::ZERO,
+            last_query: std::time::Instant::now(),
+            accepted_since_poll: 0,
             mirror: None,
             counting,
             watch: Arc::new(CallWatch::default()),
@@ -288,6 +301,15 @@ impl CopyEngineExecutor {
     /// every round, and the copies go out once the time has passed.
     pub fn set_linger(&mut self, linger: std::time::Duration) {
         self.linger = linger.min(MAX_LINGER);
+    }
+
+    /// How often, at most, a poll looks for completed copies (one `cuEventQuery` per lane with
+    /// copies running) while new operations keep arriving (at most [`MAX_QUERY_INTERVAL`];
+    /// default zero: at every poll). A poll after which nothing new arrived always looks, so
+    /// the wait at the end of an op (when the kernel waits for its completions and posts
+    /// nothing) is not lengthened; during a burst the proxy's time goes to new copies.
+    pub fn set_query_interval(&mut self, interval: std::time::Duration) {
+        self.query_interval = interval.min(MAX_QUERY_INTERVAL);
     }
 
     /// The executor's driver-call watch (shared: readable while the proxy thread runs).
@@ -491,6 +513,7 @@ impl CopyEngineExecutor {
         if self.lanes[i].unmarked.is_empty() {
             self.lanes[i].unmarked_since = Some(std::time::Instant::now());
         }
+        self.accepted_since_poll += 1;
         self.lanes[i].unmarked.push(op);
         self.in_flight += 1;
         Submit::Accepted
@@ -653,8 +676,17 @@ impl Executor for CopyEngineExecutor {
             return Ok(());
         }
         self.bind(0, 0)?;
+        let busy = self.accepted_since_poll > 0;
+        self.accepted_since_poll = 0;
+        let query = queries_now(busy, self.last_query.elapsed(), self.query_interval);
+        if query {
+            self.last_query = std::time::Instant::now();
+        }
         // Completions first: a lane whose batches completed may hand over its held copies below.
         for i in 0..self.lanes.len() {
+            if !query {
+                break;
+            }
             while let Some((event, ops, _, _)) = self.lanes[i].marks.front() {
                 // SAFETY: the event is live (owned here) and was recorded on this context.
                 let status = self.watch.call("cuEventQuery", || {
@@ -736,6 +768,12 @@ fn counting_word(j: u64) -> u64 {
     (2 * j) | ((2 * j + 1) << 32)
 }
 
+/// Whether a poll looks for completions: always after a round that brought nothing new
+/// (`busy` false), else once `interval` has passed since it last looked.
+fn queries_now(busy: bool, since_last: std::time::Duration, interval: std::time::Duration) -> bool {
+    !busy || since_last >= interval
+}
+
 /// Whether a lane hands its pending copies to the driver at this poll: it has some, fewer
 /// than `depth` of its batches are still running, and its oldest pending operation `waited`
 /// at least `linger`.
@@ -780,6 +818,27 @@ mod tests {
         assert!(!hands_over(false, 0, 2, zero, zero), "nothing pending");
         assert!(hands_over(true, 0, 1, zero, zero));
         assert!(!hands_over(true, 1, 1, zero, zero));
+    }
+
+    #[test]
+    fn completions_are_looked_for_when_idle_or_after_the_interval() {
+        let us = Duration::from_micros;
+        assert!(
+            queries_now(false, us(0), us(20)),
+            "nothing new arrived: look"
+        );
+        assert!(
+            !queries_now(true, us(5), us(20)),
+            "busy, looked 5 us ago: skip"
+        );
+        assert!(
+            queries_now(true, us(20), us(20)),
+            "busy, interval passed: look"
+        );
+        assert!(
+            queries_now(true, us(0), Duration::ZERO),
+            "interval zero: every poll"
+        );
     }
 
     #[test]

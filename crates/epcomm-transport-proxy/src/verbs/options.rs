@@ -38,7 +38,8 @@ impl GpuRegistration {
 pub struct VerbsOptions {
     /// The ring and proxy thread, as for `proxy-ce` (`virtual_nodes`, `ring_slots`,
     /// `max_in_flight`, the two bounds, `cpu`, `trace`). `mirror_progress`, `batch_copies`,
-    /// `copy_queue_depth` and `copy_linger` are copy-engine settings and are not used here.
+    /// `copy_queue_depth`, `copy_linger` and `copy_query_interval` are copy-engine settings
+    /// and are not used here.
     pub proxy: ProxyOptions,
     /// How GPU memory is registered with the NIC.
     pub registration: GpuRegistration,
