@@ -84,8 +84,8 @@ def check_combine(*, buffer_max, use_logfmt, zero_copy, async_finish, return_rec
     if zero_copy:
         fail(
             "zero_copy",
-            "epcomm has no zero-copy low-latency combine (no get_next_low_latency_combine_buffer): pass "
-            "zero_copy=False; the combine reads x once and writes the peers' rows directly",
+            "epcomm.Buffer has no get_next_low_latency_combine_buffer (epcomm.deep_ep.Buffer has one, for "
+            "DeepEP's code): pass zero_copy=False; the combine reads x once and writes the peers' rows directly",
         )
     _hook_and_async(async_finish, return_recv_hook)
     if combine_wait_recv_cost_stats is not None:
