@@ -243,6 +243,17 @@ impl ProxyCore {
         let (hand_overs, copies) = watch.hand_overs();
         if hand_overs > 0 {
             out += &format!("; {copies} copies handed to the driver in {hand_overs} hand-overs");
+            let k = watch.copy_kinds();
+            out += &format!(
+                " ({} of signal words, {} of data under {} bytes, {} larger; {} copies merged \
+                 into a pending one when pushed, {} before a hand-over)",
+                k.signal,
+                k.small,
+                crate::CopyKinds::SMALL,
+                k.large,
+                k.merged_at_push,
+                k.merged_at_hand_over
+            );
         }
         let (seen, total, longest) = watch.completions();
         if seen > 0 {

@@ -73,7 +73,7 @@ pub use copy_engine::{
     CopyEngineError, CopyEngineExecutor, DEFAULT_QUEUE_DEPTH, MAX_LINGER, MAX_QUERY_INTERVAL,
     MAX_QUEUE_DEPTH,
 };
-pub use watch::CallWatch;
+pub use watch::{CallWatch, CopyKinds};
 
 // The kernel side (abi.cuh) and the proxy crate must agree on the ring layout.
 const _: () = {

@@ -21,9 +21,35 @@ struct WatchState {
     polls: u64,
     /// Hand-overs of pending copies to the driver, and the copies they held.
     handed: (u64, u64),
+    /// What the handed copies were, and how many copies merged before they went out.
+    kinds: CopyKinds,
     /// Events seen complete, the total and the longest time from an event's record to the
     /// poll that saw it complete (copy-engine time plus the proxy's polling delay).
     completed: (u64, std::time::Duration, std::time::Duration),
+}
+
+/// What the copies handed to the driver were: signal copies, small copies of data (under
+/// [`CopyKinds::SMALL`] bytes: metadata, indices, weights) and the rest (rows); and how many
+/// copies merged into a pending one instead of going out on their own, when pushed and in the
+/// pass before a hand-over. `EPCOMM_PROXY_TRACE` prints it: it says whether the runs the
+/// kernels send meet and merge in the executor, or go out one driver call each.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CopyKinds {
+    /// Copies of signal words.
+    pub signal: u64,
+    /// Copies of data under [`CopyKinds::SMALL`] bytes.
+    pub small: u64,
+    /// Copies of data of at least [`CopyKinds::SMALL`] bytes.
+    pub large: u64,
+    /// Copies merged into a pending copy when pushed.
+    pub merged_at_push: u64,
+    /// Copies merged into another by the pass before a hand-over.
+    pub merged_at_hand_over: u64,
+}
+
+impl CopyKinds {
+    /// The size under which a copy of data counts as small.
+    pub const SMALL: usize = 4096;
 }
 
 impl CallWatch {
@@ -87,6 +113,29 @@ impl CallWatch {
         }
     }
 
+    /// What one hand-over's copies were: `signal` copies of signal words, `small` and
+    /// `large` copies of data; `compacted` copies had merged in the pass before it.
+    pub(crate) fn handed_kinds(&self, signal: usize, small: usize, large: usize, compacted: usize) {
+        if let Ok(mut w) = self.state.lock() {
+            w.kinds.signal += signal as u64;
+            w.kinds.small += small as u64;
+            w.kinds.large += large as u64;
+            w.kinds.merged_at_hand_over += compacted as u64;
+        }
+    }
+
+    /// A copy merged into a pending one when pushed.
+    pub(crate) fn merged_at_push(&self) {
+        if let Ok(mut w) = self.state.lock() {
+            w.kinds.merged_at_push += 1;
+        }
+    }
+
+    /// What the copies handed so far were, and how many merged ([`CopyKinds`]).
+    pub fn copy_kinds(&self) -> CopyKinds {
+        self.state.lock().map(|w| w.kinds).unwrap_or_default()
+    }
+
     /// An event seen complete `after` its record.
     pub(crate) fn completed(&self, after: std::time::Duration) {
         if let Ok(mut w) = self.state.lock() {
@@ -130,6 +179,19 @@ mod tests {
         w.handed(3);
         w.handed(5);
         assert_eq!(w.hand_overs(), (2, 8));
+        w.handed_kinds(1, 2, 5, 4);
+        w.handed_kinds(0, 0, 1, 0);
+        w.merged_at_push();
+        assert_eq!(
+            w.copy_kinds(),
+            CopyKinds {
+                signal: 1,
+                small: 2,
+                large: 6,
+                merged_at_push: 1,
+                merged_at_hand_over: 4
+            }
+        );
         w.completed(Duration::from_micros(10));
         w.completed(Duration::from_micros(30));
         assert_eq!(

@@ -104,6 +104,16 @@ fn signal_continued(batch: &[Pending], dst: u64, src: u64) -> Option<usize> {
     .then_some(k)
 }
 
+/// How many copies of `batch` carry signal words, data under `small` bytes, and larger data.
+pub(super) fn kinds_of(batch: &[Pending], small: usize) -> (usize, usize, usize) {
+    let signal = batch.iter().filter(|c| c.signal).count();
+    let under = batch
+        .iter()
+        .filter(|c| !c.signal && c.bytes < small)
+        .count();
+    (signal, under, batch.len() - signal - under)
+}
+
 /// Where a new copy joins a pending one ([`joined_copy`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Join {
@@ -269,6 +279,18 @@ mod tests {
 
     fn joined(b: &[Pending], dst: u64, src: u64, bytes: usize) -> Option<(usize, Join)> {
         joined_copy(b, &d(dst, src, bytes), MERGE_WINDOW)
+    }
+
+    #[test]
+    fn a_batch_is_counted_by_kind() {
+        let b = vec![
+            d(0, 100, 64),
+            sg(9000, 70_000, 8),
+            d(2000, 5000, 4096),
+            d(8000, 9000, 4095),
+        ];
+        assert_eq!(kinds_of(&b, 4096), (1, 2, 1));
+        assert_eq!(kinds_of(&[], 4096), (0, 0, 0));
     }
 
     #[test]

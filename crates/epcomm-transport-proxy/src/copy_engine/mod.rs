@@ -65,13 +65,13 @@ use epcomm_proxy::{Executor, OpFailure, OpId, Submit};
 use epcomm_transport::{MappedHostBuffer, TransportError};
 
 use crate::fifo::Fifo;
-use crate::watch::CallWatch;
+use crate::watch::{CallWatch, CopyKinds};
 
 mod merge;
 mod mirror;
 use merge::{
     COMPACT_WINDOW, COUNTING_ELEMS, MERGE_WINDOW, Pending, compact, counted_source, depends_on_any,
-    merged_into,
+    kinds_of, merged_into,
 };
 use mirror::Mirror;
 
@@ -365,7 +365,11 @@ impl CopyEngineExecutor {
         if self.lanes[i].batch.is_empty() {
             return Ok(());
         }
+        let before = self.lanes[i].batch.len();
         compact(&mut self.lanes[i].batch, COMPACT_WINDOW);
+        let (signal, small, large) = kinds_of(&self.lanes[i].batch, CopyKinds::SMALL);
+        let compacted = before - self.lanes[i].batch.len();
+        self.watch.handed_kinds(signal, small, large, compacted);
         let first = self.lanes[i].batch[0].op;
         self.bind(first, i as u32)?;
         let stream = self.stream(i, first)?.cu_stream();
@@ -458,6 +462,7 @@ impl CopyEngineExecutor {
         let lane = &mut self.lanes[i];
         let copy = Pending::data(dst, src, bytes, op);
         if merged_into(&mut lane.batch, &copy, MERGE_WINDOW) {
+            self.watch.merged_at_push();
             return Ok(());
         }
         lane.batch.push(copy);
@@ -483,6 +488,7 @@ impl CopyEngineExecutor {
         let lane = &mut self.lanes[i];
         let copy = Pending::signal(dst, src, bytes, op, fill);
         if merged_into(&mut lane.batch, &copy, MERGE_WINDOW) {
+            self.watch.merged_at_push();
             return Ok(());
         }
         if self.batched {
