@@ -165,15 +165,17 @@ fn joined_copy(batch: &[Pending], copy: &Pending, window: usize) -> Option<(usiz
     None
 }
 
-/// Merges the copies of `batch` that earlier merges made adjacent, in one pass, under the rules
-/// a new copy merges by: a copy of data joins an earlier one ([`joined_copy`], looking back
-/// `window` copies), a signal's copy only the copy just before it when that is a signal's
-/// ([`signal_continued`]). A batch `A, C, B` where `B` joined `A` leaves `AB, C` at push time
-/// (`C` came first); here `C` joins `AB`.
+/// Merges the copies of `batch` that continue each other, before it goes out: first the
+/// chains of independent copies of data over the whole batch ([`merge_independent`]), then, in
+/// one pass, under the rules a new copy merges by: a copy of data joins an earlier one
+/// ([`joined_copy`], looking back `window` copies), a signal's copy only the copy just before
+/// it when that is a signal's ([`signal_continued`]). A batch `A, C, B` where `B` joined `A`
+/// leaves `AB, C` at push time (`C` came first); here `C` joins `AB`.
 pub(super) fn compact(batch: &mut Vec<Pending>, window: usize) {
     if batch.len() < 2 {
         return;
     }
+    merge_independent(batch);
     let mut out: Vec<Pending> = Vec::with_capacity(batch.len());
     for c in batch.drain(..) {
         if !merged_into(&mut out, &c, window) {
@@ -198,6 +200,129 @@ pub(super) fn merged_into(batch: &mut [Pending], c: &Pending, window: usize) -> 
         return true;
     }
     false
+}
+
+/// Merges, across the whole of `batch`, each chain of **independent** copies of data that
+/// continue each other (sorted by destination, each starts where the one before ends, in its
+/// source and its destination) into one copy, at the place of the chain's earliest member.
+/// Independent: no other copy of the batch writes the bytes it reads or writes, or reads the
+/// bytes it writes, and its own source and destination are apart; so moving it earlier
+/// changes nothing but when it lands, and data may land before a signal that followed it
+/// (never after one that preceded it: the merged copy takes the earliest place). The warps
+/// hand the proxy neighbouring runs in no particular order, so in a batch held together (a
+/// linger, or copies waiting behind running batches) a run's neighbours are often further
+/// back than any window: this pass finds them in `O(n log n)`.
+pub(super) fn merge_independent(batch: &mut Vec<Pending>) {
+    let n = batch.len();
+    if n < 2 {
+        return;
+    }
+    let free = independent(batch);
+    let mut chain: Vec<usize> = (0..n).filter(|&k| free[k]).collect();
+    if chain.len() < 2 {
+        return;
+    }
+    chain.sort_by_key(|&k| batch[k].dst);
+    let mut keep = vec![true; n];
+    let mut i = 0;
+    while i < chain.len() {
+        let mut merged = batch[chain[i]];
+        let mut place = chain[i];
+        let mut j = i + 1;
+        while j < chain.len() {
+            let c = batch[chain[j]];
+            let total = merged.bytes + c.bytes;
+            let continues = merged.dst.checked_add(merged.bytes as u64) == Some(c.dst)
+                && merged.src.checked_add(merged.bytes as u64) == Some(c.src);
+            if !continues || overlaps(merged.dst, total, merged.src, total) {
+                break;
+            }
+            merged.bytes = total;
+            place = place.min(chain[j]);
+            j += 1;
+        }
+        if j > i + 1 {
+            for &k in &chain[i..j] {
+                keep[k] = false;
+            }
+            keep[place] = true;
+            merged.op = batch[place].op;
+            batch[place] = merged;
+        }
+        i = j;
+    }
+    let mut k = 0;
+    batch.retain(|_| {
+        k += 1;
+        keep[k - 1]
+    });
+}
+
+/// Per copy of `batch`: whether it is a copy of data, of at least one byte, that no other copy
+/// of the batch conflicts with (writes what it reads or writes, or reads what it writes), whose
+/// own source and destination do not overlap. Two sweeps over the intervals sorted by start.
+fn independent(batch: &[Pending]) -> Vec<bool> {
+    let n = batch.len();
+    let mut free: Vec<bool> = batch
+        .iter()
+        .map(|c| !c.signal && c.bytes > 0 && !overlaps(c.dst, c.bytes, c.src, c.bytes))
+        .collect();
+    // Intervals [start, end) with their copy: destinations (written) and sources (read).
+    let span = |a: u64, len: usize| (a, a.saturating_add(len as u64));
+    let mut writes: Vec<(u64, u64, usize)> = (0..n)
+        .map(|k| {
+            let (s, e) = span(batch[k].dst, batch[k].bytes);
+            (s, e, k)
+        })
+        .collect();
+    let mut reads: Vec<(u64, u64, usize)> = (0..n)
+        .map(|k| {
+            let (s, e) = span(batch[k].src, batch[k].bytes);
+            (s, e, k)
+        })
+        .collect();
+    writes.sort_unstable();
+    reads.sort_unstable();
+    // Two writes that overlap: sorted by start, an interval overlaps a later one exactly when
+    // it overlaps the next, and an earlier one exactly when it starts before their largest end.
+    let mut max_end = 0u64;
+    for w in 0..n {
+        let (s, e, k) = writes[w];
+        if w > 0 && s < max_end {
+            free[k] = false;
+        }
+        if w + 1 < n && e > writes[w + 1].0 {
+            free[k] = false;
+        }
+        max_end = max_end.max(e);
+    }
+    // A write and a read of two copies that overlap (a copy's own source and destination are
+    // apart where it is still free, so only another copy's interval can be found).
+    let prefix_max = |v: &[(u64, u64, usize)]| -> Vec<u64> {
+        v.iter()
+            .scan(0u64, |m, &(_, e, _)| {
+                *m = (*m).max(e);
+                Some(*m)
+            })
+            .collect()
+    };
+    let (reads_max, writes_max) = (prefix_max(&reads), prefix_max(&writes));
+    let hit = |sorted: &[(u64, u64, usize)], max: &[u64], s: u64, e: u64| {
+        // Intervals starting before `e`; one of them ends after `s`.
+        let m = sorted.partition_point(|&(start, _, _)| start < e);
+        m > 0 && max[m - 1] > s
+    };
+    for &(s, e, k) in &writes {
+        if free[k] && hit(&reads, &reads_max, s, e) {
+            free[k] = false;
+        }
+    }
+    for &(s, e, k) in &reads {
+        if free[k] && hit(&writes, &writes_max, s, e) {
+            free[k] = false;
+        }
+    }
+    free
 }
 
 /// Lays out anew each group of consecutive signal copies in `batch` that set words to one
@@ -279,6 +404,44 @@ mod tests {
 
     fn joined(b: &[Pending], dst: u64, src: u64, bytes: usize) -> Option<(usize, Join)> {
         joined_copy(b, &d(dst, src, bytes), MERGE_WINDOW)
+    }
+
+    #[test]
+    fn a_chain_of_independent_copies_merges_at_its_earliest_member() {
+        // Neighbours in any order, a signal between: one copy where the first of them was;
+        // the signal keeps its place after it.
+        let mut b = vec![
+            d(1064, 50_064, 64),
+            sg(9000, 70_000, 8),
+            d(1000, 50_000, 64),
+            d(1128, 50_128, 64),
+        ];
+        merge_independent(&mut b);
+        assert_eq!(b, vec![d(1000, 50_000, 192), sg(9000, 70_000, 8)]);
+    }
+
+    #[test]
+    fn a_copy_that_another_copy_conflicts_with_stays_in_place() {
+        // The third reads what the second writes, after it: merged with the first (before
+        // the second) it would read the bytes from before.
+        let mut b = vec![d(2000, 936, 64), d(1000, 5000, 64), d(2064, 1000, 64)];
+        let before = b.clone();
+        merge_independent(&mut b);
+        assert_eq!(b, before);
+        // The second writes what the third writes.
+        let mut b = vec![d(2000, 936, 64), d(2100, 5000, 8), d(2064, 1000, 64)];
+        let before = b.clone();
+        merge_independent(&mut b);
+        assert_eq!(b, before);
+        // The second reads what the first writes.
+        let mut b = vec![d(2000, 936, 64), d(7000, 2010, 8), d(2064, 1000, 64)];
+        let before = b.clone();
+        merge_independent(&mut b);
+        assert_eq!(b, before);
+        // Nothing in the way: the two merge.
+        let mut b = vec![d(2000, 936, 64), d(7000, 5000, 64), d(2064, 1000, 64)];
+        merge_independent(&mut b);
+        assert_eq!(b, vec![d(2000, 936, 128), d(7000, 5000, 64)]);
     }
 
     #[test]
@@ -709,5 +872,64 @@ mod tests {
         ];
         compact(&mut b, COMPACT_WINDOW);
         assert_eq!(b, vec![d(1000, 50_000, 128), sg(9000, 70_000, 16)]);
+    }
+
+    /// A whole dispatch as the kernels send it to one peer: 64 warps, each with one run of
+    /// its chunk of consecutive tokens (rows, scales, top-k ids, weights, and the source
+    /// indices from the counting table), the runs reaching the executor in a shuffled warp
+    /// order. Pushed and compacted as the executor does, all of them in one batch become one
+    /// copy per record; split over batches of a few runs each (a hand-over at every poll),
+    /// only the runs that meet in a batch merge.
+    #[test]
+    fn a_dispatch_held_in_one_batch_merges_into_one_copy_per_record() {
+        let mut state = 0x2545_F491_4F6C_DD1Du64;
+        let mut rand = |m: u64| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state % m
+        };
+        // Per record: (source base, destination base, bytes per token).
+        let records: [(u64, u64, u64); 5] = [
+            (1 << 40, 1 << 44, 7168),   // FP8 rows
+            (2 << 40, 2 << 44, 56 * 4), // scales
+            (3 << 40, 3 << 44, 8 * 8),  // top-k ids
+            (4 << 40, 4 << 44, 8 * 4),  // top-k weights
+            (5 << 40, 5 << 44, 4),      // source indices (counting table)
+        ];
+        let (warps, chunk) = (64u64, 64u64);
+        let mut order: Vec<u64> = (0..warps).collect();
+        for k in (1..order.len()).rev() {
+            order.swap(k, rand(k as u64 + 1) as usize);
+        }
+        let copies_of = |runs_per_batch: usize| -> usize {
+            let mut out = 0;
+            for group in order.chunks(runs_per_batch) {
+                let mut batch: Vec<Pending> = vec![];
+                for &w in group {
+                    for &(src, dst, per) in &records {
+                        let c = d(
+                            dst + w * chunk * per,
+                            src + w * chunk * per,
+                            (chunk * per) as usize,
+                        );
+                        if !merged_into(&mut batch, &c, MERGE_WINDOW) {
+                            batch.push(c);
+                        }
+                    }
+                }
+                compact(&mut batch, COMPACT_WINDOW);
+                out += batch.len();
+            }
+            out
+        };
+        assert_eq!(
+            copies_of(64),
+            records.len(),
+            "every run held together: one copy per record"
+        );
+        // Four runs a batch: only neighbours that meet merge (at most 5 * 64 copies).
+        let few = copies_of(4);
+        assert!(few > 4 * records.len() && few <= 5 * 64, "{few}");
     }
 }
