@@ -402,6 +402,16 @@ mod tests {
         Pending::signal(dst, src, bytes, 0, Some(value))
     }
 
+    /// A seeded xorshift generator: `rand(m)` is in `0..m`.
+    fn xorshift(mut state: u64) -> impl FnMut(u64) -> u64 {
+        move |m| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state % m
+        }
+    }
+
     fn joined(b: &[Pending], dst: u64, src: u64, bytes: usize) -> Option<(usize, Join)> {
         joined_copy(b, &d(dst, src, bytes), MERGE_WINDOW)
     }
@@ -741,13 +751,7 @@ mod tests {
     /// that touch the same bytes.
     #[test]
     fn merged_batches_leave_memory_as_the_copies_in_order() {
-        let mut state = 0x9E37_79B9_7F4A_7C15u64;
-        let mut rand = |m: u64| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state % m
-        };
+        let mut rand = xorshift(0x9E37_79B9_7F4A_7C15u64);
         let run = |mem: &mut Vec<u8>, c: &Pending| {
             let (d, s, n) = (c.dst as usize, c.src as usize, c.bytes);
             let bytes = mem[s..s + n].to_vec();
@@ -882,13 +886,7 @@ mod tests {
     /// only the runs that meet in a batch merge.
     #[test]
     fn a_dispatch_held_in_one_batch_merges_into_one_copy_per_record() {
-        let mut state = 0x2545_F491_4F6C_DD1Du64;
-        let mut rand = |m: u64| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state % m
-        };
+        let mut rand = xorshift(0x2545_F491_4F6C_DD1Du64);
         // Per record: (source base, destination base, bytes per token).
         let records: [(u64, u64, u64); 5] = [
             (1 << 40, 1 << 44, 7168),   // FP8 rows
