@@ -214,7 +214,7 @@ pub(super) fn merged_into(batch: &mut [Pending], c: &Pending, window: usize) -> 
 /// back than any window: this pass finds them in `O(n log n)`.
 pub(super) fn merge_independent(batch: &mut Vec<Pending>) {
     let n = batch.len();
-    if n < 2 {
+    if batch.iter().filter(|c| !c.signal).take(2).count() < 2 {
         return;
     }
     let free = independent(batch);
@@ -231,12 +231,13 @@ pub(super) fn merge_independent(batch: &mut Vec<Pending>) {
         let mut j = i + 1;
         while j < chain.len() {
             let c = batch[chain[j]];
-            let total = merged.bytes + c.bytes;
+            // Independent copies are apart from each other's and their own bytes, so the
+            // merged copy's source and destination are apart too.
             let continues = merged.dst.checked_add(merged.bytes as u64) == Some(c.dst)
                 && merged.src.checked_add(merged.bytes as u64) == Some(c.src);
-            if !continues || overlaps(merged.dst, total, merged.src, total) {
+            let Some(total) = merged.bytes.checked_add(c.bytes).filter(|_| continues) else {
                 break;
-            }
+            };
             merged.bytes = total;
             place = place.min(chain[j]);
             j += 1;
@@ -296,8 +297,8 @@ fn independent(batch: &[Pending]) -> Vec<bool> {
         }
         max_end = max_end.max(e);
     }
-    // A write and a read of two copies that overlap (a copy's own source and destination are
-    // apart where it is still free, so only another copy's interval can be found).
+    // A write and a read that overlap (a copy's own pair too, which the check above already
+    // excluded).
     let prefix_max = |v: &[(u64, u64, usize)]| -> Vec<u64> {
         v.iter()
             .scan(0u64, |m, &(_, e, _)| {
@@ -420,14 +421,61 @@ mod tests {
     fn a_chain_of_independent_copies_merges_at_its_earliest_member() {
         // Neighbours in any order, a signal between: one copy where the first of them was;
         // the signal keeps its place after it.
+        // The merged copy carries the operation of the copy whose place it takes.
+        let op = |c: Pending, op: OpId| Pending { op, ..c };
         let mut b = vec![
-            d(1064, 50_064, 64),
-            sg(9000, 70_000, 8),
-            d(1000, 50_000, 64),
-            d(1128, 50_128, 64),
+            op(d(1064, 50_064, 64), 7),
+            op(sg(9000, 70_000, 8), 8),
+            op(d(1000, 50_000, 64), 9),
+            op(d(1128, 50_128, 64), 10),
         ];
         merge_independent(&mut b);
-        assert_eq!(b, vec![d(1000, 50_000, 192), sg(9000, 70_000, 8)]);
+        assert_eq!(
+            b,
+            vec![op(d(1000, 50_000, 192), 7), op(sg(9000, 70_000, 8), 8)]
+        );
+    }
+
+    /// [`independent`] against the pairwise rule ([`touches`], [`overlaps`]) on random
+    /// byte-granular copies, empty ones and ones near the end of the address space included:
+    /// a copy it calls free conflicts with no other copy and not with itself; with no empty
+    /// copy in the batch it says exactly what the pairwise rule says.
+    #[test]
+    fn independence_is_the_pairwise_rule() {
+        let mut rand = xorshift(0x1234_5678_9ABC_DEF1);
+        for case in 0..20_000 {
+            let n = 1 + rand(12) as usize;
+            let high = case % 7 == 0;
+            let addr = |r: &mut dyn FnMut(u64) -> u64| {
+                let a = r(96);
+                if high { u64::MAX - 200 + a } else { a }
+            };
+            let b: Vec<Pending> = (0..n)
+                .map(|_| {
+                    let (dst, src) = (addr(&mut rand), addr(&mut rand));
+                    let bytes = rand(if case % 3 == 0 { 9 } else { 24 }) as usize;
+                    if rand(5) == 0 {
+                        sg(dst, src, bytes)
+                    } else {
+                        d(dst, src, bytes)
+                    }
+                })
+                .collect();
+            let free = independent(&b);
+            let empty = b.iter().any(|c| c.bytes == 0);
+            for k in 0..n {
+                let c = &b[k];
+                let pairwise = !c.signal
+                    && c.bytes > 0
+                    && !overlaps(c.dst, c.bytes, c.src, c.bytes)
+                    && (0..n).all(|o| o == k || !touches(&b[o], c.dst, c.src, c.bytes));
+                if free[k] {
+                    assert!(pairwise, "case {case}: copy {k} of {b:?} called free");
+                } else if !empty {
+                    assert!(!pairwise, "case {case}: copy {k} of {b:?} not called free");
+                }
+            }
+        }
     }
 
     #[test]

@@ -15,8 +15,10 @@
 //! them on the stream one driver call each. A copy whose source and destination both continue
 //! where a pending copy of the lane ends, or end where one starts, is merged into it
 //! (consecutive rows to consecutive slots become one copy), when no copy between the two
-//! touches its bytes, so the stream's result is unchanged; before a batch goes out, one more
-//! pass merges the copies that earlier merges made adjacent ([`merge::compact`]). Then one
+//! touches its bytes, so the stream's result is unchanged; before a batch goes out, chains of
+//! independent copies (no other copy of the batch touches their bytes) merge across the whole
+//! batch, and one more pass merges the copies that earlier merges made adjacent
+//! ([`merge::compact`]). Then one
 //! `cuMemcpyAsync` each (the default), or, with
 //! [`CopyEngineExecutor::set_batch_copies`], one `cuMemcpyBatchAsync` (source read in stream
 //! order, with the hint to use the copy engines rather than SMs; a copy that depends on a
