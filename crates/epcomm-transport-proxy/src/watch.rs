@@ -105,29 +105,18 @@ impl CallWatch {
         }
     }
 
-    /// One hand-over of `copies` pending copies to the driver.
-    pub(crate) fn handed(&self, copies: usize) {
+    /// One hand-over to the driver: its copies by kind, and the merges before it ([`CopyKinds`]:
+    /// the copies it held are `signal + small + large`). One lock per hand-over; the executor
+    /// counts its merges at push itself.
+    pub(crate) fn handed(&self, h: &CopyKinds) {
         if let Ok(mut w) = self.state.lock() {
             w.handed.0 += 1;
-            w.handed.1 += copies as u64;
-        }
-    }
-
-    /// What one hand-over's copies were: `signal` copies of signal words, `small` and
-    /// `large` copies of data; `compacted` copies had merged in the pass before it.
-    pub(crate) fn handed_kinds(&self, signal: usize, small: usize, large: usize, compacted: usize) {
-        if let Ok(mut w) = self.state.lock() {
-            w.kinds.signal += signal as u64;
-            w.kinds.small += small as u64;
-            w.kinds.large += large as u64;
-            w.kinds.merged_at_hand_over += compacted as u64;
-        }
-    }
-
-    /// A copy merged into a pending one when pushed.
-    pub(crate) fn merged_at_push(&self) {
-        if let Ok(mut w) = self.state.lock() {
-            w.kinds.merged_at_push += 1;
+            w.handed.1 += h.signal + h.small + h.large;
+            w.kinds.signal += h.signal;
+            w.kinds.small += h.small;
+            w.kinds.large += h.large;
+            w.kinds.merged_at_push += h.merged_at_push;
+            w.kinds.merged_at_hand_over += h.merged_at_hand_over;
         }
     }
 
@@ -176,22 +165,20 @@ mod tests {
     fn hand_overs_and_completions_add_up() {
         let w = CallWatch::default();
         assert_eq!(w.hand_overs(), (0, 0));
-        w.handed(3);
-        w.handed(5);
-        assert_eq!(w.hand_overs(), (2, 8));
-        w.handed_kinds(1, 2, 5, 4);
-        w.handed_kinds(0, 0, 1, 0);
-        w.merged_at_push();
-        assert_eq!(
-            w.copy_kinds(),
-            CopyKinds {
-                signal: 1,
-                small: 2,
-                large: 6,
-                merged_at_push: 1,
-                merged_at_hand_over: 4
-            }
-        );
+        let one = CopyKinds {
+            signal: 1,
+            small: 2,
+            large: 5,
+            merged_at_push: 3,
+            merged_at_hand_over: 4,
+        };
+        w.handed(&one);
+        w.handed(&CopyKinds {
+            large: 1,
+            ..CopyKinds::default()
+        });
+        assert_eq!(w.hand_overs(), (2, 9));
+        assert_eq!(w.copy_kinds(), CopyKinds { large: 6, ..one });
         w.completed(Duration::from_micros(10));
         w.completed(Duration::from_micros(30));
         assert_eq!(

@@ -194,6 +194,9 @@ pub struct CopyEngineExecutor {
     last_query: std::time::Instant,
     /// Operations accepted since the last poll (a round that took work).
     accepted_since_poll: usize,
+    /// Copies merged into a pending one when pushed, since the last hand-over (reported with
+    /// it, [`CallWatch::copy_kinds`]).
+    merged_at_push: u64,
     /// Where the ring's progress is mirrored in device memory ([`Self::mirror_progress`]).
     mirror: Option<Mirror>,
     /// Pinned, `COUNTING_ELEMS` little-endian `u32`s holding their own index; never written
@@ -274,6 +277,7 @@ impl CopyEngineExecutor {
             query_interval: std::time::Duration::ZERO,
             last_query: std::time::Instant::now(),
             accepted_since_poll: 0,
+            merged_at_push: 0,
             mirror: None,
             counting,
             watch: Arc::new(CallWatch::default()),
@@ -370,8 +374,13 @@ impl CopyEngineExecutor {
         let before = self.lanes[i].batch.len();
         compact(&mut self.lanes[i].batch, COMPACT_WINDOW);
         let (signal, small, large) = kinds_of(&self.lanes[i].batch, CopyKinds::SMALL);
-        let compacted = before - self.lanes[i].batch.len();
-        self.watch.handed_kinds(signal, small, large, compacted);
+        let handed = CopyKinds {
+            signal: signal as u64,
+            small: small as u64,
+            large: large as u64,
+            merged_at_push: std::mem::take(&mut self.merged_at_push),
+            merged_at_hand_over: (before - self.lanes[i].batch.len()) as u64,
+        };
         let first = self.lanes[i].batch[0].op;
         self.bind(first, i as u32)?;
         let stream = self.stream(i, first)?.cu_stream();
@@ -408,7 +417,7 @@ impl CopyEngineExecutor {
             });
             match res {
                 sys::CUresult::CUDA_SUCCESS => {
-                    self.watch.handed(count);
+                    self.watch.handed(&handed);
                     self.lanes[i].batch.clear();
                     return Ok(());
                 }
@@ -441,7 +450,7 @@ impl CopyEngineExecutor {
                 .result()
                 .map_err(Self::driver(op, i as u32, "cuMemcpyAsync"))?;
         }
-        self.watch.handed(self.lanes[i].batch.len());
+        self.watch.handed(&handed);
         self.lanes[i].batch.clear();
         Ok(())
     }
@@ -464,7 +473,7 @@ impl CopyEngineExecutor {
         let lane = &mut self.lanes[i];
         let copy = Pending::data(dst, src, bytes, op);
         if merged_into(&mut lane.batch, &copy, MERGE_WINDOW) {
-            self.watch.merged_at_push();
+            self.merged_at_push += 1;
             return Ok(());
         }
         lane.batch.push(copy);
@@ -490,7 +499,7 @@ impl CopyEngineExecutor {
         let lane = &mut self.lanes[i];
         let copy = Pending::signal(dst, src, bytes, op, fill);
         if merged_into(&mut lane.batch, &copy, MERGE_WINDOW) {
-            self.watch.merged_at_push();
+            self.merged_at_push += 1;
             return Ok(());
         }
         if self.batched {
