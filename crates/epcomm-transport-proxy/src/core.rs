@@ -102,7 +102,12 @@ impl RingParts {
             counters,
             ring_host,
         } = self;
-        let tracer = (options.trace >= 2)
+        if options.trace >= 3
+            && let Some(w) = &watch
+        {
+            w.keep_timeline();
+        }
+        let tracer = (options.trace == 2)
             .then(|| {
                 trace::Tracer::start(backend, ring_host.host_ptr() as usize, slots, watch.clone())
             })
@@ -192,8 +197,13 @@ impl ProxyCore {
         if let Some(proxy) = proxy {
             let report = proxy.shutdown().map_err(|e: ProxyError| e.to_string());
             if self.trace >= 1 {
+                let timeline = if self.trace >= 3 {
+                    self.write_timeline()
+                } else {
+                    String::new()
+                };
                 eprintln!(
-                    "epcomm {}: buffer of {} bytes stopped: {report:?}; {}",
+                    "epcomm {}: buffer of {} bytes stopped: {report:?}; {}{timeline}",
                     self.backend,
                     self.heap_bytes,
                     self.driver_calls()
@@ -202,6 +212,29 @@ impl ProxyCore {
             if let Ok(mut slot) = self.last_report.lock() {
                 *slot = Some(report);
             }
+        }
+    }
+
+    /// Writes the executor's timeline (`ProxyOptions::trace` 3) to a file of its own in the
+    /// temporary directory, one moment a line (microseconds since the proxy started, then
+    /// [`crate::Moment::fields`]), and says where, or why not.
+    fn write_timeline(&self) -> String {
+        let Some(watch) = &self.watch else {
+            return "; no timeline (this executor keeps none)".into();
+        };
+        static BUFFERS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = BUFFERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path = std::env::temp_dir().join(format!(
+            "epcomm-proxy-timeline-{}-{n}.tsv",
+            std::process::id()
+        ));
+        let mut text = String::from("t_us\tmoment\tlane\tcount\tbytes_or_us\n");
+        for (t, m) in watch.timeline() {
+            text += &format!("{:.1}\t{}\n", t.as_secs_f64() * 1e6, m.fields());
+        }
+        match std::fs::write(&path, text) {
+            Ok(()) => format!("; timeline in {}", path.display()),
+            Err(e) => format!("; the timeline could not be written to {}: {e}", path.display()),
         }
     }
 

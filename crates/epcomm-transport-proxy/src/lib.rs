@@ -73,7 +73,7 @@ pub use copy_engine::{
     CopyEngineError, CopyEngineExecutor, DEFAULT_QUEUE_DEPTH, MAX_LINGER, MAX_QUERY_INTERVAL,
     MAX_QUEUE_DEPTH,
 };
-pub use watch::{CallWatch, CopyKinds};
+pub use watch::{CallWatch, CopyKinds, Moment};
 
 // The kernel side (abi.cuh) and the proxy crate must agree on the ring layout.
 const _: () = {
@@ -214,7 +214,9 @@ pub struct ProxyOptions {
     /// arrived always looks.
     pub copy_query_interval: Duration,
     /// Diagnostics on stderr: 0 none, 1 the proxy's report when a buffer's proxy stops, 2 also
-    /// a live trace of the ring several times a second (docs/proxy.md, "Diagnostics").
+    /// a live trace of the ring several times a second, 3 the report and the copy-engine
+    /// executor's timeline (every round that took work, hand-over and completion) written to
+    /// a file in the temporary directory, named in the report (docs/proxy.md, "Diagnostics").
     pub trace: u8,
 }
 
@@ -351,7 +353,7 @@ impl ProxyOptions {
         if let Ok(v) = std::env::var("EPCOMM_PROXY_QUERY_US") {
             options.copy_query_interval = parse_micros("EPCOMM_PROXY_QUERY_US", &v)?;
         }
-        if let Some(level) = env_choice("EPCOMM_PROXY_TRACE", &["0", "1", "2"])? {
+        if let Some(level) = env_choice("EPCOMM_PROXY_TRACE", &["0", "1", "2", "3"])? {
             options.trace = level;
         }
         Ok(options)
@@ -408,10 +410,10 @@ impl ProxyOptions {
                 ),
             );
         }
-        if self.trace > 2 {
+        if self.trace > 3 {
             return bad(
                 "ProxyOptions::trace",
-                format!("must be 0, 1 or 2 (got {})", self.trace),
+                format!("must be 0, 1, 2 or 3 (got {})", self.trace),
             );
         }
         Ok(())
@@ -932,7 +934,7 @@ mod tests {
         let ok = ProxyOptions::one_node_per_rank(2);
         assert!(ok.validate().is_ok());
         let cases: [(ProxyOptions, &str); 10] = [
-            (ProxyOptions { trace: 3, ..ok }, "trace"),
+            (ProxyOptions { trace: 4, ..ok }, "trace"),
             (
                 ProxyOptions {
                     ring_slots: 1000,

@@ -67,7 +67,7 @@ use epcomm_proxy::{Executor, OpFailure, OpId, Submit};
 use epcomm_transport::{MappedHostBuffer, TransportError};
 
 use crate::fifo::Fifo;
-use crate::watch::{CallWatch, CopyKinds};
+use crate::watch::{CallWatch, CopyKinds, Moment};
 
 mod merge;
 mod mirror;
@@ -381,6 +381,7 @@ impl CopyEngineExecutor {
             merged_at_push: std::mem::take(&mut self.merged_at_push),
             merged_at_hand_over: (before - self.lanes[i].batch.len()) as u64,
         };
+        let bytes: u64 = self.lanes[i].batch.iter().map(|c| c.bytes as u64).sum();
         let first = self.lanes[i].batch[0].op;
         self.bind(first, i as u32)?;
         let stream = self.stream(i, first)?.cu_stream();
@@ -417,7 +418,7 @@ impl CopyEngineExecutor {
             });
             match res {
                 sys::CUresult::CUDA_SUCCESS => {
-                    self.watch.handed(&handed);
+                    self.watch.handed(i as u32, bytes, &handed);
                     self.lanes[i].batch.clear();
                     return Ok(());
                 }
@@ -450,7 +451,7 @@ impl CopyEngineExecutor {
                 .result()
                 .map_err(Self::driver(op, i as u32, "cuMemcpyAsync"))?;
         }
-        self.watch.handed(&handed);
+        self.watch.handed(i as u32, bytes, &handed);
         self.lanes[i].batch.clear();
         Ok(())
     }
@@ -694,6 +695,11 @@ impl Executor for CopyEngineExecutor {
         }
         self.bind(0, 0)?;
         let busy = self.accepted_since_poll > 0;
+        if busy {
+            self.watch.note(Moment::Took {
+                ops: u32::try_from(self.accepted_since_poll).unwrap_or(u32::MAX),
+            });
+        }
         self.accepted_since_poll = 0;
         let query = queries_now(busy, self.last_query.elapsed(), self.query_interval);
         if query {
@@ -727,7 +733,11 @@ impl Executor for CopyEngineExecutor {
                 let Some((event, ops, freed, recorded)) = self.lanes[i].marks.pop_front() else {
                     break;
                 };
-                self.watch.completed(recorded.elapsed());
+                self.watch.completed(
+                    i as u32,
+                    u32::try_from(ops.len()).unwrap_or(u32::MAX),
+                    recorded.elapsed(),
+                );
                 self.lanes[i].fifo.free_to(freed);
                 self.in_flight -= ops.len();
                 done.extend(ops);
