@@ -234,7 +234,10 @@ impl ProxyCore {
         }
         match std::fs::write(&path, text) {
             Ok(()) => format!("; timeline in {}", path.display()),
-            Err(e) => format!("; the timeline could not be written to {}: {e}", path.display()),
+            Err(e) => format!(
+                "; the timeline could not be written to {}: {e}",
+                path.display()
+            ),
         }
     }
 

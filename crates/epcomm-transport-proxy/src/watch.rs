@@ -207,7 +207,8 @@ impl CallWatch {
     /// moments; `ProxyOptions::trace` 3).
     pub fn keep_timeline(&self) {
         if let Ok(mut w) = self.state.lock() {
-            w.timeline.get_or_insert_with(|| (std::time::Instant::now(), Vec::new()));
+            w.timeline
+                .get_or_insert_with(|| (std::time::Instant::now(), Vec::new()));
         }
     }
 
@@ -267,10 +268,14 @@ mod tests {
             merged_at_hand_over: 4,
         };
         w.handed(0, 100, &one);
-        w.handed(1, 7, &CopyKinds {
-            large: 1,
-            ..CopyKinds::default()
-        });
+        w.handed(
+            1,
+            7,
+            &CopyKinds {
+                large: 1,
+                ..CopyKinds::default()
+            },
+        );
         assert_eq!(w.hand_overs(), (2, 9));
         assert_eq!(w.copy_kinds(), CopyKinds { large: 6, ..one });
         w.completed(0, 3, Duration::from_micros(10));
