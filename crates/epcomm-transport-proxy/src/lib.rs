@@ -70,8 +70,8 @@ use crate::core::{ProxyCore, RingParts};
 use epcomm_transport_ipc::{IpcMemory, IpcTransport};
 
 pub use copy_engine::{
-    CopyEngineError, CopyEngineExecutor, DEFAULT_QUEUE_DEPTH, MAX_LINGER, MAX_QUERY_INTERVAL,
-    MAX_QUEUE_DEPTH,
+    CopyEngineError, CopyEngineExecutor, DEFAULT_QUEUE_DEPTH, MAX_COPY_STREAMS, MAX_LINGER,
+    MAX_QUERY_INTERVAL, MAX_QUEUE_DEPTH, STRIPE_MIN_BYTES,
 };
 pub use watch::{CallWatch, CopyKinds, Moment};
 
@@ -107,6 +107,7 @@ pub const PROXY_ENV: &[&str] = &[
     "EPCOMM_PROXY_MIRROR",
     "EPCOMM_PROXY_BATCH",
     "EPCOMM_PROXY_COPY_DEPTH",
+    "EPCOMM_PROXY_COPY_STREAMS",
     "EPCOMM_PROXY_COPY_LINGER_US",
     "EPCOMM_PROXY_QUERY_US",
     "EPCOMM_PROXY_TRACE",
@@ -203,6 +204,11 @@ pub struct ProxyOptions {
     /// `1..=`[`MAX_QUEUE_DEPTH`]; default [`DEFAULT_QUEUE_DEPTH`]. [`MAX_QUEUE_DEPTH`] hands
     /// copies over at almost every poll (as before the depth existed, unless 64 batches run).
     pub copy_queue_depth: usize,
+    /// Streams per peer that a batch's large independent copies are spread over, so several
+    /// copy engines move one peer's bytes ([`CopyEngineExecutor::set_copy_streams`]), in
+    /// `1..=`[`MAX_COPY_STREAMS`]; default 1. Each takes a hardware queue
+    /// (`CUDA_DEVICE_MAX_CONNECTIONS`, [`check_copy_stream_queues`]).
+    pub copy_streams: usize,
     /// How long each peer's lane keeps its first pending copy before handing copies to the
     /// driver, so the runs other warps post meanwhile merge with it
     /// ([`CopyEngineExecutor::set_linger`]); at most [`MAX_LINGER`], default zero (hand over
@@ -301,6 +307,7 @@ impl ProxyOptions {
             mirror_progress: true,
             batch_copies: false,
             copy_queue_depth: DEFAULT_QUEUE_DEPTH,
+            copy_streams: 1,
             copy_linger: Duration::ZERO,
             copy_query_interval: Duration::ZERO,
             trace: 0,
@@ -311,13 +318,14 @@ impl ProxyOptions {
     /// `EPCOMM_PROXY_MAX_IN_FLIGHT` overriding the two sizes when set,
     /// `EPCOMM_PROXY_MIRROR=0` turning the progress mirror off, `EPCOMM_PROXY_BATCH=1` the
     /// batched copies on (a diagnostic: see [`Self::batch_copies`]), `EPCOMM_PROXY_COPY_DEPTH`
-    /// setting [`Self::copy_queue_depth`], `EPCOMM_PROXY_COPY_LINGER_US` [`Self::copy_linger`]
-    /// in microseconds (0 allowed), `EPCOMM_PROXY_QUERY_US` [`Self::copy_query_interval`]
-    /// likewise, and `EPCOMM_PROXY_TRACE=1|2` the diagnostics on.
+    /// setting [`Self::copy_queue_depth`], `EPCOMM_PROXY_COPY_STREAMS` [`Self::copy_streams`],
+    /// `EPCOMM_PROXY_COPY_LINGER_US` [`Self::copy_linger`] in microseconds (0 allowed),
+    /// `EPCOMM_PROXY_QUERY_US` [`Self::copy_query_interval`] likewise, and
+    /// `EPCOMM_PROXY_TRACE=1|2|3` the diagnostics on.
     ///
     /// # Errors
     /// [`TransportError::InvalidArgument`] naming the variable when its value is not a
-    /// positive integer (the switches: not `0` or `1`; `EPCOMM_PROXY_TRACE`: not 0, 1 or 2).
+    /// positive integer (the switches: not `0` or `1`; `EPCOMM_PROXY_TRACE`: not 0 to 3).
     pub fn from_env(local_world_size: usize) -> Result<Self, TransportError> {
         let mut options = Self::one_node_per_rank(local_world_size);
         let var = |name: &'static str| -> Result<Option<u64>, TransportError> {
@@ -346,6 +354,9 @@ impl ProxyOptions {
         }
         if let Some(n) = var("EPCOMM_PROXY_COPY_DEPTH")? {
             options.copy_queue_depth = usize::try_from(n).unwrap_or(usize::MAX);
+        }
+        if let Some(n) = var("EPCOMM_PROXY_COPY_STREAMS")? {
+            options.copy_streams = usize::try_from(n).unwrap_or(usize::MAX);
         }
         if let Ok(v) = std::env::var("EPCOMM_PROXY_COPY_LINGER_US") {
             options.copy_linger = parse_micros("EPCOMM_PROXY_COPY_LINGER_US", &v)?;
@@ -389,6 +400,15 @@ impl ProxyOptions {
                 format!(
                     "must be in 1..={MAX_QUEUE_DEPTH} (got {})",
                     self.copy_queue_depth
+                ),
+            );
+        }
+        if !(1..=MAX_COPY_STREAMS).contains(&self.copy_streams) {
+            return bad(
+                "ProxyOptions::copy_streams",
+                format!(
+                    "must be in 1..={MAX_COPY_STREAMS} (got {})",
+                    self.copy_streams
                 ),
             );
         }
@@ -646,7 +666,7 @@ impl ProxyTransport {
         let added = if lanes == 0 {
             0
         } else {
-            lanes + usize::from(self.options.mirror_progress) + 1
+            lanes * self.options.copy_streams + usize::from(self.options.mirror_progress) + 1
         };
         let mps = self
             .ipc
@@ -725,6 +745,7 @@ impl SymmetricHeap for ProxyTransport {
         )?;
         executor.set_batch_copies(self.options.batch_copies);
         executor.set_queue_depth(self.options.copy_queue_depth);
+        executor.set_copy_streams(self.options.copy_streams)?;
         executor.set_linger(self.options.copy_linger);
         executor.set_query_interval(self.options.copy_query_interval);
         if self.options.mirror_progress {
@@ -933,7 +954,7 @@ mod tests {
     fn options_name_the_broken_rule() {
         let ok = ProxyOptions::one_node_per_rank(2);
         assert!(ok.validate().is_ok());
-        let cases: [(ProxyOptions, &str); 10] = [
+        let cases: [(ProxyOptions, &str); 12] = [
             (ProxyOptions { trace: 4, ..ok }, "trace"),
             (
                 ProxyOptions {
@@ -983,6 +1004,20 @@ mod tests {
                     ..ok
                 },
                 "copy_queue_depth",
+            ),
+            (
+                ProxyOptions {
+                    copy_streams: 0,
+                    ..ok
+                },
+                "copy_streams",
+            ),
+            (
+                ProxyOptions {
+                    copy_streams: MAX_COPY_STREAMS + 1,
+                    ..ok
+                },
+                "copy_streams",
             ),
             (
                 ProxyOptions {

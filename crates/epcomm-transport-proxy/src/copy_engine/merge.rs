@@ -259,6 +259,49 @@ pub(super) fn merge_independent(batch: &mut Vec<Pending>) {
     });
 }
 
+/// How a batch goes out over several streams of one lane ([`stripes`]).
+#[derive(Debug, PartialEq, Eq)]
+pub(super) struct Stripes {
+    /// The copies that go first, side by side: (index in the batch, stream; 0 is the lane's).
+    pub(super) lead: Vec<(usize, usize)>,
+    /// Every other copy's index, in batch order: on stream 0 once every lead copy is complete.
+    pub(super) rest: Vec<usize>,
+}
+
+/// How a batch goes out over `streams` streams of one lane (stream 0 is the lane's own, whose
+/// events mark completion): the lead copies are the independent copies of data
+/// ([`independent`]) of at least `min_bytes` bytes, each with its stream (largest first, each
+/// to the stream with the fewest bytes so far), and the rest follow in batch order. The lead
+/// copies touch no byte another copy of the batch touches, so running them first and side by
+/// side changes nothing but when they land (the parent module's "Copy streams"). `None` when
+/// fewer than two copies lead: one stream then takes the batch as it is.
+pub(super) fn stripes(batch: &[Pending], streams: usize, min_bytes: usize) -> Option<Stripes> {
+    if streams < 2 || batch.len() < 2 {
+        return None;
+    }
+    let free = independent(batch);
+    let mut lead: Vec<usize> = (0..batch.len())
+        .filter(|&k| free[k] && batch[k].bytes >= min_bytes)
+        .collect();
+    if lead.len() < 2 {
+        return None;
+    }
+    lead.sort_by_key(|&k| std::cmp::Reverse(batch[k].bytes));
+    let mut load = vec![0usize; streams];
+    let lead: Vec<(usize, usize)> = lead
+        .into_iter()
+        .map(|k| {
+            let s = (0..streams).min_by_key(|&s| load[s]).unwrap_or(0);
+            load[s] = load[s].saturating_add(batch[k].bytes);
+            (k, s)
+        })
+        .collect();
+    let mut leads = vec![false; batch.len()];
+    lead.iter().for_each(|&(k, _)| leads[k] = true);
+    let rest = (0..batch.len()).filter(|&k| !leads[k]).collect();
+    Some(Stripes { lead, rest })
+}
+
 /// Per copy of `batch`: whether it is a copy of data, of at least one byte, that no other copy
 /// of the batch conflicts with (writes what it reads or writes, or reads what it writes), whose
 /// own source and destination do not overlap. Two sweeps over the intervals sorted by start.
@@ -883,6 +926,24 @@ mod tests {
             let mut got = mem.clone();
             issued.iter().flatten().for_each(|c| run(&mut got, c));
             assert!(got == expected, "case {case}: {ops:?} issued as {issued:?}");
+            // Over several streams: each batch's lead copies first, in an order no stream
+            // would keep (backwards), then the rest in order on stream 0.
+            let mut striped = mem.clone();
+            for b in &issued {
+                match stripes(b, 3, 1) {
+                    Some(Stripes { lead, rest }) => {
+                        lead.iter()
+                            .rev()
+                            .for_each(|&(k, _)| run(&mut striped, &b[k]));
+                        rest.iter().for_each(|&k| run(&mut striped, &b[k]));
+                    }
+                    None => b.iter().for_each(|c| run(&mut striped, c)),
+                }
+            }
+            assert!(
+                striped == expected,
+                "case {case}: {ops:?} striped from {issued:?}"
+            );
             if batched {
                 let mut backwards = mem.clone();
                 for b in &issued {
@@ -900,6 +961,35 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn stripes_lead_with_large_independent_copies_balanced_over_the_streams() {
+        // Four independent row copies (sizes 4, 3, 2, 1 units), a small one, a signal, and two
+        // copies of shared bytes.
+        const U: usize = 1 << 20;
+        let b = vec![
+            d(0, 100 << 20, 2 * U),
+            d(10 << 20, 110 << 20, 4 * U),
+            sg(90 << 20, 200 << 20, 8),
+            d(20 << 20, 120 << 20, U),
+            d(30 << 20, 130 << 20, 3 * U),
+            d(40 << 20, 140 << 20, 16),
+            d(50 << 20, 150 << 20, U),
+            d(50 << 20, 160 << 20, U),
+        ];
+        let Stripes { lead, rest } = stripes(&b, 2, 64 << 10).unwrap();
+        // Largest first, each to the lighter stream: 4 -> 0, 3 -> 1, 2 -> 1, 1 -> 0.
+        assert_eq!(lead, vec![(1, 0), (4, 1), (0, 1), (3, 0)]);
+        // The signal, the small copy and the two copies of shared bytes stay, in order.
+        assert_eq!(rest, vec![2, 5, 6, 7]);
+        let mut all: Vec<usize> = lead.iter().map(|&(k, _)| k).chain(rest).collect();
+        all.sort_unstable();
+        assert_eq!(all, (0..b.len()).collect::<Vec<_>>(), "each copy once");
+        // One stream, or fewer than two leading copies: the batch goes out as it is.
+        assert!(stripes(&b, 1, 64 << 10).is_none());
+        assert!(stripes(&b, 4, 4 * U).is_none(), "one copy of 4 units leads");
+        assert!(stripes(&b[..1], 4, 1).is_none());
     }
 
     #[test]

@@ -31,6 +31,17 @@
 //! that waits for this executor's copies would deadlock: see
 //! [`crate::check_copy_stream_queues`].
 //!
+//! **Copy streams.** With [`CopyEngineExecutor::set_copy_streams`] `n > 1`, each peer's lane
+//! has `n - 1` side streams, so that one batch's large copies run in several copy engines
+//! side by side: the batch's independent copies of data of at least [`STRIPE_MIN_BYTES`]
+//! (no other copy of the batch touches their bytes, [`merge::stripes`]) go first, dealt over
+//! the lane's stream and its side streams after an event that makes the side streams wait for
+//! everything the lane's stream holds; then the lane's stream waits for each side stream's
+//! event and takes the rest of the batch in order. So every copy and signal of earlier
+//! batches is complete before a side stream starts, every later one (and the event that
+//! marks the batch complete) waits for the side streams, and within the batch only the
+//! independent copies move ahead, which changes nothing but when they land.
+//!
 //! **Ordering.** One stream per peer and submission order kept on it: a signal's copy starts
 //! after every earlier copy and write to that peer has completed — the contract of
 //! [`epcomm_proxy::Executor`]. A pending run of writes is handed to its stream before any later
@@ -73,7 +84,7 @@ mod merge;
 mod mirror;
 use merge::{
     COMPACT_WINDOW, COUNTING_ELEMS, MERGE_WINDOW, Pending, compact, counted_source, depends_on_any,
-    kinds_of, merged_into,
+    kinds_of, merged_into, stripes,
 };
 use mirror::Mirror;
 
@@ -96,6 +107,14 @@ pub const MAX_QUEUE_DEPTH: usize = EVENTS_PER_LANE;
 /// The longest interval between looks for completions while work arrives
 /// ([`CopyEngineExecutor::set_query_interval`]).
 pub const MAX_QUERY_INTERVAL: std::time::Duration = std::time::Duration::from_millis(1);
+
+/// The most streams a lane spreads a batch's copies over
+/// ([`CopyEngineExecutor::set_copy_streams`]).
+pub const MAX_COPY_STREAMS: usize = 4;
+
+/// The smallest copy a lane hands to a side stream ([`merge::stripes`]): smaller ones cost
+/// more in driver calls than running beside others gains.
+pub const STRIPE_MIN_BYTES: usize = 256 << 10;
 
 /// The longest a lane keeps its pending copies back ([`CopyEngineExecutor::set_linger`]).
 pub const MAX_LINGER: std::time::Duration = std::time::Duration::from_millis(1);
@@ -169,6 +188,10 @@ struct Lane {
     /// Events in record order, each with the operations it completes, the arena total it
     /// frees up to, and when it was recorded.
     marks: VecDeque<(CudaEvent, Vec<OpId>, usize, std::time::Instant)>,
+    /// Side streams with their join events, and the fork event they wait for
+    /// ([`CopyEngineExecutor::set_copy_streams`]; none by default).
+    sides: Vec<(Arc<CudaStream>, CudaEvent)>,
+    fork: Option<CudaEvent>,
 }
 
 /// Executes proxy operations with `cuMemcpyAsync` and stream memory operations (see the
@@ -248,6 +271,8 @@ impl CopyEngineExecutor {
                     unmarked: Vec::new(),
                     unmarked_since: None,
                     marks: VecDeque::new(),
+                    sides: Vec::new(),
+                    fork: None,
                 })
             })
             .collect::<Result<_, TransportError>>()?;
@@ -288,6 +313,43 @@ impl CopyEngineExecutor {
     /// batches lost copies in a measured case, see `ProxyOptions::batch_copies`).
     pub fn set_batch_copies(&mut self, on: bool) {
         self.batched = on;
+    }
+
+    /// Spreads each batch's large independent copies over `n` streams per peer (clamped to
+    /// `1..=`[`MAX_COPY_STREAMS`]; default 1): see the module docs, "Copy streams". Makes the
+    /// side streams and their events now (making either while a kernel runs can wait for
+    /// it); call before the first operation, once.
+    ///
+    /// # Errors
+    /// The driver's error creating a stream or an event.
+    pub fn set_copy_streams(&mut self, n: usize) -> Result<(), TransportError> {
+        let n = n.clamp(1, MAX_COPY_STREAMS);
+        let driver = |context: &str| {
+            let context = context.to_string();
+            move |source| TransportError::Driver { context, source }
+        };
+        let flags = Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING);
+        for lane in self.lanes.iter_mut().filter(|l| l.stream.is_some()) {
+            while lane.sides.len() + 1 < n {
+                let stream = self
+                    .ctx
+                    .new_stream()
+                    .map_err(driver("creating a copy-engine side stream"))?;
+                let join = self
+                    .ctx
+                    .new_event(flags)
+                    .map_err(driver("creating a copy-engine join event"))?;
+                lane.sides.push((stream, join));
+            }
+            if n > 1 && lane.fork.is_none() {
+                lane.fork = Some(
+                    self.ctx
+                        .new_event(flags)
+                        .map_err(driver("creating a copy-engine fork event"))?,
+                );
+            }
+        }
+        Ok(())
     }
 
     /// How many of a lane's handed-over batches may run in the copy engines before the lane
@@ -434,25 +496,92 @@ impl CopyEngineExecutor {
                 }
             }
         }
-        for k in 0..self.lanes[i].batch.len() {
-            let Pending {
-                dst,
-                src,
-                bytes,
-                op,
-                ..
-            } = self.lanes[i].batch[k];
-            self.watch
-                .call("cuMemcpyAsync", || {
-                    // SAFETY: as for the batch above: the destination lies in the peer's mapped
-                    // buffer, the source stays valid until the operation completes.
-                    unsafe { sys::cuMemcpyAsync(dst, src, bytes, stream) }
-                })
-                .result()
-                .map_err(Self::driver(op, i as u32, "cuMemcpyAsync"))?;
+        let striped = stripes(
+            &self.lanes[i].batch,
+            1 + self.lanes[i].sides.len(),
+            STRIPE_MIN_BYTES,
+        );
+        match striped {
+            Some(merge::Stripes { lead, rest }) => self.striped_copies(i, &lead, &rest)?,
+            None => {
+                for k in 0..self.lanes[i].batch.len() {
+                    self.copy(i, k, stream)?;
+                }
+            }
         }
         self.watch.handed(i as u32, bytes, &handed);
         self.lanes[i].batch.clear();
+        Ok(())
+    }
+
+    /// Copy `k` of lane `i`'s batch, on `stream` (one `cuMemcpyAsync`).
+    fn copy(&self, i: usize, k: usize, stream: sys::CUstream) -> Result<(), OpFailure> {
+        let Pending {
+            dst,
+            src,
+            bytes,
+            op,
+            ..
+        } = self.lanes[i].batch[k];
+        self.watch
+            .call("cuMemcpyAsync", || {
+                // SAFETY: the destination lies in the peer's mapped buffer (bounds-checked by
+                // the decoder), the source is a device address the producing kernel named in
+                // this process (kept valid until the operation completes) or bytes of the
+                // lane's pinned arena or counting table (kept until the event after this
+                // batch completes).
+                unsafe { sys::cuMemcpyAsync(dst, src, bytes, stream) }
+            })
+            .result()
+            .map_err(Self::driver(op, i as u32, "cuMemcpyAsync"))
+    }
+
+    /// Lane `i`'s batch over its streams ([`merge::stripes`]): the side streams wait for the
+    /// fork event recorded on the lane's stream (everything before this batch), the `lead`
+    /// copies go out on their streams (0: the lane's), the lane's stream waits for each used
+    /// side stream's join event, then takes the `rest` in order.
+    fn striped_copies(
+        &self,
+        i: usize,
+        lead: &[(usize, usize)],
+        rest: &[usize],
+    ) -> Result<(), OpFailure> {
+        let lane = &self.lanes[i];
+        let first = lane.batch[0].op;
+        let main = self.stream(i, first)?;
+        let fork = lane.fork.as_ref().ok_or_else(|| {
+            Self::driver(first, i as u32, "a side stream without its fork event")(DriverError(
+                sys::CUresult::CUDA_ERROR_NOT_INITIALIZED,
+            ))
+        })?;
+        let used: Vec<usize> = (1..=lane.sides.len())
+            .filter(|&s| lead.iter().any(|&(_, t)| t == s))
+            .collect();
+        self.watch
+            .call("cuEventRecord", || fork.record(main))
+            .map_err(Self::driver(first, i as u32, "cuEventRecord (fork)"))?;
+        for &s in &used {
+            let side = &lane.sides[s - 1].0;
+            self.watch
+                .call("cuStreamWaitEvent", || side.wait(fork))
+                .map_err(Self::driver(first, i as u32, "cuStreamWaitEvent (fork)"))?;
+        }
+        for &(k, s) in lead {
+            let stream = if s == 0 { main } else { &lane.sides[s - 1].0 };
+            self.copy(i, k, stream.cu_stream())?;
+        }
+        for &s in &used {
+            let (side, join) = &lane.sides[s - 1];
+            self.watch
+                .call("cuEventRecord", || join.record(side))
+                .map_err(Self::driver(first, i as u32, "cuEventRecord (join)"))?;
+            self.watch
+                .call("cuStreamWaitEvent", || main.wait(join))
+                .map_err(Self::driver(first, i as u32, "cuStreamWaitEvent (join)"))?;
+        }
+        for &k in rest {
+            self.copy(i, k, main.cu_stream())?;
+        }
         Ok(())
     }
 
