@@ -1,5 +1,6 @@
 //! The copy-engine executor: the proxy's operations become stream-ordered driver work on one
-//! CUDA stream per peer, executed by the GPU's copy engines (no SM moves a byte).
+//! CUDA stream per peer, executed by the GPU's copy engines between GPUs (no SM moves a byte;
+//! within one GPU the driver moves the bytes with SMs, see "Ranks of one GPU" below).
 //!
 //! | operation | driver work on the peer's stream |
 //! |---|---|
@@ -26,6 +27,12 @@
 //! single copies where the driver refuses it. Batches are off by default: they lost copies in a
 //! measured case (a 16 384-token dispatch; docs/proxy.md, "Status").
 
+//! **Ranks of one GPU.** Between two ranks sharing a GPU a copy is device-to-device within
+//! it, which the driver runs as a kernel of its own on the SMs, not in the copy engines
+//! (batched or not; about 5 us per copy of the issuing thread and of the GPU, measured in
+//! docs/benchmarks.md, "Where a `proxy-ce` op's time goes on one GPU"). Between GPUs the
+//! copies run in the copy engines.
+//!
 //! **Streams.** One per mapped peer (none for ranks reached by stores), plus the progress
 //! mirror's. A stream the driver puts on the same hardware queue as the stream of a kernel
 //! that waits for this executor's copies would deadlock: see
