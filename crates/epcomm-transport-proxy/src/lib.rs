@@ -73,7 +73,7 @@ pub use copy_engine::{
     CopyEngineError, CopyEngineExecutor, DEFAULT_QUEUE_DEPTH, MAX_COPY_STREAMS, MAX_LINGER,
     MAX_QUERY_INTERVAL, MAX_QUEUE_DEPTH, STRIPE_MIN_BYTES,
 };
-pub use watch::{CallWatch, CopyKinds, Moment};
+pub use watch::{CallWatch, CopyKinds, Moment, TIMELINE_CAPACITY};
 
 // The kernel side (abi.cuh) and the proxy crate must agree on the ring layout.
 const _: () = {

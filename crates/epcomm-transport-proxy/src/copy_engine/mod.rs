@@ -119,8 +119,8 @@ pub const MAX_QUERY_INTERVAL: std::time::Duration = std::time::Duration::from_mi
 /// ([`CopyEngineExecutor::set_copy_streams`]).
 pub const MAX_COPY_STREAMS: usize = 4;
 
-/// The smallest copy a lane hands to a side stream ([`merge::stripes`]): smaller ones cost
-/// more in driver calls than running beside others gains.
+/// The smallest copy a lane hands to a side stream ([`CopyEngineExecutor::set_copy_streams`]):
+/// smaller ones cost more in driver calls than running beside others gains.
 pub const STRIPE_MIN_BYTES: usize = 256 << 10;
 
 /// The longest a lane keeps its pending copies back ([`CopyEngineExecutor::set_linger`]).
