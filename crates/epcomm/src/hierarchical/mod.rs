@@ -295,6 +295,10 @@ impl ExpertParallel for HierarchicalBuffer {
     /// node stage's receive region) and a two-tier [`Handle`]. `mode` is the node stage's (the
     /// rail stage never waits on the host). Collective.
     ///
+    /// Each call allocates the node tier's layout and handle (device arrays, once per call);
+    /// a hot loop or a CUDA-graph capture allocates them once with [`Self::alloc_handle`] and
+    /// dispatches with [`Self::dispatch_into`], which allocates no device memory.
+    ///
     /// # Errors
     /// As [`Buffer::dispatch`], from either stage.
     fn dispatch(
