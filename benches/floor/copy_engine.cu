@@ -25,6 +25,8 @@
 // proxy-ce transport's ops.
 #include <cuda_runtime.h>
 
+#include "check.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -33,14 +35,6 @@
 #include <thread>
 #include <vector>
 
-#define CHECK(x)                                                                          \
-  do {                                                                                    \
-    cudaError_t e_ = (x);                                                                 \
-    if (e_ != cudaSuccess) {                                                              \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                       \
-    }                                                                                     \
-  } while (0)
 
 // Holds its SM until `*release` is nonzero or 200 ms of the GPU clock pass; sets `out[0]` when
 // it gave up on its own (the host checks it).
