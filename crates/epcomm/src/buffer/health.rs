@@ -217,6 +217,11 @@ impl Buffer {
     pub(super) fn wait_host_counts(&mut self, tag: u64, epr: usize) -> Result<HostCounts> {
         let start = Instant::now();
         let limit = self.cfg.timeout + Duration::from_secs(1);
+        // The stream is asked whether it went idle at most this often: a driver call on every
+        // pass would contend with other threads' driver calls (a CPU proxy's copies) while the
+        // tag, read every pass, is what ends the wait.
+        const STREAM_QUERY_EVERY: Duration = Duration::from_micros(20);
+        let mut next_query = start;
         loop {
             // The kernel stores the counts, fences, then the tag: the acquire read keeps the
             // count reads below from being satisfied before the tag's (Arm hosts reorder loads).
@@ -230,9 +235,14 @@ impl Buffer {
                 });
             }
             self.check()?;
+            let now = Instant::now();
             // SAFETY: querying a live stream has no preconditions.
-            let idle = unsafe { sys::cuStreamQuery(self.launcher.stream.cu_stream()) }
-                == sys::CUresult::CUDA_SUCCESS;
+            let idle = now >= next_query
+                && unsafe { sys::cuStreamQuery(self.launcher.stream.cu_stream()) }
+                    == sys::CUresult::CUDA_SUCCESS;
+            if now >= next_query {
+                next_query = now + STREAM_QUERY_EVERY;
+            }
             if idle && self.memory.host_counts.load_u64(0) != Some(tag) {
                 self.check()?;
                 return Err(Error::Failed(
