@@ -39,6 +39,7 @@ use crate::error::DriverContext;
 use crate::{BufferConfig, Error, Result};
 
 mod args;
+pub(crate) mod driver;
 pub(crate) mod graph;
 mod health;
 mod inputs;

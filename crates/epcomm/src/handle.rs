@@ -8,6 +8,7 @@ use epcomm_topology::RowFormat;
 use epcomm_transport::memory::copy_dtoh;
 
 use crate::Result;
+use crate::buffer::driver::copy_async;
 use crate::error::DriverContext;
 use crate::layout::LayoutInner;
 
@@ -289,16 +290,8 @@ impl Dispatched<'_> {
         // SAFETY: the destination is this rank's receive region, which holds max_rows rows of
         // hidden bf16 values (checked above) and is kept alive by the borrowed Buffer; the copy
         // is ordered on the buffer's stream after the dispatch that filled it.
-        unsafe {
-            cudarc::driver::sys::cuMemcpyDtoDAsync_v2(
-                self.recv_x,
-                src,
-                y.len() * 2,
-                self.stream.cu_stream(),
-            )
-        }
-        .result()
-        .context("copying y into the receive rows")?;
+        unsafe { copy_async(self.recv_x, src, y.len() * 2, self.stream) }
+            .context("copying y into the receive rows")?;
         if let Some(mark) = self.launch_mark {
             // Best effort, as for the kernels (`Buffer::wait_launched` stays bounded).
             let _ = mark.record(self.stream);

@@ -18,6 +18,7 @@ use epcomm_transport::memory::copy_dtoh;
 use epcomm_transport::{DeviceBuffer, MappedHostBuffer};
 
 use super::Buffer;
+use super::driver::stream_idle;
 use crate::stats::{LocalStats, OpStats};
 use crate::{Error, Result, WaitKind};
 
@@ -161,9 +162,8 @@ impl Buffer {
                 // Recorded while someone else's graph capture ran on the stream: not a point
                 // of the stream's work; wait for the stream itself instead (still bounded).
                 Err(e) if e.0 == sys::CUresult::CUDA_ERROR_CAPTURED_EVENT => {
-                    // SAFETY: querying a live stream has no preconditions.
-                    let q = unsafe { sys::cuStreamQuery(self.launcher.stream.cu_stream()) };
-                    q != sys::CUresult::CUDA_ERROR_NOT_READY
+                    // Idle, or broken (nothing of it runs any more).
+                    !matches!(stream_idle(&self.launcher.stream), Ok(false))
                 }
                 // A broken context: nothing of it runs any more.
                 Err(_) => true,
@@ -236,10 +236,7 @@ impl Buffer {
             }
             self.check()?;
             let now = Instant::now();
-            // SAFETY: querying a live stream has no preconditions.
-            let idle = now >= next_query
-                && unsafe { sys::cuStreamQuery(self.launcher.stream.cu_stream()) }
-                    == sys::CUresult::CUDA_SUCCESS;
+            let idle = now >= next_query && matches!(stream_idle(&self.launcher.stream), Ok(true));
             if now >= next_query {
                 next_query = now + STREAM_QUERY_EVERY;
             }

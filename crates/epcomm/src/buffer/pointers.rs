@@ -2,7 +2,7 @@
 //! loads and stores, and a misaligned or foreign address would fault on the device, which
 //! leaves the CUDA context unusable (a sticky error) for the whole process.
 
-use cudarc::driver::sys;
+use super::driver::device_of;
 use epcomm_topology::RowFormat;
 
 use crate::{Error, Result};
@@ -32,22 +32,10 @@ pub(super) fn check_device_ptr(
             ),
         });
     }
-    let mut device: i32 = -1;
-    // SAFETY: the out-pointer is a live i32, which is what the DEVICE_ORDINAL attribute
-    // writes; the query only reads the driver's table of allocations.
-    let r = unsafe {
-        sys::cuPointerGetAttribute(
-            (&mut device as *mut i32).cast(),
-            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-            ptr,
-        )
-    };
-    if r != sys::CUresult::CUDA_SUCCESS {
-        return Err(Error::InvalidArgument {
-            argument,
-            rule: format!("address {ptr:#x} is not memory the CUDA driver knows ({r:?})"),
-        });
-    }
+    let device = device_of(ptr).map_err(|r| Error::InvalidArgument {
+        argument,
+        rule: format!("address {ptr:#x} is not memory the CUDA driver knows ({r:?})"),
+    })?;
     if device != ordinal as i32 {
         return Err(Error::InvalidArgument {
             argument,

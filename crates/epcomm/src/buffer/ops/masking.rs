@@ -11,11 +11,11 @@
 //! dead peer is found by every rank that waits for it.
 
 use cudarc::driver::DevicePtrMut;
-use cudarc::driver::sys;
 use epcomm_kernels::abi;
 use epcomm_topology::{Parity, RegionKind};
 
 use crate::buffer::Buffer;
+use crate::buffer::driver::{copy_async, fill_u32_async};
 use crate::buffer::pointers::check_device_ptr;
 use crate::error::DriverContext;
 use crate::{Error, Result};
@@ -67,14 +67,13 @@ impl Buffer {
         // SAFETY: the word lies in this rank's stats region (`ll_mask_words`, rank < world <=
         // kMaxWorld), which the buffer owns; the write is ordered on its stream.
         unsafe {
-            sys::cuMemsetD32Async(
+            fill_u32_async(
                 words + 4 * rank as u64,
                 u32::from(masked),
                 1,
-                self.launcher.stream.cu_stream(),
+                &self.launcher.stream,
             )
         }
-        .result()
         .context("writing a rank's mask word")?;
         self.mark_launch();
         Ok(())
@@ -94,11 +93,8 @@ impl Buffer {
             .context("binding the CUDA context")?;
         // SAFETY: `world` words of this rank's stats region (world <= kMaxWorld), ordered on
         // the buffer's stream.
-        unsafe {
-            sys::cuMemsetD32Async(words, 0, self.place.world, self.launcher.stream.cu_stream())
-        }
-        .result()
-        .context("clearing the mask words")?;
+        unsafe { fill_u32_async(words, 0, self.place.world, &self.launcher.stream) }
+            .context("clearing the mask words")?;
         self.mark_launch();
         Ok(())
     }
@@ -135,8 +131,7 @@ impl Buffer {
         // SAFETY: `dst` holds world i32 values on this device (checked above) and stays
         // borrowed until the guard records its event after the copy; the source is `world`
         // words of this rank's stats region.
-        unsafe { sys::cuMemcpyDtoDAsync_v2(dst, words, self.place.world * 4, s.cu_stream()) }
-            .result()
+        unsafe { copy_async(dst, words, self.place.world * 4, &s) }
             .context("copying the mask words")?;
         self.mark_launch();
         Ok(())

@@ -12,10 +12,10 @@
 //! decision uses only what every rank shares (config, routes, the handle's place in the op
 //! order, graph capture, which every rank does alike), never an address.
 
-use cudarc::driver::sys;
 use epcomm_topology::{Parity, RegionKind};
 
 use crate::buffer::Buffer;
+use crate::buffer::driver::copy_async;
 use crate::buffer::pointers::{ROW_ALIGN, check_device_ptr};
 use crate::error::DriverContext;
 use crate::handle::HandleInner;
@@ -86,7 +86,7 @@ impl Buffer {
             .stream
             .capture_status()
             .context("reading the stream's capture status")?;
-        Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+        Ok(status != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
     }
 
     /// Marks the start of a recording by [`Buffer::capture`] (or a hierarchical buffer's): a
@@ -256,7 +256,7 @@ impl Buffer {
                 "staging y_weights over the received weights",
             ));
         }
-        let s = self.launcher.stream.cu_stream();
+        let s = &self.launcher.stream;
         for r in ranges.iter().filter(|r| !r.is_empty()) {
             let (first, n) = (r.start as u64, (r.end - r.start) as u64);
             for &(dst, src, row, what) in &copies {
@@ -266,16 +266,8 @@ impl Buffer {
                 // rows; the source holds at least `rows` rows (check_combine_y) and does not
                 // overlap it (plan_copy). Stream-ordered after every earlier op of this rank,
                 // before the combine kernel.
-                unsafe {
-                    sys::cuMemcpyDtoDAsync_v2(
-                        dst + first * row,
-                        src + first * row,
-                        (n * row) as usize,
-                        s,
-                    )
-                }
-                .result()
-                .context(what)?;
+                unsafe { copy_async(dst + first * row, src + first * row, (n * row) as usize, s) }
+                    .context(what)?;
             }
         }
         Ok(Some(match own {
