@@ -220,14 +220,13 @@ fn python_rule(e: &epcomm::Error, cfg: &epcomm::BufferConfig) -> (&'static str, 
     }
 }
 
-/// None when the NVSHMEM host library (for the `nvshmem` transports) loads here, else why not,
-/// naming every place that was tried.
+/// None when the `nvshmem` transports can run here (the backend's own probe: its host
+/// library loads), else why not, naming every place that was tried.
 #[pyfunction]
 fn nvshmem_status(py: Python<'_>) -> Option<String> {
-    py.detach(|| {
-        nvshmem_sys::loader::load_default()
-            .err()
-            .map(|e| e.to_string())
+    py.detach(|| match "nvshmem".parse::<TransportSpec>() {
+        Ok(spec) => spec.probe_here().err().map(|e| e.to_string()),
+        Err(e) => Some(e.to_string()),
     })
 }
 
