@@ -62,8 +62,8 @@ use std::sync::Arc;
 use cudarc::driver::CudaContext;
 pub use epcomm_transport::{
     Backend, BackendOptions, Bootstrap, Capabilities, DynTransport, ExecutorLimits, KernelFamily,
-    Limits, OptionSchema, REGISTRY_VERSION, Route, Schedule, TransportError, VirtualNodes,
-    WorldLayout,
+    Limits, LocatedLibrary, OptionSchema, REGISTRY_VERSION, Route, RuntimeLibrary, Schedule,
+    TransportError, VirtualNodes, WorldLayout,
 };
 
 /// One line of the backend list: a backend this crate knows by name and cargo feature, with its
@@ -201,6 +201,12 @@ impl TransportSpec {
     /// ([`Backend::runtime_library`]: NVSHMEM's host library).
     pub fn needs_runtime_library(&self) -> bool {
         self.backend.runtime_library.is_some()
+    }
+
+    /// The library the backend loads at run time, if any ([`Backend::runtime_library`]), to
+    /// look for before any rank starts ([`RuntimeLibrary::locate`]).
+    pub fn runtime_library(&self) -> Option<RuntimeLibrary> {
+        self.backend.runtime_library
     }
 
     /// True when the backend needs an RDMA device with an active port, and libibverbs

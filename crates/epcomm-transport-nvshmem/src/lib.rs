@@ -56,8 +56,8 @@ use std::sync::Arc;
 use cudarc::driver::CudaContext;
 use epcomm_transport::{
     Backend, BackendOptions, Bootstrap, Capabilities, DeviceRuntime, KernelFamily, Limits,
-    OptionSchema, REGISTRY_VERSION, Route, Schedule, SymmetricHeap, SymmetricMemory, Transport,
-    TransportError, VirtualNodes, WorldLayout,
+    LocatedLibrary, OptionSchema, REGISTRY_VERSION, Route, RuntimeLibrary, Schedule, SymmetricHeap,
+    SymmetricMemory, Transport, TransportError, VirtualNodes, WorldLayout,
 };
 use nvshmem_sys::{ModuleRegistration, Nvshmem, SharedNvshmem, SymmetricAlloc, Version};
 
@@ -298,7 +298,10 @@ pub const BACKEND: Backend = Backend {
         spans_hosts: true,
         executor: None,
     },
-    runtime_library: Some("libnvshmem_host.so.3"),
+    runtime_library: Some(RuntimeLibrary {
+        name: nvshmem_sys::loader::LIBRARY_NAME,
+        locate: locate_library,
+    }),
     needs_rdma_device: false,
     world_layout: |options, world_size, rank, local| {
         NvshmemTransport::world_layout(world_size, rank, local, options_of(options, local))
@@ -331,6 +334,32 @@ fn probe_library(_: BackendOptions) -> Result<(), TransportError> {
             what: "nvshmem",
             why: e.to_string(),
         })
+}
+
+/// Where the NVSHMEM host library is found (the loader's search, cached for the process: what
+/// `build` uses later) and its version ([`RuntimeLibrary::locate`]).
+///
+/// # Errors
+/// [`TransportError::Unavailable`] with every place the loader tried.
+fn locate_library() -> Result<LocatedLibrary, TransportError> {
+    use nvshmem_sys::loader;
+    let lib = loader::load_default().map_err(|e| TransportError::Unavailable {
+        what: "nvshmem",
+        why: e.to_string(),
+    })?;
+    Ok(LocatedLibrary {
+        path: lib.path().display().to_string(),
+        version: lib.version().to_string(),
+        search: format!(
+            "searched, in order: ${env} (directory or file), $NVSHMEM_HOME/lib, the system \
+             dynamic loader (LD_LIBRARY_PATH at process start, ld.so.cache, default \
+             directories), each $LD_LIBRARY_PATH entry, python3's site-packages \
+             (nvidia/nvshmem/lib), the workspace's CUDA toolchain; set {env} to the directory \
+             holding {name} to choose one",
+            env = loader::ENV_EPCOMM_NVSHMEM_LIB,
+            name = loader::LIBRARY_NAME
+        ),
+    })
 }
 
 /// The transport's options from a spec's, for hosts of `local` GPUs.
@@ -474,6 +503,33 @@ impl Drop for NvshmemMemory {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_runtime_library_is_where_the_loader_finds_it() {
+        let library = BACKEND
+            .runtime_library
+            .expect("nvshmem loads a runtime library");
+        assert_eq!(library.name, nvshmem_sys::loader::LIBRARY_NAME);
+        match ((library.locate)(), nvshmem_sys::loader::load_default()) {
+            (Ok(found), Ok(lib)) => {
+                assert_eq!(found.path, lib.path().display().to_string());
+                assert_eq!(found.version, lib.version().to_string());
+                assert!(
+                    found
+                        .search
+                        .contains(nvshmem_sys::loader::ENV_EPCOMM_NVSHMEM_LIB)
+                );
+            }
+            (Err(TransportError::Unavailable { what, why }), Err(e)) => {
+                assert_eq!(what, "nvshmem");
+                assert_eq!(why, e.to_string());
+            }
+            (located, loader) => panic!(
+                "locate ({located:?}) disagrees with the loader ({:?})",
+                loader.map(drop)
+            ),
+        }
+    }
 
     #[test]
     fn the_probe_is_the_loaders_verdict() {

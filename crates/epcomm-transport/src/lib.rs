@@ -60,7 +60,8 @@ pub use epcomm_bootstrap::Bootstrap;
 pub use epcomm_topology::{Route, RoutePolicy, Schedule, TopologyError, WorldLayout};
 pub use memory::{DeviceBuffer, MappedHostBuffer};
 pub use registry::{
-    Backend, BackendOptions, ExecutorLimits, Limits, OptionSchema, REGISTRY_VERSION, VirtualNodes,
+    Backend, BackendOptions, ExecutorLimits, Limits, LocatedLibrary, OptionSchema,
+    REGISTRY_VERSION, RuntimeLibrary, VirtualNodes,
 };
 
 /// What a backend supports; a `Buffer` asking for anything else is a typed error.

@@ -23,7 +23,7 @@ use crate::{Bootstrap, Capabilities, DynTransport, TransportError, WorldLayout};
 
 /// The version of the [`Backend`] table layout; bumped whenever a field or a function's
 /// contract changes.
-pub const REGISTRY_VERSION: u32 = 1;
+pub const REGISTRY_VERSION: u32 = 2;
 
 /// How many logical nodes each host's GPUs are split into.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -118,6 +118,28 @@ pub type BuildFn = fn(
     Arc<Bootstrap>,
 ) -> Result<Arc<dyn DynTransport>, TransportError>;
 
+/// A shared library a backend loads at run time ([`Backend::runtime_library`]).
+#[derive(Clone, Copy, Debug)]
+pub struct RuntimeLibrary {
+    /// Its soname (`"libnvshmem_host.so.3"`).
+    pub name: &'static str,
+    /// Finds and loads it as the backend will (no GPU needed): the file and its version, or
+    /// [`TransportError::Unavailable`] naming every place that was tried.
+    pub locate: fn() -> Result<LocatedLibrary, TransportError>,
+}
+
+/// Where [`RuntimeLibrary::locate`] found a library.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LocatedLibrary {
+    /// The file it was loaded from, as the dynamic loader was given it (a bare soname when
+    /// the system's search found it).
+    pub path: String,
+    /// The version it reports.
+    pub version: String,
+    /// Where it is looked for, in order, and how to choose a file.
+    pub search: String,
+}
+
 /// One backend's entry in the table (see the module docs for the functions' contract).
 #[derive(Clone, Copy, Debug)]
 pub struct Backend {
@@ -135,9 +157,9 @@ pub struct Backend {
     pub capabilities: Capabilities,
     /// What bounds it.
     pub limits: Limits,
-    /// The shared library it loads when built, which a machine may lack and no probe checks
-    /// (`"libnvshmem_host.so.3"`); a tool looks for it before it starts any rank.
-    pub runtime_library: Option<&'static str>,
+    /// The shared library it loads when built, which a machine may lack (NVSHMEM's host
+    /// library): a tool looks for it before it starts any rank ([`RuntimeLibrary::locate`]).
+    pub runtime_library: Option<RuntimeLibrary>,
     /// Whether it needs an RDMA device with an active port (and libibverbs).
     pub needs_rdma_device: bool,
     /// The world layout a transport of these options sees for `(world_size, rank,

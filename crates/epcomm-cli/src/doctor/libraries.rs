@@ -1,5 +1,6 @@
-//! Library probes: the NVSHMEM host library (through `nvshmem_sys::loader`, as a `Buffer`
-//! loads it), NCCL and libibverbs (`dlopen` by soname).
+//! Library probes: the NVSHMEM host library (through the `nvshmem` backend's
+//! [`RuntimeLibrary::locate`](epcomm_backends::RuntimeLibrary::locate), as a `Buffer` loads
+//! it), NCCL and libibverbs (`dlopen` by soname).
 //!
 //! Contract: a probe never fails; a library that does not load is a report with `found:
 //! false` and, in `detail`, why and how to point at it. The path is the file the dynamic
@@ -36,39 +37,38 @@ fn stem(soname: &str) -> &str {
         .map_or(soname, |i| &soname[..i + ".so".len()])
 }
 
-/// The NVSHMEM host library, found as a `Buffer` finds it.
+/// The NVSHMEM host library, found as a `Buffer` finds it (the `nvshmem` backend's search).
 pub fn probe_nvshmem() -> LibraryReport {
-    use nvshmem_sys::loader;
-    let how = format!(
-        "searched, in order: ${} (directory or file), $NVSHMEM_HOME/lib, the system dynamic \
-         loader (LD_LIBRARY_PATH at process start, ld.so.cache, default directories), each \
-         $LD_LIBRARY_PATH entry, python3's site-packages (nvidia/nvshmem/lib), the workspace's \
-         CUDA toolchain; set {} to the directory holding {} to choose one",
-        loader::ENV_EPCOMM_NVSHMEM_LIB,
-        loader::ENV_EPCOMM_NVSHMEM_LIB,
-        loader::LIBRARY_NAME
-    );
-    match loader::load_default() {
-        Ok(lib) => {
-            let mut path = lib.path().display().to_string();
+    const NAME: &str = "libnvshmem_host.so.3";
+    let not_found = |library: &str, why: String| LibraryReport {
+        library: library.into(),
+        found: false,
+        path: None,
+        version: None,
+        detail: Some(why),
+    };
+    let library = match "nvshmem".parse::<epcomm_backends::TransportSpec>() {
+        Ok(spec) => spec.runtime_library(),
+        Err(e) => return not_found(NAME, e.to_string()),
+    };
+    let Some(library) = library else {
+        return not_found(NAME, "the nvshmem backend names no runtime library".into());
+    };
+    match (library.locate)() {
+        Ok(found) => {
+            let mut path = found.path;
             if !path.contains('/') {
-                path = loaded_path(stem(loader::LIBRARY_NAME)).unwrap_or(path);
+                path = loaded_path(stem(library.name)).unwrap_or(path);
             }
             LibraryReport {
-                library: loader::LIBRARY_NAME.into(),
+                library: library.name.into(),
                 found: true,
                 path: Some(path),
-                version: Some(lib.version().to_string()),
-                detail: Some(how),
+                version: Some(found.version),
+                detail: Some(found.search),
             }
         }
-        Err(e) => LibraryReport {
-            library: loader::LIBRARY_NAME.into(),
-            found: false,
-            path: None,
-            version: None,
-            detail: Some(e.to_string()),
-        },
+        Err(e) => not_found(library.name, e.to_string()),
     }
 }
 

@@ -1,6 +1,6 @@
 //! `epcomm doctor`: what this machine offers epcomm, and a verdict per transport.
 //!
-//! Sources: the CUDA driver API (through [`crate::gpu`]), `nvshmem_sys::loader` for NVSHMEM,
+//! Sources: the CUDA driver API (through [`crate::gpu`]), the `nvshmem` backend's library search,
 //! `dlopen` probes by soname for NCCL and libibverbs, `/sys/class/infiniband` for RDMA ports,
 //! the environment, and `nvidia-smi topo -m` when that tool is on `PATH` (extra detail only;
 //! nothing is decided from it).
