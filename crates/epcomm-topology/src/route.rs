@@ -48,7 +48,8 @@ pub enum Route {
     /// Stores and system-scope atomics through a mapping of the peer's memory (NVLink P2P, or
     /// this rank's own memory). Ordered by a release operation after the data.
     Store,
-    /// The transport's put, then a signal it delivers after the data (NVSHMEM).
+    /// The transport's put, then a signal it delivers after the data (NVSHMEM's put with
+    /// signal; a CPU proxy's transfer, then its signal).
     PutSignal,
 }
 

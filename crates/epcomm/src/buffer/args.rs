@@ -49,15 +49,24 @@ pub(super) fn combine_flags(in_place: bool, weights: bool) -> u32 {
     in_place | weights
 }
 
+/// What every bounded wait of a kernel needs ([`Buffer::wait_bounds`]).
+struct WaitBounds {
+    /// The error claim word (device): the first failing wait takes it.
+    err_claim: u64,
+    /// The error record (host-mapped) the claiming wait fills.
+    err_record: u64,
+    /// How long a wait may last, in nanoseconds.
+    timeout_ns: u64,
+}
+
 impl Buffer {
-    /// What every bounded wait needs: the error claim word, the mapped error record, and the
-    /// timeout in nanoseconds.
-    pub(super) fn wait_ctx_base(&self) -> (u64, u64, u64) {
-        (
-            self.health.err_claim.ptr(),
-            self.health.err_record.device_ptr(),
-            self.cfg.timeout.as_nanos().min(u64::MAX as u128) as u64,
-        )
+    /// What every bounded wait needs: where a failure is claimed and recorded, and the timeout.
+    fn wait_bounds(&self) -> WaitBounds {
+        WaitBounds {
+            err_claim: self.health.err_claim.ptr(),
+            err_record: self.health.err_record.device_ptr(),
+            timeout_ns: self.cfg.timeout.as_nanos().min(u64::MAX as u128) as u64,
+        }
     }
 
     /// The arguments of the layout kernel for `num_tokens` tokens, given the addresses of
@@ -70,7 +79,11 @@ impl Buffer {
         token_slot: u64,
         status: u64,
     ) -> LayoutArgs {
-        let (err_claim, err_record, _) = self.wait_ctx_base();
+        let WaitBounds {
+            err_claim,
+            err_record,
+            ..
+        } = self.wait_bounds();
         LayoutArgs {
             topk_idx,
             counts,
@@ -100,7 +113,11 @@ impl Buffer {
     pub(super) fn base_args(&self) -> OpArgs {
         let plan = &self.place.plan;
         let stats = region(plan, RegionKind::Stats);
-        let (err_claim, err_record, timeout_ns) = self.wait_ctx_base();
+        let WaitBounds {
+            err_claim,
+            err_record,
+            timeout_ns,
+        } = self.wait_bounds();
         OpArgs {
             peer_bases: self.memory.peer_bases.ptr(),
             off_done: region(plan, RegionKind::DoneCounters),
