@@ -27,7 +27,7 @@ pub use manifest::MANIFEST_NAME;
 
 /// Where things are: the workspace, the kernel output directory and the pip toolchain root.
 #[derive(Debug, Clone)]
-pub struct Layout {
+pub struct Paths {
     /// Workspace root (holds `kernels/`).
     pub workspace: PathBuf,
     /// Output directory for artifacts and the manifest.
@@ -36,11 +36,11 @@ pub struct Layout {
     pub pip_root: PathBuf,
 }
 
-impl Layout {
-    /// The layout of this checkout: the workspace is the parent of xtask's manifest directory,
+impl Paths {
+    /// The paths of this checkout: the workspace is the parent of xtask's manifest directory,
     /// the output is `$EPCOMM_KERNEL_DIR` (relative values are taken from the workspace root)
     /// or `<workspace>/target/kernels`.
-    pub fn from_env() -> Layout {
+    pub fn from_env() -> Paths {
         let workspace = Path::new(env!("CARGO_MANIFEST_DIR"))
             .parent()
             .map(Path::to_path_buf)
@@ -50,7 +50,7 @@ impl Layout {
             None => workspace.join("target/kernels"),
         };
         let pip_root = workspace.join("target/cuda-toolchain");
-        Layout {
+        Paths {
             workspace,
             out_dir,
             pip_root,

@@ -27,7 +27,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
-use crate::kernels::{BuildOptions, Layout};
+use crate::kernels::{BuildOptions, Paths};
 use crate::toolchain::ToolchainEnv;
 
 #[derive(Debug, Parser)]
@@ -113,15 +113,15 @@ enum Cmd {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let layout = Layout::from_env();
-    let env = ToolchainEnv::from_process(layout.pip_root.clone());
+    let paths = Paths::from_env();
+    let env = ToolchainEnv::from_process(paths.pip_root.clone());
     let result = match cli.command {
         Cmd::BuildKernels {
             check,
             force,
             verbose,
         } => kernels::build(
-            &layout,
+            &paths,
             &env,
             BuildOptions {
                 check,
@@ -136,23 +136,23 @@ fn main() -> ExitCode {
             verbose,
         } => {
             let opts = pack::PackOptions {
-                out: out.unwrap_or_else(|| layout.workspace.join("target/device")),
+                out: out.unwrap_or_else(|| paths.workspace.join("target/device")),
                 packages: pack::package_list(packages),
                 verbose,
             };
-            pack::pack(&layout, &env, &opts)
+            pack::pack(&paths, &env, &opts)
         }
-        Cmd::Test { cargo_args } => test_cmd::run(&layout, &env, &cargo_args),
+        Cmd::Test { cargo_args } => test_cmd::run(&paths, &env, &cargo_args),
         Cmd::Bench { bench_args } => {
             // `epcomm bench`'s exit code is the command's (3: no usable GPU environment).
-            return match test_cmd::bench(&layout, &env, &bench_args) {
+            return match test_cmd::bench(&paths, &env, &bench_args) {
                 Ok(code) => ExitCode::from(code),
                 Err(e) => report::<&str, _>(Err(e)),
             };
         }
-        Cmd::Codegen { check } => return report(codegen::run(&layout.workspace, check)),
+        Cmd::Codegen { check } => return report(codegen::run(&paths.workspace, check)),
         Cmd::BindgenNvshmem { check } => {
-            let paths = bindgen_nvshmem::BindgenPaths::new(&layout.workspace, &layout.pip_root);
+            let paths = bindgen_nvshmem::BindgenPaths::new(&paths.workspace, &paths.pip_root);
             return report(bindgen_nvshmem::run(&paths, check));
         }
         Cmd::Wheel {
@@ -165,7 +165,7 @@ fn main() -> ExitCode {
                 test,
                 install,
             };
-            return report(wheel::run(&layout, &env, opts));
+            return report(wheel::run(&paths, &env, opts));
         }
     };
     report(result.map(|()| ""))

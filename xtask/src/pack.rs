@@ -20,7 +20,7 @@ use std::process::{Command, Stdio};
 use serde_json::Value;
 
 use crate::error::{Error, Result};
-use crate::kernels::{self, BuildOptions, Layout};
+use crate::kernels::{self, BuildOptions, Paths};
 use crate::toolchain::ToolchainEnv;
 use crate::util::{self, command_line, human_size};
 
@@ -379,9 +379,9 @@ pub fn kernel_files(workspace: &Path) -> Result<Vec<String>> {
 }
 
 /// Runs `pack-device`.
-pub fn pack(layout: &Layout, env: &ToolchainEnv, opts: &PackOptions) -> Result<()> {
+pub fn pack(paths: &Paths, env: &ToolchainEnv, opts: &PackOptions) -> Result<()> {
     kernels::build(
-        layout,
+        paths,
         env,
         BuildOptions {
             verbose: opts.verbose,
@@ -390,7 +390,7 @@ pub fn pack(layout: &Layout, env: &ToolchainEnv, opts: &PackOptions) -> Result<(
     )?;
 
     let cli = cargo_executables(
-        &layout.workspace,
+        &paths.workspace,
         &["build", "--release", "-p", "epcomm-cli"],
     )?;
     let cli: Vec<_> = cli
@@ -407,7 +407,7 @@ pub fn pack(layout: &Layout, env: &ToolchainEnv, opts: &PackOptions) -> Result<(
     for p in &opts.packages {
         args.extend(["-p", p.as_str()]);
     }
-    let tests: Vec<_> = cargo_executables(&layout.workspace, &args)?
+    let tests: Vec<_> = cargo_executables(&paths.workspace, &args)?
         .into_iter()
         .filter(|e| e.test)
         .collect();
@@ -436,11 +436,8 @@ pub fn pack(layout: &Layout, env: &ToolchainEnv, opts: &PackOptions) -> Result<(
             println!("pack-device: {} -> {name}", t.executable.display());
         }
     }
-    for name in kernel_files(&layout.workspace)? {
-        copy_file(
-            &layout.out_dir.join(&name),
-            &out.join("kernels").join(&name),
-        )?;
+    for name in kernel_files(&paths.workspace)? {
+        copy_file(&paths.out_dir.join(&name), &out.join("kernels").join(&name))?;
     }
     let names: Vec<String> = named.into_iter().map(|(n, _)| n).collect();
     let script = out.join(SCRIPT);
@@ -466,7 +463,7 @@ pub fn pack(layout: &Layout, env: &ToolchainEnv, opts: &PackOptions) -> Result<(
     );
     println!(
         "pack-device: on the GPU machine, from the repository root: bash {}/{SCRIPT} [LOGDIR]",
-        util::relative_to(&layout.workspace, out)
+        util::relative_to(&paths.workspace, out)
     );
     Ok(())
 }

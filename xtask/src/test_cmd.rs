@@ -4,7 +4,7 @@
 use std::process::Command;
 
 use crate::error::Result;
-use crate::kernels::{self, BuildOptions, Layout};
+use crate::kernels::{self, BuildOptions, Paths};
 use crate::toolchain::ToolchainEnv;
 use crate::util::{self, command_line};
 
@@ -27,13 +27,13 @@ pub fn gpu_count(nvidia_smi: &str) -> usize {
 /// Runs `build-kernels`, then `cargo test --workspace [cargo_args...]` with `EPCOMM_KERNEL_DIR`
 /// pointing at the built kernels, plus `EPCOMM_GPU_TESTS=1` (and NVLink multicast off) when a
 /// GPU is present.
-pub fn run(layout: &Layout, env: &ToolchainEnv, cargo_args: &[String]) -> Result<()> {
-    kernels::build(layout, env, BuildOptions::default())?;
+pub fn run(paths: &Paths, env: &ToolchainEnv, cargo_args: &[String]) -> Result<()> {
+    kernels::build(paths, env, BuildOptions::default())?;
     let mut cmd = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
-    cmd.current_dir(&layout.workspace)
+    cmd.current_dir(&paths.workspace)
         .args(["test", "--workspace"])
         .args(cargo_args)
-        .env("EPCOMM_KERNEL_DIR", &layout.out_dir);
+        .env("EPCOMM_KERNEL_DIR", &paths.out_dir);
     let gpus = gpu_count("nvidia-smi");
     if gpus > 0 {
         println!(
@@ -100,17 +100,17 @@ pub fn bench_preflight(driver_present: bool) -> Option<(String, u8)> {
 ///
 /// # Errors
 /// The kernel build's, or `cargo` could not be started.
-pub fn bench(layout: &Layout, env: &ToolchainEnv, args: &[String]) -> Result<u8> {
+pub fn bench(paths: &Paths, env: &ToolchainEnv, args: &[String]) -> Result<u8> {
     if let Some((why, code)) = bench_preflight(cuda_driver_present()) {
         eprintln!("{why}");
         return Ok(code);
     }
-    kernels::build(layout, env, BuildOptions::default())?;
+    kernels::build(paths, env, BuildOptions::default())?;
     let mut cmd = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
-    cmd.current_dir(&layout.workspace)
+    cmd.current_dir(&paths.workspace)
         .args(["run", "--release", "-p", "epcomm-cli", "--", "bench"])
         .args(args)
-        .env("EPCOMM_KERNEL_DIR", &layout.out_dir)
+        .env("EPCOMM_KERNEL_DIR", &paths.out_dir)
         .env("NVSHMEM_DISABLE_NVLS", "1")
         .env("NCCL_NVLS_ENABLE", "0");
     let line = command_line(&cmd);

@@ -18,7 +18,7 @@ use std::process::Command;
 use std::time::SystemTime;
 
 use crate::error::Error as XtaskError;
-use crate::kernels::{self, BuildOptions, Layout};
+use crate::kernels::{self, BuildOptions, Paths};
 use crate::toolchain::ToolchainEnv;
 use crate::util::{self, command_line};
 
@@ -86,17 +86,17 @@ fn bullets(items: &[String]) -> String {
 }
 
 /// Runs `cargo xtask wheel` with `opts`; returns what to print.
-pub fn run(layout: &Layout, env: &ToolchainEnv, opts: WheelOptions) -> Result<String, WheelError> {
-    let ws = &layout.workspace;
+pub fn run(paths: &Paths, env: &ToolchainEnv, opts: WheelOptions) -> Result<String, WheelError> {
+    let ws = &paths.workspace;
     let wheel_dir = ws.join(WHEEL_DIR);
     if opts.check {
         let wheel = the_wheel(&wheel_dir)?;
         let unpacked = unpack(env, &wheel, &wheel_dir)?;
-        let mut problems = verify(&unpacked, &ws.join("python"), &kernel_artifacts(layout)?)?;
+        let mut problems = verify(&unpacked, &ws.join("python"), &kernel_artifacts(paths)?)?;
         problems.extend(newer_inputs(&wheel, ws)?);
         return report(wheel, problems, "complete and up to date");
     }
-    kernels::build(layout, env, BuildOptions::default())?;
+    kernels::build(paths, env, BuildOptions::default())?;
     let venv = ensure_venv(env, &ws.join(VENV_DIR))?;
     remove_old_wheels(&wheel_dir)?;
     let mut maturin = Command::new(venv_bin(&venv, "maturin"));
@@ -104,12 +104,12 @@ pub fn run(layout: &Layout, env: &ToolchainEnv, opts: WheelOptions) -> Result<St
         .current_dir(ws.join("python"))
         .args(["build", "--release", "--out"])
         .arg(&wheel_dir)
-        .env("EPCOMM_KERNEL_DIR", &layout.out_dir);
+        .env("EPCOMM_KERNEL_DIR", &paths.out_dir);
     println!("wheel: $ {}", command_line(&maturin));
     util::run_inherited(&mut maturin)?;
     let wheel = the_wheel(&wheel_dir)?;
     let unpacked = unpack(env, &wheel, &wheel_dir)?;
-    let problems = verify(&unpacked, &ws.join("python"), &kernel_artifacts(layout)?)?;
+    let problems = verify(&unpacked, &ws.join("python"), &kernel_artifacts(paths)?)?;
     if !problems.is_empty() {
         return report(wheel, problems, "");
     }
@@ -235,10 +235,10 @@ fn unpack(env: &ToolchainEnv, wheel: &Path, dir: &Path) -> Result<PathBuf, Wheel
 
 /// The kernel artifacts the native module must embed: every image of `kernels/images.txt`, in
 /// the kernel output directory.
-fn kernel_artifacts(layout: &Layout) -> Result<Vec<PathBuf>, WheelError> {
-    Ok(kernels::read_images(&layout.workspace)?
+fn kernel_artifacts(paths: &Paths) -> Result<Vec<PathBuf>, WheelError> {
+    Ok(kernels::read_images(&paths.workspace)?
         .into_iter()
-        .map(|k| layout.out_dir.join(k.artifact))
+        .map(|k| paths.out_dir.join(k.artifact))
         .collect())
 }
 

@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 
-use super::Layout;
+use super::Paths;
 use super::images::{IMAGES_FILE, KernelKind, KernelSource, read_images};
 use super::inputs::{HashInputs, inputs_hash, read_deps};
 use super::manifest::{Manifest, ManifestEntry, Staleness, staleness};
@@ -43,27 +43,27 @@ struct Plan {
     state: Staleness,
 }
 
-/// Runs `build-kernels` (or `--check`) for `layout`.
+/// Runs `build-kernels` (or `--check`) for `paths`.
 ///
 /// With `check`, builds, installs and writes nothing: fails with [`Error::StaleKernels`] when
 /// any image is stale. Otherwise compiles every stale image (every image with `force`),
 /// removes the artifacts whose image is no longer listed and saves the record; an image that
 /// fails to compile loses its record entry and makes the whole run fail with
 /// [`Error::KernelsFailed`] after the others are built.
-pub fn build(layout: &Layout, env: &ToolchainEnv, opts: BuildOptions) -> Result<BuildSummary> {
-    let sources = read_images(&layout.workspace)?;
-    let mut manifest = Manifest::load(&layout.out_dir);
+pub fn build(paths: &Paths, env: &ToolchainEnv, opts: BuildOptions) -> Result<BuildSummary> {
+    let sources = read_images(&paths.workspace)?;
+    let mut manifest = Manifest::load(&paths.out_dir);
     if sources.is_empty() {
         println!(
             "build-kernels: no kernel images listed in {}; nothing to do",
-            layout.workspace.join(IMAGES_FILE).display()
+            paths.workspace.join(IMAGES_FILE).display()
         );
         if opts.check {
             return Ok(BuildSummary::default());
         }
-        fs::create_dir_all(&layout.out_dir).map_err(Error::io("creating", &layout.out_dir))?;
-        let removed = remove_orphans(layout, &mut manifest, &BTreeSet::new())?;
-        manifest.save(&layout.out_dir)?;
+        fs::create_dir_all(&paths.out_dir).map_err(Error::io("creating", &paths.out_dir))?;
+        let removed = remove_orphans(paths, &mut manifest, &BTreeSet::new())?;
+        manifest.save(&paths.out_dir)?;
         return Ok(BuildSummary {
             removed,
             ..BuildSummary::default()
@@ -86,16 +86,16 @@ pub fn build(layout: &Layout, env: &ToolchainEnv, opts: BuildOptions) -> Result<
             nvshmem.insert(release.to_string(), found);
         }
     }
-    let plans = plan(layout, &sources, &manifest, &tc, &nvshmem)?;
+    let plans = plan(paths, &sources, &manifest, &tc, &nvshmem)?;
 
     let wanted: BTreeSet<String> = plans.iter().map(|p| p.src.artifact.clone()).collect();
     if opts.check {
-        return check(layout, &manifest, &plans, &wanted);
+        return check(paths, &manifest, &plans, &wanted);
     }
 
-    fs::create_dir_all(&layout.out_dir).map_err(Error::io("creating", &layout.out_dir))?;
+    fs::create_dir_all(&paths.out_dir).map_err(Error::io("creating", &paths.out_dir))?;
     let mut summary = BuildSummary {
-        removed: remove_orphans(layout, &mut manifest, &wanted)?,
+        removed: remove_orphans(paths, &mut manifest, &wanted)?,
         ..BuildSummary::default()
     };
 
@@ -103,7 +103,7 @@ pub fn build(layout: &Layout, env: &ToolchainEnv, opts: BuildOptions) -> Result<
         .into_iter()
         .partition(|p| opts.force || p.state != Staleness::UpToDate);
     summary.up_to_date = done.iter().map(|p| p.src.artifact.clone()).collect();
-    let results = compile(layout, env, &tc, opts.verbose, &todo)?;
+    let results = compile(paths, env, &tc, opts.verbose, &todo)?;
 
     let mut failures = Vec::new();
     for (plan, result) in todo.into_iter().zip(results) {
@@ -121,7 +121,7 @@ pub fn build(layout: &Layout, env: &ToolchainEnv, opts: BuildOptions) -> Result<
             }
         }
     }
-    manifest.save(&layout.out_dir)?;
+    manifest.save(&paths.out_dir)?;
     println!(
         "build-kernels: {} built, {} up to date{} -> {}",
         summary.built.len(),
@@ -131,7 +131,7 @@ pub fn build(layout: &Layout, env: &ToolchainEnv, opts: BuildOptions) -> Result<
         } else {
             format!(", {} FAILED", failures.len())
         },
-        layout.out_dir.display()
+        paths.out_dir.display()
     );
     if failures.is_empty() {
         Ok(summary)
@@ -144,19 +144,19 @@ pub fn build(layout: &Layout, env: &ToolchainEnv, opts: BuildOptions) -> Result<
 /// keep the image manifest's order, and each carries the record entry it gets once built
 /// (size still 0).
 fn plan(
-    layout: &Layout,
+    paths: &Paths,
     sources: &[KernelSource],
     manifest: &Manifest,
     tc: &Toolchain,
     nvshmem: &BTreeMap<String, Nvshmem>,
 ) -> Result<Vec<Plan>> {
-    let deps = read_deps(&layout.workspace, &layout.kernels_dir())?;
+    let deps = read_deps(&paths.workspace, &paths.kernels_dir())?;
     let mut plans = Vec::new();
     for src in sources {
-        let source_bytes = fs::read(layout.workspace.join(&src.rel))
-            .map_err(Error::io("reading", &layout.workspace.join(&src.rel)))?;
+        let source_bytes = fs::read(paths.workspace.join(&src.rel))
+            .map_err(Error::io("reading", &paths.workspace.join(&src.rel)))?;
         let nvshmem = src.nvshmem_release.as_deref().and_then(|r| nvshmem.get(r));
-        let (nvcc_flags, link_flags) = flags(src.kind, &layout.workspace, tc, nvshmem);
+        let (nvcc_flags, link_flags) = flags(src.kind, &paths.workspace, tc, nvshmem);
         let hash = inputs_hash(&HashInputs {
             kind: src.kind,
             source_rel: &src.rel,
@@ -172,7 +172,7 @@ fn plan(
         });
         let state = staleness(
             manifest.artifacts.get(&src.artifact),
-            &layout.out_dir.join(&src.artifact),
+            &paths.out_dir.join(&src.artifact),
             &hash,
         );
         plans.push(Plan {
@@ -195,7 +195,7 @@ fn plan(
 /// `--check`: notes the recorded artifacts no image wants (the next build removes them) and
 /// fails with every stale image, or reports all `plans` up to date.
 fn check(
-    layout: &Layout,
+    paths: &Paths,
     manifest: &Manifest,
     plans: &[Plan],
     wanted: &BTreeSet<String>,
@@ -226,7 +226,7 @@ fn check(
     println!(
         "build-kernels: {} artifact(s) up to date in {}",
         plans.len(),
-        layout.out_dir.display()
+        paths.out_dir.display()
     );
     Ok(BuildSummary {
         up_to_date: plans.iter().map(|p| p.src.artifact.clone()).collect(),
@@ -237,7 +237,7 @@ fn check(
 /// Compiles `todo` (resolving nvlink first when an NVSHMEM image is among them); one result
 /// per plan, in order. Fails as a whole only when nvlink is needed and cannot be found.
 fn compile(
-    layout: &Layout,
+    paths: &Paths,
     env: &ToolchainEnv,
     tc: &Toolchain,
     verbose: bool,
@@ -252,8 +252,8 @@ fn compile(
         None
     };
     let ctx = CompileCtx {
-        workspace: &layout.workspace,
-        out_dir: &layout.out_dir,
+        workspace: &paths.workspace,
+        out_dir: &paths.out_dir,
         toolchain: tc,
         nvlink: nvlink.as_deref(),
         verbose,
@@ -272,7 +272,7 @@ fn compile(
 /// Deletes the artifacts the manifest lists but no source produces any more (only files the
 /// manifest names, so nothing else in the output directory is touched); returns their names.
 fn remove_orphans(
-    layout: &Layout,
+    paths: &Paths,
     manifest: &mut Manifest,
     wanted: &BTreeSet<String>,
 ) -> Result<Vec<String>> {
@@ -283,7 +283,7 @@ fn remove_orphans(
         .cloned()
         .collect();
     for orphan in &orphans {
-        let path = layout.out_dir.join(orphan);
+        let path = paths.out_dir.join(orphan);
         match fs::remove_file(&path) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -305,7 +305,7 @@ mod tests {
     /// `.cu` argument) to the output after `-o`, fails on sources containing `#error`, and logs
     /// each call (see [`calls`]).
     #[cfg(unix)]
-    fn fake_nvcc_workspace(tag: &str, out: &str) -> (TempDir, ToolchainEnv, Layout) {
+    fn fake_nvcc_workspace(tag: &str, out: &str) -> (TempDir, ToolchainEnv, Paths) {
         let t = TempDir::new(tag);
         t.write_script(
             "bin/nvcc",
@@ -328,12 +328,12 @@ cat "$src" > "$out""#,
             python: "false".into(),
         };
         let ws = t.path().join("ws");
-        let layout = Layout {
+        let paths = Paths {
             out_dir: ws.join(out),
             workspace: ws,
             pip_root: env.pip_root.clone(),
         };
-        (t, env, layout)
+        (t, env, paths)
     }
 
     /// The sources the fake nvcc compiled since the last call, sorted.
@@ -352,13 +352,13 @@ cat "$src" > "$out""#,
     #[cfg(unix)]
     #[test]
     fn incremental_build_check_force_and_orphans_with_a_fake_nvcc() {
-        let (t, env, layout) = fake_nvcc_workspace("incr", "target/kernels");
+        let (t, env, paths) = fake_nvcc_workspace("incr", "target/kernels");
         let check = BuildOptions {
             check: true,
             ..BuildOptions::default()
         };
         // No kernels directory: nothing to do, not even nvcc needed.
-        let s = build(&layout, &env, BuildOptions::default()).expect("empty");
+        let s = build(&paths, &env, BuildOptions::default()).expect("empty");
         assert!(s.built.is_empty());
 
         t.write("ws/kernels/a.cu", "A");
@@ -368,62 +368,62 @@ cat "$src" > "$out""#,
             &format!("ws/{IMAGES_FILE}"),
             "a a.fatbin fatbin kernels/a.cu\nb b.fatbin fatbin kernels/b.cu\n",
         );
-        let err = build(&layout, &env, check).expect_err("nothing built yet");
+        let err = build(&paths, &env, check).expect_err("nothing built yet");
         assert!(
             matches!(&err, Error::StaleKernels { stale } if stale.len() == 2),
             "{err}"
         );
 
-        let s = build(&layout, &env, BuildOptions::default()).expect("first build");
+        let s = build(&paths, &env, BuildOptions::default()).expect("first build");
         assert_eq!(s.built, ["a.fatbin", "b.fatbin"]);
         assert_eq!(calls(&t), ["kernels/a.cu", "kernels/b.cu"]);
         assert_eq!(
-            fs::read_to_string(layout.out_dir.join("a.fatbin")).expect("a"),
+            fs::read_to_string(paths.out_dir.join("a.fatbin")).expect("a"),
             "A"
         );
-        build(&layout, &env, check).expect("fresh after build");
-        let m = Manifest::load(&layout.out_dir);
+        build(&paths, &env, check).expect("fresh after build");
+        let m = Manifest::load(&paths.out_dir);
         assert_eq!(m.artifacts["b.fatbin"].size, 1);
         assert_eq!(m.artifacts["b.fatbin"].source, "kernels/b.cu");
 
-        let s = build(&layout, &env, BuildOptions::default()).expect("no-op");
+        let s = build(&paths, &env, BuildOptions::default()).expect("no-op");
         assert!(s.built.is_empty() && s.up_to_date.len() == 2, "{s:?}");
         assert!(calls(&t).is_empty());
 
         t.write("ws/kernels/b.cu", "B2");
-        let err = build(&layout, &env, check).expect_err("b changed");
+        let err = build(&paths, &env, check).expect_err("b changed");
         assert!(
             err.to_string()
                 .contains("b.fatbin (kernels/b.cu): inputs changed"),
             "{err}"
         );
-        build(&layout, &env, BuildOptions::default()).expect("rebuild b");
+        build(&paths, &env, BuildOptions::default()).expect("rebuild b");
         assert_eq!(calls(&t), ["kernels/b.cu"]);
 
         t.write("ws/kernels/common/common.cuh", "H2");
-        build(&layout, &env, BuildOptions::default()).expect("header change");
+        build(&paths, &env, BuildOptions::default()).expect("header change");
         assert_eq!(calls(&t), ["kernels/a.cu", "kernels/b.cu"]);
 
-        fs::remove_file(layout.out_dir.join("a.fatbin")).expect("rm");
-        build(&layout, &env, BuildOptions::default()).expect("missing output");
+        fs::remove_file(paths.out_dir.join("a.fatbin")).expect("rm");
+        build(&paths, &env, BuildOptions::default()).expect("missing output");
         assert_eq!(calls(&t), ["kernels/a.cu"]);
 
         let force = BuildOptions {
             force: true,
             ..BuildOptions::default()
         };
-        build(&layout, &env, force).expect("force");
+        build(&paths, &env, force).expect("force");
         assert_eq!(calls(&t), ["kernels/a.cu", "kernels/b.cu"]);
 
         t.write(
             &format!("ws/{IMAGES_FILE}"),
             "a a.fatbin fatbin kernels/a.cu\n",
         );
-        let s = build(&layout, &env, BuildOptions::default()).expect("orphan");
+        let s = build(&paths, &env, BuildOptions::default()).expect("orphan");
         assert_eq!(s.removed, ["b.fatbin"]);
-        assert!(!layout.out_dir.join("b.fatbin").exists());
+        assert!(!paths.out_dir.join("b.fatbin").exists());
         assert!(
-            !Manifest::load(&layout.out_dir)
+            !Manifest::load(&paths.out_dir)
                 .artifacts
                 .contains_key("b.fatbin")
         );
@@ -432,22 +432,22 @@ cat "$src" > "$out""#,
     #[cfg(unix)]
     #[test]
     fn a_failing_kernel_reports_stderr_and_keeps_the_others() {
-        let (t, env, layout) = fake_nvcc_workspace("fail", "out");
+        let (t, env, paths) = fake_nvcc_workspace("fail", "out");
         t.write("ws/kernels/good.cu", "ok");
         t.write("ws/kernels/bad.cu", "#error nope");
         t.write(
             &format!("ws/{IMAGES_FILE}"),
             "good good.fatbin fatbin kernels/good.cu\nbad bad.fatbin fatbin kernels/bad.cu\n",
         );
-        let err = build(&layout, &env, BuildOptions::default()).expect_err("bad fails");
+        let err = build(&paths, &env, BuildOptions::default()).expect_err("bad fails");
         let msg = err.to_string();
         assert!(msg.contains("--- kernels/bad.cu ---"), "{msg}");
         assert!(msg.contains("kernels/bad.cu(1): error: boom"), "{msg}");
-        let m = Manifest::load(&layout.out_dir);
+        let m = Manifest::load(&paths.out_dir);
         assert!(m.artifacts.contains_key("good.fatbin"));
         assert!(!m.artifacts.contains_key("bad.fatbin"));
-        assert!(!layout.out_dir.join("bad.fatbin").exists());
-        let leftovers: Vec<_> = fs::read_dir(&layout.out_dir)
+        assert!(!paths.out_dir.join("bad.fatbin").exists());
+        let leftovers: Vec<_> = fs::read_dir(&paths.out_dir)
             .expect("ls")
             .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
             .filter(|n| n.ends_with(".tmp"))
@@ -459,7 +459,7 @@ cat "$src" > "$out""#,
     /// when one can be found without installing; otherwise says why it skipped.
     #[test]
     fn compiles_tiny_kernels_with_real_nvcc_when_available() {
-        let real = Layout::from_env();
+        let real = Paths::from_env();
         let env = ToolchainEnv::from_process(real.pip_root.clone());
         if let Err(searched) = crate::toolchain::locate_nvcc(&env) {
             eprintln!("skipping: no nvcc available (searched: {searched:?})");
@@ -467,7 +467,7 @@ cat "$src" > "$out""#,
         }
         let t = TempDir::new("real");
         let ws = t.path().to_path_buf();
-        let layout = Layout {
+        let paths = Paths {
             workspace: ws.clone(),
             out_dir: ws.join("target/kernels"),
             pip_root: real.pip_root.clone(),
@@ -494,17 +494,17 @@ cat "$src" > "$out""#,
             eprintln!("note: NVSHMEM not found; compiling the fatbin only");
         }
         t.write(IMAGES_FILE, &images);
-        let s = build(&layout, &env, BuildOptions::default()).expect("real nvcc build");
+        let s = build(&paths, &env, BuildOptions::default()).expect("real nvcc build");
         assert_eq!(s.built.len(), if with_nvshmem { 2 } else { 1 });
-        let fatbin = fs::read(layout.out_dir.join("tiny.fatbin")).expect("fatbin");
+        let fatbin = fs::read(paths.out_dir.join("tiny.fatbin")).expect("fatbin");
         // Fatbin files start with the fatbin magic 0xBA55ED50 (little-endian).
         assert_eq!(&fatbin[..4], &[0x50, 0xed, 0x55, 0xba]);
         if with_nvshmem {
-            let cubin = fs::read(layout.out_dir.join("tiny_put.cubin")).expect("cubin");
+            let cubin = fs::read(paths.out_dir.join("tiny_put.cubin")).expect("cubin");
             assert_eq!(&cubin[..4], b"\x7fELF");
         }
         build(
-            &layout,
+            &paths,
             &env,
             BuildOptions {
                 check: true,

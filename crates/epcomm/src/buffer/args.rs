@@ -110,7 +110,7 @@ impl Buffer {
     /// parities, expected counter values) are not here: the kernels read them from the device
     /// `SeqState`, so a captured graph replays correctly. The host mirror advances only once
     /// the kernel is launched (a check that fails before the launch leaves it in step).
-    pub(super) fn base_args(&self) -> OpArgs {
+    pub(super) fn next_op_args(&self) -> OpArgs {
         let plan = &self.place.plan;
         let stats = region(plan, RegionKind::Stats);
         let WaitBounds {
@@ -177,7 +177,7 @@ impl Buffer {
             row_bytes: row.x_bytes() as i32,
             max_recv_rows: max_recv_rows as i32,
             flags,
-            ..self.base_args()
+            ..self.next_op_args()
         }
     }
 
@@ -198,7 +198,7 @@ impl Buffer {
             num_tokens: num_tokens as i32,
             max_recv_rows: max_recv_rows as i32,
             flags,
-            ..self.base_args()
+            ..self.next_op_args()
         }
     }
 }

@@ -170,7 +170,7 @@ where
     F: FnMut(&mut T) -> Result<()>,
 {
     for tier in buf.tiers_mut() {
-        tier.ensure_ready()?;
+        tier.check_ready()?;
         tier.take_keep_alive();
     }
     let graph = capture_recordings(buf, ops);
@@ -281,7 +281,7 @@ where
 pub(crate) fn replay<T: Tiers>(buf: &mut T, graph: &EpGraph) -> Result<()> {
     let mut tiers = buf.tiers_mut();
     for tier in tiers.iter_mut() {
-        tier.ensure_ready()?;
+        tier.check_ready()?;
     }
     let ids: Vec<u64> = tiers.iter().map(|t| t.id).collect();
     if ids != graph.buffer_ids {

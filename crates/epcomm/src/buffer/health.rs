@@ -111,7 +111,7 @@ impl Buffer {
     /// row and does not advance the sequence state. Idempotent with a kernel's own broadcast;
     /// best effort (the error this rank reports does not depend on it).
     fn announce_failure(&mut self) {
-        let args = self.base_args();
+        let args = self.next_op_args();
         // SAFETY: the argument block holds this buffer's live peer bases, error words, stats
         // offsets and sequence state; with the claim set the prologue touches nothing else and
         // every block returns before the body (so no completion counter is involved).
@@ -184,7 +184,7 @@ impl Buffer {
     }
 
     /// The check every op makes before it issues anything.
-    pub(crate) fn ensure_ready(&mut self) -> Result<()> {
+    pub(crate) fn check_ready(&mut self) -> Result<()> {
         self.check()?;
         let Some(p) = &self.ll.pending else {
             return Ok(());

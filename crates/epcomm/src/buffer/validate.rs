@@ -55,7 +55,7 @@ impl Buffer {
     }
 
     /// `layout` (or a handle's layout), if this buffer made it.
-    pub(super) fn own<'l>(&self, layout: &'l LayoutInner) -> Result<&'l LayoutInner> {
+    pub(super) fn own_layout<'l>(&self, layout: &'l LayoutInner) -> Result<&'l LayoutInner> {
         self.check_owner(
             layout.buffer_id,
             "layout/handle",
@@ -84,7 +84,7 @@ impl Buffer {
     /// The checks before an op along `handle`'s routing (cached dispatch, combine): the buffer
     /// is healthy, made `handle`, and a dispatch wrote it with its layout's current routing.
     pub(super) fn routed_handle<'h>(&mut self, handle: &'h Handle) -> Result<&'h HandleInner> {
-        self.ensure_ready()?;
+        self.check_ready()?;
         let h = self.own_handle(handle)?;
         h.check_routing()?;
         Ok(h)

@@ -91,7 +91,7 @@ impl Buffer {
         dst: u64,
         dst_bytes: usize,
     ) -> Result<()> {
-        self.ensure_ready()?;
+        self.check_ready()?;
         if src.row_bytes == 0 || !src.row_bytes.is_multiple_of(4) {
             return Err(Error::InvalidArgument {
                 argument: "row_bytes",

@@ -22,7 +22,7 @@ impl Buffer {
     /// Computes the routing of `topk_idx` (`[num_tokens][top_k]`, -1 = none) on the GPU.
     /// Invalid ids are reported by the next op ([`crate::Error::InvalidExpert`]).
     pub fn layout(&mut self, topk_idx: &dyn DevicePtr<i64>, num_tokens: usize) -> Result<Layout> {
-        self.ensure_ready()?;
+        self.check_ready()?;
         let layout = self.alloc_layout(num_tokens)?;
         self.layout_into(topk_idx, &layout)?;
         Ok(layout)
@@ -79,8 +79,8 @@ impl Buffer {
     /// combine with it fails with [`crate::Error::InvalidArgument`] until a dispatch writes it
     /// again.
     pub fn layout_into(&mut self, topk_idx: &dyn DevicePtr<i64>, layout: &Layout) -> Result<()> {
-        self.ensure_ready()?;
-        let l = self.own(&layout.inner)?;
+        self.check_ready()?;
+        let l = self.own_layout(&layout.inner)?;
         // A recording replays into the layout's arrays: the graph owns them.
         self.keep_alive(layout.inner.clone());
         let (num_tokens, k) = (l.num_tokens, self.cfg.top_k);
@@ -120,8 +120,8 @@ impl Buffer {
         tokens_per_expert: &dyn DevicePtr<i32>,
         layout: &Layout,
     ) -> Result<()> {
-        self.ensure_ready()?;
-        let l = self.own(&layout.inner)?;
+        self.check_ready()?;
+        let l = self.own_layout(&layout.inner)?;
         self.keep_alive(layout.inner.clone());
         let num_tokens = l.num_tokens;
         exact_len(

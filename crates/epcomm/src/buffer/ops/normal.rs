@@ -48,7 +48,7 @@ struct CombineSources {
 impl Buffer {
     /// Allocates a handle for [`Self::dispatch_into`] sized for the buffer's capacity.
     pub fn alloc_handle(&mut self, layout: &Layout) -> Result<Handle> {
-        self.own(&layout.inner)?;
+        self.own_layout(&layout.inner)?;
         let max_rows = self.place.plan.recv_rows() as usize;
         self.new_handle(layout, max_rows, None)
     }
@@ -96,8 +96,8 @@ impl Buffer {
         layout: &Layout,
         mode: RecvMode,
     ) -> Result<Dispatched<'_>> {
-        self.ensure_ready()?;
-        let l = self.own(&layout.inner)?;
+        self.check_ready()?;
+        let l = self.own_layout(&layout.inner)?;
         self.check_dispatch_input(input, l.num_tokens)?;
         self.dispatch_with(
             &input.x,
@@ -119,8 +119,8 @@ impl Buffer {
         layout: &Layout,
         mode: RecvMode,
     ) -> Result<Dispatched<'_>> {
-        self.ensure_ready()?;
-        self.own(&layout.inner)?;
+        self.check_ready()?;
+        self.own_layout(&layout.inner)?;
         self.dispatch_with(x, None, None, layout, mode)
     }
 
@@ -133,7 +133,7 @@ impl Buffer {
         layout: &Layout,
         mode: RecvMode,
     ) -> Result<Dispatched<'_>> {
-        let l = self.own(&layout.inner)?;
+        let l = self.own_layout(&layout.inner)?;
         let row = self.check_x(x, l.num_tokens)?;
         let max_rows = self.recv_capacity(mode)?;
         let handle = self.new_handle(layout, max_rows, None)?;
@@ -170,7 +170,7 @@ impl Buffer {
         input: &DispatchInput<'_>,
         handle: &Handle,
     ) -> Result<Dispatched<'_>> {
-        self.ensure_ready()?;
+        self.check_ready()?;
         let h = self.own_handle(handle)?;
         self.check_dispatch_input(input, h.layout.num_tokens)?;
         self.dispatch_into_with(&input.x, Some(input.topk_idx), input.topk_weights, handle)
@@ -183,7 +183,7 @@ impl Buffer {
         x: &XInput<'_>,
         handle: &Handle,
     ) -> Result<Dispatched<'_>> {
-        self.ensure_ready()?;
+        self.check_ready()?;
         self.own_handle(handle)?;
         self.dispatch_into_with(x, None, None, handle)
     }

@@ -118,7 +118,7 @@ impl Buffer {
         recv: &'a mut LlRecv,
         fused: bool,
     ) -> Result<LlPending<'a>> {
-        self.ensure_ready()?;
+        self.check_ready()?;
         let m = self.ll_capacity()?;
         self.check_owner(recv.buffer_id, "recv", "was allocated by another Buffer")?;
         let t = input.num_tokens;
@@ -207,7 +207,7 @@ impl Buffer {
             ll_route: a.route,
             ll_self_row: a.self_row,
             ll_cumulative_stats: stats,
-            ..self.base_args()
+            ..self.next_op_args()
         };
         // SAFETY: x and topk_idx hold num_tokens rows, cumulative_stats one i32 per local
         // expert (checked above), and they stay borrowed by the pending op; the kernel writes only the low-latency regions of the symmetric buffers,
@@ -309,7 +309,7 @@ impl Buffer {
         out: &'a mut dyn DevicePtrMut<half::bf16>,
         fused: bool,
     ) -> Result<LlPending<'a>> {
-        self.ensure_ready()?;
+        self.check_ready()?;
         self.ll_capacity()?;
         self.check_owner(recv.buffer_id, "recv", "was allocated by another Buffer")?;
         let Some((_, t)) = recv.dispatched else {
@@ -395,7 +395,7 @@ impl Buffer {
                 ll_route: r.route,
                 ll_layout_range: r.layout_range,
                 ll_self_row: r.self_row,
-                ..self.base_args()
+                ..self.next_op_args()
             };
             // SAFETY: y holds every packed row the counts of `recv` name (checked: its full
             // capacity), `recv`'s routing was written by its dispatch earlier on this stream,
