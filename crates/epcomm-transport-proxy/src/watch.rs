@@ -6,6 +6,8 @@
 #[derive(Debug, Default)]
 pub struct CallWatch {
     state: std::sync::Mutex<WatchState>,
+    /// Whether a timeline is kept: read without the lock, so a poll without one takes none.
+    timeline_on: std::sync::atomic::AtomicBool,
 }
 
 /// What [`CallWatch`] keeps: the call in progress, the longest call, and per-call totals.
@@ -209,11 +211,16 @@ impl CallWatch {
         if let Ok(mut w) = self.state.lock() {
             w.timeline
                 .get_or_insert_with(|| (std::time::Instant::now(), Vec::new()));
+            self.timeline_on
+                .store(true, std::sync::atomic::Ordering::Relaxed);
         }
     }
 
-    /// Records `m` in the timeline, if one is kept.
+    /// Records `m` in the timeline, if one is kept (no lock taken otherwise).
     pub(crate) fn note(&self, m: Moment) {
+        if !self.timeline_on.load(std::sync::atomic::Ordering::Relaxed) {
+            return;
+        }
         if let Ok(mut w) = self.state.lock() {
             w.note(m);
         }
