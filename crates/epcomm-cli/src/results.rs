@@ -64,22 +64,47 @@ impl BenchConfig {
     /// concurrently, but their traffic stays in the GPU's memory and they compete for its SMs.
     pub fn sharing_note(&self) -> Option<String> {
         (self.gpus != 0 && self.gpus < self.world).then(|| {
-            if self.mps {
+            let note = self.sharing_how();
+            if self.copies_on_sms() {
                 format!(
-                    "note: {} ranks shared {} GPU(s) under MPS: they ran concurrently, but \
-                     traffic between ranks of one GPU stays in its memory (no NVLink) and they \
-                     share its SMs and memory bandwidth",
-                    self.world, self.gpus
+                    "{note}; the CPU proxy's copies between ranks of one GPU do not run in the \
+                     copy engines either: the driver runs each as a kernel on the SMs, about 5 us \
+                     apiece, so these times measure that"
                 )
             } else {
-                format!(
-                    "note: {} ranks shared {} GPU(s) without MPS: they took turns on the GPU, \
-                     so these times measure that sharing, not the path (start the MPS daemon, \
-                     `nvidia-cuda-mps-control -d`, to run them concurrently)",
-                    self.world, self.gpus
-                )
+                note
             }
         })
+    }
+
+    /// Whether the transport's proxy moves bytes with copies (its executor's
+    /// [`ExecutorLimits::moves_by`](epcomm_backends::ExecutorLimits::moves_by)), which between
+    /// ranks of one GPU the driver runs on the SMs.
+    fn copies_on_sms(&self) -> bool {
+        self.transport
+            .parse::<epcomm_backends::TransportSpec>()
+            .ok()
+            .and_then(|spec| spec.limits().executor)
+            .is_some_and(|e| e.moves_by == "copy engines")
+    }
+
+    /// How ranks sharing GPUs ran (see [`Self::sharing_note`]).
+    fn sharing_how(&self) -> String {
+        if self.mps {
+            format!(
+                "note: {} ranks shared {} GPU(s) under MPS: they ran concurrently, but \
+                     traffic between ranks of one GPU stays in its memory (no NVLink) and they \
+                     share its SMs and memory bandwidth",
+                self.world, self.gpus
+            )
+        } else {
+            format!(
+                "note: {} ranks shared {} GPU(s) without MPS: they took turns on the GPU, \
+                     so these times measure that sharing, not the path (start the MPS daemon, \
+                     `nvidia-cuda-mps-control -d`, to run them concurrently)",
+                self.world, self.gpus
+            )
+        }
     }
 
     /// `<transport> transport, <schedule> schedule, <routes> routes, combine staging <way>`.
@@ -559,6 +584,14 @@ pub(crate) mod tests {
         assert!(
             mps.contains("2 ranks shared 1 GPU(s) under MPS") && mps.contains("no NVLink"),
             "{mps}"
+        );
+        assert!(!mps.contains("CPU proxy"), "{mps}");
+        // A copy-engine proxy's copies within one GPU are kernels on the SMs: said too.
+        r.config.transport = "proxy-ce".into();
+        let proxy = r.table();
+        assert!(
+            proxy.contains("no NVLink") && proxy.contains("kernel on the SMs"),
+            "{proxy}"
         );
         // Documents from before the field read as one GPU per rank.
         let mut v: serde_json::Value =
