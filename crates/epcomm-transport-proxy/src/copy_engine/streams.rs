@@ -12,9 +12,9 @@ use super::{CopyEngineExecutor, MAX_COPY_STREAMS};
 
 impl CopyEngineExecutor {
     /// Spreads each batch's large independent copies over `n` streams per peer (clamped to
-    /// `1..=`[`MAX_COPY_STREAMS`]; default 1): see the `copy_engine` module docs, "Copy streams". Makes the
-    /// side streams and their events now (making either while a kernel runs can wait for
-    /// it); call before the first operation, once.
+    /// `1..=`[`MAX_COPY_STREAMS`]; default 1): see the `copy_engine` module docs, "Copy
+    /// streams". Makes the side streams and their events now (making either while a kernel
+    /// runs can wait for it); call before the first operation, once.
     ///
     /// # Errors
     /// The driver's error creating a stream or an event.

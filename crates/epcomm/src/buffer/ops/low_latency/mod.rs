@@ -20,6 +20,8 @@ use epcomm_kernels::abi::OpArgs;
 use epcomm_topology::{RowDtype, RowFormat};
 
 use crate::Result;
+#[cfg(doc)]
+use crate::buffer::Buffer;
 use crate::error::DriverContext;
 
 /// Element type of a low-latency dispatch's received rows. The input is always bf16; FP8
@@ -96,8 +98,8 @@ impl std::fmt::Debug for LlDispatchInput<'_> {
 }
 
 /// What a low-latency dispatch received, expert-major, and the routing its combine uses.
-/// Allocated once by [`Buffer::alloc_ll_recv`](crate::Buffer::alloc_ll_recv) (sized for the buffer's capacity) and filled by
-/// every [`Buffer::ll_dispatch`](crate::Buffer::ll_dispatch) into it.
+/// Allocated once by [`Buffer::alloc_ll_recv`] (sized for the buffer's capacity) and filled by
+/// every [`Buffer::ll_dispatch`] into it.
 ///
 /// Layout (`cap = world * ll_max_tokens_per_rank` rows per local expert): rows
 /// `[local_expert][cap][row_bytes]` (bf16, or e4m3 bytes), scales `[local_expert][cap][hidden
@@ -105,7 +107,7 @@ impl std::fmt::Debug for LlDispatchInput<'_> {
 /// source rank, then source token index. `src_info[l][i]` is the source token index of row `i`,
 /// `layout_range[l][r]` = `(first row, rows)` received from rank `r`.
 ///
-/// A CUDA graph that captured an op with it shares its arrays ([`Buffer::capture`](crate::Buffer::capture)): dropping
+/// A CUDA graph that captured an op with it shares its arrays ([`Buffer::capture`]): dropping
 /// the `LlRecv` after the capture leaves them allocated for the graph's replays.
 #[derive(Debug)]
 pub struct LlRecv {
@@ -271,7 +273,7 @@ impl LlRecv {
 }
 
 /// The receive phase of a low-latency op whose send phase was issued: pass it to
-/// [`Buffer::ll_receive`](crate::Buffer::ll_receive) (the "hook") after your overlapping work. It borrows every caller
+/// [`Buffer::ll_receive`] (the "hook") after your overlapping work. It borrows every caller
 /// array of the op, so none can be freed or reused before the receive phase is issued.
 #[must_use = "the receive phase runs only when the LlPending goes to Buffer::ll_receive"]
 pub struct LlPending<'a> {
@@ -279,9 +281,9 @@ pub struct LlPending<'a> {
     kind: u32,
     args: OpArgs,
     buffer_id: u64,
-    /// The send phase's op number: [`Buffer::ll_receive`](crate::Buffer::ll_receive) takes only the latest send's.
+    /// The send phase's op number: [`Buffer::ll_receive`] takes only the latest send's.
     op_seq: u64,
-    /// Set when this value is dropped without going to [`Buffer::ll_receive`](crate::Buffer::ll_receive): the buffer
+    /// Set when this value is dropped without going to [`Buffer::ll_receive`]: the buffer
     /// then refuses further ops as failed (its peers wait for a receive that never comes).
     abandoned: Arc<AtomicBool>,
     /// False once the receive phase was issued (or the value was detached into another).
@@ -312,7 +314,7 @@ pub(in crate::buffer) struct LowLatencyState {
     pub(in crate::buffer) blocks: u32,
 }
 
-/// The low-latency op whose receive phase is outstanding on a [`Buffer`](crate::Buffer).
+/// The low-latency op whose receive phase is outstanding on a [`Buffer`].
 #[derive(Debug)]
 pub(in crate::buffer) struct PendingReceive {
     /// "dispatch" or "combine".
@@ -331,7 +333,7 @@ impl LlPending<'_> {
     /// # Safety
     /// Every array the op named (its inputs, `y`, `out`, a dispatch's cumulative stats, the
     /// [`LlRecv`]) must stay allocated, unmoved and untouched by other work until the receive
-    /// phase this pending value issues ([`Buffer::ll_receive`](crate::Buffer::ll_receive)) has finished on the stream;
+    /// phase this pending value issues ([`Buffer::ll_receive`]) has finished on the stream;
     /// work on other streams that reads `out` or the stats (or writes `topk_idx`,
     /// `topk_weights`) must be ordered after it by the caller (no cudarc events are recorded
     /// for them).
@@ -352,7 +354,7 @@ impl LlPending<'_> {
 }
 
 impl Drop for LlPending<'_> {
-    /// Dropped without [`Buffer::ll_receive`](crate::Buffer::ll_receive): tells the buffer, which then fails instead of
+    /// Dropped without [`Buffer::ll_receive`]: tells the buffer, which then fails instead of
     /// waiting for a receive that can no longer be issued.
     fn drop(&mut self) {
         if self.armed {
