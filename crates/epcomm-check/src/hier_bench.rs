@@ -101,6 +101,23 @@ pub struct HierRows {
     pub nvlink_received: u64,
     /// Combine: partial rows this rank sends back over the rail.
     pub combine_rail_sent: u64,
+    /// Dispatch: rows this rank's rail stage writes, one per (token, node holding one of its
+    /// experts), its own node included (a copy inside its own memory, which then goes
+    /// through the node stage like a forwarded row). The combine's rail stage writes as many
+    /// partials back.
+    pub rail_stage: u64,
+}
+
+/// The rows a two-tier op writes over the rows the flat op writes, all ranks together: the
+/// rail stage's ([`HierRows::rail_stage`]) plus the node stage's (every rank's received
+/// rows, written once more), over the flat op's (every rank's received rows). Dispatch and
+/// combine move the same rows in opposite directions, so one ratio serves both. Where all
+/// ranks share one GPU's memory this is the floor of the two-tier op's time over the flat
+/// op's for an op bound by memory bandwidth. `None` when no rank receives a row.
+pub fn rows_written_ratio(rows: &[HierRows]) -> Option<f64> {
+    let recv: u64 = rows.iter().map(|r| r.recv).sum();
+    let rail: u64 = rows.iter().map(|r| r.rail_stage).sum();
+    (recv > 0).then(|| (rail + recv) as f64 / recv as f64)
 }
 
 /// Bytes one op moves for one rank, by the three metrics.
@@ -165,9 +182,10 @@ pub fn hier_rows<I: AsRef<[i64]>>(
             ..HierRows::default()
         })
         .collect();
+    // rail_traffic checked this routing: experts divide over the ranks, ids are -1 or valid.
+    let experts_per_node = num_experts / tiers.nodes();
     for (s, idx) in topk_idx.iter().enumerate() {
         let idx = idx.as_ref();
-        // rail_traffic checked this routing already.
         let lay = layout(idx, idx.len() / top_k, top_k, num_experts, world, l)?;
         for (r, rows) in out.iter_mut().enumerate() {
             let n = u64::from(lay.tokens_per_rank[r]);
@@ -175,6 +193,19 @@ pub fn hier_rows<I: AsRef<[i64]>>(
             if r % l != s % l {
                 rows.nvlink_received += n;
             }
+        }
+        let mut nodes = Vec::with_capacity(top_k);
+        for token in idx.chunks(top_k) {
+            nodes.clear();
+            nodes.extend(
+                token
+                    .iter()
+                    .filter_map(|&e| usize::try_from(e).ok())
+                    .map(|e| e / experts_per_node),
+            );
+            nodes.sort_unstable();
+            nodes.dedup();
+            out[s].rail_stage += nodes.len() as u64;
         }
     }
     Ok(out)
@@ -197,7 +228,13 @@ mod tests {
             nvlink_sent: nvl_sent,
             nvlink_received: nvl_recv,
             combine_rail_sent: back,
+            rail_stage: 0,
         }
+    }
+
+    /// `rows` with the rail stage's rows set.
+    fn staged(rail_stage: u64, r: HierRows) -> HierRows {
+        HierRows { rail_stage, ..r }
     }
 
     #[test]
@@ -214,12 +251,16 @@ mod tests {
         assert_eq!(
             got,
             vec![
-                rows(3, 2, 1, 1, 0),
+                // Rank 0's rail stage: tokens 0 and 2 to both nodes, token 1 to its own.
+                staged(5, rows(3, 2, 1, 1, 0)),
                 rows(2, 0, 1, 1, 1),
                 rows(2, 0, 2, 0, 2),
-                rows(3, 1, 0, 2, 0),
+                // Rank 3's token 0 reaches experts in both nodes.
+                staged(2, rows(3, 1, 0, 2, 0)),
             ]
         );
+        // The rail stage writes 7 rows, the node stage the 10 received ones; flat writes 10.
+        assert_eq!(rows_written_ratio(&got), Some(1.7));
         // Every NVLink row sent is received once.
         let sent: u64 = got.iter().map(|r| r.nvlink_sent).sum();
         let received: u64 = got.iter().map(|r| r.nvlink_received).sum();
@@ -240,6 +281,14 @@ mod tests {
             // rank 0: tokens 0, 2 to ranks 2, 3 and token 1 to rank 1; rank 3: to 0 and 1.
             2 * 2 + 1 + 2
         );
+        // One rank per node: the rail stage writes what flat writes, and the node stage
+        // writes every row once more (a copy inside each rank's memory).
+        assert_eq!(
+            rail_only.iter().map(|r| r.rail_stage).sum::<u64>(),
+            rail_only.iter().map(|r| r.recv).sum::<u64>()
+        );
+        assert_eq!(rows_written_ratio(&rail_only), Some(2.0));
+        assert_eq!(rows_written_ratio(&[HierRows::default()]), None);
         let one_node = hier_rows(&routing(), 3, 4, Tiers::new(1, 4).unwrap()).unwrap();
         assert!(
             one_node

@@ -6,13 +6,15 @@
 //! the flat bench times its own (CUDA events on the buffer's stream around each call, L2
 //! flushed before it, every rank running the same calls in lockstep). Then the notify latency:
 //! a second buffer for [`NOTIFY_TOKENS`] tokens per rank, verified too, its BF16 dispatch
-//! timed, and each tier's counts-ready time read from the stats blocks. The rows each tier
+//! timed, and each tier's counts-ready time read from the stats blocks. Between the two, a flat
+//! [`Buffer`] over the same ranks, transport and SMs is verified and times the same ops, so
+//! that every row carries the flat op's time from the same run. The rows each tier
 //! carries come from the CPU reference's routing ([`hier_rows`]); a rank whose device receive
 //! count differs from it stops the run. Rank 0 hands a [`HierReport`] to the launcher.
 
-use epcomm::{ExpertParallel, HierarchicalBuffer};
+use epcomm::{Buffer, ExpertParallel, HierarchicalBuffer};
 use epcomm_bootstrap::Bootstrap;
-use epcomm_check::hier_bench::{HierOp, HierRows, hier_rows};
+use epcomm_check::hier_bench::{HierOp, HierRows, hier_rows, rows_written_ratio};
 use epcomm_check::inputs::{DeviceInputs, HostInputs, Shape, device_inputs, host_inputs};
 use epcomm_check::timing::{TierNotify, Timer, notify_stats};
 use epcomm_check::verify::RoundOptions;
@@ -120,7 +122,7 @@ pub(crate) fn run_hier_bench(run: &WorkerRun<'_>) -> Res {
     let progress = Progress::new(rank, 0, false);
     let sms = args.sms;
 
-    announce_workload(&progress, "[1/5]", args);
+    announce_workload(&progress, "[1/6]", args);
     let mut buf = HierarchicalBuffer::new(
         ctx.clone(),
         run.transport.clone(),
@@ -130,7 +132,7 @@ pub(crate) fn run_hier_bench(run: &WorkerRun<'_>) -> Res {
     let work = Workload::new(args, world, args.tokens(), tiers)?;
     let dev = device_inputs(buf.stream(), &work.inputs, rank)?;
     progress.say(format_args!(
-        "[2/5] verifying hierarchical dispatch + combine + cached dispatch + combine (BF16{}) \
+        "[2/6] verifying hierarchical dispatch + combine + cached dispatch + combine (BF16{}) \
          against the CPU reference on {} node(s) x {} local rank(s)",
         if plan.fp8 { ", FP8" } else { "" },
         tiers.nodes(),
@@ -139,17 +141,18 @@ pub(crate) fn run_hier_bench(run: &WorkerRun<'_>) -> Res {
     verify(&mut buf, &work, &dev, plan.fp8)?;
     progress.say("      verified: every output matches the reference bit for bit");
     progress.say(format_args!(
-        "[3/5] timing with {sms} SMs per tier, {} schedule, {} routes ({} warm-up + {} timed \
+        "[3/6] timing with {sms} SMs per tier, {} schedule, {} routes ({} warm-up + {} timed \
          calls per op, L2 flushed between calls)",
         choice.schedule, choice.routes, args.warmup, args.iters
     ));
     let mut timer = Timer::new(&mut buf, &dev)?;
     check_recv(rank, args.tokens(), timer.num_recv, work.rows(rank)?)?;
-    let mut results = Vec::new();
-    for op in HierOp::ALL
+    let ops: Vec<HierOp> = HierOp::ALL
         .into_iter()
         .filter(|op| plan.fp8 || !op.is_fp8())
-    {
+        .collect();
+    let mut results = Vec::new();
+    for &op in &ops {
         let tag = format!("hier-bench-{}", op.id());
         let times = time_everywhere(&mut timer, &mut buf, &dev, op.flat(), args, boot, &tag)?;
         results.push(make_hier_row(
@@ -166,11 +169,22 @@ pub(crate) fn run_hier_bench(run: &WorkerRun<'_>) -> Res {
     drop(buf);
 
     progress.say(format_args!(
-        "[4/5] notify latency: hierarchical dispatch of {NOTIFY_TOKENS} tokens/rank (verified \
+        "[4/6] the same ops on a flat buffer over the same ranks, transport and {sms} SMs \
+         (verified first)"
+    ));
+    let flat = time_flat(run, &work, &ops)?;
+    let results = results
+        .into_iter()
+        .zip(&flat)
+        .map(|(row, times)| row.with_flat(times))
+        .collect::<Result<Vec<_>, _>>()?;
+
+    progress.say(format_args!(
+        "[5/6] notify latency: hierarchical dispatch of {NOTIFY_TOKENS} tokens/rank (verified \
          first), then each tier's counts-ready time from the stats blocks"
     ));
     let notify = notify(run, tiers)?;
-    progress.say("[5/5] done");
+    progress.say("[6/6] done");
 
     if rank == 0 {
         let report = HierReport {
@@ -179,6 +193,7 @@ pub(crate) fn run_hier_bench(run: &WorkerRun<'_>) -> Res {
                 run: run_config(args, plan, world, vec![sms], ctx, run.gpus)?,
                 nodes: tiers.nodes(),
                 local_ranks: tiers.local_ranks(),
+                rows_written_ratio: rows_written_ratio(&work.rows),
             },
             results,
             notify,
@@ -187,6 +202,33 @@ pub(crate) fn run_hier_bench(run: &WorkerRun<'_>) -> Res {
         hand_off(&serde_json::to_string(&report)?, || report.table())?;
     }
     Ok(())
+}
+
+/// Verifies a flat [`Buffer`] over the same ranks, transport and SMs on the same workload,
+/// then times the flat op of each of `ops` as the bench times the two-tier ones; every rank's
+/// medians per op, in `ops`' order (collective).
+fn time_flat(run: &WorkerRun<'_>, work: &Workload, ops: &[HierOp]) -> Res<Vec<Vec<f64>>> {
+    let (args, plan, boot) = (run.args, run.plan, run.boot);
+    let mut buf = Buffer::new(
+        run.ctx.clone(),
+        run.transport.clone(),
+        bench_config(args, args.tokens(), args.sms, &plan.transport),
+    )?;
+    let dev = device_inputs(buf.stream(), &work.inputs, boot.rank())?;
+    verify_rounds(
+        &mut buf,
+        &work.inputs,
+        &dev,
+        RoundOptions::default(),
+        plan.fp8,
+    )?;
+    let mut timer = Timer::new(&mut buf, &dev)?;
+    ops.iter()
+        .map(|op| {
+            let tag = format!("hier-bench-flat-{}", op.id());
+            time_everywhere(&mut timer, &mut buf, &dev, op.flat(), args, boot, &tag)
+        })
+        .collect()
 }
 
 /// The notify measurement on a buffer for [`NOTIFY_TOKENS`] tokens per rank (collective).

@@ -14,7 +14,7 @@ use crate::results::{
 };
 
 /// Value of [`HierReport::schema`]; bumped on incompatible changes.
-pub const HIER_SCHEMA: &str = "epcomm-bench-hier/1";
+pub const HIER_SCHEMA: &str = "epcomm-bench-hier/2";
 
 /// Tokens per rank of the notify-latency measurement.
 pub const NOTIFY_TOKENS: usize = 128;
@@ -29,6 +29,11 @@ pub struct HierConfig {
     pub nodes: usize,
     /// Ranks per logical node.
     pub local_ranks: usize,
+    /// The rows a two-tier op writes over the rows the flat op writes, all ranks together
+    /// (`epcomm_check::hier_bench::rows_written_ratio`); `null` when no rank receives a row.
+    /// Where the ranks share one GPU's memory, the floor of [`HierRow::vs_flat`] for an op
+    /// bound by memory bandwidth.
+    pub rows_written_ratio: Option<f64>,
 }
 
 /// One timed hierarchical op, from rank 0's view.
@@ -58,6 +63,12 @@ pub struct HierRow {
     pub recv_rows: u64,
     /// Median time of every rank, microseconds, indexed by rank.
     pub rank_time_us: Vec<f64>,
+    /// Rank 0's median time of the flat op moving the same rows (a flat `Buffer` over the
+    /// same ranks, transport and SMs, timed in the same run), microseconds; `null` where the
+    /// flat op was not timed (the notify row).
+    pub flat_time_us: Option<f64>,
+    /// [`Self::time_us`] over [`Self::flat_time_us`].
+    pub vs_flat: Option<f64>,
 }
 
 /// One tier's count exchange in the notify measurement, every rank's median on its own clock.
@@ -134,10 +145,27 @@ pub fn make_hier_row(
         nvlink_rows,
         recv_rows,
         rank_time_us: times,
+        flat_time_us: None,
+        vs_flat: None,
     })
 }
 
 impl HierRow {
+    /// The row with the flat op's times in the same run (`flat[r]`: rank r's median; rank 0's
+    /// is the one compared).
+    ///
+    /// # Errors
+    /// [`ResultError::BadTime`] when a flat time is not positive and finite.
+    pub fn with_flat(self, flat: &[f64]) -> Result<Self, ResultError> {
+        let flat_op = HierOp::from_id(&self.op).map_or(self.op.as_str(), |op| op.flat().name());
+        let t = row_time(flat_op, self.sms, flat)?;
+        Ok(Self {
+            flat_time_us: Some(t),
+            vs_flat: Some(self.time_us / t),
+            ..self
+        })
+    }
+
     fn check(&self) -> Result<(), ResultError> {
         if HierOp::from_id(&self.op).is_none() {
             return Err(ResultError::Malformed(format!("unknown op {:?}", self.op)));
@@ -149,16 +177,28 @@ impl HierRow {
             )));
         }
         let rates = [self.rail_gbps, self.nvlink_gbps, self.gbps];
-        check_times(&self.op, self.sms, self.time_us, &rates, &self.rank_time_us)
+        check_times(&self.op, self.sms, self.time_us, &rates, &self.rank_time_us)?;
+        match (self.flat_time_us, self.vs_flat) {
+            (None, None) => Ok(()),
+            (Some(flat), Some(ratio)) if usable(flat) && usable(ratio) => Ok(()),
+            (flat, ratio) => Err(ResultError::Malformed(format!(
+                "{}: flat time {flat:?} and ratio {ratio:?} must both be positive numbers or \
+                 both null",
+                self.op
+            ))),
+        }
     }
 
     fn csv_fields(&self) -> String {
+        let opt = |v: Option<f64>| v.map_or_else(String::new, |v| format!("{v:.3}"));
         format!(
-            "{},{},{},{:.3},{:.3},{:.3},{:.3},{},{},{}",
+            "{},{},{},{:.3},{},{},{:.3},{:.3},{:.3},{},{},{}",
             self.op,
             self.tokens,
             self.sms,
             self.time_us,
+            opt(self.flat_time_us),
+            opt(self.vs_flat),
             self.rail_gbps,
             self.nvlink_gbps,
             self.gbps,
@@ -232,10 +272,10 @@ impl TierNotifyReport {
 }
 
 /// The CSV header (one row per op, then the notify row).
-pub const HIER_CSV_HEADER: &str = "op,tokens,sms,time_us,rail_gbps,nvlink_gbps,gbps,rail_rows,\
-     nvlink_rows,recv_rows,rail_counts_ready_us,node_counts_ready_us,rail_kernel_us,\
-     node_kernel_us,world,nodes,local_ranks,gpus,transport,schedule,routes,hidden,top_k,experts,\
-     iters,warmup";
+pub const HIER_CSV_HEADER: &str = "op,tokens,sms,time_us,flat_time_us,vs_flat,rail_gbps,\
+     nvlink_gbps,gbps,rail_rows,nvlink_rows,recv_rows,rail_counts_ready_us,node_counts_ready_us,\
+     rail_kernel_us,node_kernel_us,world,nodes,local_ranks,gpus,transport,schedule,routes,hidden,\
+     top_k,experts,iters,warmup,rows_written_ratio";
 
 impl Report for HierReport {
     /// Checks what came back from the workers: schema, ops and finite numbers.
@@ -258,7 +298,7 @@ impl Report for HierReport {
         let c = &self.config;
         let r = &c.run;
         let config = format!(
-            "{},{},{},{},{},{},{},{},{},{},{},{}",
+            "{},{},{},{},{},{},{},{},{},{},{},{},{}",
             r.world,
             c.nodes,
             c.local_ranks,
@@ -270,7 +310,9 @@ impl Report for HierReport {
             r.top_k,
             r.experts,
             r.iters,
-            r.warmup
+            r.warmup,
+            c.rows_written_ratio
+                .map_or_else(String::new, |v| format!("{v:.4}"))
         );
         let mut s = format!("{HIER_CSV_HEADER}\n");
         for row in &self.results {
@@ -326,9 +368,11 @@ impl Report for HierReport {
         }
         let _ = writeln!(
             s,
-            "{:<28} {:>9} {:>10} {:>11} {:>9} {:>9} {:>11} {:>9} {:>20}",
+            "{:<28} {:>9} {:>9} {:>7} {:>10} {:>11} {:>9} {:>9} {:>11} {:>9} {:>20}",
             "op",
             "us",
+            "flat us",
+            "x flat",
             "rail GB/s",
             "NVLink GB/s",
             "flat GB/s",
@@ -347,11 +391,16 @@ impl Report for HierReport {
             } else {
                 name
             };
+            let opt = |v: Option<f64>, digits: usize| {
+                v.map_or_else(|| "-".to_string(), |v| format!("{v:.digits$}"))
+            };
             let _ = writeln!(
                 s,
-                "{:<28} {:>9.1} {:>10.1} {:>11.1} {:>9.1} {:>9} {:>11} {:>9} {:>20}",
+                "{:<28} {:>9.1} {:>9} {:>7} {:>10.1} {:>11.1} {:>9.1} {:>9} {:>11} {:>9} {:>20}",
                 name,
                 row.time_us,
+                opt(row.flat_time_us, 1),
+                opt(row.vs_flat, 2),
                 row.rail_gbps,
                 row.nvlink_gbps,
                 row.gbps,
@@ -359,6 +408,20 @@ impl Report for HierReport {
                 row.nvlink_rows,
                 row.recv_rows,
                 per.join(" / ")
+            );
+        }
+        if let Some(ratio) = c.rows_written_ratio {
+            let _ = writeln!(
+                s,
+                "flat us: the flat op over the same ranks, transport and SMs, same run; a two-tier \
+                 op writes {ratio:.2}x the rows of the flat op (all ranks: the rail stage's, own \
+                 node included, then the node stage's){}",
+                if r.sharing_note().is_some() {
+                    ", the floor of \"x flat\" for an op bound by the memory bandwidth the ranks \
+                     share"
+                } else {
+                    ""
+                }
             );
         }
         let n = &self.notify;
@@ -393,6 +456,7 @@ mod tests {
             nvlink_sent: 0,
             nvlink_received: 0,
             combine_rail_sent: 4081,
+            rail_stage: 8160,
         }
     }
 
@@ -405,7 +469,8 @@ mod tests {
             (HierOp::CachedDispatchBf16, 230.0),
             (HierOp::Combine, 400.0),
         ] {
-            results.push(make_hier_row(op, 4096, 24, vec![t, t + 2.0], &rows(), 7168).unwrap());
+            let row = make_hier_row(op, 4096, 24, vec![t, t + 2.0], &rows(), 7168).unwrap();
+            results.push(row.with_flat(&[t / 2.0, t / 2.0 + 1.0]).unwrap());
         }
         let small = HierRows {
             recv: 255,
@@ -418,6 +483,7 @@ mod tests {
                 run: crate::results::tests::synthetic_config(vec![24], 1),
                 nodes: 2,
                 local_ranks: 1,
+                rows_written_ratio: Some(2.0),
             },
             results,
             notify: NotifyReport {
@@ -454,6 +520,9 @@ mod tests {
         assert!((d.gbps - flat).abs() < 1e-9);
         assert_eq!(d.nvlink_gbps, 0.0);
         assert_eq!((d.rail_rows, d.nvlink_rows, d.recv_rows), (4080, 0, 8160));
+        // The flat op of the same run: rank 0's time, and the ratio to it.
+        assert_eq!((d.flat_time_us, d.vs_flat), (Some(125.0), Some(2.0)));
+        assert_eq!(r.notify.dispatch.flat_time_us, None);
         // FP8 rows: hidden * (1 + 4/128) bytes.
         let f = &r.results[0];
         let rail = 4080.0 * 7168.0 * (1.0 + 4.0 / 128.0) / 150e-6 / 1e9;
@@ -479,9 +548,13 @@ mod tests {
             for key in ["tokens", "sms", "rail_rows", "nvlink_rows", "recv_rows"] {
                 assert!(row[key].is_u64(), "{key}: {row}");
             }
+            assert!(row.get("flat_time_us").is_some() && row.get("vs_flat").is_some());
             assert_eq!(row["rank_time_us"].as_array().unwrap().len(), 2);
         }
         assert_eq!(v["notify"]["dispatch"]["tokens"], 128);
+        assert_eq!(v["notify"]["dispatch"]["vs_flat"], serde_json::Value::Null);
+        assert_eq!(v["results"][1]["vs_flat"], 2.0);
+        assert_eq!(v["config"]["rows_written_ratio"], 2.0);
         assert_eq!(v["notify"]["dispatch"]["op"], "hier_dispatch_bf16");
         assert_eq!(
             v["notify"]["node"]["counts_ready_us"],
@@ -530,6 +603,10 @@ mod tests {
         assert_eq!(col(lines[2], "time_us"), "250.000");
         assert_eq!(col(lines[2], "tokens"), "4096");
         assert_eq!(col(lines[2], "rail_counts_ready_us"), "");
+        assert_eq!(col(lines[2], "flat_time_us"), "125.000");
+        assert_eq!(col(lines[2], "vs_flat"), "2.000");
+        assert_eq!(col(lines[5], "vs_flat"), "");
+        assert_eq!(col(lines[5], "rows_written_ratio"), "2.0000");
         assert_eq!(col(lines[5], "op"), "hier_dispatch_bf16");
         assert_eq!(col(lines[5], "tokens"), "128");
         assert_eq!(col(lines[5], "rail_counts_ready_us"), "9.500");
@@ -553,6 +630,10 @@ mod tests {
             "2 ranks shared 1 GPU(s) without MPS",
             "rail tier: counts ready after 9.5 us of a 20.0 us kernel",
             "counts ready per rank, us: 2.0 / -",
+            "flat us",
+            "x flat",
+            "a two-tier op writes 2.00x the rows of the flat op",
+            "the floor of \"x flat\"",
         ] {
             assert!(t.contains(needle), "{needle:?} missing:\n{t}");
         }
@@ -581,6 +662,18 @@ mod tests {
         let mut r = synthetic();
         r.schema = SCHEMA.into();
         assert!(r.check().is_err());
+        // A flat time without its ratio, or an unusable one, is malformed.
+        let mut r = synthetic();
+        r.results[1].vs_flat = None;
+        assert!(r.check().is_err());
+        let mut r = synthetic();
+        r.results[1].flat_time_us = Some(0.0);
+        assert!(r.check().is_err());
+        let row = synthetic().results[0].clone();
+        assert!(matches!(
+            row.with_flat(&[f64::NAN]),
+            Err(ResultError::BadTime { rank: 0, .. })
+        ));
         let mut r = synthetic();
         r.results.clear();
         assert!(r.check().is_err());
