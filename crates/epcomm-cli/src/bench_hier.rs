@@ -6,9 +6,9 @@
 //! the flat bench times its own (CUDA events on the buffer's stream around each call, L2
 //! flushed before it, every rank running the same calls in lockstep). Then the notify latency:
 //! a second buffer for [`NOTIFY_TOKENS`] tokens per rank, verified too, its BF16 dispatch
-//! timed, and each tier's counts-ready time read from the stats blocks. Between the two, a flat
-//! [`Buffer`] over the same ranks, transport and SMs is verified and times the same ops, so
-//! that every row carries the flat op's time from the same run. The rows each tier
+//! timed, and each tier's counts-ready time read from the stats blocks. After each two-tier
+//! buffer, a flat [`Buffer`] over the same ranks, transport, SMs and tokens is verified and
+//! times the same ops, so that every row carries the flat op's time from the same run. The rows each tier
 //! carries come from the CPU reference's routing ([`hier_rows`]); a rank whose device receive
 //! count differs from it stops the run. Rank 0 hands a [`HierReport`] to the launcher.
 
@@ -172,7 +172,7 @@ pub(crate) fn run_hier_bench(run: &WorkerRun<'_>) -> Res {
         "[4/6] the same ops on a flat buffer over the same ranks, transport and {sms} SMs \
          (verified first)"
     ));
-    let flat = time_flat(run, &work, &ops)?;
+    let flat = time_flat(run, &work, args.tokens(), &ops)?;
     let results = results
         .into_iter()
         .zip(&flat)
@@ -204,15 +204,20 @@ pub(crate) fn run_hier_bench(run: &WorkerRun<'_>) -> Res {
     Ok(())
 }
 
-/// Verifies a flat [`Buffer`] over the same ranks, transport and SMs on the same workload,
-/// then times the flat op of each of `ops` as the bench times the two-tier ones; every rank's
-/// medians per op, in `ops`' order (collective).
-fn time_flat(run: &WorkerRun<'_>, work: &Workload, ops: &[HierOp]) -> Res<Vec<Vec<f64>>> {
+/// Verifies a flat [`Buffer`] for `tokens` per rank over the same ranks, transport and SMs on
+/// the same workload, then times the flat op of each of `ops` as the bench times the two-tier
+/// ones; every rank's medians per op, in `ops`' order (collective).
+fn time_flat(
+    run: &WorkerRun<'_>,
+    work: &Workload,
+    tokens: usize,
+    ops: &[HierOp],
+) -> Res<Vec<Vec<f64>>> {
     let (args, plan, boot) = (run.args, run.plan, run.boot);
     let mut buf = Buffer::new(
         run.ctx.clone(),
         run.transport.clone(),
-        bench_config(args, args.tokens(), args.sms, &plan.transport),
+        bench_config(args, tokens, args.sms, &plan.transport),
     )?;
     let dev = device_inputs(buf.stream(), &work.inputs, boot.rank())?;
     verify_rounds(
@@ -264,6 +269,11 @@ fn notify(run: &WorkerRun<'_>, tiers: Tiers) -> Res<NotifyReport> {
         args.hidden,
     )?;
     let tiers = notify_stats(&mut buf, &timer, &dev, args.iters)?;
+    drop(timer);
+    drop(dev);
+    drop(buf);
+    let flat = time_flat(run, &work, NOTIFY_TOKENS, &[op])?;
+    let dispatch = dispatch.with_flat(flat.first().map_or(&[][..], Vec::as_slice))?;
     let tier = |name: &str| -> Res<TierNotify> {
         Ok(*tiers
             .iter()

@@ -64,8 +64,8 @@ pub struct HierRow {
     /// Median time of every rank, microseconds, indexed by rank.
     pub rank_time_us: Vec<f64>,
     /// Rank 0's median time of the flat op moving the same rows (a flat `Buffer` over the
-    /// same ranks, transport and SMs, timed in the same run), microseconds; `null` where the
-    /// flat op was not timed (the notify row).
+    /// same ranks, transport, SMs and tokens, timed in the same run), microseconds; `null`
+    /// where the flat op was not timed (a report of schema 1 had no such field).
     pub flat_time_us: Option<f64>,
     /// [`Self::time_us`] over [`Self::flat_time_us`].
     pub vs_flat: Option<f64>,
@@ -495,6 +495,8 @@ mod tests {
                     &small,
                     7168,
                 )
+                .unwrap()
+                .with_flat(&[20.0, 21.0])
                 .unwrap(),
                 rail: TierNotifyReport {
                     counts_ready_us: vec![Some(9.5), Some(10.5)],
@@ -522,7 +524,7 @@ mod tests {
         assert_eq!((d.rail_rows, d.nvlink_rows, d.recv_rows), (4080, 0, 8160));
         // The flat op of the same run: rank 0's time, and the ratio to it.
         assert_eq!((d.flat_time_us, d.vs_flat), (Some(125.0), Some(2.0)));
-        assert_eq!(r.notify.dispatch.flat_time_us, None);
+        assert_eq!(r.notify.dispatch.vs_flat, Some(2.0));
         // FP8 rows: hidden * (1 + 4/128) bytes.
         let f = &r.results[0];
         let rail = 4080.0 * 7168.0 * (1.0 + 4.0 / 128.0) / 150e-6 / 1e9;
@@ -552,7 +554,7 @@ mod tests {
             assert_eq!(row["rank_time_us"].as_array().unwrap().len(), 2);
         }
         assert_eq!(v["notify"]["dispatch"]["tokens"], 128);
-        assert_eq!(v["notify"]["dispatch"]["vs_flat"], serde_json::Value::Null);
+        assert_eq!(v["notify"]["dispatch"]["vs_flat"], 2.0);
         assert_eq!(v["results"][1]["vs_flat"], 2.0);
         assert_eq!(v["config"]["rows_written_ratio"], 2.0);
         assert_eq!(v["notify"]["dispatch"]["op"], "hier_dispatch_bf16");
@@ -605,7 +607,7 @@ mod tests {
         assert_eq!(col(lines[2], "rail_counts_ready_us"), "");
         assert_eq!(col(lines[2], "flat_time_us"), "125.000");
         assert_eq!(col(lines[2], "vs_flat"), "2.000");
-        assert_eq!(col(lines[5], "vs_flat"), "");
+        assert_eq!(col(lines[5], "flat_time_us"), "20.000");
         assert_eq!(col(lines[5], "rows_written_ratio"), "2.0000");
         assert_eq!(col(lines[5], "op"), "hier_dispatch_bf16");
         assert_eq!(col(lines[5], "tokens"), "128");
