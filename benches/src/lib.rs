@@ -13,13 +13,13 @@ use std::time::Duration;
 
 use criterion::{Criterion, Throughput};
 use cudarc::driver::CudaContext;
-use epcomm::{Buffer, BufferConfig, ExpertParallel};
+use epcomm::{Buffer, BufferConfig};
 use epcomm_backends::TransportSpec;
 use epcomm_bootstrap::launch::{LaunchedGroup, LocalLaunch, free_port};
 use epcomm_bootstrap::{Bootstrap, BootstrapConfig};
 use epcomm_check::inputs::{DeviceInputs, Shape, device_inputs, host_inputs};
 use epcomm_check::procs::{WORKER_ENV, gpu_count, is_worker};
-use epcomm_check::timing::{BenchOp, Timer};
+use epcomm_check::timing::{BenchOp, LineUp, Timer};
 use epcomm_check::verify::{RoundOptions, verified_round};
 
 pub mod internode;
@@ -234,7 +234,7 @@ pub(crate) struct Timed {
 /// Times `ops` on `buf` (flat or two-tier) in lockstep: rank 0 runs criterion's group `group`
 /// and tells every rank each sample's op and calls; a follower runs what it is told until the
 /// stop message. Then the buffer is torn down and rank 0 waits for its followers.
-pub(crate) fn drive<E: ExpertParallel>(
+pub(crate) fn drive<E: LineUp>(
     mut buf: E,
     mut timer: Timer,
     dev: &DeviceInputs,

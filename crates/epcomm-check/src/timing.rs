@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, sys};
 use epcomm::{
-    Buffer, CombineInput, CombineOutput, DispatchInput, ExpertParallel, Handle, Layout, LlFormat,
-    LlRecv, RecvMode, TierStats, XInput,
+    Buffer, CombineInput, CombineOutput, DispatchInput, ExpertParallel, Handle, HierarchicalBuffer,
+    Layout, LlFormat, LlRecv, RecvMode, TierStats, Tiering, XInput,
 };
 use epcomm_reference::{RankInput, bf16};
 
@@ -169,14 +169,15 @@ impl Timer {
         })
     }
 
-    /// Runs `op` `iters` times (each call after an L2 flush; on a flat buffer with every rank
-    /// lined up, as [`LlTimer`] does, see [`LINE_UP_SPIN`]) and returns each call's time in
-    /// microseconds (CUDA events around the op only). Collective.
+    /// Runs `op` `iters` times (each call after an L2 flush, every rank lined up on the
+    /// buffer's [`LineUp::lead`], as [`LlTimer`] does, see [`LINE_UP_SPIN`]; the spin is as
+    /// many times that as the buffer has tiers, each tier's stage being issued by the host) and
+    /// returns each call's time in microseconds (CUDA events around the op only). Collective.
     ///
     /// # Errors
     /// The op's or the driver's; [`crate::CheckError::Other`] for an op this timer does not
     /// run (a low-latency op, or the in-place combine on a two-tier buffer).
-    pub fn time<E: ExpertParallel>(
+    pub fn time<E: LineUp>(
         &mut self,
         buf: &mut E,
         dev: &DeviceInputs,
@@ -187,23 +188,23 @@ impl Timer {
             // In-place combine reads the latest dispatch's rows: make this handle's the latest.
             buf.cached_dispatch(&XInput::Bf16(&dev.x), &self.handle)?;
         }
+        let stages = match buf.tiering() {
+            Tiering::Flat => 1,
+            Tiering::TwoTier(_) => 2,
+        };
         let mut events = Vec::with_capacity(iters);
         for _ in 0..iters {
-            // Lined up like the low-latency ops, so both modes are timed the same way where
-            // ranks share a GPU (a two-tier buffer has no single bootstrap to line up on).
-            let (start, end) = match buf.as_flat() {
-                Some(flat) => {
-                    line_up(
-                        &self.stream,
-                        &mut self.flush,
-                        "normal",
-                        &mut self.line_ups,
-                        flat,
-                    )?;
-                    started_events(&self.ctx, &self.stream)?
-                }
-                None => flushed_events(&self.ctx, &self.stream, &mut self.flush)?,
-            };
+            // Lined up like the low-latency ops, so that flat and two-tier ops and both modes
+            // are timed the same way where ranks share a GPU.
+            line_up(
+                &self.stream,
+                &mut self.flush,
+                "normal",
+                &mut self.line_ups,
+                buf.lead(),
+                LINE_UP_SPIN * stages,
+            )?;
+            let (start, end) = started_events(&self.ctx, &self.stream)?;
             self.run(buf, dev, op)?;
             end.record(&self.stream)?;
             events.push((start, end));
@@ -361,7 +362,7 @@ impl LlTimer {
                         .barrier(&format!("ll-bench-{i}"))?;
                     if !send {
                         // The receive phase after its own L2 flush, every rank lined up.
-                        line_up(&self.stream, &mut self.flush, "ll", &mut self.line_ups, buf)?;
+                        line_up(&self.stream, &mut self.flush, "ll", &mut self.line_ups, buf, LINE_UP_SPIN)?;
                         start.record(&self.stream)?;
                     }
                     buf.ll_receive(pending)?;
@@ -399,18 +400,19 @@ impl LlTimer {
     /// cooperatively) waits until the peer's 256 MiB flush leaves them, and its events time
     /// that flush. Collective.
     fn flush_and_line_up(&mut self, buf: &mut Buffer) -> Result<()> {
-        line_up(&self.stream, &mut self.flush, "ll", &mut self.line_ups, buf)
+        line_up(&self.stream, &mut self.flush, "ll", &mut self.line_ups, buf, LINE_UP_SPIN)
     }
 }
 
 /// [`LlTimer::flush_and_line_up`] over the timer's fields (so that a caller holding another
-/// field may call it).
+/// field may call it), with a GPU spin of `spin`.
 fn line_up(
     stream: &Arc<CudaStream>,
     flush: &mut CudaSlice<u8>,
     tag: &str,
     line_ups: &mut u64,
     buf: &mut Buffer,
+    spin: std::time::Duration,
 ) -> Result<()> {
     stream.memset_zeros(flush)?;
     stream.synchronize()?;
@@ -418,8 +420,29 @@ fn line_up(
     buf.transport()
         .bootstrap()
         .barrier(&format!("{tag}-line-up-{line_ups}"))?;
-    buf.inject_delay(LINE_UP_SPIN)?;
+    buf.inject_delay(spin)?;
     Ok(())
+}
+
+/// The flat buffer a timed call lines the ranks up on ([`Timer::time`]): its transport's
+/// bootstrap spans the world, and its stream is the one the ops run on.
+pub trait LineUp: ExpertParallel {
+    /// That buffer.
+    fn lead(&mut self) -> &mut Buffer;
+}
+
+impl LineUp for Buffer {
+    /// The buffer itself.
+    fn lead(&mut self) -> &mut Buffer {
+        self
+    }
+}
+
+impl LineUp for HierarchicalBuffer {
+    /// The rail tier: both tiers run on one stream over the world's transport.
+    fn lead(&mut self) -> &mut Buffer {
+        self.rail()
+    }
 }
 
 /// Where the time of a low-latency op goes, on the GPU's own clock (block 0 of the kernel):
@@ -578,20 +601,6 @@ pub fn notify_stats<E: ExpertParallel>(
 /// A new event with timing on (the default flags), for a (start, end) pair around an op.
 fn timing_event(ctx: &Arc<CudaContext>) -> Result<CudaEvent> {
     Ok(ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?)
-}
-
-/// One timed call's events: flushes L2 (zeroes `flush` on `stream`), then records and returns
-/// the start event; the caller issues the op and records the end event.
-///
-/// # Errors
-/// The driver's.
-pub(crate) fn flushed_events(
-    ctx: &Arc<CudaContext>,
-    stream: &Arc<CudaStream>,
-    flush: &mut CudaSlice<u8>,
-) -> Result<(CudaEvent, CudaEvent)> {
-    stream.memset_zeros(flush)?;
-    started_events(ctx, stream)
 }
 
 /// A (start, end) pair of timing events, the start recorded on `stream` now.

@@ -9,7 +9,7 @@ use cudarc::driver::{CudaContext, sys};
 use epcomm::{BufferConfig, DynTransport, ExpertParallel};
 use epcomm_bootstrap::Bootstrap;
 use epcomm_check::inputs::{DeviceInputs, HostInputs};
-use epcomm_check::timing::{BenchOp, Timer, median};
+use epcomm_check::timing::{BenchOp, LineUp, Timer, median};
 use epcomm_check::verify::{RoundOptions, verified_round};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
@@ -183,7 +183,7 @@ pub(crate) fn verify_rounds<E: ExpertParallel>(
 ///
 /// # Errors
 /// The op's, the driver's or the bootstrap's.
-pub(crate) fn time_everywhere<E: ExpertParallel>(
+pub(crate) fn time_everywhere<E: LineUp>(
     timer: &mut Timer,
     buf: &mut E,
     dev: &DeviceInputs,
