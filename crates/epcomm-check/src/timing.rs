@@ -123,6 +123,8 @@ pub struct Timer {
     /// Rows this rank receives.
     pub num_recv: usize,
     line_ups: u64,
+    /// How long the host took to issue each call of the last [`Self::time`], microseconds.
+    issue_us: Vec<f64>,
 }
 
 impl Timer {
@@ -166,6 +168,7 @@ impl Timer {
             out,
             num_recv,
             line_ups: 0,
+            issue_us: Vec::new(),
         })
     }
 
@@ -193,6 +196,7 @@ impl Timer {
             Tiering::TwoTier(_) => 2,
         };
         let mut events = Vec::with_capacity(iters);
+        self.issue_us.clear();
         for _ in 0..iters {
             // Lined up like the low-latency ops, so that flat and two-tier ops and both modes
             // are timed the same way where ranks share a GPU.
@@ -205,12 +209,21 @@ impl Timer {
                 LINE_UP_SPIN * stages,
             )?;
             let (start, end) = started_events(&self.ctx, &self.stream)?;
+            let issued = std::time::Instant::now();
             self.run(buf, dev, op)?;
+            self.issue_us.push(issued.elapsed().as_secs_f64() * 1e6);
             end.record(&self.stream)?;
             events.push((start, end));
         }
         buf.synchronize()?;
         elapsed_us(&events)
+    }
+
+    /// The median time the host took to issue one call of the last [`Self::time`] (from the
+    /// start event's record to the op's return), microseconds; NaN before any. Longer than
+    /// the line-up spin, the events include host time.
+    pub fn issue_us(&self) -> f64 {
+        median(&self.issue_us)
     }
 
     fn run<E: ExpertParallel>(

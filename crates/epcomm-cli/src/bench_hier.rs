@@ -260,6 +260,7 @@ fn notify(run: &WorkerRun<'_>, tiers: Tiers) -> Res<NotifyReport> {
         boot,
         "hier-notify-dispatch",
     )?;
+    let host_issue_us = every_rank(boot, "hier-notify-issue", timer.issue_us())?;
     let dispatch: HierRow = make_hier_row(
         op,
         NOTIFY_TOKENS,
@@ -295,5 +296,6 @@ fn notify(run: &WorkerRun<'_>, tiers: Tiers) -> Res<NotifyReport> {
         dispatch,
         rail: gather("rail", rail)?,
         node: gather("node", node)?,
+        host_issue_us,
     })
 }

@@ -91,6 +91,9 @@ pub struct NotifyReport {
     pub rail: TierNotifyReport,
     /// The node tier.
     pub node: TierNotifyReport,
+    /// How long each rank's host took to issue the timed dispatch (median, microseconds,
+    /// indexed by rank; `Timer::issue_us`): beyond the line-up spin, the events include it.
+    pub host_issue_us: Vec<f64>,
 }
 
 /// The whole result document.
@@ -289,7 +292,14 @@ impl Report for HierReport {
         }
         let world = self.config.run.world;
         self.notify.rail.check("rail", world)?;
-        self.notify.node.check("node", world)
+        self.notify.node.check("node", world)?;
+        let issue = &self.notify.host_issue_us;
+        if issue.len() != world || !issue.iter().all(|v| usable(*v)) {
+            return Err(ResultError::Malformed(format!(
+                "notify: host issue times {issue:?}, {world} positive numbers expected"
+            )));
+        }
+        Ok(())
     }
 
     /// CSV: one line per op, then the notify line (its `tokens` is 128 and it alone fills the
@@ -428,8 +438,16 @@ impl Report for HierReport {
         let _ = writeln!(
             s,
             "\nnotify latency ({} tokens/rank, {} schedule): hierarchical dispatch BF16 {:.1} us \
-             on rank 0 (both tiers' layouts and count exchanges included)",
-            n.dispatch.tokens, r.schedule, n.dispatch.time_us
+             on rank 0 (both tiers' layouts and count exchanges included); the hosts issued it \
+             in {} us",
+            n.dispatch.tokens,
+            r.schedule,
+            n.dispatch.time_us,
+            n.host_issue_us
+                .iter()
+                .map(|v| format!("{v:.1}"))
+                .collect::<Vec<_>>()
+                .join(" / ")
         );
         for (tier, t) in [("rail", &n.rail), ("node", &n.node)] {
             let _ = writeln!(
@@ -506,6 +524,7 @@ mod tests {
                     counts_ready_us: vec![Some(2.0), None],
                     kernel_us: vec![8.0, 8.5],
                 },
+                host_issue_us: vec![30.0, 31.5],
             },
         }
     }
@@ -632,6 +651,7 @@ mod tests {
             "2 ranks shared 1 GPU(s) without MPS",
             "rail tier: counts ready after 9.5 us of a 20.0 us kernel",
             "counts ready per rank, us: 2.0 / -",
+            "the hosts issued it in 30.0 / 31.5 us",
             "flat us",
             "x flat",
             "a two-tier op writes 2.00x the rows of the flat op",
@@ -657,6 +677,12 @@ mod tests {
         assert!(r.check().is_err());
         let mut r = synthetic();
         r.notify.node.counts_ready_us.pop();
+        assert!(r.check().is_err());
+        let mut r = synthetic();
+        r.notify.host_issue_us[1] = f64::NAN;
+        assert!(r.check().is_err());
+        let mut r = synthetic();
+        r.notify.host_issue_us.pop();
         assert!(r.check().is_err());
         let mut r = synthetic();
         r.results[0].op = "dispatch_bf16".into();
