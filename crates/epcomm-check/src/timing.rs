@@ -375,7 +375,14 @@ impl LlTimer {
                         .barrier(&format!("ll-bench-{i}"))?;
                     if !send {
                         // The receive phase after its own L2 flush, every rank lined up.
-                        line_up(&self.stream, &mut self.flush, "ll", &mut self.line_ups, buf, LINE_UP_SPIN)?;
+                        line_up(
+                            &self.stream,
+                            &mut self.flush,
+                            "ll",
+                            &mut self.line_ups,
+                            buf,
+                            LINE_UP_SPIN,
+                        )?;
                         start.record(&self.stream)?;
                     }
                     buf.ll_receive(pending)?;
@@ -413,7 +420,14 @@ impl LlTimer {
     /// cooperatively) waits until the peer's 256 MiB flush leaves them, and its events time
     /// that flush. Collective.
     fn flush_and_line_up(&mut self, buf: &mut Buffer) -> Result<()> {
-        line_up(&self.stream, &mut self.flush, "ll", &mut self.line_ups, buf, LINE_UP_SPIN)
+        line_up(
+            &self.stream,
+            &mut self.flush,
+            "ll",
+            &mut self.line_ups,
+            buf,
+            LINE_UP_SPIN,
+        )
     }
 }
 
