@@ -115,14 +115,13 @@ impl BenchOp {
 pub struct Timer {
     stream: Arc<CudaStream>,
     ctx: Arc<CudaContext>,
-    flush: CudaSlice<u8>,
+    lining: Lining,
     layout: Layout,
     handle: Handle,
     y: CudaSlice<bf16>,
     out: CudaSlice<bf16>,
     /// Rows this rank receives.
     pub num_recv: usize,
-    line_ups: u64,
     /// How long the host took to issue each call of the last [`Self::time`], microseconds.
     issue_us: Vec<f64>,
 }
@@ -137,7 +136,7 @@ impl Timer {
     pub fn new<E: ExpertParallel>(buf: &mut E, dev: &DeviceInputs) -> Result<Self> {
         let stream = buf.stream().clone();
         let ctx = buf.context().clone();
-        let flush = stream.alloc_zeros::<u8>(FLUSH_BYTES)?;
+        let lining = Lining::new(&stream)?;
         let layout = buf.layout(&dev.topk_idx, dev.num_tokens)?;
         let input = dev.dispatch_input(false, true);
         let handle = buf
@@ -161,13 +160,12 @@ impl Timer {
         Ok(Self {
             stream,
             ctx,
-            flush,
+            lining,
             layout,
             handle,
             y,
             out,
             num_recv,
-            line_ups: 0,
             issue_us: Vec::new(),
         })
     }
@@ -200,14 +198,8 @@ impl Timer {
         for _ in 0..iters {
             // Lined up like the low-latency ops, so that flat and two-tier ops and both modes
             // are timed the same way where ranks share a GPU.
-            line_up(
-                &self.stream,
-                &mut self.flush,
-                "normal",
-                &mut self.line_ups,
-                buf.lead(),
-                LINE_UP_SPIN * stages,
-            )?;
+            self.lining
+                .line_up("normal", buf.lead(), LINE_UP_SPIN * stages)?;
             let (start, end) = started_events(&self.ctx, &self.stream)?;
             let issued = std::time::Instant::now();
             self.run(buf, dev, op)?;
@@ -273,13 +265,11 @@ impl Timer {
 pub struct LlTimer {
     stream: Arc<CudaStream>,
     ctx: Arc<CudaContext>,
-    flush: CudaSlice<u8>,
+    lining: Lining,
     recv: LlRecv,
     io: LlIo,
     /// Rows (token, expert pairs) this rank receives.
     pub num_recv: usize,
-    /// Line-ups so far ([`LlTimer::flush_and_line_up`]): names each one's barrier.
-    line_ups: u64,
 }
 
 impl LlTimer {
@@ -289,7 +279,7 @@ impl LlTimer {
     pub fn new(buf: &mut Buffer, inputs: &[RankInput], fp8: bool) -> Result<Self> {
         let stream = buf.stream().clone();
         let ctx = buf.context().clone();
-        let flush = stream.alloc_zeros::<u8>(FLUSH_BYTES)?;
+        let lining = Lining::new(&stream)?;
         let mut recv = buf.alloc_ll_recv()?;
         let experts = buf.config().num_experts;
         let mut io = LlIo::new(&stream, inputs, buf.rank(), experts, recv.capacity())?;
@@ -314,11 +304,10 @@ impl LlTimer {
         Ok(Self {
             stream,
             ctx,
-            flush,
+            lining,
             recv,
             io,
             num_recv,
-            line_ups: 0,
         })
     }
 
@@ -375,14 +364,7 @@ impl LlTimer {
                         .barrier(&format!("ll-bench-{i}"))?;
                     if !send {
                         // The receive phase after its own L2 flush, every rank lined up.
-                        line_up(
-                            &self.stream,
-                            &mut self.flush,
-                            "ll",
-                            &mut self.line_ups,
-                            buf,
-                            LINE_UP_SPIN,
-                        )?;
+                        self.lining.line_up("ll", buf, LINE_UP_SPIN)?;
                         start.record(&self.stream)?;
                     }
                     buf.ll_receive(pending)?;
@@ -420,35 +402,41 @@ impl LlTimer {
     /// cooperatively) waits until the peer's 256 MiB flush leaves them, and its events time
     /// that flush. Collective.
     fn flush_and_line_up(&mut self, buf: &mut Buffer) -> Result<()> {
-        line_up(
-            &self.stream,
-            &mut self.flush,
-            "ll",
-            &mut self.line_ups,
-            buf,
-            LINE_UP_SPIN,
-        )
+        self.lining.line_up("ll", buf, LINE_UP_SPIN)
     }
 }
 
-/// [`LlTimer::flush_and_line_up`] over the timer's fields (so that a caller holding another
-/// field may call it), with a GPU spin of `spin`.
-fn line_up(
-    stream: &Arc<CudaStream>,
-    flush: &mut CudaSlice<u8>,
-    tag: &str,
-    line_ups: &mut u64,
-    buf: &mut Buffer,
-    spin: std::time::Duration,
-) -> Result<()> {
-    stream.memset_zeros(flush)?;
-    stream.synchronize()?;
-    *line_ups += 1;
-    buf.transport()
-        .bootstrap()
-        .barrier(&format!("{tag}-line-up-{line_ups}"))?;
-    buf.inject_delay(spin)?;
-    Ok(())
+/// What a timer lines the ranks up with before a timed call: the L2 flush buffer on the
+/// timer's stream, and the line-ups so far (they name each one's barrier).
+#[derive(Debug)]
+struct Lining {
+    stream: Arc<CudaStream>,
+    flush: CudaSlice<u8>,
+    count: u64,
+}
+
+impl Lining {
+    fn new(stream: &Arc<CudaStream>) -> Result<Self> {
+        Ok(Self {
+            stream: stream.clone(),
+            flush: stream.alloc_zeros::<u8>(FLUSH_BYTES)?,
+            count: 0,
+        })
+    }
+
+    /// Flushes L2, waits for the flush, meets every rank at a host barrier on `buf`'s
+    /// bootstrap (tagged `tag`), then has the GPU spin for `spin` on `buf`'s stream (the
+    /// timer's) while the host issues the timed call. Collective.
+    fn line_up(&mut self, tag: &str, buf: &mut Buffer, spin: std::time::Duration) -> Result<()> {
+        self.stream.memset_zeros(&mut self.flush)?;
+        self.stream.synchronize()?;
+        self.count += 1;
+        buf.transport()
+            .bootstrap()
+            .barrier(&format!("{tag}-line-up-{}", self.count))?;
+        buf.inject_delay(spin)?;
+        Ok(())
+    }
 }
 
 /// The flat buffer a timed call lines the ranks up on ([`Timer::time`]): its transport's
