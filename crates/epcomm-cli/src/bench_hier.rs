@@ -8,9 +8,10 @@
 //! a second buffer for [`NOTIFY_TOKENS`] tokens per rank, verified too, its BF16 dispatch
 //! timed, and each tier's counts-ready time read from the stats blocks. After each two-tier
 //! buffer, a flat [`Buffer`] over the same ranks, transport, SMs and tokens is verified and
-//! times the same ops, so that every row carries the flat op's time from the same run. The rows each tier
-//! carries come from the CPU reference's routing ([`hier_rows`]); a rank whose device receive
-//! count differs from it stops the run. Rank 0 hands a [`HierReport`] to the launcher.
+//! times the same ops, so that every row carries the flat op's time from the same run. The
+//! rows each tier carries come from the CPU reference's routing ([`hier_rows`]); a rank whose
+//! device receive count differs from it stops the run. Rank 0 hands a [`HierReport`] to the
+//! launcher.
 
 use epcomm::{Buffer, ExpertParallel, HierarchicalBuffer};
 use epcomm_bootstrap::Bootstrap;
