@@ -3,8 +3,12 @@
 //! rail, NVLink forwarding, and the lower-bound time and DeepEP-style "RDMA GB/s" at a given NIC
 //! bandwidth.
 //!
+//! Then the fused design as a pipeline of chunks: for each per-chunk cost of `--chunk-us`, the
+//! chunk count (up to `--max-chunks`) with the least time, that time, the rail GB/s and the
+//! forwarder's memory for two chunks in flight per source node.
+//!
 //! `cargo run --release -p epcomm-reference --example rail_model -- [--nic-gbps 50]
-//! [--overhead-us 0] [--nvlink-gbps 275] [--max-nodes 8]`
+//! [--overhead-us 0] [--nvlink-gbps 275] [--max-nodes 8] [--chunk-us 2,5,10] [--max-chunks 64]`
 
 use std::time::Instant;
 
@@ -28,6 +32,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         nvlink_gbps: 275.0,
     };
     let mut max_nodes: usize = 8;
+    let mut chunk_us: Vec<f64> = vec![2.0, 5.0, 10.0];
+    let mut max_chunks: u32 = 64;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let value = |v: Option<String>| -> Result<f64, Box<dyn std::error::Error>> {
@@ -38,9 +44,21 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "--overhead-us" => link.overhead_us = value(args.next())?,
             "--nvlink-gbps" => link.nvlink_gbps = value(args.next())?,
             "--max-nodes" => max_nodes = args.next().ok_or("--max-nodes needs a value")?.parse()?,
+            "--chunk-us" => {
+                chunk_us = args
+                    .next()
+                    .ok_or("--chunk-us needs a value")?
+                    .split(',')
+                    .map(str::parse)
+                    .collect::<Result<_, _>>()?;
+            }
+            "--max-chunks" => {
+                max_chunks = args.next().ok_or("--max-chunks needs a value")?.parse()?;
+            }
             _ => {
                 return Err(format!(
-                    "unknown argument {a} (--nic-gbps, --overhead-us, --nvlink-gbps, --max-nodes)"
+                    "unknown argument {a} (--nic-gbps, --overhead-us, --nvlink-gbps, \
+                     --max-nodes, --chunk-us, --max-chunks)"
                 )
                 .into());
             }
@@ -175,6 +193,34 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 st.overlapped_us,
                 st.overlapped_rail_gbps,
             );
+        }
+    }
+
+    println!(
+        "\nFused as a pipeline of chunks (max(rail, node) + min(rail, node) / chunks + chunks * \
+         chunk cost + overhead), the best chunk count up to {max_chunks} per chunk cost; ring MB: \
+         the forwarder's memory for two chunks in flight per source node:\n"
+    );
+    println!("| EP | op | chunk us | chunks | time us | rail GB/s | ring MB |");
+    println!("|---|---|---|---|---|---|---|");
+    for m in &models {
+        let ops: [(&str, &OpEstimate); 3] = [
+            ("dispatch BF16", &m.dispatch_bf16),
+            ("dispatch FP8", &m.dispatch_fp8),
+            ("combine BF16 partials", &m.combine_bf16),
+        ];
+        for (name, op) in ops {
+            for &c in &chunk_us {
+                let p = op.best_pipeline(c, max_chunks)?;
+                println!(
+                    "| {} | {name} | {c} | {} | {:.0} | {:.1} | {:.1} |",
+                    m.tiers.world_size(),
+                    p.chunks,
+                    p.time_us,
+                    p.rail_gbps,
+                    p.ring_bytes as f64 / 1e6,
+                );
+            }
         }
     }
     Ok(())

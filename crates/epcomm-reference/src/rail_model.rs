@@ -9,6 +9,15 @@
 //! those it forwards for other nodes and its own tokens' rows for its node, at an NVLink rate) two ways: after the rail stage, as the implementation runs them
 //! (two ops on one stream), and overlapped with it, as a fused design would.
 //!
+//! **Pipelined.** [`OpEstimate::pipelined`] models the fused design as a two-stage pipeline of
+//! `chunks` chunks per op: chunk `i + 1` crosses the rail while the node stage forwards chunk
+//! `i`, so the op takes `max(rail, node) + min(rail, node) / chunks` (the slower stage, plus
+//! the faster stage's share of the first or last chunk), plus `chunks * chunk_us` (what each
+//! chunk adds on the critical path: its signal and the forwarder's wait for it) and the
+//! per-op overhead. [`OpEstimate::best_pipeline`] picks the chunk count that minimises it.
+//! The forwarder's memory is then two chunks in flight per source node (one landing, one
+//! being forwarded): `2 * busiest rows * row bytes / chunks` ([`Pipelined::ring_bytes`]).
+//!
 //! **Bytes counted.** A dispatch row on the rail is the token payload plus its metadata:
 //! * BF16: `hidden * 2` + top-k ids (`top_k * 8`) + top-k weights (`top_k * 4`) + source index
 //!   (4) — [`dispatch_row_bytes`] without its FP8 scales;
@@ -116,7 +125,92 @@ pub struct StagedTime {
     pub overlapped_rail_gbps: f64,
 }
 
+/// An op run as a pipeline of chunks ([`OpEstimate::pipelined`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Pipelined {
+    /// Chunks per op.
+    pub chunks: u32,
+    /// What each chunk adds on the critical path, microseconds.
+    pub chunk_us: f64,
+    /// `max(rail, node) + min(rail, node) / chunks + chunks * chunk_us + overhead`, us.
+    pub time_us: f64,
+    /// Mean rail bytes sent per rank / `time_us`, GB/s.
+    pub rail_gbps: f64,
+    /// The forwarder's memory for two chunks in flight per source node:
+    /// `2 * busiest rows * row bytes / chunks` (rounded up to whole rows per chunk).
+    pub ring_bytes: u64,
+}
+
 impl OpEstimate {
+    /// The per-op overhead the estimate was made with, microseconds.
+    pub fn overhead_us(&self) -> f64 {
+        self.time_us - self.staged.rail_us
+    }
+
+    /// The op as a pipeline of `chunks` chunks, each adding `chunk_us` on the critical path
+    /// (see the module docs).
+    ///
+    /// # Errors
+    /// [`RefError::OutOfRange`] unless `chunks >= 1` and `chunk_us` is finite and `>= 0`.
+    pub fn pipelined(&self, chunks: u32, chunk_us: f64) -> Result<Pipelined> {
+        if chunks == 0 {
+            return Err(RefError::OutOfRange {
+                arg: "chunks",
+                value: 0.0,
+                min: 1.0,
+                max: f64::from(u32::MAX),
+            });
+        }
+        if !(chunk_us >= 0.0 && chunk_us.is_finite()) {
+            return Err(RefError::OutOfRange {
+                arg: "chunk_us",
+                value: chunk_us,
+                min: 0.0,
+                max: f64::MAX,
+            });
+        }
+        let (rail, node) = (self.staged.rail_us, self.staged.node_us);
+        let c = f64::from(chunks);
+        let time_us = rail.max(node) + rail.min(node) / c + c * chunk_us + self.overhead_us();
+        let rows = self.busiest / self.row_bytes.max(1);
+        let chunk_rows = rows.div_ceil(u64::from(chunks));
+        Ok(Pipelined {
+            chunks,
+            chunk_us,
+            time_us,
+            rail_gbps: if time_us > 0.0 {
+                self.sent_mean / (time_us * 1e3)
+            } else {
+                0.0
+            },
+            ring_bytes: 2 * chunk_rows * self.row_bytes,
+        })
+    }
+
+    /// [`Self::pipelined`] with the chunk count in `1..=max_chunks` that takes the least time
+    /// (the fewest chunks among equals).
+    ///
+    /// # Errors
+    /// As [`Self::pipelined`], and [`RefError::OutOfRange`] naming `max_chunks` when it is 0.
+    pub fn best_pipeline(&self, chunk_us: f64, max_chunks: u32) -> Result<Pipelined> {
+        if max_chunks == 0 {
+            return Err(RefError::OutOfRange {
+                arg: "max_chunks",
+                value: 0.0,
+                min: 1.0,
+                max: f64::from(u32::MAX),
+            });
+        }
+        let mut best = self.pipelined(1, chunk_us)?;
+        for chunks in 2..=max_chunks {
+            let p = self.pipelined(chunks, chunk_us)?;
+            if p.time_us < best.time_us {
+                best = p;
+            }
+        }
+        Ok(best)
+    }
+
     fn new(
         row_bytes: u64,
         sent: Spread,

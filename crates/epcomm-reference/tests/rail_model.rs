@@ -132,3 +132,47 @@ fn errors() {
     assert_eq!(Spread::of([]), Spread { mean: 0.0, max: 0 });
     assert_eq!(Spread::of([1, 4]).scaled(10), (25.0, 40));
 }
+
+#[test]
+fn pipelined_by_hand() {
+    let m = summarize(&routing(), 3, 4, 128, Tiers::new(2, 2).unwrap(), LINK).unwrap();
+    let op = &m.dispatch_bf16;
+    // Rail 2 rows * 296 B at 1000 B/us = 0.592 us, node 0.148 us, overhead 2 us.
+    let (rail, node) = (0.592, 0.148);
+    close(op.overhead_us(), 2.0);
+    // One chunk: the stages one after the other (and the chunk's cost).
+    let one = op.pipelined(1, 0.5).unwrap();
+    close(one.time_us, rail + node + 0.5 + 2.0);
+    close(one.rail_gbps, op.sent_mean / (one.time_us * 1e3));
+    // Two rows in one chunk, two chunks in flight.
+    assert_eq!(one.ring_bytes, 2 * 2 * 296);
+    // Two chunks: the slower stage, half of the faster one, two chunk costs.
+    let two = op.pipelined(2, 0.5).unwrap();
+    close(two.time_us, rail + node / 2.0 + 1.0 + 2.0);
+    assert_eq!(two.ring_bytes, 2 * 296);
+    // Free chunks: more is better, down to the slower stage; the search keeps the fewest
+    // chunks among equal times.
+    let free = op.best_pipeline(0.0, 8).unwrap();
+    assert_eq!(free.chunks, 8);
+    close(free.time_us, rail + node / 8.0 + 2.0);
+    // Costly chunks: one chunk (0.148 / 1 saved per extra chunk is less than 0.5).
+    assert_eq!(op.best_pipeline(0.5, 8).unwrap().chunks, 1);
+    // The optimum sits near sqrt(min stage / chunk cost): 0.148 / 0.004 = 37 -> about 6.
+    assert_eq!(op.best_pipeline(0.004, 64).unwrap().chunks, 6);
+}
+
+#[test]
+fn pipelined_errors() {
+    let m = summarize(&routing(), 3, 4, 128, Tiers::new(2, 2).unwrap(), LINK).unwrap();
+    let op = &m.dispatch_fp8;
+    let arg = |e: RefError| match e {
+        RefError::OutOfRange { arg, .. } => arg,
+        e => panic!("{e:?}"),
+    };
+    assert_eq!(arg(op.pipelined(0, 1.0).unwrap_err()), "chunks");
+    for bad in [-1.0, f64::NAN, f64::INFINITY] {
+        assert_eq!(arg(op.pipelined(2, bad).unwrap_err()), "chunk_us");
+        assert_eq!(arg(op.best_pipeline(bad, 4).unwrap_err()), "chunk_us");
+    }
+    assert_eq!(arg(op.best_pipeline(1.0, 0).unwrap_err()), "max_chunks");
+}
