@@ -12,7 +12,7 @@
 
 use std::time::Instant;
 
-use epcomm_reference::rail_model::{OpEstimate, RailLink, summarize};
+use epcomm_reference::rail_model::{OpEstimate, RailLink, RailModel, summarize};
 use epcomm_reference::{Tiers, gen_deepep_workload};
 
 const TOKENS: usize = 4096;
@@ -176,12 +176,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     println!("|---|---|---|---|---|---|---|---|");
     for m in &models {
-        let ops: [(&str, &OpEstimate); 3] = [
-            ("dispatch BF16", &m.dispatch_bf16),
-            ("dispatch FP8", &m.dispatch_fp8),
-            ("combine BF16 partials", &m.combine_bf16),
-        ];
-        for (name, op) in ops {
+        for (name, op) in staged_ops(m) {
             let st = op.staged;
             println!(
                 "| {} | {name} | {:.0} | {:.0} | {:.0} | {:.1} | {:.0} | {:.1} |",
@@ -204,12 +199,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("| EP | op | chunk us | chunks | time us | rail GB/s | ring MB |");
     println!("|---|---|---|---|---|---|---|");
     for m in &models {
-        let ops: [(&str, &OpEstimate); 3] = [
-            ("dispatch BF16", &m.dispatch_bf16),
-            ("dispatch FP8", &m.dispatch_fp8),
-            ("combine BF16 partials", &m.combine_bf16),
-        ];
-        for (name, op) in ops {
+        for (name, op) in staged_ops(m) {
             for &c in &chunk_us {
                 let p = op.best_pipeline(c, max_chunks)?;
                 println!(
@@ -224,4 +214,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
     }
     Ok(())
+}
+
+/// The ops the staged and pipelined tables show (the f32 combine only has the byte table).
+fn staged_ops(m: &RailModel) -> [(&'static str, &OpEstimate); 3] {
+    [
+        ("dispatch BF16", &m.dispatch_bf16),
+        ("dispatch FP8", &m.dispatch_fp8),
+        ("combine BF16 partials", &m.combine_bf16),
+    ]
 }
