@@ -170,6 +170,19 @@ impl LlAddrs {
             self_row: a.self_row.device_ptr(stream).0,
         }
     }
+
+    /// `args` with the routing the dispatch writes and the combine reads: the per-expert
+    /// counts, source info, layout ranges, routes and own-entry rows.
+    fn with_routing(&self, args: OpArgs) -> OpArgs {
+        OpArgs {
+            ll_recv_count: self.count,
+            ll_src_info: self.src_info,
+            ll_layout_range: self.layout_range,
+            ll_route: self.route,
+            ll_self_row: self.self_row,
+            ..args
+        }
+    }
 }
 
 impl LlRecv {

@@ -192,7 +192,7 @@ impl Buffer {
         // A recording replays into these arrays: the graph owns them.
         self.keep_alive(recv.arrays.clone());
         let a = recv.arrays.addrs;
-        let args = OpArgs {
+        let args = a.with_routing(OpArgs {
             x,
             topk_idx: idx,
             num_tokens: t as i32,
@@ -201,22 +201,14 @@ impl Buffer {
             flags,
             ll_recv_x: a.x,
             ll_recv_scales: a.scales,
-            ll_recv_count: a.count,
-            ll_src_info: a.src_info,
-            ll_layout_range: a.layout_range,
-            ll_route: a.route,
-            ll_self_row: a.self_row,
             ll_cumulative_stats: stats,
             ..self.next_op_args()
-        };
+        });
         // SAFETY: x and topk_idx hold num_tokens rows, cumulative_stats one i32 per local
-        // expert (checked above), and they stay borrowed by the pending op; the kernel writes only the low-latency regions of the symmetric buffers,
-        // sized by the plan every rank shares, and every rank launches it with ll_blocks blocks.
-        unsafe {
-            self.launcher
-                .kernels
-                .launch_op(Op::LlDispatchSend, &s, &args, self.ll.blocks)
-        }?;
+        // expert (checked above), and they stay borrowed by the pending op; the kernel writes
+        // only the low-latency regions of the symmetric buffers, sized by the plan every rank
+        // shares, and every rank launches it with ll_blocks blocks.
+        unsafe { self.launch_ll(Op::LlDispatchSend, &s, &args) }?;
         recv.dispatched = Some((format, t));
         recv.row = row;
         // The fused kernel wrote the stats: their event is recorded now. A split dispatch's
@@ -382,31 +374,21 @@ impl Buffer {
             }
             // The send phase puts rows straight from `y`.
             self.prepare_put_source("y", yp, y.len() * bf16.value_bytes())?;
-            let r = recv.arrays.addrs;
-            let args = OpArgs {
+            let args = recv.arrays.addrs.with_routing(OpArgs {
                 x: yp,
                 topk_idx: idx,
                 topk_weights: w,
                 out: o,
                 num_tokens: t as i32,
                 flags: self.ll_flags(fused),
-                ll_recv_count: r.count,
-                ll_src_info: r.src_info,
-                ll_route: r.route,
-                ll_layout_range: r.layout_range,
-                ll_self_row: r.self_row,
                 ..self.next_op_args()
-            };
+            });
             // SAFETY: y holds every packed row the counts of `recv` name (checked: its full
             // capacity), `recv`'s routing was written by its dispatch earlier on this stream,
             // and every destination row lies in the sources' combine regions ([token][k],
             // token below the source's dispatch count); every rank launches with ll_blocks
             // blocks. The guards record the arrays' events after this kernel.
-            unsafe {
-                self.launcher
-                    .kernels
-                    .launch_op(Op::LlCombineSend, &s, &args, self.ll.blocks)
-            }?;
+            unsafe { self.launch_ll(Op::LlCombineSend, &s, &args) }?;
             args
         };
         let arrays = (!fused).then_some(CombineArrays {
@@ -445,15 +427,29 @@ impl Buffer {
         let _stats_guard = pending.stats.as_mut().map(|a| a.device_ptr_mut(&s).1);
         // SAFETY: the arguments are those of the send phase, whose caller arrays `pending`
         // still borrows; its send phase was the last op issued on this stream (checked above).
-        unsafe {
-            self.launcher
-                .kernels
-                .launch_op(pending.op, &s, &pending.args, self.ll.blocks)
-        }?;
+        unsafe { self.launch_ll(pending.op, &s, &pending.args) }?;
         pending.armed = false;
         self.mark_launch();
         self.seq.advance(pending.kind);
         self.ll.pending = None;
         Ok(())
+    }
+}
+
+impl Buffer {
+    /// Launches the low-latency kernel `op` on `s` with `args` and this buffer's low-latency
+    /// blocks.
+    ///
+    /// # Safety
+    /// As [`epcomm_kernels::OpModule::launch_op`]: `args` names memory the kernel may read and
+    /// write for as long as it runs, and every rank launches the same op with the same blocks.
+    unsafe fn launch_ll(
+        &self,
+        op: Op,
+        s: &cudarc::driver::CudaStream,
+        args: &OpArgs,
+    ) -> std::result::Result<(), epcomm_kernels::KernelError> {
+        // SAFETY: the caller's contract is the launch's.
+        unsafe { self.launcher.kernels.launch_op(op, s, args, self.ll.blocks) }
     }
 }
