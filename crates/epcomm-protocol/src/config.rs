@@ -19,6 +19,8 @@ pub const MAX_TOKENS: usize = 1 << 12;
 pub const MAX_BLOCKS: usize = 64;
 /// Largest op sequence (epochs are 32-bit tags).
 pub const MAX_OPS: usize = 1 << 20;
+/// Largest ring of chunked forwarding the model accepts ([`ModelConfig::with_rail_ring`]).
+pub const MAX_RING_SLOTS: usize = 4;
 
 /// One collective op; every rank calls the same sequence.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -176,11 +178,21 @@ pub enum Mutation {
     /// instead of skipping them: it reads a combine row that rank never wrote in this op (never
     /// written, or a stale one of an earlier combine of the same parity).
     LlMaskedEntriesReduced,
+    /// `[I6c]` (chunked forwarding): the sender does not wait for the forwarder's ring credit:
+    /// it overwrites a ring slot whose chunk the forwarder has not forwarded yet.
+    RingSkipCredit,
+    /// `[I8c]` (chunked forwarding): the forwarder does not wait for the chunk count: it reads
+    /// a ring slot before the chunk in it landed.
+    RingSkipChunkWait,
+    /// `[I9c]` (chunked forwarding): the forwarder's credit counts one chunk past those it
+    /// forwarded, as a credit stored out of order would (chunk `g + 1` credited while chunk
+    /// `g + 1` is still unread): the sender may overwrite that chunk's slot before it is read.
+    RingCreditAhead,
 }
 
 impl Mutation {
     /// Every mutation.
-    pub const ALL: [Mutation; 23] = [
+    pub const ALL: [Mutation; 26] = [
         Mutation::FlagStoreRelaxed,
         Mutation::FlagWaitRelaxed,
         Mutation::DoneAddRelaxed,
@@ -204,6 +216,9 @@ impl Mutation {
         Mutation::IntentOneSlot,
         Mutation::LlMaskedCountsKept,
         Mutation::LlMaskedEntriesReduced,
+        Mutation::RingSkipCredit,
+        Mutation::RingSkipChunkWait,
+        Mutation::RingCreditAhead,
     ];
 
     /// Whether the protocol stays correct under this mutation (the checker must accept it).
@@ -274,6 +289,8 @@ impl Failure {
             L8 | L9 => kind == OpKind::LlCombine,
             F1 | F2 => false,
             I1 | I2 | I3 | I4 | I5 | I6 | I7 | I8 | I9 | I10 | I11 | I12 => false,
+            // The ring's steps: a configuration with the ring injects no failure.
+            I6c | I8c | I9c => false,
             J1 | J2 | J3 | J4 | J5 | J6 | J7 | J8 | J9 => false,
             A1 | A2 => false,
         }
@@ -476,6 +493,18 @@ pub enum ConfigError {
         /// Index of the first internode op.
         index: usize,
     },
+    /// A ring of chunked forwarding of `slots` slots, outside `1..=MAX_RING_SLOTS`.
+    #[error("ring slots = {slots}: chunked forwarding needs 1..={MAX_RING_SLOTS} slots")]
+    RingSlots {
+        /// The rejected value.
+        slots: usize,
+    },
+    /// Chunked forwarding with an injected failure: the failure rule of the internode ops
+    /// ([`crate::check_outcome_internode`]) does not model the ring's waits.
+    #[error(
+        "chunked forwarding is modelled without failures: the failure rule does not know the ring"
+    )]
+    RingWithFailure,
 }
 
 /// A validated model configuration.
@@ -491,6 +520,7 @@ pub struct ModelConfig {
     failure: Option<Failure>,
     stopped: Option<StoppedRank>,
     ll_masking: bool,
+    ring_slots: Option<usize>,
     mutations: Vec<Mutation>,
 }
 
@@ -562,6 +592,7 @@ impl ModelConfig {
             failure: None,
             stopped: None,
             ll_masking: false,
+            ring_slots: None,
             mutations: Vec::new(),
         })
     }
@@ -571,6 +602,9 @@ impl ModelConfig {
     pub fn with_failure(mut self, failure: Failure) -> Result<Self, ConfigError> {
         if self.stopped.is_some() {
             return Err(ConfigError::StopWithFailure);
+        }
+        if self.ring_slots.is_some() {
+            return Err(ConfigError::RingWithFailure);
         }
         if failure.rank >= self.world {
             return Err(ConfigError::FailureRank {
@@ -660,6 +694,24 @@ impl ModelConfig {
             });
         }
         self.nodes = nodes;
+        Ok(self)
+    }
+
+    /// Chunked forwarding (docs/protocol.md, "Chunked forwarding"): the internode dispatch
+    /// sends its rail rows through a ring of `slots` slots of one row (one chunk) at each
+    /// forwarder, `[I6c]`, `[I8c]`, `[I9c]`, instead of a per-op region (`[I6]`..`[I9]`'s rail
+    /// half). Chunks are counted since setup, so the ring needs no per-op credit: the writers'
+    /// `[I5]` skips their rail peers. Each rank interleaves its sender and forwarder roles
+    /// without blocking (the kernels give them different blocks). Rejected with an injected
+    /// failure ([`ConfigError::RingWithFailure`]).
+    pub fn with_rail_ring(mut self, slots: usize) -> Result<Self, ConfigError> {
+        if !(1..=MAX_RING_SLOTS).contains(&slots) {
+            return Err(ConfigError::RingSlots { slots });
+        }
+        if self.failure.is_some() {
+            return Err(ConfigError::RingWithFailure);
+        }
+        self.ring_slots = Some(slots);
         Ok(self)
     }
 
@@ -760,6 +812,11 @@ impl ModelConfig {
     /// The stopped rank, if any.
     pub fn stopped_rank(&self) -> Option<StoppedRank> {
         self.stopped
+    }
+    /// The slots of the chunked-forwarding ring ([`ModelConfig::with_rail_ring`]); `None`:
+    /// the per-op rail region.
+    pub fn ring_slots(&self) -> Option<usize> {
+        self.ring_slots
     }
     /// Whether the low-latency ops mask ranks ([`ModelConfig::with_ll_masking`]).
     pub fn ll_masking(&self) -> bool {
@@ -887,6 +944,44 @@ pub fn combine_word(combine_seq: u64, contributor: usize, row: u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rail_ring_is_validated_and_excludes_failures() {
+        use OpKind::*;
+        let base = ModelConfig::new(2, 3, 1, Schedule::Epoch, vec![InternodeDispatch])
+            .unwrap()
+            .with_nodes(2)
+            .unwrap();
+        assert_eq!(base.ring_slots(), None);
+        for slots in [0, MAX_RING_SLOTS + 1] {
+            assert_eq!(
+                base.clone().with_rail_ring(slots),
+                Err(ConfigError::RingSlots { slots })
+            );
+        }
+        let ring = base.clone().with_rail_ring(2).unwrap();
+        assert_eq!(ring.ring_slots(), Some(2));
+        let failure = Failure {
+            rank: 0,
+            op: 0,
+            at: Step::I6,
+        };
+        assert_eq!(
+            ring.with_failure(failure),
+            Err(ConfigError::RingWithFailure)
+        );
+        assert_eq!(
+            base.with_failure(failure).unwrap().with_rail_ring(1),
+            Err(ConfigError::RingWithFailure)
+        );
+        for step in [Step::I6c, Step::I8c, Step::I9c] {
+            assert!(!Failure::step_is_valid(
+                Schedule::Epoch,
+                InternodeDispatch,
+                step
+            ));
+        }
+    }
 
     #[test]
     fn rejects_bad_shapes() {

@@ -107,6 +107,12 @@ pub enum Step {
     I11,
     /// `[I12]` read the output: (non-cached) re-read `xcount[m%2][s]` (tag must be `m`), then `xrecv[i%2][s][0..count(s -> me)]`, by source then token.
     I12,
+    /// `[I6c]` chunked forwarding ([`crate::ModelConfig::with_rail_ring`]), sender, chunk `g` (the `g`-th since setup) to the rail peer in node `k`: wait until `ring_credit[k] >= g + 1 - R` (acquire, bounded), write its rows into the peer's `ring[n][g % R]` (relaxed), then `chunks_in[n] := g + 1` on the peer (release). Replaces the rail half of `[I6]`/`[I7]`.
+    I6c,
+    /// `[I8c]` chunked forwarding, forwarder, chunk `g` of node `k`: wait until `chunks_in[k] >= g + 1` (acquire, bounded). Replaces `[I8]`.
+    I8c,
+    /// `[I9c]` chunked forwarding, forwarder: each row of `ring[k][g % R]` into `xrecv[i%2][(k, l)][j]` of each rank of my node it goes to (relaxed), then `ring_credit[n] := g + 1` on the sender (release); after the last chunk of `k` in op `i`, `idone[(k, l)] := i` on each rank it sent rows to (release). Replaces `[I9]`.
+    I9c,
     /// `[J1]` internode combine start: store `ccredit[me] := q - 1` (release) into every rank that writes my combine regions (my node's ranks and my rail peers): I read nothing of internode combine `q - 1` any more.
     J1,
     /// `[J2]` before writing contributions or partials of combine `q` into a peer: wait until its `ccredit >= q - 2` (acquire, bounded).
@@ -135,7 +141,7 @@ pub enum Step {
 
 impl Step {
     /// Every step, in label order.
-    pub const ALL: [Step; 52] = [
+    pub const ALL: [Step; 55] = [
         Step::Recheck,
         Step::E1,
         Step::E2,
@@ -177,6 +183,9 @@ impl Step {
         Step::I10,
         Step::I11,
         Step::I12,
+        Step::I6c,
+        Step::I8c,
+        Step::I9c,
         Step::J1,
         Step::J2,
         Step::J3,
@@ -234,6 +243,9 @@ impl Step {
             Step::I10 => "[I10]",
             Step::I11 => "[I11]",
             Step::I12 => "[I12]",
+            Step::I6c => "[I6c]",
+            Step::I8c => "[I8c]",
+            Step::I9c => "[I9c]",
             Step::J1 => "[J1]",
             Step::J2 => "[J2]",
             Step::J3 => "[J3]",
@@ -292,6 +304,9 @@ impl Step {
             Step::I10 => "wait receive counts",
             Step::I11 => "wait done",
             Step::I12 => "read output",
+            Step::I6c => "send a chunk",
+            Step::I8c => "wait a chunk",
+            Step::I9c => "forward a chunk",
             Step::J1 => "release combine credit",
             Step::J2 => "wait combine credit",
             Step::J3 => "write contributions",

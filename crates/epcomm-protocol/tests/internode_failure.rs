@@ -197,6 +197,44 @@ fn stalled_rail_peer_times_out_the_forwarder() {
     }
 }
 
+/// 2x1 with a ring of one slot (chunked forwarding), three tokens: each rank sends the other
+/// two chunks. Rank 1 stalls before it forwards rank 0's first chunk `[I9c]`: rank 0, whose
+/// second chunk needs that slot, times out in `[I6c]` naming rank 1, the credit it saw (0)
+/// and the one it needs (1).
+#[test]
+fn stalled_forwarder_times_out_its_ring_sender() {
+    let crossing = |src: usize, dst: usize| route_count(1, 3, src, dst);
+    assert!(
+        crossing(0, 1) == 2 && crossing(1, 0) == 2,
+        "the routing oracle changed: pick another layout for this schedule"
+    );
+    let cfg = internode(2, 1, 3, Schedule::Epoch, &[Id])
+        .with_rail_ring(1)
+        .unwrap();
+    let violations = stalled(
+        &cfg,
+        Stall {
+            rank: 1,
+            op: 0,
+            step: Step::I9c,
+        },
+    );
+    match &violations[..] {
+        [
+            Violation::Timeout {
+                rank: 0,
+                op: 0,
+                step: Step::I6c,
+                peer: 1,
+                expected: 1,
+                seen: 0,
+                ..
+            },
+        ] => {}
+        other => panic!("expected the sender to time out in [I6c] on peer 1, got {other:?}"),
+    }
+}
+
 /// 2x1, internode combine: the forwarder rank 0 stalls before it signals its partials `[J7]`:
 /// the source, rank 1 (node 1), times out in `[J8]` naming rank 0.
 #[test]

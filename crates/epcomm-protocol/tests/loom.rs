@@ -223,6 +223,46 @@ explore_tests! {
     /// One node of two ranks: back-to-back combines, so the combine credits guard a parity
     /// reuse.
     internode_one_node_combine_credit: inter(1, 2, &[ID, IC, IC, IC]);
+
+    // ---- chunked forwarding (model only) ---------------------------------------------------
+
+    /// Two nodes of one rank, three tokens, a ring of one slot: each rank sends its rail peer
+    /// two chunks, the second into the slot the first used (over two ops with two tokens: the
+    /// unmutated half of `mutation_ring_credit_ahead_is_caught`).
+    internode_ring_one_slot: ring(2, 1, 3, 1, &[ID]);
+    /// Two slots: each rank sends both its chunks before the other forwards either.
+    internode_ring_two_slots: ring(2, 1, 3, 2, &[ID]);
+    /// A ring of one slot and a combine between the dispatches: the combine reads the
+    /// forwarded output while the chunk counts carry on in the next dispatch.
+    internode_ring_dispatch_combine_dispatch: ring(2, 1, 2, 1, &[ID, IC, ICD]);
+}
+
+/// [`inter`] with `tokens` tokens per rank and the rail rows forwarded through a ring of
+/// `slots` slots.
+fn ring(nodes: usize, local: usize, tokens: usize, slots: usize, ops: &[OpKind]) -> ModelConfig {
+    cfg(nodes * local, tokens, 1, Epoch, ops)
+        .with_nodes(nodes)
+        .unwrap()
+        .with_rail_ring(slots)
+        .unwrap()
+}
+
+/// Layout 1 with three tokens per rank on two nodes of one rank: each rank sends two chunks to
+/// the other (rank 0 tokens 0 and 1, rank 1 tokens 1 and 2).
+fn two_node_ring_routing() {
+    let crossing = |src: usize, dst: usize| (0..3).filter(|&t| routes_to(1, src, t, dst)).count();
+    assert!(
+        crossing(0, 1) == 2 && crossing(1, 0) == 2,
+        "the routing oracle changed: pick another layout for the ring scenarios"
+    );
+}
+
+/// Two tokens, two slots, two ops: rank 0 sends four chunks (the third waits for the first's
+/// credit), rank 1 two. At preemption bound 1 here (seconds); `big_two_rank_configurations`
+/// explores it at 2 (minutes).
+#[test]
+fn internode_ring_two_slots_credit() {
+    explore(ring(2, 1, 2, 2, &[ID, ICD]), 1);
 }
 
 fn failing(c: ModelConfig, rank: usize, op: usize, at: Step) -> ModelConfig {
@@ -244,6 +284,7 @@ fn big_two_rank_configurations() {
     explore(cfg(2, 2, 2, Epoch, &[D, C, CD]), 2);
     explore(cfg(2, 1, 1, Epoch, &[D, D, C]), 3);
     explore(cfg(2, 1, 1, Global, &[D, D, C]), 3);
+    explore(ring(2, 1, 2, 2, &[ID, ICD]), 2);
 }
 
 /// Three ranks: the state space is too large for an exhaustive search within CI budgets, so
@@ -461,6 +502,41 @@ fn mutation_inter_combine_skip_credit_is_caught() {
         inter(1, 2, &[ID, IC, IC, IC]),
         Mutation::InterCombineSkipCredit,
         &["rank 0", "[J9] reduce: cdirect[1]"],
+    );
+}
+
+/// [I6c] without the credit wait: with one slot, a sender puts its second chunk where the
+/// first still waits to be forwarded.
+#[test]
+fn mutation_ring_skip_credit_is_caught() {
+    two_node_ring_routing();
+    mutation_is_caught(
+        ring(2, 1, 3, 1, &[ID]),
+        Mutation::RingSkipCredit,
+        &["[I9c] forward a chunk: ring[", "slot 0"],
+    );
+}
+
+/// [I8c] without the chunk wait: a forwarder reads a slot before the chunk in it landed.
+#[test]
+fn mutation_ring_skip_chunk_wait_is_caught() {
+    two_node_ring_routing();
+    mutation_is_caught(
+        ring(2, 1, 3, 1, &[ID]),
+        Mutation::RingSkipChunkWait,
+        &["[I9c] forward a chunk: ring["],
+    );
+}
+
+/// [I9c] crediting one chunk ahead: with one slot, rank 0 (four chunks over the two ops, two
+/// tokens) overwrites the chunk after the credited one before it is forwarded.
+#[test]
+fn mutation_ring_credit_ahead_is_caught() {
+    two_node_ring_routing();
+    mutation_is_caught(
+        ring(2, 1, 2, 1, &[ID, ICD]),
+        Mutation::RingCreditAhead,
+        &["[I9c] forward a chunk: ring["],
     );
 }
 

@@ -434,3 +434,89 @@ fn internode_combine_long_sequence_without_delays() {
         assert_eq!(got, sequential_reference(&cfg));
     }
 }
+
+// ---- chunked forwarding of the internode dispatch (model only) -----------------------------
+
+/// A random internode configuration (dispatches, cached dispatches and combines; `mixed` adds
+/// the intranode ops) whose dispatches forward through rings of 1 to 3 slots, with up to six
+/// tokens per rank so that an op sends several times as many chunks as a ring holds.
+fn ring_config(rng: &mut Rng, schedule: Schedule, mixed: bool) -> ModelConfig {
+    let (nodes, local) = INTERNODE_SHAPES[rng.below(INTERNODE_SHAPES.len() as u64) as usize];
+    let tokens = 1 + rng.below(6) as usize;
+    let len = 3 + rng.below(6) as usize;
+    let ops = random_internode_combine_ops(rng, len, mixed);
+    let slots = 1 + rng.below(3) as usize;
+    ModelConfig::new(nodes * local, tokens, 1, schedule, ops)
+        .unwrap()
+        .with_nodes(nodes)
+        .unwrap()
+        .with_rail_ring(slots)
+        .unwrap()
+}
+
+/// Chunked forwarding under random delays, on every shape: every rank's receive set and every
+/// combine equal the sequential reference, as with the per-op rail region.
+#[test]
+fn internode_ring_survives_random_delays() {
+    for (schedule, mixed, seed, runs) in [
+        (Schedule::Epoch, false, 0x1A7E_5001, 200),
+        (Schedule::Epoch, true, 0x1A7E_5002, 60),
+        (Schedule::Global, false, 0x1A7E_5003, 40),
+    ] {
+        stress(|rng| ring_config(rng, schedule, mixed), runs, seed);
+    }
+}
+
+/// Every shape and ring size, a long sequence without delays: the chunk counts run far past
+/// the ring's size and across cached dispatches and combines.
+#[test]
+fn internode_ring_long_sequence_without_delays() {
+    use OpKind::*;
+    let mut ops = vec![InternodeDispatch];
+    for i in 0..60 {
+        ops.push(
+            [
+                InternodeCachedDispatch,
+                InternodeCombine,
+                InternodeDispatch,
+                InternodeCachedDispatch,
+                InternodeDispatch,
+            ][i % 5],
+        );
+    }
+    for (nodes, local) in INTERNODE_SHAPES {
+        for slots in 1..=3 {
+            let cfg = ModelConfig::new(nodes * local, 5, 1, Schedule::Epoch, ops.clone())
+                .unwrap()
+                .with_nodes(nodes)
+                .unwrap()
+                .with_rail_ring(slots)
+                .unwrap();
+            let got = run_model(&cfg, &NoHook)
+                .unwrap_or_else(|f| panic!("{nodes}x{local}, {slots} slots: {f}"));
+            assert_eq!(got, sequential_reference(&cfg));
+        }
+    }
+}
+
+/// The harness catches each ring mutation under the same delays (one failing run of 40 is
+/// required for each; loom finds each in every run, tests/loom.rs).
+#[test]
+fn jitter_catches_ring_mutations() {
+    for mutation in [
+        Mutation::RingSkipCredit,
+        Mutation::RingSkipChunkWait,
+        Mutation::RingCreditAhead,
+    ] {
+        let mut rng = Rng(0x0BAD_0A11);
+        let mut failures = 0;
+        for run in 0..40u64 {
+            let cfg = ring_config(&mut rng, Schedule::Epoch, false).with_mutation(mutation);
+            if run_model(&cfg, &Jitter::new(run)).is_err() {
+                failures += 1;
+            }
+        }
+        eprintln!("{mutation:?}: {failures}/40");
+        assert!(failures > 0, "no run with {mutation:?} failed");
+    }
+}

@@ -15,6 +15,7 @@
 
 use epcomm_topology::Schedule;
 
+use super::internode_ring::RingSend;
 use super::violation::{Region, Violation};
 use super::wait::Poll;
 use super::{InterLayout, InterLive, Rank, Stop};
@@ -166,7 +167,15 @@ impl Rank<'_> {
             })
             .filter(|(_, ts): &(usize, Vec<usize>)| !ts.is_empty())
             .collect();
-        let mut targets: Vec<usize> = my_rail.iter().chain(&my_local).map(|(p, _)| *p).collect();
+        // Chunked forwarding: the ring's chunk counts guard the rail peers' slots, so [I5]
+        // waits only for the ranks of my node.
+        let ring = cfg.ring_slots().is_some();
+        let mut targets: Vec<usize> = my_rail
+            .iter()
+            .filter(|_| !ring)
+            .chain(&my_local)
+            .map(|(p, _)| *p)
+            .collect();
         for &(k, _) in &rail_peers {
             for (j, &d) in local_peers.iter().enumerate() {
                 if layout.fwd[k * lsz + j] > 0 {
@@ -190,7 +199,7 @@ impl Rank<'_> {
         // [I6] write my rows (relaxed): once per destination node over the rail, directly to
         // the ranks of my node.
         self.step(Step::I6)?;
-        for (p, ts) in &my_rail {
+        for (p, ts) in my_rail.iter().filter(|_| !ring) {
             for (r, &t) in ts.iter().enumerate() {
                 self.write(Step::I6, || {
                     self.w
@@ -210,7 +219,7 @@ impl Rank<'_> {
         }
         // [I7] signal my rows (release), only to the peers that got some.
         self.step(Step::I7)?;
-        for (p, _) in &my_rail {
+        for (p, _) in my_rail.iter().filter(|_| !ring) {
             self.write(Step::I7, || {
                 self.w.ranks[*p].rail_done[n].store(i, Ordering::Release);
             })?;
@@ -221,8 +230,20 @@ impl Rank<'_> {
             })?;
         }
 
+        if ring {
+            // [I6c], [I8c], [I9c]: my rail rows and the ones I forward, through the rings.
+            let sends: Vec<RingSend> = my_rail
+                .into_iter()
+                .map(|(peer, tokens)| RingSend {
+                    node: cfg.node_of(peer),
+                    peer,
+                    tokens,
+                })
+                .collect();
+            self.ring_exchange(i, par, layout_seq, &sends, &layout)?;
+        }
         // The forwarder: per rail source that sends me rows.
-        for &(k, src) in &rail_peers {
+        for &(k, src) in rail_peers.iter().filter(|_| !ring) {
             let rows = layout.rail[k] as usize;
             if rows == 0 {
                 continue;

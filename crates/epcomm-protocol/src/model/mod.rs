@@ -25,6 +25,8 @@
 //! - `combine.rs`: combine, `[C1]`..`[C5]` (and `[G1]`);
 //! - `low_latency.rs`: the low-latency dispatch and combine, `[L1]`..`[L9]` (and `[G1]`, `[G2]`);
 //! - `internode.rs`: the hierarchical internode dispatch (model only), `[I1]`..`[I12]`;
+//! - `internode_ring.rs`: chunked forwarding of the internode dispatch (model only),
+//!   `[I6c]`, `[I8c]`, `[I9c]`;
 //! - `internode_combine.rs`: the hierarchical internode combine (model only), `[J1]`..`[J9]`;
 //! - `wait.rs`: the bounded waits, the done counters (`[E5]`/`[C2]` signal, `[E6]`/`[C5]`
 //!   wait) and the barrier of `[G1]`/`[G3]`/`[G5]`;
@@ -49,6 +51,7 @@ mod dispatch;
 mod failure;
 mod internode;
 mod internode_combine;
+mod internode_ring;
 mod low_latency;
 mod masking;
 mod runner;
@@ -77,7 +80,8 @@ pub trait StepHook: Send + Sync {
     /// Called by rank `rank` right before it executes `step` of op number `op` (0-based) of
     /// kind `kind`. Steps that repeat per sender block (`[E4]`, `[E5]`, `[C1]`, `[C3]`, `[C4]`,
     /// `[C2]`, `[L3]`, `[L4]`, `[L8]`) are reported once per block; `[I8]` and `[I9]` once
-    /// per rail source node the rank forwards for, and so are `[J5]`, `[J6]` and `[J7]`.
+    /// per rail source node the rank forwards for, and so are `[J5]`, `[J6]` and `[J7]`;
+    /// `[I6c]` once per chunk sent, `[I8c]` and `[I9c]` once per chunk forwarded.
     fn at(&self, rank: usize, op: usize, kind: OpKind, step: Step);
 }
 
@@ -123,6 +127,15 @@ struct RankBuffer {
     /// Internode: `rail_done[src_node]`, monotonic: the internode sequence number of the last
     /// op whose rail rows from `src_node` all landed.
     rail_done: Vec<AtomicU64>,
+    /// Chunked forwarding: `ring[src_node][slot]`, the chunk (one row) my rail peer in
+    /// `src_node` put in slot `slot` (one region: chunks are counted since setup).
+    ring: Vec<AtomicU64>,
+    /// Chunked forwarding: `chunks_in[src_node]`, monotonic since setup: the chunks my rail
+    /// peer in `src_node` has sent me whose rows landed.
+    chunks_in: Vec<AtomicU64>,
+    /// Chunked forwarding: `ring_credit[node]`, monotonic since setup: the chunks of mine my
+    /// rail peer in `node` has forwarded (slots it will not read again).
+    ring_credit: Vec<AtomicU64>,
     /// Internode: `xcount[parity][src]`, tagged `(m << 32) | count(src -> me)`, written by
     /// `src` (same node) or relayed by its forwarder (parity of the notify sequence).
     xcount: Vec<AtomicU64>,
@@ -203,6 +216,9 @@ impl World {
                 rail_count: zeroed(p * cfg.nodes() * (cfg.local_ranks() + 1)),
                 rail_buf: zeroed(p * cfg.nodes() * t),
                 rail_done: zeroed(cfg.nodes()),
+                ring: zeroed(cfg.nodes() * cfg.ring_slots().unwrap_or(0)),
+                chunks_in: zeroed(cfg.nodes()),
+                ring_credit: zeroed(cfg.nodes()),
                 xcount: zeroed(p * w),
                 xrecv: zeroed(p * w * t),
                 idone: zeroed(w),
@@ -280,6 +296,12 @@ impl World {
     fn rail_buf(&self, rank: usize, parity: usize, node: usize, r: usize) -> &AtomicU64 {
         let (n, t) = (self.cfg.nodes(), self.cfg.tokens());
         &self.ranks[rank].rail_buf[(parity * n + node) * t + r]
+    }
+
+    /// `rank.ring[node][slot]`.
+    fn ring(&self, rank: usize, node: usize, slot: usize) -> &AtomicU64 {
+        let r = self.cfg.ring_slots().unwrap_or(0);
+        &self.ranks[rank].ring[node * r + slot]
     }
 
     fn xcount(&self, rank: usize, parity: usize, src: usize) -> &AtomicU64 {
@@ -430,5 +452,9 @@ struct Rank<'a> {
     ll_live: Option<LlLive>,
     inter_layout: InterLayout,
     inter_live: Option<InterLive>,
+    /// Chunked forwarding, per node `k`: the chunks this rank has sent its rail peer in `k`
+    /// since setup (the sender's `g`), and the chunks of that peer it has forwarded.
+    ring_sent: Vec<u64>,
+    ring_forwarded: Vec<u64>,
     outputs: Vec<Result<OpOutput, OpError>>,
 }

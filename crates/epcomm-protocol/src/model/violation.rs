@@ -26,6 +26,9 @@ pub enum Region {
     LlComb,
     /// `rail_buf[parity][src_node][r]`, the internode rail rows (slot = `src_node * tokens + r`).
     RailBuf,
+    /// `ring[src_node][slot]`, the chunked-forwarding ring (reported with the source node in
+    /// place of the parity: one region, chunks counted since setup).
+    Ring,
     /// `xrecv[parity][src][j]`, the internode receive rows (slot = `src * tokens + j`).
     XRecv,
     /// `cdirect[parity][src][token]`, the internode combine's direct contributions (slot =
@@ -46,6 +49,7 @@ impl fmt::Display for Region {
             Region::LlX => "ll_x",
             Region::LlComb => "ll_comb",
             Region::RailBuf => "rail_buf",
+            Region::Ring => "ring",
             Region::XRecv => "xrecv",
             Region::CDirect => "cdirect",
             Region::CFwd => "cfwd",
