@@ -38,6 +38,10 @@ enum Sig {
     RailDone(usize, usize, usize),
     /// `[I7]`/`[I9]` rows of `src` delivered to `dst` in `op` (by `src`, or forwarded).
     IDone(usize, usize, usize),
+    /// `[I6c]` chunks of `src` to its rail peer `to` in `op`, landed (chunked forwarding).
+    Chunks(usize, usize, usize),
+    /// `[I9c]` ring credit of forwarder `fwd` for the chunks of `src` in `op`.
+    RingCredit(usize, usize, usize),
     /// `[J1]` combine credit of `(rank, op)`.
     CCredit(usize, usize),
     /// `[J4]` contributions of `from` to `to` in `op`.
@@ -79,6 +83,9 @@ struct SeqWalk {
     last_dispatch: Option<usize>,
     combine_seq: u64,
     last_combine: Option<usize>,
+    /// Chunked forwarding, per rail peer node: `(op, chunks)` of every internode dispatch so
+    /// far that sent it chunks, in order (chunk indices run on across ops).
+    ring_sent: std::collections::HashMap<usize, Vec<(usize, u64)>>,
 }
 
 impl SeqWalk {
@@ -139,7 +146,14 @@ impl SeqWalk {
                 .copied()
                 .filter(|&d| count(me, d) > 0)
                 .collect();
-            let mut targets: Vec<usize> = my_rail.iter().chain(&my_local).copied().collect();
+            // Chunked forwarding: the rings need no credit of the rail peers.
+            let ring = cfg.ring_slots();
+            let mut targets: Vec<usize> = my_rail
+                .iter()
+                .filter(|_| ring.is_none())
+                .chain(&my_local)
+                .copied()
+                .collect();
             for &(_, src) in &rail {
                 targets.extend(local.iter().copied().filter(|&d| count(src, d) > 0));
             }
@@ -158,10 +172,14 @@ impl SeqWalk {
             ev.extend(
                 my_rail
                     .iter()
+                    .filter(|_| ring.is_none())
                     .map(|&p| Ev::Publish(Sig::RailDone(me, p, k))),
             );
             ev.extend(my_local.iter().map(|&d| Ev::Publish(Sig::IDone(me, d, k))));
-            for &(_, src) in &rail {
+            if let Some(slots) = ring {
+                self.ring_events(cfg, me, k, slots as u64, &mut ev);
+            }
+            for &(_, src) in rail.iter().filter(|_| ring.is_none()) {
                 if !crosses(src, n) {
                     continue;
                 }
@@ -268,6 +286,80 @@ impl SeqWalk {
         ev.push(Ev::Step(Step::J9));
         self.last_combine = Some(k);
         ev
+    }
+}
+
+impl SeqWalk {
+    /// The events of chunked forwarding (`[I6c]`..`[I9c]`) of internode dispatch `k`.
+    ///
+    /// A rank interleaves its sender and forwarder roles in an order the schedule decides, so
+    /// the events are not in program order: every signal first, then every wait. A failure is
+    /// never injected inside this block ([`Failure::step_is_valid`]), so a completed op or a
+    /// failure before or after it is judged exactly; an op aborted in one of its waits counts
+    /// as having published everything of the block (lenient: it may have published less).
+    ///
+    /// The sender's wait for its rail peer `p`: the chunks `g` of op `k` need
+    /// `ring_credit >= g + 1 - R`, so the last of them needs the chunk at index
+    /// `G + c - R - 1` forwarded (`G` chunks before op `k`, `c` in it), which the op that
+    /// sent that chunk forwards: no wait if it is negative.
+    fn ring_events(
+        &mut self,
+        cfg: &ModelConfig,
+        me: usize,
+        k: usize,
+        slots: u64,
+        ev: &mut Vec<Ev>,
+    ) {
+        let (tokens, lsz) = (cfg.tokens(), cfg.local_ranks());
+        let (n, l) = (cfg.node_of(me), cfg.local_of(me));
+        let ls = self.layout_seq;
+        let crossing = |s: usize, node: usize| {
+            (0..tokens)
+                .filter(|&t| (0..lsz).any(|j| routes_to(ls, s, t, cfg.rank_of(node, j))))
+                .count() as u64
+        };
+        let rail: Vec<(usize, usize)> = (0..cfg.nodes())
+            .filter(|&node| node != n)
+            .map(|node| (node, cfg.rank_of(node, l)))
+            .collect();
+        let mut waits = Vec::new();
+        for &(node, p) in &rail {
+            let c = crossing(me, node);
+            if c == 0 {
+                continue;
+            }
+            ev.push(Ev::Publish(Sig::Chunks(me, p, k)));
+            let history = self.ring_sent.entry(node).or_default();
+            let before: u64 = history.iter().map(|&(_, c)| c).sum();
+            history.push((k, c));
+            if let Some(needed) = (before + c).checked_sub(slots + 1) {
+                // The op whose chunks include index `needed`.
+                let mut start = 0;
+                let op = history
+                    .iter()
+                    .find(|&&(_, c)| {
+                        start += c;
+                        needed < start
+                    })
+                    .map(|&(op, _)| op)
+                    .unwrap_or(k);
+                waits.push(Ev::Wait(Some(Step::I6c), p, Sig::RingCredit(p, me, op)));
+            }
+        }
+        for &(_, src) in &rail {
+            if crossing(src, n) == 0 {
+                continue;
+            }
+            ev.push(Ev::Publish(Sig::RingCredit(me, src, k)));
+            ev.extend(
+                (0..lsz)
+                    .map(|j| cfg.rank_of(n, j))
+                    .filter(|&d| route_count(ls, tokens, src, d) > 0)
+                    .map(|d| Ev::Publish(Sig::IDone(src, d, k))),
+            );
+            waits.push(Ev::Wait(Some(Step::I8c), src, Sig::Chunks(src, me, k)));
+        }
+        ev.extend(waits);
     }
 }
 
@@ -589,5 +681,90 @@ mod tests {
             })
             .unwrap();
         assert!(!failure_fires(&single));
+    }
+
+    /// 2x1, three tokens (each rank sends the other two chunks), a ring of `slots`, `[ID]`,
+    /// rank 1 fails before `at`.
+    fn ring_two_by_one(slots: usize, at: Step) -> ModelConfig {
+        assert!(
+            route_count(1, 3, 0, 1) == 2 && route_count(1, 3, 1, 0) == 2,
+            "the routing oracle changed: pick another layout"
+        );
+        ModelConfig::new(2, 3, 1, Schedule::Epoch, vec![InternodeDispatch])
+            .unwrap()
+            .with_nodes(2)
+            .unwrap()
+            .with_rail_ring(slots)
+            .unwrap()
+            .with_failure(Failure { rank: 1, op: 0, at })
+            .unwrap()
+    }
+
+    #[test]
+    fn a_ring_sender_cannot_complete_without_its_forwarders_credit() {
+        let one_op = |cfg: &ModelConfig, r0: OpResult| {
+            let at = cfg.failure().unwrap().at;
+            vec![
+                RankReport {
+                    rank: 0,
+                    outputs: vec![r0],
+                },
+                RankReport {
+                    rank: 1,
+                    outputs: vec![Err(OpError::TimedOut { step: at })],
+                },
+            ]
+        };
+        let aborted = |step| {
+            Err(OpError::Aborted {
+                step,
+                peer: 1,
+                by: 1,
+            })
+        };
+        // One slot: rank 0's second chunk needs rank 1 to forward its first.
+        let cfg = ring_two_by_one(1, Step::I7);
+        let ok = sequential_reference(&cfg)[0].outputs[0].clone();
+        for step in [Step::I6c, Step::I8c] {
+            assert_eq!(
+                check_outcome_internode(&cfg, &one_op(&cfg, aborted(step))),
+                Ok(())
+            );
+        }
+        assert_eq!(
+            check_outcome_internode(&cfg, &one_op(&cfg, ok.clone())),
+            Err(OutcomeViolation::CompletedWithoutSignal {
+                rank: 0,
+                op: 0,
+                step: Some(Step::I6c),
+                peer: 1,
+                failing: 1,
+                fail_op: 0
+            })
+        );
+        // Two slots: both chunks fit, so rank 0 never waits as a sender; as a forwarder it
+        // still needs rank 1's chunks.
+        let cfg = ring_two_by_one(2, Step::I7);
+        assert!(matches!(
+            check_outcome_internode(&cfg, &one_op(&cfg, aborted(Step::I6c))),
+            Err(OutcomeViolation::UnexpectedError { rank: 0, op: 0, .. })
+        ));
+        assert_eq!(
+            check_outcome_internode(&cfg, &one_op(&cfg, ok.clone())),
+            Err(OutcomeViolation::CompletedWithoutSignal {
+                rank: 0,
+                op: 0,
+                step: Some(Step::I8c),
+                peer: 1,
+                failing: 1,
+                fail_op: 0
+            })
+        );
+        // After the ring (rank 1 fails before reading its output), rank 0 may complete.
+        let cfg = ring_two_by_one(1, Step::I12);
+        assert_eq!(check_outcome_internode(&cfg, &one_op(&cfg, ok)), Ok(()));
+        // [I8] and [I9] are not the ring's steps: a failure there never fires.
+        assert!(!failure_fires(&ring_two_by_one(1, Step::I8)));
+        assert!(failure_fires(&ring_two_by_one(1, Step::I7)));
     }
 }

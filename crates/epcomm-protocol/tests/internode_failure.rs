@@ -108,13 +108,58 @@ fn crash_anywhere_ends_dependent_ops_in_errors() {
     );
 }
 
-/// Random failures under random delays (internode dispatch, cached dispatch and combine).
+/// The same with chunked forwarding (rings of one and two slots, up to five tokens so that an
+/// op sends more chunks than a ring holds), failures before and after the ring's steps, on
+/// the shapes with a rail: a sender whose next slot waits for a failed forwarder's credit, and
+/// a forwarder whose chunks never come, end in errors naming the failing rank; ops that do not
+/// depend on it may complete.
+#[test]
+fn crash_anywhere_with_the_ring() {
+    let sequences: [&[OpKind]; 3] = [&[Id, Icd, Ic, Icd], &[Id, Ic, Id, Ic], &[Id, Icd, Icd]];
+    let (mut runs, mut completed_after, mut gave_up) = (0, 0, 0);
+    for schedule in Schedule::ALL {
+        for (nodes, local) in [(2, 1), (2, 2)] {
+            for ops in sequences {
+                for (tokens, slots) in [(3, 1), (5, 2)] {
+                    let cfg = internode(nodes, local, tokens, schedule, ops)
+                        .with_rail_ring(slots)
+                        .unwrap();
+                    for cfg in failures(&cfg) {
+                        let f = cfg.failure().unwrap();
+                        let reports =
+                            run_model(&cfg, &NoHook).unwrap_or_else(|e| panic!("{cfg:?}: {e}"));
+                        for r in reports.iter().filter(|r| r.rank != f.rank) {
+                            completed_after +=
+                                r.outputs[f.op..].iter().filter(|o| o.is_ok()).count();
+                            if let Some(first) = r.outputs.iter().find(|o| o.is_err()) {
+                                assert!(gave_up_on(first, f.rank), "{cfg:?}: {first:?}");
+                                gave_up += 1;
+                            }
+                        }
+                        runs += 1;
+                    }
+                }
+            }
+        }
+    }
+    eprintln!(
+        "{runs} runs, {completed_after} peer ops completed at or after the failing op, {gave_up} peers gave up"
+    );
+    assert!(runs > 200, "{runs} runs");
+    assert!(
+        completed_after > 0 && gave_up > 0,
+        "{completed_after} {gave_up}"
+    );
+}
+
+/// Random failures under random delays (internode dispatch, cached dispatch and combine; every
+/// other run with chunked forwarding).
 #[test]
 fn crash_under_random_delays() {
     let seed = 0xFA11_1A7E;
     let mut rng = Rng(seed);
     let mut run = 0u64;
-    while run < 60 {
+    while run < 100 {
         let (nodes, local) = SHAPES[rng.below(3) as usize];
         let mut ops = vec![Id];
         for _ in 0..2 + rng.below(4) {
@@ -126,7 +171,11 @@ fn crash_under_random_delays() {
             Schedule::Epoch
         };
         let tokens = 1 + rng.below(3) as usize;
-        let cfg = internode(nodes, local, tokens, schedule, &ops);
+        let mut cfg = internode(nodes, local, tokens, schedule, &ops);
+        // Every other run forwards through a ring of one or two slots.
+        if run % 2 == 1 {
+            cfg = cfg.with_rail_ring(1 + rng.below(2) as usize).unwrap();
+        }
         let all = failures(&cfg);
         let cfg = all[rng.below(all.len() as u64) as usize].clone();
         let jitter = Jitter::new(seed ^ run.wrapping_mul(0x2545_F491_4F6C_DD1D));

@@ -257,6 +257,14 @@ fn two_node_ring_routing() {
     );
 }
 
+/// A ring of one slot, rank 1 failing before it signals its local rows `[I7]` (before the
+/// ring): rank 0's second chunk waits for a credit that never comes, and its forwarder for
+/// chunks that never come; every schedule ends rank 0's op in an error naming rank 1.
+#[test]
+fn internode_ring_failure_before_the_ring() {
+    explore(failing(ring(2, 1, 3, 1, &[ID]), 1, 0, Step::I7), 2);
+}
+
 /// Two tokens, two slots, two ops: rank 0 sends four chunks (the third waits for the first's
 /// credit), rank 1 two. At preemption bound 1 here (seconds); `big_two_rank_configurations`
 /// explores it at 2 (minutes).
