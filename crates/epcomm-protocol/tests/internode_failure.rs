@@ -60,6 +60,38 @@ fn gave_up_on(result: &OpResult, failed: usize) -> bool {
     matches!(result, Err(OpError::Aborted { by, .. } | OpError::Refused { by }) if *by == failed)
 }
 
+/// Runs every failure that fires in each of `configs` (no delays) and checks what the rule
+/// does not: the failing op times out where configured, and every peer's first error names
+/// the failing rank. Requires more than `min_runs` runs, some peer op completed at or after the
+/// failing op (one that does not depend on it) and some peer that gave up.
+fn crash_everywhere(configs: impl IntoIterator<Item = ModelConfig>, min_runs: usize) {
+    let (mut runs, mut completed_after, mut gave_up) = (0, 0, 0);
+    for cfg in configs.into_iter().flat_map(|c| failures(&c)) {
+        let f = cfg.failure().unwrap();
+        let reports = run_model(&cfg, &NoHook).unwrap_or_else(|e| panic!("{cfg:?}: {e}"));
+        assert_eq!(
+            reports[f.rank].outputs[f.op],
+            Err(OpError::TimedOut { step: f.at })
+        );
+        for r in reports.iter().filter(|r| r.rank != f.rank) {
+            completed_after += r.outputs[f.op..].iter().filter(|o| o.is_ok()).count();
+            if let Some(first) = r.outputs.iter().find(|o| o.is_err()) {
+                assert!(gave_up_on(first, f.rank), "{cfg:?}: {first:?}");
+                gave_up += 1;
+            }
+        }
+        runs += 1;
+    }
+    eprintln!(
+        "{runs} runs, {completed_after} peer ops completed at or after the failing op, {gave_up} peers gave up"
+    );
+    assert!(runs > min_runs, "{runs} runs");
+    assert!(
+        completed_after > 0 && gave_up > 0,
+        "{completed_after} {gave_up}"
+    );
+}
+
 /// Every failure that fires, at every rank, op and step of three internode sequences, on each
 /// shape and schedule: the run ends (no hang), the failing op times out, and the outcome obeys
 /// the internode rule. Some peers complete ops at or after the failing one (those that do not
@@ -74,38 +106,14 @@ fn crash_anywhere_ends_dependent_ops_in_errors() {
         // Mixed with the intranode ops (which wait for every rank's done signals).
         &[Id, OpKind::Dispatch, Icd, OpKind::Combine, Ic],
     ];
-    let (mut runs, mut completed_after, mut gave_up) = (0, 0, 0);
-    for schedule in Schedule::ALL {
-        for (nodes, local) in SHAPES {
-            for ops in sequences {
-                for cfg in failures(&internode(nodes, local, 3, schedule, ops)) {
-                    let f = cfg.failure().unwrap();
-                    let reports =
-                        run_model(&cfg, &NoHook).unwrap_or_else(|e| panic!("{cfg:?}: {e}"));
-                    assert_eq!(
-                        reports[f.rank].outputs[f.op],
-                        Err(OpError::TimedOut { step: f.at })
-                    );
-                    for r in reports.iter().filter(|r| r.rank != f.rank) {
-                        completed_after += r.outputs[f.op..].iter().filter(|o| o.is_ok()).count();
-                        if let Some(first) = r.outputs.iter().find(|o| o.is_err()) {
-                            assert!(gave_up_on(first, f.rank), "{cfg:?}: {first:?}");
-                            gave_up += 1;
-                        }
-                    }
-                    runs += 1;
-                }
-            }
-        }
-    }
-    eprintln!(
-        "{runs} runs, {completed_after} peer ops completed at or after the failing op, {gave_up} peers gave up"
-    );
-    assert!(runs > 300, "{runs} runs");
-    assert!(
-        completed_after > 0 && gave_up > 0,
-        "{completed_after} {gave_up}"
-    );
+    let configs = Schedule::ALL.into_iter().flat_map(|schedule| {
+        SHAPES.into_iter().flat_map(move |(nodes, local)| {
+            sequences
+                .into_iter()
+                .map(move |ops| internode(nodes, local, 3, schedule, ops))
+        })
+    });
+    crash_everywhere(configs, 300);
 }
 
 /// The same with chunked forwarding (rings of one and two slots, up to five tokens so that an
@@ -116,40 +124,21 @@ fn crash_anywhere_ends_dependent_ops_in_errors() {
 #[test]
 fn crash_anywhere_with_the_ring() {
     let sequences: [&[OpKind]; 3] = [&[Id, Icd, Ic, Icd], &[Id, Ic, Id, Ic], &[Id, Icd, Icd]];
-    let (mut runs, mut completed_after, mut gave_up) = (0, 0, 0);
+    let mut configs = Vec::new();
     for schedule in Schedule::ALL {
         for (nodes, local) in [(2, 1), (2, 2)] {
             for ops in sequences {
                 for (tokens, slots) in [(3, 1), (5, 2)] {
-                    let cfg = internode(nodes, local, tokens, schedule, ops)
-                        .with_rail_ring(slots)
-                        .unwrap();
-                    for cfg in failures(&cfg) {
-                        let f = cfg.failure().unwrap();
-                        let reports =
-                            run_model(&cfg, &NoHook).unwrap_or_else(|e| panic!("{cfg:?}: {e}"));
-                        for r in reports.iter().filter(|r| r.rank != f.rank) {
-                            completed_after +=
-                                r.outputs[f.op..].iter().filter(|o| o.is_ok()).count();
-                            if let Some(first) = r.outputs.iter().find(|o| o.is_err()) {
-                                assert!(gave_up_on(first, f.rank), "{cfg:?}: {first:?}");
-                                gave_up += 1;
-                            }
-                        }
-                        runs += 1;
-                    }
+                    configs.push(
+                        internode(nodes, local, tokens, schedule, ops)
+                            .with_rail_ring(slots)
+                            .unwrap(),
+                    );
                 }
             }
         }
     }
-    eprintln!(
-        "{runs} runs, {completed_after} peer ops completed at or after the failing op, {gave_up} peers gave up"
-    );
-    assert!(runs > 200, "{runs} runs");
-    assert!(
-        completed_after > 0 && gave_up > 0,
-        "{completed_after} {gave_up}"
-    );
+    crash_everywhere(configs, 200);
 }
 
 /// Random failures under random delays (internode dispatch, cached dispatch and combine; every
