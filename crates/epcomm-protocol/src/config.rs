@@ -21,6 +21,25 @@ pub const MAX_BLOCKS: usize = 64;
 pub const MAX_OPS: usize = 1 << 20;
 /// Largest ring of chunked forwarding the model accepts ([`ModelConfig::with_rail_ring`]).
 pub const MAX_RING_SLOTS: usize = 4;
+/// Largest chunk of chunked forwarding the model accepts, in rows.
+pub const MAX_CHUNK_ROWS: usize = 4;
+
+/// The ring of chunked forwarding ([`ModelConfig::with_rail_ring`]): `slots` slots (`R`) of
+/// `chunk_rows` rows (`C`) per source node at each forwarder.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RailRing {
+    /// `R`: chunks in flight per source node.
+    pub slots: usize,
+    /// `C`: rows per chunk (an op's last chunk to a peer may hold fewer).
+    pub chunk_rows: usize,
+}
+
+impl RailRing {
+    /// Chunks of an op that sends `rows` rows to one rail peer: `ceil(rows / C)`.
+    pub fn chunks(&self, rows: u64) -> u64 {
+        rows.div_ceil(self.chunk_rows as u64)
+    }
+}
 
 /// One collective op; every rank calls the same sequence.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -500,6 +519,14 @@ pub enum ConfigError {
         /// The rejected value.
         slots: usize,
     },
+    /// Chunks of `chunk_rows` rows, outside `1..=MAX_CHUNK_ROWS`.
+    #[error(
+        "chunk rows = {chunk_rows}: chunked forwarding needs 1..={MAX_CHUNK_ROWS} rows per chunk"
+    )]
+    RingChunkRows {
+        /// The rejected value.
+        chunk_rows: usize,
+    },
 }
 
 /// A validated model configuration.
@@ -515,7 +542,7 @@ pub struct ModelConfig {
     failure: Option<Failure>,
     stopped: Option<StoppedRank>,
     ll_masking: bool,
-    ring_slots: Option<usize>,
+    rail_ring: Option<RailRing>,
     mutations: Vec<Mutation>,
 }
 
@@ -587,7 +614,7 @@ impl ModelConfig {
             failure: None,
             stopped: None,
             ll_masking: false,
-            ring_slots: None,
+            rail_ring: None,
             mutations: Vec::new(),
         })
     }
@@ -690,18 +717,23 @@ impl ModelConfig {
     }
 
     /// Chunked forwarding (docs/protocol.md, "Chunked forwarding"): the internode dispatch
-    /// sends its rail rows through a ring of `slots` slots of one row (one chunk) at each
-    /// forwarder, `[I6c]`, `[I8c]`, `[I9c]`, instead of a per-op region (`[I6]`..`[I9]`'s rail
-    /// half). Chunks are counted since setup, so the ring needs no per-op credit: the writers'
-    /// `[I5]` skips their rail peers. Each rank interleaves its sender and forwarder roles
-    /// without blocking (the kernels give them different blocks). An injected failure is never
-    /// inside the ring's steps ([`Failure::step_is_valid`]): the order in which one rank's
-    /// interleaved roles reach them depends on the schedule.
-    pub fn with_rail_ring(mut self, slots: usize) -> Result<Self, ConfigError> {
-        if !(1..=MAX_RING_SLOTS).contains(&slots) {
-            return Err(ConfigError::RingSlots { slots });
+    /// sends its rail rows through a ring of `ring.slots` slots of `ring.chunk_rows` rows at
+    /// each forwarder, `[I6c]`, `[I8c]`, `[I9c]`, instead of a per-op region (`[I6]`..`[I9]`'s
+    /// rail half). Chunks are counted since setup, so the ring needs no per-op credit: the
+    /// writers' `[I5]` skips their rail peers. Each rank interleaves its sender and forwarder
+    /// roles without blocking (the kernels give them different blocks). An injected failure is
+    /// never inside the ring's steps ([`Failure::step_is_valid`]): the order in which one
+    /// rank's interleaved roles reach them depends on the schedule.
+    pub fn with_rail_ring(mut self, ring: RailRing) -> Result<Self, ConfigError> {
+        if !(1..=MAX_RING_SLOTS).contains(&ring.slots) {
+            return Err(ConfigError::RingSlots { slots: ring.slots });
         }
-        self.ring_slots = Some(slots);
+        if !(1..=MAX_CHUNK_ROWS).contains(&ring.chunk_rows) {
+            return Err(ConfigError::RingChunkRows {
+                chunk_rows: ring.chunk_rows,
+            });
+        }
+        self.rail_ring = Some(ring);
         Ok(self)
     }
 
@@ -803,10 +835,10 @@ impl ModelConfig {
     pub fn stopped_rank(&self) -> Option<StoppedRank> {
         self.stopped
     }
-    /// The slots of the chunked-forwarding ring ([`ModelConfig::with_rail_ring`]); `None`:
-    /// the per-op rail region.
-    pub fn ring_slots(&self) -> Option<usize> {
-        self.ring_slots
+    /// The ring of chunked forwarding ([`ModelConfig::with_rail_ring`]); `None`: the per-op
+    /// rail region.
+    pub fn rail_ring(&self) -> Option<RailRing> {
+        self.rail_ring
     }
     /// Whether the low-latency ops mask ranks ([`ModelConfig::with_ll_masking`]).
     pub fn ll_masking(&self) -> bool {
@@ -942,14 +974,27 @@ mod tests {
             .unwrap()
             .with_nodes(2)
             .unwrap();
-        assert_eq!(base.ring_slots(), None);
+        assert_eq!(base.rail_ring(), None);
+        let ring = |slots, chunk_rows| RailRing { slots, chunk_rows };
         for slots in [0, MAX_RING_SLOTS + 1] {
             assert_eq!(
-                base.clone().with_rail_ring(slots),
+                base.clone().with_rail_ring(ring(slots, 1)),
                 Err(ConfigError::RingSlots { slots })
             );
         }
-        assert_eq!(base.with_rail_ring(2).unwrap().ring_slots(), Some(2));
+        for chunk_rows in [0, MAX_CHUNK_ROWS + 1] {
+            assert_eq!(
+                base.clone().with_rail_ring(ring(1, chunk_rows)),
+                Err(ConfigError::RingChunkRows { chunk_rows })
+            );
+        }
+        let ok = base.with_rail_ring(ring(2, 3)).unwrap();
+        assert_eq!(ok.rail_ring(), Some(ring(2, 3)));
+        // An op's chunks: ceil(rows / C), the last one partial.
+        assert_eq!(
+            [0, 1, 3, 4, 7].map(|rows| ring(2, 3).chunks(rows)),
+            [0, 1, 1, 2, 3]
+        );
         for step in [Step::I6c, Step::I8c, Step::I9c] {
             assert!(!Failure::step_is_valid(
                 Schedule::Epoch,

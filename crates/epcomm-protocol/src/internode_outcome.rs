@@ -11,7 +11,7 @@
 
 use std::collections::HashSet;
 
-use crate::config::{Failure, ModelConfig, OpKind, route_count, routes_to};
+use crate::config::{Failure, ModelConfig, OpKind, RailRing, route_count, routes_to};
 use crate::outcome::{
     OpError, OutcomeViolation, RankReport, check_lengths, check_output, check_refused,
 };
@@ -147,7 +147,7 @@ impl SeqWalk {
                 .filter(|&d| count(me, d) > 0)
                 .collect();
             // Chunked forwarding: the rings need no credit of the rail peers.
-            let ring = cfg.ring_slots();
+            let ring = cfg.rail_ring();
             let mut targets: Vec<usize> = my_rail
                 .iter()
                 .filter(|_| ring.is_none())
@@ -176,8 +176,8 @@ impl SeqWalk {
                     .map(|&p| Ev::Publish(Sig::RailDone(me, p, k))),
             );
             ev.extend(my_local.iter().map(|&d| Ev::Publish(Sig::IDone(me, d, k))));
-            if let Some(slots) = ring {
-                self.ring_events(cfg, me, k, slots as u64, &mut ev);
+            if let Some(ring) = ring {
+                self.ring_events(cfg, me, k, ring, &mut ev);
             }
             for &(_, src) in rail.iter().filter(|_| ring.is_none()) {
                 if !crosses(src, n) {
@@ -300,16 +300,17 @@ impl SeqWalk {
     ///
     /// The sender's wait for its rail peer `p`: the chunks `g` of op `k` need
     /// `ring_credit >= g + 1 - R`, so the last of them needs the chunk at index
-    /// `G + c - R - 1` forwarded (`G` chunks before op `k`, `c` in it), which the op that
-    /// sent that chunk forwards: no wait if it is negative.
+    /// `G + c - R - 1` forwarded (`G` chunks before op `k`, `c = ceil(rows / C)` in it), which
+    /// the op that sent that chunk forwards: no wait if it is negative.
     fn ring_events(
         &mut self,
         cfg: &ModelConfig,
         me: usize,
         k: usize,
-        slots: u64,
+        ring: RailRing,
         ev: &mut Vec<Ev>,
     ) {
+        let slots = ring.slots as u64;
         let (tokens, lsz) = (cfg.tokens(), cfg.local_ranks());
         let (n, l) = (cfg.node_of(me), cfg.local_of(me));
         let ls = self.layout_seq;
@@ -324,7 +325,7 @@ impl SeqWalk {
             .collect();
         let mut waits = Vec::new();
         for &(node, p) in &rail {
-            let c = crossing(me, node);
+            let c = ring.chunks(crossing(me, node));
             if c == 0 {
                 continue;
             }
@@ -694,7 +695,10 @@ mod tests {
             .unwrap()
             .with_nodes(2)
             .unwrap()
-            .with_rail_ring(slots)
+            .with_rail_ring(RailRing {
+                slots,
+                chunk_rows: 1,
+            })
             .unwrap()
             .with_failure(Failure { rank: 1, op: 0, at })
             .unwrap()

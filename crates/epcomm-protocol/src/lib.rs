@@ -60,7 +60,7 @@ pub mod step;
 mod stopped_outcome;
 mod sync;
 
-pub use config::{ConfigError, Failure, ModelConfig, Mutation, OpKind, StoppedRank};
+pub use config::{ConfigError, Failure, ModelConfig, Mutation, OpKind, RailRing, StoppedRank};
 /// The schedules the model runs: the kernels' own type.
 pub use epcomm_topology::Schedule;
 pub use internode_outcome::{check_outcome_internode, failure_fires};

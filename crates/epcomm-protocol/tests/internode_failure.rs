@@ -13,8 +13,8 @@ use std::time::Duration;
 use common::{Jitter, Rng};
 use epcomm_protocol::config::route_count;
 use epcomm_protocol::{
-    Failure, ModelConfig, Mutation, NoHook, OpError, OpKind, OpResult, Schedule, Step, StepHook,
-    Violation, failure_fires, run_model,
+    Failure, ModelConfig, Mutation, NoHook, OpError, OpKind, OpResult, RailRing, Schedule, Step,
+    StepHook, Violation, failure_fires, run_model,
 };
 
 use OpKind::{InternodeCachedDispatch as Icd, InternodeCombine as Ic, InternodeDispatch as Id};
@@ -116,8 +116,8 @@ fn crash_anywhere_ends_dependent_ops_in_errors() {
     crash_everywhere(configs, 300);
 }
 
-/// The same with chunked forwarding (rings of one and two slots, up to five tokens so that an
-/// op sends more chunks than a ring holds), failures before and after the ring's steps, on
+/// The same with chunked forwarding (rings of one and two slots of one row, one slot of two
+/// rows; up to five tokens so that an op sends more chunks than a ring holds), failures before and after the ring's steps, on
 /// the shapes with a rail: a sender whose next slot waits for a failed forwarder's credit, and
 /// a forwarder whose chunks never come, end in errors naming the failing rank; ops that do not
 /// depend on it may complete.
@@ -128,10 +128,10 @@ fn crash_anywhere_with_the_ring() {
     for schedule in Schedule::ALL {
         for (nodes, local) in [(2, 1), (2, 2)] {
             for ops in sequences {
-                for (tokens, slots) in [(3, 1), (5, 2)] {
+                for (tokens, slots, chunk_rows) in [(3, 1, 1), (5, 2, 1), (5, 1, 2)] {
                     configs.push(
                         internode(nodes, local, tokens, schedule, ops)
-                            .with_rail_ring(slots)
+                            .with_rail_ring(RailRing { slots, chunk_rows })
                             .unwrap(),
                     );
                 }
@@ -163,7 +163,11 @@ fn crash_under_random_delays() {
         let mut cfg = internode(nodes, local, tokens, schedule, &ops);
         // Every other run forwards through a ring of one or two slots.
         if run % 2 == 1 {
-            cfg = cfg.with_rail_ring(1 + rng.below(2) as usize).unwrap();
+            let ring = RailRing {
+                slots: 1 + rng.below(2) as usize,
+                chunk_rows: 1 + rng.below(2) as usize,
+            };
+            cfg = cfg.with_rail_ring(ring).unwrap();
         }
         let all = failures(&cfg);
         let cfg = all[rng.below(all.len() as u64) as usize].clone();
@@ -247,7 +251,10 @@ fn stalled_forwarder_times_out_its_ring_sender() {
         "the routing oracle changed: pick another layout for this schedule"
     );
     let cfg = internode(2, 1, 3, Schedule::Epoch, &[Id])
-        .with_rail_ring(1)
+        .with_rail_ring(RailRing {
+            slots: 1,
+            chunk_rows: 1,
+        })
         .unwrap();
     let violations = stalled(
         &cfg,

@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use epcomm_protocol::config::{ll_routes_to, routes_to};
 use epcomm_protocol::{
-    Failure, ModelConfig, Mutation, NoHook, OpKind, Schedule, Step, StoppedRank, World,
+    Failure, ModelConfig, Mutation, NoHook, OpKind, RailRing, Schedule, Step, StoppedRank, World,
     check_outcome, run_rank,
 };
 use loom::sync::Arc;
@@ -235,15 +235,33 @@ explore_tests! {
     /// A ring of one slot and a combine between the dispatches: the combine reads the
     /// forwarded output while the chunk counts carry on in the next dispatch.
     internode_ring_dispatch_combine_dispatch: ring(2, 1, 2, 1, &[ID, IC, ICD]);
+    /// Chunks of two rows, one slot, three tokens, two ops: each rank's rows of an op fit in
+    /// one chunk, the next op's chunk waits for that one's credit.
+    internode_ring_two_row_chunks: ring_of(2, 1, 3, 1, 2, &[ID, ICD]);
+    /// Chunks of two rows, six tokens: each rank sends three rows, a full chunk then a
+    /// partial one, into one slot.
+    internode_ring_partial_chunk: ring_of(2, 1, 6, 1, 2, &[ID]);
 }
 
 /// [`inter`] with `tokens` tokens per rank and the rail rows forwarded through a ring of
-/// `slots` slots.
+/// `slots` slots of one row.
 fn ring(nodes: usize, local: usize, tokens: usize, slots: usize, ops: &[OpKind]) -> ModelConfig {
+    ring_of(nodes, local, tokens, slots, 1, ops)
+}
+
+/// [`ring`] with chunks of `chunk_rows` rows.
+fn ring_of(
+    nodes: usize,
+    local: usize,
+    tokens: usize,
+    slots: usize,
+    chunk_rows: usize,
+    ops: &[OpKind],
+) -> ModelConfig {
     cfg(nodes * local, tokens, 1, Epoch, ops)
         .with_nodes(nodes)
         .unwrap()
-        .with_rail_ring(slots)
+        .with_rail_ring(RailRing { slots, chunk_rows })
         .unwrap()
 }
 

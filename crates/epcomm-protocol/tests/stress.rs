@@ -6,7 +6,7 @@ mod common;
 
 use common::{Jitter, Rng};
 use epcomm_protocol::{
-    Failure, ModelConfig, Mutation, NoHook, OpError, OpKind, Schedule, Step, run_model,
+    Failure, ModelConfig, Mutation, NoHook, OpError, OpKind, RailRing, Schedule, Step, run_model,
     sequential_reference,
 };
 
@@ -438,19 +438,23 @@ fn internode_combine_long_sequence_without_delays() {
 // ---- chunked forwarding of the internode dispatch (model only) -----------------------------
 
 /// A random internode configuration (dispatches, cached dispatches and combines; `mixed` adds
-/// the intranode ops) whose dispatches forward through rings of 1 to 3 slots, with up to six
-/// tokens per rank so that an op sends several times as many chunks as a ring holds.
+/// the intranode ops) whose dispatches forward through rings of 1 to 3 slots of 1 to 3 rows,
+/// with up to six tokens per rank so that an op sends several times as many chunks as a ring
+/// holds, and partial last chunks.
 fn ring_config(rng: &mut Rng, schedule: Schedule, mixed: bool) -> ModelConfig {
     let (nodes, local) = INTERNODE_SHAPES[rng.below(INTERNODE_SHAPES.len() as u64) as usize];
     let tokens = 1 + rng.below(6) as usize;
     let len = 3 + rng.below(6) as usize;
     let ops = random_internode_combine_ops(rng, len, mixed);
-    let slots = 1 + rng.below(3) as usize;
+    let ring = RailRing {
+        slots: 1 + rng.below(3) as usize,
+        chunk_rows: 1 + rng.below(3) as usize,
+    };
     ModelConfig::new(nodes * local, tokens, 1, schedule, ops)
         .unwrap()
         .with_nodes(nodes)
         .unwrap()
-        .with_rail_ring(slots)
+        .with_rail_ring(ring)
         .unwrap()
 }
 
@@ -485,15 +489,15 @@ fn internode_ring_long_sequence_without_delays() {
         );
     }
     for (nodes, local) in INTERNODE_SHAPES {
-        for slots in 1..=3 {
+        for (slots, chunk_rows) in [(1, 1), (2, 1), (3, 1), (1, 2), (2, 3)] {
             let cfg = ModelConfig::new(nodes * local, 5, 1, Schedule::Epoch, ops.clone())
                 .unwrap()
                 .with_nodes(nodes)
                 .unwrap()
-                .with_rail_ring(slots)
+                .with_rail_ring(RailRing { slots, chunk_rows })
                 .unwrap();
             let got = run_model(&cfg, &NoHook)
-                .unwrap_or_else(|f| panic!("{nodes}x{local}, {slots} slots: {f}"));
+                .unwrap_or_else(|f| panic!("{nodes}x{local}, {slots} x {chunk_rows} rows: {f}"));
             assert_eq!(got, sequential_reference(&cfg));
         }
     }

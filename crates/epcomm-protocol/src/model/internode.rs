@@ -169,7 +169,7 @@ impl Rank<'_> {
             .collect();
         // Chunked forwarding: the ring's chunk counts guard the rail peers' slots, so [I5]
         // waits only for the ranks of my node.
-        let ring = cfg.ring_slots().is_some();
+        let ring = cfg.rail_ring().is_some();
         let mut targets: Vec<usize> = my_rail
             .iter()
             .filter(|_| !ring)

@@ -2,8 +2,8 @@
 //! (docs/protocol.md, "Chunked forwarding"), which replace the rail half of `[I6]`..`[I9]`
 //! when [`crate::ModelConfig::with_rail_ring`] is set.
 //!
-//! Each source node's rail rows move through a ring of `R` slots of one row (`C = 1`: a chunk
-//! is a row) at the forwarder. Chunks are numbered since setup, on both ends: the sender's
+//! Each source node's rail rows move through a ring of `R` slots of `C` rows at the forwarder;
+//! an op's last chunk to a peer may hold fewer than `C`. Chunks are numbered since setup, on both ends: the sender's
 //! `ring_sent[k]` and the forwarder's `ring_forwarded[k]` continue across ops, cached or not,
 //! and the shared words (`chunks_in`, `ring_credit`) only grow, so no value an earlier op left
 //! can satisfy a wait of a later one and the ring needs neither a per-op credit nor a reset.
@@ -28,7 +28,7 @@ pub(super) struct RingSend {
     pub node: usize,
     /// The peer, `(node, my local index)`.
     pub peer: usize,
-    /// My tokens that cross to `node`, one chunk each, in order.
+    /// My tokens that cross to `node`, in order: chunks of `C` of them.
     pub tokens: Vec<usize>,
 }
 
@@ -65,6 +65,10 @@ impl Rank<'_> {
         let cfg = self.cfg;
         let (me, lsz) = (self.me, cfg.local_ranks());
         let (n, l) = (cfg.node_of(me), cfg.local_of(me));
+        let ring = cfg
+            .rail_ring()
+            .expect("ring_exchange runs only with a ring");
+        // Rows sent per peer in this op (whole chunks, the last one possibly partial).
         let mut sent = vec![0usize; sends.len()];
         let mut forwards: Vec<RingForward> = (0..cfg.nodes())
             .filter(|&k| k != n && layout.rail[k] > 0)
@@ -87,8 +91,9 @@ impl Rank<'_> {
             let mut moved = false;
             for (s, send) in sends.iter().enumerate() {
                 while sent[s] < send.tokens.len() && self.slot_free(send) {
-                    self.send_chunk(i, send, send.tokens[sent[s]])?;
-                    sent[s] += 1;
+                    let end = send.tokens.len().min(sent[s] + ring.chunk_rows);
+                    self.send_chunk(i, send, &send.tokens[sent[s]..end])?;
+                    sent[s] = end;
                     moved = true;
                 }
             }
@@ -119,8 +124,7 @@ impl Rank<'_> {
             let (step, peer, expected, word) = match pending {
                 Move::Send(s) => {
                     let k = sends[s].node;
-                    let slots = cfg.ring_slots().unwrap_or(1) as u64;
-                    let needed = (self.ring_sent[k] + 1).saturating_sub(slots);
+                    let needed = (self.ring_sent[k] + 1).saturating_sub(ring.slots as u64);
                     (Step::I6c, sends[s].peer, needed, &me_words.ring_credit[k])
                 }
                 Move::Forward(f) => {
@@ -170,7 +174,7 @@ impl Rank<'_> {
     /// (acquire), always under [`Mutation::RingSkipCredit`].
     fn slot_free(&self, send: &RingSend) -> bool {
         let g = self.ring_sent[send.node];
-        let slots = self.cfg.ring_slots().unwrap_or(1) as u64;
+        let slots = self.cfg.rail_ring().map_or(1, |r| r.slots) as u64;
         if self.cfg.has(Mutation::RingSkipCredit) {
             return true;
         }
@@ -188,19 +192,21 @@ impl Rank<'_> {
         self.w.ranks[self.me].chunks_in[k].load(Ordering::Acquire) > g
     }
 
-    /// `[I6c]`: my next chunk (token `t`'s row) into the peer's `ring[n][g % R]` (relaxed),
-    /// then `chunks_in[n] := g + 1` on it (release).
-    fn send_chunk(&mut self, i: u64, send: &RingSend, t: usize) -> Result<(), Stop> {
+    /// `[I6c]`: my next chunk (the rows of `tokens`, at most `C`) into the peer's
+    /// `ring[n][g % R]` (relaxed), then `chunks_in[n] := g + 1` on it (release).
+    fn send_chunk(&mut self, i: u64, send: &RingSend, tokens: &[usize]) -> Result<(), Stop> {
         self.step(Step::I6c)?;
         let n = self.cfg.node_of(self.me);
         let g = self.ring_sent[send.node];
-        let slot = (g % self.cfg.ring_slots().unwrap_or(1) as u64) as usize;
-        let row = data_word(i, self.me, t);
-        self.write(Step::I6c, || {
-            self.w
-                .ring(send.peer, n, slot)
-                .store(row, Ordering::Relaxed);
-        })?;
+        let slot = (g % self.cfg.rail_ring().map_or(1, |r| r.slots) as u64) as usize;
+        for (r, &t) in tokens.iter().enumerate() {
+            let row = data_word(i, self.me, t);
+            self.write(Step::I6c, || {
+                self.w
+                    .ring(send.peer, n, slot, r)
+                    .store(row, Ordering::Relaxed);
+            })?;
+        }
         self.write(Step::I6c, || {
             self.w.ranks[send.peer].chunks_in[n].store(g + 1, Ordering::Release);
         })?;
@@ -208,8 +214,9 @@ impl Rank<'_> {
         Ok(())
     }
 
-    /// `[I8c]`/`[I9c]`: the next chunk of `f`'s source (landed) into each rank of my node its
-    /// row goes to, then `ring_credit[n] := g + 1` on the source (release; `g + 2` under
+    /// `[I8c]`/`[I9c]`: the next chunk of `f`'s source (landed; its rows: the next `C` of the
+    /// op, fewer for its last) into each rank of my node each row goes to, then
+    /// `ring_credit[n] := g + 1` on the source (release; `g + 2` under
     /// [`Mutation::RingCreditAhead`]).
     fn forward_chunk(
         &mut self,
@@ -221,27 +228,36 @@ impl Rank<'_> {
         let cfg = self.cfg;
         self.step(Step::I8c)?;
         self.step(Step::I9c)?;
+        let ring = cfg
+            .rail_ring()
+            .expect("forward_chunk runs only with a ring");
         let n = cfg.node_of(self.me);
         let g = self.ring_forwarded[f.node];
-        let slot = (g % cfg.ring_slots().unwrap_or(1) as u64) as usize;
-        let t = f.tokens[f.done];
-        let expected = data_word(i, f.src, t);
-        let row = self.w.ring(self.me, f.node, slot).load(Ordering::Relaxed);
-        if row != expected {
-            return Err(self
-                .data_violation(Step::I9c, Region::Ring, f.node, slot, expected, row)
-                .into());
-        }
-        for j in 0..cfg.local_ranks() {
-            let d = cfg.rank_of(n, j);
-            if routes_to(layout_seq, f.src, t, d) {
-                let at = f.next[j];
-                f.next[j] += 1;
-                self.write(Step::I9c, || {
-                    self.w
-                        .xrecv(d, par, f.src, at)
-                        .store(row, Ordering::Relaxed);
-                })?;
+        let slot = (g % ring.slots as u64) as usize;
+        let end = f.tokens.len().min(f.done + ring.chunk_rows);
+        for (r, &t) in f.tokens[f.done..end].iter().enumerate() {
+            let expected = data_word(i, f.src, t);
+            let row = self
+                .w
+                .ring(self.me, f.node, slot, r)
+                .load(Ordering::Relaxed);
+            if row != expected {
+                let at = slot * ring.chunk_rows + r;
+                return Err(self
+                    .data_violation(Step::I9c, Region::Ring, f.node, at, expected, row)
+                    .into());
+            }
+            for j in 0..cfg.local_ranks() {
+                let d = cfg.rank_of(n, j);
+                if routes_to(layout_seq, f.src, t, d) {
+                    let at = f.next[j];
+                    f.next[j] += 1;
+                    self.write(Step::I9c, || {
+                        self.w
+                            .xrecv(d, par, f.src, at)
+                            .store(row, Ordering::Relaxed);
+                    })?;
+                }
             }
         }
         let credit = if cfg.has(Mutation::RingCreditAhead) {
@@ -253,7 +269,7 @@ impl Rank<'_> {
             self.w.ranks[f.src].ring_credit[n].store(credit, Ordering::Release);
         })?;
         self.ring_forwarded[f.node] = g + 1;
-        f.done += 1;
+        f.done = end;
         Ok(())
     }
 }

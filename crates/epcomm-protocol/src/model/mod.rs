@@ -127,8 +127,8 @@ struct RankBuffer {
     /// Internode: `rail_done[src_node]`, monotonic: the internode sequence number of the last
     /// op whose rail rows from `src_node` all landed.
     rail_done: Vec<AtomicU64>,
-    /// Chunked forwarding: `ring[src_node][slot]`, the chunk (one row) my rail peer in
-    /// `src_node` put in slot `slot` (one region: chunks are counted since setup).
+    /// Chunked forwarding: `ring[src_node][slot][row]`, the chunk (up to `C` rows) my rail peer
+    /// in `src_node` put in slot `slot` (one region: chunks are counted since setup).
     ring: Vec<AtomicU64>,
     /// Chunked forwarding: `chunks_in[src_node]`, monotonic since setup: the chunks my rail
     /// peer in `src_node` has sent me whose rows landed.
@@ -216,7 +216,7 @@ impl World {
                 rail_count: zeroed(p * cfg.nodes() * (cfg.local_ranks() + 1)),
                 rail_buf: zeroed(p * cfg.nodes() * t),
                 rail_done: zeroed(cfg.nodes()),
-                ring: zeroed(cfg.nodes() * cfg.ring_slots().unwrap_or(0)),
+                ring: zeroed(cfg.nodes() * cfg.rail_ring().map_or(0, |r| r.slots * r.chunk_rows)),
                 chunks_in: zeroed(cfg.nodes()),
                 ring_credit: zeroed(cfg.nodes()),
                 xcount: zeroed(p * w),
@@ -298,10 +298,13 @@ impl World {
         &self.ranks[rank].rail_buf[(parity * n + node) * t + r]
     }
 
-    /// `rank.ring[node][slot]`.
-    fn ring(&self, rank: usize, node: usize, slot: usize) -> &AtomicU64 {
-        let r = self.cfg.ring_slots().unwrap_or(0);
-        &self.ranks[rank].ring[node * r + slot]
+    /// `rank.ring[node][slot][row]`.
+    fn ring(&self, rank: usize, node: usize, slot: usize, row: usize) -> &AtomicU64 {
+        let (r, c) = self
+            .cfg
+            .rail_ring()
+            .map_or((0, 0), |r| (r.slots, r.chunk_rows));
+        &self.ranks[rank].ring[(node * r + slot) * c + row]
     }
 
     fn xcount(&self, rank: usize, parity: usize, src: usize) -> &AtomicU64 {
