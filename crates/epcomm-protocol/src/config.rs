@@ -207,11 +207,14 @@ pub enum Mutation {
     /// forwarded, as a credit stored out of order would (chunk `g + 1` credited while chunk
     /// `g + 1` is still unread): the sender may overwrite that chunk's slot before it is read.
     RingCreditAhead,
+    /// `[J8c]` (streamed partials): the source does not wait for the chunk count: it takes a
+    /// partial from its ring before it landed.
+    PartialRingSkipChunkWait,
 }
 
 impl Mutation {
     /// Every mutation.
-    pub const ALL: [Mutation; 26] = [
+    pub const ALL: [Mutation; 27] = [
         Mutation::FlagStoreRelaxed,
         Mutation::FlagWaitRelaxed,
         Mutation::DoneAddRelaxed,
@@ -238,6 +241,7 @@ impl Mutation {
         Mutation::RingSkipCredit,
         Mutation::RingSkipChunkWait,
         Mutation::RingCreditAhead,
+        Mutation::PartialRingSkipChunkWait,
     ];
 
     /// Whether the protocol stays correct under this mutation (the checker must accept it).
@@ -310,7 +314,7 @@ impl Failure {
             I1 | I2 | I3 | I4 | I5 | I6 | I7 | I8 | I9 | I10 | I11 | I12 => false,
             // The ring's steps: reached in an order the schedule decides, so no failure is
             // injected there (before and after them it is).
-            I6c | I8c | I9c => false,
+            I6c | I8c | I9c | J6c | J8c | J9c => false,
             J1 | J2 | J3 | J4 | J5 | J6 | J7 | J8 | J9 => false,
             A1 | A2 => false,
         }

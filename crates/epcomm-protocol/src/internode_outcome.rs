@@ -38,9 +38,9 @@ enum Sig {
     RailDone(usize, usize, usize),
     /// `[I7]`/`[I9]` rows of `src` delivered to `dst` in `op` (by `src`, or forwarded).
     IDone(usize, usize, usize),
-    /// `[I6c]` chunks of `src` to its rail peer `to` in `op`, landed (chunked forwarding).
+    /// `[I6c]`/`[J6c]` chunks of `from` to its rail peer `to` in `op`, landed (the rail rings).
     Chunks(usize, usize, usize),
-    /// `[I9c]` ring credit of forwarder `fwd` for the chunks of `src` in `op`.
+    /// `[I9c]`/`[J9c]` ring credit of `taker` for the chunks of `from` in `op`.
     RingCredit(usize, usize, usize),
     /// `[J1]` combine credit of `(rank, op)`.
     CCredit(usize, usize),
@@ -83,9 +83,10 @@ struct SeqWalk {
     last_dispatch: Option<usize>,
     combine_seq: u64,
     last_combine: Option<usize>,
-    /// Chunked forwarding, per rail peer node: `(op, chunks)` of every internode dispatch so
-    /// far that sent it chunks, in order (chunk indices run on across ops).
-    ring_sent: std::collections::HashMap<usize, Vec<(usize, u64)>>,
+    /// The rail rings, per (ring: 0 the dispatch's, 1 the combine's; peer node): `(op, chunks)`
+    /// of every op so far that sent that peer chunks, in order (chunk indices run on across
+    /// ops).
+    ring_sent: std::collections::HashMap<(usize, usize), Vec<(usize, u64)>>,
 }
 
 impl SeqWalk {
@@ -235,10 +236,11 @@ impl SeqWalk {
             .collect();
         wrote.sort_unstable();
         wrote.dedup();
+        let ring = cfg.rail_ring();
         let mut targets = wrote.clone();
         targets.extend(
             rail.iter()
-                .filter(|&&(_, src)| crosses(src, n))
+                .filter(|&&(_, src)| ring.is_none() && crosses(src, n))
                 .map(|&(_, src)| src),
         );
         targets.sort_unstable();
@@ -268,8 +270,13 @@ impl SeqWalk {
                     .map(|&d| Ev::Wait(Some(Step::J5), d, Sig::CDone(d, me, k))),
             );
             ev.push(Ev::Step(Step::J6));
-            ev.push(Ev::Step(Step::J7));
-            ev.push(Ev::Publish(Sig::CpDone(me, src, k)));
+            if ring.is_none() {
+                ev.push(Ev::Step(Step::J7));
+                ev.push(Ev::Publish(Sig::CpDone(me, src, k)));
+            }
+        }
+        if let Some(ring) = ring {
+            self.partial_ring_events(cfg, me, k, ring, &mut ev);
         }
         ev.push(Ev::Step(Step::J8));
         ev.extend(
@@ -280,7 +287,7 @@ impl SeqWalk {
         );
         ev.extend(
             rail.iter()
-                .filter(|&&(kk, _)| crosses(me, kk))
+                .filter(|&&(kk, _)| ring.is_none() && crosses(me, kk))
                 .map(|&(_, p)| Ev::Wait(Some(Step::J8), p, Sig::CpDone(p, me, k))),
         );
         ev.push(Ev::Step(Step::J9));
@@ -290,18 +297,9 @@ impl SeqWalk {
 }
 
 impl SeqWalk {
-    /// The events of chunked forwarding (`[I6c]`..`[I9c]`) of internode dispatch `k`.
-    ///
-    /// A rank interleaves its sender and forwarder roles in an order the schedule decides, so
-    /// the events are not in program order: every signal first, then every wait. A failure is
-    /// never injected inside this block ([`Failure::step_is_valid`]), so a completed op or a
-    /// failure before or after it is judged exactly; an op aborted in one of its waits counts
-    /// as having published everything of the block (lenient: it may have published less).
-    ///
-    /// The sender's wait for its rail peer `p`: the chunks `g` of op `k` need
-    /// `ring_credit >= g + 1 - R`, so the last of them needs the chunk at index
-    /// `G + c - R - 1` forwarded (`G` chunks before op `k`, `c = ceil(rows / C)` in it), which
-    /// the op that sent that chunk forwards: no wait if it is negative.
+    /// The events of chunked forwarding (`[I6c]`..`[I9c]`) of internode dispatch `k`: my rail
+    /// rows to each rail peer, the rows of each rail source taken and forwarded (its `idone`
+    /// signals published after them).
     fn ring_events(
         &mut self,
         cfg: &ModelConfig,
@@ -310,27 +308,88 @@ impl SeqWalk {
         ring: RailRing,
         ev: &mut Vec<Ev>,
     ) {
-        let slots = ring.slots as u64;
-        let (tokens, lsz) = (cfg.tokens(), cfg.local_ranks());
-        let (n, l) = (cfg.node_of(me), cfg.local_of(me));
+        let (tokens, lsz, n) = (cfg.tokens(), cfg.local_ranks(), cfg.node_of(me));
         let ls = self.layout_seq;
-        let crossing = |s: usize, node: usize| {
-            (0..tokens)
-                .filter(|&t| (0..lsz).any(|j| routes_to(ls, s, t, cfg.rank_of(node, j))))
-                .count() as u64
-        };
-        let rail: Vec<(usize, usize)> = (0..cfg.nodes())
-            .filter(|&node| node != n)
-            .map(|node| (node, cfg.rank_of(node, l)))
+        let peers = rail_peers(cfg, me);
+        let sends: Vec<(usize, usize, u64)> = peers
+            .iter()
+            .map(|&(node, p)| (node, p, crossing_rows(cfg, ls, me, node)))
             .collect();
+        let takes: Vec<(usize, Vec<Ev>)> = peers
+            .iter()
+            .filter(|&&(_, src)| crossing_rows(cfg, ls, src, n) > 0)
+            .map(|&(_, src)| {
+                let done = (0..lsz)
+                    .map(|j| cfg.rank_of(n, j))
+                    .filter(|&d| route_count(ls, tokens, src, d) > 0)
+                    .map(|d| Ev::Publish(Sig::IDone(src, d, k)))
+                    .collect();
+                (src, done)
+            })
+            .collect();
+        self.ring_block(0, me, k, ring, &sends, &takes, (Step::I6c, Step::I8c), ev);
+    }
+
+    /// The events of streamed partials (`[J6c]`..`[J9c]`) of internode combine `k`: my
+    /// partials to each rail source whose tokens crossed to my node, the partials of each node
+    /// my tokens crossed to taken.
+    fn partial_ring_events(
+        &mut self,
+        cfg: &ModelConfig,
+        me: usize,
+        k: usize,
+        ring: RailRing,
+        ev: &mut Vec<Ev>,
+    ) {
+        let (n, ls) = (cfg.node_of(me), self.layout_seq);
+        let peers = rail_peers(cfg, me);
+        let sends: Vec<(usize, usize, u64)> = peers
+            .iter()
+            .map(|&(node, src)| (node, src, crossing_rows(cfg, ls, src, n)))
+            .collect();
+        let takes: Vec<(usize, Vec<Ev>)> = peers
+            .iter()
+            .filter(|&&(node, _)| crossing_rows(cfg, ls, me, node) > 0)
+            .map(|&(_, p)| (p, Vec::new()))
+            .collect();
+        self.ring_block(1, me, k, ring, &sends, &takes, (Step::J6c, Step::J8c), ev);
+    }
+
+    /// The events of one ring exchange of op `k` (ring `which`: 0 the dispatch's, 1 the
+    /// combine's), given `sends` (peer node, peer, rows of op `k`) and `takes` (peer, what is
+    /// published once its chunks are taken).
+    ///
+    /// A rank interleaves its sending and taking roles in an order the schedule decides, so
+    /// the events are not in program order: every signal first, then every wait. A failure is
+    /// never injected inside this block ([`Failure::step_is_valid`]), so a completed op or a
+    /// failure before or after it is judged exactly; an op aborted in one of its waits counts
+    /// as having published everything of the block (lenient: it may have published less).
+    ///
+    /// The sender's wait for its peer `p`: the chunks `g` of op `k` need `credit >= g + 1 - R`,
+    /// so the last of them needs the chunk at index `G + c - R - 1` taken (`G` chunks before
+    /// op `k`, `c = ceil(rows / C)` in it), which the op that sent that chunk takes: no wait if
+    /// it is negative. The taker's wait: the peer's chunks of op `k`.
+    #[allow(clippy::too_many_arguments)]
+    fn ring_block(
+        &mut self,
+        which: usize,
+        me: usize,
+        k: usize,
+        ring: RailRing,
+        sends: &[(usize, usize, u64)],
+        takes: &[(usize, Vec<Ev>)],
+        (send_step, take_step): (Step, Step),
+        ev: &mut Vec<Ev>,
+    ) {
+        let slots = ring.slots as u64;
         let mut waits = Vec::new();
-        for &(node, p) in &rail {
-            let c = ring.chunks(crossing(me, node));
+        for &(node, p, rows) in sends {
+            let c = ring.chunks(rows);
             if c == 0 {
                 continue;
             }
             ev.push(Ev::Publish(Sig::Chunks(me, p, k)));
-            let history = self.ring_sent.entry(node).or_default();
+            let history = self.ring_sent.entry((which, node)).or_default();
             let before: u64 = history.iter().map(|&(_, c)| c).sum();
             history.push((k, c));
             if let Some(needed) = (before + c).checked_sub(slots + 1) {
@@ -344,24 +403,33 @@ impl SeqWalk {
                     })
                     .map(|&(op, _)| op)
                     .unwrap_or(k);
-                waits.push(Ev::Wait(Some(Step::I6c), p, Sig::RingCredit(p, me, op)));
+                waits.push(Ev::Wait(Some(send_step), p, Sig::RingCredit(p, me, op)));
             }
         }
-        for &(_, src) in &rail {
-            if crossing(src, n) == 0 {
-                continue;
-            }
-            ev.push(Ev::Publish(Sig::RingCredit(me, src, k)));
-            ev.extend(
-                (0..lsz)
-                    .map(|j| cfg.rank_of(n, j))
-                    .filter(|&d| route_count(ls, tokens, src, d) > 0)
-                    .map(|d| Ev::Publish(Sig::IDone(src, d, k))),
-            );
-            waits.push(Ev::Wait(Some(Step::I8c), src, Sig::Chunks(src, me, k)));
+        for (p, after) in takes {
+            ev.push(Ev::Publish(Sig::RingCredit(me, *p, k)));
+            ev.extend(after.iter().copied());
+            waits.push(Ev::Wait(Some(take_step), *p, Sig::Chunks(*p, me, k)));
         }
         ev.extend(waits);
     }
+}
+
+/// `me`'s rail peers: `(node, rank)` for every other node, the rank with my local index.
+fn rail_peers(cfg: &ModelConfig, me: usize) -> Vec<(usize, usize)> {
+    let (n, l) = (cfg.node_of(me), cfg.local_of(me));
+    (0..cfg.nodes())
+        .filter(|&node| node != n)
+        .map(|node| (node, cfg.rank_of(node, l)))
+        .collect()
+}
+
+/// The tokens of `src` that go to some rank of `node` under layout `ls`.
+fn crossing_rows(cfg: &ModelConfig, ls: u64, src: usize, node: usize) -> u64 {
+    let lsz = cfg.local_ranks();
+    (0..cfg.tokens())
+        .filter(|&t| (0..lsz).any(|j| routes_to(ls, src, t, cfg.rank_of(node, j))))
+        .count() as u64
 }
 
 /// How far the failing op of the injected failure gets: the events before the first

@@ -113,6 +113,12 @@ pub enum Step {
     I8c,
     /// `[I9c]` chunked forwarding, forwarder: each row of `ring[k][g % R]` into `xrecv[i%2][(k, l)][j]` of each rank of my node it goes to (relaxed), then `ring_credit[n] := g + 1` on the sender (release); after the last chunk of `k` in op `i`, `idone[(k, l)] := i` on each rank it sent rows to (release). Replaces `[I9]`.
     I9c,
+    /// `[J6c]` streamed partials ([`crate::ModelConfig::with_rail_ring`]), forwarder, chunk `g` of partials for the source `(k, l)`: wait until `pring_credit[k] >= g + 1 - R` (acquire, bounded), write the partials (reduced as in `[J6]`) into the source's `pring[n][g % R]` (relaxed), then `pchunks_in[n] := g + 1` on it (release). Replaces `[J6]`/`[J7]`.
+    J6c,
+    /// `[J8c]` streamed partials, source, chunk `g` of node `k`: wait until `pchunks_in[k] >= g + 1` (acquire, bounded). Replaces `[J8]`'s partial wait.
+    J8c,
+    /// `[J9c]` streamed partials, source: take each partial of `pring[k][g % R]` for its token (the reduction of `[J9]` adds it), then `pring_credit[n] := g + 1` on the forwarder (release).
+    J9c,
     /// `[J1]` internode combine start: store `ccredit[me] := q - 1` (release) into every rank that writes my combine regions (my node's ranks and my rail peers): I read nothing of internode combine `q - 1` any more.
     J1,
     /// `[J2]` before writing contributions or partials of combine `q` into a peer: wait until its `ccredit >= q - 2` (acquire, bounded).
@@ -141,7 +147,7 @@ pub enum Step {
 
 impl Step {
     /// Every step, in label order.
-    pub const ALL: [Step; 55] = [
+    pub const ALL: [Step; 58] = [
         Step::Recheck,
         Step::E1,
         Step::E2,
@@ -186,6 +192,9 @@ impl Step {
         Step::I6c,
         Step::I8c,
         Step::I9c,
+        Step::J6c,
+        Step::J8c,
+        Step::J9c,
         Step::J1,
         Step::J2,
         Step::J3,
@@ -246,6 +255,9 @@ impl Step {
             Step::I6c => "[I6c]",
             Step::I8c => "[I8c]",
             Step::I9c => "[I9c]",
+            Step::J6c => "[J6c]",
+            Step::J8c => "[J8c]",
+            Step::J9c => "[J9c]",
             Step::J1 => "[J1]",
             Step::J2 => "[J2]",
             Step::J3 => "[J3]",
@@ -307,6 +319,9 @@ impl Step {
             Step::I6c => "send a chunk",
             Step::I8c => "wait a chunk",
             Step::I9c => "forward a chunk",
+            Step::J6c => "send a chunk of partials",
+            Step::J8c => "wait a chunk of partials",
+            Step::J9c => "take a chunk of partials",
             Step::J1 => "release combine credit",
             Step::J2 => "wait combine credit",
             Step::J3 => "write contributions",

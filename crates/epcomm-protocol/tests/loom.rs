@@ -232,8 +232,9 @@ explore_tests! {
     internode_ring_one_slot: ring(2, 1, 3, 1, &[ID]);
     /// Two slots: each rank sends both its chunks before the other forwards either.
     internode_ring_two_slots: ring(2, 1, 3, 2, &[ID]);
-    /// A ring of one slot and a combine between the dispatches: the combine reads the
-    /// forwarded output while the chunk counts carry on in the next dispatch.
+    /// A ring of one slot and a combine between the dispatches: the combine streams its
+    /// partials through the sources' rings and reads the forwarded output while the chunk
+    /// counts carry on in the next dispatch.
     internode_ring_dispatch_combine_dispatch: ring(2, 1, 2, 1, &[ID, IC, ICD]);
     /// Chunks of two rows, one slot, three tokens, two ops: each rank's rows of an op fit in
     /// one chunk, the next op's chunk waits for that one's credit.
@@ -551,6 +552,18 @@ fn mutation_ring_skip_chunk_wait_is_caught() {
         ring(2, 1, 3, 1, &[ID]),
         Mutation::RingSkipChunkWait,
         &["[I9c] forward a chunk: ring["],
+    );
+}
+
+/// [J8c] without the chunk wait: a source takes a partial from its ring before it landed (two
+/// nodes of one rank, two tokens: each rank's tokens cross, so each forwards partials).
+#[test]
+fn mutation_partial_ring_skip_chunk_wait_is_caught() {
+    two_node_ring_routing();
+    mutation_is_caught(
+        ring(2, 1, 2, 1, &[ID, IC]),
+        Mutation::PartialRingSkipChunkWait,
+        &["[J9c] take a chunk of partials: pring["],
     );
 }
 

@@ -511,6 +511,7 @@ fn jitter_catches_ring_mutations() {
         Mutation::RingSkipCredit,
         Mutation::RingSkipChunkWait,
         Mutation::RingCreditAhead,
+        Mutation::PartialRingSkipChunkWait,
     ] {
         let mut rng = Rng(0x0BAD_0A11);
         let mut failures = 0;

@@ -15,7 +15,7 @@
 
 use epcomm_topology::Schedule;
 
-use super::internode_ring::RingSend;
+use super::internode_ring::{RingOf, RingSend, RingTake};
 use super::violation::{Region, Violation};
 use super::wait::Poll;
 use super::{InterLayout, InterLive, Rank, Stop};
@@ -231,16 +231,7 @@ impl Rank<'_> {
         }
 
         if ring {
-            // [I6c], [I8c], [I9c]: my rail rows and the ones I forward, through the rings.
-            let sends: Vec<RingSend> = my_rail
-                .into_iter()
-                .map(|(peer, tokens)| RingSend {
-                    node: cfg.node_of(peer),
-                    peer,
-                    tokens,
-                })
-                .collect();
-            self.ring_exchange(i, par, layout_seq, &sends, &layout)?;
+            self.ring_dispatch(i, par, layout_seq, my_rail, &layout)?;
         }
         // The forwarder: per rail source that sends me rows.
         for &(k, src) in rail_peers.iter().filter(|_| !ring) {
@@ -410,5 +401,83 @@ impl Rank<'_> {
             expected,
             found,
         }
+    }
+}
+
+impl Rank<'_> {
+    /// `[I6c]`, `[I8c]`, `[I9c]` of internode dispatch `i`: my rail rows (`my_rail`: per rail
+    /// peer, my tokens crossing to its node) through my rail peers' rings, and the chunks of
+    /// every rail source of `layout` through mine, each row forwarded to the ranks of my node
+    /// it goes to; then `idone` per source as `[I9]` does.
+    fn ring_dispatch(
+        &mut self,
+        i: u64,
+        par: usize,
+        layout_seq: u64,
+        my_rail: Vec<(usize, Vec<usize>)>,
+        layout: &InterLayout,
+    ) -> Result<(), Stop> {
+        let cfg = self.cfg;
+        let (me, lsz) = (self.me, cfg.local_ranks());
+        let (n, l) = (cfg.node_of(me), cfg.local_of(me));
+        let local_peers: Vec<usize> = (0..lsz).map(|j| cfg.rank_of(n, j)).collect();
+        let sends: Vec<RingSend> = my_rail
+            .into_iter()
+            .map(|(peer, tokens)| RingSend {
+                node: cfg.node_of(peer),
+                peer,
+                rows: tokens.iter().map(|&t| data_word(i, me, t)).collect(),
+            })
+            .collect();
+        // Per rail source that sends me rows: its tokens crossing to my node, in order.
+        let sources: Vec<(usize, usize, Vec<usize>)> = (0..cfg.nodes())
+            .filter(|&k| k != n && layout.rail[k] > 0)
+            .map(|k| {
+                let src = cfg.rank_of(k, l);
+                let tokens = (0..cfg.tokens())
+                    .filter(|&t| {
+                        local_peers
+                            .iter()
+                            .any(|&d| routes_to(layout_seq, src, t, d))
+                    })
+                    .take(layout.rail[k] as usize)
+                    .collect();
+                (k, src, tokens)
+            })
+            .collect();
+        let takes: Vec<RingTake> = sources
+            .iter()
+            .map(|(k, src, tokens)| RingTake {
+                node: *k,
+                peer: *src,
+                expected: tokens.iter().map(|&t| data_word(i, *src, t)).collect(),
+            })
+            .collect();
+        // next[f][j]: the next slot in rank (my node, j)'s xrecv[i%2][source f].
+        let mut next = vec![vec![0usize; lsz]; sources.len()];
+        self.ring_exchange(RingOf::Dispatch, &sends, &takes, &mut |r, f, index, row| {
+            let (_, src, ref tokens) = sources[f];
+            for (j, &d) in local_peers.iter().enumerate() {
+                if routes_to(layout_seq, src, tokens[index], d) {
+                    let slot = next[f][j];
+                    next[f][j] += 1;
+                    r.write(Step::I9c, || {
+                        r.w.xrecv(d, par, src, slot).store(row, Ordering::Relaxed);
+                    })?;
+                }
+            }
+            Ok(())
+        })?;
+        // [I9c], end of the op: idone[src] := i on each rank of my node a source's rows went to.
+        for (f, &(_, src, _)) in sources.iter().enumerate() {
+            for (j, &d) in local_peers.iter().enumerate() {
+                if next[f][j] > 0 {
+                    self.write(Step::I9c, || {
+                        self.w.ranks[d].idone[src].store(i, Ordering::Release);
+                    })?;
+                }
+            }
+        }
+        Ok(())
     }
 }

@@ -17,6 +17,7 @@
 
 use epcomm_topology::Schedule;
 
+use super::internode_ring::{RingOf, RingSend, RingTake};
 use super::violation::Region;
 use super::{Rank, Stop};
 use crate::config::{Mutation, data_word, inter_combine_word, routes_to, split_data_word};
@@ -83,10 +84,12 @@ impl Rank<'_> {
             .map(|&(s, _, _)| dest(s))
             .filter(|&d| d != me)
             .collect();
+        // Streamed partials: the rings' chunk counts guard the sources' slots.
+        let ring = cfg.rail_ring().is_some();
         targets.extend(
             rail_peers
                 .iter()
-                .filter(|&&(k, _)| layout.rail.get(k).copied().unwrap_or(0) > 0)
+                .filter(|&&(k, _)| !ring && layout.rail.get(k).copied().unwrap_or(0) > 0)
                 .map(|&(_, src)| src),
         );
         targets.sort_unstable();
@@ -165,6 +168,8 @@ impl Rank<'_> {
         }
 
         // The forwarder: per rail source whose tokens crossed to my node in the dispatch.
+        // Streamed (`ring`): the partials go through the sources' rings below instead.
+        let mut partial_sends: Vec<RingSend> = Vec::new();
         for &(k, src) in &rail_peers {
             if layout.rail.get(k).copied().unwrap_or(0) == 0 {
                 continue;
@@ -186,6 +191,7 @@ impl Rank<'_> {
             // [J6] reduce each crossing token's node-local contributions into one partial and
             // write it into the source's cpart[q%2][n][t] over the rail (relaxed).
             self.step(Step::J6)?;
+            let mut partials = Vec::with_capacity(crossing.len());
             for &t in &crossing {
                 let row = data_word(i, src, t);
                 let mut partial = 0u64;
@@ -205,17 +211,63 @@ impl Rank<'_> {
                     }
                     partial = partial.wrapping_add(found);
                 }
+                if ring {
+                    partials.push(partial);
+                    continue;
+                }
                 self.write(Step::J6, || {
                     self.w
                         .cpart(src, par, n, t)
                         .store(partial, Ordering::Relaxed);
                 })?;
             }
+            if ring {
+                partial_sends.push(RingSend {
+                    node: k,
+                    peer: src,
+                    rows: partials,
+                });
+                continue;
+            }
             // [J7] signal the partials (release).
             self.step(Step::J7)?;
             self.write(Step::J7, || {
                 self.w.ranks[src].cpdone[n].store(q, Ordering::Release);
             })?;
+        }
+        // [J6c], [J8c], [J9c]: my partials through my sources' rings, and the partials of every
+        // node my tokens crossed to through mine (each checked against its contributors' sum
+        // as it is taken): streamed[k][t].
+        let mut streamed: Vec<Vec<Option<u64>>> = vec![vec![None; tokens]; nodes];
+        if ring {
+            let crossed: Vec<(usize, usize, Vec<usize>)> = rail_peers
+                .iter()
+                .map(|&(k, p)| {
+                    let ts = (0..tokens)
+                        .filter(|&t| !contributors(me, t, k).is_empty())
+                        .collect();
+                    (k, p, ts)
+                })
+                .filter(|(_, _, ts): &(usize, usize, Vec<usize>)| !ts.is_empty())
+                .collect();
+            let takes: Vec<RingTake> = crossed
+                .iter()
+                .map(|(k, p, ts)| RingTake {
+                    node: *k,
+                    peer: *p,
+                    expected: ts.iter().map(|&t| expected_sum(me, t, *k)).collect(),
+                })
+                .collect();
+            self.ring_exchange(
+                RingOf::Combine,
+                &partial_sends,
+                &takes,
+                &mut |_, f, index, row| {
+                    let (k, _, ref ts) = crossed[f];
+                    streamed[k][ts[index]] = Some(row);
+                    Ok(())
+                },
+            )?;
         }
 
         // [J8] the source: wait (acquire) for the direct contributions of every other rank of
@@ -228,7 +280,7 @@ impl Rank<'_> {
                 self.wait_geq(Step::J8, d, word, q, Ordering::Acquire)?;
             }
         }
-        if !cfg.has(Mutation::InterCombineSkipPartialWait) {
+        if !ring && !cfg.has(Mutation::InterCombineSkipPartialWait) {
             for &(k, p) in &rail_peers {
                 if (0..tokens).any(|t| !contributors(me, t, k).is_empty()) {
                     let word = &self.w.ranks[me].cpdone[k];
@@ -264,7 +316,11 @@ impl Rank<'_> {
                     continue;
                 }
                 let expected = expected_sum(me, t, k);
-                let found = self.w.cpart(me, par, k, t).load(Ordering::Relaxed);
+                let found = match streamed[k][t] {
+                    // Taken from the ring (checked there).
+                    Some(value) => value,
+                    None => self.w.cpart(me, par, k, t).load(Ordering::Relaxed),
+                };
                 if found != expected {
                     let slot = k * tokens + t;
                     return Err(self

@@ -1,105 +1,121 @@
-//! Chunked forwarding of the internode dispatch (model only): `[I6c]`, `[I8c]`, `[I9c]`
-//! (docs/protocol.md, "Chunked forwarding"), which replace the rail half of `[I6]`..`[I9]`
-//! when [`crate::ModelConfig::with_rail_ring`] is set.
+//! The rail rings (model only, docs/protocol.md, "Chunked forwarding"), used when
+//! [`crate::ModelConfig::with_rail_ring`] is set: the internode dispatch's rail rows go to the
+//! forwarder through a ring there (`[I6c]`, `[I8c]`, `[I9c]`, in place of the rail half of
+//! `[I6]`..`[I9]`), and the internode combine's partials go back to the source through a ring
+//! there (`[J6c]`, `[J8c]`, `[J9c]`, in place of `cpart`/`cpdone`, `[J6]`..`[J8]`'s rail half).
 //!
-//! Each source node's rail rows move through a ring of `R` slots of `C` rows at the forwarder;
-//! an op's last chunk to a peer may hold fewer than `C`. Chunks are numbered since setup, on both ends: the sender's
-//! `ring_sent[k]` and the forwarder's `ring_forwarded[k]` continue across ops, cached or not,
-//! and the shared words (`chunks_in`, `ring_credit`) only grow, so no value an earlier op left
-//! can satisfy a wait of a later one and the ring needs neither a per-op credit nor a reset.
+//! Each ring has `R` slots of `C` rows per peer node; an op's last chunk to a peer may hold
+//! fewer than `C`. Chunks are numbered since setup, on both ends: the sender's `ring_sent` and
+//! the receiver's `ring_taken` continue across ops, and the shared words (`chunks_in`,
+//! `ring_credit`) only grow, so no value an earlier op left can satisfy a wait of a later one
+//! and a ring needs neither a per-op credit nor a reset.
 //!
-//! The kernels give the sender and the forwarder different blocks. The model's one thread per
-//! rank interleaves the two roles without blocking: it sends the next chunk to a rail peer
-//! whose slot is free, forwards the next chunk that has landed, and waits (bounded) only when
-//! neither role can move. Running the roles one after the other instead would deadlock as soon
-//! as a rank has more chunks to send than the ring holds: two rail peers each blocked in
-//! `[I6c]` wait for the other's `[I9c]`.
+//! The kernels give the sending and the receiving role different blocks. The model's one thread
+//! per rank interleaves them without blocking: it sends the next chunk to a peer whose slot is
+//! free, takes the next chunk that has landed, and waits (bounded) only when neither can move.
+//! Running the roles one after the other instead would deadlock as soon as a rank has more
+//! chunks to send than a ring holds: two peers each blocked sending wait for the other to take.
 
 use super::violation::Region;
 use super::wait::Poll;
-use super::{InterLayout, Rank, Stop};
-use crate::config::{Mutation, data_word, routes_to};
+use super::{Rank, Stop};
+use crate::config::Mutation;
 use crate::step::Step;
 use crate::sync::Ordering;
 
-/// What this rank sends one rail peer in this op: its chunks (tokens, in order).
+/// Which ring: the dispatch's (at the forwarder) or the combine's (at the source).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum RingOf {
+    /// Rail rows of the internode dispatch, source → forwarder.
+    Dispatch,
+    /// Partials of the internode combine, forwarder → source.
+    Combine,
+}
+
+impl RingOf {
+    /// Its index in the per-ring arrays.
+    pub(super) fn index(self) -> usize {
+        match self {
+            RingOf::Dispatch => 0,
+            RingOf::Combine => 1,
+        }
+    }
+
+    /// Its steps: send a chunk, wait for a chunk, take a chunk.
+    fn steps(self) -> (Step, Step, Step) {
+        match self {
+            RingOf::Dispatch => (Step::I6c, Step::I8c, Step::I9c),
+            RingOf::Combine => (Step::J6c, Step::J8c, Step::J9c),
+        }
+    }
+
+    fn region(self) -> Region {
+        match self {
+            RingOf::Dispatch => Region::Ring,
+            RingOf::Combine => Region::PRing,
+        }
+    }
+}
+
+/// What this rank sends one rail peer through its ring in this op: the rows, in order (chunks
+/// of `C` of them).
 pub(super) struct RingSend {
     /// The peer's node.
     pub node: usize,
-    /// The peer, `(node, my local index)`.
+    /// The peer (my rail peer in `node`).
     pub peer: usize,
-    /// My tokens that cross to `node`, in order: chunks of `C` of them.
-    pub tokens: Vec<usize>,
+    pub rows: Vec<u64>,
 }
 
-/// What this rank forwards for one rail source in this op.
-struct RingForward {
-    node: usize,
-    src: usize,
-    /// The source's tokens crossing to my node (the rows it sends me, in order).
-    tokens: Vec<usize>,
-    /// Rows forwarded so far in this op.
-    done: usize,
-    /// `next[j]`: the next slot in rank `(my node, j)`'s `xrecv[i%2][src]`.
-    next: Vec<usize>,
+/// What this rank takes from one rail peer's chunks in this op: the rows it must find, in
+/// order.
+pub(super) struct RingTake {
+    /// The peer's node.
+    pub node: usize,
+    /// The peer (my rail peer in `node`).
+    pub peer: usize,
+    pub expected: Vec<u64>,
 }
 
-/// The role that moved, or the one a wait is for.
-enum Move {
+/// The role a wait is for.
+enum Pending {
     Send(usize),
-    Forward(usize),
+    Take(usize),
 }
 
 impl Rank<'_> {
-    /// `[I6c]`..`[I9c]` of internode dispatch `i` (data parity `par`, routing `layout_seq`):
-    /// sends `sends` through the rail peers' rings and forwards every chunk the rail sources of
-    /// `layout` send this rank, interleaved, then signals `idone` per source as `[I9]` does.
+    /// Sends `sends` through the peers' rings `of` and takes every chunk of `takes` from mine,
+    /// interleaved. Each row taken is checked against its expectation, then handed to `take`
+    /// (`takes` index, row index in the op, value) before the chunk's credit is stored.
     pub(super) fn ring_exchange(
         &mut self,
-        i: u64,
-        par: usize,
-        layout_seq: u64,
+        of: RingOf,
         sends: &[RingSend],
-        layout: &InterLayout,
+        takes: &[RingTake],
+        take: &mut dyn FnMut(&Self, usize, usize, u64) -> Result<(), Stop>,
     ) -> Result<(), Stop> {
-        let cfg = self.cfg;
-        let (me, lsz) = (self.me, cfg.local_ranks());
-        let (n, l) = (cfg.node_of(me), cfg.local_of(me));
-        let ring = cfg
+        let ring = self
+            .cfg
             .rail_ring()
             .expect("ring_exchange runs only with a ring");
-        // Rows sent per peer in this op (whole chunks, the last one possibly partial).
+        // Rows sent per peer and taken per peer in this op (whole chunks, the last partial).
         let mut sent = vec![0usize; sends.len()];
-        let mut forwards: Vec<RingForward> = (0..cfg.nodes())
-            .filter(|&k| k != n && layout.rail[k] > 0)
-            .map(|k| {
-                let src = cfg.rank_of(k, l);
-                let tokens = (0..cfg.tokens())
-                    .filter(|&t| (0..lsz).any(|j| routes_to(layout_seq, src, t, cfg.rank_of(n, j))))
-                    .take(layout.rail[k] as usize)
-                    .collect();
-                RingForward {
-                    node: k,
-                    src,
-                    tokens,
-                    done: 0,
-                    next: vec![0; lsz],
-                }
-            })
-            .collect();
+        let mut taken = vec![0usize; takes.len()];
         loop {
             let mut moved = false;
             for (s, send) in sends.iter().enumerate() {
-                while sent[s] < send.tokens.len() && self.slot_free(send) {
-                    let end = send.tokens.len().min(sent[s] + ring.chunk_rows);
-                    self.send_chunk(i, send, &send.tokens[sent[s]..end])?;
+                while sent[s] < send.rows.len() && self.slot_free(of, send.node) {
+                    let end = send.rows.len().min(sent[s] + ring.chunk_rows);
+                    self.send_chunk(of, send, &send.rows[sent[s]..end])?;
                     sent[s] = end;
                     moved = true;
                 }
             }
-            for f in &mut forwards {
-                while f.done < f.tokens.len() && self.chunk_landed(f.node) {
-                    self.forward_chunk(i, par, layout_seq, f)?;
+            for (f, from) in takes.iter().enumerate() {
+                while taken[f] < from.expected.len() && self.chunk_landed(of, from.node) {
+                    let end = from.expected.len().min(taken[f] + ring.chunk_rows);
+                    self.take_chunk(of, f, from, taken[f]..end, take)?;
+                    taken[f] = end;
                     moved = true;
                 }
             }
@@ -107,40 +123,41 @@ impl Rank<'_> {
                 continue;
             }
             // Neither role can move: wait (bounded) until one can, naming the first peer
-            // still owed something (a sender's rail peer before a forwarder's source).
+            // still owed something (a send's before a take's).
             let pending = sends
                 .iter()
                 .enumerate()
-                .find(|&(s, send)| sent[s] < send.tokens.len())
-                .map(|(s, _)| Move::Send(s))
+                .find(|&(s, send)| sent[s] < send.rows.len())
+                .map(|(s, _)| Pending::Send(s))
                 .or_else(|| {
-                    forwards
-                        .iter()
-                        .position(|f| f.done < f.tokens.len())
-                        .map(Move::Forward)
+                    (0..takes.len())
+                        .find(|&f| taken[f] < takes[f].expected.len())
+                        .map(Pending::Take)
                 });
             let Some(pending) = pending else { break };
-            let me_words = &self.w.ranks[me];
+            let (send_step, wait_step, _) = of.steps();
+            let words = self.w.ring_words(of, self.me);
             let (step, peer, expected, word) = match pending {
-                Move::Send(s) => {
+                Pending::Send(s) => {
                     let k = sends[s].node;
-                    let needed = (self.ring_sent[k] + 1).saturating_sub(ring.slots as u64);
-                    (Step::I6c, sends[s].peer, needed, &me_words.ring_credit[k])
+                    let g = self.ring_sent[of.index()][k];
+                    let needed = (g + 1).saturating_sub(ring.slots as u64);
+                    (send_step, sends[s].peer, needed, &words.credit[k])
                 }
-                Move::Forward(f) => {
-                    let k = forwards[f].node;
-                    let needed = self.ring_forwarded[k] + 1;
-                    (Step::I8c, forwards[f].src, needed, &me_words.chunks_in[k])
+                Pending::Take(f) => {
+                    let k = takes[f].node;
+                    let g = self.ring_taken[of.index()][k];
+                    (wait_step, takes[f].peer, g + 1, &words.chunks_in[k])
                 }
             };
             self.wait(step, peer, expected, || {
                 for (s, send) in sends.iter().enumerate() {
-                    if sent[s] < send.tokens.len() && self.slot_free(send) {
+                    if sent[s] < send.rows.len() && self.slot_free(of, send.node) {
                         return Ok(Poll::Ready(()));
                     }
                 }
-                for f in &forwards {
-                    if f.done < f.tokens.len() && self.chunk_landed(f.node) {
+                for (f, from) in takes.iter().enumerate() {
+                    if taken[f] < from.expected.len() && self.chunk_landed(of, from.node) {
                         return Ok(Poll::Ready(()));
                     }
                 }
@@ -156,120 +173,101 @@ impl Rank<'_> {
                 Ok(Poll::Pending(seen))
             })?;
         }
-        // [I9c], end of the op: `idone[src] := i` on each rank of my node a source's rows went to.
-        for f in &forwards {
-            for (j, &count) in f.next.iter().enumerate() {
-                if count > 0 {
-                    let d = cfg.rank_of(n, j);
-                    self.write(Step::I9c, || {
-                        self.w.ranks[d].idone[f.src].store(i, Ordering::Release);
-                    })?;
-                }
-            }
-        }
         Ok(())
     }
 
-    /// Whether the slot of my next chunk to `send.node` is free: `ring_credit >= g + 1 - R`
-    /// (acquire), always under [`Mutation::RingSkipCredit`].
-    fn slot_free(&self, send: &RingSend) -> bool {
-        let g = self.ring_sent[send.node];
-        let slots = self.cfg.rail_ring().map_or(1, |r| r.slots) as u64;
-        if self.cfg.has(Mutation::RingSkipCredit) {
+    /// Whether the slot of my next chunk to the peer in node `k` is free:
+    /// `credit[k] >= g + 1 - R` (acquire), always under [`Mutation::RingSkipCredit`].
+    fn slot_free(&self, of: RingOf, k: usize) -> bool {
+        if of == RingOf::Dispatch && self.cfg.has(Mutation::RingSkipCredit) {
             return true;
         }
-        let credit = self.w.ranks[self.me].ring_credit[send.node].load(Ordering::Acquire);
+        let g = self.ring_sent[of.index()][k];
+        let slots = self.cfg.rail_ring().map_or(1, |r| r.slots) as u64;
+        let credit = self.w.ring_words(of, self.me).credit[k].load(Ordering::Acquire);
         credit + slots > g
     }
 
-    /// Whether the next chunk of the rail peer in node `k` landed: `chunks_in[k] >= g + 1`
-    /// (acquire), always under [`Mutation::RingSkipChunkWait`].
-    fn chunk_landed(&self, k: usize) -> bool {
-        if self.cfg.has(Mutation::RingSkipChunkWait) {
+    /// Whether the next chunk of the peer in node `k` landed: `chunks_in[k] >= g + 1`
+    /// (acquire), always under [`Mutation::RingSkipChunkWait`] (the dispatch's ring) and
+    /// [`Mutation::PartialRingSkipChunkWait`] (the combine's).
+    fn chunk_landed(&self, of: RingOf, k: usize) -> bool {
+        let skip = match of {
+            RingOf::Dispatch => Mutation::RingSkipChunkWait,
+            RingOf::Combine => Mutation::PartialRingSkipChunkWait,
+        };
+        if self.cfg.has(skip) {
             return true;
         }
-        let g = self.ring_forwarded[k];
-        self.w.ranks[self.me].chunks_in[k].load(Ordering::Acquire) > g
+        let g = self.ring_taken[of.index()][k];
+        self.w.ring_words(of, self.me).chunks_in[k].load(Ordering::Acquire) > g
     }
 
-    /// `[I6c]`: my next chunk (the rows of `tokens`, at most `C`) into the peer's
-    /// `ring[n][g % R]` (relaxed), then `chunks_in[n] := g + 1` on it (release).
-    fn send_chunk(&mut self, i: u64, send: &RingSend, tokens: &[usize]) -> Result<(), Stop> {
-        self.step(Step::I6c)?;
+    /// `[I6c]`/`[J6c]`: my next chunk (`rows`, at most `C`) into slot `g % R` of the peer's
+    /// ring for my node (relaxed), then `chunks_in[n] := g + 1` on it (release). The slot is
+    /// free: `slot_free` said so (unless [`Mutation::RingSkipCredit`] skipped it, dispatch ring).
+    fn send_chunk(&mut self, of: RingOf, send: &RingSend, rows: &[u64]) -> Result<(), Stop> {
+        let (step, _, _) = of.steps();
+        self.step(step)?;
         let n = self.cfg.node_of(self.me);
-        let g = self.ring_sent[send.node];
+        let g = self.ring_sent[of.index()][send.node];
         let slot = (g % self.cfg.rail_ring().map_or(1, |r| r.slots) as u64) as usize;
-        for (r, &t) in tokens.iter().enumerate() {
-            let row = data_word(i, self.me, t);
-            self.write(Step::I6c, || {
+        for (r, &row) in rows.iter().enumerate() {
+            self.write(step, || {
                 self.w
-                    .ring(send.peer, n, slot, r)
+                    .ring_row(of, send.peer, n, slot, r)
                     .store(row, Ordering::Relaxed);
             })?;
         }
-        self.write(Step::I6c, || {
-            self.w.ranks[send.peer].chunks_in[n].store(g + 1, Ordering::Release);
+        self.write(step, || {
+            self.w.ring_words(of, send.peer).chunks_in[n].store(g + 1, Ordering::Release);
         })?;
-        self.ring_sent[send.node] = g + 1;
+        self.ring_sent[of.index()][send.node] = g + 1;
         Ok(())
     }
 
-    /// `[I8c]`/`[I9c]`: the next chunk of `f`'s source (landed; its rows: the next `C` of the
-    /// op, fewer for its last) into each rank of my node each row goes to, then
-    /// `ring_credit[n] := g + 1` on the source (release; `g + 2` under
-    /// [`Mutation::RingCreditAhead`]).
-    fn forward_chunk(
+    /// `[I8c]`/`[J8c]` then `[I9c]`/`[J9c]`: the next chunk of `from` (landed; its rows: `rows`
+    /// of the op's), each checked and handed to `take`, then `credit[n] := g + 1` on the peer
+    /// (release; `g + 2` under [`Mutation::RingCreditAhead`], the dispatch's ring).
+    fn take_chunk(
         &mut self,
-        i: u64,
-        par: usize,
-        layout_seq: u64,
-        f: &mut RingForward,
+        of: RingOf,
+        f: usize,
+        from: &RingTake,
+        rows: std::ops::Range<usize>,
+        take: &mut dyn FnMut(&Self, usize, usize, u64) -> Result<(), Stop>,
     ) -> Result<(), Stop> {
         let cfg = self.cfg;
-        self.step(Step::I8c)?;
-        self.step(Step::I9c)?;
-        let ring = cfg
-            .rail_ring()
-            .expect("forward_chunk runs only with a ring");
+        let (_, wait_step, take_step) = of.steps();
+        self.step(wait_step)?;
+        self.step(take_step)?;
+        let ring = cfg.rail_ring().expect("take_chunk runs only with a ring");
         let n = cfg.node_of(self.me);
-        let g = self.ring_forwarded[f.node];
+        let g = self.ring_taken[of.index()][from.node];
         let slot = (g % ring.slots as u64) as usize;
-        let end = f.tokens.len().min(f.done + ring.chunk_rows);
-        for (r, &t) in f.tokens[f.done..end].iter().enumerate() {
-            let expected = data_word(i, f.src, t);
+        for (r, index) in rows.enumerate() {
+            let expected = from.expected[index];
             let row = self
                 .w
-                .ring(self.me, f.node, slot, r)
+                .ring_row(of, self.me, from.node, slot, r)
                 .load(Ordering::Relaxed);
             if row != expected {
                 let at = slot * ring.chunk_rows + r;
                 return Err(self
-                    .data_violation(Step::I9c, Region::Ring, f.node, at, expected, row)
+                    .data_violation(take_step, of.region(), from.node, at, expected, row)
                     .into());
             }
-            for j in 0..cfg.local_ranks() {
-                let d = cfg.rank_of(n, j);
-                if routes_to(layout_seq, f.src, t, d) {
-                    let at = f.next[j];
-                    f.next[j] += 1;
-                    self.write(Step::I9c, || {
-                        self.w
-                            .xrecv(d, par, f.src, at)
-                            .store(row, Ordering::Relaxed);
-                    })?;
-                }
-            }
+            take(self, f, index, row)?;
         }
-        let credit = if cfg.has(Mutation::RingCreditAhead) {
+        let credit = if of == RingOf::Dispatch && cfg.has(Mutation::RingCreditAhead) {
             g + 2
         } else {
             g + 1
         };
-        self.write(Step::I9c, || {
-            self.w.ranks[f.src].ring_credit[n].store(credit, Ordering::Release);
+        self.write(take_step, || {
+            self.w.ring_words(of, from.peer).credit[n].store(credit, Ordering::Release);
         })?;
-        self.ring_forwarded[f.node] = g + 1;
-        f.done = end;
+        self.ring_taken[of.index()][from.node] = g + 1;
         Ok(())
     }
 }

@@ -25,8 +25,9 @@
 //! - `combine.rs`: combine, `[C1]`..`[C5]` (and `[G1]`);
 //! - `low_latency.rs`: the low-latency dispatch and combine, `[L1]`..`[L9]` (and `[G1]`, `[G2]`);
 //! - `internode.rs`: the hierarchical internode dispatch (model only), `[I1]`..`[I12]`;
-//! - `internode_ring.rs`: chunked forwarding of the internode dispatch (model only),
-//!   `[I6c]`, `[I8c]`, `[I9c]`;
+//! - `internode_ring.rs`: the rail rings (model only): chunked forwarding of the internode
+//!   dispatch, `[I6c]`, `[I8c]`, `[I9c]`, and streamed partials of its combine, `[J6c]`,
+//!   `[J8c]`, `[J9c]`;
 //! - `internode_combine.rs`: the hierarchical internode combine (model only), `[J1]`..`[J9]`;
 //! - `wait.rs`: the bounded waits, the done counters (`[E5]`/`[C2]` signal, `[E6]`/`[C5]`
 //!   wait) and the barrier of `[G1]`/`[G3]`/`[G5]`;
@@ -64,6 +65,7 @@ use crate::config::{ModelConfig, OpKind};
 use crate::outcome::OpOutput;
 use crate::step::Step;
 use crate::sync::AtomicU64;
+use internode_ring::RingOf;
 
 #[cfg(not(loom))]
 pub use runner::run_model;
@@ -81,7 +83,8 @@ pub trait StepHook: Send + Sync {
     /// kind `kind`. Steps that repeat per sender block (`[E4]`, `[E5]`, `[C1]`, `[C3]`, `[C4]`,
     /// `[C2]`, `[L3]`, `[L4]`, `[L8]`) are reported once per block; `[I8]` and `[I9]` once
     /// per rail source node the rank forwards for, and so are `[J5]`, `[J6]` and `[J7]`;
-    /// `[I6c]` once per chunk sent, `[I8c]` and `[I9c]` once per chunk forwarded.
+    /// `[I6c]` and `[J6c]` once per chunk sent, `[I8c]`, `[I9c]`, `[J8c]` and `[J9c]` once per
+    /// chunk taken.
     fn at(&self, rank: usize, op: usize, kind: OpKind, step: Step);
 }
 
@@ -136,6 +139,15 @@ struct RankBuffer {
     /// Chunked forwarding: `ring_credit[node]`, monotonic since setup: the chunks of mine my
     /// rail peer in `node` has forwarded (slots it will not read again).
     ring_credit: Vec<AtomicU64>,
+    /// Streamed partials: `pring[node][slot][row]`, the partials my rail peer in `node` (the
+    /// forwarder of my tokens there) put in slot `slot`.
+    pring: Vec<AtomicU64>,
+    /// Streamed partials: `pchunks_in[node]`, monotonic since setup: its chunks of partials
+    /// that landed.
+    pchunks_in: Vec<AtomicU64>,
+    /// Streamed partials: `pring_credit[node]`, monotonic since setup: the chunks of partials
+    /// of mine my rail peer in `node` has reduced.
+    pring_credit: Vec<AtomicU64>,
     /// Internode: `xcount[parity][src]`, tagged `(m << 32) | count(src -> me)`, written by
     /// `src` (same node) or relayed by its forwarder (parity of the notify sequence).
     xcount: Vec<AtomicU64>,
@@ -202,6 +214,7 @@ impl World {
     /// Allocates zeroed buffers for every rank of `cfg` ("never written" everywhere).
     pub fn new(cfg: &ModelConfig) -> Self {
         let (w, t, p) = (cfg.world(), cfg.tokens(), cfg.regions());
+        let ring_rows = cfg.nodes() * cfg.rail_ring().map_or(0, |r| r.slots * r.chunk_rows);
         let ranks = (0..w)
             .map(|_| RankBuffer {
                 count: zeroed(p * w * w),
@@ -216,9 +229,12 @@ impl World {
                 rail_count: zeroed(p * cfg.nodes() * (cfg.local_ranks() + 1)),
                 rail_buf: zeroed(p * cfg.nodes() * t),
                 rail_done: zeroed(cfg.nodes()),
-                ring: zeroed(cfg.nodes() * cfg.rail_ring().map_or(0, |r| r.slots * r.chunk_rows)),
+                ring: zeroed(ring_rows),
                 chunks_in: zeroed(cfg.nodes()),
                 ring_credit: zeroed(cfg.nodes()),
+                pring: zeroed(ring_rows),
+                pchunks_in: zeroed(cfg.nodes()),
+                pring_credit: zeroed(cfg.nodes()),
                 xcount: zeroed(p * w),
                 xrecv: zeroed(p * w * t),
                 idone: zeroed(w),
@@ -298,13 +314,40 @@ impl World {
         &self.ranks[rank].rail_buf[(parity * n + node) * t + r]
     }
 
-    /// `rank.ring[node][slot][row]`.
-    fn ring(&self, rank: usize, node: usize, slot: usize, row: usize) -> &AtomicU64 {
+    /// `rank.ring[node][slot][row]` (the dispatch's) or `rank.pring[node][slot][row]`.
+    fn ring_row(
+        &self,
+        of: RingOf,
+        rank: usize,
+        node: usize,
+        slot: usize,
+        row: usize,
+    ) -> &AtomicU64 {
         let (r, c) = self
             .cfg
             .rail_ring()
             .map_or((0, 0), |r| (r.slots, r.chunk_rows));
-        &self.ranks[rank].ring[(node * r + slot) * c + row]
+        let b = &self.ranks[rank];
+        let ring = match of {
+            RingOf::Dispatch => &b.ring,
+            RingOf::Combine => &b.pring,
+        };
+        &ring[(node * r + slot) * c + row]
+    }
+
+    /// `rank`'s chunk counts and credits of ring `of`, per peer node.
+    fn ring_words(&self, of: RingOf, rank: usize) -> RingWords<'_> {
+        let b = &self.ranks[rank];
+        match of {
+            RingOf::Dispatch => RingWords {
+                chunks_in: &b.chunks_in,
+                credit: &b.ring_credit,
+            },
+            RingOf::Combine => RingWords {
+                chunks_in: &b.pchunks_in,
+                credit: &b.pring_credit,
+            },
+        }
     }
 
     fn xcount(&self, rank: usize, parity: usize, src: usize) -> &AtomicU64 {
@@ -337,6 +380,13 @@ impl World {
         let (n, t) = (self.cfg.nodes(), self.cfg.tokens());
         &self.ranks[rank].cpart[(parity * n + node) * t + token]
     }
+}
+
+/// One rank's words of one rail ring, per peer node: `chunks_in` (written by the peer that
+/// sends me chunks) and `credit` (written by the peer that takes mine).
+struct RingWords<'a> {
+    chunks_in: &'a [AtomicU64],
+    credit: &'a [AtomicU64],
 }
 
 /// Layout of the last non-cached internode dispatch, as this rank learned it from the count
@@ -455,9 +505,10 @@ struct Rank<'a> {
     ll_live: Option<LlLive>,
     inter_layout: InterLayout,
     inter_live: Option<InterLive>,
-    /// Chunked forwarding, per node `k`: the chunks this rank has sent its rail peer in `k`
-    /// since setup (the sender's `g`), and the chunks of that peer it has forwarded.
-    ring_sent: Vec<u64>,
-    ring_forwarded: Vec<u64>,
+    /// The rail rings, per ring ([`RingOf::index`]) and node `k`: the chunks this rank has
+    /// sent its rail peer in `k` since setup (the sender's `g`), and the chunks of that peer
+    /// it has taken.
+    ring_sent: [Vec<u64>; 2],
+    ring_taken: [Vec<u64>; 2],
     outputs: Vec<Result<OpOutput, OpError>>,
 }

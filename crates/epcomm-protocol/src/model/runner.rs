@@ -65,8 +65,8 @@ pub fn run_rank(world: &World, rank: usize, hook: &dyn StepHook) -> Result<RankR
         ll_live: None,
         inter_layout: super::InterLayout::default(),
         inter_live: None,
-        ring_sent: vec![0; cfg.nodes()],
-        ring_forwarded: vec![0; cfg.nodes()],
+        ring_sent: [vec![0; cfg.nodes()], vec![0; cfg.nodes()]],
+        ring_taken: [vec![0; cfg.nodes()], vec![0; cfg.nodes()]],
         outputs: Vec::with_capacity(cfg.ops().len()),
     };
     let result = r.run();

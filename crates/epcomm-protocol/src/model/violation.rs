@@ -29,6 +29,8 @@ pub enum Region {
     /// `ring[src_node][slot]`, the chunked-forwarding ring (reported with the source node in
     /// place of the parity: one region, chunks counted since setup).
     Ring,
+    /// `pring[node][slot]`, the ring of streamed combine partials (reported like `ring`).
+    PRing,
     /// `xrecv[parity][src][j]`, the internode receive rows (slot = `src * tokens + j`).
     XRecv,
     /// `cdirect[parity][src][token]`, the internode combine's direct contributions (slot =
@@ -50,6 +52,7 @@ impl fmt::Display for Region {
             Region::LlComb => "ll_comb",
             Region::RailBuf => "rail_buf",
             Region::Ring => "ring",
+            Region::PRing => "pring",
             Region::XRecv => "xrecv",
             Region::CDirect => "cdirect",
             Region::CFwd => "cfwd",
