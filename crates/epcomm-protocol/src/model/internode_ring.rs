@@ -77,13 +77,17 @@ pub(super) struct RingTake {
     pub expected: Vec<u64>,
 }
 
+/// What a ring exchange does with each row it takes (after checking it, before the chunk's
+/// credit): `(rank, takes index, row index in the op, value)`.
+pub(super) type TakeRow<'t, 'w> = dyn FnMut(&Rank<'w>, usize, usize, u64) -> Result<(), Stop> + 't;
+
 /// The role a wait is for.
 enum Pending {
     Send(usize),
     Take(usize),
 }
 
-impl Rank<'_> {
+impl<'w> Rank<'w> {
     /// Sends `sends` through the peers' rings `of` and takes every chunk of `takes` from mine,
     /// interleaved. Each row taken is checked against its expectation, then handed to `take`
     /// (`takes` index, row index in the op, value) before the chunk's credit is stored.
@@ -92,7 +96,7 @@ impl Rank<'_> {
         of: RingOf,
         sends: &[RingSend],
         takes: &[RingTake],
-        take: &mut dyn FnMut(&Self, usize, usize, u64) -> Result<(), Stop>,
+        take: &mut TakeRow<'_, 'w>,
     ) -> Result<(), Stop> {
         let ring = self
             .cfg
@@ -235,7 +239,7 @@ impl Rank<'_> {
         f: usize,
         from: &RingTake,
         rows: std::ops::Range<usize>,
-        take: &mut dyn FnMut(&Self, usize, usize, u64) -> Result<(), Stop>,
+        take: &mut TakeRow<'_, 'w>,
     ) -> Result<(), Stop> {
         let cfg = self.cfg;
         let (_, wait_step, take_step) = of.steps();
