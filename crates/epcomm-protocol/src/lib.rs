@@ -6,7 +6,9 @@
 //! phase each), in any mix; and, as a model only (no kernel yet), the hierarchical internode
 //! dispatch ([`OpKind::InternodeDispatch`], [`OpKind::InternodeCachedDispatch`], steps `[I1]`..
 //! `[I12]`; shape [`ModelConfig::with_nodes`]) and combine ([`OpKind::InternodeCombine`],
-//! steps `[J1]`..`[J9]`). Under `RUSTFLAGS="--cfg loom"` the atomics and threads are loom's
+//! steps `[J1]`..`[J9]`), with their rail rows and partials either in per-op regions or
+//! streamed through rings of chunks ([`ModelConfig::with_rail_ring`], steps `[I6c]`..`[I9c]`
+//! and `[J6c]`..`[J9c]`). Under `RUSTFLAGS="--cfg loom"` the atomics and threads are loom's
 //! and `tests/loom.rs` explores every interleaving within a preemption bound; in a normal build
 //! the same code runs on std threads (`tests/stress.rs`, `tests/negative.rs`).
 //!
