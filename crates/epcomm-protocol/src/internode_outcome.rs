@@ -178,7 +178,7 @@ impl SeqWalk {
             );
             ev.extend(my_local.iter().map(|&d| Ev::Publish(Sig::IDone(me, d, k))));
             if let Some(ring) = ring {
-                self.ring_events(cfg, me, k, ring, &mut ev);
+                self.ring_events(cfg, (me, k), ring, false, &mut ev);
             }
             for &(_, src) in rail.iter().filter(|_| ring.is_none()) {
                 if !crosses(src, n) {
@@ -276,7 +276,7 @@ impl SeqWalk {
             }
         }
         if let Some(ring) = ring {
-            self.partial_ring_events(cfg, me, k, ring, &mut ev);
+            self.ring_events(cfg, (me, k), ring, true, &mut ev);
         }
         ev.push(Ev::Step(Step::J8));
         ev.extend(
@@ -297,62 +297,47 @@ impl SeqWalk {
 }
 
 impl SeqWalk {
-    /// The events of chunked forwarding (`[I6c]`..`[I9c]`) of internode dispatch `k`: my rail
-    /// rows to each rail peer, the rows of each rail source taken and forwarded (its `idone`
-    /// signals published after them).
+    /// The events of a rail ring in op `k`: chunked forwarding (`[I6c]`..`[I9c]`) in an
+    /// internode dispatch (my rail rows to each rail peer; the rows of each rail source taken
+    /// and forwarded, its `idone` signals published after them), or streamed partials
+    /// (`[J6c]`..`[J9c]`, `combine`) in an internode combine (my partials to each rail source
+    /// whose tokens crossed to my node; the partials of each node my tokens crossed to taken).
     fn ring_events(
         &mut self,
         cfg: &ModelConfig,
-        me: usize,
-        k: usize,
+        (me, k): (usize, usize),
         ring: RailRing,
+        combine: bool,
         ev: &mut Vec<Ev>,
     ) {
         let (tokens, lsz, n) = (cfg.tokens(), cfg.local_ranks(), cfg.node_of(me));
         let ls = self.layout_seq;
         let peers = rail_peers(cfg, me);
+        // Rows that cross from `src` to `node`; the dispatch sends mine, the combine returns
+        // the peer's.
+        let rows = |src: usize, node: usize| crossing_rows(cfg, ls, src, node);
         let sends: Vec<(usize, usize, u64)> = peers
             .iter()
-            .map(|&(node, p)| (node, p, crossing_rows(cfg, ls, me, node)))
+            .map(|&(node, p)| (node, p, if combine { rows(p, n) } else { rows(me, node) }))
             .collect();
         let takes: Vec<(usize, Vec<Ev>)> = peers
             .iter()
-            .filter(|&&(_, src)| crossing_rows(cfg, ls, src, n) > 0)
-            .map(|&(_, src)| {
+            .filter(|&&(node, p)| if combine { rows(me, node) } else { rows(p, n) } > 0)
+            .map(|&(_, p)| {
                 let done = (0..lsz)
                     .map(|j| cfg.rank_of(n, j))
-                    .filter(|&d| route_count(ls, tokens, src, d) > 0)
-                    .map(|d| Ev::Publish(Sig::IDone(src, d, k)))
+                    .filter(|&d| !combine && route_count(ls, tokens, p, d) > 0)
+                    .map(|d| Ev::Publish(Sig::IDone(p, d, k)))
                     .collect();
-                (src, done)
+                (p, done)
             })
             .collect();
-        self.ring_block(0, me, k, ring, &sends, &takes, (Step::I6c, Step::I8c), ev);
-    }
-
-    /// The events of streamed partials (`[J6c]`..`[J9c]`) of internode combine `k`: my
-    /// partials to each rail source whose tokens crossed to my node, the partials of each node
-    /// my tokens crossed to taken.
-    fn partial_ring_events(
-        &mut self,
-        cfg: &ModelConfig,
-        me: usize,
-        k: usize,
-        ring: RailRing,
-        ev: &mut Vec<Ev>,
-    ) {
-        let (n, ls) = (cfg.node_of(me), self.layout_seq);
-        let peers = rail_peers(cfg, me);
-        let sends: Vec<(usize, usize, u64)> = peers
-            .iter()
-            .map(|&(node, src)| (node, src, crossing_rows(cfg, ls, src, n)))
-            .collect();
-        let takes: Vec<(usize, Vec<Ev>)> = peers
-            .iter()
-            .filter(|&&(node, _)| crossing_rows(cfg, ls, me, node) > 0)
-            .map(|&(_, p)| (p, Vec::new()))
-            .collect();
-        self.ring_block(1, me, k, ring, &sends, &takes, (Step::J6c, Step::J8c), ev);
+        let steps = if combine {
+            (Step::J6c, Step::J8c)
+        } else {
+            (Step::I6c, Step::I8c)
+        };
+        self.ring_block(usize::from(combine), me, k, ring, &sends, &takes, steps, ev);
     }
 
     /// The events of one ring exchange of op `k` (ring `which`: 0 the dispatch's, 1 the
@@ -838,5 +823,79 @@ mod tests {
         // [I8] and [I9] are not the ring's steps: a failure there never fires.
         assert!(!failure_fires(&ring_two_by_one(1, Step::I8)));
         assert!(failure_fires(&ring_two_by_one(1, Step::I7)));
+    }
+
+    #[test]
+    fn a_source_cannot_complete_a_streamed_combine_without_its_forwarders_partials() {
+        use crate::config::OpKind::InternodeCombine;
+        assert!(route_count(1, 3, 0, 1) > 0, "the routing oracle changed");
+        // 2x1, [ID, IC], a ring of one slot: rank 1 forwards rank 0's tokens and fails in the
+        // combine before it reduces them ([J6]), so it never streams their partials.
+        let cfg = ModelConfig::new(
+            2,
+            3,
+            1,
+            Schedule::Epoch,
+            vec![InternodeDispatch, InternodeCombine],
+        )
+        .unwrap()
+        .with_nodes(2)
+        .unwrap()
+        .with_rail_ring(RailRing {
+            slots: 1,
+            chunk_rows: 1,
+        })
+        .unwrap()
+        .with_failure(Failure {
+            rank: 1,
+            op: 1,
+            at: Step::J6,
+        })
+        .unwrap();
+        let reference = sequential_reference(&cfg);
+        let reports = |r0: OpResult| {
+            vec![
+                RankReport {
+                    rank: 0,
+                    outputs: vec![reference[0].outputs[0].clone(), r0],
+                },
+                RankReport {
+                    rank: 1,
+                    outputs: vec![
+                        reference[1].outputs[0].clone(),
+                        Err(OpError::TimedOut { step: Step::J6 }),
+                    ],
+                },
+            ]
+        };
+        let aborted = Err(OpError::Aborted {
+            step: Step::J8c,
+            peer: 1,
+            by: 1,
+        });
+        assert_eq!(check_outcome_internode(&cfg, &reports(aborted)), Ok(()));
+        // Rank 0 needs rank 1's partials ([J8c]) and, its own two partials for rank 1 going
+        // through one slot, rank 1's credit for the first ([J6c]): the rule names the first.
+        assert!(matches!(
+            check_outcome_internode(&cfg, &reports(reference[0].outputs[1].clone())),
+            Err(OutcomeViolation::CompletedWithoutSignal {
+                rank: 0,
+                op: 1,
+                step: Some(Step::J6c | Step::J8c),
+                peer: 1,
+                failing: 1,
+                fail_op: 1
+            })
+        ));
+        // [J7] is not a step of the streamed combine: a failure there never fires.
+        let at_j7 = cfg
+            .clone()
+            .with_failure(Failure {
+                rank: 1,
+                op: 1,
+                at: Step::J7,
+            })
+            .unwrap();
+        assert!(!failure_fires(&at_j7) && failure_fires(&cfg));
     }
 }
