@@ -170,6 +170,11 @@ impl Timer {
         })
     }
 
+    /// What L2 holds when each timed call starts (default [`L2::Flushed`]).
+    pub fn set_l2(&mut self, l2: L2) {
+        self.lining.l2 = l2;
+    }
+
     /// Runs `op` `iters` times (each call after an L2 flush, every rank lined up on the
     /// buffer's [`LineUp::lead`], as [`LlTimer`] does, see [`LINE_UP_SPIN`]; the spin is as
     /// many times that as the buffer has tiers, each tier's stage being issued by the host) and
@@ -395,7 +400,13 @@ impl LlTimer {
 pub const LINE_UP_SPIN: std::time::Duration = std::time::Duration::from_micros(50);
 
 impl LlTimer {
-    /// Flushes L2, then lines every rank up before its op: the flush finished on every rank (a
+    /// What L2 holds when each timed call (and each graph replay) starts (default
+    /// [`L2::Flushed`]).
+    pub fn set_l2(&mut self, l2: L2) {
+        self.lining.l2 = l2;
+    }
+
+    /// Flushes L2 (unless [`L2::Warm`]), then lines every rank up before its op: the flush finished on every rank (a
     /// host synchronize and barrier), then a GPU spin of [`LINE_UP_SPIN`] keeps the stream busy
     /// while the host issues the op. Without it, ranks sharing a GPU start their op while a
     /// peer still flushes: a kernel that needs all of its SMs at once (every op launches
@@ -406,12 +417,25 @@ impl LlTimer {
     }
 }
 
+/// What the L2 cache holds when a timed call starts.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum L2 {
+    /// Flushed before every call ([`FLUSH_BYTES`] written): the op fetches its code, routing
+    /// and rows from DRAM, as after a model's layer has run. The default.
+    #[default]
+    Flushed,
+    /// Left as the previous call (or warm-up) left it: what a profiler's kernel times of calls
+    /// in a row see.
+    Warm,
+}
+
 /// What a timer lines the ranks up with before a timed call: the L2 flush buffer on the
-/// timer's stream, and the line-ups so far (they name each one's barrier).
+/// timer's stream, whether to flush, and the line-ups so far (they name each one's barrier).
 #[derive(Debug)]
 struct Lining {
     stream: Arc<CudaStream>,
     flush: CudaSlice<u8>,
+    l2: L2,
     count: u64,
 }
 
@@ -420,15 +444,18 @@ impl Lining {
         Ok(Self {
             stream: stream.clone(),
             flush: stream.alloc_zeros::<u8>(FLUSH_BYTES)?,
+            l2: L2::Flushed,
             count: 0,
         })
     }
 
-    /// Flushes L2, waits for the flush, meets every rank at a host barrier on `buf`'s
-    /// bootstrap (tagged `tag`), then has the GPU spin for `spin` on `buf`'s stream (the
-    /// timer's) while the host issues the timed call. Collective.
+    /// Flushes L2 (unless [`L2::Warm`]), waits for the stream, meets every rank at a host
+    /// barrier on `buf`'s bootstrap (tagged `tag`), then has the GPU spin for `spin` on `buf`'s
+    /// stream (the timer's) while the host issues the timed call. Collective.
     fn line_up(&mut self, tag: &str, buf: &mut Buffer, spin: std::time::Duration) -> Result<()> {
-        self.stream.memset_zeros(&mut self.flush)?;
+        if self.l2 == L2::Flushed {
+            self.stream.memset_zeros(&mut self.flush)?;
+        }
         self.stream.synchronize()?;
         self.count += 1;
         buf.transport()

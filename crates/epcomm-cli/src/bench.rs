@@ -17,7 +17,7 @@ use epcomm::{Buffer, DispatchInput, RecvMode, XInput};
 use epcomm_bootstrap::{Bootstrap, BootstrapConfig};
 use epcomm_check::inputs::{Shape, device_inputs, host_inputs};
 use epcomm_check::procs::{gpu_count, run_workers};
-use epcomm_check::timing::{BenchOp, LlTimer, Timer, median};
+use epcomm_check::timing::{BenchOp, L2, LlTimer, Timer, median};
 use epcomm_check::verify::RoundOptions;
 
 use crate::cli::BenchArgs;
@@ -256,11 +256,14 @@ fn run_bench(run: &WorkerRun<'_>) -> Res {
             progress.say("      verified: every output matches the reference bit for bit");
         }
         progress.say(format_args!(
-            "[3/4] timing with {sms} SMs, {schedule} schedule, {routes} routes ({} warm-up + {} timed calls per op, L2 flushed between calls)",
+            "[3/4] timing with {sms} SMs, {schedule} schedule, {routes} routes ({} warm-up + {} timed calls per op, {})",
             args.warmup,
-            args.iters
+            args.iters,
+            if args.warm_l2 { "L2 left warm between calls" } else { "L2 flushed between calls" }
         ));
+        let l2 = if args.warm_l2 { L2::Warm } else { L2::Flushed };
         let mut timer = Timer::new(&mut buf, &dev)?;
+        timer.set_l2(l2);
         for &op in &ops {
             progress
                 .bar
@@ -273,6 +276,7 @@ fn run_bench(run: &WorkerRun<'_>) -> Res {
         if args.low_latency {
             progress.say("      low-latency ops: verifying BF16 and FP8 rounds, then timing");
             let mut ll = LlTimer::new(&mut buf, &inputs.bf16, plan.fp8)?;
+            ll.set_l2(l2);
             let ll_sms = buf.ll_num_blocks();
             for op in BenchOp::LOW_LATENCY {
                 if !plan.fp8
@@ -313,8 +317,13 @@ fn run_bench(run: &WorkerRun<'_>) -> Res {
                 let slowest = times.iter().copied().fold(f64::NAN, f64::max);
                 progress.say(format_args!(
                     "      decode step from a CUDA graph (LL dispatch FP8 + LL combine, replayed, \
-                     L2 flushed before each replay) at {ll_sms} SMs: {slowest:.1} us (slowest \
-                     rank's median)"
+                     {} before each replay) at {ll_sms} SMs: {slowest:.1} us (slowest rank's \
+                     median)",
+                    if args.warm_l2 {
+                        "L2 left warm"
+                    } else {
+                        "L2 flushed"
+                    }
                 ));
             }
         }

@@ -246,6 +246,12 @@ pub struct BenchArgs {
     /// anything starts).
     #[arg(long)]
     pub low_latency: bool,
+    /// Leave L2 warm between timed calls instead of flushing it (256 MiB written) before each:
+    /// what a profiler's kernel times of calls in a row see (DeepEP's tests). The default
+    /// flush is the stricter measure: an op fetches its code, routing and rows from DRAM, as
+    /// after a model's layer has run.
+    #[arg(long, conflicts_with = "hierarchical")]
+    pub warm_l2: bool,
     /// Time the internode path instead of the flat one: a HierarchicalBuffer (rail dispatch
     /// over one rank per node, then node dispatch of what arrived; combine in reverse) on a
     /// transport with more than one logical node, e.g. nvshmem:vnodes=2. Reports rail
@@ -377,6 +383,21 @@ pub(crate) mod tests {
         };
         assert_eq!(args.sms, BufferConfig::DEFAULT_NUM_SMS);
         assert_eq!(BufferConfig::new(1, 8, 1, 1).num_sms, args.sms);
+    }
+
+    /// `--warm-l2` is a bench flag that the two-tier bench refuses (its timer always flushes).
+    #[test]
+    fn warm_l2_is_for_the_flat_bench() {
+        let Command::Bench(args) = parse(&["bench", "--low-latency", "--warm-l2"]) else {
+            panic!("not a bench command")
+        };
+        assert!(args.warm_l2 && args.low_latency);
+        let Command::Bench(args) = parse(&["bench"]) else {
+            panic!("not a bench command")
+        };
+        assert!(!args.warm_l2);
+        let both = Cli::try_parse_from(["epcomm", "bench", "--warm-l2", "--hierarchical"]);
+        assert!(both.is_err_and(|e| e.kind() == clap::error::ErrorKind::ArgumentConflict));
     }
 
     /// Python's `epcomm.DEFAULT_NUM_SMS` (a literal in python/epcomm/config.py: the native

@@ -56,9 +56,22 @@ pub struct BenchConfig {
     /// field: read as `push`).
     #[serde(default)]
     pub combine_staging: String,
+    /// Whether L2 was left warm between timed calls (`--warm-l2`); false: flushed before each
+    /// (and in documents from before this field).
+    #[serde(default)]
+    pub warm_l2: bool,
 }
 
 impl BenchConfig {
+    /// How L2 stood at each timed call, for the table's header.
+    pub fn l2_note(&self) -> &'static str {
+        if self.warm_l2 {
+            "L2 left warm between calls"
+        } else {
+            "L2 flushed between calls"
+        }
+    }
+
     /// What sharing GPUs did to the times, when ranks shared them: without MPS they take turns
     /// on the GPU (every op then waits for the other ranks' time slices), under MPS they run
     /// concurrently, but their traffic stays in the GPU's memory and they compete for its SMs.
@@ -405,8 +418,14 @@ impl Report for BenchReport {
         let _ = writeln!(
             s,
             "{} tokens/rank, hidden {}, top-{} of {} experts; median of {} calls after {} \
-             warm-up, L2 flushed between calls",
-            c.tokens, c.hidden, c.top_k, c.experts, c.iters, c.warmup
+             warm-up, {}",
+            c.tokens,
+            c.hidden,
+            c.top_k,
+            c.experts,
+            c.iters,
+            c.warmup,
+            c.l2_note()
         );
         if let Some(note) = c.sharing_note() {
             let _ = writeln!(s, "{note}");
@@ -471,6 +490,7 @@ pub(crate) mod tests {
             gpus,
             mps: false,
             combine_staging: "auto".into(),
+            warm_l2: false,
         }
     }
 
@@ -567,6 +587,26 @@ pub(crate) mod tests {
             "{}",
             lines[1]
         );
+    }
+
+    #[test]
+    fn the_table_says_how_l2_stood() {
+        let mut r = synthetic();
+        assert!(r.table().contains("L2 flushed between calls"));
+        r.config.warm_l2 = true;
+        let warm = r.table();
+        assert!(
+            warm.contains("L2 left warm between calls") && !warm.contains("flushed"),
+            "{warm}"
+        );
+        let json = r.render(OutputFormat::Json).unwrap();
+        let back: BenchReport = serde_json::from_str(&json).unwrap();
+        assert!(back.config.warm_l2);
+        // Documents from before the field were flushed.
+        let mut v: serde_json::Value = serde_json::from_str(&json).unwrap();
+        v["config"].as_object_mut().unwrap().remove("warm_l2");
+        let old: BenchReport = serde_json::from_value(v).unwrap();
+        assert!(!old.config.warm_l2);
     }
 
     #[test]

@@ -68,6 +68,7 @@ pub(crate) fn run_config(
         gpus,
         mps: crate::gpu::under_mps(ctx),
         combine_staging: args.combine_staging.name().into(),
+        warm_l2: args.warm_l2,
     })
 }
 
