@@ -19,7 +19,9 @@ use super::internode_ring::{RingOf, RingSend, RingTake};
 use super::violation::{Region, Violation};
 use super::wait::Poll;
 use super::{InterLayout, InterLive, Rank, Stop};
-use crate::config::{Mutation, count_word, data_word, route_count, routes_to, split_count_word};
+use crate::config::{
+    Mutation, RailRing, count_word, data_word, route_count, routes_to, split_count_word,
+};
 use crate::outcome::OpOutput;
 use crate::step::Step;
 use crate::sync::{AtomicU64, Ordering};
@@ -230,8 +232,8 @@ impl Rank<'_> {
             })?;
         }
 
-        if ring {
-            self.ring_dispatch(i, par, layout_seq, my_rail, &layout)?;
+        if let Some(rail_ring) = cfg.rail_ring() {
+            self.ring_dispatch(i, par, (layout_seq, rail_ring), my_rail, &layout)?;
         }
         // The forwarder: per rail source that sends me rows.
         for &(k, src) in rail_peers.iter().filter(|_| !ring) {
@@ -413,7 +415,7 @@ impl Rank<'_> {
         &mut self,
         i: u64,
         par: usize,
-        layout_seq: u64,
+        (layout_seq, ring): (u64, RailRing),
         my_rail: Vec<(usize, Vec<usize>)>,
         layout: &InterLayout,
     ) -> Result<(), Stop> {
@@ -455,19 +457,24 @@ impl Rank<'_> {
             .collect();
         // next[f][j]: the next slot in rank (my node, j)'s xrecv[i%2][source f].
         let mut next = vec![vec![0usize; lsz]; sources.len()];
-        self.ring_exchange(RingOf::Dispatch, &sends, &takes, &mut |r, f, index, row| {
-            let (_, src, ref tokens) = sources[f];
-            for (j, &d) in local_peers.iter().enumerate() {
-                if routes_to(layout_seq, src, tokens[index], d) {
-                    let slot = next[f][j];
-                    next[f][j] += 1;
-                    r.write(Step::I9c, || {
-                        r.w.xrecv(d, par, src, slot).store(row, Ordering::Relaxed);
-                    })?;
+        self.ring_exchange(
+            (RingOf::Dispatch, ring),
+            &sends,
+            &takes,
+            &mut |r, f, index, row| {
+                let (_, src, ref tokens) = sources[f];
+                for (j, &d) in local_peers.iter().enumerate() {
+                    if routes_to(layout_seq, src, tokens[index], d) {
+                        let slot = next[f][j];
+                        next[f][j] += 1;
+                        r.write(Step::I9c, || {
+                            r.w.xrecv(d, par, src, slot).store(row, Ordering::Relaxed);
+                        })?;
+                    }
                 }
-            }
-            Ok(())
-        })?;
+                Ok(())
+            },
+        )?;
         // [I9c], end of the op: idone[src] := i on each rank of my node a source's rows went to.
         for (f, &(_, src, _)) in sources.iter().enumerate() {
             for (j, &d) in local_peers.iter().enumerate() {

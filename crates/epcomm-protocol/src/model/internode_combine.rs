@@ -239,7 +239,7 @@ impl Rank<'_> {
         // node my tokens crossed to through mine (each checked against its contributors' sum
         // as it is taken): streamed[k][t].
         let mut streamed: Vec<Vec<Option<u64>>> = vec![vec![None; tokens]; nodes];
-        if ring {
+        if let Some(rail_ring) = cfg.rail_ring() {
             let crossed: Vec<(usize, usize, Vec<usize>)> = rail_peers
                 .iter()
                 .map(|&(k, p)| {
@@ -259,7 +259,7 @@ impl Rank<'_> {
                 })
                 .collect();
             self.ring_exchange(
-                RingOf::Combine,
+                (RingOf::Combine, rail_ring),
                 &partial_sends,
                 &takes,
                 &mut |_, f, index, row| {

@@ -19,7 +19,7 @@
 use super::violation::Region;
 use super::wait::Poll;
 use super::{Rank, Stop};
-use crate::config::Mutation;
+use crate::config::{Mutation, RailRing};
 use crate::step::Step;
 use crate::sync::Ordering;
 
@@ -64,6 +64,7 @@ pub(super) struct RingSend {
     pub node: usize,
     /// The peer (my rail peer in `node`).
     pub peer: usize,
+    /// The rows (the dispatch's data words, the combine's partials).
     pub rows: Vec<u64>,
 }
 
@@ -74,6 +75,7 @@ pub(super) struct RingTake {
     pub node: usize,
     /// The peer (my rail peer in `node`).
     pub peer: usize,
+    /// The rows the peer must have sent, in order: each taken row is checked against its own.
     pub expected: Vec<u64>,
 }
 
@@ -88,29 +90,25 @@ enum Pending {
 }
 
 impl<'w> Rank<'w> {
-    /// Sends `sends` through the peers' rings `of` and takes every chunk of `takes` from mine,
-    /// interleaved. Each row taken is checked against its expectation, then handed to `take`
+    /// Sends `sends` through the peers' rings `of` (of `ring`'s shape) and takes every chunk of
+    /// `takes` from mine, interleaved. Each row taken is checked against its expectation, then handed to `take`
     /// (`takes` index, row index in the op, value) before the chunk's credit is stored.
     pub(super) fn ring_exchange(
         &mut self,
-        of: RingOf,
+        (of, ring): (RingOf, RailRing),
         sends: &[RingSend],
         takes: &[RingTake],
         take: &mut TakeRow<'_, 'w>,
     ) -> Result<(), Stop> {
-        let ring = self
-            .cfg
-            .rail_ring()
-            .expect("ring_exchange runs only with a ring");
         // Rows sent per peer and taken per peer in this op (whole chunks, the last partial).
         let mut sent = vec![0usize; sends.len()];
         let mut taken = vec![0usize; takes.len()];
         loop {
             let mut moved = false;
             for (s, send) in sends.iter().enumerate() {
-                while sent[s] < send.rows.len() && self.slot_free(of, send.node) {
+                while sent[s] < send.rows.len() && self.slot_free(of, ring, send.node) {
                     let end = send.rows.len().min(sent[s] + ring.chunk_rows);
-                    self.send_chunk(of, send, &send.rows[sent[s]..end])?;
+                    self.send_chunk((of, ring), send, &send.rows[sent[s]..end])?;
                     sent[s] = end;
                     moved = true;
                 }
@@ -118,7 +116,7 @@ impl<'w> Rank<'w> {
             for (f, from) in takes.iter().enumerate() {
                 while taken[f] < from.expected.len() && self.chunk_landed(of, from.node) {
                     let end = from.expected.len().min(taken[f] + ring.chunk_rows);
-                    self.take_chunk(of, f, from, taken[f]..end, take)?;
+                    self.take_chunk((of, ring), f, from, taken[f]..end, take)?;
                     taken[f] = end;
                     moved = true;
                 }
@@ -156,7 +154,7 @@ impl<'w> Rank<'w> {
             };
             self.wait(step, peer, expected, || {
                 for (s, send) in sends.iter().enumerate() {
-                    if sent[s] < send.rows.len() && self.slot_free(of, send.node) {
+                    if sent[s] < send.rows.len() && self.slot_free(of, ring, send.node) {
                         return Ok(Poll::Ready(()));
                     }
                 }
@@ -182,12 +180,12 @@ impl<'w> Rank<'w> {
 
     /// Whether the slot of my next chunk to the peer in node `k` is free:
     /// `credit[k] >= g + 1 - R` (acquire), always under [`Mutation::RingSkipCredit`].
-    fn slot_free(&self, of: RingOf, k: usize) -> bool {
+    fn slot_free(&self, of: RingOf, ring: RailRing, k: usize) -> bool {
         if of == RingOf::Dispatch && self.cfg.has(Mutation::RingSkipCredit) {
             return true;
         }
         let g = self.ring_sent[of.index()][k];
-        let slots = self.cfg.rail_ring().map_or(1, |r| r.slots) as u64;
+        let slots = ring.slots as u64;
         let credit = self.w.ring_words(of, self.me).credit[k].load(Ordering::Acquire);
         credit + slots > g
     }
@@ -210,12 +208,17 @@ impl<'w> Rank<'w> {
     /// `[I6c]`/`[J6c]`: my next chunk (`rows`, at most `C`) into slot `g % R` of the peer's
     /// ring for my node (relaxed), then `chunks_in[n] := g + 1` on it (release). The slot is
     /// free: `slot_free` said so (unless [`Mutation::RingSkipCredit`] skipped it, dispatch ring).
-    fn send_chunk(&mut self, of: RingOf, send: &RingSend, rows: &[u64]) -> Result<(), Stop> {
+    fn send_chunk(
+        &mut self,
+        (of, ring): (RingOf, RailRing),
+        send: &RingSend,
+        rows: &[u64],
+    ) -> Result<(), Stop> {
         let (step, _, _) = of.steps();
         self.step(step)?;
         let n = self.cfg.node_of(self.me);
         let g = self.ring_sent[of.index()][send.node];
-        let slot = (g % self.cfg.rail_ring().map_or(1, |r| r.slots) as u64) as usize;
+        let slot = (g % ring.slots as u64) as usize;
         for (r, &row) in rows.iter().enumerate() {
             self.write(step, || {
                 self.w
@@ -235,7 +238,7 @@ impl<'w> Rank<'w> {
     /// (release; `g + 2` under [`Mutation::RingCreditAhead`], the dispatch's ring).
     fn take_chunk(
         &mut self,
-        of: RingOf,
+        (of, ring): (RingOf, RailRing),
         f: usize,
         from: &RingTake,
         rows: std::ops::Range<usize>,
@@ -245,7 +248,6 @@ impl<'w> Rank<'w> {
         let (_, wait_step, take_step) = of.steps();
         self.step(wait_step)?;
         self.step(take_step)?;
-        let ring = cfg.rail_ring().expect("take_chunk runs only with a ring");
         let n = cfg.node_of(self.me);
         let g = self.ring_taken[of.index()][from.node];
         let slot = (g % ring.slots as u64) as usize;
