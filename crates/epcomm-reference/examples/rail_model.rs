@@ -5,7 +5,8 @@
 //!
 //! Then the fused design as a pipeline of chunks: for each per-chunk cost of `--chunk-us`, the
 //! chunk count (up to `--max-chunks`) with the least time, that time, the rail GB/s and the
-//! forwarder's memory for two chunks in flight per source node.
+//! forwarder's memory for two chunks in flight per source node. Last, the rail rings a memory
+//! budget of 0.25 and 1 GiB per rank allows ([`epcomm_topology::RingShape::for_budget`]).
 //!
 //! `cargo run --release -p epcomm-reference --example rail_model -- [--nic-gbps 50]
 //! [--overhead-us 0] [--nvlink-gbps 275] [--max-nodes 8] [--chunk-us 2,5,10] [--max-chunks 64]`
@@ -13,7 +14,8 @@
 use std::time::Instant;
 
 use epcomm_reference::rail_model::{OpEstimate, RailLink, RailModel, summarize};
-use epcomm_reference::{Tiers, gen_deepep_workload};
+use epcomm_reference::{RailPrecision, Tiers, gen_deepep_workload};
+use epcomm_topology::RingShape;
 
 const TOKENS: usize = 4096;
 const HIDDEN: usize = 7168;
@@ -24,6 +26,8 @@ const LOCAL: usize = 8;
 const SEED: u64 = 2025;
 /// The node counts modelled (EP = nodes × [`LOCAL`]), up to `--max-nodes`.
 const NODES: [usize; 5] = [2, 4, 8, 16, 32];
+/// Slots per ring in the budget table: two chunks in flight per other node.
+const RING_SLOTS: usize = 2;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut link = RailLink {
@@ -211,6 +215,28 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     p.ring_bytes as f64 / 1e6,
                 );
             }
+        }
+    }
+
+    println!(
+        "\nRings a memory budget allows (epcomm_topology::RingShape::for_budget: {RING_SLOTS} \
+         slots per other node, dispatch rows and bf16 partials, chunks of at most {TOKENS} \
+         rows):\n"
+    );
+    println!("| EP | budget GiB | chunk rows | rings MB |");
+    println!("|---|---|---|---|");
+    for m in &models {
+        for gib in [0.25, 1.0] {
+            let budget = (gib * (1u64 << 30) as f64) as u64;
+            let shape = (HIDDEN, TOP_K, RailPrecision::Bf16);
+            let ring = RingShape::for_budget(m.tiers, RING_SLOTS, TOKENS, shape, budget)?;
+            let bytes = ring.bytes(m.tiers, HIDDEN, TOP_K, RailPrecision::Bf16)?;
+            println!(
+                "| {} | {gib} | {} | {:.1} |",
+                m.tiers.world_size(),
+                ring.chunk_rows(),
+                bytes as f64 / 1e6
+            );
         }
     }
     Ok(())

@@ -13,7 +13,8 @@
 //!   are: which RDMA device is nearest a GPU.
 //! * [`Tiers`] — a world as nodes × local ranks, [`RailPrecision`], and the worst-case sizes
 //!   of the hierarchical (rail + NVLink forwarding) buffers ([`rail_recv_rows`],
-//!   [`forward_rows`], [`combine_rail_partial_rows`] and their byte sizes).
+//!   [`forward_rows`], [`combine_rail_partial_rows`] and their byte sizes); [`RingShape`], the
+//!   rail rings of the fused design and the chunk a memory budget allows.
 //!
 //! Every constructor validates its inputs and returns a typed [`TopologyError`] naming the
 //! argument and the rule it broke; nothing here panics on bad input.
@@ -45,6 +46,7 @@ mod error;
 mod group;
 pub mod pci;
 mod plan;
+mod ring;
 mod route;
 mod row;
 mod tiers;
@@ -53,6 +55,7 @@ mod world;
 pub use error::TopologyError;
 pub use group::RankGroup;
 pub use plan::{BufferPlan, Parity, REGION_ALIGN, Region, RegionKind, STATS_BYTES};
+pub use ring::RingShape;
 pub use route::{PeerRoute, Route, RoutePlan, RoutePolicy, Schedule, Tier};
 pub use row::{RowDtype, RowFormat};
 pub use tiers::{
