@@ -23,10 +23,13 @@ namespace epcomm {
 
 /// Version of the kernel protocol and argument blocks; ranks compare it when a `Buffer` is
 /// built. Bump it with any change of this header or of the kernels' cross-rank protocol.
-constexpr uint64_t kAbiVersion = 18;
+constexpr uint64_t kAbiVersion = 19;
 
 /// Largest world size the intranode kernels support (shared-memory tables are this large).
 constexpr size_t kMaxWorld = 64;
+
+/// Most slots of a rail-forwarding ring (`OpArgs::ring_slots`).
+constexpr int32_t kMaxRingSlots = 8;
 
 /// Failure codes written by kernels into `ErrorRecord::code`.
 enum ErrorCode : uint32_t {  // rust: mod code, strip k
@@ -71,6 +74,8 @@ enum WaitId : uint32_t {  // rust: mod wait, strip kWait
   kWaitLlCombine = 8,     ///< [L5] before [L9]: a peer's low-latency combine rows.
   kWaitProxy = 9,         ///< [P2] the CPU proxy completing this rank's puts (or a free ring slot).
   kWaitIntent = 10,       ///< [A2] a peer's intent word for this op (after the op's last wait).
+  kWaitRingFree = 11,     ///< [I6c] a rail peer's forwarder freeing a ring slot (rail forwarding).
+  kWaitRingChunk = 12,    ///< [I8c] a rail source's chunk landing in this rank's ring.
 };
 
 /// Byte offset, inside the stats region, of the in-place combine's `[world]` ready words.
@@ -138,6 +143,8 @@ enum OpFlags : uint32_t {  // rust: mod flags, strip kFlag
   kFlagScalesColumnMajor = 1u << 9,  ///< Low-latency FP8 dispatch: ll_recv_scales is
                                      ///< [epr][num_scales][world * ll_max_tokens] (each local
                                      ///< expert's scales column-major, DeepEP's layout).
+  kFlagForward = 1u << 10,   ///< Dispatch: rows for another node's ranks go once per node, through
+                             ///< the ring of the rail peer there, which stores them (rail forwarding).
 };
 
 /// An op's intent word ([A1], docs/protocol.md "Op agreement"): (op sequence number, low 32
@@ -246,6 +253,29 @@ struct OpArgs {
   uint64_t ll_cumulative_stats;  ///< 0, or [epr] i32, local device memory: each LL dispatch's
                                  ///< receive phase adds its rows per local expert (`ll_recv_count`)
                                  ///< to it (DeepEP's cumulative_local_expert_recv_stats).
+  // Rail forwarding (kFlagForward; intranode/forward.cuh). Ranks are nodes x gpus_per_node; a
+  // token for ranks of another node crosses once, to this rank's rail peer there (the rank of
+  // that node with this rank's local index), through a ring of ring_slots slots of ring_chunk
+  // entries; entries are counted since the buffer was made.
+  uint64_t token_node_slot;   ///< [T][nodes] i32: the token's index among this rank's tokens for
+                              ///< each node (-1: none), written by the layout kernel.
+  uint64_t recv_node_counts;  ///< Handle: [nodes] i32: tokens each source node's rail peer sent
+                              ///< through this rank (a cached dispatch reads them).
+  uint64_t off_ring;          ///< Ring entries (shared): [source node][slots * chunk][ring_entry_bytes].
+  uint64_t off_ring_landed;   ///< [source node][slots] monotonic u64 (shared): entries landed in a slot.
+  uint64_t off_ring_freed;    ///< [destination node][slots] monotonic u64 (shared): entries the rail
+                              ///< peer there freed in a slot.
+  uint64_t off_ring_state;    ///< Local u64 (shared): [2][2][nodes] entries sent to / taken from each
+                              ///< node before the op, by dispatch parity; then [nodes] forwarder
+                              ///< blocks finished per source node.
+  uint64_t off_node_counts;   ///< [source node] tagged u64 (notify parity): tokens its rail peer sends
+                              ///< through this rank.
+  int32_t gpus_per_node;      ///< Ranks per node (1 without forwarding).
+  int32_t ring_slots;         ///< Slots of a ring (0: no forwarding).
+  int32_t ring_chunk;         ///< Entries per slot: what a forwarder takes and frees at once.
+  int32_t ring_entry_bytes;   ///< Bytes per entry (intranode/forward.cuh, RingEntry).
+  int32_t fwd_blocks;         ///< Forwarding blocks per source node, the grid's last ones.
+  int32_t pad_fwd;            ///< Padding.
 };
 
 /// Op sequence numbers kept on the device. Every rank issues the same ops, so every rank's copy
@@ -337,6 +367,8 @@ struct LayoutArgs {
   int32_t pe_base;         ///< World rank of group rank 0 (`OpArgs::pe_base`): records name
                            ///< world ranks.
   int32_t pe_stride;       ///< World-rank stride between group ranks (`OpArgs::pe_stride`).
+  uint64_t token_node_slot;  ///< 0, or out: [T][nodes] i32, the token's index among those for each
+                             ///< node (-1: none).
 };
 
 }  // namespace epcomm

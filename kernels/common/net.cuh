@@ -23,6 +23,11 @@
 //   set_word(p, v, pe, remote)      relaxed u64 store (tagged or monotonic words)
 //   publish_set(p, v, pe, remote)   release u64 store after this thread's earlier writes
 //   publish_add(p, v, pe, remote)   release add after every write that happens-before it
+//   fence()                         orders this thread's earlier puts before its later ones
+//   put_signal_add_warp(dst, src, bytes, sig, v, pe)  warp-collective: a row, then `v` added to
+//                                   the peer's word `sig`, landing after the row and after
+//                                   every earlier put of a lane that called fence() (rail
+//                                   forwarding's ring entries, intranode/forward.cuh)
 //   quiet(w, mask)                  completes the block's outstanding puts; called by every
 //                                   thread of the block, its result then goes through
 //                                   `all_ok` (a block barrier); false (in some thread) when
@@ -206,6 +211,22 @@ struct StoreNet {
   template <typename T>
   __device__ static __forceinline__ void put_elem(T* p, T v, int, bool) {
     *p = v;
+  }
+
+  // Stores need no ordering point of their own: the publication after them orders them.
+  __device__ static __forceinline__ void fence() {}
+
+  // [I6c] Warp-collective: `bytes` (a multiple of 16) from `src` into `dst`, then `v` added to
+  // `sig` (release, after every earlier store of the warp).
+  __device__ static __forceinline__ void put_signal_add_warp(void* dst, const void* src,
+                                                             size_t bytes, uint64_t* sig,
+                                                             uint64_t v, int) {
+    const int lane = threadIdx.x % 32;
+    warp_copy_row(reinterpret_cast<const int4*>(src), reinterpret_cast<int4*>(dst),
+                  static_cast<int>(bytes / 16), lane);
+    __syncwarp();
+    if (lane == 0) publish_add(sig, v, 0, false);
+    __syncwarp();
   }
 
   // [E4] Tokens block-first; every rank gets the token by stores.

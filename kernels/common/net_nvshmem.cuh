@@ -80,6 +80,13 @@ struct NvshmemNet {
     nvshmemx_putmem_signal_nbi_warp(dst, src, bytes, sig, v, NVSHMEM_SIGNAL_SET, pe);
   }
 
+  // Warp-collective put of a row followed by a signal add, delivered after the row.
+  __device__ static __forceinline__ void put_signal_add_warp(void* dst, const void* src,
+                                                             size_t bytes, uint64_t* sig,
+                                                             uint64_t v, int pe) {
+    nvshmemx_putmem_signal_nbi_warp(dst, src, bytes, sig, v, NVSHMEM_SIGNAL_ADD, pe);
+  }
+
   // [E4] Tokens block-first, each on its own: its row by stores and one warp put per transport
   // rank, its metadata and source index element by element (`put_elem`) to every rank.
   using DispatchSender = PutDispatchSender<NvshmemNet>;

@@ -313,6 +313,21 @@ struct ProxyNet {
     __syncwarp();
   }
 
+  // Warp-collective put of a row followed by a signal add, which lands after the row.
+  __device__ static __forceinline__ void put_signal_add_warp(void* dst, const void* src,
+                                                             size_t bytes, uint64_t* sig,
+                                                             uint64_t v, int pe) {
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) {
+      __threadfence_system();
+      const uint64_t p = claim(2);
+      emit(p, kProxyKindTransfer, kProxyFlagSrcAddress, pe, reinterpret_cast<uint64_t>(src),
+           offset_of(dst), bytes);
+      emit(p + 1, kProxyKindSignal, kProxyFlagSignalAdd, pe, offset_of(sig), v, 0);
+    }
+    __syncwarp();
+  }
+
   // [E4] A descriptor per token was slow as well: each warp takes a contiguous chunk of
   // tokens (`deal`), so that its tokens bound for a proxied peer form runs. Lane `l` keeps, in
   // registers, the open run of every proxied peer d = l + 32 * i: tokens t0 .. t0 + len - 1 of

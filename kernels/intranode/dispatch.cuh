@@ -6,6 +6,7 @@
 #include "common/seq.cuh"
 #include "common/stats.cuh"
 #include "common/wait.cuh"
+#include "intranode/forward.cuh"
 #include "intranode/shared.cuh"
 
 namespace epcomm::intranode {
@@ -31,6 +32,15 @@ __device__ __forceinline__ void dispatch(const OpArgs& a, Shared& s) {
   const uint64_t off_src_idx = a.off_src_idx + dpar;
   const uint64_t off_counts = a.off_counts + npar;
   const uint64_t off_expert_counts = a.off_expert_counts + npar;
+  const uint64_t off_node_counts = a.off_node_counts + npar;
+  // Rail forwarding (intranode/forward.cuh): the grid's last fwd_blocks * (nodes - 1) blocks
+  // forward, the others send.
+  const bool forward = (a.flags & kFlagForward) != 0;
+  const int L = forward ? a.gpus_per_node : 1, nodes = world / L, n_me = me / L;
+  const int nfwd = forward ? a.fwd_blocks * (nodes - 1) : 0;
+  const int nsend = static_cast<int>(gridDim.x) - nfwd;
+  const bool forwarder = static_cast<int>(blockIdx.x) >= nsend;
+  const uint64_t rpar = q.dispatch & 1;  // the ring state words of this op
   uint8_t* const local = s.bases[me];
   uint64_t* const stats = u64_at(local, a.off_stats);
   // The layout kernel (earlier on this stream) rejected its input: move nothing.
@@ -53,6 +63,14 @@ __device__ __forceinline__ void dispatch(const OpArgs& a, Shared& s) {
         Net::set_word(u64_at(s.bases[d], off_expert_counts) + me * epr + l,
                       make_tagged(q.epoch, per_expert[d * epr + l]), peer_pe(w, d),
                       Net::remote(a.remote_mask, d));
+      }
+      // Rail forwarding: to the rail peer in every other node, how many of my tokens go
+      // through it (the layout's per-node counts follow the per-expert ones).
+      if (forward && tid < nodes && tid != n_me) {
+        const int f = tid * L + me % L;
+        Net::set_word(u64_at(s.bases[f], off_node_counts) + n_me,
+                      make_tagged(q.epoch, per_expert[a.num_experts + tid]), peer_pe(w, f),
+                      Net::remote(a.remote_mask, f));
       }
     }
     if (!sched.barrier(a, s)) return;  // [G3]
@@ -128,7 +146,7 @@ __device__ __forceinline__ void dispatch(const OpArgs& a, Shared& s) {
   // policy's sender deals this warp its tokens (block-first, so small batches use every SM, or
   // in contiguous chunks) and sends what it sends itself; every other rank gets the row by
   // stores and the metadata element by element (common/net.cuh, `DispatchSender`).
-  const int gwarp = warp * gridDim.x + blockIdx.x, nwarps = gridDim.x * kWarps;
+  const int gwarp = warp * nsend + blockIdx.x, nwarps = nsend * kWarps;
   const int32_t* token_slot = reinterpret_cast<const int32_t*>(a.token_slot);
   const int n16 = a.row_bytes / 16;
   const bool has_scales = (a.flags & kFlagHasScales) != 0;
@@ -141,7 +159,35 @@ __device__ __forceinline__ void dispatch(const OpArgs& a, Shared& s) {
   const DispatchSend op{a, s.bases, w, scales, topk_idx, topk_w, off_x, off_scales, off_topk_idx,
                         off_topk_w, off_src_idx, world, me, epr, K, lane, has_scales, has_topk,
                         has_w};
-  const TokenDeal deal = Net::DispatchSender::deal(gwarp, nwarps, num_tokens);
+  bool sent_ok = true;
+  if (forwarder) {
+    // [I8c]/[I9c] this block's share of one source node's entries.
+    const int g = static_cast<int>(blockIdx.x) - nsend, mi = g / a.fwd_blocks;
+    const int m = mi < n_me ? mi : mi + 1, src = m * L + me % L;
+    uint32_t count = 0;
+    if (tid == 0) {
+      if (cached) {
+        count = static_cast<uint32_t>(reinterpret_cast<const int32_t*>(a.recv_node_counts)[m]);
+      } else {
+        sent_ok = wait_tag<Net>(w, u64_at(local, off_node_counts) + m, q.epoch, kWaitCountRow, src,
+                                &count, nullptr);
+        if (sent_ok && g % a.fwd_blocks == 0)
+          reinterpret_cast<int32_t*>(a.recv_node_counts)[m] = static_cast<int32_t>(count);
+      }
+      s.counts[0] = count;
+    }
+    if (!all_ok(s, sent_ok)) return;
+    count = s.counts[0];
+    if (!forward_source<Net>(a, s, m, g % a.fwd_blocks, a.fwd_blocks,
+                             *ring_taken(local, a, rpar, m, nodes), count, off_x, off_scales,
+                             off_topk_idx, off_topk_w, off_src_idx))
+      return;
+    __syncthreads();
+    if (tid == 0) forward_done<Net>(a, s, m, a.fwd_blocks);
+  }
+  const int32_t* token_node_slot = reinterpret_cast<const int32_t*>(a.token_node_slot);
+  const TokenDeal deal =
+      forwarder ? TokenDeal{0, 0, 1} : Net::DispatchSender::deal(gwarp, nwarps, num_tokens);
   typename Net::DispatchSender tx(op);
   int* rows = s.rows[warp];
   tx.first(op, deal, token_slot, s.offsets, rows);
@@ -151,6 +197,23 @@ __device__ __forceinline__ void dispatch(const OpArgs& a, Shared& s) {
       rows[d] = slot >= 0 ? s.offsets[d] + slot : -1;
     }
     __syncwarp();
+    if (forward) {
+      // [I6c] once to the rail peer of every other node the token goes to, then only the
+      // ranks of this node get it from here.
+      for (int n = 0; n < nodes && sent_ok; ++n) {
+        if (n == n_me) continue;
+        const int j = token_node_slot[static_cast<int64_t>(t) * nodes + n];
+        if (j < 0) continue;
+        sent_ok = ring_send<Net>(op, n, *ring_sent(local, a, rpar, n, nodes) + j, t, rows,
+                                 reinterpret_cast<const uint8_t*>(
+                                     a.x + static_cast<int64_t>(t) * a.row_bytes));
+      }
+      if (!sent_ok) break;
+      __syncwarp();
+      for (int d = lane; d < world; d += 32)
+        if (d / L != n_me) rows[d] = -1;
+      __syncwarp();
+    }
     tx.send_row(op, reinterpret_cast<const int4*>(a.x + static_cast<int64_t>(t) * a.row_bytes),
                 rows, n16);
     // The metadata of every rank the sender leaves to element writes (`put_elem`: stores, or
@@ -190,10 +253,11 @@ __device__ __forceinline__ void dispatch(const OpArgs& a, Shared& s) {
   }
   // Every put and descriptor of this block (`first`'s too) was issued before quiet's block
   // barrier, so quiet waits for all of them.
-  if (!all_ok(s, Net::quiet(s.wait, a.remote_mask))) return;
+  if (!all_ok(s, Net::quiet(s.wait, a.remote_mask) && sent_ok)) return;
   if (block0 && tid == 0) stats[kStatSent] = globaltimer_ns();
   // [E5] this block's data for every destination is written: publish (release, system scope).
-  if (tid < world)
+  // Forwarding: to the ranks of this node only; the forwarders publish for the others.
+  if (tid < world && tid / L == n_me)
     Net::publish_add(u64_at(s.bases[tid], a.off_done) + me, 1, peer_pe(w, tid),
                      Net::remote(a.remote_mask, tid));
   if (!block0) return epilogue(a, s, sched.count);
@@ -208,6 +272,18 @@ __device__ __forceinline__ void dispatch(const OpArgs& a, Shared& s) {
     ok = ok && check_intent<Net>(w, tid, intent);  // [A2]
   }
   if (!all_ok(s, ok)) return;
+  // Forwarding: the ring state of the next op of the other parity (every entry of this op was
+  // sent, and every entry through this rank forwarded: [E6] waited for this rank's forwarders
+  // too, which publish here as at every rank of this node).
+  if (forward && tid < nodes && tid != n_me) {
+    const uint32_t* per_node =
+        reinterpret_cast<const uint32_t*>(a.layout_counts) + world + a.num_experts;
+    *ring_sent(local, a, rpar ^ 1, tid, nodes) =
+        *ring_sent(local, a, rpar, tid, nodes) + per_node[tid];
+    *ring_taken(local, a, rpar ^ 1, tid, nodes) =
+        *ring_taken(local, a, rpar, tid, nodes) +
+        static_cast<uint32_t>(reinterpret_cast<const int32_t*>(a.recv_node_counts)[tid]);
+  }
   // [E7] the receive region is the output; keep the source indices with the handle.
   if (!cached) {
     const int num_recv = reinterpret_cast<const int*>(a.recv_prefix)[world];

@@ -10,7 +10,8 @@ namespace epcomm::intranode {
 constexpr int kHistChunk = 4096;  // experts per histogram block (HIST_CHUNK in Rust)
 
 // Blocks [0, world) scan tokens for one rank each (slot = exclusive prefix of the tokens sent
-// there, deterministic), blocks [world, world + nodes) do the same per node, and the remaining
+// there, deterministic), blocks [world, world + nodes) do the same per node (writing the
+// slots too when `token_node_slot` is given: rail forwarding), and the remaining
 // blocks build the per-expert histogram in chunks of kHistChunk experts. The first histogram
 // block also validates every top-k id and writes `status`.
 //
@@ -39,6 +40,7 @@ __device__ __forceinline__ void layout(const LayoutArgs& a) {
     const int64_t width = is_rank ? epr : static_cast<int64_t>(epr) * a.gpus_per_node;
     const int64_t lo = g * width, hi = lo + width;
     int32_t* slots = reinterpret_cast<int32_t*>(a.token_slot);
+    int32_t* node_slots = reinterpret_cast<int32_t*>(a.token_node_slot);
     int base = 0;
     for (int t0 = 0; t0 < T; t0 += kThreads) {
       const int t = t0 + tid;
@@ -71,6 +73,8 @@ __device__ __forceinline__ void layout(const LayoutArgs& a) {
       }
       if (is_rank && t < T)
         slots[static_cast<int64_t>(t) * world + g] = flag ? base + warp_base + incl - flag : -1;
+      if (!is_rank && t < T && node_slots != nullptr)
+        node_slots[static_cast<int64_t>(t) * nodes + g] = flag ? base + warp_base + incl - flag : -1;
       base += total;
       __syncthreads();
     }

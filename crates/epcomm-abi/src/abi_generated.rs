@@ -3,10 +3,13 @@
 
 /// Version of the kernel protocol and argument blocks; ranks compare it when a `Buffer` is
 /// built. Bump it with any change of this header or of the kernels' cross-rank protocol.
-pub const ABI_VERSION: u64 = 18;
+pub const ABI_VERSION: u64 = 19;
 
 /// Largest world size the intranode kernels support (shared-memory tables are this large).
 pub const MAX_WORLD: usize = 64;
+
+/// Most slots of a rail-forwarding ring ([`OpArgs::ring_slots`]).
+pub const MAX_RING_SLOTS: i32 = 8;
 
 /// Failure codes written by kernels into [`ErrorRecord::code`].
 pub mod code {
@@ -81,8 +84,12 @@ pub mod wait {
     pub const PROXY: u32 = 9;
     /// \[A2\] a peer's intent word for this op (after the op's last wait).
     pub const INTENT: u32 = 10;
+    /// \[I6c\] a rail peer's forwarder freeing a ring slot (rail forwarding).
+    pub const RING_FREE: u32 = 11;
+    /// \[I8c\] a rail source's chunk landing in this rank's ring.
+    pub const RING_CHUNK: u32 = 12;
     /// Every value above, in header order.
-    pub const ALL: [u32; 11] = [NONE, COUNT_ROW, EXPERT_COUNTS, DISPATCH_DONE, COMBINE_DONE, BARRIER, OP_START, LL_DISPATCH, LL_COMBINE, PROXY, INTENT];
+    pub const ALL: [u32; 13] = [NONE, COUNT_ROW, EXPERT_COUNTS, DISPATCH_DONE, COMBINE_DONE, BARRIER, OP_START, LL_DISPATCH, LL_COMBINE, PROXY, INTENT, RING_FREE, RING_CHUNK];
 }
 
 /// Byte offset, inside the stats region, of the in-place combine's `[world]` ready words.
@@ -182,8 +189,11 @@ pub mod flags {
     /// \[epr\]\[num_scales\]\[world * ll_max_tokens\] (each local
     /// expert's scales column-major, DeepEP's layout).
     pub const SCALES_COLUMN_MAJOR: u32 = 1 << 9;
+    /// Dispatch: rows for another node's ranks go once per node, through
+    /// the ring of the rail peer there, which stores them (rail forwarding).
+    pub const FORWARD: u32 = 1 << 10;
     /// Every value above, in header order.
-    pub const ALL: [u32; 10] = [CACHED, HAS_SCALES, HAS_WEIGHTS, HAS_TOPK, IN_PLACE, ROUND_SCALE, FUSED, RECV_PHASE, MASKING, SCALES_COLUMN_MAJOR];
+    pub const ALL: [u32; 11] = [CACHED, HAS_SCALES, HAS_WEIGHTS, HAS_TOPK, IN_PLACE, ROUND_SCALE, FUSED, RECV_PHASE, MASKING, SCALES_COLUMN_MAJOR, FORWARD];
 }
 
 /// An op's intent word (\[A1\], docs/protocol.md "Op agreement"): (op sequence number, low 32
@@ -364,6 +374,42 @@ pub struct OpArgs {
     /// receive phase adds its rows per local expert (`ll_recv_count`)
     /// to it (DeepEP's cumulative_local_expert_recv_stats).
     pub ll_cumulative_stats: u64,
+    // Rail forwarding (kFlagForward; intranode/forward.cuh). Ranks are nodes x gpus_per_node; a
+    // token for ranks of another node crosses once, to this rank's rail peer there (the rank of
+    // that node with this rank's local index), through a ring of ring_slots slots of ring_chunk
+    // entries; entries are counted since the buffer was made.
+    /// \[T\]\[nodes\] i32: the token's index among this rank's tokens for
+    /// each node (-1: none), written by the layout kernel.
+    pub token_node_slot: u64,
+    /// Handle: \[nodes\] i32: tokens each source node's rail peer sent
+    /// through this rank (a cached dispatch reads them).
+    pub recv_node_counts: u64,
+    /// Ring entries (shared): \[source node\]\[slots * chunk\]\[ring_entry_bytes\].
+    pub off_ring: u64,
+    /// \[source node\]\[slots\] monotonic u64 (shared): entries landed in a slot.
+    pub off_ring_landed: u64,
+    /// \[destination node\]\[slots\] monotonic u64 (shared): entries the rail
+    /// peer there freed in a slot.
+    pub off_ring_freed: u64,
+    /// Local u64 (shared): \[2\]\[2\]\[nodes\] entries sent to / taken from each
+    /// node before the op, by dispatch parity; then \[nodes\] forwarder
+    /// blocks finished per source node.
+    pub off_ring_state: u64,
+    /// \[source node\] tagged u64 (notify parity): tokens its rail peer sends
+    /// through this rank.
+    pub off_node_counts: u64,
+    /// Ranks per node (1 without forwarding).
+    pub gpus_per_node: i32,
+    /// Slots of a ring (0: no forwarding).
+    pub ring_slots: i32,
+    /// Entries per slot: what a forwarder takes and frees at once.
+    pub ring_chunk: i32,
+    /// Bytes per entry (intranode/forward.cuh, RingEntry).
+    pub ring_entry_bytes: i32,
+    /// Forwarding blocks per source node, the grid's last ones.
+    pub fwd_blocks: i32,
+    /// Padding.
+    pub pad_fwd: i32,
 }
 
 /// Op sequence numbers kept on the device. Every rank issues the same ops, so every rank's copy
@@ -509,13 +555,17 @@ pub struct LayoutArgs {
     pub pe_base: i32,
     /// World-rank stride between group ranks ([`OpArgs::pe_stride`]).
     pub pe_stride: i32,
+    /// 0, or out: \[T\]\[nodes\] i32, the token's index among those for each
+    /// node (-1: none).
+    pub token_node_slot: u64,
 }
 
 /// What `epcomm_abi_probe` writes, in its order: every constant, enumerator, struct size
 /// and field offset of the ABI, as the host sees it.
-pub(crate) const ABI_PROBE: [(&str, u64); 185] = [
+pub(crate) const ABI_PROBE: [(&str, u64); 203] = [
     ("kAbiVersion", ABI_VERSION),
     ("kMaxWorld", MAX_WORLD as u64),
+    ("kMaxRingSlots", MAX_RING_SLOTS as u64),
     ("kOk", code::OK as u64),
     ("kTimeout", code::TIMEOUT as u64),
     ("kOverflow", code::OVERFLOW as u64),
@@ -542,6 +592,8 @@ pub(crate) const ABI_PROBE: [(&str, u64); 185] = [
     ("kWaitLlCombine", wait::LL_COMBINE as u64),
     ("kWaitProxy", wait::PROXY as u64),
     ("kWaitIntent", wait::INTENT as u64),
+    ("kWaitRingFree", wait::RING_FREE as u64),
+    ("kWaitRingChunk", wait::RING_CHUNK as u64),
     ("kStatsReadyOffset", STATS_READY_OFFSET),
     ("kStatsIntentOffset", STATS_INTENT_OFFSET),
     ("kStatsAbortOffset", STATS_ABORT_OFFSET),
@@ -575,6 +627,7 @@ pub(crate) const ABI_PROBE: [(&str, u64); 185] = [
     ("kFlagRecvPhase", flags::RECV_PHASE as u64),
     ("kFlagMasking", flags::MASKING as u64),
     ("kFlagScalesColumnMajor", flags::SCALES_COLUMN_MAJOR as u64),
+    ("kFlagForward", flags::FORWARD as u64),
     ("kIntentKindShift", INTENT_KIND_SHIFT as u64),
     ("kIntentFlagShift", INTENT_FLAG_SHIFT as u64),
     ("kIntentFlagMask", INTENT_FLAG_MASK as u64),
@@ -647,6 +700,19 @@ pub(crate) const ABI_PROBE: [(&str, u64); 185] = [
     ("offsetof(OpArgs, off_ll_send_meta)", offset_of!(OpArgs, off_ll_send_meta) as u64),
     ("offsetof(OpArgs, ll_self_row)", offset_of!(OpArgs, ll_self_row) as u64),
     ("offsetof(OpArgs, ll_cumulative_stats)", offset_of!(OpArgs, ll_cumulative_stats) as u64),
+    ("offsetof(OpArgs, token_node_slot)", offset_of!(OpArgs, token_node_slot) as u64),
+    ("offsetof(OpArgs, recv_node_counts)", offset_of!(OpArgs, recv_node_counts) as u64),
+    ("offsetof(OpArgs, off_ring)", offset_of!(OpArgs, off_ring) as u64),
+    ("offsetof(OpArgs, off_ring_landed)", offset_of!(OpArgs, off_ring_landed) as u64),
+    ("offsetof(OpArgs, off_ring_freed)", offset_of!(OpArgs, off_ring_freed) as u64),
+    ("offsetof(OpArgs, off_ring_state)", offset_of!(OpArgs, off_ring_state) as u64),
+    ("offsetof(OpArgs, off_node_counts)", offset_of!(OpArgs, off_node_counts) as u64),
+    ("offsetof(OpArgs, gpus_per_node)", offset_of!(OpArgs, gpus_per_node) as u64),
+    ("offsetof(OpArgs, ring_slots)", offset_of!(OpArgs, ring_slots) as u64),
+    ("offsetof(OpArgs, ring_chunk)", offset_of!(OpArgs, ring_chunk) as u64),
+    ("offsetof(OpArgs, ring_entry_bytes)", offset_of!(OpArgs, ring_entry_bytes) as u64),
+    ("offsetof(OpArgs, fwd_blocks)", offset_of!(OpArgs, fwd_blocks) as u64),
+    ("offsetof(OpArgs, pad_fwd)", offset_of!(OpArgs, pad_fwd) as u64),
     ("sizeof(SeqState)", size_of::<SeqState>() as u64),
     ("offsetof(SeqState, op)", offset_of!(SeqState, op) as u64),
     ("offsetof(SeqState, notify)", offset_of!(SeqState, notify) as u64),
@@ -699,4 +765,5 @@ pub(crate) const ABI_PROBE: [(&str, u64); 185] = [
     ("offsetof(LayoutArgs, rank)", offset_of!(LayoutArgs, rank) as u64),
     ("offsetof(LayoutArgs, pe_base)", offset_of!(LayoutArgs, pe_base) as u64),
     ("offsetof(LayoutArgs, pe_stride)", offset_of!(LayoutArgs, pe_stride) as u64),
+    ("offsetof(LayoutArgs, token_node_slot)", offset_of!(LayoutArgs, token_node_slot) as u64),
 ];
