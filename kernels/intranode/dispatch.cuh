@@ -36,7 +36,8 @@ __device__ __forceinline__ void dispatch(const OpArgs& a, Shared& s) {
   // Rail forwarding (intranode/forward.cuh): the grid's last fwd_blocks * (nodes - 1) blocks
   // forward, the others send.
   const bool forward = (a.flags & kFlagForward) != 0;
-  const int L = forward ? a.gpus_per_node : 1, nodes = world / L, n_me = me / L;
+  // Without forwarding the world is one node (every rank gets its rows from here).
+  const int L = forward ? a.gpus_per_node : world, nodes = world / L, n_me = me / L;
   const int nfwd = forward ? a.fwd_blocks * (nodes - 1) : 0;
   const int nsend = static_cast<int>(gridDim.x) - nfwd;
   const bool forwarder = static_cast<int>(blockIdx.x) >= nsend;

@@ -55,7 +55,7 @@ mod world;
 pub use error::TopologyError;
 pub use group::RankGroup;
 pub use plan::{BufferPlan, Parity, REGION_ALIGN, Region, RegionKind, STATS_BYTES};
-pub use ring::RingShape;
+pub use ring::{MAX_RING_SLOTS, RingShape, ring_entry_bytes};
 pub use route::{PeerRoute, Route, RoutePlan, RoutePolicy, Schedule, Tier};
 pub use row::{RowDtype, RowFormat};
 pub use tiers::{

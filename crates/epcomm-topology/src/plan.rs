@@ -1,6 +1,6 @@
 //! The plan of the symmetric buffer the intranode kernels use: its regions, their sizes and offsets.
 
-use crate::{Result, RowDtype, RowFormat, TopologyError};
+use crate::{Result, RingShape, RowDtype, RowFormat, Tiers, TopologyError};
 
 /// Alignment of every region's offset, in bytes.
 pub const REGION_ALIGN: u64 = 256;
@@ -121,11 +121,26 @@ pub enum RegionKind {
     /// destination's metadata rows as they land there: the put source of kernel images that
     /// send a metadata row as one transfer (the CPU proxy's); unused by the others.
     LlSendMeta,
+    /// Rail forwarding ([`BufferPlan::with_forwarding`]; empty without): tokens each source
+    /// node's rail peer sends through this rank, `[nodes]` tagged u64.
+    NodeCounts,
+    /// Rail forwarding: ring entries (shared), `[source node][slots * chunk_rows]` entries of
+    /// [`ring_entry_bytes`](crate::ring_entry_bytes).
+    RingEntries,
+    /// Rail forwarding: entries landed per ring slot (shared; monotonic),
+    /// `[source node][slots]` u64.
+    RingLanded,
+    /// Rail forwarding: entries the rail peer in each node freed per slot (shared; monotonic),
+    /// `[destination node][slots]` u64.
+    RingFreed,
+    /// Rail forwarding: this rank's ring counters (shared, local): `[2][2][nodes]` u64 entries
+    /// sent and taken before an op by dispatch parity, then `[nodes]` forwarding blocks done.
+    RingState,
 }
 
 impl RegionKind {
     /// Regions that exist once per [`Parity`], in layout order.
-    pub const PER_PARITY: [RegionKind; 14] = [
+    pub const PER_PARITY: [RegionKind; 15] = [
         RegionKind::DispatchX,
         RegionKind::DispatchScales,
         RegionKind::DispatchTopkIdx,
@@ -140,16 +155,21 @@ impl RegionKind {
         RegionKind::LlMeta,
         RegionKind::LlCounts,
         RegionKind::LlCombineX,
+        RegionKind::NodeCounts,
     ];
 
     /// Regions that exist once, in layout order.
-    pub const SHARED: [RegionKind; 6] = [
+    pub const SHARED: [RegionKind; 10] = [
         RegionKind::DoneCounters,
         RegionKind::BarrierCounters,
         RegionKind::Stats,
         RegionKind::CombineFlags,
         RegionKind::LlSendFp8,
         RegionKind::LlSendMeta,
+        RegionKind::RingEntries,
+        RegionKind::RingLanded,
+        RegionKind::RingFreed,
+        RegionKind::RingState,
     ];
 
     /// Whether the region exists once per parity.
@@ -210,8 +230,9 @@ pub struct BufferPlan {
     num_experts: usize,
     fp8_capable: bool,
     row: RowFormat,
-    per_parity: [[Region; 14]; 2],
-    shared: [Region; 6],
+    forwarding: Option<(Tiers, RingShape)>,
+    per_parity: [[Region; 15]; 2],
+    shared: [Region; 10],
     total_bytes: u64,
 }
 
@@ -307,11 +328,71 @@ impl BufferPlan {
             num_experts,
             fp8_capable,
             row,
-            per_parity: [[Region { offset: 0, len: 0 }; 14]; 2],
-            shared: [Region { offset: 0, len: 0 }; 6],
+            forwarding: None,
+            per_parity: [[Region { offset: 0, len: 0 }; 15]; 2],
+            shared: [Region { offset: 0, len: 0 }; 10],
             total_bytes: 0,
         };
+        plan.place_regions()?;
+        Ok(plan)
+    }
 
+    /// This plan with rail forwarding over `tiers` (the world's nodes) through rings of shape
+    /// `ring` (docs/internode.md, "The fused op"): a dispatch sends a token for ranks of
+    /// another node once, into a ring of the rank there with its local index, which stores it
+    /// into its node's receive rows.
+    ///
+    /// # Errors
+    /// [`TopologyError::OutOfRange`] when `tiers` is not a split of this plan's world, for a
+    /// world of one node, or more ring slots than
+    /// [`MAX_RING_SLOTS`](crate::MAX_RING_SLOTS); [`TopologyError::Overflow`].
+    pub fn with_forwarding(mut self, tiers: Tiers, ring: RingShape) -> Result<Self> {
+        if tiers.world_size() != self.world_size {
+            return Err(TopologyError::OutOfRange {
+                arg: "tiers",
+                value: tiers.world_size() as u64,
+                min: self.world_size as u64,
+                max: self.world_size as u64,
+                rule: "nodes * local_ranks must be the plan's world size",
+            });
+        }
+        if tiers.nodes() < 2 {
+            return Err(TopologyError::OutOfRange {
+                arg: "tiers",
+                value: tiers.nodes() as u64,
+                min: 2,
+                max: self.world_size as u64,
+                rule: "forwarding needs two nodes or more",
+            });
+        }
+        if ring.slots() > crate::MAX_RING_SLOTS {
+            return Err(TopologyError::OutOfRange {
+                arg: "slots",
+                value: ring.slots() as u64,
+                min: 1,
+                max: crate::MAX_RING_SLOTS as u64,
+                rule: "the kernels keep at most this many slots per ring",
+            });
+        }
+        self.forwarding = Some((tiers, ring));
+        self.place_regions()?;
+        Ok(self)
+    }
+
+    /// The forwarding this plan has ([`Self::with_forwarding`]).
+    pub fn forwarding(&self) -> Option<(Tiers, RingShape)> {
+        self.forwarding
+    }
+
+    /// Bytes of one ring entry (0 without forwarding).
+    pub fn ring_entry_bytes(&self) -> u64 {
+        self.forwarding.map_or(0, |(t, _)| {
+            crate::ring_entry_bytes(t.local_ranks(), self.hidden, self.top_k)
+        })
+    }
+
+    fn place_regions(&mut self) -> Result<()> {
+        let plan = self;
         let mut cursor = 0u64;
         let mut place = |len: u64| -> Result<Region> {
             let offset = align_up(cursor)?;
@@ -330,7 +411,7 @@ impl BufferPlan {
             plan.shared[i] = place(plan.region_len(kind)?)?;
         }
         plan.total_bytes = align_up(cursor)?;
-        Ok(plan)
+        Ok(())
     }
 
     fn region_len(&self, kind: RegionKind) -> Result<u64> {
@@ -373,8 +454,29 @@ impl BufferPlan {
                 },
             ),
             RegionKind::LlSendMeta => (self.ll_recv_rows(), (self.top_k as u64 + 1) * 4),
+            RegionKind::NodeCounts => (self.forward_nodes(), 8),
+            RegionKind::RingEntries => (
+                self.forward_nodes() * self.ring_positions(),
+                self.ring_entry_bytes(),
+            ),
+            RegionKind::RingLanded | RegionKind::RingFreed => (
+                self.forward_nodes() * self.forwarding.map_or(0, |(_, r)| r.slots() as u64),
+                8,
+            ),
+            RegionKind::RingState => (self.forward_nodes() * 5, 8),
         };
         a.checked_mul(b).ok_or(OVERFLOW)
+    }
+
+    /// Nodes of the forwarding (0 without).
+    fn forward_nodes(&self) -> u64 {
+        self.forwarding.map_or(0, |(t, _)| t.nodes() as u64)
+    }
+
+    /// Entries per ring (`slots * chunk_rows`; 0 without forwarding).
+    fn ring_positions(&self) -> u64 {
+        self.forwarding
+            .map_or(0, |(_, r)| r.slots() as u64 * r.chunk_rows() as u64)
     }
 
     /// The region of `kind` for `parity` (`parity` is ignored for shared regions).
@@ -505,7 +607,7 @@ mod tests {
 
     fn check_invariants(p: &BufferPlan) {
         let regions = p.regions();
-        assert_eq!(regions.len(), 34);
+        assert_eq!(regions.len(), 40);
         for (k, _, r) in &regions {
             assert_eq!(r.offset % REGION_ALIGN, 0, "{k:?}");
             assert!(r.end() <= p.total_bytes(), "{k:?}");
@@ -517,8 +619,65 @@ mod tests {
         }
         let sum: u64 = regions.iter().map(|(_, _, r)| r.len).sum();
         assert!(p.total_bytes() >= sum);
-        assert!(p.total_bytes() < sum + 35 * REGION_ALIGN);
+        assert!(p.total_bytes() < sum + 41 * REGION_ALIGN);
         assert_eq!(p.total_bytes() % REGION_ALIGN, 0);
+    }
+
+    #[test]
+    fn forwarding_regions_and_their_errors() {
+        let flat = BufferPlan::new(4, 4096, 7168, 8, 256).unwrap();
+        for k in [
+            RegionKind::NodeCounts,
+            RegionKind::RingEntries,
+            RegionKind::RingLanded,
+            RegionKind::RingFreed,
+            RegionKind::RingState,
+        ] {
+            assert_eq!(flat.region(k, Parity::Odd).len, 0, "{k:?}");
+        }
+        assert_eq!(flat.ring_entry_bytes(), 0);
+        let tiers = Tiers::new(2, 2).unwrap();
+        let p = flat
+            .clone()
+            .with_forwarding(tiers, RingShape::new(2, 16).unwrap())
+            .unwrap();
+        check_invariants(&p);
+        // header 3 i32 -> 16, row 14336, 56 scales -> 224, 8 ids, 8 weights -> 14672.
+        assert_eq!(p.ring_entry_bytes(), 16 + 14_336 + 224 + 64 + 32);
+        assert_eq!(crate::ring_entry_bytes(2, 7168, 8), p.ring_entry_bytes());
+        let e = Parity::Even;
+        assert_eq!(p.region(RegionKind::NodeCounts, e).len, 2 * 8);
+        assert_eq!(
+            p.region(RegionKind::RingEntries, e).len,
+            2 * 32 * p.ring_entry_bytes()
+        );
+        assert_eq!(p.region(RegionKind::RingLanded, e).len, 2 * 2 * 8);
+        assert_eq!(p.region(RegionKind::RingFreed, e).len, 2 * 2 * 8);
+        assert_eq!(p.region(RegionKind::RingState, e).len, 5 * 2 * 8);
+        // The receive regions keep their sizes.
+        for k in RegionKind::PER_PARITY {
+            if k != RegionKind::NodeCounts {
+                assert_eq!(
+                    p.region(k, Parity::Odd).len,
+                    flat.region(k, Parity::Odd).len
+                );
+            }
+        }
+        assert_eq!(
+            p.forwarding(),
+            Some((tiers, RingShape::new(2, 16).unwrap()))
+        );
+        let err = |r: Result<BufferPlan>| r.unwrap_err().to_string();
+        let e1 = err(flat
+            .clone()
+            .with_forwarding(Tiers::new(1, 4).unwrap(), RingShape::new(2, 1).unwrap()));
+        assert!(e1.contains("tiers") && e1.contains("two nodes"), "{e1}");
+        let e2 = err(flat
+            .clone()
+            .with_forwarding(Tiers::new(2, 3).unwrap(), RingShape::new(2, 1).unwrap()));
+        assert!(e2.contains("tiers") && e2.contains("world size"), "{e2}");
+        let e3 = err(flat.with_forwarding(tiers, RingShape::new(9, 1).unwrap()));
+        assert!(e3.contains("slots"), "{e3}");
     }
 
     #[test]
@@ -693,6 +852,8 @@ mod tests {
                             if ll > 0 { (world * (1 + epr) * 8) as u64 } else { 0 }
                         }
                         RegionKind::LlCombineX => (ll * top_k) as u64 * p.combine_x_row_bytes(),
+                        // No forwarding planned here.
+                        RegionKind::NodeCounts => 0,
                         _ => unreachable!(),
                     };
                     prop_assert_eq!(r.len, expected);

@@ -11,6 +11,23 @@ use crate::{
     RailPrecision, Result, Tiers, TopologyError, combine_partial_row_bytes, dispatch_row_bytes,
 };
 
+/// Most slots of a ring the kernels keep (their `kMaxRingSlots`).
+pub const MAX_RING_SLOTS: usize = 8;
+
+/// Bytes of one entry of a forwarding ring (the kernels' `RingEntry`,
+/// kernels/intranode/forward.cuh): a header of `1 + gpus_per_node` i32 (the token index, then
+/// its row in each rank of the destination node) padded to 16 bytes, the row (`hidden * 2`
+/// bytes, BF16 or FP8), `hidden / 128` f32 scales, then, 8-aligned, `top_k` i64 ids and
+/// `top_k` f32 weights, the whole padded to 16 bytes.
+pub fn ring_entry_bytes(gpus_per_node: usize, hidden: usize, top_k: usize) -> u64 {
+    let up = |v: u64, m: u64| v.div_ceil(m) * m;
+    let row = up(4 * (1 + gpus_per_node as u64), 16);
+    let scales = row + 2 * hidden as u64;
+    let ids = up(scales + 4 * (hidden as u64 / 128), 8);
+    let weights = ids + 8 * top_k as u64;
+    up(weights + 4 * top_k as u64, 16)
+}
+
 /// The shape of one rank's rail rings: per other node, `slots` slots of `chunk_rows` rows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct RingShape {
