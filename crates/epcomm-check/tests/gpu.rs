@@ -29,7 +29,7 @@ use common::{
 
 /// Runs the layout kernel on `idx` for `[tokens, top_k, experts, world, gpus_per_node]` (or,
 /// with `given`, on a routing given by ranks: `[tokens][world]` flags and per-expert counts)
-/// and returns (counts, token slots, status).
+/// and returns (counts, token slots, token node slots, status).
 fn run_layout(
     kernels: &OpModule,
     stream: &Arc<cudarc::driver::CudaStream>,
@@ -40,7 +40,7 @@ fn run_layout(
     idx: &[i64],
     [tokens, top_k, experts, world, gpn]: [usize; 5],
     given: Option<(&[u8], &[i32])>,
-) -> (Vec<u32>, Vec<i32>, u32) {
+) -> (Vec<u32>, Vec<i32>, Vec<i32>, u32) {
     let idx = upload(stream, idx).unwrap();
     let in_rank = given.map(|(f, _)| upload(stream, f).unwrap());
     let per_expert = given.map(|(_, c)| upload(stream, c).unwrap());
@@ -48,11 +48,14 @@ fn run_layout(
         .alloc_zeros::<u32>(world + experts + world / gpn)
         .unwrap();
     let mut slots = stream.alloc_zeros::<i32>((tokens * world).max(1)).unwrap();
+    let nodes = world / gpn;
+    let mut node_slots = stream.alloc_zeros::<i32>((tokens * nodes).max(1)).unwrap();
     let mut status = stream.alloc_zeros::<u32>(1).unwrap();
     {
         let (i, _g0) = idx.device_ptr(stream);
         let (c, _g1) = counts.device_ptr_mut(stream);
         let (s, _g2) = slots.device_ptr_mut(stream);
+        let (ns, _g6) = node_slots.device_ptr_mut(stream);
         let (st, _g3) = status.device_ptr_mut(stream);
         let (rec, _g4) = record.device_ptr(stream);
         let (cl, _g5) = claim.device_ptr(stream);
@@ -76,15 +79,19 @@ fn run_layout(
             rank: 0,
             pe_base: 0,
             pe_stride: 1,
+            token_node_slot: ns,
         };
         // SAFETY: every array has the size the kernel expects for this shape.
         unsafe { kernels.launch_layout(stream, &args) }.unwrap();
     }
     let mut s = stream.clone_dtoh(&slots).unwrap();
     s.truncate(tokens * world);
+    let mut ns = stream.clone_dtoh(&node_slots).unwrap();
+    ns.truncate(tokens * nodes);
     (
         stream.clone_dtoh(&counts).unwrap(),
         s,
+        ns,
         stream.clone_dtoh(&status).unwrap()[0],
     )
 }
@@ -152,7 +159,7 @@ fn check_layout_variant(
                 let per_expert: Vec<i32> =
                     want.tokens_per_expert.iter().map(|&v| v as i32).collect();
                 for given in [None, Some((&in_rank[..], &per_expert[..]))] {
-                    let (c, s, status) = run_layout(
+                    let (c, s, ns, status) = run_layout(
                         &kernels,
                         stream,
                         (&record, &claim),
@@ -180,6 +187,20 @@ fn check_layout_variant(
                         "tokens_per_node {what}"
                     );
                     assert_eq!(s, want.token_slot, "token_slot {what}");
+                    // Each token's index among the tokens for each node (rail forwarding).
+                    let nodes = world / gpn;
+                    let mut next = vec![0i32; nodes];
+                    let mut want_ns = vec![-1i32; tokens * nodes];
+                    for t in 0..tokens {
+                        for g in 0..nodes {
+                            if (g * gpn..(g + 1) * gpn).any(|r| want.token_slot[t * world + r] >= 0)
+                            {
+                                want_ns[t * nodes + g] = next[g];
+                                next[g] += 1;
+                            }
+                        }
+                    }
+                    assert_eq!(ns, want_ns, "token_node_slot {what}");
                     assert_eq!(status, 0, "status {what}");
                     cases += 1;
                 }
@@ -187,7 +208,7 @@ fn check_layout_variant(
         }
     }
     // An invalid id is reported, not silently counted.
-    let (_, _, status) = run_layout(
+    let (_, _, _, status) = run_layout(
         &kernels,
         stream,
         (&record, &claim),

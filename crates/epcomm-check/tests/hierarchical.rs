@@ -93,6 +93,7 @@ fn launch_hier(test: &str) {
                 schedule,
                 routes: epcomm::RoutePolicy::Auto,
                 combine_staging: epcomm::CombineStaging::Auto,
+                rail_ring: None,
             };
             eprintln!("== {test}: {cfg}");
             launch(test, n, &cfg.env());

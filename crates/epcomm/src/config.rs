@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use epcomm_topology::{RoutePolicy, Schedule};
+use epcomm_topology::{RingShape, RoutePolicy, Schedule};
 
 use crate::{Error, Result};
 
@@ -137,6 +137,13 @@ pub struct BufferConfig {
     /// [`crate::Buffer::ll_masked_ranks`], [`crate::Buffer::ll_set_masked`] and
     /// [`crate::Buffer::ll_clear_mask`]. Off (the default): a late peer fails the op, naming it.
     pub ll_masking: bool,
+    /// Rail forwarding of the normal dispatch (docs/internode.md, "Rail forwarding"): over a
+    /// world of several nodes (the transport's ranks per node), a token bound for ranks of
+    /// another node crosses once, to the rank there with this rank's local index, through a
+    /// ring of this shape, and that rank stores it into the receive rows of its node's ranks.
+    /// The output is the flat dispatch's, bit for bit. `None` (the default): every rank gets
+    /// its rows from the source.
+    pub rail_ring: Option<RingShape>,
 }
 
 impl BufferConfig {
@@ -167,6 +174,7 @@ impl BufferConfig {
             combine_staging: CombineStaging::Auto,
             timeout: Duration::from_secs(100),
             ll_masking: false,
+            rail_ring: None,
         }
     }
 

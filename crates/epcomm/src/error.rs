@@ -32,6 +32,11 @@ pub enum WaitKind {
     ProxyCompletion,
     /// \[A2] a peer's intent word for this op (docs/protocol.md, "Op agreement").
     OpIntent,
+    /// \[I6c] rail forwarding: the rail peer in another node freeing a slot of its ring (its
+    /// forwarder is late or gone).
+    RingSlotFreed,
+    /// \[I8c] rail forwarding: a rail source's entries landing in this rank's ring.
+    RingEntries,
     /// Unknown code (newer kernels).
     Other(u32),
 }
@@ -49,6 +54,8 @@ impl WaitKind {
             abi::wait::LL_COMBINE => Self::LlCombineData,
             abi::wait::PROXY => Self::ProxyCompletion,
             abi::wait::INTENT => Self::OpIntent,
+            abi::wait::RING_FREE => Self::RingSlotFreed,
+            abi::wait::RING_CHUNK => Self::RingEntries,
             other => Self::Other(other),
         }
     }

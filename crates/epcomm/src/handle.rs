@@ -39,6 +39,9 @@ pub(crate) struct HandleInner {
     pub(crate) recv_src_idx: CudaSlice<i32>,
     /// `[experts_per_rank]` rows per local expert.
     pub(crate) recv_expert_counts: CudaSlice<i32>,
+    /// With rail forwarding: `[nodes]` tokens each source node's rail peer sent through this
+    /// rank (a cached dispatch forwards as many).
+    pub(crate) recv_node_counts: Option<CudaSlice<i32>>,
     /// Rows received, when the host knows it (HostSync).
     pub(crate) num_recv: Option<usize>,
     /// The received rows this rank sent itself, when the host knows them (HostSync).

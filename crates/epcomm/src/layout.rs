@@ -14,6 +14,9 @@ pub(crate) struct LayoutInner {
     pub(crate) counts: CudaSlice<u32>,
     /// `[T][world]` slot of each token among those sent to each rank, -1 if not sent.
     pub(crate) token_slot: CudaSlice<i32>,
+    /// With rail forwarding: `[T][nodes]` index of each token among those for each node, -1
+    /// if none.
+    pub(crate) token_node_slot: Option<CudaSlice<i32>>,
     /// Nonzero when the kernel rejected a top-k id.
     pub(crate) status: CudaSlice<u32>,
     /// Tokens, or (with `device_tokens`) the most tokens the batch may have.

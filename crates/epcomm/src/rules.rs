@@ -302,9 +302,21 @@ fn rules(
             Err(e) => errors.push(e),
         }
     }
+    let forwarding = cfg
+        .rail_ring
+        .and_then(|ring| forwarding(cfg, world, layout, caps, routes.as_ref(), ring, &mut errors));
     let plan = (config_ok && world_ok && ll_words.is_some())
-        .then(|| self::plan(cfg, world).map_err(|e| errors.push(e)).ok())
+        .then(|| {
+            self::plan(cfg, world)
+                .and_then(|p| match forwarding {
+                    Some((tiers, ring)) => Ok(p.with_forwarding(tiers, ring)?),
+                    None => Ok(p),
+                })
+                .map_err(|e| errors.push(e))
+                .ok()
+        })
         .flatten();
+    let plan = plan.filter(|_| cfg.rail_ring.is_none() || forwarding.is_some());
     let checked = match (routes, plan, ll_words) {
         (Some(routes), Some(plan), Some(ll_smem_words)) => Some(Checked {
             routes,
@@ -314,6 +326,89 @@ fn rules(
         _ => None,
     };
     (checked, errors)
+}
+
+/// Forwarding blocks per source node of a dispatch of `num_sms` blocks over `nodes` nodes
+/// (the grid's last `(nodes - 1)` times this many): half the grid forwards, at least one block
+/// per source node.
+pub fn forward_blocks(num_sms: u32, nodes: usize) -> u32 {
+    let others = nodes.saturating_sub(1).max(1) as u32;
+    (num_sms / (2 * others)).max(1)
+}
+
+/// The rules of [`BufferConfig::rail_ring`]: the world's node split when they hold (pushing
+/// every broken one into `errors`).
+fn forwarding(
+    cfg: &BufferConfig,
+    world: usize,
+    layout: &WorldLayout,
+    caps: &Capabilities,
+    routes: Option<&RoutePlan>,
+    ring: epcomm_topology::RingShape,
+    errors: &mut Vec<Error>,
+) -> Option<(epcomm_topology::Tiers, epcomm_topology::RingShape)> {
+    let invalid = |rule: String| Error::InvalidArgument {
+        argument: "rail_ring",
+        rule,
+    };
+    let before = errors.len();
+    let l = layout.gpus_per_node();
+    if world != layout.world_size() {
+        errors.push(invalid(format!(
+            "forwarding runs on a buffer over the whole world ({} ranks), not over a group of              {world}",
+            layout.world_size()
+        )));
+    }
+    if l == 0 || l >= world || !world.is_multiple_of(l) {
+        errors.push(invalid(format!(
+            "forwarding needs two nodes or more: {world} ranks of {l} per node"
+        )));
+    }
+    if caps.kernel_family == epcomm_kernels::KernelFamily::CpuProxy {
+        errors.push(invalid(format!(
+            "not on {}: the CPU proxy's dispatch sends its peers' rows in runs of its own and              finishes their metadata on the receiver",
+            caps.name
+        )));
+    }
+    if ring.slots() > epcomm_topology::MAX_RING_SLOTS {
+        errors.push(invalid(format!(
+            "at most {} slots (got {})",
+            epcomm_topology::MAX_RING_SLOTS,
+            ring.slots()
+        )));
+    }
+    if errors.len() > before {
+        return None;
+    }
+    let nodes = world / l;
+    if let Some(routes) = routes {
+        let me = layout.rank();
+        let node = (me / l) * l..(me / l + 1) * l;
+        if let Some(d) = node
+            .clone()
+            .find(|&d| routes.put_signal_mask() & (1u64 << d) != 0)
+        {
+            errors.push(invalid(format!(
+                "the ranks of a node must reach each other by stores (rank {d}, in this rank's                  node {node:?}, is reached by put/signal)"
+            )));
+        }
+    }
+    if (cfg.num_sms as usize) < nodes {
+        errors.push(Error::InvalidArgument {
+            argument: "num_sms",
+            rule: format!(
+                "forwarding over {nodes} nodes needs a sending block and one forwarding block                  per other node: at least {nodes} (got {})",
+                cfg.num_sms
+            ),
+        });
+    }
+    if errors.len() > before {
+        return None;
+    }
+    epcomm_topology::Tiers::new(nodes, l)
+        .map_err(|e| errors.push(e.into()))
+        .ok()
+        .map(|t| (t, ring))
 }
 
 #[cfg(test)]
@@ -344,6 +439,82 @@ mod tests {
                 other => other.to_string(),
             })
             .collect()
+    }
+
+    #[test]
+    fn rail_forwarding_rules_name_what_breaks_them() {
+        use epcomm_topology::{RegionKind, RingShape};
+        let ring = RingShape::new(2, 16).unwrap();
+        let mut cfg = BufferConfig::new(64, 256, 4, 16);
+        cfg.rail_ring = Some(ring);
+        // Two nodes of two ranks, rank 1: its node's rank 0 by stores, the others by put/signal.
+        let split = WorldLayout::new(4, 1, 2).unwrap();
+        let checked = check(&cfg, 4, &split, &BOTH).unwrap();
+        let (tiers, shape) = checked.plan.forwarding().unwrap();
+        assert_eq!((tiers.nodes(), tiers.local_ranks(), shape), (2, 2, ring));
+        let entries = checked
+            .plan
+            .region(RegionKind::RingEntries, epcomm_topology::Parity::Even);
+        assert_eq!(entries.len, 2 * 32 * checked.plan.ring_entry_bytes());
+        // Without the option nothing is planned for it.
+        let flat = BufferConfig {
+            rail_ring: None,
+            ..cfg.clone()
+        };
+        assert!(
+            check(&flat, 4, &split, &BOTH)
+                .unwrap()
+                .plan
+                .forwarding()
+                .is_none()
+        );
+        // One node: nothing to forward.
+        let one = WorldLayout::new(4, 1, 4).unwrap();
+        let e = check(&cfg, 4, &one, &BOTH).unwrap_err().to_string();
+        assert!(e.contains("rail_ring") && e.contains("two nodes"), "{e}");
+        // A group of the world (a tier of a two-tier buffer).
+        let group = broken_rules(&cfg, 2, &split, &BOTH);
+        assert!(group[0].to_string().contains("whole world"), "{group:?}");
+        assert!(arguments(&group).iter().all(|a| a == "rail_ring"));
+        // The CPU proxy's dispatch.
+        let proxy = Capabilities {
+            name: "proxy",
+            kernel_family: KernelFamily::CpuProxy,
+            ..BOTH
+        };
+        let e = check(&cfg, 4, &split, &proxy).unwrap_err().to_string();
+        assert!(e.contains("rail_ring") && e.contains("proxy"), "{e}");
+        // Too many slots; too few blocks for a sender and a forwarder per other node.
+        let wide = BufferConfig {
+            rail_ring: Some(RingShape::new(9, 1).unwrap()),
+            ..cfg.clone()
+        };
+        assert_eq!(
+            arguments(&broken_rules(&wide, 4, &split, &BOTH)),
+            ["rail_ring"]
+        );
+        let few = BufferConfig {
+            num_sms: 1,
+            ..cfg.clone()
+        };
+        assert_eq!(
+            arguments(&broken_rules(&few, 4, &split, &BOTH)),
+            ["num_sms"]
+        );
+        // Ranks of one node must reach each other by stores.
+        let mut puts = cfg.clone();
+        puts.routes = RoutePolicy::PutSignal;
+        let e = check(&puts, 4, &split, &BOTH).unwrap_err().to_string();
+        assert!(e.contains("rail_ring") && e.contains("stores"), "{e}");
+    }
+
+    #[test]
+    fn forwarding_takes_half_the_grid_and_a_block_per_source_node_at_least() {
+        assert_eq!(forward_blocks(24, 2), 12);
+        assert_eq!(forward_blocks(16, 2), 8);
+        assert_eq!(forward_blocks(16, 4), 2);
+        assert_eq!(forward_blocks(4, 8), 1);
+        assert_eq!(forward_blocks(2, 2), 1);
     }
 
     #[test]

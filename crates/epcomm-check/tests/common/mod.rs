@@ -143,6 +143,25 @@ pub struct TestConfig {
     pub schedule: Schedule,
     pub routes: RoutePolicy,
     pub combine_staging: CombineStaging,
+    /// Rail forwarding of the normal dispatch (`EPCOMM_TEST_RAIL_RING=<slots>,<chunk>`, for a
+    /// transport of several (virtual) nodes): every buffer the test makes forwards.
+    pub rail_ring: Option<epcomm_topology::RingShape>,
+}
+
+/// `EPCOMM_TEST_RAIL_RING`: `<slots>,<chunk>`, or unset.
+fn rail_ring_from_env() -> Option<epcomm_topology::RingShape> {
+    let v = std::env::var("EPCOMM_TEST_RAIL_RING")
+        .ok()
+        .filter(|v| !v.is_empty())?;
+    let (slots, chunk) = v
+        .split_once(',')
+        .expect("EPCOMM_TEST_RAIL_RING: <slots>,<chunk>");
+    let n = |s: &str| {
+        s.trim()
+            .parse::<usize>()
+            .expect("EPCOMM_TEST_RAIL_RING: a number")
+    };
+    Some(epcomm_topology::RingShape::new(n(slots), n(chunk)).expect("EPCOMM_TEST_RAIL_RING"))
 }
 
 impl TestConfig {
@@ -163,6 +182,7 @@ impl TestConfig {
             combine_staging: var("EPCOMM_TEST_COMBINE_STAGING").map_or(CombineStaging::Auto, |s| {
                 s.parse().expect("EPCOMM_TEST_COMBINE_STAGING")
             }),
+            rail_ring: rail_ring_from_env(),
         }
     }
 
@@ -171,12 +191,13 @@ impl TestConfig {
     pub fn apply(&self, cfg: &mut BufferConfig) {
         (cfg.schedule, cfg.routes) = (self.schedule, self.routes);
         cfg.combine_staging = self.combine_staging;
+        cfg.rail_ring = self.rail_ring;
         cfg.num_sms = cfg.num_sms.min(shared_gpu_num_sms_limit());
     }
 
     /// The workers' environment for this configuration (NVSHMEM's one-host defaults included).
     pub fn env(&self) -> Vec<(&'static str, String)> {
-        let env = vec![
+        let mut env = vec![
             ("EPCOMM_TEST_TRANSPORT", self.spec.to_string()),
             ("EPCOMM_TEST_SCHEDULE", self.schedule.to_string()),
             ("EPCOMM_TEST_ROUTES", self.routes.to_string()),
@@ -185,6 +206,12 @@ impl TestConfig {
                 self.combine_staging.name().to_string(),
             ),
         ];
+        if let Some(r) = self.rail_ring {
+            env.push((
+                "EPCOMM_TEST_RAIL_RING",
+                format!("{},{}", r.slots(), r.chunk_rows()),
+            ));
+        }
         // The library's one-host defaults come from `run_workers`.
         env
     }
@@ -194,11 +221,16 @@ impl std::fmt::Display for TestConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} {} routes={} combine_staging={}",
+            "{} {} routes={} combine_staging={}{}",
             self.spec,
             self.schedule,
             self.routes,
-            self.combine_staging.name()
+            self.combine_staging.name(),
+            self.rail_ring.map_or(String::new(), |r| format!(
+                " rail_ring={}x{}",
+                r.slots(),
+                r.chunk_rows()
+            ))
         )
     }
 }
@@ -275,6 +307,7 @@ pub fn configs(test: &str) -> Vec<TestConfig> {
                     schedule,
                     routes,
                     combine_staging: CombineStaging::Auto,
+                    rail_ring: rail_ring_from_env(),
                 };
                 if !keep("EPCOMM_TEST_SCHEDULE", schedule.to_string())
                     || !keep("EPCOMM_TEST_ROUTES", routes.to_string())

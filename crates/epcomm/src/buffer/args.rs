@@ -98,12 +98,22 @@ impl Buffer {
             top_k: self.cfg.top_k as i32,
             num_experts: self.cfg.num_experts as i32,
             world: self.place.world as i32,
-            gpus_per_node: self.place.world as i32,
+            // One node (the per-node counts are the whole world's), or the forwarding's nodes.
+            gpus_per_node: self.gpus_per_node() as i32,
             rank: self.place.rank as i32,
             // Failure records name world ranks on a tier's buffer too.
             pe_base: self.place.group.pe_base() as i32,
             pe_stride: self.place.group.pe_stride() as i32,
+            token_node_slot: 0,
         }
+    }
+
+    /// Ranks per node as the kernels see them: the forwarding's, or the whole buffer.
+    pub(super) fn gpus_per_node(&self) -> usize {
+        self.place
+            .plan
+            .forwarding()
+            .map_or(self.place.world, |(t, _)| t.local_ranks())
     }
 
     /// The fields every dispatch/combine launch shares. Per-op values (sequence numbers,
@@ -150,6 +160,18 @@ impl Buffer {
             off_ll_send_meta: region(plan, RegionKind::LlSendMeta),
             ll_max_tokens: self.cfg.ll_max_tokens_per_rank as i32,
             ll_smem_words: self.ll.smem_words as i32,
+            off_ring: region(plan, RegionKind::RingEntries),
+            off_ring_landed: region(plan, RegionKind::RingLanded),
+            off_ring_freed: region(plan, RegionKind::RingFreed),
+            off_ring_state: region(plan, RegionKind::RingState),
+            off_node_counts: region(plan, RegionKind::NodeCounts),
+            gpus_per_node: self.gpus_per_node() as i32,
+            ring_slots: plan.forwarding().map_or(0, |(_, r)| r.slots() as i32),
+            ring_chunk: plan.forwarding().map_or(0, |(_, r)| r.chunk_rows() as i32),
+            ring_entry_bytes: plan.ring_entry_bytes() as i32,
+            fwd_blocks: plan.forwarding().map_or(0, |(t, _)| {
+                crate::rules::forward_blocks(self.cfg.num_sms, t.nodes()) as i32
+            }),
             ..OpArgs::default()
         }
     }
@@ -176,7 +198,12 @@ impl Buffer {
             num_scales: row.num_scales() as i32,
             row_bytes: row.x_bytes() as i32,
             max_recv_rows: max_recv_rows as i32,
-            flags,
+            flags: flags
+                | if plan.forwarding().is_some() {
+                    abi::flags::FORWARD
+                } else {
+                    0
+                },
             ..self.next_op_args()
         }
     }

@@ -350,6 +350,12 @@ fn fingerprint(
         .with("routes", cfg.routes.name())
         .with("combine_staging", cfg.combine_staging.name())
         .with("ll_masking", cfg.ll_masking)
+        .with(
+            "rail_ring",
+            cfg.rail_ring.map_or("none".to_string(), |r| {
+                format!("{} slots of {} entries", r.slots(), r.chunk_rows())
+            }),
+        )
 }
 
 /// The distance between the two parity copies of every per-parity region. Kernels find a

@@ -44,7 +44,8 @@ impl Buffer {
     ) -> Result<Layout> {
         self.check_tokens(num_tokens)?;
         let (world, e) = (self.place.world, self.cfg.num_experts);
-        let nodes = 1; // one NVLink domain
+        // One node, or the rail forwarding's nodes (whose per-token node slots it keeps).
+        let nodes = world / self.gpus_per_node();
         // SAFETY: every element is written by the layout kernel before anything reads it.
         let counts = unsafe { self.launcher.stream.alloc::<u32>(world + e + nodes) }
             .context("allocating layout counts")?;
@@ -58,10 +59,23 @@ impl Buffer {
         // SAFETY: as above.
         let status =
             unsafe { self.launcher.stream.alloc::<u32>(1) }.context("allocating layout status")?;
+        let token_node_slot = match self.place.plan.forwarding() {
+            // SAFETY: as above.
+            Some(_) => Some(
+                unsafe {
+                    self.launcher
+                        .stream
+                        .alloc::<i32>((num_tokens * nodes).max(1))
+                }
+                .context("allocating token node slots")?,
+            ),
+            None => None,
+        };
         Ok(Layout {
             inner: Arc::new(LayoutInner {
                 counts,
                 token_slot,
+                token_node_slot,
                 status,
                 num_tokens,
                 device_tokens,
@@ -96,10 +110,13 @@ impl Buffer {
         let (counts_ptr, _g1) = l.counts.device_ptr(s);
         let (slot_ptr, _g2) = l.token_slot.device_ptr(s);
         let (status_ptr, _g3) = l.status.device_ptr(s);
+        let node_slot = l.token_node_slot.as_ref().map(|n| n.device_ptr(s));
         let mut args = self.layout_args(num_tokens, idx_ptr, counts_ptr, slot_ptr, status_ptr);
         args.num_tokens_ptr = l.device_tokens.as_ref().map_or(0, |d| d.ptr);
+        args.token_node_slot = node_slot.as_ref().map_or(0, |p| p.0);
         // SAFETY: all addresses are live allocations of the sizes the kernel expects for this
-        // shape (counts: world + E + nodes, token_slot: T * world, status: 1, topk_idx: T * K);
+        // shape (counts: world + E + nodes, token_slot: T * world, token_node_slot: T * nodes
+        // or null, status: 1, topk_idx: T * K);
         // the layout's arrays are owned by `layout`, which outlives the launch (stream order).
         unsafe { self.launcher.kernels.launch_layout(s, &args) }?;
         note_launch(&self.health.last_launch, s, self.capture.recording);
@@ -180,8 +197,11 @@ impl Buffer {
         args.in_rank = if in_ptr == 0 { slot_ptr } else { in_ptr };
         args.expert_counts = per_expert_ptr;
         args.num_tokens_ptr = l.device_tokens.as_ref().map_or(0, |d| d.ptr);
+        let node_slot = l.token_node_slot.as_ref().map(|n| n.device_ptr(s));
+        args.token_node_slot = node_slot.as_ref().map_or(0, |p| p.0);
         // SAFETY: all addresses are live allocations of the sizes the kernel expects for this
-        // shape (counts: world + E + nodes, token_slot: T * world, status: 1, in_rank: T *
+        // shape (counts: world + E + nodes, token_slot: T * world, token_node_slot: T * nodes
+        // or null, status: 1, in_rank: T *
         // world, expert_counts: E; lengths and addresses checked above, in_rank never null);
         // with in_rank set the kernel never reads topk_idx. The layout's arrays are owned by
         // `layout`, which outlives the launch.

@@ -74,12 +74,21 @@ impl Buffer {
         // SAFETY: as above.
         let recv_expert_counts = unsafe { self.launcher.stream.alloc::<i32>(epr.max(1)) }
             .context("allocating the handle")?;
+        let recv_node_counts = match self.place.plan.forwarding() {
+            // SAFETY: as above (the dispatch's forwarding blocks write every element).
+            Some((t, _)) => Some(
+                unsafe { self.launcher.stream.alloc::<i32>(t.nodes()) }
+                    .context("allocating the handle")?,
+            ),
+            None => None,
+        };
         Ok(Handle::flat(Arc::new(HandleInner {
             layout: layout.inner.clone(),
             send_offsets,
             recv_prefix,
             recv_src_idx,
             recv_expert_counts,
+            recv_node_counts,
             num_recv,
             own_rows: None,
             max_rows,
@@ -271,6 +280,8 @@ impl Buffer {
         let (rp, _g5) = h.recv_prefix.device_ptr(s);
         let (ri, _g6) = h.recv_src_idx.device_ptr(s);
         let (re, _g7) = h.recv_expert_counts.device_ptr(s);
+        let node_slot = l.token_node_slot.as_ref().map(|n| n.device_ptr(s));
+        let node_counts = h.recv_node_counts.as_ref().map(|n| n.device_ptr(s));
         a.x = x_ptr;
         a.x_scales = sc.as_ref().map_or(0, |p| p.0);
         a.topk_idx = idx.as_ref().map_or(0, |p| p.0);
@@ -282,10 +293,13 @@ impl Buffer {
         a.recv_prefix = rp;
         a.recv_src_idx = ri;
         a.recv_expert_counts = re;
+        a.token_node_slot = node_slot.as_ref().map_or(0, |p| p.0);
+        a.recv_node_counts = node_counts.as_ref().map_or(0, |p| p.0);
         a.num_tokens_ptr = l.device_tokens.as_ref().map_or(0, |d| d.ptr);
         self.check_dispatch_ptrs(&a, l.num_tokens)?;
         // SAFETY: inputs were length-checked against the layout's token count; the handle's
-        // arrays hold world, world + 1, max_rows and experts_per_rank elements (the kernel never
+        // arrays hold world, world + 1, max_rows and experts_per_rank elements (with forwarding
+        // also nodes, and the layout's T * nodes node slots; the kernel never
         // writes more rows than max_rows: it fails with Overflow first); the symmetric buffer
         // follows the same plan on every rank, and every rank launches this op with `blocks`
         // blocks (the completion counters count blocks). A cached dispatch only reads the
