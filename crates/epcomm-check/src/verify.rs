@@ -344,7 +344,24 @@ fn check_layout(
     world: usize,
 ) -> Result<()> {
     let got = layout.to_host()?;
-    let want = epcomm_reference::layout(topk_idx, t, cfg.top_k, cfg.num_experts, world, world)?;
+    // The nodes the layout counts for: one, or a rail-forwarding buffer's (each node's
+    // tokens and slots are what the forwarders use).
+    let nodes = got.tokens_per_node.len().max(1);
+    if !world.is_multiple_of(nodes) {
+        return Err(CheckError::Mismatch {
+            what: "layout.tokens_per_node".into(),
+            rank,
+            detail: format!("{nodes} nodes do not divide {world} ranks"),
+        });
+    }
+    let want = epcomm_reference::layout(
+        topk_idx,
+        t,
+        cfg.top_k,
+        cfg.num_experts,
+        world,
+        world / nodes,
+    )?;
     first_diff(
         "layout.tokens_per_rank",
         rank,
