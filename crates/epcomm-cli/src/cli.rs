@@ -9,6 +9,7 @@ use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use epcomm::{BufferConfig, CombineStaging, RoutePolicy, Schedule};
 use epcomm_backends::{TransportError, TransportSpec};
+use epcomm_topology::RingShape;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -68,6 +69,16 @@ named!(Schedule, RoutePolicy, CombineStaging);
 /// `T`'s `FromStr`.
 pub fn by_name<T: Named>() -> impl TypedValueParser<Value = T> {
     PossibleValuesParser::new(T::ALL.iter().map(|v| v.name())).try_map(|s| s.parse::<T>())
+}
+
+/// Parses `--rail-ring`: `SLOTS,CHUNK`, both whole numbers above 0.
+pub fn parse_rail_ring(s: &str) -> Result<RingShape, String> {
+    let (slots, chunk) = s
+        .split_once(',')
+        .ok_or_else(|| "must be SLOTS,CHUNK (e.g. 2,64)".to_string())?;
+    let slots = count::<usize>(slots).map_err(|e| format!("SLOTS {e}"))?;
+    let chunk = count::<usize>(chunk).map_err(|e| format!("CHUNK {e}"))?;
+    RingShape::new(slots, chunk).map_err(|e| e.to_string())
 }
 
 /// Parses `--transport` and `--require` values with [`TransportSpec::from_str`]; the error is
@@ -227,6 +238,13 @@ pub struct BenchArgs {
     #[arg(long, value_name = "WAY", value_parser = by_name::<CombineStaging>(),
           default_value_t = CombineStaging::Auto)]
     pub combine_staging: CombineStaging,
+    /// Rail forwarding of the normal dispatch, `SLOTS,CHUNK`: on a transport of several
+    /// (logical) nodes, a token for ranks of another node crosses once, to the rank there with
+    /// the sender's local index, through a ring of SLOTS slots of CHUNK tokens, and that rank
+    /// stores it for its node's ranks (same outputs as without).
+    #[arg(long, value_name = "SLOTS,CHUNK", value_parser = parse_rail_ring,
+          conflicts_with = "hierarchical")]
+    pub rail_ring: Option<RingShape>,
     /// Timed calls per op.
     #[arg(long, default_value_t = 50, value_parser = count::<usize>)]
     pub iters: usize,
@@ -397,6 +415,25 @@ pub(crate) mod tests {
         };
         assert!(!args.warm_l2);
         let both = Cli::try_parse_from(["epcomm", "bench", "--warm-l2", "--hierarchical"]);
+        assert!(both.is_err_and(|e| e.kind() == clap::error::ErrorKind::ArgumentConflict));
+    }
+
+    /// `--rail-ring SLOTS,CHUNK` becomes the ring shape; malformed values are named.
+    #[test]
+    fn rail_ring_parses_slots_and_chunk() {
+        let Command::Bench(args) = parse(&["bench", "--rail-ring", "2,64"]) else {
+            panic!("not a bench command")
+        };
+        let ring = args.rail_ring.unwrap();
+        assert_eq!((ring.slots(), ring.chunk_rows()), (2, 64));
+        for bad in ["2", "0,4", "2,x", "3,-1"] {
+            let e = Cli::try_parse_from(["epcomm", "bench", "--rail-ring", bad])
+                .err()
+                .unwrap_or_else(|| panic!("{bad} accepted"))
+                .to_string();
+            assert!(e.contains("--rail-ring"), "{e}");
+        }
+        let both = Cli::try_parse_from(["epcomm", "bench", "--rail-ring", "2,4", "--hierarchical"]);
         assert!(both.is_err_and(|e| e.kind() == clap::error::ErrorKind::ArgumentConflict));
     }
 

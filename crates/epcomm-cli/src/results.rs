@@ -60,6 +60,10 @@ pub struct BenchConfig {
     /// (and in documents from before this field).
     #[serde(default)]
     pub warm_l2: bool,
+    /// `--rail-ring` as `SLOTS,CHUNK` (rail forwarding of the dispatch); empty: none (and in
+    /// documents from before this field).
+    #[serde(default)]
+    pub rail_ring: String,
 }
 
 impl BenchConfig {
@@ -127,8 +131,16 @@ impl BenchConfig {
         } else {
             &self.combine_staging
         };
+        let ring = if self.rail_ring.is_empty() {
+            String::new()
+        } else {
+            format!(
+                ", rail forwarding through rings of {} (slots,chunk)",
+                self.rail_ring
+            )
+        };
         format!(
-            "{} transport, {} schedule, {} routes, combine staging {staging}",
+            "{} transport, {} schedule, {} routes, combine staging {staging}{ring}",
             self.transport, self.schedule, self.routes
         )
     }
@@ -491,6 +503,7 @@ pub(crate) mod tests {
             mps: false,
             combine_staging: "auto".into(),
             warm_l2: false,
+            rail_ring: String::new(),
         }
     }
 

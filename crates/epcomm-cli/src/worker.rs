@@ -69,6 +69,9 @@ pub(crate) fn run_config(
         mps: crate::gpu::under_mps(ctx),
         combine_staging: args.combine_staging.name().into(),
         warm_l2: args.warm_l2,
+        rail_ring: args.rail_ring.map_or(String::new(), |r| {
+            format!("{},{}", r.slots(), r.chunk_rows())
+        }),
     })
 }
 
@@ -152,6 +155,7 @@ pub(crate) fn bench_config(
     cfg.num_sms = sms;
     (cfg.schedule, cfg.routes) = (transport.schedule, transport.routes);
     cfg.combine_staging = args.combine_staging;
+    cfg.rail_ring = args.rail_ring;
     cfg
 }
 
