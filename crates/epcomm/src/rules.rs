@@ -188,7 +188,9 @@ pub fn ll_smem_words(cfg: &BufferConfig, world: usize) -> Result<usize> {
 ///
 /// Contract: a pure function of `cfg.max_tokens_per_rank`, `hidden`, `top_k`, `num_experts`,
 /// `ll_max_tokens_per_rank` and `world` (the same arguments give the same plan on every rank);
-/// no other field of `cfg` and no device matters. It checks only what the plan itself needs
+/// no other field of `cfg` and no device matters. [`check`] adds the rings of
+/// [`BufferConfig::rail_ring`] ([`BufferPlan::with_forwarding`]), which need the world's node
+/// split. It checks only what the plan itself needs
 /// ([`BufferPlan::with_low_latency`]'s rules), not every rule of [`check`]: a config that
 /// `check` refuses (the shared-memory limit of the low-latency kernels, more than
 /// [`MAX_WORLD`] ranks, a route the transport lacks) may still have a plan.
