@@ -73,7 +73,7 @@ mod tests {
 
     #[test]
     fn layouts_are_the_documented_ones() {
-        assert_eq!(size_of::<OpArgs>(), 51 * 8 + 16 * 4);
+        assert_eq!(size_of::<OpArgs>(), 58 * 8 + 22 * 4);
         assert_eq!(offset_of!(OpArgs, ll_max_tokens), 384);
         assert_eq!(offset_of!(OpArgs, num_tokens), 392);
         assert_eq!(offset_of!(OpArgs, pe_base), 424);
@@ -81,11 +81,16 @@ mod tests {
         assert_eq!(offset_of!(OpArgs, off_ll_send_meta), 448);
         assert_eq!(offset_of!(OpArgs, ll_self_row), 456);
         assert_eq!(offset_of!(OpArgs, ll_cumulative_stats), 464);
-        assert_eq!(size_of::<LayoutArgs>(), 9 * 8 + 8 * 4);
+        assert_eq!(offset_of!(OpArgs, token_node_slot), 472);
+        assert_eq!(offset_of!(OpArgs, off_node_counts), 520);
+        assert_eq!(offset_of!(OpArgs, gpus_per_node), 528);
+        assert_eq!(offset_of!(OpArgs, fwd_blocks), 544);
+        assert_eq!(size_of::<LayoutArgs>(), 10 * 8 + 8 * 4);
         assert_eq!(offset_of!(LayoutArgs, in_rank), 56);
         assert_eq!(offset_of!(LayoutArgs, expert_counts), 64);
         assert_eq!(offset_of!(LayoutArgs, num_tokens), 72);
         assert_eq!(offset_of!(LayoutArgs, pe_base), 96);
+        assert_eq!(offset_of!(LayoutArgs, token_node_slot), 104);
         assert_eq!(size_of::<ErrorRecord>(), 56);
         assert_eq!(offset_of!(ErrorRecord, epoch), 24);
         assert_eq!(size_of::<SeqState>(), 72);
