@@ -299,33 +299,33 @@ struct ProxyNet {
     __syncwarp();
   }
 
-  // Warp-collective put of a row followed by a signal (`signal_flags`: set, or
-  // kProxyFlagSignalAdd), which lands after the row.
-  __device__ static __forceinline__ void put_then_signal(void* dst, const void* src, size_t bytes,
-                                                         uint64_t* sig, uint64_t v, int pe,
-                                                         uint64_t signal_flags) {
+  // Warp-collective put of a row followed by a signal set, which lands after the row.
+  __device__ static __forceinline__ void put_signal_warp(void* dst, const void* src, size_t bytes,
+                                                         uint64_t* sig, uint64_t v, int pe) {
     __syncwarp();
     if ((threadIdx.x & 31) == 0) {
       __threadfence_system();
       const uint64_t p = claim(2);
       emit(p, kProxyKindTransfer, kProxyFlagSrcAddress, pe, reinterpret_cast<uint64_t>(src),
            offset_of(dst), bytes);
-      emit(p + 1, kProxyKindSignal, signal_flags, pe, offset_of(sig), v, 0);
+      emit(p + 1, kProxyKindSignal, 0, pe, offset_of(sig), v, 0);
     }
     __syncwarp();
-  }
-
-  // Warp-collective put of a row followed by a signal set, which lands after the row.
-  __device__ static __forceinline__ void put_signal_warp(void* dst, const void* src, size_t bytes,
-                                                         uint64_t* sig, uint64_t v, int pe) {
-    put_then_signal(dst, src, bytes, sig, v, pe, 0);
   }
 
   // Warp-collective put of a row followed by a signal add, which lands after the row.
   __device__ static __forceinline__ void put_signal_add_warp(void* dst, const void* src,
                                                              size_t bytes, uint64_t* sig,
                                                              uint64_t v, int pe) {
-    put_then_signal(dst, src, bytes, sig, v, pe, kProxyFlagSignalAdd);
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) {
+      __threadfence_system();
+      const uint64_t p = claim(2);
+      emit(p, kProxyKindTransfer, kProxyFlagSrcAddress, pe, reinterpret_cast<uint64_t>(src),
+           offset_of(dst), bytes);
+      emit(p + 1, kProxyKindSignal, kProxyFlagSignalAdd, pe, offset_of(sig), v, 0);
+    }
+    __syncwarp();
   }
 
   // [E4] A descriptor per token was slow as well: each warp takes a contiguous chunk of
