@@ -138,11 +138,11 @@ pub struct BufferConfig {
     /// [`crate::Buffer::ll_clear_mask`]. Off (the default): a late peer fails the op, naming it.
     pub ll_masking: bool,
     /// Rail forwarding of the normal dispatch (docs/internode.md, "Rail forwarding in the flat
-    /// dispatch"): over a world of several nodes (the transport's ranks per node), a token bound for ranks of
-    /// another node crosses once, to the rank there with this rank's local index, through a
-    /// ring of this shape, and that rank stores it into the receive rows of its node's ranks.
-    /// The output is the flat dispatch's, bit for bit. `None` (the default): every rank gets
-    /// its rows from the source.
+    /// dispatch"): over a world of several nodes (the transport's ranks per node), a token
+    /// bound for ranks of another node crosses once, to the rank there with this rank's local
+    /// index, through a ring of this shape, and that rank stores it into the receive rows of
+    /// its node's ranks. The output is the flat dispatch's, bit for bit. `None` (the default):
+    /// every rank gets its rows from the source.
     pub rail_ring: Option<RingShape>,
 }
 
