@@ -94,6 +94,7 @@ fn launch_hier(test: &str) {
                 routes: epcomm::RoutePolicy::Auto,
                 combine_staging: epcomm::CombineStaging::Auto,
                 rail_ring: None,
+                rail_forward_sms: 0,
             };
             eprintln!("== {test}: {cfg}");
             launch(test, n, &cfg.env());

@@ -245,6 +245,10 @@ pub struct BenchArgs {
     #[arg(long, value_name = "SLOTS,CHUNK", value_parser = parse_rail_ring,
           conflicts_with = "hierarchical")]
     pub rail_ring: Option<RingShape>,
+    /// With --rail-ring: dispatch blocks that forward each other node's entries (the rest
+    /// send); 0 takes half the grid, split among the other nodes.
+    #[arg(long, value_name = "N", default_value_t = 0, requires = "rail_ring")]
+    pub rail_forward_sms: u32,
     /// Timed calls per op.
     #[arg(long, default_value_t = 50, value_parser = count::<usize>)]
     pub iters: usize,

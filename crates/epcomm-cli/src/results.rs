@@ -64,6 +64,9 @@ pub struct BenchConfig {
     /// documents from before this field).
     #[serde(default)]
     pub rail_ring: String,
+    /// `--rail-forward-sms` (0: half the grid; and in documents from before this field).
+    #[serde(default)]
+    pub rail_forward_sms: u32,
 }
 
 impl BenchConfig {
@@ -134,8 +137,13 @@ impl BenchConfig {
         let ring = if self.rail_ring.is_empty() {
             String::new()
         } else {
+            let blocks = if self.rail_forward_sms == 0 {
+                "half the grid forwarding".to_string()
+            } else {
+                format!("{} forwarding blocks per other node", self.rail_forward_sms)
+            };
             format!(
-                ", rail forwarding through rings of {} (slots,chunk)",
+                ", rail forwarding through rings of {} (slots,chunk), {blocks}",
                 self.rail_ring
             )
         };
@@ -504,6 +512,7 @@ pub(crate) mod tests {
             combine_staging: "auto".into(),
             warm_l2: false,
             rail_ring: String::new(),
+            rail_forward_sms: 0,
         }
     }
 

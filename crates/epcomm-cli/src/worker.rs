@@ -72,6 +72,7 @@ pub(crate) fn run_config(
         rail_ring: args.rail_ring.map_or(String::new(), |r| {
             format!("{},{}", r.slots(), r.chunk_rows())
         }),
+        rail_forward_sms: args.rail_forward_sms,
     })
 }
 
@@ -156,6 +157,7 @@ pub(crate) fn bench_config(
     (cfg.schedule, cfg.routes) = (transport.schedule, transport.routes);
     cfg.combine_staging = args.combine_staging;
     cfg.rail_ring = args.rail_ring;
+    cfg.rail_forward_sms = args.rail_forward_sms;
     cfg
 }
 

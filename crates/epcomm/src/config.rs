@@ -144,6 +144,11 @@ pub struct BufferConfig {
     /// its node's ranks. The output is the flat dispatch's, bit for bit. `None` (the default):
     /// every rank gets its rows from the source.
     pub rail_ring: Option<RingShape>,
+    /// With [`Self::rail_ring`]: blocks of the dispatch's grid (of [`Self::num_sms`]) that
+    /// forward the entries of each other node; the rest send. 0 (the default): half the grid,
+    /// split among the other nodes ([`crate::rules::forward_blocks`]). Ignored without
+    /// forwarding.
+    pub rail_forward_sms: u32,
 }
 
 impl BufferConfig {
@@ -175,6 +180,7 @@ impl BufferConfig {
             timeout: Duration::from_secs(100),
             ll_masking: false,
             rail_ring: None,
+            rail_forward_sms: 0,
         }
     }
 

@@ -331,9 +331,13 @@ fn rules(
 }
 
 /// Forwarding blocks per source node of a dispatch of `num_sms` blocks over `nodes` nodes
-/// (the grid's last `(nodes - 1)` times this many): half the grid forwards, at least one block
-/// per source node.
-pub fn forward_blocks(num_sms: u32, nodes: usize) -> u32 {
+/// (the grid's last `(nodes - 1)` times this many): `asked`
+/// ([`BufferConfig::rail_forward_sms`]) when not 0, else half the grid, at least one block per
+/// source node.
+pub fn forward_blocks(num_sms: u32, nodes: usize, asked: u32) -> u32 {
+    if asked > 0 {
+        return asked;
+    }
     let others = nodes.saturating_sub(1).max(1) as u32;
     (num_sms / (2 * others)).max(1)
 }
@@ -357,7 +361,8 @@ fn forwarding(
     let l = layout.gpus_per_node();
     if world != layout.world_size() {
         errors.push(invalid(format!(
-            "forwarding runs on a buffer over the whole world ({} ranks), not over a group of              {world}",
+            "forwarding runs on a buffer over the whole world ({} ranks), not over a group of \
+             {world}",
             layout.world_size()
         )));
     }
@@ -368,7 +373,8 @@ fn forwarding(
     }
     if caps.kernel_family == epcomm_kernels::KernelFamily::CpuProxy {
         errors.push(invalid(format!(
-            "not on {}: the CPU proxy's dispatch sends its peers' rows in runs of its own and              finishes their metadata on the receiver",
+            "not on {}: the CPU proxy's dispatch sends its peers' rows in runs of its own and \
+             finishes their metadata on the receiver",
             caps.name
         )));
     }
@@ -391,7 +397,8 @@ fn forwarding(
             .find(|&d| routes.put_signal_mask() & (1u64 << d) != 0)
         {
             errors.push(invalid(format!(
-                "the ranks of a node must reach each other by stores (rank {d}, in this rank's                  node {node:?}, is reached by put/signal)"
+                "the ranks of a node must reach each other by stores (rank {d}, in this rank's \
+                 node {node:?}, is reached by put/signal)"
             )));
         }
     }
@@ -399,8 +406,24 @@ fn forwarding(
         errors.push(Error::InvalidArgument {
             argument: "num_sms",
             rule: format!(
-                "forwarding over {nodes} nodes needs a sending block and one forwarding block                  per other node: at least {nodes} (got {})",
+                "forwarding over {nodes} nodes needs a sending block and one forwarding block \
+                 per other node: at least {nodes} (got {})",
                 cfg.num_sms
+            ),
+        });
+    }
+    let others = nodes as u64 - 1;
+    if cfg.rail_forward_sms > 0
+        && others * u64::from(cfg.rail_forward_sms) >= u64::from(cfg.num_sms)
+    {
+        errors.push(Error::InvalidArgument {
+            argument: "rail_forward_sms",
+            rule: format!(
+                "{others} other node(s) times {} forwarding blocks leave no sending block of \
+                 num_sms = {}: at most {}",
+                cfg.rail_forward_sms,
+                cfg.num_sms,
+                (u64::from(cfg.num_sms) - 1) / others
             ),
         });
     }
@@ -488,7 +511,7 @@ mod tests {
         assert!(e.contains("rail_ring") && e.contains("proxy"), "{e}");
         // Too many slots; too few blocks for a sender and a forwarder per other node.
         let wide = BufferConfig {
-            rail_ring: Some(RingShape::new(9, 1).unwrap()),
+            rail_ring: Some(RingShape::new(epcomm_topology::MAX_RING_SLOTS + 1, 1).unwrap()),
             ..cfg.clone()
         };
         assert_eq!(
@@ -503,6 +526,19 @@ mod tests {
             arguments(&broken_rules(&few, 4, &split, &BOTH)),
             ["num_sms"]
         );
+        // Forwarding blocks asked for: every block but one at most (one other node here).
+        let greedy = BufferConfig {
+            rail_forward_sms: cfg.num_sms,
+            ..cfg.clone()
+        };
+        let e = broken_rules(&greedy, 4, &split, &BOTH);
+        assert_eq!(arguments(&e), ["rail_forward_sms"]);
+        assert!(e[0].to_string().contains(&format!("at most {}", cfg.num_sms - 1)), "{e:?}");
+        let most = BufferConfig {
+            rail_forward_sms: cfg.num_sms - 1,
+            ..cfg.clone()
+        };
+        assert!(broken_rules(&most, 4, &split, &BOTH).is_empty());
         // Ranks of one node must reach each other by stores.
         let mut puts = cfg.clone();
         puts.routes = RoutePolicy::PutSignal;
@@ -512,11 +548,13 @@ mod tests {
 
     #[test]
     fn forwarding_takes_half_the_grid_and_a_block_per_source_node_at_least() {
-        assert_eq!(forward_blocks(24, 2), 12);
-        assert_eq!(forward_blocks(16, 2), 8);
-        assert_eq!(forward_blocks(16, 4), 2);
-        assert_eq!(forward_blocks(4, 8), 1);
-        assert_eq!(forward_blocks(2, 2), 1);
+        assert_eq!(forward_blocks(24, 2, 0), 12);
+        assert_eq!(forward_blocks(16, 2, 0), 8);
+        assert_eq!(forward_blocks(16, 4, 0), 2);
+        assert_eq!(forward_blocks(4, 8, 0), 1);
+        assert_eq!(forward_blocks(2, 2, 0), 1);
+        // Asked for: as asked (the rules bound it).
+        assert_eq!(forward_blocks(16, 2, 6), 6);
     }
 
     #[test]

@@ -146,6 +146,21 @@ pub struct TestConfig {
     /// Rail forwarding of the normal dispatch (`EPCOMM_TEST_RAIL_RING=<slots>,<chunk>`, for a
     /// transport of several (virtual) nodes): every buffer the test makes forwards.
     pub rail_ring: Option<epcomm_topology::RingShape>,
+    /// Forwarding blocks per other node with `rail_ring` (`EPCOMM_TEST_RAIL_FORWARD_SMS`; 0 or
+    /// unset: the library's choice).
+    pub rail_forward_sms: u32,
+}
+
+/// `EPCOMM_TEST_RAIL_FORWARD_SMS`: a number, or unset (0).
+fn rail_forward_sms_from_env() -> u32 {
+    std::env::var("EPCOMM_TEST_RAIL_FORWARD_SMS")
+        .ok()
+        .filter(|v| !v.is_empty())
+        .map_or(0, |v| {
+            v.trim()
+                .parse()
+                .expect("EPCOMM_TEST_RAIL_FORWARD_SMS: a number")
+        })
 }
 
 /// `EPCOMM_TEST_RAIL_RING`: `<slots>,<chunk>`, or unset.
@@ -183,6 +198,7 @@ impl TestConfig {
                 s.parse().expect("EPCOMM_TEST_COMBINE_STAGING")
             }),
             rail_ring: rail_ring_from_env(),
+            rail_forward_sms: rail_forward_sms_from_env(),
         }
     }
 
@@ -192,6 +208,7 @@ impl TestConfig {
         (cfg.schedule, cfg.routes) = (self.schedule, self.routes);
         cfg.combine_staging = self.combine_staging;
         cfg.rail_ring = self.rail_ring;
+        cfg.rail_forward_sms = self.rail_forward_sms;
         cfg.num_sms = cfg.num_sms.min(shared_gpu_num_sms_limit());
     }
 
@@ -212,6 +229,12 @@ impl TestConfig {
                 format!("{},{}", r.slots(), r.chunk_rows()),
             ));
         }
+        if self.rail_forward_sms > 0 {
+            env.push((
+                "EPCOMM_TEST_RAIL_FORWARD_SMS",
+                self.rail_forward_sms.to_string(),
+            ));
+        }
         // The library's one-host defaults come from `run_workers`.
         env
     }
@@ -227,9 +250,10 @@ impl std::fmt::Display for TestConfig {
             self.routes,
             self.combine_staging.name(),
             self.rail_ring.map_or(String::new(), |r| format!(
-                " rail_ring={}x{}",
+                " rail_ring={}x{} rail_forward_sms={}",
                 r.slots(),
-                r.chunk_rows()
+                r.chunk_rows(),
+                self.rail_forward_sms
             ))
         )
     }
@@ -308,6 +332,7 @@ pub fn configs(test: &str) -> Vec<TestConfig> {
                     routes,
                     combine_staging: CombineStaging::Auto,
                     rail_ring: rail_ring_from_env(),
+                    rail_forward_sms: rail_forward_sms_from_env(),
                 };
                 if !keep("EPCOMM_TEST_SCHEDULE", schedule.to_string())
                     || !keep("EPCOMM_TEST_ROUTES", routes.to_string())

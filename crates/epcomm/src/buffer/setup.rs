@@ -356,6 +356,7 @@ fn fingerprint(
                 format!("{} slots of {} entries", r.slots(), r.chunk_rows())
             }),
         )
+        .with("rail_forward_sms", cfg.rail_forward_sms)
 }
 
 /// The distance between the two parity copies of every per-parity region. Kernels find a
