@@ -676,7 +676,8 @@ mod tests {
             .clone()
             .with_forwarding(Tiers::new(2, 3).unwrap(), RingShape::new(2, 1).unwrap()));
         assert!(e2.contains("tiers") && e2.contains("world size"), "{e2}");
-        let e3 = err(flat.with_forwarding(tiers, RingShape::new(crate::MAX_RING_SLOTS + 1, 1).unwrap()));
+        let e3 =
+            err(flat.with_forwarding(tiers, RingShape::new(crate::MAX_RING_SLOTS + 1, 1).unwrap()));
         assert!(e3.contains("slots"), "{e3}");
     }
 

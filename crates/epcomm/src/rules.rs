@@ -533,7 +533,11 @@ mod tests {
         };
         let e = broken_rules(&greedy, 4, &split, &BOTH);
         assert_eq!(arguments(&e), ["rail_forward_sms"]);
-        assert!(e[0].to_string().contains(&format!("at most {}", cfg.num_sms - 1)), "{e:?}");
+        assert!(
+            e[0].to_string()
+                .contains(&format!("at most {}", cfg.num_sms - 1)),
+            "{e:?}"
+        );
         let most = BufferConfig {
             rail_forward_sms: cfg.num_sms - 1,
             ..cfg.clone()
