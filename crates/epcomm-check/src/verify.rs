@@ -76,6 +76,55 @@ pub(crate) fn first_diff<T: PartialEq + Debug>(
     Ok(())
 }
 
+/// [`first_diff`] for arrays of rows of `row_bytes` bytes (received rows): when they differ,
+/// the error also says how many rows differ, the first few, and what each of those holds
+/// instead: zeros, or the bytes of another row of `want` (a row sent to the wrong place), or
+/// neither.
+pub(crate) fn row_diff(
+    what: &str,
+    rank: usize,
+    got: &[u8],
+    want: &[u8],
+    row_bytes: usize,
+) -> Result<()> {
+    let Err(CheckError::Mismatch { detail, .. }) = first_diff(what, rank, got, want) else {
+        return Ok(());
+    };
+    let err = |detail: String| {
+        Err(CheckError::Mismatch {
+            what: what.into(),
+            rank,
+            detail,
+        })
+    };
+    if row_bytes == 0 || got.len() != want.len() || !got.len().is_multiple_of(row_bytes) {
+        return err(detail);
+    }
+    let g: Vec<&[u8]> = got.chunks_exact(row_bytes).collect();
+    let w: Vec<&[u8]> = want.chunks_exact(row_bytes).collect();
+    let bad: Vec<usize> = (0..g.len()).filter(|&i| g[i] != w[i]).collect();
+    let shown: Vec<String> = bad
+        .iter()
+        .take(4)
+        .map(|&i| {
+            let holds = if g[i].iter().all(|&b| b == 0) {
+                "zeros".to_string()
+            } else if let Some(j) = w.iter().position(|r| *r == g[i]) {
+                format!("want's row {j}")
+            } else {
+                "no row of want".to_string()
+            };
+            format!("row {i} holds {holds}")
+        })
+        .collect();
+    err(format!(
+        "{detail}; {} of {} rows differ: {}",
+        bad.len(),
+        g.len(),
+        shown.join(", ")
+    ))
+}
+
 pub(crate) fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|f| f.to_bits()).collect()
 }
@@ -509,11 +558,13 @@ fn check_dispatched(
                 .collect(),
         ),
     };
-    first_diff(
+    let row_bytes = want_bytes.len().checked_div(order.len()).unwrap_or(0);
+    row_diff(
         &format!("{what} {label}"),
         rank,
         &d.recv_x_bytes_to_host()?,
         &want_bytes,
+        row_bytes,
     )?;
     if let XData::Fp8 { scales, .. } = &want.recv_x {
         first_diff(
@@ -541,4 +592,41 @@ fn check_dispatched(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn detail(r: Result<()>) -> String {
+        match r {
+            Err(CheckError::Mismatch { detail, .. }) => detail,
+            other => panic!("expected a mismatch, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn row_diff_says_what_a_wrong_row_holds() {
+        // Four rows of 4 bytes.
+        let want: Vec<u8> = (1..=16).collect();
+        assert!(row_diff("x", 0, &want, &want, 4).is_ok());
+        // Row 2 holds row 0's bytes, row 3 zeros.
+        let mut got = want.clone();
+        got.copy_within(0..4, 8);
+        got[12..16].fill(0);
+        let d = detail(row_diff("x", 1, &got, &want, 4));
+        assert!(d.starts_with("8 of 16 differ; first at 8"), "{d}");
+        assert!(
+            d.ends_with("2 of 4 rows differ: row 2 holds want's row 0, row 3 holds zeros"),
+            "{d}"
+        );
+        // A row like no other.
+        let mut odd = want.clone();
+        odd[5] = 99;
+        let d = detail(row_diff("x", 0, &odd, &want, 4));
+        assert!(d.ends_with("row 1 holds no row of want"), "{d}");
+        // Lengths that do not split into rows: the plain report.
+        let d = detail(row_diff("x", 0, &got[..15], &want[..15], 4));
+        assert!(!d.contains("rows differ"), "{d}");
+    }
 }

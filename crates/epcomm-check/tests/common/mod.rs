@@ -708,6 +708,19 @@ pub fn suite_groups(world: usize, tiering: SuiteTiering) -> Vec<SuiteGroup> {
                 ),
             ],
         },
+        // Small rows going to several ranks of a node (with rail forwarding, one entry stored
+        // for more than one rank), in runs of calls on one buffer.
+        SuiteGroup {
+            hidden: 128,
+            top_k: 2,
+            experts_per_rank: 4,
+            max_tokens: 64,
+            cases: vec![
+                (per(&|_| 40), 0.0, None, hs),
+                (per(&|r| 64 - r), 0.0, None, hs),
+                (per(&|r| 17 + r), 0.1, None, wc),
+            ],
+        },
         SuiteGroup {
             hidden: 2056,
             top_k: 9,
