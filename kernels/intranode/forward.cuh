@@ -8,8 +8,10 @@
 //    entry of this rank's stream to node n: entry j of the op (its index among this rank's
 //    tokens for node n, `token_node_slot`) is entry G = sent[n] + j since the buffer was made.
 //    It goes to position G % (R C) of f(n)'s ring for source node n_me, in slot
-//    (G / C) % R, once the forwarder freed the entry that held that position a lap earlier
-//    (this rank's word `freed[n][slot]`). An entry carries the token index, the token's row
+//    (G / C) % R, once the forwarder freed the slot's whole chunk of the lap before (this
+//    rank's word `freed[n][slot]`), not only the entry that held this position: an op may end
+//    inside a chunk and free part of it, and an entry of the next lap landing in a freed part
+//    before the rest of that chunk would count towards the chunk's `landed` wait. An entry carries the token index, the token's row
 //    in each rank of node n (-1: none), its row, scales, top-k ids and weights; it lands by
 //    one put whose signal adds 1 to `landed[n_me][slot]` at f(n).
 //  * Forwarder ([I8c]/[I9c], the grid's last fwd_blocks blocks per source node m != n_me): the
@@ -88,11 +90,14 @@ __device__ __forceinline__ bool ring_send(const DispatchSend& op, int n, uint64_
   const RingPos p(g, a);
   const RingEntry ent(a);
   uint8_t* const local = op.bases[me];
-  // The position's entry of the previous lap (k - C in this slot) must have been freed.
+  // The slot's chunk of the previous lap (entries below k rounded down to a chunk) must have
+  // been freed, every entry of it: `landed` counts entries, not which ones, so no entry of
+  // this lap may land while one of the previous lap is still to land.
   bool ok = true;
-  if (lane == 0 && p.k >= static_cast<uint64_t>(a.ring_chunk))
+  const uint64_t C = static_cast<uint64_t>(a.ring_chunk);
+  if (lane == 0 && p.k >= C)
     ok = wait_geq<Net>(op.w, u64_at(local, a.off_ring_freed) + n * a.ring_slots + p.slot,
-                       p.k - a.ring_chunk + 1, kWaitRingFree, f, nullptr);
+                       p.k / C * C, kWaitRingFree, f, nullptr);
   if (!__shfl_sync(0xffffffffu, ok, 0)) return false;
   const bool remote = Net::remote(a.remote_mask, f);
   const int pe = peer_pe(op.w, f);

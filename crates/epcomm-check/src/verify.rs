@@ -205,7 +205,7 @@ pub fn verified_round<E: ExpertParallel>(
     };
     let handle = {
         let d = buf.dispatch(&input, &layout, opts.mode)?;
-        check_dispatched(&d, want, &order, rank, opts, true)?;
+        check_dispatched("dispatch", &d, want, &order, rank, opts, true)?;
         d.into_handle()
     };
     // The parity-following counted copy-out gives the same rows.
@@ -294,7 +294,7 @@ pub fn verified_round<E: ExpertParallel>(
                 // Other rows (-x) along the same routing: rows a dispatch left in place
                 // cannot pass for them.
                 let d = buf.cached_dispatch(&dev.x_neg_input(opts.fp8), &handle)?;
-                check_dispatched(&d, want, &order, rank, opts, false)?;
+                check_dispatched("cached dispatch", &d, want, &order, rank, opts, false)?;
             }
             // The first combine gives the rows up (it may stage over them), a cached dispatch
             // refills them, and the second leaves them (it pushes unless the config says
@@ -332,6 +332,7 @@ pub fn verified_round<E: ExpertParallel>(
     {
         let d = buf.dispatch_into(&input, &handle)?;
         check_dispatched(
+            "dispatch_into",
             &d,
             want,
             &order,
@@ -511,6 +512,7 @@ fn recv_x_bytes(want: &RankOutput, order: &[usize]) -> Vec<u8> {
 /// A dispatch's rows against the reference's, in `order` (row `i` is the reference's row
 /// `order[i]`).
 fn check_dispatched(
+    what: &str,
     d: &epcomm::Dispatched<'_>,
     want: &RankOutput,
     order: &[usize],
@@ -539,7 +541,6 @@ fn check_dispatched(
         )?;
     }
     // A cached dispatch sends -x (`DeviceInputs::x_neg_input`): the same rows, signs flipped.
-    let what = if full { "dispatch" } else { "cached dispatch" };
     let (bf16_sign, fp8_sign) = if full { (0, 0) } else { (BF16_SIGN, FP8_SIGN) };
     let h = want.hidden;
     let (label, want_bytes): (&str, Vec<u8>) = match &want.recv_x {
@@ -577,14 +578,14 @@ fn check_dispatched(
     if full {
         let k = want.top_k;
         first_diff(
-            "dispatch recv_topk_idx",
+            &format!("{what} recv_topk_idx"),
             rank,
             &d.recv_topk_idx_to_host()?,
             &permute(&want.recv_topk_idx, k, order),
         )?;
         if opts.weights {
             first_diff(
-                "dispatch recv_topk_weights",
+                &format!("{what} recv_topk_weights"),
                 rank,
                 &bits(&d.recv_topk_weights_to_host()?),
                 &bits(&permute(&want.recv_topk_weights, k, order)),
