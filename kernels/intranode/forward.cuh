@@ -11,7 +11,8 @@
 //    (G / C) % R, once the forwarder freed the slot's whole chunk of the lap before (this
 //    rank's word `freed[n][slot]`), not only the entry that held this position: an op may end
 //    inside a chunk and free part of it, and an entry of the next lap landing in a freed part
-//    before the rest of that chunk would count towards the chunk's `landed` wait. An entry carries the token index, the token's row
+//    before the rest of that chunk would count towards the chunk's `landed` wait (both rules
+//    explored in epcomm_protocol::ring_entries). An entry carries the token index, the token's row
 //    in each rank of node n (-1: none), its row, scales, top-k ids and weights; it lands by
 //    one put whose signal adds 1 to `landed[n_me][slot]` at f(n).
 //  * Forwarder ([I8c]/[I9c], the grid's last fwd_blocks blocks per source node m != n_me): the

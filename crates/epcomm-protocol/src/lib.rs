@@ -57,6 +57,7 @@ mod judge;
 pub mod model;
 pub mod outcome;
 pub mod reference;
+pub mod ring_entries;
 mod sequential_outcome;
 pub mod step;
 mod stopped_outcome;
