@@ -246,7 +246,7 @@ pub struct BenchArgs {
           conflicts_with = "hierarchical")]
     pub rail_ring: Option<RingShape>,
     /// With --rail-ring: dispatch blocks that forward each other node's entries (the rest
-    /// send); 0 takes half the grid, split among the other nodes.
+    /// send); 0 takes half the grid, split among the other nodes, at most SLOTS.
     #[arg(long, value_name = "N", default_value_t = 0, requires = "rail_ring")]
     pub rail_forward_sms: u32,
     /// Timed calls per op.

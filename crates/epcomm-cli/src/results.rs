@@ -64,7 +64,7 @@ pub struct BenchConfig {
     /// documents from before this field).
     #[serde(default)]
     pub rail_ring: String,
-    /// `--rail-forward-sms` (0: half the grid; and in documents from before this field).
+    /// `--rail-forward-sms` (0: the library's choice; and in documents from before this field).
     #[serde(default)]
     pub rail_forward_sms: u32,
 }
@@ -138,7 +138,7 @@ impl BenchConfig {
             String::new()
         } else {
             let blocks = if self.rail_forward_sms == 0 {
-                "half the grid forwarding".to_string()
+                "forwarding blocks: half the grid, at most the slots".to_string()
             } else {
                 format!("{} forwarding blocks per other node", self.rail_forward_sms)
             };

@@ -143,14 +143,15 @@ pub struct BufferConfig {
     /// index, through a ring of this shape, and that rank stores it into the receive rows of
     /// its node's ranks. The output is the flat dispatch's, bit for bit. `None` (the default):
     /// every rank gets its rows from the source. A forwarding block works on one slot's chunk
-    /// at a time, so a ring of fewer slots than [`Self::rail_forward_sms`] leaves blocks idle.
+    /// at a time, so a ring of fewer slots than [`Self::rail_forward_sms`] leaves blocks idle
+    /// (the default number of forwarding blocks is at most the slots).
     /// Experimental: a defect that gave a wrong row (an op ending inside a chunk) is fixed in
     /// the kernel but the fix has not yet run on a GPU (docs/internode.md).
     pub rail_ring: Option<RingShape>,
     /// With [`Self::rail_ring`]: blocks of the dispatch's grid (of [`Self::num_sms`]) that
     /// forward the entries of each other node; the rest send. 0 (the default): half the grid,
-    /// split among the other nodes ([`crate::rules::forward_blocks`]). Ignored without
-    /// forwarding.
+    /// split among the other nodes, but no more than the ring's slots
+    /// ([`crate::rules::forward_blocks`]). Ignored without forwarding.
     pub rail_forward_sms: u32,
 }
 

@@ -331,15 +331,18 @@ fn rules(
 }
 
 /// Forwarding blocks per source node of a dispatch of `num_sms` blocks over `nodes` nodes
-/// (the grid's last `(nodes - 1)` times this many): `asked`
-/// ([`BufferConfig::rail_forward_sms`]) when not 0, else half the grid, at least one block per
+/// through rings of `slots` slots (the grid's last `(nodes - 1)` times this many): `asked`
+/// ([`BufferConfig::rail_forward_sms`]) when not 0, else half the grid split among the other
+/// nodes but no more than `slots` (a block takes one slot's chunk at a time, so at most `slots`
+/// chunks of a source are in flight and more blocks would wait idle), at least one block per
 /// source node.
-pub fn forward_blocks(num_sms: u32, nodes: usize, asked: u32) -> u32 {
+pub fn forward_blocks(num_sms: u32, nodes: usize, asked: u32, slots: usize) -> u32 {
     if asked > 0 {
         return asked;
     }
     let others = nodes.saturating_sub(1).max(1) as u32;
-    (num_sms / (2 * others)).max(1)
+    let slots = u32::try_from(slots).unwrap_or(u32::MAX);
+    (num_sms / (2 * others)).min(slots).max(1)
 }
 
 /// The rules of [`BufferConfig::rail_ring`]: the world's node split when they hold (pushing
@@ -551,14 +554,17 @@ mod tests {
     }
 
     #[test]
-    fn forwarding_takes_half_the_grid_and_a_block_per_source_node_at_least() {
-        assert_eq!(forward_blocks(24, 2, 0), 12);
-        assert_eq!(forward_blocks(16, 2, 0), 8);
-        assert_eq!(forward_blocks(16, 4, 0), 2);
-        assert_eq!(forward_blocks(4, 8, 0), 1);
-        assert_eq!(forward_blocks(2, 2, 0), 1);
+    fn forwarding_takes_half_the_grid_up_to_the_slots_and_a_block_per_source_node_at_least() {
+        assert_eq!(forward_blocks(24, 2, 0, 64), 12);
+        assert_eq!(forward_blocks(16, 2, 0, 8), 8);
+        assert_eq!(forward_blocks(16, 4, 0, 8), 2);
+        assert_eq!(forward_blocks(4, 8, 0, 8), 1);
+        assert_eq!(forward_blocks(2, 2, 0, 8), 1);
+        // No more than the ring's slots: more would wait idle.
+        assert_eq!(forward_blocks(24, 2, 0, 8), 8);
+        assert_eq!(forward_blocks(16, 2, 0, 2), 2);
         // Asked for: as asked (the rules bound it).
-        assert_eq!(forward_blocks(16, 2, 6), 6);
+        assert_eq!(forward_blocks(16, 2, 6, 2), 6);
     }
 
     #[test]

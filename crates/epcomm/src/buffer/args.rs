@@ -169,9 +169,13 @@ impl Buffer {
             ring_slots: plan.forwarding().map_or(0, |(_, r)| r.slots() as i32),
             ring_chunk: plan.forwarding().map_or(0, |(_, r)| r.chunk_rows() as i32),
             ring_entry_bytes: plan.ring_entry_bytes() as i32,
-            fwd_blocks: plan.forwarding().map_or(0, |(t, _)| {
-                crate::rules::forward_blocks(self.cfg.num_sms, t.nodes(), self.cfg.rail_forward_sms)
-                    as i32
+            fwd_blocks: plan.forwarding().map_or(0, |(t, r)| {
+                crate::rules::forward_blocks(
+                    self.cfg.num_sms,
+                    t.nodes(),
+                    self.cfg.rail_forward_sms,
+                    r.slots(),
+                ) as i32
             }),
             ..OpArgs::default()
         }
