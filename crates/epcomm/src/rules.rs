@@ -426,7 +426,7 @@ fn forwarding(
                  num_sms = {}: at most {}",
                 cfg.rail_forward_sms,
                 cfg.num_sms,
-                (u64::from(cfg.num_sms) - 1) / others
+                u64::from(cfg.num_sms).saturating_sub(1) / others
             ),
         });
     }
