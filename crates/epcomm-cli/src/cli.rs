@@ -238,10 +238,10 @@ pub struct BenchArgs {
     #[arg(long, value_name = "WAY", value_parser = by_name::<CombineStaging>(),
           default_value_t = CombineStaging::Auto)]
     pub combine_staging: CombineStaging,
-    /// Rail forwarding of the normal dispatch, `SLOTS,CHUNK`: on a transport of several
-    /// (logical) nodes, a token for ranks of another node crosses once, to the rank there with
-    /// the sender's local index, through a ring of SLOTS slots of CHUNK tokens, and that rank
-    /// stores it for its node's ranks (same outputs as without).
+    /// Rail forwarding of the normal dispatch (experimental), `SLOTS,CHUNK`: on a transport of
+    /// several (logical) nodes, a token for ranks of another node crosses once, to the rank
+    /// there with the sender's local index, through a ring of SLOTS slots of CHUNK tokens, and
+    /// that rank stores it for its node's ranks (same outputs as without).
     #[arg(long, value_name = "SLOTS,CHUNK", value_parser = parse_rail_ring,
           conflicts_with = "hierarchical")]
     pub rail_ring: Option<RingShape>,
